@@ -1,0 +1,97 @@
+"""Analysis: one VariableInfo per trainable variable.
+
+Requires: a TrainingGraph. Guarantees: shape, dtype, bytes, dense/sparse
+(sparse when the gradient is an IndexedSlices), the fraction of rows touched
+per step (alpha: estimated from static shapes, replaced by a measurement when
+the runner has seen a step), and the variable's position in the forward pass
+(layer order, used for fusion order later).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .frontend import TrainingGraph
+
+
+@dataclass(frozen=True)
+class VariableInfo:
+    name: str
+    shape: tuple
+    dtype: str
+    nbytes: int
+    sparse: bool
+    alpha: float | None       # rows touched per step / rows (sparse only)
+    alpha_source: str         # "estimate", "measured" or "dense"
+    order: int                # forward order of the variable's first read
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+                "bytes": self.nbytes, "sparse": self.sparse, "alpha": self.alpha,
+                "alpha_source": self.alpha_source, "order": self.order}
+
+
+def analyze(tg: TrainingGraph) -> dict[str, VariableInfo]:
+    topo = tg.ir.topo_index
+    out = {}
+    for name, grad in tg.gradients.items():
+        var = tg.variables[name]
+        reads = [topo[r] for r in tg.readers.get(name, ()) if r in topo]
+        alpha = _estimate_alpha(tg, grad, var) if grad.sparse else 1.0
+        out[name] = VariableInfo(
+            name=name, shape=var.shape, dtype=var.dtype.name, nbytes=var.nbytes,
+            sparse=grad.sparse, alpha=alpha,
+            alpha_source="estimate" if grad.sparse else "dense",
+            order=min(reads, default=len(topo)))
+    return out
+
+
+def _estimate_alpha(tg: TrainingGraph, grad, var) -> float | None:
+    """Upper bound from static shapes: lookups per step / rows (None if unknown)."""
+    rows = var.shape[0] if var.shape else None
+    n = tg.tensor(grad.indices).shape[0]
+    if not rows or n is None:
+        return None
+    return min(1.0, n / rows)
+
+
+def with_measured_alpha(info: dict[str, VariableInfo], measured: dict[str, float]):
+    """A copy of `info` where measured sparsity replaces the estimate."""
+    from dataclasses import replace
+    return {k: (replace(v, alpha=measured[k], alpha_source="measured")
+                if k in measured else v) for k, v in info.items()}
+
+
+# Ops whose outputs differ between replicas even with equal state.
+_PER_REPLICA_SOURCES = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
+                        "QueueDequeueV2", "QueueDequeueManyV2", "QueueDequeueUpToV2")
+
+
+def replica_variant(tg: TrainingGraph) -> frozenset[str]:
+    """User nodes whose outputs differ between replicas.
+
+    Sources: input pipelines, placeholders with an unknown leading dimension
+    (their feeds are split by replica), random ops. Differences flow along
+    data edges, except out of gradients, which the transformation aggregates.
+    """
+    grads = {r for g in tg.gradients.values() for r in (g.values, g.indices) if r}
+    variant: set[str] = set()
+    for name in tg.ir.topo_order:
+        node = tg.ir.node(name)
+        if _is_source(tg, node):
+            variant.add(name)
+            continue
+        for ref in tg.ir.data_inputs(name):
+            if ref.node in variant and ref not in grads:
+                variant.add(name)
+                break
+    return frozenset(variant)
+
+
+def _is_source(tg: TrainingGraph, node) -> bool:
+    if node.op in _PER_REPLICA_SOURCES or node.op.startswith(("Random", "Multinomial",
+                                                              "TruncatedNormal")):
+        return True
+    if node.op in ("Placeholder", "PlaceholderWithDefault"):
+        shape = tg.graph.get_operation_by_name(node.name).outputs[0].shape
+        return shape.rank is not None and shape.rank >= 1 and shape[0] is None
+    return False

@@ -1,0 +1,108 @@
+"""Config: the user's choices, validated; from a YAML path, a dict or a Config.
+
+Unknown keys and bad values raise ConfigError naming the key and what is
+accepted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import yaml
+
+from .errors import ConfigError
+
+RUN_OPTIONS = ("hybrid", "allreduce", "ps")
+METHODS = ("allreduce", "ps", "allgather")
+FETCH_REDUCTIONS = ("mean", "sum", "concat", "first")
+VERIFY_LEVELS = ("structure", "import")
+
+
+@dataclass(frozen=True)
+class CommunicationConfig:
+    timeout_seconds: float = 300.0   # every collective gives up after this
+
+    def __post_init__(self):
+        _check_positive("communication.timeout_seconds", self.timeout_seconds)
+
+
+@dataclass(frozen=True)
+class Config:
+    run_option: str = "hybrid"
+    average_dense: bool = True
+    average_sparse: bool = True
+    communication: CommunicationConfig = field(default_factory=CommunicationConfig)
+    variable_methods: dict = field(default_factory=dict)   # variable -> method
+    fetch_reduction: dict = field(default_factory=dict)    # tensor name -> how
+    dump_dir: str | None = None                            # graphs after each pass
+    verify: str = "structure"
+
+    def __post_init__(self):
+        _check_choice("run_option", self.run_option, RUN_OPTIONS)
+        _check_choice("verify", self.verify, VERIFY_LEVELS)
+        for key in ("average_dense", "average_sparse"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"config key {key!r} must be true or false, "
+                                  f"not {getattr(self, key)!r}")
+        for var, method in self.variable_methods.items():
+            _check_choice(f"variable_methods.{var}", method, METHODS)
+        for name, how in self.fetch_reduction.items():
+            _check_choice(f"fetch_reduction.{name}", how, FETCH_REDUCTIONS)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Config":
+        if not isinstance(data, dict):
+            raise ConfigError(f"config must be a mapping, not {type(data).__name__}")
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        _reject_unknown("", data, known)
+        comm = data.pop("communication", None) or {}
+        if not isinstance(comm, dict):
+            raise ConfigError("config key 'communication' must be a mapping")
+        _reject_unknown("communication.", comm,
+                        {f.name for f in dataclasses.fields(CommunicationConfig)})
+        for key in ("variable_methods", "fetch_reduction"):
+            if key in data and not isinstance(data[key], dict):
+                raise ConfigError(f"config key {key!r} must be a mapping")
+        return cls(communication=CommunicationConfig(**comm), **data)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load_config(config) -> Config:
+    """Accept None, a Config, a dict or a path to a YAML file."""
+    if config is None:
+        return Config()
+    if isinstance(config, Config):
+        return config
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if not os.path.exists(path):
+            raise ConfigError(f"config file {path!r} does not exist")
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+        return Config.from_dict(data)
+    if isinstance(config, dict):
+        return Config.from_dict(config)
+    raise ConfigError(f"config must be a path, a dict or a parallax_ng.Config, "
+                      f"not {type(config).__name__}")
+
+
+def _reject_unknown(prefix: str, data: dict, known: set[str]) -> None:
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"unknown config key {prefix + str(key)!r}; "
+                              f"known keys: {', '.join(prefix + k for k in sorted(known))}")
+
+
+def _check_choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"config key {key!r} has value {value!r}; "
+                          f"allowed: {', '.join(allowed)}")
+
+
+def _check_positive(key: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"config key {key!r} must be a positive number, not {value!r}")

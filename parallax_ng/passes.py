@@ -1,0 +1,145 @@
+"""Pass contract and PassManager.
+
+A pass is an object with a `name` and `run(ir, ctx) -> (ir, report)`; it
+never mutates its input GraphIR. The manager runs passes in order, times
+them, verifies the graph after each one (naming the failing pass and the
+passes before it), and can dump every intermediate graph for `parallax-ng diff`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Protocol
+
+from .errors import GraphError, ParallaxError
+from .frontend import TrainingGraph
+from .ir import GraphIR
+from .plan import Plan
+
+REPLICA_PREFIX = "parallax/replica_{}/"
+
+
+def replica_of(name: str) -> tuple[int, str]:
+    """(replica index, user node name) of a node of the replicated graph."""
+    if name.startswith("parallax/replica_"):
+        _, k, rest = name.split("/", 2)
+        return int(k.removeprefix("replica_")), rest
+    return 0, name
+
+
+class Pass(Protocol):
+    name: str
+
+    def run(self, ir: GraphIR, ctx: "PassContext") -> tuple[GraphIR, dict]:
+        ...
+
+
+class InstanceKeys:
+    """Collective instance keys, unique within one transformed graph."""
+
+    def __init__(self, start: int = 1):
+        self._next = start
+
+    def take(self) -> int:
+        self._next += 1
+        return self._next - 1
+
+
+@dataclass
+class PassContext:
+    """What every pass may read: the analysed user graph and the plan.
+
+    `instance_keys` is the one piece of state passes share: each collective
+    they add takes a fresh key from it.
+    """
+
+    tg: TrainingGraph
+    plan: Plan
+    instance_keys: InstanceKeys = field(default_factory=InstanceKeys)
+
+    def replica_name(self, k: int, name: str) -> str:
+        """Name of replica k's copy of user node `name` (replica 0 keeps names)."""
+        if k == 0 or name in self.unreplicated:
+            return name
+        return REPLICA_PREFIX.format(k) + name
+
+    def replica_tensor(self, k: int, ref) -> str:
+        from .ir import format_input
+        return format_input(self.replica_name(k, ref.node), ref.index)
+
+    @cached_property
+    def variant(self) -> frozenset[str]:
+        """User nodes whose values differ between replicas."""
+        from .analysis import replica_variant
+        return replica_variant(self.tg)
+
+    @cached_property
+    def unreplicated(self) -> frozenset[str]:
+        """User nodes that exist once: shared variables, their writers, and ops
+        with effects outside the graph (checkpoint writes)."""
+        from . import rules
+        shared = self.plan.shared_state()
+        out = set(shared)
+        for var in shared:
+            out.update(self.tg.writers.get(var, ()))
+        out.update(n.name for n in self.tg.ir.nodes if n.op in rules.EXTERNAL_EFFECT_OPS)
+        return frozenset(out)
+
+
+@dataclass
+class PassRecord:
+    name: str
+    seconds: float
+    nodes: int
+    report: dict = field(default_factory=dict)
+
+
+class PassManager:
+    def __init__(self, passes, verify: str = "structure", dump_dir: str | None = None):
+        self.passes = list(passes)
+        self.verify = verify
+        self.dump_dir = dump_dir
+        self.records: list[PassRecord] = []
+
+    def run(self, ir: GraphIR, ctx: PassContext) -> GraphIR:
+        self.records = []
+        self._dump(0, "input", ir)
+        for i, p in enumerate(self.passes, start=1):
+            start = time.perf_counter()
+            try:
+                ir, report = p.run(ir, ctx)
+                self._check(ir)
+            except ParallaxError as e:
+                before = [q.name for q in self.passes[:i - 1]]
+                raise type(e)(f"pass {p.name!r} (after {before or 'none'}) failed: {e}") from e
+            self.records.append(PassRecord(p.name, time.perf_counter() - start,
+                                           len(ir), report))
+            self._dump(i, p.name, ir)
+        if self.dump_dir:
+            with open(os.path.join(self.dump_dir, "passes.json"), "w") as f:
+                json.dump([r.__dict__ for r in self.records], f, indent=1, default=str)
+        return ir
+
+    def _check(self, ir: GraphIR) -> None:
+        ir.verify()
+        if self.verify == "import":
+            import tensorflow as tf
+            try:
+                with tf.Graph().as_default():
+                    tf.graph_util.import_graph_def(ir.graph_def, name="")
+            except (ValueError, TypeError) as e:
+                raise GraphError(f"TensorFlow rejects the graph: {e}") from None
+
+    def _dump(self, i: int, name: str, ir: GraphIR) -> None:
+        if not self.dump_dir:
+            return
+        os.makedirs(self.dump_dir, exist_ok=True)
+        with open(os.path.join(self.dump_dir, f"{i:02d}_{name}.pb"), "wb") as f:
+            f.write(ir.graph_def.SerializeToString())
+
+    def summary(self) -> str:
+        return "\n".join(f"{r.name:12} {r.seconds * 1e3:9.1f} ms {r.nodes:8d} nodes {r.report}"
+                         for r in self.records)

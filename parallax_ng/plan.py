@@ -1,0 +1,119 @@
+"""Plan: every decision of the transformation, as plain data.
+
+Requires: a TrainingGraph's analysis, a Config and the resources.
+Guarantees: for each trainable variable an aggregation method (allreduce,
+ps or allgather); for every variable whether it is mirrored (one copy per
+replica, all kept equal) or shared (one copy on the parameter server, the
+host CPU in-process); the devices. The plan prints, serialises to a dict and
+is what the passes consume; tests assert on it without running TensorFlow.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .analysis import VariableInfo
+from .config import Config
+from .errors import ConfigError
+from .frontend import TrainingGraph
+
+
+@dataclass(frozen=True)
+class VariablePlan:
+    name: str
+    method: str          # allreduce | ps | allgather
+    info: VariableInfo
+
+    @property
+    def shared(self) -> bool:
+        return self.method == "ps"
+
+
+@dataclass(frozen=True)
+class Plan:
+    run_option: str
+    average_dense: bool
+    average_sparse: bool
+    devices: tuple[str, ...]          # one replica per device
+    host: str                         # parameter-server device in-process
+    variables: dict[str, VariablePlan]  # trainable variables
+    placement: dict[str, str]         # every variable -> "mirrored" | "shared"
+    timeout_seconds: float = 300.0
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.devices)
+
+    def shared_state(self) -> set[str]:
+        return {v for v, p in self.placement.items() if p == "shared"}
+
+    def bytes_per_replica(self) -> dict[str, float]:
+        """Bytes one replica sends+receives per step (Parallax paper, Table 3)."""
+        n = self.num_replicas
+        out = {}
+        for name, vp in self.variables.items():
+            b, alpha = vp.info.nbytes, vp.info.alpha or 1.0
+            if vp.method == "allreduce":
+                out[name] = 2 * (n - 1) * b / n
+            elif vp.method == "allgather":
+                out[name] = 2 * (n - 1) * alpha * b
+            else:
+                out[name] = 2 * alpha * b if vp.info.sparse else 2 * b
+        return out
+
+    def to_dict(self) -> dict:
+        return {
+            "run_option": self.run_option, "average_dense": self.average_dense,
+            "average_sparse": self.average_sparse, "devices": list(self.devices),
+            "host": self.host,
+            "variables": {k: {"method": v.method, **v.info.to_dict()}
+                          for k, v in self.variables.items()},
+            "placement": dict(self.placement),
+        }
+
+    def format(self) -> str:
+        rows = [f"run_option={self.run_option} replicas={self.num_replicas} "
+                f"host={self.host}",
+                f"{'variable':40} {'shape':>16} {'kind':6} {'alpha':>6} "
+                f"{'method':9} {'MB/step/replica':>15}"]
+        traffic = self.bytes_per_replica()
+        for name, vp in sorted(self.variables.items(), key=lambda kv: kv[1].info.order):
+            i = vp.info
+            alpha = "-" if i.alpha is None else f"{i.alpha:.3f}"
+            rows.append(f"{name:40} {str(list(i.shape)):>16} "
+                        f"{'sparse' if i.sparse else 'dense':6} {alpha:>6} "
+                        f"{vp.method:9} {traffic[name] / 1e6:15.3f}")
+        state = sorted(k for k in self.placement if k not in self.variables)
+        if state:
+            rows.append("state: " + ", ".join(f"{k}={self.placement[k]}" for k in state))
+        return "\n".join(rows)
+
+
+def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
+              devices: list[str], host: str) -> Plan:
+    unknown = set(config.variable_methods) - set(info)
+    if unknown:
+        raise ConfigError(f"config key 'variable_methods' names {sorted(unknown)}, which "
+                          f"are not trained variables; trained: {sorted(info)}")
+    variables = {}
+    for name, vi in info.items():
+        method = config.variable_methods.get(name) or _default_method(config.run_option, vi)
+        if method == "allgather" and not vi.sparse:
+            raise ConfigError(f"config key 'variable_methods.{name}' is allgather, but "
+                              f"{name} has a dense gradient; use allreduce or ps")
+        variables[name] = VariablePlan(name, method, vi)
+    placement = {}
+    for name, var in tg.variables.items():
+        root = name if var.trainable else var.owner
+        shared = root in variables and variables[root].shared
+        placement[name] = "shared" if shared else "mirrored"
+    return Plan(config.run_option, config.average_dense, config.average_sparse,
+                tuple(devices), host, variables, placement,
+                config.communication.timeout_seconds)
+
+
+def _default_method(run_option: str, vi: VariableInfo) -> str:
+    if run_option == "ps":
+        return "ps"
+    if run_option == "allreduce":
+        return "allgather" if vi.sparse else "allreduce"
+    return "ps" if vi.sparse else "allreduce"

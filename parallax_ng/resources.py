@@ -1,0 +1,112 @@
+"""Resource information: which hosts and devices train, and where servers run.
+
+Accepted forms (YAML path or dict)::
+
+    hosts:
+      - address: 127.0.0.1        # default 127.0.0.1
+        devices: [cpu:0, cpu:1]   # or gpu:0 ... ; "cpu:N"/"gpu:N" strings
+    ps: []                        # parameter-server addresses (cluster mode)
+
+`None` means this machine: all its GPUs, or, without GPUs, one CPU device per
+core (made with ConfigProto(device_count={"CPU": n})).
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import yaml
+
+from .errors import ResourceError
+
+_DEVICE = re.compile(r"^(?:/device:)?(cpu|gpu):(\d+)$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Host:
+    address: str
+    devices: tuple[tuple[str, int], ...]   # (kind, index), kind in {"CPU", "GPU"}
+
+
+@dataclass(frozen=True)
+class ResourceInfo:
+    hosts: tuple[Host, ...]
+    ps: tuple[str, ...] = ()
+
+    @property
+    def num_replicas(self) -> int:
+        return sum(len(h.devices) for h in self.hosts)
+
+    def local_device_strings(self) -> list[str]:
+        """TensorFlow device names of the single host's devices (in-process mode)."""
+        host = self.hosts[0]
+        return [f"/job:localhost/replica:0/task:0/device:{kind}:{i}"
+                for kind, i in host.devices]
+
+    @property
+    def num_cpu_devices(self) -> int:
+        cpus = [i for kind, i in self.hosts[0].devices if kind == "CPU"]
+        return max(cpus, default=0) + 1
+
+
+def load_resources(resource_info) -> ResourceInfo:
+    if resource_info is None:
+        return local_resources()
+    if isinstance(resource_info, ResourceInfo):
+        return resource_info
+    if isinstance(resource_info, (str, os.PathLike)):
+        path = os.fspath(resource_info)
+        if not os.path.exists(path):
+            raise ResourceError(f"resource file {path!r} does not exist")
+        with open(path) as f:
+            resource_info = yaml.safe_load(f) or {}
+    if not isinstance(resource_info, dict):
+        raise ResourceError("resource info must be a path, a dict or None, "
+                            f"not {type(resource_info).__name__}")
+    return _parse(resource_info)
+
+
+def local_resources() -> ResourceInfo:
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        devices = tuple(("GPU", i) for i in range(len(gpus)))
+    else:
+        devices = tuple(("CPU", i) for i in range(max(1, os.cpu_count() or 1)))
+    return ResourceInfo((Host("127.0.0.1", devices),))
+
+
+def _parse(data: dict) -> ResourceInfo:
+    unknown = set(data) - {"hosts", "ps"}
+    if unknown:
+        raise ResourceError(f"unknown resource key(s) {sorted(unknown)}; known: hosts, ps")
+    hosts_data = data.get("hosts")
+    if not hosts_data or not isinstance(hosts_data, list):
+        raise ResourceError("resource info names no devices: give 'hosts', a list of "
+                            "{address: ..., devices: [cpu:0, gpu:0, ...]}")
+    hosts = []
+    for i, h in enumerate(hosts_data):
+        if not isinstance(h, dict):
+            raise ResourceError(f"hosts[{i}] must be a mapping with 'address' and 'devices'")
+        extra = set(h) - {"address", "devices"}
+        if extra:
+            raise ResourceError(f"unknown key(s) {sorted(extra)} in hosts[{i}]; "
+                                "known: address, devices")
+        devices = h.get("devices") or []
+        if not devices:
+            raise ResourceError(f"hosts[{i}] ({h.get('address', '127.0.0.1')}) names no "
+                                "devices; list them as devices: [cpu:0, gpu:0, ...]")
+        parsed = []
+        for d in devices:
+            m = _DEVICE.match(str(d).strip())
+            if not m:
+                raise ResourceError(f"device {d!r} in hosts[{i}] is not understood; "
+                                    "write cpu:N or gpu:N")
+            parsed.append((m.group(1).upper(), int(m.group(2))))
+        if len(set(parsed)) != len(parsed):
+            raise ResourceError(f"hosts[{i}] lists a device twice: {devices}")
+        hosts.append(Host(str(h.get("address", "127.0.0.1")), tuple(parsed)))
+    ps = tuple(str(p) for p in (data.get("ps") or []))
+    return ResourceInfo(tuple(hosts), ps)

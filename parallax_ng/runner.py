@@ -1,0 +1,166 @@
+"""Runner: drives the transformed graph with the user's own fetches and feeds.
+
+Requires: a transformed GraphIR and the PassContext that made it.
+Guarantees: `run(fetches, feed_dict)` takes tensors, ops, variables or names
+of the user's single-device graph (any nesting of lists, tuples, dicts) and
+returns what one device would return for the global batch:
+- an op runs in every replica (shared ops once);
+- a tensor that is equal on all replicas (variables, global step, aggregated
+  gradients) comes from replica 0;
+- a tensor computed from a replica's own data is combined: scalars by mean,
+  tensors with a batch dimension by concatenation along axis 0, strings and
+  booleans from replica 0; `config.fetch_reduction` overrides per tensor
+  (mean, sum, concat, first);
+- `run(..., per_replica=True)` returns a list with every replica's value instead.
+Feeds of placeholders with an unknown leading dimension are split evenly
+across replicas (the global batch must divide by the replica count); other
+feeds go to every replica unchanged.
+"""
+from __future__ import annotations
+
+import difflib
+
+import numpy as np
+import tensorflow as tf
+
+from .errors import FetchError
+from .ir import parse_tensor
+
+
+class Runner:
+    def __init__(self, ir, ctx, config, records=()):
+        self.ctx, self.plan, self.config = ctx, ctx.plan, config
+        self.pass_records = list(records)
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            tf.graph_util.import_graph_def(ir.graph_def, name="")
+        self.session = tf.compat.v1.Session(graph=self.graph, config=self._session_config())
+        self._user_graph = ctx.tg.graph
+
+    def _session_config(self):
+        devices = [d.upper() for d in self.plan.devices]
+        cpus = 1 + max([int(d.rsplit(":", 1)[1]) for d in devices if "/DEVICE:CPU:" in d],
+                       default=0)
+        gpu = any("/DEVICE:GPU:" in d for d in devices)
+        return tf.compat.v1.ConfigProto(device_count={"CPU": cpus},
+                                        allow_soft_placement=gpu)
+
+    # -- public API -----------------------------------------------------------
+    def run(self, fetches, feed_dict=None, options=None, run_metadata=None,
+            per_replica: bool = False):
+        leaves = tf.nest.flatten(fetches)
+        plans = [self._fetch_plan(leaf, per_replica) for leaf in leaves]
+        names = []
+        for p in plans:
+            names.extend(p["names"])
+        feeds = self._feeds(feed_dict or {})
+        values = self.session.run(names, feeds, options=options, run_metadata=run_metadata)
+        out, i = [], 0
+        for p in plans:
+            got = values[i:i + len(p["names"])]
+            i += len(p["names"])
+            out.append(_combine(got, p))
+        return tf.nest.pack_sequence_as(fetches, out)
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- fetches --------------------------------------------------------------
+    def _fetch_plan(self, leaf, per_replica: bool) -> dict:
+        name = self._user_name(leaf)
+        ctx, n = self.ctx, self.plan.num_replicas
+        if ":" not in name:            # an op: run it everywhere it exists
+            targets = list(dict.fromkeys(ctx.replica_name(k, name) for k in range(n)))
+            return {"names": [self.graph.get_operation_by_name(t) for t in targets],
+                    "how": "none"}
+        ref = parse_tensor(name)
+        user_tensor = self._user_graph.get_tensor_by_name(name)
+        if per_replica:
+            how = "list"
+        elif ref.node not in ctx.variant:
+            return {"names": [name], "how": "first"}
+        else:
+            how = self.config.fetch_reduction.get(name) or _default_reduction(user_tensor)
+        names = list(dict.fromkeys(ctx.replica_tensor(k, ref) for k in range(n)))
+        names = [t if ":" in t else t + ":0" for t in names]
+        return {"names": names, "how": how}
+
+    def _user_name(self, leaf) -> str:
+        if isinstance(leaf, tf.Variable):
+            leaf = getattr(leaf, "_graph_element", None) or leaf.op.name + "/Read/ReadVariableOp:0"
+        if isinstance(leaf, (tf.Tensor, tf.Operation)):
+            if leaf.graph is not self._user_graph:
+                raise FetchError(f"{leaf.name!r} belongs to another graph than the one "
+                                 "given to get_runner")
+            name = leaf.name
+        elif isinstance(leaf, str):
+            name = leaf
+        else:
+            raise FetchError(f"cannot fetch or feed a {type(leaf).__name__}; use a tensor, an op, "
+                             "a variable or a name from the training graph")
+        node = name.split(":")[0]
+        if node not in self.ctx.tg.ir:
+            close = difflib.get_close_matches(node, self.ctx.tg.ir.names(), n=3)
+            raise FetchError(f"{name!r} is not in the training graph"
+                             + (f"; did you mean {close}?" if close else ""))
+        if ":" in name:
+            try:
+                self._user_graph.get_tensor_by_name(name)
+            except (KeyError, ValueError) as e:
+                raise FetchError(f"{name!r} is not a tensor of the training graph: {e}") from None
+        return name
+
+    # -- feeds ----------------------------------------------------------------
+    def _feeds(self, feed_dict) -> dict:
+        out = {}
+        n = self.plan.num_replicas
+        for key, value in feed_dict.items():
+            name = self._user_name(key)
+            if ":" not in name:
+                name += ":0"
+            ref = parse_tensor(name)
+            user_tensor = self._user_graph.get_tensor_by_name(name)
+            shape = user_tensor.shape
+            copies = [self.ctx.replica_tensor(k, ref) for k in range(n)]
+            copies = [c if ":" in c else c + ":0" for c in copies]
+            if shape.rank and shape[0] is None and len(set(copies)) == n and n > 1:
+                value = np.asarray(value)
+                if value.shape[0] % n:
+                    raise FetchError(
+                        f"feed {name!r} has {value.shape[0]} rows, which do not split "
+                        f"evenly over {n} replicas; feed a multiple of {n}")
+                for c, part in zip(copies, np.split(value, n)):
+                    out[c] = part
+            else:
+                for c in dict.fromkeys(copies):
+                    out[c] = value
+        return out
+
+
+def _default_reduction(t: tf.Tensor) -> str:
+    if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
+        return "first"
+    if t.shape.rank == 0:
+        return "mean"
+    return "concat"
+
+
+def _combine(values: list, p: dict):
+    how = p["how"]
+    if how == "none":
+        return None
+    if how == "first":
+        return values[0]
+    if how == "list":
+        return list(values)
+    if how == "mean":
+        return np.mean(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
+    if how == "sum":
+        return np.sum(np.stack(values), axis=0)
+    return np.concatenate([np.atleast_1d(v) for v in values], axis=0)

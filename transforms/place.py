@@ -1,0 +1,69 @@
+"""Place: put every user op and every copy of it on a device.
+
+Requires: replicas made by `replicate`; aggregation nodes already placed.
+Guarantees:
+- replica k's ops run on the plan's device k;
+- shared variables, every op that takes their handle, and the update math
+  that feeds only their writers run on the parameter-server device (the
+  Parallax paper's placement of aggregation/update ops with the parameter);
+- ops that need a host (input pipelines, checkpoint I/O, ops the user pinned
+  to a CPU) run on the host CPU when the replica's device is a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallax_ng import rules
+from parallax_ng.ir import GraphIR
+from parallax_ng.passes import replica_of
+
+
+@dataclass(frozen=True)
+class PlacePass:
+    name: str = "place"
+
+    def run(self, ir: GraphIR, ctx):
+        plan, tg = ctx.plan, ctx.tg
+        on_host = _server_side(ctx)
+        gd = type(ir.graph_def)()
+        gd.CopyFrom(ir.graph_def)
+        counts = {"replica": 0, "server": 0, "host": 0}
+        for nd in gd.node:
+            k, user = replica_of(nd.name)
+            if user not in tg.ir:
+                continue   # added by an earlier pass, placed there
+            device = plan.devices[k]
+            if user in on_host:
+                nd.device, where = plan.host, "server"
+            elif "GPU" in device.upper() and (rules.is_host_only(nd.op) or
+                                              "CPU" in tg.ir.node(user).device.upper()):
+                nd.device, where = host_cpu_of(device), "host"
+            else:
+                nd.device, where = device, "replica"
+            counts[where] += 1
+        return GraphIR(gd), counts
+
+
+def host_cpu_of(device: str) -> str:
+    """The CPU of the machine that owns `device`."""
+    prefix = device.rsplit("/device:", 1)[0]
+    return f"{prefix}/device:CPU:0"
+
+
+def _server_side(ctx) -> set[str]:
+    """User ops that belong with shared variables on the parameter server."""
+    tg = ctx.tg
+    shared = ctx.plan.shared_state()
+    out = set(shared)
+    for var in shared:
+        out.update(tg.writers.get(var, ()))
+        out.update(tg.readers.get(var, ()))
+    writers = {w for var in shared for w in tg.writers.get(var, ())}
+    variant = ctx.variant
+    for name in reversed(tg.ir.topo_order):   # consumers before producers
+        if name in out or rules.is_autodiff(name) or name in variant:
+            continue
+        users = tg.ir.node_consumers.get(name)
+        if users and all(u in writers or (u in out and u not in shared) for u in users):
+            out.add(name)
+    return out
