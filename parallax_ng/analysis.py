@@ -73,7 +73,7 @@ def replica_variant(tg: TrainingGraph) -> frozenset[str]:
     (their feeds are split by replica), random ops. Differences flow along
     data edges, except out of gradients, which the transformation aggregates.
     """
-    grads = {r for g in tg.gradients.values() for r in (g.values, g.indices) if r}
+    grads = {r for g in tg.gradients.values() for r in (g.values, g.indices) if r is not None}
     variant: set[str] = set()
     for name in tg.ir.topo_order:
         node = tg.ir.node(name)

@@ -77,6 +77,15 @@ class PassContext:
         return replica_variant(self.tg)
 
     @cached_property
+    def gradient_tensors(self) -> frozenset:
+        return frozenset(r for g in self.tg.gradients.values()
+                         for r in (g.values, g.indices) if r is not None)
+
+    def varies(self, ref) -> bool:
+        """True if tensor `ref` differs between replicas after aggregation."""
+        return ref.node in self.variant and ref not in self.gradient_tensors
+
+    @cached_property
     def unreplicated(self) -> frozenset[str]:
         """User nodes that exist once: shared variables, their writers, and ops
         with effects outside the graph (checkpoint writes)."""

@@ -25,7 +25,6 @@ class StateSyncPass:
         tg, plan = ctx.tg, ctx.plan
         if plan.num_replicas == 1:
             return ir, {"synced": 0}
-        variant = ctx.variant
         initializers = {v.initializer for v in tg.variables.values()}
         synced = 0
         new_nodes, rewires = [], {}
@@ -36,7 +35,7 @@ class StateSyncPass:
                 if w in initializers:
                     continue
                 for pos, ref in enumerate(tg.ir.data_inputs(w)):
-                    if pos == 0 or ref.node not in variant:
+                    if pos == 0 or not ctx.varies(ref):
                         continue
                     how = rules.state_sync_reduction(tg.ir.node(w).op, w)
                     dtype = tg.tensor(ref).dtype

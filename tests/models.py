@@ -1,0 +1,95 @@
+"""Small single-device training graphs used across the test suite.
+
+Each builder returns (graph, handles) where handles names the ops and tensors a
+training script would use. Data is generated deterministically, so a graph
+built with batch N*b and one with batch b (run on N replicas) see the same
+examples in each step.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+import parallax_ng as pn
+
+tf1 = tf.compat.v1
+
+OPTIMIZERS = {
+    "sgd": lambda: tf1.train.GradientDescentOptimizer(0.1),
+    "momentum": lambda: tf1.train.MomentumOptimizer(0.05, 0.9),
+    "adam": lambda: tf1.train.AdamOptimizer(0.01),
+    "adagrad": lambda: tf1.train.AdagradOptimizer(0.1),
+    "rmsprop": lambda: tf1.train.RMSPropOptimizer(0.01, momentum=0.5),
+}
+
+VOCAB, DIM, FEATURES, EXAMPLES = 40, 4, 5, 256
+
+
+def dataset_arrays(dtype=np.float32):
+    rng = np.random.RandomState(1234)
+    ids = rng.randint(0, VOCAB, size=(EXAMPLES, 3)).astype(np.int32)
+    x = rng.randn(EXAMPLES, FEATURES).astype(dtype)
+    y = rng.randn(EXAMPLES).astype(dtype)
+    return ids, x, y
+
+
+def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
+                         dtype=tf.float32, one_shot=False):
+    """An embedding (sparse gradient) plus a dense layer, with a global step."""
+    np_dtype = dtype.as_numpy_dtype
+    g = tf.Graph()
+    with g.as_default():
+        rng = np.random.RandomState(7)
+        ds = tf.data.Dataset.from_tensor_slices(dataset_arrays(np_dtype))
+        ds = pn.shard(ds).batch(batch).repeat()
+        if one_shot:
+            it = tf1.data.make_one_shot_iterator(ds)
+        else:
+            it = tf1.data.make_initializable_iterator(ds)
+        ids, x, y = it.get_next()
+        emb = tf1.get_variable("emb", initializer=rng.randn(VOCAB, DIM).astype(np_dtype))
+        w = tf1.get_variable("dense/w", initializer=rng.randn(DIM + FEATURES, 8).astype(np_dtype))
+        b = tf1.get_variable("dense/b", initializer=np.zeros([8], np_dtype))
+        v = tf1.get_variable("out/v", initializer=rng.randn(8, 1).astype(np_dtype))
+        h = tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), 1)
+        hidden = tf.tanh(tf.matmul(tf.concat([h, x], 1), w) + b)
+        pred = tf.squeeze(tf.matmul(hidden, v), 1)
+        loss = tf.reduce_mean(tf.square(pred - y), name="loss")
+        step = tf1.train.get_or_create_global_step()
+        opt = OPTIMIZERS[optimizer]()
+        grads_and_vars = opt.compute_gradients(loss)
+        if clip:
+            grads, tvars = zip(*grads_and_vars)
+            grads, _ = tf.clip_by_global_norm(grads, 0.5)
+            grads_and_vars = list(zip(grads, tvars))
+        train = opt.apply_gradients(grads_and_vars, global_step=step)
+        if ema:
+            averages = tf1.train.ExponentialMovingAverage(0.9)
+            with tf.control_dependencies([train]):
+                train = averages.apply(tf1.trainable_variables())
+        init = tf1.global_variables_initializer()
+    handles = {"train": train, "loss": loss, "init": init, "pred": pred,
+               "iterator_init": None if one_shot else it.initializer}
+    return g, handles
+
+
+def variable_names(graph) -> list[str]:
+    return [v.op.name for v in graph.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)]
+
+
+def read_name(var: str) -> str:
+    return var + "/Read/ReadVariableOp:0"
+
+
+def train_single(graph, handles, steps):
+    """Train on one device with a plain Session; return every variable's value."""
+    with tf1.Session(graph=graph) as sess:
+        sess.run([h for h in (handles["init"], handles["iterator_init"]) if h is not None])
+        for _ in range(steps):
+            sess.run(handles["train"])
+        names = variable_names(graph)
+        return dict(zip(names, sess.run([read_name(n) for n in names])))
+
+
+def local(n: int) -> dict:
+    return {"hosts": [{"address": "127.0.0.1", "devices": [f"cpu:{k}" for k in range(n)]}]}
