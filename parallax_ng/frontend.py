@@ -231,7 +231,9 @@ def _find_gradient(tg: TrainingGraph, var: str) -> Gradient | None:
             if rules.is_autodiff(ref.node):
                 found[kind].setdefault(ref, dist)
                 continue
-            nxt.extend((r, dist + 1) for r in tg.ir.data_inputs(ref.node))
+            inputs = tg.ir.data_inputs(ref.node)
+            used = rules.inputs_of_output(tg.ir.node(ref.node).op, ref.index, len(inputs))
+            nxt.extend((inputs[i], dist + 1) for i in used)
         frontier = nxt
     values = _nearest(found["values"], var, "gradient")
     if values is None:

@@ -62,11 +62,22 @@ STATE_SYNC_REDUCTION = {
     "AssignVariableOp": "mean",
 }
 
+# Ops whose output i is a function of input i alone; other ops' outputs may
+# depend on every input.
+_ELEMENTWISE_MULTI = frozenset({"IdentityN"})
+
 AUTODIFF_SCOPE = re.compile(r"(^|/)gradients(_\d+)?/")
 
 
 def is_writer(op_type: str) -> bool:
     return bool(_WRITER_PATTERN.match(op_type))
+
+
+def inputs_of_output(op_type: str, index: int, num_inputs: int) -> range:
+    """Positions of the inputs that output `index` of an op can depend on."""
+    if op_type in _ELEMENTWISE_MULTI:
+        return range(index, index + 1)
+    return range(num_inputs)
 
 
 def is_host_only(op_type: str) -> bool:

@@ -93,3 +93,36 @@ def train_single(graph, handles, steps):
 
 def local(n: int) -> dict:
     return {"hosts": [{"address": "127.0.0.1", "devices": [f"cpu:{k}" for k in range(n)]}]}
+
+
+def load_values(sess, graph, values: dict) -> None:
+    """Set variables of a plain session to `values` through their initializers."""
+    for name, value in values.items():
+        op = graph.get_operation_by_name(name + "/Assign")
+        sess.run(op, {op.inputs[1]: value})
+
+
+def train_both(build, n, steps, resources=None, config=None, batch=4):
+    """Train build(batch) on n replicas and build(n*batch) on one device.
+
+    The single-device run starts from the parallel run's initial values (so
+    random initializers need no seed). Returns (parallel per-replica values,
+    single values, names).
+    """
+    g, h = build(batch)
+    names = variable_names(g)
+    reads = [read_name(v) for v in names]
+    with pn.get_runner(g, resources or local(n), config) as runner:
+        runner.run([x for x in (h["init"], h.get("iterator_init")) if x is not None])
+        start = runner.run(reads)
+        for _ in range(steps):
+            runner.run(h["train"])
+        parallel = dict(zip(names, runner.run(reads, per_replica=True)))
+    g1, h1 = build(n * batch)
+    with tf1.Session(graph=g1) as sess:
+        sess.run([x for x in (h1["init"], h1.get("iterator_init")) if x is not None])
+        load_values(sess, g1, dict(zip(names, start)))
+        for _ in range(steps):
+            sess.run(h1["train"])
+        single = dict(zip(names, sess.run(reads)))
+    return parallel, single, names

@@ -59,7 +59,7 @@ class ShardInputsPass:
             if fname not in functions:
                 continue
             k = replica_of(nd.name)[0]
-            f = tf.compat.v1.FunctionDef()
+            f = type(by_name[fname])()
             f.CopyFrom(by_name[fname])
             f.signature.name = f"{fname}_parallax_shard_{self.offset + k}_of_{total}"
             for body in f.node_def:
