@@ -1,0 +1,69 @@
+import pytest
+
+from models import embedding_regression
+from parallax_ng import frontend
+from parallax_ng.analysis import analyze, replica_variant, with_measured_alpha
+from parallax_ng.config import Config
+from parallax_ng.errors import ConfigError
+from parallax_ng.plan import make_plan
+
+DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{k}" for k in range(4)]
+HOST = DEVICES[0]
+
+
+@pytest.fixture(scope="module")
+def tg():
+    return frontend.load(embedding_regression(4, "adam", ema=True)[0])
+
+
+def plan_for(tg, **cfg):
+    return make_plan(tg, analyze(tg), Config(**cfg), DEVICES, HOST)
+
+
+def test_analysis(tg):
+    info = analyze(tg)
+    assert info["emb"].sparse and not info["dense/w"].sparse
+    assert info["emb"].nbytes == 40 * 4 * 4
+    assert info["emb"].order < info["out/v"].order    # forward order
+    measured = with_measured_alpha(info, {"emb": 0.25})
+    assert measured["emb"].alpha == 0.25 and measured["emb"].alpha_source == "measured"
+
+
+@pytest.mark.parametrize("run_option,emb,dense", [
+    ("hybrid", "ps", "allreduce"), ("allreduce", "allgather", "allreduce"), ("ps", "ps", "ps")])
+def test_methods_per_run_option(tg, run_option, emb, dense):
+    plan = plan_for(tg, run_option=run_option)
+    assert plan.variables["emb"].method == emb
+    assert {plan.variables[v].method for v in ("dense/w", "dense/b", "out/v")} == {dense}
+    shared = plan.shared_state()
+    assert ("emb/Adam" in shared) == (emb == "ps")
+    assert "global_step" not in shared
+    assert plan.placement["emb/ExponentialMovingAverage"] == plan.placement["emb"]
+
+
+def test_overrides_and_bad_overrides(tg):
+    plan = plan_for(tg, variable_methods={"dense/w": "ps"})
+    assert plan.variables["dense/w"].method == "ps"
+    with pytest.raises(ConfigError, match="not trained variables"):
+        plan_for(tg, variable_methods={"nope": "ps"})
+    with pytest.raises(ConfigError, match="dense gradient"):
+        plan_for(tg, variable_methods={"dense/w": "allgather"})
+
+
+def test_plan_is_printable_data_with_traffic_model(tg):
+    plan = plan_for(tg)
+    text = plan.format()
+    assert "emb" in text and "sparse" in text and "allreduce" in text
+    d = plan.to_dict()
+    assert d["variables"]["emb"]["method"] == "ps" and len(d["devices"]) == 4
+    traffic = plan.bytes_per_replica()
+    b = plan.variables["dense/w"].info.nbytes
+    assert traffic["dense/w"] == pytest.approx(2 * 3 * b / 4)   # ring all-reduce
+
+
+def test_replica_variant_stops_at_gradients(tg):
+    variant = replica_variant(tg)
+    assert "IteratorGetNext" in variant and "loss" in variant
+    assert "dense/w/Read/ReadVariableOp" not in variant
+    # update math fed by (aggregated) gradients is the same on every replica
+    assert not any(n.startswith("Adam/update_dense/w") for n in variant)
