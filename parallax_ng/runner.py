@@ -93,7 +93,8 @@ class Runner:
 
     def _user_name(self, leaf) -> str:
         if isinstance(leaf, tf.Variable):
-            leaf = getattr(leaf, "_graph_element", None) or leaf.op.name + "/Read/ReadVariableOp:0"
+            element = getattr(leaf, "_graph_element", None)
+            leaf = element if element is not None else leaf.op.name + "/Read/ReadVariableOp:0"
         if isinstance(leaf, (tf.Tensor, tf.Operation)):
             if leaf.graph is not self._user_graph:
                 raise FetchError(f"{leaf.name!r} belongs to another graph than the one "

@@ -1,0 +1,42 @@
+from passkit import HOST, context, devices, run_passes
+from transforms.aggregate import AggregatePass
+from transforms.place import PlacePass, host_cpu_of
+from transforms.replicate import ReplicatePass
+
+
+def placed(n=2, kind="CPU", **cfg):
+    ctx = context(n=n, kind=kind, **cfg)
+    return ctx, run_passes(ctx, ReplicatePass(), AggregatePass(), PlacePass())
+
+
+def test_replicas_on_their_devices_shared_state_on_the_server():
+    ctx, ir = placed(n=2, optimizer="adam", run_option="hybrid")
+    dev = devices(2)
+    assert ir.node("dense/w").device == dev[0]
+    assert ir.node("parallax/replica_1/dense/w").device == dev[1]
+    assert ir.node("parallax/replica_1/MatMul").device == dev[1]
+    # the shared embedding, its slots, its update and every replica's lookup of it
+    for name in ("emb", "emb/Adam", "Adam/update_emb/ResourceScatterAdd",
+                 "parallax/replica_1/embedding_lookup"):
+        assert ir.node(name).device == HOST, name
+    # update math that only feeds the shared writers moves with them
+    assert ir.node("Adam/update_emb/Unique").device == HOST
+    # per-replica gradient computation stays on the replica
+    grad = ctx.tg.gradients["emb"].values.node
+    assert ir.node("parallax/replica_1/" + grad).device == dev[1]
+
+
+def test_gpu_replicas_keep_input_pipeline_and_cpu_pins_on_the_host_cpu():
+    ctx, ir = placed(n=2, kind="GPU", run_option="allreduce")
+    gpu = devices(2, "GPU")
+    assert ir.node("parallax/replica_1/MatMul").device == gpu[1]
+    assert ir.node("parallax/replica_1/IteratorGetNext").device == host_cpu_of(gpu[1])
+    assert ir.node("parallax/replica_1/TensorSliceDataset").device.endswith("CPU:0")
+    assert ir.node("parallax/replica_1/dense/w").device == gpu[1]
+    reduce = ir.node("parallax/allreduce/dense/w/replica_1")
+    assert reduce.device == gpu[1]
+
+
+def test_host_cpu_of():
+    assert host_cpu_of("/job:worker/replica:0/task:3/device:GPU:2") == \
+        "/job:worker/replica:0/task:3/device:CPU:0"

@@ -1,0 +1,55 @@
+import numpy as np
+import tensorflow as tf
+
+from passkit import context, op_counts, run_passes
+from transforms.aggregate import AggregatePass
+from transforms.replicate import ReplicatePass
+from transforms.state_sync import StateSyncPass
+
+tf1 = tf.compat.v1
+
+
+def stats_graph():
+    """A running mean of the batch and a running count of examples."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
+        mean = tf1.get_variable("running_mean", initializer=np.zeros([3], np.float32),
+                                trainable=False)
+        count = tf1.get_variable("count", initializer=np.float32(0), trainable=False)
+        upd_mean = tf1.assign_sub(mean, (mean - tf.reduce_mean(x, 0)) * 0.5)
+        upd_count = tf1.assign_add(count, tf.cast(tf.shape(x)[0], tf.float32))
+        loss = tf.reduce_mean(tf.reduce_sum(x * w, 1))
+        with tf.control_dependencies([upd_mean, upd_count]):
+            tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return g
+
+
+def test_state_written_from_replica_data_is_all_reduced():
+    ctx = context(n=2, graph=stats_graph())
+    ir = run_passes(ctx, ReplicatePass(), AggregatePass(), StateSyncPass())
+    synced = [n for n in ir.nodes if n.name.startswith("parallax/state_sync/")]
+    assert op_counts(ir, "parallax/state_sync/")["CollectiveReduce"] == 4
+    ops = {n.name.split("/input_")[0].removeprefix("parallax/state_sync/"):
+           n.attr["final_op"].s for n in synced}
+    assert ops == {"AssignSubVariableOp": b"Div", "AssignAddVariableOp": b"Id"}
+    assert ir.node("parallax/replica_1/AssignAddVariableOp").input[1] == \
+        "parallax/state_sync/AssignAddVariableOp/input_1/replica_1"
+    # the optimizer's own writes get aggregated gradients, not state sync
+    assert not any("ResourceApply" in n.name for n in synced)
+
+
+def test_synced_state_equals_one_device():
+    import parallax_ng as pn
+    from models import local
+    g = stats_graph()
+    data = np.arange(24, dtype=np.float32).reshape(8, 3)
+    with pn.get_runner(g, local(2)) as runner:
+        runner.run([v.initializer.name for v in g.get_collection("variables")])
+        runner.run("train", {"x:0": data})
+        mean, count = runner.run(["running_mean/Read/ReadVariableOp:0",
+                                  "count/Read/ReadVariableOp:0"], per_replica=True)
+    np.testing.assert_allclose(mean[0], data.mean(0) * 0.5, rtol=1e-6)
+    np.testing.assert_array_equal(mean[0], mean[1])
+    assert count == [8.0, 8.0]
