@@ -1,0 +1,100 @@
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import embedding_regression, local
+from parallax_ng.errors import FetchError, ResourceError
+
+tf1 = tf.compat.v1
+
+
+def feed_graph():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 2], name="x")
+        scale = tf1.placeholder(tf.float32, [], name="scale")
+        w = tf1.get_variable("w", initializer=np.array([[1.0], [2.0]], np.float32))
+        pred = tf.identity(tf.matmul(x, w) * scale, name="pred")
+        loss = tf.reduce_mean(tf.square(pred), name="loss")
+        tf1.train.GradientDescentOptimizer(0.01).minimize(loss, name="train")
+        tf1.global_variables_initializer()
+    return g
+
+
+def test_feeds_split_by_batch_and_fetches_combine():
+    g = feed_graph()
+    x = np.arange(8, dtype=np.float32).reshape(4, 2)
+    with pn.get_runner(g, local(2)) as runner:
+        runner.run("init")
+        pred, loss, w = runner.run(["pred:0", "loss:0", "w/Read/ReadVariableOp:0"],
+                                   {"x:0": x, "scale:0": 2.0})
+        per = runner.run("pred:0", {"x:0": x, "scale:0": 2.0}, per_replica=True)
+        nested = runner.run({"a": ["loss:0"], "b": ("w/Read/ReadVariableOp:0",)},
+                            {"x:0": x, "scale:0": 1.0})
+    want = x @ np.array([[1.0], [2.0]]) * 2
+    np.testing.assert_allclose(pred, want)                 # concatenated in order
+    np.testing.assert_allclose(loss, np.mean(want ** 2), rtol=1e-6)
+    assert len(per) == 2 and per[0].shape == (2, 1)
+    assert set(nested) == {"a", "b"} and isinstance(nested["b"], tuple)
+
+
+def test_training_with_feeds_equals_one_device():
+    g = feed_graph()
+    x = np.random.RandomState(0).randn(6, 2).astype(np.float32)
+    with pn.get_runner(g, local(3)) as runner:
+        runner.run("init")
+        for _ in range(5):
+            runner.run("train", {"x:0": x, "scale:0": 1.5})
+        got = runner.run("w/Read/ReadVariableOp:0")
+    with tf1.Session(graph=feed_graph()) as sess:
+        sess.run("init")
+        for _ in range(5):
+            sess.run("train", {"x:0": x, "scale:0": 1.5})
+        want = sess.run("w/Read/ReadVariableOp:0")
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_fetch_errors_name_the_problem():
+    g = feed_graph()
+    with pn.get_runner(g, local(2)) as runner:
+        with pytest.raises(FetchError, match="'los:0' is not in the training graph.*loss"):
+            runner.run("los:0")
+        other = tf.Graph()
+        with other.as_default():
+            foreign = tf.constant(1.0)
+        with pytest.raises(FetchError, match="another graph"):
+            runner.run(foreign)
+        with pytest.raises(FetchError, match="not a tensor"):
+            runner.run("loss:7")
+        with pytest.raises(FetchError, match="split evenly over 2"):
+            runner.run("pred:0", {"x:0": np.zeros([3, 2], np.float32), "scale:0": 1.0})
+        with pytest.raises(FetchError, match="cannot fetch"):
+            runner.run(3.5)
+
+
+def test_fetch_reduction_override():
+    g = feed_graph()
+    x = np.ones([4, 2], np.float32)
+    with pn.get_runner(g, local(2), {"fetch_reduction": {"loss:0": "sum"}}) as runner:
+        runner.run("init")
+        loss = runner.run("loss:0", {"x:0": x, "scale:0": 1.0})
+    assert loss == pytest.approx(2 * 9.0)
+
+
+def test_meta_graph_input_and_one_shot_iterator(tmp_path):
+    g, h = embedding_regression(4, "adam", one_shot=True)
+    path = str(tmp_path / "m.meta")
+    with g.as_default():
+        tf1.train.export_meta_graph(filename=path)
+    with pn.get_runner(path, local(2)) as runner:
+        runner.run(h["init"].name)
+        losses = [runner.run([h["train"].name, "loss:0"])[1] for _ in range(30)]
+    assert losses[-1] < losses[0]
+
+
+def test_multi_host_resources_need_the_cluster_launcher():
+    g = feed_graph()
+    res = {"hosts": [{"devices": ["cpu:0"]}, {"address": "127.0.0.2", "devices": ["cpu:0"]}]}
+    with pytest.raises(ResourceError, match="2 hosts"):
+        pn.get_runner(g, res)
