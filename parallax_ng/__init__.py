@@ -14,17 +14,16 @@ from .errors import ConfigError, FetchError, GraphError, ParallaxError, Resource
 __version__ = "0.1.0"
 
 
-def transform(graph, resource_info=None, config=None):
-    """Analyse, plan and rewrite `graph`; no session is made.
+def transform_plan(graph, resource_info=None, config=None):
+    """The Plan for `graph` (analysis only; the graph is not rewritten)."""
+    return _analyse(graph, resource_info, config)[1]
 
-    Returns (transformed GraphIR, PassContext, PassManager) for tools and tests.
-    """
+
+def _analyse(graph, resource_info, config):
     from . import frontend
     from .analysis import analyze
-    from .passes import PassContext, PassManager
     from .plan import make_plan
     from .resources import load_resources
-    import transforms
 
     config = load_config(config)
     resources = load_resources(resource_info)
@@ -33,12 +32,25 @@ def transform(graph, resource_info=None, config=None):
             f"resource info lists {len(resources.hosts)} hosts; get_runner runs on one "
             "machine's devices. List one host, or start a multi-machine job with the "
             "cluster launcher")
-    devices = resources.local_device_strings()
     host = "/job:localhost/replica:0/task:0/device:CPU:0"
     tg = frontend.load(graph)
-    plan = make_plan(tg, analyze(tg), config, devices, host)
+    plan = make_plan(tg, analyze(tg), config, resources.local_device_strings(), host)
+    return tg, plan, config
+
+
+def transform(graph, resource_info=None, config=None, keep_graphs=False):
+    """Analyse, plan and rewrite `graph`; no session is made.
+
+    Returns (transformed GraphIR, PassContext, PassManager) for tools and
+    tests; with keep_graphs the manager holds the graph after every pass.
+    """
+    import transforms
+    from .passes import PassContext, PassManager
+
+    tg, plan, config = _analyse(graph, resource_info, config)
     ctx = PassContext(tg, plan)
-    manager = PassManager(transforms.default_pipeline(), config.verify, config.dump_dir)
+    manager = PassManager(transforms.default_pipeline(), config.verify, config.dump_dir,
+                          keep_graphs)
     ir = manager.run(tg.ir, ctx)
     return ir, ctx, manager
 
@@ -50,12 +62,15 @@ def get_runner(graph, resource_info=None, config=None):
     training op. resource_info: YAML path, dict, or None for this machine's
     devices. config: YAML path, dict or Config.
     """
+    from . import capture
     from .runner import Runner
 
+    capture.check(graph, resource_info, config)
     cfg = load_config(config)
     ir, ctx, manager = transform(graph, resource_info, cfg)
     return Runner(ir, ctx, cfg, manager.records)
 
 
 __all__ = ["Config", "ConfigError", "FetchError", "GraphError", "ParallaxError",
-           "ResourceError", "get_runner", "shard", "transform", "__version__"]
+           "ResourceError", "get_runner", "shard", "transform", "transform_plan",
+           "__version__"]

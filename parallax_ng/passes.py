@@ -107,14 +107,17 @@ class PassRecord:
 
 
 class PassManager:
-    def __init__(self, passes, verify: str = "structure", dump_dir: str | None = None):
+    def __init__(self, passes, verify: str = "structure", dump_dir: str | None = None,
+                 keep_graphs: bool = False):
         self.passes = list(passes)
         self.verify = verify
         self.dump_dir = dump_dir
+        self.keep_graphs = keep_graphs
         self.records: list[PassRecord] = []
+        self.graphs: list[tuple[str, GraphIR]] = []   # with keep_graphs: input, each pass
 
     def run(self, ir: GraphIR, ctx: PassContext) -> GraphIR:
-        self.records = []
+        self.records, self.graphs = [], []
         self._dump(0, "input", ir)
         for i, p in enumerate(self.passes, start=1):
             start = time.perf_counter()
@@ -143,6 +146,8 @@ class PassManager:
                 raise GraphError(f"TensorFlow rejects the graph: {e}") from None
 
     def _dump(self, i: int, name: str, ir: GraphIR) -> None:
+        if self.keep_graphs:
+            self.graphs.append((name, ir))
         if not self.dump_dir:
             return
         os.makedirs(self.dump_dir, exist_ok=True)

@@ -1,0 +1,80 @@
+"""`parallax-ng`: inspect what parallax_ng does to a training graph.
+
+    parallax-ng plan SOURCE [-r RESOURCES] [-c CONFIG] [--json] [-- ARGS]
+    parallax-ng diff SOURCE [-r RESOURCES] [-c CONFIG] [--out DIR] [--batch N] [-- ARGS]
+
+SOURCE is a training script (run until it calls get_runner; its own
+resource and config arguments are used unless -r/-c are given) or an
+exported MetaGraphDef (.meta).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .errors import ParallaxError
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="parallax-ng", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (("plan", "print the plan: method and traffic per variable"),
+                       ("diff", "show what each pass changed, as text and HTML")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("source", help="training script (.py) or MetaGraphDef (.meta)")
+        p.add_argument("-r", "--resources", help="resource YAML (default: the script's)")
+        p.add_argument("-c", "--config", help="config YAML (default: the script's)")
+        p.add_argument("args", nargs="*", help="arguments for the script (after --)")
+        if name == "plan":
+            p.add_argument("--json", action="store_true", help="print the plan as JSON")
+        else:
+            p.add_argument("--out", help="write diff.txt, diff.html, diff.dot here")
+            p.add_argument("--batch", type=int, help="size of unknown batch dimensions")
+    opts = parser.parse_args(argv)
+    try:
+        graph, resources, config = _load(opts)
+        return {"plan": _plan, "diff": _diff}[opts.command](opts, graph, resources, config)
+    except (ParallaxError, FileNotFoundError, RuntimeError) as e:
+        print(f"parallax-ng {opts.command}: {e}", file=sys.stderr)
+        return 2
+
+
+def _load(opts):
+    if opts.source.endswith(".py"):
+        from .capture import run_script
+        got = run_script(opts.source, opts.args)
+        return (got.graph, opts.resources or got.resource_info, opts.config or got.config)
+    if not os.path.exists(opts.source):
+        raise FileNotFoundError(f"{opts.source!r} does not exist")
+    return opts.source, opts.resources, opts.config
+
+
+def _plan(opts, graph, resources, config) -> int:
+    from . import transform_plan
+    plan = transform_plan(graph, resources, config)
+    print(json.dumps(plan.to_dict(), indent=1) if opts.json else plan.format())
+    return 0
+
+
+def _diff(opts, graph, resources, config) -> int:
+    from . import diff, transform
+    ir, ctx, manager = transform(graph, resources, config, keep_graphs=True)
+    seconds = {r.name: r.seconds for r in manager.records}
+    diffs = diff.diff_pipeline(manager.graphs, seconds)
+    print(diff.render_text(diffs, ir, ctx.tg, opts.batch))
+    if opts.out:
+        os.makedirs(opts.out, exist_ok=True)
+        files = {"diff.txt": diff.render_text(diffs, ir, ctx.tg, opts.batch),
+                 "diff.dot": diff.render_dot(ir, diffs, ctx.tg),
+                 "diff.html": diff.render_html(diffs, ir, ctx.tg, opts.batch)}
+        for name, text in files.items():
+            with open(os.path.join(opts.out, name), "w") as f:
+                f.write(text)
+        print(f"\nwrote {', '.join(files)} to {opts.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+import json
+import os
+import subprocess
+import sys
+
+import tensorflow as tf
+
+from models import embedding_regression
+from parallax_ng import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(ROOT, "examples", "linear_regression.py")
+
+
+def test_plan_of_a_script(capsys):
+    assert cli.main(["plan", EXAMPLE, "-r", os.path.join(ROOT, "configs", "resources_2cpu.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "run_option=hybrid replicas=2" in out and "allreduce" in out
+
+
+def test_plan_json_of_a_meta_graph(tmp_path, capsys):
+    g, _ = embedding_regression(4, "adam")
+    path = str(tmp_path / "m.meta")
+    with g.as_default():
+        tf.compat.v1.train.export_meta_graph(filename=path)
+    cfg = os.path.join(ROOT, "configs", "ps.yaml")
+    assert cli.main(["plan", path, "--json", "-c", cfg, "-r", os.path.join(ROOT, "configs",
+                                                                  "resources_2cpu.yaml")]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["run_option"] == "ps" and plan["variables"]["emb"]["method"] == "ps"
+
+
+def test_diff_writes_text_dot_and_html(tmp_path, capsys):
+    out = str(tmp_path / "d")
+    assert cli.main(["diff", EXAMPLE, "--out", out, "--batch", "16"]) == 0
+    assert "replicate" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["diff.dot", "diff.html", "diff.txt"]
+
+
+def test_errors_are_reported_not_raised(tmp_path, capsys):
+    assert cli.main(["plan", str(tmp_path / "missing.meta")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run_option: nccl\n")
+    assert cli.main(["plan", EXAMPLE, "-c", str(bad)]) == 2
+    assert "nccl" in capsys.readouterr().err
+
+
+def test_console_script_is_installed():
+    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "plan" in done.stdout and "diff" in done.stdout
