@@ -22,7 +22,7 @@ class VariableInfo:
     sparse: bool
     alpha: float | None       # rows touched per step / rows (sparse only)
     alpha_source: str         # "estimate", "measured" or "dense"
-    order: int                # forward order of the variable's first read
+    order: int                # depth where the variable first meets the batch
 
     def to_dict(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
@@ -31,18 +31,29 @@ class VariableInfo:
 
 
 def analyze(tg: TrainingGraph) -> dict[str, VariableInfo]:
-    topo = tg.ir.topo_index
+    depth = _depths(tg)
+    variant = replica_variant(tg)
     out = {}
     for name, grad in tg.gradients.items():
         var = tg.variables[name]
-        reads = [topo[r] for r in tg.readers.get(name, ()) if r in topo]
+        reads = [depth[u] for r in tg.readers.get(name, ())
+                 for u in [r, *tg.ir.node_consumers.get(r, ())] if u in variant]
         alpha = _estimate_alpha(tg, grad, var) if grad.sparse else 1.0
         out[name] = VariableInfo(
             name=name, shape=var.shape, dtype=var.dtype.name, nbytes=var.nbytes,
             sparse=grad.sparse, alpha=alpha,
             alpha_source="estimate" if grad.sparse else "dense",
-            order=min(reads, default=len(topo)))
+            order=min(reads, default=len(depth)))
     return out
+
+
+def _depths(tg: TrainingGraph) -> dict[str, int]:
+    """Longest data path from a source to each node: its place in the forward pass."""
+    depth: dict[str, int] = {}
+    for name in tg.ir.topo_order:
+        depth[name] = 1 + max((depth.get(r.node, 0) for r in tg.ir.data_inputs(name)),
+                              default=-1)
+    return depth
 
 
 def _estimate_alpha(tg: TrainingGraph, grad, var) -> float | None:

@@ -16,7 +16,7 @@ from .errors import ConfigError
 RUN_OPTIONS = ("hybrid", "allreduce", "ps")
 METHODS = ("allreduce", "ps", "allgather")
 FETCH_REDUCTIONS = ("mean", "sum", "concat", "first")
-VERIFY_LEVELS = ("structure", "import")
+VERIFY_LEVELS = ("structure", "full", "import")
 
 
 @dataclass(frozen=True)

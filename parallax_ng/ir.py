@@ -58,26 +58,57 @@ def format_input(node: str, index: int) -> str:
 
 
 class GraphIR:
-    """Immutable-by-convention wrapper around a GraphDef with lazy indexes."""
+    """An immutable list of NodeDefs plus the graph's versions and function library.
 
-    def __init__(self, graph_def, library=None):
-        self.graph_def = graph_def
+    Passes never mutate a NodeDef they were given: `replace` returns a new
+    GraphIR that shares every unchanged NodeDef with this one (and the parsed
+    form of its inputs), so a pass costs what it changes, not the graph size.
+    """
+
+    def __init__(self, graph_def=None, *, nodes=None, versions=None, library=None,
+                 parent: "GraphIR | None" = None):
+        if graph_def is not None:
+            nodes, versions, library = list(graph_def.node), graph_def.versions, graph_def.library
+        self._nodes = nodes
+        self._versions, self._library = versions, library
         self._by_name = {}
-        for node in graph_def.node:
+        for node in nodes:
             if node.name in self._by_name:
                 raise GraphError(f"duplicate node name {node.name!r} in graph")
             self._by_name[node.name] = node
+        # parsed inputs of NodeDefs shared with the parent stay valid
+        self._parsed_cache = parent._parsed_cache if parent is not None else {}
 
     @classmethod
-    def from_nodes(cls, nodes: Iterable, template_graph_def) -> "GraphIR":
-        """A new GraphIR holding `nodes`, with versions and library of the template."""
+    def from_nodes(cls, nodes: Iterable, template: "GraphIR") -> "GraphIR":
+        """A new GraphIR holding `nodes`, with versions and library of `template`."""
+        return cls(nodes=list(nodes), versions=template._versions,
+                   library=template._library, parent=template)
+
+    def replace(self, changed: dict | None = None, added: Iterable = (), library=None):
+        """A new GraphIR: nodes named in `changed` swapped, `added` appended."""
+        changed = changed or {}
+        nodes = [changed.get(n.name, n) for n in self._nodes] if changed else list(self._nodes)
+        nodes.extend(added)
+        return GraphIR(nodes=nodes, versions=self._versions,
+                       library=library if library is not None else self._library, parent=self)
+
+    @cached_property
+    def graph_def(self):
+        """The nodes as a tf GraphDef (built once, on demand)."""
         import tensorflow as tf
 
         gd = tf.compat.v1.GraphDef()
-        gd.versions.CopyFrom(template_graph_def.versions)
-        gd.library.CopyFrom(template_graph_def.library)
-        gd.node.extend(nodes)
-        return cls(gd)
+        if self._versions is not None:
+            gd.versions.CopyFrom(self._versions)
+        if self._library is not None:
+            gd.library.CopyFrom(self._library)
+        gd.node.extend(self._nodes)
+        return gd
+
+    @property
+    def library(self):
+        return self._library
 
     # -- lookup -------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -96,31 +127,35 @@ class GraphIR:
         return self._by_name.get(name)
 
     @property
-    def nodes(self):
-        return self.graph_def.node
+    def nodes(self) -> list:
+        return self._nodes
 
     def names(self) -> list[str]:
-        return [n.name for n in self.graph_def.node]
+        return list(self._by_name)
+
+    def parsed_inputs(self, node) -> list[tuple[str, int, bool]]:
+        """[(source node, output index, is_control)] of a NodeDef, cached."""
+        key = id(node)
+        hit = self._parsed_cache.get(key)
+        if hit is None or hit[0] is not node:
+            hit = (node, [parse_input(t) for t in node.input])
+            self._parsed_cache[key] = hit
+        return hit[1]
 
     def data_inputs(self, name: str) -> list[TensorRef]:
-        out = []
-        for text in self.node(name).input:
-            node, idx, control = parse_input(text)
-            if not control:
-                out.append(TensorRef(node, idx))
-        return out
+        return [TensorRef(src, idx) for src, idx, control
+                in self.parsed_inputs(self.node(name)) if not control]
 
     def control_inputs(self, name: str) -> list[str]:
-        return [t[1:] for t in self.node(name).input if t.startswith("^")]
+        return [src for src, _, control in self.parsed_inputs(self.node(name)) if control]
 
     # -- derived indexes ----------------------------------------------------
     @cached_property
     def consumers(self) -> dict[TensorRef, list[tuple[str, int]]]:
         """tensor -> [(consumer node, input position)] over data edges."""
         table: dict[TensorRef, list[tuple[str, int]]] = defaultdict(list)
-        for node in self.graph_def.node:
-            for pos, text in enumerate(node.input):
-                src, idx, control = parse_input(text)
+        for node in self._nodes:
+            for pos, (src, idx, control) in enumerate(self.parsed_inputs(node)):
                 if not control:
                     table[TensorRef(src, idx)].append((node.name, pos))
         return table
@@ -129,49 +164,45 @@ class GraphIR:
     def node_consumers(self) -> dict[str, set[str]]:
         """node -> names of nodes that use it through data or control edges."""
         table: dict[str, set[str]] = defaultdict(set)
-        for node in self.graph_def.node:
-            for text in node.input:
-                table[parse_input(text)[0]].add(node.name)
+        for node in self._nodes:
+            for src, _, _ in self.parsed_inputs(node):
+                table[src].add(node.name)
         return table
 
     @cached_property
     def topo_order(self) -> list[str]:
         """Nodes in an order where every input comes first (Kahn's algorithm).
 
-        NextIteration back edges of while loops are ignored, as TensorFlow does.
+        NextIteration -> Merge back edges of while loops are ignored, as
+        TensorFlow does.
         """
-        indegree = {}
-        for node in self.graph_def.node:
-            srcs = self._ordering_inputs(node)
-            indegree[node.name] = len(srcs)
-        ready = deque(n.name for n in self.graph_def.node if indegree[n.name] == 0)
+        index = {name: i for i, name in enumerate(self._by_name)}
+        names = list(self._by_name)
+        users: list[list[int]] = [[] for _ in names]
+        indegree = [0] * len(names)
+        loop_ops = {i for i, n in enumerate(self._nodes)
+                    if n.op in ("NextIteration", "RefNextIteration")}
+        for i, node in enumerate(self._nodes):
+            merge = node.op in ("Merge", "RefMerge")
+            for src in {s for s, _, _ in self.parsed_inputs(node)}:
+                j = index.get(src)
+                if j is None or (merge and j in loop_ops):
+                    continue
+                users[j].append(i)
+                indegree[i] += 1
+        ready = deque(i for i, d in enumerate(indegree) if d == 0)
         order = []
         while ready:
-            name = ready.popleft()
-            order.append(name)
-            for user in self.node_consumers.get(name, ()):
-                if self._by_name[user].op in ("Merge", "RefMerge") and \
-                        self._by_name[name].op in ("NextIteration", "RefNextIteration"):
-                    continue
-                indegree[user] -= 1
-                if indegree[user] == 0:
-                    ready.append(user)
-        if len(order) != len(indegree):
-            stuck = sorted(set(indegree) - set(order))[:5]
+            i = ready.popleft()
+            order.append(i)
+            for u in users[i]:
+                indegree[u] -= 1
+                if indegree[u] == 0:
+                    ready.append(u)
+        if len(order) != len(names):
+            stuck = sorted(names[i] for i, d in enumerate(indegree) if d > 0)[:5]
             raise GraphError(f"graph has a cycle through {stuck}")
-        return order
-
-    def _ordering_inputs(self, node) -> set[str]:
-        srcs = set()
-        for text in node.input:
-            src = parse_input(text)[0]
-            if src not in self._by_name:
-                continue
-            if node.op in ("Merge", "RefMerge") and \
-                    self._by_name[src].op in ("NextIteration", "RefNextIteration"):
-                continue
-            srcs.add(src)
-        return srcs
+        return [names[i] for i in order]
 
     @cached_property
     def topo_index(self) -> dict[str, int]:
@@ -180,7 +211,7 @@ class GraphIR:
     def ancestors(self, names: Iterable[str], stop=lambda name: False) -> set[str]:
         """All nodes reachable backwards from `names` (data and control edges)."""
         seen: set[str] = set()
-        todo = [n for n in names]
+        todo = list(names)
         while todo:
             name = todo.pop()
             if name in seen or name not in self._by_name:
@@ -188,7 +219,7 @@ class GraphIR:
             seen.add(name)
             if stop(name):
                 continue
-            todo.extend(parse_input(t)[0] for t in self._by_name[name].input)
+            todo.extend(src for src, _, _ in self.parsed_inputs(self._by_name[name]))
         return seen
 
     def descendants(self, names: Iterable[str]) -> set[str]:
@@ -203,13 +234,14 @@ class GraphIR:
             todo.extend(self.node_consumers.get(name, ()))
         return seen
 
-    def verify(self) -> None:
-        """Every input names an existing node; the graph has no cycle."""
-        for node in self.graph_def.node:
-            for text in node.input:
-                src = parse_input(text)[0]
-                if src not in self._by_name:
+    def verify(self, acyclic: bool = True) -> None:
+        """Every input names an existing node; with `acyclic`, no cycle."""
+        known = self._by_name
+        for node in self._nodes:
+            for src, _, _ in self.parsed_inputs(node):
+                if src not in known:
                     raise GraphError(
-                        f"node {node.name!r} ({node.op}) has input {text!r} "
-                        "that names no node in the graph")
-        _ = self.topo_order
+                        f"node {node.name!r} ({node.op}) has an input from {src!r}, "
+                        "which names no node in the graph")
+        if acyclic:
+            _ = self.topo_order

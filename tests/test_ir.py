@@ -67,6 +67,7 @@ def test_input_graph_def_is_not_mutated():
     gd = small_graph_def()
     before = gd.SerializeToString()
     ir = GraphIR(gd)
-    GraphIR.from_nodes(list(ir.nodes)[:2], gd)
+    GraphIR.from_nodes(list(ir.nodes)[:2], ir)
+    ir.replace({}, [])
     _ = ir.topo_order, ir.consumers
     assert gd.SerializeToString() == before

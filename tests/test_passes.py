@@ -5,7 +5,6 @@ import pytest
 
 import transforms
 from parallax_ng.errors import GraphError
-from parallax_ng.ir import GraphIR
 from passkit import context
 
 
@@ -15,10 +14,10 @@ class DanglingPass:
     name: str = "dangling"
 
     def run(self, ir, ctx):
-        gd = type(ir.graph_def)()
-        gd.CopyFrom(ir.graph_def)
-        gd.node[0].input.append("no_such_node")
-        return GraphIR(gd), {}
+        broken = type(ir.nodes[0])()
+        broken.CopyFrom(ir.nodes[0])
+        broken.input.append("no_such_node")
+        return ir.replace({broken.name: broken}), {}
 
 
 def test_manager_runs_the_default_pipeline_and_records_each_pass(tmp_path):

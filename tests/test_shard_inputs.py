@@ -40,7 +40,7 @@ def test_one_shot_iterators_get_private_dataset_functions():
     its = [n for n in out.nodes if n.op == "OneShotIterator"]
     names = {n.attr["dataset_factory"].func.name for n in its}
     assert len(names) == 2
-    funcs = {f.signature.name: f for f in out.graph_def.library.function}
+    funcs = {f.signature.name: f for f in out.library.function}
     for fname in names:
         consts = {n.name: tf.make_ndarray(n.attr["value"].tensor)
                   for n in funcs[fname].node_def if n.name.startswith("parallax_shard")}

@@ -139,14 +139,21 @@ def _rewire(ctx, ref, per_replica: list[str], rewires: dict) -> None:
 
 
 def apply_rewires(ir: GraphIR, new_nodes: list, rewires: dict) -> GraphIR:
-    """A copy of `ir` plus `new_nodes`, with input slots replaced as `rewires` says."""
-    gd = type(ir.graph_def)()
-    gd.CopyFrom(ir.graph_def)
-    by_name = {nd.name: nd for nd in gd.node}
-    for (node, pos), tensor in rewires.items():
-        nd = by_name[node]
+    """`ir` plus `new_nodes`, with input slots replaced as `rewires` says."""
+    changed = {}
+    for (name, pos), tensor in rewires.items():
+        nd = changed.get(name)
+        if nd is None:
+            nd = changed[name] = copy_node(ir.node(name))
         if parse_input(nd.input[pos])[2]:
-            raise ValueError(f"input {pos} of {node} is a control input")
+            raise ValueError(f"input {pos} of {name} is a control input")
         nd.input[pos] = tensor
-    gd.node.extend(new_nodes)
-    return GraphIR(gd)
+    if not changed and not new_nodes:
+        return ir
+    return ir.replace(changed, new_nodes)
+
+
+def copy_node(node):
+    nd = type(node)()
+    nd.CopyFrom(node)
+    return nd

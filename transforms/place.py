@@ -14,8 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax_ng import rules
-from parallax_ng.ir import GraphIR
+from parallax_ng.ir import GraphIR  # noqa: F401  (type of run's argument)
 from parallax_ng.passes import replica_of
+from transforms.aggregate import copy_node
 
 
 @dataclass(frozen=True)
@@ -25,23 +26,25 @@ class PlacePass:
     def run(self, ir: GraphIR, ctx):
         plan, tg = ctx.plan, ctx.tg
         on_host = _server_side(ctx)
-        gd = type(ir.graph_def)()
-        gd.CopyFrom(ir.graph_def)
         counts = {"replica": 0, "server": 0, "host": 0}
-        for nd in gd.node:
+        changed = {}
+        for nd in ir.nodes:
             k, user = replica_of(nd.name)
             if user not in tg.ir:
                 continue   # added by an earlier pass, placed there
             device = plan.devices[k]
             if user in on_host:
-                nd.device, where = plan.host, "server"
+                target, where = plan.host, "server"
             elif "GPU" in device.upper() and (rules.is_host_only(nd.op) or
                                               "CPU" in tg.ir.node(user).device.upper()):
-                nd.device, where = host_cpu_of(device), "host"
+                target, where = host_cpu_of(device), "host"
             else:
-                nd.device, where = device, "replica"
+                target, where = device, "replica"
             counts[where] += 1
-        return GraphIR(gd), counts
+            if nd.device != target:
+                changed[nd.name] = copy_node(nd)
+                changed[nd.name].device = target
+        return ir.replace(changed), counts
 
 
 def host_cpu_of(device: str) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax_ng import rules
-from parallax_ng.ir import GraphIR, format_input, parse_input
+from parallax_ng.ir import GraphIR, format_input
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,9 @@ class ReplicatePass:
             out.append(node)
             if node.name in once:
                 continue
+            parsed = ir.parsed_inputs(node)
             for k in range(1, n):
-                out.append(_copy(node, k, ctx))
+                out.append(_copy(node, k, ctx, parsed))
         extra = _order_shared_writers(ir, ctx, n)
         nodes = []
         for node in out:
@@ -42,16 +43,16 @@ class ReplicatePass:
             nodes.append(node)
         report = {"replicas": n, "copied": (len(ir) - len(once)) * (n - 1),
                   "once": len(once), "ordering_edges": sum(map(len, extra.values()))}
-        return GraphIR.from_nodes(nodes, ir.graph_def), report
+        return GraphIR.from_nodes(nodes, ir), report
 
 
-def _copy(node, k: int, ctx):
+def _copy(node, k: int, ctx, parsed):
     nd = type(node)()
     nd.CopyFrom(node)
     nd.name = ctx.replica_name(k, node.name)
-    for i, text in enumerate(node.input):
-        src, idx, _ = parse_input(text)
-        nd.input[i] = format_input(ctx.replica_name(k, src), idx)
+    if parsed:
+        del nd.input[:]
+        nd.input.extend(format_input(ctx.replica_name(k, src), idx) for src, idx, _ in parsed)
     if "shared_name" in nd.attr and nd.attr["shared_name"].s:
         nd.attr["shared_name"].s = nd.name.encode()
     if "frame_name" in nd.attr:

@@ -16,6 +16,7 @@ import tensorflow as tf
 from parallax_ng.frontend import SHARD_SCOPE
 from parallax_ng.ir import GraphIR
 from parallax_ng.passes import replica_of
+from transforms.aggregate import copy_node
 
 
 @dataclass(frozen=True)
@@ -27,38 +28,35 @@ class ShardInputsPass:
     def run(self, ir: GraphIR, ctx):
         n = ctx.plan.num_replicas
         total = self.num_shards or n
-        gd = tf.compat.v1.GraphDef()
-        gd.CopyFrom(ir.graph_def)
-        values = {}
+        changed = {}
         for num, index in ctx.tg.shard_consts:
             for k in range(n):
-                values[ctx.replica_name(k, num)] = total
-                values[ctx.replica_name(k, index)] = self.offset + k
-        changed = 0
-        for nd in gd.node:
-            if nd.name in values:
-                _set_scalar(nd, values[nd.name])
-                changed += 1
-        functions = _shard_functions(gd)
+                for name, value in ((num, total), (index, self.offset + k)):
+                    name = ctx.replica_name(k, name)
+                    changed[name] = _with_scalar(ir.node(name), value)
+        library = ir.library
+        functions = _shard_functions(library) if library is not None else set()
         copies = 0
         if functions:
-            copies = self._split_one_shot(gd, ctx, functions, n, total)
-        if not changed and not copies and n > 1:
+            library = type(library)()
+            library.CopyFrom(ir.library)
+            copies = self._split_one_shot(ir, library, changed, functions, total)
+        if not changed and n > 1:
             report = {"warning": "no pn.shard() dataset found; replicas read the same data"}
         else:
-            report = {"constants": changed, "function_copies": copies}
-        return GraphIR(gd), report
+            report = {"constants": len(changed) - copies, "function_copies": copies}
+        return ir.replace(changed, library=library), report
 
-    def _split_one_shot(self, gd, ctx, functions: set[str], n: int, total: int) -> int:
-        by_name = {f.signature.name: f for f in gd.library.function}
+    def _split_one_shot(self, ir, library, changed, functions: set[str], total: int) -> int:
+        by_name = {f.signature.name: f for f in library.function}
         copies = 0
-        for nd in gd.node:
-            if nd.op != "OneShotIterator":
+        for node in ir.nodes:
+            if node.op != "OneShotIterator":
                 continue
-            fname = nd.attr["dataset_factory"].func.name
+            fname = node.attr["dataset_factory"].func.name
             if fname not in functions:
                 continue
-            k = replica_of(nd.name)[0]
+            k = replica_of(node.name)[0]
             f = type(by_name[fname])()
             f.CopyFrom(by_name[fname])
             f.signature.name = f"{fname}_parallax_shard_{self.offset + k}_of_{total}"
@@ -69,20 +67,28 @@ class ShardInputsPass:
                         _set_scalar(body, total)
                     elif leaf == "index":
                         _set_scalar(body, self.offset + k)
-            gd.library.function.append(f)
+            library.function.append(f)
+            nd = copy_node(node)
             nd.attr["dataset_factory"].func.name = f.signature.name
+            changed[nd.name] = nd
             copies += 1
         return copies
 
 
-def _shard_functions(gd) -> set[str]:
+def _shard_functions(library) -> set[str]:
     out = set()
-    for f in gd.library.function:
+    for f in library.function:
         for body in f.node_def:
             scope, _, leaf = body.name.rpartition("/")
             if leaf == "num_shards" and scope.split("/")[-1].startswith(SHARD_SCOPE):
                 out.add(f.signature.name)
     return out
+
+
+def _with_scalar(node, value: int):
+    nd = copy_node(node)
+    _set_scalar(nd, value)
+    return nd
 
 
 def _set_scalar(nd, value: int) -> None:
