@@ -62,6 +62,20 @@ class Runner:
             out.append(_combine(got, p))
         return tf.nest.pack_sequence_as(fetches, out)
 
+    def save(self, saver, path: str) -> str:
+        """Write replica 0's variables with the user's tf.compat.v1.train.Saver.
+
+        The checkpoint has the single-device names, so a one-device script
+        restores it unchanged.
+        """
+        d = saver.saver_def
+        return self.run(d.save_tensor_name, {d.filename_tensor_name: path})
+
+    def restore(self, saver, path: str) -> None:
+        """Restore every replica's copy (and the shared variables) from `path`."""
+        d = saver.saver_def
+        self.run(d.restore_op_name, {d.filename_tensor_name: path})
+
     def close(self) -> None:
         self.session.close()
 

@@ -34,7 +34,7 @@ def dataset_arrays(dtype=np.float32):
 
 
 def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
-                         dtype=tf.float32, one_shot=False):
+                         dtype=tf.float32, one_shot=False, loss_sum=False):
     """An embedding (sparse gradient) plus a dense layer, with a global step."""
     np_dtype = dtype.as_numpy_dtype
     g = tf.Graph()
@@ -54,9 +54,10 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
         h = tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), 1)
         hidden = tf.tanh(tf.matmul(tf.concat([h, x], 1), w) + b)
         pred = tf.squeeze(tf.matmul(hidden, v), 1)
-        loss = tf.reduce_mean(tf.square(pred - y), name="loss")
+        reduce = tf.reduce_sum if loss_sum else tf.reduce_mean
+        loss = reduce(tf.square(pred - y), name="loss")
         step = tf1.train.get_or_create_global_step()
-        opt = OPTIMIZERS[optimizer]()
+        opt = OPTIMIZERS[optimizer]() if isinstance(optimizer, str) else optimizer()
         grads_and_vars = opt.compute_gradients(loss)
         if clip:
             grads, tvars = zip(*grads_and_vars)

@@ -8,6 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import parallax_ng as pn
 from models import OPTIMIZERS, embedding_regression, local, read_name, train_single, variable_names
@@ -49,11 +50,27 @@ def test_loss_fetch_is_global_batch_mean():
     g, h = embedding_regression(BATCH, "sgd")
     with pn.get_runner(g, local(2), {"run_option": "hybrid"}) as runner:
         runner.run([h["init"], h["iterator_init"]])
-        loss, per = runner.run(h["loss"]), None
+        loss = runner.run(h["loss"])
     g1, h1 = embedding_regression(2 * BATCH, "sgd")
-    import tensorflow as tf
     with tf.compat.v1.Session(graph=g1) as sess:
         sess.run([h1["init"], h1["iterator_init"]])
         want = sess.run(h1["loss"])
     assert abs(loss - want) <= 1e-6 * max(1.0, abs(want))
-    assert per is None
+
+
+@pytest.mark.parametrize("run_option", ["hybrid", "allreduce", "ps"])
+def test_summed_losses_with_summed_gradients(run_option):
+    """average_dense/average_sparse false: a sum loss matches one device."""
+    # a sum over 2*BATCH examples makes steps 2*BATCH times larger: small rate
+    small = lambda: tf.compat.v1.train.MomentumOptimizer(0.005, 0.9)  # noqa: E731
+    g, h = embedding_regression(BATCH, small, loss_sum=True)
+    config = {"run_option": run_option, "average_dense": False, "average_sparse": False}
+    with pn.get_runner(g, local(2), config) as runner:
+        runner.run([h["init"], h["iterator_init"]])
+        for _ in range(STEPS):
+            runner.run(h["train"])
+        names = variable_names(g)
+        got = dict(zip(names, runner.run([read_name(v) for v in names])))
+    single = train_single(*embedding_regression(2 * BATCH, small, loss_sum=True), STEPS)
+    for name, want in single.items():
+        assert np.max(np.abs(got[name] - want)) <= TOL, name

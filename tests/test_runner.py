@@ -98,3 +98,28 @@ def test_multi_host_resources_need_the_cluster_launcher():
     res = {"hosts": [{"devices": ["cpu:0"]}, {"address": "127.0.0.2", "devices": ["cpu:0"]}]}
     with pytest.raises(ResourceError, match="2 hosts"):
         pn.get_runner(g, res)
+
+
+def test_checkpoint_round_trip_restores_every_replica(tmp_path):
+    g, h = embedding_regression(4, "adam")
+    with g.as_default():
+        saver = tf1.train.Saver()
+    names = ["emb", "dense/w", "dense/w/Adam", "global_step"]
+    reads = [n + "/Read/ReadVariableOp:0" for n in names]
+    with pn.get_runner(g, local(2), {"run_option": "hybrid"}) as runner:
+        runner.run([h["init"], h["iterator_init"]])
+        for _ in range(3):
+            runner.run(h["train"])
+        path = runner.save(saver, str(tmp_path / "ckpt"))
+        saved = runner.run(reads)
+        for _ in range(3):
+            runner.run(h["train"])
+        runner.restore(saver, path)
+        restored = runner.run(reads, per_replica=True)
+    for want, copies in zip(saved, restored):
+        for got in copies:
+            np.testing.assert_array_equal(got, want)
+    # the checkpoint is a plain single-device checkpoint
+    with tf1.Session(graph=g) as sess:
+        saver.restore(sess, path)
+        np.testing.assert_array_equal(sess.run(reads[1]), saved[1])
