@@ -36,7 +36,25 @@ def test_dynamic_rnn_matches_one_device(run_option):
             assert np.max(np.abs(got - single[name])) <= 1e-5, name
 
 
-def test_loop_frames_are_renamed_per_replica():
+@pytest.fixture
+def control_flow_v1():
+    tf1.disable_control_flow_v2()
+    yield
+    tf1.enable_control_flow_v2()
+
+
+def test_functional_while_ops_exist_per_replica():
+    ir, _, _ = pn.transform(lstm_model(4)[0], {"hosts": [{"devices": ["cpu:0", "cpu:1"]}]})
+    loops = [n.name for n in ir.nodes if n.op in ("While", "StatelessWhile")]
+    assert loops and len(loops) % 2 == 0
+    assert any(name.startswith("parallax/replica_1/") for name in loops)
+
+
+def test_v1_loop_frames_are_renamed_per_replica(control_flow_v1):
+    parallel, single, names = train_both(lstm_model, 2, 3)
+    for name in names:
+        for got in parallel[name]:
+            assert np.max(np.abs(got - single[name])) <= 1e-5, name
     ir, _, _ = pn.transform(lstm_model(4)[0], {"hosts": [{"devices": ["cpu:0", "cpu:1"]}]})
     frames = {n.attr["frame_name"].s.decode() for n in ir.nodes if n.op == "Enter"}
     assert any(f.startswith("parallax/replica_1/") for f in frames)
