@@ -1,9 +1,9 @@
 """Front end: a user's single-device training graph as a `TrainingGraph`.
 
-Requires: a `tf.Graph` built with tf.compat.v1 ops and resource variables,
-trained by a tf.compat.v1.train optimizer (or any code that writes variables
-with ResourceApply*/ResourceSparseApply*/ResourceScatter*/Assign*VariableOp
-fed by `tf.gradients` outputs), or a MetaGraphDef (object or file) of one.
+Requires: a `tf.Graph` built with tf.compat.v1 ops and resource or reference
+variables, trained by a tf.compat.v1.train or tf_keras optimizer (or any code
+that writes variables from `tf.gradients` outputs), or a MetaGraphDef (object
+or file) of one.
 Guarantees: every variable, its writers and readers, the state it owns (slots,
 moving averages), and for every trained variable the raw gradient tensors the
 autodiff produced (dense tensor, or values+indices of an IndexedSlices).
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import tensorflow as tf
 
-from . import rules
+from . import compat, rules
 from .errors import GraphError
 from .ir import GraphIR, TensorRef
 
@@ -75,16 +75,25 @@ class TrainingGraph:
         return [v.name for v in self.variables.values() if v.trainable]
 
     def variable_of_handle(self, ref: TensorRef) -> str | None:
-        """The variable whose handle `ref` carries, through pass-through ops."""
-        seen = set()
+        """The variable whose handle (or reference) `ref` carries, if any.
+
+        Follows pass-through ops and, for reference variables, writers whose
+        output is the reference they wrote through.
+        """
+        start, seen = ref, set()
         while ref.node not in seen:
             seen.add(ref.node)
             node = self.ir.get(ref.node)
             if node is None:
                 return None
             if node.op in rules.VARIABLE_OPS:
-                return node.name if node.name in self.variables else None
-            if node.op in rules.HANDLE_PASSTHROUGH and node.input:
+                if node.name not in self.variables:
+                    return None
+                dtype = self.tensor(start).dtype
+                return node.name if dtype == tf.resource or compat.is_ref_dtype(dtype) else None
+            if node.input and (node.op in rules.HANDLE_PASSTHROUGH or
+                               node.op in rules.REF_PASSTHROUGH or
+                               (compat.outputs_ref(node.op) and ref.index == 0)):
                 ref = self.ir.data_inputs(node.name)[0]
                 continue
             return None
@@ -139,12 +148,6 @@ def _from_graph(graph: tf.Graph) -> TrainingGraph:
 
 
 def _variables(graph: tf.Graph, ir: GraphIR) -> dict[str, Variable]:
-    legacy = [n.name for n in ir.nodes if n.op in ("VariableV2", "Variable")]
-    if legacy:
-        raise GraphError(
-            f"variables {legacy[:3]} are reference variables (VariableV2); "
-            "parallax_ng needs resource variables: call "
-            "tf.compat.v1.enable_resource_variables() before building the graph")
     keys = (tf.compat.v1.GraphKeys.GLOBAL_VARIABLES, tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
     pyvars = {v.op.name: v for key in keys for v in graph.get_collection(key)}
     trainable = {v.op.name for v in graph.get_collection(
@@ -191,11 +194,14 @@ def _resource_uses(tg: TrainingGraph):
     writers: dict[str, list[str]] = defaultdict(list)
     readers: dict[str, list[str]] = defaultdict(list)
     for node in tg.ir.nodes:
-        for ref in tg.ir.data_inputs(node.name):
+        for pos, ref in enumerate(tg.ir.data_inputs(node.name)):
             var = tg.variable_of_handle(ref)
             if var is None:
                 continue
-            use = rules.classify_resource_use(node.op, node.name, var)
+            if tg.ir.node(var).op == "VarHandleOp":
+                use = rules.classify_resource_use(node.op, node.name, var)
+            else:
+                use = rules.classify_ref_use(node.op, pos)
             if use == "write":
                 writers[var].append(node.name)
             elif use == "read":

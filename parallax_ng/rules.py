@@ -8,12 +8,20 @@ from __future__ import annotations
 
 import re
 
+from . import compat
 from .errors import GraphError
 
-VARIABLE_OPS = frozenset({"VarHandleOp"})
+VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable"})
 
 # Ops that forward a resource handle unchanged.
 HANDLE_PASSTHROUGH = frozenset({"Identity", "Enter", "Switch", "Merge", "Exit"})
+
+# Ops that forward a reference unchanged (other ops dereference: they read).
+REF_PASSTHROUGH = frozenset({"RefIdentity", "RefEnter", "RefSwitch", "RefMerge",
+                             "RefExit", "RefNextIteration", "RefSelect"})
+
+# Ops that take a reference argument but only read it.
+REF_READERS = frozenset({"IsVariableInitialized"})
 
 # Ops that only read a variable.
 READERS = frozenset({
@@ -35,7 +43,8 @@ _WRITER_PATTERN = re.compile(
 
 # Reads that are cheap enough to force in order to keep replicas race-free.
 CHEAP_READERS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
-                           "VariableShape", "VarIsInitializedOp"})
+                           "VariableShape", "VarIsInitializedOp",
+                           "Identity", "IsVariableInitialized"})   # reference variables
 
 # Ops that act outside the graph (files): never replicated, run once.
 EXTERNAL_EFFECT_OPS = frozenset({
@@ -57,9 +66,9 @@ _HOST_ONLY_PATTERN = re.compile(
 #   sum:  accumulators (AssignAdd of counts, totals: streaming metrics)
 #   mean: moving averages and assignments (batch-norm moving statistics)
 STATE_SYNC_REDUCTION = {
-    "AssignAddVariableOp": "sum",
-    "AssignSubVariableOp": "mean",
-    "AssignVariableOp": "mean",
+    "AssignAddVariableOp": "sum", "AssignAdd": "sum",
+    "AssignSubVariableOp": "mean", "AssignSub": "mean",
+    "AssignVariableOp": "mean", "Assign": "mean",
 }
 
 # Ops whose output i is a function of input i alone; other ops' outputs may
@@ -87,6 +96,22 @@ def is_host_only(op_type: str) -> bool:
 def is_autodiff(node_name: str) -> bool:
     """True for ops TensorFlow's autodiff (`tf.gradients`) created."""
     return bool(AUTODIFF_SCOPE.search(node_name))
+
+
+def classify_ref_use(op_type: str, position: int) -> str:
+    """'read', 'write' or 'pass' for an op that takes a reference variable.
+
+    TensorFlow dereferences a reference passed to a value argument, so such
+    ops read; ops whose argument is itself a reference write through it.
+    """
+    if op_type in REF_PASSTHROUGH:
+        return "pass"
+    if op_type in REF_READERS:
+        return "read"
+    refs = compat.ref_input_positions(op_type)
+    if refs and position < len(refs) and refs[position]:
+        return "write"
+    return "read"
 
 
 def classify_resource_use(op_type: str, node_name: str, variable: str) -> str:

@@ -19,12 +19,15 @@ feeds go to every replica unchanged.
 from __future__ import annotations
 
 import difflib
+import itertools
 
 import numpy as np
 import tensorflow as tf
 
+from . import compat
 from .errors import FetchError
-from .ir import parse_tensor
+from .ir import format_input, parse_input, parse_tensor
+from .passes import REPLICA_PREFIX
 
 
 class Runner:
@@ -36,6 +39,9 @@ class Runner:
             tf.graph_util.import_graph_def(ir.graph_def, name="")
         self.session = tf.compat.v1.Session(graph=self.graph, config=self._session_config())
         self._user_graph = ctx.tg.graph
+        self._late: dict[str, list[str]] = {}   # user op made after get_runner -> copies
+        self._late_variant: set[str] = set()
+        self._imports = itertools.count()
 
     def _session_config(self):
         devices = [d.upper() for d in self.plan.devices]
@@ -90,25 +96,34 @@ class Runner:
         name = self._user_name(leaf)
         ctx, n = self.ctx, self.plan.num_replicas
         if ":" not in name:            # an op: run it everywhere it exists
-            targets = list(dict.fromkeys(ctx.replica_name(k, name) for k in range(n)))
+            targets = list(dict.fromkeys(self._copy_name(k, name) for k in range(n)))
             return {"names": [self.graph.get_operation_by_name(t) for t in targets],
                     "how": "none"}
         ref = parse_tensor(name)
         user_tensor = self._user_graph.get_tensor_by_name(name)
         if per_replica:
             how = "list"
-        elif ref.node not in ctx.variant:
+        elif ref.node not in ctx.variant and ref.node not in self._late_variant:
             return {"names": [name], "how": "first"}
         else:
             how = self.config.fetch_reduction.get(name) or _default_reduction(user_tensor)
-        names = list(dict.fromkeys(ctx.replica_tensor(k, ref) for k in range(n)))
-        names = [t if ":" in t else t + ":0" for t in names]
+        names = list(dict.fromkeys(f"{self._copy_name(k, ref.node)}:{ref.index}"
+                                   for k in range(n)))
         return {"names": names, "how": how}
+
+    def _copy_name(self, k: int, node: str) -> str:
+        """Replica k's copy of user node `node` in the runner's graph."""
+        if node in self._late:
+            return self._late[node][k]
+        return self.ctx.replica_name(k, node)
 
     def _user_name(self, leaf) -> str:
         if isinstance(leaf, tf.Variable):
             element = getattr(leaf, "_graph_element", None)
-            leaf = element if element is not None else leaf.op.name + "/Read/ReadVariableOp:0"
+            if element is None:   # a reference variable's value is its own output
+                element = leaf.op.name + (":0" if leaf.op.type == "VariableV2"
+                                          else "/Read/ReadVariableOp:0")
+            leaf = element
         if isinstance(leaf, (tf.Tensor, tf.Operation)):
             if leaf.graph is not self._user_graph:
                 raise FetchError(f"{leaf.name!r} belongs to another graph than the one "
@@ -120,16 +135,70 @@ class Runner:
             raise FetchError(f"cannot fetch or feed a {type(leaf).__name__}; use a tensor, an op, "
                              "a variable or a name from the training graph")
         node = name.split(":")[0]
-        if node not in self.ctx.tg.ir:
-            close = difflib.get_close_matches(node, self.ctx.tg.ir.names(), n=3)
-            raise FetchError(f"{name!r} is not in the training graph"
-                             + (f"; did you mean {close}?" if close else ""))
+        if node not in self.ctx.tg.ir and node not in self._late:
+            if not self._adopt(node):
+                close = difflib.get_close_matches(node, self.ctx.tg.ir.names(), n=3)
+                raise FetchError(f"{name!r} is not in the training graph"
+                                 + (f"; did you mean {close}?" if close else ""))
         if ":" in name:
             try:
                 self._user_graph.get_tensor_by_name(name)
             except (KeyError, ValueError) as e:
                 raise FetchError(f"{name!r} is not a tensor of the training graph: {e}") from None
         return name
+
+    def _adopt(self, node: str) -> bool:
+        """Copy user ops made after get_runner (e.g. a later
+        global_variables_initializer()) into every replica; False if `node`
+        is not in the user's graph at all."""
+        try:
+            op = self._user_graph.get_operation_by_name(node)
+        except KeyError:
+            return False
+        known = self.ctx.tg.ir
+        new, todo = {}, [op]
+        while todo:
+            o = todo.pop()
+            if o.name in new or o.name in known or o.name in self._late:
+                continue
+            if o.type in ("VarHandleOp", "VariableV2"):
+                raise FetchError(f"variable {o.name!r} was created after get_runner; "
+                                 "create every variable before calling get_runner")
+            new[o.name] = o
+            todo.extend(t.op for t in o.inputs)
+            todo.extend(o.control_inputs)
+        order = [o for o in self._user_graph.get_operations() if o.name in new]
+        for o in order:
+            if any(t.op.name in self.ctx.variant or t.op.name in self._late_variant
+                   for t in o.inputs):
+                self._late_variant.add(o.name)
+        for k, device in enumerate(self.plan.devices):
+            scope = f"parallax/late_{next(self._imports)}"
+            gd, input_map, controls = tf.compat.v1.GraphDef(), {}, {}
+            for o in order:
+                nd = gd.node.add()
+                nd.CopyFrom(o.node_def)
+                nd.name = _late_name(k, o.name)
+                nd.device = device
+                del nd.input[:]
+                for text in o.node_def.input:
+                    src, idx, control = parse_input(text)
+                    if src in new:
+                        nd.input.append(format_input(_late_name(k, src), idx))
+                    elif control:
+                        controls.setdefault(nd.name, []).append(self._copy_name(k, src))
+                    else:
+                        there = self._copy_name(k, src)
+                        input_map[f"{src}:{idx}"] = self.graph.get_tensor_by_name(f"{there}:{idx}")
+                        nd.input.append(f"{src}:{idx}")
+            with self.graph.as_default():
+                tf.graph_util.import_graph_def(gd, input_map=input_map, name=scope)
+            for name, deps in controls.items():
+                compat.add_control_inputs(self.graph.get_operation_by_name(f"{scope}/{name}"),
+                                          [self.graph.get_operation_by_name(d) for d in deps])
+            for o in order:
+                self._late.setdefault(o.name, []).append(f"{scope}/{_late_name(k, o.name)}")
+        return True
 
     # -- feeds ----------------------------------------------------------------
     def _feeds(self, feed_dict) -> dict:
@@ -156,6 +225,10 @@ class Runner:
                 for c in dict.fromkeys(copies):
                     out[c] = value
         return out
+
+
+def _late_name(k: int, name: str) -> str:
+    return name if k == 0 else REPLICA_PREFIX.format(k) + name
 
 
 def _default_reduction(t: tf.Tensor) -> str:

@@ -78,7 +78,10 @@ def variable_names(graph) -> list[str]:
     return [v.op.name for v in graph.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)]
 
 
-def read_name(var: str) -> str:
+def read_name(var: str, graph=None) -> str:
+    """A tensor holding the variable's value (resource or reference variable)."""
+    if graph is not None and graph.get_operation_by_name(var).type == "VariableV2":
+        return var + ":0"
     return var + "/Read/ReadVariableOp:0"
 
 
@@ -89,7 +92,7 @@ def train_single(graph, handles, steps):
         for _ in range(steps):
             sess.run(handles["train"])
         names = variable_names(graph)
-        return dict(zip(names, sess.run([read_name(n) for n in names])))
+        return dict(zip(names, sess.run([read_name(n, graph) for n in names])))
 
 
 def local(n: int) -> dict:
@@ -98,8 +101,9 @@ def local(n: int) -> dict:
 
 def load_values(sess, graph, values: dict) -> None:
     """Set variables of a plain session to `values` through their initializers."""
+    by_name = {v.op.name: v for v in graph.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)}
     for name, value in values.items():
-        op = graph.get_operation_by_name(name + "/Assign")
+        op = by_name[name].initializer
         sess.run(op, {op.inputs[1]: value})
 
 
@@ -112,7 +116,7 @@ def train_both(build, n, steps, resources=None, config=None, batch=4):
     """
     g, h = build(batch)
     names = variable_names(g)
-    reads = [read_name(v) for v in names]
+    reads = [read_name(v, g) for v in names]
     with pn.get_runner(g, resources or local(n), config) as runner:
         runner.run([x for x in (h["init"], h.get("iterator_init")) if x is not None])
         start = runner.run(reads)

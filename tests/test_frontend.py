@@ -60,19 +60,6 @@ def test_graph_without_optimizer_is_an_error():
         frontend.load(g)
 
 
-def test_reference_variables_are_rejected_with_the_fix():
-    g = tf.Graph()
-    with g.as_default():
-        tf1.disable_resource_variables()
-        try:
-            w = tf1.get_variable("w", [3])
-        finally:
-            tf1.enable_resource_variables()
-        tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(w))
-    with pytest.raises(GraphError, match="enable_resource_variables"):
-        frontend.load(g)
-
-
 def test_unknown_op_on_a_variable_names_it():
     g = tf.Graph()
     with g.as_default():

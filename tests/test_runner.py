@@ -123,3 +123,28 @@ def test_checkpoint_round_trip_restores_every_replica(tmp_path):
     with tf1.Session(graph=g) as sess:
         saver.restore(sess, path)
         np.testing.assert_array_equal(sess.run(reads[1]), saved[1])
+
+
+def test_ops_made_after_get_runner_run_in_every_replica():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 2], name="x")
+        w = tf1.get_variable("w", [2, 1], initializer=tf1.random_normal_initializer())
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w)), name="loss")
+        train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    runner = pn.get_runner(g, local(2))
+    with g.as_default():
+        init = tf1.global_variables_initializer()     # made after get_runner
+        doubled = loss * 2.0                           # replica-dependent
+    data = np.arange(8, dtype=np.float32).reshape(4, 2)
+    with runner:
+        runner.run(init)
+        copies = runner.run(w, per_replica=True)
+        np.testing.assert_array_equal(copies[0], copies[1])
+        runner.run(train, {x: data})
+        got_loss, got_doubled = runner.run([loss, doubled], {x: data})
+        assert got_doubled == pytest.approx(2 * got_loss)
+        with g.as_default():
+            late_var = tf1.get_variable("late", [1])
+        with pytest.raises(FetchError, match="created after get_runner"):
+            runner.run(late_var.initializer)

@@ -63,14 +63,11 @@ def _ps(ctx, var, grad, keys):
     values = [ctx.replica_tensor(k, grad.values) for k in range(n)]
     mean = plan.average_sparse if grad.sparse else plan.average_dense
     if grad.sparse:
-        nodes = [emit.const(f"{scope}/axis", 0, tf.int32, plan.host),
-                 emit.node_def(f"{scope}/values", "ConcatV2", values + [f"{scope}/axis"],
-                               plan.host, T=dtype, N=n, Tidx=tf.int32)]
         idx_dtype = ctx.tg.tensor(grad.indices).dtype
-        nodes.append(emit.node_def(
-            f"{scope}/indices", "ConcatV2",
-            [ctx.replica_tensor(k, grad.indices) for k in range(n)] + [f"{scope}/axis"],
-            plan.host, T=idx_dtype, N=n, Tidx=tf.int32))
+        indices = [ctx.replica_tensor(k, grad.indices) for k in range(n)]
+        nodes = [emit.const(f"{scope}/axis", 0, tf.int32, plan.host),
+                 _concat(f"{scope}/values", values, f"{scope}/axis", dtype, plan.host),
+                 _concat(f"{scope}/indices", indices, f"{scope}/axis", idx_dtype, plan.host)]
         out, outputs = f"{scope}/values", {grad.indices: [f"{scope}/indices"] * n}
     else:
         nodes = [emit.node_def(f"{scope}/sum", "AddN", values, plan.host, T=dtype, N=n)]
@@ -82,6 +79,13 @@ def _ps(ctx, var, grad, keys):
         out = f"{scope}/mean"
     outputs[grad.values] = [out] * n
     return nodes, outputs
+
+
+def _concat(name, inputs, axis, dtype, device):
+    if len(inputs) == 1:   # ConcatV2 needs two inputs or more
+        return emit.node_def(name, "Identity", inputs, device, T=dtype)
+    return emit.node_def(name, "ConcatV2", inputs + [axis], device,
+                         T=dtype, N=len(inputs), Tidx=tf.int32)
 
 
 def _allgather(ctx, var, grad, keys):

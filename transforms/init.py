@@ -24,7 +24,7 @@ class InitPass:
             if ctx.plan.placement[var.name] != "mirrored" or not var.initializer:
                 continue
             init = ctx.tg.ir.node(var.initializer)
-            if init.op != "AssignVariableOp":
+            if init.op not in ("AssignVariableOp", "Assign"):
                 continue
             for k in range(1, ctx.plan.num_replicas):
                 rewires[(ctx.replica_name(k, init.name), 1)] = init.input[1]

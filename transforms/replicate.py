@@ -9,7 +9,7 @@ Guarantees:
   colocation groups, so replicas never alias each other's state;
 - replicas that read shared state keep the single-device order of reads and
   writes: a shared writer runs after every replica's copy of each read of the
-  same variable that precedes it in the user's graph (otherwise replica k
+  same variable that is its ancestor in the user's graph (otherwise replica k
   could read a value that replica 0's step already advanced).
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ class ReplicatePass:
     def run(self, ir: GraphIR, ctx):
         n = ctx.plan.num_replicas
         once = ctx.unreplicated
+        functions = _FunctionCopies(ir.library, ctx)
         out = []
         for node in ir.nodes:
             out.append(node)
@@ -34,7 +35,7 @@ class ReplicatePass:
                 continue
             parsed = ir.parsed_inputs(node)
             for k in range(1, n):
-                out.append(_copy(node, k, ctx, parsed))
+                out.append(_copy(node, k, ctx, parsed, functions))
         extra = _order_shared_writers(ir, ctx, n)
         nodes = []
         for node in out:
@@ -42,11 +43,12 @@ class ReplicatePass:
                 node = _with_controls(node, extra[node.name])
             nodes.append(node)
         report = {"replicas": n, "copied": (len(ir) - len(once)) * (n - 1),
-                  "once": len(once), "ordering_edges": sum(map(len, extra.values()))}
-        return GraphIR.from_nodes(nodes, ir), report
+                  "once": len(once), "ordering_edges": sum(map(len, extra.values())),
+                  "function_copies": len(functions.made)}
+        return GraphIR.from_nodes(nodes, ir).replace(library=functions.new_library()), report
 
 
-def _copy(node, k: int, ctx, parsed):
+def _copy(node, k: int, ctx, parsed, functions):
     nd = type(node)()
     nd.CopyFrom(node)
     nd.name = ctx.replica_name(k, node.name)
@@ -58,32 +60,104 @@ def _copy(node, k: int, ctx, parsed):
     if "frame_name" in nd.attr:
         nd.attr["frame_name"].s = (ctx.replica_name(k, "") +
                                    nd.attr["frame_name"].s.decode()).encode()
-    if "_class" in nd.attr:
-        locs = []
-        for loc in nd.attr["_class"].list.s:
-            target = loc.decode().removeprefix("loc:@")
-            if target not in ctx.unreplicated:
-                locs.append(("loc:@" + ctx.replica_name(k, target)).encode())
-        del nd.attr["_class"]
-        if locs:
-            nd.attr["_class"].list.s.extend(locs)
+    _retarget_colocation(nd, k, ctx)
+    functions.retarget(nd, k)
     return nd
 
 
+class _FunctionCopies:
+    """Per-replica copies of functions whose bodies colocate with user nodes.
+
+    All replicas would otherwise call one function whose body pins its ops
+    next to replica 0's variables; replica k's call gets a copy pinned next
+    to replica k's own (shared variables stay shared).
+    """
+
+    def __init__(self, library, ctx):
+        self.ctx = ctx
+        self.library = library
+        self.pinned = {} if library is None else {
+            f.signature.name: f for f in library.function
+            if any(_targets(nd) - ctx.unreplicated for nd in f.node_def)}
+        self.made: dict[tuple[int, str], object] = {}
+
+    def retarget(self, nd, k: int) -> None:
+        for value in nd.attr.values():
+            if value.HasField("func") and value.func.name in self.pinned:
+                value.func.name = self._copy(k, value.func.name)
+            elif value.HasField("list"):
+                for f in value.list.func:
+                    if f.name in self.pinned:
+                        f.name = self._copy(k, f.name)
+
+    def _copy(self, k: int, name: str) -> str:
+        key = (k, name)
+        if key not in self.made:
+            f = type(self.pinned[name])()
+            f.CopyFrom(self.pinned[name])
+            f.signature.name = f"{name}_parallax_replica_{k}"
+            for nd in f.node_def:
+                _retarget_colocation(nd, k, self.ctx)
+            self.made[key] = f
+        return self.made[key].signature.name
+
+    def new_library(self):
+        if not self.made:
+            return self.library
+        out = type(self.library)()
+        out.CopyFrom(self.library)
+        out.function.extend(self.made.values())
+        return out
+
+
+def _targets(nd) -> set[str]:
+    if "_class" not in nd.attr:
+        return set()
+    return {loc.decode().removeprefix("loc:@") for loc in nd.attr["_class"].list.s}
+
+
+def _retarget_colocation(nd, k: int, ctx) -> None:
+    """Colocate with replica k's copies; drop groups of nodes that exist once."""
+    if "_class" not in nd.attr:
+        return
+    locs = [("loc:@" + ctx.replica_name(k, t)).encode() for t in _targets(nd)
+            if t not in ctx.unreplicated]
+    del nd.attr["_class"]
+    if locs:
+        nd.attr["_class"].list.s.extend(sorted(locs))
+
+
 def _order_shared_writers(ir: GraphIR, ctx, n: int) -> dict[str, list[str]]:
-    """Control inputs that make each shared writer wait for replicas' reads."""
+    """Control inputs that make each shared writer wait for replicas' reads.
+
+    A read of a shared variable that runs before one of its writers in the
+    user's graph (an ancestor of it) must run before that writer in every
+    replica. Ancestry is propagated once, in topological order, as bit sets
+    over the reads concerned.
+    """
     if n == 1:
         return {}
-    topo = ir.topo_index
+    shared = sorted(ctx.plan.shared_state())
+    reads = {var: [r for r in ctx.tg.readers.get(var, ())
+                   if ir.node(r).op in rules.CHEAP_READERS and r not in ctx.unreplicated]
+             for var in shared}
+    bit = {r: 1 << i for i, r in enumerate(r for rs in reads.values() for r in rs)}
+    if not bit:
+        return {}
+    before: dict[str, int] = {}
+    for name in ir.topo_order:
+        mask = bit.get(name, 0)
+        for src, _, _ in ir.parsed_inputs(ir.node(name)):
+            mask |= before.get(src, 0)
+        before[name] = mask
     extra: dict[str, list[str]] = {}
-    for var in sorted(ctx.plan.shared_state()):
-        reads = [r for r in ctx.tg.readers.get(var, ())
-                 if ir.node(r).op in rules.CHEAP_READERS and r not in ctx.unreplicated]
+    for var in shared:
         for w in ctx.tg.writers.get(var, ()):
-            before = [r for r in reads if topo[r] < topo[w]]
-            extra.setdefault(w, []).extend(
-                "^" + ctx.replica_name(k, r) for r in before for k in range(1, n))
-    return {w: c for w, c in extra.items() if c}
+            earlier = [r for r in reads[var] if before[w] & bit[r]]
+            if earlier:
+                extra.setdefault(w, []).extend(
+                    "^" + ctx.replica_name(k, r) for r in earlier for k in range(1, n))
+    return extra
 
 
 def _with_controls(node, controls: list[str]):

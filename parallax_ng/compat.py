@@ -1,0 +1,42 @@
+"""TensorFlow internals parallax_ng relies on, in one place.
+
+Each function names the public behaviour it stands for, so a TensorFlow
+upgrade that moves an internal breaks here and nowhere else.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import tensorflow as tf
+
+
+@lru_cache(maxsize=None)
+def ref_input_positions(op_type: str) -> tuple[bool, ...] | None:
+    """For each input argument of `op_type`, whether it takes a reference
+    (the op may write through it). None if the op is not registered."""
+    from tensorflow.python.framework import op_def_registry
+    op_def = op_def_registry.get(op_type)
+    if op_def is None:
+        return None
+    return tuple(arg.is_ref for arg in op_def.input_arg)
+
+
+@lru_cache(maxsize=None)
+def outputs_ref(op_type: str) -> bool:
+    """True if the op's first output is a reference (it forwards its input ref)."""
+    from tensorflow.python.framework import op_def_registry
+    op_def = op_def_registry.get(op_type)
+    return bool(op_def and op_def.output_arg and op_def.output_arg[0].is_ref)
+
+
+def is_ref_dtype(dtype: tf.DType) -> bool:
+    return dtype.base_dtype != dtype
+
+
+def add_control_inputs(op: tf.Operation, deps: list) -> None:
+    """Make `op` run after `deps` (ops already in its graph).
+
+    tf.graph_util.import_graph_def cannot map control inputs onto existing
+    ops with an empty import scope; TensorFlow's own graph editing uses this.
+    """
+    op._add_control_inputs(deps)  # noqa: SLF001
