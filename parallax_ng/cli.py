@@ -77,4 +77,4 @@ def _diff(opts, graph, resources, config) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())
