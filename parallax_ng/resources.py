@@ -8,7 +8,8 @@ Accepted forms (YAML path or dict)::
     ps: []                        # parameter-server addresses (cluster mode)
 
 `None` means this machine: all its GPUs, or, without GPUs, one CPU device per
-core (made with ConfigProto(device_count={"CPU": n})).
+core, at most MAX_DEFAULT_CPU_DEVICES (made with
+ConfigProto(device_count={"CPU": n})).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import yaml
 
 from .errors import ResourceError
 
+MAX_DEFAULT_CPU_DEVICES = 8   # replicas of a whole graph cost memory; list more explicitly
 _DEVICE = re.compile(r"^(?:/device:)?(cpu|gpu):(\d+)$", re.IGNORECASE)
 
 
@@ -74,7 +76,8 @@ def local_resources() -> ResourceInfo:
     if gpus:
         devices = tuple(("GPU", i) for i in range(len(gpus)))
     else:
-        devices = tuple(("CPU", i) for i in range(max(1, os.cpu_count() or 1)))
+        n = min(max(1, os.cpu_count() or 1), MAX_DEFAULT_CPU_DEVICES)
+        devices = tuple(("CPU", i) for i in range(n))
     return ResourceInfo((Host("127.0.0.1", devices),))
 
 
