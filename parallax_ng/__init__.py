@@ -19,26 +19,37 @@ def transform_plan(graph, resource_info=None, config=None):
     return _analyse(graph, resource_info, config)[1]
 
 
-def _analyse(graph, resource_info, config):
+def _analyse(graph, resource_info, config, cluster_info=None):
     from . import frontend
     from .analysis import analyze
     from .plan import make_plan
     from .resources import load_resources
 
     config = load_config(config)
+    tg = frontend.load(graph)
+    if cluster_info is not None:
+        plan = make_plan(tg, analyze(tg), config, cluster_info.device_strings(),
+                         cluster_info.host, len(cluster_info.workers), cluster_info.task)
+        if plan.shared_state() and plan.num_workers > 1:
+            shared = sorted(v for v in plan.variables if plan.variables[v].shared)
+            raise ConfigError(
+                f"run_option {config.run_option!r} puts {shared[:5]} on parameter servers, "
+                "which multi-worker jobs do not support yet; use run_option: allreduce "
+                "(sparse gradients by AllGather)")
+        return tg, plan, config
     resources = load_resources(resource_info)
     if len(resources.hosts) > 1:
         raise ResourceError(
             f"resource info lists {len(resources.hosts)} hosts; get_runner runs on one "
-            "machine's devices. List one host, or start a multi-machine job with the "
-            "cluster launcher")
+            "machine's devices. List one host, or start the job with "
+            "`parallax-ng run script.py -r resources.yaml`")
     host = "/job:localhost/replica:0/task:0/device:CPU:0"
-    tg = frontend.load(graph)
     plan = make_plan(tg, analyze(tg), config, resources.local_device_strings(), host)
     return tg, plan, config
 
 
-def transform(graph, resource_info=None, config=None, keep_graphs=False):
+def transform(graph, resource_info=None, config=None, keep_graphs=False,
+              cluster_info=None):
     """Analyse, plan and rewrite `graph`; no session is made.
 
     Returns (transformed GraphIR, PassContext, PassManager) for tools and
@@ -47,7 +58,7 @@ def transform(graph, resource_info=None, config=None, keep_graphs=False):
     import transforms
     from .passes import PassContext, PassManager
 
-    tg, plan, config = _analyse(graph, resource_info, config)
+    tg, plan, config = _analyse(graph, resource_info, config, cluster_info)
     ctx = PassContext(tg, plan)
     manager = PassManager(transforms.default_pipeline(), config.verify, config.dump_dir,
                           keep_graphs)
@@ -62,13 +73,25 @@ def get_runner(graph, resource_info=None, config=None):
     training op. resource_info: YAML path, dict, or None for this machine's
     devices. config: YAML path, dict or Config.
     """
-    from . import capture
+    import os
+
+    from . import capture, cluster
+    from .resources import load_resources
     from .runner import Runner
 
     capture.check(graph, resource_info, config)
-    cfg = load_config(config)
-    ir, ctx, manager = transform(graph, resource_info, cfg)
-    return Runner(ir, ctx, cfg, manager.records)
+    cfg = load_config(os.environ.get(cluster.CONFIG_ENV) or config)
+    info = cluster.from_env(load_resources(resource_info)
+                            if resource_info is not None else None)
+    if info is None:
+        ir, ctx, manager = transform(graph, resource_info, cfg)
+        return Runner(ir, ctx, cfg, manager.records)
+    if info.task_type == "ps":     # TF_CONFIG convention: a server task only serves
+        info.start_server().join()
+    server = info.start_server()
+    ir, ctx, manager = transform(graph, resource_info, cfg, cluster_info=info)
+    return Runner(ir, ctx, cfg, manager.records, server=server,
+                  session_config=info.session_config())
 
 
 __all__ = ["Config", "ConfigError", "FetchError", "GraphError", "ParallaxError",

@@ -1,5 +1,6 @@
 """`parallax-ng`: inspect what parallax_ng does to a training graph.
 
+    parallax-ng run SCRIPT -r RESOURCES [-c CONFIG] [-- ARGS]
     parallax-ng plan SOURCE [-r RESOURCES] [-c CONFIG] [--json] [-- ARGS]
     parallax-ng diff SOURCE [-r RESOURCES] [-c CONFIG] [--out DIR] [--batch N] [-- ARGS]
 
@@ -20,19 +21,35 @@ from .errors import ParallaxError
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="parallax-ng", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="start a multi-process job on this machine")
+    run.add_argument("script", help="the training script every worker runs")
+    run.add_argument("-r", "--resources", required=True, help="resource YAML: hosts, ps")
+    run.add_argument("-c", "--config", help="config YAML for every worker")
     for name, text in (("plan", "print the plan: method and traffic per variable"),
                        ("diff", "show what each pass changed, as text and HTML")):
         p = sub.add_parser(name, help=text)
         p.add_argument("source", help="training script (.py) or MetaGraphDef (.meta)")
         p.add_argument("-r", "--resources", help="resource YAML (default: the script's)")
         p.add_argument("-c", "--config", help="config YAML (default: the script's)")
-        p.add_argument("args", nargs="*", help="arguments for the script (after --)")
         if name == "plan":
             p.add_argument("--json", action="store_true", help="print the plan as JSON")
         else:
             p.add_argument("--out", help="write diff.txt, diff.html, diff.dot here")
             p.add_argument("--batch", type=int, help="size of unknown batch dimensions")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = []
+    if "--" in argv:            # everything after -- is the script's
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1:]
     opts = parser.parse_args(argv)
+    opts.args = extra
+    if opts.command == "run":
+        from .launch import launch
+        try:
+            return launch(opts.script, opts.resources, opts.config, opts.args)
+        except ParallaxError as e:
+            print(f"parallax-ng run: {e}", file=sys.stderr)
+            return 2
     try:
         graph, resources, config = _load(opts)
         return {"plan": _plan, "diff": _diff}[opts.command](opts, graph, resources, config)

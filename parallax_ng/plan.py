@@ -38,17 +38,30 @@ class Plan:
     variables: dict[str, VariablePlan]  # trainable variables
     placement: dict[str, str]         # every variable -> "mirrored" | "shared"
     timeout_seconds: float = 300.0
+    num_workers: int = 1              # processes in the job (cluster mode)
+    worker: int = 0                   # this process's index among them
 
     @property
     def num_replicas(self) -> int:
+        """Replicas in this process's graph (one per local device)."""
         return len(self.devices)
+
+    @property
+    def group_size(self) -> int:
+        """Replicas in the whole job; every worker has the same device count."""
+        return self.num_replicas * self.num_workers
+
+    @property
+    def replica_offset(self) -> int:
+        """Job-wide index of this process's replica 0."""
+        return self.worker * self.num_replicas
 
     def shared_state(self) -> set[str]:
         return {v for v, p in self.placement.items() if p == "shared"}
 
     def bytes_per_replica(self) -> dict[str, float]:
         """Bytes one replica sends+receives per step (Parallax paper, Table 3)."""
-        n = self.num_replicas
+        n = self.group_size
         out = {}
         for name, vp in self.variables.items():
             b, alpha = vp.info.nbytes, vp.info.alpha or 1.0
@@ -63,6 +76,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "run_option": self.run_option, "average_dense": self.average_dense,
+            "workers": self.num_workers, "worker": self.worker,
             "average_sparse": self.average_sparse, "devices": list(self.devices),
             "host": self.host,
             "variables": {k: {"method": v.method, **v.info.to_dict()}
@@ -71,8 +85,8 @@ class Plan:
         }
 
     def format(self) -> str:
-        rows = [f"run_option={self.run_option} replicas={self.num_replicas} "
-                f"host={self.host}",
+        rows = [f"run_option={self.run_option} replicas={self.group_size} "
+                f"({self.num_workers} worker(s) x {self.num_replicas}) host={self.host}",
                 f"{'variable':40} {'shape':>16} {'kind':6} {'alpha':>6} "
                 f"{'method':9} {'MB/step/replica':>15}"]
         traffic = self.bytes_per_replica()
@@ -89,7 +103,7 @@ class Plan:
 
 
 def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
-              devices: list[str], host: str) -> Plan:
+              devices: list[str], host: str, num_workers: int = 1, worker: int = 0) -> Plan:
     unknown = set(config.variable_methods) - set(info)
     if unknown:
         raise ConfigError(f"config key 'variable_methods' names {sorted(unknown)}, which "
@@ -108,7 +122,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
         placement[name] = "shared" if shared else "mirrored"
     return Plan(config.run_option, config.average_dense, config.average_sparse,
                 tuple(devices), host, variables, placement,
-                config.communication.timeout_seconds)
+                config.communication.timeout_seconds, num_workers, worker)
 
 
 def _default_method(run_option: str, vi: VariableInfo) -> str:

@@ -31,13 +31,16 @@ from .passes import REPLICA_PREFIX
 
 
 class Runner:
-    def __init__(self, ir, ctx, config, records=()):
+    def __init__(self, ir, ctx, config, records=(), server=None, session_config=None):
         self.ctx, self.plan, self.config = ctx, ctx.plan, config
         self.pass_records = list(records)
+        self.server = server     # this worker's gRPC server in cluster mode
         self.graph = tf.Graph()
         with self.graph.as_default():
             tf.graph_util.import_graph_def(ir.graph_def, name="")
-        self.session = tf.compat.v1.Session(graph=self.graph, config=self._session_config())
+        self.session = tf.compat.v1.Session(
+            server.target if server is not None else "", graph=self.graph,
+            config=session_config or self._session_config())
         self._user_graph = ctx.tg.graph
         self._late: dict[str, list[str]] = {}   # user op made after get_runner -> copies
         self._late_variant: set[str] = set()

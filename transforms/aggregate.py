@@ -50,7 +50,7 @@ def _allreduce(ctx, var, grad, keys):
         name = f"parallax/allreduce/{var}/replica_{k}"
         nodes.append(emit.collective_reduce(
             name, ctx.replica_tensor(k, grad.values), dtype, device,
-            group_size=plan.num_replicas, group_key=GROUP_KEY, instance_key=key,
+            group_size=plan.group_size, group_key=GROUP_KEY, instance_key=key,
             mean=plan.average_dense, timeout=plan.timeout_seconds))
         outs.append(name)
     return nodes, {grad.values: outs}
@@ -72,8 +72,8 @@ def _ps(ctx, var, grad, keys):
     else:
         nodes = [emit.node_def(f"{scope}/sum", "AddN", values, plan.host, T=dtype, N=n)]
         out, outputs = f"{scope}/sum", {}
-    if mean and n > 1:
-        nodes += [emit.const(f"{scope}/scale", 1.0 / n, dtype, plan.host),
+    if mean and plan.group_size > 1:
+        nodes += [emit.const(f"{scope}/scale", 1.0 / plan.group_size, dtype, plan.host),
                   emit.node_def(f"{scope}/mean", "Mul", [out, f"{scope}/scale"],
                                 plan.host, T=dtype)]
         out = f"{scope}/mean"
@@ -108,7 +108,7 @@ def _allgather(ctx, var, grad, keys):
 
 
 def _gather_slices(values, indices, plan, keys):
-    n, timeout = plan.num_replicas, plan.timeout_seconds
+    n, timeout = plan.group_size, plan.timeout_seconds
 
     def all_gather(t, key):
         return tf.raw_ops.CollectiveGatherV2(

@@ -22,16 +22,17 @@ from transforms.aggregate import copy_node
 @dataclass(frozen=True)
 class ShardInputsPass:
     name: str = "shard_inputs"
-    num_shards: int | None = None     # total replicas in the job (default: plan's)
-    offset: int = 0                   # global index of this worker's replica 0
+    num_shards: int | None = None     # replicas in the job (default: the plan's)
+    offset: int | None = None         # job-wide index of this worker's replica 0
 
     def run(self, ir: GraphIR, ctx):
         n = ctx.plan.num_replicas
-        total = self.num_shards or n
+        total = self.num_shards or ctx.plan.group_size
+        offset = ctx.plan.replica_offset if self.offset is None else self.offset
         changed = {}
         for num, index in ctx.tg.shard_consts:
             for k in range(n):
-                for name, value in ((num, total), (index, self.offset + k)):
+                for name, value in ((num, total), (index, offset + k)):
                     name = ctx.replica_name(k, name)
                     changed[name] = _with_scalar(ir.node(name), value)
         library = ir.library
@@ -40,14 +41,15 @@ class ShardInputsPass:
         if functions:
             library = type(library)()
             library.CopyFrom(ir.library)
-            copies = self._split_one_shot(ir, library, changed, functions, total)
+            copies = self._split_one_shot(ir, library, changed, functions, total, offset)
         if not changed and n > 1:
             report = {"warning": "no pn.shard() dataset found; replicas read the same data"}
         else:
             report = {"constants": len(changed) - copies, "function_copies": copies}
         return ir.replace(changed, library=library), report
 
-    def _split_one_shot(self, ir, library, changed, functions: set[str], total: int) -> int:
+    def _split_one_shot(self, ir, library, changed, functions: set[str], total: int,
+                        offset: int) -> int:
         by_name = {f.signature.name: f for f in library.function}
         copies = 0
         for node in ir.nodes:
@@ -59,14 +61,14 @@ class ShardInputsPass:
             k = replica_of(node.name)[0]
             f = type(by_name[fname])()
             f.CopyFrom(by_name[fname])
-            f.signature.name = f"{fname}_parallax_shard_{self.offset + k}_of_{total}"
+            f.signature.name = f"{fname}_parallax_shard_{offset + k}_of_{total}"
             for body in f.node_def:
                 scope, _, leaf = body.name.rpartition("/")
                 if scope.split("/")[-1].startswith(SHARD_SCOPE):
                     if leaf == "num_shards":
                         _set_scalar(body, total)
                     elif leaf == "index":
-                        _set_scalar(body, self.offset + k)
+                        _set_scalar(body, offset + k)
             library.function.append(f)
             nd = copy_node(node)
             nd.attr["dataset_factory"].func.name = f.signature.name

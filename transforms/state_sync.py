@@ -23,7 +23,7 @@ class StateSyncPass:
 
     def run(self, ir: GraphIR, ctx):
         tg, plan = ctx.tg, ctx.plan
-        if plan.num_replicas == 1:
+        if plan.group_size == 1:
             return ir, {"synced": 0}
         initializers = {v.initializer for v in tg.variables.values()}
         synced = 0
@@ -45,7 +45,7 @@ class StateSyncPass:
                         name = f"parallax/state_sync/{w}/input_{pos}/replica_{k}"
                         new_nodes.append(emit.collective_reduce(
                             name, ctx.replica_tensor(k, ref), dtype, device,
-                            group_size=plan.num_replicas, group_key=GROUP_KEY,
+                            group_size=plan.group_size, group_key=GROUP_KEY,
                             instance_key=key, mean=how == "mean",
                             timeout=plan.timeout_seconds))
                         rewires[(ctx.replica_name(k, w), pos)] = name

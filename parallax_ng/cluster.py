@@ -1,0 +1,90 @@
+"""Cluster mode: which process this is in a multi-process job.
+
+Requires: the launcher's PARALLAX_NG_CLUSTER variable (JSON), or TF_CONFIG as
+Kubernetes operators and other orchestrators set it (then each worker's
+devices come from the resource file's hosts, default one CPU).
+Guarantees: the cluster spec, this task's type and index, its devices as
+TensorFlow device names, the session config every process of the job must
+share (collective group leader = worker 0), and the process's gRPC server.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from .errors import ResourceError
+
+ENV = "PARALLAX_NG_CLUSTER"
+CONFIG_ENV = "PARALLAX_NG_CONFIG"
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    workers: tuple[str, ...]                 # host:port of every worker
+    ps: tuple[str, ...]                      # host:port of every parameter server
+    task_type: str                           # "worker" or "ps"
+    task: int
+    devices: tuple[tuple[str, int], ...]     # this worker's devices
+
+    @property
+    def spec(self) -> tf.train.ClusterSpec:
+        jobs = {"worker": list(self.workers)}
+        if self.ps:
+            jobs["ps"] = list(self.ps)
+        return tf.train.ClusterSpec(jobs)
+
+    def device_strings(self) -> list[str]:
+        return [f"/job:worker/replica:0/task:{self.task}/device:{kind}:{i}"
+                for kind, i in self.devices]
+
+    @property
+    def host(self) -> str:
+        return f"/job:worker/replica:0/task:{self.task}/device:CPU:0"
+
+    def session_config(self) -> tf.compat.v1.ConfigProto:
+        cpus = 1 + max([i for kind, i in self.devices if kind == "CPU"], default=0)
+        config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus},
+                                          allow_soft_placement=any(
+                                              kind == "GPU" for kind, _ in self.devices))
+        config.experimental.collective_group_leader = "/job:worker/replica:0/task:0"
+        return config
+
+    def start_server(self) -> tf.distribute.Server:
+        return tf.distribute.Server(self.spec, job_name=self.task_type,
+                                    task_index=self.task, config=self.session_config(),
+                                    start=True)
+
+    def to_env(self) -> str:
+        return json.dumps({"worker": list(self.workers), "ps": list(self.ps),
+                           "task_type": self.task_type, "task": self.task,
+                           "devices": [list(d) for d in self.devices]})
+
+
+def from_env(resources=None) -> ClusterInfo | None:
+    """This process's place in a job, or None when not started as part of one."""
+    raw = os.environ.get(ENV)
+    if raw:
+        d = json.loads(raw)
+        return ClusterInfo(tuple(d["worker"]), tuple(d.get("ps", ())), d["task_type"],
+                           int(d["task"]), tuple((k, int(i)) for k, i in d["devices"]))
+    raw = os.environ.get("TF_CONFIG")
+    if not raw:
+        return None
+    d = json.loads(raw)
+    cluster, task = d.get("cluster", {}), d.get("task", {})
+    chief = tuple(cluster.get("chief", ()))
+    workers = chief + tuple(cluster.get("worker", ()))   # a chief is worker 0 here
+    if not workers or task.get("type") not in ("worker", "ps", "chief"):
+        raise ResourceError("TF_CONFIG needs cluster.worker (or chief) and task.type "
+                            f"chief, worker or ps; got {raw[:200]}")
+    index = int(task.get("index", 0))
+    if task["type"] == "worker":
+        index += len(chief)
+    devices = (("CPU", 0),)
+    if resources is not None and task["type"] != "ps" and index < len(resources.hosts):
+        devices = resources.hosts[index].devices
+    return ClusterInfo(workers, tuple(cluster.get("ps", ())),
+                       "ps" if task["type"] == "ps" else "worker", index, devices)

@@ -1,0 +1,45 @@
+"""A training script for the multi-process tests: trains, then saves every
+replica's variables to OUT.<worker>.npz.
+
+    python cluster_script.py OUT STEPS [--random-init] [--die-at STEP]
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import parallax_ng as pn  # noqa: E402
+from models import embedding_regression, read_name, variable_names  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("steps", type=int)
+parser.add_argument("--random-init", action="store_true")
+parser.add_argument("--die-at", type=int, default=-1)
+parser.add_argument("--run-option", default="allreduce")
+args = parser.parse_args()
+
+if args.random_init:
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 2])
+        tf.compat.v1.train.AdamOptimizer(0.1).minimize(tf.reduce_sum(tf.matmul(x, w)))
+        h = {"init": tf.compat.v1.global_variables_initializer(), "iterator_init": None,
+             "train": None}
+else:
+    g, h = embedding_regression(4, "adam", clip=True, ema=True)
+runner = pn.get_runner(g, None, {"run_option": args.run_option,
+                                 "communication": {"timeout_seconds": 120}})
+runner.run([op for op in (h["init"], h["iterator_init"]) if op is not None])
+for step in range(args.steps):
+    if step == args.die_at and runner.plan.worker == 1:
+        os._exit(3)
+    runner.run(h["train"])
+names = variable_names(g)
+values = runner.run([read_name(v, g) for v in names], per_replica=True)
+np.savez(f"{args.out}.{runner.plan.worker}.npz",
+         **{f"{n}#{k}": v for n, vs in zip(names, values) for k, v in enumerate(vs)})

@@ -1,0 +1,111 @@
+"""Multi-process jobs on 127.0.0.1: real worker processes with gRPC servers,
+collectives across processes, started and stopped by `parallax-ng run`."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from models import embedding_regression, train_single
+from parallax_ng import cluster, launch
+from parallax_ng.errors import ResourceError
+from parallax_ng.resources import load_resources
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "cluster_script.py")
+
+
+def resources(tmp_path, workers, devices):
+    path = tmp_path / "resources.yaml"
+    hosts = "".join(f"  - address: 127.0.0.1\n    devices: [{', '.join(f'cpu:{k}' for k in range(devices))}]\n"
+                    for _ in range(workers))
+    path.write_text("hosts:\n" + hosts)
+    return str(path)
+
+
+def run_job(tmp_path, workers, devices, *args, timeout=300):
+    out = str(tmp_path / "vars")
+    cmd = [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+           resources(tmp_path, workers, devices), "--", out, *args]
+    start = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+    return done, out, time.monotonic() - start
+
+
+def load(out, workers):
+    values = {}
+    for t in range(workers):
+        with np.load(f"{out}.{t}.npz") as d:
+            for key in d.files:
+                values.setdefault(key.split("#")[0], []).append(d[key])
+    return values
+
+
+@pytest.mark.parametrize("workers,devices", [(2, 1), (2, 2)])
+def test_workers_match_one_device(tmp_path, workers, devices):
+    done, out, _ = run_job(tmp_path, workers, devices, "10")
+    assert done.returncode == 0, done.stderr[-3000:]
+    parallel = load(out, workers)
+    single = train_single(*embedding_regression(4 * workers * devices, "adam",
+                                                clip=True, ema=True), 10)
+    assert set(parallel) == set(single)
+    for name, copies in parallel.items():
+        assert len(copies) == workers * devices
+        for got in copies:
+            assert np.max(np.abs(got - single[name])) <= 1e-5, name
+
+
+def test_random_initial_values_are_broadcast_from_worker_0(tmp_path):
+    done, out, _ = run_job(tmp_path, 2, 1, "0", "--random-init")
+    assert done.returncode == 0, done.stderr[-3000:]
+    w = load(out, 2)["w"]
+    assert np.std(w[0]) > 0.05
+    np.testing.assert_array_equal(w[0], w[1])
+
+
+def test_a_dying_worker_ends_the_job_with_its_name(tmp_path):
+    done, _, seconds = run_job(tmp_path, 2, 1, "50", "--die-at", "3", timeout=120)
+    assert done.returncode != 0
+    assert "worker 1" in done.stderr and "exited with code 3" in done.stderr
+    assert seconds < 60
+
+
+def test_parameter_servers_in_multi_worker_jobs_are_refused_clearly(tmp_path):
+    done, _, _ = run_job(tmp_path, 2, 1, "1", "--run-option", "hybrid", timeout=120)
+    assert done.returncode != 0
+    assert "run_option: allreduce" in done.stderr
+
+
+def test_cluster_plan_and_bad_resources(tmp_path):
+    workers, ps = launch.plan_cluster(load_resources(resources(tmp_path, 2, 1)))
+    assert len(workers) == 2 and len(set(workers)) == 2 and ps == []
+    assert all(w.startswith("127.0.0.1:") for w in workers)
+    uneven = {"hosts": [{"devices": ["cpu:0"]}, {"devices": ["cpu:0", "cpu:1"]}]}
+    with pytest.raises(ResourceError, match="same number of devices"):
+        launch.plan_cluster(load_resources(uneven))
+    remote = {"hosts": [{"address": "10.0.0.5", "devices": ["cpu:0"]}]}
+    with pytest.raises(ResourceError, match="not this machine's"):
+        launch.plan_cluster(load_resources(remote))
+
+
+def test_tf_config_from_an_orchestrator(monkeypatch):
+    monkeypatch.delenv(cluster.ENV, raising=False)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"chief": ["127.0.0.1:2000"], "worker": ["127.0.0.1:2001"],
+                    "ps": ["127.0.0.1:2002"]},
+        "task": {"type": "worker", "index": 0}}))
+    res = load_resources({"hosts": [{"devices": ["cpu:0"]}, {"devices": ["cpu:0", "cpu:1"]}]})
+    info = cluster.from_env(res)
+    assert info.task == 1 and info.task_type == "worker"       # the chief is worker 0
+    assert info.workers == ("127.0.0.1:2000", "127.0.0.1:2001")
+    assert info.devices == (("CPU", 0), ("CPU", 1))
+    assert info.device_strings()[1] == "/job:worker/replica:0/task:1/device:CPU:1"
+    assert info.session_config().experimental.collective_group_leader == \
+        "/job:worker/replica:0/task:0"
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {}, "task": {}}))
+    with pytest.raises(ResourceError, match="TF_CONFIG"):
+        cluster.from_env()
