@@ -28,11 +28,26 @@ class CommunicationConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str | None = None           # where checkpoints go; None: no checkpoints
+    every_steps: int = 100           # save after every this many training steps
+
+    def __post_init__(self):
+        if self.dir is not None and not isinstance(self.dir, str):
+            raise ConfigError(f"config key 'checkpoint.dir' must be a path, not {self.dir!r}")
+        if not isinstance(self.every_steps, int) or isinstance(self.every_steps, bool) \
+                or self.every_steps < 1:
+            raise ConfigError("config key 'checkpoint.every_steps' must be a positive "
+                              f"integer, not {self.every_steps!r}")
+
+
+@dataclass(frozen=True)
 class Config:
     run_option: str = "hybrid"
     average_dense: bool = True
     average_sparse: bool = True
     communication: CommunicationConfig = field(default_factory=CommunicationConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     variable_methods: dict = field(default_factory=dict)   # variable -> method
     fetch_reduction: dict = field(default_factory=dict)    # tensor name -> how
     dump_dir: str | None = None                            # graphs after each pass
@@ -57,15 +72,18 @@ class Config:
         data = dict(data)
         known = {f.name for f in dataclasses.fields(cls)}
         _reject_unknown("", data, known)
-        comm = data.pop("communication", None) or {}
-        if not isinstance(comm, dict):
-            raise ConfigError("config key 'communication' must be a mapping")
-        _reject_unknown("communication.", comm,
-                        {f.name for f in dataclasses.fields(CommunicationConfig)})
+        sections = {}
+        for key, kind in (("communication", CommunicationConfig),
+                          ("checkpoint", CheckpointConfig)):
+            section = data.pop(key, None) or {}
+            if not isinstance(section, dict):
+                raise ConfigError(f"config key {key!r} must be a mapping")
+            _reject_unknown(key + ".", section, {f.name for f in dataclasses.fields(kind)})
+            sections[key] = kind(**section)
         for key in ("variable_methods", "fetch_reduction"):
             if key in data and not isinstance(data[key], dict):
                 raise ConfigError(f"config key {key!r} must be a mapping")
-        return cls(communication=CommunicationConfig(**comm), **data)
+        return cls(**sections, **data)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -38,9 +38,17 @@ class Runner:
         self.graph = tf.Graph()
         with self.graph.as_default():
             tf.graph_util.import_graph_def(ir.graph_def, name="")
+        self._checkpoints = None
+        if config.checkpoint.dir:
+            from .checkpoint import Checkpointer
+            self._checkpoints = Checkpointer(self.graph, ctx, config.checkpoint.dir)
         self.session = tf.compat.v1.Session(
             server.target if server is not None else "", graph=self.graph,
             config=session_config or self._session_config())
+        self._kinds: dict[tuple, tuple[bool, bool]] = {}
+        self._restored = False
+        self._steps = 0
+        self._step_read = None
         self._user_graph = ctx.tg.graph
         self._late: dict[str, list[str]] = {}   # user op made after get_runner -> copies
         self._late_variant: set[str] = set()
@@ -64,6 +72,8 @@ class Runner:
             names.extend(p["names"])
         feeds = self._feeds(feed_dict or {})
         values = self.session.run(names, feeds, options=options, run_metadata=run_metadata)
+        if self._checkpoints is not None:
+            self._after_run(tuple(p["user"] for p in plans))
         out, i = [], 0
         for p in plans:
             got = values[i:i + len(p["names"])]
@@ -101,18 +111,63 @@ class Runner:
         if ":" not in name:            # an op: run it everywhere it exists
             targets = list(dict.fromkeys(self._copy_name(k, name) for k in range(n)))
             return {"names": [self.graph.get_operation_by_name(t) for t in targets],
-                    "how": "none"}
+                    "how": "none", "user": name}
         ref = parse_tensor(name)
         user_tensor = self._user_graph.get_tensor_by_name(name)
         if per_replica:
             how = "list"
         elif ref.node not in ctx.variant and ref.node not in self._late_variant:
-            return {"names": [name], "how": "first"}
+            return {"names": [name], "how": "first", "user": ref.node}
         else:
             how = self.config.fetch_reduction.get(name) or _default_reduction(user_tensor)
         names = list(dict.fromkeys(f"{self._copy_name(k, ref.node)}:{ref.index}"
                                    for k in range(n)))
-        return {"names": names, "how": how}
+        return {"names": names, "how": how, "user": ref.node}
+
+    # -- checkpoints ----------------------------------------------------------
+    def _after_run(self, fetched: tuple) -> None:
+        """Restore after the first run that initialized variables; save every
+        `checkpoint.every_steps` training steps (the global step if the graph
+        has one, else runs that trained)."""
+        initialized, trained = self._kind(fetched)
+        if initialized and not self._restored:
+            self._restored = True
+            latest = self._checkpoints.latest()
+            if latest:
+                self._checkpoints.restore(self.session, latest)
+        if trained:
+            self._steps += 1
+            step = self._global_step()
+            step = self._steps if step is None else step
+            if step % self.config.checkpoint.every_steps == 0:
+                self._checkpoints.save(self.session, step)
+
+    def _kind(self, fetched: tuple) -> tuple[bool, bool]:
+        if fetched not in self._kinds:
+            tg = self.ctx.tg
+            known = [f for f in fetched if f in tg.ir]
+            late = [f for f in fetched if f in self._late]
+            ancestors = tg.ir.ancestors(known)
+            for name in late:   # ops made after get_runner: look at what they reach
+                op = self._user_graph.get_operation_by_name(name)
+                ancestors |= tg.ir.ancestors(
+                    [t.op.name for t in op.inputs] + [c.name for c in op.control_inputs])
+            inits = {v.initializer for v in tg.variables.values() if v.initializer}
+            writers = {w for v in tg.gradients for w in tg.writers.get(v, ())}
+            self._kinds[fetched] = (bool(ancestors & inits), bool(ancestors & writers))
+        return self._kinds[fetched]
+
+    def _global_step(self):
+        tg = self.ctx.tg
+        step = tf.compat.v1.train.get_global_step(self._user_graph)
+        if step is None or step.op.name not in tg.variables:
+            return None
+        if self._step_read is None:
+            from .checkpoint import read_value
+            with self.graph.as_default():
+                self._step_read = read_value(self.graph, step.op.name,
+                                             tg.variables[step.op.name].dtype)
+        return int(self.session.run(self._step_read))
 
     def _copy_name(self, k: int, node: str) -> str:
         """Replica k's copy of user node `node` in the runner's graph."""

@@ -1,0 +1,89 @@
+"""Checkpoints of a parallel job that resume exactly.
+
+Requires: the runner's graph (replica 0 keeps the user's names) and the
+PassContext that made it.
+Guarantees: `save(step)` writes every variable of the user's graph (weights,
+slots, moving averages, global step) under its single-device name, plus the
+position of every replica's input iterator, to `<dir>/model.ckpt-<step>`
+(in a multi-worker job each worker writes `<dir>/worker-<i>/`, the variables
+being equal on all of them); `restore_latest()` puts the newest checkpoint
+back into every replica's copy and every iterator. A job killed after step k
+and started again continues from the last checkpoint and ends with the
+variables of an uninterrupted run. The variable part is a plain checkpoint a
+single-device `tf.compat.v1.train.Saver` restores.
+"""
+from __future__ import annotations
+
+import os
+
+import tensorflow as tf
+
+from .compat import is_ref_dtype
+
+ITERATOR_OPS = ("IteratorV2", "OneShotIterator", "Iterator")
+
+
+class Checkpointer:
+    def __init__(self, graph: tf.Graph, ctx, directory: str):
+        plan = ctx.plan
+        self.directory = (os.path.join(directory, f"worker-{plan.worker}")
+                          if plan.num_workers > 1 else directory)
+        names, tensors, restores = [], [], []
+        with graph.as_default(), tf.device(plan.host), \
+                tf.compat.v1.name_scope("parallax/checkpoint/"):
+            self.prefix = tf.compat.v1.placeholder(tf.string, [], name="prefix")
+            for var in sorted(ctx.tg.variables):
+                names.append(var)
+                tensors.append(read_value(graph, var, ctx.tg.variables[var].dtype))
+            iterators = [n.name for n in ctx.tg.ir.nodes if n.op in ITERATOR_OPS]
+            for it in iterators:
+                for k in range(plan.num_replicas):
+                    handle = graph.get_tensor_by_name(ctx.replica_name(k, it) + ":0")
+                    names.append(f"parallax/iterator/{plan.replica_offset + k}/{it}")
+                    tensors.append(tf.raw_ops.SerializeIterator(
+                        resource_handle=handle, external_state_policy=0))
+            self.save_op = tf.raw_ops.SaveV2(prefix=self.prefix, tensor_names=names,
+                                             shape_and_slices=[""] * len(names),
+                                             tensors=tensors)
+            loaded = tf.raw_ops.RestoreV2(prefix=self.prefix, tensor_names=names,
+                                          shape_and_slices=[""] * len(names),
+                                          dtypes=[t.dtype.base_dtype for t in tensors])
+            for var, value in zip(sorted(ctx.tg.variables), loaded):
+                copies = {ctx.replica_name(k, var) for k in range(plan.num_replicas)}
+                restores += [_assign(graph, c, value) for c in sorted(copies)]
+            for i, it in enumerate(iterators):
+                for k in range(plan.num_replicas):
+                    value = loaded[len(ctx.tg.variables) + i * plan.num_replicas + k]
+                    handle = graph.get_tensor_by_name(ctx.replica_name(k, it) + ":0")
+                    restores.append(tf.raw_ops.DeserializeIterator(
+                        resource_handle=handle, serialized=value))
+            self.restore_op = tf.group(*restores, name="restore")
+
+    def save(self, session, step: int) -> str:
+        os.makedirs(self.directory, exist_ok=True)
+        path = os.path.join(self.directory, f"model.ckpt-{step}")
+        session.run(self.save_op, {self.prefix: path})
+        tf.compat.v1.train.update_checkpoint_state(self.directory, path)
+        return path
+
+    def latest(self) -> str | None:
+        return tf.train.latest_checkpoint(self.directory) if os.path.isdir(self.directory) \
+            else None
+
+    def restore(self, session, path: str) -> None:
+        session.run(self.restore_op, {self.prefix: path})
+
+
+def read_value(graph, var: str, dtype):
+    """A new op reading replica 0's value of `var` (resource or reference)."""
+    t = graph.get_tensor_by_name(var + ":0")
+    if is_ref_dtype(t.dtype):
+        return tf.identity(t)
+    return tf.raw_ops.ReadVariableOp(resource=t, dtype=dtype.base_dtype)
+
+
+def _assign(graph, var: str, value):
+    t = graph.get_tensor_by_name(var + ":0")
+    if is_ref_dtype(t.dtype):
+        return tf.raw_ops.Assign(ref=t, value=value).op
+    return tf.raw_ops.AssignVariableOp(resource=t, value=value)

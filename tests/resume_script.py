@@ -1,0 +1,38 @@
+"""Trains to a global step with checkpoints; can kill itself at a step.
+
+    python resume_script.py CKPT_DIR OUT STEPS [--die-at STEP] [--workers-file F]
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import parallax_ng as pn  # noqa: E402
+from models import embedding_regression, local, read_name, variable_names  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("ckpt")
+parser.add_argument("out")
+parser.add_argument("steps", type=int)
+parser.add_argument("--die-at", type=int, default=-1)
+parser.add_argument("--replicas", type=int, default=2)
+args = parser.parse_args()
+
+g, h = embedding_regression(4, "adam", clip=True, ema=True)
+step = tf.compat.v1.train.get_global_step(g)
+resources = None if os.environ.get("PARALLAX_NG_CLUSTER") else local(args.replicas)
+runner = pn.get_runner(g, resources, {"run_option": "hybrid" if resources else "allreduce",
+                                      "checkpoint": {"dir": args.ckpt, "every_steps": 5}})
+runner.run([h["init"], h["iterator_init"]])       # restores the latest checkpoint if any
+print("starting at step", runner.run(step), flush=True)
+while runner.run(step) < args.steps:
+    runner.run(h["train"])
+    if runner.run(step) == args.die_at:
+        os._exit(9)
+names = variable_names(g)
+values = runner.run([read_name(v, g) for v in names], per_replica=True)
+np.savez(f"{args.out}.{runner.plan.worker}.npz",
+         **{f"{n}#{k}": v for n, vs in zip(names, values) for k, v in enumerate(vs)})

@@ -1,0 +1,88 @@
+"""Checkpoints: a job killed after step k and started again ends with exactly
+the variables of an uninterrupted run (in-process and multi-worker)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import embedding_regression, local
+from parallax_ng.config import load_config
+from parallax_ng.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "resume_script.py")
+ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+
+
+def run(cmd, expect_ok=True):
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    if expect_ok:
+        assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def load(prefix, workers=1):
+    out = {}
+    for t in range(workers):
+        with np.load(f"{prefix}.{t}.npz") as d:
+            out.update({f"{t}/{k}": d[k] for k in d.files})
+    return out
+
+
+def test_killed_and_restarted_in_process_run_equals_uninterrupted(tmp_path):
+    whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
+    run([sys.executable, SCRIPT, str(tmp_path / "ck_whole"), whole, "20"])
+    ck = str(tmp_path / "ck")
+    died = run([sys.executable, SCRIPT, ck, broken, "20", "--die-at", "13"], expect_ok=False)
+    assert died.returncode == 9
+    assert tf.train.latest_checkpoint(ck).endswith("model.ckpt-10")
+    again = run([sys.executable, SCRIPT, ck, broken, "20"])
+    assert "starting at step 10" in again.stdout
+    a, b = load(whole), load(broken)
+    assert set(a) == set(b) and len(a) > 20
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_killed_and_restarted_two_worker_job_equals_uninterrupted(tmp_path):
+    res = tmp_path / "r.yaml"
+    res.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2)
+    launch = [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r", str(res), "--"]
+    whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
+    run(launch + [str(tmp_path / "ck_whole"), whole, "15"])
+    ck = str(tmp_path / "ck")
+    died = run(launch + [ck, broken, "15", "--die-at", "7"], expect_ok=False)
+    assert died.returncode != 0
+    again = run(launch + [ck, broken, "15"])
+    assert again.stdout.count("starting at step 5") == 2
+    a, b = load(whole, 2), load(broken, 2)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=key)
+
+
+def test_checkpoint_is_a_single_device_checkpoint(tmp_path):
+    g, h = embedding_regression(4, "sgd")
+    cfg = {"checkpoint": {"dir": str(tmp_path), "every_steps": 2}}
+    with pn.get_runner(g, local(2), cfg) as runner:
+        runner.run([h["init"], h["iterator_init"]])
+        for _ in range(4):
+            runner.run(h["train"])
+        want = runner.run("dense/w/Read/ReadVariableOp:0")
+    path = tf.train.latest_checkpoint(str(tmp_path))
+    assert path.endswith("model.ckpt-4")
+    with g.as_default():
+        saver = tf.compat.v1.train.Saver()
+    with tf.compat.v1.Session(graph=g) as sess:
+        saver.restore(sess, path)
+        np.testing.assert_array_equal(sess.run("dense/w/Read/ReadVariableOp:0"), want)
+
+
+def test_checkpoint_config_errors():
+    with pytest.raises(ConfigError, match="checkpoint.every_steps"):
+        load_config({"checkpoint": {"dir": "/tmp/x", "every_steps": 0}})
+    with pytest.raises(ConfigError, match="checkpoint.dirr"):
+        load_config({"checkpoint": {"dirr": "/tmp/x"}})
