@@ -87,7 +87,11 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
 
 def _start(name: str, command: list[str], info: ClusterInfo, env: dict) -> Task:
     env = dict(env, **{ENV: info.to_env()})
-    return Task(name, subprocess.Popen(command, env=env, start_new_session=True))
+    process = subprocess.Popen(command, env=env, start_new_session=True)
+    address = (info.ps if info.task_type == "ps" else info.workers)[info.task]
+    print(f"parallax-ng run: started {name} (pid {process.pid}) at {address}",
+          file=sys.stderr, flush=True)
+    return Task(name, process)
 
 
 def _watch(tasks: list[Task], grace: float, poll: float) -> int:

@@ -109,3 +109,36 @@ def test_tf_config_from_an_orchestrator(monkeypatch):
     monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {}, "task": {}}))
     with pytest.raises(ResourceError, match="TF_CONFIG"):
         cluster.from_env()
+
+
+@pytest.mark.parametrize("victim", ["worker 1", "ps 0"])
+def test_killing_any_task_stops_every_process_within_60s(tmp_path, victim):
+    res = tmp_path / "r.yaml"
+    res.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2
+                   + "ps: [127.0.0.1]\n")
+    cmd = [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r", str(res), "--",
+           str(tmp_path / "vars"), "100000"]
+    job = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
+                           env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+    pids, lines = {}, []
+    try:
+        deadline = time.monotonic() + 120
+        while len(pids) < 3 and time.monotonic() < deadline:
+            line = job.stderr.readline()
+            lines.append(line)
+            if "started" in line:
+                name = line.split("started ")[1].split(" (pid")[0]
+                pids[name] = int(line.split("(pid ")[1].split(")")[0])
+        assert len(pids) == 3, "".join(lines)
+        os.kill(pids[victim], 9)
+        killed = time.monotonic()
+        rest = job.communicate(timeout=60)[1]
+        assert time.monotonic() - killed < 60
+    finally:
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode != 0
+    assert f"{victim} (pid {pids[victim]}) exited with code -9" in rest
+    for name, pid in pids.items():
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
