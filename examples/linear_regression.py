@@ -44,7 +44,7 @@ def main():
             print(f"step {step:4d}  loss {value:.6f}")
     w_value, b_value = runner.run([w, b])
     print("w =", np.round(w_value.ravel(), 3), "b =", np.round(b_value, 3),
-          f"({runner.plan.num_replicas} replicas)")
+          f"({runner.plan.group_size} replicas)")
     runner.close()
 
 

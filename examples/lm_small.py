@@ -86,7 +86,7 @@ def main():
     graph, train_op, loss, step, init = build(args)
     config = args.config or ({"run_option": args.run_option} if args.run_option else None)
     runner = pn.get_runner(graph, args.resources, config)
-    n = runner.plan.num_replicas
+    n = runner.plan.num_replicas   # this process's replicas (all of them in-process)
     print(f"lm_small: vocab {args.vocab}, {n} replicas x batch {args.batch}, "
           f"run_option {runner.plan.run_option}")
     print(runner.plan.format())
