@@ -1,0 +1,40 @@
+import numpy as np
+import tensorflow as tf
+
+from parallax_ng import emit
+
+tf1 = tf.compat.v1
+
+
+def test_nodes_written_directly_import_and_run():
+    gd = tf1.GraphDef()
+    gd.node.extend([
+        emit.const("a", [1.0, 2.0], tf.float32),
+        emit.const("b", [3.0, 4.0], tf.float32),
+        emit.node_def("sum", "AddN", ["a", "b"], T=tf.float32, N=2),
+    ])
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(gd, name="")
+    with tf1.Session(graph=g) as sess:
+        np.testing.assert_array_equal(sess.run("sum:0"), [4.0, 6.0])
+
+
+def test_collective_reduce_attrs():
+    nd = emit.collective_reduce("r", "x", tf.float32, "/device:CPU:1", group_size=4,
+                                group_key=1, instance_key=9, mean=True, timeout=7)
+    assert nd.op == "CollectiveReduce" and nd.device == "/device:CPU:1"
+    assert nd.attr["final_op"].s == b"Div" and nd.attr["group_size"].i == 4
+    assert nd.attr["timeout_seconds"].f == 7.0 and list(nd.input) == ["x"]
+
+
+def test_traced_template_is_spliced_onto_named_inputs():
+    nodes, outs = emit.emit_traced(lambda a, b: tf.identity(a * b + 1.0, "out"),
+                                   [("x:0", tf.float32, [2]), ("y", tf.float32, [2])],
+                                   "parallax/test", "/device:CPU:0")
+    assert outs == ["parallax/test/out:0"]
+    assert all(n.name.startswith("parallax/test/") for n in nodes)
+    assert all(n.device == "/device:CPU:0" for n in nodes)
+    inputs = {i for n in nodes for i in n.input}
+    assert "x" in inputs and "y" in inputs       # x:0 is written x
+    assert not any("parallax_template_input" in i for i in inputs)

@@ -1,0 +1,38 @@
+import pytest
+
+from parallax_ng import compat, rules
+from parallax_ng.errors import GraphError
+
+
+def test_resource_uses():
+    assert rules.classify_resource_use("ResourceApplyAdam", "n", "v") == "write"
+    assert rules.classify_resource_use("ResourceSparseApplyMomentum", "n", "v") == "write"
+    assert rules.classify_resource_use("AssignSubVariableOp", "n", "v") == "write"
+    assert rules.classify_resource_use("ReadVariableOp", "n", "v") == "read"
+    assert rules.classify_resource_use("ResourceGather", "n", "v") == "read"
+    assert rules.classify_resource_use("Identity", "n", "v") == "pass"
+    with pytest.raises(GraphError, match="op 'n' of type MysteryOp uses variable 'v'"):
+        rules.classify_resource_use("MysteryOp", "n", "v")
+
+
+def test_reference_uses_follow_the_op_definition():
+    assert compat.ref_input_positions("Assign") == (True, False)
+    assert compat.outputs_ref("ScatterAdd") and not compat.outputs_ref("Identity")
+    assert rules.classify_ref_use("ApplyAdam", 1) == "write"      # a slot
+    assert rules.classify_ref_use("ApplyAdam", 3) == "read"       # beta1_power value
+    assert rules.classify_ref_use("Identity", 0) == "read"        # dereferences
+    assert rules.classify_ref_use("RefIdentity", 0) == "pass"
+    assert rules.classify_ref_use("IsVariableInitialized", 0) == "read"
+
+
+def test_tables():
+    assert rules.is_autodiff("gradients/MatMul_grad/MatMul")
+    assert rules.is_autodiff("Adam/gradients_3/x") and not rules.is_autodiff("my_gradients/x")
+    assert rules.is_host_only("TensorSliceDataset") and rules.is_host_only("IteratorGetNext")
+    assert not rules.is_host_only("MatMul")
+    assert list(rules.inputs_of_output("IdentityN", 2, 4)) == [2]
+    assert list(rules.inputs_of_output("Mul", 0, 2)) == [0, 1]
+    assert rules.state_sync_reduction("AssignAdd", "n") == "sum"
+    assert rules.state_sync_reduction("AssignSubVariableOp", "n") == "mean"
+    with pytest.raises(GraphError, match="ResourceApplyAdam"):
+        rules.state_sync_reduction("ResourceApplyAdam", "n")
