@@ -4,8 +4,10 @@
 
 Requires: a resource file whose hosts are the workers (one process per host
 entry; every worker lists the same number of devices) and whose `ps` entries
-are parameter servers ("address" or "address:port"). Addresses must be this
-machine's (loopback by default); servers bind only to them.
+are parameter servers ("address" or "address:port"). Tasks on loopback
+addresses start here (a free port is picked when none is given); others start
+through the resource file's `ssh` command (`ssh HOST 'cd DIR && env ... python
+SCRIPT ARGS'`, same paths as here; their port must be given).
 Guarantees: every process gets PARALLAX_NG_CLUSTER (its task, the cluster,
 its devices) and, with -c, PARALLAX_NG_CONFIG; the job ends when all workers
 exit 0. If any process dies, or on Ctrl-C, every other process started here
@@ -15,6 +17,7 @@ exits non-zero naming the task that failed. No process outlives it.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -46,13 +49,17 @@ def plan_cluster(resources: ResourceInfo) -> tuple[list[str], list[str]]:
     return workers, ps
 
 
+def is_remote(address: str, launch: str = "auto") -> bool:
+    return launch == "ssh" or (launch == "auto" and not address.startswith(LOCAL))
+
+
 def _with_port(address: str) -> str:
     host, sep, port = address.rpartition(":")
     if sep and port.isdigit() and not address.startswith("["):
         return address
-    if not address.startswith(LOCAL):
-        raise ResourceError(f"address {address!r} is not this machine's; this launcher "
-                            "starts processes on loopback addresses (127.x, localhost) only")
+    if is_remote(address):
+        raise ResourceError(f"address {address!r} is another machine's: give its port "
+                            "(address:port); free ports are only picked on this machine")
     with socket.socket() as s:
         s.bind((address if address != "localhost" else "127.0.0.1", 0))
         return f"{address}:{s.getsockname()[1]}"
@@ -68,14 +75,17 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
     if config:
         base_env[CONFIG_ENV] = os.path.abspath(config)
     try:
-        for j in range(len(ps)):
+        for j, address in enumerate(resources.ps):
             info = ClusterInfo(tuple(workers), tuple(ps), "ps", j, (("CPU", 0),))
-            tasks.append(_start(f"ps {j}", [sys.executable, "-m", "parallax_ng.launch",
-                                            "serve"], info, base_env))
+            command = [sys.executable, "-m", "parallax_ng.launch", "serve"]
+            tasks.append(_start(f"ps {j}", command, info, base_env,
+                                resources.ssh if is_remote(address) else None))
         for i, host in enumerate(resources.hosts):
             info = ClusterInfo(tuple(workers), tuple(ps), "worker", i, host.devices)
-            tasks.append(_start(f"worker {i}", [sys.executable, script, *args], info,
-                                base_env))
+            command = [sys.executable, os.path.abspath(script), *args]
+            tasks.append(_start(f"worker {i}", command, info, base_env,
+                                resources.ssh if is_remote(host.address, host.launch)
+                                else None))
         return _watch(tasks, grace, poll)
     except KeyboardInterrupt:
         print("parallax-ng run: interrupted; stopping every task", file=sys.stderr)
@@ -85,10 +95,24 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
         _stop(tasks, grace)
 
 
-def _start(name: str, command: list[str], info: ClusterInfo, env: dict) -> Task:
+def remote_command(ssh: str, address: str, command: list[str], env: dict) -> list[str]:
+    """argv that runs `command` with the parallax_ng part of `env` on `address`."""
+    host = address.rpartition(":")[0] or address
+    keep = {k: v for k, v in env.items()
+            if k.startswith("PARALLAX_NG_") or k in ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL")}
+    line = " ".join([f"cd {shlex.quote(os.getcwd())} && env"]
+                    + [shlex.quote(f"{k}={v}") for k, v in sorted(keep.items())]
+                    + [shlex.quote(c) for c in command])
+    return shlex.split(ssh) + [host, line]
+
+
+def _start(name: str, command: list[str], info: ClusterInfo, env: dict,
+           ssh: str | None = None) -> Task:
     env = dict(env, **{ENV: info.to_env()})
-    process = subprocess.Popen(command, env=env, start_new_session=True)
     address = (info.ps if info.task_type == "ps" else info.workers)[info.task]
+    if ssh is not None:
+        command = remote_command(ssh, address, command, env)
+    process = subprocess.Popen(command, env=env, start_new_session=True)
     print(f"parallax-ng run: started {name} (pid {process.pid}) at {address}",
           file=sys.stderr, flush=True)
     return Task(name, process)

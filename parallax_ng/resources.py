@@ -3,9 +3,11 @@
 Accepted forms (YAML path or dict)::
 
     hosts:
-      - address: 127.0.0.1        # default 127.0.0.1
+      - address: 127.0.0.1        # default 127.0.0.1; "address:port" to fix the port
         devices: [cpu:0, cpu:1]   # or gpu:0 ... ; "cpu:N"/"gpu:N" strings
+        launch: auto              # auto (ssh unless the address is loopback), local, ssh
     ps: []                        # parameter-server addresses (cluster mode)
+    ssh: ssh                      # command that runs a command on a host (parallax-ng run)
 
 `None` means this machine: all its GPUs, or, without GPUs, one CPU device per
 core, at most MAX_DEFAULT_CPU_DEVICES (made with
@@ -25,16 +27,21 @@ MAX_DEFAULT_CPU_DEVICES = 8   # replicas of a whole graph cost memory; list more
 _DEVICE = re.compile(r"^(?:/device:)?(cpu|gpu):(\d+)$", re.IGNORECASE)
 
 
+LAUNCH_MODES = ("auto", "local", "ssh")
+
+
 @dataclass(frozen=True)
 class Host:
     address: str
     devices: tuple[tuple[str, int], ...]   # (kind, index), kind in {"CPU", "GPU"}
+    launch: str = "auto"
 
 
 @dataclass(frozen=True)
 class ResourceInfo:
     hosts: tuple[Host, ...]
     ps: tuple[str, ...] = ()
+    ssh: str = "ssh"
 
     @property
     def num_replicas(self) -> int:
@@ -82,9 +89,9 @@ def local_resources() -> ResourceInfo:
 
 
 def _parse(data: dict) -> ResourceInfo:
-    unknown = set(data) - {"hosts", "ps"}
+    unknown = set(data) - {"hosts", "ps", "ssh"}
     if unknown:
-        raise ResourceError(f"unknown resource key(s) {sorted(unknown)}; known: hosts, ps")
+        raise ResourceError(f"unknown resource key(s) {sorted(unknown)}; known: hosts, ps, ssh")
     hosts_data = data.get("hosts")
     if not hosts_data or not isinstance(hosts_data, list):
         raise ResourceError("resource info names no devices: give 'hosts', a list of "
@@ -93,10 +100,14 @@ def _parse(data: dict) -> ResourceInfo:
     for i, h in enumerate(hosts_data):
         if not isinstance(h, dict):
             raise ResourceError(f"hosts[{i}] must be a mapping with 'address' and 'devices'")
-        extra = set(h) - {"address", "devices"}
+        extra = set(h) - {"address", "devices", "launch"}
         if extra:
             raise ResourceError(f"unknown key(s) {sorted(extra)} in hosts[{i}]; "
-                                "known: address, devices")
+                                "known: address, devices, launch")
+        launch = h.get("launch", "auto")
+        if launch not in LAUNCH_MODES:
+            raise ResourceError(f"hosts[{i}].launch is {launch!r}; allowed: "
+                                + ", ".join(LAUNCH_MODES))
         devices = h.get("devices") or []
         if not devices:
             raise ResourceError(f"hosts[{i}] ({h.get('address', '127.0.0.1')}) names no "
@@ -110,6 +121,6 @@ def _parse(data: dict) -> ResourceInfo:
             parsed.append((m.group(1).upper(), int(m.group(2))))
         if len(set(parsed)) != len(parsed):
             raise ResourceError(f"hosts[{i}] lists a device twice: {devices}")
-        hosts.append(Host(str(h.get("address", "127.0.0.1")), tuple(parsed)))
+        hosts.append(Host(str(h.get("address", "127.0.0.1")), tuple(parsed), launch))
     ps = tuple(str(p) for p in (data.get("ps") or []))
-    return ResourceInfo(tuple(hosts), ps)
+    return ResourceInfo(tuple(hosts), ps, str(data.get("ssh") or "ssh"))

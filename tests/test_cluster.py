@@ -88,8 +88,40 @@ def test_cluster_plan_and_bad_resources(tmp_path):
     with pytest.raises(ResourceError, match="same number of devices"):
         launch.plan_cluster(load_resources(uneven))
     remote = {"hosts": [{"address": "10.0.0.5", "devices": ["cpu:0"]}]}
-    with pytest.raises(ResourceError, match="not this machine's"):
+    with pytest.raises(ResourceError, match="give its port"):
         launch.plan_cluster(load_resources(remote))
+    with pytest.raises(ResourceError, match="launch"):
+        load_resources({"hosts": [{"devices": ["cpu:0"], "launch": "rsh"}]})
+
+
+def test_remote_command_line():
+    argv = launch.remote_command("ssh -o BatchMode=yes", "node7:2222",
+                                 ["/usr/bin/python3", "train.py", "--name", "a b"],
+                                 {"PARALLAX_NG_CLUSTER": '{"task": 1}', "HOME": "/root"})
+    assert argv[:4] == ["ssh", "-o", "BatchMode=yes", "node7"]
+    assert "PARALLAX_NG_CLUSTER=" in argv[4] and "HOME" not in argv[4]
+    assert argv[4].endswith("/usr/bin/python3 train.py --name 'a b'")
+
+
+def test_a_worker_started_through_the_ssh_command(tmp_path):
+    """A stand-in for ssh runs the remote command line on this machine."""
+    fake = tmp_path / "fake-ssh"
+    fake.write_text('#!/bin/sh\nshift\nexec sh -c "$1"\n')
+    fake.chmod(0o755)
+    port = launch._with_port("127.0.0.1").rpartition(":")[2]
+    res = tmp_path / "r.yaml"
+    res.write_text(f"ssh: {fake}\nhosts:\n"
+                   "  - address: 127.0.0.1\n    devices: [cpu:0]\n"
+                   f"  - address: 127.0.0.1:{port}\n    devices: [cpu:0]\n    launch: ssh\n")
+    out = str(tmp_path / "vars")
+    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+                           str(res), "--", out, "3"], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT,
+                                                TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    values = load(out, 2)
+    for name, (a, b) in values.items():
+        np.testing.assert_array_equal(a, b)
 
 
 def test_tf_config_from_an_orchestrator(monkeypatch):
