@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+from functools import cached_property
 
 import numpy as np
 import tensorflow as tf
@@ -46,6 +47,7 @@ class Runner:
             server.target if server is not None else "", graph=self.graph,
             config=session_config or self._session_config())
         self._kinds: dict[tuple, tuple[bool, bool]] = {}
+        self._sparsity_measured, self._probed = False, []
         self._restored = False
         self._steps = 0
         self._step_read = None
@@ -71,9 +73,15 @@ class Runner:
         for p in plans:
             names.extend(p["names"])
         feeds = self._feeds(feed_dict or {})
-        values = self.session.run(names, feeds, options=options, run_metadata=run_metadata)
+        fetched = tuple(p["user"] for p in plans)
+        probe = self._sparsity_probe(fetched)
+        values = self.session.run(names + probe, feeds, options=options,
+                                  run_metadata=run_metadata)
+        if probe:
+            self._record_sparsity(values[len(names):])
+            values = values[:len(names)]
         if self._checkpoints is not None:
-            self._after_run(tuple(p["user"] for p in plans))
+            self._after_run(fetched)
         out, i = [], 0
         for p in plans:
             got = values[i:i + len(p["names"])]
@@ -124,6 +132,31 @@ class Runner:
                                    for k in range(n)))
         return {"names": names, "how": how, "user": ref.node}
 
+    # -- measured sparsity ----------------------------------------------------
+    def _sparsity_probe(self, fetched: tuple) -> list[str]:
+        """Replica 0's gradient indices, fetched along with the first training run."""
+        if self._sparsity_measured or not self._kind(fetched)[1]:
+            return []
+        self._sparsity_measured = True
+        grads = self.ctx.tg.gradients
+        self._probed = [v for v, vp in sorted(self.plan.variables.items()) if vp.info.sparse]
+        return [str(grads[v].indices) for v in self._probed]
+
+    def _record_sparsity(self, indices: list) -> None:
+        """Replace the plan's estimated alpha by rows touched / rows, as measured."""
+        from dataclasses import replace
+
+        from .analysis import with_measured_alpha
+        measured = {}
+        for var, idx in zip(self._probed, indices):
+            rows = self.ctx.tg.variables[var].shape[0]
+            if rows:
+                measured[var] = len(np.unique(idx)) / rows
+        info = with_measured_alpha({k: vp.info for k, vp in self.plan.variables.items()},
+                                   measured)
+        self.plan = replace(self.plan, variables={
+            k: replace(vp, info=info[k]) for k, vp in self.plan.variables.items()})
+
     # -- checkpoints ----------------------------------------------------------
     def _after_run(self, fetched: tuple) -> None:
         """Restore after the first run that initialized variables; save every
@@ -153,9 +186,18 @@ class Runner:
                 ancestors |= tg.ir.ancestors(
                     [t.op.name for t in op.inputs] + [c.name for c in op.control_inputs])
             inits = {v.initializer for v in tg.variables.values() if v.initializer}
-            writers = {w for v in tg.gradients for w in tg.writers.get(v, ())}
-            self._kinds[fetched] = (bool(ancestors & inits), bool(ancestors & writers))
+            self._kinds[fetched] = (bool(ancestors & inits),
+                                    bool(ancestors & self._training_writers))
         return self._kinds[fetched]
+
+    @cached_property
+    def _training_writers(self) -> frozenset[str]:
+        """Writers of trained variables that the gradients feed (not initializers
+        or restores)."""
+        tg = self.ctx.tg
+        after_grads = tg.ir.descendants({g.values.node for g in tg.gradients.values()})
+        return frozenset(w for v in tg.gradients for s in tg.owned(v)
+                         for w in tg.writers.get(s, ()) if w in after_grads)
 
     def _global_step(self):
         tg = self.ctx.tg

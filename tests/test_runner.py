@@ -148,3 +148,17 @@ def test_ops_made_after_get_runner_run_in_every_replica():
             late_var = tf1.get_variable("late", [1])
         with pytest.raises(FetchError, match="created after get_runner"):
             runner.run(late_var.initializer)
+
+
+def test_first_training_step_measures_sparsity():
+    g, h = embedding_regression(4, "adagrad")
+    with pn.get_runner(g, local(2), {"run_option": "hybrid"}) as runner:
+        before = runner.plan.variables["emb"].info
+        assert before.alpha_source == "estimate"
+        runner.run([h["init"], h["iterator_init"]])
+        assert runner.plan.variables["emb"].info.alpha_source == "estimate"  # init: no step
+        runner.run(h["train"])
+        after = runner.plan.variables["emb"].info
+    # replica 0 looked up 4 examples x 3 ids out of 40 rows: at most 12 distinct rows
+    assert after.alpha_source == "measured" and 0 < after.alpha <= 12 / 40
+    assert "measured" not in runner.plan.variables["dense/w"].info.alpha_source
