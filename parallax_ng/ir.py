@@ -57,6 +57,13 @@ def format_input(node: str, index: int) -> str:
     return node if index == 0 else f"{node}:{index}"
 
 
+def copy_node(node):
+    """A NodeDef a pass may edit (passes never edit the ones they were given)."""
+    nd = type(node)()
+    nd.CopyFrom(node)
+    return nd
+
+
 class GraphIR:
     """An immutable list of NodeDefs plus the graph's versions and function library.
 
@@ -92,6 +99,22 @@ class GraphIR:
         nodes.extend(added)
         return GraphIR(nodes=nodes, versions=self._versions,
                        library=library if library is not None else self._library, parent=self)
+
+    def rewire(self, rewires: dict, added: Iterable = ()) -> "GraphIR":
+        """A new GraphIR plus `added`, with input slots replaced: `rewires` maps
+        (node name, input position) to the tensor name it should read."""
+        changed = {}
+        for (name, pos), tensor in rewires.items():
+            nd = changed.get(name)
+            if nd is None:
+                nd = changed[name] = copy_node(self.node(name))
+            if parse_input(nd.input[pos])[2]:
+                raise GraphError(f"input {pos} of {name} is a control input")
+            nd.input[pos] = tensor
+        added = list(added)
+        if not changed and not added:
+            return self
+        return self.replace(changed, added)
 
     @cached_property
     def graph_def(self):

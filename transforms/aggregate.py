@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from parallax_ng import emit, rules
-from parallax_ng.ir import GraphIR, parse_input
+from parallax_ng.ir import GraphIR
 
 GROUP_KEY = 1   # the group of all replicas
 
@@ -39,7 +39,7 @@ class AggregatePass:
             for ref, per_replica in outputs.items():
                 _rewire(ctx, ref, per_replica, rewires)
             counts[vp.method] += 1
-        return apply_rewires(ir, new_nodes, rewires), counts
+        return ir.rewire(rewires, new_nodes), counts
 
 
 def _allreduce(ctx, var, grad, keys):
@@ -140,24 +140,3 @@ def _rewire(ctx, ref, per_replica: list[str], rewires: dict) -> None:
             rewires.setdefault((target, pos), per_replica[k])
             if target == consumer and k > 0:
                 break   # an op that exists once reads replica 0's aggregate
-
-
-def apply_rewires(ir: GraphIR, new_nodes: list, rewires: dict) -> GraphIR:
-    """`ir` plus `new_nodes`, with input slots replaced as `rewires` says."""
-    changed = {}
-    for (name, pos), tensor in rewires.items():
-        nd = changed.get(name)
-        if nd is None:
-            nd = changed[name] = copy_node(ir.node(name))
-        if parse_input(nd.input[pos])[2]:
-            raise ValueError(f"input {pos} of {name} is a control input")
-        nd.input[pos] = tensor
-    if not changed and not new_nodes:
-        return ir
-    return ir.replace(changed, new_nodes)
-
-
-def copy_node(node):
-    nd = type(node)()
-    nd.CopyFrom(node)
-    return nd

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 from parallax_ng import emit
 from parallax_ng.errors import GraphError
-from parallax_ng.ir import GraphIR
-from transforms.aggregate import apply_rewires
+from parallax_ng.ir import GraphIR, copy_node
 
 BROADCAST_GROUP_KEY = 2   # replica 0 of every worker
 
@@ -41,9 +40,8 @@ class InitPass:
                     rewires[(init.name, 1)] = value
             for k in range(1, plan.num_replicas):
                 rewires[(ctx.replica_name(k, init.name), 1)] = value
-        out = apply_rewires(ir, added, rewires)
+        out = ir.rewire(rewires, added)
         if controls:
-            from transforms.aggregate import copy_node
             changed = {}
             for name, deps in controls.items():
                 nd = changed[name] = copy_node(out.node(name))

@@ -14,9 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax_ng import rules
-from parallax_ng.ir import GraphIR  # noqa: F401  (type of run's argument)
+from parallax_ng.ir import GraphIR, copy_node
 from parallax_ng.passes import replica_of
-from transforms.aggregate import copy_node
 
 
 @dataclass(frozen=True)

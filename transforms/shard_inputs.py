@@ -14,9 +14,8 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from parallax_ng.frontend import SHARD_SCOPE
-from parallax_ng.ir import GraphIR
+from parallax_ng.ir import GraphIR, copy_node
 from parallax_ng.passes import replica_of
-from transforms.aggregate import copy_node
 
 
 @dataclass(frozen=True)

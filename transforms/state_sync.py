@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from parallax_ng import emit, rules
 from parallax_ng.ir import GraphIR
-from transforms.aggregate import GROUP_KEY, apply_rewires
+from transforms.aggregate import GROUP_KEY
 
 
 @dataclass(frozen=True)
@@ -49,4 +49,4 @@ class StateSyncPass:
                             instance_key=key, mean=how == "mean",
                             timeout=plan.timeout_seconds))
                         rewires[(ctx.replica_name(k, w), pos)] = name
-        return apply_rewires(ir, new_nodes, rewires), {"synced": synced}
+        return ir.rewire(rewires, new_nodes), {"synced": synced}
