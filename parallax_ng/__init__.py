@@ -76,22 +76,22 @@ def get_runner(graph, resource_info=None, config=None):
     import os
 
     from . import capture, cluster
-    from .resources import load_resources
+    from .resources import load_resources, session_config
     from .runner import Runner
 
     capture.check(graph, resource_info, config)
     cfg = load_config(os.environ.get(cluster.CONFIG_ENV) or config)
-    info = cluster.from_env(load_resources(resource_info)
-                            if resource_info is not None else None)
+    resources = load_resources(resource_info)
+    info = cluster.from_env(resources if resource_info is not None else None)
     if info is None:
-        ir, ctx, manager = transform(graph, resource_info, cfg)
-        return Runner(ir, ctx, cfg, manager.records)
+        ir, ctx, manager = transform(graph, resources, cfg)
+        return Runner(ir, ctx, cfg, session_config(resources.hosts[0].devices),
+                      manager.records)
     if info.task_type == "ps":     # TF_CONFIG convention: a server task only serves
         info.start_server().join()
     server = info.start_server()
     ir, ctx, manager = transform(graph, resource_info, cfg, cluster_info=info)
-    return Runner(ir, ctx, cfg, manager.records, server=server,
-                  session_config=info.session_config())
+    return Runner(ir, ctx, cfg, info.session_config(), manager.records, server=server)
 
 
 __all__ = ["Config", "ConfigError", "FetchError", "GraphError", "ParallaxError",

@@ -32,7 +32,7 @@ class VariableInfo:
 
 def analyze(tg: TrainingGraph) -> dict[str, VariableInfo]:
     depth = _depths(tg)
-    variant = replica_variant(tg)
+    variant = tg.variant
     out = {}
     for name, grad in tg.gradients.items():
         var = tg.variables[name]
@@ -84,7 +84,7 @@ def replica_variant(tg: TrainingGraph) -> frozenset[str]:
     (their feeds are split by replica), random ops. Differences flow along
     data edges, except out of gradients, which the transformation aggregates.
     """
-    grads = {r for g in tg.gradients.values() for r in (g.values, g.indices) if r is not None}
+    grads = tg.gradient_tensors
     variant: set[str] = set()
     for name in tg.ir.topo_order:
         node = tg.ir.node(name)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from .errors import ResourceError
+from .resources import session_config
 
 ENV = "PARALLAX_NG_CLUSTER"
 CONFIG_ENV = "PARALLAX_NG_CONFIG"
@@ -45,12 +46,7 @@ class ClusterInfo:
         return f"/job:worker/replica:0/task:{self.task}/device:CPU:0"
 
     def session_config(self) -> tf.compat.v1.ConfigProto:
-        cpus = 1 + max([i for kind, i in self.devices if kind == "CPU"], default=0)
-        config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus},
-                                          allow_soft_placement=any(
-                                              kind == "GPU" for kind, _ in self.devices))
-        config.experimental.collective_group_leader = "/job:worker/replica:0/task:0"
-        return config
+        return session_config(self.devices, "/job:worker/replica:0/task:0")
 
     def start_server(self) -> tf.distribute.Server:
         return tf.distribute.Server(self.spec, job_name=self.task_type,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import tensorflow as tf
 
@@ -69,6 +70,18 @@ class TrainingGraph:
     def owned(self, var: str) -> list[str]:
         """`var` and the state it owns (slots, moving averages, beta powers)."""
         return [var] + [v.name for v in self.variables.values() if v.owner == var]
+
+    @cached_property
+    def gradient_tensors(self) -> frozenset[TensorRef]:
+        """Every autodiff output the transformation aggregates."""
+        return frozenset(r for g in self.gradients.values()
+                         for r in (g.values, g.indices) if r is not None)
+
+    @cached_property
+    def variant(self) -> frozenset[str]:
+        """User nodes whose outputs differ between replicas (see analysis)."""
+        from .analysis import replica_variant
+        return replica_variant(self)
 
     @property
     def trainable(self) -> list[str]:

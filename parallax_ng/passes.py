@@ -70,20 +70,14 @@ class PassContext:
         from .ir import format_input
         return format_input(self.replica_name(k, ref.node), ref.index)
 
-    @cached_property
+    @property
     def variant(self) -> frozenset[str]:
         """User nodes whose values differ between replicas."""
-        from .analysis import replica_variant
-        return replica_variant(self.tg)
-
-    @cached_property
-    def gradient_tensors(self) -> frozenset:
-        return frozenset(r for g in self.tg.gradients.values()
-                         for r in (g.values, g.indices) if r is not None)
+        return self.tg.variant
 
     def varies(self, ref) -> bool:
         """True if tensor `ref` differs between replicas after aggregation."""
-        return ref.node in self.variant and ref not in self.gradient_tensors
+        return ref.node in self.tg.variant and ref not in self.tg.gradient_tensors
 
     @cached_property
     def unreplicated(self) -> frozenset[str]:

@@ -59,6 +59,20 @@ class ResourceInfo:
         return max(cpus, default=0) + 1
 
 
+def session_config(devices, group_leader: str | None = None):
+    """The ConfigProto a process with these (kind, index) devices needs: enough
+    CPU devices, soft placement only for GPUs (ops without GPU kernels), and
+    the collective group leader in a multi-process job."""
+    import tensorflow as tf
+
+    cpus = 1 + max([i for kind, i in devices if kind == "CPU"], default=0)
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": cpus},
+                                      allow_soft_placement=any(k == "GPU" for k, _ in devices))
+    if group_leader:
+        config.experimental.collective_group_leader = group_leader
+    return config
+
+
 def load_resources(resource_info) -> ResourceInfo:
     if resource_info is None:
         return local_resources()

@@ -32,7 +32,7 @@ from .passes import REPLICA_PREFIX
 
 
 class Runner:
-    def __init__(self, ir, ctx, config, records=(), server=None, session_config=None):
+    def __init__(self, ir, ctx, config, session_config, records=(), server=None):
         self.ctx, self.plan, self.config = ctx, ctx.plan, config
         self.pass_records = list(records)
         self.server = server     # this worker's gRPC server in cluster mode
@@ -45,7 +45,7 @@ class Runner:
             self._checkpoints = Checkpointer(self.graph, ctx, config.checkpoint.dir)
         self.session = tf.compat.v1.Session(
             server.target if server is not None else "", graph=self.graph,
-            config=session_config or self._session_config())
+            config=session_config)
         self._kinds: dict[tuple, tuple[bool, bool]] = {}
         self._sparsity_measured, self._probed = False, []
         self._restored = False
@@ -55,14 +55,6 @@ class Runner:
         self._late: dict[str, list[str]] = {}   # user op made after get_runner -> copies
         self._late_variant: set[str] = set()
         self._imports = itertools.count()
-
-    def _session_config(self):
-        devices = [d.upper() for d in self.plan.devices]
-        cpus = 1 + max([int(d.rsplit(":", 1)[1]) for d in devices if "/DEVICE:CPU:" in d],
-                       default=0)
-        gpu = any("/DEVICE:GPU:" in d for d in devices)
-        return tf.compat.v1.ConfigProto(device_count={"CPU": cpus},
-                                        allow_soft_placement=gpu)
 
     # -- public API -----------------------------------------------------------
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None,
@@ -311,8 +303,7 @@ class Runner:
             ref = parse_tensor(name)
             user_tensor = self._user_graph.get_tensor_by_name(name)
             shape = user_tensor.shape
-            copies = [self.ctx.replica_tensor(k, ref) for k in range(n)]
-            copies = [c if ":" in c else c + ":0" for c in copies]
+            copies = [f"{self._copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
             if shape.rank and shape[0] is None and len(set(copies)) == n and n > 1:
                 value = np.asarray(value)
                 if value.shape[0] % n:
