@@ -29,13 +29,8 @@ def _analyse(graph, resource_info, config, cluster_info=None):
     tg = frontend.load(graph)
     if cluster_info is not None:
         plan = make_plan(tg, analyze(tg), config, cluster_info.device_strings(),
-                         cluster_info.host, len(cluster_info.workers), cluster_info.task)
-        if plan.shared_state() and plan.num_workers > 1:
-            shared = sorted(v for v in plan.variables if plan.variables[v].shared)
-            raise ConfigError(
-                f"run_option {config.run_option!r} puts {shared[:5]} on parameter servers, "
-                "which multi-worker jobs do not support yet; use run_option: allreduce "
-                "(sparse gradients by AllGather)")
+                         cluster_info.host, len(cluster_info.workers), cluster_info.task,
+                         cluster_info.server_devices())
         return tg, plan, config
     resources = load_resources(resource_info)
     if len(resources.hosts) > 1:

@@ -7,7 +7,8 @@ slots, moving averages, global step) under its single-device name, plus the
 position of every replica's input iterator, to `<dir>/model.ckpt-<step>`
 (in a multi-worker job each worker writes `<dir>/worker-<i>/`, the variables
 being equal on all of them); `restore_latest()` puts the newest checkpoint
-back into every replica's copy and every iterator. A job killed after step k
+back into every replica's copy and every iterator (parameter-server
+variables of a multi-worker job: by the chief only). A job killed after step k
 and started again continues from the last checkpoint and ends with the
 variables of an uninterrupted run. The variable part is a plain checkpoint a
 single-device `tf.compat.v1.train.Saver` restores.
@@ -49,6 +50,8 @@ class Checkpointer:
                                           shape_and_slices=[""] * len(names),
                                           dtypes=[t.dtype.base_dtype for t in tensors])
             for var, value in zip(sorted(ctx.tg.variables), loaded):
+                if plan.placement[var] == "shared" and plan.worker > 0:
+                    continue   # the chief restores parameter-server variables
                 copies = {ctx.replica_name(k, var) for k in range(plan.num_replicas)}
                 restores += [_assign(graph, c, value) for c in sorted(copies)]
             for i, it in enumerate(iterators):

@@ -41,6 +41,9 @@ class ClusterInfo:
         return [f"/job:worker/replica:0/task:{self.task}/device:{kind}:{i}"
                 for kind, i in self.devices]
 
+    def server_devices(self) -> list[str]:
+        return [f"/job:ps/replica:0/task:{j}/device:CPU:0" for j in range(len(self.ps))]
+
     @property
     def host(self) -> str:
         return f"/job:worker/replica:0/task:{self.task}/device:CPU:0"

@@ -40,3 +40,30 @@ def add_control_inputs(op: tf.Operation, deps: list) -> None:
     ops with an empty import scope; TensorFlow's own graph editing uses this.
     """
     op._add_control_inputs(deps)  # noqa: SLF001
+
+
+def output_dtypes(node_def, library=None) -> list[tuple[tf.DType, bool]] | None:
+    """(dtype, is_reference) of every output of a NodeDef, from its op's
+    registered signature (or its function's, for a call of a library
+    function); None if the op is unknown."""
+    from tensorflow.python.framework import op_def_registry
+    op_def = op_def_registry.get(node_def.op)
+    if op_def is None and library is not None:
+        op_def = next((f.signature for f in library.function
+                       if f.signature.name == node_def.op), None)
+    if op_def is None:
+        return None
+    defaults = {a.name: a.default_value for a in op_def.attr if a.HasField("default_value")}
+
+    def attr(name):
+        return node_def.attr[name] if name in node_def.attr else defaults[name]
+
+    out = []
+    for arg in op_def.output_arg:
+        if arg.type_list_attr:
+            types = list(attr(arg.type_list_attr).list.type)
+        else:
+            one = attr(arg.type_attr).type if arg.type_attr else arg.type
+            types = [one] * (attr(arg.number_attr).i if arg.number_attr else 1)
+        out.extend((tf.as_dtype(t), arg.is_ref) for t in types)
+    return out

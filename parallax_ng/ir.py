@@ -231,8 +231,10 @@ class GraphIR:
     def topo_index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.topo_order)}
 
-    def ancestors(self, names: Iterable[str], stop=lambda name: False) -> set[str]:
-        """All nodes reachable backwards from `names` (data and control edges)."""
+    def ancestors(self, names: Iterable[str], stop=lambda name: False,
+                  data_only: bool = False) -> set[str]:
+        """All nodes reachable backwards from `names` (data and control edges,
+        or data edges only)."""
         seen: set[str] = set()
         todo = list(names)
         while todo:
@@ -242,7 +244,8 @@ class GraphIR:
             seen.add(name)
             if stop(name):
                 continue
-            todo.extend(src for src, _, _ in self.parsed_inputs(self._by_name[name]))
+            todo.extend(src for src, _, control in self.parsed_inputs(self._by_name[name])
+                        if not (data_only and control))
         return seen
 
     def descendants(self, names: Iterable[str]) -> set[str]:

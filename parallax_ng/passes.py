@@ -52,13 +52,15 @@ class InstanceKeys:
 class PassContext:
     """What every pass may read: the analysed user graph and the plan.
 
-    `instance_keys` is the one piece of state passes share: each collective
-    they add takes a fresh key from it.
+    `instance_keys` is the state passes share: each collective they add
+    takes a fresh key from it. `stages` is what the stage pass tells the
+    runner (None: every step is one run).
     """
 
     tg: TrainingGraph
     plan: Plan
     instance_keys: InstanceKeys = field(default_factory=InstanceKeys)
+    stages: object = None
 
     def replica_name(self, k: int, name: str) -> str:
         """Name of replica k's copy of user node `name` (replica 0 keeps names)."""

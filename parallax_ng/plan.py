@@ -9,7 +9,7 @@ is what the passes consume; tests assert on it without running TensorFlow.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .analysis import VariableInfo
 from .config import Config
@@ -40,6 +40,8 @@ class Plan:
     timeout_seconds: float = 300.0
     num_workers: int = 1              # processes in the job (cluster mode)
     worker: int = 0                   # this process's index among them
+    servers: tuple[str, ...] = ()     # parameter-server devices (cluster mode)
+    server_of: dict[str, str] = field(default_factory=dict)  # shared state -> device
 
     @property
     def num_replicas(self) -> int:
@@ -58,6 +60,16 @@ class Plan:
 
     def shared_state(self) -> set[str]:
         return {v for v, p in self.placement.items() if p == "shared"}
+
+    def server(self, var: str) -> str:
+        """The device that holds shared variable `var` (the host in-process)."""
+        return self.server_of.get(var, self.host)
+
+    @property
+    def cross_worker_servers(self) -> bool:
+        """True when shared state lives on parameter-server processes that
+        several workers update: aggregation then goes through the servers."""
+        return self.num_workers > 1 and bool(self.shared_state())
 
     def bytes_per_replica(self) -> dict[str, float]:
         """Bytes one replica sends+receives per step (Parallax paper, Table 3)."""
@@ -82,6 +94,7 @@ class Plan:
             "variables": {k: {"method": v.method, **v.info.to_dict()}
                           for k, v in self.variables.items()},
             "placement": dict(self.placement),
+            "servers": list(self.servers), "server_of": dict(self.server_of),
         }
 
     def format(self) -> str:
@@ -96,6 +109,12 @@ class Plan:
             rows.append(f"{name:40} {str(list(i.shape)):>16} "
                         f"{'sparse' if i.sparse else 'dense':6} {alpha:>6} "
                         f"{vp.method:9} {traffic[name] / 1e6:15.3f}")
+        if self.server_of:
+            load = {s: 0 for s in self.servers}
+            for var, device in self.server_of.items():
+                load[device] += self.variables[var].info.nbytes if var in self.variables else 0
+            rows.append("servers: " + ", ".join(f"{d} {b / 1e6:.3f} MB"
+                                                for d, b in load.items()))
         state = sorted(k for k in self.placement if k not in self.variables)
         if state:
             rows.append("state: " + ", ".join(f"{k}={self.placement[k]}" for k in state))
@@ -103,7 +122,8 @@ class Plan:
 
 
 def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
-              devices: list[str], host: str, num_workers: int = 1, worker: int = 0) -> Plan:
+              devices: list[str], host: str, num_workers: int = 1, worker: int = 0,
+              servers: list[str] = ()) -> Plan:
     unknown = set(config.variable_methods) - set(info)
     if unknown:
         raise ConfigError(f"config key 'variable_methods' names {sorted(unknown)}, which "
@@ -120,9 +140,34 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
         root = name if var.trainable else var.owner
         shared = root in variables and variables[root].shared
         placement[name] = "shared" if shared else "mirrored"
+    server_of = {}
+    if placement and "shared" in placement.values() and num_workers > 1:
+        if not servers:
+            shared = sorted(v for v, p in placement.items() if p == "shared")
+            raise ConfigError(
+                f"run_option {config.run_option!r} puts {shared[:5]} on parameter servers, "
+                "but the job has none; list `ps: [address]` in the resource file, or use "
+                "run_option: allreduce (sparse gradients by AllGather)")
+        server_of = balance(tg, [v for v in variables if variables[v].shared], servers)
     return Plan(config.run_option, config.average_dense, config.average_sparse,
                 tuple(devices), host, variables, placement,
-                config.communication.timeout_seconds, num_workers, worker)
+                config.communication.timeout_seconds, num_workers, worker,
+                tuple(servers), server_of)
+
+
+def balance(tg: TrainingGraph, shared: list[str], servers: list[str]) -> dict[str, str]:
+    """Each shared variable (with the state it owns) on one server, spread
+    evenly by bytes: largest first, each to the least-loaded server; ties go
+    to the lower index, so every worker computes the same map."""
+    size = {v: sum(tg.variables[s].nbytes for s in tg.owned(v)) for v in shared}
+    load = [0] * len(servers)
+    out = {}
+    for var in sorted(shared, key=lambda v: (-size[v], v)):
+        j = min(range(len(servers)), key=lambda i: (load[i], i))
+        load[j] += size[var]
+        for s in tg.owned(var):
+            out[s] = servers[j]
+    return out
 
 
 def _default_method(run_option: str, vi: VariableInfo) -> str:

@@ -19,6 +19,7 @@ feeds go to every replica unchanged.
 from __future__ import annotations
 
 import difflib
+import functools
 import itertools
 from functools import cached_property
 
@@ -55,6 +56,10 @@ class Runner:
         self._late: dict[str, list[str]] = {}   # user op made after get_runner -> copies
         self._late_variant: set[str] = set()
         self._imports = itertools.count()
+        self._options = None     # in a job: every run gives up after the timeout
+        if server is not None:
+            self._options = tf.compat.v1.RunOptions(
+                timeout_in_ms=int(self.plan.timeout_seconds * 1000))
 
     # -- public API -----------------------------------------------------------
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None,
@@ -67,13 +72,14 @@ class Runner:
         feeds = self._feeds(feed_dict or {})
         fetched = tuple(p["user"] for p in plans)
         probe = self._sparsity_probe(fetched)
-        values = self.session.run(names + probe, feeds, options=options,
-                                  run_metadata=run_metadata)
+        run = self.session.run if self.ctx.stages is None else functools.partial(
+            self.ctx.stages.run, self.session, self.graph)
+        values = run(names + probe, feeds, options=options or self._options,
+                     run_metadata=run_metadata)
         if probe:
             self._record_sparsity(values[len(names):])
             values = values[:len(names)]
-        if self._checkpoints is not None:
-            self._after_run(fetched)
+        self._after_run(fetched)
         out, i = [], 0
         for p in plans:
             got = values[i:i + len(p["names"])]
@@ -94,6 +100,7 @@ class Runner:
         """Restore every replica's copy (and the shared variables) from `path`."""
         d = saver.saver_def
         self.run(d.restore_op_name, {d.filename_tensor_name: path})
+        self._barrier()
 
     def close(self) -> None:
         self.session.close()
@@ -151,21 +158,33 @@ class Runner:
 
     # -- checkpoints ----------------------------------------------------------
     def _after_run(self, fetched: tuple) -> None:
-        """Restore after the first run that initialized variables; save every
+        """Restore after the first run that initialized variables; meet the
+        other workers after initialisation and after each training step
+        (multi-worker jobs with parameter servers); save every
         `checkpoint.every_steps` training steps (the global step if the graph
         has one, else runs that trained)."""
         initialized, trained = self._kind(fetched)
-        if initialized and not self._restored:
+        if initialized and not self._restored and self._checkpoints is not None:
             self._restored = True
             latest = self._checkpoints.latest()
             if latest:
                 self._checkpoints.restore(self.session, latest)
-        if trained:
+        if initialized or trained:
+            self._barrier()
+        if trained and self._checkpoints is not None:
             self._steps += 1
             step = self._global_step()
             step = self._steps if step is None else step
             if step % self.config.checkpoint.every_steps == 0:
                 self._checkpoints.save(self.session, step)
+
+    def _barrier(self) -> None:
+        """Chief: let the other workers go on (its writes are done); others:
+        wait for that. A no-op without parameter servers across workers."""
+        if self.plan.cross_worker_servers:
+            from transforms.server_sync import RELEASE, WAIT
+            op = RELEASE if self.plan.worker == 0 else WAIT
+            self.session.run(self.graph.get_operation_by_name(op), options=self._options)
 
     def _kind(self, fetched: tuple) -> tuple[bool, bool]:
         if fetched not in self._kinds:

@@ -1,4 +1,5 @@
 import pytest
+import tensorflow as tf
 
 from models import embedding_regression
 from parallax_ng import frontend
@@ -67,3 +68,25 @@ def test_replica_variant_stops_at_gradients(tg):
     assert "dense/w/Read/ReadVariableOp" not in variant
     # update math fed by (aggregated) gradients is the same on every replica
     assert not any(n.startswith("Adam/update_dense/w") for n in variant)
+
+
+def test_shared_variables_spread_over_servers_by_bytes():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 10], name="x")
+        sizes = {"big": [10, 100], "mid": [10, 60], "small": [10, 50]}
+        ws = {k: tf.compat.v1.get_variable(k, s) for k, s in sizes.items()}
+        loss = tf.add_n([tf.reduce_sum(tf.matmul(x, w)) for w in ws.values()])
+        tf.compat.v1.train.AdamOptimizer(0.1).minimize(loss)
+    tg = frontend.load(g)
+    servers = ["/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
+    plan = make_plan(tg, analyze(tg), Config(run_option="ps"), ["/job:worker/task:0/cpu:0"],
+                     "/job:worker/task:0/cpu:0", num_workers=2, worker=0, servers=servers)
+    assert plan.server("big") == servers[0]
+    assert plan.server("mid") == plan.server("small") == servers[1]
+    for var in sizes:   # slots live with their variable
+        assert plan.server(f"{var}/Adam") == plan.server(f"{var}/Adam_1") == plan.server(var)
+    assert "servers:" in plan.format() and plan.to_dict()["server_of"]["big"] == servers[0]
+    with pytest.raises(ConfigError, match="list `ps: \\[address\\]`"):
+        make_plan(tg, analyze(tg), Config(run_option="ps"), ["/job:worker/task:0/cpu:0"],
+                  "/job:worker/task:0/cpu:0", num_workers=2, worker=0)

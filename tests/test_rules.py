@@ -36,3 +36,17 @@ def test_tables():
     assert rules.state_sync_reduction("AssignSubVariableOp", "n") == "mean"
     with pytest.raises(GraphError, match="ResourceApplyAdam"):
         rules.state_sync_reduction("ResourceApplyAdam", "n")
+
+
+def test_output_dtypes_from_op_signatures():
+    import tensorflow as tf
+    from parallax_ng import emit
+    add_n = emit.node_def("s", "AddN", ["a", "b"], T=tf.float32, N=2)
+    assert compat.output_dtypes(add_n) == [(tf.float32, False)]
+    deq = emit.node_def("d", "QueueDequeueV2", ["q"], component_types=[tf.float32, tf.int64])
+    assert compat.output_dtypes(deq) == [(tf.float32, False), (tf.int64, False)]
+    split = emit.node_def("p", "Split", ["axis", "x"], T=tf.int32, num_split=3)
+    assert compat.output_dtypes(split) == [(tf.int32, False)] * 3
+    ref = emit.node_def("v", "VariableV2", [], dtype=tf.float32, shape=tf.compat.v1.AttrValue())
+    assert compat.output_dtypes(ref) == [(tf.float32, True)]
+    assert compat.output_dtypes(emit.node_def("f", "NoSuchOp")) is None

@@ -3,15 +3,18 @@ from transforms.aggregate import AggregatePass
 from transforms.init import InitPass
 from transforms.place import PlacePass
 from transforms.replicate import ReplicatePass
+from transforms.server_sync import ServerSyncPass
 from transforms.shard_inputs import ShardInputsPass
+from transforms.stage import StagePass
 from transforms.state_sync import StateSyncPass
 
 
 def default_pipeline():
-    """In-process data parallelism: replicate -> shard -> aggregate -> sync -> place -> init."""
+    """replicate -> shard -> aggregate -> sync -> place -> init, then, in
+    multi-worker jobs with parameter servers, the cross-worker protocol."""
     return [ReplicatePass(), ShardInputsPass(), AggregatePass(), StateSyncPass(),
-            PlacePass(), InitPass()]
+            PlacePass(), InitPass(), ServerSyncPass(), StagePass()]
 
 
 __all__ = ["AggregatePass", "InitPass", "PlacePass", "ReplicatePass",
-           "ShardInputsPass", "StateSyncPass", "default_pipeline"]
+           "ServerSyncPass", "ShardInputsPass", "StagePass", "StateSyncPass", "default_pipeline"]

@@ -61,24 +61,36 @@ def _ps(ctx, var, grad, keys):
     scope = f"parallax/ps/{var}"
     dtype = ctx.tg.tensor(grad.values).dtype
     values = [ctx.replica_tensor(k, grad.values) for k in range(n)]
-    mean = plan.average_sparse if grad.sparse else plan.average_dense
+    out_values, out_indices = ps_outputs(plan, var, grad.sparse)
     if grad.sparse:
         idx_dtype = ctx.tg.tensor(grad.indices).dtype
         indices = [ctx.replica_tensor(k, grad.indices) for k in range(n)]
         nodes = [emit.const(f"{scope}/axis", 0, tf.int32, plan.host),
                  _concat(f"{scope}/values", values, f"{scope}/axis", dtype, plan.host),
                  _concat(f"{scope}/indices", indices, f"{scope}/axis", idx_dtype, plan.host)]
-        out, outputs = f"{scope}/values", {grad.indices: [f"{scope}/indices"] * n}
+        outputs = {grad.indices: [out_indices] * n}
     else:
         nodes = [emit.node_def(f"{scope}/sum", "AddN", values, plan.host, T=dtype, N=n)]
-        out, outputs = f"{scope}/sum", {}
-    if mean and plan.group_size > 1:
+        outputs = {}
+    if out_values.endswith("/mean"):
+        total = f"{scope}/values" if grad.sparse else f"{scope}/sum"
         nodes += [emit.const(f"{scope}/scale", 1.0 / plan.group_size, dtype, plan.host),
-                  emit.node_def(f"{scope}/mean", "Mul", [out, f"{scope}/scale"],
+                  emit.node_def(out_values, "Mul", [total, f"{scope}/scale"],
                                 plan.host, T=dtype)]
-        out = f"{scope}/mean"
-    outputs[grad.values] = [out] * n
+    outputs[grad.values] = [out_values] * n
     return nodes, outputs
+
+
+def ps_outputs(plan, var: str, sparse: bool) -> tuple[str, str | None]:
+    """Names of the worker-local aggregate of `var`'s gradient made by `_ps`:
+    (values or dense sum, indices or None); scaled by 1/group_size for a mean."""
+    scope = f"parallax/ps/{var}"
+    mean = plan.average_sparse if sparse else plan.average_dense
+    if mean and plan.group_size > 1:
+        values = f"{scope}/mean"
+    else:
+        values = f"{scope}/values" if sparse else f"{scope}/sum"
+    return values, (f"{scope}/indices" if sparse else None)
 
 
 def _concat(name, inputs, axis, dtype, device):

@@ -4,8 +4,10 @@ Requires: replicas made by `replicate`; aggregation nodes already placed.
 Guarantees:
 - replica k's ops run on the plan's device k;
 - shared variables, every op that takes their handle, and the update math
-  that feeds only their writers run on the parameter-server device (the
-  Parallax paper's placement of aggregation/update ops with the parameter);
+  that feeds only their writers run on the parameter-server device that
+  holds the variable (the Parallax paper's placement of aggregation/update
+  ops with the parameter); update math feeding variables on several
+  servers runs on the worker's host CPU;
 - ops that need a host (input pipelines, checkpoint I/O, ops the user pinned
   to a CPU) run on the host CPU when the replica's device is a GPU.
 """
@@ -33,7 +35,7 @@ class PlacePass:
                 continue   # added by an earlier pass, placed there
             device = plan.devices[k]
             if user in on_host:
-                target, where = plan.host, "server"
+                target, where = on_host[user], "server"
             elif "GPU" in device.upper() and (rules.is_host_only(nd.op) or
                                               "CPU" in tg.ir.node(user).device.upper()):
                 target, where = host_cpu_of(device), "host"
@@ -52,14 +54,15 @@ def host_cpu_of(device: str) -> str:
     return f"{prefix}/device:CPU:0"
 
 
-def _server_side(ctx) -> set[str]:
-    """User ops that belong with shared variables on the parameter server."""
-    tg = ctx.tg
-    shared = ctx.plan.shared_state()
-    out = set(shared)
-    for var in shared:
-        out.update(tg.writers.get(var, ()))
-        out.update(tg.readers.get(var, ()))
+def _server_side(ctx) -> dict[str, str]:
+    """User ops that belong with shared variables, and the server of each."""
+    tg, plan = ctx.tg, ctx.plan
+    shared = plan.shared_state()
+    out = {}
+    for var in sorted(shared):
+        out[var] = plan.server(var)
+        for op in list(tg.writers.get(var, ())) + list(tg.readers.get(var, ())):
+            out.setdefault(op, plan.server(var))
     writers = {w for var in shared for w in tg.writers.get(var, ())}
     variant = ctx.variant
     for name in reversed(tg.ir.topo_order):   # consumers before producers
@@ -67,5 +70,6 @@ def _server_side(ctx) -> set[str]:
             continue
         users = tg.ir.node_consumers.get(name)
         if users and all(u in writers or (u in out and u not in shared) for u in users):
-            out.add(name)
+            devices = {out[u] for u in users}
+            out[name] = devices.pop() if len(devices) == 1 else plan.host
     return out

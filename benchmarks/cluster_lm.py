@@ -1,0 +1,210 @@
+"""lm_small on a localhost job: 2 workers (+ 1 parameter server where the mode
+uses one), for parallax_ng's hybrid, allreduce and ps run options and for
+TensorFlow's MultiWorkerMirroredStrategy training the same model.
+
+    python benchmarks/cluster_lm.py [--steps 500] [--warmup 50] [--repeats 1]
+
+Each mode is one `parallax-ng run` job. Worker 0 times a window of --steps
+steps after --warmup steps, and counts the bytes every process of the job
+sent in that window at its TCP sockets (`ss -tinp`, bytes_sent summed over
+the sockets the process owns). Prints steps/s and bytes sent per step per
+process, and both as ratios to MultiWorkerMirroredStrategy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+MODES = ("hybrid", "allreduce", "ps", "mwms")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode (median)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--mode", help=argparse.SUPPRESS)      # inside a job
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.mode:
+        return worker(args)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode in args.modes.split(","):
+            runs = [job(mode, args, tmp, r) for r in range(args.repeats)]
+            runs.sort(key=lambda r: r["steps_per_s"])
+            results[mode] = runs[len(runs) // 2]
+            print(f"{mode:10} {format_row(results[mode])}", flush=True)
+    report(results)
+
+
+def job(mode: str, args, tmp: str, repeat: int) -> dict:
+    res = os.path.join(tmp, f"{mode}.yaml")
+    with open(res, "w") as f:
+        f.write("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2)
+        if mode in ("hybrid", "ps"):
+            f.write("ps: [127.0.0.1]\n")
+    out = os.path.join(tmp, f"{mode}-{repeat}.json")
+    cmd = [sys.executable, "-m", "parallax_ng.cli", "run", os.path.abspath(__file__),
+           "-r", res, "--", "--mode", mode, "--out", out, "--steps", str(args.steps),
+           "--warmup", str(args.warmup)]
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"{mode} job failed:\n{done.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
+def format_row(r: dict) -> str:
+    sent = ", ".join(f"{task} {b / 1e6:.3f} MB" for task, b in sorted(r["bytes_per_step"].items()))
+    return f"{r['steps_per_s']:7.2f} steps/s  sent per step: {sent}"
+
+
+def report(results: dict) -> None:
+    base = results.get("mwms")
+    print("\nmode        steps/s  vs MWMS   MB sent/step (all processes)  vs MWMS")
+    for mode, r in results.items():
+        total = sum(r["bytes_per_step"].values())
+        speed = f"{r['steps_per_s'] / base['steps_per_s']:7.2f}x" if base else "      -"
+        base_total = sum(base["bytes_per_step"].values()) if base else 0
+        size = f"{total / base_total:7.2f}x" if base_total else "      -"
+        print(f"{mode:10} {r['steps_per_s']:8.2f} {speed} {total / 1e6:14.3f} {'':14} {size}")
+
+
+# -- inside the job -----------------------------------------------------------
+def worker(args) -> None:
+    from parallax_ng import cluster
+    info = cluster.from_env()
+    model_args = argparse.Namespace(vocab=20000, words=200000, batch=128, dim=64,
+                                    hidden=256)
+    if args.mode == "mwms":
+        step = mwms_step(info, model_args)
+    else:
+        step = parallax_step(args.mode, model_args)
+    for _ in range(args.warmup):
+        step()
+    measure = info.task == 0
+    tasks = task_pids(info) if measure else {}
+    before = sent_bytes(tasks.values()) if measure else {}
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    seconds = time.perf_counter() - start
+    if measure:
+        after = sent_bytes(tasks.values())
+        per_step = {name: (after.get(pid, 0) - before.get(pid, 0)) / args.steps
+                    for name, pid in tasks.items()}
+        with open(args.out, "w") as f:
+            json.dump({"steps_per_s": args.steps / seconds, "bytes_per_step": per_step}, f)
+
+
+def parallax_step(mode: str, model_args):
+    import lm_small
+
+    import parallax_ng as pn
+    graph, train_op, loss, _, init = lm_small.build(model_args)
+    runner = pn.get_runner(graph, None, {"run_option": mode})
+    runner.run(init)
+    return lambda: runner.run([train_op, loss])
+
+
+def mwms_step(info, model_args):
+    """The same model, optimizer and clipping in TensorFlow 2 under
+    MultiWorkerMirroredStrategy (a custom training loop)."""
+    import tensorflow as tf
+    import tf_keras
+
+    import lm_small
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": list(info.workers)},
+                                          "task": {"type": "worker", "index": info.task}})
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    a = model_args
+    contexts, targets = lm_small.windows(lm_small.corpus(a.vocab, a.words))
+
+    def dataset(ctx):
+        ds = tf.data.Dataset.from_tensor_slices((contexts, targets)).shuffle(10000, seed=1)
+        ds = ds.shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        return ds.batch(a.batch, drop_remainder=True).repeat()
+
+    with strategy.scope():
+        init = tf.random_uniform_initializer(-0.05, 0.05)
+        glorot = tf.keras.initializers.GlorotUniform()
+        emb = tf.Variable(init([a.vocab, a.dim]), name="embedding")
+        hidden_w = tf.Variable(glorot([lm_small.CONTEXT * a.dim, a.hidden]))
+        hidden_b = tf.Variable(tf.zeros([a.hidden]))
+        project_w = tf.Variable(glorot([a.hidden, a.dim]))
+        project_b = tf.Variable(tf.zeros([a.dim]))
+        soft_w = tf.Variable(glorot([a.vocab, a.dim]))
+        soft_b = tf.Variable(tf.zeros([a.vocab]))
+        variables = [emb, hidden_w, hidden_b, project_w, project_b, soft_w, soft_b]
+        opt = tf_keras.optimizers.Adagrad(0.2)
+    batches = iter(strategy.distribute_datasets_from_function(dataset))
+
+    def replica_step(words, nxt):
+        with tf.GradientTape() as tape:
+            h = tf.reshape(tf.nn.embedding_lookup(emb, words), [-1, lm_small.CONTEXT * a.dim])
+            h = tf.nn.relu(tf.matmul(h, hidden_w) + hidden_b)
+            h = tf.tanh(tf.matmul(h, project_w) + project_b)
+            loss = tf.reduce_mean(tf.nn.sampled_softmax_loss(
+                soft_w, soft_b, tf.reshape(nxt, [-1, 1]), h, num_sampled=64,
+                num_classes=a.vocab))
+        grads = tape.gradient(loss, variables)
+        ctx = tf.distribute.get_replica_context()
+        grads = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, grads)
+        grads, _ = tf.clip_by_global_norm(grads, 5.0)
+        opt.apply_gradients(zip(grads, variables), skip_gradients_aggregation=True)
+        return loss
+
+    @tf.function
+    def train(batch):
+        return strategy.run(replica_step, args=batch)
+
+    return lambda: train(next(batches))
+
+
+def task_pids(info) -> dict[str, int]:
+    """Each task of the job (by its listening port) -> the pid serving it."""
+    ports = {f"worker {i}": a for i, a in enumerate(info.workers)}
+    ports.update({f"ps {j}": a for j, a in enumerate(info.ps)})
+    listening = subprocess.run(["ss", "-tlnp"], capture_output=True, text=True).stdout
+    out = {}
+    for name, address in ports.items():
+        port = address.rsplit(":", 1)[1]
+        for line in listening.splitlines():
+            cols = line.split()
+            if len(cols) > 3 and cols[3].endswith(f":{port}"):
+                pid = re.search(r"pid=(\d+)", line)
+                if pid:
+                    out[name] = int(pid.group(1))
+    return out
+
+
+def sent_bytes(pids) -> dict[int, int]:
+    """bytes_sent summed over every TCP socket each pid owns."""
+    wanted = set(pids)
+    text = subprocess.run(["ss", "-tinp"], capture_output=True, text=True).stdout
+    out: dict[int, int] = {}
+    owner = None
+    for line in text.splitlines():
+        if not line.startswith((" ", "\t")):
+            m = re.search(r"pid=(\d+)", line)
+            owner = int(m.group(1)) if m else None
+            continue
+        m = re.search(r"bytes_sent:(\d+)", line)
+        if owner in wanted and m:
+            out[owner] = out.get(owner, 0) + int(m.group(1))
+    return out
+
+
+if __name__ == "__main__":
+    main()

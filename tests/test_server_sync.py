@@ -1,0 +1,91 @@
+"""The cross-worker parameter-server protocol, read off the generated graphs
+(the multi-process runs are in test_cluster.py)."""
+import pytest
+import tensorflow as tf
+
+from models import embedding_regression
+from passkit import cluster_transform, context, run_passes
+from parallax_ng.errors import GraphError
+from transforms import default_pipeline
+from transforms.server_sync import RELEASE, WAIT
+
+tf1 = tf.compat.v1
+PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
+HOST1 = "/job:worker/replica:0/task:1/device:CPU:0"
+
+
+def test_chief_takes_every_workers_element_and_applies_once():
+    g, _ = embedding_regression(4, "adam", clip=True)
+    ir, ctx = cluster_transform(g, worker=0)
+    take = ir.node("parallax/server_sync/take_0_1")
+    assert take.op == "QueueDequeueV2" and take.device == PS0
+    job = ir.node("parallax/ps/emb/mean/job")     # values: chief's + worker 1's
+    assert job.op == "ConcatV2" and job.input[:2] == ["parallax/ps/emb/mean",
+                                                       "parallax/server_sync/take_0_1:0"]
+    assert ir.node("parallax/ps/emb/indices/job").input[1] == "parallax/server_sync/take_0_1:1"
+    assert ir.node("Adam/update_emb/ResourceScatterAdd").op == "ResourceScatterAdd"
+    assert ir.node("Adam/update_emb/ResourceScatterAdd").device == PS0
+    assert ir.node(RELEASE).op == "NoOp" and WAIT not in ir
+    # the global norm that clips the dense gradients reads the job's aggregate,
+    # which is queued for worker 1 first
+    given = ir.node("parallax/ps/emb/mean/job_given")
+    assert "^parallax/server_sync/result_0_1/put" in given.input
+
+
+def test_other_workers_push_and_never_write_shared_state():
+    g, _ = embedding_regression(4, "adam", clip=True)
+    ir, ctx = cluster_transform(g, worker=1, devices=2)
+    push = ir.node("parallax/server_sync/push_0")
+    assert push.op == "QueueEnqueueV2" and push.device == PS0
+    assert push.input[1:3] == ["parallax/ps/emb/mean", "parallax/ps/emb/indices"]
+    # the push waits for both replicas' reads of the embedding
+    assert {"^embedding_lookup", "^parallax/replica_1/embedding_lookup"} <= set(push.input)
+    for var in ("emb", "emb/Adam", "emb/Adam_1"):
+        for w in ctx.tg.writers[var]:
+            node = ir.node(w)
+            assert node.op == "NoOp" and node.device == HOST1, w
+    update = ir.node("Adam/update_emb/ResourceScatterAdd")
+    assert set(update.input) == {"^parallax/server_sync/push_0",
+                                 "^parallax/server_sync/result_0/take"}
+    # the dense layers are mirrored: worker 1 applies their updates itself
+    assert ir.node("Adam/update_dense/w/ResourceApplyAdam").op == "ResourceApplyAdam"
+    assert ir.node(WAIT).op == "QueueDequeueV2" and RELEASE not in ir
+
+
+def test_aggregates_go_back_only_when_mirrored_updates_need_them():
+    g, _ = embedding_regression(4, "adam", clip=False)
+    for worker in (0, 1):
+        ir, _ = cluster_transform(g, worker=worker)
+        assert not [n.name for n in ir.nodes if "/result" in n.name]
+
+
+def test_ps_mode_spreads_variables_over_servers():
+    g, _ = embedding_regression(4, "momentum")
+    ir, ctx = cluster_transform(g, worker=0, servers=2, run_option="ps")
+    servers = {ctx.plan.server(v) for v in ctx.plan.variables}
+    assert len(servers) == 2
+    for var in ctx.plan.variables:
+        assert ir.node(var).device == ctx.plan.server(var)
+        assert ir.node(f"{var}/Momentum").device == ctx.plan.server(var)
+    for j in range(2):
+        assert ir.node(f"parallax/server_sync/take_{j}_1").device == \
+            f"/job:ps/replica:0/task:{j}/device:CPU:0"
+
+
+def test_single_process_graphs_are_untouched():
+    ctx = context(n=2, optimizer="adam", run_option="hybrid")
+    ir = run_passes(ctx, *default_pipeline())
+    assert not [n.name for n in ir.nodes if n.name.startswith("parallax/server_sync")]
+
+
+def test_a_used_output_of_a_shared_writer_is_refused():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf1.get_variable("w", [3, 1], use_resource=False)
+        loss = tf.reduce_mean(tf.matmul(x, w))
+        grad, = tf.gradients(loss, [w])
+        step = tf1.assign_sub(w, 0.1 * grad)
+        tf.identity(step * 2.0, name="doubled")
+    with pytest.raises(GraphError, match="'AssignSub'.*writes shared variable 'w'.*mul_1"):
+        cluster_transform(g, worker=1, run_option="ps")

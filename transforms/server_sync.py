@@ -1,0 +1,270 @@
+"""Server sync: shared variables updated once per step by a multi-worker job.
+
+Requires: a multi-worker plan with shared state on parameter servers
+(`plan.cross_worker_servers`); `aggregate` has summed each shared variable's
+gradient over this worker's replicas (local aggregation); `place` has put
+shared variables, their readers, writers and update math on their servers.
+Guarantees (the synchronous parameter-server protocol of the Parallax paper):
+- every worker but the chief (worker 0) pushes its local aggregates, one
+  queue element per server and step (`parallax/server_sync/push_<j>`), after
+  its replicas' reads of shared variables; its own writers of shared state
+  become no-ops (their training writers wait for the pushes), so each update
+  is applied exactly once;
+- the chief takes every other worker's element from each server's queues, in
+  worker order, and adds it to its own local aggregate on that server
+  (dense: AddN; sparse: values and indices concatenated). Whatever read the
+  local aggregate (clipping, update ops) reads the job's aggregate, and the
+  chief's writers apply it;
+- a barrier after each step (and after initialisation or a restore): the
+  chief runs `parallax/server_sync/release` once its writes are done, every
+  other worker runs `parallax/server_sync/wait` before it goes on, so no
+  worker reads a shared variable before the step's update. The runner runs
+  both; each wait is bounded by the run's timeout.
+Queues live on the servers under fixed shared names, so a job needs fresh
+server processes (the launcher starts them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from parallax_ng import emit
+from parallax_ng.errors import GraphError
+from parallax_ng.ir import GraphIR, TensorRef, copy_node
+from transforms.aggregate import ps_outputs
+
+SCOPE = "parallax/server_sync"
+RELEASE = f"{SCOPE}/release"
+WAIT = f"{SCOPE}/wait"
+
+
+@dataclass(frozen=True)
+class ServerSyncPass:
+    name: str = "server_sync"
+
+    def run(self, ir: GraphIR, ctx):
+        plan = ctx.plan
+        if not plan.cross_worker_servers:
+            return ir, {}
+        by_server: dict[str, list[str]] = {}
+        for var in sorted(plan.variables):
+            if plan.variables[var].shared:
+                by_server.setdefault(plan.server(var), []).append(var)
+        added, rewires, changed = [], {}, {}
+        pushes, shared_back = {}, _needed_by_every_worker(ctx)
+        for j, server in enumerate(plan.servers):
+            if server not in by_server:
+                continue
+            parts = _components(ctx, by_server[server])
+            back = [p for p in parts if p[0] in shared_back]
+            if plan.worker == 0:
+                added += _take(ctx, ir, j, server, parts, rewires)
+                added += _give_back(ctx, ir, j, server, back, rewires)
+            else:
+                pushes[server] = [f"{SCOPE}/push_{j}"] + ([f"{SCOPE}/result_{j}/take"]
+                                                          if back else [])
+                added += _push(ctx, j, server, parts, _forward_reads(ctx))
+                added += _take_back(ctx, ir, j, server, back, rewires)
+        added += _barrier(plan)
+        if plan.worker > 0:
+            changed = _silence_writers(ctx, ir, pushes)
+        out = ir.replace(changed, added) if changed or added else ir
+        if rewires:
+            out = out.rewire(rewires)
+            out, moved = _reduce_on_server(out, rewires)
+        else:
+            moved = 0
+        return out, {"servers": len(by_server), "queued_tensors": sum(
+            len(_components(ctx, vs)) for vs in by_server.values()),
+            "silenced_writers": len(changed), "reductions_on_servers": moved}
+
+
+def _components(ctx, variables: list[str]) -> list[tuple[str, tf.DType, bool]]:
+    """(local aggregate tensor, dtype, sparse) of every shared variable on one
+    server: a dense sum, or the values and indices of an IndexedSlices."""
+    out = []
+    for var in variables:
+        grad = ctx.tg.gradients[var]
+        values, indices = ps_outputs(ctx.plan, var, grad.sparse)
+        out.append((values, ctx.tg.tensor(grad.values).dtype, grad.sparse))
+        if indices:
+            out.append((indices, ctx.tg.tensor(grad.indices).dtype, True))
+    return out
+
+
+def _queue(name: str, shared_name: str, dtypes, device: str):
+    return emit.node_def(name, "FIFOQueueV2", [], device, component_types=list(dtypes),
+                         shapes=tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue()),
+                         capacity=2, container="", shared_name=shared_name)
+
+
+def _push(ctx, j: int, server: str, parts, reads: list[str]):
+    plan = ctx.plan
+    dtypes = [d for _, d, _ in parts]
+    q = f"{SCOPE}/queue_{j}"
+    return [_queue(q, f"parallax_ng/grads/{j}/{plan.worker}", dtypes, server),
+            emit.node_def(f"{SCOPE}/push_{j}", "QueueEnqueueV2",
+                          [q] + [t for t, _, _ in parts] + ["^" + r for r in reads], server,
+                          Tcomponents=dtypes, timeout_ms=-1)]
+
+
+def _take(ctx, ir: GraphIR, j: int, server: str, parts, rewires: dict):
+    """The chief's side: dequeue the other workers' elements and add each to
+    the chief's own local aggregate, in worker order."""
+    plan = ctx.plan
+    dtypes = [d for _, d, _ in parts]
+    axis = f"{SCOPE}/axis_{j}"
+    nodes, taken = [emit.const(axis, 0, tf.int32, server)], []
+    for w in range(1, plan.num_workers):
+        q, deq = f"{SCOPE}/queue_{j}_{w}", f"{SCOPE}/take_{j}_{w}"
+        nodes += [_queue(q, f"parallax_ng/grads/{j}/{w}", dtypes, server),
+                  emit.node_def(deq, "QueueDequeueV2", [q], server,
+                                component_types=dtypes, timeout_ms=-1)]
+        taken.append(deq)
+    for c, (tensor, dtype, sparse) in enumerate(parts):
+        inputs = [tensor] + [f"{d}:{c}" for d in taken]
+        name = f"{tensor}/job"
+        if sparse:
+            nodes.append(emit.node_def(name, "ConcatV2", inputs + [axis], server,
+                                       T=dtype, N=len(inputs), Tidx=tf.int32))
+        else:
+            nodes.append(emit.node_def(name, "AddN", inputs, server, T=dtype, N=len(inputs)))
+        for consumer, pos in ir.consumers.get(TensorRef(tensor, 0), ()):
+            rewires[(consumer, pos)] = name
+    return nodes
+
+
+REDUCTIONS = frozenset({"L2Loss", "Sum", "Max", "Min", "Mean", "Prod", "EuclideanNorm"})
+
+
+def _reduce_on_server(ir: GraphIR, rewires: dict):
+    """Reductions of the job's aggregates (e.g. the squared norms of a global
+    norm) run on the server that holds them: a scalar leaves the server
+    instead of the whole aggregate."""
+    changed = {}
+    for (consumer, _), tensor in rewires.items():
+        node = ir.node(consumer)
+        source = ir.node(tensor.split(":")[0])
+        if node.op in REDUCTIONS and node.device != source.device:
+            nd = changed.get(consumer) or copy_node(node)
+            nd.device = source.device
+            changed[consumer] = nd
+    return (ir.replace(changed) if changed else ir), len(changed)
+
+
+def _needed_by_every_worker(ctx) -> set[str]:
+    """Local aggregates (tensor names) whose job-wide value a non-chief worker
+    needs: those that feed writers of mirrored state, e.g. through a global
+    norm used to clip every gradient."""
+    tg, plan = ctx.tg, ctx.plan
+    mirrored_writers = [w for v, p in plan.placement.items() if p == "mirrored"
+                        for w in tg.writers.get(v, ())]
+    feeding = tg.ir.ancestors(mirrored_writers, data_only=True)
+    out = set()
+    for var, vp in plan.variables.items():
+        grad = tg.gradients[var]
+        if vp.shared and any(r.node in feeding for r in (grad.values, grad.indices) if r):
+            out.update(t for t in ps_outputs(plan, var, grad.sparse) if t)
+    return out
+
+
+def _give_back(ctx, ir: GraphIR, j: int, server: str, back, rewires: dict):
+    """The chief hands the job's aggregates in `back` to every other worker:
+    whatever reads them on the chief waits until they are queued."""
+    if not back:
+        return []
+    plan, dtypes = ctx.plan, [d for _, d, _ in back]
+    nodes, puts = [], []
+    for w in range(1, plan.num_workers):
+        q = f"{SCOPE}/result_{j}_{w}"
+        nodes += [_queue(q, f"parallax_ng/result/{j}/{w}", dtypes, server),
+                  emit.node_def(f"{q}/put", "QueueEnqueueV2",
+                                [q] + [f"{t}/job" for t, _, _ in back], server,
+                                Tcomponents=dtypes, timeout_ms=-1)]
+        puts.append(f"^{q}/put")
+    for tensor, dtype, _ in back:
+        name = f"{tensor}/job_given"
+        nodes.append(emit.node_def(name, "Identity", [f"{tensor}/job"] + puts, server, T=dtype))
+        for key, value in list(rewires.items()):
+            if value == f"{tensor}/job":
+                rewires[key] = name
+    return nodes
+
+
+def _take_back(ctx, ir: GraphIR, j: int, server: str, back, rewires: dict):
+    """A non-chief worker reads the job's aggregates in `back` after its push."""
+    if not back:
+        return []
+    plan, dtypes = ctx.plan, [d for _, d, _ in back]
+    q, deq = f"{SCOPE}/result_{j}", f"{SCOPE}/result_{j}/take"
+    nodes = [_queue(q, f"parallax_ng/result/{j}/{plan.worker}", dtypes, server),
+             emit.node_def(deq, "QueueDequeueV2", [q, f"^{SCOPE}/push_{j}"], server,
+                           component_types=dtypes, timeout_ms=-1)]
+    for c, (tensor, _, _) in enumerate(back):
+        for consumer, pos in ir.consumers.get(TensorRef(tensor, 0), ()):
+            rewires[(consumer, pos)] = f"{deq}:{c}"
+    return nodes
+
+
+def _barrier(plan):
+    """Release (chief) or wait (other workers) tokens on the first server."""
+    device, nodes = plan.servers[0], []
+    if plan.worker == 0:
+        deps = []
+        for w in range(1, plan.num_workers):
+            q = f"{SCOPE}/done_{w}"
+            nodes += [_queue(q, f"parallax_ng/done/{w}", [tf.int32], device),
+                      emit.const(f"{q}/token", 0, tf.int32, device),
+                      emit.node_def(f"{q}/put", "QueueEnqueueV2", [q, f"{q}/token"], device,
+                                    Tcomponents=[tf.int32], timeout_ms=-1)]
+            deps.append(f"^{q}/put")
+        nodes.append(emit.node_def(RELEASE, "NoOp", deps, device))
+    else:
+        q = f"{SCOPE}/done"
+        nodes += [_queue(q, f"parallax_ng/done/{plan.worker}", [tf.int32], device),
+                  emit.node_def(WAIT, "QueueDequeueV2", [q], device,
+                                component_types=[tf.int32], timeout_ms=-1)]
+    return nodes
+
+
+def _forward_reads(ctx) -> list[str]:
+    """Every replica's reads of shared variables that the gradients depend on:
+    a push waits for them, so the chief's update cannot overtake them."""
+    tg = ctx.tg
+    shared = ctx.plan.shared_state()
+    grads = tg.ir.ancestors({r.node for r in tg.gradient_tensors})
+    reads = sorted({r for var in shared for r in tg.readers.get(var, ())
+                    if r in grads and r not in ctx.unreplicated})
+    return [ctx.replica_name(k, r) for r in reads for k in range(ctx.plan.num_replicas)]
+
+
+def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[str]]) -> dict:
+    """A non-chief worker's writers of shared state, as no-ops; training
+    writers (those after the gradients) wait for this worker's push and for
+    the job's aggregates it takes back, so every training step moves one
+    element through each queue, as the chief's does."""
+    tg, plan = ctx.tg, ctx.plan
+    after_grads = tg.ir.descendants({r.node for r in tg.gradient_tensors})
+    changed = {}
+    for var in sorted(plan.shared_state()):
+        for w in tg.writers.get(var, ()):
+            if w in changed:
+                continue
+            used = [c for c, _ in _data_consumers(ir, w)]
+            if used:
+                raise GraphError(
+                    f"op {w!r} ({ir.node(w).op}) writes shared variable {var!r} and "
+                    f"{used[:3]} use its output; only the chief applies updates to "
+                    "parameter-server variables, so read the variable instead")
+            deps = ["^" + p for p in pushes[plan.server(var)]] if w in after_grads else []
+            changed[w] = emit.node_def(w, "NoOp", deps, plan.host)
+    return changed
+
+
+def _data_consumers(ir: GraphIR, name: str) -> list[tuple[str, int]]:
+    outputs = max(1, len(ir.node(name).input))   # a writer has no more outputs than inputs
+    return [u for i in range(outputs) for u in ir.consumers.get(TensorRef(name, i), ())]
+
+
+__all__ = ["RELEASE", "WAIT", "ServerSyncPass"]
