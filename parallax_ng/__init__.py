@@ -19,7 +19,7 @@ def transform_plan(graph, resource_info=None, config=None):
     return _analyse(graph, resource_info, config)[1]
 
 
-def _analyse(graph, resource_info, config, cluster_info=None):
+def _analyse(graph, resource_info, config, cluster_info=None, horovod=None):
     from . import frontend
     from .analysis import analyze
     from .plan import make_plan
@@ -39,13 +39,16 @@ def _analyse(graph, resource_info, config, cluster_info=None):
             "machine's devices. List one host, or start the job with "
             "`parallax-ng run script.py -r resources.yaml`")
     host = "/job:localhost/replica:0/task:0/device:CPU:0"
-    plan = make_plan(tg, analyze(tg), config, resources.local_device_strings(), host)
+    rank, size = horovod or (0, 1)
+    plan = make_plan(tg, analyze(tg), config, resources.local_device_strings(), host,
+                     num_workers=size, worker=rank)
     return tg, plan, config
 
 
 def transform(graph, resource_info=None, config=None, keep_graphs=False,
-              cluster_info=None):
-    """Analyse, plan and rewrite `graph`; no session is made.
+              cluster_info=None, horovod=None):
+    """Analyse, plan and rewrite `graph`; no session is made. `horovod` is
+    (rank, size) of a job under horovodrun.
 
     Returns (transformed GraphIR, PassContext, PassManager) for tools and
     tests; with keep_graphs the manager holds the graph after every pass.
@@ -53,7 +56,7 @@ def transform(graph, resource_info=None, config=None, keep_graphs=False,
     import transforms
     from .passes import PassContext, PassManager
 
-    tg, plan, config = _analyse(graph, resource_info, config, cluster_info)
+    tg, plan, config = _analyse(graph, resource_info, config, cluster_info, horovod)
     ctx = PassContext(tg, plan)
     manager = PassManager(transforms.default_pipeline(), config.verify, config.dump_dir,
                           keep_graphs)
@@ -77,6 +80,11 @@ def get_runner(graph, resource_info=None, config=None):
     capture.check(graph, resource_info, config)
     cfg = load_config(os.environ.get(cluster.CONFIG_ENV) or config)
     resources = load_resources(resource_info)
+    if cfg.communication.backend == "horovod":   # each process: one worker
+        from . import horovod
+        ir, ctx, manager = transform(graph, resources, cfg, horovod=horovod.init())
+        return Runner(ir, ctx, cfg, session_config(resources.hosts[0].devices),
+                      manager.records, timeout=ctx.plan.num_workers > 1)
     info = cluster.from_env(resources if resource_info is not None else None)
     if info is None:
         ir, ctx, manager = transform(graph, resources, cfg)

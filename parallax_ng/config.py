@@ -17,14 +17,17 @@ RUN_OPTIONS = ("hybrid", "allreduce", "ps")
 METHODS = ("allreduce", "ps", "allgather")
 FETCH_REDUCTIONS = ("mean", "sum", "concat", "first")
 VERIFY_LEVELS = ("structure", "full", "import")
+BACKENDS = ("tf", "horovod")
 
 
 @dataclass(frozen=True)
 class CommunicationConfig:
     timeout_seconds: float = 300.0   # every collective gives up after this
+    backend: str = "tf"              # tf: TensorFlow collectives; horovod: under horovodrun
 
     def __post_init__(self):
         _check_positive("communication.timeout_seconds", self.timeout_seconds)
+        _check_choice("communication.backend", self.backend, BACKENDS)
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class Plan:
     worker: int = 0                   # this process's index among them
     servers: tuple[str, ...] = ()     # parameter-server devices (cluster mode)
     server_of: dict[str, str] = field(default_factory=dict)  # shared state -> device
+    backend: str = "tf"               # collectives across workers: tf | horovod
 
     @property
     def num_replicas(self) -> int:
@@ -95,6 +96,7 @@ class Plan:
                           for k, v in self.variables.items()},
             "placement": dict(self.placement),
             "servers": list(self.servers), "server_of": dict(self.server_of),
+            "backend": self.backend,
         }
 
     def format(self) -> str:
@@ -141,6 +143,13 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
         shared = root in variables and variables[root].shared
         placement[name] = "shared" if shared else "mirrored"
     server_of = {}
+    backend = config.communication.backend
+    if backend == "horovod" and num_workers > 1 and "shared" in placement.values():
+        shared = sorted(v for v, p in placement.items() if p == "shared")
+        raise ConfigError(
+            f"run_option {config.run_option!r} puts {shared[:5]} on parameter servers, which "
+            "communication.backend horovod does not have; use run_option: allreduce "
+            "(sparse gradients by Horovod's allgather), or backend tf with `ps:` servers")
     if placement and "shared" in placement.values() and num_workers > 1:
         if not servers:
             shared = sorted(v for v, p in placement.items() if p == "shared")
@@ -152,7 +161,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     return Plan(config.run_option, config.average_dense, config.average_sparse,
                 tuple(devices), host, variables, placement,
                 config.communication.timeout_seconds, num_workers, worker,
-                tuple(servers), server_of)
+                tuple(servers), server_of, backend)
 
 
 def balance(tg: TrainingGraph, shared: list[str], servers: list[str]) -> dict[str, str]:

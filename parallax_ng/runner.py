@@ -33,7 +33,8 @@ from .passes import REPLICA_PREFIX
 
 
 class Runner:
-    def __init__(self, ir, ctx, config, session_config, records=(), server=None):
+    def __init__(self, ir, ctx, config, session_config, records=(), server=None,
+                 timeout: bool = False):
         self.ctx, self.plan, self.config = ctx, ctx.plan, config
         self.pass_records = list(records)
         self.server = server     # this worker's gRPC server in cluster mode
@@ -57,7 +58,7 @@ class Runner:
         self._late_variant: set[str] = set()
         self._imports = itertools.count()
         self._options = None     # in a job: every run gives up after the timeout
-        if server is not None:
+        if server is not None or timeout:
             self._options = tf.compat.v1.RunOptions(
                 timeout_in_ms=int(self.plan.timeout_seconds * 1000))
 

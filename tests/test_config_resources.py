@@ -22,6 +22,7 @@ def test_defaults_and_yaml(tmp_path):
     ({"average_dense": "yes"}, ["average_dense", "true or false"]),
     ({"communication": {"timeout": 3}}, ["communication.timeout", "timeout_seconds"]),
     ({"communication": {"timeout_seconds": -1}}, ["timeout_seconds", "positive"]),
+    ({"communication": {"backend": "nccl"}}, ["communication.backend", "tf, horovod"]),
     ({"variable_methods": {"emb": "rdma"}}, ["variable_methods.emb", "allgather"]),
     ({"fetch_reduction": {"loss:0": "max"}}, ["fetch_reduction.loss:0", "concat"]),
     ({"verify": "all"}, ["verify", "structure"]),

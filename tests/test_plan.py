@@ -90,3 +90,14 @@ def test_shared_variables_spread_over_servers_by_bytes():
     with pytest.raises(ConfigError, match="list `ps: \\[address\\]`"):
         make_plan(tg, analyze(tg), Config(run_option="ps"), ["/job:worker/task:0/cpu:0"],
                   "/job:worker/task:0/cpu:0", num_workers=2, worker=0)
+
+
+def test_horovod_backend_has_no_parameter_servers(tg):
+    with pytest.raises(ConfigError, match="backend horovod does not have"):
+        make_plan(tg, analyze(tg), Config.from_dict(
+                      {"run_option": "hybrid", "communication": {"backend": "horovod"}}),
+                  DEVICES, HOST, num_workers=2, worker=0)
+    plan = make_plan(tg, analyze(tg), Config.from_dict(
+                         {"run_option": "allreduce", "communication": {"backend": "horovod"}}),
+                     DEVICES, HOST, num_workers=2, worker=1)
+    assert plan.backend == "horovod" and plan.to_dict()["backend"] == "horovod"

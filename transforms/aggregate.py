@@ -9,6 +9,8 @@ norms, summaries, update ops), by the plan's method:
   are concatenated there (local aggregation), scaled by 1/N for a mean;
 - allgather: IndexedSlices gathered to every replica with collective gathers
   (sizes first, padded to the largest, padding dropped).
+With `communication.backend: horovod`, allreduce and allgather use Horovod's
+ops instead (parallax_ng/horovod.py).
 New nodes live under `parallax/<method>/<variable>/`.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng import emit, rules
+from parallax_ng import emit, horovod, rules
 from parallax_ng.ir import GraphIR
 
 GROUP_KEY = 1   # the group of all replicas
@@ -44,6 +46,12 @@ class AggregatePass:
 
 def _allreduce(ctx, var, grad, keys):
     plan, dtype = ctx.plan, ctx.tg.tensor(grad.values).dtype
+    if plan.backend == "horovod":
+        nodes, outs = horovod.all_reduce(
+            plan, f"parallax/allreduce/{var}",
+            [ctx.replica_tensor(k, grad.values) for k in range(plan.num_replicas)],
+            dtype, plan.average_dense)
+        return nodes, {grad.values: outs}
     key = keys.take()
     nodes, outs = [], []
     for k, device in enumerate(plan.devices):
@@ -104,6 +112,14 @@ def _allgather(ctx, var, grad, keys):
     plan = ctx.plan
     tg = ctx.tg
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
+    if plan.backend == "horovod":
+        n = plan.num_replicas
+        nodes, v, i = horovod.all_gather(
+            plan, f"parallax/allgather/{var}",
+            [ctx.replica_tensor(k, grad.values) for k in range(n)],
+            [ctx.replica_tensor(k, grad.indices) for k in range(n)],
+            vt.dtype, it.dtype, vt.shape, plan.average_sparse)
+        return nodes, {grad.values: [v] * n, grad.indices: [i] * n}
     key_sizes, key_values, key_indices = keys.take(), keys.take(), keys.take()
     nodes, out_v, out_i = [], [], []
     for k, device in enumerate(plan.devices):

@@ -6,14 +6,15 @@ replica 0's initial-value tensor, so random initializers are drawn once and
 every copy starts equal (the user's `global_variables_initializer()` runs all
 replicas' initializers in one step). In a multi-worker job, worker 0's
 replica 0 broadcasts each initial value (CollectiveBcastSend) and the other
-workers assign what they receive, so every worker starts equal too. Shared
-variables are initialized once.
+workers assign what they receive, so every worker starts equal too (with
+the Horovod backend: HorovodBroadcast from worker 0, on every worker).
+Shared variables are initialized once.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax_ng import emit
+from parallax_ng import emit, horovod
 from parallax_ng.errors import GraphError
 from parallax_ng.ir import GraphIR, copy_node
 
@@ -36,7 +37,7 @@ class InitPass:
             value = init.input[1]
             if plan.num_workers > 1:
                 value = self._broadcast(ctx, var, value, added, controls)
-                if plan.worker > 0:
+                if plan.worker > 0 or plan.backend == "horovod":
                     rewires[(init.name, 1)] = value
             for k in range(1, plan.num_replicas):
                 rewires[(ctx.replica_name(k, init.name), 1)] = value
@@ -54,6 +55,11 @@ class InitPass:
         if any(d is None for d in var.shape):
             raise GraphError(f"variable {var.name!r} has shape {var.shape}; a multi-worker "
                              "job broadcasts initial values and needs a full shape")
+        if plan.backend == "horovod":
+            nodes, out = horovod.broadcast(plan, f"parallax/broadcast/{var.name}", value,
+                                           var.dtype.base_dtype, list(var.shape))
+            added.extend(nodes)
+            return out   # every rank takes part, worker 0 included
         key = ctx.instance_keys.take()
         common = dict(T=var.dtype.base_dtype, group_size=plan.num_workers,
                       group_key=BROADCAST_GROUP_KEY, instance_key=key,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax_ng import emit, rules
+from parallax_ng import emit, horovod, rules
 from parallax_ng.ir import GraphIR
 from transforms.aggregate import GROUP_KEY
 
@@ -39,8 +39,18 @@ class StateSyncPass:
                         continue
                     how = rules.state_sync_reduction(tg.ir.node(w).op, w)
                     dtype = tg.tensor(ref).dtype
-                    key = ctx.instance_keys.take()
                     synced += 1
+                    if plan.backend == "horovod":
+                        scope = f"parallax/state_sync/{w}/input_{pos}"
+                        nodes, outs = horovod.all_reduce(
+                            plan, scope, [ctx.replica_tensor(k, ref)
+                                          for k in range(plan.num_replicas)],
+                            dtype, how == "mean")
+                        new_nodes.extend(nodes)
+                        for k, out in enumerate(outs):
+                            rewires[(ctx.replica_name(k, w), pos)] = out
+                        continue
+                    key = ctx.instance_keys.take()
                     for k, device in enumerate(plan.devices):
                         name = f"parallax/state_sync/{w}/input_{pos}/replica_{k}"
                         new_nodes.append(emit.collective_reduce(

@@ -1,0 +1,98 @@
+"""The Horovod backend (`communication: {backend: horovod}`).
+
+Requires: Horovod built with TensorFlow support (`pip install .[horovod]`;
+Horovod 0.28.1 builds against TensorFlow <= 2.18), and a script started by
+`horovodrun` (Gloo or MPI): every process is one worker of the job.
+Guarantees: `init()` starts Horovod and gives (rank, size); the builders
+return graph nodes that do what the TensorFlow-collective passes do, with
+Horovod's ops instead:
+- `all_reduce`: this worker's replicas added on its first device, then
+  HorovodAllreduce (sum) across workers, scaled by 1/replicas for a mean;
+  every local replica reads the result;
+- `all_gather`: IndexedSlices values and indices concatenated over local
+  replicas, then HorovodAllgather (workers may contribute different row
+  counts), values scaled for a mean;
+- `broadcast`: HorovodBroadcast from worker 0.
+Nodes get the same names on every worker, which is how Horovod matches a
+tensor across processes.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from . import emit
+from .errors import ConfigError
+
+
+def _hvd():
+    try:
+        import horovod.tensorflow as hvd
+    except ImportError as e:
+        raise ConfigError(
+            "config key 'communication.backend' is horovod, but Horovod is not "
+            f"importable ({e}); install it with `pip install .[horovod]` (Horovod 0.28.1 "
+            "needs TensorFlow <= 2.18, see README), or use backend tf") from None
+    return hvd
+
+
+def init() -> tuple[int, int]:
+    """Start Horovod in this process: (rank, size)."""
+    hvd = _hvd()
+    hvd.init()
+    return hvd.rank(), hvd.size()
+
+
+def all_reduce(plan, scope: str, tensors: list[str], dtype, mean: bool):
+    """(nodes, one output name per local replica)."""
+    nodes, local = _local(scope, tensors, dtype, plan.devices[0], "AddN")
+
+    def reduce(t):
+        hvd = _hvd()
+        out = hvd.allreduce(t, op=hvd.Sum, name="allreduce")
+        if mean:
+            out = out * tf.cast(1.0 / plan.group_size, dtype)
+        return tf.identity(out, name="out")
+
+    made, (out,) = emit.emit_traced(reduce, [(local, dtype, None)], scope, plan.devices[0])
+    return nodes + made, [out] * len(tensors)
+
+
+def all_gather(plan, scope: str, values: list[str], indices: list[str], value_type,
+               index_type, value_shape, mean: bool):
+    """(nodes, values output, indices output), read by every local replica."""
+    device = plan.devices[0]
+    nodes_v, local_v = _local(scope + "/values_local", values, value_type, device, "ConcatV2")
+    nodes_i, local_i = _local(scope + "/indices_local", indices, index_type, device,
+                              "ConcatV2")
+
+    def gather(v, i):
+        hvd = _hvd()
+        gv = hvd.allgather(v, name="values")
+        gi = hvd.allgather(i, name="indices")
+        if mean:
+            gv = gv * tf.cast(1.0 / plan.group_size, value_type)
+        return tf.identity(gv, name="values_out"), tf.identity(gi, name="indices_out")
+
+    made, (v, i) = emit.emit_traced(gather, [(local_v, value_type, value_shape),
+                                             (local_i, index_type, [None])], scope, device)
+    return nodes_v + nodes_i + made, v, i
+
+
+def broadcast(plan, scope: str, value: str, dtype, shape):
+    """(nodes, output): worker 0's `value` on every worker."""
+    def bcast(t):
+        return tf.identity(_hvd().broadcast(t, root_rank=0, name="broadcast"), name="out")
+
+    made, (out,) = emit.emit_traced(bcast, [(value, dtype, shape)], scope, plan.devices[0])
+    return made, out
+
+
+def _local(scope: str, tensors: list[str], dtype, device: str, op: str):
+    if len(tensors) == 1:
+        return [], tensors[0]
+    if op == "AddN":
+        return [emit.node_def(scope, "AddN", tensors, device, T=dtype, N=len(tensors))], scope
+    axis = scope + "/axis"
+    return [emit.const(axis, 0, tf.int32, device),
+            emit.node_def(scope, "ConcatV2", tensors + [axis], device, T=dtype,
+                          N=len(tensors), Tidx=tf.int32)], scope

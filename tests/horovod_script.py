@@ -1,0 +1,32 @@
+"""A training script for the Horovod tests, started by horovodrun: trains
+with `communication.backend: horovod`, then saves every replica's variables
+to OUT.<rank>.npz.
+
+    horovodrun --gloo -np 2 -H localhost:2 python horovod_script.py OUT STEPS [--devices D]
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import parallax_ng as pn  # noqa: E402
+from models import embedding_regression, local, read_name, variable_names  # noqa: E402
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("steps", type=int)
+parser.add_argument("--devices", type=int, default=1)
+args = parser.parse_args()
+
+g, h = embedding_regression(4, "adam", clip=True, ema=True)
+runner = pn.get_runner(g, local(args.devices), {
+    "run_option": "allreduce", "communication": {"backend": "horovod", "timeout_seconds": 120}})
+runner.run([h["init"], h["iterator_init"]])
+for _ in range(args.steps):
+    runner.run(h["train"])
+names = variable_names(g)
+values = runner.run([read_name(v, g) for v in names], per_replica=True)
+np.savez(f"{args.out}.{runner.plan.worker}.npz",
+         **{f"{n}#{k}": v for n, vs in zip(names, values) for k, v in enumerate(vs)})

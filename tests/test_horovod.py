@@ -1,0 +1,54 @@
+"""The Horovod backend: jobs under horovodrun (Gloo, loopback) equal one
+device. The tests marked horovod run in the Horovod environment that
+.ci/run builds (`pytest -m horovod`); the others in the main environment,
+which has no Horovod."""
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import parallax_ng as pn
+from models import embedding_regression, local, train_single
+from parallax_ng.errors import ConfigError
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "horovod_script.py")
+
+
+def horovodrun():
+    found = shutil.which("horovodrun", path=os.path.dirname(sys.executable)) or \
+        shutil.which("horovodrun")
+    assert found, "horovodrun is not installed in this environment"
+    return found
+
+
+@pytest.mark.horovod
+@pytest.mark.parametrize("devices", [1, 2])
+def test_horovod_workers_match_one_device(tmp_path, devices):
+    """Adam, global-norm clipping over dense and sparse gradients, EMA; dense
+    gradients by HorovodAllreduce, the embedding's by HorovodAllgather."""
+    out = str(tmp_path / "vars")
+    cmd = [horovodrun(), "--gloo", "-np", "2", "-H", "localhost:2", "--network-interface",
+           "lo", sys.executable, SCRIPT, out, "10", "--devices", str(devices)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    single = train_single(*embedding_regression(4 * 2 * devices, "adam", clip=True,
+                                                ema=True), 10)
+    copies = 0
+    for rank in range(2):
+        with np.load(f"{out}.{rank}.npz") as d:
+            for key in d.files:
+                copies += 1
+                got, want = d[key], single[key.split("#")[0]]
+                assert np.max(np.abs(got - want)) <= 1e-5, key
+    assert copies == 2 * devices * len(single)
+
+
+def test_without_horovod_the_backend_is_a_clear_error():
+    g, _ = embedding_regression(4)
+    with pytest.raises(ConfigError, match=r"backend' is horovod.*pip install \.\[horovod\]"):
+        pn.get_runner(g, local(1), {"run_option": "allreduce",
+                                    "communication": {"backend": "horovod"}})
