@@ -10,6 +10,7 @@ from __future__ import annotations
 from .config import Config, load_config
 from .data import shard
 from .errors import ConfigError, FetchError, GraphError, ParallaxError, ResourceError
+from .partition import partitioner
 
 __version__ = "0.1.0"
 
@@ -98,5 +99,5 @@ def get_runner(graph, resource_info=None, config=None):
 
 
 __all__ = ["Config", "ConfigError", "FetchError", "GraphError", "ParallaxError",
-           "ResourceError", "get_runner", "shard", "transform", "transform_plan",
+           "ResourceError", "get_runner", "partitioner", "shard", "transform", "transform_plan",
            "__version__"]

@@ -34,8 +34,9 @@ def dataset_arrays(dtype=np.float32):
 
 
 def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
-                         dtype=tf.float32, one_shot=False, loss_sum=False):
-    """An embedding (sparse gradient) plus a dense layer, with a global step."""
+                         dtype=tf.float32, one_shot=False, loss_sum=False, partitions=None):
+    """An embedding (sparse gradient) plus a dense layer, with a global step.
+    With `partitions`, the embedding is that many row ranges (pn.partitioner)."""
     np_dtype = dtype.as_numpy_dtype
     g = tf.Graph()
     with g.as_default():
@@ -47,11 +48,19 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
         else:
             it = tf1.data.make_initializable_iterator(ds)
         ids, x, y = it.get_next()
-        emb = tf1.get_variable("emb", initializer=rng.randn(VOCAB, DIM).astype(np_dtype))
+        table = rng.randn(VOCAB, DIM).astype(np_dtype)
+        if partitions:
+            def rows(shape, dtype=None, partition_info=None):
+                start = partition_info.var_offset[0] if partition_info else 0
+                return tf.constant(table[start:start + shape[0]])
+            emb = tf1.get_variable("emb", [VOCAB, DIM], np_dtype, initializer=rows,
+                                   partitioner=pn.partitioner(parts=partitions))
+        else:
+            emb = tf1.get_variable("emb", initializer=table)
         w = tf1.get_variable("dense/w", initializer=rng.randn(DIM + FEATURES, 8).astype(np_dtype))
         b = tf1.get_variable("dense/b", initializer=np.zeros([8], np_dtype))
         v = tf1.get_variable("out/v", initializer=rng.randn(8, 1).astype(np_dtype))
-        h = tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), 1)
+        h = tf.reduce_mean(tf1.nn.embedding_lookup(emb, ids, partition_strategy="div"), 1)
         hidden = tf.tanh(tf.matmul(tf.concat([h, x], 1), w) + b)
         pred = tf.squeeze(tf.matmul(hidden, v), 1)
         reduce = tf.reduce_sum if loss_sum else tf.reduce_mean

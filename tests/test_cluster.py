@@ -167,7 +167,7 @@ def test_killing_any_task_stops_every_process_within_60s(tmp_path, victim):
     res.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2
                    + "ps: [127.0.0.1]\n")
     cmd = [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r", str(res), "--",
-           str(tmp_path / "vars"), "100000"]
+           str(tmp_path / "vars"), "100000", "--run-option", "hybrid"]   # the server in use
     job = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
                            env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
     pids, lines = {}, []
@@ -192,3 +192,17 @@ def test_killing_any_task_stops_every_process_within_60s(tmp_path, victim):
     for name, pid in pids.items():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_partitioned_embedding_trains_on_two_servers(tmp_path):
+    """The embedding as two row ranges (pn.partitioner), one per server."""
+    done, out, _ = run_job(tmp_path, 2, 1, "10", "--run-option", "hybrid", "--partitions",
+                           "2", servers=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = train_single(*embedding_regression(8, "adam", clip=True, ema=True,
+                                                partitions=2), 10)
+    parallel = load(out, 2)
+    assert {"emb/part_0", "emb/part_1"} <= set(parallel) and set(parallel) == set(single)
+    for name, copies in parallel.items():
+        for got in copies:
+            assert np.max(np.abs(got - single[name])) <= 1e-5, name

@@ -40,3 +40,21 @@ def test_gpu_replicas_keep_input_pipeline_and_cpu_pins_on_the_host_cpu():
 def test_host_cpu_of():
     assert host_cpu_of("/job:worker/replica:0/task:3/device:GPU:2") == \
         "/job:worker/replica:0/task:3/device:CPU:0"
+
+
+def test_multi_worker_colocation_never_contradicts_a_device():
+    """clip_by_global_norm colocates its math with each gradient; on a job
+    with servers the server's update math must stay on the server."""
+    from models import embedding_regression
+    from passkit import cluster_transform
+    g, _ = embedding_regression(4, "adagrad", clip=True)
+    ir, _ = cluster_transform(g, worker=0)
+    for nd in ir.nodes:
+        for loc in (nd.attr["_class"].list.s if "_class" in nd.attr else ()):
+            target = ir.get(loc.decode().removeprefix("loc:@"))
+            assert target is None or target.device == nd.device, (nd.name, target.name)
+    ps = "/job:ps/replica:0/task:0/device:CPU:0"
+    assert ir.node("global_norm/L2Loss").device == ps   # the embedding's squared norm
+    scaled = [n for n in ir.nodes if n.name.startswith("clip_by_global_norm/mul")
+              and n.device == ps]
+    assert scaled   # the embedding gradient is scaled where it is applied

@@ -8,6 +8,8 @@ Guarantees:
   holds the variable (the Parallax paper's placement of aggregation/update
   ops with the parameter); update math feeding variables on several
   servers runs on the worker's host CPU;
+- in multi-worker jobs with servers, colocation groups that contradict these
+  devices are dropped (the device decides);
 - ops that need a host (input pipelines, checkpoint I/O, ops the user pinned
   to a CPU) run on the host CPU when the replica's device is a GPU.
 """
@@ -45,7 +47,30 @@ class PlacePass:
             if nd.device != target:
                 changed[nd.name] = copy_node(nd)
                 changed[nd.name].device = target
-        return ir.replace(changed), counts
+        out = ir.replace(changed)
+        if plan.cross_worker_servers:
+            out, counts["colocations_dropped"] = drop_stale_colocation(out)
+        return out, counts
+
+
+def drop_stale_colocation(ir: GraphIR) -> tuple[GraphIR, int]:
+    """Drop `_class` colocation groups that name a node on another device.
+
+    TensorFlow puts a node with the nodes it is colocated with, whatever its
+    device says (the user's graph colocates clipping math with gradients);
+    across processes that would move a server's update math to a worker.
+    """
+    changed = {}
+    for nd in ir.nodes:
+        if "_class" not in nd.attr:
+            continue
+        for loc in nd.attr["_class"].list.s:
+            target = ir.get(loc.decode().removeprefix("loc:@"))
+            if target is not None and target.device != nd.device:
+                changed[nd.name] = copy_node(nd)
+                del changed[nd.name].attr["_class"]
+                break
+    return (ir.replace(changed) if changed else ir), len(changed)
 
 
 def host_cpu_of(device: str) -> str:

@@ -15,6 +15,10 @@ Guarantees (the synchronous parameter-server protocol of the Parallax paper):
   (dense: AddN; sparse: values and indices concatenated). Whatever read the
   local aggregate (clipping, update ops) reads the job's aggregate, and the
   chief's writers apply it;
+- where writers of mirrored state need a job aggregate (a global norm that
+  clips every gradient), the chief queues it back and the other workers
+  take it after their push; reductions of it (L2Loss, Sum, ...) run on the
+  server, so a scalar leaves the server instead of the aggregate;
 - a barrier after each step (and after initialisation or a restore): the
   chief runs `parallax/server_sync/release` once its writes are done, every
   other worker runs `parallax/server_sync/wait` before it goes on, so no
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng import emit
+from parallax_ng import compat, emit
 from parallax_ng.errors import GraphError
 from parallax_ng.ir import GraphIR, TensorRef, copy_node
 from transforms.aggregate import ps_outputs
@@ -53,10 +57,13 @@ class ServerSyncPass:
                 by_server.setdefault(plan.server(var), []).append(var)
         added, rewires, changed = [], {}, {}
         pushes, shared_back = {}, _needed_by_every_worker(ctx)
+        reads = _forward_reads(ctx) if plan.worker > 0 else []
+        queued = 0
         for j, server in enumerate(plan.servers):
             if server not in by_server:
                 continue
             parts = _components(ctx, by_server[server])
+            queued += len(parts)
             back = [p for p in parts if p[0] in shared_back]
             if plan.worker == 0:
                 added += _take(ctx, ir, j, server, parts, rewires)
@@ -64,7 +71,7 @@ class ServerSyncPass:
             else:
                 pushes[server] = [f"{SCOPE}/push_{j}"] + ([f"{SCOPE}/result_{j}/take"]
                                                           if back else [])
-                added += _push(ctx, j, server, parts, _forward_reads(ctx))
+                added += _push(ctx, j, server, parts, reads)
                 added += _take_back(ctx, ir, j, server, back, rewires)
         added += _barrier(plan)
         if plan.worker > 0:
@@ -75,9 +82,8 @@ class ServerSyncPass:
             out, moved = _reduce_on_server(out, rewires)
         else:
             moved = 0
-        return out, {"servers": len(by_server), "queued_tensors": sum(
-            len(_components(ctx, vs)) for vs in by_server.values()),
-            "silenced_writers": len(changed), "reductions_on_servers": moved}
+        return out, {"servers": len(by_server), "queued_tensors": queued,
+                     "silenced_writers": len(changed), "reductions_on_servers": moved}
 
 
 def _components(ctx, variables: list[str]) -> list[tuple[str, tf.DType, bool]]:
@@ -149,6 +155,8 @@ def _reduce_on_server(ir: GraphIR, rewires: dict):
         if node.op in REDUCTIONS and node.device != source.device:
             nd = changed.get(consumer) or copy_node(node)
             nd.device = source.device
+            if "_class" in nd.attr:   # e.g. colocated with the gradient on a worker
+                del nd.attr["_class"]
             changed[consumer] = nd
     return (ir.replace(changed) if changed else ir), len(changed)
 
@@ -263,7 +271,7 @@ def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[str]]) -> dict:
 
 
 def _data_consumers(ir: GraphIR, name: str) -> list[tuple[str, int]]:
-    outputs = max(1, len(ir.node(name).input))   # a writer has no more outputs than inputs
+    outputs = len(compat.output_dtypes(ir.node(name), ir.library) or [None])
     return [u for i in range(outputs) for u in ir.consumers.get(TensorRef(name, i), ())]
 
 
