@@ -35,7 +35,8 @@ class Checkpointer:
             self.prefix = tf.compat.v1.placeholder(tf.string, [], name="prefix")
             for var in sorted(ctx.tg.variables):
                 names.append(var)
-                tensors.append(read_value(graph, var, ctx.tg.variables[var].dtype))
+                tensors.append(read_value(graph, var, ctx.tg.variables[var].dtype,
+                                          plan.row_split.get(var)))
             iterators = [n.name for n in ctx.tg.ir.nodes if n.op in ITERATOR_OPS]
             for it in iterators:
                 for k in range(plan.num_replicas):
@@ -53,7 +54,8 @@ class Checkpointer:
                 if plan.placement[var] == "shared" and plan.worker > 0:
                     continue   # the chief restores parameter-server variables
                 copies = {ctx.replica_name(k, var) for k in range(plan.num_replicas)}
-                restores += [_assign(graph, c, value) for c in sorted(copies)]
+                restores += [_assign(graph, c, value, plan.row_split.get(var))
+                             for c in sorted(copies)]
             for i, it in enumerate(iterators):
                 for k in range(plan.num_replicas):
                     value = loaded[len(ctx.tg.variables) + i * plan.num_replicas + k]
@@ -77,15 +79,27 @@ class Checkpointer:
         session.run(self.restore_op, {self.prefix: path})
 
 
-def read_value(graph, var: str, dtype):
-    """A new op reading replica 0's value of `var` (resource or reference)."""
+def read_value(graph, var: str, dtype, ranges=None):
+    """A new op reading replica 0's value of `var` (resource or reference;
+    the row ranges concatenated when it is split by rows)."""
+    if ranges:
+        from transforms.split_rows import part
+        return tf.concat([tf.raw_ops.ReadVariableOp(
+            resource=graph.get_tensor_by_name(part(var, k) + ":0"), dtype=dtype.base_dtype)
+            for k in range(len(ranges))], 0)
     t = graph.get_tensor_by_name(var + ":0")
     if is_ref_dtype(t.dtype):
         return tf.identity(t)
     return tf.raw_ops.ReadVariableOp(resource=t, dtype=dtype.base_dtype)
 
 
-def _assign(graph, var: str, value):
+def _assign(graph, var: str, value, ranges=None):
+    if ranges:
+        from transforms.split_rows import part
+        pieces = tf.split(value, [rows for _, _, rows in ranges], 0)
+        return tf.group(*[tf.raw_ops.AssignVariableOp(
+            resource=graph.get_tensor_by_name(part(var, k) + ":0"), value=piece)
+            for k, piece in enumerate(pieces)])
     t = graph.get_tensor_by_name(var + ":0")
     if is_ref_dtype(t.dtype):
         return tf.raw_ops.Assign(ref=t, value=value).op

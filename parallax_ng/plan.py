@@ -43,6 +43,7 @@ class Plan:
     servers: tuple[str, ...] = ()     # parameter-server devices (cluster mode)
     server_of: dict[str, str] = field(default_factory=dict)  # shared state -> device
     backend: str = "tf"               # collectives across workers: tf | horovod
+    row_split: dict[str, tuple] = field(default_factory=dict)  # state -> ((server, start, rows), ...)
 
     @property
     def num_replicas(self) -> int:
@@ -97,6 +98,7 @@ class Plan:
             "placement": dict(self.placement),
             "servers": list(self.servers), "server_of": dict(self.server_of),
             "backend": self.backend,
+            "row_split": {k: [list(p) for p in v] for k, v in self.row_split.items()},
         }
 
     def format(self) -> str:
@@ -117,6 +119,9 @@ class Plan:
                 load[device] += self.variables[var].info.nbytes if var in self.variables else 0
             rows.append("servers: " + ", ".join(f"{d} {b / 1e6:.3f} MB"
                                                 for d, b in load.items()))
+        for var in sorted(v for v in self.row_split if v in self.variables):
+            rows.append(f"row ranges: {var} -> " + ", ".join(
+                f"{d} rows {start}..{start + n - 1}" for d, start, n in self.row_split[var]))
         state = sorted(k for k in self.placement if k not in self.variables)
         if state:
             rows.append("state: " + ", ".join(f"{k}={self.placement[k]}" for k in state))
@@ -157,26 +162,82 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                 f"run_option {config.run_option!r} puts {shared[:5]} on parameter servers, "
                 "but the job has none; list `ps: [address]` in the resource file, or use "
                 "run_option: allreduce (sparse gradients by AllGather)")
-        server_of = balance(tg, [v for v in variables if variables[v].shared], servers)
+        server_of, row_split = balance(
+            tg, [v for v in variables if variables[v].shared], servers,
+            [v for v in variables if variables[v].shared and variables[v].info.sparse])
+    else:
+        row_split = {}
     return Plan(config.run_option, config.average_dense, config.average_sparse,
                 tuple(devices), host, variables, placement,
                 config.communication.timeout_seconds, num_workers, worker,
-                tuple(servers), server_of, backend)
+                tuple(servers), server_of, backend, row_split)
 
 
-def balance(tg: TrainingGraph, shared: list[str], servers: list[str]) -> dict[str, str]:
+def balance(tg: TrainingGraph, shared: list[str], servers: list[str],
+            sparse: list[str] = ()) -> tuple[dict[str, str], dict[str, tuple]]:
     """Each shared variable (with the state it owns) on one server, spread
     evenly by bytes: largest first, each to the least-loaded server; ties go
-    to the lower index, so every worker computes the same map."""
+    to the lower index, so every worker computes the same map.
+
+    A sparse variable bigger than a server's fair share (total / servers),
+    whose every use can be split by rows (`splittable`), is cut into one row
+    range per server first: (server, first row, rows) per range for it and
+    each of its same-shape slots; its other state and its gradient's
+    aggregation stay with range 0.
+    """
     size = {v: sum(tg.variables[s].nbytes for s in tg.owned(v)) for v in shared}
     load = [0] * len(servers)
-    out = {}
+    out, row_split = {}, {}
+    fair = sum(size.values()) / len(servers)
+    for var in sorted(sparse, key=lambda v: (-size[v], v)):
+        state = splittable(tg, var) if len(servers) > 1 and size[var] > fair else None
+        if not state:
+            continue
+        rows = tg.variables[var].shape[0]
+        bounds = [rows * k // len(servers) for k in range(len(servers) + 1)]
+        ranges = tuple((servers[k], bounds[k], bounds[k + 1] - bounds[k])
+                       for k in range(len(servers)) if bounds[k + 1] > bounds[k])
+        for s in state:
+            row_split[s] = ranges
+        for k, (_, _, n) in enumerate(ranges):
+            load[k] += size[var] * n // rows
+        for s in tg.owned(var):
+            out[s] = servers[0]
     for var in sorted(shared, key=lambda v: (-size[v], v)):
+        if var in out:
+            continue
         j = min(range(len(servers)), key=lambda i: (load[i], i))
         load[j] += size[var]
         for s in tg.owned(var):
             out[s] = servers[j]
-    return out
+    return out, row_split
+
+
+SPLIT_READS = frozenset({"ReadVariableOp", "ResourceGather", "VarIsInitializedOp",
+                         "VariableShape"})
+SPLIT_WRITES = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"} |
+                         {f"ResourceScatter{k}" for k in
+                          ("Add", "Sub", "Mul", "Div", "Min", "Max", "Update")})
+
+
+def splittable(tg: TrainingGraph, var: str) -> list[str] | None:
+    """`var` and its slots of the same shape, if every op on them takes the
+    handle straight from the variable and is one `split_rows` can cut by
+    rows; else None."""
+    shape = tg.variables[var].shape
+    if not shape or any(d is None for d in shape):
+        return None
+    state = [s for s in tg.owned(var) if tg.variables[s].shape == shape]
+    for s in state:
+        for op in set(tg.readers.get(s, ())) | set(tg.writers.get(s, ())):
+            node = tg.ir.node(op)
+            known = node.op in SPLIT_READS or node.op in SPLIT_WRITES or \
+                node.op.startswith("ResourceSparseApply")
+            handles = [r for r in tg.ir.data_inputs(op) if r.node in tg.variables]
+            if not known or not handles or any(r.node not in state for r in handles) or \
+                    node.attr["batch_dims"].i:
+                return None
+    return state
 
 
 def _default_method(run_option: str, vi: VariableInfo) -> str:

@@ -21,6 +21,7 @@ parser.add_argument("--random-init", action="store_true")
 parser.add_argument("--die-at", type=int, default=-1)
 parser.add_argument("--run-option", default="allreduce")
 parser.add_argument("--partitions", type=int, default=None, help="embedding row ranges")
+parser.add_argument("--no-ema", action="store_true", help="no moving averages")
 args = parser.parse_args()
 
 if args.random_init:
@@ -32,7 +33,8 @@ if args.random_init:
         h = {"init": tf.compat.v1.global_variables_initializer(), "iterator_init": None,
              "train": None}
 else:
-    g, h = embedding_regression(4, "adam", clip=True, ema=True, partitions=args.partitions)
+    g, h = embedding_regression(4, "adam", clip=True, ema=not args.no_ema,
+                                partitions=args.partitions)
 runner = pn.get_runner(g, None, {"run_option": args.run_option,
                                  "communication": {"timeout_seconds": 120}})
 runner.run([op for op in (h["init"], h["iterator_init"]) if op is not None])

@@ -20,15 +20,16 @@ parser.add_argument("steps", type=int)
 parser.add_argument("--die-at", type=int, default=-1)
 parser.add_argument("--replicas", type=int, default=2)
 parser.add_argument("--run-option", default="allreduce", help="in a multi-worker job")
+parser.add_argument("--no-ema", action="store_true", help="no moving averages")
 args = parser.parse_args()
 
-g, h = embedding_regression(4, "adam", clip=True, ema=True)
+g, h = embedding_regression(4, "adam", clip=True, ema=not args.no_ema)
 step = tf.compat.v1.train.get_global_step(g)
 resources = None if os.environ.get("PARALLAX_NG_CLUSTER") else local(args.replicas)
 runner = pn.get_runner(g, resources, {"run_option": "hybrid" if resources else args.run_option,
                                       "checkpoint": {"dir": args.ckpt, "every_steps": 5}})
 runner.run([h["init"], h["iterator_init"]])       # restores the latest checkpoint if any
-print("starting at step", runner.run(step), flush=True)
+print(f"starting at step {runner.run(step)}", flush=True)   # one write: workers share stdout
 while runner.run(step) < args.steps:
     runner.run(h["train"])
     if runner.run(step) == args.die_at:

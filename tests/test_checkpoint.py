@@ -48,15 +48,17 @@ def test_killed_and_restarted_in_process_run_equals_uninterrupted(tmp_path):
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
-@pytest.mark.parametrize("run_option,servers", [("allreduce", 0), ("hybrid", 1)])
+@pytest.mark.parametrize("run_option,servers,extra", [
+    ("allreduce", 0, []), ("hybrid", 1, []),
+    ("hybrid", 2, ["--no-ema"])])     # the embedding split by rows over two servers
 def test_killed_and_restarted_two_worker_job_equals_uninterrupted(tmp_path, run_option,
-                                                                  servers):
+                                                                  servers, extra):
     res = tmp_path / "r.yaml"
     res.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2
                    + (f"ps: [{', '.join(['127.0.0.1'] * servers)}]\n" if servers else ""))
     launch = [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r", str(res), "--"]
     whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
-    option = ["--run-option", run_option]
+    option = ["--run-option", run_option] + extra
     run(launch + [str(tmp_path / "ck_whole"), whole, "15"] + option)
     ck = str(tmp_path / "ck")
     died = run(launch + [ck, broken, "15", "--die-at", "7"] + option, expect_ok=False)

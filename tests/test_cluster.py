@@ -206,3 +206,18 @@ def test_a_partitioned_embedding_trains_on_two_servers(tmp_path):
     for name, copies in parallel.items():
         for got in copies:
             assert np.max(np.abs(got - single[name])) <= 1e-5, name
+
+
+@pytest.mark.parametrize("run_option", ["hybrid", "ps"])
+def test_an_embedding_split_by_rows_over_two_servers(tmp_path, run_option):
+    """The plan cuts the embedding (and its Adam slots) into one row range per
+    server; 2 workers x 2 devices still equal one device."""
+    done, out, _ = run_job(tmp_path, 2, 2, "10", "--run-option", run_option, "--no-ema",
+                           servers=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = train_single(*embedding_regression(16, "adam", clip=True), 10)
+    parallel = load(out, 2)
+    assert set(parallel) == set(single)
+    for name, copies in parallel.items():
+        for got in copies:
+            assert np.max(np.abs(got - single[name])) <= 1e-5, name

@@ -27,7 +27,7 @@ def test_manager_runs_the_default_pipeline_and_records_each_pass(tmp_path):
     out = manager.run(ctx.tg.ir, ctx)
     names = [r.name for r in manager.records]
     assert names == ["replicate", "shard_inputs", "aggregate", "state_sync", "place", "init",
-                     "server_sync", "stage"]   # the last two act in multi-worker jobs only
+                     "server_sync", "split_rows", "stage"]   # these act in multi-worker jobs only
     assert all(r.seconds >= 0 for r in manager.records)
     assert manager.records[-1].nodes == len(out)
     dumps = sorted(os.listdir(tmp_path))

@@ -5,16 +5,18 @@ from transforms.place import PlacePass
 from transforms.replicate import ReplicatePass
 from transforms.server_sync import ServerSyncPass
 from transforms.shard_inputs import ShardInputsPass
+from transforms.split_rows import SplitRowsPass
 from transforms.stage import StagePass
 from transforms.state_sync import StateSyncPass
 
 
 def default_pipeline():
     """replicate -> shard -> aggregate -> sync -> place -> init, then, in
-    multi-worker jobs with parameter servers, the cross-worker protocol."""
+    multi-worker jobs with parameter servers, the cross-worker protocol,
+    large variables cut into row ranges, and the stage split."""
     return [ReplicatePass(), ShardInputsPass(), AggregatePass(), StateSyncPass(),
-            PlacePass(), InitPass(), ServerSyncPass(), StagePass()]
+            PlacePass(), InitPass(), ServerSyncPass(), SplitRowsPass(), StagePass()]
 
 
 __all__ = ["AggregatePass", "InitPass", "PlacePass", "ReplicatePass",
-           "ServerSyncPass", "ShardInputsPass", "StagePass", "StateSyncPass", "default_pipeline"]
+           "ServerSyncPass", "ShardInputsPass", "SplitRowsPass", "StagePass", "StateSyncPass", "default_pipeline"]
