@@ -7,7 +7,7 @@ import tensorflow as tf
 import parallax_ng as pn
 from models import train_both
 
-pytest.importorskip("tf_keras")   # tf.compat.v1.nn.rnn_cell lives there under Keras 3
+import tf_keras  # noqa: E402,F401  tf.compat.v1.nn.rnn_cell lives there under Keras 3
 tf1 = tf.compat.v1
 
 
