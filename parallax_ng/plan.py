@@ -234,8 +234,9 @@ def splittable(tg: TrainingGraph, var: str) -> list[str] | None:
             known = node.op in SPLIT_READS or node.op in SPLIT_WRITES or \
                 node.op.startswith("ResourceSparseApply")
             handles = [r for r in tg.ir.data_inputs(op) if r.node in tg.variables]
+            batched = "batch_dims" in node.attr and node.attr["batch_dims"].i
             if not known or not handles or any(r.node not in state for r in handles) or \
-                    node.attr["batch_dims"].i:
+                    batched:
                 return None
     return state
 

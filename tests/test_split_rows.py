@@ -53,6 +53,9 @@ def test_a_variable_read_inside_a_function_call_is_not_split():
     g, _ = embedding_regression(4, "adam", ema=True)
     tg = frontend.load(g)
     assert splittable(tg, "emb") is None
+    # deciding reads the user's NodeDefs and never adds to them
+    for name in ("emb/Read/ReadVariableOp", "emb/Assign", "emb/IsInitialized/VarIsInitializedOp"):
+        assert "batch_dims" not in tg.ir.node(name).attr, name
     _, ctx = cluster_transform(g, worker=0, servers=2)
     assert ctx.plan.row_split == {}
     g, _ = embedding_regression(4, "adam", ema=False)

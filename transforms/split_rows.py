@@ -79,7 +79,8 @@ def _rewrite(ir: GraphIR, node, split: dict, ctx):
             T=dtype, N=len(reads), Tidx=tf.int32)
     if op == "VariableShape":
         full = [ranges[-1][1] + ranges[-1][2]] + list(ctx.tg.variables[handles[0]].shape[1:])
-        return [], emit.const(node.name, full, node.attr["out_type"].type, node.device)
+        out_type = node.attr["out_type"].type if "out_type" in node.attr else tf.int32
+        return [], emit.const(node.name, full, tf.as_dtype(out_type), node.device)
     if op == "VarIsInitializedOp":
         return [], emit.node_def(node.name, op, [part(handles[0], 0)] + controls, node.device)
     if op == "ResourceGather":
