@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import tensorflow as tf
+
 from .errors import FetchError
 
 
@@ -61,7 +63,7 @@ class Stages:
 
     def run(self, session, graph, names: list, feeds: dict, **kwargs) -> list:
         """session.run(names, feeds) as one run per stage, in order."""
-        nodes = [n.name if hasattr(n, "type") else n.split(":")[0] for n in names]
+        nodes = [n.name if isinstance(n, tf.Operation) else n.split(":")[0] for n in names]
         values: list = [None] * len(names)
         for stage, targets in self.split(graph, tuple(sorted(set(nodes)))):
             mine = [i for i, node in enumerate(nodes) if self._stage(graph, node) == stage]

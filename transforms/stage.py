@@ -75,7 +75,7 @@ def _number(ir: GraphIR, floating: set[str]) -> dict[str, int]:
         elif on_server(node.device):
             s += s % 2
         stage[name] = s
-    for node in nodes_of(ir, "NextIteration"):
+    for node in (n for n in ir.nodes if n.op == "NextIteration"):
         for merge in ir.node_consumers.get(node.name, ()):
             if stage.get(merge) != stage[node.name]:
                 raise GraphError(
@@ -90,10 +90,6 @@ def _number(ir: GraphIR, floating: set[str]) -> dict[str, int]:
                     raise GraphError(f"{name!r} runs with collectives but reads {src!r} "
                                      "on a parameter server")
     return stage
-
-
-def nodes_of(ir: GraphIR, op: str):
-    return [n for n in ir.nodes if n.op == op]
 
 
 def _cut(ir: GraphIR, stage: dict[str, int], floating: set[str]):
