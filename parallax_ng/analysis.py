@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import compat
 from .frontend import TrainingGraph
 
 
@@ -59,7 +60,7 @@ def _depths(tg: TrainingGraph) -> dict[str, int]:
 def _estimate_alpha(tg: TrainingGraph, grad, var) -> float | None:
     """Upper bound from static shapes: lookups per step / rows (None if unknown)."""
     rows = var.shape[0] if var.shape else None
-    n = tg.tensor(grad.indices).shape[0]
+    n = compat.dim(tg.tensor(grad.indices).shape, 0)
     if not rows or n is None:
         return None
     return min(1.0, n / rows)
@@ -104,5 +105,5 @@ def _is_source(tg: TrainingGraph, node) -> bool:
         return True
     if node.op in ("Placeholder", "PlaceholderWithDefault"):
         shape = tg.graph.get_operation_by_name(node.name).outputs[0].shape
-        return shape.rank is not None and shape.rank >= 1 and shape[0] is None
+        return bool(shape.rank) and compat.dim(shape, 0) is None
     return False

@@ -29,6 +29,20 @@ def outputs_ref(op_type: str) -> bool:
     return bool(op_def and op_def.output_arg and op_def.output_arg[0].is_ref)
 
 
+def dim(shape, i: int) -> int | None:
+    """Dimension `i` of a shape as an int, or None if unknown.
+
+    Under `tf.compat.v1.disable_v2_behavior()` (v1 TensorShape) indexing a
+    shape gives a `Dimension` object, which is never `None` and cannot be
+    divided by an int; this reads both kinds. A shape of unknown rank has no
+    known dimension.
+    """
+    shape = tf.TensorShape(shape)
+    if shape.rank is None:
+        return None
+    return tf.compat.dimension_value(shape[i])
+
+
 def is_ref_dtype(dtype: tf.DType) -> bool:
     return dtype.base_dtype != dtype
 

@@ -193,7 +193,7 @@ def roles(tg) -> dict[str, str]:
         name = node.name
         top = name.split("/")[0]
         parts = name.split("/")
-        if node.op == "VarHandleOp" or "/".join(parts[:-1]) in var_scopes \
+        if node.op in rules.VARIABLE_OPS or "/".join(parts[:-1]) in var_scopes \
                 or "/".join(parts[:-2]) in var_scopes:
             out[name] = "variables"    # a variable's initializer, assign, read
         elif rules.is_host_only(node.op) or top == SHARD_SCOPE:

@@ -71,6 +71,29 @@ class TrainingGraph:
         """`var` and the state it owns (slots, moving averages, beta powers)."""
         return [var] + [v.name for v in self.variables.values() if v.owner == var]
 
+    def reads(self, var: str) -> list[str]:
+        """The ops whose completion ends every read of `var` in a step.
+
+        A resource variable's reads are its readers (ReadVariableOp is a
+        snapshot: a later write copies the buffer first). A reference
+        variable's `read` Identity aliases the variable's buffer, and
+        Assign, AssignAdd and AssignSub on a reference write that buffer in
+        place; so every op that dereferences what a pass-through read hands
+        on is a read too.
+        """
+        readers = list(self.readers.get(var, ()))
+        if self.ir.node(var).op == "VarHandleOp":
+            return readers
+        out, todo = [], readers
+        while todo:
+            r = todo.pop()
+            if r in out:
+                continue
+            out.append(r)
+            if self.ir.node(r).op in ("Identity", *rules.REF_PASSTHROUGH):
+                todo.extend(sorted(c for c, _ in self.ir.consumers.get(TensorRef(r, 0), ())))
+        return out
+
     @cached_property
     def gradient_tensors(self) -> frozenset[TensorRef]:
         """Every autodiff output the transformation aggregates."""

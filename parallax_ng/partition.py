@@ -13,6 +13,7 @@ compute the same thing.
 """
 from __future__ import annotations
 
+from . import compat
 from .errors import ConfigError
 
 
@@ -24,7 +25,7 @@ def partitioner(parts: int | None = None, min_rows: int = 1):
     wanted = parts if parts is not None else job_servers()
 
     def partition(shape, dtype=None):
-        rows = int(shape[0]) if shape.rank else 1
+        rows = (compat.dim(shape, 0) or 1) if shape.rank else 1
         n = max(1, min(wanted, rows // max(1, min_rows)))
         return [n] + [1] * (len(shape) - 1)
 

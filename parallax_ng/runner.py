@@ -128,9 +128,11 @@ class Runner:
             return {"names": [name], "how": "first", "user": ref.node}
         else:
             how = self.config.fetch_reduction.get(name) or _default_reduction(user_tensor)
-        names = list(dict.fromkeys(f"{self._copy_name(k, ref.node)}:{ref.index}"
-                                   for k in range(n)))
-        return {"names": names, "how": how, "user": ref.node}
+        copies = [f"{self._copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
+        names = list(dict.fromkeys(copies))
+        # a node that exists once (a shared variable) is every replica's value
+        return {"names": names, "how": how, "user": ref.node,
+                "replicas": [names.index(c) for c in copies]}
 
     # -- measured sparsity ----------------------------------------------------
     def _sparsity_probe(self, fetched: tuple) -> list[str]:
@@ -324,7 +326,7 @@ class Runner:
             user_tensor = self._user_graph.get_tensor_by_name(name)
             shape = user_tensor.shape
             copies = [f"{self._copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
-            if shape.rank and shape[0] is None and len(set(copies)) == n and n > 1:
+            if shape.rank and compat.dim(shape, 0) is None and len(set(copies)) == n and n > 1:
                 value = np.asarray(value)
                 if value.shape[0] % n:
                     raise FetchError(
@@ -357,7 +359,7 @@ def _combine(values: list, p: dict):
     if how == "first":
         return values[0]
     if how == "list":
-        return list(values)
+        return [values[i] for i in p["replicas"]]
     if how == "mean":
         return np.mean(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
     if how == "sum":

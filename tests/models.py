@@ -87,9 +87,9 @@ def variable_names(graph) -> list[str]:
     return [v.op.name for v in graph.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)]
 
 
-def read_name(var: str, graph=None) -> str:
+def read_name(var: str, graph) -> str:
     """A tensor holding the variable's value (resource or reference variable)."""
-    if graph is not None and graph.get_operation_by_name(var).type == "VariableV2":
+    if graph.get_operation_by_name(var).type == "VariableV2":
         return var + ":0"
     return var + "/Read/ReadVariableOp:0"
 

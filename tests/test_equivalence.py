@@ -24,7 +24,7 @@ def train_parallel(n, run_option, optimizer, extras, steps=STEPS):
         runner.run([h["init"], h["iterator_init"]])
         losses = [runner.run([h["train"], h["loss"]])[1] for _ in range(steps)]
         names = variable_names(g)
-        values = runner.run([read_name(v) for v in names], per_replica=True)
+        values = runner.run([read_name(v, g) for v in names], per_replica=True)
     return dict(zip(names, values)), losses
 
 
@@ -70,7 +70,7 @@ def test_summed_losses_with_summed_gradients(run_option):
         for _ in range(STEPS):
             runner.run(h["train"])
         names = variable_names(g)
-        got = dict(zip(names, runner.run([read_name(v) for v in names])))
+        got = dict(zip(names, runner.run([read_name(v, g) for v in names])))
     single = train_single(*embedding_regression(2 * BATCH, small, loss_sum=True), STEPS)
     for name, want in single.items():
         assert np.max(np.abs(got[name] - want)) <= TOL, name

@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from models import local, train_both
+from models import local, read_name, train_both
 
 import tf_keras  # noqa: E402  the test extra installs it
 tf1 = tf.compat.v1
@@ -76,7 +76,7 @@ def test_batchnorm_trains_and_replicas_stay_identical():
         runner.run([h["init"], h["iterator_init"]])
         losses = [runner.run([h["train"], h["loss"]])[1] for _ in range(60)]
         names = [v.op.name for v in g.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)]
-        copies = runner.run([n + "/Read/ReadVariableOp:0" for n in names], per_replica=True)
+        copies = runner.run([read_name(n, g) for n in names], per_replica=True)
     assert np.mean(losses[-10:]) < np.mean(losses[:10])
     for name, (a, b) in zip(names, copies):
         assert np.array_equal(a, b), f"replicas of {name} drifted apart"

@@ -34,6 +34,8 @@ def test_front_end_finds_reference_variables(v1_variables):
     assert "emb/read" in tg.readers["emb"]
     # ops reading a slot through the output of the scatter that wrote it
     assert any(tg.ir.node(r).op == "Sqrt" for r in tg.readers["emb/Adam_1"])
+    # the `read` Identity aliases the buffer: the ops behind it read too
+    assert {"beta1_power/read", "Adam/update_dense/w/ApplyAdam"} <= set(tg.reads("beta1_power"))
 
 
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))

@@ -1,3 +1,4 @@
+from models import embedding_regression
 from passkit import context, op_counts
 from transforms.replicate import ReplicatePass
 
@@ -53,3 +54,24 @@ def test_one_replica_is_identity():
     ir, report = ReplicatePass().run(ctx.tg.ir, ctx)
     assert list(ir.nodes) == list(ctx.tg.ir.nodes)
     assert report["ordering_edges"] == 0
+
+
+def test_shared_reference_variable_writer_waits_for_the_ops_that_dereference_it():
+    """A reference variable's `read` Identity aliases its buffer, which Assign
+    overwrites in place: the shared beta-power update must wait for replica
+    1's ApplyAdam of a mirrored weight, which reads through that Identity."""
+    import tensorflow as tf
+    tf.compat.v1.disable_resource_variables()
+    try:
+        graph = embedding_regression(4, "adam")[0]
+    finally:
+        tf.compat.v1.enable_resource_variables()
+    # Adam's beta powers belong to the first variable by name, dense/b
+    ctx = context(n=2, graph=graph, run_option="hybrid",
+                  variable_methods={"dense/b": "ps"})
+    assert ctx.tg.ir.node("beta1_power").op == "VariableV2" and \
+        ctx.plan.placement["beta1_power"] == "shared"
+    ir, _ = ReplicatePass().run(ctx.tg.ir, ctx)
+    writer = next(w for w in ctx.tg.writers["beta1_power"] if w != "beta1_power/Assign")
+    assert "^parallax/replica_1/Adam/update_dense/w/ApplyAdam" in ir.node(writer).input
+    ir.verify()

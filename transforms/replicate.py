@@ -138,8 +138,7 @@ def _order_shared_writers(ir: GraphIR, ctx, n: int) -> dict[str, list[str]]:
     if n == 1:
         return {}
     shared = sorted(ctx.plan.shared_state())
-    reads = {var: [r for r in ctx.tg.readers.get(var, ())
-                   if ir.node(r).op in rules.CHEAP_READERS and r not in ctx.unreplicated]
+    reads = {var: [r for r in _ordered_reads(ctx.tg, var) if r not in ctx.unreplicated]
              for var in shared}
     bit = {r: 1 << i for i, r in enumerate(r for rs in reads.values() for r in rs)}
     if not bit:
@@ -158,6 +157,16 @@ def _order_shared_writers(ir: GraphIR, ctx, n: int) -> dict[str, list[str]]:
                 extra.setdefault(w, []).extend(
                     "^" + ctx.replica_name(k, r) for r in earlier for k in range(1, n))
     return extra
+
+
+def _ordered_reads(tg, var: str) -> list[str]:
+    """The reads a shared writer waits for. A resource variable's cheap reads
+    are snapshots (a later write copies the buffer first); ops such as a
+    functional If that only receive the handle are left out. Every read of a
+    reference variable counts (see TrainingGraph.reads)."""
+    if tg.ir.node(var).op == "VarHandleOp":
+        return [r for r in tg.reads(var) if tg.ir.node(r).op in rules.CHEAP_READERS]
+    return tg.reads(var)
 
 
 def _with_controls(node, controls: list[str]):

@@ -242,7 +242,7 @@ def _forward_reads(ctx) -> list[str]:
     tg = ctx.tg
     shared = ctx.plan.shared_state()
     grads = tg.ir.ancestors({r.node for r in tg.gradient_tensors})
-    reads = sorted({r for var in shared for r in tg.readers.get(var, ())
+    reads = sorted({r for var in shared for r in tg.reads(var)
                     if r in grads and r not in ctx.unreplicated})
     return [ctx.replica_name(k, r) for r in reads for k in range(ctx.plan.num_replicas)]
 
