@@ -1,7 +1,7 @@
 """A training script for the multi-process tests: trains, then saves every
 replica's variables to OUT.<worker>.npz.
 
-    python cluster_script.py OUT STEPS [--random-init] [--die-at STEP]
+    python cluster_script.py OUT STEPS [--random-init] [--die-at STEP] [--optimizer NAME] ...
 """
 import argparse
 import os
@@ -22,6 +22,7 @@ parser.add_argument("--die-at", type=int, default=-1)
 parser.add_argument("--run-option", default="allreduce")
 parser.add_argument("--partitions", type=int, default=None, help="embedding row ranges")
 parser.add_argument("--no-ema", action="store_true", help="no moving averages")
+parser.add_argument("--optimizer", default="adam", help="a key of models.OPTIMIZERS")
 args = parser.parse_args()
 
 if args.random_init:
@@ -33,7 +34,7 @@ if args.random_init:
         h = {"init": tf.compat.v1.global_variables_initializer(), "iterator_init": None,
              "train": None}
 else:
-    g, h = embedding_regression(4, "adam", clip=True, ema=not args.no_ema,
+    g, h = embedding_regression(4, args.optimizer, clip=True, ema=not args.no_ema,
                                 partitions=args.partitions)
 runner = pn.get_runner(g, None, {"run_option": args.run_option,
                                  "communication": {"timeout_seconds": 120}})

@@ -66,6 +66,24 @@ def test_workers_match_one_device(tmp_path, workers, devices, run_option, server
             assert np.max(np.abs(got - single[name])) <= 1e-5, name
 
 
+@pytest.mark.parametrize("run_option", ["hybrid", "ps"])
+@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adagrad", "rmsprop"])
+def test_every_optimizer_with_clipping_on_a_server(tmp_path, optimizer, run_option):
+    """Gradients clipped by their global norm with the embedding on a server:
+    the other workers take back the job's sparse values for the norm, and
+    their silenced sparse writers (GradientDescent's ScatterAdd reads the
+    indices directly) stay no-ops. Adam: test_workers_match_one_device."""
+    done, out, _ = run_job(tmp_path, 2, 1, "10", "--run-option", run_option,
+                           "--optimizer", optimizer, servers=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = train_single(*embedding_regression(8, optimizer, clip=True, ema=True), 10)
+    parallel = load(out, 2)
+    assert set(parallel) == set(single)
+    for name, copies in parallel.items():
+        for got in copies:
+            assert np.max(np.abs(got - single[name])) <= 1e-5, name
+
+
 def test_random_initial_values_are_broadcast_from_worker_0(tmp_path):
     done, out, _ = run_job(tmp_path, 2, 1, "0", "--random-init")
     assert done.returncode == 0, done.stderr[-3000:]

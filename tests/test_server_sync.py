@@ -89,3 +89,18 @@ def test_a_used_output_of_a_shared_writer_is_refused():
         tf.identity(step * 2.0, name="doubled")
     with pytest.raises(GraphError, match="'AssignSub'.*writes shared variable 'w'.*mul_1"):
         cluster_transform(g, worker=1, run_option="ps")
+
+
+def test_sparse_writer_reading_the_indices_is_silenced_and_only_values_come_back():
+    """GradientDescent's ScatterAdd reads the aggregated indices directly; on
+    worker 1 it is a no-op, and the job aggregate it takes back for the
+    global norm is the values alone."""
+    g, _ = embedding_regression(4, "sgd", clip=True)
+    ir, ctx = cluster_transform(g, worker=1)
+    writer = ir.node("GradientDescent/update_emb/ResourceScatterAdd")
+    assert writer.op == "NoOp" and all(i.startswith("^") for i in writer.input)
+    take = ir.node("parallax/server_sync/result_0/take")
+    assert [tf.as_dtype(t) for t in take.attr["component_types"].list.type] == [tf.float32]
+    chief, _ = cluster_transform(g, worker=0)
+    put = chief.node("parallax/server_sync/result_0_1/put")
+    assert put.input[1:] == ["parallax/ps/emb/mean/job"]

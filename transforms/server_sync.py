@@ -77,6 +77,8 @@ class ServerSyncPass:
         if plan.worker > 0:
             changed = _silence_writers(ctx, ir, pushes)
         out = ir.replace(changed, added) if changed or added else ir
+        # a silenced writer is a NoOp: it no longer reads the aggregates
+        rewires = {key: t for key, t in rewires.items() if key[0] not in changed}
         if rewires:
             out = out.rewire(rewires)
             out, moved = _reduce_on_server(out, rewires)
@@ -172,8 +174,12 @@ def _needed_by_every_worker(ctx) -> set[str]:
     out = set()
     for var, vp in plan.variables.items():
         grad = tg.gradients[var]
-        if vp.shared and any(r.node in feeding for r in (grad.values, grad.indices) if r):
-            out.update(t for t in ps_outputs(plan, var, grad.sparse) if t)
+        if not vp.shared:
+            continue
+        # a global norm reads an IndexedSlices' values, not its indices
+        for local, ref in zip(ps_outputs(plan, var, grad.sparse), (grad.values, grad.indices)):
+            if local and ref.node in feeding:
+                out.add(local)
     return out
 
 
