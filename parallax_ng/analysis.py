@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import compat
+from . import compat, randomness
 from .frontend import TrainingGraph
 
 
@@ -74,22 +74,25 @@ def with_measured_alpha(info: dict[str, VariableInfo], measured: dict[str, float
 
 
 # Ops whose outputs differ between replicas even with equal state.
-_PER_REPLICA_SOURCES = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue",
-                        "QueueDequeueV2", "QueueDequeueManyV2", "QueueDequeueUpToV2")
+_PER_REPLICA_SOURCES = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue")
+# queue dequeues and file readers (which take their work from a queue), any version
+_PER_REPLICA_PREFIXES = ("QueueDequeue", "ReaderRead")
 
 
-def replica_variant(tg: TrainingGraph) -> frozenset[str]:
+def replica_variant(tg: TrainingGraph, identical: frozenset[str] = frozenset()
+                    ) -> frozenset[str]:
     """User nodes whose outputs differ between replicas.
 
     Sources: input pipelines, placeholders with an unknown leading dimension
-    (their feeds are split by replica), random ops. Differences flow along
+    (their feeds are split by replica), random ops (but those in
+    `identical`, which every replica draws alike). Differences flow along
     data edges, except out of gradients, which the transformation aggregates.
     """
     grads = tg.gradient_tensors
     variant: set[str] = set()
     for name in tg.ir.topo_order:
         node = tg.ir.node(name)
-        if _is_source(tg, node):
+        if _is_source(tg, node) and name not in identical:
             variant.add(name)
             continue
         for ref in tg.ir.data_inputs(name):
@@ -100,8 +103,8 @@ def replica_variant(tg: TrainingGraph) -> frozenset[str]:
 
 
 def _is_source(tg: TrainingGraph, node) -> bool:
-    if node.op in _PER_REPLICA_SOURCES or node.op.startswith(("Random", "Multinomial",
-                                                              "TruncatedNormal")):
+    if node.op in _PER_REPLICA_SOURCES or node.op.startswith(_PER_REPLICA_PREFIXES) or \
+            randomness.is_random(node):
         return True
     if node.op in ("Placeholder", "PlaceholderWithDefault"):
         shape = tg.graph.get_operation_by_name(node.name).outputs[0].shape

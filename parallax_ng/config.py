@@ -18,6 +18,7 @@ METHODS = ("allreduce", "ps", "allgather")
 FETCH_REDUCTIONS = ("mean", "sum", "concat", "first")
 VERIFY_LEVELS = ("structure", "full", "import")
 BACKENDS = ("tf", "horovod")
+RANDOM_MODES = ("distinct", "identical")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class Config:
     fetch_reduction: dict = field(default_factory=dict)    # tensor name -> how
     dump_dir: str | None = None                            # graphs after each pass
     verify: str = "structure"
+    random: str = "distinct"                               # replicas' random streams
+    random_ops: dict = field(default_factory=dict)         # op-name regex -> mode
 
     def __post_init__(self):
         _check_choice("run_option", self.run_option, RUN_OPTIONS)
@@ -65,6 +68,9 @@ class Config:
                                   f"not {getattr(self, key)!r}")
         for var, method in self.variable_methods.items():
             _check_choice(f"variable_methods.{var}", method, METHODS)
+        _check_choice("random", self.random, RANDOM_MODES)
+        for pattern, mode in self.random_ops.items():
+            _check_choice(f"random_ops.{pattern}", mode, RANDOM_MODES)
         for name, how in self.fetch_reduction.items():
             _check_choice(f"fetch_reduction.{name}", how, FETCH_REDUCTIONS)
 
@@ -83,7 +89,7 @@ class Config:
                 raise ConfigError(f"config key {key!r} must be a mapping")
             _reject_unknown(key + ".", section, {f.name for f in dataclasses.fields(kind)})
             sections[key] = kind(**section)
-        for key in ("variable_methods", "fetch_reduction"):
+        for key in ("variable_methods", "fetch_reduction", "random_ops"):
             if key in data and not isinstance(data[key], dict):
                 raise ConfigError(f"config key {key!r} must be a mapping")
         return cls(**sections, **data)

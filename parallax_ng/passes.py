@@ -72,14 +72,18 @@ class PassContext:
         from .ir import format_input
         return format_input(self.replica_name(k, ref.node), ref.index)
 
-    @property
+    @cached_property
     def variant(self) -> frozenset[str]:
-        """User nodes whose values differ between replicas."""
-        return self.tg.variant
+        """User nodes whose values differ between replicas (random ops the
+        plan draws alike on every replica are not sources)."""
+        from .analysis import replica_variant
+        identical = frozenset(op for op, mode in self.plan.random.items()
+                              if mode == "identical")
+        return replica_variant(self.tg, identical) if identical else self.tg.variant
 
     def varies(self, ref) -> bool:
         """True if tensor `ref` differs between replicas after aggregation."""
-        return ref.node in self.tg.variant and ref not in self.tg.gradient_tensors
+        return ref.node in self.variant and ref not in self.tg.gradient_tensors
 
     @cached_property
     def unreplicated(self) -> frozenset[str]:

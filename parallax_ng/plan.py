@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import randomness
 from .analysis import VariableInfo
 from .config import Config
 from .errors import ConfigError
@@ -44,6 +45,7 @@ class Plan:
     server_of: dict[str, str] = field(default_factory=dict)  # shared state -> device
     backend: str = "tf"               # collectives across workers: tf | horovod
     row_split: dict[str, tuple] = field(default_factory=dict)  # state -> ((server, start, rows), ...)
+    random: dict[str, str] = field(default_factory=dict)  # random op -> distinct | identical
 
     @property
     def num_replicas(self) -> int:
@@ -99,6 +101,7 @@ class Plan:
             "servers": list(self.servers), "server_of": dict(self.server_of),
             "backend": self.backend,
             "row_split": {k: [list(p) for p in v] for k, v in self.row_split.items()},
+            "random": dict(self.random),
         }
 
     def format(self) -> str:
@@ -122,6 +125,10 @@ class Plan:
         for var in sorted(v for v in self.row_split if v in self.variables):
             rows.append(f"row ranges: {var} -> " + ", ".join(
                 f"{d} rows {start}..{start + n - 1}" for d, start, n in self.row_split[var]))
+        if self.random:
+            modes = list(self.random.values())
+            rows.append(f"random ops: {modes.count('distinct')} draw per replica, "
+                        f"{modes.count('identical')} the same on every replica")
         state = sorted(k for k in self.placement if k not in self.variables)
         if state:
             rows.append("state: " + ", ".join(f"{k}={self.placement[k]}" for k in state))
@@ -167,10 +174,12 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
             [v for v in variables if variables[v].shared and variables[v].info.sparse])
     else:
         row_split = {}
+    random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),
+                               config.random, config.random_ops)
     return Plan(config.run_option, config.average_dense, config.average_sparse,
                 tuple(devices), host, variables, placement,
                 config.communication.timeout_seconds, num_workers, worker,
-                tuple(servers), server_of, backend, row_split)
+                tuple(servers), server_of, backend, row_split, random)
 
 
 def balance(tg: TrainingGraph, shared: list[str], servers: list[str],

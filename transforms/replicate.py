@@ -7,6 +7,8 @@ Guarantees:
   (checkpoint writes) exist once, and every replica's references lead to them;
 - copies get their own resource names (`shared_name`), loop frames and
   colocation groups, so replicas never alias each other's state;
+- every replica's random ops carry the seeds the plan's random streams
+  give its job-wide index (parallax_ng/randomness.py), in functions too;
 - replicas that read shared state keep the single-device order of reads and
   writes: a shared writer runs after every replica's copy of each read of the
   same variable that is its ancestor in the user's graph (otherwise replica k
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax_ng import rules
-from parallax_ng.ir import GraphIR, format_input
+from parallax_ng import randomness, rules
+from parallax_ng.ir import GraphIR, copy_node, format_input
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class ReplicatePass:
         functions = _FunctionCopies(ir.library, ctx)
         out = []
         for node in ir.nodes:
-            out.append(node)
+            out.append(_first_replica(node, ctx, functions))
             if node.name in once:
                 continue
             parsed = ir.parsed_inputs(node)
@@ -62,43 +64,94 @@ def _copy(node, k: int, ctx, parsed, functions):
                                    nd.attr["frame_name"].s.decode()).encode()
     _retarget_colocation(nd, k, ctx)
     functions.retarget(nd, k)
+    _seed(nd, node.name, k, ctx)
     return nd
 
 
-class _FunctionCopies:
-    """Per-replica copies of functions whose bodies colocate with user nodes.
+def _first_replica(node, ctx, functions):
+    """Replica 0's node: the user's, unless its seeds or the functions it
+    calls differ for this worker's replica 0."""
+    if node.name not in ctx.plan.random and not functions.calls_copied(node, 0):
+        return node
+    nd = copy_node(node)
+    functions.retarget(nd, 0)
+    _seed(nd, node.name, 0, ctx)
+    return nd if nd != node else node
 
-    All replicas would otherwise call one function whose body pins its ops
-    next to replica 0's variables; replica k's call gets a copy pinned next
-    to replica k's own (shared variables stay shared).
+
+def _seed(nd, key: str, k: int, ctx) -> None:
+    """Set the seeds of random op `nd` (plan key `key`) for local replica k."""
+    mode = ctx.plan.random.get(key)
+    if mode is None:
+        return
+    seed, seed2 = randomness.seeds(key, mode, nd.attr["seed"].i, nd.attr["seed2"].i,
+                                   ctx.plan.replica_offset + k)
+    nd.attr["seed"].i, nd.attr["seed2"].i = seed, seed2
+
+
+class _FunctionCopies:
+    """Per-replica copies of functions whose bodies depend on the replica.
+
+    A body that colocates ops with user nodes would pin every replica's call
+    next to replica 0's variables: replica k > 0 gets a copy pinned next to
+    its own (shared variables stay shared). A body with random ops gets a
+    copy with the replica's seeds, for every replica whose seeds differ
+    (replica 0 of a later worker too). A function that calls a copied
+    function is copied as well.
     """
 
     def __init__(self, library, ctx):
         self.ctx = ctx
         self.library = library
-        self.pinned = {} if library is None else {
-            f.signature.name: f for f in library.function
-            if any(_targets(nd) - ctx.unreplicated for nd in f.node_def)}
+        self.functions = {} if library is None else {f.signature.name: f
+                                                      for f in library.function}
+        self.pinned = {name for name, f in self.functions.items()
+                       if any(_targets(nd) - ctx.unreplicated for nd in f.node_def)}
         self.made: dict[tuple[int, str], object] = {}
+        self._needs: dict[tuple[int, str], bool] = {}
+
+    def needs_copy(self, k: int, name: str) -> bool:
+        key = (k, name)
+        if key not in self._needs:
+            self._needs[key] = False        # a recursive call does not decide
+            f = self.functions[name]
+            self._needs[key] = (k > 0 and name in self.pinned) or any(
+                self._seeds_differ(k, name, nd) or self.calls_copied(nd, k)
+                for nd in f.node_def)
+        return self._needs[key]
+
+    def calls_copied(self, nd, k: int) -> bool:
+        return any(self.needs_copy(k, f) for f in _called(nd) if f in self.functions)
 
     def retarget(self, nd, k: int) -> None:
+        """Point calls in `nd` at replica k's copies where there are any."""
         for value in nd.attr.values():
-            if value.HasField("func") and value.func.name in self.pinned:
-                value.func.name = self._copy(k, value.func.name)
-            elif value.HasField("list"):
-                for f in value.list.func:
-                    if f.name in self.pinned:
-                        f.name = self._copy(k, f.name)
+            funcs = [value.func] if value.HasField("func") else \
+                list(value.list.func) if value.HasField("list") else []
+            for f in funcs:
+                if f.name in self.functions and self.needs_copy(k, f.name):
+                    f.name = self._copy(k, f.name)
+
+    def _seeds_differ(self, k: int, name: str, nd) -> bool:
+        key = f"{name}/{nd.name}"
+        mode = self.ctx.plan.random.get(key)
+        if mode is None:
+            return False
+        old = (nd.attr["seed"].i, nd.attr["seed2"].i)
+        return randomness.seeds(key, mode, *old, self.ctx.plan.replica_offset + k) != old
 
     def _copy(self, k: int, name: str) -> str:
         key = (k, name)
         if key not in self.made:
-            f = type(self.pinned[name])()
-            f.CopyFrom(self.pinned[name])
+            f = type(self.functions[name])()
+            f.CopyFrom(self.functions[name])
             f.signature.name = f"{name}_parallax_replica_{k}"
-            for nd in f.node_def:
-                _retarget_colocation(nd, k, self.ctx)
             self.made[key] = f
+            for nd in f.node_def:
+                if k > 0:
+                    _retarget_colocation(nd, k, self.ctx)
+                self.retarget(nd, k)
+                _seed(nd, f"{name}/{nd.name}", k, self.ctx)
         return self.made[key].signature.name
 
     def new_library(self):
@@ -108,6 +161,17 @@ class _FunctionCopies:
         out.CopyFrom(self.library)
         out.function.extend(self.made.values())
         return out
+
+
+def _called(nd) -> list[str]:
+    """Names of the functions a node's attrs call."""
+    out = []
+    for value in nd.attr.values():
+        if value.HasField("func"):
+            out.append(value.func.name)
+        elif value.HasField("list"):
+            out.extend(f.name for f in value.list.func)
+    return out
 
 
 def _targets(nd) -> set[str]:

@@ -1,0 +1,125 @@
+"""Random streams per replica: distinct by default, identical where asked."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import local
+from parallax_ng import randomness
+from parallax_ng.errors import ConfigError
+from passkit import cluster_transform
+
+tf1 = tf.compat.v1
+ROWS, FEATURES = 4, 64
+
+
+def dropout_model(seed=None, in_loop=False):
+    """Dropout over a batch of ones; fetch the mask (kept units are 2, dropped 0)."""
+    g = tf.Graph()
+    with g.as_default():
+        if seed is not None:
+            tf1.set_random_seed(seed)
+        x = tf1.placeholder(tf.float32, [None, FEATURES], name="x")
+        if in_loop:       # the random op lives in the body function of a While
+            _, h = tf.while_loop(lambda i, h: i < 2,
+                                 lambda i, h: (i + 1, tf1.nn.dropout(h, rate=0.5) / 2.0),
+                                 [tf.constant(0), x])
+        else:
+            h = tf1.nn.dropout(x, rate=0.5)
+        mask = tf.identity(h, name="mask")
+        w = tf1.get_variable("w", [FEATURES, 1])
+        loss = tf.reduce_mean(tf.matmul(mask, w), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        tf1.global_variables_initializer()
+    return g
+
+
+def masks(graph, config=None, n=2):
+    ones = np.ones([ROWS * n, FEATURES], np.float32)
+    with pn.get_runner(graph, local(n), config) as runner:
+        runner.run("init")
+        return [runner.run("mask:0", {"x:0": ones}, per_replica=True) for _ in range(2)]
+
+
+def single_mask(graph):
+    with tf1.Session(graph=graph) as sess:
+        return sess.run("mask:0", {"x:0": np.ones([ROWS, FEATURES], np.float32)})
+
+
+@pytest.mark.parametrize("in_loop", [False, True], ids=["top-level", "in-while-body"])
+def test_seeded_dropout_masks_differ_between_replicas(in_loop):
+    (a0, a1), (b0, b1) = masks(dropout_model(seed=5, in_loop=in_loop))
+    assert not np.array_equal(a0, a1) and not np.array_equal(b0, b1)
+    assert not np.array_equal(a0, b0)               # a new draw every step
+    # replica 0 keeps the user's seeds: it draws what one device draws
+    np.testing.assert_array_equal(a0, single_mask(dropout_model(seed=5, in_loop=in_loop)))
+    # deterministic: the same seeds give the same draws in a new runner
+    (c0, c1), _ = masks(dropout_model(seed=5, in_loop=in_loop))
+    np.testing.assert_array_equal(a1, c1)
+
+
+def test_unseeded_dropout_masks_differ_between_replicas():
+    (a0, a1), _ = masks(dropout_model())
+    assert not np.array_equal(a0, a1)
+
+
+def test_identical_draws_on_request():
+    for graph, config in [(dropout_model(seed=5), {"random": "identical"}),
+                          (dropout_model(), {"random": "identical"}),   # unseeded: pinned
+                          (dropout_model(seed=5), {"random_ops": {"dropout": "identical"}})]:
+        (a0, a1), (b0, b1) = masks(graph, config)
+        np.testing.assert_array_equal(a0, a1)
+        np.testing.assert_array_equal(b0, b1)
+        assert not np.array_equal(a0, b0)
+
+
+def test_identical_random_output_is_fetched_from_replica_0():
+    """An identical draw is the same everywhere, so it is read from replica
+    0, not averaged; a distinct one is per replica."""
+    g = tf.Graph()
+    with g.as_default():
+        noise = tf1.random_uniform([3], seed=1, name="noise")
+        w = tf1.get_variable("w", [3])
+        tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(w * noise))
+    for mode, variant in [("identical", False), ("distinct", True)]:
+        with pn.get_runner(g, local(2), {"random": mode}) as runner:
+            assert (noise.op.name in runner.ctx.variant) == variant
+            a, b = runner.run(noise, per_replica=True)
+            assert np.array_equal(a, b) == (not variant)
+
+
+def test_worker_replicas_draw_their_own_streams():
+    """Replica 0 of worker 1 is job-wide replica 1: its seeds are not worker 0's."""
+    g = dropout_model(seed=5)
+    chief, _ = cluster_transform(g, worker=0, servers=0, run_option="allreduce")
+    other, _ = cluster_transform(g, worker=1, servers=0, run_option="allreduce")
+    op = "dropout/random_uniform/RandomUniform"
+    user = g.get_operation_by_name(op)
+    seeds = (user.get_attr("seed"), user.get_attr("seed2"))
+    assert (chief.node(op).attr["seed"].i, chief.node(op).attr["seed2"].i) == seeds
+    assert (other.node(op).attr["seed"].i, other.node(op).attr["seed2"].i) == \
+        randomness.seeds(op, "distinct", *seeds, 1) != seeds
+
+
+def test_stream_rules():
+    assert randomness.seeds("op", "distinct", 7, 3, 0) == (7, 3)
+    one, two = (randomness.seeds("op", "distinct", 7, 3, r) for r in (1, 2))
+    assert one[0] == 7 and len({3, one[1], two[1]}) == 3 and 0 < one[1] < 2 ** 63
+    assert randomness.seeds("op", "distinct", 0, 0, 5) == (0, 0)      # unseeded: fresh
+    pinned = randomness.seeds("op", "identical", 0, 0, 0)
+    assert pinned != (0, 0) and randomness.seeds("op", "identical", 0, 0, 3) == pinned
+    assert randomness.seeds("op", "identical", 7, 3, 3) == (7, 3)
+
+
+def test_random_config_errors_name_the_key():
+    ops = {"a/RandomUniform": (1, 2), "nce/Sampler": (0, 0)}
+    assert randomness.decide(ops, "distinct", {"nce": "identical"}) == {
+        "a/RandomUniform": "distinct", "nce/Sampler": "identical"}
+    with pytest.raises(ConfigError, match="random_ops.softmax.*matches no random op"):
+        randomness.decide(ops, "distinct", {"softmax": "identical"})
+    with pytest.raises(ConfigError, match="random_ops.\\(.*regular expression"):
+        randomness.decide(ops, "distinct", {"(": "identical"})
+    with pytest.raises(ConfigError, match="'random' has value 'same'"):
+        pn.Config(random="same")
+    with pytest.raises(ConfigError, match="random_ops.x"):
+        pn.Config.from_dict({"random_ops": {"x": "shared"}})
