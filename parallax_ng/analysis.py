@@ -103,8 +103,13 @@ def replica_variant(tg: TrainingGraph, identical: frozenset[str] = frozenset()
 
 
 def _is_source(tg: TrainingGraph, node) -> bool:
-    if node.op in _PER_REPLICA_SOURCES or node.op.startswith(_PER_REPLICA_PREFIXES) or \
-            randomness.is_random(node):
+    return is_input_source(tg, node) or randomness.is_random(node)
+
+
+def is_input_source(tg: TrainingGraph, node) -> bool:
+    """True for ops that give each replica its own data: input pipelines,
+    queue reads and placeholders whose feeds are split by replica."""
+    if node.op in _PER_REPLICA_SOURCES or node.op.startswith(_PER_REPLICA_PREFIXES):
         return True
     if node.op in ("Placeholder", "PlaceholderWithDefault"):
         shape = tg.graph.get_operation_by_name(node.name).outputs[0].shape

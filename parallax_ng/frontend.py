@@ -18,7 +18,7 @@ from functools import cached_property
 
 import tensorflow as tf
 
-from . import compat, rules
+from . import compat, queues, rules
 from .errors import GraphError
 from .ir import GraphIR, TensorRef
 
@@ -62,6 +62,7 @@ class TrainingGraph:
     readers: dict[str, list[str]]         # variable -> reader op names
     gradients: dict[str, Gradient]        # trainable variable -> gradient
     shard_consts: list[tuple[str, str]] = field(default_factory=list)  # (num, index)
+    queue_runners: list = field(default_factory=list)   # queues.RunnerDef
 
     # -- tensor facts -----------------------------------------------------
     def tensor(self, ref: TensorRef) -> tf.Tensor:
@@ -180,6 +181,8 @@ def _from_graph(graph: tf.Graph) -> TrainingGraph:
             "training op (e.g. tf.compat.v1.train.AdamOptimizer(...).minimize(loss)) "
             "in the graph before calling get_runner")
     tg.shard_consts = _shard_consts(ir)
+    tg.queue_runners = [queues.RunnerDef.of(qr) for qr in
+                        graph.get_collection(tf.compat.v1.GraphKeys.QUEUE_RUNNERS)]
     return tg
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import randomness
+from . import queues, randomness
 from .analysis import VariableInfo
 from .config import Config
 from .errors import ConfigError
@@ -46,6 +46,7 @@ class Plan:
     backend: str = "tf"               # collectives across workers: tf | horovod
     row_split: dict[str, tuple] = field(default_factory=dict)  # state -> ((server, start, rows), ...)
     random: dict[str, str] = field(default_factory=dict)  # random op -> distinct | identical
+    split_queues: dict[str, tuple] = field(default_factory=dict)  # producer -> its enqueues
 
     @property
     def num_replicas(self) -> int:
@@ -102,6 +103,7 @@ class Plan:
             "backend": self.backend,
             "row_split": {k: [list(p) for p in v] for k, v in self.row_split.items()},
             "random": dict(self.random),
+            "split_queues": {k: list(v) for k, v in self.split_queues.items()},
         }
 
     def format(self) -> str:
@@ -174,12 +176,15 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
             [v for v in variables if variables[v].shared and variables[v].info.sparse])
     else:
         row_split = {}
+    producers = [q for q in queues.find(tg) if q.producer]
     random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),
-                               config.random, config.random_ops)
+                               config.random, config.random_ops,
+                               pinned={op for q in producers for op in q.random})
     return Plan(config.run_option, config.average_dense, config.average_sparse,
                 tuple(devices), host, variables, placement,
                 config.communication.timeout_seconds, num_workers, worker,
-                tuple(servers), server_of, backend, row_split, random)
+                tuple(servers), server_of, backend, row_split, random,
+                {q.queue: q.enqueues for q in producers})
 
 
 def balance(tg: TrainingGraph, shared: list[str], servers: list[str],

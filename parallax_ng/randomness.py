@@ -53,8 +53,9 @@ def random_ops(nodes, library) -> dict[str, tuple[int, int]]:
 
 
 def decide(ops: dict[str, tuple[int, int]], default: str,
-           overrides: dict[str, str]) -> dict[str, str]:
-    """Mode of every random op: the first override whose regex it matches
+           overrides: dict[str, str], pinned=frozenset()) -> dict[str, str]:
+    """Mode of every random op: identical for `pinned` ops (an input
+    producer's shuffle), else the first override whose regex it matches
     (re.search), else `default`. A pattern that matches no op is an error."""
     patterns = {}
     for pattern in overrides:
@@ -70,7 +71,7 @@ def decide(ops: dict[str, tuple[int, int]], default: str,
     out = {}
     for name in ops:
         mode = next((overrides[p] for p, rx in patterns.items() if rx.search(name)), default)
-        out[name] = mode
+        out[name] = "identical" if name in pinned else mode
     return out
 
 

@@ -39,7 +39,7 @@ READERS = frozenset({
 _WRITER_PATTERN = re.compile(
     r"^(AssignVariableOp|AssignAddVariableOp|AssignSubVariableOp|"
     r"ResourceApply\w+|ResourceSparseApply\w+|ResourceScatter\w+|"
-    r"ResourceStridedSliceAssign|DestroyResourceOp|_VarHandlesOp)$")
+    r"ResourceStridedSliceAssign|ResourceCountUpTo|DestroyResourceOp|_VarHandlesOp)$")
 
 # Reads that are cheap enough to force in order to keep replicas race-free.
 CHEAP_READERS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
@@ -126,7 +126,7 @@ def classify_resource_use(op_type: str, node_name: str, variable: str) -> str:
         f"op {node_name!r} of type {op_type} uses variable {variable!r}; "
         f"parallax_ng knows how variables are read ({', '.join(sorted(READERS))}), "
         "written (AssignVariableOp, AssignAdd/SubVariableOp, ResourceApply*, "
-        "ResourceSparseApply*, ResourceScatter*) or passed on "
+        "ResourceSparseApply*, ResourceScatter*, ResourceCountUpTo) or passed on "
         f"({', '.join(sorted(HANDLE_PASSTHROUGH))})")
 
 

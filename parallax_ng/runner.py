@@ -30,6 +30,7 @@ from . import compat
 from .errors import FetchError
 from .ir import format_input, parse_input, parse_tensor
 from .passes import REPLICA_PREFIX
+from .queues import READ_PREFIXES
 
 
 class Runner:
@@ -57,6 +58,12 @@ class Runner:
         self._late: dict[str, list[str]] = {}   # user op made after get_runner -> copies
         self._late_variant: set[str] = set()
         self._imports = itertools.count()
+        self._queues = None      # threads filling every replica's input queues
+        if ctx.tg.queue_runners:
+            from .queues import QueueThreads
+            self._queues = QueueThreads(
+                self.graph, ctx.tg.queue_runners,
+                [ctx.replica_name(k, "").rstrip("/") for k in range(self.plan.num_replicas)])
         self._options = None     # in a job: every run gives up after the timeout
         if server is not None or timeout:
             self._options = tf.compat.v1.RunOptions(
@@ -75,8 +82,15 @@ class Runner:
         probe = self._sparsity_probe(fetched)
         run = self.session.run if self.ctx.stages is None else functools.partial(
             self.ctx.stages.run, self.session, self.graph)
-        values = run(names + probe, feeds, options=options or self._options,
-                     run_metadata=run_metadata)
+        if self._queues is not None and self._kind(fetched)[2]:
+            self._queues.start(self.session)
+        try:
+            values = run(names + probe, feeds, options=options or self._options,
+                         run_metadata=run_metadata)
+        except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
+            if self._queues is not None:
+                self._queues.raise_failure()   # a queue runner's error closed its queue
+            raise
         if probe:
             self._record_sparsity(values[len(names):])
             values = values[:len(names)]
@@ -104,6 +118,8 @@ class Runner:
         self._barrier()
 
     def close(self) -> None:
+        if self._queues is not None:
+            self._queues.stop()
         self.session.close()
 
     def __enter__(self):
@@ -166,7 +182,7 @@ class Runner:
         (multi-worker jobs with parameter servers); save every
         `checkpoint.every_steps` training steps (the global step if the graph
         has one, else runs that trained)."""
-        initialized, trained = self._kind(fetched)
+        initialized, trained, _ = self._kind(fetched)
         if initialized and not self._restored and self._checkpoints is not None:
             self._restored = True
             latest = self._checkpoints.latest()
@@ -189,7 +205,9 @@ class Runner:
             op = RELEASE if self.plan.worker == 0 else WAIT
             self.session.run(self.graph.get_operation_by_name(op), options=self._options)
 
-    def _kind(self, fetched: tuple) -> tuple[bool, bool]:
+    def _kind(self, fetched: tuple) -> tuple[bool, bool, bool]:
+        """(initializes variables, trains, reads an input queue) for a run of
+        the user ops `fetched`."""
         if fetched not in self._kinds:
             tg = self.ctx.tg
             known = [f for f in fetched if f in tg.ir]
@@ -200,8 +218,9 @@ class Runner:
                 ancestors |= tg.ir.ancestors(
                     [t.op.name for t in op.inputs] + [c.name for c in op.control_inputs])
             inits = {v.initializer for v in tg.variables.values() if v.initializer}
+            reads_queue = any(tg.ir.node(a).op.startswith(READ_PREFIXES) for a in ancestors)
             self._kinds[fetched] = (bool(ancestors & inits),
-                                    bool(ancestors & self._training_writers))
+                                    bool(ancestors & self._training_writers), reads_queue)
         return self._kinds[fetched]
 
     @cached_property

@@ -66,9 +66,9 @@ def test_unknown_op_on_a_variable_names_it():
         w = tf1.get_variable("w", [3])
         counter = tf1.get_variable("counter", dtype=tf.int64, initializer=np.int64(0),
                                    trainable=False)
-        tf.raw_ops.ResourceCountUpTo(resource=counter.handle, limit=10, T=tf.int64)
+        tf.raw_ops.DisableCopyOnRead(resource=counter.handle)
         tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_sum(w))
-    with pytest.raises(GraphError, match="ResourceCountUpTo.*counter"):
+    with pytest.raises(GraphError, match="DisableCopyOnRead.*counter"):
         frontend.load(g)
 
 

@@ -1,11 +1,16 @@
-"""Shard inputs: give each replica its own part of every `pn.shard` dataset.
+"""Shard inputs: give each replica its own part of every `pn.shard` dataset
+and of every input producer queue.
 
 Requires: replicas made by `replicate`; the (num_shards, index) constants
 that `parallax_ng.shard` put in the graph, either as graph nodes or inside a
-one-shot iterator's dataset function.
+one-shot iterator's dataset function; the plan's producer queues
+(parallax_ng/queues.py).
 Guarantees: replica r of N reads shard (N, r + offset), where offset is this
 worker's first replica in the job (0 in-process). One-shot iterators of
 replica r get a private copy of their dataset function with those values.
+Each enqueue_many of a producer queue enqueues, in replica r, the elements
+r + offset, r + offset + N, ... of what it enqueued on one device (a
+producer with fewer elements than replicas is an error).
 """
 from __future__ import annotations
 
@@ -13,9 +18,12 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
+from parallax_ng import compat, emit
+from parallax_ng.errors import GraphError
 from parallax_ng.frontend import SHARD_SCOPE
 from parallax_ng.ir import GraphIR, copy_node
 from parallax_ng.passes import replica_of
+from transforms.place import host_cpu_of
 
 
 @dataclass(frozen=True)
@@ -41,11 +49,14 @@ class ShardInputsPass:
             library = type(library)()
             library.CopyFrom(ir.library)
             copies = self._split_one_shot(ir, library, changed, functions, total, offset)
-        if not changed and n > 1:
-            report = {"warning": "no pn.shard() dataset found; replicas read the same data"}
+        rewires, added = _split_producers(ir, ctx, total, offset)
+        if not changed and not added and n > 1:
+            report = {"warning": "no pn.shard() dataset or input producer found; "
+                                 "replicas read the same data"}
         else:
-            report = {"constants": len(changed) - copies, "function_copies": copies}
-        return ir.replace(changed, library=library), report
+            report = {"constants": len(changed) - copies, "function_copies": copies,
+                      "split_enqueues": len(rewires)}
+        return ir.replace(changed, library=library).rewire(rewires, added), report
 
     def _split_one_shot(self, ir, library, changed, functions: set[str], total: int,
                         offset: int) -> int:
@@ -74,6 +85,39 @@ class ShardInputsPass:
             changed[nd.name] = nd
             copies += 1
         return copies
+
+
+def _split_producers(ir: GraphIR, ctx, total: int, offset: int):
+    """Rewires and new nodes giving replica k every total-th element, from
+    offset + k, of each component a producer queue's enqueue_many enqueues."""
+    rewires, added = {}, []
+    if total == 1:
+        return rewires, added
+    for queue, enqueues in sorted(ctx.plan.split_queues.items()):
+        for e in enqueues:
+            for pos, ref in enumerate(ctx.tg.ir.data_inputs(e)[1:], start=1):
+                t = ctx.tg.tensor(ref)
+                count = compat.dim(t.shape, 0)
+                if count is not None and count < total:
+                    raise GraphError(
+                        f"input producer {queue!r} enqueues {count} elements at a time, "
+                        f"fewer than the job's {total} replicas, so some would read "
+                        "nothing; give it at least as many elements (files, rows) as "
+                        "replicas")
+                for k, device in enumerate(ctx.plan.devices):
+                    scope = f"parallax/shard_queue/{e}/input_{pos}/replica_{k}"
+                    host = host_cpu_of(device)
+                    added += [emit.const(f"{scope}/begin", [offset + k], tf.int32, host),
+                              emit.const(f"{scope}/end", [0], tf.int32, host),
+                              emit.const(f"{scope}/strides", [total], tf.int32, host),
+                              emit.node_def(scope, "StridedSlice",
+                                            [ctx.replica_tensor(k, ref), f"{scope}/begin",
+                                             f"{scope}/end", f"{scope}/strides"], host,
+                                            T=t.dtype.base_dtype, Index=tf.int32,
+                                            begin_mask=0, end_mask=1, ellipsis_mask=0,
+                                            new_axis_mask=0, shrink_axis_mask=0)]
+                    rewires[(ctx.replica_name(k, e), pos)] = scope
+    return rewires, added
 
 
 def _shard_functions(library) -> set[str]:
