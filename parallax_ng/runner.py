@@ -13,14 +13,18 @@ returns what one device would return for the global batch:
   (mean, sum, concat, first);
 - `run(..., per_replica=True)` returns a list with every replica's value instead.
 Feeds of placeholders with an unknown leading dimension are split evenly
-across replicas (the global batch must divide by the replica count); other
-feeds go to every replica unchanged.
+across replicas (the global batch must divide by the replica count), and so
+is a feed of N times a fixed leading dimension (the global batch of a
+tensor built per replica, e.g. a fetched RNN state fed back); other feeds go
+to every replica unchanged (with a warning, once, for a placeholder on the
+gradients' path fed exactly its fixed batch).
 """
 from __future__ import annotations
 
 import difflib
 import functools
 import itertools
+import warnings
 from functools import cached_property
 
 import numpy as np
@@ -57,6 +61,7 @@ class Runner:
         self._user_graph = ctx.tg.graph
         self._late: dict[str, list[str]] = {}   # user op made after get_runner -> copies
         self._late_variant: set[str] = set()
+        self._warned: set[str] = set()        # fed tensors already warned about
         self._imports = itertools.count()
         self._queues = None      # threads filling every replica's input queues
         if ctx.tg.queue_runners:
@@ -345,18 +350,42 @@ class Runner:
             user_tensor = self._user_graph.get_tensor_by_name(name)
             shape = user_tensor.shape
             copies = [f"{self._copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
-            if shape.rank and compat.dim(shape, 0) is None and len(set(copies)) == n and n > 1:
+            rows = compat.dim(shape, 0) if shape.rank else 0
+            if n > 1 and len(set(copies)) == n and rows != 0:
                 value = np.asarray(value)
-                if value.shape[0] % n:
+                if rows is None and value.shape[0] % n:
                     raise FetchError(
                         f"feed {name!r} has {value.shape[0]} rows, which do not split "
                         f"evenly over {n} replicas; feed a multiple of {n}")
-                for c, part in zip(copies, np.split(value, n)):
-                    out[c] = part
-            else:
-                for c in dict.fromkeys(copies):
-                    out[c] = value
+                if rows is None or value.shape[0] == n * rows:
+                    for c, part in zip(copies, np.split(value, n)):
+                        out[c] = part
+                    continue
+                if value.shape[0] == rows:
+                    self._warn_whole_feed(name, user_tensor, rows)
+            for c in dict.fromkeys(copies):
+                out[c] = value
         return out
+
+    def _warn_whole_feed(self, name: str, tensor: tf.Tensor, rows: int) -> None:
+        """Once per placeholder: a fixed batch dimension fed whole turns data
+        parallelism off for it (every replica trains on the same rows)."""
+        if name in self._warned or tensor.op.type != "Placeholder":
+            return
+        self._warned.add(name)
+        if tensor.op.name not in self._feeds_gradients:
+            return
+        n = self.plan.num_replicas
+        warnings.warn(
+            f"placeholder {name!r} has a fixed batch dimension of {rows}, and a feed of "
+            f"{rows} rows goes whole to each of the {n} replicas, which then train on the "
+            f"same rows. Build it with shape [None, ...] to split feeds over the "
+            f"replicas, or feed {n * rows} rows ({rows} per replica)", stacklevel=4)
+
+    @cached_property
+    def _feeds_gradients(self) -> set[str]:
+        tg = self.ctx.tg
+        return tg.ir.ancestors({r.node for r in tg.gradient_tensors}, data_only=True)
 
 
 def _late_name(k: int, name: str) -> str:

@@ -162,3 +162,47 @@ def test_first_training_step_measures_sparsity():
     # replica 0 looked up 4 examples x 3 ids out of 40 rows: at most 12 distinct rows
     assert after.alpha_source == "measured" and 0 < after.alpha <= 12 / 40
     assert "measured" not in runner.plan.variables["dense/w"].info.alpha_source
+
+
+def fixed_batch_graph(rows):
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [rows, 2], name="x")
+        w = tf1.get_variable("w", initializer=np.array([[1.0], [2.0]], np.float32))
+        pred = tf.identity(tf.matmul(x, w), name="pred")
+        tf1.train.GradientDescentOptimizer(0.01).minimize(tf.reduce_mean(tf.square(pred)),
+                                                         name="train")
+        tf1.global_variables_initializer()
+    return g
+
+
+def test_a_fixed_batch_fed_whole_warns_once_naming_the_placeholder():
+    x = np.ones([4, 2], np.float32)
+    with pn.get_runner(fixed_batch_graph(4), local(2)) as runner:
+        runner.run("init")
+        with pytest.warns(UserWarning, match="placeholder 'x:0' has a fixed batch dimension "
+                                             "of 4.*each of the 2 replicas.*feed 8 rows"):
+            per = runner.run("pred:0", {"x:0": x}, per_replica=True)
+        assert [p.shape for p in per] == [(4, 1), (4, 1)]
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            runner.run("train", {"x:0": x})     # once only
+
+
+def test_n_times_a_fixed_batch_is_split_and_equals_one_device():
+    """A feed of N times a fixed leading dimension is the replicas' global
+    batch (e.g. an RNN state fetched concatenated and fed back): split."""
+    x = np.random.RandomState(0).randn(8, 2).astype(np.float32)
+    with pn.get_runner(fixed_batch_graph(4), local(2)) as runner:
+        runner.run("init")
+        per = runner.run("pred:0", {"x:0": x}, per_replica=True)
+        for _ in range(3):
+            runner.run("train", {"x:0": x})
+        got = runner.run("w/Read/ReadVariableOp:0")
+    assert [p.shape for p in per] == [(4, 1), (4, 1)]
+    with tf1.Session(graph=fixed_batch_graph(8)) as sess:
+        sess.run("init")
+        for _ in range(3):
+            sess.run("train", {"x:0": x})
+        np.testing.assert_allclose(got, sess.run("w/Read/ReadVariableOp:0"), atol=1e-6)
