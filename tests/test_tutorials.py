@@ -1,0 +1,115 @@
+"""Ported TF1 tutorials (tests/tutorials.py) under every run option, in-process
+and as two-worker jobs of scripts that call disable_v2_behavior(): every
+variable and slot equals one device with the global batch (1e-5 after 6
+steps), where the math allows (see README: dropout, NCE negatives)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import load_values, local, read_name
+from tutorials import (BATCH, MODELS, build, config, ptb_windows, single_windows,
+                       start_queue_runners, train)
+
+tf1 = tf.compat.v1
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS, TOL = 6, 1e-5
+OPTIONS = ["hybrid", "allreduce", "ps"]
+
+
+def global_variables(graph):
+    return [v.op.name for v in graph.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)]
+
+
+def one_device(model, replicas, start):
+    """Train the model with the global batch on one device from `start`."""
+    kwargs = {}
+    if model == "ptb":
+        kwargs["windows"] = single_windows(ptb_windows(STEPS * replicas, BATCH), replicas)
+    graph, h = build(model, BATCH * replicas, **kwargs)
+    names = global_variables(graph)
+    with tf1.Session(graph=graph) as sess:
+        sess.run(h["init"])
+        load_values(sess, graph, start)
+        coord, threads = start_queue_runners(sess)
+        losses = train(model, sess.run, h, STEPS, BATCH * replicas)
+        coord.request_stop()
+        coord.join(threads)
+        return dict(zip(names, sess.run([read_name(v, graph) for v in names]))), losses
+
+
+def in_process(model, n, cfg, tmp_path):
+    kwargs = {"windows": ptb_windows(STEPS * n, BATCH)} if model == "ptb" else {}
+    if model == "ptb":     # the tutorial trains from its exported MetaGraphDef
+        kwargs["meta_path"] = str(tmp_path / "ptb.meta")
+    source, h = build(model, BATCH, **kwargs)
+    with pn.get_runner(source, local(n), cfg) as runner:
+        graph = runner.ctx.tg.graph
+        names = global_variables(graph)
+        reads = [read_name(v, graph) for v in names]
+        runner.run(h["init"])
+        start = dict(zip(names, runner.run(reads)))
+        losses = train(model, runner.run, h, STEPS, BATCH * n)
+        return dict(zip(names, runner.run(reads, per_replica=True))), start, losses
+
+
+def assert_equal_to_one_device(parallel, single, copies):
+    assert set(parallel) == set(single) and len(single) >= 3
+    for name, want in single.items():
+        assert len(parallel[name]) == copies
+        for k, got in enumerate(parallel[name]):
+            diff = np.max(np.abs(np.asarray(got) - want))
+            assert diff <= TOL, f"{name} on replica {k}: max abs diff {diff}"
+
+
+@pytest.mark.parametrize("run_option", OPTIONS)
+@pytest.mark.parametrize("model", MODELS)
+def test_tutorial_in_process_equals_one_device(tmp_path, model, run_option):
+    parallel, start, losses = in_process(model, 2, config(model, run_option), tmp_path)
+    single, single_losses = one_device(model, 2, start)
+    assert_equal_to_one_device(parallel, single, 2)
+    np.testing.assert_allclose(losses, single_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_word2vec_with_distinct_negatives_trains_but_is_not_one_device(tmp_path):
+    """By default every replica draws its own NCE negatives: a different (as
+    valid) estimate of the loss than one device's single draw."""
+    parallel, start, losses = in_process("word2vec", 2, {"run_option": "hybrid"}, tmp_path)
+    single, _ = one_device("word2vec", 2, start)
+    assert np.max(np.abs(parallel["nce_weights"][0] - single["nce_weights"])) > 1e-3
+    np.testing.assert_array_equal(parallel["nce_weights"][0], parallel["nce_weights"][1])
+    assert np.all(np.isfinite(losses))
+
+
+def run_job(tmp_path, model, run_option, workers=2):
+    res = tmp_path / "resources.yaml"
+    res.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * workers
+                   + ("ps: [127.0.0.1]\n" if run_option != "allreduce" else ""))
+    out = str(tmp_path / "vars")
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax_ng.cli", "run",
+         os.path.join(ROOT, "tests", "tutorial_job.py"), "-r", str(res), "--",
+         model, out, str(STEPS), run_option, str(workers)],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    with np.load(f"{out}.init.npz") as d:
+        start = {k: d[k] for k in d.files}
+    parallel = {}
+    for w in range(workers):
+        with np.load(f"{out}.{w}.npz") as d:
+            for key in d.files:
+                parallel.setdefault(key.split("#")[0], []).append(d[key])
+    return parallel, start
+
+
+@pytest.mark.parametrize("run_option", OPTIONS)
+@pytest.mark.parametrize("model", MODELS)
+def test_tutorial_two_worker_job_equals_one_device(tmp_path, model, run_option):
+    parallel, start = run_job(tmp_path, model, run_option)
+    single, _ = one_device(model, 2, start)
+    assert_equal_to_one_device(parallel, single, 2)
