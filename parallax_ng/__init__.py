@@ -8,11 +8,21 @@
 from __future__ import annotations
 
 from .config import Config, load_config
-from .data import shard
 from .errors import ConfigError, FetchError, GraphError, ParallaxError, ResourceError
-from .partition import partitioner
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # TensorFlow is imported on first use, so `parallax-ng --help` and the
+    # launcher start at once.
+    if name == "shard":
+        from .data import shard
+        return shard
+    if name == "partitioner":
+        from .partition import partitioner
+        return partitioner
+    raise AttributeError(f"module 'parallax_ng' has no attribute {name!r}")
 
 
 def transform_plan(graph, resource_info=None, config=None):

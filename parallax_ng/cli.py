@@ -1,12 +1,14 @@
 """`parallax-ng`: inspect what parallax_ng does to a training graph.
 
-    parallax-ng run SCRIPT -r RESOURCES [-c CONFIG] [-- ARGS]
+    parallax-ng run SCRIPT -r RESOURCES [-c CONFIG] [--chief-only] [--verbose] [-- ARGS]
     parallax-ng plan SOURCE [-r RESOURCES] [-c CONFIG] [--json] [-- ARGS]
     parallax-ng diff SOURCE [-r RESOURCES] [-c CONFIG] [--out DIR] [--batch N] [-- ARGS]
 
 SOURCE is a training script (run until it calls get_runner; its own
 resource and config arguments are used unless -r/-c are given) or an
-exported MetaGraphDef (.meta).
+exported MetaGraphDef (.meta). ARGS go to the script: everything after
+`--`, and any option parallax-ng does not know (so `--steps 10` works
+without `--`; put the script's own -r, -c or -h after `--`).
 """
 from __future__ import annotations
 
@@ -19,12 +21,22 @@ from .errors import ParallaxError
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="parallax-ng", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="parallax-ng", description=__doc__.split("\n")[0],
+        epilog="Arguments for the script: after `--`, or any option parallax-ng does "
+               "not know, e.g. `parallax-ng run train.py -r r.yaml -- --steps 10`.")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="start a multi-process job on this machine")
+    run = sub.add_parser("run", help="start a multi-process job on this machine",
+                         epilog="Script arguments: after `--` (or options parallax-ng "
+                                "does not know).")
     run.add_argument("script", help="the training script every worker runs")
     run.add_argument("-r", "--resources", required=True, help="resource YAML: hosts, ps")
     run.add_argument("-c", "--config", help="config YAML for every worker")
+    run.add_argument("--chief-only", action="store_true",
+                     help="show only worker 0's output (another task's last lines are "
+                          "shown if it fails)")
+    run.add_argument("--verbose", action="store_true",
+                     help="also show TensorFlow's harmless start-up and step-cleanup lines")
     for name, text in (("plan", "print the plan: method and traffic per variable"),
                        ("diff", "show what each pass changed, as text and HTML")):
         p = sub.add_parser(name, help=text)
@@ -41,12 +53,13 @@ def main(argv=None) -> int:
     if "--" in argv:            # everything after -- is the script's
         cut = argv.index("--")
         argv, extra = argv[:cut], argv[cut + 1:]
-    opts = parser.parse_args(argv)
-    opts.args = extra
+    opts, unknown = parser.parse_known_args(argv)
+    opts.args = unknown + extra
     if opts.command == "run":
         from .launch import launch
         try:
-            return launch(opts.script, opts.resources, opts.config, opts.args)
+            return launch(opts.script, opts.resources, opts.config, opts.args,
+                          chief_only=opts.chief_only, verbose=opts.verbose)
         except ParallaxError as e:
             print(f"parallax-ng run: {e}", file=sys.stderr)
             return 2

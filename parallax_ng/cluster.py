@@ -13,8 +13,6 @@ import json
 import os
 from dataclasses import dataclass
 
-import tensorflow as tf
-
 from .errors import ResourceError
 from .resources import session_config
 
@@ -31,7 +29,9 @@ class ClusterInfo:
     devices: tuple[tuple[str, int], ...]     # this worker's devices
 
     @property
-    def spec(self) -> tf.train.ClusterSpec:
+    def spec(self):
+        """The tf.train.ClusterSpec of the job."""
+        import tensorflow as tf
         jobs = {"worker": list(self.workers)}
         if self.ps:
             jobs["ps"] = list(self.ps)
@@ -48,10 +48,11 @@ class ClusterInfo:
     def host(self) -> str:
         return f"/job:worker/replica:0/task:{self.task}/device:CPU:0"
 
-    def session_config(self) -> tf.compat.v1.ConfigProto:
+    def session_config(self):
         return session_config(self.devices, "/job:worker/replica:0/task:0")
 
-    def start_server(self) -> tf.distribute.Server:
+    def start_server(self):
+        import tensorflow as tf
         return tf.distribute.Server(self.spec, job_name=self.task_type,
                                     task_index=self.task, config=self.session_config(),
                                     start=True)

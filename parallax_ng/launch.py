@@ -13,17 +13,24 @@ its devices) and, with -c, PARALLAX_NG_CONFIG; the job ends when all workers
 exit 0. If any process dies, or on Ctrl-C, every other process started here
 is stopped (SIGTERM, then SIGKILL after `grace` seconds) and the launcher
 exits non-zero naming the task that failed. No process outlives it.
+Every line a task prints comes out whole, on the launcher's stdout or
+stderr as the task wrote it, prefixed with the task (`[worker 1] ...`); with
+`chief_only` only worker 0's lines are shown, and a task that fails has its
+last lines printed after the message that names it.
 """
 from __future__ import annotations
 
+import collections
 import os
+import re
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cluster import CONFIG_ENV, ENV, ClusterInfo
 from .errors import ResourceError
@@ -32,10 +39,75 @@ from .resources import ResourceInfo, load_resources
 LOCAL = ("127.", "localhost", "::1")
 
 
+TAIL_LINES = 40        # lines of a hidden task's output shown when it fails
+_WRITE = threading.Lock()
+
+# Harmless lines every task prints (README, "Messages"); `verbose` keeps them.
+# - TensorFlow ends every distributed step by aborting that step's
+#   rendezvous ("Cleanup <step id>"), and logs the 1st, 2nd, 4th, 8th, ...
+#   of these aborts (LOG_EVERY_POW_2 in local_rendezvous.cc);
+# - the start-up block of a CPU-only process and of a gRPC server.
+QUIET = re.compile(
+    rb"local_rendezvous\.cc:\d+\] Local rendezvous is aborting with status: "
+    rb"ABORTED: Cleanup \d+"
+    rb"|^WARNING: All log messages before absl::InitializeLog\(\) is called"
+    rb"|cudart_stub\.cc:\d+\] Could not find cuda drivers"
+    rb"|cuda_platform\.cc:\d+\] failed call to cuInit"
+    rb"|cpu_feature_guard\.cc:\d+\] This TensorFlow binary is optimized"
+    rb"|^To enable the following instructions: .* rebuild TensorFlow"
+    rb"|mlir_graph_optimization_pass\.cc:\d+\] MLIR V1 optimization pass is not enabled"
+    rb"|grpc_server_lib\.cc:\d+\] Started server with target"
+    rb"|master\.cc:\d+\] Scanning workers for devices"
+    rb"|coordination_service\.cc:\d+\] Initializing CoordinationService")
+
+
 @dataclass
 class Task:
     name: str                 # "worker 0", "ps 1"
     process: subprocess.Popen
+    shown: bool = True        # its lines go to the launcher's output
+    verbose: bool = False     # keep the QUIET lines too
+    tail: collections.deque = field(default_factory=lambda: collections.deque(
+        maxlen=TAIL_LINES))
+    readers: list = field(default_factory=list)
+
+    def relay(self) -> None:
+        """Copy the task's stdout and stderr to ours, line by line, prefixed."""
+        for pipe, out in ((self.process.stdout, sys.stdout), (self.process.stderr, sys.stderr)):
+            t = threading.Thread(target=self._copy, args=(pipe, out), daemon=True)
+            t.start()
+            self.readers.append(t)
+
+    def _copy(self, pipe, out) -> None:
+        prefix = f"[{self.name}] ".encode()
+        for line in iter(pipe.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            if not self.verbose and QUIET.search(line):
+                continue
+            if not self.shown:
+                self.tail.append(line)
+                continue
+            with _WRITE:
+                out.flush()
+                out.buffer.write(prefix + line)
+                out.buffer.flush()
+        pipe.close()
+
+    def finish(self, timeout: float = 5.0) -> None:
+        """Wait until the task's output is copied (its process has ended)."""
+        for t in self.readers:
+            t.join(timeout)
+
+    def show_tail(self) -> None:
+        if self.shown or not self.tail:
+            return
+        with _WRITE:
+            sys.stderr.write(f"parallax-ng run: last lines of {self.name}:\n")
+            sys.stderr.flush()
+            sys.stderr.buffer.write(b"".join(f"[{self.name}] ".encode() + line
+                                             for line in self.tail))
+            sys.stderr.flush()
 
 
 def plan_cluster(resources: ResourceInfo) -> tuple[list[str], list[str]]:
@@ -66,7 +138,10 @@ def _with_port(address: str) -> str:
 
 
 def launch(script: str, resource_info, config: str | None = None, args=(),
-           grace: float = 10.0, poll: float = 0.2) -> int:
+           grace: float = 10.0, poll: float = 0.2, chief_only: bool = False,
+           verbose: bool = False) -> int:
+    if not os.path.isfile(script):
+        raise ResourceError(f"script {script!r} does not exist")
     resources = load_resources(resource_info)
     workers, ps = plan_cluster(resources)
     tasks: list[Task] = []
@@ -79,16 +154,18 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
             info = ClusterInfo(tuple(workers), tuple(ps), "ps", j, (("CPU", 0),))
             command = [sys.executable, "-m", "parallax_ng.launch", "serve"]
             tasks.append(_start(f"ps {j}", command, info, base_env,
-                                resources.ssh if is_remote(address) else None))
+                                resources.ssh if is_remote(address) else None,
+                                shown=not chief_only, verbose=verbose))
         for i, host in enumerate(resources.hosts):
             info = ClusterInfo(tuple(workers), tuple(ps), "worker", i, host.devices)
             command = [sys.executable, os.path.abspath(script), *args]
             tasks.append(_start(f"worker {i}", command, info, base_env,
                                 resources.ssh if is_remote(host.address, host.launch)
-                                else None))
+                                else None, shown=i == 0 or not chief_only,
+                                verbose=verbose))
         return _watch(tasks, grace, poll)
     except KeyboardInterrupt:
-        print("parallax-ng run: interrupted; stopping every task", file=sys.stderr)
+        _say("interrupted; stopping every task")
         _stop(tasks, grace)
         return 130
     finally:
@@ -107,15 +184,23 @@ def remote_command(ssh: str, address: str, command: list[str], env: dict) -> lis
 
 
 def _start(name: str, command: list[str], info: ClusterInfo, env: dict,
-           ssh: str | None = None) -> Task:
+           ssh: str | None = None, shown: bool = True, verbose: bool = False) -> Task:
     env = dict(env, **{ENV: info.to_env()})
     address = (info.ps if info.task_type == "ps" else info.workers)[info.task]
     if ssh is not None:
         command = remote_command(ssh, address, command, env)
-    process = subprocess.Popen(command, env=env, start_new_session=True)
-    print(f"parallax-ng run: started {name} (pid {process.pid}) at {address}",
-          file=sys.stderr, flush=True)
-    return Task(name, process)
+    process = subprocess.Popen(command, env=env, start_new_session=True,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    _say(f"started {name} (pid {process.pid}) at {address}")
+    task = Task(name, process, shown, verbose)
+    task.relay()
+    return task
+
+
+def _say(text: str) -> None:
+    with _WRITE:
+        print(f"parallax-ng run: {text}", file=sys.stderr, flush=True)
 
 
 def _watch(tasks: list[Task], grace: float, poll: float) -> int:
@@ -126,11 +211,15 @@ def _watch(tasks: list[Task], grace: float, poll: float) -> int:
             if rc is None:
                 continue
             if rc != 0 or t not in workers:
-                print(f"parallax-ng run: {t.name} (pid {t.process.pid}) exited with code "
-                      f"{rc}; stopping the job", file=sys.stderr)
+                t.finish()
+                _say(f"{t.name} (pid {t.process.pid}) exited with code {rc}; "
+                     "stopping the job")
+                t.show_tail()
                 _stop(tasks, grace)
                 return rc or 1
         if all(t.process.poll() == 0 for t in workers):
+            for t in workers:
+                t.finish()
             return 0
         time.sleep(poll)
 

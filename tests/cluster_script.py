@@ -41,6 +41,7 @@ runner = pn.get_runner(g, None, {"run_option": args.run_option,
 runner.run([op for op in (h["init"], h["iterator_init"]) if op is not None])
 for step in range(args.steps):
     if step == args.die_at and runner.plan.worker == 1:
+        print(f"worker 1 dies at step {step}", flush=True)
         os._exit(3)
     runner.run(h["train"])
 names = variable_names(g)

@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -47,6 +48,36 @@ def test_errors_are_reported_not_raised(tmp_path, capsys):
 
 
 def test_console_script_is_installed():
-    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "--help"],
-                          capture_output=True, text=True, timeout=120)
+    exe = shutil.which("parallax-ng") or os.path.join(os.path.dirname(sys.executable),
+                                                      "parallax-ng")
+    assert os.access(exe, os.X_OK), "pip install -e . installs the parallax-ng command"
+    done = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "plan" in done.stdout and "diff" in done.stdout
+    assert "after `--`" in done.stdout
+
+
+def test_help_does_not_import_tensorflow():
+    code = ("import sys\nfrom parallax_ng import cli\ntry:\n    cli.main(['run', '--help'])\n"
+            "except SystemExit:\n    pass\nprint('tensorflow' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.stdout.strip().endswith("False") and "--chief-only" in done.stdout
+
+
+def test_script_arguments_with_and_without_double_dash(tmp_path):
+    script = tmp_path / "argv.py"
+    script.write_text("import json, sys\nopen(sys.argv[1], 'w').write(json.dumps(sys.argv[2:]))\n")
+    res = tmp_path / "r.yaml"
+    res.write_text("hosts:\n  - address: 127.0.0.1\n    devices: [cpu:0]\n")
+    for args in (["--steps", "10", "-x"], ["--", "--steps", "10", "-x"]):
+        out = tmp_path / "argv.json"
+        assert cli.main(["run", str(script), "-r", str(res), str(out), *args]) == 0
+        assert json.loads(out.read_text()) == ["--steps", "10", "-x"]
+
+
+def test_run_names_a_missing_script_before_starting_anything(tmp_path, capsys):
+    res = tmp_path / "r.yaml"
+    res.write_text("hosts:\n  - address: 127.0.0.1\n    devices: [cpu:0]\n")
+    assert cli.main(["run", str(tmp_path / "nope.py"), "-r", str(res)]) == 2
+    err = capsys.readouterr().err
+    assert "nope.py" in err and "does not exist" in err and "started" not in err

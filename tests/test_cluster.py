@@ -2,6 +2,7 @@
 collectives across processes, started and stopped by `parallax-ng run`."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -97,6 +98,58 @@ def test_a_dying_worker_ends_the_job_with_its_name(tmp_path):
     assert done.returncode != 0
     assert "worker 1" in done.stderr and "exited with code 3" in done.stderr
     assert seconds < 60
+
+
+PRINTING = """
+import numpy as np, tensorflow as tf
+import parallax_ng as pn
+g = tf.Graph()
+with g.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [None, 2])
+    w = tf.compat.v1.get_variable("w", [2, 1])
+    loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+    train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    init = tf.compat.v1.global_variables_initializer()
+runner = pn.get_runner(g, None, {"run_option": "allreduce"})
+runner.run(init)
+for step in range(40):
+    _, value = runner.run([train, loss], {x: np.ones([4, 2], np.float32)})
+    print(f"step {step} loss {value:.6f}", flush=True)
+"""
+
+
+def test_task_output_is_labelled_whole_and_free_of_harmless_noise(tmp_path):
+    script = tmp_path / "printing.py"
+    script.write_text(PRINTING)
+    res = resources(tmp_path, 2, 1)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)    # TensorFlow's default logging
+    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", str(script),
+                           "-r", res], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    for w in (0, 1):
+        mine = [ln for ln in lines if ln.startswith(f"[worker {w}] ")]
+        assert [ln.split()[3] for ln in mine] == [str(s) for s in range(40)]
+    assert all(re.fullmatch(r"\[worker [01]\] step \d+ loss \d+\.\d{6}", ln) for ln in lines)
+    assert "Cleanup" not in done.stderr and "cpu_feature_guard" not in done.stderr
+    # --chief-only: worker 1 is silent
+    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", str(script),
+                           "-r", res, "--chief-only"], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0 and "[worker 1]" not in done.stdout + done.stderr
+    assert done.stdout.count("[worker 0] step") == 40
+
+
+def test_chief_only_shows_the_last_lines_of_a_failing_worker(tmp_path):
+    out = str(tmp_path / "vars")
+    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+                           resources(tmp_path, 2, 1), "--chief-only", "--", out, "50",
+                           "--die-at", "3"], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode != 0
+    said = done.stderr.index("worker 1 (pid")
+    assert done.stderr.index("[worker 1] worker 1 dies at step 3") > said
 
 
 def test_parameter_servers_missing_from_the_resources_is_a_clear_error(tmp_path):
