@@ -85,7 +85,7 @@ def get_runner(graph, resource_info=None, config=None):
     import os
 
     from . import capture, cluster
-    from .resources import load_resources, session_config
+    from .resources import check_devices, load_resources, session_config
     from .runner import Runner
 
     capture.check(graph, resource_info, config)
@@ -93,16 +93,19 @@ def get_runner(graph, resource_info=None, config=None):
     resources = load_resources(resource_info)
     if cfg.communication.backend == "horovod":   # each process: one worker
         from . import horovod
+        check_devices(resources.hosts[0].devices)
         ir, ctx, manager = transform(graph, resources, cfg, horovod=horovod.init())
         return Runner(ir, ctx, cfg, session_config(resources.hosts[0].devices),
                       manager.records, timeout=ctx.plan.num_workers > 1)
     info = cluster.from_env(resources if resource_info is not None else None)
     if info is None:
+        check_devices(resources.hosts[0].devices)
         ir, ctx, manager = transform(graph, resources, cfg)
         return Runner(ir, ctx, cfg, session_config(resources.hosts[0].devices),
                       manager.records)
     if info.task_type == "ps":     # TF_CONFIG convention: a server task only serves
         info.start_server().join()
+    check_devices(info.devices, f"worker {info.task} ({info.workers[info.task]})")
     server = info.start_server()
     ir, ctx, manager = transform(graph, resource_info, cfg, cluster_info=info)
     return Runner(ir, ctx, cfg, info.session_config(), manager.records, server=server)

@@ -73,6 +73,25 @@ def session_config(devices, group_leader: str | None = None):
     return config
 
 
+def check_devices(devices, where: str = "this machine") -> None:
+    """Fail at once if `devices` names a GPU TensorFlow does not see here.
+
+    (TensorFlow would quietly put such a replica on CPU:0, and its first
+    collective would wait out the whole timeout.) CPU devices are made as
+    many as listed.
+    """
+    import tensorflow as tf
+
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    missing = [f"gpu:{i}" for kind, i in devices if kind == "GPU" and i >= gpus]
+    if missing:
+        seen = f"{gpus} GPU(s) (gpu:0..gpu:{gpus - 1})" if gpus else "no GPU"
+        raise ResourceError(
+            f"the resource info lists {', '.join(missing)} on {where}, but TensorFlow "
+            f"sees {seen} there; list the devices it has (cpu:N makes N+1 CPU devices), "
+            "or give None for this machine's devices")
+
+
 def load_resources(resource_info) -> ResourceInfo:
     if resource_info is None:
         return local_resources()

@@ -152,6 +152,19 @@ def test_chief_only_shows_the_last_lines_of_a_failing_worker(tmp_path):
     assert done.stderr.index("[worker 1] worker 1 dies at step 3") > said
 
 
+def test_a_worker_listing_a_missing_gpu_ends_the_job_in_seconds(tmp_path):
+    res = tmp_path / "r.yaml"
+    res.write_text("hosts:\n  - address: 127.0.0.1\n    devices: [cpu:0]\n"
+                   "  - address: 127.0.0.1\n    devices: [gpu:99]\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+                           str(res), "--", str(tmp_path / "vars"), "3"], capture_output=True,
+                          text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode != 0 and time.monotonic() - start < 60
+    assert "lists gpu:99 on worker 1" in done.stderr
+
+
 def test_parameter_servers_missing_from_the_resources_is_a_clear_error(tmp_path):
     done, _, _ = run_job(tmp_path, 2, 1, "1", "--run-option", "hybrid", timeout=120)
     assert done.returncode != 0

@@ -206,3 +206,17 @@ def test_n_times_a_fixed_batch_is_split_and_equals_one_device():
         for _ in range(3):
             sess.run("train", {"x:0": x})
         np.testing.assert_allclose(got, sess.run("w/Read/ReadVariableOp:0"), atol=1e-6)
+
+
+def test_devices_the_machine_lacks_fail_at_once_naming_them():
+    import os
+    import time
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    start = time.monotonic()
+    with pytest.raises(ResourceError, match=f"lists gpu:{gpus}.* TensorFlow sees"):
+        pn.get_runner(feed_graph(), {"hosts": [{"devices": [f"gpu:{gpus}"]}]})
+    if gpus < 2:      # the shipped GPU resource file, on a machine without two GPUs
+        with pytest.raises(ResourceError, match="gpu:1"):
+            pn.get_runner(feed_graph(), os.path.join(root, "configs", "resources_gpus.yaml"))
+    assert time.monotonic() - start < 30
