@@ -1,6 +1,6 @@
 """The smallest script: linear regression, parallelized by two calls.
 
-    python examples/linear_regression.py [--steps 200] [--resources configs/resources_local.yaml]
+    python examples/linear_regression.py [--steps 200] [--resources configs/resources_2cpu.yaml]
 """
 import argparse
 

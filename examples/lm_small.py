@@ -44,6 +44,7 @@ def build(args):
     contexts, targets = windows(corpus(args.vocab, args.words))
     graph = tf.Graph()
     with graph.as_default():
+        tf1.set_random_seed(args.seed)    # the same initial values and samples every run
         ds = tf.data.Dataset.from_tensor_slices((contexts, targets)).shuffle(10000, seed=1)
         ds = pn.shard(ds)
         ds = ds.batch(args.batch, drop_remainder=True).repeat()
@@ -81,25 +82,29 @@ def main():
     parser.add_argument("--resources", help="resource YAML (default: this machine)")
     parser.add_argument("--config", help="config YAML")
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0, help="graph-level random seed")
     args = parser.parse_args()
 
     graph, train_op, loss, step, init = build(args)
     config = args.config or ({"run_option": args.run_option} if args.run_option else None)
     runner = pn.get_runner(graph, args.resources, config)
-    n = runner.plan.num_replicas   # this process's replicas (all of them in-process)
-    print(f"lm_small: vocab {args.vocab}, {n} replicas x batch {args.batch}, "
-          f"run_option {runner.plan.run_option}")
-    print(runner.plan.format())
+    plan = runner.plan
+    print(f"lm_small: vocab {args.vocab}, {plan.group_size} replicas "
+          f"({plan.num_workers} worker(s) x {plan.num_replicas}) x batch {args.batch}, "
+          f"run_option {plan.run_option}")
+    print(plan.format())
     runner.run(init)
-    start, window = time.perf_counter(), []
+    window, since, logged = [], time.perf_counter(), 0
     for i in range(1, args.steps + 1):
         _, value = runner.run([train_op, loss])
         window.append(value)
         if i % args.log_every == 0 or i == 1:
-            rate = i * n * args.batch / (time.perf_counter() - start)
+            # words per second over the steps since the last line, job-wide
+            now = time.perf_counter()
+            rate = (i - logged) * plan.group_size * args.batch / (now - since)
             print(f"step {i:5d}  loss {np.mean(window):.4f}  {rate:9.0f} words/s",
                   flush=True)
-            window = []
+            window, since, logged = [], now, i
     runner.close()
 
 

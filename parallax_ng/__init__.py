@@ -26,8 +26,15 @@ def __getattr__(name):
 
 
 def transform_plan(graph, resource_info=None, config=None):
-    """The Plan for `graph` (analysis only; the graph is not rewritten)."""
-    return _analyse(graph, resource_info, config)[1]
+    """The Plan for `graph` (analysis only; the graph is not rewritten). A
+    resource file with several hosts or with servers is planned as the job
+    `parallax-ng run` would start, seen from worker 0."""
+    from .cluster import ClusterInfo
+    from .resources import load_resources
+
+    resources = load_resources(resource_info)
+    job = ClusterInfo.planned(resources) if len(resources.hosts) > 1 or resources.ps else None
+    return _analyse(graph, resources, config, cluster_info=job)[1]
 
 
 def _analyse(graph, resource_info, config, cluster_info=None, horovod=None):

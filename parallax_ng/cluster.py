@@ -57,6 +57,13 @@ class ClusterInfo:
                                     task_index=self.task, config=self.session_config(),
                                     start=True)
 
+    @classmethod
+    def planned(cls, resources, worker: int = 0) -> "ClusterInfo":
+        """Worker `worker` of the job a resource file describes, for planning
+        only (addresses as given; nothing is started)."""
+        return cls(tuple(h.address for h in resources.hosts), tuple(resources.ps), "worker",
+                   worker, resources.hosts[worker].devices)
+
     def to_env(self) -> str:
         return json.dumps({"worker": list(self.workers), "ps": list(self.ps),
                            "task_type": self.task_type, "task": self.task,

@@ -164,7 +164,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
             f"run_option {config.run_option!r} puts {shared[:5]} on parameter servers, which "
             "communication.backend horovod does not have; use run_option: allreduce "
             "(sparse gradients by Horovod's allgather), or backend tf with `ps:` servers")
-    if placement and "shared" in placement.values() and num_workers > 1:
+    if "shared" in placement.values() and (num_workers > 1 or servers):
         if not servers:
             shared = sorted(v for v, p in placement.items() if p == "shared")
             raise ConfigError(

@@ -81,3 +81,13 @@ def test_run_names_a_missing_script_before_starting_anything(tmp_path, capsys):
     assert cli.main(["run", str(tmp_path / "nope.py"), "-r", str(res)]) == 2
     err = capsys.readouterr().err
     assert "nope.py" in err and "does not exist" in err and "started" not in err
+
+
+def test_plan_of_a_job_prints_the_load_of_every_server(capsys):
+    res = os.path.join(ROOT, "configs", "resources_2workers_2ps.yaml")
+    assert cli.main(["plan", os.path.join(ROOT, "examples", "lm_small.py"), "-r", res]) == 0
+    out = capsys.readouterr().out
+    assert "(2 worker(s) x 1)" in out
+    servers = [line for line in out.splitlines() if line.startswith("servers:")][0]
+    assert "task:0/device:CPU:0" in servers and "task:1/device:CPU:0" in servers
+    assert servers.count(" MB") == 2

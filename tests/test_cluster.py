@@ -47,6 +47,17 @@ def load(out, workers):
     return values
 
 
+def test_one_worker_job_uses_its_server(tmp_path):
+    """One worker (2 devices) and a server: the embedding lives on the server."""
+    done, out, _ = run_job(tmp_path, 1, 2, "10", "--run-option", "hybrid", servers=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = train_single(*embedding_regression(8, "adam", clip=True, ema=True), 10)
+    parallel = load(out, 1)
+    for name, copies in parallel.items():
+        for got in copies:
+            assert np.max(np.abs(got - single[name])) <= 1e-5, name
+
+
 @pytest.mark.parametrize("run_option,servers", [("allreduce", 0), ("hybrid", 1),
                                                 ("hybrid", 2), ("ps", 1), ("ps", 2)])
 @pytest.mark.parametrize("workers,devices", [(2, 1), (2, 2)])

@@ -28,3 +28,41 @@ def test_lm_small_loss_falls_in_every_run_option():
                   "--resources", os.path.join(ROOT, "configs", "resources_2cpu.yaml"))
         losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
         assert len(losses) == 4 and losses[-1] < losses[0], (option, out)
+
+
+def test_readme_and_examples_name_only_shipped_config_files():
+    texts = [open(os.path.join(ROOT, "README.md")).read()] + [
+        open(os.path.join(ROOT, "examples", f)).read()
+        for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py")]
+    named = {m for t in texts for m in re.findall(r"configs/[\w.]+\.yaml", t)}
+    assert "configs/resources_2workers_1ps.yaml" in named
+    for path in named:
+        assert os.path.exists(os.path.join(ROOT, path)), path
+
+
+def test_the_readme_resource_file_is_the_shipped_one():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    block = readme.split("`configs/resources_2workers_1ps.yaml`:\n\n```yaml\n")[1].split("```")[0]
+    with open(os.path.join(ROOT, "configs", "resources_2workers_1ps.yaml")) as f:
+        assert f.read() == block
+
+
+def test_lm_small_with_a_server_as_the_readme_runs_it():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax_ng.cli", "run", os.path.join(ROOT, "examples",
+                                                                      "lm_small.py"),
+         "-r", os.path.join(ROOT, "configs", "resources_2workers_1ps.yaml"), "--steps", "40",
+         "--log-every", "20", "--vocab", "2000", "--words", "20000", "--batch", "32"],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [float(x) for x in re.findall(r"\[worker 0\] step +\d+ +loss (\d+\.\d+)", done.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], done.stdout
+    assert "servers: /job:ps/replica:0/task:0/device:CPU:0" in done.stdout
+
+
+def test_lm_small_repeats_itself():
+    args = ["--steps", "20", "--log-every", "10", "--vocab", "2000", "--words", "20000",
+            "--batch", "32", "--resources", os.path.join(ROOT, "configs", "resources_2cpu.yaml")]
+    first, second = (re.findall(r"loss (\d+\.\d+)", run("lm_small.py", *args)) for _ in range(2))
+    assert len(first) == 3 and first == second

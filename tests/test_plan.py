@@ -101,3 +101,12 @@ def test_horovod_backend_has_no_parameter_servers(tg):
                          {"run_option": "allreduce", "communication": {"backend": "horovod"}}),
                      DEVICES, HOST, num_workers=2, worker=1)
     assert plan.backend == "horovod" and plan.to_dict()["backend"] == "horovod"
+
+
+def test_a_one_worker_job_puts_shared_variables_on_its_server():
+    import parallax_ng as pn
+    g, _ = embedding_regression(4, "adam")
+    res = {"hosts": [{"devices": ["cpu:0", "cpu:1"]}], "ps": ["127.0.0.1"]}
+    plan = pn.transform_plan(g, res, {"run_option": "hybrid"})
+    assert plan.num_workers == 1 and plan.server("emb").startswith("/job:ps/")
+    assert plan.server("emb/Adam").startswith("/job:ps/") and not plan.cross_worker_servers
