@@ -166,20 +166,30 @@ def render_text(diffs: list[PassDiff], final: GraphIR, tg, batch=None) -> str:
     for dev, b in sorted(collective_bytes(final, tg, batch).items()):
         lines.append(f"  {dev}: {b:,d}" + (" ops" if dev == "unknown" else ""))
     for d in diffs:
-        lines.append(f"\n== {d.name}")
-        for name in d.added[:20]:
-            lines.append(f"  + {name} ({final.get(name).op if final.get(name) else '?'})")
-        if len(d.added) > 20:
-            lines.append(f"  + ... {len(d.added) - 20} more")
-        for name, old, new in d.replaced[:10]:
-            lines.append(f"  @ {name}: {old or '(none)'} -> {new}")
-        for name, old, new in d.rewired[:10]:
-            changed = [f"{a} -> {b}" for a, b in zip(old, new) if a != b]
-            extra = new[len(old):]
-            lines.append(f"  ~ {name}: {'; '.join(changed + ['+' + e for e in extra])}")
-        for name, keys in d.modified[:10]:
-            lines.append(f"  * {name}: attrs {', '.join(keys)}")
+        lines.append(f"\n== {d.name}: {describe(d)}")
+        lines += _listed("+", [f"{name} ({final.get(name).op if final.get(name) else '?'})"
+                              for name in d.added], 20)
+        lines += _listed("@", [f"{name}: {old or '(none)'} -> {new}"
+                              for name, old, new in d.replaced], 10)
+        lines += _listed("~", [f"{name}: " + "; ".join(
+            [f"{a} -> {b}" for a, b in zip(old, new) if a != b] +
+            ["+" + e for e in new[len(old):]]) for name, old, new in d.rewired], 10)
+        lines += _listed("*", [f"{name}: attrs {', '.join(keys)}"
+                              for name, keys in d.modified], 10)
     return "\n".join(lines)
+
+
+def _listed(mark: str, items: list[str], limit: int) -> list[str]:
+    out = [f"  {mark} {item}" for item in items[:limit]]
+    if len(items) > limit:
+        out.append(f"  {mark} ... {len(items) - limit} more (diff.html lists every one)")
+    return out
+
+
+def describe(d: PassDiff) -> str:
+    """`12 added, 3 re-wired`: the pass's non-zero counts, in words."""
+    words = [f"{n} {what}" for what, n in d.counts().items() if n]
+    return ", ".join(words) or "no change"
 
 
 def roles(tg) -> dict[str, str]:
@@ -278,7 +288,7 @@ def render_html(diffs: list[PassDiff], final: GraphIR, tg, batch=None) -> str:
                   for n, _, new in d.rewired]
         items += [f"<li class=move>* {esc(n)}: attrs {esc(', '.join(k))}</li>"
                   for n, k in d.modified]
-        details.append(f"<details><summary>{esc(d.name)}: {d.counts()}</summary>"
+        details.append(f"<details><summary>{esc(d.name)}: {esc(describe(d))}</summary>"
                        f"<ul>{''.join(items)}</ul></details>")
     picture = svg if svg else f"<p>Install Graphviz for a picture; dot source:</p><pre>{esc(dot)}</pre>"
     legend = " ".join(f'<span style="background:{c};padding:2px 6px">{esc(k)}</span>'

@@ -275,7 +275,8 @@ class Runner:
         node = name.split(":")[0]
         if node not in self.ctx.tg.ir and node not in self._late:
             if not self._adopt(node):
-                close = difflib.get_close_matches(node, self.ctx.tg.ir.names(), n=3)
+                close = [self._fetchable(c) for c in
+                         difflib.get_close_matches(node, self.ctx.tg.ir.names(), n=3)]
                 raise FetchError(f"{name!r} is not in the training graph"
                                  + (f"; did you mean {close}?" if close else ""))
         if ":" in name:
@@ -284,6 +285,12 @@ class Runner:
             except (KeyError, ValueError) as e:
                 raise FetchError(f"{name!r} is not a tensor of the training graph: {e}") from None
         return name
+
+    def _fetchable(self, node: str) -> str:
+        """The name to fetch for a suggestion: an op's first output (a value),
+        or the op itself when it has none (e.g. a training op)."""
+        op = self._user_graph.get_operation_by_name(node)
+        return op.outputs[0].name if op.outputs else node
 
     def _adopt(self, node: str) -> bool:
         """Copy user ops made after get_runner (e.g. a later

@@ -25,9 +25,14 @@ def test_diff_reports_each_pass_and_the_traffic():
     assert coll[ctx.plan.devices[1]] == dense
     text = diff.render_text(diffs, ir, ctx.tg, batch=4)
     assert "replicate" in text and "nodes per device" in text
+    # long lists end by saying how many lines they left out
+    placed = len(by["place"].replaced)
+    assert placed > 10 and f"  @ ... {placed - 10} more" in text
+    assert f"== place: {placed} re-placed" in text
     dot = diff.render_dot(ir, diffs, ctx.tg)
     assert dot.startswith("digraph") and "cluster_1" in dot and "parallax/allreduce" in dot
     page = diff.render_html(diffs, ir, ctx.tg)
+    assert "{" not in page.split("<summary>")[1].split("</summary>")[0]   # words, not a dict
     assert page.startswith("<!doctype html>") and "parallax/ps" in page
 
 

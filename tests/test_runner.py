@@ -58,8 +58,16 @@ def test_training_with_feeds_equals_one_device():
 def test_fetch_errors_name_the_problem():
     g = feed_graph()
     with pn.get_runner(g, local(2)) as runner:
-        with pytest.raises(FetchError, match="'los:0' is not in the training graph.*loss"):
+        with pytest.raises(FetchError, match=r"'los:0' is not in the training graph; "
+                                             r"did you mean \['loss:0'"):
             runner.run("los:0")
+        with pytest.raises(FetchError, match=r"did you mean \['train'"):   # an op: no value
+            runner.run("trian")
+        runner.run("init")
+        with pytest.raises(FetchError) as e:      # every suggestion can be fetched
+            runner.run("prd")
+        for suggestion in eval(str(e.value).split("did you mean ")[1].rstrip("?")):
+            runner.run(suggestion, {"x:0": np.zeros([2, 2], np.float32), "scale:0": 1.0})
         other = tf.Graph()
         with other.as_default():
             foreign = tf.constant(1.0)
