@@ -83,10 +83,11 @@ def report(results: dict) -> None:
 
 # -- inside the job -----------------------------------------------------------
 def worker(args) -> None:
+    import lm_small
+
     from parallax_ng import cluster
     info = cluster.from_env()
-    model_args = argparse.Namespace(vocab=20000, words=200000, batch=128, dim=64,
-                                    hidden=256)
+    model_args = lm_small.arguments([])    # the example's default model
     if args.mode == "mwms":
         step = mwms_step(info, model_args)
     else:

@@ -70,7 +70,8 @@ def build(args):
     return graph, train_op, loss, step, init
 
 
-def main():
+def arguments(argv=None) -> argparse.Namespace:
+    """The example's options (benchmarks build the same model from these)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=128, help="windows per replica")
@@ -83,7 +84,11 @@ def main():
     parser.add_argument("--config", help="config YAML")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0, help="graph-level random seed")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main():
+    args = arguments()
 
     graph, train_op, loss, step, init = build(args)
     config = args.config or ({"run_option": args.run_option} if args.run_option else None)

@@ -29,28 +29,26 @@ def transform_plan(graph, resource_info=None, config=None):
     """The Plan for `graph` (analysis only; the graph is not rewritten). A
     resource file with several hosts or with servers is planned as the job
     `parallax-ng run` would start, seen from worker 0."""
+    from . import frontend
     from .cluster import ClusterInfo
     from .resources import load_resources
 
     resources = load_resources(resource_info)
     job = ClusterInfo.planned(resources) if len(resources.hosts) > 1 or resources.ps else None
-    return _analyse(graph, resources, config, cluster_info=job)[1]
+    return _plan(frontend.load(graph), resources, load_config(config), job)
 
 
-def _analyse(graph, resource_info, config, cluster_info=None, horovod=None):
-    from . import frontend
+def _plan(tg, resources, config: Config, cluster_info=None, horovod=None):
+    """The Plan for a TrainingGraph: of worker `cluster_info` of a job, of
+    rank `horovod` = (rank, size) under horovodrun, else of this machine's
+    devices in `resources` (a loaded ResourceInfo)."""
     from .analysis import analyze
-    from .plan import make_plan
-    from .resources import load_resources
+    from .planner import make_plan
 
-    config = load_config(config)
-    tg = frontend.load(graph)
     if cluster_info is not None:
-        plan = make_plan(tg, analyze(tg), config, cluster_info.device_strings(),
+        return make_plan(tg, analyze(tg), config, cluster_info.device_strings(),
                          cluster_info.host, len(cluster_info.workers), cluster_info.task,
                          cluster_info.server_devices())
-        return tg, plan, config
-    resources = load_resources(resource_info)
     if len(resources.hosts) > 1:
         raise ResourceError(
             f"resource info lists {len(resources.hosts)} hosts; get_runner runs on one "
@@ -58,25 +56,32 @@ def _analyse(graph, resource_info, config, cluster_info=None, horovod=None):
             "`parallax-ng run script.py -r resources.yaml`")
     host = "/job:localhost/replica:0/task:0/device:CPU:0"
     rank, size = horovod or (0, 1)
-    plan = make_plan(tg, analyze(tg), config, resources.local_device_strings(), host,
+    return make_plan(tg, analyze(tg), config, resources.local_device_strings(), host,
                      num_workers=size, worker=rank)
-    return tg, plan, config
 
 
 def transform(graph, resource_info=None, config=None, keep_graphs=False,
-              cluster_info=None, horovod=None):
+              cluster_info=None, horovod=None, plan=None):
     """Analyse, plan and rewrite `graph`; no session is made. `horovod` is
-    (rank, size) of a job under horovodrun.
+    (rank, size) of a job under horovodrun; `plan` replaces the planner's
+    (tests and tools build plans by hand).
 
     Returns (transformed GraphIR, PassContext, PassManager) for tools and
     tests; with keep_graphs the manager holds the graph after every pass.
     """
     import transforms
-    from .passes import PassContext, PassManager
 
-    tg, plan, config = _analyse(graph, resource_info, config, cluster_info, horovod)
+    from . import frontend
+    from .passes import PassContext, PassManager
+    from .resources import load_resources
+
+    config = load_config(config)
+    tg = frontend.load(graph)
+    if plan is None:
+        resources = None if cluster_info is not None else load_resources(resource_info)
+        plan = _plan(tg, resources, config, cluster_info, horovod)
     ctx = PassContext(tg, plan)
-    manager = PassManager(transforms.default_pipeline(), config.verify, config.dump_dir,
+    manager = PassManager(transforms.pipeline_for(plan), config.verify, config.dump_dir,
                           keep_graphs)
     ir = manager.run(tg.ir, ctx)
     return ir, ctx, manager
@@ -87,16 +92,16 @@ def get_runner(graph, resource_info=None, config=None):
 
     graph: a tf.Graph (or MetaGraphDef, or path of a .meta file) with a
     training op. resource_info: YAML path, dict, or None for this machine's
-    devices. config: YAML path, dict or Config.
+    devices. config: YAML path, dict or Config; in a job started with
+    `parallax-ng run -c FILE`, None means FILE, and a different config is an
+    error.
     """
-    import os
-
     from . import capture, cluster
     from .resources import check_devices, load_resources, session_config
     from .runner import Runner
 
     capture.check(graph, resource_info, config)
-    cfg = load_config(os.environ.get(cluster.CONFIG_ENV) or config)
+    cfg = _job_config(config)
     resources = load_resources(resource_info)
     if cfg.communication.backend == "horovod":   # each process: one worker
         from . import horovod
@@ -114,8 +119,29 @@ def get_runner(graph, resource_info=None, config=None):
         info.start_server().join()
     check_devices(info.devices, f"worker {info.task} ({info.workers[info.task]})")
     server = info.start_server()
-    ir, ctx, manager = transform(graph, resource_info, cfg, cluster_info=info)
+    ir, ctx, manager = transform(graph, None, cfg, cluster_info=info)
     return Runner(ir, ctx, cfg, info.session_config(), manager.records, server=server)
+
+
+def _job_config(config) -> Config:
+    """`config`, or the job's (`parallax-ng run -c FILE` sets
+    PARALLAX_NG_CONFIG); both given and different is an error."""
+    import os
+
+    from .cluster import CONFIG_ENV
+
+    path = os.environ.get(CONFIG_ENV)
+    if not path:
+        return load_config(config)
+    job = load_config(path)
+    if config is None:
+        return job
+    given = load_config(config)
+    if given != job:
+        raise ConfigError(
+            f"get_runner was given a config that differs from the job's (parallax-ng run "
+            f"-c {path}); pass config=None to use the job's, or start the job without -c")
+    return given
 
 
 __all__ = ["Config", "ConfigError", "FetchError", "GraphError", "ParallaxError",

@@ -20,6 +20,7 @@ import os
 import tensorflow as tf
 
 from .compat import is_ref_dtype
+from .placement import Sharded, part_name
 
 ITERATOR_OPS = ("IteratorV2", "OneShotIterator", "Iterator")
 
@@ -35,8 +36,7 @@ class Checkpointer:
             self.prefix = tf.compat.v1.placeholder(tf.string, [], name="prefix")
             for var in sorted(ctx.tg.variables):
                 names.append(var)
-                tensors.append(read_value(graph, var, ctx.tg.variables[var].dtype,
-                                          plan.row_split.get(var)))
+                tensors.append(read_value(graph, ctx.tg.variables[var], plan.placement[var]))
             iterators = [n.name for n in ctx.tg.ir.nodes if n.op in ITERATOR_OPS]
             for it in iterators:
                 for k in range(plan.num_replicas):
@@ -51,10 +51,10 @@ class Checkpointer:
                                           shape_and_slices=[""] * len(names),
                                           dtypes=[t.dtype.base_dtype for t in tensors])
             for var, value in zip(sorted(ctx.tg.variables), loaded):
-                if plan.placement[var] == "shared" and plan.worker > 0:
+                if not plan.mirrored(var) and plan.worker > 0:
                     continue   # the chief restores parameter-server variables
                 copies = {ctx.replica_name(k, var) for k in range(plan.num_replicas)}
-                restores += [_assign(graph, c, value, plan.row_split.get(var))
+                restores += [_assign(graph, c, value, plan.placement[var])
                              for c in sorted(copies)]
             for i, it in enumerate(iterators):
                 for k in range(plan.num_replicas):
@@ -79,26 +79,28 @@ class Checkpointer:
         session.run(self.restore_op, {self.prefix: path})
 
 
-def read_value(graph, var: str, dtype, ranges=None):
-    """A new op reading replica 0's value of `var` (resource or reference;
-    the row ranges concatenated when it is split by rows)."""
-    if ranges:
-        from transforms.split_rows import part
-        return tf.concat([tf.raw_ops.ReadVariableOp(
-            resource=graph.get_tensor_by_name(part(var, k) + ":0"), dtype=dtype.base_dtype)
-            for k in range(len(ranges))], 0)
-    t = graph.get_tensor_by_name(var + ":0")
+def read_value(graph, var, placement=None):
+    """A new op reading replica 0's value of Variable `var` (resource or
+    reference; a sharded variable's parts put together: row ranges along
+    axis 0, element ranges (1-D parts) flattened)."""
+    dtype = var.dtype.base_dtype
+    if isinstance(placement, Sharded):
+        parts = tf.concat([tf.raw_ops.ReadVariableOp(
+            resource=graph.get_tensor_by_name(part_name(var.name, k) + ":0"), dtype=dtype)
+            for k in range(len(placement.shards))], 0)
+        return parts if placement.axis == 0 else tf.reshape(parts, var.shape)
+    t = graph.get_tensor_by_name(var.name + ":0")
     if is_ref_dtype(t.dtype):
         return tf.identity(t)
-    return tf.raw_ops.ReadVariableOp(resource=t, dtype=dtype.base_dtype)
+    return tf.raw_ops.ReadVariableOp(resource=t, dtype=dtype)
 
 
-def _assign(graph, var: str, value, ranges=None):
-    if ranges:
-        from transforms.split_rows import part
-        pieces = tf.split(value, [rows for _, _, rows in ranges], 0)
+def _assign(graph, var: str, value, placement=None):
+    if isinstance(placement, Sharded):
+        flat = value if placement.axis == 0 else tf.reshape(value, [-1])
+        pieces = tf.split(flat, [s.size for s in placement.shards], 0)
         return tf.group(*[tf.raw_ops.AssignVariableOp(
-            resource=graph.get_tensor_by_name(part(var, k) + ":0"), value=piece)
+            resource=graph.get_tensor_by_name(part_name(var, k) + ":0"), value=piece)
             for k, piece in enumerate(pieces)])
     t = graph.get_tensor_by_name(var + ":0")
     if is_ref_dtype(t.dtype):

@@ -3,9 +3,9 @@
 Requires: Horovod built with TensorFlow support (`pip install .[horovod]`;
 Horovod 0.28.1 builds against TensorFlow <= 2.18), and a script started by
 `horovodrun` (Gloo or MPI): every process is one worker of the job.
-Guarantees: `init()` starts Horovod and gives (rank, size); the builders
-return graph nodes that do what the TensorFlow-collective passes do, with
-Horovod's ops instead:
+Guarantees: `init()` starts Horovod and gives (rank, size);
+`HorovodCollectives` lowers the abstract operations of parallax_ng/comm.py
+to Horovod's ops:
 - `all_reduce`: this worker's replicas added on its first device, then
   HorovodAllreduce (sum) across workers, scaled by 1/replicas for a mean;
   every local replica reads the result;
@@ -21,6 +21,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from . import emit
+from .comm import Broadcast
 from .errors import ConfigError
 
 
@@ -40,6 +41,25 @@ def init() -> tuple[int, int]:
     hvd = _hvd()
     hvd.init()
     return hvd.rank(), hvd.size()
+
+
+class HorovodCollectives:
+    """parallax_ng.comm's operations with Horovod's ops."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def all_reduce(self, scope, tensors, dtype, mean):
+        return all_reduce(self.plan, scope, tensors, dtype, mean)
+
+    def all_gather(self, scope, values, indices, value_type, index_type, value_shape, mean):
+        nodes, v, i = all_gather(self.plan, scope, values, indices, value_type, index_type,
+                                 value_shape, mean)
+        return nodes, [v] * len(values), [i] * len(values)
+
+    def broadcast(self, scope, value, dtype, shape) -> Broadcast:
+        nodes, out = broadcast(self.plan, scope, value, dtype, shape)
+        return Broadcast(nodes, out)     # every rank takes part, worker 0 included
 
 
 def all_reduce(plan, scope: str, tensors: list[str], dtype, mean: bool):

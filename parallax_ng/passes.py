@@ -1,9 +1,11 @@
 """Pass contract and PassManager.
 
-A pass is an object with a `name` and `run(ir, ctx) -> (ir, report)`; it
-never mutates its input GraphIR. The manager runs passes in order, times
-them, verifies the graph after each one (naming the failing pass and the
-passes before it), and can dump every intermediate graph for `parallax-ng diff`.
+A pass is an object with a `name`, `requires` and `after` (names of passes
+that must run before it: always, or whenever they run) and
+`run(ir, ctx) -> (ir, report)`; it never mutates its input GraphIR. The
+manager checks the order first, then runs passes in order, times them,
+verifies the graph after each one (naming the failing pass and the passes
+before it), and can dump every intermediate graph for `parallax-ng diff`.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ def replica_of(name: str) -> tuple[int, str]:
 
 class Pass(Protocol):
     name: str
+    requires: tuple     # passes that must run before this one
+    after: tuple        # passes that, when they run, must run before this one
 
     def run(self, ir: GraphIR, ctx: "PassContext") -> tuple[GraphIR, dict]:
         ...
@@ -53,14 +57,28 @@ class PassContext:
     """What every pass may read: the analysed user graph and the plan.
 
     `instance_keys` is the state passes share: each collective they add
-    takes a fresh key from it. `stages` is what the stage pass tells the
-    runner (None: every step is one run).
+    takes a fresh key from it. Passes publish typed results
+    (parallax_ng/results.py, parallax_ng/stages.py) for later passes and
+    the runtime.
     """
 
     tg: TrainingGraph
     plan: Plan
     instance_keys: InstanceKeys = field(default_factory=InstanceKeys)
-    stages: object = None
+    results: dict = field(default_factory=dict)   # result type -> result
+
+    def publish(self, result) -> None:
+        self.results[type(result)] = result
+
+    def result(self, kind):
+        """The published result of type `kind`, or None."""
+        return self.results.get(kind)
+
+    @cached_property
+    def comm(self):
+        """The plan's backend's collectives (parallax_ng/comm.py)."""
+        from .comm import lowering
+        return lowering(self.plan, self.instance_keys)
 
     def replica_name(self, k: int, name: str) -> str:
         """Name of replica k's copy of user node `name` (replica 0 keeps names)."""
@@ -98,6 +116,20 @@ class PassContext:
         return frozenset(out)
 
 
+def check_order(passes) -> None:
+    """Raise if a pass runs before one it `requires` or comes `after`."""
+    index = {p.name: i for i, p in enumerate(passes)}
+    for i, p in enumerate(passes):
+        for name in getattr(p, "requires", ()):
+            if index.get(name, len(passes)) >= i:
+                raise GraphError(f"pass {p.name!r} requires pass {name!r} before it; "
+                                 f"the pipeline is {[q.name for q in passes]}")
+        for name in getattr(p, "after", ()):
+            if index.get(name, -1) > i:
+                raise GraphError(f"pass {p.name!r} must run after pass {name!r}; "
+                                 f"the pipeline is {[q.name for q in passes]}")
+
+
 @dataclass
 class PassRecord:
     name: str
@@ -110,6 +142,7 @@ class PassManager:
     def __init__(self, passes, verify: str = "structure", dump_dir: str | None = None,
                  keep_graphs: bool = False):
         self.passes = list(passes)
+        check_order(self.passes)
         self.verify = verify
         self.dump_dir = dump_dir
         self.keep_graphs = keep_graphs

@@ -1,21 +1,20 @@
 """Plan: every decision of the transformation, as plain data.
 
-Requires: a TrainingGraph's analysis, a Config and the resources.
-Guarantees: for each trainable variable an aggregation method (allreduce,
-ps or allgather); for every variable whether it is mirrored (one copy per
-replica, all kept equal) or shared (one copy on the parameter server, the
-host CPU in-process); the devices. The plan prints, serialises to a dict and
-is what the passes consume; tests assert on it without running TensorFlow.
+Made by parallax_ng/planner.py from a TrainingGraph's analysis, a Config
+and the resources; consumed by the passes; printed by `parallax-ng plan`;
+tests assert on it without running TensorFlow.
+Holds: an aggregation method per trained variable (allreduce, ps or
+allgather); a placement per variable (parallax_ng/placement.py: mirrored,
+shared on one device, or sharded over devices); the devices and the job;
+random streams and input producers; the step schedule; and merged
+all-reduce buckets and fusion buffers (filled by later planners).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import queues, randomness
 from .analysis import VariableInfo
-from .config import Config
-from .errors import ConfigError
-from .frontend import TrainingGraph
+from .placement import Mirrored, Shared, Sharded, home
 
 
 @dataclass(frozen=True)
@@ -30,6 +29,40 @@ class VariablePlan:
 
 
 @dataclass(frozen=True)
+class Schedule:
+    """How a step runs. `staged`: a job step may run as several session
+    runs, none mixing collectives with parameter-server work
+    (parallax_ng/stages.py). `order`: trained variables in the order their
+    gradients became ready in a profiled step (empty: not measured)."""
+    staged: bool = False
+    order: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Gradients all-reduced together as one message."""
+    variables: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Elements [start, start + size) of `var`'s flattened gradient at
+    `offset` in a fusion buffer."""
+    var: str
+    start: int
+    size: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A fusion buffer: gradient segments packed flat, the buffer sharded
+    over devices at element offsets (`Sharded(axis=None, ...)`)."""
+    segments: tuple[Segment, ...]
+    placement: Sharded
+
+
+@dataclass(frozen=True)
 class Plan:
     run_option: str
     average_dense: bool
@@ -37,16 +70,17 @@ class Plan:
     devices: tuple[str, ...]          # one replica per device
     host: str                         # parameter-server device in-process
     variables: dict[str, VariablePlan]  # trainable variables
-    placement: dict[str, str]         # every variable -> "mirrored" | "shared"
+    placement: dict                   # every variable -> Mirrored | Shared | Sharded
     timeout_seconds: float = 300.0
     num_workers: int = 1              # processes in the job (cluster mode)
     worker: int = 0                   # this process's index among them
     servers: tuple[str, ...] = ()     # parameter-server devices (cluster mode)
-    server_of: dict[str, str] = field(default_factory=dict)  # shared state -> device
     backend: str = "tf"               # collectives across workers: tf | horovod
-    row_split: dict[str, tuple] = field(default_factory=dict)  # state -> ((server, start, rows), ...)
     random: dict[str, str] = field(default_factory=dict)  # random op -> distinct | identical
     split_queues: dict[str, tuple] = field(default_factory=dict)  # producer -> its enqueues
+    schedule: Schedule = field(default_factory=Schedule)
+    buckets: tuple[Bucket, ...] = ()
+    buffers: tuple[Buffer, ...] = ()
 
     @property
     def num_replicas(self) -> int:
@@ -63,12 +97,20 @@ class Plan:
         """Job-wide index of this process's replica 0."""
         return self.worker * self.num_replicas
 
+    def mirrored(self, var: str) -> bool:
+        return isinstance(self.placement[var], Mirrored)
+
     def shared_state(self) -> set[str]:
-        return {v for v, p in self.placement.items() if p == "shared"}
+        """Variables that exist once: shared or sharded."""
+        return {v for v, p in self.placement.items() if not isinstance(p, Mirrored)}
+
+    def sharded(self) -> dict[str, Sharded]:
+        return {v: p for v, p in self.placement.items() if isinstance(p, Sharded)}
 
     def server(self, var: str) -> str:
-        """The device that holds shared variable `var` (the host in-process)."""
-        return self.server_of.get(var, self.host)
+        """The device of a shared variable (a sharded one's first shard; the
+        host for mirrored state)."""
+        return home(self.placement[var]) or self.host
 
     @property
     def cross_worker_servers(self) -> bool:
@@ -90,6 +132,18 @@ class Plan:
                 out[name] = 2 * alpha * b if vp.info.sparse else 2 * b
         return out
 
+    def server_load(self) -> dict[str, float]:
+        """Bytes of trained variables on each server (shards pro rata)."""
+        load = {s: 0.0 for s in self.servers}
+        for var, vp in self.variables.items():
+            p = self.placement[var]
+            if isinstance(p, Shared) and p.device in load:
+                load[p.device] += vp.info.nbytes
+            elif isinstance(p, Sharded):
+                for s in p.shards:
+                    load[s.device] = load.get(s.device, 0.0) + vp.info.nbytes * s.size / p.length
+        return load
+
     def to_dict(self) -> dict:
         return {
             "run_option": self.run_option, "average_dense": self.average_dense,
@@ -98,12 +152,14 @@ class Plan:
             "host": self.host,
             "variables": {k: {"method": v.method, **v.info.to_dict()}
                           for k, v in self.variables.items()},
-            "placement": dict(self.placement),
-            "servers": list(self.servers), "server_of": dict(self.server_of),
-            "backend": self.backend,
-            "row_split": {k: [list(p) for p in v] for k, v in self.row_split.items()},
+            "placement": {k: _placement_dict(p) for k, p in self.placement.items()},
+            "servers": list(self.servers), "backend": self.backend,
             "random": dict(self.random),
             "split_queues": {k: list(v) for k, v in self.split_queues.items()},
+            "schedule": {"staged": self.schedule.staged, "order": list(self.schedule.order)},
+            "buckets": [list(b.variables) for b in self.buckets],
+            "buffers": [{"segments": [[s.var, s.start, s.size, s.offset] for s in b.segments],
+                         "placement": _placement_dict(b.placement)} for b in self.buffers],
         }
 
     def format(self) -> str:
@@ -118,146 +174,33 @@ class Plan:
             rows.append(f"{name:40} {str(list(i.shape)):>16} "
                         f"{'sparse' if i.sparse else 'dense':6} {alpha:>6} "
                         f"{vp.method:9} {traffic[name] / 1e6:15.3f}")
-        if self.server_of:
-            load = {s: 0 for s in self.servers}
-            for var, device in self.server_of.items():
-                load[device] += self.variables[var].info.nbytes if var in self.variables else 0
+        if self.servers:
             rows.append("servers: " + ", ".join(f"{d} {b / 1e6:.3f} MB"
-                                                for d, b in load.items()))
-        for var in sorted(v for v in self.row_split if v in self.variables):
-            rows.append(f"row ranges: {var} -> " + ", ".join(
-                f"{d} rows {start}..{start + n - 1}" for d, start, n in self.row_split[var]))
+                                                for d, b in self.server_load().items()))
+        for var, p in sorted(self.sharded().items()):
+            if var in self.variables:
+                rows.append(f"{var}: {p.describe()}")
         if self.random:
             modes = list(self.random.values())
             rows.append(f"random ops: {modes.count('distinct')} draw per replica, "
                         f"{modes.count('identical')} the same on every replica")
+        if self.schedule.staged:
+            rows.append("schedule: a step may run in stages (collectives apart from servers)")
         state = sorted(k for k in self.placement if k not in self.variables)
         if state:
-            rows.append("state: " + ", ".join(f"{k}={self.placement[k]}" for k in state))
+            rows.append("state: " + ", ".join(f"{k}={_short(self.placement[k])}"
+                                              for k in state))
         return "\n".join(rows)
 
 
-def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
-              devices: list[str], host: str, num_workers: int = 1, worker: int = 0,
-              servers: list[str] = ()) -> Plan:
-    unknown = set(config.variable_methods) - set(info)
-    if unknown:
-        raise ConfigError(f"config key 'variable_methods' names {sorted(unknown)}, which "
-                          f"are not trained variables; trained: {sorted(info)}")
-    variables = {}
-    for name, vi in info.items():
-        method = config.variable_methods.get(name) or _default_method(config.run_option, vi)
-        if method == "allgather" and not vi.sparse:
-            raise ConfigError(f"config key 'variable_methods.{name}' is allgather, but "
-                              f"{name} has a dense gradient; use allreduce or ps")
-        variables[name] = VariablePlan(name, method, vi)
-    placement = {}
-    for name, var in tg.variables.items():
-        root = name if var.trainable else var.owner
-        shared = root in variables and variables[root].shared
-        placement[name] = "shared" if shared else "mirrored"
-    server_of = {}
-    backend = config.communication.backend
-    if backend == "horovod" and num_workers > 1 and "shared" in placement.values():
-        shared = sorted(v for v, p in placement.items() if p == "shared")
-        raise ConfigError(
-            f"run_option {config.run_option!r} puts {shared[:5]} on parameter servers, which "
-            "communication.backend horovod does not have; use run_option: allreduce "
-            "(sparse gradients by Horovod's allgather), or backend tf with `ps:` servers")
-    if "shared" in placement.values() and (num_workers > 1 or servers):
-        if not servers:
-            shared = sorted(v for v, p in placement.items() if p == "shared")
-            raise ConfigError(
-                f"run_option {config.run_option!r} puts {shared[:5]} on parameter servers, "
-                "but the job has none; list `ps: [address]` in the resource file, or use "
-                "run_option: allreduce (sparse gradients by AllGather)")
-        server_of, row_split = balance(
-            tg, [v for v in variables if variables[v].shared], servers,
-            [v for v in variables if variables[v].shared and variables[v].info.sparse])
-    else:
-        row_split = {}
-    producers = [q for q in queues.find(tg) if q.producer]
-    random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),
-                               config.random, config.random_ops,
-                               pinned={op for q in producers for op in q.random})
-    return Plan(config.run_option, config.average_dense, config.average_sparse,
-                tuple(devices), host, variables, placement,
-                config.communication.timeout_seconds, num_workers, worker,
-                tuple(servers), server_of, backend, row_split, random,
-                {q.queue: q.enqueues for q in producers})
+def _placement_dict(p) -> dict:
+    if isinstance(p, Shared):
+        return {"kind": "shared", "device": p.device}
+    if isinstance(p, Sharded):
+        return {"kind": "sharded", "axis": p.axis,
+                "shards": [[s.device, s.start, s.size] for s in p.shards]}
+    return {"kind": "mirrored"}
 
 
-def balance(tg: TrainingGraph, shared: list[str], servers: list[str],
-            sparse: list[str] = ()) -> tuple[dict[str, str], dict[str, tuple]]:
-    """Each shared variable (with the state it owns) on one server, spread
-    evenly by bytes: largest first, each to the least-loaded server; ties go
-    to the lower index, so every worker computes the same map.
-
-    A sparse variable bigger than a server's fair share (total / servers),
-    whose every use can be split by rows (`splittable`), is cut into one row
-    range per server first: (server, first row, rows) per range for it and
-    each of its same-shape slots; its other state and its gradient's
-    aggregation stay with range 0.
-    """
-    size = {v: sum(tg.variables[s].nbytes for s in tg.owned(v)) for v in shared}
-    load = [0] * len(servers)
-    out, row_split = {}, {}
-    fair = sum(size.values()) / len(servers)
-    for var in sorted(sparse, key=lambda v: (-size[v], v)):
-        state = splittable(tg, var) if len(servers) > 1 and size[var] > fair else None
-        if not state:
-            continue
-        rows = tg.variables[var].shape[0]
-        bounds = [rows * k // len(servers) for k in range(len(servers) + 1)]
-        ranges = tuple((servers[k], bounds[k], bounds[k + 1] - bounds[k])
-                       for k in range(len(servers)) if bounds[k + 1] > bounds[k])
-        for s in state:
-            row_split[s] = ranges
-        for k, (_, _, n) in enumerate(ranges):
-            load[k] += size[var] * n // rows
-        for s in tg.owned(var):
-            out[s] = servers[0]
-    for var in sorted(shared, key=lambda v: (-size[v], v)):
-        if var in out:
-            continue
-        j = min(range(len(servers)), key=lambda i: (load[i], i))
-        load[j] += size[var]
-        for s in tg.owned(var):
-            out[s] = servers[j]
-    return out, row_split
-
-
-SPLIT_READS = frozenset({"ReadVariableOp", "ResourceGather", "VarIsInitializedOp",
-                         "VariableShape"})
-SPLIT_WRITES = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"} |
-                         {f"ResourceScatter{k}" for k in
-                          ("Add", "Sub", "Mul", "Div", "Min", "Max", "Update")})
-
-
-def splittable(tg: TrainingGraph, var: str) -> list[str] | None:
-    """`var` and its slots of the same shape, if every op on them takes the
-    handle straight from the variable and is one `split_rows` can cut by
-    rows; else None."""
-    shape = tg.variables[var].shape
-    if not shape or any(d is None for d in shape):
-        return None
-    state = [s for s in tg.owned(var) if tg.variables[s].shape == shape]
-    for s in state:
-        for op in set(tg.readers.get(s, ())) | set(tg.writers.get(s, ())):
-            node = tg.ir.node(op)
-            known = node.op in SPLIT_READS or node.op in SPLIT_WRITES or \
-                node.op.startswith("ResourceSparseApply")
-            handles = [r for r in tg.ir.data_inputs(op) if r.node in tg.variables]
-            batched = "batch_dims" in node.attr and node.attr["batch_dims"].i
-            if not known or not handles or any(r.node not in state for r in handles) or \
-                    batched:
-                return None
-    return state
-
-
-def _default_method(run_option: str, vi: VariableInfo) -> str:
-    if run_option == "ps":
-        return "ps"
-    if run_option == "allreduce":
-        return "allgather" if vi.sparse else "allreduce"
-    return "ps" if vi.sparse else "allreduce"
+def _short(p) -> str:
+    return {Mirrored: "mirrored", Shared: "shared", Sharded: "sharded"}[type(p)]

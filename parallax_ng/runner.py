@@ -35,6 +35,8 @@ from .errors import FetchError
 from .ir import format_input, parse_input, parse_tensor
 from .passes import REPLICA_PREFIX
 from .queues import READ_PREFIXES
+from .results import Barrier
+from .stages import Stages
 
 
 class Runner:
@@ -85,8 +87,9 @@ class Runner:
         feeds = self._feeds(feed_dict or {})
         fetched = tuple(p["user"] for p in plans)
         probe = self._sparsity_probe(fetched)
-        run = self.session.run if self.ctx.stages is None else functools.partial(
-            self.ctx.stages.run, self.session, self.graph)
+        stages = self.ctx.result(Stages)
+        run = self.session.run if stages is None else functools.partial(
+            stages.run, self.session, self.graph)
         if self._queues is not None and self._kind(fetched)[2]:
             self._queues.start(self.session)
         try:
@@ -205,10 +208,10 @@ class Runner:
     def _barrier(self) -> None:
         """Chief: let the other workers go on (its writes are done); others:
         wait for that. A no-op without parameter servers across workers."""
-        if self.plan.cross_worker_servers:
-            from transforms.server_sync import RELEASE, WAIT
-            op = RELEASE if self.plan.worker == 0 else WAIT
-            self.session.run(self.graph.get_operation_by_name(op), options=self._options)
+        barrier = self.ctx.result(Barrier)
+        if barrier is not None:
+            op = self.graph.get_operation_by_name(barrier.op(self.plan.worker))
+            self.session.run(op, options=self._options)
 
     def _kind(self, fetched: tuple) -> tuple[bool, bool, bool]:
         """(initializes variables, trains, reads an input queue) for a run of
@@ -245,8 +248,8 @@ class Runner:
         if self._step_read is None:
             from .checkpoint import read_value
             with self.graph.as_default():
-                self._step_read = read_value(self.graph, step.op.name,
-                                             tg.variables[step.op.name].dtype)
+                self._step_read = read_value(self.graph, tg.variables[step.op.name],
+                                             self.plan.placement[step.op.name])
         return int(self.session.run(self._step_read))
 
     def _copy_name(self, k: int, node: str) -> str:

@@ -6,7 +6,7 @@ from parallax_ng import frontend
 from parallax_ng.analysis import analyze
 from parallax_ng.config import Config
 from parallax_ng.passes import PassContext
-from parallax_ng.plan import make_plan
+from parallax_ng.planner import make_plan
 
 
 def devices(n, kind="CPU"):

@@ -20,16 +20,16 @@ class DanglingPass:
         return ir.replace({broken.name: broken}), {}
 
 
-def test_manager_runs_the_default_pipeline_and_records_each_pass(tmp_path):
+def test_manager_runs_the_plans_pipeline_and_records_each_pass(tmp_path):
     from parallax_ng.passes import PassManager
     ctx = context(n=2, optimizer="adam")
-    manager = PassManager(transforms.default_pipeline(), dump_dir=str(tmp_path))
+    manager = PassManager(transforms.pipeline_for(ctx.plan), dump_dir=str(tmp_path))
     out = manager.run(ctx.tg.ir, ctx)
     names = [r.name for r in manager.records]
-    assert names == ["replicate", "shard_inputs", "aggregate", "state_sync", "place", "init",
-                     "server_sync", "split_rows", "stage"]   # these act in multi-worker jobs only
-    assert all(r.seconds >= 0 for r in manager.records)
-    assert manager.records[-1].nodes == len(out)
+    assert names == ["replicate", "shard_inputs", "aggregate", "state_sync", "place", "init"]
+    assert manager.records[0].report["replicas"] == 2
+    assert manager.records[2].report == {"allreduce": 3, "ps": 1, "allgather": 0}
+    assert manager.records[-1].nodes == len(out) > 1.5 * len(ctx.tg.ir)   # two replicas
     dumps = sorted(os.listdir(tmp_path))
     assert dumps[0] == "00_input.pb" and "06_init.pb" in dumps and "passes.json" in dumps
     assert "replicate" in manager.summary()
@@ -45,8 +45,26 @@ def test_failing_verification_names_the_pass_and_those_before():
     assert "'dangling'" in text and "replicate" in text and "no_such_node" in text
 
 
+@dataclass(frozen=True)
+class MistypedPass:
+    """A graph whose structure is sound but which TensorFlow rejects: an op
+    (AddN, ConcatV2) that claims more inputs than it has."""
+    name: str = "mistyped"
+
+    def run(self, ir, ctx):
+        node = next(n for n in ir.nodes if "N" in n.attr)
+        broken = type(node)()
+        broken.CopyFrom(node)
+        broken.attr["N"].i += 1
+        return ir.replace({broken.name: broken}), {}
+
+
 def test_import_verification_runs_tensorflow():
     from parallax_ng.passes import PassManager
     ctx = context(n=2)
-    manager = PassManager(transforms.default_pipeline(), verify="import")
-    assert len(manager.run(ctx.tg.ir, ctx)) > len(ctx.tg.ir)
+    passes = [transforms.ReplicatePass(), transforms.AggregatePass(), MistypedPass()]
+    assert len(PassManager(passes, verify="full").run(ctx.tg.ir, ctx)) > len(ctx.tg.ir)
+    with pytest.raises(GraphError, match="'mistyped'.*TensorFlow rejects the graph"):
+        PassManager(passes, verify="import").run(ctx.tg.ir, ctx)
+    assert len(PassManager(transforms.pipeline_for(ctx.plan), verify="import")
+               .run(ctx.tg.ir, ctx)) > len(ctx.tg.ir)

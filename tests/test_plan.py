@@ -6,7 +6,7 @@ from parallax_ng import frontend
 from parallax_ng.analysis import analyze, replica_variant, with_measured_alpha
 from parallax_ng.config import Config
 from parallax_ng.errors import ConfigError
-from parallax_ng.plan import make_plan
+from parallax_ng.planner import make_plan
 
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{k}" for k in range(4)]
 HOST = DEVICES[0]
@@ -86,7 +86,8 @@ def test_shared_variables_spread_over_servers_by_bytes():
     assert plan.server("mid") == plan.server("small") == servers[1]
     for var in sizes:   # slots live with their variable
         assert plan.server(f"{var}/Adam") == plan.server(f"{var}/Adam_1") == plan.server(var)
-    assert "servers:" in plan.format() and plan.to_dict()["server_of"]["big"] == servers[0]
+    assert "servers:" in plan.format()
+    assert plan.to_dict()["placement"]["big"] == {"kind": "shared", "device": servers[0]}
     with pytest.raises(ConfigError, match="list `ps: \\[address\\]`"):
         make_plan(tg, analyze(tg), Config(run_option="ps"), ["/job:worker/task:0/cpu:0"],
                   "/job:worker/task:0/cpu:0", num_workers=2, worker=0)

@@ -6,7 +6,7 @@ import tensorflow as tf
 from models import embedding_regression
 from passkit import cluster_transform, context, run_passes
 from parallax_ng.errors import GraphError
-from transforms import default_pipeline
+from transforms import pipeline_for
 from transforms.server_sync import RELEASE, WAIT
 
 tf1 = tf.compat.v1
@@ -74,7 +74,7 @@ def test_ps_mode_spreads_variables_over_servers():
 
 def test_single_process_graphs_are_untouched():
     ctx = context(n=2, optimizer="adam", run_option="hybrid")
-    ir = run_passes(ctx, *default_pipeline())
+    ir = run_passes(ctx, *pipeline_for(ctx.plan))
     assert not [n.name for n in ir.nodes if n.name.startswith("parallax/server_sync")]
 
 

@@ -38,7 +38,7 @@ def pruned(graph, targets):
 def test_every_run_is_collective_only_or_server_only(worker):
     g, h = embedding_regression(4, "adam", clip=True, ema=True)
     ir, ctx = cluster_transform(g, worker=worker, devices=2)
-    stages = ctx.stages
+    stages = ctx.result(Stages)
     graph = imported(ir)
     for fetch in (h["train"].name, h["init"].name):
         runs = stages.split(graph, (fetch,))
@@ -63,7 +63,7 @@ def test_every_run_is_collective_only_or_server_only(worker):
 def test_jobs_without_parameter_servers_are_one_run_per_step():
     g, _ = embedding_regression(4, "adam", clip=True)
     _, ctx = cluster_transform(g, worker=0, servers=0, run_option="allreduce")
-    assert ctx.stages is None
+    assert ctx.result(Stages) is None
 
 
 def test_an_op_made_later_that_spans_stages_is_refused():

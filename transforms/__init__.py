@@ -1,22 +1,36 @@
-"""The pass library: one rewrite per module, composed by `default_pipeline`."""
+"""The pass library: one rewrite per module; `pipeline_for(plan)` picks the
+passes a plan needs, in order.
+
+Each pass declares `requires` (passes that must run before it) and `after`
+(passes that must run before it when they run at all); the PassManager
+checks both before it runs anything.
+"""
 from transforms.aggregate import AggregatePass
 from transforms.init import InitPass
 from transforms.place import PlacePass
 from transforms.replicate import ReplicatePass
 from transforms.server_sync import ServerSyncPass
 from transforms.shard_inputs import ShardInputsPass
-from transforms.split_rows import SplitRowsPass
+from transforms.shard_variables import ShardVariablesPass
 from transforms.stage import StagePass
 from transforms.state_sync import StateSyncPass
 
 
-def default_pipeline():
-    """replicate -> shard -> aggregate -> sync -> place -> init, then, in
-    multi-worker jobs with parameter servers, the cross-worker protocol,
-    large variables cut into row ranges, and the stage split."""
-    return [ReplicatePass(), ShardInputsPass(), AggregatePass(), StateSyncPass(),
-            PlacePass(), InitPass(), ServerSyncPass(), SplitRowsPass(), StagePass()]
+def pipeline_for(plan) -> list:
+    """replicate -> shard_inputs -> aggregate -> state_sync -> place -> init,
+    then, as the plan needs them, the cross-worker server protocol,
+    sharded variables and the stage split. Passes with nothing to do for
+    this plan are left out (one replica needs no input sharding, state sync
+    or initial-value copies)."""
+    several = plan.group_size > 1
+    wanted = [(ReplicatePass(), True), (ShardInputsPass(), several), (AggregatePass(), True),
+              (StateSyncPass(), several), (PlacePass(), True), (InitPass(), several),
+              (ServerSyncPass(), plan.cross_worker_servers),
+              (ShardVariablesPass(), bool(plan.sharded())),
+              (StagePass(), plan.schedule.staged)]
+    return [p for p, needed in wanted if needed]
 
 
-__all__ = ["AggregatePass", "InitPass", "PlacePass", "ReplicatePass",
-           "ServerSyncPass", "ShardInputsPass", "SplitRowsPass", "StagePass", "StateSyncPass", "default_pipeline"]
+__all__ = ["AggregatePass", "InitPass", "PlacePass", "ReplicatePass", "ServerSyncPass",
+           "ShardInputsPass", "ShardVariablesPass", "StagePass", "StateSyncPass",
+           "pipeline_for"]

@@ -25,6 +25,8 @@ from parallax_ng.passes import replica_of
 @dataclass(frozen=True)
 class PlacePass:
     name: str = "place"
+    requires: tuple = ("replicate",)
+    after: tuple = ("aggregate", "state_sync", "shard_inputs")
 
     def run(self, ir: GraphIR, ctx):
         plan, tg = ctx.plan, ctx.tg

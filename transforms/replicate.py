@@ -25,6 +25,8 @@ from parallax_ng.ir import GraphIR, copy_node, format_input
 @dataclass(frozen=True)
 class ReplicatePass:
     name: str = "replicate"
+    requires: tuple = ()
+    after: tuple = ()
 
     def run(self, ir: GraphIR, ctx):
         n = ctx.plan.num_replicas

@@ -36,7 +36,7 @@ import tensorflow as tf
 from parallax_ng import compat, emit
 from parallax_ng.errors import GraphError
 from parallax_ng.ir import GraphIR, TensorRef, copy_node
-from transforms.aggregate import ps_outputs
+from parallax_ng.results import Barrier, LocalAggregates
 
 SCOPE = "parallax/server_sync"
 RELEASE = f"{SCOPE}/release"
@@ -46,6 +46,8 @@ WAIT = f"{SCOPE}/wait"
 @dataclass(frozen=True)
 class ServerSyncPass:
     name: str = "server_sync"
+    requires: tuple = ("aggregate", "place")
+    after: tuple = ()
 
     def run(self, ir: GraphIR, ctx):
         plan = ctx.plan
@@ -74,6 +76,7 @@ class ServerSyncPass:
                 added += _push(ctx, j, server, parts, reads)
                 added += _take_back(ctx, ir, j, server, back, rewires)
         added += _barrier(plan)
+        ctx.publish(Barrier(release=RELEASE) if plan.worker == 0 else Barrier(wait=WAIT))
         if plan.worker > 0:
             changed = _silence_writers(ctx, ir, pushes)
         out = ir.replace(changed, added) if changed or added else ir
@@ -94,7 +97,7 @@ def _components(ctx, variables: list[str]) -> list[tuple[str, tf.DType, bool]]:
     out = []
     for var in variables:
         grad = ctx.tg.gradients[var]
-        values, indices = ps_outputs(ctx.plan, var, grad.sparse)
+        values, indices = ctx.result(LocalAggregates).of[var]
         out.append((values, ctx.tg.tensor(grad.values).dtype, grad.sparse))
         if indices:
             out.append((indices, ctx.tg.tensor(grad.indices).dtype, True))
@@ -168,7 +171,7 @@ def _needed_by_every_worker(ctx) -> set[str]:
     needs: those that feed writers of mirrored state, e.g. through a global
     norm used to clip every gradient."""
     tg, plan = ctx.tg, ctx.plan
-    mirrored_writers = [w for v, p in plan.placement.items() if p == "mirrored"
+    mirrored_writers = [w for v in plan.placement if plan.mirrored(v)
                         for w in tg.writers.get(v, ())]
     feeding = tg.ir.ancestors(mirrored_writers, data_only=True)
     out = set()
@@ -177,7 +180,7 @@ def _needed_by_every_worker(ctx) -> set[str]:
         if not vp.shared:
             continue
         # a global norm reads an IndexedSlices' values, not its indices
-        for local, ref in zip(ps_outputs(plan, var, grad.sparse), (grad.values, grad.indices)):
+        for local, ref in zip(ctx.result(LocalAggregates).of[var], (grad.values, grad.indices)):
             if local and ref.node in feeding:
                 out.add(local)
     return out
@@ -281,4 +284,4 @@ def _data_consumers(ir: GraphIR, name: str) -> list[tuple[str, int]]:
     return [u for i in range(outputs) for u in ir.consumers.get(TensorRef(name, i), ())]
 
 
-__all__ = ["RELEASE", "WAIT", "ServerSyncPass"]
+__all__ = ["ServerSyncPass"]

@@ -29,6 +29,8 @@ from transforms.place import host_cpu_of
 @dataclass(frozen=True)
 class ShardInputsPass:
     name: str = "shard_inputs"
+    requires: tuple = ("replicate",)
+    after: tuple = ()
     num_shards: int | None = None     # replicas in the job (default: the plan's)
     offset: int | None = None         # job-wide index of this worker's replica 0
 

@@ -10,8 +10,8 @@ stage than it was made goes through a buffer: a resource variable on the
 worker (on the reader's device when the tensor comes from a server and is
 read in a collective stage), written in the producer's stage and read in the
 consumer's; a control edge across stages is dropped and recorded, so the
-runner runs its source in the earlier stage. `ctx.stages` holds the result
-for the runner; a graph with only one kind of op is left alone.
+runner runs its source in the earlier stage. The pass publishes the
+`Stages` for the runner; a graph with only one kind of op is left alone.
 """
 from __future__ import annotations
 
@@ -45,9 +45,11 @@ def on_server(device: str) -> bool:
 @dataclass(frozen=True)
 class StagePass:
     name: str = "stage"
+    requires: tuple = ("place",)
+    after: tuple = ("shard_inputs", "aggregate", "state_sync", "init", "server_sync",
+                    "shard_variables")
 
     def run(self, ir: GraphIR, ctx):
-        ctx.stages = None
         if not ctx.plan.cross_worker_servers:
             return ir, {}
         nodes = ir.nodes
@@ -57,7 +59,7 @@ class StagePass:
         floating = {n.name for n in nodes if n.op in FLOATING_OPS and not n.input}
         stage = _number(ir, floating)
         out, stages = _cut(ir, stage, floating)
-        ctx.stages = stages
+        ctx.publish(stages)
         return out, {"stages": stages.count, "buffers": len(stages.buffer_write),
                      "cut_controls": sum(map(len, stages.after.values()))}
 

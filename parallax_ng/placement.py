@@ -1,0 +1,94 @@
+"""Where a variable lives: the three placements a plan gives variables.
+
+- `Mirrored`: one copy per replica, all kept equal;
+- `Shared(device)`: one copy, on a parameter server (the host CPU in-process);
+- `Sharded(axis, shards)`: one copy cut into parts on several devices, each
+  an ordinary variable named `part_name(var, k)`: along axis 0 (row ranges),
+  or, with `axis=None`, the flattened variable at element offsets.
+
+A shared or sharded variable exists once in the job; the plan puts a
+variable's optimizer state where the variable is (slots of the same shape
+are sharded alike). Pure data: printable and comparable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mirrored:
+    def describe(self) -> str:
+        return "mirrored"
+
+
+@dataclass(frozen=True)
+class Shared:
+    device: str
+
+    def describe(self) -> str:
+        return f"shared on {self.device}"
+
+
+@dataclass(frozen=True)
+class Shard:
+    device: str
+    start: int     # first row (axis 0) or first element (flattened)
+    size: int      # rows or elements
+
+
+@dataclass(frozen=True)
+class Sharded:
+    axis: int | None               # 0: row ranges; None: element ranges of the flattened variable
+    shards: tuple[Shard, ...]
+
+    def __post_init__(self):
+        if self.axis not in (0, None):
+            raise ValueError(f"a variable is sharded by rows (axis 0) or by elements "
+                             f"(axis None), not along axis {self.axis}")
+        end = 0
+        for s in self.shards:
+            if s.start != end or s.size <= 0:
+                raise ValueError(f"shards must be contiguous and non-empty from 0: {self.shards}")
+            end += s.size
+
+    @property
+    def length(self) -> int:
+        """Rows (axis 0) or elements (flattened) of the whole variable."""
+        return sum(s.size for s in self.shards)
+
+    @property
+    def home(self) -> str:
+        """The device of the first shard, where the variable's other state
+        and its gradient's aggregation live."""
+        return self.shards[0].device
+
+    def describe(self) -> str:
+        unit = "rows" if self.axis == 0 else "elements"
+        return "sharded " + ", ".join(f"{unit} {s.start}..{s.start + s.size - 1} on {s.device}"
+                                      for s in self.shards)
+
+    @classmethod
+    def even(cls, axis: int | None, length: int, devices) -> "Sharded":
+        """`length` rows or elements cut as evenly as possible over `devices`."""
+        bounds = [length * k // len(devices) for k in range(len(devices) + 1)]
+        return cls(axis, tuple(Shard(d, bounds[k], bounds[k + 1] - bounds[k])
+                               for k, d in enumerate(devices) if bounds[k + 1] > bounds[k]))
+
+
+Placement = Mirrored | Shared | Sharded
+MIRRORED = Mirrored()
+
+
+def part_name(var: str, k: int) -> str:
+    """The variable that holds part k of a sharded variable."""
+    return f"{var}/part_{k}"
+
+
+def home(placement) -> str | None:
+    """The one device of a shared variable, the first shard's of a sharded
+    one, None for a mirrored one."""
+    if isinstance(placement, Shared):
+        return placement.device
+    if isinstance(placement, Sharded):
+        return placement.home
+    return None
