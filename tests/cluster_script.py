@@ -23,7 +23,10 @@ parser.add_argument("--run-option", default="allreduce")
 parser.add_argument("--partitions", type=int, default=None, help="embedding row ranges")
 parser.add_argument("--no-ema", action="store_true", help="no moving averages")
 parser.add_argument("--optimizer", default="adam", help="a key of models.OPTIMIZERS")
+parser.add_argument("--v1", action="store_true", help="call disable_v2_behavior() first")
 args = parser.parse_args()
+if args.v1:
+    tf.compat.v1.disable_v2_behavior()
 
 if args.random_init:
     g = tf.Graph()

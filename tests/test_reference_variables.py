@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from models import OPTIMIZERS, embedding_regression, train_both
+from models import OPTIMIZERS, embedding_regression, train_both, train_single
 from parallax_ng import frontend
 
 tf1 = tf.compat.v1
@@ -82,3 +82,20 @@ def test_plain_v1_script_with_default_graph_and_feeds(tmp_path):
                                                 TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "w [ 1. -2.  3.] b [0.5]" in done.stdout
+
+
+@pytest.mark.parametrize("run_option", ["hybrid", "ps"])
+def test_adam_on_a_server_in_a_job_of_v1_scripts(tmp_path, v1_variables, run_option):
+    """Two workers of a script that calls disable_v2_behavior(): Adam's sparse
+    update of a reference variable scales `m` through its ScatterAdd's
+    output; on the non-chief worker that chain only feeds silenced writers."""
+    from test_cluster import load, run_job
+    done, out, _ = run_job(tmp_path, 2, 1, "10", "--run-option", run_option, "--v1",
+                           servers=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = train_single(*embedding_regression(8, "adam", clip=True, ema=True), 10)
+    parallel = load(out, 2)
+    assert set(parallel) == set(single)
+    for name, copies in parallel.items():
+        for got in copies:
+            assert np.max(np.abs(got - single[name])) <= 1e-5, name

@@ -87,8 +87,25 @@ def test_a_used_output_of_a_shared_writer_is_refused():
         grad, = tf.gradients(loss, [w])
         step = tf1.assign_sub(w, 0.1 * grad)
         tf.identity(step * 2.0, name="doubled")
-    with pytest.raises(GraphError, match="'AssignSub'.*writes shared variable 'w'.*mul_1"):
+    with pytest.raises(GraphError, match="'AssignSub'.*writes shared variable 'w'.*doubled"):
         cluster_transform(g, worker=1, run_option="ps")
+
+
+def test_a_writer_output_feeding_only_silenced_writers_becomes_a_read():
+    """Adam's sparse update of a reference variable scales `m` through its
+    ScatterAdd's output; on worker 1 that chain only feeds other silenced
+    writers, so the ScatterAdd becomes an Identity of the variable."""
+    tf1.disable_resource_variables()
+    try:
+        g, _ = embedding_regression(4, "adam")
+    finally:
+        tf1.enable_resource_variables()
+    ir, _ = cluster_transform(g, worker=1)
+    writer = ir.node("Adam/update_emb/ScatterAdd")
+    assert writer.op == "Identity" and writer.input[0] == "emb/Adam"
+    assert len(writer.input) > 1 and all(i.startswith("^parallax/server_sync/")
+                                         for i in writer.input[1:])
+    assert ir.node("Adam/update_emb/AssignSub").op == "NoOp"
 
 
 def test_sparse_writer_reading_the_indices_is_silenced_and_only_values_come_back():

@@ -260,23 +260,52 @@ def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[str]]) -> dict:
     """A non-chief worker's writers of shared state, as no-ops; training
     writers (those after the gradients) wait for this worker's push and for
     the job's aggregates it takes back, so every training step moves one
-    element through each queue, as the chief's does."""
+    element through each queue, as the chief's does.
+
+    A reference variable's writer returns the variable, and optimizers chain
+    on it (Adam's sparse update scales `m` after its ScatterAdd). When that
+    output only feeds other silenced writers, the chain is dead on this worker
+    and the writer becomes an Identity of the variable, so the graph stays
+    well formed; when it reaches anything else it is an error."""
     tg, plan = ctx.tg, ctx.plan
     after_grads = tg.ir.descendants({r.node for r in tg.gradient_tensors})
+    writers = {w: var for var in sorted(plan.shared_state()) for w in tg.writers.get(var, ())}
     changed = {}
-    for var in sorted(plan.shared_state()):
-        for w in tg.writers.get(var, ()):
-            if w in changed:
-                continue
-            used = [c for c, _ in _data_consumers(ir, w)]
-            if used:
-                raise GraphError(
-                    f"op {w!r} ({ir.node(w).op}) writes shared variable {var!r} and "
-                    f"{used[:3]} use its output; only the chief applies updates to "
-                    "parameter-server variables, so read the variable instead")
-            deps = ["^" + p for p in pushes[plan.server(var)]] if w in after_grads else []
+    for w, var in writers.items():
+        if w in changed:
+            continue
+        deps = ["^" + p for p in pushes[plan.server(var)]] if w in after_grads else []
+        if not _data_consumers(ir, w):
             changed[w] = emit.node_def(w, "NoOp", deps, plan.host)
+            continue
+        used = _live_uses(ir, w, set(writers)) if var in ir else [w]
+        if used:
+            raise GraphError(
+                f"op {w!r} ({ir.node(w).op}) writes shared variable {var!r} and "
+                f"{used[:3]} use its output; only the chief applies updates to "
+                "parameter-server variables, so read the variable instead")
+        dtype, _ = compat.output_dtypes(ir.node(w), ir.library)[0]
+        changed[w] = emit.node_def(w, "Identity", [var, *deps], plan.host, T=dtype)
     return changed
+
+
+def _live_uses(ir: GraphIR, name: str, silenced: set[str]) -> list[str]:
+    """Ops through which a silenced writer's output would still be used on
+    this worker: among its transitive data consumers (silenced writers aside),
+    those with a control consumer outside the chain, and those nothing
+    consumes (a script may fetch them)."""
+    chain, todo = set(), [name]
+    while todo:
+        for c, _ in _data_consumers(ir, todo.pop()):
+            if c not in silenced and c not in chain:
+                chain.add(c)
+                todo.append(c)
+    live = []
+    for c in sorted(chain):
+        users = ir.node_consumers.get(c, set())
+        if not users or users - chain - silenced:
+            live.append(c)
+    return live
 
 
 def _data_consumers(ir: GraphIR, name: str) -> list[tuple[str, int]]:
