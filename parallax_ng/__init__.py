@@ -38,26 +38,36 @@ def transform_plan(graph, resource_info=None, config=None):
     return _plan(frontend.load(graph), resources, load_config(config), job)
 
 
-def _plan(tg, resources, config: Config, cluster_info=None, horovod=None):
+def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profile=None):
     """The Plan for a TrainingGraph: of worker `cluster_info` of a job, of
     rank `horovod` = (rank, size) under horovodrun, else of this machine's
-    devices in `resources` (a loaded ResourceInfo)."""
+    devices in `resources` (a loaded ResourceInfo); with the measurements of
+    `profile` (parallax_ng/profile.py) when given."""
+    from dataclasses import replace
+
     from .analysis import analyze
     from .planner import make_plan
 
+    info = analyze(tg)
+    if profile is not None:
+        info = profile.apply(info, tg)
     if cluster_info is not None:
-        return make_plan(tg, analyze(tg), config, cluster_info.device_strings(),
-                         cluster_info.host, len(cluster_info.workers), cluster_info.task,
+        plan = make_plan(tg, info, config, cluster_info.device_strings(), cluster_info.host,
+                         len(cluster_info.workers), cluster_info.task,
                          cluster_info.server_devices())
-    if len(resources.hosts) > 1:
-        raise ResourceError(
-            f"resource info lists {len(resources.hosts)} hosts; get_runner runs on one "
-            "machine's devices. List one host, or start the job with "
-            "`parallax-ng run script.py -r resources.yaml`")
-    host = "/job:localhost/replica:0/task:0/device:CPU:0"
-    rank, size = horovod or (0, 1)
-    return make_plan(tg, analyze(tg), config, resources.local_device_strings(), host,
-                     num_workers=size, worker=rank)
+    else:
+        if len(resources.hosts) > 1:
+            raise ResourceError(
+                f"resource info lists {len(resources.hosts)} hosts; get_runner runs on one "
+                "machine's devices. List one host, or start the job with "
+                "`parallax-ng run script.py -r resources.yaml`")
+        rank, size = horovod or (0, 1)
+        plan = make_plan(tg, info, config, resources.local_device_strings(),
+                         "/job:localhost/replica:0/task:0/device:CPU:0",
+                         num_workers=size, worker=rank)
+    if profile is not None:
+        plan = replace(plan, schedule=replace(plan.schedule, order=profile.order))
+    return plan
 
 
 def transform(graph, resource_info=None, config=None, keep_graphs=False,
@@ -69,10 +79,7 @@ def transform(graph, resource_info=None, config=None, keep_graphs=False,
     Returns (transformed GraphIR, PassContext, PassManager) for tools and
     tests; with keep_graphs the manager holds the graph after every pass.
     """
-    import transforms
-
     from . import frontend
-    from .passes import PassContext, PassManager
     from .resources import load_resources
 
     config = load_config(config)
@@ -80,11 +87,19 @@ def transform(graph, resource_info=None, config=None, keep_graphs=False,
     if plan is None:
         resources = None if cluster_info is not None else load_resources(resource_info)
         plan = _plan(tg, resources, config, cluster_info, horovod)
+    return _rewrite(tg, plan, config, keep_graphs)
+
+
+def _rewrite(tg, plan, config: Config, keep_graphs: bool = False):
+    """Run the passes the plan needs over the user's graph."""
+    import transforms
+
+    from .passes import PassContext, PassManager
+
     ctx = PassContext(tg, plan)
     manager = PassManager(transforms.pipeline_for(plan), config.verify, config.dump_dir,
                           keep_graphs)
-    ir = manager.run(tg.ir, ctx)
-    return ir, ctx, manager
+    return manager.run(tg.ir, ctx), ctx, manager
 
 
 def get_runner(graph, resource_info=None, config=None):
@@ -96,31 +111,52 @@ def get_runner(graph, resource_info=None, config=None):
     `parallax-ng run -c FILE`, None means FILE, and a different config is an
     error.
     """
-    from . import capture, cluster
+    from . import capture, cluster, frontend
     from .resources import check_devices, load_resources, session_config
-    from .runner import Runner
 
-    capture.check(graph, resource_info, config)
+    profile_steps = capture.check(graph, resource_info, config)
     cfg = _job_config(config)
+    if profile_steps:      # `parallax-ng plan --profile N`: measure, keep the graph
+        from dataclasses import replace
+
+        from .config import ProfileConfig
+        cfg = replace(cfg, profile=ProfileConfig(profile_steps, "never"))
     resources = load_resources(resource_info)
     if cfg.communication.backend == "horovod":   # each process: one worker
         from . import horovod
         check_devices(resources.hosts[0].devices)
-        ir, ctx, manager = transform(graph, resources, cfg, horovod=horovod.init())
-        return Runner(ir, ctx, cfg, session_config(resources.hosts[0].devices),
-                      manager.records, timeout=ctx.plan.num_workers > 1)
+        rank = horovod.init()
+        return _runner(frontend.load(graph), resources, cfg,
+                       session_config(resources.hosts[0].devices), horovod=rank,
+                       timeout=rank[1] > 1)
     info = cluster.from_env(resources if resource_info is not None else None)
     if info is None:
         check_devices(resources.hosts[0].devices)
-        ir, ctx, manager = transform(graph, resources, cfg)
-        return Runner(ir, ctx, cfg, session_config(resources.hosts[0].devices),
-                      manager.records)
+        return _runner(frontend.load(graph), resources, cfg,
+                       session_config(resources.hosts[0].devices))
     if info.task_type == "ps":     # TF_CONFIG convention: a server task only serves
-        info.start_server().join()
+        raise SystemExit(cluster.serve(info, cfg.communication.timeout_seconds))
     check_devices(info.devices, f"worker {info.task} ({info.workers[info.task]})")
     server = info.start_server()
-    ir, ctx, manager = transform(graph, None, cfg, cluster_info=info)
-    return Runner(ir, ctx, cfg, info.session_config(), manager.records, server=server)
+    return _runner(frontend.load(graph), None, cfg, info.session_config(), cluster_info=info,
+                   server=server)
+
+
+def _runner(tg, resources, config: Config, session_config, cluster_info=None, horovod=None,
+            server=None, timeout: bool = False):
+    """A Runner for `tg`, able to plan again from a profile and rebuild."""
+    from .runner import Runner
+
+    def replan(profile=None):
+        return _plan(tg, resources, config, cluster_info, horovod, profile)
+
+    def rebuild(plan):
+        ir, ctx, manager = _rewrite(tg, plan, config)
+        return ir, ctx, manager.records
+
+    ir, ctx, records = rebuild(replan())
+    return Runner(ir, ctx, config, session_config, records, server=server, timeout=timeout,
+                  replan=replan, rebuild=rebuild)
 
 
 def _job_config(config) -> Config:

@@ -32,7 +32,7 @@ class VariableInfo:
 
 
 def analyze(tg: TrainingGraph) -> dict[str, VariableInfo]:
-    depth = _depths(tg)
+    depth = forward_depths(tg)
     variant = tg.variant
     out = {}
     for name, grad in tg.gradients.items():
@@ -48,7 +48,7 @@ def analyze(tg: TrainingGraph) -> dict[str, VariableInfo]:
     return out
 
 
-def _depths(tg: TrainingGraph) -> dict[str, int]:
+def forward_depths(tg: TrainingGraph) -> dict[str, int]:
     """Longest data path from a source to each node: its place in the forward pass."""
     depth: dict[str, int] = {}
     for name in tg.ir.topo_order:

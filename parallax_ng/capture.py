@@ -1,10 +1,13 @@
-"""Run a user's training script only until it calls `get_runner`.
+"""Run a user's training script only until it calls `get_runner`, or until
+its first training steps were measured.
 
 The command-line tools (`parallax-ng plan`, `parallax-ng diff`) use this to
 get a script's graph, resources and config without training: inside
-`capture()`, `get_runner` raises `GraphCaptured` carrying its arguments. It
-derives from BaseException so a script's own `except Exception` cannot
-swallow it.
+`capture()`, `get_runner` raises `GraphCaptured` carrying its arguments.
+Inside `capture(profile=N)` the script trains for real until the runner has
+profiled N training steps, then `Profiled` carries the measured plan and
+profile out. Both derive from BaseException so a script's own
+`except Exception` cannot swallow them.
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ import os
 import runpy
 import sys
 
-_capturing = contextvars.ContextVar("parallax_ng_capturing", default=False)
+# None: not capturing; "graph": stop at get_runner; an int N: stop after N profiled steps
+_capturing = contextvars.ContextVar("parallax_ng_capturing", default=None)
 
 
 class GraphCaptured(BaseException):
@@ -23,34 +27,54 @@ class GraphCaptured(BaseException):
         self.graph, self.resource_info, self.config = graph, resource_info, config
 
 
-def check(graph, resource_info, config) -> None:
-    """Called by get_runner: stop the script here when capturing."""
-    if _capturing.get():
+class Profiled(BaseException):
+    def __init__(self, plan, profile):
+        super().__init__("first training steps profiled")
+        self.plan, self.profile = plan, profile
+
+
+def check(graph, resource_info, config) -> int:
+    """Called by get_runner: stop the script here when capturing; the steps
+    to profile when capturing a profile (else 0)."""
+    mode = _capturing.get()
+    if mode == "graph":
         raise GraphCaptured(graph, resource_info, config)
+    return mode or 0
+
+
+def profiled(plan, profile) -> None:
+    """Called by the runner once its profile is complete: stop the script
+    when capturing a profile."""
+    if isinstance(_capturing.get(), int):
+        raise Profiled(plan, profile)
 
 
 @contextlib.contextmanager
-def capture():
-    token = _capturing.set(True)
+def capture(profile: int = 0):
+    token = _capturing.set(profile or "graph")
     try:
         yield
     finally:
         _capturing.reset(token)
 
 
-def run_script(path: str, args=()) -> GraphCaptured:
-    """Run `path` as __main__ until it calls get_runner; return what it passed."""
+def run_script(path: str, args=(), profile: int = 0):
+    """Run `path` as __main__ until it calls get_runner (GraphCaptured), or,
+    with `profile`, until its runner profiled that many training steps
+    (Profiled)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"script {path!r} does not exist")
     argv = sys.argv
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
-        with capture():
+        with capture(profile):
             runpy.run_path(path, run_name="__main__")
-    except GraphCaptured as got:
+    except (GraphCaptured, Profiled) as got:
         return got
     finally:
         sys.argv = argv
         sys.path.pop(0)
+    if profile:
+        raise RuntimeError(f"{path} finished before its runner trained {profile} step(s)")
     raise RuntimeError(f"{path} finished without calling parallax_ng.get_runner")

@@ -45,6 +45,10 @@ def main(argv=None) -> int:
         p.add_argument("-c", "--config", help="config YAML (default: the script's)")
         if name == "plan":
             p.add_argument("--json", action="store_true", help="print the plan as JSON")
+            p.add_argument("--profile", type=int, default=0, metavar="N",
+                           help="train the script's first N steps and print the plan "
+                                "with what they measured (sparsity, gradient order, "
+                                "layer times)")
         else:
             p.add_argument("--out", help="write diff.txt, diff.html, diff.dot here")
             p.add_argument("--batch", type=int, help="size of unknown batch dimensions")
@@ -72,6 +76,8 @@ def main(argv=None) -> int:
 
 
 def _load(opts):
+    if getattr(opts, "profile", 0):
+        return None, None, None          # _plan runs the script itself
     if opts.source.endswith(".py"):
         from .capture import run_script
         got = run_script(opts.source, opts.args)
@@ -82,9 +88,26 @@ def _load(opts):
 
 
 def _plan(opts, graph, resources, config) -> int:
+    if opts.profile:
+        return _profiled_plan(opts)
     from . import transform_plan
     plan = transform_plan(graph, resources, config)
     print(json.dumps(plan.to_dict(), indent=1) if opts.json else plan.format())
+    return 0
+
+
+def _profiled_plan(opts) -> int:
+    """Train the script's first steps (its own resources and config) and
+    print the plan with what they measured."""
+    if not opts.source.endswith(".py") or opts.resources or opts.config:
+        raise RuntimeError("plan --profile trains a script (.py) with the resources and "
+                           "config it gives get_runner; drop -r/-c")
+    from .capture import run_script
+    got = run_script(opts.source, opts.args, profile=opts.profile)
+    if opts.json:
+        print(json.dumps({**got.plan.to_dict(), "profile": got.profile.to_dict()}, indent=1))
+    else:
+        print(got.plan.format() + "\n" + got.profile.format())
     return 0
 
 

@@ -6,6 +6,9 @@ devices come from the resource file's hosts, default one CPU).
 Guarantees: the cluster spec, this task's type and index, its devices as
 TensorFlow device names, the session config every process of the job must
 share (collective group leader = worker 0), and the process's gRPC server.
+A parameter-server task `serve`s until every worker has said it is done
+(`done_ops`, which a worker's runner runs when it closes), or until no
+worker has been reachable for the timeout.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from .resources import session_config
 
 ENV = "PARALLAX_NG_CLUSTER"
 CONFIG_ENV = "PARALLAX_NG_CONFIG"
+DONE_QUEUE = "parallax_ng/workers_done"   # on every server: one token per finished worker
 
 
 @dataclass(frozen=True)
@@ -95,3 +99,60 @@ def from_env(resources=None) -> ClusterInfo | None:
         devices = resources.hosts[index].devices
     return ClusterInfo(workers, tuple(cluster.get("ps", ())),
                        "ps" if task["type"] == "ps" else "worker", index, devices)
+
+
+def done_ops(graph, servers: list[str], workers: int, worker: int) -> list:
+    """Ops (in `graph`) that tell every server this worker is done."""
+    import tensorflow as tf
+    ops = []
+    with graph.as_default(), tf.compat.v1.name_scope("parallax/done/"):
+        for device in servers:
+            with tf.device(device):
+                queue = tf.queue.FIFOQueue(workers, [tf.int32], shapes=[[]],
+                                           shared_name=DONE_QUEUE)
+                ops.append(queue.enqueue(worker))
+    return ops
+
+
+def serve(info: ClusterInfo, timeout_seconds: float, poll_seconds: float = 2.0) -> int:
+    """Run this server task until every worker has said it is done (0), or
+    until no worker has been reachable for `timeout_seconds` (1)."""
+    import sys
+    import time
+
+    import tensorflow as tf
+
+    server = info.start_server()
+    graph = tf.Graph()
+    with graph.as_default(), tf.device(f"/job:ps/replica:0/task:{info.task}/device:CPU:0"):
+        queue = tf.queue.FIFOQueue(len(info.workers), [tf.int32], shapes=[[]],
+                                   shared_name=DONE_QUEUE)
+        take = queue.dequeue()
+    options = tf.compat.v1.RunOptions(timeout_in_ms=int(poll_seconds * 1000))
+    config = info.session_config()
+    config.device_filters.append(f"/job:ps/task:{info.task}")   # look for no other task
+    done, seen = set(), time.monotonic()
+    with tf.compat.v1.Session(server.target, graph=graph, config=config) as session:
+        while len(done) < len(info.workers):
+            try:
+                done.add(int(session.run(take, options=options)))
+                continue
+            except tf.errors.DeadlineExceededError:
+                pass
+            if any(_reachable(address) for address in info.workers):
+                seen = time.monotonic()
+            elif time.monotonic() - seen > timeout_seconds:
+                print(f"parallax_ng: ps {info.task}: no worker has been reachable for "
+                      f"{timeout_seconds:g} s; stopping", file=sys.stderr, flush=True)
+                return 1
+    return 0
+
+
+def _reachable(address: str) -> bool:
+    import socket
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except OSError:
+        return False

@@ -45,6 +45,21 @@ class CheckpointConfig:
                               f"integer, not {self.every_steps!r}")
 
 
+REPLAN = ("auto", "always", "never")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    steps: int = 1                   # training runs measured (traced) first; 0: none
+    replan: str = "auto"             # after them: auto | always | never
+
+    def __post_init__(self):
+        if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
+            raise ConfigError("config key 'profile.steps' must be a whole number >= 0, "
+                              f"not {self.steps!r}")
+        _check_choice("profile.replan", self.replan, REPLAN)
+
+
 @dataclass(frozen=True)
 class Config:
     run_option: str = "hybrid"
@@ -52,6 +67,7 @@ class Config:
     average_sparse: bool = True
     communication: CommunicationConfig = field(default_factory=CommunicationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     variable_methods: dict = field(default_factory=dict)   # variable -> method
     fetch_reduction: dict = field(default_factory=dict)    # tensor name -> how
     dump_dir: str | None = None                            # graphs after each pass
@@ -83,7 +99,7 @@ class Config:
         _reject_unknown("", data, known)
         sections = {}
         for key, kind in (("communication", CommunicationConfig),
-                          ("checkpoint", CheckpointConfig)):
+                          ("checkpoint", CheckpointConfig), ("profile", ProfileConfig)):
             section = data.pop(key, None) or {}
             if not isinstance(section, dict):
                 raise ConfigError(f"config key {key!r} must be a mapping")

@@ -208,9 +208,7 @@ def _watch(tasks: list[Task], grace: float, poll: float) -> int:
     while True:
         for t in tasks:
             rc = t.process.poll()
-            if rc is None:
-                continue
-            if rc != 0 or t not in workers:
+            if rc not in (None, 0):   # 0: a worker that finished, a server whose workers did
                 t.finish()
                 _say(f"{t.name} (pid {t.process.pid}) exited with code {rc}; "
                      "stopping the job")
@@ -246,12 +244,14 @@ def _signal(process: subprocess.Popen, sig) -> None:
 
 
 def serve() -> None:
-    """A parameter-server process: run a gRPC server until stopped."""
-    from .cluster import from_env
+    """A parameter-server process: serve until the workers are done."""
+    from .cluster import from_env, serve
+    from .config import load_config
     info = from_env()
     if info is None:
         raise SystemExit(f"parallax_ng.launch serve needs {ENV}")
-    info.start_server().join()
+    config = load_config(os.environ.get(CONFIG_ENV))
+    raise SystemExit(serve(info, config.communication.timeout_seconds))
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["serve"]:

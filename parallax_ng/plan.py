@@ -11,7 +11,7 @@ all-reduce buckets and fusion buffers (filled by later planners).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .analysis import VariableInfo
 from .placement import Mirrored, Shared, Sharded, home
@@ -143,6 +143,13 @@ class Plan:
                 for s in p.shards:
                     load[s.device] = load.get(s.device, 0.0) + vp.info.nbytes * s.size / p.length
         return load
+
+    def decisions(self) -> "Plan":
+        """The plan without its measurements (sparsity, gradient order): two
+        plans with equal decisions transform a graph alike."""
+        return replace(self, schedule=replace(self.schedule, order=()), variables={
+            k: replace(vp, info=replace(vp.info, alpha=None, alpha_source=""))
+            for k, vp in self.variables.items()})
 
     def to_dict(self) -> dict:
         return {

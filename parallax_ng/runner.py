@@ -17,97 +17,111 @@ across replicas (the global batch must divide by the replica count), and so
 is a feed of N times a fixed leading dimension (the global batch of a
 tensor built per replica, e.g. a fetched RNN state fed back); other feeds go
 to every replica unchanged (with a warning, once, for a placeholder on the
-gradients' path fed exactly its fixed batch).
+gradients' path fed exactly its fixed batch) (parallax_ng/fetches.py).
+A run is one step of session runs (parallax_ng/executor.py); after one that
+initialized or trained, a job with parameter servers meets at its barrier.
+The first `config.profile.steps` training runs are traced and measured
+(parallax_ng/profile.py); the planner then plans again with the
+measurements and, when the plan's decisions change (or with
+`profile.replan: always`), the graph is transformed again and training goes
+on in a new session holding the same state (in-process runs without queue
+input or stateful random ops in the step; otherwise the measured plan is
+kept and the graph stays).
 """
 from __future__ import annotations
 
-import difflib
-import functools
-import itertools
+import tempfile
 import warnings
+import weakref
+from dataclasses import replace
 from functools import cached_property
 
-import numpy as np
 import tensorflow as tf
 
-from . import compat
-from .errors import FetchError
-from .ir import format_input, parse_input, parse_tensor
-from .passes import REPLICA_PREFIX
+from . import capture
+from .executor import Executor
+from .fetches import FetchMap, combine
+from .profile import Profile, measure
 from .queues import READ_PREFIXES
-from .results import Barrier
-from .stages import Stages
 
 
 class Runner:
     def __init__(self, ir, ctx, config, session_config, records=(), server=None,
-                 timeout: bool = False):
-        self.ctx, self.plan, self.config = ctx, ctx.plan, config
-        self.pass_records = list(records)
+                 timeout: bool = False, replan=None, rebuild=None):
+        self.config = config
         self.server = server     # this worker's gRPC server in cluster mode
+        self._session_config = session_config
+        self._options = None     # in a job: every run gives up after the timeout
+        if server is not None or timeout:
+            self._options = tf.compat.v1.RunOptions(
+                timeout_in_ms=int(ctx.plan.timeout_seconds * 1000))
+        self._replan = replan     # profile -> Plan (None: keep the plan, add measurements)
+        self._rebuild = rebuild   # Plan -> (ir, ctx, records)
+        self._restored, self._steps = False, 0
+        self.profile: Profile | None = None
+        self.replans = 0
+        self._install(ir, ctx, records)
+        self._done = None   # in a job with servers: tell them this worker is done, once
+        if server is not None and self.plan.servers:
+            from .cluster import done_ops
+            ops = done_ops(self.graph, list(self.plan.servers), self.plan.num_workers,
+                           self.plan.worker)
+            self._done = weakref.finalize(self, _tell_done, self.session, ops)
+
+    def _install(self, ir, ctx, records) -> None:
+        """Graph, session and everything bound to them, for one transformation."""
+        self._ir, self.ctx, self.plan = ir, ctx, ctx.plan
+        self.pass_records = list(records)
         self.graph = tf.Graph()
         with self.graph.as_default():
             tf.graph_util.import_graph_def(ir.graph_def, name="")
+        self.fetches = FetchMap(self.graph, ctx, self.config)
+        self.executor = Executor(self.graph, ctx, self._options)
         self._checkpoints = None
-        if config.checkpoint.dir:
+        if self.config.checkpoint.dir:
             from .checkpoint import Checkpointer
-            self._checkpoints = Checkpointer(self.graph, ctx, config.checkpoint.dir)
+            self._checkpoints = Checkpointer(self.graph, ctx, self.config.checkpoint.dir)
         self.session = tf.compat.v1.Session(
-            server.target if server is not None else "", graph=self.graph,
-            config=session_config)
-        self._kinds: dict[tuple, tuple[bool, bool]] = {}
-        self._sparsity_measured, self._probed = False, []
-        self._restored = False
-        self._steps = 0
-        self._step_read = None
-        self._user_graph = ctx.tg.graph
-        self._late: dict[str, list[str]] = {}   # user op made after get_runner -> copies
-        self._late_variant: set[str] = set()
-        self._warned: set[str] = set()        # fed tensors already warned about
-        self._imports = itertools.count()
+            self.server.target if self.server is not None else "", graph=self.graph,
+            config=self._session_config)
         self._queues = None      # threads filling every replica's input queues
         if ctx.tg.queue_runners:
             from .queues import QueueThreads
             self._queues = QueueThreads(
                 self.graph, ctx.tg.queue_runners,
                 [ctx.replica_name(k, "").rstrip("/") for k in range(self.plan.num_replicas)])
-        self._options = None     # in a job: every run gives up after the timeout
-        if server is not None or timeout:
-            self._options = tf.compat.v1.RunOptions(
-                timeout_in_ms=int(self.plan.timeout_seconds * 1000))
+        self._kinds: dict[tuple, tuple[bool, bool, bool]] = {}
+        self._step_read = None
 
     # -- public API -----------------------------------------------------------
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None,
             per_replica: bool = False):
         leaves = tf.nest.flatten(fetches)
-        plans = [self._fetch_plan(leaf, per_replica) for leaf in leaves]
-        names = []
-        for p in plans:
-            names.extend(p["names"])
-        feeds = self._feeds(feed_dict or {})
-        fetched = tuple(p["user"] for p in plans)
-        probe = self._sparsity_probe(fetched)
-        stages = self.ctx.result(Stages)
-        run = self.session.run if stages is None else functools.partial(
-            stages.run, self.session, self.graph)
-        if self._queues is not None and self._kind(fetched)[2]:
+        wanted = [self.fetches.fetch(leaf, per_replica) for leaf in leaves]
+        names = [n for f in wanted for n in f.names]
+        feeds = self.fetches.feeds(feed_dict)
+        fetched = tuple(f.user for f in wanted)
+        _, trained, reads_queue = self._kind(fetched)
+        profiling = trained and self._profiled < self.config.profile.steps
+        probe = self._probe() if profiling else {}
+        if profiling:
+            options, run_metadata = _traced(options or self._options, run_metadata)
+        if reads_queue and self._queues is not None:
             self._queues.start(self.session)
         try:
-            values = run(names + probe, feeds, options=options or self._options,
-                         run_metadata=run_metadata)
+            values = self.executor.run(self.session, names + list(probe.values()), feeds,
+                                       options=options, run_metadata=run_metadata)
         except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
             if self._queues is not None:
                 self._queues.raise_failure()   # a queue runner's error closed its queue
             raise
-        if probe:
-            self._record_sparsity(values[len(names):])
-            values = values[:len(names)]
+        if profiling:
+            self._measured(run_metadata, dict(zip(probe, values[len(names):])))
         self._after_run(fetched)
         out, i = [], 0
-        for p in plans:
-            got = values[i:i + len(p["names"])]
-            i += len(p["names"])
-            out.append(_combine(got, p))
+        for f in wanted:
+            out.append(combine(values[i:i + len(f.names)], f))
+            i += len(f.names)
         return tf.nest.pack_sequence_as(fetches, out)
 
     def save(self, saver, path: str) -> str:
@@ -123,11 +137,13 @@ class Runner:
         """Restore every replica's copy (and the shared variables) from `path`."""
         d = saver.saver_def
         self.run(d.restore_op_name, {d.filename_tensor_name: path})
-        self._barrier()
+        self.executor.end_step(self.session)
 
     def close(self) -> None:
         if self._queues is not None:
             self._queues.stop()
+        if self._done is not None:
+            self._done()
         self.session.close()
 
     def __enter__(self):
@@ -136,54 +152,82 @@ class Runner:
     def __exit__(self, *exc):
         self.close()
 
-    # -- fetches --------------------------------------------------------------
-    def _fetch_plan(self, leaf, per_replica: bool) -> dict:
-        name = self._user_name(leaf)
-        ctx, n = self.ctx, self.plan.num_replicas
-        if ":" not in name:            # an op: run it everywhere it exists
-            targets = list(dict.fromkeys(self._copy_name(k, name) for k in range(n)))
-            return {"names": [self.graph.get_operation_by_name(t) for t in targets],
-                    "how": "none", "user": name}
-        ref = parse_tensor(name)
-        user_tensor = self._user_graph.get_tensor_by_name(name)
-        if per_replica:
-            how = "list"
-        elif ref.node not in ctx.variant and ref.node not in self._late_variant:
-            return {"names": [name], "how": "first", "user": ref.node}
-        else:
-            how = self.config.fetch_reduction.get(name) or _default_reduction(user_tensor)
-        copies = [f"{self._copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
-        names = list(dict.fromkeys(copies))
-        # a node that exists once (a shared variable) is every replica's value
-        return {"names": names, "how": how, "user": ref.node,
-                "replicas": [names.index(c) for c in copies]}
+    # -- profile, then plan again ----------------------------------------------
+    @property
+    def _profiled(self) -> int:
+        return self.profile.steps if self.profile is not None else 0
 
-    # -- measured sparsity ----------------------------------------------------
-    def _sparsity_probe(self, fetched: tuple) -> list[str]:
-        """Replica 0's gradient indices, fetched along with the first training run."""
-        if self._sparsity_measured or not self._kind(fetched)[1]:
-            return []
-        self._sparsity_measured = True
+    def _probe(self) -> dict[str, str]:
+        """Replica 0's gradient indices of the sparse variables."""
         grads = self.ctx.tg.gradients
-        self._probed = [v for v, vp in sorted(self.plan.variables.items()) if vp.info.sparse]
-        return [str(grads[v].indices) for v in self._probed]
+        return {v: str(grads[v].indices) for v, vp in sorted(self.plan.variables.items())
+                if vp.info.sparse}
 
-    def _record_sparsity(self, indices: list) -> None:
-        """Replace the plan's estimated alpha by rows touched / rows, as measured."""
-        from dataclasses import replace
+    def _measured(self, run_metadata, indices: dict) -> None:
+        step = measure(self.ctx.tg, run_metadata, indices)
+        self.profile = step if self.profile is None else self.profile.merge(step)
+        if self.profile.steps == self.config.profile.steps:
+            self._plan_again()
+            capture.profiled(self.plan, self.profile)
 
-        from .analysis import with_measured_alpha
-        measured = {}
-        for var, idx in zip(self._probed, indices):
-            rows = self.ctx.tg.variables[var].shape[0]
-            if rows:
-                measured[var] = len(np.unique(idx)) / rows
-        info = with_measured_alpha({k: vp.info for k, vp in self.plan.variables.items()},
-                                   measured)
-        self.plan = replace(self.plan, variables={
-            k: replace(vp, info=info[k]) for k, vp in self.plan.variables.items()})
+    def _plan_again(self) -> None:
+        """Plan with the measurements; transform again if the decisions change."""
+        if self._replan is None:
+            plan = _measured_plan(self.plan, self.profile, self.ctx.tg)
+        else:
+            plan = self._replan(self.profile)
+        how = self.config.profile.replan
+        same = plan.decisions() == self.plan.decisions()
+        why = self._cannot_move_state() if self._rebuild is not None else "no transformer"
+        if how == "never" or (how == "auto" and same) or why:
+            if why and how != "never" and (how == "always" or not same):
+                warnings.warn(f"the measured plan differs but training goes on with the "
+                              f"graph it has: {why}", stacklevel=4)
+            self.plan = self.ctx.plan = plan
+            return
+        self._move_to(*self._rebuild(plan))
 
-    # -- checkpoints ----------------------------------------------------------
+    def _cannot_move_state(self) -> str | None:
+        """Why training cannot go on in a new session with the same state."""
+        if self.plan.num_workers > 1 or self.plan.servers:
+            return "a job's servers and other workers hold state of this graph"
+        if self.ctx.tg.queue_runners:
+            return "input queues hold elements a new session would lose"
+        step = self.ctx.tg.ir.ancestors(self._training_writers)
+        drawn = [op for op in self.plan.random if op in step]
+        if drawn:
+            return (f"random ops in the step ({drawn[:3]}) would start their streams "
+                    "again in a new session")
+        return None
+
+    def _move_to(self, ir, ctx, records) -> None:
+        """Go on in a session of the new graph: every variable and input
+        position carried over through a checkpoint. If that fails, training
+        goes on where it was, with the measured plan."""
+        from .checkpoint import Checkpointer
+        before = dict(self.__dict__)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Checkpointer(self.graph, self.ctx, tmp).save(self.session, 0)
+            try:
+                self._install(ir, ctx, records)
+                restore = Checkpointer(self.graph, self.ctx, tmp)
+                # an iterator takes a position only once it exists
+                self.session.run([op for op in self.graph.get_operations()
+                                  if op.type == "MakeIterator"])
+                restore.restore(self.session, path)
+            except tf.errors.OpError as e:
+                self.session.close()
+                self.__dict__.update(before)
+                self.plan = self.ctx.plan = ctx.plan
+                warnings.warn("the measured plan differs but training goes on with the "
+                              f"graph it has: moving its state failed ({e.message})",
+                              stacklevel=5)
+                return
+        before["session"].close()
+        self._restored = True
+        self.replans += 1
+
+    # -- checkpoints and barriers ---------------------------------------------
     def _after_run(self, fetched: tuple) -> None:
         """Restore after the first run that initialized variables; meet the
         other workers after initialisation and after each training step
@@ -197,7 +241,7 @@ class Runner:
             if latest:
                 self._checkpoints.restore(self.session, latest)
         if initialized or trained:
-            self._barrier()
+            self.executor.end_step(self.session)
         if trained and self._checkpoints is not None:
             self._steps += 1
             step = self._global_step()
@@ -205,24 +249,16 @@ class Runner:
             if step % self.config.checkpoint.every_steps == 0:
                 self._checkpoints.save(self.session, step)
 
-    def _barrier(self) -> None:
-        """Chief: let the other workers go on (its writes are done); others:
-        wait for that. A no-op without parameter servers across workers."""
-        barrier = self.ctx.result(Barrier)
-        if barrier is not None:
-            op = self.graph.get_operation_by_name(barrier.op(self.plan.worker))
-            self.session.run(op, options=self._options)
-
     def _kind(self, fetched: tuple) -> tuple[bool, bool, bool]:
         """(initializes variables, trains, reads an input queue) for a run of
         the user ops `fetched`."""
         if fetched not in self._kinds:
             tg = self.ctx.tg
             known = [f for f in fetched if f in tg.ir]
-            late = [f for f in fetched if f in self._late]
+            late = [f for f in fetched if f in self.fetches.late]
             ancestors = tg.ir.ancestors(known)
             for name in late:   # ops made after get_runner: look at what they reach
-                op = self._user_graph.get_operation_by_name(name)
+                op = tg.graph.get_operation_by_name(name)
                 ancestors |= tg.ir.ancestors(
                     [t.op.name for t in op.inputs] + [c.name for c in op.control_inputs])
             inits = {v.initializer for v in tg.variables.values() if v.initializer}
@@ -242,7 +278,7 @@ class Runner:
 
     def _global_step(self):
         tg = self.ctx.tg
-        step = tf.compat.v1.train.get_global_step(self._user_graph)
+        step = tf.compat.v1.train.get_global_step(tg.graph)
         if step is None or step.op.name not in tg.variables:
             return None
         if self._step_read is None:
@@ -252,174 +288,29 @@ class Runner:
                                              self.plan.placement[step.op.name])
         return int(self.session.run(self._step_read))
 
-    def _copy_name(self, k: int, node: str) -> str:
-        """Replica k's copy of user node `node` in the runner's graph."""
-        if node in self._late:
-            return self._late[node][k]
-        return self.ctx.replica_name(k, node)
 
-    def _user_name(self, leaf) -> str:
-        if isinstance(leaf, tf.Variable):
-            element = getattr(leaf, "_graph_element", None)
-            if element is None:   # a reference variable's value is its own output
-                element = leaf.op.name + (":0" if leaf.op.type == "VariableV2"
-                                          else "/Read/ReadVariableOp:0")
-            leaf = element
-        if isinstance(leaf, (tf.Tensor, tf.Operation)):
-            if leaf.graph is not self._user_graph:
-                raise FetchError(f"{leaf.name!r} belongs to another graph than the one "
-                                 "given to get_runner")
-            name = leaf.name
-        elif isinstance(leaf, str):
-            name = leaf
-        else:
-            raise FetchError(f"cannot fetch or feed a {type(leaf).__name__}; use a tensor, an op, "
-                             "a variable or a name from the training graph")
-        node = name.split(":")[0]
-        if node not in self.ctx.tg.ir and node not in self._late:
-            if not self._adopt(node):
-                close = [self._fetchable(c) for c in
-                         difflib.get_close_matches(node, self.ctx.tg.ir.names(), n=3)]
-                raise FetchError(f"{name!r} is not in the training graph"
-                                 + (f"; did you mean {close}?" if close else ""))
-        if ":" in name:
-            try:
-                self._user_graph.get_tensor_by_name(name)
-            except (KeyError, ValueError) as e:
-                raise FetchError(f"{name!r} is not a tensor of the training graph: {e}") from None
-        return name
-
-    def _fetchable(self, node: str) -> str:
-        """The name to fetch for a suggestion: an op's first output (a value),
-        or the op itself when it has none (e.g. a training op)."""
-        op = self._user_graph.get_operation_by_name(node)
-        return op.outputs[0].name if op.outputs else node
-
-    def _adopt(self, node: str) -> bool:
-        """Copy user ops made after get_runner (e.g. a later
-        global_variables_initializer()) into every replica; False if `node`
-        is not in the user's graph at all."""
-        try:
-            op = self._user_graph.get_operation_by_name(node)
-        except KeyError:
-            return False
-        known = self.ctx.tg.ir
-        new, todo = {}, [op]
-        while todo:
-            o = todo.pop()
-            if o.name in new or o.name in known or o.name in self._late:
-                continue
-            if o.type in ("VarHandleOp", "VariableV2"):
-                raise FetchError(f"variable {o.name!r} was created after get_runner; "
-                                 "create every variable before calling get_runner")
-            new[o.name] = o
-            todo.extend(t.op for t in o.inputs)
-            todo.extend(o.control_inputs)
-        order = [o for o in self._user_graph.get_operations() if o.name in new]
-        for o in order:
-            if any(t.op.name in self.ctx.variant or t.op.name in self._late_variant
-                   for t in o.inputs):
-                self._late_variant.add(o.name)
-        for k, device in enumerate(self.plan.devices):
-            scope = f"parallax/late_{next(self._imports)}"
-            gd, input_map, controls = tf.compat.v1.GraphDef(), {}, {}
-            for o in order:
-                nd = gd.node.add()
-                nd.CopyFrom(o.node_def)
-                nd.name = _late_name(k, o.name)
-                nd.device = device
-                del nd.input[:]
-                for text in o.node_def.input:
-                    src, idx, control = parse_input(text)
-                    if src in new:
-                        nd.input.append(format_input(_late_name(k, src), idx))
-                    elif control:
-                        controls.setdefault(nd.name, []).append(self._copy_name(k, src))
-                    else:
-                        there = self._copy_name(k, src)
-                        input_map[f"{src}:{idx}"] = self.graph.get_tensor_by_name(f"{there}:{idx}")
-                        nd.input.append(f"{src}:{idx}")
-            with self.graph.as_default():
-                tf.graph_util.import_graph_def(gd, input_map=input_map, name=scope)
-            for name, deps in controls.items():
-                compat.add_control_inputs(self.graph.get_operation_by_name(f"{scope}/{name}"),
-                                          [self.graph.get_operation_by_name(d) for d in deps])
-            for o in order:
-                self._late.setdefault(o.name, []).append(f"{scope}/{_late_name(k, o.name)}")
-        return True
-
-    # -- feeds ----------------------------------------------------------------
-    def _feeds(self, feed_dict) -> dict:
-        out = {}
-        n = self.plan.num_replicas
-        for key, value in feed_dict.items():
-            name = self._user_name(key)
-            if ":" not in name:
-                name += ":0"
-            ref = parse_tensor(name)
-            user_tensor = self._user_graph.get_tensor_by_name(name)
-            shape = user_tensor.shape
-            copies = [f"{self._copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
-            rows = compat.dim(shape, 0) if shape.rank else 0
-            if n > 1 and len(set(copies)) == n and rows != 0:
-                value = np.asarray(value)
-                if rows is None and value.shape[0] % n:
-                    raise FetchError(
-                        f"feed {name!r} has {value.shape[0]} rows, which do not split "
-                        f"evenly over {n} replicas; feed a multiple of {n}")
-                if rows is None or value.shape[0] == n * rows:
-                    for c, part in zip(copies, np.split(value, n)):
-                        out[c] = part
-                    continue
-                if value.shape[0] == rows:
-                    self._warn_whole_feed(name, user_tensor, rows)
-            for c in dict.fromkeys(copies):
-                out[c] = value
-        return out
-
-    def _warn_whole_feed(self, name: str, tensor: tf.Tensor, rows: int) -> None:
-        """Once per placeholder: a fixed batch dimension fed whole turns data
-        parallelism off for it (every replica trains on the same rows)."""
-        if name in self._warned or tensor.op.type != "Placeholder":
-            return
-        self._warned.add(name)
-        if tensor.op.name not in self._feeds_gradients:
-            return
-        n = self.plan.num_replicas
-        warnings.warn(
-            f"placeholder {name!r} has a fixed batch dimension of {rows}, and a feed of "
-            f"{rows} rows goes whole to each of the {n} replicas, which then train on the "
-            f"same rows. Build it with shape [None, ...] to split feeds over the "
-            f"replicas, or feed {n * rows} rows ({rows} per replica)", stacklevel=4)
-
-    @cached_property
-    def _feeds_gradients(self) -> set[str]:
-        tg = self.ctx.tg
-        return tg.ir.ancestors({r.node for r in tg.gradient_tensors}, data_only=True)
+def _tell_done(session, ops) -> None:
+    """Tell the servers this worker is done (at close, or when the process
+    exits); servers that are gone already are no error."""
+    try:
+        session.run(ops, options=tf.compat.v1.RunOptions(timeout_in_ms=10000))
+    except (tf.errors.OpError, RuntimeError):
+        pass
 
 
-def _late_name(k: int, name: str) -> str:
-    return name if k == 0 else REPLICA_PREFIX.format(k) + name
+def _traced(options, run_metadata):
+    """Run options that trace the step (keeping a timeout), and RunMetadata."""
+    traced = tf.compat.v1.RunOptions()
+    if options is not None:
+        traced.CopyFrom(options)
+    traced.trace_level = tf.compat.v1.RunOptions.FULL_TRACE
+    return traced, run_metadata if run_metadata is not None else tf.compat.v1.RunMetadata()
 
 
-def _default_reduction(t: tf.Tensor) -> str:
-    if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
-        return "first"
-    if t.shape.rank == 0:
-        return "mean"
-    return "concat"
+def _measured_plan(plan, profile: Profile, tg):
+    """`plan` with the profile's measurements (no new decisions)."""
+    info = profile.apply({k: vp.info for k, vp in plan.variables.items()}, tg)
+    return replace(plan, variables={k: replace(vp, info=info[k])
+                                    for k, vp in plan.variables.items()},
+                   schedule=replace(plan.schedule, order=profile.order))
 
-
-def _combine(values: list, p: dict):
-    how = p["how"]
-    if how == "none":
-        return None
-    if how == "first":
-        return values[0]
-    if how == "list":
-        return [values[i] for i in p["replicas"]]
-    if how == "mean":
-        return np.mean(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
-    if how == "sum":
-        return np.sum(np.stack(values), axis=0)
-    return np.concatenate([np.atleast_1d(v) for v in values], axis=0)

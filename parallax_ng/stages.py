@@ -9,17 +9,15 @@ therefore numbers every node: even stages may touch parameter servers,
 odd stages may run collectives, and a tensor that crosses stages goes
 through a worker-local buffer variable.
 
-Requires: the `Stages` the stage pass recorded, and the runner's tf.Graph.
+Requires: the `Stages` the stage pass published, and the runner's tf.Graph.
 Guarantees: `Stages.split(graph, fetch_ops)` lists, in order, the runs
 (stage, ops to run) that compute `fetch_ops`: every buffer write and every
 op a cut control edge named runs in the stage before its readers, nothing
-runs twice.
+runs twice (parallax_ng/executor.py runs them).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import tensorflow as tf
 
 from .errors import FetchError
 
@@ -45,7 +43,7 @@ class Stages:
         todo = [(name, True) for name in fetch_ops]
         while todo:
             name, is_target = todo.pop()
-            stage = self._stage(graph, name)
+            stage = self.stage_of_op(graph, name)
             if is_target:
                 targets.setdefault(stage, set()).add(name)
             if name in seen:
@@ -61,26 +59,15 @@ class Stages:
         self._cache[fetch_ops] = out
         return out
 
-    def run(self, session, graph, names: list, feeds: dict, **kwargs) -> list:
-        """session.run(names, feeds) as one run per stage, in order."""
-        nodes = [n.name if isinstance(n, tf.Operation) else n.split(":")[0] for n in names]
-        values: list = [None] * len(names)
-        for stage, targets in self.split(graph, tuple(sorted(set(nodes)))):
-            mine = [i for i, node in enumerate(nodes) if self._stage(graph, node) == stage]
-            ops = [graph.get_operation_by_name(t) for t in targets]
-            got = session.run([names[i] for i in mine] + ops, feeds, **kwargs)
-            for i, value in zip(mine, got):
-                values[i] = value
-        return values
-
-    def _stage(self, graph, name: str) -> int:
+    def stage_of_op(self, graph, name: str) -> int:
+        """The stage of op `name` (ops made after get_runner: their inputs')."""
         if name in self.stage_of:
             return self.stage_of[name]
         if name in self.floating:
             return 0
         op = graph.get_operation_by_name(name)
         sources = [t.op.name for t in op.inputs] + [c.name for c in op.control_inputs]
-        inputs = {self._stage(graph, s) for s in sources if s not in self.floating}
+        inputs = {self.stage_of_op(graph, s) for s in sources if s not in self.floating}
         if len(inputs) > 1:
             raise FetchError(
                 f"op {name!r} was made after get_runner and reads from several stages of "

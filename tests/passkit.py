@@ -45,3 +45,21 @@ def cluster_transform(graph, worker, servers=1, run_option="hybrid", devices=1, 
                        worker, tuple(("CPU", k) for k in range(devices)))
     ir, ctx, _ = pn.transform(graph, config={"run_option": run_option}, cluster_info=info)
     return ir, ctx
+
+
+def tiny_graph(counter: bool = False):
+    """x [None, 2] -> matmul w [2, 1] -> mean -> GradientDescent; with
+    `counter`, also a non-trainable `seen` += sum(x) run with the step."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 2], name="x")
+        w = tf1.get_variable("w", initializer=[[1.0], [2.0]])
+        loss = tf.reduce_mean(tf.matmul(x, w), name="loss")
+        train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        if counter:
+            seen = tf1.get_variable("seen", initializer=0.0, trainable=False)
+            with tf.control_dependencies([train]):
+                tf1.assign_add(seen, tf.reduce_sum(x), name="count")
+    return g

@@ -60,3 +60,22 @@ def test_allreduce_mode_gathers_sparse_gradients():
     assert op_counts(ir)["CollectiveReduce"] == 3 * 2   # dense variables x replicas
     assert all(n.device.endswith("CPU:1") for n in ir.nodes
                if n.name.startswith("parallax/allgather/emb/replica_1/"))
+
+
+def test_golden_tiny_graph():
+    """One dense variable on two devices: exactly one all-reduce per replica,
+    read by that replica's update."""
+    from passkit import tiny_graph
+    ctx = context(n=2, graph=tiny_graph(), run_option="allreduce")
+    ir, _ = ReplicatePass().run(ctx.tg.ir, ctx)
+    out, report = AggregatePass().run(ir, ctx)
+    added = sorted(n.name for n in out.nodes if n.name not in ir)
+    assert added == ["parallax/allreduce/w/replica_0", "parallax/allreduce/w/replica_1"]
+    for k in range(2):
+        node = out.node(f"parallax/allreduce/w/replica_{k}")
+        assert node.op == "CollectiveReduce" and node.device == devices(2)[k]
+        assert node.attr["group_size"].i == 2 and node.attr["final_op"].s == b"Div"
+    update = "train/update_w/ResourceApplyGradientDescent"
+    assert out.node(update).input[2] == "parallax/allreduce/w/replica_0"
+    assert out.node("parallax/replica_1/" + update).input[2] == "parallax/allreduce/w/replica_1"
+    assert report == {"allreduce": 1, "ps": 0, "allgather": 0}

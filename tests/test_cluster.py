@@ -316,3 +316,42 @@ def test_an_embedding_split_by_rows_over_two_servers(tmp_path, run_option):
     for name, copies in parallel.items():
         for got in copies:
             assert np.max(np.abs(got - single[name])) <= 1e-5, name
+
+
+def test_a_server_task_ends_when_its_workers_are_done(tmp_path):
+    """As under an orchestrator: every task runs the script with TF_CONFIG;
+    the server task's get_runner serves until both workers are done, then
+    its process ends with 0 by itself."""
+    ports = [launch._with_port("127.0.0.1") for _ in range(3)]
+    cluster_spec = {"worker": ports[:2], "ps": ports[2:]}
+    tasks = [("worker", 0), ("worker", 1), ("ps", 0)]
+    procs = []
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    env.pop(cluster.ENV, None)
+    try:
+        for kind, index in tasks:
+            task_env = dict(env, TF_CONFIG=json.dumps({"cluster": cluster_spec,
+                                                       "task": {"type": kind, "index": index}}))
+            procs.append(subprocess.Popen(
+                [sys.executable, SCRIPT, str(tmp_path / "vars"), "5", "--run-option", "hybrid"],
+                env=task_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0, 0], [p.stderr.read()[-2000:] for p in procs]
+
+
+def test_a_server_whose_workers_never_come_gives_up_after_the_timeout(tmp_path):
+    ports = [launch._with_port("127.0.0.1") for _ in range(2)]
+    info = cluster.ClusterInfo((ports[0],), (ports[1],), "ps", 0, (("CPU", 0),))
+    code = ("import sys\nfrom parallax_ng import cluster\n"
+            f"info = cluster.ClusterInfo(*{(info.workers, info.ps, 'ps', 0, info.devices)!r})\n"
+            "raise SystemExit(cluster.serve(info, timeout_seconds=3, poll_seconds=0.5))\n")
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=ROOT,
+                                                TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 1 and "no worker has been reachable for 3 s" in done.stderr
+    assert time.monotonic() - start < 60

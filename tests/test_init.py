@@ -34,3 +34,15 @@ def test_random_initializers_give_equal_replicas():
     assert np.std(copies[0]) > 0.1
     for c in copies[1:]:
         np.testing.assert_array_equal(c, copies[0])
+
+
+def test_golden_tiny_graph():
+    """Replica 1's initializer of w assigns replica 0's initial value."""
+    from passkit import tiny_graph
+    ctx = context(n=2, graph=tiny_graph(), run_option="allreduce")
+    ir, _ = ReplicatePass().run(ctx.tg.ir, ctx)
+    out, report = InitPass().run(ir, ctx)
+    value = ctx.tg.ir.node("w/Assign").input[1]
+    assert out.node("parallax/replica_1/w/Assign").input[1] == value
+    assert out.node("w/Assign").input[1] == value
+    assert len(out) == len(ir) and report == {"initializers": 1, "broadcasts": 0}

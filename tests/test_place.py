@@ -58,3 +58,19 @@ def test_multi_worker_colocation_never_contradicts_a_device():
     scaled = [n for n in ir.nodes if n.name.startswith("clip_by_global_norm/mul")
               and n.device == ps]
     assert scaled   # the embedding gradient is scaled where it is applied
+
+
+def test_golden_tiny_graph():
+    """Replica k's ops on device k; under ps, w (once) and its update on the host."""
+    from passkit import tiny_graph
+    update = "train/update_w/ResourceApplyGradientDescent"
+    ctx = context(n=2, graph=tiny_graph(), run_option="allreduce")
+    ir = run_passes(ctx, ReplicatePass(), AggregatePass(), PlacePass())
+    assert ir.node("w").device == ir.node(update).device == devices(2)[0]
+    assert ir.node("parallax/replica_1/w").device == devices(2)[1]
+    assert ir.node("parallax/replica_1/MatMul").device == devices(2)[1]
+    ctx = context(n=2, graph=tiny_graph(), run_option="ps")
+    ir = run_passes(ctx, ReplicatePass(), AggregatePass(), PlacePass())
+    assert ir.node("w").device == ir.node(update).device == HOST
+    assert "parallax/replica_1/w" not in ir
+    assert ir.node("parallax/replica_1/MatMul").device == devices(2)[1]

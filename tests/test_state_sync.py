@@ -53,3 +53,22 @@ def test_synced_state_equals_one_device():
     np.testing.assert_allclose(mean[0], data.mean(0) * 0.5, rtol=1e-6)
     np.testing.assert_array_equal(mean[0], mean[1])
     assert count == [8.0, 8.0]
+
+
+def test_golden_tiny_counter():
+    """A counter of every replica's rows: its AssignAdd input is summed over
+    the replicas (one CollectiveReduce each, final op Id)."""
+    from passkit import devices, tiny_graph
+    ctx = context(n=2, graph=tiny_graph(counter=True), run_option="allreduce")
+    ir, _ = ReplicatePass().run(ctx.tg.ir, ctx)
+    out, report = StateSyncPass().run(ir, ctx)
+    writer = next(n.name for n in ctx.tg.ir.nodes if n.op.startswith("AssignAdd"))
+    added = sorted(n.name for n in out.nodes if n.name not in ir)
+    assert added == [f"parallax/state_sync/{writer}/input_1/replica_{k}"
+                     for k in range(2)]
+    for k in range(2):
+        node = out.node(added[k])
+        assert node.op == "CollectiveReduce" and node.device == devices(2)[k]
+        assert node.attr["final_op"].s == b"Id"
+    assert out.node(f"parallax/replica_1/{writer}").input[1] == added[1]
+    assert report == {"synced": 1}

@@ -1,0 +1,162 @@
+"""Profile: what the first training steps measure, for the planner.
+
+Requires: the runner's first training runs, traced (RunOptions FULL_TRACE),
+with replica 0's sparse gradient indices fetched along.
+Guarantees: a `Profile` per run and merged over runs: per trained variable
+the distinct rows its gradient touched (sparse variables) and when its
+gradient became ready (seconds from the step's first op, replica 0); the
+forward time (until the first autodiff op started); and layers: variables
+whose gradients became ready within `TOGETHER` of each other, in backward
+order, each with its backward time (since the previous layer was ready).
+`apply(info)` gives the analysis with measured sparsity.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from . import rules
+from .analysis import forward_depths
+
+TOGETHER = 1e-4      # seconds: gradients ready this close belong to one layer
+
+
+@dataclass(frozen=True)
+class Layer:
+    variables: tuple[str, ...]
+    backward_time: float        # seconds since the previous layer was ready
+
+
+@dataclass(frozen=True)
+class Profile:
+    steps: int
+    rows: dict = field(default_factory=dict)       # sparse variable -> distinct rows touched
+    ready: dict = field(default_factory=dict)      # variable -> seconds into the step
+    forward_time: float = 0.0
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """Trained variables by when their gradients became ready."""
+        return tuple(sorted(self.ready, key=lambda v: (self.ready[v], v)))
+
+    def layers(self) -> list[Layer]:
+        """Variables whose gradients were ready within TOGETHER of the first
+        of them, in backward order, each with the time since the previous
+        layer (the first: since the forward pass ended)."""
+        out, group, previous = [], [], self.forward_time
+        for var in self.order:
+            if group and self.ready[var] - self.ready[group[0]] > TOGETHER:
+                done = self.ready[group[-1]]
+                out.append(Layer(tuple(group), done - previous))
+                previous, group = done, []
+            group.append(var)
+        if group:
+            out.append(Layer(tuple(group), self.ready[group[-1]] - previous))
+        return out
+
+    def merge(self, other: "Profile") -> "Profile":
+        """Two profiles as one: rows and times averaged over their steps."""
+        n = self.steps + other.steps
+        mean = lambda a, b: (a * self.steps + b * other.steps) / n   # noqa: E731
+        return Profile(
+            n, {v: mean(self.rows[v], other.rows.get(v, self.rows[v])) for v in self.rows},
+            {v: mean(self.ready[v], other.ready.get(v, self.ready[v])) for v in self.ready},
+            mean(self.forward_time, other.forward_time))
+
+    def apply(self, info: dict, tg) -> dict:
+        """The analysis with measured sparsity: rows touched / rows."""
+        out = dict(info)
+        for var, rows in self.rows.items():
+            total = tg.variables[var].shape[0]
+            if total:
+                out[var] = replace(info[var], alpha=rows / total, alpha_source="measured")
+        return out
+
+    def to_dict(self) -> dict:
+        return {"steps": self.steps, "forward_time": self.forward_time,
+                "rows": dict(self.rows), "ready": dict(self.ready),
+                "layers": [{"variables": list(layer.variables),
+                            "backward_time": layer.backward_time} for layer in self.layers()]}
+
+    def format(self) -> str:
+        rows = [f"profile of {self.steps} step(s): forward {self.forward_time * 1e3:.2f} ms",
+                f"{'layer (variables ready together)':48} {'ready ms':>9} {'backward ms':>12}"]
+        for layer in self.layers():
+            t = max(self.ready[v] for v in layer.variables)
+            rows.append(f"{', '.join(layer.variables)[:48]:48} {t * 1e3:9.2f} "
+                        f"{layer.backward_time * 1e3:12.2f}")
+        for var, n in sorted(self.rows.items()):
+            rows.append(f"{var}: {n:.1f} distinct rows touched per step")
+        return "\n".join(rows)
+
+
+def measure(tg, run_metadata, indices: dict) -> Profile:
+    """One step's Profile from its RunMetadata and replica 0's gradient
+    indices of the sparse variables ({var: array})."""
+    start, end_of = None, {}
+    for dev in run_metadata.step_stats.dev_stats:
+        for ns in dev.node_stats:
+            t0 = ns.all_start_micros
+            t1 = t0 + (ns.all_end_rel_micros or ns.op_end_rel_micros)
+            start = t0 if start is None else min(start, t0)
+            end_of[ns.node_name] = max(end_of.get(ns.node_name, 0), t1)
+    if start is None:
+        raise ValueError("the run was not traced: its RunMetadata has no step stats")
+
+    done = _done_times(tg, end_of)
+
+    def seconds(node):        # when `node`'s value was there, from the step's start
+        t = done(node)
+        return None if t is None else (t - start) / 1e6
+
+    ready = {}
+    for var, grad in tg.gradients.items():
+        ends = [t for r in (grad.values, grad.indices) if r is not None
+                for t in [seconds(r.node)] if t is not None]
+        if ends:
+            ready[var] = max(ends)
+    rows = {var: float(len(np.unique(idx))) for var, idx in indices.items()}
+    forward = seconds(_loss(tg)) or 0.0
+    return Profile(1, rows, ready, forward)
+
+
+def _done_times(tg, end_of: dict):
+    """A function: node -> when its value was there (microseconds). An op
+    graph optimisation removed (an Identity, a no-op Reshape) is absent from
+    the step stats: its value was there when the latest of its inputs was.
+    None for a node nothing in the step stats leads to."""
+    memo: dict[str, float | None] = {}
+
+    def done(node: str):
+        todo = [node]
+        while todo:
+            name = todo[-1]
+            if name in memo:
+                todo.pop()
+                continue
+            if name in end_of or tg.ir.get(name) is None:
+                memo[name] = end_of.get(name)
+                todo.pop()
+                continue
+            inputs = [r.node for r in tg.ir.data_inputs(name)]
+            missing = [i for i in inputs if i not in memo]
+            if missing:
+                todo.extend(missing)
+                continue
+            times = [memo[i] for i in inputs if memo[i] is not None]
+            memo[name] = max(times) if times else None
+            todo.pop()
+        return memo[node]
+
+    return done
+
+
+def _loss(tg) -> str | None:
+    """The forward op the backward pass starts from: of the forward tensors
+    the autodiff reads, the one deepest in the forward pass."""
+    depth = forward_depths(tg)
+    read = {r.node for n in tg.ir.nodes if rules.is_autodiff(n.name)
+            for r in tg.ir.data_inputs(n.name) if not rules.is_autodiff(r.node)}
+    return max(read, key=lambda n: (depth.get(n, -1), n), default=None)
+

@@ -1,0 +1,145 @@
+"""Profile, then plan again: the first training steps are measured, and a
+plan whose decisions change moves training to a new graph with the same state."""
+import os
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import embedding_regression, local, read_name, train_single, variable_names
+from parallax_ng import cli, frontend
+from parallax_ng.errors import ConfigError
+from parallax_ng.placement import MIRRORED
+from parallax_ng.profile import Profile
+from parallax_ng.resources import load_resources, session_config
+from parallax_ng.runner import Runner
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 10
+
+
+def train(runner, h, g, steps=STEPS):
+    runner.run([h["init"], h["iterator_init"]])
+    for _ in range(steps):
+        runner.run(h["train"])
+    names = variable_names(g)
+    return dict(zip(names, runner.run([read_name(v, g) for v in names])))
+
+
+def assert_one_device(got, optimizer="adam", **extras):
+    single = train_single(*embedding_regression(8, optimizer, **extras), STEPS)
+    assert set(got) == set(single)
+    for name, want in single.items():
+        assert np.max(np.abs(got[name] - want)) <= 1e-5, name
+
+
+def test_the_first_steps_measure_rows_gradient_order_and_layer_times():
+    g, h = embedding_regression(4, "adam", clip=True)
+    config = {"profile": {"steps": 2, "replan": "never"}}
+    with pn.get_runner(g, local(2), config) as runner:
+        train(runner, h, g, steps=3)
+        profile, plan = runner.profile, runner.plan
+    assert profile.steps == 2 and runner.replans == 0
+    assert set(profile.ready) == {"emb", "dense/w", "dense/b", "out/v"}
+    assert all(t > profile.forward_time > 0 for t in profile.ready.values())
+    assert 1 <= profile.rows["emb"] <= 12            # 4 examples x 3 ids, distinct
+    info = plan.variables["emb"].info
+    assert info.alpha_source == "measured" and info.alpha == profile.rows["emb"] / 40
+    assert plan.schedule.order == profile.order
+    layers = profile.layers()
+    assert sorted(v for layer in layers for v in layer.variables) == sorted(profile.ready)
+    assert all(layer.backward_time >= 0 for layer in layers)
+    assert "distinct rows" in profile.format() and profile.to_dict()["steps"] == 2
+
+
+def test_replan_always_goes_on_in_a_new_graph_with_the_same_state():
+    g, h = embedding_regression(4, "adam", clip=True, ema=True)
+    config = {"run_option": "hybrid", "profile": {"steps": 2, "replan": "always"}}
+    with pn.get_runner(g, local(2), config) as runner:
+        first = runner.graph
+        got = train(runner, h, g)
+        assert runner.replans == 1 and runner.graph is not first
+    assert_one_device(got, clip=True, ema=True)
+
+
+def test_a_measured_decision_rebuilds_the_graph():
+    """A planner that all-gathers the embedding once its measured sparsity
+    is below the static estimate: the graph changes after the profile, and
+    training equals one device."""
+    g, h = embedding_regression(4, "adagrad")
+    config = pn.load_config({"run_option": "hybrid"})
+    resources = load_resources(local(2))
+    tg = frontend.load(g)
+
+    def replan(profile=None):
+        plan = pn._plan(tg, resources, config, profile=profile)
+        info = plan.variables["emb"].info
+        if profile is not None and info.alpha < 12 / 40:
+            variables = dict(plan.variables, emb=replace(plan.variables["emb"],
+                                                         method="allgather"))
+            placement = {v: (p if v not in ("emb", "emb/Adagrad") else MIRRORED)
+                         for v, p in plan.placement.items()}
+            plan = replace(plan, variables=variables, placement=placement)
+        return plan
+
+    def rebuild(plan):
+        ir, ctx, manager = pn._rewrite(tg, plan, config)
+        return ir, ctx, manager.records
+
+    ir, ctx, records = rebuild(replan())
+    with Runner(ir, ctx, config, session_config([("CPU", 0), ("CPU", 1)]), records,
+                replan=replan, rebuild=rebuild) as runner:
+        assert runner.plan.variables["emb"].method == "ps"
+        got = train(runner, h, g)
+        assert runner.replans == 1 and runner.plan.variables["emb"].method == "allgather"
+        ops = {n.type for n in runner.graph.get_operations()}
+        assert "CollectiveGatherV2" in ops
+    assert_one_device(got, "adagrad")
+
+
+def test_state_a_new_session_would_lose_keeps_the_graph():
+    """Input queues and random ops in the step: the measured plan is kept,
+    the graph is not rebuilt, and the reason is given."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4])
+        w = tf.compat.v1.get_variable("w", [4, 1])
+        h = tf.compat.v1.nn.dropout(tf.matmul(x, w), rate=0.5, seed=1)
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+            tf.reduce_mean(h))
+        init = tf.compat.v1.global_variables_initializer()
+    config = {"profile": {"steps": 1, "replan": "always"}}
+    with pn.get_runner(g, local(2), config) as runner:
+        runner.run(init)
+        with pytest.warns(UserWarning, match="random ops in the step"):
+            runner.run(train_op, {x: np.ones([4, 4], np.float32)})
+        assert runner.replans == 0 and runner.profile.steps == 1
+
+
+def test_profile_figures_from_hand_written_times():
+    p = Profile(2, {"emb": 3.0}, {"a": 0.010, "b": 0.01005, "c": 0.015}, forward_time=0.004)
+    assert p.order == ("a", "b", "c")
+    layers = p.layers()
+    assert [layer.variables for layer in layers] == [("a", "b"), ("c",)]
+    assert layers[0].backward_time == pytest.approx(0.00605)
+    assert layers[1].backward_time == pytest.approx(0.00495)
+    q = p.merge(Profile(2, {"emb": 5.0}, {"a": 0.012, "b": 0.01205, "c": 0.017}, 0.006))
+    assert q.steps == 4 and q.rows["emb"] == 4.0 and q.forward_time == pytest.approx(0.005)
+
+
+def test_plan_profile_prints_what_the_first_steps_measured(capsys):
+    script = os.path.join(ROOT, "examples", "lm_small.py")
+    assert cli.main(["plan", script, "--profile", "1", "--", "--vocab", "2000", "--words",
+                     "20000", "--batch", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "profile of 1 step(s)" in out and "distinct rows touched per step" in out
+    assert "embedding" in out.split("profile of")[1]
+
+
+def test_profile_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="profile.replan"):
+        pn.Config.from_dict({"profile": {"replan": "sometimes"}})
+    with pytest.raises(ConfigError, match="profile.steps"):
+        pn.Config.from_dict({"profile": {"steps": -1}})
