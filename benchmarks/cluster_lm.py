@@ -1,5 +1,6 @@
 """lm_small on a localhost job: 2 workers (+ 1 parameter server where the mode
-uses one), for parallax_ng's hybrid, allreduce and ps run options and for
+uses one), for parallax_ng's hybrid (dense variables by all-reduce, or by
+balanced fusion buffers: hybrid-bfb), allreduce and ps run options and for
 TensorFlow's MultiWorkerMirroredStrategy training the same model.
 
     python benchmarks/cluster_lm.py [--steps 500] [--warmup 50] [--repeats 1]
@@ -23,7 +24,11 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-MODES = ("hybrid", "allreduce", "ps", "mwms")
+MODES = ("hybrid", "hybrid-bfb", "allreduce", "ps", "mwms")
+# mode -> parallax_ng config; `-bfb`: dense variables by balanced fusion buffers
+CONFIGS = {"hybrid": {"run_option": "hybrid"},
+           "hybrid-bfb": {"run_option": "hybrid", "dense_method": "bfb"},
+           "allreduce": {"run_option": "allreduce"}, "ps": {"run_option": "ps"}}
 
 
 def main():
@@ -51,7 +56,7 @@ def job(mode: str, args, tmp: str, repeat: int) -> dict:
     res = os.path.join(tmp, f"{mode}.yaml")
     with open(res, "w") as f:
         f.write("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2)
-        if mode in ("hybrid", "ps"):
+        if mode != "mwms" and CONFIGS[mode]["run_option"] != "allreduce":
             f.write("ps: [127.0.0.1]\n")
     out = os.path.join(tmp, f"{mode}-{repeat}.json")
     cmd = [sys.executable, "-m", "parallax_ng.cli", "run", os.path.abspath(__file__),
@@ -114,7 +119,7 @@ def parallax_step(mode: str, model_args):
 
     import parallax_ng as pn
     graph, train_op, loss, _, init = lm_small.build(model_args)
-    runner = pn.get_runner(graph, None, {"run_option": mode})
+    runner = pn.get_runner(graph, None, CONFIGS[mode])
     runner.run(init)
     return lambda: runner.run([train_op, loss])
 

@@ -49,12 +49,13 @@ def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profil
     from .planner import make_plan
 
     info = analyze(tg)
+    order = ()
     if profile is not None:
-        info = profile.apply(info, tg)
+        info, order = profile.apply(info, tg), profile.order
     if cluster_info is not None:
         plan = make_plan(tg, info, config, cluster_info.device_strings(), cluster_info.host,
                          len(cluster_info.workers), cluster_info.task,
-                         cluster_info.server_devices())
+                         cluster_info.server_devices(), order)
     else:
         if len(resources.hosts) > 1:
             raise ResourceError(
@@ -64,7 +65,7 @@ def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profil
         rank, size = horovod or (0, 1)
         plan = make_plan(tg, info, config, resources.local_device_strings(),
                          "/job:localhost/replica:0/task:0/device:CPU:0",
-                         num_workers=size, worker=rank)
+                         num_workers=size, worker=rank, order=order)
     if profile is not None:
         plan = replace(plan, schedule=replace(plan.schedule, order=profile.order))
     return plan

@@ -14,7 +14,11 @@ Guarantees, for every backend:
   (values scaled by 1/N for a mean);
 - `broadcast(scope, value, dtype, shape)`: worker 0's `value` on every
   worker, as a `Broadcast`: the tensor this worker should use and the ops
-  its use must wait for.
+  its use must wait for;
+- `server_sum(scope, tensor, dtype, server, scale)`: every worker's `tensor`
+  (one per worker, equal shapes) summed on the parameter-server device
+  `server`, times `scale`, back on every worker (`server_sum`, below: queues
+  on the server, no collective op, so any backend uses it).
 New nodes live under `scope`. TensorFlow's lowering is here; Horovod's is in
 parallax_ng/horovod.py.
 """
@@ -75,6 +79,9 @@ class TFCollectives:
             out_i.append(i)
         return nodes, out_v, out_i
 
+    def server_sum(self, scope: str, tensor: str, dtype, server: str, scale: float):
+        return server_sum(self.plan, scope, tensor, dtype, server, scale)
+
     def broadcast(self, scope: str, value: str, dtype, shape) -> Broadcast:
         plan = self.plan
         common = dict(T=dtype, group_size=plan.num_workers, group_key=BROADCAST_GROUP_KEY,
@@ -87,6 +94,54 @@ class TFCollectives:
         recv = emit.node_def(f"{scope}/recv", "CollectiveBcastRecv", [], plan.devices[0],
                              **common)
         return Broadcast([recv], recv.name)
+
+
+def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float):
+    """A parameter-server all-reduce of one tensor per worker, through FIFO
+    queues on `server` (one per worker and direction, so sums are added in
+    worker order and every worker gets the same bits). Worker 0 runs the
+    server's side: it dequeues the others' tensors, adds its own, scales,
+    and queues the result for each of them; its own result waits for those
+    puts. Another worker queues its tensor and dequeues the result. Each
+    queue moves one element per step, so steps cannot mix. Returns (nodes,
+    the name of this worker's result)."""
+    out = f"{scope}/sum"
+    nodes = []
+    if plan.worker == 0:
+        taken = []
+        for w in range(1, plan.num_workers):
+            q = f"{scope}/from_{w}"
+            nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/{w}", [dtype], server),
+                      emit.node_def(f"{q}/take", "QueueDequeueV2", [q], server,
+                                    component_types=[dtype], timeout_ms=-1)]
+            taken.append(f"{q}/take")
+        total = f"{scope}/total"
+        nodes.append(emit.node_def(total, "AddN", [tensor] + taken, server, T=dtype,
+                                   N=1 + len(taken)) if taken else
+                     emit.node_def(total, "Identity", [tensor], server, T=dtype))
+        if scale != 1.0:
+            nodes += [emit.const(f"{scope}/scale", scale, dtype, server),
+                      emit.node_def(f"{scope}/scaled", "Mul", [total, f"{scope}/scale"],
+                                    server, T=dtype)]
+            total = f"{scope}/scaled"
+        puts = []
+        for w in range(1, plan.num_workers):
+            q = f"{scope}/to_{w}"
+            nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/result/{w}", [dtype], server),
+                      emit.node_def(f"{q}/put", "QueueEnqueueV2", [q, total], server,
+                                    Tcomponents=[dtype], timeout_ms=-1)]
+            puts.append(f"^{q}/put")
+        nodes.append(emit.node_def(out, "Identity", [total] + puts, server, T=dtype))
+    else:
+        w = plan.worker
+        q, back = f"{scope}/to_server", f"{scope}/from_server"
+        nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/{w}", [dtype], server),
+                  emit.node_def(f"{q}/put", "QueueEnqueueV2", [q, tensor], server,
+                                Tcomponents=[dtype], timeout_ms=-1),
+                  emit.fifo_queue(back, f"parallax_ng/sum/{scope}/result/{w}", [dtype], server),
+                  emit.node_def(out, "QueueDequeueV2", [back, f"^{q}/put"], server,
+                                component_types=[dtype], timeout_ms=-1)]
+    return nodes, out
 
 
 def _gather_slices(values, indices, plan, keys, mean: bool):

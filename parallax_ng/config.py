@@ -14,7 +14,9 @@ import yaml
 from .errors import ConfigError
 
 RUN_OPTIONS = ("hybrid", "allreduce", "ps")
-METHODS = ("allreduce", "ps", "allgather")
+METHODS = ("allreduce", "ps", "allgather", "bfb")
+DENSE_METHODS = ("auto", "allreduce", "ps", "bfb")
+PS_PLACEMENTS = ("greedy", "round_robin")
 FETCH_REDUCTIONS = ("mean", "sum", "concat", "first")
 VERIFY_LEVELS = ("structure", "full", "import")
 BACKENDS = ("tf", "horovod")
@@ -45,6 +47,17 @@ class CheckpointConfig:
                               f"integer, not {self.every_steps!r}")
 
 
+@dataclass(frozen=True)
+class FusionConfig:
+    buffer_bytes: int = 0            # balanced fusion buffers' size; 0: from model and cluster
+
+    def __post_init__(self):
+        if not isinstance(self.buffer_bytes, int) or isinstance(self.buffer_bytes, bool) \
+                or self.buffer_bytes < 0:
+            raise ConfigError("config key 'fusion.buffer_bytes' must be a whole number of "
+                              f"bytes >= 0 (0: automatic), not {self.buffer_bytes!r}")
+
+
 REPLAN = ("auto", "always", "never")
 
 
@@ -68,6 +81,9 @@ class Config:
     communication: CommunicationConfig = field(default_factory=CommunicationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    dense_method: str = "auto"                             # auto: the run option's
+    ps_placement: str = "greedy"                           # whole variables over servers
     variable_methods: dict = field(default_factory=dict)   # variable -> method
     fetch_reduction: dict = field(default_factory=dict)    # tensor name -> how
     dump_dir: str | None = None                            # graphs after each pass
@@ -85,6 +101,8 @@ class Config:
         for var, method in self.variable_methods.items():
             _check_choice(f"variable_methods.{var}", method, METHODS)
         _check_choice("random", self.random, RANDOM_MODES)
+        _check_choice("dense_method", self.dense_method, DENSE_METHODS)
+        _check_choice("ps_placement", self.ps_placement, PS_PLACEMENTS)
         for pattern, mode in self.random_ops.items():
             _check_choice(f"random_ops.{pattern}", mode, RANDOM_MODES)
         for name, how in self.fetch_reduction.items():
@@ -99,7 +117,8 @@ class Config:
         _reject_unknown("", data, known)
         sections = {}
         for key, kind in (("communication", CommunicationConfig),
-                          ("checkpoint", CheckpointConfig), ("profile", ProfileConfig)):
+                          ("checkpoint", CheckpointConfig), ("profile", ProfileConfig),
+                          ("fusion", FusionConfig)):
             section = data.pop(key, None) or {}
             if not isinstance(section, dict):
                 raise ConfigError(f"config key {key!r} must be a mapping")

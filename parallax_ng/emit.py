@@ -50,6 +50,14 @@ def const(name: str, value, dtype: tf.DType, device: str = ""):
                     value=_AttrValue(tensor=proto))
 
 
+def fifo_queue(name: str, shared_name: str, dtypes, device: str, capacity: int = 2):
+    """A FIFOQueueV2 of unknown element shapes that every worker's graph
+    names alike (`shared_name`), so they share the one on `device`."""
+    return node_def(name, "FIFOQueueV2", [], device, component_types=list(dtypes),
+                    shapes=_AttrValue(list=_AttrValue.ListValue()),
+                    capacity=capacity, container="", shared_name=shared_name)
+
+
 def collective_reduce(name: str, tensor: str, dtype: tf.DType, device: str, *,
                       group_size: int, group_key: int, instance_key: int,
                       mean: bool, timeout: float, hint: str = "auto"):

@@ -57,6 +57,11 @@ class HorovodCollectives:
                                  value_shape, mean)
         return nodes, [v] * len(values), [i] * len(values)
 
+    def server_sum(self, scope, tensor, dtype, server, scale):
+        # the planner gives Horovod jobs no servers; one process sums alone
+        from .comm import server_sum
+        return server_sum(self.plan, scope, tensor, dtype, server, scale)
+
     def broadcast(self, scope, value, dtype, shape) -> Broadcast:
         nodes, out = broadcast(self.plan, scope, value, dtype, shape)
         return Broadcast(nodes, out)     # every rank takes part, worker 0 included

@@ -20,7 +20,7 @@ from .placement import Mirrored, Shared, Sharded, home
 @dataclass(frozen=True)
 class VariablePlan:
     name: str
-    method: str          # allreduce | ps | allgather
+    method: str          # allreduce | ps | allgather | bfb
     info: VariableInfo
 
     @property
@@ -144,6 +144,21 @@ class Plan:
                     load[s.device] = load.get(s.device, 0.0) + vp.info.nbytes * s.size / p.length
         return load
 
+    def buffer_bytes(self, buffer: Buffer) -> int:
+        var = buffer.segments[0].var
+        return buffer.placement.length * self.variables[var].info.nbytes // max(
+            1, _elements(self.variables[var].info.shape))
+
+    def buffer_load(self) -> dict[str, float]:
+        """Bytes of fusion buffer shards each server receives from one worker
+        per step (and sends back to it)."""
+        load: dict[str, float] = {}
+        for b in self.buffers:
+            per = self.buffer_bytes(b) / b.placement.length
+            for s in b.placement.shards:
+                load[s.device] = load.get(s.device, 0.0) + s.size * per
+        return load
+
     def decisions(self) -> "Plan":
         """The plan without its measurements (sparsity, gradient order): two
         plans with equal decisions transform a graph alike."""
@@ -184,6 +199,12 @@ class Plan:
         if self.servers:
             rows.append("servers: " + ", ".join(f"{d} {b / 1e6:.3f} MB"
                                                 for d, b in self.server_load().items()))
+        if self.buffers:
+            sizes = [self.buffer_bytes(b) for b in self.buffers]
+            per = self.buffer_load()
+            rows.append(f"fusion buffers: {len(sizes)}, {sum(sizes) / 1e6:.3f} MB "
+                        f"(largest {max(sizes) / 1e6:.3f} MB); per server per worker and step: "
+                        + ", ".join(f"{d} {b / 1e6:.3f} MB" for d, b in per.items()))
         for var, p in sorted(self.sharded().items()):
             if var in self.variables:
                 rows.append(f"{var}: {p.describe()}")
@@ -198,6 +219,13 @@ class Plan:
             rows.append("state: " + ", ".join(f"{k}={_short(self.placement[k])}"
                                               for k in state))
         return "\n".join(rows)
+
+
+def _elements(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d or 1
+    return n
 
 
 def _placement_dict(p) -> dict:

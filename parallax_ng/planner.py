@@ -6,7 +6,11 @@
    ps); everything a variable owns (slots, moving averages) goes with it;
 3. device map, `map_devices`: a Placement for every variable: mirrored;
    shared on the host in-process; in a job spread over the servers by
-   bytes, a large sparse variable cut into row ranges (`balance`).
+   bytes (`balance`, greedy; or `round_robin`), a large sparse variable cut
+   into row ranges; and `fusion_buffers`: the gradients of the variables
+   aggregated by balanced fusion buffers (method bfb, mirrored), packed in
+   the order they become ready into equal buffers, each buffer sharded
+   evenly over the servers (Herring III-1, III-2).
 
 `make_plan` composes them with the random streams, input producers and
 the step schedule. Requires: a TrainingGraph, its analysis, a Config and
@@ -20,29 +24,36 @@ from .config import Config
 from .errors import ConfigError
 from .frontend import TrainingGraph
 from .placement import MIRRORED, Shared, Sharded
-from .plan import Plan, Schedule, VariablePlan
+from .plan import Buffer, Plan, Schedule, Segment, VariablePlan
 
 
 def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
               devices: list[str], host: str, num_workers: int = 1, worker: int = 0,
-              servers: list[str] = ()) -> Plan:
+              servers: list[str] = (), order: tuple[str, ...] = ()) -> Plan:
+    """`order`: trained variables in the order their gradients became ready
+    in a measured step (one process only: in a job every worker must pack
+    alike, so the order is the static one)."""
     variables = {name: VariablePlan(name, method, info[name])
                  for name, method in choose_methods(info, config).items()}
     roots = shared_roots(variables)
-    _check_servers(tg, roots, config, num_workers, servers)
-    placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else ())
+    fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
+    _check_servers(tg, roots + fused, config, num_workers, servers)
+    placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
+                            config.ps_placement)
+    buffers = fusion_buffers(tg, ready_order(tg, fused, order if num_workers == 1 else ()),
+                             list(servers) or [host], config.fusion.buffer_bytes)
     producers = [q for q in queues.find(tg) if q.producer]
     random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),
                                config.random, config.random_ops,
                                pinned={op for q in producers for op in q.random})
-    job_servers = num_workers > 1 and bool(roots)
+    job_servers = num_workers > 1 and bool(roots or fused)
     return Plan(config.run_option, config.average_dense, config.average_sparse,
                 tuple(devices), host, variables, placement,
                 timeout_seconds=config.communication.timeout_seconds,
                 num_workers=num_workers, worker=worker, servers=tuple(servers),
                 backend=config.communication.backend, random=random,
                 split_queues={q.queue: q.enqueues for q in producers},
-                schedule=Schedule(staged=job_servers))
+                schedule=Schedule(staged=job_servers), buffers=buffers)
 
 
 # -- 1. policy -----------------------------------------------------------------
@@ -53,20 +64,24 @@ def choose_methods(info: dict[str, VariableInfo], config: Config) -> dict[str, s
                           f"are not trained variables; trained: {sorted(info)}")
     out = {}
     for name, vi in info.items():
-        method = config.variable_methods.get(name) or _default_method(config.run_option, vi)
+        method = config.variable_methods.get(name) or _default_method(config, vi)
         if method == "allgather" and not vi.sparse:
             raise ConfigError(f"config key 'variable_methods.{name}' is allgather, but "
-                              f"{name} has a dense gradient; use allreduce or ps")
+                              f"{name} has a dense gradient; use allreduce, ps or bfb")
+        if method == "bfb" and vi.sparse:
+            raise ConfigError(f"config key 'variable_methods.{name}' is bfb (balanced fusion "
+                              f"buffers, for dense gradients), but {name} has a sparse "
+                              "gradient; use ps, allgather or allreduce")
         out[name] = method
     return out
 
 
-def _default_method(run_option: str, vi: VariableInfo) -> str:
-    if run_option == "ps":
-        return "ps"
-    if run_option == "allreduce":
-        return "allgather" if vi.sparse else "allreduce"
-    return "ps" if vi.sparse else "allreduce"
+def _default_method(config: Config, vi: VariableInfo) -> str:
+    if vi.sparse:
+        return "allgather" if config.run_option == "allreduce" else "ps"
+    if config.dense_method != "auto":
+        return config.dense_method
+    return "ps" if config.run_option == "ps" else "allreduce"
 
 
 # -- 2. placement -----------------------------------------------------------------
@@ -76,27 +91,34 @@ def shared_roots(variables: dict[str, VariablePlan]) -> list[str]:
 
 
 def _check_servers(tg, roots, config, num_workers, servers) -> None:
+    """`roots`: trained variables whose aggregation needs parameter servers."""
     if not roots or num_workers == 1 and not servers:
         return
-    shared = sorted(s for r in roots for s in tg.owned(r))
+    shared = sorted(roots)
     if config.communication.backend == "horovod" and num_workers > 1:
         raise ConfigError(
-            f"run_option {config.run_option!r} puts {shared[:5]} on parameter servers, which "
+            f"the plan aggregates the gradients of {shared[:5]} on parameter servers "
+            f"(run_option {config.run_option!r}, dense_method {config.dense_method!r}), which "
             "communication.backend horovod does not have; use run_option: allreduce "
             "(sparse gradients by Horovod's allgather), or backend tf with `ps:` servers")
     if not servers:
         raise ConfigError(
-            f"run_option {config.run_option!r} puts {shared[:5]} on parameter servers, "
-            "but the job has none; list `ps: [address]` in the resource file, or use "
-            "run_option: allreduce (sparse gradients by AllGather)")
+            f"the plan aggregates the gradients of {shared[:5]} on parameter servers "
+            f"(run_option {config.run_option!r}, dense_method {config.dense_method!r}), but "
+            "the job has "
+            "none; list `ps: [address]` in the resource file, or use run_option: allreduce "
+            "(sparse gradients by AllGather) with dense_method allreduce")
 
 
 # -- 3. device map ------------------------------------------------------------------
-def map_devices(tg: TrainingGraph, roots: list[str], host: str, servers=()) -> dict:
+def map_devices(tg: TrainingGraph, roots: list[str], host: str, servers=(),
+                how: str = "greedy") -> dict:
     """A Placement for every variable: the state of `roots` on the host, or
-    balanced over `servers`; the rest mirrored."""
+    over `servers` (`how`: greedy by bytes, or round_robin); the rest mirrored."""
     placement = {name: MIRRORED for name in tg.variables}
-    if servers:
+    if servers and how == "round_robin":
+        placement.update(round_robin(tg, roots, list(servers)))
+    elif servers:
         sparse = [v for v in roots if v in tg.gradients and tg.gradients[v].sparse]
         placement.update(balance(tg, roots, list(servers), sparse))
     else:
@@ -137,6 +159,72 @@ def balance(tg: TrainingGraph, shared: list[str], servers: list[str],
         for s in tg.owned(var):
             out[s] = Shared(servers[j])
     return out
+
+
+def round_robin(tg: TrainingGraph, shared: list[str], servers: list[str]) -> dict:
+    """Each shared variable (with its state) on the next server in turn, in
+    the order the variables were made (TensorFlow's replica_device_setter)."""
+    made = {name: k for k, name in enumerate(tg.variables)}
+    out = {}
+    for k, var in enumerate(sorted(shared, key=made.get)):
+        out.update({s: Shared(servers[k % len(servers)]) for s in tg.owned(var)})
+    return out
+
+
+def ready_order(tg: TrainingGraph, variables: list[str], measured=()) -> list[str]:
+    """`variables` in the order their gradients become ready: as measured,
+    else the order of their gradient ops in the graph's topological order
+    (the same on every worker); variables the measurement missed go last."""
+    index = tg.ir.topo_index
+    static = sorted(variables, key=lambda v: (index[tg.gradients[v].values.node], v))
+    seen = [v for v in measured if v in set(variables)]
+    return seen + [v for v in static if v not in set(seen)]
+
+
+MIN_SHARD_BYTES = 256 * 1024     # smaller messages: per-message cost dominates
+MAX_BUFFER_BYTES = 64 * 2**20
+
+
+def buffer_bytes(total: int, servers: int) -> int:
+    """Fusion buffer size from model and cluster size: four buffers (so the
+    first ones travel while the backward pass goes on), each shard at least
+    256 KB, no buffer over 64 MB; a model smaller than that is one buffer."""
+    size = max(-(-total // 4), servers * MIN_SHARD_BYTES)
+    return min(size, MAX_BUFFER_BYTES, total) if total else 0
+
+
+def fusion_buffers(tg: TrainingGraph, order: list[str], servers: list[str],
+                   size_bytes: int = 0) -> tuple[Buffer, ...]:
+    """Gradients of `order` packed flat, in that order, into buffers of
+    `size_bytes` (0: `buffer_bytes`), one dtype per run of buffers; a
+    variable may span two buffers, the last buffer may be smaller. Every
+    buffer is sharded evenly over `servers` at element offsets."""
+    by_dtype: dict = {}
+    for var in order:
+        by_dtype.setdefault(tg.variables[var].dtype, []).append(var)
+    out = []
+    for dtype, variables in by_dtype.items():
+        sizes = {v: tg.variables[v].nbytes // dtype.size for v in variables}
+        total = sum(sizes.values())
+        per = max(1, (size_bytes or buffer_bytes(total * dtype.size, len(servers)))
+                  // dtype.size)
+        segments, used = [], 0
+        for var in variables:
+            start = 0
+            while start < sizes[var]:
+                take = min(sizes[var] - start, per - used)
+                segments.append(Segment(var, start, take, used))
+                start, used = start + take, used + take
+                if used == per:
+                    out.append(_buffer(segments, used, servers))
+                    segments, used = [], 0
+        if segments:
+            out.append(_buffer(segments, used, servers))
+    return tuple(out)
+
+
+def _buffer(segments: list[Segment], length: int, servers: list[str]) -> Buffer:
+    return Buffer(tuple(segments), Sharded.even(None, length, servers))
 
 
 # Ops the shard_variables pass cuts, by how the variable is sharded.

@@ -124,6 +124,14 @@ class Runner:
             i += len(f.names)
         return tf.nest.pack_sequence_as(fetches, out)
 
+    def session_runs(self, fetches) -> int:
+        """How many session.runs one `run(fetches)` makes: its stages, and the
+        job's barrier after a run that initialized or trained."""
+        wanted = [self.fetches.fetch(leaf, False) for leaf in tf.nest.flatten(fetches)]
+        initialized, trained, _ = self._kind(tuple(f.user for f in wanted))
+        runs = len(self.executor.runs([n for f in wanted for n in f.names]))
+        return runs + int((initialized or trained) and self.executor.barrier is not None)
+
     def save(self, saver, path: str) -> str:
         """Write replica 0's variables with the user's tf.compat.v1.train.Saver.
 

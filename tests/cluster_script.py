@@ -24,6 +24,8 @@ parser.add_argument("--partitions", type=int, default=None, help="embedding row 
 parser.add_argument("--no-ema", action="store_true", help="no moving averages")
 parser.add_argument("--optimizer", default="adam", help="a key of models.OPTIMIZERS")
 parser.add_argument("--v1", action="store_true", help="call disable_v2_behavior() first")
+parser.add_argument("--dense-method", default="auto")
+parser.add_argument("--buffer-bytes", type=int, default=0, help="fusion buffer size")
 args = parser.parse_args()
 if args.v1:
     tf.compat.v1.disable_v2_behavior()
@@ -40,7 +42,12 @@ else:
     g, h = embedding_regression(4, args.optimizer, clip=True, ema=not args.no_ema,
                                 partitions=args.partitions)
 runner = pn.get_runner(g, None, {"run_option": args.run_option,
+                                 "dense_method": args.dense_method,
+                                 "fusion": {"buffer_bytes": args.buffer_bytes},
                                  "communication": {"timeout_seconds": 120}})
+if h["train"] is not None:
+    print(f"worker {runner.plan.worker}: {runner.session_runs(h['train'])} session run(s) "
+          "per step", flush=True)
 runner.run([op for op in (h["init"], h["iterator_init"]) if op is not None])
 for step in range(args.steps):
     if step == args.die_at and runner.plan.worker == 1:

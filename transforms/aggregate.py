@@ -7,8 +7,13 @@ norms, summaries, update ops), by the plan's method:
 - allreduce: the backend's all-reduce (mean or sum; parallax_ng/comm.py);
 - ps: sum on the parameter-server device (host CPU in-process); IndexedSlices
   are concatenated there (local aggregation), scaled by 1/N for a mean;
-- allgather: the backend's all-gather of the IndexedSlices.
-New nodes live under `parallax/<method>/<variable>/`.
+- allgather: the backend's all-gather of the IndexedSlices;
+- bfb (balanced fusion buffers, Herring): the replicas' sum on the host,
+  flattened and packed into the plan's buffers; each buffer's shards summed
+  over the workers on their servers (`server_sum`, parallax_ng/comm.py),
+  scaled for a mean there, and unpacked on the host. Every worker applies the
+  update to its own copy.
+New nodes live under `parallax/<method>/<variable>/` (bfb: `parallax/bfb/`).
 """
 from __future__ import annotations
 
@@ -29,8 +34,16 @@ class AggregatePass:
 
     def run(self, ir: GraphIR, ctx):
         new_nodes, rewires, local = [], {}, {}
-        counts = {"allreduce": 0, "ps": 0, "allgather": 0}
+        counts = {"allreduce": 0, "ps": 0, "allgather": 0, "bfb": 0}
+        if ctx.plan.buffers:
+            nodes, outputs = _fusion_buffers(ctx)
+            new_nodes.extend(nodes)
+            for ref, per_replica in outputs.items():
+                _rewire(ctx, ref, per_replica, rewires)
+            counts["bfb"] = len(outputs)
         for var, vp in sorted(ctx.plan.variables.items()):
+            if vp.method == "bfb":
+                continue
             grad = ctx.tg.gradients[var]
             build = {"allreduce": _allreduce, "ps": _ps, "allgather": _allgather}[vp.method]
             nodes, outputs = build(ctx, var, grad)
@@ -88,6 +101,76 @@ def _ps_outputs(plan, var: str, sparse: bool) -> tuple[str, str | None]:
     else:
         values = f"{scope}/values" if sparse else f"{scope}/sum"
     return values, (f"{scope}/indices" if sparse else None)
+
+
+def _fusion_buffers(ctx):
+    """Balanced fusion buffers: local sums packed, each buffer shard summed
+    over the workers on its server, the sums unpacked per variable."""
+    plan, tg = ctx.plan, ctx.tg
+    n, host, scope = plan.num_replicas, plan.host, "parallax/bfb"
+    fused = sorted({s.var for b in plan.buffers for s in b.segments})
+    mean = plan.average_dense and plan.group_size > 1
+    scale = 1.0 / plan.group_size if mean else 1.0
+    nodes = [emit.const(f"{scope}/axis", 0, tf.int32, host),
+             emit.const(f"{scope}/flat", [-1], tf.int32, host)]
+    flat = {}
+    for var in fused:
+        grad, dtype = tg.gradients[var], tg.variables[var].dtype
+        values = [ctx.replica_tensor(k, grad.values) for k in range(n)]
+        local = f"{scope}/{var}/local"
+        nodes += [emit.node_def(local, "AddN", values, host, T=dtype, N=n) if n > 1 else
+                  emit.node_def(local, "Identity", values, host, T=dtype),
+                  emit.node_def(f"{scope}/{var}/flat", "Reshape", [local, f"{scope}/flat"],
+                                host, T=dtype, Tshape=tf.int32)]
+        flat[var] = f"{scope}/{var}/flat"
+    pieces: dict[str, list[tuple[int, str]]] = {v: [] for v in fused}
+    for b, buf in enumerate(plan.buffers):
+        at, dtype = f"{scope}/buffer_{b}", tg.variables[buf.segments[0].var].dtype
+        parts = [_slice(nodes, f"{at}/in_{k}", flat[s.var], s.start, s.size, dtype, host,
+                        whole=s.size == _elements(tg, s.var))
+                 for k, s in enumerate(buf.segments)]
+        nodes.append(_concat(f"{at}/packed", parts, f"{scope}/axis", dtype, host))
+        sums = []
+        for i, shard in enumerate(buf.placement.shards):
+            piece = _slice(nodes, f"{at}/shard_{i}/piece", f"{at}/packed", shard.start,
+                           shard.size, dtype, host, whole=shard.size == buf.placement.length)
+            made, total = ctx.comm.server_sum(f"{at}/shard_{i}", piece, dtype, shard.device,
+                                              scale)
+            nodes += made
+            sums.append(total)
+        nodes.append(_concat(f"{at}/sum", sums, f"{scope}/axis", dtype, host))
+        for k, s in enumerate(buf.segments):
+            pieces[s.var].append((s.start, _slice(
+                nodes, f"{at}/out_{k}", f"{at}/sum", s.offset, s.size, dtype, host,
+                whole=s.size == buf.placement.length)))
+    outputs = {}
+    for var in fused:
+        dtype, shape = tg.variables[var].dtype, list(tg.variables[var].shape)
+        parts = [t for _, t in sorted(pieces[var])]
+        nodes += [_concat(f"{scope}/{var}/joined", parts, f"{scope}/axis", dtype, host),
+                  emit.const(f"{scope}/{var}/shape", shape, tf.int32, host),
+                  emit.node_def(f"{scope}/{var}/sum", "Reshape",
+                                [f"{scope}/{var}/joined", f"{scope}/{var}/shape"], host,
+                                T=dtype, Tshape=tf.int32)]
+        outputs[tg.gradients[var].values] = [f"{scope}/{var}/sum"] * n
+    return nodes, outputs
+
+
+def _elements(tg, var: str) -> int:
+    return tg.variables[var].nbytes // tg.variables[var].dtype.size
+
+
+def _slice(nodes: list, name: str, tensor: str, start: int, size: int, dtype, device: str,
+           whole: bool = False) -> str:
+    """Elements [start, start + size) of a flat tensor (the tensor itself
+    when that is all of it)."""
+    if whole:
+        return tensor
+    nodes += [emit.const(f"{name}/begin", [start], tf.int32, device),
+              emit.const(f"{name}/size", [size], tf.int32, device),
+              emit.node_def(name, "Slice", [tensor, f"{name}/begin", f"{name}/size"], device,
+                            T=dtype, Index=tf.int32)]
+    return name
 
 
 def _concat(name, inputs, axis, dtype, device):

@@ -105,9 +105,7 @@ def _components(ctx, variables: list[str]) -> list[tuple[str, tf.DType, bool]]:
 
 
 def _queue(name: str, shared_name: str, dtypes, device: str):
-    return emit.node_def(name, "FIFOQueueV2", [], device, component_types=list(dtypes),
-                         shapes=tf.compat.v1.AttrValue(list=tf.compat.v1.AttrValue.ListValue()),
-                         capacity=2, container="", shared_name=shared_name)
+    return emit.fifo_queue(name, shared_name, dtypes, device)
 
 
 def _push(ctx, j: int, server: str, parts, reads: list[str]):

@@ -50,7 +50,7 @@ class StagePass:
                     "shard_variables")
 
     def run(self, ir: GraphIR, ctx):
-        if not ctx.plan.cross_worker_servers:
+        if not ctx.plan.schedule.staged:
             return ir, {}
         nodes = ir.nodes
         if not (any(n.op in COLLECTIVE_OPS for n in nodes) and
