@@ -7,8 +7,9 @@ Guarantees: `runs(names)` is the ordered list of `SessionRun`s that compute
 `names` (fetched tensors and ops): one run, or one per stage when the step
 is staged (no run mixes collectives with parameter-server work);
 `run(session, names, feeds)` performs them and returns the values in the
-order of `names`; `end_step(session, worker)` runs the job's barrier after
-a run that initialized or trained (a no-op without one). A micro-batch loop
+order of `names`; `end_step(session)` runs the job's barrier after a run
+that initialized, or trained when the training run does not hold the
+barrier itself (`ends_with_barrier`). A micro-batch loop
 or a layer-by-layer schedule is a different list of session runs built on
 the same two calls.
 """
@@ -64,6 +65,13 @@ class Executor:
             for i, value in zip(r.fetched, got):
                 values[i] = value
         return values
+
+    def ends_with_barrier(self, initialized: bool, trained: bool) -> bool:
+        """Whether a run that did this needs the job's barrier as a run of its
+        own (a training run holds it when the barrier is folded)."""
+        if self.barrier is None:
+            return False
+        return initialized or trained and not self.barrier.folded
 
     def end_step(self, session) -> None:
         """Chief: release the other workers; others: wait for that."""

@@ -22,6 +22,7 @@ class VariablePlan:
     name: str
     method: str          # allreduce | ps | allgather | bfb
     info: VariableInfo
+    coalesce: bool = False   # duplicate rows summed on the worker before they leave it
 
     @property
     def shared(self) -> bool:
@@ -199,6 +200,10 @@ class Plan:
         if self.servers:
             rows.append("servers: " + ", ".join(f"{d} {b / 1e6:.3f} MB"
                                                 for d, b in self.server_load().items()))
+        coalesced = sorted(v for v, vp in self.variables.items() if vp.coalesce)
+        if coalesced:
+            rows.append("each distinct row sent once (duplicates summed first): "
+                        + ", ".join(coalesced))
         if self.buffers:
             sizes = [self.buffer_bytes(b) for b in self.buffers]
             per = self.buffer_load()

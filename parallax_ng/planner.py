@@ -21,6 +21,7 @@ from __future__ import annotations
 from . import queues, randomness
 from .analysis import VariableInfo
 from .config import Config
+from .duplicates import coalescing
 from .errors import ConfigError
 from .frontend import TrainingGraph
 from .placement import MIRRORED, Shared, Sharded
@@ -33,7 +34,9 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     """`order`: trained variables in the order their gradients became ready
     in a measured step (one process only: in a job every worker must pack
     alike, so the order is the static one)."""
-    variables = {name: VariablePlan(name, method, info[name])
+    variables = {name: VariablePlan(name, method, info[name],
+                                    coalesce=config.coalesce_rows and method == "ps" and
+                                    coalescing(tg, name) is not None)
                  for name, method in choose_methods(info, config).items()}
     roots = shared_roots(variables)
     fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
@@ -105,9 +108,9 @@ def _check_servers(tg, roots, config, num_workers, servers) -> None:
         raise ConfigError(
             f"the plan aggregates the gradients of {shared[:5]} on parameter servers "
             f"(run_option {config.run_option!r}, dense_method {config.dense_method!r}), but "
-            "the job has "
-            "none; list `ps: [address]` in the resource file, or use run_option: allreduce "
-            "(sparse gradients by AllGather) with dense_method allreduce")
+            "the job has none; list `ps: [address]` or `ps: per_host` in the resource "
+            "file, or use run_option: allreduce (sparse gradients by AllGather) with "
+            "dense_method allreduce")
 
 
 # -- 3. device map ------------------------------------------------------------------

@@ -6,7 +6,8 @@ Accepted forms (YAML path or dict)::
       - address: 127.0.0.1        # default 127.0.0.1; "address:port" to fix the port
         devices: [cpu:0, cpu:1]   # or gpu:0 ... ; "cpu:N"/"gpu:N" strings
         launch: auto              # auto (ssh unless the address is loopback), local, ssh
-    ps: []                        # parameter-server addresses (cluster mode)
+    ps: []                        # parameter-server addresses (cluster mode), or
+                                  # per_host: one server on each host's address
     ssh: ssh                      # command that runs a command on a host (parallax-ng run)
 
 `None` means this machine: all its GPUs, or, without GPUs, one CPU device per
@@ -155,5 +156,17 @@ def _parse(data: dict) -> ResourceInfo:
         if len(set(parsed)) != len(parsed):
             raise ResourceError(f"hosts[{i}] lists a device twice: {devices}")
         hosts.append(Host(str(h.get("address", "127.0.0.1")), tuple(parsed), launch))
-    ps = tuple(str(p) for p in (data.get("ps") or []))
-    return ResourceInfo(tuple(hosts), ps, str(data.get("ssh") or "ssh"))
+    return ResourceInfo(tuple(hosts), _servers(data.get("ps"), hosts),
+                        str(data.get("ssh") or "ssh"))
+
+
+def _servers(ps, hosts) -> tuple[str, ...]:
+    """`ps`: a list of addresses, or `per_host` (a server process beside
+    every host's worker, on its address, with a port of its own)."""
+    if ps == "per_host":
+        return tuple(h.address.rsplit(":", 1)[0] if re.search(r":\d+$", h.address)
+                     else h.address for h in hosts)
+    if isinstance(ps, str) or not isinstance(ps, (list, tuple, type(None))):
+        raise ResourceError(f"resource key 'ps' is {ps!r}; give a list of addresses "
+                            "([10.0.0.5, ...]) or per_host (one server on every host)")
+    return tuple(str(p) for p in (ps or []))

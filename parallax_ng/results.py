@@ -6,24 +6,32 @@ reads these, never a pass module's names.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class LocalAggregates:
     """For each variable aggregated on a parameter server: this worker's sum
     of its replicas' gradients, (values or dense sum, indices or None),
-    already scaled for a mean (made by `aggregate`, read by `server_sync`)."""
+    already scaled for a mean (made by `aggregate`, read by `server_sync`);
+    `norms`: for a variable whose duplicate rows were summed, the L2Loss of
+    its rows before that, which stands for the user's L2Loss of the values
+    (its job value is the sum over the workers)."""
     of: dict
+    norms: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Barrier:
     """The ops that end a step of a job with parameter servers (made by
     `server_sync`): the chief runs `release` once its writes are done, the
-    other workers run `wait` before they read a server variable again."""
+    other workers run `wait` before they read a server variable again. After
+    initialisation they are runs of their own; with `folded`, a training run
+    holds its barrier already (the chief puts a token after each shared
+    write, the others' training writers take it), so it needs no extra run."""
     release: str | None = None
     wait: str | None = None
+    folded: bool = False
 
     def op(self, worker: int) -> str | None:
         return self.release if worker == 0 else self.wait

@@ -19,7 +19,8 @@ tensor built per replica, e.g. a fetched RNN state fed back); other feeds go
 to every replica unchanged (with a warning, once, for a placeholder on the
 gradients' path fed exactly its fixed batch) (parallax_ng/fetches.py).
 A run is one step of session runs (parallax_ng/executor.py); after one that
-initialized or trained, a job with parameter servers meets at its barrier.
+initialized (or trained, where the training run does not hold it), a job
+with parameter servers meets at its barrier.
 The first `config.profile.steps` training runs are traced and measured
 (parallax_ng/profile.py); the planner then plans again with the
 measurements and, when the plan's decisions change (or with
@@ -126,11 +127,11 @@ class Runner:
 
     def session_runs(self, fetches) -> int:
         """How many session.runs one `run(fetches)` makes: its stages, and the
-        job's barrier after a run that initialized or trained."""
+        job's barrier where it is a run of its own."""
         wanted = [self.fetches.fetch(leaf, False) for leaf in tf.nest.flatten(fetches)]
         initialized, trained, _ = self._kind(tuple(f.user for f in wanted))
         runs = len(self.executor.runs([n for f in wanted for n in f.names]))
-        return runs + int((initialized or trained) and self.executor.barrier is not None)
+        return runs + int(self.executor.ends_with_barrier(initialized, trained))
 
     def save(self, saver, path: str) -> str:
         """Write replica 0's variables with the user's tf.compat.v1.train.Saver.
@@ -248,7 +249,7 @@ class Runner:
             latest = self._checkpoints.latest()
             if latest:
                 self._checkpoints.restore(self.session, latest)
-        if initialized or trained:
+        if self.executor.ends_with_barrier(initialized, trained):
             self.executor.end_step(self.session)
         if trained and self._checkpoints is not None:
             self._steps += 1

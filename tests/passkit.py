@@ -35,15 +35,17 @@ def op_counts(ir, prefix=""):
     return Counter(n.op for n in ir.nodes if n.name.startswith(prefix))
 
 
-def cluster_transform(graph, worker, servers=1, run_option="hybrid", devices=1, workers=2):
+def cluster_transform(graph, worker, servers=1, run_option="hybrid", devices=1, workers=2,
+                      **config):
     """Transform `graph` as worker `worker` of a job on made-up loopback ports
-    (nothing is started): (GraphIR, PassContext)."""
+    (nothing is started): (GraphIR, PassContext). `config`: more config keys."""
     import parallax_ng as pn
     from parallax_ng.cluster import ClusterInfo
     info = ClusterInfo(tuple(f"127.0.0.1:{2000 + i}" for i in range(workers)),
                        tuple(f"127.0.0.1:{3000 + j}" for j in range(servers)), "worker",
                        worker, tuple(("CPU", k) for k in range(devices)))
-    ir, ctx, _ = pn.transform(graph, config={"run_option": run_option}, cluster_info=info)
+    ir, ctx, _ = pn.transform(graph, config={"run_option": run_option, **config},
+                              cluster_info=info)
     return ir, ctx
 
 

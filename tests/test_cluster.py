@@ -23,7 +23,10 @@ def resources(tmp_path, workers, devices, servers=0):
     path = tmp_path / "resources.yaml"
     hosts = "".join(f"  - address: 127.0.0.1\n    devices: [{', '.join(f'cpu:{k}' for k in range(devices))}]\n"
                     for _ in range(workers))
-    ps = f"ps: [{', '.join(['127.0.0.1'] * servers)}]\n" if servers else ""
+    if servers == "per_host":
+        ps = "ps: per_host\n"
+    else:
+        ps = f"ps: [{', '.join(['127.0.0.1'] * servers)}]\n" if servers else ""
     path.write_text("hosts:\n" + hosts + ps)
     return str(path)
 

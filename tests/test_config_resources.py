@@ -52,6 +52,10 @@ def test_resources_forms(tmp_path):
     path.write_text("hosts:\n  - address: 127.0.0.1\n    devices: [cpu:0]\n")
     assert load_resources(str(path)).num_replicas == 1
     assert load_resources(None).num_replicas >= 1
+    per_host = load_resources({"hosts": [{"address": "10.0.0.1:2222", "devices": ["cpu:0"]},
+                                         {"address": "10.0.0.2", "devices": ["cpu:0"]}],
+                               "ps": "per_host"})
+    assert per_host.ps == ("10.0.0.1", "10.0.0.2")
 
 
 @pytest.mark.parametrize("data,words", [
@@ -62,6 +66,7 @@ def test_resources_forms(tmp_path):
     ({"hosts": [{"devices": ["cpu:0", "cpu:0"]}]}, ["twice"]),
     ({"hosts": [{"devices": ["cpu:0"], "gpus": 2}]}, ["gpus", "address, devices"]),
     ({"machines": []}, ["machines", "hosts, ps"]),
+    ({"hosts": [{"devices": ["cpu:0"]}], "ps": "each"}, ["'ps' is 'each'", "per_host"]),
 ])
 def test_bad_resources_name_the_problem(data, words):
     with pytest.raises(ResourceError) as err:

@@ -36,6 +36,16 @@ def test_a_staged_step_runs_its_stages_in_order_and_fetches_each_value_once():
     assert order == sorted(order)
     assert ex.barrier == Barrier(release="parallax/server_sync/release")
     assert ex.barrier.op(0) == "parallax/server_sync/release" and ex.barrier.op(1) is None
+    assert ex.ends_with_barrier(initialized=False, trained=True)
+
+
+def test_a_step_without_collectives_holds_its_barrier():
+    g, h = embedding_regression(4, "adam", clip=True)
+    ir, ctx = cluster_transform(g, worker=0, servers=1, dense_method="bfb")
+    ex = Executor(imported(ir), ctx)
+    assert len(ex.runs([h["train"].name])) == 1 and ex.barrier.folded
+    assert ex.ends_with_barrier(initialized=True, trained=False)
+    assert not ex.ends_with_barrier(initialized=False, trained=True)
 
 
 def test_other_workers_wait_at_the_barrier():

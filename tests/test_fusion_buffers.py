@@ -65,7 +65,8 @@ def test_sparse_variables_are_refused_and_horovod_jobs_have_no_servers():
     g, _ = embedding_regression(4)
     with pytest.raises(ConfigError, match="variable_methods.emb.*bfb.*sparse"):
         pn.transform_plan(g, job(2, 1), {"variable_methods": {"emb": "bfb"}})
-    with pytest.raises(ConfigError, match=r"gradients of \[.dense/b., .dense/w.*none; list `ps:"):
+    with pytest.raises(ConfigError,
+                       match=r"gradients of \[.dense/b., .dense/w.*none; list `ps:.*per_host"):
         pn.transform_plan(g, job(2, 0), {"dense_method": "bfb", "run_option": "allreduce"})
     with pytest.raises(ConfigError, match="backend horovod does not have"):
         pn.transform_plan(g, job(2, 1), {"dense_method": "bfb",
@@ -135,19 +136,20 @@ def test_the_graph_sums_each_shard_on_its_server():
 
 
 @pytest.mark.parametrize("workers,devices,servers,buffer", [
-    (2, 1, 1, 0), (2, 1, 2, 64), (2, 2, 2, 0), (2, 2, 3, 200)])
+    (2, 1, 1, 0), (2, 1, 2, 64), (2, 2, 2, 0), (2, 2, 3, 200), (2, 1, "per_host", 0)])
 def test_jobs_equal_one_device(tmp_path, workers, devices, servers, buffer):
     """Hybrid with dense variables by fusion buffers (sizes that cut
     variables) and the embedding on a server; Adam, global-norm clipping,
     moving averages: every variable and slot of every replica within 1e-5
     of one device after 10 steps, and no step mixes collectives with the
-    servers (one run, plus the barrier of the server protocol)."""
+    servers: one session.run per step, the barrier inside it."""
     from test_cluster import load, run_job
     done, out, _ = run_job(tmp_path, workers, devices, "10", "--run-option", "hybrid",
                            "--dense-method", "bfb", "--buffer-bytes", str(buffer),
                            servers=servers)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "worker 0: 2 session run(s) per step" in done.stdout, done.stdout[-2000:]
+    assert "worker 0: 1 session run(s) per step" in done.stdout, done.stdout[-2000:]
+    assert "worker 1: 1 session run(s) per step" in done.stdout, done.stdout[-2000:]
     parallel = load(out, workers)
     single = train_single(*embedding_regression(4 * workers * devices, "adam",
                                                 clip=True, ema=True), 10)

@@ -7,7 +7,8 @@ from models import embedding_regression
 from passkit import cluster_transform, context, run_passes
 from parallax_ng.errors import GraphError
 from transforms import pipeline_for
-from transforms.server_sync import RELEASE, WAIT
+from parallax_ng.results import Barrier
+from transforms.server_sync import RELEASE, WAIT, _step_writers
 
 tf1 = tf.compat.v1
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
@@ -16,7 +17,7 @@ HOST1 = "/job:worker/replica:0/task:1/device:CPU:0"
 
 def test_chief_takes_every_workers_element_and_applies_once():
     g, _ = embedding_regression(4, "adam", clip=True)
-    ir, ctx = cluster_transform(g, worker=0)
+    ir, ctx = cluster_transform(g, worker=0, coalesce_rows=False)
     take = ir.node("parallax/server_sync/take_0_1")
     assert take.op == "QueueDequeueV2" and take.device == PS0
     job = ir.node("parallax/ps/emb/mean/job")     # values: chief's + worker 1's
@@ -34,7 +35,7 @@ def test_chief_takes_every_workers_element_and_applies_once():
 
 def test_other_workers_push_and_never_write_shared_state():
     g, _ = embedding_regression(4, "adam", clip=True)
-    ir, ctx = cluster_transform(g, worker=1, devices=2)
+    ir, ctx = cluster_transform(g, worker=1, devices=2, coalesce_rows=False)
     push = ir.node("parallax/server_sync/push_0")
     assert push.op == "QueueEnqueueV2" and push.device == PS0
     assert push.input[1:3] == ["parallax/ps/emb/mean", "parallax/ps/emb/indices"]
@@ -113,11 +114,35 @@ def test_sparse_writer_reading_the_indices_is_silenced_and_only_values_come_back
     worker 1 it is a no-op, and the job aggregate it takes back for the
     global norm is the values alone."""
     g, _ = embedding_regression(4, "sgd", clip=True)
-    ir, ctx = cluster_transform(g, worker=1)
+    ir, ctx = cluster_transform(g, worker=1, coalesce_rows=False)
     writer = ir.node("GradientDescent/update_emb/ResourceScatterAdd")
     assert writer.op == "NoOp" and all(i.startswith("^") for i in writer.input)
     take = ir.node("parallax/server_sync/result_0/take")
     assert [tf.as_dtype(t) for t in take.attr["component_types"].list.type] == [tf.float32]
-    chief, _ = cluster_transform(g, worker=0)
+    chief, _ = cluster_transform(g, worker=0, coalesce_rows=False)
     put = chief.node("parallax/server_sync/result_0_1/put")
     assert put.input[1:] == ["parallax/ps/emb/mean/job"]
+
+
+def test_the_step_barrier_is_inside_the_training_run():
+    """Without collectives in the step (dense variables by fusion buffers),
+    the chief puts one token per other worker after each shared writer,
+    before whatever follows that writer; worker 1's silenced writers take
+    them after its pushes. With collectives (stages) the barrier stays a run
+    of its own: a token taken in the first stage would wait for the chief's
+    last stage, which waits for this worker's collectives."""
+    g, _ = embedding_regression(4, "adam", clip=True)
+    _, staged = cluster_transform(g, worker=0)
+    assert not staged.result(Barrier).folded
+    chief, ctx = cluster_transform(g, worker=0, dense_method="bfb")
+    assert ctx.result(Barrier).folded
+    writer = "Adam/update_emb/ResourceScatterAdd"
+    index = _step_writers(ctx).index(writer)
+    put = chief.node(f"parallax/server_sync/step_{index}_1/put")
+    assert f"^{writer}" in put.input and put.device == PS0
+    after = [c for c in ctx.tg.ir.node_consumers[writer]]
+    assert after and all(f"^{put.name}" in chief.node(c).input for c in after)
+    other, _ = cluster_transform(g, worker=1, dense_method="bfb")
+    take = other.node(f"parallax/server_sync/step_{index}/take")
+    assert "^parallax/server_sync/push_0" in take.input
+    assert f"^{take.name}" in other.node(writer).input

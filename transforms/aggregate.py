@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from parallax_ng import emit, rules
-from parallax_ng.ir import GraphIR
+from parallax_ng.duplicates import coalescing
+from parallax_ng.ir import GraphIR, TensorRef
 from parallax_ng.results import LocalAggregates
 
 
@@ -53,7 +54,9 @@ class AggregatePass:
             counts[vp.method] += 1
             if vp.method == "ps":
                 local[var] = _ps_outputs(ctx.plan, var, grad.sparse)
-        ctx.publish(LocalAggregates(local))
+        norms = {v: f"parallax/ps/{v}/norm" for v, vp in ctx.plan.variables.items()
+                 if vp.coalesce}
+        ctx.publish(LocalAggregates(local, norms))
         return ir.rewire(rewires, new_nodes), counts
 
 
@@ -82,25 +85,53 @@ def _ps(ctx, var, grad):
     else:
         nodes = [emit.node_def(f"{scope}/sum", "AddN", values, plan.host, T=dtype, N=n)]
         outputs = {}
-    if out_values.endswith("/mean"):
-        total = f"{scope}/values" if grad.sparse else f"{scope}/sum"
+    rows = _rows(plan, var, grad.sparse)
+    total = f"{scope}/values" if grad.sparse else f"{scope}/sum"
+    if rows != total:
         nodes += [emit.const(f"{scope}/scale", 1.0 / plan.group_size, dtype, plan.host),
-                  emit.node_def(out_values, "Mul", [total, f"{scope}/scale"],
-                                plan.host, T=dtype)]
+                  emit.node_def(rows, "Mul", [total, f"{scope}/scale"], plan.host, T=dtype)]
+    if plan.variables[var].coalesce:
+        nodes += _coalesce(scope, rows, f"{scope}/indices", dtype, idx_dtype, plan.host)
+        nodes.append(emit.node_def(f"{scope}/norm", "L2Loss", [rows], plan.host, T=dtype))
+        for norm in coalescing(ctx.tg, var):
+            outputs[TensorRef(norm, 0)] = [f"{scope}/norm"] * n
     outputs[grad.values] = [out_values] * n
     return nodes, outputs
 
 
-def _ps_outputs(plan, var: str, sparse: bool) -> tuple[str, str | None]:
-    """Names of the worker-local aggregate of `var`'s gradient made by `_ps`:
-    (values or dense sum, indices or None); scaled by 1/group_size for a mean."""
+def _coalesce(scope: str, values: str, indices: str, dtype, idx_dtype, device: str):
+    """Each distinct row once: duplicate indices' values summed, in the order
+    the indices first appear."""
+    return [emit.node_def(f"{scope}/unique", "Unique", [indices], device, T=idx_dtype,
+                          out_idx=tf.int32),
+            emit.node_def(f"{scope}/rows", "Size", [f"{scope}/unique"], device, T=idx_dtype,
+                          out_type=tf.int32),
+            emit.node_def(f"{scope}/coalesced", "UnsortedSegmentSum",
+                          [values, f"{scope}/unique:1", f"{scope}/rows"], device, T=dtype,
+                          Tindices=tf.int32, Tnumsegments=tf.int32),
+            # what later passes re-point (the job's rows), apart from the above
+            emit.node_def(f"{scope}/distinct", "Identity", [f"{scope}/unique"], device,
+                          T=idx_dtype)]
+
+
+def _rows(plan, var: str, sparse: bool) -> str:
+    """The worker's sum (dense) or concatenation (sparse) of its replicas'
+    gradients of `var`, scaled by 1/group_size for a mean."""
     scope = f"parallax/ps/{var}"
     mean = plan.average_sparse if sparse else plan.average_dense
     if mean and plan.group_size > 1:
-        values = f"{scope}/mean"
-    else:
-        values = f"{scope}/values" if sparse else f"{scope}/sum"
-    return values, (f"{scope}/indices" if sparse else None)
+        return f"{scope}/mean"
+    return f"{scope}/values" if sparse else f"{scope}/sum"
+
+
+def _ps_outputs(plan, var: str, sparse: bool) -> tuple[str, str | None]:
+    """Names of the worker-local aggregate of `var`'s gradient made by `_ps`:
+    (values or dense sum, indices or None); scaled by 1/group_size for a
+    mean; each distinct row once when the plan coalesces it."""
+    scope = f"parallax/ps/{var}"
+    if sparse and plan.variables[var].coalesce:
+        return f"{scope}/coalesced", f"{scope}/distinct"
+    return _rows(plan, var, sparse), (f"{scope}/indices" if sparse else None)
 
 
 def _fusion_buffers(ctx):

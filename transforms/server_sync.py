@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from parallax_ng import compat, emit
+from parallax_ng.duplicates import coalescing
 from parallax_ng.errors import GraphError
 from parallax_ng.ir import GraphIR, TensorRef, copy_node
 from parallax_ng.results import Barrier, LocalAggregates
@@ -76,9 +77,18 @@ class ServerSyncPass:
                 added += _push(ctx, j, server, parts, reads)
                 added += _take_back(ctx, ir, j, server, back, rewires)
         added += _barrier(plan)
-        ctx.publish(Barrier(release=RELEASE) if plan.worker == 0 else Barrier(wait=WAIT))
+        step = None if _collectives_in_step(ctx, ir) else _step_writers(ctx)
+        folded = step is not None
+        ctx.publish(Barrier(release=RELEASE, folded=folded) if plan.worker == 0 else
+                    Barrier(wait=WAIT, folded=folded))
         if plan.worker > 0:
-            changed = _silence_writers(ctx, ir, pushes)
+            waits = _step_waits(plan, step or [], pushes)
+            added += waits
+            changed = _silence_writers(ctx, ir, pushes, {w: f"^{n.name}" for w, n in
+                                                         zip(step or [], waits[1::2])})
+        elif folded:
+            puts, changed = _step_releases(ctx, ir, step)
+            added += puts
         out = ir.replace(changed, added) if changed or added else ir
         # a silenced writer is a NoOp: it no longer reads the aggregates
         rewires = {key: t for key, t in rewires.items() if key[0] not in changed}
@@ -94,13 +104,16 @@ class ServerSyncPass:
 def _components(ctx, variables: list[str]) -> list[tuple[str, tf.DType, bool]]:
     """(local aggregate tensor, dtype, sparse) of every shared variable on one
     server: a dense sum, or the values and indices of an IndexedSlices."""
-    out = []
+    out, local = [], ctx.result(LocalAggregates)
     for var in variables:
         grad = ctx.tg.gradients[var]
-        values, indices = ctx.result(LocalAggregates).of[var]
-        out.append((values, ctx.tg.tensor(grad.values).dtype, grad.sparse))
+        values, indices = local.of[var]
+        dtype = ctx.tg.tensor(grad.values).dtype
+        out.append((values, dtype, grad.sparse))
         if indices:
             out.append((indices, ctx.tg.tensor(grad.indices).dtype, True))
+        if var in local.norms:     # the rows' squared norm, summed over the workers
+            out.append((local.norms[var], dtype, False))
     return out
 
 
@@ -169,18 +182,23 @@ def _needed_by_every_worker(ctx) -> set[str]:
     needs: those that feed writers of mirrored state, e.g. through a global
     norm used to clip every gradient."""
     tg, plan = ctx.tg, ctx.plan
+    local = ctx.result(LocalAggregates)
     mirrored_writers = [w for v in plan.placement if plan.mirrored(v)
                         for w in tg.writers.get(v, ())]
-    feeding = tg.ir.ancestors(mirrored_writers, data_only=True)
+    # the user's L2Loss of coalesced values is replaced by the summed norms
+    replaced = {n for v in local.norms for n in coalescing(tg, v)}
+    feeding = tg.ir.ancestors(mirrored_writers, stop=replaced.__contains__, data_only=True)
     out = set()
     for var, vp in plan.variables.items():
         grad = tg.gradients[var]
         if not vp.shared:
             continue
         # a global norm reads an IndexedSlices' values, not its indices
-        for local, ref in zip(ctx.result(LocalAggregates).of[var], (grad.values, grad.indices)):
-            if local and ref.node in feeding:
-                out.add(local)
+        for tensor, ref in zip(local.of[var], (grad.values, grad.indices)):
+            if tensor and ref.node in feeding - replaced:
+                out.add(tensor)
+        if var in local.norms and feeding & set(coalescing(tg, var)):
+            out.add(local.norms[var])
     return out
 
 
@@ -243,6 +261,67 @@ def _barrier(plan):
     return nodes
 
 
+def _step_writers(ctx) -> list[str] | None:
+    """The chief's writers of shared state that training runs (those after the
+    gradients), in a fixed order; None if one of them has no consumer to
+    hang the step's release on (the barrier then stays a run of its own)."""
+    tg, plan = ctx.tg, ctx.plan
+    after_grads = tg.ir.descendants({r.node for r in tg.gradient_tensors})
+    writers = sorted({w for var in plan.shared_state() for w in tg.writers.get(var, ())
+                      if w in after_grads})
+    if any(not tg.ir.node_consumers.get(w) for w in writers):
+        return None
+    return writers
+
+
+def _collectives_in_step(ctx, ir: GraphIR) -> bool:
+    """Whether a training run has collective ops: then it runs in stages
+    (transforms/stage.py), and a token taken inside the first server stage
+    would wait for the chief's last one, which waits for this worker's
+    collectives: the barrier stays a run of its own."""
+    tg = ctx.tg
+    after_grads = tg.ir.descendants({r.node for r in tg.gradient_tensors})
+    writers = [ctx.replica_name(k, w) for v in tg.variables for w in tg.writers.get(v, ())
+               if w in after_grads for k in range(ctx.plan.num_replicas)]
+    return any(ir.node(n).op.startswith("Collective")
+               for n in ir.ancestors([w for w in writers if w in ir]))
+
+
+def _step_releases(ctx, ir: GraphIR, writers: list[str]):
+    """The barrier inside the training run, chief's side: after each shared
+    writer, one token per other worker, put before anything that follows the
+    writer (so every run that trains puts them)."""
+    plan, device = ctx.plan, ctx.plan.servers[0]
+    nodes, changed = [], {}
+    for i, writer in enumerate(writers):
+        for w in range(1, plan.num_workers):
+            q = f"{SCOPE}/step_{i}_{w}"
+            nodes += [_queue(q, f"parallax_ng/step/{i}/{w}", [tf.int32], device),
+                      emit.const(f"{q}/token", 0, tf.int32, device),
+                      emit.node_def(f"{q}/put", "QueueEnqueueV2",
+                                    [q, f"{q}/token", f"^{writer}"], device,
+                                    Tcomponents=[tf.int32], timeout_ms=-1)]
+            for consumer in sorted(ir.node_consumers.get(writer, ())):
+                nd = changed.get(consumer) or copy_node(ir.node(consumer))
+                nd.input.append(f"^{q}/put")
+                changed[consumer] = nd
+    return nodes, changed
+
+
+def _step_waits(plan, writers: list[str], pushes: dict) -> list:
+    """The barrier inside the training run, another worker's side: each
+    silenced training writer takes the chief's token for it (after this
+    worker's pushes), so the run ends once the chief has written."""
+    device, nodes = plan.servers[0], []
+    after = ["^" + p for ps in pushes.values() for p in ps]
+    for i, _ in enumerate(writers):
+        q = f"{SCOPE}/step_{i}"
+        nodes += [_queue(q, f"parallax_ng/step/{i}/{plan.worker}", [tf.int32], device),
+                  emit.node_def(f"{q}/take", "QueueDequeueV2", [q] + after, device,
+                                component_types=[tf.int32], timeout_ms=-1)]
+    return nodes
+
+
 def _forward_reads(ctx) -> list[str]:
     """Every replica's reads of shared variables that the gradients depend on:
     a push waits for them, so the chief's update cannot overtake them."""
@@ -254,11 +333,13 @@ def _forward_reads(ctx) -> list[str]:
     return [ctx.replica_name(k, r) for r in reads for k in range(ctx.plan.num_replicas)]
 
 
-def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[str]]) -> dict:
+def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[str]],
+                     waits: dict[str, str]) -> dict:
     """A non-chief worker's writers of shared state, as no-ops; training
     writers (those after the gradients) wait for this worker's push and for
-    the job's aggregates it takes back, so every training step moves one
-    element through each queue, as the chief's does.
+    the job's aggregates it takes back (and, in `waits`, for the chief's
+    token that it has written), so every training step moves one element
+    through each queue, as the chief's does.
 
     A reference variable's writer returns the variable, and optimizers chain
     on it (Adam's sparse update scales `m` after its ScatterAdd). When that
@@ -273,6 +354,7 @@ def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[str]]) -> dict:
         if w in changed:
             continue
         deps = ["^" + p for p in pushes[plan.server(var)]] if w in after_grads else []
+        deps += [waits[w]] if w in waits else []
         if not _data_consumers(ir, w):
             changed[w] = emit.node_def(w, "NoOp", deps, plan.host)
             continue

@@ -1,0 +1,89 @@
+"""Coalesced rows: a sparse gradient leaves a worker with each distinct row
+once, where every use of it sums rows anyway."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import embedding_regression, local, train_both
+from parallax_ng import frontend
+from parallax_ng.duplicates import coalescing
+
+tf1 = tf.compat.v1
+
+
+def job(workers: int, servers: int) -> dict:
+    return {"hosts": [{"address": "127.0.0.1", "devices": ["cpu:0"]}] * workers,
+            "ps": ["127.0.0.1"] * servers}
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam", "adagrad"])
+def test_optimizer_uses_sum_rows_and_the_global_norm_is_named(optimizer):
+    g, _ = embedding_regression(4, optimizer, clip=True)
+    assert coalescing(frontend.load(g), "emb") == ("global_norm/L2Loss",)
+    g, _ = embedding_regression(4, optimizer)
+    assert coalescing(frontend.load(g), "emb") == ()
+
+
+def test_a_use_that_sees_single_rows_keeps_them():
+    """A histogram-like use (the sum of squared values) of the raw rows, and
+    an L2Loss of scaled rows, would change if duplicates were summed."""
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.placeholder(tf.int32, [None], name="ids")
+        emb = tf1.get_variable("emb", [10, 2])
+        loss = tf.reduce_sum(tf.nn.embedding_lookup(emb, ids))
+        opt = tf1.train.GradientDescentOptimizer(0.1)
+        (grad, var), = opt.compute_gradients(loss)
+        tf.reduce_sum(tf.square(grad.values), name="rows_squared")
+        opt.apply_gradients([(grad, var)])
+    tg = frontend.load(g)
+    assert coalescing(tg, "emb") is None
+    assert not pn.transform_plan(g, local(2)).variables["emb"].coalesce
+    g2 = tf.Graph()
+    with g2.as_default():
+        ids = tf1.placeholder(tf.int32, [None], name="ids")
+        emb = tf1.get_variable("emb", [10, 2])
+        opt = tf1.train.GradientDescentOptimizer(0.1)
+        (grad, var), = opt.compute_gradients(tf.reduce_sum(tf.nn.embedding_lookup(emb, ids)))
+        tf.nn.l2_loss(grad.values * 2.0, name="scaled_norm")
+        opt.apply_gradients([(grad, var)])
+    assert coalescing(frontend.load(g2), "emb") is None
+
+
+def test_the_plan_coalesces_server_rows_only_and_can_be_told_not_to():
+    g, _ = embedding_regression(4, "adam", clip=True)
+    plan = pn.transform_plan(g, local(2))
+    assert plan.variables["emb"].coalesce
+    assert "each distinct row sent once (duplicates summed first): emb" in plan.format()
+    assert not pn.transform_plan(g, local(2), {"coalesce_rows": False}).variables["emb"].coalesce
+    assert not pn.transform_plan(g, local(2), {"run_option": "allreduce"}).variables["emb"].coalesce
+    assert not pn.transform_plan(g, local(2)).variables["dense/w"].coalesce
+
+
+def test_a_worker_pushes_distinct_rows_and_its_part_of_the_norm():
+    g, _ = embedding_regression(4, "adam", clip=True)
+    plan = pn.transform_plan(g, job(2, 1))
+    from dataclasses import replace
+    ir, _, _ = pn.transform(g, plan=replace(plan, worker=1))
+    push = ir.node("parallax/server_sync/push_0")
+    assert {"parallax/ps/emb/coalesced", "parallax/ps/emb/distinct",
+            "parallax/ps/emb/norm"} <= set(push.input)
+    assert ir.node("parallax/ps/emb/coalesced").op == "UnsortedSegmentSum"
+    # the other workers need the job's norm (it clips their dense gradients), not its rows
+    take = ir.node("parallax/server_sync/result_0/take")
+    assert len(take.attr["component_types"].list.type) == 1
+
+
+@pytest.mark.parametrize("run_option", ["hybrid", "ps"])
+def test_coalesced_in_process_equals_one_device_and_the_uncoalesced_run(run_option):
+    """Ids that repeat within and across replicas, global-norm clipping:
+    coalesced and uncoalesced runs both within 1e-5 of one device."""
+    def build(batch):
+        return embedding_regression(batch, "adagrad", clip=True, ema=True)
+    for coalesce in (True, False):
+        config = {"run_option": run_option, "coalesce_rows": coalesce}
+        parallel, single, names = train_both(build, 2, 10, local(2), config, batch=8)
+        for name in names:
+            for got in parallel[name]:
+                assert np.max(np.abs(got - single[name])) <= 1e-5, (coalesce, name)
