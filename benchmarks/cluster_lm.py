@@ -4,6 +4,7 @@ balanced fusion buffers: hybrid-bfb), allreduce and ps run options and for
 TensorFlow's MultiWorkerMirroredStrategy training the same model.
 
     python benchmarks/cluster_lm.py [--steps 500] [--warmup 50] [--repeats 1]
+                                    [--workers 2] [--vocab N] [--modes a,b,...]
 
 Each mode is one `parallax-ng run` job. Worker 0 times a window of --steps
 steps after --warmup steps, and counts the bytes every process of the job
@@ -24,11 +25,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-MODES = ("hybrid", "hybrid-bfb", "allreduce", "ps", "mwms")
-# mode -> parallax_ng config; `-bfb`: dense variables by balanced fusion buffers
-CONFIGS = {"hybrid": {"run_option": "hybrid"},
-           "hybrid-bfb": {"run_option": "hybrid", "dense_method": "bfb"},
-           "allreduce": {"run_option": "allreduce"}, "ps": {"run_option": "ps"}}
+MODES = ("hybrid", "hybrid-bfb", "hybrid-bfb-per-host", "allreduce", "ps", "mwms")
+# mode -> (parallax_ng config, the resource file's `ps:`); `-bfb`: dense
+# variables by balanced fusion buffers; `-per-host`: a server beside each worker
+CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
+           "hybrid-bfb": ({"run_option": "hybrid", "dense_method": "bfb"}, "[127.0.0.1]"),
+           "hybrid-bfb-per-host": ({"run_option": "hybrid", "dense_method": "bfb"}, "per_host"),
+           "allreduce": ({"run_option": "allreduce"}, None),
+           "ps": ({"run_option": "ps"}, "[127.0.0.1]"),
+           "mwms": (None, None)}
 
 
 def main():
@@ -37,37 +42,99 @@ def main():
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode (median)")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=None, help="lm_small's --vocab")
+    parser.add_argument("--netlab", metavar="RATE",
+                        help="run every task on its own emulated host with a NIC of RATE "
+                             "(e.g. 100mbit, 1gbit; ../shared/tools/netlab); bytes are then "
+                             "read at each host's NIC")
     parser.add_argument("--mode", help=argparse.SUPPRESS)      # inside a job
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.mode:
         return worker(args)
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in args.modes.split(","):
-            runs = [job(mode, args, tmp, r) for r in range(args.repeats)]
-            runs.sort(key=lambda r: r["steps_per_s"])
-            results[mode] = runs[len(runs) // 2]
-            print(f"{mode:10} {format_row(results[mode])}", flush=True)
+    if args.netlab:     # the workers' hosts, and one more for a single server
+        subprocess.run([NETLAB, "up", str(args.workers + 1), args.netlab], check=True,
+                       capture_output=True)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for mode in args.modes.split(","):
+                runs = [job(mode, args, tmp, r) for r in range(args.repeats)]
+                runs.sort(key=lambda r: r["steps_per_s"])
+                results[mode] = runs[len(runs) // 2]
+                print(f"{mode:10} {format_row(results[mode])}", flush=True)
+    finally:
+        if args.netlab:
+            subprocess.run([NETLAB, "down"], capture_output=True)
     report(results)
+
+
+NETLAB = os.path.join(os.path.dirname(ROOT), "shared", "tools", "netlab")
+_ports = iter(range(31000, 40000, 10))
+
+
+def resource_file(mode: str, args, path: str) -> None:
+    servers = CONFIGS[mode][1]
+    with open(path, "w") as f:
+        if not args.netlab:
+            f.write("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * args.workers)
+            if servers:
+                f.write(f"ps: {servers}\n")
+            return
+        port = next(_ports)
+        f.write("hosts:\n" + "".join(f"  - address: 10.254.0.{10 + i}:{port + 2 * i}\n"
+                                     "    devices: [cpu:0]\n" for i in range(args.workers)))
+        if servers == "per_host":
+            f.write("ps: per_host\n")
+        elif servers:
+            f.write(f"ps: [10.254.0.{10 + args.workers}:{port + 9}]\n")
+        f.write(f"ssh: {NETLAB} ssh\n")
 
 
 def job(mode: str, args, tmp: str, repeat: int) -> dict:
     res = os.path.join(tmp, f"{mode}.yaml")
-    with open(res, "w") as f:
-        f.write("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2)
-        if mode != "mwms" and CONFIGS[mode]["run_option"] != "allreduce":
-            f.write("ps: [127.0.0.1]\n")
+    resource_file(mode, args, res)
     out = os.path.join(tmp, f"{mode}-{repeat}.json")
     cmd = [sys.executable, "-m", "parallax_ng.cli", "run", os.path.abspath(__file__),
            "-r", res, "--", "--mode", mode, "--out", out, "--steps", str(args.steps),
-           "--warmup", str(args.warmup)]
+           "--warmup", str(args.warmup)] + (["--vocab", str(args.vocab)] if args.vocab else [])
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"{mode} job failed:\n{done.stderr[-3000:]}")
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        nic = nic_window(out, proc) if args.netlab else None
+        if proc.wait(timeout=1800) != 0:
+            log.seek(0)
+            raise SystemExit(f"{mode} job failed:\n{log.read()[-3000:]}")
     with open(out) as f:
-        return json.load(f)
+        result = json.load(f)
+    if nic is not None:     # the hosts' NICs over the timed window
+        names = [f"host of worker {i}" for i in range(args.workers)] + ["server host"]
+        result["bytes_per_step"] = {names[int(host.split()[1])]: b / args.steps
+                                    for host, b in nic.items()}
+    return result
+
+
+def nic_window(out: str, proc) -> dict | None:
+    """Bytes each emulated host sent between worker 0's window marks: it
+    writes OUT.start and waits for OUT.go; its result file ends the window."""
+    before = None
+    deadline = time.monotonic() + 1800
+    while time.monotonic() < deadline and proc.poll() is None:
+        if before is None and os.path.exists(out + ".start"):
+            before = netlab_bytes()
+            open(out + ".go", "w").close()
+        if before is not None and os.path.exists(out):
+            after = netlab_bytes()
+            return {h: after[h] - before[h] for h in after}
+        time.sleep(0.005)
+    return None
+
+
+def netlab_bytes() -> dict[str, int]:
+    text = subprocess.run([NETLAB, "bytes"], capture_output=True, text=True).stdout
+    return {f"host {m.group(1)}": int(m.group(2))
+            for m in re.finditer(r"host (\d+) \S+ sent (\d+)", text)}
 
 
 def format_row(r: dict) -> str:
@@ -92,7 +159,8 @@ def worker(args) -> None:
 
     from parallax_ng import cluster
     info = cluster.from_env()
-    model_args = lm_small.arguments([])    # the example's default model
+    # the example's default model, or its --vocab
+    model_args = lm_small.arguments(["--vocab", str(args.vocab)] if args.vocab else [])
     if args.mode == "mwms":
         step = mwms_step(info, model_args)
     else:
@@ -102,6 +170,11 @@ def worker(args) -> None:
     measure = info.task == 0
     tasks = task_pids(info) if measure else {}
     before = sent_bytes(tasks.values()) if measure else {}
+    if measure and args.out and is_emulated(info):   # the coordinator reads the NICs
+        open(args.out + ".start", "w").close()
+        waited = time.monotonic()
+        while not os.path.exists(args.out + ".go") and time.monotonic() - waited < 60:
+            time.sleep(0.005)
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
@@ -114,12 +187,16 @@ def worker(args) -> None:
             json.dump({"steps_per_s": args.steps / seconds, "bytes_per_step": per_step}, f)
 
 
+def is_emulated(info) -> bool:
+    return info.workers[0].startswith("10.254.0.")
+
+
 def parallax_step(mode: str, model_args):
     import lm_small
 
     import parallax_ng as pn
     graph, train_op, loss, _, init = lm_small.build(model_args)
-    runner = pn.get_runner(graph, None, CONFIGS[mode])
+    runner = pn.get_runner(graph, None, CONFIGS[mode][0])
     runner.run(init)
     return lambda: runner.run([train_op, loss])
 

@@ -34,10 +34,11 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     """`order`: trained variables in the order their gradients became ready
     in a measured step (one process only: in a job every worker must pack
     alike, so the order is the static one)."""
+    job_servers = num_workers > 1 and bool(servers) and config.communication.backend == "tf"
     variables = {name: VariablePlan(name, method, info[name],
                                     coalesce=config.coalesce_rows and method == "ps" and
                                     coalescing(tg, name) is not None)
-                 for name, method in choose_methods(info, config).items()}
+                 for name, method in choose_methods(info, config, job_servers).items()}
     roots = shared_roots(variables)
     fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
     _check_servers(tg, roots + fused, config, num_workers, servers)
@@ -49,25 +50,29 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),
                                config.random, config.random_ops,
                                pinned={op for q in producers for op in q.random})
-    job_servers = num_workers > 1 and bool(roots or fused)
+    staged = num_workers > 1 and bool(roots or fused)
     return Plan(config.run_option, config.average_dense, config.average_sparse,
                 tuple(devices), host, variables, placement,
                 timeout_seconds=config.communication.timeout_seconds,
                 num_workers=num_workers, worker=worker, servers=tuple(servers),
                 backend=config.communication.backend, random=random,
                 split_queues={q.queue: q.enqueues for q in producers},
-                schedule=Schedule(staged=job_servers), buffers=buffers)
+                schedule=Schedule(staged=staged), buffers=buffers)
 
 
 # -- 1. policy -----------------------------------------------------------------
-def choose_methods(info: dict[str, VariableInfo], config: Config) -> dict[str, str]:
+def choose_methods(info: dict[str, VariableInfo], config: Config,
+                   job_servers: bool = False) -> dict[str, str]:
+    """`job_servers`: a job of several workers with parameter servers, where
+    `hybrid` aggregates dense gradients by balanced fusion buffers (one
+    session.run per step; all-reduce would need stages, measured slower)."""
     unknown = set(config.variable_methods) - set(info)
     if unknown:
         raise ConfigError(f"config key 'variable_methods' names {sorted(unknown)}, which "
                           f"are not trained variables; trained: {sorted(info)}")
     out = {}
     for name, vi in info.items():
-        method = config.variable_methods.get(name) or _default_method(config, vi)
+        method = config.variable_methods.get(name) or _default_method(config, vi, job_servers)
         if method == "allgather" and not vi.sparse:
             raise ConfigError(f"config key 'variable_methods.{name}' is allgather, but "
                               f"{name} has a dense gradient; use allreduce, ps or bfb")
@@ -79,11 +84,13 @@ def choose_methods(info: dict[str, VariableInfo], config: Config) -> dict[str, s
     return out
 
 
-def _default_method(config: Config, vi: VariableInfo) -> str:
+def _default_method(config: Config, vi: VariableInfo, job_servers: bool) -> str:
     if vi.sparse:
         return "allgather" if config.run_option == "allreduce" else "ps"
     if config.dense_method != "auto":
         return config.dense_method
+    if config.run_option == "hybrid" and job_servers:
+        return "bfb"
     return "ps" if config.run_option == "ps" else "allreduce"
 
 

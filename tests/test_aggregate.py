@@ -38,7 +38,7 @@ def test_every_consumer_in_every_replica_reads_the_aggregate():
     assert ir.node("parallax/allreduce/dense/w/replica_1").input == [
         "parallax/replica_1/" + grad]
     scatter = ir.node("GradientDescent/update_emb/ResourceScatterAdd")
-    assert scatter.input[1] == "parallax/ps/emb/indices"
+    assert scatter.input[1] == "parallax/ps/emb/distinct"   # each distinct row once
 
 
 def test_sum_instead_of_mean():

@@ -61,15 +61,18 @@ def test_one_worker_job_uses_its_server(tmp_path):
             assert np.max(np.abs(got - single[name])) <= 1e-5, name
 
 
-@pytest.mark.parametrize("run_option,servers", [("allreduce", 0), ("hybrid", 1),
-                                                ("hybrid", 2), ("ps", 1), ("ps", 2)])
+@pytest.mark.parametrize("run_option,servers,dense", [
+    ("allreduce", 0, "auto"), ("hybrid", 1, "auto"), ("hybrid", 2, "auto"),
+    ("hybrid", 1, "allreduce"), ("ps", 1, "auto"), ("ps", 2, "auto")])
 @pytest.mark.parametrize("workers,devices", [(2, 1), (2, 2)])
-def test_workers_match_one_device(tmp_path, workers, devices, run_option, servers):
+def test_workers_match_one_device(tmp_path, workers, devices, run_option, servers, dense):
     """Adam, gradients clipped by their global norm (dense and sparse), EMA of
     every weight, 10 steps: every variable and slot on every replica of every
-    worker within 1e-5 of one device with the total batch."""
+    worker within 1e-5 of one device with the total batch. Hybrid's dense
+    variables by fusion buffers (its default with servers) and by all-reduce
+    (in stages)."""
     done, out, _ = run_job(tmp_path, workers, devices, "10", "--run-option", run_option,
-                           servers=servers)
+                           "--dense-method", dense, servers=servers)
     assert done.returncode == 0, done.stderr[-3000:]
     parallel = load(out, workers)
     single = train_single(*embedding_regression(4 * workers * devices, "adam",
@@ -185,12 +188,14 @@ def test_parameter_servers_missing_from_the_resources_is_a_clear_error(tmp_path)
     assert "list `ps: [address]`" in done.stderr and "run_option: allreduce" in done.stderr
 
 
-def test_hybrid_with_a_server_runs_600_steps_in_step(tmp_path):
-    """Collectives and parameter-server work in separate runs of each step:
-    a long run never hits TensorFlow's step-id cleanup abort, and the workers'
-    mirrored copies stay bit-identical."""
-    done, out, _ = run_job(tmp_path, 2, 1, "600", "--run-option", "hybrid", servers=1,
-                           timeout=600)
+@pytest.mark.parametrize("dense", ["auto", "allreduce"])
+def test_hybrid_with_a_server_runs_600_steps_in_step(tmp_path, dense):
+    """Dense variables by fusion buffers (one run per step, no collectives),
+    or by all-reduce with collectives and parameter-server work in separate
+    runs of each step: a long run never hits TensorFlow's step-id cleanup
+    abort, and the workers' mirrored copies stay bit-identical."""
+    done, out, _ = run_job(tmp_path, 2, 1, "600", "--run-option", "hybrid",
+                           "--dense-method", dense, servers=1, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     for name, copies in load(out, 2).items():
         np.testing.assert_array_equal(copies[0], copies[1], err_msg=name)

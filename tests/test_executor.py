@@ -24,7 +24,7 @@ def test_an_unstaged_step_is_one_session_run():
 
 def test_a_staged_step_runs_its_stages_in_order_and_fetches_each_value_once():
     g, h = embedding_regression(4, "adam", clip=True)
-    ir, ctx = cluster_transform(g, worker=0, servers=1)
+    ir, ctx = cluster_transform(g, worker=0, servers=1, dense_method="allreduce")
     graph = imported(ir)
     ex = Executor(graph, ctx)
     stages = ctx.result(Stages)

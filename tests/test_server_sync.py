@@ -35,7 +35,8 @@ def test_chief_takes_every_workers_element_and_applies_once():
 
 def test_other_workers_push_and_never_write_shared_state():
     g, _ = embedding_regression(4, "adam", clip=True)
-    ir, ctx = cluster_transform(g, worker=1, devices=2, coalesce_rows=False)
+    ir, ctx = cluster_transform(g, worker=1, devices=2, coalesce_rows=False,
+                                dense_method="allreduce")
     push = ir.node("parallax/server_sync/push_0")
     assert push.op == "QueueEnqueueV2" and push.device == PS0
     assert push.input[1:3] == ["parallax/ps/emb/mean", "parallax/ps/emb/indices"]
@@ -132,7 +133,7 @@ def test_the_step_barrier_is_inside_the_training_run():
     of its own: a token taken in the first stage would wait for the chief's
     last stage, which waits for this worker's collectives."""
     g, _ = embedding_regression(4, "adam", clip=True)
-    _, staged = cluster_transform(g, worker=0)
+    _, staged = cluster_transform(g, worker=0, dense_method="allreduce")
     assert not staged.result(Barrier).folded
     chief, ctx = cluster_transform(g, worker=0, dense_method="bfb")
     assert ctx.result(Barrier).folded

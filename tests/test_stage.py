@@ -37,7 +37,7 @@ def pruned(graph, targets):
 @pytest.mark.parametrize("worker", [0, 1])
 def test_every_run_is_collective_only_or_server_only(worker):
     g, h = embedding_regression(4, "adam", clip=True, ema=True)
-    ir, ctx = cluster_transform(g, worker=worker, devices=2)
+    ir, ctx = cluster_transform(g, worker=worker, devices=2, dense_method="allreduce")
     stages = ctx.result(Stages)
     graph = imported(ir)
     for fetch in (h["train"].name, h["init"].name):
