@@ -162,10 +162,14 @@ def _parse(data: dict) -> ResourceInfo:
 
 def _servers(ps, hosts) -> tuple[str, ...]:
     """`ps`: a list of addresses, or `per_host` (a server process beside
-    every host's worker, on its address, with a port of its own)."""
+    every host's worker, on its address: on the next port when the host
+    gives its worker's port, else on a free one)."""
     if ps == "per_host":
-        return tuple(h.address.rsplit(":", 1)[0] if re.search(r":\d+$", h.address)
-                     else h.address for h in hosts)
+        out = []
+        for h in hosts:
+            m = re.match(r"^(.*):(\d+)$", h.address)
+            out.append(f"{m.group(1)}:{int(m.group(2)) + 1}" if m else h.address)
+        return tuple(out)
     if isinstance(ps, str) or not isinstance(ps, (list, tuple, type(None))):
         raise ResourceError(f"resource key 'ps' is {ps!r}; give a list of addresses "
                             "([10.0.0.5, ...]) or per_host (one server on every host)")

@@ -55,7 +55,7 @@ def test_resources_forms(tmp_path):
     per_host = load_resources({"hosts": [{"address": "10.0.0.1:2222", "devices": ["cpu:0"]},
                                          {"address": "10.0.0.2", "devices": ["cpu:0"]}],
                                "ps": "per_host"})
-    assert per_host.ps == ("10.0.0.1", "10.0.0.2")
+    assert per_host.ps == ("10.0.0.1:2223", "10.0.0.2")
 
 
 @pytest.mark.parametrize("data,words", [
