@@ -1,7 +1,9 @@
-"""lm_small on a localhost job: 2 workers (+ 1 parameter server where the mode
-uses one), for parallax_ng's hybrid (dense variables by all-reduce, or by
-balanced fusion buffers: hybrid-bfb), allreduce and ps run options and for
-TensorFlow's MultiWorkerMirroredStrategy training the same model.
+"""lm_small on a localhost job: 2 workers (+ parameter servers where the mode
+uses them), for parallax_ng's hybrid (dense variables by balanced fusion
+buffers with one server or a server per worker host, or by all-reduce in
+stages), allreduce and ps run options and for TensorFlow's
+MultiWorkerMirroredStrategy training the same model; on loopback, or with
+--netlab RATE on emulated hosts with rate-limited NICs.
 
     python benchmarks/cluster_lm.py [--steps 500] [--warmup 50] [--repeats 1]
                                     [--workers 2] [--vocab N] [--modes a,b,...]
@@ -25,12 +27,15 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-MODES = ("hybrid", "hybrid-bfb", "hybrid-bfb-per-host", "allreduce", "ps", "mwms")
-# mode -> (parallax_ng config, the resource file's `ps:`); `-bfb`: dense
-# variables by balanced fusion buffers; `-per-host`: a server beside each worker
+MODES = ("hybrid", "hybrid-staged", "hybrid-per-host", "allreduce", "ps", "mwms")
+# mode -> (parallax_ng config, the resource file's `ps:`). hybrid: dense
+# variables by balanced fusion buffers (its default with servers), one server;
+# -staged: dense by all-reduce, collectives and servers in separate runs;
+# -per-host: fusion buffers with a server beside each worker
 CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
-           "hybrid-bfb": ({"run_option": "hybrid", "dense_method": "bfb"}, "[127.0.0.1]"),
-           "hybrid-bfb-per-host": ({"run_option": "hybrid", "dense_method": "bfb"}, "per_host"),
+           "hybrid-staged": ({"run_option": "hybrid", "dense_method": "allreduce"},
+                             "[127.0.0.1]"),
+           "hybrid-per-host": ({"run_option": "hybrid"}, "per_host"),
            "allreduce": ({"run_option": "allreduce"}, None),
            "ps": ({"run_option": "ps"}, "[127.0.0.1]"),
            "mwms": (None, None)}
@@ -63,7 +68,7 @@ def main():
                 runs = [job(mode, args, tmp, r) for r in range(args.repeats)]
                 runs.sort(key=lambda r: r["steps_per_s"])
                 results[mode] = runs[len(runs) // 2]
-                print(f"{mode:10} {format_row(results[mode])}", flush=True)
+                print(f"{mode:16} {format_row(results[mode])}", flush=True)
     finally:
         if args.netlab:
             subprocess.run([NETLAB, "down"], capture_output=True)
@@ -144,13 +149,13 @@ def format_row(r: dict) -> str:
 
 def report(results: dict) -> None:
     base = results.get("mwms")
-    print("\nmode        steps/s  vs MWMS   MB sent/step (all processes)  vs MWMS")
+    print("\nmode              steps/s  vs MWMS   MB sent/step (all processes)  vs MWMS")
     for mode, r in results.items():
         total = sum(r["bytes_per_step"].values())
         speed = f"{r['steps_per_s'] / base['steps_per_s']:7.2f}x" if base else "      -"
         base_total = sum(base["bytes_per_step"].values()) if base else 0
         size = f"{total / base_total:7.2f}x" if base_total else "      -"
-        print(f"{mode:10} {r['steps_per_s']:8.2f} {speed} {total / 1e6:14.3f} {'':14} {size}")
+        print(f"{mode:16} {r['steps_per_s']:8.2f} {speed} {total / 1e6:14.3f} {'':14} {size}")
 
 
 # -- inside the job -----------------------------------------------------------

@@ -74,6 +74,12 @@ def test_workers_match_one_device(tmp_path, workers, devices, run_option, server
     done, out, _ = run_job(tmp_path, workers, devices, "10", "--run-option", run_option,
                            "--dense-method", dense, servers=servers)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert_matches_one_device(out, workers, devices)
+
+
+def assert_matches_one_device(out, workers: int, devices: int) -> None:
+    """Every variable and slot of every replica of a 10-step job of
+    cluster_script.py (Adam, clipping, EMA) within 1e-5 of one device."""
     parallel = load(out, workers)
     single = train_single(*embedding_regression(4 * workers * devices, "adam",
                                                 clip=True, ema=True), 10)

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from model_shapes import bert_base, parameters, resnet50, training_graph
-from models import embedding_regression, local, train_both, train_single
+from models import embedding_regression, local, train_both
 from parallax_ng.errors import ConfigError
 from parallax_ng.planner import buffer_bytes
 
@@ -143,18 +143,11 @@ def test_jobs_equal_one_device(tmp_path, workers, devices, servers, buffer):
     moving averages: every variable and slot of every replica within 1e-5
     of one device after 10 steps, and no step mixes collectives with the
     servers: one session.run per step, the barrier inside it."""
-    from test_cluster import load, run_job
+    from test_cluster import assert_matches_one_device, run_job
     done, out, _ = run_job(tmp_path, workers, devices, "10", "--run-option", "hybrid",
                            "--dense-method", "bfb", "--buffer-bytes", str(buffer),
                            servers=servers)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "worker 0: 1 session run(s) per step" in done.stdout, done.stdout[-2000:]
     assert "worker 1: 1 session run(s) per step" in done.stdout, done.stdout[-2000:]
-    parallel = load(out, workers)
-    single = train_single(*embedding_regression(4 * workers * devices, "adam",
-                                                clip=True, ema=True), 10)
-    assert set(parallel) == set(single)
-    for name, copies in parallel.items():
-        assert len(copies) == workers * devices
-        for got in copies:
-            assert np.max(np.abs(got - single[name])) <= 1e-5, name
+    assert_matches_one_device(out, workers, devices)
