@@ -114,6 +114,13 @@ class Plan:
         return home(self.placement[var]) or self.host
 
     @property
+    def reduces_on_servers(self) -> bool:
+        """A job whose dense gradients are summed on the servers (fusion
+        buffers): other sums in the step go there too, so a training run has
+        no collective op and is one session.run."""
+        return self.num_workers > 1 and bool(self.buffers)
+
+    @property
     def cross_worker_servers(self) -> bool:
         """True when shared state lives on parameter-server processes that
         several workers update: aggregation then goes through the servers."""

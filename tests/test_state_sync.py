@@ -72,3 +72,60 @@ def test_golden_tiny_counter():
         assert node.attr["final_op"].s == b"Id"
     assert out.node(f"parallax/replica_1/{writer}").input[1] == added[1]
     assert report == {"synced": 1}
+
+
+def test_in_a_job_with_fusion_buffers_state_is_summed_on_the_servers():
+    """No collective op in the step: the running statistics' sums go through
+    the servers like the gradients."""
+    from passkit import cluster_transform
+    ir, ctx = cluster_transform(stats_graph(), worker=0, servers=2, dense_method="bfb")
+    assert ctx.plan.reduces_on_servers
+    step = ir.ancestors(["train"])
+    assert not [n for n in step if ir.node(n).op.startswith("Collective")]
+    totals = sorted(n for n in step if n.startswith("parallax/state_sync/")
+                    and n.endswith("/total"))
+    assert len(totals) == 2 and {ir.node(n).device.split("/device")[0] for n in totals} == {
+        "/job:ps/replica:0/task:0", "/job:ps/replica:0/task:1"}
+
+
+JOB_SCRIPT = """
+import sys
+import numpy as np
+import tensorflow as tf
+sys.path.insert(0, {tests!r})
+import parallax_ng as pn
+from test_state_sync import stats_graph
+
+g = stats_graph()
+runner = pn.get_runner(g, None, {{"dense_method": "bfb"}})
+runner.run([v.initializer.name for v in g.get_collection("variables")])
+data = np.arange(24, dtype=np.float32).reshape(8, 3)
+w = runner.plan.worker
+runner.run("train", {{"x:0": data[4 * w:4 * w + 4]}})
+mean, count = runner.run(["running_mean/Read/ReadVariableOp:0",
+                          "count/Read/ReadVariableOp:0"])
+print("runs", runner.session_runs("train"), "state", mean.tolist(), float(count), flush=True)
+"""
+
+
+def test_a_job_with_fusion_buffers_keeps_state_equal_to_one_device(tmp_path):
+    import os
+    import re
+    import subprocess
+    import sys
+    from test_cluster import resources
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "stats.py"
+    script.write_text(JOB_SCRIPT.format(tests=tests))
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax_ng.cli", "run", str(script), "-r",
+         resources(tmp_path, 2, 1, servers=1)], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=os.path.dirname(tests), TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    mean = np.arange(24, dtype=np.float32).reshape(8, 3).mean(0) * 0.5
+    for w in (0, 1):
+        line = next(x for x in done.stdout.splitlines() if x.startswith(f"[worker {w}] runs"))
+        assert line.startswith(f"[worker {w}] runs 1 state"), line
+        numbers = [float(v) for v in re.findall(r"-?\d+\.\d+(?:e-?\d+)?", line)]
+        np.testing.assert_allclose(numbers[:3], mean, rtol=1e-6)
+        assert numbers[3] == 8.0, line

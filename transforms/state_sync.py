@@ -5,14 +5,17 @@ Guarantees: when a mirrored variable is written with a value computed from a
 replica's own batch (batch-norm moving statistics, streaming metric totals),
 that value is all-reduced across replicas first, by the rule table in
 `parallax_ng.rules` (AssignAdd: sum; AssignSub and Assign: mean), so every
-replica writes the same value and the replicas never drift apart.
+replica writes the same value and the replicas never drift apart. In a job
+that sums dense gradients on the servers (fusion buffers) these sums go
+there too (the worker's sum, then `server_sum` on the servers in turn), so
+the step keeps no collective op.
 Initializers are left to the `init` pass.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax_ng import rules
+from parallax_ng import emit, rules
 from parallax_ng.ir import GraphIR
 
 
@@ -39,12 +42,30 @@ class StateSyncPass:
                     if pos == 0 or not ctx.varies(ref):
                         continue
                     how = rules.state_sync_reduction(tg.ir.node(w).op, w)
-                    synced += 1
-                    nodes, outs = ctx.comm.all_reduce(
-                        f"parallax/state_sync/{w}/input_{pos}",
+                    reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
+                    nodes, outs = reduce(
+                        ctx, f"parallax/state_sync/{w}/input_{pos}",
                         [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)],
-                        tg.tensor(ref).dtype, how == "mean")
+                        tg.tensor(ref).dtype, how == "mean", synced)
+                    synced += 1
                     new_nodes.extend(nodes)
                     for k, out in enumerate(outs):
                         rewires[(ctx.replica_name(k, w), pos)] = out
         return ir.rewire(rewires, new_nodes), {"synced": synced}
+
+
+def _all_reduce(ctx, scope, tensors, dtype, mean: bool, _):
+    return ctx.comm.all_reduce(scope, tensors, dtype, mean)
+
+
+def _on_a_server(ctx, scope, tensors, dtype, mean: bool, k: int):
+    """The replicas' sum on this worker, summed over the workers on server
+    k mod S; every replica reads the result."""
+    plan = ctx.plan
+    local = emit.node_def(f"{scope}/local", "AddN", tensors, plan.host, T=dtype,
+                          N=len(tensors)) if len(tensors) > 1 else \
+        emit.node_def(f"{scope}/local", "Identity", tensors, plan.host, T=dtype)
+    nodes, out = ctx.comm.server_sum(scope, local.name, dtype,
+                                     plan.servers[k % len(plan.servers)],
+                                     1.0 / plan.group_size if mean else 1.0)
+    return [local, *nodes], [out] * len(tensors)
