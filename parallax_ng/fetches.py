@@ -182,15 +182,15 @@ class FetchMap:
             rows = compat.dim(shape, 0) if shape.rank else 0
             if n > 1 and len(set(copies)) == n and rows != 0:
                 value = np.asarray(value)
-                if rows is None and value.shape[0] % n:
+                if rows is None and len(value) % n:
                     raise FetchError(
-                        f"feed {name!r} has {value.shape[0]} rows, which do not split "
+                        f"feed {name!r} has {len(value)} rows, which do not split "
                         f"evenly over {n} replicas; feed a multiple of {n}")
-                if rows is None or value.shape[0] == n * rows:
+                if rows is None or len(value) == n * rows:
                     for c, part in zip(copies, np.split(value, n)):
                         out[c] = part
                     continue
-                if value.shape[0] == rows:
+                if len(value) == rows:
                     self._warn_whole_feed(name, user_tensor, rows)
             for c in dict.fromkeys(copies):
                 out[c] = value

@@ -102,6 +102,12 @@ class TrainingGraph:
                          for r in (g.values, g.indices) if r is not None)
 
     @cached_property
+    def after_gradients(self) -> frozenset[str]:
+        """Nodes the gradients feed (data or control): the training step's
+        update side (writers here are training writers, not initializers)."""
+        return frozenset(self.ir.descendants({r.node for r in self.gradient_tensors}))
+
+    @cached_property
     def variant(self) -> frozenset[str]:
         """User nodes whose outputs differ between replicas (see analysis)."""
         from .analysis import replica_variant

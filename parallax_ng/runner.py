@@ -281,9 +281,8 @@ class Runner:
         """Writers of trained variables that the gradients feed (not initializers
         or restores)."""
         tg = self.ctx.tg
-        after_grads = tg.ir.descendants({g.values.node for g in tg.gradients.values()})
         return frozenset(w for v in tg.gradients for s in tg.owned(v)
-                         for w in tg.writers.get(s, ()) if w in after_grads)
+                         for w in tg.writers.get(s, ()) if w in tg.after_gradients)
 
     def _global_step(self):
         tg = self.ctx.tg

@@ -266,7 +266,7 @@ def _step_writers(ctx) -> list[str] | None:
     gradients), in a fixed order; None if one of them has no consumer to
     hang the step's release on (the barrier then stays a run of its own)."""
     tg, plan = ctx.tg, ctx.plan
-    after_grads = tg.ir.descendants({r.node for r in tg.gradient_tensors})
+    after_grads = tg.after_gradients
     writers = sorted({w for var in plan.shared_state() for w in tg.writers.get(var, ())
                       if w in after_grads})
     if any(not tg.ir.node_consumers.get(w) for w in writers):
@@ -280,7 +280,7 @@ def _collectives_in_step(ctx, ir: GraphIR) -> bool:
     would wait for the chief's last one, which waits for this worker's
     collectives: the barrier stays a run of its own."""
     tg = ctx.tg
-    after_grads = tg.ir.descendants({r.node for r in tg.gradient_tensors})
+    after_grads = tg.after_gradients
     writers = [ctx.replica_name(k, w) for v in tg.variables for w in tg.writers.get(v, ())
                if w in after_grads for k in range(ctx.plan.num_replicas)]
     return any(ir.node(n).op.startswith("Collective")
@@ -347,7 +347,7 @@ def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[str]],
     and the writer becomes an Identity of the variable, so the graph stays
     well formed; when it reaches anything else it is an error."""
     tg, plan = ctx.tg, ctx.plan
-    after_grads = tg.ir.descendants({r.node for r in tg.gradient_tensors})
+    after_grads = tg.after_gradients
     writers = {w: var for var in sorted(plan.shared_state()) for w in tg.writers.get(var, ())}
     changed = {}
     for w, var in writers.items():
