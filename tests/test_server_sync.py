@@ -93,7 +93,8 @@ def test_a_used_output_of_a_shared_writer_is_refused():
         cluster_transform(g, worker=1, run_option="ps")
 
 
-def test_a_writer_output_feeding_only_silenced_writers_becomes_a_read():
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_writer_output_feeding_only_silenced_writers_becomes_a_read(devices):
     """Adam's sparse update of a reference variable scales `m` through its
     ScatterAdd's output; on worker 1 that chain only feeds other silenced
     writers, so the ScatterAdd becomes an Identity of the variable."""
@@ -102,7 +103,7 @@ def test_a_writer_output_feeding_only_silenced_writers_becomes_a_read():
         g, _ = embedding_regression(4, "adam")
     finally:
         tf1.enable_resource_variables()
-    ir, _ = cluster_transform(g, worker=1)
+    ir, _ = cluster_transform(g, worker=1, devices=devices)
     writer = ir.node("Adam/update_emb/ScatterAdd")
     assert writer.op == "Identity" and writer.input[0] == "emb/Adam"
     assert len(writer.input) > 1 and all(i.startswith("^parallax/server_sync/")

@@ -38,6 +38,7 @@ from parallax_ng.duplicates import coalescing
 from parallax_ng.errors import GraphError
 from parallax_ng.ir import GraphIR, TensorRef, copy_node
 from parallax_ng.results import Barrier, LocalAggregates
+from parallax_ng.passes import replica_of
 
 SCOPE = "parallax/server_sync"
 RELEASE = f"{SCOPE}/release"
@@ -372,8 +373,9 @@ def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[str]],
 def _live_uses(ir: GraphIR, name: str, silenced: set[str]) -> list[str]:
     """Ops through which a silenced writer's output would still be used on
     this worker: among its transitive data consumers (silenced writers aside),
-    those with a control consumer outside the chain, and those nothing
-    consumes (a script may fetch them)."""
+    those with a consumer outside the chain, and those nothing consumes (a
+    script may fetch them; not the other replicas' copies of the update
+    math, which only replica 0's copy feeds a shared writer)."""
     chain, todo = set(), [name]
     while todo:
         for c, _ in _data_consumers(ir, todo.pop()):
@@ -383,7 +385,7 @@ def _live_uses(ir: GraphIR, name: str, silenced: set[str]) -> list[str]:
     live = []
     for c in sorted(chain):
         users = ir.node_consumers.get(c, set())
-        if not users or users - chain - silenced:
+        if users - chain - silenced or not users and replica_of(c)[0] == 0:
             live.append(c)
     return live
 
