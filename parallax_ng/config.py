@@ -85,6 +85,7 @@ class Config:
     dense_method: str = "auto"                             # auto: the run option's
     ps_placement: str = "greedy"                           # whole variables over servers
     coalesce_rows: bool = True                             # sum duplicate sparse rows first
+    distinct_lookups: bool = True                          # fetch each distinct row once
     variable_methods: dict = field(default_factory=dict)   # variable -> method
     fetch_reduction: dict = field(default_factory=dict)    # tensor name -> how
     dump_dir: str | None = None                            # graphs after each pass
@@ -95,7 +96,7 @@ class Config:
     def __post_init__(self):
         _check_choice("run_option", self.run_option, RUN_OPTIONS)
         _check_choice("verify", self.verify, VERIFY_LEVELS)
-        for key in ("average_dense", "average_sparse", "coalesce_rows"):
+        for key in ("average_dense", "average_sparse", "coalesce_rows", "distinct_lookups"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"config key {key!r} must be true or false, "
                                   f"not {getattr(self, key)!r}")

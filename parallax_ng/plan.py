@@ -82,6 +82,7 @@ class Plan:
     schedule: Schedule = field(default_factory=Schedule)
     buckets: tuple[Bucket, ...] = ()
     buffers: tuple[Buffer, ...] = ()
+    distinct_lookups: bool = False    # a worker gathers each distinct row on a server once
 
     @property
     def num_replicas(self) -> int:
@@ -190,6 +191,7 @@ class Plan:
             "buckets": [list(b.variables) for b in self.buckets],
             "buffers": [{"segments": [[s.var, s.start, s.size, s.offset] for s in b.segments],
                          "placement": _placement_dict(b.placement)} for b in self.buffers],
+            "distinct_lookups": self.distinct_lookups,
         }
 
     def format(self) -> str:
@@ -211,6 +213,8 @@ class Plan:
         if coalesced:
             rows.append("each distinct row sent once (duplicates summed first): "
                         + ", ".join(coalesced))
+        if self.distinct_lookups:
+            rows.append("lookups of rows on servers: each distinct row fetched once per worker")
         if self.buffers:
             sizes = [self.buffer_bytes(b) for b in self.buffers]
             per = self.buffer_load()

@@ -57,7 +57,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                 num_workers=num_workers, worker=worker, servers=tuple(servers),
                 backend=config.communication.backend, random=random,
                 split_queues={q.queue: q.enqueues for q in producers},
-                schedule=Schedule(staged=staged), buffers=buffers)
+                schedule=Schedule(staged=staged), buffers=buffers,
+                distinct_lookups=config.distinct_lookups and bool(servers))
 
 
 # -- 1. policy -----------------------------------------------------------------

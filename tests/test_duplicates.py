@@ -7,7 +7,7 @@ import tensorflow as tf
 import parallax_ng as pn
 from models import embedding_regression, local, train_both
 from parallax_ng import frontend
-from parallax_ng.duplicates import coalescing
+from parallax_ng.duplicates import coalescing, lookups
 
 tf1 = tf.compat.v1
 
@@ -87,3 +87,38 @@ def test_coalesced_in_process_equals_one_device_and_the_uncoalesced_run(run_opti
         for name in names:
             for got in parallel[name]:
                 assert np.max(np.abs(got - single[name])) <= 1e-5, (coalesce, name)
+
+
+TABLE = np.arange(20, dtype=np.float32).reshape(10, 2)
+
+
+def lookup_graph(kind: str):
+    """ids -> rows of a [10, 2] table, read as `kind` says, -> SGD."""
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.placeholder(tf.int32, [None, 3], name="ids")
+        emb = tf1.get_variable("emb", initializer=TABLE, use_resource=kind != "reference")
+        if kind == "read_then_gather":
+            rows = tf.gather(emb.read_value(), ids, name="rows")
+        elif kind == "axis_1":
+            rows = tf.gather(emb.read_value(), [0, 1], axis=1, name="rows")
+        else:
+            rows = tf.nn.embedding_lookup(emb, ids, name="rows")
+        loss = tf.reduce_sum(rows)
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        tf1.global_variables_initializer()
+    return g
+
+
+@pytest.mark.parametrize("kind,op,via", [("resource", "ResourceGather", 0),
+                                         ("reference", "GatherV2", 1),
+                                         ("read_then_gather", "GatherV2", 2)])
+def test_lookups_are_gathers_of_the_handle_or_of_a_whole_read(kind, op, via):
+    tg = frontend.load(lookup_graph(kind))
+    found = lookups(tg, "emb")
+    assert [tg.ir.node(lk.op).op for lk in found] == [op]
+    assert len(found[0].via) == via
+
+
+def test_a_gather_along_another_axis_is_no_lookup():
+    assert lookups(frontend.load(lookup_graph("axis_1")), "emb") == ()

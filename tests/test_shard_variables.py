@@ -15,7 +15,7 @@ PS = [f"/job:ps/replica:0/task:{j}/device:CPU:0" for j in range(2)]
 
 def test_the_embedding_and_its_slots_are_cut_into_one_range_per_server():
     g, _ = embedding_regression(4, "adam", clip=True)
-    ir, ctx = cluster_transform(g, worker=0, servers=2)
+    ir, ctx = cluster_transform(g, worker=0, servers=2, distinct_lookups=False)
     split = ctx.plan.sharded()
     assert set(split) == {"emb", "emb/Adam", "emb/Adam_1"}
     assert split["emb"] == Sharded(0, (Shard(PS[0], 0, 20), Shard(PS[1], 20, 20)))
@@ -25,6 +25,7 @@ def test_the_embedding_and_its_slots_are_cut_into_one_range_per_server():
             assert node.op == "VarHandleOp" and node.device == PS[k]
             assert tf.TensorShape(node.attr["shape"].shape).as_list() == [20, 4]
     # the forward lookup gathers on each server and stitches the rows back
+    # (test_lookups.py: the same from each distinct id)
     gathers = [n for n in ir.nodes if n.op == "ResourceGather"
                and n.name.startswith("parallax/shard_variables/embedding_lookup/")]
     assert sorted((n.input[0], n.device) for n in gathers) == [

@@ -7,6 +7,7 @@ checks both before it runs anything.
 """
 from transforms.aggregate import AggregatePass
 from transforms.init import InitPass
+from transforms.lookups import DistinctLookupsPass
 from transforms.place import PlacePass
 from transforms.replicate import ReplicatePass
 from transforms.server_sync import ServerSyncPass
@@ -19,18 +20,19 @@ from transforms.state_sync import StateSyncPass
 def pipeline_for(plan) -> list:
     """replicate -> shard_inputs -> aggregate -> state_sync -> place -> init,
     then, as the plan needs them, the cross-worker server protocol,
-    sharded variables and the stage split. Passes with nothing to do for
-    this plan are left out (one replica needs no input sharding, state sync
-    or initial-value copies)."""
+    distinct lookups of rows on servers, sharded variables and the stage
+    split. Passes with nothing to do for this plan are left out (one replica
+    needs no input sharding, state sync or initial-value copies)."""
     several = plan.group_size > 1
     wanted = [(ReplicatePass(), True), (ShardInputsPass(), several), (AggregatePass(), True),
               (StateSyncPass(), several), (PlacePass(), True), (InitPass(), several),
               (ServerSyncPass(), plan.cross_worker_servers),
+              (DistinctLookupsPass(), plan.distinct_lookups and bool(plan.servers)),
               (ShardVariablesPass(), bool(plan.sharded())),
               (StagePass(), plan.schedule.staged)]
     return [p for p, needed in wanted if needed]
 
 
-__all__ = ["AggregatePass", "InitPass", "PlacePass", "ReplicatePass", "ServerSyncPass",
+__all__ = ["AggregatePass", "DistinctLookupsPass", "InitPass", "PlacePass", "ReplicatePass", "ServerSyncPass",
            "ShardInputsPass", "ShardVariablesPass", "StagePass", "StateSyncPass",
            "pipeline_for"]

@@ -6,7 +6,9 @@ Guarantees:
 - shared variables, every op that takes their handle, and the update math
   that feeds only their writers run on the parameter-server device that
   holds the variable (the Parallax paper's placement of aggregation/update
-  ops with the parameter); update math feeding variables on several
+  ops with the parameter), and so do gathers of its rows (also through a
+  whole read, as reference variables' lookups are built), so rows cross
+  the network rather than the table; update math feeding variables on several
   servers runs on the worker's host CPU;
 - in multi-worker jobs with servers, colocation groups that contradict these
   devices are dropped (the device decides);
@@ -18,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallax_ng import rules
+from parallax_ng.duplicates import lookups
 from parallax_ng.ir import GraphIR, copy_node
 from parallax_ng.passes import replica_of
 
@@ -90,6 +93,9 @@ def _server_side(ctx) -> dict[str, str]:
         out[var] = plan.server(var)
         for op in list(tg.writers.get(var, ())) + list(tg.readers.get(var, ())):
             out.setdefault(op, plan.server(var))
+        for lookup in lookups(tg, var):     # rows cross, not the whole table
+            for op in (*lookup.via, lookup.op):
+                out.setdefault(op, plan.server(var))
     writers = {w for var in shared for w in tg.writers.get(var, ())}
     variant = ctx.variant
     for name in reversed(tg.ir.topo_order):   # consumers before producers
