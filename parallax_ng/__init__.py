@@ -38,11 +38,14 @@ def transform_plan(graph, resource_info=None, config=None):
     return _plan(frontend.load(graph), resources, load_config(config), job)
 
 
-def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profile=None):
+def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profile=None,
+          job_order=None):
     """The Plan for a TrainingGraph: of worker `cluster_info` of a job, of
     rank `horovod` = (rank, size) under horovodrun, else of this machine's
     devices in `resources` (a loaded ResourceInfo); with the measurements of
-    `profile` (parallax_ng/profile.py) when given."""
+    `profile` (parallax_ng/profile.py) when given. In a job the gradients
+    are packed in `job_order` ({"order", "source"}, the same on every
+    worker: `_job_order`), else in the static order."""
     from dataclasses import replace
 
     from .analysis import analyze
@@ -53,9 +56,12 @@ def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profil
     if profile is not None:
         info, order = profile.apply(info, tg), profile.order
     if cluster_info is not None:
+        job_order = job_order or {"order": [], "source": ""}
         plan = make_plan(tg, info, config, cluster_info.device_strings(), cluster_info.host,
                          len(cluster_info.workers), cluster_info.task,
-                         cluster_info.server_devices(), order)
+                         cluster_info.server_devices(), tuple(job_order["order"]))
+        if plan.buffers:
+            plan = replace(plan, order_source=job_order["source"])
     else:
         if len(resources.hosts) > 1:
             raise ResourceError(
@@ -148,8 +154,10 @@ def _runner(tg, resources, config: Config, session_config, cluster_info=None, ho
     """A Runner for `tg`, able to plan again from a profile and rebuild."""
     from .runner import Runner
 
+    order = _job_order(tg, config, cluster_info, server)
+
     def replan(profile=None):
-        return _plan(tg, resources, config, cluster_info, horovod, profile)
+        return _plan(tg, resources, config, cluster_info, horovod, profile, order)
 
     def rebuild(plan):
         ir, ctx, manager = _rewrite(tg, plan, config)
@@ -158,6 +166,28 @@ def _runner(tg, resources, config: Config, session_config, cluster_info=None, ho
     ir, ctx, records = rebuild(replan())
     return Runner(ir, ctx, config, session_config, records, server=server, timeout=timeout,
                   replan=replan, rebuild=rebuild)
+
+
+def _job_order(tg, config: Config, cluster_info, server) -> dict | None:
+    """In a job whose dense gradients go through fusion buffers: the order
+    they became ready in worker 0's first step, measured there before the
+    graph is built (parallax_ng/profile.py first_step_order) and given once
+    to every worker, so all pack their buffers alike. None outside such a
+    job."""
+    from . import cluster
+    from .profile import first_step_order
+
+    if cluster_info is None or server is None or len(cluster_info.workers) < 2 \
+            or not _plan(tg, None, config, cluster_info).buffers:
+        return None
+    timeout = config.communication.timeout_seconds
+    mine = None
+    if cluster_info.task == 0:
+        order, why = first_step_order(tg, timeout)
+        mine = {"order": list(order),
+                "source": "measured in worker 0's first step" if order else
+                          f"the graph's order: not measured, {why}"}
+    return cluster.share(cluster_info, server, mine, timeout)
 
 
 def _job_config(config) -> Config:

@@ -156,3 +156,29 @@ def _reachable(address: str) -> bool:
             return True
     except OSError:
         return False
+
+
+
+SHARE_QUEUE = "parallax_ng/from_worker_0"   # on server 0: one element per other worker
+
+
+def share(info: ClusterInfo, server, value, timeout_seconds: float):
+    """Worker 0's `value` (JSON-able), given once to every other worker
+    through a queue on server 0: worker 0 passes it and gets it back, the
+    others pass None and get it. DeadlineExceededError when worker 0 does
+    not send it within the timeout."""
+    import tensorflow as tf
+    graph = tf.Graph()
+    with graph.as_default(), tf.device("/job:ps/replica:0/task:0/device:CPU:0"), \
+            tf.compat.v1.name_scope("parallax/share/"):
+        queue = tf.queue.FIFOQueue(len(info.workers), [tf.string], shapes=[[]],
+                                   shared_name=SHARE_QUEUE)
+        if info.task == 0:
+            op = queue.enqueue_many([[json.dumps(value)] * (len(info.workers) - 1)])
+        else:
+            op = queue.dequeue()
+    options = tf.compat.v1.RunOptions(timeout_in_ms=int(timeout_seconds * 1000))
+    with tf.compat.v1.Session(server.target, graph=graph,
+                              config=info.session_config()) as session:
+        got = session.run(op, options=options)
+    return value if info.task == 0 else json.loads(got.decode())

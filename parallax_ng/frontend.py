@@ -56,7 +56,7 @@ class Gradient:
 @dataclass
 class TrainingGraph:
     ir: GraphIR
-    graph: tf.Graph                       # for shapes and dtypes only
+    graph: tf.Graph                       # shapes, dtypes; a measuring step of its own
     variables: dict[str, Variable]
     writers: dict[str, list[str]]         # variable -> writer op names
     readers: dict[str, list[str]]         # variable -> reader op names

@@ -83,6 +83,7 @@ class Plan:
     buckets: tuple[Bucket, ...] = ()
     buffers: tuple[Buffer, ...] = ()
     distinct_lookups: bool = False    # a worker gathers each distinct row on a server once
+    order_source: str = ""            # where the fusion buffers' packing order came from
 
     @property
     def num_replicas(self) -> int:
@@ -191,7 +192,7 @@ class Plan:
             "buckets": [list(b.variables) for b in self.buckets],
             "buffers": [{"segments": [[s.var, s.start, s.size, s.offset] for s in b.segments],
                          "placement": _placement_dict(b.placement)} for b in self.buffers],
-            "distinct_lookups": self.distinct_lookups,
+            "distinct_lookups": self.distinct_lookups, "order_source": self.order_source,
         }
 
     def format(self) -> str:
@@ -220,7 +221,8 @@ class Plan:
             per = self.buffer_load()
             rows.append(f"fusion buffers: {len(sizes)}, {sum(sizes) / 1e6:.3f} MB "
                         f"(largest {max(sizes) / 1e6:.3f} MB); per server per worker and step: "
-                        + ", ".join(f"{d} {b / 1e6:.3f} MB" for d, b in per.items()))
+                        + ", ".join(f"{d} {b / 1e6:.3f} MB" for d, b in per.items())
+                        + (f"; packed in {self.order_source}" if self.order_source else ""))
         for var, p in sorted(self.sharded().items()):
             if var in self.variables:
                 rows.append(f"{var}: {p.describe()}")

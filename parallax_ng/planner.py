@@ -32,8 +32,9 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
               devices: list[str], host: str, num_workers: int = 1, worker: int = 0,
               servers: list[str] = (), order: tuple[str, ...] = ()) -> Plan:
     """`order`: trained variables in the order their gradients became ready
-    in a measured step (one process only: in a job every worker must pack
-    alike, so the order is the static one)."""
+    in a measured step (in a job every worker must pack alike: the order
+    worker 0 measured and gave every worker, parallax_ng/__init__.py
+    `_job_order`); empty: the static order."""
     job_servers = num_workers > 1 and bool(servers) and config.communication.backend == "tf"
     variables = {name: VariablePlan(name, method, info[name],
                                     coalesce=config.coalesce_rows and method == "ps" and
@@ -44,7 +45,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     _check_servers(tg, roots + fused, config, num_workers, servers)
     placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
                             config.ps_placement)
-    buffers = fusion_buffers(tg, ready_order(tg, fused, order if num_workers == 1 else ()),
+    buffers = fusion_buffers(tg, ready_order(tg, fused, order),
                              list(servers) or [host], config.fusion.buffer_bytes)
     producers = [q for q in queues.find(tg) if q.producer]
     random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),

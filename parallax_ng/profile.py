@@ -160,3 +160,39 @@ def _loss(tg) -> str | None:
             for r in tg.ir.data_inputs(n.name) if not rules.is_autodiff(r.node)}
     return max(read, key=lambda n: (depth.get(n, -1), n), default=None)
 
+
+
+def first_step_order(tg, timeout_seconds: float) -> tuple[tuple[str, ...], str]:
+    """(order, why not measured): the trained variables in the order their
+    gradients became ready in one traced step of the user's own graph, run
+    in a session of its own on this process (its variables initialized, its
+    iterators made, the gradients fetched; nothing is applied and nothing of
+    a job's state is touched). Empty, with the reason, when that step would
+    need feeds or queue input, or when it fails."""
+    import tensorflow as tf
+
+    from .queues import READ_PREFIXES
+
+    heads = sorted({r.node for r in tg.gradient_tensors})
+    ancestors = tg.ir.ancestors(heads)
+    fed = sorted(a for a in ancestors if tg.ir.node(a).op in ("Placeholder", "PlaceholderV2"))
+    if fed:
+        return (), f"the gradients need fed placeholders ({', '.join(fed[:3])})"
+    if any(tg.ir.node(a).op.startswith(READ_PREFIXES) for a in ancestors):
+        return (), "the gradients read an input queue"
+    graph = tg.graph
+    inits = [v.initializer for v in tg.variables.values() if v.initializer]
+    inits += [op.name for op in graph.get_operations() if op.type == "MakeIterator"]
+    inits += [op.name for op in graph.get_collection(tf.compat.v1.GraphKeys.TABLE_INITIALIZERS)]
+    fetches = sorted({f"{r.node}:{r.index}" for r in tg.gradient_tensors})
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
+                                      timeout_in_ms=int(timeout_seconds * 1000))
+    metadata = tf.compat.v1.RunMetadata()
+    config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
+    try:
+        with tf.compat.v1.Session(graph=graph, config=config) as session:
+            session.run(inits)
+            session.run(fetches, options=options, run_metadata=metadata)
+    except (tf.errors.OpError, ValueError, TypeError) as e:
+        return (), f"its step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    return measure(tg, metadata, {}).order, ""

@@ -48,6 +48,10 @@ runner = pn.get_runner(g, None, {"run_option": args.run_option,
 if h["train"] is not None:
     print(f"worker {runner.plan.worker}: {runner.session_runs(h['train'])} session run(s) "
           "per step", flush=True)
+if runner.plan.buffers:
+    packed = [s.var for b in runner.plan.buffers for s in b.segments]
+    print(f"worker {runner.plan.worker}: buffers packed {packed} in "
+          f"{runner.plan.order_source}", flush=True)
 runner.run([op for op in (h["init"], h["iterator_init"]) if op is not None])
 for step in range(args.steps):
     if step == args.die_at and runner.plan.worker == 1:

@@ -75,6 +75,11 @@ def test_workers_match_one_device(tmp_path, workers, devices, run_option, server
                            "--dense-method", dense, servers=servers)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_matches_one_device(out, workers, devices)
+    if run_option == "hybrid" and dense == "auto":   # fusion buffers
+        packed = [line.split("buffers packed ", 1)[1] for line in done.stdout.splitlines()
+                  if "buffers packed" in line]
+        assert len(packed) == workers and len(set(packed)) == 1, packed
+        assert "measured in worker 0's first step" in packed[0]
 
 
 def assert_matches_one_device(out, workers: int, devices: int) -> None:

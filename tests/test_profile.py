@@ -143,3 +143,17 @@ def test_profile_config_errors_name_the_key():
         pn.Config.from_dict({"profile": {"replan": "sometimes"}})
     with pytest.raises(ConfigError, match="profile.steps"):
         pn.Config.from_dict({"profile": {"steps": -1}})
+
+
+def test_first_step_order_is_measured_in_a_session_of_its_own():
+    """Worker 0's measuring step: the user's graph, its own variables and
+    iterator; the gradients' ready order, last layer first."""
+    from parallax_ng.profile import first_step_order
+    from passkit import tiny_graph
+    g, _ = embedding_regression(4, "adam", clip=True)
+    tg = frontend.load(g)
+    order, why = first_step_order(tg, 60)
+    assert why == "" and sorted(order) == sorted(tg.gradients)
+    assert order.index("out/v") < order.index("dense/w")   # backward: output layer first
+    order, why = first_step_order(frontend.load(tiny_graph()), 60)
+    assert order == () and "fed placeholders (x)" in why
