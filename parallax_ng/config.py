@@ -58,6 +58,20 @@ class FusionConfig:
                               f"bytes >= 0 (0: automatic), not {self.buffer_bytes!r}")
 
 
+@dataclass(frozen=True)
+class PlacementRewritesConfig:
+    """Parallax's placement rewrites (paper section 5.3.2), each a pass."""
+    local_aggregation: bool = True   # a worker sums its replicas' gradients before they leave it
+    colocate_updates: bool = True    # update math that only a server's writers need runs there
+    lookups_on_servers: bool = True  # a gather of a whole read of a server variable runs there
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if not isinstance(getattr(self, f.name), bool):
+                raise ConfigError(f"config key 'placement_rewrites.{f.name}' must be true or "
+                                  f"false, not {getattr(self, f.name)!r}")
+
+
 REPLAN = ("auto", "always", "never")
 
 
@@ -82,6 +96,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
+    placement_rewrites: PlacementRewritesConfig = field(
+        default_factory=PlacementRewritesConfig)
     dense_method: str = "auto"                             # auto: the run option's
     ps_placement: str = "greedy"                           # whole variables over servers
     coalesce_rows: bool = True                             # sum duplicate sparse rows first
@@ -120,7 +136,8 @@ class Config:
         sections = {}
         for key, kind in (("communication", CommunicationConfig),
                           ("checkpoint", CheckpointConfig), ("profile", ProfileConfig),
-                          ("fusion", FusionConfig)):
+                          ("fusion", FusionConfig),
+                          ("placement_rewrites", PlacementRewritesConfig)):
             section = data.pop(key, None) or {}
             if not isinstance(section, dict):
                 raise ConfigError(f"config key {key!r} must be a mapping")

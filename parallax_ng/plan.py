@@ -40,6 +40,14 @@ class Schedule:
 
 
 @dataclass(frozen=True)
+class Rewrites:
+    """Which placement rewrites run (each a pass; config placement_rewrites)."""
+    local_aggregation: bool = True
+    colocate_updates: bool = True
+    lookups_on_servers: bool = True
+
+
+@dataclass(frozen=True)
 class Bucket:
     """Gradients all-reduced together as one message."""
     variables: tuple[str, ...]
@@ -84,6 +92,7 @@ class Plan:
     buffers: tuple[Buffer, ...] = ()
     distinct_lookups: bool = False    # a worker gathers each distinct row on a server once
     order_source: str = ""            # where the fusion buffers' packing order came from
+    rewrites: Rewrites = field(default_factory=Rewrites)
 
     @property
     def num_replicas(self) -> int:
@@ -193,6 +202,7 @@ class Plan:
             "buffers": [{"segments": [[s.var, s.start, s.size, s.offset] for s in b.segments],
                          "placement": _placement_dict(b.placement)} for b in self.buffers],
             "distinct_lookups": self.distinct_lookups, "order_source": self.order_source,
+            "rewrites": dict(vars(self.rewrites)),
         }
 
     def format(self) -> str:
@@ -214,6 +224,9 @@ class Plan:
         if coalesced:
             rows.append("each distinct row sent once (duplicates summed first): "
                         + ", ".join(coalesced))
+        off = [k for k, on in vars(self.rewrites).items() if not on]
+        if off:
+            rows.append("placement rewrites off: " + ", ".join(off))
         if self.distinct_lookups:
             rows.append("lookups of rows on servers: each distinct row fetched once per worker")
         if self.buffers:

@@ -25,7 +25,7 @@ from .duplicates import coalescing
 from .errors import ConfigError
 from .frontend import TrainingGraph
 from .placement import MIRRORED, Shared, Sharded
-from .plan import Buffer, Plan, Schedule, Segment, VariablePlan
+from .plan import Buffer, Plan, Rewrites, Schedule, Segment, VariablePlan
 
 
 def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
@@ -59,7 +59,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                 backend=config.communication.backend, random=random,
                 split_queues={q.queue: q.enqueues for q in producers},
                 schedule=Schedule(staged=staged), buffers=buffers,
-                distinct_lookups=config.distinct_lookups and bool(servers))
+                distinct_lookups=config.distinct_lookups and bool(servers),
+                rewrites=Rewrites(**vars(config.placement_rewrites)))
 
 
 # -- 1. policy -----------------------------------------------------------------

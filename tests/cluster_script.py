@@ -4,6 +4,7 @@ replica's variables to OUT.<worker>.npz.
     python cluster_script.py OUT STEPS [--random-init] [--die-at STEP] [--optimizer NAME] ...
 """
 import argparse
+import json
 import os
 import sys
 
@@ -26,6 +27,7 @@ parser.add_argument("--optimizer", default="adam", help="a key of models.OPTIMIZ
 parser.add_argument("--v1", action="store_true", help="call disable_v2_behavior() first")
 parser.add_argument("--dense-method", default="auto")
 parser.add_argument("--buffer-bytes", type=int, default=0, help="fusion buffer size")
+parser.add_argument("--config", default="{}", help="more config keys, as JSON")
 args = parser.parse_args()
 if args.v1:
     tf.compat.v1.disable_v2_behavior()
@@ -44,7 +46,8 @@ else:
 runner = pn.get_runner(g, None, {"run_option": args.run_option,
                                  "dense_method": args.dense_method,
                                  "fusion": {"buffer_bytes": args.buffer_bytes},
-                                 "communication": {"timeout_seconds": 120}})
+                                 "communication": {"timeout_seconds": 120},
+                                 **json.loads(args.config)})
 if h["train"] is not None:
     print(f"worker {runner.plan.worker}: {runner.session_runs(h['train'])} session run(s) "
           "per step", flush=True)

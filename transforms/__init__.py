@@ -6,8 +6,10 @@ Each pass declares `requires` (passes that must run before it) and `after`
 checks both before it runs anything.
 """
 from transforms.aggregate import AggregatePass
+from transforms.colocate import ColocateUpdatesPass
 from transforms.init import InitPass
-from transforms.lookups import DistinctLookupsPass
+from transforms.local_aggregation import LocalAggregationPass
+from transforms.lookups import DistinctLookupsPass, LookupsOnServersPass
 from transforms.place import PlacePass
 from transforms.replicate import ReplicatePass
 from transforms.server_sync import ServerSyncPass
@@ -19,13 +21,20 @@ from transforms.state_sync import StateSyncPass
 
 def pipeline_for(plan) -> list:
     """replicate -> shard_inputs -> aggregate -> state_sync -> place -> init,
-    then, as the plan needs them, the cross-worker server protocol,
+    with the placement rewrites the plan turns on (local_aggregation after
+    aggregate; lookups_on_servers, colocate_updates after place), then, as
+    the plan needs them, the cross-worker server protocol,
     distinct lookups of rows on servers, sharded variables and the stage
     split. Passes with nothing to do for this plan are left out (one replica
     needs no input sharding, state sync or initial-value copies)."""
-    several = plan.group_size > 1
+    several, servers, rewrites = plan.group_size > 1, bool(plan.servers), plan.rewrites
+    shared = bool(plan.shared_state())
     wanted = [(ReplicatePass(), True), (ShardInputsPass(), several), (AggregatePass(), True),
-              (StateSyncPass(), several), (PlacePass(), True), (InitPass(), several),
+              (LocalAggregationPass(), servers and rewrites.local_aggregation),
+              (StateSyncPass(), several), (PlacePass(), True),
+              (LookupsOnServersPass(), shared and rewrites.lookups_on_servers),
+              (ColocateUpdatesPass(), shared and rewrites.colocate_updates),
+              (InitPass(), several),
               (ServerSyncPass(), plan.cross_worker_servers),
               (DistinctLookupsPass(), plan.distinct_lookups and bool(plan.servers)),
               (ShardVariablesPass(), bool(plan.sharded())),
@@ -33,6 +42,7 @@ def pipeline_for(plan) -> list:
     return [p for p, needed in wanted if needed]
 
 
-__all__ = ["AggregatePass", "DistinctLookupsPass", "InitPass", "PlacePass", "ReplicatePass", "ServerSyncPass",
+__all__ = ["AggregatePass", "ColocateUpdatesPass", "DistinctLookupsPass", "InitPass",
+           "LocalAggregationPass", "LookupsOnServersPass", "PlacePass", "ReplicatePass", "ServerSyncPass",
            "ShardInputsPass", "ShardVariablesPass", "StagePass", "StateSyncPass",
            "pipeline_for"]

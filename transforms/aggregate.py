@@ -5,8 +5,9 @@ Guarantees: for each trained variable, the autodiff output of every replica
 is combined across replicas before anything else reads it (clipping, global
 norms, summaries, update ops), by the plan's method:
 - allreduce: the backend's all-reduce (mean or sum; parallax_ng/comm.py);
-- ps: sum on the parameter-server device (host CPU in-process); IndexedSlices
-  are concatenated there (local aggregation), scaled by 1/N for a mean;
+- ps: sum of the worker's replicas on the variable's server (host CPU
+  in-process; transforms/local_aggregation.py moves it to the worker's
+  host); IndexedSlices are concatenated there, scaled by 1/N for a mean;
 - allgather: the backend's all-gather of the IndexedSlices;
 - bfb (balanced fusion buffers, Herring): the replicas' sum on the host,
   flattened and packed into the plan's buffers; each buffer's shards summed
@@ -71,6 +72,7 @@ def _allreduce(ctx, var, grad):
 
 def _ps(ctx, var, grad):
     plan, n = ctx.plan, ctx.plan.num_replicas
+    device = plan.server(var)    # transforms/local_aggregation.py: the worker's host
     scope = f"parallax/ps/{var}"
     dtype = ctx.tg.tensor(grad.values).dtype
     values = [ctx.replica_tensor(k, grad.values) for k in range(n)]
@@ -78,21 +80,21 @@ def _ps(ctx, var, grad):
     if grad.sparse:
         idx_dtype = ctx.tg.tensor(grad.indices).dtype
         indices = [ctx.replica_tensor(k, grad.indices) for k in range(n)]
-        nodes = [emit.const(f"{scope}/axis", 0, tf.int32, plan.host),
-                 _concat(f"{scope}/values", values, f"{scope}/axis", dtype, plan.host),
-                 _concat(f"{scope}/indices", indices, f"{scope}/axis", idx_dtype, plan.host)]
+        nodes = [emit.const(f"{scope}/axis", 0, tf.int32, device),
+                 _concat(f"{scope}/values", values, f"{scope}/axis", dtype, device),
+                 _concat(f"{scope}/indices", indices, f"{scope}/axis", idx_dtype, device)]
         outputs = {grad.indices: [out_indices] * n}
     else:
-        nodes = [emit.node_def(f"{scope}/sum", "AddN", values, plan.host, T=dtype, N=n)]
+        nodes = [emit.node_def(f"{scope}/sum", "AddN", values, device, T=dtype, N=n)]
         outputs = {}
     rows = _rows(plan, var, grad.sparse)
     total = f"{scope}/values" if grad.sparse else f"{scope}/sum"
     if rows != total:
-        nodes += [emit.const(f"{scope}/scale", 1.0 / plan.group_size, dtype, plan.host),
-                  emit.node_def(rows, "Mul", [total, f"{scope}/scale"], plan.host, T=dtype)]
+        nodes += [emit.const(f"{scope}/scale", 1.0 / plan.group_size, dtype, device),
+                  emit.node_def(rows, "Mul", [total, f"{scope}/scale"], device, T=dtype)]
     if plan.variables[var].coalesce:
-        nodes += _coalesce(scope, rows, f"{scope}/indices", dtype, idx_dtype, plan.host)
-        nodes.append(emit.node_def(f"{scope}/norm", "L2Loss", [rows], plan.host, T=dtype))
+        nodes += _coalesce(scope, rows, f"{scope}/indices", dtype, idx_dtype, device)
+        nodes.append(emit.node_def(f"{scope}/norm", "L2Loss", [rows], device, T=dtype))
         for norm in coalescing(ctx.tg, var):
             outputs[TensorRef(norm, 0)] = [f"{scope}/norm"] * n
     outputs[grad.values] = [out_values] * n

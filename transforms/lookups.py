@@ -1,5 +1,16 @@
-"""Distinct lookups: a worker fetches each distinct row of a server's variable
-once per step, however many of its replicas' ids name it.
+"""Lookups of a server's variable: where the gather runs, and how many rows
+cross.
+
+LookupsOnServersPass (Parallax 5.3.2, a boundary move; the plan's
+`rewrites.lookups_on_servers`). Requires: `place`. Guarantees: a gather of
+a whole read of a shared variable (a reference variable's lookup is built
+so: GatherV2 of its `read`; also tf.gather(var.read_value(), ids)), the
+reads in between and the ops only it uses run on the variable's server,
+every replica's copy alike, so the rows cross the network and not the
+table. (A ResourceGather takes the handle: `place` puts it there already.)
+
+DistinctLookupsPass: a worker fetches each distinct row of a server's
+variable once per step, however many of its replicas' ids name it.
 
 Requires: `place` (lookups of shared variables run with the variable,
 parallax_ng/duplicates.py `lookups`); a job with parameter servers; runs
@@ -25,15 +36,27 @@ from parallax_ng import emit
 from parallax_ng.duplicates import lookups
 from parallax_ng.ir import GraphIR, format_input
 from parallax_ng.placement import Sharded
+from transforms.place import move, server_side
 
 SCOPE = "parallax/lookups"
+
+
+@dataclass(frozen=True)
+class LookupsOnServersPass:
+    name: str = "lookups_on_servers"
+    requires: tuple = ("place",)
+    after: tuple = ()
+
+    def run(self, ir: GraphIR, ctx):
+        out, moved = move(ir, ctx, server_side(ctx, lookups_too=True, updates=False))
+        return out, {"moved": moved}
 
 
 @dataclass(frozen=True)
 class DistinctLookupsPass:
     name: str = "distinct_lookups"
     requires: tuple = ("place",)
-    after: tuple = ("server_sync",)
+    after: tuple = ("server_sync", "lookups_on_servers")
 
     def run(self, ir: GraphIR, ctx):
         added, changed, rows = [], {}, 0

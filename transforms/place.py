@@ -3,17 +3,15 @@
 Requires: replicas made by `replicate`; aggregation nodes already placed.
 Guarantees:
 - replica k's ops run on the plan's device k;
-- shared variables, every op that takes their handle, and the update math
-  that feeds only their writers run on the parameter-server device that
-  holds the variable (the Parallax paper's placement of aggregation/update
-  ops with the parameter), and so do gathers of its rows (also through a
-  whole read, as reference variables' lookups are built), so rows cross
-  the network rather than the table; update math feeding variables on several
-  servers runs on the worker's host CPU;
+- shared variables and every op that takes their handle run on the
+  parameter-server device that holds the variable (the host CPU in-process);
 - in multi-worker jobs with servers, colocation groups that contradict these
   devices are dropped (the device decides);
 - ops that need a host (input pipelines, checkpoint I/O, ops the user pinned
   to a CPU) run on the host CPU when the replica's device is a GPU.
+The placement rewrites that follow move more ops to the servers
+(transforms/colocate.py: update math; transforms/lookups.py: gathers);
+`move` is how they do it.
 """
 from __future__ import annotations
 
@@ -33,7 +31,7 @@ class PlacePass:
 
     def run(self, ir: GraphIR, ctx):
         plan, tg = ctx.plan, ctx.tg
-        on_host = _server_side(ctx)
+        on_host = server_side(ctx, lookups_too=False, updates=False)
         counts = {"replica": 0, "server": 0, "host": 0}
         changed = {}
         for nd in ir.nodes:
@@ -85,24 +83,59 @@ def host_cpu_of(device: str) -> str:
 
 
 def _server_side(ctx) -> dict[str, str]:
-    """User ops that belong with shared variables, and the server of each."""
+    """User ops that must run with shared variables (they take the handle),
+    and the server of each."""
     tg, plan = ctx.tg, ctx.plan
-    shared = plan.shared_state()
     out = {}
-    for var in sorted(shared):
+    for var in sorted(plan.shared_state()):
         out[var] = plan.server(var)
         for op in list(tg.writers.get(var, ())) + list(tg.readers.get(var, ())):
             out.setdefault(op, plan.server(var))
-        for lookup in lookups(tg, var):     # rows cross, not the whole table
-            for op in (*lookup.via, lookup.op):
-                out.setdefault(op, plan.server(var))
+    return out
+
+
+def server_side(ctx, lookups_too: bool, updates: bool) -> dict[str, str]:
+    """User ops that run on a server: those that take a shared variable's
+    handle; with `lookups_too`, a gather of a whole read of the variable and
+    the reads in between; with `updates`, update math whose every consumer
+    is a writer there (the host when those are on several servers); and the
+    ops whose every consumer is one of these (not writers) but a gradient
+    or a replica's own data."""
+    tg, plan = ctx.tg, ctx.plan
+    shared = plan.shared_state()
+    out = _server_side(ctx)
+    if lookups_too:
+        for var in sorted(shared):
+            for lookup in lookups(tg, var):     # rows cross, not the whole table
+                for op in (*lookup.via, lookup.op):
+                    out.setdefault(op, plan.server(var))
     writers = {w for var in shared for w in tg.writers.get(var, ())}
     variant = ctx.variant
     for name in reversed(tg.ir.topo_order):   # consumers before producers
         if name in out or rules.is_autodiff(name) or name in variant:
             continue
         users = tg.ir.node_consumers.get(name)
-        if users and all(u in writers or (u in out and u not in shared) for u in users):
-            devices = {out[u] for u in users}
-            out[name] = devices.pop() if len(devices) == 1 else plan.host
+        if not users or not all(u in writers and updates or
+                                u in out and u not in shared and u not in writers
+                                for u in users):
+            continue
+        devices = {out[u] for u in users}
+        out[name] = devices.pop() if len(devices) == 1 else plan.host
     return out
+
+
+def move(ir: GraphIR, ctx, targets: dict[str, str]) -> tuple[GraphIR, int]:
+    """Every replica's copy of the user ops in `targets` to that device;
+    then, in a job with servers, colocation groups the moves contradict are
+    dropped. Returns the graph and how many nodes moved."""
+    changed = {}
+    for nd in ir.nodes:
+        k, user = replica_of(nd.name)
+        target = targets.get(user)
+        if target is not None and user in ctx.tg.ir and nd.device != target:
+            changed[nd.name] = copy_node(nd)
+            changed[nd.name].device = target
+    out = ir.replace(changed) if changed else ir
+    if changed and ctx.plan.cross_worker_servers:
+        out, _ = drop_stale_colocation(out)
+    return out, len(changed)
