@@ -67,7 +67,7 @@ class TFCollectives:
     def all_gather(self, scope: str, values: list[str], indices: list[str], value_type,
                    index_type, value_shape, mean: bool):
         plan = self.plan
-        keys = (self.keys.take(), self.keys.take(), self.keys.take())
+        keys = (self.keys.take(), self.keys.take_range(), self.keys.take_range())
         nodes, out_v, out_i = [], [], []
         for k, device in enumerate(plan.devices):
             made, (v, i) = emit.emit_traced(
@@ -146,7 +146,12 @@ def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float):
 
 def _gather_slices(values, indices, plan, keys, mean: bool):
     """IndexedSlices gathered from every replica: sizes first, every part
-    padded to the longest, the padding dropped after."""
+    padded to the longest, the padding dropped after. TensorFlow fixes a
+    collective instance's shape at its first run, and the longest part
+    changes from step to step (a last short batch, coalesced rows), so the
+    padded parts are gathered under the instance key of their range plus
+    the longest size: every key always sees one shape."""
+    from .passes import RANGE_KEYS
     n, timeout = plan.group_size, plan.timeout_seconds
 
     def all_gather(t, key):
@@ -157,13 +162,17 @@ def _gather_slices(values, indices, plan, keys, mean: bool):
     size = tf.shape(indices, out_type=tf.int32)[:1]
     sizes = all_gather(size, keys[0])
     longest = tf.reduce_max(sizes)
+    check = tf.debugging.assert_less(longest, RANGE_KEYS, message=(
+        f"an all-gathered sparse gradient has more than {RANGE_KEYS} rows on a replica"))
+    with tf.control_dependencies([check]):
+        longest = tf.identity(longest)
     pad = longest - size[0]
     rest = tf.zeros(tf.stack([tf.rank(values) - 1, 2]), tf.int32)
     padded_v = tf.pad(values, tf.concat([[[0, pad]], rest], 0))
     padded_i = tf.pad(indices, [[0, pad]])
     mask = tf.reshape(tf.sequence_mask(sizes, longest), [-1])
-    gathered_v = tf.boolean_mask(all_gather(padded_v, keys[1]), mask)
-    gathered_i = tf.boolean_mask(all_gather(padded_i, keys[2]), mask)
+    gathered_v = tf.boolean_mask(all_gather(padded_v, keys[1] + longest), mask)
+    gathered_i = tf.boolean_mask(all_gather(padded_i, keys[2] + longest), mask)
     if mean:
         gathered_v = gathered_v * tf.cast(1.0 / n, values.dtype)
     return tf.identity(gathered_v, "values"), tf.identity(gathered_i, "indices")

@@ -37,7 +37,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     `_job_order`); empty: the static order."""
     job_servers = num_workers > 1 and bool(servers) and config.communication.backend == "tf"
     variables = {name: VariablePlan(name, method, info[name],
-                                    coalesce=config.coalesce_rows and method == "ps" and
+                                    coalesce=config.coalesce_rows and
+                                    method in ("ps", "allgather") and
                                     coalescing(tg, name) is not None)
                  for name, method in choose_methods(info, config, job_servers).items()}
     roots = shared_roots(variables)

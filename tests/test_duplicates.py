@@ -51,14 +51,29 @@ def test_a_use_that_sees_single_rows_keeps_them():
     assert coalescing(frontend.load(g2), "emb") is None
 
 
-def test_the_plan_coalesces_server_rows_only_and_can_be_told_not_to():
+def test_the_plan_coalesces_sparse_rows_and_can_be_told_not_to():
     g, _ = embedding_regression(4, "adam", clip=True)
     plan = pn.transform_plan(g, local(2))
     assert plan.variables["emb"].coalesce
     assert "each distinct row sent once (duplicates summed first): emb" in plan.format()
     assert not pn.transform_plan(g, local(2), {"coalesce_rows": False}).variables["emb"].coalesce
-    assert not pn.transform_plan(g, local(2), {"run_option": "allreduce"}).variables["emb"].coalesce
+    gathered = pn.transform_plan(g, local(2), {"run_option": "allreduce"}).variables["emb"]
+    assert gathered.method == "allgather" and gathered.coalesce
     assert not pn.transform_plan(g, local(2)).variables["dense/w"].coalesce
+
+
+def test_each_replica_gathers_its_distinct_rows_and_the_norm_is_summed():
+    from passkit import context, run_passes
+    from transforms import AggregatePass, ReplicatePass
+    ctx = context(2, "adam", graph=embedding_regression(4, "adam", clip=True)[0],
+                  run_option="allreduce")
+    ir = run_passes(ctx, ReplicatePass(), AggregatePass())
+    scope = "parallax/allgather/emb"
+    for k in range(2):
+        assert ir.node(f"{scope}/replica_{k}/rows/coalesced").op == "UnsortedSegmentSum"
+    norm = ir.node("global_norm/L2Loss")
+    assert norm.op == "CollectiveReduce" or any(
+        i.startswith(f"{scope}/norm") for i in ir.node("global_norm/stack").input)
 
 
 def test_a_worker_pushes_distinct_rows_and_its_part_of_the_norm():
@@ -75,7 +90,7 @@ def test_a_worker_pushes_distinct_rows_and_its_part_of_the_norm():
     assert len(take.attr["component_types"].list.type) == 1
 
 
-@pytest.mark.parametrize("run_option", ["hybrid", "ps"])
+@pytest.mark.parametrize("run_option", ["hybrid", "ps", "allreduce"])
 def test_coalesced_in_process_equals_one_device_and_the_uncoalesced_run(run_option):
     """Ids that repeat within and across replicas, global-norm clipping:
     coalesced and uncoalesced runs both within 1e-5 of one device."""
@@ -122,3 +137,40 @@ def test_lookups_are_gathers_of_the_handle_or_of_a_whole_read(kind, op, via):
 
 def test_a_gather_along_another_axis_is_no_lookup():
     assert lookups(frontend.load(lookup_graph("axis_1")), "emb") == ()
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_allgather_with_a_different_row_count_every_step_equals_one_device(coalesce):
+    """TensorFlow fixes a collective's shape at its first run; the rows an
+    all-gather moves change every step here (batches of 4, 8, 2 examples,
+    and coalescing makes them data-dependent besides)."""
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            ids = tf1.placeholder(tf.int32, [None, 3], name="ids")
+            y = tf1.placeholder(tf.float32, [None], name="y")
+            emb = tf1.get_variable("emb", initializer=TABLE)
+            pred = tf.reduce_sum(tf.nn.embedding_lookup(emb, ids), [1, 2])
+            loss = tf.reduce_mean(tf.square(pred - y))
+            train = tf1.train.AdagradOptimizer(0.1).minimize(loss)
+            init = tf1.global_variables_initializer()
+        return g, train, init, emb
+    rng = np.random.RandomState(3)
+    feeds = [(rng.randint(0, 10, size=(b, 3)), rng.randn(b).astype(np.float32))
+             for b in (4, 8, 2, 8)]
+    g, train, init, emb = build()
+    config = {"run_option": "allreduce", "coalesce_rows": coalesce}
+    with pn.get_runner(g, local(2), config) as runner:
+        assert runner.plan.variables["emb"].method == "allgather"
+        runner.run(init)
+        for ids, y in feeds:
+            runner.run(train, {"ids:0": ids, "y:0": y})
+        got = runner.run(emb, per_replica=True)
+    g1, train1, init1, emb1 = build()
+    with tf1.Session(graph=g1) as sess:
+        sess.run(init1)
+        for ids, y in feeds:
+            sess.run(train1, {"ids:0": ids, "y:0": y})
+        want = sess.run(emb1)
+    for value in got:
+        assert np.max(np.abs(value - want)) <= 1e-5

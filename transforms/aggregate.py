@@ -56,7 +56,7 @@ class AggregatePass:
             if vp.method == "ps":
                 local[var] = _ps_outputs(ctx.plan, var, grad.sparse)
         norms = {v: f"parallax/ps/{v}/norm" for v, vp in ctx.plan.variables.items()
-                 if vp.coalesce}
+                 if vp.coalesce and vp.method == "ps"}
         ctx.publish(LocalAggregates(local, norms))
         return ir.rewire(rewires, new_nodes), counts
 
@@ -214,14 +214,37 @@ def _concat(name, inputs, axis, dtype, device):
 
 
 def _allgather(ctx, var, grad):
+    """The replicas' IndexedSlices gathered; with coalescing, each replica's
+    distinct rows only, and a global norm's L2Loss summed over the replicas'
+    shares (as one device squares every row)."""
     plan, tg = ctx.plan, ctx.tg
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
-    n = plan.num_replicas
-    nodes, v, i = ctx.comm.all_gather(
-        f"parallax/allgather/{var}", [ctx.replica_tensor(k, grad.values) for k in range(n)],
-        [ctx.replica_tensor(k, grad.indices) for k in range(n)], vt.dtype, it.dtype,
-        vt.shape, plan.average_sparse)
-    return nodes, {grad.values: v, grad.indices: i}
+    n, scope = plan.num_replicas, f"parallax/allgather/{var}"
+    values = [ctx.replica_tensor(k, grad.values) for k in range(n)]
+    indices = [ctx.replica_tensor(k, grad.indices) for k in range(n)]
+    nodes, outputs = [], {}
+    if plan.variables[var].coalesce:
+        scale = 1.0 / plan.group_size if plan.average_sparse else 1.0
+        for k, device in enumerate(plan.devices):
+            part = f"{scope}/replica_{k}/rows"
+            nodes += _coalesce(part, values[k], indices[k], vt.dtype, it.dtype, device)
+            nodes += [emit.const(f"{part}/scale", scale, vt.dtype, device),
+                      emit.node_def(f"{part}/scaled", "Mul", [values[k], f"{part}/scale"],
+                                    device, T=vt.dtype),
+                      emit.node_def(f"{part}/norm", "L2Loss", [f"{part}/scaled"], device,
+                                    T=vt.dtype)]
+            values[k], indices[k] = f"{part}/coalesced", f"{part}/distinct"
+        norms = coalescing(tg, var)
+        if norms:
+            made, summed = ctx.comm.all_reduce(
+                f"{scope}/norm", [f"{scope}/replica_{k}/rows/norm" for k in range(n)],
+                vt.dtype, False)
+            nodes += made
+            outputs.update({TensorRef(norm, 0): summed for norm in norms})
+    made, v, i = ctx.comm.all_gather(scope, values, indices, vt.dtype, it.dtype, vt.shape,
+                                     plan.average_sparse)
+    outputs.update({grad.values: v, grad.indices: i})
+    return nodes + made, outputs
 
 
 def _rewire(ctx, ref, per_replica: list[str], rewires: dict) -> None:
