@@ -28,6 +28,27 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 MODES = ("hybrid", "hybrid-staged", "hybrid-per-host", "allreduce", "ps", "mwms")
+TWO = "[127.0.0.1, 127.0.0.1]"
+OFF = {"local_aggregation": False, "colocate_updates": False, "lookups_on_servers": False}
+# Parallax's Table 4, one feature added per row (2 servers): a plain
+# parameter server, then hybrid (dense by all-reduce), local aggregation,
+# the other placement rewrites, balanced fusion buffers, coalesced rows,
+# distinct lookups (the last row is hybrid's default)
+ABLATION = {
+    "ps-plain": {"run_option": "ps", "placement_rewrites": OFF, "coalesce_rows": False,
+                 "distinct_lookups": False},
+    "+hybrid": {"run_option": "hybrid", "dense_method": "allreduce", "placement_rewrites": OFF,
+                "coalesce_rows": False, "distinct_lookups": False},
+    "+local-aggregation": {"run_option": "hybrid", "dense_method": "allreduce",
+                           "placement_rewrites": {**OFF, "local_aggregation": True},
+                           "coalesce_rows": False, "distinct_lookups": False},
+    "+placement": {"run_option": "hybrid", "dense_method": "allreduce",
+                   "coalesce_rows": False, "distinct_lookups": False},
+    "+fusion-buffers": {"run_option": "hybrid", "coalesce_rows": False,
+                        "distinct_lookups": False},
+    "+coalesced-rows": {"run_option": "hybrid", "distinct_lookups": False},
+    "+distinct-lookups": {"run_option": "hybrid"},
+}
 # mode -> (parallax_ng config, the resource file's `ps:`). hybrid: dense
 # variables by balanced fusion buffers (its default with servers), one server;
 # -staged: dense by all-reduce, collectives and servers in separate runs;
@@ -38,7 +59,18 @@ CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
            "hybrid-per-host": ({"run_option": "hybrid"}, "per_host"),
            "allreduce": ({"run_option": "allreduce"}, None),
            "ps": ({"run_option": "ps"}, "[127.0.0.1]"),
-           "mwms": (None, None)}
+           "mwms": (None, None),
+           **{mode: (config, TWO) for mode, config in ABLATION.items()},
+           # servers that carry only dense gradients (sparse by all-gather), to
+           # see their balance: fusion buffers, or whole variables (greedy by
+           # bytes, round robin)
+           **{f"balance-{how}-{n}": ({"run_option": "allreduce", "dense_method": method,
+                                      "ps_placement": placement},
+                                     "[" + ", ".join(["127.0.0.1"] * n) + "]")
+              for how, method, placement in (("bfb", "bfb", "greedy"),
+                                             ("greedy", "ps", "greedy"),
+                                             ("rr", "ps", "round_robin"))
+              for n in (2, 3)}}
 
 
 def main():
@@ -46,7 +78,9 @@ def main():
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode (median)")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"any of {', '.join(CONFIGS)}; 'ablation' for its rows")
+    parser.add_argument("--devices", type=int, default=1, help="CPU devices per worker")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=None, help="lm_small's --vocab")
     parser.add_argument("--netlab", metavar="RATE",
@@ -64,7 +98,8 @@ def main():
                        capture_output=True)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            for mode in args.modes.split(","):
+            modes = args.modes.replace("ablation", ",".join(ABLATION)).split(",")
+            for mode in modes:
                 runs = [job(mode, args, tmp, r) for r in range(args.repeats)]
                 runs.sort(key=lambda r: r["steps_per_s"])
                 results[mode] = runs[len(runs) // 2]
@@ -72,7 +107,7 @@ def main():
     finally:
         if args.netlab:
             subprocess.run([NETLAB, "down"], capture_output=True)
-    report(results)
+    report(results, ablation=args.modes == "ablation")
 
 
 NETLAB = os.path.join(os.path.dirname(ROOT), "shared", "tools", "netlab")
@@ -82,18 +117,23 @@ _ports = iter(range(31000, 40000, 10))
 def resource_file(mode: str, args, path: str) -> None:
     servers = CONFIGS[mode][1]
     with open(path, "w") as f:
+        devices = ", ".join(f"cpu:{d}" for d in range(args.devices))
         if not args.netlab:
-            f.write("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * args.workers)
+            f.write("hosts:\n" + f"  - address: 127.0.0.1\n    devices: [{devices}]\n"
+                    * args.workers)
             if servers:
                 f.write(f"ps: {servers}\n")
             return
         port = next(_ports)
         f.write("hosts:\n" + "".join(f"  - address: 10.254.0.{10 + i}:{port + 2 * i}\n"
-                                     "    devices: [cpu:0]\n" for i in range(args.workers)))
+                                     f"    devices: [{devices}]\n"
+                                     for i in range(args.workers)))
         if servers == "per_host":
             f.write("ps: per_host\n")
-        elif servers:
-            f.write(f"ps: [10.254.0.{10 + args.workers}:{port + 9}]\n")
+        elif servers:    # one emulated host for the servers
+            count = servers.count("127.0.0.1")
+            f.write("ps: [" + ", ".join(f"10.254.0.{10 + args.workers}:{port + 9 - k}"
+                                        for k in range(count)) + "]\n")
         f.write(f"ssh: {NETLAB} ssh\n")
 
 
@@ -103,7 +143,8 @@ def job(mode: str, args, tmp: str, repeat: int) -> dict:
     out = os.path.join(tmp, f"{mode}-{repeat}.json")
     cmd = [sys.executable, "-m", "parallax_ng.cli", "run", os.path.abspath(__file__),
            "-r", res, "--", "--mode", mode, "--out", out, "--steps", str(args.steps),
-           "--warmup", str(args.warmup)] + (["--vocab", str(args.vocab)] if args.vocab else [])
+           "--warmup", str(args.warmup), "--devices", str(args.devices)] + (
+               ["--vocab", str(args.vocab)] if args.vocab else [])
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
@@ -143,19 +184,76 @@ def netlab_bytes() -> dict[str, int]:
 
 
 def format_row(r: dict) -> str:
-    sent = ", ".join(f"{task} {b / 1e6:.3f} MB" for task, b in sorted(r["bytes_per_step"].items()))
-    return f"{r['steps_per_s']:7.2f} steps/s  sent per step: {sent}"
+    model = r.get("model_bytes_per_step", {})
+    sent = ", ".join(f"{task} {b / 1e6:.3f} MB" + (
+        f" (model {model[task] / 1e6:.3f}, {b / model[task]:.3f}x)" if model.get(task) else "")
+        for task, b in sorted(r["bytes_per_step"].items()))
+    servers = [b for task, b in r["bytes_per_step"].items() if task.startswith("ps ")]
+    balance = (f"  servers max/mean {max(servers) * len(servers) / sum(servers):.3f}"
+               if len(servers) > 1 and sum(servers) else "")
+    return f"{r['steps_per_s']:7.2f} steps/s  sent per step: {sent}{balance}"
 
 
-def report(results: dict) -> None:
-    base = results.get("mwms")
-    print("\nmode              steps/s  vs MWMS   MB sent/step (all processes)  vs MWMS")
+def report(results: dict, ablation: bool = False) -> None:
+    """Steps/s and bytes against MultiWorkerMirroredStrategy, or, for the
+    ablation, against its first row."""
+    name = "first row" if ablation else "MWMS"
+    base = next(iter(results.values())) if ablation else results.get("mwms")
+    print(f"\nmode                 steps/s  vs {name:9}  MB sent/step (all processes)  vs {name}")
     for mode, r in results.items():
         total = sum(r["bytes_per_step"].values())
         speed = f"{r['steps_per_s'] / base['steps_per_s']:7.2f}x" if base else "      -"
         base_total = sum(base["bytes_per_step"].values()) if base else 0
         size = f"{total / base_total:7.2f}x" if base_total else "      -"
-        print(f"{mode:16} {r['steps_per_s']:8.2f} {speed} {total / 1e6:14.3f} {'':14} {size}")
+        print(f"{mode:19} {r['steps_per_s']:8.2f} {speed:>12} {total / 1e6:14.3f} {'':14} {size}")
+
+
+def traffic_model(plan, rows: dict, index_bytes: dict, distinct_ids: dict) -> dict:
+    """Bytes each process sends per step by the Parallax paper's traffic
+    model (Table 3) for `plan`, every worker alike, with the distinct rows
+    a worker touches (`rows`, measured) crossing once where the plan
+    coalesces: a worker pushes a ps variable's gradient (sparse: its rows
+    and indices) and asks for the rows of its lookups by id (`distinct_ids`
+    of them; each occurrence when lookups are not made distinct), the
+    variable's server returns every worker the rows it looked up (a dense
+    variable: its value); ring all-reduce sends 2(W-1)/W of a dense
+    gradient, all-gather W-1 copies of a worker's rows; fusion buffers go
+    to the servers whole and come back from each server by its shard."""
+    workers = plan.num_workers
+    out = {f"worker {w}": 0.0 for w in range(workers)}
+    out.update({f"ps {j}": 0.0 for j in range(len(plan.servers))})
+
+    def task(device: str) -> str:
+        return "ps " + device.split("/task:")[1].split("/")[0]
+
+    sends = 0.0
+    for var, vp in plan.variables.items():
+        info, p = vp.info, plan.placement[var]
+        if vp.method == "bfb":
+            continue
+        shards = [(s.device, s.size / p.length) for s in p.shards] if hasattr(p, "shards") \
+            else [(plan.server(var), 1.0)]
+        if info.sparse:
+            row, r = info.nbytes / info.shape[0], rows[var]
+            if vp.method == "allgather":
+                sends += (workers - 1) * r * (row + index_bytes[var])
+                continue
+            sends += r * (row + index_bytes[var]) + distinct_ids[var] * index_bytes[var]
+            for device, share in shards:
+                out[task(device)] += workers * share * distinct_ids[var] * row
+        elif vp.method == "allreduce":
+            sends += 2 * (workers - 1) / workers * info.nbytes
+        else:
+            sends += info.nbytes
+            out[task(plan.server(var))] += workers * info.nbytes
+    for buffer in plan.buffers:
+        size = plan.buffer_bytes(buffer)
+        sends += size
+        for s in buffer.placement.shards:
+            out[task(s.device)] += workers * size * s.size / buffer.placement.length
+    for w in range(workers):
+        out[f"worker {w}"] = sends
+    return out
 
 
 # -- inside the job -----------------------------------------------------------
@@ -166,10 +264,11 @@ def worker(args) -> None:
     info = cluster.from_env()
     # the example's default model, or its --vocab
     model_args = lm_small.arguments(["--vocab", str(args.vocab)] if args.vocab else [])
+    runner = None
     if args.mode == "mwms":
         step = mwms_step(info, model_args)
     else:
-        step = parallax_step(args.mode, model_args)
+        step, runner, fetch = parallax_step(args.mode, model_args)
     for _ in range(args.warmup):
         step()
     measure = info.task == 0
@@ -184,12 +283,41 @@ def worker(args) -> None:
     for _ in range(args.steps):
         step()
     seconds = time.perf_counter() - start
+    after = sent_bytes(tasks.values()) if measure else {}
+    model = model_of(runner, fetch) if runner is not None else {}   # more steps, every worker
     if measure:
-        after = sent_bytes(tasks.values())
         per_step = {name: (after.get(pid, 0) - before.get(pid, 0)) / args.steps
                     for name, pid in tasks.items()}
         with open(args.out, "w") as f:
-            json.dump({"steps_per_s": args.steps / seconds, "bytes_per_step": per_step}, f)
+            json.dump({"steps_per_s": args.steps / seconds, "bytes_per_step": per_step,
+                       "model_bytes_per_step": model}, f)
+
+
+MODEL_STEPS = 20
+
+
+def model_of(runner, fetch) -> dict:
+    """The traffic model with the distinct rows this worker's sparse
+    gradients held over MODEL_STEPS more training steps (the ids its
+    lookups asked for are the same rows)."""
+    import numpy as np
+
+    grads = runner.ctx.tg.gradients
+    sparse = sorted(v for v in runner.plan.variables if grads[v].sparse)
+    names = [f"{grads[v].indices.node}:{grads[v].indices.index}" for v in sparse]
+    rows = {v: 0.0 for v in sparse}
+    ids = {v: 0.0 for v in sparse}
+    index_bytes = {}
+    for _ in range(MODEL_STEPS):
+        values = runner.run(fetch + names)[len(fetch):]
+        for v, idx in zip(sparse, values):
+            rows[v] += len(np.unique(idx)) / MODEL_STEPS
+            ids[v] += len(idx) / MODEL_STEPS
+            index_bytes[v] = idx.dtype.itemsize
+    plan = runner.plan
+    coalesced = {v: rows[v] if plan.variables[v].coalesce else ids[v] for v in sparse}
+    looked_up = rows if plan.distinct_lookups else ids
+    return traffic_model(plan, coalesced, index_bytes, looked_up)
 
 
 def is_emulated(info) -> bool:
@@ -197,13 +325,15 @@ def is_emulated(info) -> bool:
 
 
 def parallax_step(mode: str, model_args):
+    """(one training step, the runner, what a step fetches)."""
     import lm_small
 
     import parallax_ng as pn
     graph, train_op, loss, _, init = lm_small.build(model_args)
     runner = pn.get_runner(graph, None, CONFIGS[mode][0])
     runner.run(init)
-    return lambda: runner.run([train_op, loss])
+    fetch = [train_op, loss]
+    return (lambda: runner.run(fetch)), runner, fetch
 
 
 def mwms_step(info, model_args):
