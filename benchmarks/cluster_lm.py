@@ -8,7 +8,11 @@ MultiWorkerMirroredStrategy training the same model; on loopback, or with
     python benchmarks/cluster_lm.py [--steps 500] [--warmup 50] [--repeats 1]
                                     [--workers 2] [--vocab N] [--modes a,b,...]
 
-Each mode is one `parallax-ng run` job. Worker 0 times a window of --steps
+`--netlab` uses ../shared/tools/netlab beside the checkout, or $NETLAB.
+`--modes ablation` runs the rows of a Table-4-shaped ablation (2 servers);
+`balance-*` modes put only dense gradients on 2 or 3 servers. Each mode is
+one `parallax-ng run` job; parallax_ng modes also print the Parallax traffic
+model's bytes per process beside the measured ones. Worker 0 times a window of --steps
 steps after --warmup steps, and counts the bytes every process of the job
 sent in that window at its TCP sockets (`ss -tinp`, bytes_sent summed over
 the sockets the process owns). Prints steps/s and bytes sent per step per
@@ -110,7 +114,7 @@ def main():
     report(results, ablation=args.modes == "ablation")
 
 
-NETLAB = os.path.join(os.path.dirname(ROOT), "shared", "tools", "netlab")
+NETLAB = os.environ.get("NETLAB", os.path.join(os.path.dirname(ROOT), "shared", "tools", "netlab"))
 _ports = iter(range(31000, 40000, 10))
 
 
@@ -216,10 +220,11 @@ def traffic_model(plan, rows: dict, index_bytes: dict, distinct_ids: dict) -> di
     and indices) and asks for the rows of its lookups by id (`distinct_ids`
     of them; each occurrence when lookups are not made distinct), the
     variable's server returns every worker the rows it looked up (a dense
-    variable: its value); ring all-reduce sends 2(W-1)/W of a dense
-    gradient, all-gather W-1 copies of a worker's rows; fusion buffers go
-    to the servers whole and come back from each server by its shard."""
-    workers = plan.num_workers
+    variable: its value); a ring over the G replicas of the job sends
+    2(G-1)/G of a dense gradient over each worker's link out, an all-gather
+    G-1 replicas' rows; fusion buffers go to the servers whole and come back
+    from each server by its shard."""
+    workers, group = plan.num_workers, plan.group_size
     out = {f"worker {w}": 0.0 for w in range(workers)}
     out.update({f"ps {j}": 0.0 for j in range(len(plan.servers))})
 
@@ -236,13 +241,13 @@ def traffic_model(plan, rows: dict, index_bytes: dict, distinct_ids: dict) -> di
         if info.sparse:
             row, r = info.nbytes / info.shape[0], rows[var]
             if vp.method == "allgather":
-                sends += (workers - 1) * r * (row + index_bytes[var])
+                sends += (group - 1) * r / plan.num_replicas * (row + index_bytes[var])
                 continue
             sends += r * (row + index_bytes[var]) + distinct_ids[var] * index_bytes[var]
             for device, share in shards:
                 out[task(device)] += workers * share * distinct_ids[var] * row
         elif vp.method == "allreduce":
-            sends += 2 * (workers - 1) / workers * info.nbytes
+            sends += 2 * (group - 1) / group * info.nbytes
         else:
             sends += info.nbytes
             out[task(plan.server(var))] += workers * info.nbytes

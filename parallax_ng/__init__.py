@@ -183,7 +183,8 @@ def _job_order(tg, config: Config, cluster_info, server) -> dict | None:
     timeout = config.communication.timeout_seconds
     mine = None
     if cluster_info.task == 0:
-        order, why = first_step_order(tg, timeout)
+        order, why = first_step_order(tg, timeout) if config.profile.steps else (
+            (), "profile.steps is 0")
         mine = {"order": list(order),
                 "source": "measured in worker 0's first step" if order else
                           f"the graph's order: not measured, {why}"}
