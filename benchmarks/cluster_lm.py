@@ -10,13 +10,14 @@ MultiWorkerMirroredStrategy training the same model; on loopback, or with
 
 `--netlab` uses ../shared/tools/netlab beside the checkout, or $NETLAB.
 `--modes ablation` runs the rows of a Table-4-shaped ablation (2 servers);
-`balance-*` modes put only dense gradients on 2 or 3 servers. Each mode is
-one `parallax-ng run` job; parallax_ng modes also print the Parallax traffic
-model's bytes per process beside the measured ones. Worker 0 times a window of --steps
+`balance-*` modes put only dense gradients on 2 or 3 servers.
+
+Each mode is one `parallax-ng run` job. Worker 0 times a window of --steps
 steps after --warmup steps, and counts the bytes every process of the job
 sent in that window at its TCP sockets (`ss -tinp`, bytes_sent summed over
 the sockets the process owns). Prints steps/s and bytes sent per step per
-process, and both as ratios to MultiWorkerMirroredStrategy.
+process, and both as ratios to MultiWorkerMirroredStrategy; for parallax_ng
+modes also the Parallax traffic model's bytes per process beside them.
 """
 from __future__ import annotations
 
