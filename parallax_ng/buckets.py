@@ -1,0 +1,111 @@
+"""Buckets: which gradients are all-reduced together, and what a step costs.
+
+The MG-WFBP paper's model of one iteration with wait-free backpropagation:
+the forward pass takes `forward_time`; the backward pass then runs the
+layers from the last to the first, and a layer's gradients are ready when
+its backward time has passed. The gradients are all-reduced in buckets of
+consecutive layers (in backward order); one all-reduce of M bytes costs
+a + b*M (`Cost`). A bucket starts when its last layer's gradients are ready
+and the bucket before it is done; the iteration ends when the backward pass
+and every bucket are done (`iteration_time`). The simulator and the planner
+use this one model.
+
+Bucketings (each a list of buckets, a bucket a list of layer indices in
+backward order): `wfbp` (one bucket per layer), `single` (one bucket after
+the backward pass), `threshold` (a bucket closes once it holds at least that
+many bytes) and `mgwfbp`: the bucketing with the least iteration time. The
+paper finds it by merging a layer into the one before it whenever the
+earlier layer's gradients would be ready before the later one's all-reduce
+could start plus the startup cost a (its Algorithm 1, O(L^2)); here the same
+problem is solved by dynamic programming over the last bucket, also O(L^2),
+and exact for any profile: the best bucketing of the first j layers (in
+backward order) ends with a bucket i..j after the best bucketing of the
+layers before i, since a bucket's end only grows with its predecessor's.
+
+Requires: nothing but a profile (parallax_ng/profile.py `Layer`s or the
+simulator's JSON). Guarantees: pure functions of their inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    bytes: int               # gradient bytes
+    backward_time: float     # seconds
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One all-reduce of M bytes takes a + b*M seconds."""
+    a: float
+    b: float
+
+    def __call__(self, nbytes: float) -> float:
+        return self.a + self.b * nbytes
+
+
+def ready_times(forward_time: float, layers: list[Layer]) -> list[float]:
+    """When each layer's gradients are ready, in backward order (the last
+    layer of `layers`, listed input to output, first)."""
+    out, t = [], forward_time
+    for layer in reversed(layers):
+        t += layer.backward_time
+        out.append(t)
+    return out
+
+
+def iteration_time(forward_time: float, layers: list[Layer], buckets, cost: Cost) -> float:
+    """The model's iteration time with `buckets` (lists of backward-order
+    layer indices, consecutive, covering every layer once)."""
+    ready = ready_times(forward_time, layers)
+    backward = list(reversed(layers))
+    done = 0.0
+    for bucket in buckets:
+        start = max(ready[max(bucket)], done)
+        done = start + cost(sum(backward[i].bytes for i in bucket))
+    return max(ready[-1] if ready else forward_time, done)
+
+
+def wfbp(layers: list[Layer]) -> list[list[int]]:
+    return [[i] for i in range(len(layers))]
+
+
+def single(layers: list[Layer]) -> list[list[int]]:
+    return [list(range(len(layers)))] if layers else []
+
+
+def threshold(layers: list[Layer], nbytes: int) -> list[list[int]]:
+    """Buckets closed once they hold at least `nbytes` (the last may hold less)."""
+    out, bucket, size = [], [], 0
+    for i, layer in enumerate(reversed(layers)):
+        bucket.append(i)
+        size += layer.bytes
+        if size >= nbytes:
+            out.append(bucket)
+            bucket, size = [], 0
+    return out + ([bucket] if bucket else [])
+
+
+def mgwfbp(forward_time: float, layers: list[Layer], cost: Cost) -> list[list[int]]:
+    """The bucketing with the least iteration time (ties: fewer buckets)."""
+    ready = ready_times(forward_time, layers)
+    sizes = [layer.bytes for layer in reversed(layers)]
+    n = len(layers)
+    best = [(0.0, 0)] + [None] * n      # j -> (end of the last bucket, buckets)
+    cut = [0] * (n + 1)                  # j -> where the last bucket of layers < j starts
+    for j in range(1, n + 1):
+        size = 0
+        for i in range(j, 0, -1):       # last bucket: layers i-1 .. j-1
+            size += sizes[i - 1]
+            end = max(ready[j - 1], best[i - 1][0]) + cost(size)
+            candidate = (end, best[i - 1][1] + 1)
+            if best[j] is None or candidate < best[j]:
+                best[j], cut[j] = candidate, i - 1
+    out, j = [], n
+    while j > 0:
+        out.append(list(range(cut[j], j)))
+        j = cut[j]
+    return out[::-1]
