@@ -58,6 +58,22 @@ class FusionConfig:
                               f"bytes >= 0 (0: automatic), not {self.buffer_bytes!r}")
 
 
+BUCKET_MODES = ("none", "single", "threshold")
+
+
+@dataclass(frozen=True)
+class BucketsConfig:
+    """All-reduce buckets: dense gradients merged into one all-reduce each."""
+    mode: str = "none"               # none: one per variable; single; threshold
+    bytes: int = 4 * 2**20           # threshold: a bucket closes once it holds this much
+
+    def __post_init__(self):
+        _check_choice("buckets.mode", self.mode, BUCKET_MODES)
+        if not isinstance(self.bytes, int) or isinstance(self.bytes, bool) or self.bytes < 1:
+            raise ConfigError("config key 'buckets.bytes' must be a whole number of bytes "
+                              f">= 1, not {self.bytes!r}")
+
+
 @dataclass(frozen=True)
 class PlacementRewritesConfig:
     """Parallax's placement rewrites (paper section 5.3.2), each a pass."""
@@ -98,6 +114,7 @@ class Config:
     fusion: FusionConfig = field(default_factory=FusionConfig)
     placement_rewrites: PlacementRewritesConfig = field(
         default_factory=PlacementRewritesConfig)
+    buckets: BucketsConfig = field(default_factory=BucketsConfig)
     dense_method: str = "auto"                             # auto: the run option's
     ps_placement: str = "greedy"                           # whole variables over servers
     coalesce_rows: bool = True                             # sum duplicate sparse rows first
@@ -137,7 +154,8 @@ class Config:
         for key, kind in (("communication", CommunicationConfig),
                           ("checkpoint", CheckpointConfig), ("profile", ProfileConfig),
                           ("fusion", FusionConfig),
-                          ("placement_rewrites", PlacementRewritesConfig)):
+                          ("placement_rewrites", PlacementRewritesConfig),
+                          ("buckets", BucketsConfig)):
             section = data.pop(key, None) or {}
             if not isinstance(section, dict):
                 raise ConfigError(f"config key {key!r} must be a mapping")

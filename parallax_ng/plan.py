@@ -3,11 +3,11 @@
 Made by parallax_ng/planner.py from a TrainingGraph's analysis, a Config
 and the resources; consumed by the passes; printed by `parallax-ng plan`;
 tests assert on it without running TensorFlow.
-Holds: an aggregation method per trained variable (allreduce, ps or
-allgather); a placement per variable (parallax_ng/placement.py: mirrored,
-shared on one device, or sharded over devices); the devices and the job;
-random streams and input producers; the step schedule; and merged
-all-reduce buckets and fusion buffers (filled by later planners).
+Holds: an aggregation method per trained variable (allreduce, ps,
+allgather or bfb); a placement per variable (parallax_ng/placement.py:
+mirrored, shared on one device, or sharded over devices); the devices and
+the job; random streams and input producers; the step schedule; merged
+all-reduce buckets and fusion buffers; which placement rewrites run.
 """
 from __future__ import annotations
 
@@ -227,6 +227,12 @@ class Plan:
         off = [k for k, on in vars(self.rewrites).items() if not on]
         if off:
             rows.append("placement rewrites off: " + ", ".join(off))
+        if self.buckets:
+            sizes = [sum(self.variables[v].info.nbytes for v in b.variables)
+                     for b in self.buckets]
+            rows.append(f"all-reduce buckets: {len(sizes)}, "
+                        + ", ".join(f"{len(b.variables)} variable(s) {n:,} bytes"
+                                    for b, n in zip(self.buckets, sizes)))
         if self.distinct_lookups:
             rows.append("lookups of rows on servers: each distinct row fetched once per worker")
         if self.buffers:

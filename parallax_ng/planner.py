@@ -18,6 +18,7 @@ the devices. Guarantees: the same inputs give the same plan on every worker.
 """
 from __future__ import annotations
 
+from . import buckets as bucketing
 from . import queues, randomness
 from .analysis import VariableInfo
 from .config import Config
@@ -25,7 +26,7 @@ from .duplicates import coalescing
 from .errors import ConfigError
 from .frontend import TrainingGraph
 from .placement import MIRRORED, Shared, Sharded
-from .plan import Buffer, Plan, Rewrites, Schedule, Segment, VariablePlan
+from .plan import Bucket, Buffer, Plan, Rewrites, Schedule, Segment, VariablePlan
 
 
 def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
@@ -48,6 +49,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                             config.ps_placement)
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
                              list(servers) or [host], config.fusion.buffer_bytes)
+    reduced = [v for v, vp in variables.items() if vp.method == "allreduce"]
+    buckets = allreduce_buckets(tg, ready_order(tg, reduced, order), config.buckets)
     producers = [q for q in queues.find(tg) if q.producer]
     random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),
                                config.random, config.random_ops,
@@ -59,7 +62,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                 num_workers=num_workers, worker=worker, servers=tuple(servers),
                 backend=config.communication.backend, random=random,
                 split_queues={q.queue: q.enqueues for q in producers},
-                schedule=Schedule(staged=staged), buffers=buffers,
+                schedule=Schedule(staged=staged), buffers=buffers, buckets=buckets,
                 distinct_lookups=config.distinct_lookups and bool(servers),
                 rewrites=Rewrites(**vars(config.placement_rewrites)))
 
@@ -193,6 +196,22 @@ def ready_order(tg: TrainingGraph, variables: list[str], measured=()) -> list[st
     static = sorted(variables, key=lambda v: (index[tg.gradients[v].values.node], v))
     seen = [v for v in measured if v in set(variables)]
     return seen + [v for v in static if v not in set(seen)]
+
+
+def allreduce_buckets(tg: TrainingGraph, order: list[str], config) -> tuple[Bucket, ...]:
+    """The all-reduced variables in `order` (backward) merged into buckets
+    as `config.mode` says (parallax_ng/buckets.py), one dtype per bucket;
+    none for mode `none` (one all-reduce per variable)."""
+    if config.mode == "none":
+        return ()
+    out = []
+    for dtype in sorted({tg.variables[v].dtype.base_dtype.name for v in order}):
+        same = [v for v in order if tg.variables[v].dtype.base_dtype.name == dtype]
+        layers = [bucketing.Layer(v, tg.variables[v].nbytes, 0.0) for v in reversed(same)]
+        chosen = (bucketing.single(layers) if config.mode == "single"
+                  else bucketing.threshold(layers, config.bytes))
+        out += [Bucket(tuple(same[i] for i in b)) for b in chosen]
+    return tuple(out)
 
 
 MIN_SHARD_BYTES = 256 * 1024     # smaller messages: per-message cost dominates

@@ -58,3 +58,56 @@ def test_fixed_bucketings():
     assert single(layers) == [[0, 1, 2, 3]] and single([]) == []
     assert threshold(layers, 5) == [[0, 1], [2, 3]]
     assert threshold(layers, 100) == [[0, 1, 2, 3]]
+
+
+# -- buckets in the plan and the graph ----------------------------------------
+import numpy as np  # noqa: E402
+
+import parallax_ng as pn  # noqa: E402
+from models import embedding_regression, local, train_both  # noqa: E402
+
+
+@pytest.mark.parametrize("mode,expected", [("none", 0), ("single", 1), ("threshold", 2)])
+def test_the_plan_merges_all_reduced_variables_into_buckets(mode, expected):
+    """In backward order out/v and dense/b (8 floats each) reach a 40-byte
+    threshold together; dense/w makes the second bucket."""
+    g, _ = embedding_regression(4, "adam")
+    plan = pn.transform_plan(g, local(2), {"run_option": "allreduce",
+                                           "buckets": {"mode": mode, "bytes": 40}})
+    assert len(plan.buckets) == expected
+    if expected:
+        merged = sorted(v for b in plan.buckets for v in b.variables)
+        assert merged == ["dense/b", "dense/w", "out/v"]   # the dense ones
+    if mode == "threshold":
+        assert [b.variables for b in plan.buckets] == [("out/v", "dense/b"), ("dense/w",)]
+    ir, _, _ = pn.transform(g, local(2), {"run_option": "allreduce",
+                                          "buckets": {"mode": mode, "bytes": 40}})
+    reduces = [n for n in ir.nodes if n.op == "CollectiveReduce"]
+    assert len(reduces) == 2 * (expected or 3)       # per replica: a bucket or a variable
+
+
+@pytest.mark.parametrize("mode", ["single", "threshold"])
+def test_bucketed_all_reduce_equals_one_device(mode):
+    def build(batch):
+        return embedding_regression(batch, "adam", clip=True, ema=True)
+    config = {"run_option": "allreduce", "buckets": {"mode": mode, "bytes": 40}}
+    parallel, single_device, names = train_both(build, 2, 10, local(2), config)
+    for name in names:
+        for got in parallel[name]:
+            assert np.max(np.abs(got - single_device[name])) <= 1e-5, name
+
+
+def test_a_bad_bucket_mode_names_the_key():
+    with pytest.raises(pn.ConfigError, match="buckets.mode"):
+        pn.Config.from_dict({"buckets": {"mode": "fastest"}})
+
+
+def test_a_job_with_buckets_equals_one_device(tmp_path):
+    """2 workers x 2 devices, TensorFlow collectives, two buckets."""
+    import json
+
+    from test_cluster import assert_matches_one_device, run_job
+    done, out, _ = run_job(tmp_path, 2, 2, "10", "--run-option", "allreduce", "--config",
+                           json.dumps({"buckets": {"mode": "threshold", "bytes": 40}}))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_matches_one_device(out, 2, 2)

@@ -25,13 +25,15 @@ def horovodrun():
 
 
 @pytest.mark.horovod
-@pytest.mark.parametrize("devices", [1, 2])
-def test_horovod_workers_match_one_device(tmp_path, devices):
+@pytest.mark.parametrize("devices,buckets", [(1, "none"), (2, "threshold")])
+def test_horovod_workers_match_one_device(tmp_path, devices, buckets):
     """Adam, global-norm clipping over dense and sparse gradients, EMA; dense
-    gradients by HorovodAllreduce, the embedding's by HorovodAllgather."""
+    gradients by HorovodAllreduce (per variable, or merged in buckets), the
+    embedding's by HorovodAllgather."""
     out = str(tmp_path / "vars")
     cmd = [horovodrun(), "--gloo", "-np", "2", "-H", "localhost:2", "--network-interface",
-           "lo", sys.executable, SCRIPT, out, "10", "--devices", str(devices)]
+           "lo", sys.executable, SCRIPT, out, "10", "--devices", str(devices),
+           "--buckets", buckets]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

@@ -4,7 +4,9 @@ Requires: replicas made by `replicate`; the plan's method per variable.
 Guarantees: for each trained variable, the autodiff output of every replica
 is combined across replicas before anything else reads it (clipping, global
 norms, summaries, update ops), by the plan's method:
-- allreduce: the backend's all-reduce (mean or sum; parallax_ng/comm.py);
+- allreduce: the backend's all-reduce (mean or sum; parallax_ng/comm.py),
+  one per variable, or one per bucket of the plan's (packed flat on each
+  replica's device, reduced, split back);
 - ps: sum of the worker's replicas on the variable's server (host CPU
   in-process; transforms/local_aggregation.py moves it to the worker's
   host); IndexedSlices are concatenated there, scaled by 1/N for a mean;
@@ -24,7 +26,7 @@ import tensorflow as tf
 
 from parallax_ng import emit, rules
 from parallax_ng.duplicates import coalescing
-from parallax_ng.ir import GraphIR, TensorRef
+from parallax_ng.ir import GraphIR, TensorRef, format_input
 from parallax_ng.results import LocalAggregates
 
 
@@ -43,8 +45,15 @@ class AggregatePass:
             for ref, per_replica in outputs.items():
                 _rewire(ctx, ref, per_replica, rewires)
             counts["bfb"] = len(outputs)
+        bucketed = {v for b in ctx.plan.buckets for v in b.variables}
+        for b, bucket in enumerate(ctx.plan.buckets):
+            nodes, outputs = _bucket(ctx, b, bucket.variables)
+            new_nodes.extend(nodes)
+            for ref, per_replica in outputs.items():
+                _rewire(ctx, ref, per_replica, rewires)
+            counts["allreduce"] += len(outputs)
         for var, vp in sorted(ctx.plan.variables.items()):
-            if vp.method == "bfb":
+            if vp.method == "bfb" or var in bucketed:
                 continue
             grad = ctx.tg.gradients[var]
             build = {"allreduce": _allreduce, "ps": _ps, "allgather": _allgather}[vp.method]
@@ -211,6 +220,45 @@ def _concat(name, inputs, axis, dtype, device):
         return emit.node_def(name, "Identity", inputs, device, T=dtype)
     return emit.node_def(name, "ConcatV2", inputs + [axis], device,
                          T=dtype, N=len(inputs), Tidx=tf.int32)
+
+
+def _bucket(ctx, b: int, variables: tuple[str, ...]):
+    """One all-reduce of the bucket's gradients: on every replica's device
+    flattened and packed, reduced, split and reshaped back."""
+    plan, tg = ctx.plan, ctx.tg
+    scope = f"parallax/bucket_{b}"
+    dtype = tg.variables[variables[0]].dtype.base_dtype
+    sizes = [_elements(tg, v) for v in variables]
+    nodes, packed = [], []
+    for k, device in enumerate(plan.devices):
+        at = f"{scope}/replica_{k}"
+        nodes += [emit.const(f"{at}/axis", 0, tf.int32, device),
+                  emit.const(f"{at}/flat", [-1], tf.int32, device)]
+        flats = []
+        for i, var in enumerate(variables):
+            flats.append(f"{at}/in_{i}")
+            nodes.append(emit.node_def(flats[-1], "Reshape", [
+                ctx.replica_tensor(k, tg.gradients[var].values), f"{at}/flat"], device,
+                T=dtype, Tshape=tf.int32))
+        nodes.append(_concat(f"{at}/packed", flats, f"{at}/axis", dtype, device))
+        packed.append(f"{at}/packed")
+    made, reduced = ctx.comm.all_reduce(f"{scope}/reduce", packed, dtype, plan.average_dense)
+    nodes += made
+    outputs = {tg.gradients[v].values: [] for v in variables}
+    for k, device in enumerate(plan.devices):
+        at = f"{scope}/replica_{k}"
+        nodes += [emit.const(f"{at}/sizes", sizes, tf.int32, device),
+                  emit.node_def(f"{at}/split", "SplitV", [reduced[k], f"{at}/sizes",
+                                                          f"{at}/axis"], device, T=dtype,
+                                Tlen=tf.int32, num_split=len(variables))]
+        for i, var in enumerate(variables):
+            shape = list(tg.variables[var].shape)
+            nodes += [emit.const(f"{at}/shape_{i}", shape, tf.int32, device),
+                      emit.node_def(f"{at}/out_{i}", "Reshape", [
+                          format_input(f"{at}/split", i), f"{at}/shape_{i}"], device,
+                          T=dtype, Tshape=tf.int32)]
+            outputs[tg.gradients[var].values].append(f"{at}/out_{i}")
+    return nodes, outputs
 
 
 def _allgather(ctx, var, grad):
