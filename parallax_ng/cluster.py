@@ -158,7 +158,6 @@ def _reachable(address: str) -> bool:
         return False
 
 
-
 SHARE_QUEUE = "parallax_ng/from_worker_0"   # on server 0: one element per other worker
 
 

@@ -43,6 +43,6 @@ def pipeline_for(plan) -> list:
 
 
 __all__ = ["AggregatePass", "ColocateUpdatesPass", "DistinctLookupsPass", "InitPass",
-           "LocalAggregationPass", "LookupsOnServersPass", "PlacePass", "ReplicatePass", "ServerSyncPass",
-           "ShardInputsPass", "ShardVariablesPass", "StagePass", "StateSyncPass",
-           "pipeline_for"]
+           "LocalAggregationPass", "LookupsOnServersPass", "PlacePass", "ReplicatePass",
+           "ServerSyncPass", "ShardInputsPass", "ShardVariablesPass", "StagePass",
+           "StateSyncPass", "pipeline_for"]
