@@ -109,3 +109,46 @@ def mgwfbp(forward_time: float, layers: list[Layer], cost: Cost) -> list[list[in
         out.append(list(range(cut[j], j)))
         j = cut[j]
     return out[::-1]
+
+
+STRATEGIES = ("wfbp", "single", "threshold:BYTES", "mgwfbp")
+
+
+def load_profile(data: dict) -> tuple[float, list[Layer]]:
+    """(forward time, layers input to output) from the simulator's profile
+    format: {"forward_time": s, "layers": [{"name", "bytes", "backward_time"}]}."""
+    from .errors import ConfigError
+    if not isinstance(data, dict) or "layers" not in data:
+        raise ConfigError('a profile is {"forward_time": s, "layers": [{"name": str, '
+                          '"bytes": int, "backward_time": s}, ...]} (layers input to output)')
+    layers = []
+    for i, layer in enumerate(data["layers"]):
+        missing = {"name", "bytes", "backward_time"} - set(layer)
+        if missing:
+            raise ConfigError(f"profile layer {i} lacks {sorted(missing)}")
+        layers.append(Layer(str(layer["name"]), int(layer["bytes"]),
+                            float(layer["backward_time"])))
+    return float(data.get("forward_time", 0.0)), layers
+
+
+def simulate(forward_time: float, layers: list[Layer], cost: Cost, strategies) -> dict:
+    """{strategy: {"iteration_time": s, "buckets": [[layer names]]}} by the
+    model, for `strategies` named as in STRATEGIES."""
+    from .errors import ConfigError
+    backward = [layer.name for layer in reversed(layers)]
+    out = {}
+    for name in strategies:
+        kind, _, arg = name.partition(":")
+        if kind == "wfbp":
+            chosen = wfbp(layers)
+        elif kind == "single":
+            chosen = single(layers)
+        elif kind == "threshold" and arg.isdigit():
+            chosen = threshold(layers, int(arg))
+        elif kind == "mgwfbp":
+            chosen = mgwfbp(forward_time, layers, cost)
+        else:
+            raise ConfigError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
+        out[name] = {"iteration_time": iteration_time(forward_time, layers, chosen, cost),
+                     "buckets": [[backward[i] for i in b] for b in chosen]}
+    return out

@@ -3,6 +3,7 @@
     parallax-ng run SCRIPT -r RESOURCES [-c CONFIG] [--chief-only] [--verbose] [-- ARGS]
     parallax-ng plan SOURCE [-r RESOURCES] [-c CONFIG] [--json] [-- ARGS]
     parallax-ng diff SOURCE [-r RESOURCES] [-c CONFIG] [--out DIR] [--batch N] [-- ARGS]
+    parallax-ng simulate --profile P.json --a A --b B [--strategies S,...] [--json]
 
 SOURCE is a training script (run until it calls get_runner; its own
 resource and config arguments are used unless -r/-c are given) or an
@@ -52,6 +53,16 @@ def main(argv=None) -> int:
         else:
             p.add_argument("--out", help="write diff.txt, diff.html, diff.dot here")
             p.add_argument("--batch", type=int, help="size of unknown batch dimensions")
+    sim = sub.add_parser("simulate", help="predict the iteration time of all-reduce "
+                                          "bucketings from a layer profile")
+    sim.add_argument("--profile", required=True,
+                     help='JSON: {"forward_time": s, "layers": [{"name", "bytes", '
+                          '"backward_time"}, ...]}, layers input to output')
+    sim.add_argument("--a", type=float, required=True, help="seconds per all-reduce")
+    sim.add_argument("--b", type=float, required=True, help="seconds per byte all-reduced")
+    sim.add_argument("--strategies", default="wfbp,single,threshold:4194304,mgwfbp",
+                     help="comma-separated: wfbp, single, threshold:BYTES, mgwfbp")
+    sim.add_argument("--json", action="store_true", help="print the result as JSON")
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = []
     if "--" in argv:            # everything after -- is the script's
@@ -66,6 +77,12 @@ def main(argv=None) -> int:
                           chief_only=opts.chief_only, verbose=opts.verbose)
         except ParallaxError as e:
             print(f"parallax-ng run: {e}", file=sys.stderr)
+            return 2
+    if opts.command == "simulate":
+        try:
+            return _simulate(opts)
+        except (ParallaxError, OSError, ValueError) as e:
+            print(f"parallax-ng simulate: {e}", file=sys.stderr)
             return 2
     try:
         graph, resources, config = _load(opts)
@@ -108,6 +125,21 @@ def _profiled_plan(opts) -> int:
         print(json.dumps({**got.plan.to_dict(), "profile": got.profile.to_dict()}, indent=1))
     else:
         print(got.plan.format() + "\n" + got.profile.format())
+    return 0
+
+
+def _simulate(opts) -> int:
+    from . import buckets
+    with open(opts.profile) as f:
+        forward, layers = buckets.load_profile(json.load(f))
+    result = buckets.simulate(forward, layers, buckets.Cost(opts.a, opts.b),
+                              [s for s in opts.strategies.split(",") if s])
+    if opts.json:
+        print(json.dumps({"strategies": result}, indent=1))
+        return 0
+    print(f"{'strategy':24} {'iteration ms':>13} {'buckets':>8}")
+    for name, r in result.items():
+        print(f"{name:24} {r['iteration_time'] * 1e3:13.3f} {len(r['buckets']):8d}")
     return 0
 
 

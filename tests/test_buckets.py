@@ -111,3 +111,30 @@ def test_a_job_with_buckets_equals_one_device(tmp_path):
                            json.dumps({"buckets": {"mode": "threshold", "bytes": 40}}))
     assert done.returncode == 0, done.stderr[-3000:]
     assert_matches_one_device(out, 2, 2)
+
+
+def test_simulate_reads_a_hand_written_profile_and_ranks_the_strategies(tmp_path, capsys):
+    """Many small layers and a large startup cost: merging wins, and mgwfbp
+    is never slower than any other bucketing."""
+    import json
+
+    from parallax_ng import cli
+    profile = {"forward_time": 0.01,
+               "layers": [{"name": f"l{i}", "bytes": 40000, "backward_time": 1e-4}
+                          for i in range(20)]}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(profile))
+    assert cli.main(["simulate", "--profile", str(path), "--a", "1e-3", "--b", "1e-9",
+                     "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["strategies"]
+    assert set(got) == {"wfbp", "single", "threshold:4194304", "mgwfbp"}
+    best = got["mgwfbp"]["iteration_time"]
+    assert all(best <= r["iteration_time"] + 1e-12 for r in got.values())
+    assert got["wfbp"]["iteration_time"] > got["single"]["iteration_time"]
+    assert got["wfbp"]["buckets"][0] == ["l19"]           # backward order: output first
+    assert cli.main(["simulate", "--profile", str(path), "--a", "1e-3", "--b", "1e-9",
+                     "--strategies", "fastest"]) == 2
+    assert "unknown strategy 'fastest'" in capsys.readouterr().err
+    path.write_text(json.dumps({"layers": [{"name": "x"}]}))
+    assert cli.main(["simulate", "--profile", str(path), "--a", "1", "--b", "1"]) == 2
+    assert "profile layer 0 lacks ['backward_time', 'bytes']" in capsys.readouterr().err
