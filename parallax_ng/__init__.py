@@ -69,9 +69,13 @@ def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profil
                 "machine's devices. List one host, or start the job with "
                 "`parallax-ng run script.py -r resources.yaml`")
         rank, size = horovod or (0, 1)
+        if size > 1:     # each rank measures its own step: plan alike on every rank
+            order, measured = (), None
+        else:
+            measured = profile
         plan = make_plan(tg, info, config, resources.local_device_strings(),
                          "/job:localhost/replica:0/task:0/device:CPU:0",
-                         num_workers=size, worker=rank, order=order)
+                         num_workers=size, worker=rank, order=order, profile=measured)
     if profile is not None:
         plan = replace(plan, schedule=replace(plan.schedule, order=profile.order))
     return plan

@@ -31,11 +31,12 @@ from .plan import Bucket, Buffer, Plan, Rewrites, Schedule, Segment, VariablePla
 
 def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
               devices: list[str], host: str, num_workers: int = 1, worker: int = 0,
-              servers: list[str] = (), order: tuple[str, ...] = ()) -> Plan:
+              servers: list[str] = (), order: tuple[str, ...] = (), profile=None) -> Plan:
     """`order`: trained variables in the order their gradients became ready
     in a measured step (in a job every worker must pack alike: the order
     worker 0 measured and gave every worker, parallax_ng/__init__.py
-    `_job_order`); empty: the static order."""
+    `_job_order`); empty: the static order. `profile`: a measured step
+    (parallax_ng/profile.py), whose ready times the mgwfbp buckets use."""
     job_servers = num_workers > 1 and bool(servers) and config.communication.backend == "tf"
     variables = {name: VariablePlan(name, method, info[name],
                                     coalesce=config.coalesce_rows and
@@ -50,7 +51,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
                              list(servers) or [host], config.fusion.buffer_bytes)
     reduced = [v for v, vp in variables.items() if vp.method == "allreduce"]
-    buckets = allreduce_buckets(tg, ready_order(tg, reduced, order), config.buckets)
+    buckets = allreduce_buckets(tg, ready_order(tg, reduced, order), config.buckets, profile)
     producers = [q for q in queues.find(tg) if q.producer]
     random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),
                                config.random, config.random_ops,
@@ -198,18 +199,33 @@ def ready_order(tg: TrainingGraph, variables: list[str], measured=()) -> list[st
     return seen + [v for v in static if v not in set(seen)]
 
 
-def allreduce_buckets(tg: TrainingGraph, order: list[str], config) -> tuple[Bucket, ...]:
+def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
+                      profile=None) -> tuple[Bucket, ...]:
     """The all-reduced variables in `order` (backward) merged into buckets
     as `config.mode` says (parallax_ng/buckets.py), one dtype per bucket;
-    none for mode `none` (one all-reduce per variable)."""
+    none for mode `none` (one all-reduce per variable). mgwfbp takes each
+    variable's backward time from `profile` (the time since the variable
+    before it was ready); without one every gradient is ready at once."""
     if config.mode == "none":
         return ()
+    ready = profile.ready if profile is not None else {}
+    start = profile.forward_time if profile is not None else 0.0
     out = []
     for dtype in sorted({tg.variables[v].dtype.base_dtype.name for v in order}):
         same = [v for v in order if tg.variables[v].dtype.base_dtype.name == dtype]
-        layers = [bucketing.Layer(v, tg.variables[v].nbytes, 0.0) for v in reversed(same)]
-        chosen = (bucketing.single(layers) if config.mode == "single"
-                  else bucketing.threshold(layers, config.bytes))
+        times, previous = [], start
+        for v in same:
+            at = max(ready.get(v, previous), previous)
+            times.append(at - previous)
+            previous = at
+        layers = [bucketing.Layer(v, tg.variables[v].nbytes, t)
+                  for v, t in zip(reversed(same), reversed(times))]
+        if config.mode == "single":
+            chosen = bucketing.single(layers)
+        elif config.mode == "threshold":
+            chosen = bucketing.threshold(layers, config.bytes)
+        else:
+            chosen = bucketing.mgwfbp(start, layers, bucketing.Cost(config.a, config.b))
         out += [Bucket(tuple(same[i] for i in b)) for b in chosen]
     return tuple(out)
 

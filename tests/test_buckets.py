@@ -138,3 +138,41 @@ def test_simulate_reads_a_hand_written_profile_and_ranks_the_strategies(tmp_path
     path.write_text(json.dumps({"layers": [{"name": "x"}]}))
     assert cli.main(["simulate", "--profile", str(path), "--a", "1", "--b", "1"]) == 2
     assert "profile layer 0 lacks ['backward_time', 'bytes']" in capsys.readouterr().err
+
+
+def test_mgwfbp_buckets_follow_the_measured_ready_times():
+    """Without a profile every gradient is ready at once and a startup cost
+    merges them all; with gradients ready far apart (and all-reduces cheap
+    next to that) each gets its own bucket."""
+    from parallax_ng import frontend
+    from parallax_ng.analysis import analyze
+    from parallax_ng.config import Config
+    from parallax_ng.planner import make_plan
+    from parallax_ng.profile import Profile
+    from passkit import HOST, devices
+    g, _ = embedding_regression(4, "adam")
+    tg = frontend.load(g)
+    config = Config.from_dict({"run_option": "allreduce",
+                               "buckets": {"mode": "mgwfbp", "a": 1e-4, "b": 1e-9}})
+    plan = make_plan(tg, analyze(tg), config, devices(2), HOST)
+    assert len(plan.buckets) == 1
+    apart = Profile(1, {}, {"out/v": 0.1, "dense/b": 0.2, "dense/w": 0.3, "emb": 0.4}, 0.05)
+    plan = make_plan(tg, analyze(tg), config, devices(2), HOST, order=apart.order,
+                     profile=apart)
+    assert [b.variables for b in plan.buckets] == [("out/v",), ("dense/b",), ("dense/w",)]
+
+
+def test_mgwfbp_needs_the_cost_and_trains_like_one_device():
+    """In-process the first step is profiled, the buckets planned again from
+    it and training goes on in the rebuilt graph: still one device's result."""
+    with pytest.raises(pn.ConfigError, match="buckets.a"):
+        pn.Config.from_dict({"buckets": {"mode": "mgwfbp"}})
+
+    def build(batch):
+        return embedding_regression(batch, "adam", clip=True, ema=True)
+    config = {"run_option": "allreduce", "buckets": {"mode": "mgwfbp", "a": 1e-3, "b": 1e-9},
+              "profile": {"replan": "always"}}
+    parallel, single_device, names = train_both(build, 2, 10, local(2), config)
+    for name in names:
+        for got in parallel[name]:
+            assert np.max(np.abs(got - single_device[name])) <= 1e-5, name
