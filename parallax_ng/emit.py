@@ -44,6 +44,16 @@ def _attr(value) -> _AttrValue:
     raise TypeError(f"cannot make an attr from {value!r}")
 
 
+def like(node, name: str, device: str):
+    """A NodeDef of `node`'s op and attrs (not its colocation group, `_class`)
+    under `name` on `device`, without inputs."""
+    nd = tf.compat.v1.NodeDef(name=name, op=node.op, device=device)
+    for key, value in node.attr.items():
+        if key != "_class":
+            nd.attr[key].CopyFrom(value)
+    return nd
+
+
 def const(name: str, value, dtype: tf.DType, device: str = ""):
     proto = tf.make_tensor_proto(value, dtype=dtype)
     return node_def(name, "Const", (), device, dtype=dtype,

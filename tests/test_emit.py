@@ -38,3 +38,15 @@ def test_traced_template_is_spliced_onto_named_inputs():
     inputs = {i for n in nodes for i in n.input}
     assert "x" in inputs and "y" in inputs       # x:0 is written x
     assert not any("parallax_template_input" in i for i in inputs)
+
+
+def test_like_copies_op_and_attrs_but_not_the_colocation_group():
+    import tensorflow as tf
+    from parallax_ng import emit
+    node = emit.node_def("g", "GatherV2", ["a", "b", "c"], "/cpu:0", Tparams=tf.float32,
+                         Tindices=tf.int32, Taxis=tf.int32, batch_dims=0)
+    node.attr["_class"].list.s.append(b"loc:@a")
+    copy = emit.like(node, "h", "/job:ps/task:0")
+    assert (copy.name, copy.op, copy.device, list(copy.input)) == ("h", "GatherV2",
+                                                                   "/job:ps/task:0", [])
+    assert set(copy.attr) == {"Tparams", "Tindices", "Taxis", "batch_dims"}

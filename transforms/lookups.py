@@ -104,11 +104,8 @@ def _distinct(ir: GraphIR, ctx, var: str, op: str):
         every = f"{scope}/ids"
     nodes.append(emit.node_def(f"{scope}/unique", "Unique", [every], host, T=ids_type,
                                out_idx=tf.int32))
-    gather = tf.compat.v1.NodeDef(name=f"{scope}/rows", op=first.op, device=(
-        host if isinstance(plan.placement[var], Sharded) else first.device))
-    for key, value in first.attr.items():
-        if key != "_class":
-            gather.attr[key].CopyFrom(value)
+    gather = emit.like(first, f"{scope}/rows",
+                       host if isinstance(plan.placement[var], Sharded) else first.device)
     gather.input.extend([first.input[0], f"{scope}/unique", *first.input[2:]])
     gather.input[:] = [i for i in gather.input if not i.startswith("^")]
     gather.input.extend(sorted(set(controls)))

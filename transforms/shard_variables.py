@@ -95,7 +95,7 @@ def _rewrite(ir: GraphIR, node, sharded: dict, ctx):
         cut, pieces = _cut(_tensor(data[1]), p, dtype, node.device, scope)
         writes = []
         for k, s in enumerate(p.shards):
-            nd = _like(node, f"{scope}/part_{k}", s.device)
+            nd = emit.like(node, f"{scope}/part_{k}", s.device)
             nd.input.extend([part(var.name, k), pieces[k]] + controls)
             writes.append(nd)
         return cut + writes, _after(node, writes)
@@ -128,14 +128,6 @@ def _cut(value: str, p, dtype, device: str, scope: str):
 def _tensor(ref) -> str:
     src, idx = ref
     return src if idx == 0 else f"{src}:{idx}"
-
-
-def _like(node, name: str, device: str):
-    nd = tf.compat.v1.NodeDef(name=name, op=node.op, device=device)
-    for key, value in node.attr.items():
-        if key != "_class":
-            nd.attr[key].CopyFrom(value)
-    return nd
 
 
 def _after(node, ops) -> object:
@@ -229,7 +221,7 @@ def _per_part(node, data, controls, p, sharded, cut: dict, scope: str):
     caller adds the NoOp that keeps `node`'s name."""
     writes = []
     for k, s in enumerate(p.shards):
-        nd = _like(node, f"{scope}/part_{k}", s.device)
+        nd = emit.like(node, f"{scope}/part_{k}", s.device)
         for i, (src, idx) in enumerate(data):
             if src in sharded:
                 nd.input.append(part(src, k))
