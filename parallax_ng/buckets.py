@@ -22,6 +22,22 @@ and exact for any profile: the best bucketing of the first j layers (in
 backward order) ends with a bucket i..j after the best bucketing of the
 layers before i, since a bucket's end only grows with its predecessor's.
 
+The same timeline with parameter servers (`server_timeline`): N workers,
+S servers on nodes of their own, every node one NIC of latency alpha and
+beta seconds per byte. A message goes to its servers (push) and comes back
+(pull); a phase takes alpha + beta * max(bytes the worker sends, the most
+one server receives: N times its share), starts when the message is ready
+and its servers are free in that direction, and a pull starts once its push
+is done (pushes of later messages go on meanwhile). `bfb:S`: the planner's
+balanced fusion buffers (packed in backward order, each spread evenly over
+all S servers); `ps:S`: a message per layer, the layers on servers placed
+as the planner places whole variables (largest first, least-loaded server).
+A worker's NIC limits one message, not concurrent messages to different
+servers: a server's NIC carries N times a worker's share.
+
+With a network the all-reduce is a ring: a = 2(N-1) alpha, b = 2(N-1)/N beta
+(MG-WFBP's Table I).
+
 Requires: nothing but a profile (parallax_ng/profile.py `Layer`s or the
 simulator's JSON). Guarantees: pure functions of their inputs.
 """
@@ -45,6 +61,25 @@ class Cost:
 
     def __call__(self, nbytes: float) -> float:
         return self.a + self.b * nbytes
+
+
+@dataclass(frozen=True)
+class Network:
+    """N nodes; a message of M bytes between two takes alpha + beta*M seconds."""
+    nodes: int
+    alpha: float
+    beta: float
+
+    def ring(self) -> Cost:
+        """The ring all-reduce's a + b*M among the nodes."""
+        n = self.nodes
+        return Cost(2 * (n - 1) * self.alpha, 2 * (n - 1) / n * self.beta)
+
+    def phase(self, shares: dict) -> float:
+        """One push (or pull) of a message: {server: bytes} from every node."""
+        worker = sum(shares.values())
+        server = max(shares.values()) * self.nodes
+        return self.alpha + self.beta * max(worker, server)
 
 
 def ready_times(forward_time: float, layers: list[Layer]) -> list[float]:
@@ -111,7 +146,60 @@ def mgwfbp(forward_time: float, layers: list[Layer], cost: Cost) -> list[list[in
     return out[::-1]
 
 
-STRATEGIES = ("wfbp", "single", "threshold:BYTES", "mgwfbp")
+def fusion_messages(layers: list[Layer], servers: int, size: int):
+    """Balanced fusion buffers over the layers in backward order: (backward
+    indices of the layers in the buffer, {server: bytes}) per buffer of
+    `size` bytes (the last may be smaller), a layer maybe in two."""
+    out, members, used = [], [], 0
+    for i, layer in enumerate(reversed(layers)):
+        members.append(i)
+        left = layer.bytes
+        while left:
+            take = min(left, size - used)
+            left, used = left - take, used + take
+            if used == size:
+                out.append((members, _even(used, servers)))
+                members, used = ([i] if left else []), 0
+    if used:
+        out.append((members, _even(used, servers)))
+    elif members and out:          # layers without bytes after the last buffer
+        out[-1][0].extend(members)
+    return out
+
+
+def _even(nbytes: int, servers: int) -> dict:
+    return {s: nbytes / servers for s in range(servers)}
+
+
+def placed_messages(layers: list[Layer], servers: int):
+    """A message per layer (backward order), each layer on one server:
+    largest first to the least-loaded one (ties: lower index)."""
+    load, home = [0] * servers, {}
+    backward = list(reversed(layers))
+    for i in sorted(range(len(backward)), key=lambda i: (-backward[i].bytes, i)):
+        home[i] = min(range(servers), key=lambda s: (load[s], s))
+        load[home[i]] += backward[i].bytes
+    return [([i], {home[i]: layer.bytes}) for i, layer in enumerate(backward)]
+
+
+def server_timeline(forward_time: float, layers: list[Layer], messages,
+                    network: Network) -> float:
+    """The iteration time with `messages` ((backward layer indices, {server:
+    bytes})) pushed to and pulled from parameter servers (module docstring)."""
+    ready = ready_times(forward_time, layers)
+    push_free, pull_free, end = {}, {}, 0.0
+    for members, shares in messages:
+        took = network.phase(shares)
+        start = max([ready[max(members)]] + [push_free.get(s, 0.0) for s in shares])
+        pushed = start + took
+        push_free.update(dict.fromkeys(shares, pushed))
+        start = max([pushed] + [pull_free.get(s, 0.0) for s in shares])
+        end = max(end, start + took)
+        pull_free.update(dict.fromkeys(shares, start + took))
+    return max(ready[-1] if ready else forward_time, end)
+
+
+STRATEGIES = ("wfbp", "single", "threshold:BYTES", "mgwfbp", "bfb:SERVERS", "ps:SERVERS")
 
 
 def load_profile(data: dict) -> tuple[float, list[Layer]]:
@@ -131,24 +219,39 @@ def load_profile(data: dict) -> tuple[float, list[Layer]]:
     return float(data.get("forward_time", 0.0)), layers
 
 
-def simulate(forward_time: float, layers: list[Layer], cost: Cost, strategies) -> dict:
+def simulate(forward_time: float, layers: list[Layer], strategies, cost: Cost | None = None,
+             network: Network | None = None) -> dict:
     """{strategy: {"iteration_time": s, "buckets": [[layer names]]}} by the
-    model, for `strategies` named as in STRATEGIES."""
+    model, for `strategies` named as in STRATEGIES. All-reduces cost `cost`,
+    else the ring's on `network`; bfb and ps need the network."""
     from .errors import ConfigError
+    from .planner import buffer_bytes
+    cost = cost or (network.ring() if network else None)
     backward = [layer.name for layer in reversed(layers)]
     out = {}
     for name in strategies:
         kind, _, arg = name.partition(":")
-        if kind == "wfbp":
-            chosen = wfbp(layers)
-        elif kind == "single":
-            chosen = single(layers)
-        elif kind == "threshold" and arg.isdigit():
-            chosen = threshold(layers, int(arg))
-        elif kind == "mgwfbp":
-            chosen = mgwfbp(forward_time, layers, cost)
-        else:
+        known = kind in ("wfbp", "single", "mgwfbp") and not arg or \
+            kind in ("threshold", "bfb", "ps") and arg.isdigit() and int(arg) > 0
+        if not known:
             raise ConfigError(f"unknown strategy {name!r}; known: {', '.join(STRATEGIES)}")
+        if kind in ("bfb", "ps"):
+            if network is None:
+                raise ConfigError(f"strategy {name!r} needs a network (nodes, alpha, beta), "
+                                  "not only an all-reduce cost a + b*M")
+            servers = int(arg)
+            messages = (fusion_messages(layers, servers,
+                                        buffer_bytes(sum(x.bytes for x in layers), servers))
+                        if kind == "bfb" else placed_messages(layers, servers))
+            out[name] = {"iteration_time": server_timeline(forward_time, layers, messages,
+                                                           network),
+                         "buckets": [[backward[i] for i in m] for m, _ in messages]}
+            continue
+        if cost is None:
+            raise ConfigError(f"strategy {name!r} needs an all-reduce cost (a, b) or a network")
+        chosen = {"wfbp": lambda: wfbp(layers), "single": lambda: single(layers),
+                  "threshold": lambda: threshold(layers, int(arg or 0)),
+                  "mgwfbp": lambda: mgwfbp(forward_time, layers, cost)}[kind]()
         out[name] = {"iteration_time": iteration_time(forward_time, layers, chosen, cost),
                      "buckets": [[backward[i] for i in b] for b in chosen]}
     return out

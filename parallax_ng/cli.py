@@ -3,7 +3,8 @@
     parallax-ng run SCRIPT -r RESOURCES [-c CONFIG] [--chief-only] [--verbose] [-- ARGS]
     parallax-ng plan SOURCE [-r RESOURCES] [-c CONFIG] [--json] [-- ARGS]
     parallax-ng diff SOURCE [-r RESOURCES] [-c CONFIG] [--out DIR] [--batch N] [-- ARGS]
-    parallax-ng simulate --profile P.json --a A --b B [--strategies S,...] [--json]
+    parallax-ng simulate --profile P.json (--a A --b B | --nodes N --alpha S --beta S)
+                         [--strategies S,...] [--json]
 
 SOURCE is a training script (run until it calls get_runner; its own
 resource and config arguments are used unless -r/-c are given) or an
@@ -58,10 +59,15 @@ def main(argv=None) -> int:
     sim.add_argument("--profile", required=True,
                      help='JSON: {"forward_time": s, "layers": [{"name", "bytes", '
                           '"backward_time"}, ...]}, layers input to output')
-    sim.add_argument("--a", type=float, required=True, help="seconds per all-reduce")
-    sim.add_argument("--b", type=float, required=True, help="seconds per byte all-reduced")
+    sim.add_argument("--a", type=float, help="seconds per all-reduce (with --b)")
+    sim.add_argument("--b", type=float, help="seconds per byte all-reduced (with --a)")
+    sim.add_argument("--nodes", type=int, help="a network of N nodes (with --alpha, --beta): "
+                                                "ring all-reduce, parameter servers")
+    sim.add_argument("--alpha", type=float, help="seconds per message between two nodes")
+    sim.add_argument("--beta", type=float, help="seconds per byte between two nodes")
     sim.add_argument("--strategies", default="wfbp,single,threshold:4194304,mgwfbp",
-                     help="comma-separated: wfbp, single, threshold:BYTES, mgwfbp")
+                     help="comma-separated: wfbp, single, threshold:BYTES, mgwfbp, "
+                          "bfb:SERVERS, ps:SERVERS (the last two need a network)")
     sim.add_argument("--json", action="store_true", help="print the result as JSON")
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = []
@@ -132,14 +138,27 @@ def _simulate(opts) -> int:
     from . import buckets
     with open(opts.profile) as f:
         forward, layers = buckets.load_profile(json.load(f))
-    result = buckets.simulate(forward, layers, buckets.Cost(opts.a, opts.b),
-                              [s for s in opts.strategies.split(",") if s])
+    given = lambda *names: [n for n in names if getattr(opts, n) is not None]  # noqa: E731
+    if len(given("a", "b")) == 1 or len(given("nodes", "alpha", "beta")) in (1, 2):
+        raise ValueError("give --a with --b, and --nodes with --alpha and --beta")
+    if not given("a", "nodes"):
+        raise ValueError("give the all-reduce cost (--a, --b) or a network "
+                         "(--nodes, --alpha, --beta)")
+    if opts.nodes is not None and opts.nodes < 1:
+        raise ValueError(f"--nodes must be at least 1, not {opts.nodes}")
+    cost = buckets.Cost(opts.a, opts.b) if opts.a is not None else None
+    network = (buckets.Network(opts.nodes, opts.alpha, opts.beta)
+               if opts.nodes is not None else None)
+    result = buckets.simulate(forward, layers, [s for s in opts.strategies.split(",") if s],
+                              cost, network)
     if opts.json:
         print(json.dumps({"strategies": result}, indent=1))
         return 0
-    print(f"{'strategy':24} {'iteration ms':>13} {'buckets':>8}")
+    compute = forward + sum(layer.backward_time for layer in layers)
+    print(f"{'strategy':24} {'iteration ms':>13} {'messages':>9} {'compute share':>14}")
     for name, r in result.items():
-        print(f"{name:24} {r['iteration_time'] * 1e3:13.3f} {len(r['buckets']):8d}")
+        print(f"{name:24} {r['iteration_time'] * 1e3:13.3f} {len(r['buckets']):9d} "
+              f"{compute / r['iteration_time'] if r['iteration_time'] else 1.0:14.3f}")
     return 0
 
 

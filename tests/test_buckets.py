@@ -60,6 +60,108 @@ def test_fixed_bucketings():
     assert threshold(layers, 100) == [[0, 1, 2, 3]]
 
 
+def test_the_network_form_ring_and_parameter_servers_by_hand():
+    """Two layers (input first) l0: 100 bytes, l1: 300 bytes, 1 s backward
+    each: l1 ready at 1, l0 at 2. Two nodes, alpha 0.5 s, beta 0.01 s/byte."""
+    from parallax_ng.buckets import (Network, fusion_messages, placed_messages,
+                                     server_timeline, simulate)
+    ring = Network(4, 1e-3, 1e-9).ring()
+    assert (ring.a, ring.b) == pytest.approx((6e-3, 1.5e-9), rel=1e-12)
+    layers = [Layer("l0", 100, 1.0), Layer("l1", 300, 1.0)]
+    net = Network(2, 0.5, 0.01)
+    # ps:2: l1 on server 0 (largest first): push 1 .. 1 + 0.5 + 0.01 * 2 * 300,
+    # pull until 14; l0 on server 1: 2 .. 4.5 .. 7
+    assert placed_messages(layers, 2) == [([0], {0: 300}), ([1], {1: 100})]
+    got = simulate(0.0, layers, ["ps:2", "bfb:1", "bfb:2", "mgwfbp"], network=net)
+    assert got["ps:2"]["iteration_time"] == pytest.approx(14.0)
+    assert got["ps:2"]["buckets"] == [["l1"], ["l0"]]
+    # bfb:1: one 400-byte buffer at 2, each phase 0.5 + 0.01 * 800 (the server
+    # hears both workers); bfb:2: 200 bytes per server, the worker sends 400
+    assert got["bfb:1"]["iteration_time"] == pytest.approx(2 + 2 * 8.5)
+    assert got["bfb:2"]["iteration_time"] == pytest.approx(2 + 2 * 4.5)
+    assert got["bfb:2"]["buckets"] == [["l1", "l0"]]
+    # the ring: a = 2 * 0.5, b = 0.01; mgwfbp = wfbp here: 1 .. 5, 5 .. 7
+    assert got["mgwfbp"]["iteration_time"] == pytest.approx(7.0)
+    # buffers of 5 bytes over backward sizes 3, 4, 1, 5: a layer may be in two
+    split = fusion_messages([Layer(f"l{i}", b, 0.0) for i, b in enumerate([5, 1, 4, 3])], 2, 5)
+    assert [(m, sum(s.values())) for m, s in split] == [([0, 1], 5), ([1, 2, 3], 5), ([3], 3)]
+    assert server_timeline(0.0, [], [], net) == 0.0
+
+
+def test_simulate_with_a_network_and_its_errors(tmp_path, capsys):
+    """At many nodes the ring's startup cost 2(N-1) alpha makes per-layer
+    all-reduces slow; balanced fusion buffers over N servers are not."""
+    import json
+
+    from parallax_ng import cli
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"forward_time": 0.01, "layers": [
+        {"name": f"l{i}", "bytes": 400000, "backward_time": 1e-3} for i in range(20)]}))
+    args = ["simulate", "--profile", str(path), "--nodes", "64", "--alpha", "5e-5",
+            "--beta", "8e-10"]
+    assert cli.main(args + ["--strategies", "wfbp,single,mgwfbp,bfb:64,ps:64",
+                            "--json"]) == 0
+    got = {k: v["iteration_time"] for k, v in
+           json.loads(capsys.readouterr().out)["strategies"].items()}
+    assert got["mgwfbp"] < min(got["wfbp"], got["single"])
+    assert got["bfb:64"] < got["wfbp"]
+    assert cli.main(args) == 0
+    assert "compute share" in capsys.readouterr().out
+    for bad, says in ((["--a", "1"], "give --a with --b"),
+                      ([], "give the all-reduce cost"),
+                      (["--nodes", "0", "--alpha", "1", "--beta", "1"], "--nodes must be"),
+                      (["--a", "1", "--b", "1", "--strategies", "bfb:2"], "needs a network"),
+                      (["--a", "1", "--b", "1", "--strategies", "ps:x"], "unknown strategy")):
+        assert cli.main(["simulate", "--profile", str(path)] + bad) == 2, bad
+        assert says in capsys.readouterr().err, bad
+
+
+def _shipped():
+    import importlib.util
+    import os
+    root = os.path.join(os.path.dirname(__file__), "..")
+    spec = importlib.util.spec_from_file_location(
+        "model_profiles", os.path.join(root, "benchmarks", "model_profiles.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module, os.path.join(root, "profiles")
+
+
+def test_shipped_profiles_are_the_generators_and_the_models_sizes():
+    """profiles/*.json are what benchmarks/model_profiles.py writes; their
+    bytes are the models' parameters (ResNet-50 fp32, BERT fp16)."""
+    import json
+    import os
+
+    import model_shapes
+    module, directory = _shipped()
+    for name in module.PROFILES:
+        with open(os.path.join(directory, name)) as f:
+            assert json.load(f) == json.loads(json.dumps(module.profile(name))), name
+    params = {"resnet50-k80.json": (model_shapes.resnet50(), 4),
+              "bert-base-v100.json": (model_shapes.bert_base(), 2),
+              "bert-large-v100.json": (model_shapes.bert_base(24, 1024, 4096), 2)}
+    for name, (shapes, width) in params.items():
+        layers = module.profile(name)["layers"]
+        assert sum(x["bytes"] for x in layers) == model_shapes.parameters(shapes) * width, name
+
+
+def test_resnet50_at_64_nodes_keeps_the_papers_order():
+    """MG-WFBP's simulated 64-node 10 GbE cluster: MG-WFBP faster than WFBP
+    and than single (the paper: 1.75x and 1.45x; docs/benchmarks.md has ours)."""
+    import json
+    import os
+
+    from parallax_ng.buckets import Network, load_profile, simulate
+    _, directory = _shipped()
+    with open(os.path.join(directory, "resnet50-k80.json")) as f:
+        forward, layers = load_profile(json.load(f))
+    got = simulate(forward, layers, ["wfbp", "single", "mgwfbp"],
+                   network=Network(64, 45.26e-6, 8e-10))
+    t = {k: v["iteration_time"] for k, v in got.items()}
+    assert t["mgwfbp"] * 1.5 < t["wfbp"] and t["mgwfbp"] * 1.2 < t["single"]
+
+
 # -- buckets in the plan and the graph ----------------------------------------
 import numpy as np  # noqa: E402
 
