@@ -44,8 +44,9 @@ def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profil
     rank `horovod` = (rank, size) under horovodrun, else of this machine's
     devices in `resources` (a loaded ResourceInfo); with the measurements of
     `profile` (parallax_ng/profile.py) when given. In a job the gradients
-    are packed in `job_order` ({"order", "source"}, the same on every
-    worker: `_job_order`), else in the static order."""
+    are packed in `job_order` (the same on every worker: `_job_order`),
+    and mgwfbp buckets planned with its ready times and all-reduce fit;
+    else in the static order."""
     from dataclasses import replace
 
     from .analysis import analyze
@@ -59,7 +60,8 @@ def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profil
         job_order = job_order or {"order": [], "source": ""}
         plan = make_plan(tg, info, config, cluster_info.device_strings(), cluster_info.host,
                          len(cluster_info.workers), cluster_info.task,
-                         cluster_info.server_devices(), tuple(job_order["order"]))
+                         cluster_info.server_devices(), tuple(job_order["order"]),
+                         profile=_job_profile(job_order))
         if plan.buffers:
             plan = replace(plan, order_source=job_order["source"])
     else:
@@ -126,6 +128,7 @@ def get_runner(graph, resource_info=None, config=None):
     from .resources import check_devices, load_resources, session_config
 
     profile_steps = capture.check(graph, resource_info, config)
+    resource_info = capture.resources(resource_info)
     cfg = _job_config(config)
     if profile_steps:      # `parallax-ng plan --profile N`: measure, keep the graph
         from dataclasses import replace
@@ -173,26 +176,52 @@ def _runner(tg, resources, config: Config, session_config, cluster_info=None, ho
 
 
 def _job_order(tg, config: Config, cluster_info, server) -> dict | None:
-    """In a job whose dense gradients go through fusion buffers: the order
-    they became ready in worker 0's first step, measured there before the
-    graph is built (parallax_ng/profile.py first_step_order) and given once
-    to every worker, so all pack their buffers alike. None outside such a
-    job."""
-    from . import cluster
-    from .profile import first_step_order
+    """In a job whose dense gradients go through fusion buffers or mgwfbp
+    buckets: what worker 0's first step measured, before the graph is built
+    (parallax_ng/profile.py first_step_profile: the order and times the
+    gradients became ready), and, when mgwfbp has no a and b, the all-reduce
+    benchmark that every worker runs together (parallax_ng/costfit.py);
+    worker 0's results are given once to every worker, so all pack their
+    buffers and plan their buckets alike. None outside such a job."""
+    from . import cluster, costfit
+    from .profile import first_step_profile
 
-    if cluster_info is None or server is None or len(cluster_info.workers) < 2 \
-            or not _plan(tg, None, config, cluster_info).buffers:
+    if cluster_info is None or server is None or len(cluster_info.workers) < 2:
+        return None
+    plan = _plan(tg, None, config, cluster_info)
+    mgwfbp = config.buckets.mode == "mgwfbp" and any(
+        vp.method == "allreduce" for vp in plan.variables.values())
+    if not plan.buffers and not mgwfbp:
         return None
     timeout = config.communication.timeout_seconds
+    fit = None
+    if mgwfbp and config.buckets.a is None:
+        total = sum(tg.variables[v].nbytes for v, vp in plan.variables.items()
+                    if vp.method == "allreduce")
+        fit = costfit.measure(server.target, list(plan.devices), plan.group_size,
+                              costfit.sizes(total), cluster_info.session_config(), timeout)
     mine = None
     if cluster_info.task == 0:
-        order, why = first_step_order(tg, timeout) if config.profile.steps else (
-            (), "profile.steps is 0")
-        mine = {"order": list(order),
-                "source": "measured in worker 0's first step" if order else
+        profile, why = first_step_profile(tg, timeout) if config.profile.steps else (
+            None, "profile.steps is 0")
+        mine = {"order": list(profile.order) if profile else [],
+                "ready": dict(profile.ready) if profile else {},
+                "forward_time": profile.forward_time if profile else 0.0,
+                "allreduce": fit.to_dict() if fit else None,
+                "source": "measured in worker 0's first step" if profile else
                           f"the graph's order: not measured, {why}"}
     return cluster.share(cluster_info, server, mine, timeout)
+
+
+def _job_profile(job_order: dict):
+    """The Profile worker 0 measured and shared (`_job_order`), or None."""
+    from .costfit import Fit
+    from .profile import Profile
+    if not job_order.get("ready") and not job_order.get("allreduce"):
+        return None
+    fit = job_order.get("allreduce")
+    return Profile(1, {}, dict(job_order.get("ready", {})), job_order.get("forward_time", 0.0),
+                   Fit.from_dict(fit) if fit else None)
 
 
 def _job_config(config) -> Config:

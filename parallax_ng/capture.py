@@ -19,6 +19,8 @@ import sys
 
 # None: not capturing; "graph": stop at get_runner; an int N: stop after N profiled steps
 _capturing = contextvars.ContextVar("parallax_ng_capturing", default=None)
+# when profiling: {"fit": bool, "resources": given instead of the script's, or None}
+_options = contextvars.ContextVar("parallax_ng_capture_options", default={})
 
 
 class GraphCaptured(BaseException):
@@ -28,9 +30,9 @@ class GraphCaptured(BaseException):
 
 
 class Profiled(BaseException):
-    def __init__(self, plan, profile):
+    def __init__(self, plan, profile, tg=None):
         super().__init__("first training steps profiled")
-        self.plan, self.profile = plan, profile
+        self.plan, self.profile, self.tg = plan, profile, tg
 
 
 def check(graph, resource_info, config) -> int:
@@ -42,33 +44,46 @@ def check(graph, resource_info, config) -> int:
     return mode or 0
 
 
-def profiled(plan, profile) -> None:
+def resources(resource_info):
+    """The resources get_runner uses: the capture's, if it was given some."""
+    return _options.get().get("resources") or resource_info
+
+
+def wants_fit() -> bool:
+    """Whether the profile being captured should hold the all-reduce fit."""
+    return bool(_options.get().get("fit"))
+
+
+def profiled(plan, profile, tg=None) -> None:
     """Called by the runner once its profile is complete: stop the script
     when capturing a profile."""
     if isinstance(_capturing.get(), int):
-        raise Profiled(plan, profile)
+        raise Profiled(plan, profile, tg)
 
 
 @contextlib.contextmanager
-def capture(profile: int = 0):
+def capture(profile: int = 0, fit: bool = False, resources=None):
     token = _capturing.set(profile or "graph")
+    options = _options.set({"fit": fit, "resources": resources})
     try:
         yield
     finally:
         _capturing.reset(token)
+        _options.reset(options)
 
 
-def run_script(path: str, args=(), profile: int = 0):
+def run_script(path: str, args=(), profile: int = 0, fit: bool = False, resources=None):
     """Run `path` as __main__ until it calls get_runner (GraphCaptured), or,
     with `profile`, until its runner profiled that many training steps
-    (Profiled)."""
+    (Profiled), with the all-reduce fit when `fit`, on `resources` instead
+    of the script's when given."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"script {path!r} does not exist")
     argv = sys.argv
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
-        with capture(profile):
+        with capture(profile, fit, resources):
             runpy.run_path(path, run_name="__main__")
     except (GraphCaptured, Profiled) as got:
         return got

@@ -3,6 +3,7 @@
     parallax-ng run SCRIPT -r RESOURCES [-c CONFIG] [--chief-only] [--verbose] [-- ARGS]
     parallax-ng plan SOURCE [-r RESOURCES] [-c CONFIG] [--json] [-- ARGS]
     parallax-ng diff SOURCE [-r RESOURCES] [-c CONFIG] [--out DIR] [--batch N] [-- ARGS]
+    parallax-ng profile SCRIPT [-r RESOURCES] [--steps N] [--out P.json] [-- ARGS]
     parallax-ng simulate --profile P.json (--a A --b B | --nodes N --alpha S --beta S)
                          [--strategies S,...] [--json]
 
@@ -54,6 +55,14 @@ def main(argv=None) -> int:
         else:
             p.add_argument("--out", help="write diff.txt, diff.html, diff.dot here")
             p.add_argument("--batch", type=int, help="size of unknown batch dimensions")
+    prof = sub.add_parser("profile", help="train a script's first steps on this machine's "
+                                          "devices and write its layer profile and the "
+                                          "all-reduce cost a + b*M")
+    prof.add_argument("script", help="the training script (.py)")
+    prof.add_argument("-r", "--resources", help="resource YAML, one host (default: the "
+                                                "script's)")
+    prof.add_argument("--steps", type=int, default=2, help="training steps measured")
+    prof.add_argument("--out", help="write the profile here (JSON, the simulator's format)")
     sim = sub.add_parser("simulate", help="predict the iteration time of all-reduce "
                                           "bucketings from a layer profile")
     sim.add_argument("--profile", required=True,
@@ -83,6 +92,12 @@ def main(argv=None) -> int:
                           chief_only=opts.chief_only, verbose=opts.verbose)
         except ParallaxError as e:
             print(f"parallax-ng run: {e}", file=sys.stderr)
+            return 2
+    if opts.command == "profile":
+        try:
+            return _profile(opts)
+        except (ParallaxError, OSError, RuntimeError, ValueError) as e:
+            print(f"parallax-ng profile: {e}", file=sys.stderr)
             return 2
     if opts.command == "simulate":
         try:
@@ -131,6 +146,28 @@ def _profiled_plan(opts) -> int:
         print(json.dumps({**got.plan.to_dict(), "profile": got.profile.to_dict()}, indent=1))
     else:
         print(got.plan.format() + "\n" + got.profile.format())
+    return 0
+
+
+def _profile(opts) -> int:
+    """Train the script's first steps with the profile and the all-reduce
+    benchmark, print them, write the simulator's JSON."""
+    if opts.steps < 1:
+        raise ValueError(f"--steps must be at least 1, not {opts.steps}")
+    from .capture import run_script
+    got = run_script(opts.script, opts.args, profile=opts.steps, fit=True,
+                     resources=opts.resources)
+    data = got.profile.simulator(got.tg)
+    print(got.profile.format())
+    if got.profile.allreduce is None:
+        print(f"no all-reduce benchmark: the plan has {len(got.plan.devices)} replica(s) on "
+              "this machine (list several devices, or use a job)")
+    if opts.out:
+        with open(opts.out, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+        print(f"wrote {opts.out}: {len(data['layers'])} layers; predict with "
+              f"parallax-ng simulate --profile {opts.out} --a A --b B")
     return 0
 
 

@@ -163,12 +163,13 @@ SHARE_QUEUE = "parallax_ng/from_worker_0"   # on server 0: one element per other
 
 def share(info: ClusterInfo, server, value, timeout_seconds: float):
     """Worker 0's `value` (JSON-able), given once to every other worker
-    through a queue on server 0: worker 0 passes it and gets it back, the
-    others pass None and get it. DeadlineExceededError when worker 0 does
-    not send it within the timeout."""
+    through a queue on server 0 (without servers: on worker 0): worker 0
+    passes it and gets it back, the others pass None and get it.
+    DeadlineExceededError when worker 0 does not send it within the timeout."""
     import tensorflow as tf
     graph = tf.Graph()
-    with graph.as_default(), tf.device("/job:ps/replica:0/task:0/device:CPU:0"), \
+    where = (info.server_devices() or ["/job:worker/replica:0/task:0/device:CPU:0"])[0]
+    with graph.as_default(), tf.device(where), \
             tf.compat.v1.name_scope("parallax/share/"):
         queue = tf.queue.FIFOQueue(len(info.workers), [tf.string], shapes=[[]],
                                    shared_name=SHARE_QUEUE)

@@ -66,19 +66,20 @@ class BucketsConfig:
     """All-reduce buckets: dense gradients merged into one all-reduce each."""
     mode: str = "none"               # none: one per variable; single; threshold; mgwfbp
     bytes: int = 4 * 2**20           # threshold: a bucket closes once it holds this much
-    a: float | None = None           # mgwfbp: seconds per all-reduce
-    b: float | None = None           # mgwfbp: seconds per byte all-reduced
+    a: float | None = None           # mgwfbp: seconds per all-reduce (None: measured)
+    b: float | None = None           # mgwfbp: seconds per byte all-reduced (None: measured)
 
     def __post_init__(self):
         _check_choice("buckets.mode", self.mode, BUCKET_MODES)
         if not isinstance(self.bytes, int) or isinstance(self.bytes, bool) or self.bytes < 1:
             raise ConfigError("config key 'buckets.bytes' must be a whole number of bytes "
                               f">= 1, not {self.bytes!r}")
+        if (self.a is None) != (self.b is None):
+            raise ConfigError("config keys 'buckets.a' and 'buckets.b' go together (one "
+                              "all-reduce of M bytes costs a + b*M seconds); give both, or "
+                              "neither to have them measured")
         for key in ("a", "b"):
             value = getattr(self, key)
-            if value is None and self.mode == "mgwfbp":
-                raise ConfigError(f"config key 'buckets.{key}' is needed for buckets.mode "
-                                  "mgwfbp: one all-reduce of M bytes costs a + b*M seconds")
             if value is not None and (not isinstance(value, (int, float)) or
                                       isinstance(value, bool) or value < 0):
                 raise ConfigError(f"config key 'buckets.{key}' must be a number >= 0, "

@@ -205,8 +205,12 @@ def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
     as `config.mode` says (parallax_ng/buckets.py), one dtype per bucket;
     none for mode `none` (one all-reduce per variable). mgwfbp takes each
     variable's backward time from `profile` (the time since the variable
-    before it was ready); without one every gradient is ready at once."""
-    if config.mode == "none":
+    before it was ready; without one every gradient is ready at once) and
+    the all-reduce cost from the config, else from the profile's fit (none
+    yet: one all-reduce per variable until it is measured)."""
+    cost = (bucketing.Cost(config.a, config.b) if config.a is not None else
+            profile.allreduce.cost if profile is not None and profile.allreduce else None)
+    if config.mode == "none" or (config.mode == "mgwfbp" and cost is None):
         return ()
     ready = profile.ready if profile is not None else {}
     start = profile.forward_time if profile is not None else 0.0
@@ -225,7 +229,7 @@ def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
         elif config.mode == "threshold":
             chosen = bucketing.threshold(layers, config.bytes)
         else:
-            chosen = bucketing.mgwfbp(start, layers, bucketing.Cost(config.a, config.b))
+            chosen = bucketing.mgwfbp(start, layers, cost)
         out += [Bucket(tuple(same[i] for i in b)) for b in chosen]
     return tuple(out)
 

@@ -8,7 +8,10 @@ gradient became ready (seconds from the step's first op, replica 0); the
 forward time (until the first autodiff op started); and layers: variables
 whose gradients became ready within `TOGETHER` of each other, in backward
 order, each with its backward time (since the previous layer was ready).
-`apply(info)` gives the analysis with measured sparsity.
+`apply(info)` gives the analysis with measured sparsity; `simulator(tg)`
+the layers in `parallax-ng simulate`'s format (parallax_ng/buckets.py).
+With the all-reduce micro-benchmark (parallax_ng/costfit.py) it also holds
+the fitted cost a + b*M, which the mgwfbp buckets use.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import numpy as np
 
 from . import rules
 from .analysis import forward_depths
+from .costfit import Fit
 
 TOGETHER = 1e-4      # seconds: gradients ready this close belong to one layer
 
@@ -34,6 +38,7 @@ class Profile:
     rows: dict = field(default_factory=dict)       # sparse variable -> distinct rows touched
     ready: dict = field(default_factory=dict)      # variable -> seconds into the step
     forward_time: float = 0.0
+    allreduce: Fit | None = None                   # the micro-benchmark's fit, if run
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -62,7 +67,7 @@ class Profile:
         return Profile(
             n, {v: mean(self.rows[v], other.rows.get(v, self.rows[v])) for v in self.rows},
             {v: mean(self.ready[v], other.ready.get(v, self.ready[v])) for v in self.ready},
-            mean(self.forward_time, other.forward_time))
+            mean(self.forward_time, other.forward_time), self.allreduce or other.allreduce)
 
     def apply(self, info: dict, tg) -> dict:
         """The analysis with measured sparsity: rows touched / rows."""
@@ -74,10 +79,34 @@ class Profile:
         return out
 
     def to_dict(self) -> dict:
-        return {"steps": self.steps, "forward_time": self.forward_time,
-                "rows": dict(self.rows), "ready": dict(self.ready),
-                "layers": [{"variables": list(layer.variables),
-                            "backward_time": layer.backward_time} for layer in self.layers()]}
+        out = {"steps": self.steps, "forward_time": self.forward_time,
+               "rows": dict(self.rows), "ready": dict(self.ready),
+               "layers": [{"variables": list(layer.variables),
+                           "backward_time": layer.backward_time} for layer in self.layers()]}
+        if self.allreduce is not None:
+            out["allreduce"] = self.allreduce.to_dict()
+        return out
+
+    def simulator(self, tg) -> dict:
+        """The layers input to output, as `parallax-ng simulate` reads them:
+        a layer's bytes are its variables' gradient bytes (a sparse one's
+        measured distinct rows times a row's bytes)."""
+        layers = []
+        for layer in reversed(self.layers()):
+            nbytes = 0
+            for var in layer.variables:
+                v = tg.variables[var]
+                rows = self.rows.get(var)
+                nbytes += (int(round(rows * v.nbytes / v.shape[0]))
+                           if rows is not None and v.shape and v.shape[0] else v.nbytes)
+            name = layer.variables[0] + (f" (+{len(layer.variables) - 1})"
+                                         if len(layer.variables) > 1 else "")
+            layers.append({"name": name, "bytes": nbytes, "backward_time": layer.backward_time,
+                           "variables": list(layer.variables)})
+        out = {"forward_time": self.forward_time, "layers": layers}
+        if self.allreduce is not None:
+            out["allreduce"] = self.allreduce.to_dict()
+        return out
 
     def format(self) -> str:
         rows = [f"profile of {self.steps} step(s): forward {self.forward_time * 1e3:.2f} ms",
@@ -88,6 +117,8 @@ class Profile:
                         f"{layer.backward_time * 1e3:12.2f}")
         for var, n in sorted(self.rows.items()):
             rows.append(f"{var}: {n:.1f} distinct rows touched per step")
+        if self.allreduce is not None:
+            rows.append(self.allreduce.format())
         return "\n".join(rows)
 
 
@@ -161,14 +192,13 @@ def _loss(tg) -> str | None:
     return max(read, key=lambda n: (depth.get(n, -1), n), default=None)
 
 
-
-def first_step_order(tg, timeout_seconds: float) -> tuple[tuple[str, ...], str]:
-    """(order, why not measured): the trained variables in the order their
-    gradients became ready in one traced step of the user's own graph, run
+def first_step_profile(tg, timeout_seconds: float) -> tuple[Profile | None, str]:
+    """(profile, why not measured): when each trained variable's gradient
+    became ready (and the forward time) in one traced step of the user's own graph, run
     in a session of its own on this process (its variables initialized, its
     iterators made, the gradients fetched; nothing is applied and nothing of
     a job's state is touched). Empty, with the reason, when that step would
-    need feeds or queue input, or when it fails."""
+    need feeds or queue input, or when it fails: None with the reason."""
     import tensorflow as tf
 
     from .queues import READ_PREFIXES
@@ -177,9 +207,9 @@ def first_step_order(tg, timeout_seconds: float) -> tuple[tuple[str, ...], str]:
     ancestors = tg.ir.ancestors(heads)
     fed = sorted(a for a in ancestors if tg.ir.node(a).op in ("Placeholder", "PlaceholderV2"))
     if fed:
-        return (), f"the gradients need fed placeholders ({', '.join(fed[:3])})"
+        return None, f"the gradients need fed placeholders ({', '.join(fed[:3])})"
     if any(tg.ir.node(a).op.startswith(READ_PREFIXES) for a in ancestors):
-        return (), "the gradients read an input queue"
+        return None, "the gradients read an input queue"
     graph = tg.graph
     inits = [v.initializer for v in tg.variables.values() if v.initializer]
     inits += [op.name for op in graph.get_operations() if op.type == "MakeIterator"]
@@ -194,5 +224,5 @@ def first_step_order(tg, timeout_seconds: float) -> tuple[tuple[str, ...], str]:
             session.run(inits)
             session.run(fetches, options=options, run_metadata=metadata)
     except (tf.errors.OpError, ValueError, TypeError) as e:
-        return (), f"its step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-    return measure(tg, metadata, {}).order, ""
+        return None, f"its step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    return measure(tg, metadata, {}), ""

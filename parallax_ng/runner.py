@@ -176,8 +176,30 @@ class Runner:
         step = measure(self.ctx.tg, run_metadata, indices)
         self.profile = step if self.profile is None else self.profile.merge(step)
         if self.profile.steps == self.config.profile.steps:
+            if self._wants_fit():
+                from dataclasses import replace
+
+                from . import costfit
+                fit = costfit.measure("", list(self.plan.devices), self.plan.group_size,
+                                      costfit.sizes(self._allreduced_bytes()),
+                                      self._session_config, self.plan.timeout_seconds)
+                self.profile = replace(self.profile, allreduce=fit)
             self._plan_again()
-            capture.profiled(self.plan, self.profile)
+            capture.profiled(self.plan, self.profile, self.ctx.tg)
+
+    def _wants_fit(self) -> bool:
+        """In-process with TensorFlow collectives over several devices, when
+        the mgwfbp buckets need the all-reduce cost or `parallax-ng profile`
+        asks for it (a job measures before its graph is built)."""
+        plan, buckets = self.plan, self.config.buckets
+        return (self.server is None and plan.backend == "tf" and len(plan.devices) > 1 and
+                plan.group_size == len(plan.devices) and
+                (buckets.mode == "mgwfbp" and buckets.a is None or capture.wants_fit()))
+
+    def _allreduced_bytes(self) -> int:
+        variables = self.ctx.tg.variables
+        return sum(variables[v].nbytes for v, vp in self.plan.variables.items()
+                   if vp.method == "allreduce") or sum(v.nbytes for v in variables.values())
 
     def _plan_again(self) -> None:
         """Plan with the measurements; transform again if the decisions change."""

@@ -55,6 +55,9 @@ if runner.plan.buffers:
     packed = [s.var for b in runner.plan.buffers for s in b.segments]
     print(f"worker {runner.plan.worker}: buffers packed {packed} in "
           f"{runner.plan.order_source}", flush=True)
+if runner.plan.buckets:
+    print(f"worker {runner.plan.worker}: buckets "
+          f"{[list(b.variables) for b in runner.plan.buckets]}", flush=True)
 runner.run([op for op in (h["init"], h["iterator_init"]) if op is not None])
 for step in range(args.steps):
     if step == args.die_at and runner.plan.worker == 1:

@@ -116,12 +116,13 @@ def load_values(sess, graph, values: dict) -> None:
         sess.run(op, {op.inputs[1]: value})
 
 
-def train_both(build, n, steps, resources=None, config=None, batch=4):
+def train_both(build, n, steps, resources=None, config=None, batch=4, seen=None):
     """Train build(batch) on n replicas and build(n*batch) on one device.
 
     The single-device run starts from the parallel run's initial values (so
     random initializers need no seed). Returns (parallel per-replica values,
-    single values, names).
+    single values, names); `seen` (a dict) gets the runner's final plan and
+    profile.
     """
     g, h = build(batch)
     names = variable_names(g)
@@ -132,6 +133,8 @@ def train_both(build, n, steps, resources=None, config=None, batch=4):
         for _ in range(steps):
             runner.run(h["train"])
         parallel = dict(zip(names, runner.run(reads, per_replica=True)))
+        if seen is not None:
+            seen.update(plan=runner.plan, profile=runner.profile)
     g1, h1 = build(n * batch)
     with tf1.Session(graph=g1) as sess:
         sess.run([x for x in (h1["init"], h1.get("iterator_init")) if x is not None])

@@ -204,15 +204,21 @@ def test_a_bad_bucket_mode_names_the_key():
         pn.Config.from_dict({"buckets": {"mode": "fastest"}})
 
 
-def test_a_job_with_buckets_equals_one_device(tmp_path):
-    """2 workers x 2 devices, TensorFlow collectives, two buckets."""
+@pytest.mark.parametrize("buckets", [{"mode": "threshold", "bytes": 40}, {"mode": "mgwfbp"}])
+def test_a_job_with_buckets_equals_one_device(tmp_path, buckets):
+    """2 workers x 2 devices, TensorFlow collectives: two threshold buckets;
+    mgwfbp with worker 0's first step and the all-reduce benchmark that
+    both workers run, both planning the same buckets from them."""
     import json
+    import re
 
     from test_cluster import assert_matches_one_device, run_job
     done, out, _ = run_job(tmp_path, 2, 2, "10", "--run-option", "allreduce", "--config",
-                           json.dumps({"buckets": {"mode": "threshold", "bytes": 40}}))
+                           json.dumps({"buckets": buckets}))
     assert done.returncode == 0, done.stderr[-3000:]
     assert_matches_one_device(out, 2, 2)
+    planned = {w: b for w, b in re.findall(r"worker (\d): buckets (.*)", done.stdout)}
+    assert set(planned) == {"0", "1"} and planned["0"] == planned["1"], done.stdout[-2000:]
 
 
 def test_simulate_reads_a_hand_written_profile_and_ranks_the_strategies(tmp_path, capsys):
@@ -264,17 +270,27 @@ def test_mgwfbp_buckets_follow_the_measured_ready_times():
     assert [b.variables for b in plan.buckets] == [("out/v",), ("dense/b",), ("dense/w",)]
 
 
-def test_mgwfbp_needs_the_cost_and_trains_like_one_device():
+def test_mgwfbp_trains_like_one_device_with_a_given_or_a_measured_cost():
     """In-process the first step is profiled, the buckets planned again from
-    it and training goes on in the rebuilt graph: still one device's result."""
-    with pytest.raises(pn.ConfigError, match="buckets.a"):
-        pn.Config.from_dict({"buckets": {"mode": "mgwfbp"}})
+    it and training goes on in the rebuilt graph: still one device's result.
+    Without a and b the profile step also runs the all-reduce benchmark on
+    the replicas' devices and the buckets are planned with its fit."""
+    with pytest.raises(pn.ConfigError, match="'buckets.a' and 'buckets.b' go together"):
+        pn.Config.from_dict({"buckets": {"mode": "mgwfbp", "a": 1e-3}})
 
     def build(batch):
         return embedding_regression(batch, "adam", clip=True, ema=True)
-    config = {"run_option": "allreduce", "buckets": {"mode": "mgwfbp", "a": 1e-3, "b": 1e-9},
-              "profile": {"replan": "always"}}
-    parallel, single_device, names = train_both(build, 2, 10, local(2), config)
-    for name in names:
-        for got in parallel[name]:
-            assert np.max(np.abs(got - single_device[name])) <= 1e-5, name
+    for cost in ({"a": 1e-3, "b": 1e-9}, {}):
+        config = {"run_option": "allreduce", "buckets": {"mode": "mgwfbp", **cost},
+                  "profile": {"replan": "always"}}
+        seen = {}
+        parallel, single_device, names = train_both(build, 2, 10, local(2), config, seen=seen)
+        for name in names:
+            for got in parallel[name]:
+                assert np.max(np.abs(got - single_device[name])) <= 1e-5, (cost, name)
+        assert seen["plan"].buckets, cost
+        fit = seen["profile"].allreduce
+        assert (fit is None) == bool(cost)
+        if fit is not None:      # 4 KB .. 64 KB: the model has less than 4 KB of gradients
+            assert [m for m, _ in fit.points] == [4096, 16384, 65536, 262144]
+            assert fit.a >= 0 and fit.b >= 0

@@ -145,15 +145,47 @@ def test_profile_config_errors_name_the_key():
         pn.Config.from_dict({"profile": {"steps": -1}})
 
 
-def test_first_step_order_is_measured_in_a_session_of_its_own():
+def test_the_first_step_is_measured_in_a_session_of_its_own():
     """Worker 0's measuring step: the user's graph, its own variables and
-    iterator; the gradients' ready order, last layer first."""
-    from parallax_ng.profile import first_step_order
+    iterator; the gradients' ready order, last layer first, and the ready
+    times after the forward pass."""
+    from parallax_ng.profile import first_step_profile
     from passkit import tiny_graph
     g, _ = embedding_regression(4, "adam", clip=True)
     tg = frontend.load(g)
-    order, why = first_step_order(tg, 60)
+    profile, why = first_step_profile(tg, 60)
+    order = profile.order
     assert why == "" and sorted(order) == sorted(tg.gradients)
     assert order.index("out/v") < order.index("dense/w")   # backward: output layer first
-    order, why = first_step_order(frontend.load(tiny_graph()), 60)
-    assert order == () and "fed placeholders (x)" in why
+    assert 0 < profile.forward_time <= min(profile.ready.values())
+    profile, why = first_step_profile(frontend.load(tiny_graph()), 60)
+    assert profile is None and "fed placeholders (x)" in why
+
+
+def test_profile_command_writes_what_simulate_reads(tmp_path, capsys):
+    """`parallax-ng profile` on 2 local devices: layers in the simulator's
+    format (input to output, bytes, backward times) and the all-reduce fit
+    from the benchmark on those devices; `simulate` reads the file."""
+    import json
+    script = os.path.join(ROOT, "examples", "lm_small.py")
+    resources = tmp_path / "r.yaml"
+    resources.write_text("hosts:\n- address: 127.0.0.1\n  devices: [cpu:0, cpu:1]\n")
+    out = tmp_path / "p.json"
+    assert cli.main(["profile", script, "-r", str(resources), "--steps", "1", "--out",
+                     str(out), "--", "--vocab", "2000", "--words", "20000", "--batch",
+                     "16"]) == 0
+    printed = capsys.readouterr().out
+    assert "all-reduce cost a + b*M" in printed and "fit error: rms" in printed
+    data = json.loads(out.read_text())
+    assert data["forward_time"] > 0 and data["layers"]
+    assert all(layer["bytes"] > 0 and layer["backward_time"] >= 0 for layer in data["layers"])
+    names = [v for layer in data["layers"] for v in layer["variables"]]
+    assert len(names) == len(set(names)) >= 4
+    fit = data["allreduce"]
+    assert fit["a"] >= 0 and fit["b"] > 0 and [p["bytes"] for p in fit["points"]][0] == 4096
+    assert cli.main(["simulate", "--profile", str(out), "--a", str(fit["a"]),
+                     "--b", str(fit["b"]), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)["strategies"]
+    assert got["mgwfbp"]["iteration_time"] <= got["wfbp"]["iteration_time"] + 1e-12
+    assert cli.main(["profile", script, "--steps", "0"]) == 2
+    assert "--steps must be at least 1" in capsys.readouterr().err

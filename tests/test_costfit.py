@@ -1,0 +1,43 @@
+"""The all-reduce micro-benchmark and its fit: the least squares on known
+points, the sizes it measures, and a real run over two local devices."""
+import pytest
+import tensorflow as tf
+
+from parallax_ng.costfit import Fit, fit, measure, sizes
+
+
+def test_the_fit_recovers_a_line_and_reports_its_error():
+    points = [(m, 2e-4 + 1e-9 * m) for m in (4096, 65536, 2**20, 2**24)]
+    got = fit(points)
+    assert (got.a, got.b) == pytest.approx((2e-4, 1e-9), rel=1e-9)
+    assert got.rms_error == pytest.approx(0, abs=1e-12)
+    noisy = fit([(4096, 1e-3), (16384, 2e-3), (65536, 1e-3)])
+    assert noisy.max_error > 0.2 and noisy.a >= 0 and noisy.b >= 0
+    assert Fit.from_dict(got.to_dict()) == got
+    assert "fit error: rms 0.0%" in got.format()
+
+
+def test_a_negative_intercept_becomes_a_line_through_the_origin():
+    got = fit([(1000, 1e-6), (2000, 3e-6), (3000, 5e-6)])   # t = -1e-6 + 2e-9 * M
+    assert got.a == 0.0 and got.b > 0
+
+
+def test_a_fit_needs_two_sizes():
+    with pytest.raises(ValueError, match="needs two sizes"):
+        fit([(4096, 1e-3)])
+
+
+def test_sizes_grow_by_four_up_to_the_model_or_64_mb():
+    assert sizes(1000) == [4096, 16384, 65536, 262144]
+    assert sizes(10**6) == [4096, 16384, 65536, 262144, 1048576]
+    assert sizes(10**12)[-1] == 64 * 2**20 and len(sizes(10**12)) == 8
+
+
+def test_measured_on_two_local_devices():
+    """Real collectives over two CPU devices: time grows with the size."""
+    config = tf.compat.v1.ConfigProto(device_count={"CPU": 2})
+    devices = [f"/job:localhost/replica:0/task:0/device:CPU:{k}" for k in range(2)]
+    got = measure("", devices, 2, [4096, 2**22], config, 60, repeats=3)
+    assert [m for m, _ in got.points] == [4096, 2**22]
+    assert got.points[1][1] > got.points[0][1] > 0 and got.b > 0
+    assert measure("", devices[:1], 1, [4096], config, 60) is None
