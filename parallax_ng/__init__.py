@@ -7,6 +7,9 @@
 """
 from __future__ import annotations
 
+import os
+from dataclasses import replace
+
 from .config import Config, load_config
 from .errors import ConfigError, FetchError, GraphError, ParallaxError, ResourceError
 
@@ -47,8 +50,6 @@ def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profil
     are packed in `job_order` (the same on every worker: `_job_order`),
     and mgwfbp buckets planned with its ready times and all-reduce fit;
     else in the static order."""
-    from dataclasses import replace
-
     from .analysis import analyze
     from .planner import make_plan
 
@@ -131,8 +132,6 @@ def get_runner(graph, resource_info=None, config=None):
     resource_info = capture.resources(resource_info)
     cfg = _job_config(config)
     if profile_steps:      # `parallax-ng plan --profile N`: measure, keep the graph
-        from dataclasses import replace
-
         from .config import ProfileConfig
         cfg = replace(cfg, profile=ProfileConfig(profile_steps, "never"))
     resources = load_resources(resource_info)
@@ -152,8 +151,41 @@ def get_runner(graph, resource_info=None, config=None):
         raise SystemExit(cluster.serve(info, cfg.communication.timeout_seconds))
     check_devices(info.devices, f"worker {info.task} ({info.workers[info.task]})")
     server = info.start_server()
+    if os.environ.get(cluster.PROFILE_ENV):       # `parallax-ng profile` of a job
+        _profile_job(frontend.load(graph), cfg, info, server)
     return _runner(frontend.load(graph), None, cfg, info.session_config(), cluster_info=info,
                    server=server)
+
+
+def _profile_job(tg, config: Config, info, server):
+    """Measure as a job's workers do before their graph is built (`_job_order`
+    with the steps `parallax-ng profile` asked for), worker 0 writes the
+    profile in the simulator's format, tell the servers this worker is done
+    and end the process."""
+    import json
+
+    import tensorflow as tf
+
+    from . import cluster
+
+    steps, _, path = os.environ[cluster.PROFILE_ENV].partition(":")
+    shared = _job_order(tg, config, info, server, int(steps))
+    profile = _job_profile(shared)
+    if info.task == 0:
+        if profile is None:
+            raise RuntimeError(f"the job's first step was not measured: {shared['source']}")
+        profile = replace(profile, rows=dict(shared.get("rows", {})), steps=int(steps))
+        with open(path, "w") as f:
+            json.dump(profile.simulator(tg), f, indent=1)
+            f.write("\n")
+        print(profile.format(), flush=True)
+    if info.ps:
+        graph = tf.Graph()
+        ops = cluster.done_ops(graph, info.server_devices(), len(info.workers), info.task)
+        with tf.compat.v1.Session(server.target, graph=graph,
+                                  config=info.session_config()) as session:
+            session.run(ops)
+    raise SystemExit(0)
 
 
 def _runner(tg, resources, config: Config, session_config, cluster_info=None, horovod=None,
@@ -175,39 +207,46 @@ def _runner(tg, resources, config: Config, session_config, cluster_info=None, ho
                   replan=replan, rebuild=rebuild)
 
 
-def _job_order(tg, config: Config, cluster_info, server) -> dict | None:
+def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
+               ) -> dict | None:
     """In a job whose dense gradients go through fusion buffers or mgwfbp
     buckets: what worker 0's first step measured, before the graph is built
     (parallax_ng/profile.py first_step_profile: the order and times the
     gradients became ready), and, when mgwfbp has no a and b, the all-reduce
     benchmark that every worker runs together (parallax_ng/costfit.py);
     worker 0's results are given once to every worker, so all pack their
-    buffers and plan their buckets alike. None outside such a job."""
+    buffers and plan their buckets alike. None outside such a job.
+    `profile_steps` (`parallax-ng profile` of a job): measure that many
+    steps and run the benchmark whatever the plan."""
     from . import cluster, costfit
     from .profile import first_step_profile
 
-    if cluster_info is None or server is None or len(cluster_info.workers) < 2:
+    if cluster_info is None or server is None or (
+            len(cluster_info.workers) < 2 and not profile_steps):
         return None
     plan = _plan(tg, None, config, cluster_info)
     mgwfbp = config.buckets.mode == "mgwfbp" and any(
         vp.method == "allreduce" for vp in plan.variables.values())
-    if not plan.buffers and not mgwfbp:
+    if not plan.buffers and not mgwfbp and not profile_steps:
         return None
     timeout = config.communication.timeout_seconds
     fit = None
-    if mgwfbp and config.buckets.a is None:
+    if mgwfbp and config.buckets.a is None or profile_steps:
         total = sum(tg.variables[v].nbytes for v, vp in plan.variables.items()
-                    if vp.method == "allreduce")
+                    if vp.method == "allreduce") or \
+            sum(v.nbytes for v in tg.variables.values())
         fit = costfit.measure(server.target, list(plan.devices), plan.group_size,
                               costfit.sizes(total), cluster_info.session_config(), timeout)
     mine = None
     if cluster_info.task == 0:
-        profile, why = first_step_profile(tg, timeout) if config.profile.steps else (
+        steps = profile_steps or config.profile.steps
+        profile, why = first_step_profile(tg, timeout, steps) if steps else (
             None, "profile.steps is 0")
         mine = {"order": list(profile.order) if profile else [],
                 "ready": dict(profile.ready) if profile else {},
                 "forward_time": profile.forward_time if profile else 0.0,
                 "allreduce": fit.to_dict() if fit else None,
+                "rows": dict(profile.rows) if profile else {},
                 "source": "measured in worker 0's first step" if profile else
                           f"the graph's order: not measured, {why}"}
     return cluster.share(cluster_info, server, mine, timeout)
@@ -227,8 +266,6 @@ def _job_profile(job_order: dict):
 def _job_config(config) -> Config:
     """`config`, or the job's (`parallax-ng run -c FILE` sets
     PARALLAX_NG_CONFIG); both given and different is an error."""
-    import os
-
     from .cluster import CONFIG_ENV
 
     path = os.environ.get(CONFIG_ENV)

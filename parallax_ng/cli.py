@@ -59,8 +59,9 @@ def main(argv=None) -> int:
                                           "devices and write its layer profile and the "
                                           "all-reduce cost a + b*M")
     prof.add_argument("script", help="the training script (.py)")
-    prof.add_argument("-r", "--resources", help="resource YAML, one host (default: the "
-                                                "script's)")
+    prof.add_argument("-r", "--resources", help="resource YAML (default: the script's); "
+                                                "with several hosts the job is started "
+                                                "and measured as `run` would start it")
     prof.add_argument("--steps", type=int, default=2, help="training steps measured")
     prof.add_argument("--out", help="write the profile here (JSON, the simulator's format)")
     sim = sub.add_parser("simulate", help="predict the iteration time of all-reduce "
@@ -154,6 +155,9 @@ def _profile(opts) -> int:
     benchmark, print them, write the simulator's JSON."""
     if opts.steps < 1:
         raise ValueError(f"--steps must be at least 1, not {opts.steps}")
+    from .resources import load_resources
+    if opts.resources and len(load_resources(opts.resources).hosts) > 1:
+        return _profile_job(opts)
     from .capture import run_script
     got = run_script(opts.script, opts.args, profile=opts.steps, fit=True,
                      resources=opts.resources)
@@ -167,6 +171,28 @@ def _profile(opts) -> int:
             json.dump(data, f, indent=1)
             f.write("\n")
         print(f"wrote {opts.out}: {len(data['layers'])} layers; predict with "
+              f"parallax-ng simulate --profile {opts.out} --a A --b B")
+    return 0
+
+
+def _profile_job(opts) -> int:
+    """Start the job; its workers measure before building their graphs
+    (worker 0's first steps, the all-reduce benchmark on all) and stop;
+    worker 0 writes the profile."""
+    import tempfile
+
+    from .cluster import PROFILE_ENV
+    from .launch import launch
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.abspath(opts.out or os.path.join(tmp, "profile.json"))
+        done = launch(opts.script, opts.resources, None, opts.args, chief_only=True,
+                      env={PROFILE_ENV: f"{opts.steps}:{path}"})
+        if done != 0:
+            return done
+        with open(path) as f:
+            layers = len(json.load(f)["layers"])
+    if opts.out:
+        print(f"wrote {opts.out}: {layers} layers of the job's worker 0; predict with "
               f"parallax-ng simulate --profile {opts.out} --a A --b B")
     return 0
 

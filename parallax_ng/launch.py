@@ -139,7 +139,7 @@ def _with_port(address: str) -> str:
 
 def launch(script: str, resource_info, config: str | None = None, args=(),
            grace: float = 10.0, poll: float = 0.2, chief_only: bool = False,
-           verbose: bool = False) -> int:
+           verbose: bool = False, env: dict | None = None) -> int:
     if not os.path.isfile(script):
         raise ResourceError(f"script {script!r} does not exist")
     resources = load_resources(resource_info)
@@ -147,6 +147,7 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
     tasks: list[Task] = []
     base_env = dict(os.environ, PYTHONUNBUFFERED="1")
     base_env.pop("TF_CONFIG", None)
+    base_env.update(env or {})
     if config:
         base_env[CONFIG_ENV] = os.path.abspath(config)
     try:

@@ -192,9 +192,11 @@ def _loss(tg) -> str | None:
     return max(read, key=lambda n: (depth.get(n, -1), n), default=None)
 
 
-def first_step_profile(tg, timeout_seconds: float) -> tuple[Profile | None, str]:
+def first_step_profile(tg, timeout_seconds: float, steps: int = 1
+                       ) -> tuple[Profile | None, str]:
     """(profile, why not measured): when each trained variable's gradient
-    became ready (and the forward time) in one traced step of the user's own graph, run
+    became ready, the forward time and the distinct rows of sparse
+    gradients, over `steps` traced steps of the user's own graph, run
     in a session of its own on this process (its variables initialized, its
     iterators made, the gradients fetched; nothing is applied and nothing of
     a job's state is touched). Empty, with the reason, when that step would
@@ -215,14 +217,21 @@ def first_step_profile(tg, timeout_seconds: float) -> tuple[Profile | None, str]
     inits += [op.name for op in graph.get_operations() if op.type == "MakeIterator"]
     inits += [op.name for op in graph.get_collection(tf.compat.v1.GraphKeys.TABLE_INITIALIZERS)]
     fetches = sorted({f"{r.node}:{r.index}" for r in tg.gradient_tensors})
+    probe = {v: f"{g.indices.node}:{g.indices.index}" for v, g in sorted(tg.gradients.items())
+             if g.sparse and g.indices is not None}
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
                                       timeout_in_ms=int(timeout_seconds * 1000))
-    metadata = tf.compat.v1.RunMetadata()
     config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
+    profile = None
     try:
         with tf.compat.v1.Session(graph=graph, config=config) as session:
             session.run(inits)
-            session.run(fetches, options=options, run_metadata=metadata)
+            for _ in range(steps):
+                metadata = tf.compat.v1.RunMetadata()
+                got = session.run([fetches, list(probe.values())], options=options,
+                                  run_metadata=metadata)
+                step = measure(tg, metadata, dict(zip(probe, got[1])))
+                profile = step if profile is None else profile.merge(step)
     except (tf.errors.OpError, ValueError, TypeError) as e:
         return None, f"its step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-    return measure(tg, metadata, {}), ""
+    return profile, ""

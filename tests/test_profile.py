@@ -189,3 +189,30 @@ def test_profile_command_writes_what_simulate_reads(tmp_path, capsys):
     assert got["mgwfbp"]["iteration_time"] <= got["wfbp"]["iteration_time"] + 1e-12
     assert cli.main(["profile", script, "--steps", "0"]) == 2
     assert "--steps must be at least 1" in capsys.readouterr().err
+
+
+def test_profile_command_measures_a_job(tmp_path):
+    """With two hosts `parallax-ng profile` starts the job: worker 0's first
+    steps give the layers, both workers run the all-reduce benchmark, every
+    task ends (the server too) and the file is the simulator's format."""
+    import json
+    import subprocess
+    import sys
+
+    from test_cluster import SCRIPT, resources
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "parallax_ng.cli", "profile", SCRIPT, "-r",
+           resources(tmp_path, 2, 1, 1), "--steps", "2", "--out", str(out), "--",
+           str(tmp_path / "vars"), "10", "--run-option", "hybrid"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "profile of 2 step(s)" in done.stdout and "all-reduce cost a + b*M" in done.stdout
+    data = json.loads(out.read_text())
+    variables = {v for layer in data["layers"] for v in layer["variables"]}
+    assert {"emb", "dense/w", "out/v"} <= variables
+    assert data["allreduce"]["b"] > 0 and len(data["allreduce"]["points"]) >= 4
+    # the embedding's bytes are its distinct rows, not the whole table
+    emb = next(layer for layer in data["layers"] if "emb" in layer["variables"])
+    assert emb["bytes"] < 40 * 4 * 8 or len(emb["variables"]) > 1
+    assert not list(tmp_path.glob("vars.*.npz"))      # nothing was trained
