@@ -74,6 +74,11 @@ def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profil
         rank, size = horovod or (0, 1)
         if size > 1:     # each rank measures its own step: plan alike on every rank
             order, measured = (), None
+            b = config.buckets
+            if b.mode == "mgwfbp" and b.a is None and not b.profile:
+                raise ConfigError("buckets.mode mgwfbp under Horovod needs the all-reduce "
+                                  "cost: buckets.a and buckets.b, or buckets.profile (a "
+                                  "`parallax-ng profile` file); ranks do not measure it")
         else:
             measured = profile
         plan = make_plan(tg, info, config, resources.local_device_strings(),
@@ -129,7 +134,7 @@ def get_runner(graph, resource_info=None, config=None):
     from .resources import check_devices, load_resources, session_config
 
     profile_steps = capture.check(graph, resource_info, config)
-    resource_info = capture.resources(resource_info)
+    resource_info, config = capture.resources(resource_info), capture.config(config)
     cfg = _job_config(config)
     if profile_steps:      # `parallax-ng plan --profile N`: measure, keep the graph
         from .config import ProfileConfig
@@ -168,7 +173,7 @@ def _profile_job(tg, config: Config, info, server):
 
     from . import cluster
 
-    steps, _, path = os.environ[cluster.PROFILE_ENV].partition(":")
+    steps, per_variable, path = os.environ[cluster.PROFILE_ENV].split(":", 2)
     shared = _job_order(tg, config, info, server, int(steps))
     profile = _job_profile(shared)
     if info.task == 0:
@@ -176,7 +181,7 @@ def _profile_job(tg, config: Config, info, server):
             raise RuntimeError(f"the job's first step was not measured: {shared['source']}")
         profile = replace(profile, rows=dict(shared.get("rows", {})), steps=int(steps))
         with open(path, "w") as f:
-            json.dump(profile.simulator(tg), f, indent=1)
+            json.dump(profile.simulator(tg, per_variable == "1"), f, indent=1)
             f.write("\n")
         print(profile.format(), flush=True)
     if info.ps:
@@ -225,7 +230,7 @@ def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
             len(cluster_info.workers) < 2 and not profile_steps):
         return None
     plan = _plan(tg, None, config, cluster_info)
-    mgwfbp = config.buckets.mode == "mgwfbp" and any(
+    mgwfbp = config.buckets.mode == "mgwfbp" and not config.buckets.profile and any(
         vp.method == "allreduce" for vp in plan.variables.values())
     if not plan.buffers and not mgwfbp and not profile_steps:
         return None

@@ -19,7 +19,7 @@ import sys
 
 # None: not capturing; "graph": stop at get_runner; an int N: stop after N profiled steps
 _capturing = contextvars.ContextVar("parallax_ng_capturing", default=None)
-# when profiling: {"fit": bool, "resources": given instead of the script's, or None}
+# when profiling: {"fit": bool, "resources"/"config": given instead of the script's, or None}
 _options = contextvars.ContextVar("parallax_ng_capture_options", default={})
 
 
@@ -49,6 +49,11 @@ def resources(resource_info):
     return _options.get().get("resources") or resource_info
 
 
+def config(given):
+    """The config get_runner uses: the capture's, if it was given one."""
+    return _options.get().get("config") or given
+
+
 def wants_fit() -> bool:
     """Whether the profile being captured should hold the all-reduce fit."""
     return bool(_options.get().get("fit"))
@@ -62,9 +67,9 @@ def profiled(plan, profile, tg=None) -> None:
 
 
 @contextlib.contextmanager
-def capture(profile: int = 0, fit: bool = False, resources=None):
+def capture(profile: int = 0, fit: bool = False, resources=None, config=None):
     token = _capturing.set(profile or "graph")
-    options = _options.set({"fit": fit, "resources": resources})
+    options = _options.set({"fit": fit, "resources": resources, "config": config})
     try:
         yield
     finally:
@@ -72,18 +77,19 @@ def capture(profile: int = 0, fit: bool = False, resources=None):
         _options.reset(options)
 
 
-def run_script(path: str, args=(), profile: int = 0, fit: bool = False, resources=None):
+def run_script(path: str, args=(), profile: int = 0, fit: bool = False, resources=None,
+               config=None):
     """Run `path` as __main__ until it calls get_runner (GraphCaptured), or,
     with `profile`, until its runner profiled that many training steps
-    (Profiled), with the all-reduce fit when `fit`, on `resources` instead
-    of the script's when given."""
+    (Profiled), with the all-reduce fit when `fit`, on `resources` and with
+    `config` instead of the script's when given."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"script {path!r} does not exist")
     argv = sys.argv
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
     try:
-        with capture(profile, fit, resources):
+        with capture(profile, fit, resources, config):
             runpy.run_path(path, run_name="__main__")
     except (GraphCaptured, Profiled) as got:
         return got

@@ -3,8 +3,9 @@
     parallax-ng run SCRIPT -r RESOURCES [-c CONFIG] [--chief-only] [--verbose] [-- ARGS]
     parallax-ng plan SOURCE [-r RESOURCES] [-c CONFIG] [--json] [-- ARGS]
     parallax-ng diff SOURCE [-r RESOURCES] [-c CONFIG] [--out DIR] [--batch N] [-- ARGS]
-    parallax-ng profile SCRIPT [-r RESOURCES] [--steps N] [--out P.json] [-- ARGS]
-    parallax-ng simulate --profile P.json (--a A --b B | --nodes N --alpha S --beta S)
+    parallax-ng profile SCRIPT [-r RESOURCES] [-c CONFIG] [--steps N] [--out P.json]
+                        [--per-variable] [-- ARGS]
+    parallax-ng simulate --profile P.json [--a A --b B | --nodes N --alpha S --beta S]
                          [--strategies S,...] [--json]
 
 SOURCE is a training script (run until it calls get_runner; its own
@@ -62,14 +63,19 @@ def main(argv=None) -> int:
     prof.add_argument("-r", "--resources", help="resource YAML (default: the script's); "
                                                 "with several hosts the job is started "
                                                 "and measured as `run` would start it")
+    prof.add_argument("-c", "--config", help="config YAML (default: the script's)")
     prof.add_argument("--steps", type=int, default=2, help="training steps measured")
     prof.add_argument("--out", help="write the profile here (JSON, the simulator's format)")
+    prof.add_argument("--per-variable", action="store_true",
+                      help="a layer per variable (as the planner's buckets see them), not "
+                           "per group of gradients ready together")
     sim = sub.add_parser("simulate", help="predict the iteration time of all-reduce "
                                           "bucketings from a layer profile")
     sim.add_argument("--profile", required=True,
                      help='JSON: {"forward_time": s, "layers": [{"name", "bytes", '
                           '"backward_time"}, ...]}, layers input to output')
-    sim.add_argument("--a", type=float, help="seconds per all-reduce (with --b)")
+    sim.add_argument("--a", type=float, help="seconds per all-reduce (with --b; default: "
+                                             "the profile's fitted cost, if it has one)")
     sim.add_argument("--b", type=float, help="seconds per byte all-reduced (with --a)")
     sim.add_argument("--nodes", type=int, help="a network of N nodes (with --alpha, --beta): "
                                                 "ring all-reduce, parameter servers")
@@ -160,8 +166,8 @@ def _profile(opts) -> int:
         return _profile_job(opts)
     from .capture import run_script
     got = run_script(opts.script, opts.args, profile=opts.steps, fit=True,
-                     resources=opts.resources)
-    data = got.profile.simulator(got.tg)
+                     resources=opts.resources, config=opts.config)
+    data = got.profile.simulator(got.tg, opts.per_variable)
     print(got.profile.format())
     if got.profile.allreduce is None:
         print(f"no all-reduce benchmark: the plan has {len(got.plan.devices)} replica(s) on "
@@ -171,7 +177,7 @@ def _profile(opts) -> int:
             json.dump(data, f, indent=1)
             f.write("\n")
         print(f"wrote {opts.out}: {len(data['layers'])} layers; predict with "
-              f"parallax-ng simulate --profile {opts.out} --a A --b B")
+              f"parallax-ng simulate --profile {opts.out}")
     return 0
 
 
@@ -185,28 +191,33 @@ def _profile_job(opts) -> int:
     from .launch import launch
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.abspath(opts.out or os.path.join(tmp, "profile.json"))
-        done = launch(opts.script, opts.resources, None, opts.args, chief_only=True,
-                      env={PROFILE_ENV: f"{opts.steps}:{path}"})
+        done = launch(opts.script, opts.resources, opts.config, opts.args, chief_only=True,
+                      env={PROFILE_ENV: f"{opts.steps}:{int(opts.per_variable)}:{path}"})
         if done != 0:
             return done
         with open(path) as f:
             layers = len(json.load(f)["layers"])
     if opts.out:
         print(f"wrote {opts.out}: {layers} layers of the job's worker 0; predict with "
-              f"parallax-ng simulate --profile {opts.out} --a A --b B")
+              f"parallax-ng simulate --profile {opts.out}")
     return 0
 
 
 def _simulate(opts) -> int:
     from . import buckets
     with open(opts.profile) as f:
-        forward, layers = buckets.load_profile(json.load(f))
+        data = json.load(f)
+    forward, layers = buckets.load_profile(data)
+    fitted = data.get("allreduce") if isinstance(data, dict) else None
+    if opts.a is None and opts.nodes is None and fitted:    # the profile's own fit
+        opts.a, opts.b = float(fitted["a"]), float(fitted["b"])
     given = lambda *names: [n for n in names if getattr(opts, n) is not None]  # noqa: E731
     if len(given("a", "b")) == 1 or len(given("nodes", "alpha", "beta")) in (1, 2):
         raise ValueError("give --a with --b, and --nodes with --alpha and --beta")
     if not given("a", "nodes"):
         raise ValueError("give the all-reduce cost (--a, --b) or a network "
-                         "(--nodes, --alpha, --beta)")
+                         "(--nodes, --alpha, --beta), or a profile with its fit "
+                         "(parallax-ng profile)")
     if opts.nodes is not None and opts.nodes < 1:
         raise ValueError(f"--nodes must be at least 1, not {opts.nodes}")
     cost = buckets.Cost(opts.a, opts.b) if opts.a is not None else None

@@ -21,7 +21,7 @@ from .resources import session_config
 
 ENV = "PARALLAX_NG_CLUSTER"
 CONFIG_ENV = "PARALLAX_NG_CONFIG"
-PROFILE_ENV = "PARALLAX_NG_PROFILE"    # `parallax-ng profile` of a job: "STEPS:PATH"
+PROFILE_ENV = "PARALLAX_NG_PROFILE"    # `parallax-ng profile` of a job: "STEPS:0|1:PATH"
 DONE_QUEUE = "parallax_ng/workers_done"   # on every server: one token per finished worker
 
 

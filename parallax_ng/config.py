@@ -64,13 +64,20 @@ BUCKET_MODES = ("none", "single", "threshold", "mgwfbp")
 @dataclass(frozen=True)
 class BucketsConfig:
     """All-reduce buckets: dense gradients merged into one all-reduce each."""
-    mode: str = "none"               # none: one per variable; single; threshold; mgwfbp
+    mode: str = ""                   # none: one per variable; single; threshold; mgwfbp
     bytes: int = 4 * 2**20           # threshold: a bucket closes once it holds this much
     a: float | None = None           # mgwfbp: seconds per all-reduce (None: measured)
     b: float | None = None           # mgwfbp: seconds per byte all-reduced (None: measured)
+    profile: str | None = None       # mgwfbp: a `parallax-ng profile` file to plan from
 
     def __post_init__(self):
+        if not self.mode:            # the default: mgwfbp once a profile exists
+            object.__setattr__(self, "mode", "mgwfbp" if self.profile else "none")
         _check_choice("buckets.mode", self.mode, BUCKET_MODES)
+        if self.profile is not None and not (isinstance(self.profile, str) and
+                                             os.path.isfile(self.profile)):
+            raise ConfigError(f"config key 'buckets.profile' must name a profile file "
+                              f"(parallax-ng profile --out FILE), not {self.profile!r}")
         if not isinstance(self.bytes, int) or isinstance(self.bytes, bool) or self.bytes < 1:
             raise ConfigError("config key 'buckets.bytes' must be a whole number of bytes "
                               f">= 1, not {self.bytes!r}")

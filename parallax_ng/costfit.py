@@ -63,7 +63,8 @@ class Fit:
     @classmethod
     def from_dict(cls, data: dict) -> "Fit":
         return cls(float(data["a"]), float(data["b"]),
-                   tuple((int(p["bytes"]), float(p["seconds"])) for p in data["points"]))
+                   tuple((int(p["bytes"]), float(p["seconds"]))
+                         for p in data.get("points", ())))
 
     def format(self) -> str:
         rows = [f"all-reduce cost a + b*M: a = {self.a * 1e6:.1f} us, "

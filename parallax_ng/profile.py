@@ -45,13 +45,14 @@ class Profile:
         """Trained variables by when their gradients became ready."""
         return tuple(sorted(self.ready, key=lambda v: (self.ready[v], v)))
 
-    def layers(self) -> list[Layer]:
-        """Variables whose gradients were ready within TOGETHER of the first
-        of them, in backward order, each with the time since the previous
-        layer (the first: since the forward pass ended)."""
+    def layers(self, together: float = TOGETHER) -> list[Layer]:
+        """Variables whose gradients were ready within `together` seconds of
+        the first of them (negative: each variable alone), in backward
+        order, each with the time since the previous layer (the first:
+        since the forward pass ended)."""
         out, group, previous = [], [], self.forward_time
         for var in self.order:
-            if group and self.ready[var] - self.ready[group[0]] > TOGETHER:
+            if group and self.ready[var] - self.ready[group[0]] > together:
                 done = self.ready[group[-1]]
                 out.append(Layer(tuple(group), done - previous))
                 previous, group = done, []
@@ -87,12 +88,13 @@ class Profile:
             out["allreduce"] = self.allreduce.to_dict()
         return out
 
-    def simulator(self, tg) -> dict:
+    def simulator(self, tg, per_variable: bool = False) -> dict:
         """The layers input to output, as `parallax-ng simulate` reads them:
         a layer's bytes are its variables' gradient bytes (a sparse one's
-        measured distinct rows times a row's bytes)."""
+        measured distinct rows times a row's bytes); with `per_variable`
+        each variable is a layer (as the planner's buckets see them)."""
         layers = []
-        for layer in reversed(self.layers()):
+        for layer in reversed(self.layers(-1.0 if per_variable else TOGETHER)):
             nbytes = 0
             for var in layer.variables:
                 v = tg.variables[var]
@@ -120,6 +122,30 @@ class Profile:
         if self.allreduce is not None:
             rows.append(self.allreduce.format())
         return "\n".join(rows)
+
+
+def from_file(path: str) -> Profile:
+    """The Profile a file in the simulator's format stands for (as
+    `parallax-ng profile` writes it, or by hand): each layer's variables
+    (`variables`, else its name) ready when its backward time has passed,
+    layers last to first after the forward time; its fit if it has one."""
+    import json
+
+    from .buckets import load_profile
+    from .errors import ConfigError
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        forward, layers = load_profile(data)
+        fit = Fit.from_dict(data["allreduce"]) if data.get("allreduce") else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"buckets.profile {path!r} is not a readable profile: {e}") from e
+    ready, t = {}, forward
+    for layer, raw in zip(reversed(layers), reversed(data["layers"])):
+        t += layer.backward_time
+        for var in raw.get("variables") or [layer.name]:
+            ready[var] = t
+    return Profile(1, {}, ready, forward, fit)
 
 
 def measure(tg, run_metadata, indices: dict) -> Profile:
@@ -196,7 +222,7 @@ def first_step_profile(tg, timeout_seconds: float, steps: int = 1
                        ) -> tuple[Profile | None, str]:
     """(profile, why not measured): when each trained variable's gradient
     became ready, the forward time and the distinct rows of sparse
-    gradients, over `steps` traced steps of the user's own graph, run
+    gradients, over `steps` traced steps (after one untraced) of the user's own graph, run
     in a session of its own on this process (its variables initialized, its
     iterators made, the gradients fetched; nothing is applied and nothing of
     a job's state is touched). Empty, with the reason, when that step would
@@ -226,6 +252,7 @@ def first_step_profile(tg, timeout_seconds: float, steps: int = 1
     try:
         with tf.compat.v1.Session(graph=graph, config=config) as session:
             session.run(inits)
+            session.run(fetches, options=options)    # warm-up: kernels made, caches filled
             for _ in range(steps):
                 metadata = tf.compat.v1.RunMetadata()
                 got = session.run([fetches, list(probe.values())], options=options,

@@ -194,7 +194,8 @@ class Runner:
         plan, buckets = self.plan, self.config.buckets
         return (self.server is None and plan.backend == "tf" and len(plan.devices) > 1 and
                 plan.group_size == len(plan.devices) and
-                (buckets.mode == "mgwfbp" and buckets.a is None or capture.wants_fit()))
+                (buckets.mode == "mgwfbp" and buckets.a is None and not buckets.profile
+                 or capture.wants_fit()))
 
     def _allreduced_bytes(self) -> int:
         variables = self.ctx.tg.variables

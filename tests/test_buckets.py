@@ -294,3 +294,68 @@ def test_mgwfbp_trains_like_one_device_with_a_given_or_a_measured_cost():
         if fit is not None:      # 4 KB .. 64 KB: the model has less than 4 KB of gradients
             assert [m for m, _ in fit.points] == [4096, 16384, 65536, 262144]
             assert fit.a >= 0 and fit.b >= 0
+
+
+def test_a_profile_file_plans_the_buckets_and_makes_mgwfbp_the_default(tmp_path):
+    """buckets.profile: the ready times and the fit come from the file (the
+    same on every worker, nothing measured); mgwfbp is then the default."""
+    import json
+
+    from parallax_ng import frontend
+    from parallax_ng.analysis import analyze
+    from parallax_ng.config import Config
+    from parallax_ng.planner import make_plan
+    from passkit import HOST, devices
+    path = tmp_path / "p.json"
+    # input to output: dense/w, dense/b, out/v; far apart, a cheap all-reduce
+    path.write_text(json.dumps({"forward_time": 0.05, "layers": [
+        {"name": "dense/w", "bytes": 64, "backward_time": 0.1},
+        {"name": "dense", "bytes": 8, "backward_time": 0.1, "variables": ["dense/b"]},
+        {"name": "out/v", "bytes": 8, "backward_time": 0.1}],
+        "allreduce": {"a": 1e-4, "b": 1e-9}}))
+    config = Config.from_dict({"run_option": "allreduce", "buckets": {"profile": str(path)}})
+    assert config.buckets.mode == "mgwfbp"
+    assert Config.from_dict({}).buckets.mode == "none"
+    g, _ = embedding_regression(4, "adam")
+    tg = frontend.load(g)
+    plan = make_plan(tg, analyze(tg), config, devices(2), HOST)
+    assert [b.variables for b in plan.buckets] == [("out/v",), ("dense/b",), ("dense/w",)]
+    # a large startup cost given in the config merges them all
+    merged = Config.from_dict({"run_option": "allreduce",
+                               "buckets": {"profile": str(path), "a": 1.0, "b": 0.0}})
+    assert len(make_plan(tg, analyze(tg), merged, devices(2), HOST).buckets) == 1
+    with pytest.raises(pn.ConfigError, match="buckets.profile"):
+        Config.from_dict({"buckets": {"profile": str(tmp_path / "missing.json")}})
+    path.write_text(json.dumps({"forward_time": 0.0, "layers": []}))
+    with pytest.raises(pn.ConfigError, match="has no all-reduce fit"):
+        make_plan(tg, analyze(tg), config, devices(2), HOST)
+
+    def build(batch):
+        return embedding_regression(batch, "adam", clip=True)
+    path.write_text(json.dumps({"forward_time": 0.0, "layers": [
+        {"name": "dense/w", "bytes": 64, "backward_time": 0.1}],
+        "allreduce": {"a": 1.0, "b": 0.0}}))
+    seen = {}
+    parallel, single_device, names = train_both(
+        build, 2, 10, local(2), {"run_option": "allreduce", "buckets": {"profile": str(path)}},
+        seen=seen)
+    for name in names:
+        for got in parallel[name]:
+            assert np.max(np.abs(got - single_device[name])) <= 1e-5, name
+    assert len(seen["plan"].buckets) == 1 and seen["profile"].allreduce is None
+
+
+def test_mgwfbp_under_horovod_needs_a_cost_it_is_given():
+    """Horovod ranks do not measure: without a, b or a profile file the
+    error names the keys (the plan is checked before Horovod is needed)."""
+    g, _ = embedding_regression(4, "adam")
+    config = {"run_option": "allreduce", "communication": {"backend": "horovod"},
+              "buckets": {"mode": "mgwfbp"}}
+    with pytest.raises(pn.ConfigError, match="buckets.a and buckets.b, or buckets.profile"):
+        pn.transform(g, local(1), config, horovod=(0, 2))
+    from parallax_ng import _plan, frontend
+    from parallax_ng.config import Config
+    from parallax_ng.resources import load_resources
+    given = Config.from_dict({**config, "buckets": {"mode": "mgwfbp", "a": 1.0, "b": 0.0}})
+    plan = _plan(frontend.load(g), load_resources(local(1)), given, horovod=(0, 2))
+    assert len(plan.buckets) == 1

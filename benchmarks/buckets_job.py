@@ -1,0 +1,169 @@
+"""Benchmark: all-reduce buckets on a localhost job, measured and predicted.
+
+A model of many small layers (a stack of transformer-like blocks: query,
+key, value and output projections, two layer norms, a two-layer
+feed-forward; small widths, dense inputs, so every gradient is all-reduced)
+trains on a localhost job (--workers x --devices, TensorFlow collectives)
+with buckets.mode none, single, threshold and mgwfbp (a and b measured by
+the job's own benchmark). First `parallax-ng profile --per-variable` gives
+the job's profile (worker 0's steps, a layer per variable as the planner's
+buckets see them) and the all-reduce fit; the simulator's prediction from
+it (wfbp for none) stands beside each measured step time (median of the
+timed steps of worker 0, after warm-up steps; each mode --repeats jobs, the
+median of those), with the prediction's error.
+
+    python benchmarks/buckets_job.py [--blocks 24] [--dim 32] [--steps 40] [--repeats 2]
+
+Run as a worker (by the jobs this script starts) with --worker.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import parallax_ng as pn
+
+tf1 = tf.compat.v1
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def dense(x, name, d_in, d_out):
+    with tf1.variable_scope(name):
+        w = tf1.get_variable("w", [d_in, d_out])
+        b = tf1.get_variable("b", [d_out], initializer=tf1.zeros_initializer())
+        return tf.tensordot(x, w, 1) + b
+
+
+def layer_norm(x, name, dim):
+    with tf1.variable_scope(name):
+        gamma = tf1.get_variable("gamma", [dim], initializer=tf1.ones_initializer())
+        beta = tf1.get_variable("beta", [dim], initializer=tf1.zeros_initializer())
+        mean, var = tf.nn.moments(x, [-1], keepdims=True)
+        return (x - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta
+
+
+def build(blocks, dim, seq, batch):
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(0)
+        rng = np.random.RandomState(0)
+        xs = rng.randn(512, seq, dim).astype(np.float32)
+        ys = rng.randn(512, 1).astype(np.float32)
+        ds = pn.shard(tf.data.Dataset.from_tensor_slices((xs, ys)).repeat().batch(batch))
+        x, y = tf1.data.make_one_shot_iterator(ds).get_next()
+        h = x
+        for k in range(blocks):
+            with tf1.variable_scope(f"block_{k}"):
+                q, kk, v = (dense(h, n, dim, dim) for n in ("query", "key", "value"))
+                att = tf.nn.softmax(tf.matmul(q, kk, transpose_b=True) / np.sqrt(dim))
+                h = layer_norm(h + dense(tf.matmul(att, v), "output", dim, dim), "ln1", dim)
+                ff = dense(tf.nn.relu(dense(h, "ff1", dim, 4 * dim)), "ff2", 4 * dim, dim)
+                h = layer_norm(h + ff, "ln2", dim)
+        loss = tf.reduce_mean(tf.square(dense(tf.reduce_mean(h, 1), "out", dim, 1) - y))
+        train = tf1.train.GradientDescentOptimizer(0.01).minimize(loss)
+        init = tf1.global_variables_initializer()
+    return g, train, init
+
+
+def worker(opts):
+    g, train, init = build(opts.blocks, opts.dim, opts.seq, opts.batch)
+    runner = pn.get_runner(g, None, None)
+    runner.run(init)
+    times = []
+    for step in range(opts.warmup + opts.steps):
+        start = time.perf_counter()
+        runner.run(train)
+        if step >= opts.warmup:
+            times.append(time.perf_counter() - start)
+    if runner.plan.worker == 0:
+        print("RESULT " + json.dumps({"step_ms": 1e3 * statistics.median(times),
+                                      "buckets": len(runner.plan.buckets),
+                                      "variables": len(runner.plan.variables)}), flush=True)
+    runner.close()
+
+
+def cli(*args, timeout=900):
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", *args], text=True,
+                          capture_output=True, timeout=timeout, env=env)
+    if done.returncode:
+        raise SystemExit(f"parallax-ng {args[0]} failed:\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--blocks", type=int, default=24)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--threshold", type=int, default=64 * 1024)
+    parser.add_argument("--repeats", type=int, default=2)
+    opts = parser.parse_args()
+    if opts.worker:
+        return worker(opts)
+    model = ["--blocks", str(opts.blocks), "--dim", str(opts.dim), "--seq", str(opts.seq),
+             "--batch", str(opts.batch)]
+    with tempfile.TemporaryDirectory() as tmp:
+        resources = os.path.join(tmp, "resources.yaml")
+        with open(resources, "w") as f:
+            devices = ", ".join(f"cpu:{k}" for k in range(opts.devices))
+            f.write("hosts:\n" + "".join(f"- address: 127.0.0.1\n  devices: [{devices}]\n"
+                                         for _ in range(opts.workers)))
+        base = {"run_option": "allreduce", "communication": {"timeout_seconds": 300}}
+        config = os.path.join(tmp, "config.yaml")
+        with open(config, "w") as f:
+            json.dump(base, f)
+        profile = os.path.join(tmp, "profile.json")
+        cli("profile", __file__, "-r", resources, "-c", config, "--steps", "3",
+            "--per-variable", "--out", profile, "--", "--worker", *model)
+        with open(profile) as f:
+            data = json.load(f)
+        fit = data["allreduce"]
+        strategies = {"none": "wfbp", "single": "single",
+                      "threshold": f"threshold:{opts.threshold}", "mgwfbp": "mgwfbp"}
+        predicted = json.loads(cli("simulate", "--profile", profile, "--strategies",
+                                   ",".join(strategies.values()), "--json"))["strategies"]
+        compute = data["forward_time"] + sum(x["backward_time"] for x in data["layers"])
+        print(f"{opts.workers} workers x {opts.devices} device(s), {opts.blocks} blocks, "
+              f"dim {opts.dim}: {len(data['layers'])} variables, "
+              f"{sum(x['bytes'] for x in data['layers']) / 1e6:.2f} MB of gradients; "
+              f"worker 0's step without communication {compute * 1e3:.1f} ms")
+        print(f"job's all-reduce fit: a = {fit['a'] * 1e6:.0f} us, b = {fit['b'] * 1e9:.3f} "
+              f"ns/byte, error rms {fit['rms_relative_error']:.0%}, "
+              f"largest {fit['max_relative_error']:.0%}")
+        print(f"{'mode':10} {'buckets':>8} {'measured ms':>12} {'predicted ms':>13} "
+              f"{'error':>7}  jobs")
+        for mode, strategy in strategies.items():
+            buckets = {"mode": mode, "bytes": opts.threshold}
+            with open(config, "w") as f:
+                json.dump({**base, "buckets": buckets}, f)
+            runs = []
+            for _ in range(opts.repeats):
+                out = cli("run", __file__, "-r", resources, "-c", config, "--chief-only",
+                          "--", "--worker", "--steps", str(opts.steps),
+                          "--warmup", str(opts.warmup), *model)
+                line = next(x for x in out.splitlines() if "RESULT " in x)
+                runs.append(json.loads(line.split("RESULT ", 1)[1]))
+            measured = statistics.median(r["step_ms"] for r in runs)
+            guess = predicted[strategy]["iteration_time"] * 1e3
+            print(f"{mode:10} {runs[0]['buckets'] or runs[0]['variables']:8d} "
+                  f"{measured:12.1f} {guess:13.1f} {(guess - measured) / measured:+7.0%}  "
+                  + ", ".join(f"{r['step_ms']:.1f}" for r in runs), flush=True)
+
+
+if __name__ == "__main__":
+    main()
