@@ -29,25 +29,11 @@ import numpy as np
 import tensorflow as tf
 
 import parallax_ng as pn
+from transform_time import dense, layer_norm   # the same layers as the transform benchmark
 
 tf1 = tf.compat.v1
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-def dense(x, name, d_in, d_out):
-    with tf1.variable_scope(name):
-        w = tf1.get_variable("w", [d_in, d_out])
-        b = tf1.get_variable("b", [d_out], initializer=tf1.zeros_initializer())
-        return tf.tensordot(x, w, 1) + b
-
-
-def layer_norm(x, name, dim):
-    with tf1.variable_scope(name):
-        gamma = tf1.get_variable("gamma", [dim], initializer=tf1.ones_initializer())
-        beta = tf1.get_variable("beta", [dim], initializer=tf1.zeros_initializer())
-        mean, var = tf.nn.moments(x, [-1], keepdims=True)
-        return (x - mean) * tf.math.rsqrt(var + 1e-6) * gamma + beta
 
 
 def build(blocks, dim, seq, batch):
@@ -90,13 +76,18 @@ def worker(opts):
     runner.close()
 
 
-def cli(*args, timeout=900):
+CRASHES = []      # jobs that failed and were run again, reported at the end
+
+
+def cli(*args, timeout=900, tries=2):
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", *args], text=True,
-                          capture_output=True, timeout=timeout, env=env)
-    if done.returncode:
-        raise SystemExit(f"parallax-ng {args[0]} failed:\n{done.stderr[-3000:]}")
-    return done.stdout
+    for _ in range(tries):
+        done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", *args], text=True,
+                              capture_output=True, timeout=timeout, env=env)
+        if not done.returncode:
+            return done.stdout
+        CRASHES.append(f"parallax-ng {' '.join(args[:1])}: " + done.stderr.strip()[-300:])
+    raise SystemExit(f"parallax-ng {args[0]} failed:\n{done.stderr[-3000:]}")
 
 
 def main():
@@ -163,6 +154,8 @@ def main():
             print(f"{mode:10} {runs[0]['buckets'] or runs[0]['variables']:8d} "
                   f"{measured:12.1f} {guess:13.1f} {(guess - measured) / measured:+7.0%}  "
                   + ", ".join(f"{r['step_ms']:.1f}" for r in runs), flush=True)
+    for crash in CRASHES:
+        print(f"run again after a failure: {crash}")
 
 
 if __name__ == "__main__":

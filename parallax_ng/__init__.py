@@ -145,8 +145,7 @@ def get_runner(graph, resource_info=None, config=None):
         check_devices(resources.hosts[0].devices)
         rank = horovod.init()
         return _runner(frontend.load(graph), resources, cfg,
-                       session_config(resources.hosts[0].devices), horovod=rank,
-                       timeout=rank[1] > 1)
+                       session_config(resources.hosts[0].devices), horovod=rank)
     info = cluster.from_env(resources if resource_info is not None else None)
     if info is None:
         check_devices(resources.hosts[0].devices)
@@ -194,7 +193,7 @@ def _profile_job(tg, config: Config, info, server):
 
 
 def _runner(tg, resources, config: Config, session_config, cluster_info=None, horovod=None,
-            server=None, timeout: bool = False):
+            server=None):
     """A Runner for `tg`, able to plan again from a profile and rebuild."""
     from .runner import Runner
 
@@ -208,7 +207,7 @@ def _runner(tg, resources, config: Config, session_config, cluster_info=None, ho
         return ir, ctx, manager.records
 
     ir, ctx, records = rebuild(replan())
-    return Runner(ir, ctx, config, session_config, records, server=server, timeout=timeout,
+    return Runner(ir, ctx, config, session_config, records, server=server,
                   replan=replan, rebuild=rebuild)
 
 

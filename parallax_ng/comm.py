@@ -3,7 +3,7 @@
 Passes ask `ctx.comm` (the plan's backend's `Collectives`) for an
 operation and get graph nodes back; no pass knows which backend it is.
 
-Requires: the plan (devices, group size, worker, timeout) and, for
+Requires: the plan (devices, group size, worker) and, for
 TensorFlow collectives, the graph's instance keys.
 Guarantees, for every backend:
 - `all_reduce(scope, tensors, dtype, mean)`: one tensor per local replica
@@ -32,6 +32,13 @@ from . import emit
 
 GROUP_KEY = 1             # every replica of the job
 BROADCAST_GROUP_KEY = 2   # replica 0 of every worker
+# A collective op with a timeout of its own makes TensorFlow start a thread
+# per run of the op, which sleeps out the whole timeout (its watchdog), so a
+# job of many all-reduces per step piles up threads until the process can
+# make no more (thousands within a minute at 300 s). The ops get none; the
+# runner bounds every session run instead (RunOptions.timeout_in_ms, from
+# config communication.timeout_seconds), which cancels a stuck collective.
+OP_TIMEOUT_SECONDS = 0.0
 
 
 @dataclass(frozen=True)
@@ -60,7 +67,7 @@ class TFCollectives:
         plan, key = self.plan, self.keys.take()
         nodes = [emit.collective_reduce(
             f"{scope}/replica_{k}", t, dtype, device, group_size=plan.group_size,
-            group_key=GROUP_KEY, instance_key=key, mean=mean, timeout=plan.timeout_seconds)
+            group_key=GROUP_KEY, instance_key=key, mean=mean, timeout=OP_TIMEOUT_SECONDS)
             for k, (t, device) in enumerate(zip(tensors, plan.devices))]
         return nodes, [n.name for n in nodes]
 
@@ -86,7 +93,7 @@ class TFCollectives:
         plan = self.plan
         common = dict(T=dtype, group_size=plan.num_workers, group_key=BROADCAST_GROUP_KEY,
                       instance_key=self.keys.take(), shape=_shape_attr(shape),
-                      communication_hint="auto", timeout_seconds=float(plan.timeout_seconds))
+                      communication_hint="auto", timeout_seconds=OP_TIMEOUT_SECONDS)
         if plan.worker == 0:
             send = emit.node_def(f"{scope}/send", "CollectiveBcastSend", [value],
                                  plan.devices[0], **common)
@@ -152,7 +159,7 @@ def _gather_slices(values, indices, plan, keys, mean: bool):
     padded parts are gathered under the instance key of their range plus
     the longest size: every key always sees one shape."""
     from .passes import RANGE_KEYS
-    n, timeout = plan.group_size, plan.timeout_seconds
+    n, timeout = plan.group_size, OP_TIMEOUT_SECONDS
 
     def all_gather(t, key):
         return tf.raw_ops.CollectiveGatherV2(

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .buckets import Cost
+from .comm import OP_TIMEOUT_SECONDS
 
 MIN_BYTES, MAX_BYTES = 4 * 1024, 64 * 2**20
 GROUP_KEY = 3                    # the benchmark's own group: the job's replica devices
@@ -117,7 +118,7 @@ def measure(target: str, devices: list[str], group_size: int, nbytes: list[int],
                         input=x, group_size=group_size, group_key=GROUP_KEY,
                         instance_key=FIRST_INSTANCE_KEY + k, merge_op="Add", final_op="Id",
                         subdiv_offsets=[0], wait_for=[], communication_hint="auto",
-                        timeout_seconds=float(timeout_seconds)).op)
+                        timeout_seconds=OP_TIMEOUT_SECONDS).op)
             runs.append(ops)
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
                                       timeout_in_ms=int(timeout_seconds * 1000))

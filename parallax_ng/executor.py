@@ -37,7 +37,7 @@ class Executor:
         self.stages = ctx.result(Stages)
         self.barrier = ctx.result(Barrier)
         self.worker = ctx.plan.worker
-        self.options = options          # in a job: every run gives up after the timeout
+        self.options = options          # every run gives up after the timeout
 
     def runs(self, names: list) -> list[SessionRun]:
         if self.stages is None:

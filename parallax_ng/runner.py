@@ -48,14 +48,14 @@ from .queues import READ_PREFIXES
 
 class Runner:
     def __init__(self, ir, ctx, config, session_config, records=(), server=None,
-                 timeout: bool = False, replan=None, rebuild=None):
+                 replan=None, rebuild=None):
         self.config = config
         self.server = server     # this worker's gRPC server in cluster mode
         self._session_config = session_config
-        self._options = None     # in a job: every run gives up after the timeout
-        if server is not None or timeout:
-            self._options = tf.compat.v1.RunOptions(
-                timeout_in_ms=int(ctx.plan.timeout_seconds * 1000))
+        # every run gives up after the timeout (collective ops have none of
+        # their own: parallax_ng/comm.py OP_TIMEOUT_SECONDS)
+        self._options = tf.compat.v1.RunOptions(
+            timeout_in_ms=int(ctx.plan.timeout_seconds * 1000))
         self._replan = replan     # profile -> Plan (None: keep the plan, add measurements)
         self._rebuild = rebuild   # Plan -> (ir, ctx, records)
         self._restored, self._steps = False, 0
@@ -105,8 +105,9 @@ class Runner:
         _, trained, reads_queue = self._kind(fetched)
         profiling = trained and self._profiled < self.config.profile.steps
         probe = self._probe() if profiling else {}
+        options = _bounded(options, self._options)
         if profiling:
-            options, run_metadata = _traced(options or self._options, run_metadata)
+            options, run_metadata = _traced(options, run_metadata)
         if reads_queue and self._queues is not None:
             self._queues.start(self.session)
         try:
@@ -327,6 +328,18 @@ def _tell_done(session, ops) -> None:
         session.run(ops, options=tf.compat.v1.RunOptions(timeout_in_ms=10000))
     except (tf.errors.OpError, RuntimeError):
         pass
+
+
+def _bounded(options, default):
+    """The caller's run options with the runner's timeout where they set none."""
+    if options is None:
+        return default
+    if options.timeout_in_ms:
+        return options
+    bounded = tf.compat.v1.RunOptions()
+    bounded.CopyFrom(options)
+    bounded.timeout_in_ms = default.timeout_in_ms
+    return bounded
 
 
 def _traced(options, run_metadata):

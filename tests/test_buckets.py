@@ -204,11 +204,12 @@ def test_a_bad_bucket_mode_names_the_key():
         pn.Config.from_dict({"buckets": {"mode": "fastest"}})
 
 
-@pytest.mark.parametrize("buckets", [{"mode": "threshold", "bytes": 40}, {"mode": "mgwfbp"}])
+@pytest.mark.parametrize("buckets", [{"mode": "single"}, {"mode": "threshold", "bytes": 40},
+                                     {"mode": "mgwfbp"}])
 def test_a_job_with_buckets_equals_one_device(tmp_path, buckets):
-    """2 workers x 2 devices, TensorFlow collectives: two threshold buckets;
-    mgwfbp with worker 0's first step and the all-reduce benchmark that
-    both workers run, both planning the same buckets from them."""
+    """2 workers x 2 devices, TensorFlow collectives: one bucket, two
+    threshold buckets; mgwfbp with worker 0's first step and the all-reduce
+    benchmark that both workers run, both planning the same buckets."""
     import json
     import re
 

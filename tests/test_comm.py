@@ -59,3 +59,39 @@ def test_the_horovod_lowering_needs_horovod():
         h = comm.lowering(replace(ctx.plan, backend="horovod"), ctx.instance_keys)
         nodes, outs = h.all_reduce("s", ["a", "b"], tf.float32, True)
         assert any(n.op == "HorovodAllreduce" for n in nodes)
+
+
+def test_many_collectives_per_step_do_not_pile_up_threads():
+    """A collective op with a timeout of its own makes TensorFlow start a
+    thread per run that sleeps out the timeout: 24 all-reduces a step piled
+    up 24 threads a step (a job crashed at about 10,000). The ops carry no
+    timeout (the runner bounds each run), and the thread count stays level."""
+    import os
+
+    import numpy as np
+
+    import parallax_ng as pn
+    from models import local
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        h = tf.constant(np.ones([4, 8], np.float32))
+        for k in range(12):
+            with tf1.variable_scope(f"layer_{k}"):
+                h = tf.nn.tanh(tf.matmul(h, tf1.get_variable("w", [8, 8])) +
+                               tf1.get_variable("b", [8]))
+        train = tf1.train.GradientDescentOptimizer(0.01).minimize(tf.reduce_sum(h))
+        init = tf1.global_variables_initializer()
+    threads = lambda: len(os.listdir("/proc/self/task"))   # noqa: E731
+    with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
+        runner.run(init)
+        nodes = runner.graph.as_graph_def().node
+        reduces = [n for n in nodes if n.op == "CollectiveReduce"]
+        assert len(reduces) == 2 * 24 and all(n.attr["timeout_seconds"].f == 0 for n in reduces)
+        assert runner._options.timeout_in_ms == 300 * 1000
+        for _ in range(5):
+            runner.run(train)
+        before = threads()
+        for _ in range(40):
+            runner.run(train)
+        assert threads() - before < 40, (before, threads())
