@@ -25,7 +25,7 @@ RANDOM_MODES = ("distinct", "identical")
 
 @dataclass(frozen=True)
 class CommunicationConfig:
-    timeout_seconds: float = 300.0   # every collective gives up after this
+    timeout_seconds: float = 300.0   # every runner session.run gives up after this
     backend: str = "tf"              # tf: TensorFlow collectives; horovod: under horovodrun
 
     def __post_init__(self):

@@ -61,6 +61,11 @@ class Profile:
             out.append(Layer(tuple(group), self.ready[group[-1]] - previous))
         return out
 
+    def scaled(self, factor: float) -> "Profile":
+        """The same measurements with every time multiplied by `factor`."""
+        return replace(self, ready={v: t * factor for v, t in self.ready.items()},
+                       forward_time=self.forward_time * factor)
+
     def merge(self, other: "Profile") -> "Profile":
         """Two profiles as one: rows and times averaged over their steps."""
         n = self.steps + other.steps
@@ -222,11 +227,16 @@ def first_step_profile(tg, timeout_seconds: float, steps: int = 1
                        ) -> tuple[Profile | None, str]:
     """(profile, why not measured): when each trained variable's gradient
     became ready, the forward time and the distinct rows of sparse
-    gradients, over `steps` traced steps (after one untraced) of the user's own graph, run
+    gradients, over `steps` traced steps (after one untraced; the times
+    scaled by how much longer a traced step took than an untraced one) of
+    the user's own graph, run
     in a session of its own on this process (its variables initialized, its
     iterators made, the gradients fetched; nothing is applied and nothing of
     a job's state is touched). Empty, with the reason, when that step would
     need feeds or queue input, or when it fails: None with the reason."""
+    import statistics
+    import time
+
     import tensorflow as tf
 
     from .queues import READ_PREFIXES
@@ -249,16 +259,28 @@ def first_step_profile(tg, timeout_seconds: float, steps: int = 1
                                       timeout_in_ms=int(timeout_seconds * 1000))
     config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
     profile = None
+    plain = tf.compat.v1.RunOptions(timeout_in_ms=options.timeout_in_ms)
+    walls = {"plain": [], "traced": []}
+
+    def timed(kind, *args, **kwargs):
+        start = time.perf_counter()
+        out = session.run(*args, **kwargs)
+        walls[kind].append(time.perf_counter() - start)
+        return out
     try:
         with tf.compat.v1.Session(graph=graph, config=config) as session:
             session.run(inits)
-            session.run(fetches, options=options)    # warm-up: kernels made, caches filled
+            session.run(fetches, options=plain)    # warm-up: kernels made, caches filled
             for _ in range(steps):
+                timed("plain", fetches, options=plain)
                 metadata = tf.compat.v1.RunMetadata()
-                got = session.run([fetches, list(probe.values())], options=options,
-                                  run_metadata=metadata)
+                got = timed("traced", [fetches, list(probe.values())], options=options,
+                            run_metadata=metadata)
                 step = measure(tg, metadata, dict(zip(probe, got[1])))
                 profile = step if profile is None else profile.merge(step)
+        # tracing slows every op: times as a step without it would take
+        profile = profile.scaled(min(1.0, statistics.median(walls["plain"]) /
+                                     statistics.median(walls["traced"])))
     except (tf.errors.OpError, ValueError, TypeError) as e:
         return None, f"its step failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
     return profile, ""

@@ -127,6 +127,9 @@ def test_profile_figures_from_hand_written_times():
     assert layers[1].backward_time == pytest.approx(0.00495)
     q = p.merge(Profile(2, {"emb": 5.0}, {"a": 0.012, "b": 0.01205, "c": 0.017}, 0.006))
     assert q.steps == 4 and q.rows["emb"] == 4.0 and q.forward_time == pytest.approx(0.005)
+    half = p.scaled(0.5)          # a traced step twice as long as an untraced one
+    assert half.ready["c"] == pytest.approx(0.0075) and half.forward_time == 0.002
+    assert half.rows == p.rows and half.order == p.order
 
 
 def test_plan_profile_prints_what_the_first_steps_measured(capsys):
