@@ -219,8 +219,9 @@ def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
     gradients became ready), and, when mgwfbp has no a and b, the all-reduce
     benchmark that every worker runs together (parallax_ng/costfit.py);
     worker 0's results are given once to every worker, so all pack their
-    buffers and plan their buckets alike. None outside such a job.
-    `profile_steps` (`parallax-ng profile` of a job): measure that many
+    buffers and plan their buckets alike (the others take the same steps
+    meanwhile, so the machine is shared as in training). None outside such
+    a job. `profile_steps` (`parallax-ng profile` of a job): measure that many
     steps and run the benchmark whatever the plan."""
     from . import cluster, costfit
     from .profile import first_step_profile
@@ -241,11 +242,13 @@ def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
             sum(v.nbytes for v in tg.variables.values())
         fit = costfit.measure(server.target, list(plan.devices), plan.group_size,
                               costfit.sizes(total), cluster_info.session_config(), timeout)
+    # every worker steps at once, so worker 0's times have the machine shared
+    # as in training; only worker 0's are used
+    steps = profile_steps or config.profile.steps
+    profile, why = first_step_profile(tg, timeout, steps) if steps else (
+        None, "profile.steps is 0")
     mine = None
     if cluster_info.task == 0:
-        steps = profile_steps or config.profile.steps
-        profile, why = first_step_profile(tg, timeout, steps) if steps else (
-            None, "profile.steps is 0")
         mine = {"order": list(profile.order) if profile else [],
                 "ready": dict(profile.ready) if profile else {},
                 "forward_time": profile.forward_time if profile else 0.0,

@@ -26,7 +26,7 @@ def horovodrun():
 
 @pytest.mark.horovod
 @pytest.mark.parametrize("devices,buckets", [(1, "none"), (2, "threshold"), (2, "single"),
-                                             (1, "mgwfbp")])
+                                             (2, "mgwfbp")])
 def test_horovod_workers_match_one_device(tmp_path, devices, buckets):
     """Adam, global-norm clipping over dense and sparse gradients, EMA; dense
     gradients by HorovodAllreduce (per variable, or merged in buckets), the
