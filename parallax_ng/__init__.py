@@ -237,11 +237,9 @@ def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
     timeout = config.communication.timeout_seconds
     fit = None
     if mgwfbp and config.buckets.a is None or profile_steps:
-        total = sum(tg.variables[v].nbytes for v, vp in plan.variables.items()
-                    if vp.method == "allreduce") or \
-            sum(v.nbytes for v in tg.variables.values())
         fit = costfit.measure(server.target, list(plan.devices), plan.group_size,
-                              costfit.sizes(total), cluster_info.session_config(), timeout)
+                              costfit.sizes(costfit.model_bytes(tg, plan)),
+                              cluster_info.session_config(), timeout)
     # every worker steps at once, so worker 0's times have the machine shared
     # as in training; only worker 0's are used
     steps = profile_steps or config.profile.steps

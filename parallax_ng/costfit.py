@@ -90,6 +90,13 @@ def fit(points) -> Fit:
     return Fit(float(a), max(float(b), 0.0), points)
 
 
+def model_bytes(tg, plan) -> int:
+    """The bytes the plan all-reduces per replica, else all the variables'
+    (what the benchmark's largest size should reach)."""
+    return sum(tg.variables[v].nbytes for v, vp in plan.variables.items()
+               if vp.method == "allreduce") or sum(v.nbytes for v in tg.variables.values())
+
+
 def sizes(total_bytes: int) -> list[int]:
     """4 KB, 16 KB, ... up to 64 MB, or to the first size >= total_bytes,
     at least four sizes."""

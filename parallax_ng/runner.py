@@ -182,7 +182,8 @@ class Runner:
 
                 from . import costfit
                 fit = costfit.measure("", list(self.plan.devices), self.plan.group_size,
-                                      costfit.sizes(self._allreduced_bytes()),
+                                      costfit.sizes(costfit.model_bytes(self.ctx.tg,
+                                                                        self.plan)),
                                       self._session_config, self.plan.timeout_seconds)
                 self.profile = replace(self.profile, allreduce=fit)
             self._plan_again()
@@ -197,11 +198,6 @@ class Runner:
                 plan.group_size == len(plan.devices) and
                 (buckets.mode == "mgwfbp" and buckets.a is None and not buckets.profile
                  or capture.wants_fit()))
-
-    def _allreduced_bytes(self) -> int:
-        variables = self.ctx.tg.variables
-        return sum(variables[v].nbytes for v, vp in self.plan.variables.items()
-                   if vp.method == "allreduce") or sum(v.nbytes for v in variables.values())
 
     def _plan_again(self) -> None:
         """Plan with the measurements; transform again if the decisions change."""
