@@ -13,6 +13,12 @@ timed steps of worker 0, after warm-up steps; each mode --repeats jobs, the
 median of those), with the prediction's error.
 
     python benchmarks/buckets_job.py [--blocks 24] [--dim 32] [--steps 40] [--repeats 2]
+                                     [--netlab RATE]
+
+With --netlab RATE (e.g. 100mbit, 1gbit) the workers run on emulated hosts
+with rate-limited NICs (../shared/tools/netlab, or $NETLAB), profile too,
+and the bytes each host's NIC sent over the timed steps are printed beside
+the ring all-reduce's 2(N-1)/N x gradient bytes per worker per step.
 
 Run as a worker (by the jobs this script starts) with --worker.
 """
@@ -29,6 +35,7 @@ import numpy as np
 import tensorflow as tf
 
 import parallax_ng as pn
+from cluster_lm import NETLAB, nic_window   # the NIC window protocol of that benchmark
 from transform_time import dense, layer_norm   # the same layers as the transform benchmark
 
 tf1 = tf.compat.v1
@@ -60,19 +67,26 @@ def build(blocks, dim, seq, batch):
 
 
 def worker(opts):
+    """Train; worker 0 writes its median step time to --out. With --window it
+    first writes OUT.start and waits for OUT.go (the driver reads the NICs)."""
     g, train, init = build(opts.blocks, opts.dim, opts.seq, opts.batch)
     runner = pn.get_runner(g, None, None)
     runner.run(init)
     times = []
     for step in range(opts.warmup + opts.steps):
+        if step == opts.warmup and opts.window and runner.plan.worker == 0:
+            open(opts.out + ".start", "w").close()
+            while not os.path.exists(opts.out + ".go"):
+                time.sleep(0.005)
         start = time.perf_counter()
         runner.run(train)
         if step >= opts.warmup:
             times.append(time.perf_counter() - start)
     if runner.plan.worker == 0:
-        print("RESULT " + json.dumps({"step_ms": 1e3 * statistics.median(times),
-                                      "buckets": len(runner.plan.buckets),
-                                      "variables": len(runner.plan.variables)}), flush=True)
+        with open(opts.out, "w") as f:
+            json.dump({"step_ms": 1e3 * statistics.median(times),
+                       "buckets": len(runner.plan.buckets),
+                       "variables": len(runner.plan.variables)}, f)
     runner.close()
 
 
@@ -103,59 +117,113 @@ def main():
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--threshold", type=int, default=64 * 1024)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--netlab", metavar="RATE", help="emulated hosts, NICs at RATE")
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--window", action="store_true", help=argparse.SUPPRESS)
     opts = parser.parse_args()
     if opts.worker:
         return worker(opts)
-    model = ["--blocks", str(opts.blocks), "--dim", str(opts.dim), "--seq", str(opts.seq),
-             "--batch", str(opts.batch)]
-    with tempfile.TemporaryDirectory() as tmp:
-        resources = os.path.join(tmp, "resources.yaml")
-        with open(resources, "w") as f:
-            devices = ", ".join(f"cpu:{k}" for k in range(opts.devices))
-            f.write("hosts:\n" + "".join(f"- address: 127.0.0.1\n  devices: [{devices}]\n"
-                                         for _ in range(opts.workers)))
-        base = {"run_option": "allreduce", "communication": {"timeout_seconds": 300}}
-        config = os.path.join(tmp, "config.yaml")
-        with open(config, "w") as f:
-            json.dump(base, f)
-        profile = os.path.join(tmp, "profile.json")
-        cli("profile", __file__, "-r", resources, "-c", config, "--steps", "3",
-            "--per-variable", "--out", profile, "--", "--worker", *model)
-        with open(profile) as f:
-            data = json.load(f)
-        fit = data["allreduce"]
-        strategies = {"none": "wfbp", "single": "single",
-                      "threshold": f"threshold:{opts.threshold}", "mgwfbp": "mgwfbp"}
-        predicted = json.loads(cli("simulate", "--profile", profile, "--strategies",
-                                   ",".join(strategies.values()), "--json"))["strategies"]
-        compute = data["forward_time"] + sum(x["backward_time"] for x in data["layers"])
-        print(f"{opts.workers} workers x {opts.devices} device(s), {opts.blocks} blocks, "
-              f"dim {opts.dim}: {len(data['layers'])} variables, "
-              f"{sum(x['bytes'] for x in data['layers']) / 1e6:.2f} MB of gradients; "
-              f"worker 0's step without communication {compute * 1e3:.1f} ms")
-        print(f"job's all-reduce fit: a = {fit['a'] * 1e6:.0f} us, b = {fit['b'] * 1e9:.3f} "
-              f"ns/byte, error rms {fit['rms_relative_error']:.0%}, "
-              f"largest {fit['max_relative_error']:.0%}")
-        print(f"{'mode':10} {'buckets':>8} {'measured ms':>12} {'predicted ms':>13} "
-              f"{'error':>7}  jobs")
-        for mode, strategy in strategies.items():
-            buckets = {"mode": mode, "bytes": opts.threshold}
-            with open(config, "w") as f:
-                json.dump({**base, "buckets": buckets}, f)
-            runs = []
-            for _ in range(opts.repeats):
-                out = cli("run", __file__, "-r", resources, "-c", config, "--chief-only",
-                          "--", "--worker", "--steps", str(opts.steps),
-                          "--warmup", str(opts.warmup), *model)
-                line = next(x for x in out.splitlines() if "RESULT " in x)
-                runs.append(json.loads(line.split("RESULT ", 1)[1]))
-            measured = statistics.median(r["step_ms"] for r in runs)
-            guess = predicted[strategy]["iteration_time"] * 1e3
-            print(f"{mode:10} {runs[0]['buckets'] or runs[0]['variables']:8d} "
-                  f"{measured:12.1f} {guess:13.1f} {(guess - measured) / measured:+7.0%}  "
-                  + ", ".join(f"{r['step_ms']:.1f}" for r in runs), flush=True)
+    if opts.netlab:
+        subprocess.run([NETLAB, "up", str(opts.workers), opts.netlab], check=True,
+                       capture_output=True)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            measure(opts, tmp)
+    finally:
+        if opts.netlab:
+            subprocess.run([NETLAB, "down"], capture_output=True)
     for crash in CRASHES:
         print(f"run again after a failure: {crash}")
+
+
+_ports = iter(range(41000, 50000, 10))
+
+
+def resource_file(opts, path: str) -> str:
+    """Localhost, or the emulated hosts (fresh ports for every job)."""
+    devices = ", ".join(f"cpu:{k}" for k in range(opts.devices))
+    if opts.netlab:
+        port = next(_ports)
+        hosts = [f"10.254.0.{10 + i}:{port + 2 * i}" for i in range(opts.workers)]
+    else:
+        hosts = ["127.0.0.1"] * opts.workers
+    with open(path, "w") as f:
+        f.write("hosts:\n" + "".join(f"- address: {h}\n  devices: [{devices}]\n"
+                                     for h in hosts))
+        if opts.netlab:
+            f.write(f"ssh: {NETLAB} ssh\n")
+    return path
+
+
+def job(opts, tmp, config, model, name) -> dict:
+    """One training job; worker 0's result, with the NICs' bytes per step."""
+    out = os.path.join(tmp, f"{name}.json")
+    cmd = [sys.executable, "-m", "parallax_ng.cli", "run", __file__, "-r",
+           resource_file(opts, os.path.join(tmp, f"{name}.yaml")), "-c", config,
+           "--chief-only", "--", "--worker", "--out", out, "--steps", str(opts.steps),
+           "--warmup", str(opts.warmup), *model] + (["--window"] if opts.netlab else [])
+    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    for _ in range(2):
+        with tempfile.TemporaryFile("w+") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                    env=env)
+            nic = nic_window(out, proc) if opts.netlab else None
+            if proc.wait(timeout=1800) == 0:
+                break
+            log.seek(0)
+            CRASHES.append(f"{name}: " + log.read().strip()[-300:])
+    else:
+        raise SystemExit(f"{name} failed twice:\n{CRASHES[-1]}")
+    with open(out) as f:
+        result = json.load(f)
+    if nic is not None:
+        result["sent_per_step"] = {h: b / opts.steps for h, b in sorted(nic.items())}
+    return result
+
+
+def measure(opts, tmp):
+    model = ["--blocks", str(opts.blocks), "--dim", str(opts.dim), "--seq", str(opts.seq),
+             "--batch", str(opts.batch)]
+    base = {"run_option": "allreduce", "communication": {"timeout_seconds": 300}}
+    config = os.path.join(tmp, "config.yaml")
+    with open(config, "w") as f:
+        json.dump(base, f)
+    profile = os.path.join(tmp, "profile.json")
+    cli("profile", __file__, "-r", resource_file(opts, os.path.join(tmp, "profile.yaml")),
+        "-c", config, "--steps", "3", "--per-variable", "--out", profile, "--", "--worker",
+        *model)
+    with open(profile) as f:
+        data = json.load(f)
+    fit = data["allreduce"]
+    strategies = {"none": "wfbp", "single": "single",
+                  "threshold": f"threshold:{opts.threshold}", "mgwfbp": "mgwfbp"}
+    predicted = json.loads(cli("simulate", "--profile", profile, "--strategies",
+                               ",".join(strategies.values()), "--json"))["strategies"]
+    compute = data["forward_time"] + sum(x["backward_time"] for x in data["layers"])
+    total = sum(x["bytes"] for x in data["layers"])
+    print(f"{opts.workers} workers x {opts.devices} device(s)"
+          f"{' on netlab hosts at ' + opts.netlab if opts.netlab else ' on localhost'}, "
+          f"{opts.blocks} blocks, dim {opts.dim}: {len(data['layers'])} variables, "
+          f"{total / 1e6:.2f} MB of gradients; "
+          f"worker 0's step without communication {compute * 1e3:.1f} ms")
+    print(f"job's all-reduce fit: a = {fit['a'] * 1e6:.0f} us, b = {fit['b'] * 1e9:.3f} "
+          f"ns/byte, error rms {fit['rms_relative_error']:.0%}, "
+          f"largest {fit['max_relative_error']:.0%}")
+    ring = 2 * (opts.workers - 1) / opts.workers * total
+    print(f"{'mode':10} {'buckets':>8} {'measured ms':>12} {'predicted ms':>13} "
+          f"{'error':>7}  jobs" + ("  MB sent per step per host (ring model "
+                                   f"{ring / 1e6:.3f})" if opts.netlab else ""))
+    for mode, strategy in strategies.items():
+        with open(config, "w") as f:
+            json.dump({**base, "buckets": {"mode": mode, "bytes": opts.threshold}}, f)
+        runs = [job(opts, tmp, config, model, f"{mode}-{r}") for r in range(opts.repeats)]
+        measured = statistics.median(r["step_ms"] for r in runs)
+        guess = predicted[strategy]["iteration_time"] * 1e3
+        sent = "  " + ", ".join(f"{b / 1e6:.3f}" for b in runs[0]["sent_per_step"].values()) \
+            if opts.netlab else ""
+        print(f"{mode:10} {runs[0]['buckets'] or runs[0]['variables']:8d} "
+              f"{measured:12.1f} {guess:13.1f} {(guess - measured) / measured:+7.0%}  "
+              + ", ".join(f"{r['step_ms']:.1f}" for r in runs) + sent, flush=True)
 
 
 if __name__ == "__main__":
