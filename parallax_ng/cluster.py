@@ -165,21 +165,27 @@ SHARE_QUEUE = "parallax_ng/from_worker_0"   # on server 0: one element per other
 def share(info: ClusterInfo, server, value, timeout_seconds: float):
     """Worker 0's `value` (JSON-able), given once to every other worker
     through a queue on server 0 (without servers: on worker 0): worker 0
-    passes it and gets it back, the others pass None and get it.
-    DeadlineExceededError when worker 0 does not send it within the timeout."""
+    passes it and gets it back once every other worker has it (each answers
+    on a second queue, so worker 0 may end its process then), the others
+    pass None and get it. DeadlineExceededError when that takes longer than
+    the timeout."""
     import tensorflow as tf
     graph = tf.Graph()
     where = (info.server_devices() or ["/job:worker/replica:0/task:0/device:CPU:0"])[0]
+    others = len(info.workers) - 1
     with graph.as_default(), tf.device(where), \
             tf.compat.v1.name_scope("parallax/share/"):
         queue = tf.queue.FIFOQueue(len(info.workers), [tf.string], shapes=[[]],
                                    shared_name=SHARE_QUEUE)
+        acks = tf.queue.FIFOQueue(len(info.workers), [tf.int32], shapes=[[]],
+                                  shared_name=SHARE_QUEUE + "/got")
         if info.task == 0:
-            op = queue.enqueue_many([[json.dumps(value)] * (len(info.workers) - 1)])
+            ops = [queue.enqueue_many([[json.dumps(value)] * others]),
+                   acks.dequeue_many(others)]
         else:
-            op = queue.dequeue()
+            ops = [queue.dequeue(), acks.enqueue(info.task)]
     options = tf.compat.v1.RunOptions(timeout_in_ms=int(timeout_seconds * 1000))
     with tf.compat.v1.Session(server.target, graph=graph,
                               config=info.session_config()) as session:
-        got = session.run(op, options=options)
+        got = [session.run(op, options=options) for op in ops][0]
     return value if info.task == 0 else json.loads(got.decode())

@@ -196,10 +196,13 @@ def test_profile_command_writes_what_simulate_reads(tmp_path, capsys):
     assert "--steps must be at least 1" in capsys.readouterr().err
 
 
-def test_profile_command_measures_a_job(tmp_path):
+@pytest.mark.parametrize("servers,run_option", [(1, "hybrid"), (0, "allreduce")])
+def test_profile_command_measures_a_job(tmp_path, servers, run_option):
     """With two hosts `parallax-ng profile` starts the job: worker 0's first
     steps give the layers, both workers run the all-reduce benchmark, every
-    task ends (the server too) and the file is the simulator's format."""
+    task ends (the server too) and the file is the simulator's format.
+    Without servers worker 0 shares through its own server, so it must not
+    end before worker 1 has what it shares."""
     import json
     import subprocess
     import sys
@@ -207,8 +210,8 @@ def test_profile_command_measures_a_job(tmp_path):
     from test_cluster import SCRIPT, resources
     out = tmp_path / "p.json"
     cmd = [sys.executable, "-m", "parallax_ng.cli", "profile", SCRIPT, "-r",
-           resources(tmp_path, 2, 1, 1), "--steps", "2", "--out", str(out), "--",
-           str(tmp_path / "vars"), "10", "--run-option", "hybrid"]
+           resources(tmp_path, 2, 1, servers), "--steps", "2", "--out", str(out), "--",
+           str(tmp_path / "vars"), "10", "--run-option", run_option]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -220,4 +223,6 @@ def test_profile_command_measures_a_job(tmp_path):
     # the embedding's bytes are its distinct rows, not the whole table
     emb = next(layer for layer in data["layers"] if "emb" in layer["variables"])
     assert emb["bytes"] < 40 * 4 * 8 or len(emb["variables"]) > 1
+    assert done.returncode == 0 and "parallax-ng run:" not in done.stderr.replace(
+        "parallax-ng run: started", "")
     assert not list(tmp_path.glob("vars.*.npz"))      # nothing was trained
