@@ -8,7 +8,9 @@ position of every replica's input iterator, to `<dir>/model.ckpt-<step>`
 (in a multi-worker job each worker writes `<dir>/worker-<i>/`, the variables
 being equal on all of them); `restore_latest()` puts the newest checkpoint
 back into every replica's copy and every iterator (parameter-server
-variables of a multi-worker job: by the chief only). A job killed after step k
+variables of a multi-worker job: by the chief only). A table cut by columns
+over the replicas is saved whole (every part read, other workers' too) and
+each replica restores its own columns. A job killed after step k
 and started again continues from the last checkpoint and ends with the
 variables of an uninterrupted run. The variable part is a plain checkpoint a
 single-device `tf.compat.v1.train.Saver` restores.
@@ -20,7 +22,8 @@ import os
 import tensorflow as tf
 
 from .compat import is_ref_dtype
-from .placement import Sharded, part_name
+from .placement import Columns, Sharded, part_name
+from .results import ColumnParts
 
 ITERATOR_OPS = ("IteratorV2", "OneShotIterator", "Iterator")
 
@@ -31,12 +34,16 @@ class Checkpointer:
         self.directory = (os.path.join(directory, f"worker-{plan.worker}")
                           if plan.num_workers > 1 else directory)
         names, tensors, restores = [], [], []
+        parts = ctx.result(ColumnParts)
         with graph.as_default(), tf.device(plan.host), \
                 tf.compat.v1.name_scope("parallax/checkpoint/"):
             self.prefix = tf.compat.v1.placeholder(tf.string, [], name="prefix")
             for var in sorted(ctx.tg.variables):
                 names.append(var)
-                tensors.append(read_value(graph, ctx.tg.variables[var], plan.placement[var]))
+                placement = plan.placement[var]
+                if isinstance(placement, Columns):
+                    placement = parts.handles[var]
+                tensors.append(read_value(graph, ctx.tg.variables[var], placement))
             iterators = [n.name for n in ctx.tg.ir.nodes if n.op in ITERATOR_OPS]
             for it in iterators:
                 for k in range(plan.num_replicas):
@@ -51,11 +58,16 @@ class Checkpointer:
                                           shape_and_slices=[""] * len(names),
                                           dtypes=[t.dtype.base_dtype for t in tensors])
             for var, value in zip(sorted(ctx.tg.variables), loaded):
-                if not plan.mirrored(var) and plan.worker > 0:
+                if var in plan.shared_state() and plan.worker > 0:
                     continue   # the chief restores parameter-server variables
+                placement = plan.placement[var]
+                if isinstance(placement, Columns):     # each replica its columns
+                    restores += [_assign(graph, ctx.replica_name(k, var), value[
+                        :, s.start:s.start + s.size]) for k, s in enumerate(
+                            placement.shards[plan.replica_offset:][:plan.num_replicas])]
+                    continue
                 copies = {ctx.replica_name(k, var) for k in range(plan.num_replicas)}
-                restores += [_assign(graph, c, value, plan.placement[var])
-                             for c in sorted(copies)]
+                restores += [_assign(graph, c, value, placement) for c in sorted(copies)]
             for i, it in enumerate(iterators):
                 for k in range(plan.num_replicas):
                     value = loaded[len(ctx.tg.variables) + i * plan.num_replicas + k]
@@ -82,8 +94,12 @@ class Checkpointer:
 def read_value(graph, var, placement=None):
     """A new op reading replica 0's value of Variable `var` (resource or
     reference; a sharded variable's parts put together: row ranges along
-    axis 0, element ranges (1-D parts) flattened)."""
+    axis 0, element ranges (1-D parts) flattened; given the handles of a
+    variable cut by columns, its parts side by side)."""
     dtype = var.dtype.base_dtype
+    if isinstance(placement, tuple):
+        return tf.concat([tf.raw_ops.ReadVariableOp(
+            resource=graph.get_tensor_by_name(h + ":0"), dtype=dtype) for h in placement], 1)
     if isinstance(placement, Sharded):
         parts = tf.concat([tf.raw_ops.ReadVariableOp(
             resource=graph.get_tensor_by_name(part_name(var.name, k) + ":0"), dtype=dtype)

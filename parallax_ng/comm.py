@@ -12,6 +12,14 @@ Guarantees, for every backend:
 - `all_gather(scope, values, indices, ...)`: an IndexedSlices per local
   replica in; per replica the concatenation of every replica's slices
   (values scaled by 1/N for a mean);
+- `columns_lookup(scope, ids, handles, part, dtype, id_type)`: rows of a
+  table cut by columns over the replicas (`placement.Columns`), one ids
+  tensor and one handle of the replica's part per local replica in; per
+  replica the full rows of its ids (EmbRace's forward AlltoAll);
+- `columns_gradient(scope, values, indices, part, ...)`: the IndexedSlices
+  gradient of such a table per local replica in; per replica every
+  replica's rows, cut to its own columns (scaled by 1/N for a mean), and
+  their indices (the backward AlltoAll);
 - `broadcast(scope, value, dtype, shape)`: worker 0's `value` on every
   worker, as a `Broadcast`: the tensor this worker should use and the ops
   its use must wait for;
@@ -88,6 +96,38 @@ class TFCollectives:
 
     def server_sum(self, scope: str, tensor: str, dtype, server: str, scale: float):
         return server_sum(self.plan, scope, tensor, dtype, server, scale)
+
+    def _exchange_ops(self):
+        """(gather of one int32 per replica, gather of padded rows, all-to-all
+        of [N, ...] blocks): collective ops under fresh keys; the shapes of
+        the last two change with the longest part L, so their key is their
+        range's first plus L."""
+        n = self.plan.group_size
+        keys = (self.keys.take(), self.keys.take_range(), self.keys.take_range())
+        common = dict(group_size=n, group_key=GROUP_KEY, ordering_token=[],
+                      communication_hint="auto", timeout_seconds=OP_TIMEOUT_SECONDS)
+        return (lambda t: tf.raw_ops.CollectiveGatherV2(input=t, instance_key=keys[0],
+                                                        **common),
+                lambda t, longest: tf.raw_ops.CollectiveGatherV2(
+                    input=t, instance_key=keys[1] + longest, **common),
+                lambda t, longest: tf.raw_ops.CollectiveAllToAllV2(
+                    input=t, instance_key=keys[2] + longest, **common))
+
+    def columns_lookup(self, scope, ids, handles, part, dtype, id_type):
+        ops, plan = self._exchange_ops(), self.plan
+        return _per_replica(plan, scope, [
+            (lambda i, h, me=plan.replica_offset + k: lookup_columns(i, h, me, part, dtype,
+                                                                     *ops),
+             [(ids[k], id_type, None), (handles[k], tf.resource, [])])
+            for k in range(plan.num_replicas)])
+
+    def columns_gradient(self, scope, values, indices, part, value_type, index_type, mean):
+        ops, plan = self._exchange_ops(), self.plan
+        return _per_replica(plan, scope, [
+            (lambda v, i, me=plan.replica_offset + k: gradient_columns(
+                v, i, me, part, mean, *ops),
+             [(values[k], value_type, [None, part.width]), (indices[k], index_type, [None])])
+            for k in range(plan.num_replicas)])
 
     def broadcast(self, scope: str, value: str, dtype, shape) -> Broadcast:
         plan = self.plan
@@ -183,6 +223,75 @@ def _gather_slices(values, indices, plan, keys, mean: bool):
     if mean:
         gathered_v = gathered_v * tf.cast(1.0 / n, values.dtype)
     return tf.identity(gathered_v, "values"), tf.identity(gathered_i, "indices")
+
+
+def _per_replica(plan, scope: str, builds) -> tuple:
+    """Trace one (function, inputs) per local replica on its device; returns
+    (nodes, then one list of names per output, a name per replica)."""
+    nodes, outs = [], []
+    for k, (fn, inputs) in enumerate(builds):
+        made, names = emit.emit_traced(fn, inputs, f"{scope}/replica_{k}", plan.devices[k])
+        nodes += made
+        outs.append(names)
+    return (nodes, *[list(x) for x in zip(*outs)])
+
+
+def lookup_columns(ids, handle, me: int, part, dtype, gather_sizes, gather_rows, exchange):
+    """Full rows of `ids` from a table cut by columns (`part`), on job
+    replica `me`, whose `handle` holds its columns: every replica's ids
+    gathered (padded to the longest, L), this replica's columns of all of
+    them looked up and padded to the widest part, then one all-to-all of
+    [N, L * widest] blocks: block j goes to replica j, and block j received
+    holds replica j's columns of this replica's ids (EmbRace 4.1)."""
+    n, widths = len(part.shards), [s.size for s in part.shards]
+    widest = max(widths)
+    flat = tf.reshape(ids, [-1])
+    size = tf.shape(flat, out_type=tf.int32)[:1]
+    longest = _longest(gather_sizes(size))
+    every = gather_rows(tf.pad(flat, [[0, longest - size[0]]]), longest)      # [N * L]
+    rows = tf.raw_ops.ResourceGather(resource=handle, indices=every, dtype=dtype)
+    rows = tf.pad(rows, [[0, 0], [0, widest - widths[me]]])                   # [N * L, widest]
+    got = exchange(tf.reshape(rows, tf.stack([n, longest * widest])), longest)
+    got = tf.reshape(got, tf.stack([n, longest, widest]))
+    full = tf.concat([got[j, :, :widths[j]] for j in range(n)], 1)[:size[0]]  # [size, D]
+    return tf.identity(tf.reshape(full, tf.concat([tf.shape(ids), [part.width]], 0)),
+                       name="rows")
+
+
+def gradient_columns(values, indices, me: int, part, mean: bool, gather_sizes, gather_rows,
+                     exchange):
+    """Every replica's gradient rows of a table cut by columns, with this
+    replica's columns only, and their indices: the rows padded to the
+    longest replica's count L, each replica's columns (padded to the
+    widest part) sent to it by one all-to-all (EmbRace 4.1, backward)."""
+    n, widths = len(part.shards), [s.size for s in part.shards]
+    widest = max(widths)
+    size = tf.shape(indices, out_type=tf.int32)[:1]
+    sizes = gather_sizes(size)
+    longest = _longest(sizes)
+    every = gather_rows(tf.pad(indices, [[0, longest - size[0]]]), longest)   # [N * L]
+    keep = tf.reshape(tf.sequence_mask(sizes, longest), [-1])
+    rows = tf.pad(tf.reshape(values, [-1, part.width]), [[0, longest - size[0]], [0, 0]])
+    blocks = tf.stack([tf.pad(rows[:, s.start:s.start + s.size],
+                              [[0, 0], [0, widest - s.size]]) for s in part.shards])
+    got = exchange(tf.reshape(blocks, tf.stack([n, longest * widest])), longest)
+    got = tf.reshape(got, tf.stack([n * longest, widest]))[:, :widths[me]]
+    out = tf.boolean_mask(got, keep)
+    if mean:
+        out = out * tf.cast(1.0 / n, values.dtype)
+    return tf.identity(out, name="values"), tf.identity(tf.boolean_mask(every, keep),
+                                                        name="indices")
+
+
+def _longest(sizes):
+    """The largest of the replicas' row counts, checked against the keys a
+    range has (one per count)."""
+    from .passes import RANGE_KEYS
+    longest = tf.reduce_max(sizes)
+    check = tf.debugging.assert_less(longest, RANGE_KEYS, message=(
+        f"an exchanged tensor has more than {RANGE_KEYS} rows on a replica"))
+    with tf.control_dependencies([check]):
+        return tf.identity(longest)
 
 
 def _shape_attr(shape):

@@ -14,8 +14,9 @@ import yaml
 from .errors import ConfigError
 
 RUN_OPTIONS = ("hybrid", "allreduce", "ps")
-METHODS = ("allreduce", "ps", "allgather", "bfb")
+METHODS = ("allreduce", "ps", "allgather", "bfb", "alltoall")
 DENSE_METHODS = ("auto", "allreduce", "ps", "bfb")
+SPARSE_METHODS = ("auto", "ps", "allgather", "alltoall")
 PS_PLACEMENTS = ("greedy", "round_robin")
 FETCH_REDUCTIONS = ("mean", "sum", "concat", "first")
 VERIFY_LEVELS = ("structure", "full", "import")
@@ -135,6 +136,7 @@ class Config:
         default_factory=PlacementRewritesConfig)
     buckets: BucketsConfig = field(default_factory=BucketsConfig)
     dense_method: str = "auto"                             # auto: the run option's
+    sparse_method: str = "auto"                            # auto: the run option's
     ps_placement: str = "greedy"                           # whole variables over servers
     coalesce_rows: bool = True                             # sum duplicate sparse rows first
     distinct_lookups: bool = True                          # fetch each distinct row once
@@ -156,6 +158,7 @@ class Config:
             _check_choice(f"variable_methods.{var}", method, METHODS)
         _check_choice("random", self.random, RANDOM_MODES)
         _check_choice("dense_method", self.dense_method, DENSE_METHODS)
+        _check_choice("sparse_method", self.sparse_method, SPARSE_METHODS)
         _check_choice("ps_placement", self.ps_placement, PS_PLACEMENTS)
         for pattern, mode in self.random_ops.items():
             _check_choice(f"random_ops.{pattern}", mode, RANDOM_MODES)

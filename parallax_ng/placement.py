@@ -4,7 +4,10 @@
 - `Shared(device)`: one copy, on a parameter server (the host CPU in-process);
 - `Sharded(axis, shards)`: one copy cut into parts on several devices, each
   an ordinary variable named `part_name(var, k)`: along axis 0 (row ranges),
-  or, with `axis=None`, the flattened variable at element offsets.
+  or, with `axis=None`, the flattened variable at element offsets;
+- `Columns(shards)`: one part per replica of the job, replica j's copy of
+  the variable holding columns [start, start+size) of every row (EmbRace's
+  column-wise partitioning; parallax_ng/columns.py).
 
 A shared or sharded variable exists once in the job; the plan puts a
 variable's optimizer state where the variable is (slots of the same shape
@@ -75,7 +78,35 @@ class Sharded:
                                for k, d in enumerate(devices) if bounds[k + 1] > bounds[k]))
 
 
-Placement = Mirrored | Shared | Sharded
+@dataclass(frozen=True)
+class Columns:
+    """Shard j: the columns job replica j's copy holds, on its device."""
+    shards: tuple[Shard, ...]
+
+    def __post_init__(self):
+        Sharded(0, self.shards)      # the same contiguity rule
+
+    @property
+    def width(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    def describe(self) -> str:
+        return "columns " + ", ".join(f"{s.start}..{s.start + s.size - 1} on {s.device}"
+                                      for s in self.shards)
+
+    @classmethod
+    def even(cls, width: int, devices) -> "Columns":
+        """`width` columns cut as evenly as possible, one part per device
+        (the first `width % len(devices)` parts one column wider)."""
+        n = len(devices)
+        if width < n:
+            raise ValueError(f"{width} columns cannot give each of {n} replicas one")
+        sizes = [width // n + (k < width % n) for k in range(n)]
+        starts = [sum(sizes[:k]) for k in range(n)]
+        return cls(tuple(Shard(d, a, b) for d, a, b in zip(devices, starts, sizes)))
+
+
+Placement = Mirrored | Shared | Sharded | Columns
 MIRRORED = Mirrored()
 
 

@@ -4,8 +4,9 @@ Made by parallax_ng/planner.py from a TrainingGraph's analysis, a Config
 and the resources; consumed by the passes; printed by `parallax-ng plan`;
 tests assert on it without running TensorFlow.
 Holds: an aggregation method per trained variable (allreduce, ps,
-allgather or bfb); a placement per variable (parallax_ng/placement.py:
-mirrored, shared on one device, or sharded over devices); the devices and
+allgather, bfb or alltoall); a placement per variable
+(parallax_ng/placement.py: mirrored, shared on one device, sharded over
+devices, or cut by columns over the replicas); the devices and
 the job; random streams and input producers; the step schedule; merged
 all-reduce buckets and fusion buffers; which placement rewrites run.
 """
@@ -14,13 +15,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .analysis import VariableInfo
-from .placement import Mirrored, Shared, Sharded, home
+from .placement import Columns, Mirrored, Shared, Sharded, home
 
 
 @dataclass(frozen=True)
 class VariablePlan:
     name: str
-    method: str          # allreduce | ps | allgather | bfb
+    method: str          # allreduce | ps | allgather | bfb | alltoall
     info: VariableInfo
     coalesce: bool = False   # duplicate rows summed on the worker before they leave it
 
@@ -114,7 +115,15 @@ class Plan:
 
     def shared_state(self) -> set[str]:
         """Variables that exist once: shared or sharded."""
-        return {v for v, p in self.placement.items() if not isinstance(p, Mirrored)}
+        return {v for v, p in self.placement.items() if isinstance(p, (Shared, Sharded))}
+
+    def columns(self) -> dict[str, Columns]:
+        """Variables cut by columns over the replicas (method alltoall and
+        their slots): every replica holds its own part."""
+        return {v: p for v, p in self.placement.items() if isinstance(p, Columns)}
+
+    def job_devices(self) -> list[str]:
+        return job_devices(self.devices, self.num_workers, self.worker)
 
     def sharded(self) -> dict[str, Sharded]:
         return {v: p for v, p in self.placement.items() if isinstance(p, Sharded)}
@@ -145,6 +154,8 @@ class Plan:
             b, alpha = vp.info.nbytes, vp.info.alpha or 1.0
             if vp.method == "allreduce":
                 out[name] = 2 * (n - 1) * b / n
+            elif vp.method == "alltoall":    # rows out in the forward, gradients back
+                out[name] = 2 * (n - 1) * alpha * b / n
             elif vp.method == "allgather":
                 out[name] = 2 * (n - 1) * alpha * b
             else:
@@ -242,7 +253,7 @@ class Plan:
                         f"(largest {max(sizes) / 1e6:.3f} MB); per server per worker and step: "
                         + ", ".join(f"{d} {b / 1e6:.3f} MB" for d, b in per.items())
                         + (f"; packed in {self.order_source}" if self.order_source else ""))
-        for var, p in sorted(self.sharded().items()):
+        for var, p in sorted({**self.sharded(), **self.columns()}.items()):
             if var in self.variables:
                 rows.append(f"{var}: {p.describe()}")
         if self.random:
@@ -258,6 +269,15 @@ class Plan:
         return "\n".join(rows)
 
 
+def job_devices(devices, num_workers: int, worker: int) -> list[str]:
+    """The device of every replica of the job, in job order: every worker has
+    this worker's `devices`, under its own task."""
+    if num_workers == 1:
+        return list(devices)
+    mine = f"/task:{worker}/"
+    return [d.replace(mine, f"/task:{w}/") for w in range(num_workers) for d in devices]
+
+
 def _elements(shape) -> int:
     n = 1
     for d in shape:
@@ -271,8 +291,11 @@ def _placement_dict(p) -> dict:
     if isinstance(p, Sharded):
         return {"kind": "sharded", "axis": p.axis,
                 "shards": [[s.device, s.start, s.size] for s in p.shards]}
+    if isinstance(p, Columns):
+        return {"kind": "columns", "shards": [[s.device, s.start, s.size] for s in p.shards]}
     return {"kind": "mirrored"}
 
 
 def _short(p) -> str:
-    return {Mirrored: "mirrored", Shared: "shared", Sharded: "sharded"}[type(p)]
+    return {Mirrored: "mirrored", Shared: "shared", Sharded: "sharded",
+            Columns: "columns"}[type(p)]

@@ -7,7 +7,9 @@
 3. device map, `map_devices`: a Placement for every variable: mirrored;
    shared on the host in-process; in a job spread over the servers by
    bytes (`balance`, greedy; or `round_robin`), a large sparse variable cut
-   into row ranges; and `fusion_buffers`: the gradients of the variables
+   into row ranges; a variable aggregated by AlltoAll (method alltoall) and
+   its slots cut by columns over every replica of the job (`by_columns`,
+   EmbRace 4.1); and `fusion_buffers`: the gradients of the variables
    aggregated by balanced fusion buffers (method bfb, mirrored), packed in
    the order they become ready into equal buffers, each buffer sharded
    evenly over the servers (Herring III-1, III-2).
@@ -19,14 +21,15 @@ the devices. Guarantees: the same inputs give the same plan on every worker.
 from __future__ import annotations
 
 from . import buckets as bucketing
-from . import queues, randomness
+from . import columns, queues, randomness
 from .analysis import VariableInfo
 from .config import Config
 from .duplicates import coalescing
 from .errors import ConfigError
 from .frontend import TrainingGraph
-from .placement import MIRRORED, Shared, Sharded
-from .plan import Bucket, Buffer, Plan, Rewrites, Schedule, Segment, VariablePlan
+from .placement import MIRRORED, Columns, Shared, Sharded
+from .plan import (Bucket, Buffer, Plan, Rewrites, Schedule, Segment, VariablePlan,
+                   job_devices)
 
 
 def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
@@ -48,6 +51,9 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     _check_servers(tg, roots + fused, config, num_workers, servers)
     placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
                             config.ps_placement)
+    placement.update(by_columns(tg, [v for v, vp in variables.items()
+                                     if vp.method == "alltoall"],
+                                job_devices(devices, num_workers, worker)))
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
                              list(servers) or [host], config.fusion.buffer_bytes)
     reduced = [v for v, vp in variables.items() if vp.method == "allreduce"]
@@ -84,6 +90,10 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
         if method == "allgather" and not vi.sparse:
             raise ConfigError(f"config key 'variable_methods.{name}' is allgather, but "
                               f"{name} has a dense gradient; use allreduce, ps or bfb")
+        if method == "alltoall" and not vi.sparse:
+            raise ConfigError(f"config key 'variable_methods.{name}' is alltoall (rows of a "
+                              f"sparse gradient, by columns), but {name} has a dense "
+                              "gradient; use allreduce, ps or bfb")
         if method == "bfb" and vi.sparse:
             raise ConfigError(f"config key 'variable_methods.{name}' is bfb (balanced fusion "
                               f"buffers, for dense gradients), but {name} has a sparse "
@@ -93,6 +103,8 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
 
 
 def _default_method(config: Config, vi: VariableInfo, job_servers: bool) -> str:
+    if vi.sparse and config.sparse_method != "auto":
+        return config.sparse_method
     if vi.sparse:
         return "allgather" if config.run_option == "allreduce" else "ps"
     if config.dense_method != "auto":
@@ -142,6 +154,24 @@ def map_devices(tg: TrainingGraph, roots: list[str], host: str, servers=(),
     else:
         placement.update({s: Shared(host) for r in roots for s in tg.owned(r)})
     return placement
+
+
+def by_columns(tg: TrainingGraph, cut: list[str], devices: list[str]) -> dict:
+    """Each variable of `cut` and its slots of its shape cut by columns, one
+    part per replica of the job (`devices`, in job order); its other state
+    (scalars) stays mirrored. Raises ConfigError when a use of the variable
+    cannot work on columns (parallax_ng/columns.py)."""
+    out = {}
+    for var in sorted(cut):
+        uses = columns.uses(tg, var)
+        width = tg.variables[var].shape[1]
+        if width < len(devices):
+            raise ConfigError(f"alltoall cuts {var!r} into one part of its {width} columns "
+                              f"per replica, but the job has {len(devices)} replicas; use "
+                              f"ps or allgather for {var!r}")
+        part = Columns.even(width, devices)
+        out.update({s: part for s in uses.state})
+    return out
 
 
 def balance(tg: TrainingGraph, shared: list[str], servers: list[str],

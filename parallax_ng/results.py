@@ -35,3 +35,12 @@ class Barrier:
 
     def op(self, worker: int) -> str | None:
         return self.release if worker == 0 else self.wait
+
+
+@dataclass(frozen=True)
+class ColumnParts:
+    """For each variable cut by columns over the replicas (and each slot cut
+    with it): a handle of every job replica's part, in job order, in this
+    worker's graph (made by `columns`; the checkpoint reads and writes
+    through them)."""
+    handles: dict

@@ -7,6 +7,7 @@ checks both before it runs anything.
 """
 from transforms.aggregate import AggregatePass
 from transforms.colocate import ColocateUpdatesPass
+from transforms.columns import ColumnsPass
 from transforms.init import InitPass
 from transforms.local_aggregation import LocalAggregationPass
 from transforms.lookups import DistinctLookupsPass, LookupsOnServersPass
@@ -25,7 +26,8 @@ def pipeline_for(plan) -> list:
     aggregate; lookups_on_servers, colocate_updates after place), then, as
     the plan needs them, the cross-worker server protocol,
     distinct lookups of rows on servers, sharded variables and the stage
-    split. Passes with nothing to do for this plan are left out (one replica
+    split; a table cut by columns over the replicas gets its parts after
+    init. Passes with nothing to do for this plan are left out (one replica
     needs no input sharding, state sync or initial-value copies)."""
     several, servers, rewrites = plan.group_size > 1, bool(plan.servers), plan.rewrites
     shared = bool(plan.shared_state())
@@ -35,6 +37,7 @@ def pipeline_for(plan) -> list:
               (LookupsOnServersPass(), shared and rewrites.lookups_on_servers),
               (ColocateUpdatesPass(), shared and rewrites.colocate_updates),
               (InitPass(), several),
+              (ColumnsPass(), bool(plan.columns())),
               (ServerSyncPass(), plan.cross_worker_servers),
               (DistinctLookupsPass(), plan.distinct_lookups and bool(plan.servers)),
               (ShardVariablesPass(), bool(plan.sharded())),
@@ -42,7 +45,7 @@ def pipeline_for(plan) -> list:
     return [p for p, needed in wanted if needed]
 
 
-__all__ = ["AggregatePass", "ColocateUpdatesPass", "DistinctLookupsPass", "InitPass",
-           "LocalAggregationPass", "LookupsOnServersPass", "PlacePass", "ReplicatePass",
+__all__ = ["AggregatePass", "ColocateUpdatesPass", "ColumnsPass", "DistinctLookupsPass",
+           "InitPass", "LocalAggregationPass", "LookupsOnServersPass", "PlacePass", "ReplicatePass",
            "ServerSyncPass", "ShardInputsPass", "ShardVariablesPass", "StagePass",
            "StateSyncPass", "pipeline_for"]

@@ -11,6 +11,10 @@ norms, summaries, update ops), by the plan's method:
   in-process; transforms/local_aggregation.py moves it to the worker's
   host); IndexedSlices are concatenated there, scaled by 1/N for a mean;
 - allgather: the backend's all-gather of the IndexedSlices;
+- alltoall (EmbRace): every replica's rows, each replica receiving its own
+  columns of them (the table is cut by columns, parallax_ng/columns.py),
+  by the backend's exchange; a global norm's L2Loss of the rows is each
+  replica's share, summed over the replicas;
 - bfb (balanced fusion buffers, Herring): the replicas' sum on the host,
   flattened and packed into the plan's buffers; each buffer's shards summed
   over the workers on their servers (`server_sum`, parallax_ng/comm.py),
@@ -24,7 +28,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng import emit, rules
+from parallax_ng import columns, emit, rules
 from parallax_ng.duplicates import coalescing
 from parallax_ng.ir import GraphIR, TensorRef, format_input
 from parallax_ng.results import LocalAggregates
@@ -38,7 +42,7 @@ class AggregatePass:
 
     def run(self, ir: GraphIR, ctx):
         new_nodes, rewires, local = [], {}, {}
-        counts = {"allreduce": 0, "ps": 0, "allgather": 0, "bfb": 0}
+        counts = {"allreduce": 0, "ps": 0, "allgather": 0, "bfb": 0, "alltoall": 0}
         if ctx.plan.buffers:
             nodes, outputs = _fusion_buffers(ctx)
             new_nodes.extend(nodes)
@@ -56,7 +60,8 @@ class AggregatePass:
             if vp.method == "bfb" or var in bucketed:
                 continue
             grad = ctx.tg.gradients[var]
-            build = {"allreduce": _allreduce, "ps": _ps, "allgather": _allgather}[vp.method]
+            build = {"allreduce": _allreduce, "ps": _ps, "allgather": _allgather,
+                     "alltoall": _alltoall}[vp.method]
             nodes, outputs = build(ctx, var, grad)
             new_nodes.extend(nodes)
             for ref, per_replica in outputs.items():
@@ -293,6 +298,24 @@ def _allgather(ctx, var, grad):
                                      plan.average_sparse)
     outputs.update({grad.values: v, grad.indices: i})
     return nodes + made, outputs
+
+
+def _alltoall(ctx, var, grad):
+    plan, tg = ctx.plan, ctx.tg
+    vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
+    n, scope = plan.num_replicas, f"parallax/alltoall/{var}"
+    nodes, v, i = ctx.comm.columns_gradient(
+        scope, [ctx.replica_tensor(k, grad.values) for k in range(n)],
+        [ctx.replica_tensor(k, grad.indices) for k in range(n)], plan.placement[var],
+        vt.dtype, it.dtype, plan.average_sparse)
+    outputs = {grad.values: v, grad.indices: i}
+    for norm in columns.uses(tg, var).norms:     # each replica squared its columns
+        made, summed = ctx.comm.all_reduce(
+            f"{scope}/norm/{norm}", [ctx.replica_tensor(k, TensorRef(norm, 0))
+                                     for k in range(n)], vt.dtype, False)
+        nodes += made
+        outputs[TensorRef(norm, 0)] = summed
+    return nodes, outputs
 
 
 def _rewire(ctx, ref, per_replica: list[str], rewires: dict) -> None:

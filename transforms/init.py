@@ -7,7 +7,9 @@ every copy starts equal (the user's `global_variables_initializer()` runs all
 replicas' initializers in one step). In a multi-worker job every worker
 assigns worker 0's initial values, by the backend's broadcast
 (parallax_ng/comm.py), so every worker starts equal too.
-Shared variables are initialized once.
+Shared variables are initialized once. A variable cut by columns
+(placement.Columns) is initialized like a mirrored one; the `columns` pass
+then cuts each replica's value to its columns.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ class InitPass:
         plan = ctx.plan
         rewires, added, controls = {}, [], {}
         for var in ctx.tg.variables.values():
-            if not plan.mirrored(var.name) or not var.initializer:
+            if var.name in plan.shared_state() or not var.initializer:
                 continue
             init = ctx.tg.ir.node(var.initializer)
             if init.op not in ("AssignVariableOp", "Assign"):

@@ -1,0 +1,147 @@
+"""Columns: each replica holds its columns of a table the plan cuts by columns.
+
+Requires: replicas made by `replicate`, placed; the plan's `Columns`
+placements (method alltoall and its slots; the planner checked every use
+with parallax_ng/columns.py); runs after `init`, so an initializer writes
+the value every replica agreed on.
+Guarantees, for every replica k (job index j) and every use the analysis
+found (`columns.uses`):
+- replica k's copy of the table and of each slot of its shape is a
+  variable of the replica's columns only ([rows, width of part j]);
+- a lookup whose rows the model reads gives full rows, by the backend's
+  exchange (`comm.columns_lookup`: the replicas' ids gathered, each replica
+  looks up its columns for all of them, one AlltoAll);
+- a read of the whole value (a fetch, a tied layer) reads every replica's
+  part, on other workers too, and puts them side by side;
+- a write of a whole-width value (an initializer, a restore) writes the
+  replica's columns of it; VariableShape gives the whole shape.
+The update ops and the reads feeding them stay as they are: they act on
+the replica's columns element by element or row by row. The pass publishes
+`ColumnParts`: the handle of every part of every such variable in this
+worker's graph (its own replicas', and the other workers' by shared name).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from parallax_ng import columns, emit
+from parallax_ng.ir import GraphIR, copy_node, format_input
+from parallax_ng.results import ColumnParts
+
+
+@dataclass(frozen=True)
+class ColumnsPass:
+    name: str = "columns"
+    requires: tuple = ("replicate", "aggregate")
+    after: tuple = ("place", "init")
+
+    def run(self, ir: GraphIR, ctx):
+        plan, tg = ctx.plan, ctx.tg
+        parts = plan.columns()
+        cut = sorted(v for v, vp in plan.variables.items() if vp.method == "alltoall")
+        changed, added, handles = {}, [], {}
+        for state, part in sorted(parts.items()):
+            handles[state] = _handles(ir, ctx, state, part, added)
+        counts = {"lookups": 0, "whole_reads": 0, "cut_writes": 0}
+        for var in cut:
+            uses = columns.uses(tg, var)
+            part = parts[var]
+            for k in range(plan.num_replicas):
+                me = plan.replica_offset + k
+                for s in uses.state:
+                    nd = changed[ctx.replica_name(k, s)] = copy_node(
+                        ir.node(ctx.replica_name(k, s)))
+                    shape = [tg.variables[s].shape[0], part.shards[me].size]
+                    nd.attr["shape"].shape.CopyFrom(tf.TensorShape(shape).as_proto())
+                for op in uses.whole_reads:
+                    name = ctx.replica_name(k, op)
+                    state = tg.variable_of_handle(tg.ir.data_inputs(op)[0])
+                    changed[name] = _joined(ir.node(name), handles[state], tg.variables[state],
+                                            added)
+                for w, pos in uses.cut:
+                    name = ctx.replica_name(k, w)
+                    nd = changed.get(name) or copy_node(ir.node(name))
+                    changed[name] = _cut_input(nd, pos, part.shards[me], tg, added)
+                for op in uses.shapes:
+                    name = ctx.replica_name(k, op)
+                    old = ir.node(name)
+                    out_type = old.attr["out_type"].type if "out_type" in old.attr else tf.int32
+                    changed[name] = emit.const(name, list(tg.variables[var].shape),
+                                               tf.as_dtype(out_type), old.device)
+            for op in uses.lookups:
+                _lookup(ir, ctx, op, part, changed, added)
+            counts["lookups"] += len(uses.lookups)
+            counts["whole_reads"] += len(uses.whole_reads)
+            counts["cut_writes"] += len(uses.cut)
+        ctx.publish(ColumnParts({s: tuple(h) for s, h in handles.items()}))
+        return ir.replace(changed, added), counts
+
+
+def _handles(ir, ctx, state: str, part, added: list) -> list[str]:
+    """A handle of every job replica's part of `state`: this worker's copies,
+    and for another worker's replica a VarHandleOp on its device with the
+    shared name its copy has there."""
+    plan = ctx.plan
+    user = ctx.tg.ir.node(state)
+    out = []
+    for j, shard in enumerate(part.shards):
+        worker, k = divmod(j, plan.num_replicas)
+        if worker == plan.worker:
+            out.append(ctx.replica_name(k, state))
+            continue
+        name = f"parallax/columns/{state}/part_{j}"
+        nd = emit.like(user, name, shard.device)
+        nd.attr["shape"].shape.CopyFrom(
+            tf.TensorShape([ctx.tg.variables[state].shape[0], shard.size]).as_proto())
+        own = user.attr["shared_name"].s.decode() or state
+        nd.attr["shared_name"].s = (own if k == 0 else ctx.replica_name(k, state)).encode()
+        added.append(nd)
+        out.append(name)
+    return out
+
+
+def _joined(old, handles: list[str], var, added: list):
+    """`old` (a ReadVariableOp) as every part read and joined along columns."""
+    scope = f"parallax/columns/{old.name}"
+    controls = [i for i in old.input if i.startswith("^")]
+    dtype = var.dtype.base_dtype
+    reads = [emit.node_def(f"{scope}/read_{j}", "ReadVariableOp", [h] + controls, old.device,
+                           dtype=dtype) for j, h in enumerate(handles)]
+    axis = emit.const(f"{scope}/axis", 1, tf.int32, old.device)
+    added.extend(reads + [axis])
+    return emit.node_def(old.name, "ConcatV2", [r.name for r in reads] + [axis.name],
+                         old.device, T=dtype, N=len(reads), Tidx=tf.int32)
+
+
+def _cut_input(nd, pos: int, shard, tg, added: list):
+    """`nd` with data input `pos` replaced by its columns of `shard`."""
+    scope = f"parallax/columns/{nd.name}/input_{pos}"
+    data = [i for i in nd.input if not i.startswith("^")]
+    value = data[pos]
+    dtype = tf.as_dtype(nd.attr["T"].type if "T" in nd.attr else nd.attr["dtype"].type)
+    made, (out,) = emit.emit_traced(lambda t: t[..., shard.start:shard.start + shard.size],
+                                    [(value, dtype, None)], scope, nd.device)
+    added.extend(made)
+    nd.input[pos] = out
+    return nd
+
+
+def _lookup(ir, ctx, op: str, part, changed: dict, added: list) -> None:
+    """Every replica's copy of gather `op` as rows from the exchange."""
+    plan, tg = ctx.plan, ctx.tg
+    names = [ctx.replica_name(k, op) for k in range(plan.num_replicas)]
+    inputs = [ir.data_inputs(n) for n in names]
+    node = tg.ir.node(op)
+    dtype = tf.as_dtype(node.attr["dtype"].type)
+    id_type = tf.as_dtype(node.attr["Tindices"].type)
+    nodes, outs = ctx.comm.columns_lookup(
+        f"parallax/columns/{op}", [format_input(i[1].node, i[1].index) for i in inputs],
+        [format_input(i[0].node, i[0].index) for i in inputs], part, dtype, id_type)
+    added.extend(nodes)
+    for n, out in zip(names, outs):
+        old = ir.node(n)
+        controls = [i for i in old.input if i.startswith("^")]
+        changed[n] = emit.node_def(n, "Identity", [out] + controls, old.device, T=dtype)
+
