@@ -13,7 +13,9 @@ What needs the whole width changes:
   for every replica's ids and an AlltoAll hands each replica the full rows
   of its own ids (transforms/columns.py, parallax_ng/comm.py);
 - a read of the whole value that leaves it (a fetch, a checkpoint, a tied
-  output layer) reads every part and puts them side by side;
+  output layer) reads every part and puts them side by side; an If that
+  gives the variable or its initial value (`initialized_value()`) gives
+  the replica's columns of either where only they are used;
 - a write of a whole-width value (an initializer, a restore) writes the
   replica's columns of it; VariableShape gives the whole shape;
 - the gradient's rows reach each replica with its columns only (an
@@ -63,6 +65,8 @@ class ColumnUses:
     cut: tuple[tuple[str, int], ...]   # (writer, input) of a whole-width value: its columns
     shapes: tuple[str, ...]            # VariableShape ops: the whole shape
     norms: tuple[str, ...]             # L2Loss of gradient rows: shares added over replicas
+    selects: dict                      # If op -> its branches' `Branch`es (then, else)
+    whole_selects: tuple[str, ...] = ()  # those whose value leaves: every part joined
 
 
 def uses(tg: TrainingGraph, var: str) -> ColumnUses:
@@ -83,7 +87,7 @@ def uses(tg: TrainingGraph, var: str) -> ColumnUses:
     for s in state:
         for op in list(tg.readers.get(s, ())) + list(tg.writers.get(s, ())):
             ops[op] = s
-    seeds, shapes, writers = {}, [], set()
+    seeds, shapes, writers, selects = {}, [], set(), {}
     for op in sorted(ops):
         kind = tg.ir.node(op).op
         if kind == "ReadVariableOp" or kind == "ResourceGather" and not _batch_dims(tg, op):
@@ -93,6 +97,9 @@ def uses(tg: TrainingGraph, var: str) -> ColumnUses:
         elif kind in ASSIGNS or kind.startswith(("ResourceScatter", "ResourceSparseApply",
                                                  "ResourceApply")):
             writers.add(op)
+        elif kind in ("If", "StatelessIf") and _selected_read(tg, op):
+            selects[op] = _selected_read(tg, op)
+            seeds[TensorRef(op, 0)] = op
         elif kind != "VarIsInitializedOp":
             raise ConfigError(f"op {op!r} ({kind}) uses {ops[op]!r}, which alltoall cuts by "
                               f"columns over the replicas; it knows {ACCEPTED}; use ps or "
@@ -128,7 +135,51 @@ def uses(tg: TrainingGraph, var: str) -> ColumnUses:
                                   f"to a replica's columns of {v.shape[1]}; use ps or "
                                   f"allgather for {var!r}")
             cut.append((w, pos))
-    return ColumnUses(var, state, lookups, whole, tuple(cut), tuple(shapes), tuple(norms))
+    return ColumnUses(var, state, lookups, whole, tuple(cut), tuple(shapes), tuple(norms),
+                      selects, tuple(sorted(op for op in bad if op in selects)))
+
+
+@dataclass(frozen=True)
+class Branch:
+    """What a branch of an If returns: a read of its handle argument `arg`
+    ("read"), or argument `arg` as it is ("pass")."""
+    kind: str
+    arg: int
+
+
+def _selected_read(tg, op: str) -> tuple[Branch, Branch] | None:
+    """(then, else) when If `op` returns, in each branch, a read of one of its
+    handle arguments or one argument unchanged (TensorFlow's
+    `initialized_value()`: the variable if it is initialized, else its
+    initial value, as ExponentialMovingAverage initializes its shadows)."""
+    node = tg.ir.node(op)
+    library = {f.signature.name: f for f in (tg.ir.library.function if tg.ir.library else ())}
+    out = []
+    for key in ("then_branch", "else_branch"):
+        f = library.get(node.attr[key].func.name)
+        branch = _branch(f) if f is not None else None
+        if branch is None:
+            return None
+        out.append(branch)
+    return tuple(out)
+
+
+def _branch(f) -> Branch | None:
+    args = [a.name for a in f.signature.input_arg]
+    if len(f.ret) != 1:
+        return None
+    nodes = {n.name: n for n in f.node_def}
+    ref, read = next(iter(f.ret.values())), False
+    while True:
+        name = ref.split(":")[0]
+        if name in args:
+            return Branch("read" if read else "pass", args.index(name))
+        n = nodes.get(name)
+        if n is None or n.op not in ("Identity", "ReadVariableOp") or read and \
+                n.op == "ReadVariableOp":
+            return None
+        read = read or n.op == "ReadVariableOp"
+        ref = n.input[0]
 
 
 def _batch_dims(tg, op) -> int:

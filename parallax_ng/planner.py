@@ -53,7 +53,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                             config.ps_placement)
     placement.update(by_columns(tg, [v for v, vp in variables.items()
                                      if vp.method == "alltoall"],
-                                job_devices(devices, num_workers, worker)))
+                                job_devices(devices, num_workers, worker), num_workers))
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
                              list(servers) or [host], config.fusion.buffer_bytes)
     reduced = [v for v, vp in variables.items() if vp.method == "allreduce"]
@@ -156,14 +156,27 @@ def map_devices(tg: TrainingGraph, roots: list[str], host: str, servers=(),
     return placement
 
 
-def by_columns(tg: TrainingGraph, cut: list[str], devices: list[str]) -> dict:
+def by_columns(tg: TrainingGraph, cut: list[str], devices: list[str],
+               num_workers: int = 1) -> dict:
     """Each variable of `cut` and its slots of its shape cut by columns, one
     part per replica of the job (`devices`, in job order); its other state
     (scalars) stays mirrored. Raises ConfigError when a use of the variable
-    cannot work on columns (parallax_ng/columns.py)."""
+    cannot work on columns (parallax_ng/columns.py), and in a job of several
+    workers when a step would read the whole of it: that reads other
+    workers' parts, and TensorFlow's runtime aborts a step of one worker's
+    collectives when another worker's step that touched it ends (DESIGN,
+    between-graph facts); a read for the caller alone (a fetch) is fine."""
     out = {}
     for var in sorted(cut):
         uses = columns.uses(tg, var)
+        inside = [op for op in uses.whole_reads + uses.whole_selects
+                  if tg.ir.node_consumers.get(op)]
+        if num_workers > 1 and inside:
+            raise ConfigError(f"op {inside[0]!r} reads the whole of {var!r} within a step "
+                              f"(its value goes to {sorted(tg.ir.node_consumers[inside[0]])[:3]}"
+                              f"); alltoall keeps one part of its columns per replica, and a "
+                              f"job of several workers reads no other worker's part in a "
+                              f"step; use ps or allgather for {var!r}")
         width = tg.variables[var].shape[1]
         if width < len(devices):
             raise ConfigError(f"alltoall cuts {var!r} into one part of its {width} columns "

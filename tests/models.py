@@ -34,9 +34,11 @@ def dataset_arrays(dtype=np.float32):
 
 
 def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
-                         dtype=tf.float32, one_shot=False, loss_sum=False, partitions=None):
+                         dtype=tf.float32, one_shot=False, loss_sum=False, partitions=None,
+                         dim=DIM, random_table=False):
     """An embedding (sparse gradient) plus a dense layer, with a global step.
-    With `partitions`, the embedding is that many row ranges (pn.partitioner)."""
+    With `partitions`, the embedding is that many row ranges (pn.partitioner);
+    `dim` columns; with `random_table`, drawn by a random initializer."""
     np_dtype = dtype.as_numpy_dtype
     g = tf.Graph()
     with g.as_default():
@@ -48,16 +50,18 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
         else:
             it = tf1.data.make_initializable_iterator(ds)
         ids, x, y = it.get_next()
-        table = rng.randn(VOCAB, DIM).astype(np_dtype)
+        table = rng.randn(VOCAB, dim).astype(np_dtype)
         if partitions:
             def rows(shape, dtype=None, partition_info=None):
                 start = partition_info.var_offset[0] if partition_info else 0
                 return tf.constant(table[start:start + shape[0]])
             emb = tf1.get_variable("emb", [VOCAB, DIM], np_dtype, initializer=rows,
                                    partitioner=pn.partitioner(parts=partitions))
+        elif random_table:
+            emb = tf1.get_variable("emb", [VOCAB, dim], np_dtype)
         else:
             emb = tf1.get_variable("emb", initializer=table)
-        w = tf1.get_variable("dense/w", initializer=rng.randn(DIM + FEATURES, 8).astype(np_dtype))
+        w = tf1.get_variable("dense/w", initializer=rng.randn(dim + FEATURES, 8).astype(np_dtype))
         b = tf1.get_variable("dense/b", initializer=np.zeros([8], np_dtype))
         v = tf1.get_variable("out/v", initializer=rng.randn(8, 1).astype(np_dtype))
         h = tf.reduce_mean(tf1.nn.embedding_lookup(emb, ids, partition_strategy="div"), 1)

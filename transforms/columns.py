@@ -58,8 +58,13 @@ class ColumnsPass:
                 for op in uses.whole_reads:
                     name = ctx.replica_name(k, op)
                     state = tg.variable_of_handle(tg.ir.data_inputs(op)[0])
-                    changed[name] = _joined(ir.node(name), handles[state], tg.variables[state],
-                                            added)
+                    changed[name] = _joined(ir.node(name), handles[state], parts[state],
+                                            tg.variables[state], added)
+                for op, branches in uses.selects.items():
+                    name = ctx.replica_name(k, op)
+                    changed[name] = _select(ir, ctx, ir.node(name), op, branches, handles, parts,
+                                            None if op in uses.whole_selects else
+                                            part.shards[me], added)
                 for w, pos in uses.cut:
                     name = ctx.replica_name(k, w)
                     nd = changed.get(name) or copy_node(ir.node(name))
@@ -102,17 +107,82 @@ def _handles(ir, ctx, state: str, part, added: list) -> list[str]:
     return out
 
 
-def _joined(old, handles: list[str], var, added: list):
-    """`old` (a ReadVariableOp) as every part read and joined along columns."""
-    scope = f"parallax/columns/{old.name}"
-    controls = [i for i in old.input if i.startswith("^")]
+def _joined(old, handles: list[str], part, var, added: list, name: str | None = None,
+            controls=None):
+    """`old` (a ReadVariableOp) as every part read on its device and the
+    parts joined along columns (named `name`, else `old`'s name)."""
+    scope = f"parallax/columns/{name or old.name}"
+    if controls is None:
+        controls = [i for i in old.input if i.startswith("^")]
     dtype = var.dtype.base_dtype
-    reads = [emit.node_def(f"{scope}/read_{j}", "ReadVariableOp", [h] + controls, old.device,
-                           dtype=dtype) for j, h in enumerate(handles)]
+    reads = [emit.node_def(f"{scope}/read_{j}", "ReadVariableOp", [h] + controls, s.device,
+                           dtype=dtype) for j, (h, s) in enumerate(zip(handles, part.shards))]
     axis = emit.const(f"{scope}/axis", 1, tf.int32, old.device)
     added.extend(reads + [axis])
-    return emit.node_def(old.name, "ConcatV2", [r.name for r in reads] + [axis.name],
+    return emit.node_def(name or old.name, "ConcatV2", [r.name for r in reads] + [axis.name],
                          old.device, T=dtype, N=len(reads), Tidx=tf.int32)
+
+
+def _select(ir, ctx, old, op: str, branches, handles: dict, parts: dict, mine, added: list):
+    """If `old` (replica k's copy of `op`, see columns.Branch) as Switch and
+    Merge. With `mine` (the replica's shard: only its columns are used) a
+    branch that reads the handle reads the replica's part and one that
+    passes a value passes its columns; else the read reads every part and
+    joins them, only when its branch is taken."""
+    data = [i for i in old.input if not i.startswith("^")]
+    controls = [i for i in old.input if i.startswith("^")]
+    pred, args = data[0], data[1:]
+    scope = f"parallax/columns/{old.name}"
+    values = []
+    for side, branch in zip((1, 0), branches):       # Switch: output 1 when pred holds
+        at = f"{scope}/{'then' if side else 'else'}"
+        if branch.kind == "pass":
+            dtype = tf.as_dtype(old.attr["Tin"].list.type[branch.arg])
+            value = args[branch.arg] if mine is None else _agreed(
+                ir, ctx, ctx.tg.ir.data_inputs(op)[1 + branch.arg])
+            added.append(emit.node_def(f"{at}/switch", "Switch", [value, pred], old.device,
+                                       T=dtype))
+            values.append(f"{at}/switch:{side}")
+            if mine is not None:
+                made, (out,) = emit.emit_traced(
+                    lambda t: t[..., mine.start:mine.start + mine.size],
+                    [(values[-1], dtype, None)], f"{at}/columns", old.device)
+                added.extend(made)
+                values[-1] = out
+            continue
+        state = ctx.tg.variable_of_handle(ctx.tg.ir.data_inputs(op)[1 + branch.arg])
+        var = ctx.tg.variables[state]
+        if mine is not None:
+            added += [emit.node_def(f"{at}/switch", "Switch", [args[branch.arg], pred],
+                                    old.device, T=tf.resource),
+                      emit.node_def(f"{at}/read", "ReadVariableOp", [f"{at}/switch:{side}"],
+                                    old.device, dtype=var.dtype.base_dtype)]
+            values.append(f"{at}/read")
+            continue
+        gates = []
+        for j, (h, s) in enumerate(zip(handles[state], parts[state].shards)):
+            added.append(emit.node_def(f"{at}/switch_{j}", "Switch", [h, pred], s.device,
+                                       T=tf.resource))
+            gates.append(f"{at}/switch_{j}:{side}")
+        added.append(_joined(old, gates, parts[state], var, added, name=f"{at}/joined",
+                             controls=[]))
+        values.append(f"{at}/joined")
+    dtype = tf.as_dtype(old.attr["Tout"].list.type[0])
+    return emit.node_def(old.name, "Merge", [values[1], values[0]] + controls, old.device,
+                         T=dtype, N=2)
+
+
+def _agreed(ir, ctx, ref) -> str:
+    """The value every replica agrees on for user tensor `ref`: a variable's
+    initial value as its initializer now assigns it (replica 0's, or worker
+    0's broadcast: the init pass), else replica 0's copy."""
+    for var in ctx.tg.variables.values():
+        init = var.initializer and ctx.tg.ir.node(var.initializer)
+        if init is not None and init.op == "AssignVariableOp" and \
+                ctx.tg.ir.data_inputs(var.initializer)[1] == ref:
+            return [i for i in ir.node(var.initializer).input
+                    if not i.startswith("^")][1]
+    return ctx.replica_tensor(0, ref)
 
 
 def _cut_input(nd, pos: int, shard, tg, added: list):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from parallax_ng import columns
 from parallax_ng.errors import GraphError
 from parallax_ng.ir import GraphIR, copy_node
 
@@ -28,8 +29,9 @@ class InitPass:
     def run(self, ir: GraphIR, ctx):
         plan = ctx.plan
         rewires, added, controls = {}, [], {}
+        own = _own_columns(ctx)
         for var in ctx.tg.variables.values():
-            if var.name in plan.shared_state() or not var.initializer:
+            if var.name in plan.shared_state() or not var.initializer or var.name in own:
                 continue
             init = ctx.tg.ir.node(var.initializer)
             if init.op not in ("AssignVariableOp", "Assign"):
@@ -62,3 +64,16 @@ class InitPass:
         if b.before:
             controls.setdefault(var.initializer, []).extend(b.before)
         return b.value
+
+
+def _own_columns(ctx) -> set[str]:
+    """Variables cut by columns whose initializer assigns each replica its
+    own columns already (parallax_ng/columns.py: its value is not cut later)."""
+    out = set()
+    for var, vp in ctx.plan.variables.items():
+        if vp.method != "alltoall":
+            continue
+        uses = columns.uses(ctx.tg, var)
+        cut = {w for w, _ in uses.cut}
+        out.update(s for s in uses.state if ctx.tg.variables[s].initializer not in cut)
+    return out
