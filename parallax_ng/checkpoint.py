@@ -43,7 +43,8 @@ class Checkpointer:
                 placement = plan.placement[var]
                 if isinstance(placement, Columns):
                     placement = parts.handles[var]
-                tensors.append(read_value(graph, ctx.tg.variables[var], placement))
+                tensors.append(read_value(graph, ctx.tg.variables[var], placement,
+                                          gather=parts is not None and parts.gather))
             iterators = [n.name for n in ctx.tg.ir.nodes if n.op in ITERATOR_OPS]
             for it in iterators:
                 for k in range(plan.num_replicas):
@@ -91,15 +92,20 @@ class Checkpointer:
         session.run(self.restore_op, {self.prefix: path})
 
 
-def read_value(graph, var, placement=None):
+def read_value(graph, var, placement=None, gather: bool = False):
     """A new op reading replica 0's value of Variable `var` (resource or
     reference; a sharded variable's parts put together: row ranges along
     axis 0, element ranges (1-D parts) flattened; given the handles of a
-    variable cut by columns, its parts side by side)."""
+    variable cut by columns, its parts side by side, or with `gather` this
+    process's part and the others' by all-gather)."""
     dtype = var.dtype.base_dtype
     if isinstance(placement, tuple):
-        return tf.concat([tf.raw_ops.ReadVariableOp(
-            resource=graph.get_tensor_by_name(h + ":0"), dtype=dtype) for h in placement], 1)
+        reads = [tf.raw_ops.ReadVariableOp(resource=graph.get_tensor_by_name(h + ":0"),
+                                           dtype=dtype) for h in placement]
+        if gather:
+            from .horovod import join_columns
+            return join_columns(reads[0])
+        return tf.concat(reads, 1)
     if isinstance(placement, Sharded):
         parts = tf.concat([tf.raw_ops.ReadVariableOp(
             resource=graph.get_tensor_by_name(part_name(var.name, k) + ":0"), dtype=dtype)

@@ -20,6 +20,9 @@ Guarantees, for every backend:
   gradient of such a table per local replica in; per replica every
   replica's rows, cut to its own columns (scaled by 1/N for a mean), and
   their indices (the backward AlltoAll);
+- `join_columns(name, handles, part, dtype, device)`: the whole value of
+  such a table from the handles of its parts this worker has (`reaches_parts`:
+  whether those are all of them, or this worker's only);
 - `broadcast(scope, value, dtype, shape)`: worker 0's `value` on every
   worker, as a `Broadcast`: the tensor this worker should use and the ops
   its use must wait for;
@@ -67,6 +70,7 @@ def lowering(plan, instance_keys):
 class TFCollectives:
     """TensorFlow's collective ops (CollectiveReduce, CollectiveGatherV2,
     CollectiveBcastSend/Recv), one instance key per operation."""
+    reaches_parts = True     # a worker's graph may read another worker's variables
 
     def __init__(self, plan, instance_keys):
         self.plan, self.keys = plan, instance_keys
@@ -120,6 +124,18 @@ class TFCollectives:
                                                                      *ops),
              [(ids[k], id_type, None), (handles[k], tf.resource, [])])
             for k in range(plan.num_replicas)])
+
+    def join_columns(self, name: str, handles: list[str], part, dtype, device: str,
+                     controls=()):
+        """Nodes, the last named `name`: every part read on its device (after
+        `controls`) and the parts put side by side on `device`."""
+        scope = f"parallax/columns/{name}"
+        reads = [emit.node_def(f"{scope}/read_{j}", "ReadVariableOp", [h, *controls], s.device,
+                               dtype=dtype) for j, (h, s) in enumerate(zip(handles, part.shards))]
+        axis = emit.const(f"{scope}/axis", 1, tf.int32, device)
+        return reads + [axis, emit.node_def(name, "ConcatV2", [r.name for r in reads] +
+                                            [axis.name], device, T=dtype, N=len(reads),
+                                            Tidx=tf.int32)]
 
     def columns_gradient(self, scope, values, indices, part, value_type, index_type, mean):
         ops, plan = self._exchange_ops(), self.plan

@@ -12,6 +12,9 @@ to Horovod's ops:
 - `all_gather`: IndexedSlices values and indices concatenated over local
   replicas, then HorovodAllgather (workers may contribute different row
   counts), values scaled for a mean;
+- `columns_lookup`, `columns_gradient`: comm.py's exchange of a table cut
+  by columns, with HorovodAllgather for the ids and HorovodAlltoall for
+  the rows (one replica per process);
 - `broadcast`: HorovodBroadcast from worker 0.
 Nodes get the same names on every worker, which is how Horovod matches a
 tensor across processes.
@@ -45,6 +48,7 @@ def init() -> tuple[int, int]:
 
 class HorovodCollectives:
     """parallax_ng.comm's operations with Horovod's ops."""
+    reaches_parts = False    # another rank's variables only through collectives
 
     def __init__(self, plan):
         self.plan = plan
@@ -61,6 +65,49 @@ class HorovodCollectives:
         # the planner gives Horovod jobs no servers; one process sums alone
         from .comm import server_sum
         return server_sum(self.plan, scope, tensor, dtype, server, scale)
+
+    def _exchange_ops(self):
+        hvd = _hvd()
+        return (lambda t: hvd.allgather(t, name="sizes"),
+                lambda t, longest: hvd.allgather(t, name="ids"),
+                lambda t, longest: hvd.alltoall(t, name="exchange"))
+
+    def columns_lookup(self, scope, ids, handles, part, dtype, id_type):
+        from .comm import lookup_columns
+        self._one_replica("alltoall")
+        made, (out,) = emit.emit_traced(
+            lambda i, h: lookup_columns(i, h, self.plan.worker, part, dtype,
+                                        *self._exchange_ops()),
+            [(ids[0], id_type, None), (handles[0], tf.resource, [])], scope,
+            self.plan.devices[0])
+        return made, [out]
+
+    def columns_gradient(self, scope, values, indices, part, value_type, index_type, mean):
+        from .comm import gradient_columns
+        self._one_replica("alltoall")
+        made, (v, i) = emit.emit_traced(
+            lambda v, i: gradient_columns(v, i, self.plan.worker, part, mean,
+                                          *self._exchange_ops()),
+            [(values[0], value_type, [None, part.width]), (indices[0], index_type, [None])],
+            scope, self.plan.devices[0])
+        return made, [v], [i]
+
+    def join_columns(self, name, handles, part, dtype, device, controls=()):
+        """This rank's part read, every rank's part all-gathered (along the
+        columns: as rows of the transposed parts)."""
+        self._one_replica("alltoall")
+        scope = f"parallax/columns/{name}"
+        read = emit.node_def(f"{scope}/read", "ReadVariableOp", [handles[0], *controls],
+                             device, dtype=dtype)
+        made, (out,) = emit.emit_traced(lambda t: tf.identity(join_columns(t), "joined"),
+                                        [(read.name, dtype, None)], scope, device)
+        return [read, *made, emit.node_def(name, "Identity", [out], device, T=dtype)]
+
+    def _one_replica(self, what: str) -> None:
+        if self.plan.num_replicas > 1:
+            raise ConfigError(f"{what} under communication.backend horovod takes one device "
+                              f"per process, but this one has {self.plan.num_replicas}; start "
+                              "one process per device (horovodrun -np), or use backend tf")
 
     def broadcast(self, scope, value, dtype, shape) -> Broadcast:
         nodes, out = broadcast(self.plan, scope, value, dtype, shape)
@@ -101,6 +148,11 @@ def all_gather(plan, scope: str, values: list[str], indices: list[str], value_ty
     made, (v, i) = emit.emit_traced(gather, [(local_v, value_type, value_shape),
                                              (local_i, index_type, [None])], scope, device)
     return nodes_v + nodes_i + made, v, i
+
+
+def join_columns(part):
+    """Every rank's columns of a table, side by side (TensorFlow code)."""
+    return tf.transpose(_hvd().allgather(tf.transpose(part), name="columns"))
 
 
 def broadcast(plan, scope: str, value: str, dtype, shape):

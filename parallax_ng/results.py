@@ -42,5 +42,8 @@ class ColumnParts:
     """For each variable cut by columns over the replicas (and each slot cut
     with it): a handle of every job replica's part, in job order, in this
     worker's graph (made by `columns`; the checkpoint reads and writes
-    through them)."""
+    through them). With `gather`, the backend reaches other processes by
+    collectives only: `handles` are this process's parts, and the whole
+    value is their all-gather (parallax_ng/horovod.py `join_columns`)."""
     handles: dict
+    gather: bool = False

@@ -20,11 +20,12 @@ parser.add_argument("steps", type=int)
 parser.add_argument("--devices", type=int, default=1)
 parser.add_argument("--buckets", default="none",
                     help="buckets.mode (40-byte threshold; mgwfbp with a given cost)")
+parser.add_argument("--sparse", default="auto", help="sparse_method")
 args = parser.parse_args()
 
 g, h = embedding_regression(4, "adam", clip=True, ema=True)
 runner = pn.get_runner(g, local(args.devices), {
-    "run_option": "allreduce", "communication": {"backend": "horovod", "timeout_seconds": 120},
+    "run_option": "allreduce", "sparse_method": args.sparse, "communication": {"backend": "horovod", "timeout_seconds": 120},
     "buckets": {"mode": args.buckets, "bytes": 40,
                 **({"a": 1e-3, "b": 1e-9} if args.buckets == "mgwfbp" else {})}})
 runner.run([h["init"], h["iterator_init"]])

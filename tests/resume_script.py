@@ -1,8 +1,9 @@
 """Trains to a global step with checkpoints; can kill itself at a step.
 
-    python resume_script.py CKPT_DIR OUT STEPS [--die-at STEP] [--workers-file F]
+    python resume_script.py CKPT_DIR OUT STEPS [--die-at STEP] [--config JSON]
 """
 import argparse
+import json
 import os
 import sys
 
@@ -21,13 +22,15 @@ parser.add_argument("--die-at", type=int, default=-1)
 parser.add_argument("--replicas", type=int, default=2)
 parser.add_argument("--run-option", default="allreduce", help="in a multi-worker job")
 parser.add_argument("--no-ema", action="store_true", help="no moving averages")
+parser.add_argument("--config", default="{}", help="more config keys, as JSON")
 args = parser.parse_args()
 
 g, h = embedding_regression(4, "adam", clip=True, ema=not args.no_ema)
 step = tf.compat.v1.train.get_global_step(g)
 resources = None if os.environ.get("PARALLAX_NG_CLUSTER") else local(args.replicas)
 runner = pn.get_runner(g, resources, {"run_option": "hybrid" if resources else args.run_option,
-                                      "checkpoint": {"dir": args.ckpt, "every_steps": 5}})
+                                      "checkpoint": {"dir": args.ckpt, "every_steps": 5},
+                                      **json.loads(args.config)})
 runner.run([h["init"], h["iterator_init"]])       # restores the latest checkpoint if any
 print(f"starting at step {runner.run(step)}", flush=True)   # one write: workers share stdout
 while runner.run(step) < args.steps:

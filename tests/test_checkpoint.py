@@ -33,14 +33,22 @@ def load(prefix, workers=1):
     return out
 
 
-def test_killed_and_restarted_in_process_run_equals_uninterrupted(tmp_path):
+ALLTOALL = '{"run_option": "allreduce", "sparse_method": "alltoall"}'
+
+
+@pytest.mark.parametrize("config", ["{}", ALLTOALL], ids=["hybrid", "alltoall"])
+def test_killed_and_restarted_in_process_run_equals_uninterrupted(tmp_path, config):
+    """Alltoall: each replica holds its columns of the table; the checkpoint
+    holds the whole table, and each replica restores its columns."""
     whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
-    run([sys.executable, SCRIPT, str(tmp_path / "ck_whole"), whole, "20"])
+    more = ["--config", config]
+    run([sys.executable, SCRIPT, str(tmp_path / "ck_whole"), whole, "20"] + more)
     ck = str(tmp_path / "ck")
-    died = run([sys.executable, SCRIPT, ck, broken, "20", "--die-at", "13"], expect_ok=False)
+    died = run([sys.executable, SCRIPT, ck, broken, "20", "--die-at", "13"] + more,
+               expect_ok=False)
     assert died.returncode == 9
     assert tf.train.latest_checkpoint(ck).endswith("model.ckpt-10")
-    again = run([sys.executable, SCRIPT, ck, broken, "20"])
+    again = run([sys.executable, SCRIPT, ck, broken, "20"] + more)
     assert "starting at step 10" in again.stdout
     a, b = load(whole), load(broken)
     assert set(a) == set(b) and len(a) > 20
@@ -50,7 +58,8 @@ def test_killed_and_restarted_in_process_run_equals_uninterrupted(tmp_path):
 
 @pytest.mark.parametrize("run_option,servers,extra", [
     ("allreduce", 0, []), ("hybrid", 1, []),
-    ("hybrid", 2, ["--no-ema"])])     # the embedding split by rows over two servers
+    ("hybrid", 2, ["--no-ema"]),     # the embedding split by rows over two servers
+    ("allreduce", 0, ["--config", ALLTOALL])])   # by columns over the workers
 def test_killed_and_restarted_two_worker_job_equals_uninterrupted(tmp_path, run_option,
                                                                   servers, extra):
     res = tmp_path / "r.yaml"
@@ -70,21 +79,29 @@ def test_killed_and_restarted_two_worker_job_equals_uninterrupted(tmp_path, run_
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
-def test_checkpoint_is_a_single_device_checkpoint(tmp_path):
-    g, h = embedding_regression(4, "sgd")
-    cfg = {"checkpoint": {"dir": str(tmp_path), "every_steps": 2}}
+@pytest.mark.parametrize("sparse", ["auto", "alltoall"])
+def test_checkpoint_is_a_single_device_checkpoint(tmp_path, sparse):
+    """With alltoall the table's columns live on the replicas; the checkpoint
+    holds it whole, with its slots."""
+    g, h = embedding_regression(4, "adam")
+    cfg = {"checkpoint": {"dir": str(tmp_path), "every_steps": 2}, "sparse_method": sparse}
+    names = ["dense/w", "emb", "emb/Adam"]
     with pn.get_runner(g, local(2), cfg) as runner:
         runner.run([h["init"], h["iterator_init"]])
         for _ in range(4):
             runner.run(h["train"])
-        want = runner.run("dense/w/Read/ReadVariableOp:0")
+        want = runner.run([f"{n}/Read/ReadVariableOp:0" for n in names[:2]])
     path = tf.train.latest_checkpoint(str(tmp_path))
     assert path.endswith("model.ckpt-4")
     with g.as_default():
         saver = tf.compat.v1.train.Saver()
+        slot = tf.compat.v1.train.load_variable(path, "emb/Adam")
     with tf.compat.v1.Session(graph=g) as sess:
         saver.restore(sess, path)
-        np.testing.assert_array_equal(sess.run("dense/w/Read/ReadVariableOp:0"), want)
+        got = sess.run([f"{n}/Read/ReadVariableOp:0" for n in names[:2]])
+    for n, a, b in zip(names, got, want):
+        np.testing.assert_array_equal(a, b, err_msg=n)
+    assert slot.shape == (40, 4) and np.abs(slot).sum() > 0
 
 
 def test_checkpoint_config_errors():

@@ -25,16 +25,18 @@ def horovodrun():
 
 
 @pytest.mark.horovod
-@pytest.mark.parametrize("devices,buckets", [(1, "none"), (2, "threshold"), (2, "single"),
-                                             (2, "mgwfbp")])
-def test_horovod_workers_match_one_device(tmp_path, devices, buckets):
+@pytest.mark.parametrize("devices,buckets,sparse", [
+    (1, "none", "auto"), (2, "threshold", "auto"), (2, "single", "auto"),
+    (2, "mgwfbp", "auto"), (1, "none", "alltoall")])
+def test_horovod_workers_match_one_device(tmp_path, devices, buckets, sparse):
     """Adam, global-norm clipping over dense and sparse gradients, EMA; dense
     gradients by HorovodAllreduce (per variable, or merged in buckets), the
-    embedding's by HorovodAllgather."""
+    embedding's by HorovodAllgather, or cut by columns over the ranks with
+    HorovodAlltoall (sparse_method alltoall)."""
     out = str(tmp_path / "vars")
     cmd = [horovodrun(), "--gloo", "-np", "2", "-H", "localhost:2", "--network-interface",
            "lo", sys.executable, SCRIPT, out, "10", "--devices", str(devices),
-           "--buckets", buckets]
+           "--buckets", buckets, "--sparse", sparse]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

@@ -12,7 +12,8 @@ found (`columns.uses`):
   exchange (`comm.columns_lookup`: the replicas' ids gathered, each replica
   looks up its columns for all of them, one AlltoAll);
 - a read of the whole value (a fetch, a tied layer) reads every replica's
-  part, on other workers too, and puts them side by side;
+  part, on other workers too, and puts them side by side (the backend's
+  `join_columns`: under Horovod an all-gather);
 - a write of a whole-width value (an initializer, a restore) writes the
   replica's columns of it; VariableShape gives the whole shape.
 The update ops and the reads feeding them stay as they are: they act on
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from parallax_ng import columns, emit
+from parallax_ng.comm import TFCollectives
+from parallax_ng.errors import GraphError
 from parallax_ng.ir import GraphIR, copy_node, format_input
 from parallax_ng.results import ColumnParts
 
@@ -58,8 +61,11 @@ class ColumnsPass:
                 for op in uses.whole_reads:
                     name = ctx.replica_name(k, op)
                     state = tg.variable_of_handle(tg.ir.data_inputs(op)[0])
-                    changed[name] = _joined(ir.node(name), handles[state], parts[state],
-                                            tg.variables[state], added)
+                    old = ir.node(name)
+                    *made, changed[name] = ctx.comm.join_columns(
+                        name, handles[state], parts[state], tg.variables[state].dtype.base_dtype,
+                        old.device, [i for i in old.input if i.startswith("^")])
+                    added.extend(made)
                 for op, branches in uses.selects.items():
                     name = ctx.replica_name(k, op)
                     changed[name] = _select(ir, ctx, ir.node(name), op, branches, handles, parts,
@@ -80,14 +86,16 @@ class ColumnsPass:
             counts["lookups"] += len(uses.lookups)
             counts["whole_reads"] += len(uses.whole_reads)
             counts["cut_writes"] += len(uses.cut)
-        ctx.publish(ColumnParts({s: tuple(h) for s, h in handles.items()}))
+        ctx.publish(ColumnParts({s: tuple(h) for s, h in handles.items()},
+                                gather=not ctx.comm.reaches_parts))
         return ir.replace(changed, added), counts
 
 
 def _handles(ir, ctx, state: str, part, added: list) -> list[str]:
     """A handle of every job replica's part of `state`: this worker's copies,
     and for another worker's replica a VarHandleOp on its device with the
-    shared name its copy has there."""
+    shared name its copy has there (only this worker's copies when the
+    backend reaches other processes by collectives alone)."""
     plan = ctx.plan
     user = ctx.tg.ir.node(state)
     out = []
@@ -95,6 +103,8 @@ def _handles(ir, ctx, state: str, part, added: list) -> list[str]:
         worker, k = divmod(j, plan.num_replicas)
         if worker == plan.worker:
             out.append(ctx.replica_name(k, state))
+            continue
+        if not ctx.comm.reaches_parts:
             continue
         name = f"parallax/columns/{state}/part_{j}"
         nd = emit.like(user, name, shard.device)
@@ -105,22 +115,6 @@ def _handles(ir, ctx, state: str, part, added: list) -> list[str]:
         added.append(nd)
         out.append(name)
     return out
-
-
-def _joined(old, handles: list[str], part, var, added: list, name: str | None = None,
-            controls=None):
-    """`old` (a ReadVariableOp) as every part read on its device and the
-    parts joined along columns (named `name`, else `old`'s name)."""
-    scope = f"parallax/columns/{name or old.name}"
-    if controls is None:
-        controls = [i for i in old.input if i.startswith("^")]
-    dtype = var.dtype.base_dtype
-    reads = [emit.node_def(f"{scope}/read_{j}", "ReadVariableOp", [h] + controls, s.device,
-                           dtype=dtype) for j, (h, s) in enumerate(zip(handles, part.shards))]
-    axis = emit.const(f"{scope}/axis", 1, tf.int32, old.device)
-    added.extend(reads + [axis])
-    return emit.node_def(name or old.name, "ConcatV2", [r.name for r in reads] + [axis.name],
-                         old.device, T=dtype, N=len(reads), Tidx=tf.int32)
 
 
 def _select(ir, ctx, old, op: str, branches, handles: dict, parts: dict, mine, added: list):
@@ -164,8 +158,12 @@ def _select(ir, ctx, old, op: str, branches, handles: dict, parts: dict, mine, a
             added.append(emit.node_def(f"{at}/switch_{j}", "Switch", [h, pred], s.device,
                                        T=tf.resource))
             gates.append(f"{at}/switch_{j}:{side}")
-        added.append(_joined(old, gates, parts[state], var, added, name=f"{at}/joined",
-                             controls=[]))
+        if not ctx.comm.reaches_parts:
+            raise GraphError(f"{op!r} reads the whole of {state!r}, whose parts live in other "
+                             "processes this backend reaches only by collectives, which an "
+                             f"If's branch cannot run; use ps or allgather for {state!r}")
+        added.extend(TFCollectives.join_columns(None, f"{at}/joined", gates, parts[state],
+                                                var.dtype.base_dtype, old.device, []))
         values.append(f"{at}/joined")
     dtype = tf.as_dtype(old.attr["Tout"].list.type[0])
     return emit.node_def(old.name, "Merge", [values[1], values[0]] + controls, old.device,
