@@ -1,0 +1,82 @@
+"""Alltoall (EmbRace 4.1): an embedding cut by columns over the replicas,
+rows and gradients exchanged by AlltoAll, equals one device.
+
+After the steps every variable and optimizer slot of every replica (the
+table read whole, its parts joined) matches one device with the total
+batch within 1e-5 (float32), in-process on 2 and 4 devices and in 2x1 and
+2x2 localhost jobs; embedding widths that do not divide by the replica
+count included.
+"""
+import numpy as np
+import pytest
+
+import parallax_ng as pn
+from models import embedding_regression, local, train_both
+from parallax_ng.errors import ConfigError
+from test_cluster import assert_matches_one_device, run_job
+
+TOL = 1e-5
+CONFIG = {"run_option": "allreduce", "sparse_method": "alltoall"}
+CASES = [  # replicas, optimizer, model options
+    (2, "sgd", {}),
+    (2, "adam", {"clip": True, "ema": True, "random_table": True, "dim": 5}),
+    (4, "adam", {"clip": True}),
+    (4, "adagrad", {"clip": True, "dim": 6}),
+    (2, "momentum", {"ema": True}),
+    (4, "rmsprop", {"dim": 7}),
+]
+
+
+@pytest.mark.parametrize("n,optimizer,extras", CASES,
+                         ids=[f"{n}-{o}-{'-'.join(e) or 'plain'}" for n, o, e in CASES])
+def test_replicas_match_one_device(n, optimizer, extras):
+    seen = {}
+    parallel, single, names = train_both(lambda b: embedding_regression(b, optimizer, **extras),
+                                         n, 8, config=CONFIG, seen=seen)
+    plan = seen["plan"]
+    assert plan.variables["emb"].method == "alltoall"
+    width = extras.get("dim", 4)
+    assert [s.size for s in plan.placement["emb"].shards] == \
+        [width // n + (k < width % n) for k in range(n)]
+    slots = [v for v in names if v.startswith("emb/")]     # slots, moving averages
+    assert all(plan.placement[s] == plan.placement["emb"] for s in slots)
+    for name, want in single.items():
+        assert len(parallel[name]) == n
+        for k, got in enumerate(parallel[name]):
+            diff = np.max(np.abs(np.asarray(got) - want))
+            assert diff <= TOL, f"{name} on replica {k}: max abs diff {diff}"
+
+
+def test_the_plan_shows_each_replicas_columns():
+    g, _ = embedding_regression(4, "adam", dim=5)
+    runner = pn.get_runner(g, local(2), CONFIG)
+    text = runner.plan.format()
+    runner.close()
+    assert "alltoall" in text
+    assert "emb: columns 0..2 on /job:localhost/replica:0/task:0/device:CPU:0, 3..4 on " \
+           "/job:localhost/replica:0/task:0/device:CPU:1" in text
+    d = runner.plan.to_dict()
+    assert d["placement"]["emb/Adam"]["kind"] == "columns"
+    assert d["variables"]["emb"]["method"] == "alltoall"
+
+
+@pytest.mark.parametrize("workers,devices", [(2, 1), (2, 2)])
+def test_workers_match_one_device(tmp_path, workers, devices):
+    """Adam, global-norm clipping, moving averages of every weight: the table
+    and its slots cut over every replica of the job."""
+    done, out, _ = run_job(tmp_path, workers, devices, "10", "--run-option", "allreduce",
+                           "--config", '{"sparse_method": "alltoall"}')
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_matches_one_device(out, workers, devices)
+
+
+def test_config_errors_name_the_variable():
+    g, _ = embedding_regression(4)
+    with pytest.raises(ConfigError, match="variable_methods.dense/w' is alltoall.*dense"):
+        pn.get_runner(g, local(2), {"variable_methods": {"dense/w": "alltoall"}})
+    with pytest.raises(ConfigError, match="'sparse_method' has value 'columns'; "
+                                          "allowed: auto, ps, allgather, alltoall"):
+        pn.get_runner(g, local(2), {"sparse_method": "columns"})
+    g, _ = embedding_regression(4, dim=3)
+    with pytest.raises(ConfigError, match="its 3 columns per replica, but the job has 4"):
+        pn.get_runner(g, local(4), CONFIG)
