@@ -12,10 +12,11 @@ Guarantees, for every backend:
 - `all_gather(scope, values, indices, ...)`: an IndexedSlices per local
   replica in; per replica the concatenation of every replica's slices
   (values scaled by 1/N for a mean);
-- `columns_lookup(scope, ids, handles, part, dtype, id_type)`: rows of a
-  table cut by columns over the replicas (`placement.Columns`), one ids
-  tensor and one handle of the replica's part per local replica in; per
-  replica the full rows of its ids (EmbRace's forward AlltoAll);
+- `columns_lookup(scope, ids, handles, part, dtype, id_type, distinct)`:
+  rows of a table cut by columns over the replicas (`placement.Columns`),
+  one ids tensor and one handle of the replica's part per local replica
+  in; per replica the full rows of its ids (EmbRace's forward AlltoAll;
+  with `distinct`, a repeated id's row crosses once);
 - `columns_gradient(scope, values, indices, part, ...)`: the IndexedSlices
   gradient of such a table per local replica in; per replica every
   replica's rows, cut to its own columns (scaled by 1/N for a mean), and
@@ -117,11 +118,11 @@ class TFCollectives:
                 lambda t, longest: tf.raw_ops.CollectiveAllToAllV2(
                     input=t, instance_key=keys[2] + longest, **common))
 
-    def columns_lookup(self, scope, ids, handles, part, dtype, id_type):
+    def columns_lookup(self, scope, ids, handles, part, dtype, id_type, distinct=False):
         ops, plan = self._exchange_ops(), self.plan
         return _per_replica(plan, scope, [
             (lambda i, h, me=plan.replica_offset + k: lookup_columns(i, h, me, part, dtype,
-                                                                     *ops),
+                                                                     *ops, distinct),
              [(ids[k], id_type, None), (handles[k], tf.resource, [])])
             for k in range(plan.num_replicas)])
 
@@ -252,16 +253,21 @@ def _per_replica(plan, scope: str, builds) -> tuple:
     return (nodes, *[list(x) for x in zip(*outs)])
 
 
-def lookup_columns(ids, handle, me: int, part, dtype, gather_sizes, gather_rows, exchange):
+def lookup_columns(ids, handle, me: int, part, dtype, gather_sizes, gather_rows, exchange,
+                   distinct: bool = False):
     """Full rows of `ids` from a table cut by columns (`part`), on job
     replica `me`, whose `handle` holds its columns: every replica's ids
     gathered (padded to the longest, L), this replica's columns of all of
     them looked up and padded to the widest part, then one all-to-all of
     [N, L * widest] blocks: block j goes to replica j, and block j received
-    holds replica j's columns of this replica's ids (EmbRace 4.1)."""
+    holds replica j's columns of this replica's ids (EmbRace 4.1). With
+    `distinct`, each distinct id of the replica's crosses once and its row
+    is copied where the id repeats."""
     n, widths = len(part.shards), [s.size for s in part.shards]
     widest = max(widths)
     flat = tf.reshape(ids, [-1])
+    if distinct:
+        flat, where = tf.unique(flat, out_idx=tf.int32)
     size = tf.shape(flat, out_type=tf.int32)[:1]
     longest = _longest(gather_sizes(size))
     every = gather_rows(tf.pad(flat, [[0, longest - size[0]]]), longest)      # [N * L]
@@ -270,6 +276,8 @@ def lookup_columns(ids, handle, me: int, part, dtype, gather_sizes, gather_rows,
     got = exchange(tf.reshape(rows, tf.stack([n, longest * widest])), longest)
     got = tf.reshape(got, tf.stack([n, longest, widest]))
     full = tf.concat([got[j, :, :widths[j]] for j in range(n)], 1)[:size[0]]  # [size, D]
+    if distinct:
+        full = tf.gather(full, where)
     return tf.identity(tf.reshape(full, tf.concat([tf.shape(ids), [part.width]], 0)),
                        name="rows")
 

@@ -16,7 +16,7 @@ from .errors import ConfigError
 RUN_OPTIONS = ("hybrid", "allreduce", "ps")
 METHODS = ("allreduce", "ps", "allgather", "bfb", "alltoall")
 DENSE_METHODS = ("auto", "allreduce", "ps", "bfb")
-SPARSE_METHODS = ("auto", "ps", "allgather", "alltoall")
+SPARSE_METHODS = ("auto", "ps", "allgather", "alltoall", "allreduce")
 PS_PLACEMENTS = ("greedy", "round_robin")
 FETCH_REDUCTIONS = ("mean", "sum", "concat", "first")
 VERIFY_LEVELS = ("structure", "full", "import")

@@ -72,12 +72,12 @@ class HorovodCollectives:
                 lambda t, longest: hvd.allgather(t, name="ids"),
                 lambda t, longest: hvd.alltoall(t, name="exchange"))
 
-    def columns_lookup(self, scope, ids, handles, part, dtype, id_type):
+    def columns_lookup(self, scope, ids, handles, part, dtype, id_type, distinct=False):
         from .comm import lookup_columns
         self._one_replica("alltoall")
         made, (out,) = emit.emit_traced(
             lambda i, h: lookup_columns(i, h, self.plan.worker, part, dtype,
-                                        *self._exchange_ops()),
+                                        *self._exchange_ops(), distinct),
             [(ids[0], id_type, None), (handles[0], tf.resource, [])], scope,
             self.plan.devices[0])
         return made, [out]

@@ -91,7 +91,8 @@ class Plan:
     schedule: Schedule = field(default_factory=Schedule)
     buckets: tuple[Bucket, ...] = ()
     buffers: tuple[Buffer, ...] = ()
-    distinct_lookups: bool = False    # a worker gathers each distinct row on a server once
+    distinct_lookups: bool = False    # each distinct row once: a worker's from a server, a
+    #                                   replica's by alltoall
     order_source: str = ""            # where the fusion buffers' packing order came from
     rewrites: Rewrites = field(default_factory=Rewrites)
 
@@ -244,8 +245,11 @@ class Plan:
             rows.append(f"all-reduce buckets: {len(sizes)}, "
                         + ", ".join(f"{len(b.variables)} variable(s) {n:,} bytes"
                                     for b, n in zip(self.buckets, sizes)))
-        if self.distinct_lookups:
+        if self.distinct_lookups and self.servers:
             rows.append("lookups of rows on servers: each distinct row fetched once per worker")
+        if self.distinct_lookups and any(vp.method == "alltoall"
+                                         for vp in self.variables.values()):
+            rows.append("alltoall lookups: each distinct id's row exchanged once per replica")
         if self.buffers:
             sizes = [self.buffer_bytes(b) for b in self.buffers]
             per = self.buffer_load()

@@ -20,6 +20,8 @@ the devices. Guarantees: the same inputs give the same plan on every worker.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from . import buckets as bucketing
 from . import columns, queues, randomness
 from .analysis import VariableInfo
@@ -43,9 +45,12 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     job_servers = num_workers > 1 and bool(servers) and config.communication.backend == "tf"
     variables = {name: VariablePlan(name, method, info[name],
                                     coalesce=config.coalesce_rows and
-                                    method in ("ps", "allgather") and
+                                    method in ("ps", "allgather", "alltoall") and
                                     coalescing(tg, name) is not None)
-                 for name, method in choose_methods(info, config, job_servers).items()}
+                 for name, method in choose_methods(
+                     info, config, job_servers,
+                     lambda v: cuttable(tg, v, len(devices), num_workers),
+                     lambda v: coalescing(tg, v) is not None).items()}
     roots = shared_roots(variables)
     fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
     _check_servers(tg, roots + fused, config, num_workers, servers)
@@ -56,7 +61,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                                 job_devices(devices, num_workers, worker), num_workers))
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
                              list(servers) or [host], config.fusion.buffer_bytes)
-    reduced = [v for v, vp in variables.items() if vp.method == "allreduce"]
+    reduced = [v for v, vp in variables.items()      # dense: a sparse one alone
+               if vp.method == "allreduce" and not vp.info.sparse]
     buckets = allreduce_buckets(tg, ready_order(tg, reduced, order), config.buckets, profile)
     producers = [q for q in queues.find(tg) if q.producer]
     random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),
@@ -70,16 +76,24 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                 backend=config.communication.backend, random=random,
                 split_queues={q.queue: q.enqueues for q in producers},
                 schedule=Schedule(staged=staged), buffers=buffers, buckets=buckets,
-                distinct_lookups=config.distinct_lookups and bool(servers),
+                distinct_lookups=config.distinct_lookups and (
+                    bool(servers) or any(vp.method == "alltoall" for vp in variables.values())),
                 rewrites=Rewrites(**vars(config.placement_rewrites)))
 
 
 # -- 1. policy -----------------------------------------------------------------
 def choose_methods(info: dict[str, VariableInfo], config: Config,
-                   job_servers: bool = False) -> dict[str, str]:
+                   job_servers: bool = False, cuttable=lambda v: True,
+                   can_sum_rows=lambda v: True) -> dict[str, str]:
     """`job_servers`: a job of several workers with parameter servers, where
     `hybrid` aggregates dense gradients by balanced fusion buffers (one
-    session.run per step; all-reduce would need stages, measured slower)."""
+    session.run per step; all-reduce would need stages, measured slower).
+    `cuttable(var)`: whether alltoall can cut a sparse variable by columns;
+    `can_sum_rows(var)`: whether a sparse gradient may be all-reduced as a
+    dense one (duplicate rows summed: parallax_ng/duplicates.py).
+    `sparse_method: alltoall` (or allreduce) takes the run option's method
+    for a variable that cannot (a 1-D bias cannot be cut by columns, say);
+    naming it in `variable_methods` is an error."""
     unknown = set(config.variable_methods) - set(info)
     if unknown:
         raise ConfigError(f"config key 'variable_methods' names {sorted(unknown)}, which "
@@ -87,9 +101,18 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
     out = {}
     for name, vi in info.items():
         method = config.variable_methods.get(name) or _default_method(config, vi, job_servers)
+        if name not in config.variable_methods and vi.sparse and (
+                method == "alltoall" and not cuttable(name) or
+                method == "allreduce" and not can_sum_rows(name)):
+            method = _default_method(replace(config, sparse_method="auto"), vi, job_servers)
         if method == "allgather" and not vi.sparse:
             raise ConfigError(f"config key 'variable_methods.{name}' is allgather, but "
                               f"{name} has a dense gradient; use allreduce, ps or bfb")
+        if method == "allreduce" and vi.sparse and not can_sum_rows(name):
+            raise ConfigError(f"config key 'variable_methods.{name}' is allreduce, which sums "
+                              f"{name}'s sparse gradient as a dense one (duplicate rows "
+                              "summed), but a use of its rows sees them one by one; use "
+                              "allgather, alltoall or ps")
         if method == "alltoall" and not vi.sparse:
             raise ConfigError(f"config key 'variable_methods.{name}' is alltoall (rows of a "
                               f"sparse gradient, by columns), but {name} has a dense "
@@ -154,6 +177,16 @@ def map_devices(tg: TrainingGraph, roots: list[str], host: str, servers=(),
     else:
         placement.update({s: Shared(host) for r in roots for s in tg.owned(r)})
     return placement
+
+
+def cuttable(tg: TrainingGraph, var: str, devices: int, num_workers: int) -> bool:
+    """Whether alltoall can cut sparse variable `var` by columns over a job
+    of `num_workers` x `devices` replicas (`by_columns` says why not)."""
+    try:
+        by_columns(tg, [var], [""] * (devices * num_workers), num_workers)
+    except ConfigError:
+        return False
+    return True
 
 
 def by_columns(tg: TrainingGraph, cut: list[str], devices: list[str],

@@ -17,24 +17,29 @@ from test_cluster import assert_matches_one_device, run_job
 
 TOL = 1e-5
 CONFIG = {"run_option": "allreduce", "sparse_method": "alltoall"}
-CASES = [  # replicas, optimizer, model options
-    (2, "sgd", {}),
-    (2, "adam", {"clip": True, "ema": True, "random_table": True, "dim": 5}),
-    (4, "adam", {"clip": True}),
-    (4, "adagrad", {"clip": True, "dim": 6}),
-    (2, "momentum", {"ema": True}),
-    (4, "rmsprop", {"dim": 7}),
+EACH_ROW = {"coalesce_rows": False, "distinct_lookups": False}
+CASES = [  # replicas, optimizer, model options, more config
+    (2, "sgd", {}, {}),
+    (2, "adam", {"clip": True, "ema": True, "random_table": True, "dim": 5}, {}),
+    (4, "adam", {"clip": True}, {}),
+    (4, "adam", {"clip": True}, EACH_ROW),
+    (4, "adagrad", {"clip": True, "dim": 6}, {}),
+    (2, "momentum", {"ema": True, "clip": True}, EACH_ROW),
+    (4, "rmsprop", {"dim": 7}, {}),
 ]
 
 
-@pytest.mark.parametrize("n,optimizer,extras", CASES,
-                         ids=[f"{n}-{o}-{'-'.join(e) or 'plain'}" for n, o, e in CASES])
-def test_replicas_match_one_device(n, optimizer, extras):
+@pytest.mark.parametrize("n,optimizer,extras,more", CASES, ids=[
+    f"{n}-{o}-{'-'.join(e) or 'plain'}{'-each-row' if m else ''}" for n, o, e, m in CASES])
+def test_replicas_match_one_device(n, optimizer, extras, more):
+    """Each distinct id's row exchanged once and each distinct gradient row
+    sent once (the default), or every occurrence (`EACH_ROW`)."""
     seen = {}
     parallel, single, names = train_both(lambda b: embedding_regression(b, optimizer, **extras),
-                                         n, 8, config=CONFIG, seen=seen)
+                                         n, 8, config={**CONFIG, **more}, seen=seen)
     plan = seen["plan"]
     assert plan.variables["emb"].method == "alltoall"
+    assert plan.variables["emb"].coalesce == plan.distinct_lookups == (not more)
     width = extras.get("dim", 4)
     assert [s.size for s in plan.placement["emb"].shards] == \
         [width // n + (k < width % n) for k in range(n)]

@@ -11,7 +11,8 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from models import OPTIMIZERS, embedding_regression, local, read_name, train_single, variable_names
+from models import (OPTIMIZERS, embedding_regression, local, read_name, train_both, train_single,
+                    variable_names)
 
 STEPS, BATCH, TOL = 10, 4, 1e-5
 CASES = list(itertools.product(["hybrid", "allreduce", "ps"], sorted(OPTIMIZERS),
@@ -74,3 +75,37 @@ def test_summed_losses_with_summed_gradients(run_option):
     single = train_single(*embedding_regression(2 * BATCH, small, loss_sum=True), STEPS)
     for name, want in single.items():
         assert np.max(np.abs(got[name] - want)) <= TOL, name
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adam"])
+def test_a_sparse_gradient_all_reduced_as_dense(optimizer):
+    """sparse_method allreduce: the embedding's rows summed by index into a
+    dense tensor, all-reduced, the touched rows applied (momentum: rows no
+    replica touched stay), next to dense gradients in one bucket; clipping
+    by the global norm and moving averages."""
+    seen = {}
+    parallel, single, names = train_both(
+        lambda b: embedding_regression(b, optimizer, clip=True, ema=True), 2, STEPS,
+        config={"run_option": "allreduce", "sparse_method": "allreduce",
+                "buckets": {"mode": "single"}}, seen=seen)
+    assert seen["plan"].variables["emb"].method == "allreduce"
+    assert all("emb" not in b.variables for b in seen["plan"].buckets)
+    for name, want in single.items():
+        for got in parallel[name]:
+            assert np.max(np.abs(np.asarray(got) - want)) <= TOL, name
+
+
+def test_rows_seen_one_by_one_cannot_be_summed_as_dense():
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf.compat.v1.placeholder(tf.int32, [None])
+        emb = tf.compat.v1.get_variable("emb", initializer=np.ones([10, 4], np.float32))
+        opt = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+        gv = opt.compute_gradients(tf.reduce_mean(tf.nn.embedding_lookup(emb, ids)))
+        tf.identity(tf.reduce_sum(gv[0][0].values), name="grad_total")
+        opt.apply_gradients(gv)
+    with pytest.raises(pn.ConfigError,
+                       match="variable_methods.emb' is allreduce.*use allgather, alltoall"):
+        pn.get_runner(g, local(2), {"variable_methods": {"emb": "allreduce"}})
+    plan = pn.transform_plan(g, local(2), {"sparse_method": "allreduce"})
+    assert plan.variables["emb"].method == "ps"       # the run option's, hybrid

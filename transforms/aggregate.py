@@ -6,7 +6,8 @@ is combined across replicas before anything else reads it (clipping, global
 norms, summaries, update ops), by the plan's method:
 - allreduce: the backend's all-reduce (mean or sum; parallax_ng/comm.py),
   one per variable, or one per bucket of the plan's (packed flat on each
-  replica's device, reduced, split back);
+  replica's device, reduced, split back); a sparse gradient as a dense one
+  (its rows summed by index, with their counts), then the touched rows;
 - ps: sum of the worker's replicas on the variable's server (host CPU
   in-process; transforms/local_aggregation.py moves it to the worker's
   host); IndexedSlices are concatenated there, scaled by 1/N for a mean;
@@ -76,12 +77,70 @@ class AggregatePass:
 
 
 def _allreduce(ctx, var, grad):
+    if grad.sparse:
+        return _dense_rows(ctx, var, grad)
     plan, dtype = ctx.plan, ctx.tg.tensor(grad.values).dtype
     nodes, outs = ctx.comm.all_reduce(
         f"parallax/allreduce/{var}",
         [ctx.replica_tensor(k, grad.values) for k in range(plan.num_replicas)],
         dtype, plan.average_dense)
     return nodes, {grad.values: outs}
+
+
+def _dense_rows(ctx, var, grad):
+    """A sparse gradient all-reduced as a dense one: each replica's rows
+    summed into a [rows, columns + 1] tensor whose last column counts the
+    row's occurrences, one all-reduce, then the rows any replica touched
+    (their sums; every occurrence's share of a global norm's L2Loss summed
+    over the replicas). The planner allows it only where each row once,
+    duplicates summed, is what the gradient's uses see (`coalescing`)."""
+    plan, tg = ctx.plan, ctx.tg
+    vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
+    rows, width = tg.variables[var].shape[0], _elements(tg, var) // tg.variables[var].shape[0]
+    scope = f"parallax/allreduce/{var}"
+    nodes, outputs = [], {}
+    mean = plan.average_sparse and plan.group_size > 1
+    sums = []
+    for k, device in enumerate(plan.devices):
+        made, (total,) = emit.emit_traced(
+            lambda v, i: tf.math.unsorted_segment_sum(
+                tf.concat([tf.reshape(v, [-1, width]), tf.ones_like(v[:, :1])], 1), i, rows),
+            [(ctx.replica_tensor(k, grad.values), vt.dtype, [None, width]),
+             (ctx.replica_tensor(k, grad.indices), it.dtype, [None])],
+            f"{scope}/replica_{k}/dense", device)
+        nodes += made
+        sums.append(total)
+    made, reduced = ctx.comm.all_reduce(f"{scope}/reduce", sums, vt.dtype, False)
+    nodes += made
+    values, indices = [], []
+    for k, device in enumerate(plan.devices):
+        def touched(total):
+            where = tf.cast(tf.reshape(tf.where(total[:, -1] > 0), [-1]), it.dtype)
+            got = tf.gather(total[:, :-1], where)
+            if mean:
+                got = got * tf.cast(1.0 / plan.group_size, vt.dtype)
+            return tf.reshape(got, tf.concat([[-1], vt.shape[1:]], 0)), where
+        made, (v, i) = emit.emit_traced(touched, [(reduced[k], vt.dtype, [rows, width + 1])],
+                                        f"{scope}/replica_{k}/rows", device)
+        nodes += made
+        values.append(v)
+        indices.append(i)
+    outputs.update({grad.values: values, grad.indices: indices})
+    norms = coalescing(tg, var) or ()
+    if norms:
+        scale = 1.0 / plan.group_size if mean else 1.0
+        shares = []
+        for k, device in enumerate(plan.devices):
+            part = f"{scope}/replica_{k}/norm"
+            nodes += [emit.const(f"{part}/scale", scale, vt.dtype, device),
+                      emit.node_def(f"{part}/scaled", "Mul", [ctx.replica_tensor(
+                          k, grad.values), f"{part}/scale"], device, T=vt.dtype),
+                      emit.node_def(part, "L2Loss", [f"{part}/scaled"], device, T=vt.dtype)]
+            shares.append(part)
+        made, summed = ctx.comm.all_reduce(f"{scope}/norm", shares, vt.dtype, False)
+        nodes += made
+        outputs.update({TensorRef(norm, 0): summed for norm in norms})
+    return nodes, outputs
 
 
 def _ps(ctx, var, grad):
@@ -272,43 +331,63 @@ def _allgather(ctx, var, grad):
     shares (as one device squares every row)."""
     plan, tg = ctx.plan, ctx.tg
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
-    n, scope = plan.num_replicas, f"parallax/allgather/{var}"
-    values = [ctx.replica_tensor(k, grad.values) for k in range(n)]
-    indices = [ctx.replica_tensor(k, grad.indices) for k in range(n)]
-    nodes, outputs = [], {}
-    if plan.variables[var].coalesce:
-        scale = 1.0 / plan.group_size if plan.average_sparse else 1.0
-        for k, device in enumerate(plan.devices):
-            part = f"{scope}/replica_{k}/rows"
-            nodes += _coalesce(part, values[k], indices[k], vt.dtype, it.dtype, device)
-            nodes += [emit.const(f"{part}/scale", scale, vt.dtype, device),
-                      emit.node_def(f"{part}/scaled", "Mul", [values[k], f"{part}/scale"],
-                                    device, T=vt.dtype),
-                      emit.node_def(f"{part}/norm", "L2Loss", [f"{part}/scaled"], device,
-                                    T=vt.dtype)]
-            values[k], indices[k] = f"{part}/coalesced", f"{part}/distinct"
-        norms = coalescing(tg, var)
-        if norms:
-            made, summed = ctx.comm.all_reduce(
-                f"{scope}/norm", [f"{scope}/replica_{k}/rows/norm" for k in range(n)],
-                vt.dtype, False)
-            nodes += made
-            outputs.update({TensorRef(norm, 0): summed for norm in norms})
+    scope = f"parallax/allgather/{var}"
+    nodes, values, indices, outputs = _replica_rows(ctx, var, grad, scope)
     made, v, i = ctx.comm.all_gather(scope, values, indices, vt.dtype, it.dtype, vt.shape,
                                      plan.average_sparse)
     outputs.update({grad.values: v, grad.indices: i})
     return nodes + made, outputs
 
 
+def _replica_rows(ctx, var, grad, scope):
+    """Each replica's gradient rows as they leave it: (nodes, values,
+    indices, outputs). Coalesced when the plan says so: each distinct row
+    once, duplicates summed, and a global norm's L2Loss of the rows (the
+    outputs) the sum over the replicas of their rows' shares, squared
+    before the sum, as one device squares every row."""
+    plan, tg = ctx.plan, ctx.tg
+    vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
+    n = plan.num_replicas
+    values = [ctx.replica_tensor(k, grad.values) for k in range(n)]
+    indices = [ctx.replica_tensor(k, grad.indices) for k in range(n)]
+    nodes, outputs = [], {}
+    if not plan.variables[var].coalesce:
+        return nodes, values, indices, outputs
+    scale = 1.0 / plan.group_size if plan.average_sparse else 1.0
+    for k, device in enumerate(plan.devices):
+        part = f"{scope}/replica_{k}/rows"
+        nodes += _coalesce(part, values[k], indices[k], vt.dtype, it.dtype, device)
+        nodes += [emit.const(f"{part}/scale", scale, vt.dtype, device),
+                  emit.node_def(f"{part}/scaled", "Mul", [values[k], f"{part}/scale"],
+                                device, T=vt.dtype),
+                  emit.node_def(f"{part}/norm", "L2Loss", [f"{part}/scaled"], device,
+                                T=vt.dtype)]
+        values[k], indices[k] = f"{part}/coalesced", f"{part}/distinct"
+    norms = coalescing(tg, var)
+    if norms:
+        made, summed = ctx.comm.all_reduce(
+            f"{scope}/norm", [f"{scope}/replica_{k}/rows/norm" for k in range(n)],
+            vt.dtype, False)
+        nodes += made
+        outputs.update({TensorRef(norm, 0): summed for norm in norms})
+    return nodes, values, indices, outputs
+
+
 def _alltoall(ctx, var, grad):
+    """Each replica's rows (each distinct row once when coalesced) exchanged,
+    each replica receiving its columns of all of them; a global norm's
+    L2Loss of the rows summed over the replicas (their rows' shares when
+    coalesced, else their columns' shares)."""
     plan, tg = ctx.plan, ctx.tg
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
     n, scope = plan.num_replicas, f"parallax/alltoall/{var}"
-    nodes, v, i = ctx.comm.columns_gradient(
-        scope, [ctx.replica_tensor(k, grad.values) for k in range(n)],
-        [ctx.replica_tensor(k, grad.indices) for k in range(n)], plan.placement[var],
-        vt.dtype, it.dtype, plan.average_sparse)
-    outputs = {grad.values: v, grad.indices: i}
+    nodes, values, indices, outputs = _replica_rows(ctx, var, grad, scope)
+    made, v, i = ctx.comm.columns_gradient(scope, values, indices, plan.placement[var],
+                                           vt.dtype, it.dtype, plan.average_sparse)
+    nodes += made
+    outputs.update({grad.values: v, grad.indices: i})
+    if plan.variables[var].coalesce:
+        return nodes, outputs
     for norm in columns.uses(tg, var).norms:     # each replica squared its columns
         made, summed = ctx.comm.all_reduce(
             f"{scope}/norm/{norm}", [ctx.replica_tensor(k, TensorRef(norm, 0))

@@ -10,7 +10,8 @@ found (`columns.uses`):
   variable of the replica's columns only ([rows, width of part j]);
 - a lookup whose rows the model reads gives full rows, by the backend's
   exchange (`comm.columns_lookup`: the replicas' ids gathered, each replica
-  looks up its columns for all of them, one AlltoAll);
+  looks up its columns for all of them, one AlltoAll; with the plan's
+  `distinct_lookups`, each distinct id of a replica once);
 - a read of the whole value (a fetch, a tied layer) reads every replica's
   part, on other workers too, and puts them side by side (the backend's
   `join_columns`: under Horovod an all-gather);
@@ -206,7 +207,8 @@ def _lookup(ir, ctx, op: str, part, changed: dict, added: list) -> None:
     id_type = tf.as_dtype(node.attr["Tindices"].type)
     nodes, outs = ctx.comm.columns_lookup(
         f"parallax/columns/{op}", [format_input(i[1].node, i[1].index) for i in inputs],
-        [format_input(i[0].node, i[0].index) for i in inputs], part, dtype, id_type)
+        [format_input(i[0].node, i[0].index) for i in inputs], part, dtype, id_type,
+        plan.distinct_lookups)
     added.extend(nodes)
     for n, out in zip(names, outs):
         old = ir.node(n)
