@@ -10,6 +10,9 @@ MultiWorkerMirroredStrategy training the same model; on loopback, or with
 
 `--netlab` uses ../shared/tools/netlab beside the checkout, or $NETLAB.
 `--modes ablation` runs the rows of a Table-4-shaped ablation (2 servers);
+`--modes sparse` the sparse variables by alltoall, allgather, servers
+(hybrid) and as dense all-reduce (EmbRace's comparison), with the gradient
+rows a worker sends per step before and after coalescing;
 `balance-*` modes put only dense gradients on 2 or 3 servers.
 
 Each mode is one `parallax-ng run` job. Worker 0 times a window of --steps
@@ -33,6 +36,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 MODES = ("hybrid", "hybrid-staged", "hybrid-per-host", "allreduce", "ps", "mwms")
+# sparse variables (lm_small's embedding and softmax weights) by each method,
+# dense ones by all-reduce: `--modes sparse` (EmbRace's comparison)
+SPARSE = ("alltoall", "allgather", "hybrid", "dense-allreduce")
 TWO = "[127.0.0.1, 127.0.0.1]"
 OFF = {"local_aggregation": False, "colocate_updates": False, "lookups_on_servers": False}
 # Parallax's Table 4, one feature added per row (2 servers): a plain
@@ -63,6 +69,9 @@ CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
                              "[127.0.0.1]"),
            "hybrid-per-host": ({"run_option": "hybrid"}, "per_host"),
            "allreduce": ({"run_option": "allreduce"}, None),
+           "allgather": ({"run_option": "allreduce"}, None),
+           "alltoall": ({"run_option": "allreduce", "sparse_method": "alltoall"}, None),
+           "dense-allreduce": ({"run_option": "allreduce", "sparse_method": "allreduce"}, None),
            "ps": ({"run_option": "ps"}, "[127.0.0.1]"),
            "mwms": (None, None),
            **{mode: (config, TWO) for mode, config in ABLATION.items()},
@@ -103,7 +112,8 @@ def main():
                        capture_output=True)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            modes = args.modes.replace("ablation", ",".join(ABLATION)).split(",")
+            modes = args.modes.replace("ablation", ",".join(ABLATION)).replace(
+                "sparse", ",".join(SPARSE)).split(",")
             for mode in modes:
                 runs = [job(mode, args, tmp, r) for r in range(args.repeats)]
                 runs.sort(key=lambda r: r["steps_per_s"])
@@ -224,7 +234,11 @@ def traffic_model(plan, rows: dict, index_bytes: dict, distinct_ids: dict) -> di
     variable: its value); a ring over the G replicas of the job sends
     2(G-1)/G of a dense gradient over each worker's link out, an all-gather
     G-1 replicas' rows; fusion buffers go to the servers whole and come back
-    from each server by its shard."""
+    from each server by its shard. Alltoall (EmbRace): the ids gathered and
+    each replica's part of every looked-up row sent to each other replica
+    (rows padded to the widest part), the same for the gradient's rows; a
+    sparse gradient all-reduced as dense: its whole table and a count per
+    row.
     workers, group = plan.num_workers, plan.group_size
     out = {f"worker {w}": 0.0 for w in range(workers)}
     out.update({f"ps {j}": 0.0 for j in range(len(plan.servers))})
@@ -241,6 +255,15 @@ def traffic_model(plan, rows: dict, index_bytes: dict, distinct_ids: dict) -> di
             else [(plan.server(var), 1.0)]
         if info.sparse:
             row, r = info.nbytes / info.shape[0], rows[var]
+            if vp.method == "alltoall":    # ids gathered, a part of each row exchanged
+                widest = max(s.size for s in p.shards)
+                part = row / info.shape[1] * widest
+                sends += (group - plan.num_replicas) * (distinct_ids[var] + r) * (
+                    index_bytes[var] + part)
+                continue
+            if vp.method == "allreduce":   # dense, with a count per row
+                sends += 2 * (group - 1) / group * (info.nbytes + 4 * info.shape[0])
+                continue
             if vp.method == "allgather":
                 sends += (group - 1) * r / plan.num_replicas * (row + index_bytes[var])
                 continue

@@ -59,10 +59,13 @@ def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profil
         info, order = profile.apply(info, tg), profile.order
     if cluster_info is not None:
         job_order = job_order or {"order": [], "source": ""}
+        measured = _job_profile(job_order)
+        if measured is not None and measured.rows:   # the rows worker 0's step touched
+            info = measured.apply(info, tg)
         plan = make_plan(tg, info, config, cluster_info.device_strings(), cluster_info.host,
                          len(cluster_info.workers), cluster_info.task,
                          cluster_info.server_devices(), tuple(job_order["order"]),
-                         profile=_job_profile(job_order))
+                         profile=measured)
         if plan.buffers:
             plan = replace(plan, order_source=job_order["source"])
     else:
@@ -214,7 +217,9 @@ def _runner(tg, resources, config: Config, session_config, cluster_info=None, ho
 def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
                ) -> dict | None:
     """In a job whose dense gradients go through fusion buffers or mgwfbp
-    buckets: what worker 0's first step measured, before the graph is built
+    buckets, or whose methods run_option auto weighs (by the rows a step
+    touches and the network): what worker 0's first step measured, before
+    the graph is built
     (parallax_ng/profile.py first_step_profile: the order and times the
     gradients became ready), and, when mgwfbp has no a and b, the all-reduce
     benchmark that every worker runs together (parallax_ng/costfit.py);
@@ -232,11 +237,13 @@ def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
     plan = _plan(tg, None, config, cluster_info)
     mgwfbp = config.buckets.mode == "mgwfbp" and not config.buckets.profile and any(
         vp.method == "allreduce" for vp in plan.variables.values())
-    if not plan.buffers and not mgwfbp and not profile_steps:
+    auto = config.run_option == "auto"
+    if not plan.buffers and not mgwfbp and not auto and not profile_steps:
         return None
     timeout = config.communication.timeout_seconds
     fit = None
-    if mgwfbp and config.buckets.a is None or profile_steps:
+    if mgwfbp and config.buckets.a is None or profile_steps or \
+            auto and config.network.bandwidth is None:
         fit = costfit.measure(server.target, list(plan.devices), plan.group_size,
                               costfit.sizes(costfit.model_bytes(tg, plan)),
                               cluster_info.session_config(), timeout)
@@ -261,11 +268,12 @@ def _job_profile(job_order: dict):
     """The Profile worker 0 measured and shared (`_job_order`), or None."""
     from .costfit import Fit
     from .profile import Profile
-    if not job_order.get("ready") and not job_order.get("allreduce"):
+    if not job_order.get("ready") and not job_order.get("allreduce") and \
+            not job_order.get("rows"):
         return None
     fit = job_order.get("allreduce")
-    return Profile(1, {}, dict(job_order.get("ready", {})), job_order.get("forward_time", 0.0),
-                   Fit.from_dict(fit) if fit else None)
+    return Profile(1, dict(job_order.get("rows", {})), dict(job_order.get("ready", {})),
+                   job_order.get("forward_time", 0.0), Fit.from_dict(fit) if fit else None)
 
 
 def _job_config(config) -> Config:

@@ -13,7 +13,7 @@ import yaml
 
 from .errors import ConfigError
 
-RUN_OPTIONS = ("hybrid", "allreduce", "ps")
+RUN_OPTIONS = ("hybrid", "allreduce", "ps", "auto")
 METHODS = ("allreduce", "ps", "allgather", "bfb", "alltoall")
 DENSE_METHODS = ("auto", "allreduce", "ps", "bfb")
 SPARSE_METHODS = ("auto", "ps", "allgather", "alltoall", "allreduce")
@@ -57,6 +57,22 @@ class FusionConfig:
                 or self.buffer_bytes < 0:
             raise ConfigError("config key 'fusion.buffer_bytes' must be a whole number of "
                               f"bytes >= 0 (0: automatic), not {self.buffer_bytes!r}")
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    """The network `run_option: auto` weighs methods with (None: measured by
+    the all-reduce benchmark when the runner profiles, else assumed)."""
+    bandwidth: float | None = None   # bytes per second
+    latency: float | None = None     # seconds per message
+
+    def __post_init__(self):
+        if self.bandwidth is not None:
+            _check_positive("network.bandwidth", self.bandwidth)
+        if self.latency is not None and (not isinstance(self.latency, (int, float)) or
+                                         isinstance(self.latency, bool) or self.latency < 0):
+            raise ConfigError(f"config key 'network.latency' must be seconds >= 0, not "
+                              f"{self.latency!r}")
 
 
 BUCKET_MODES = ("none", "single", "threshold", "mgwfbp")
@@ -135,6 +151,7 @@ class Config:
     placement_rewrites: PlacementRewritesConfig = field(
         default_factory=PlacementRewritesConfig)
     buckets: BucketsConfig = field(default_factory=BucketsConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
     dense_method: str = "auto"                             # auto: the run option's
     sparse_method: str = "auto"                            # auto: the run option's
     ps_placement: str = "greedy"                           # whole variables over servers
@@ -177,7 +194,7 @@ class Config:
                           ("checkpoint", CheckpointConfig), ("profile", ProfileConfig),
                           ("fusion", FusionConfig),
                           ("placement_rewrites", PlacementRewritesConfig),
-                          ("buckets", BucketsConfig)):
+                          ("buckets", BucketsConfig), ("network", NetworkConfig)):
             section = data.pop(key, None) or {}
             if not isinstance(section, dict):
                 raise ConfigError(f"config key {key!r} must be a mapping")

@@ -95,6 +95,8 @@ class Plan:
     #                                   replica's by alltoall
     order_source: str = ""            # where the fusion buffers' packing order came from
     rewrites: Rewrites = field(default_factory=Rewrites)
+    costs: dict = field(default_factory=dict)   # run_option auto: var -> {method: seconds}
+    network: str = ""                           # the network those costs assume
 
     @property
     def num_replicas(self) -> int:
@@ -193,7 +195,8 @@ class Plan:
     def decisions(self) -> "Plan":
         """The plan without its measurements (sparsity, gradient order): two
         plans with equal decisions transform a graph alike."""
-        return replace(self, schedule=replace(self.schedule, order=()), variables={
+        return replace(self, schedule=replace(self.schedule, order=()), costs={}, network="",
+                       variables={
             k: replace(vp, info=replace(vp.info, alpha=None, alpha_source=""))
             for k, vp in self.variables.items()})
 
@@ -215,6 +218,7 @@ class Plan:
                          "placement": _placement_dict(b.placement)} for b in self.buffers],
             "distinct_lookups": self.distinct_lookups, "order_source": self.order_source,
             "rewrites": dict(vars(self.rewrites)),
+            "costs": {k: dict(v) for k, v in self.costs.items()}, "network": self.network,
         }
 
     def format(self) -> str:
@@ -229,6 +233,13 @@ class Plan:
             rows.append(f"{name:40} {str(list(i.shape)):>16} "
                         f"{'sparse' if i.sparse else 'dense':6} {alpha:>6} "
                         f"{vp.method:9} {traffic[name] / 1e6:15.3f}")
+        if self.costs:
+            rows.append(f"run_option auto, predicted ms/step by method ({self.network}):")
+            for name, table in sorted(self.costs.items(),
+                                      key=lambda kv: self.variables[kv[0]].info.order):
+                rows.append(f"  {name:38} " + "  ".join(
+                    f"{m}{'*' if m == self.variables[name].method else ''} {t * 1e3:.3f}"
+                    for m, t in table.items()))
         if self.servers:
             rows.append("servers: " + ", ".join(f"{d} {b / 1e6:.3f} MB"
                                                 for d, b in self.server_load().items()))

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import buckets as bucketing
-from . import columns, queues, randomness
+from . import columns, costmodel, queues, randomness
 from .analysis import VariableInfo
 from .config import Config
 from .duplicates import coalescing
@@ -43,14 +43,22 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     `_job_order`); empty: the static order. `profile`: a measured step
     (parallax_ng/profile.py), whose ready times the mgwfbp buckets use."""
     job_servers = num_workers > 1 and bool(servers) and config.communication.backend == "tf"
+    can_cut = lambda v: cuttable(tg, v, len(devices), num_workers)   # noqa: E731
+    can_sum = lambda v: coalescing(tg, v) is not None                 # noqa: E731
+    group = len(devices) * num_workers
+    net, costs = None, {}
+    if config.run_option == "auto":
+        net = network(config, profile, group)
+        costs = {name: costmodel.costs(vi, allowed_methods(vi, name, job_servers, can_cut,
+                                                           can_sum),
+                                       group, len(servers), net)
+                 for name, vi in info.items()}
     variables = {name: VariablePlan(name, method, info[name],
                                     coalesce=config.coalesce_rows and
                                     method in ("ps", "allgather", "alltoall") and
                                     coalescing(tg, name) is not None)
                  for name, method in choose_methods(
-                     info, config, job_servers,
-                     lambda v: cuttable(tg, v, len(devices), num_workers),
-                     lambda v: coalescing(tg, v) is not None).items()}
+                     info, config, job_servers, can_cut, can_sum, costs).items()}
     roots = shared_roots(variables)
     fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
     _check_servers(tg, roots + fused, config, num_workers, servers)
@@ -76,6 +84,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                 backend=config.communication.backend, random=random,
                 split_queues={q.queue: q.enqueues for q in producers},
                 schedule=Schedule(staged=staged), buffers=buffers, buckets=buckets,
+                costs=costs, network=net.describe() if net else "",
                 distinct_lookups=config.distinct_lookups and (
                     bool(servers) or any(vp.method == "alltoall" for vp in variables.values())),
                 rewrites=Rewrites(**vars(config.placement_rewrites)))
@@ -84,7 +93,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
 # -- 1. policy -----------------------------------------------------------------
 def choose_methods(info: dict[str, VariableInfo], config: Config,
                    job_servers: bool = False, cuttable=lambda v: True,
-                   can_sum_rows=lambda v: True) -> dict[str, str]:
+                   can_sum_rows=lambda v: True, costs=None) -> dict[str, str]:
     """`job_servers`: a job of several workers with parameter servers, where
     `hybrid` aggregates dense gradients by balanced fusion buffers (one
     session.run per step; all-reduce would need stages, measured slower).
@@ -93,14 +102,17 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
     dense one (duplicate rows summed: parallax_ng/duplicates.py).
     `sparse_method: alltoall` (or allreduce) takes the run option's method
     for a variable that cannot (a 1-D bias cannot be cut by columns, say);
-    naming it in `variable_methods` is an error."""
+    naming it in `variable_methods` is an error. `costs` (run_option auto):
+    each variable's predicted seconds per allowed method; the cheapest wins."""
     unknown = set(config.variable_methods) - set(info)
     if unknown:
         raise ConfigError(f"config key 'variable_methods' names {sorted(unknown)}, which "
                           f"are not trained variables; trained: {sorted(info)}")
     out = {}
     for name, vi in info.items():
-        method = config.variable_methods.get(name) or _default_method(config, vi, job_servers)
+        method = config.variable_methods.get(name) or (
+            costmodel.choose(costs[name]) if costs else
+            _default_method(config, vi, job_servers))
         if name not in config.variable_methods and vi.sparse and (
                 method == "alltoall" and not cuttable(name) or
                 method == "allreduce" and not can_sum_rows(name)):
@@ -123,6 +135,32 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
                               "gradient; use ps, allgather or allreduce")
         out[name] = method
     return out
+
+
+def allowed_methods(vi: VariableInfo, name: str, job_servers: bool, can_cut,
+                    can_sum) -> tuple[str, ...]:
+    """The methods `run_option: auto` weighs for a variable: all-reduce for a
+    dense one (and fusion buffers on a job's servers); for a sparse one
+    all-gather, alltoall where the table can be cut by columns, all-reduce
+    as dense where its rows may be summed, and servers in a job that has
+    them."""
+    if not vi.sparse:
+        return ("allreduce", "bfb") if job_servers else ("allreduce",)
+    out = ["allgather"] + (["alltoall"] if can_cut(name) else []) + (
+        ["allreduce"] if can_sum(name) else [])
+    return tuple(out + (["ps"] if job_servers else []))
+
+
+def network(config: Config, profile, replicas: int) -> costmodel.Network:
+    """The network constants: config `network`, else the profile's all-reduce
+    fit, else the defaults."""
+    if config.network.bandwidth is not None:
+        return costmodel.Network(config.network.bandwidth, config.network.latency or 0.0,
+                                 "config network")
+    if profile is not None and profile.allreduce is not None:
+        cost = profile.allreduce.cost
+        return costmodel.Network.from_allreduce(cost.a, cost.b, replicas)
+    return costmodel.Network(costmodel.BANDWIDTH, costmodel.LATENCY)
 
 
 def _default_method(config: Config, vi: VariableInfo, job_servers: bool) -> str:

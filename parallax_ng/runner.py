@@ -191,12 +191,14 @@ class Runner:
 
     def _wants_fit(self) -> bool:
         """In-process with TensorFlow collectives over several devices, when
-        the mgwfbp buckets need the all-reduce cost or `parallax-ng profile`
-        asks for it (a job measures before its graph is built)."""
+        the mgwfbp buckets or run_option auto need the all-reduce cost or
+        `parallax-ng profile` asks for it (a job measures before its graph
+        is built)."""
         plan, buckets = self.plan, self.config.buckets
         return (self.server is None and plan.backend == "tf" and len(plan.devices) > 1 and
                 plan.group_size == len(plan.devices) and
                 (buckets.mode == "mgwfbp" and buckets.a is None and not buckets.profile
+                 or self.config.run_option == "auto" and self.config.network.bandwidth is None
                  or capture.wants_fit()))
 
     def _plan_again(self) -> None:

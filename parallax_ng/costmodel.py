@@ -1,0 +1,82 @@
+"""Cost model: the communication time of one variable per step by each
+aggregation method, for `run_option: auto`.
+
+EmbRace's Table 2, with N replicas, S parameter servers, a table of M
+bytes of which one replica's step touches the share alpha of the rows, a
+network of bandwidth B bytes/s and latency beta per message:
+- allreduce (a ring; a sparse gradient summed as dense):  2(N-1)(M/(NB) + beta)
+- ps (push rows, pull rows; balanced over the servers):  2N(alpha M/(SB) + beta)
+- allgather (every replica's rows to every replica):      (N-1)(alpha M/B + beta)
+- alltoall (rows by columns, forward and backward):       2(N-1)(alpha M/(NB) + beta)
+A dense variable has alpha = 1; its server method is balanced fusion
+buffers (bfb) or ps, the same formula. With beta = 0 and B = 1 the times
+are the bytes each replica sends (Parallax's Table 3 for allreduce and
+ps). The network constants come from the all-reduce micro-benchmark
+(parallax_ng/costfit.py), whose fit a + bM of a ring over N replicas has
+a = 2(N-1) beta and b = 2(N-1)/(NB); else from config `network`, else the
+defaults below.
+
+Requires: VariableInfo (bytes, alpha). Guarantees: `choose` returns the
+cheapest allowed method, ties to the earlier of METHODS; the same inputs
+give the same answer on every worker.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .analysis import VariableInfo
+
+METHODS = ("allreduce", "alltoall", "allgather", "bfb", "ps")
+BANDWIDTH = 1.25e9      # bytes/s: 10 Gb/s, when nothing is measured or configured
+LATENCY = 50e-6         # seconds per message
+
+
+@dataclass(frozen=True)
+class Network:
+    bandwidth: float        # bytes per second (B)
+    latency: float          # seconds per message (beta)
+    source: str = "default"
+
+    @classmethod
+    def from_allreduce(cls, a: float, b: float, replicas: int) -> "Network":
+        """The constants of a ring all-reduce fit T(M) = a + bM over
+        `replicas` (a = 2(N-1) beta, b = 2(N-1)/(N B))."""
+        n = max(replicas, 2)
+        return cls(2 * (n - 1) / (n * b) if b > 0 else float("inf"), a / (2 * (n - 1)),
+                   "the all-reduce benchmark")
+
+    def describe(self) -> str:
+        return (f"network {self.bandwidth * 8 / 1e9:.3g} Gb/s, {self.latency * 1e6:.3g} us "
+                f"per message ({self.source})")
+
+
+def seconds(method: str, info: VariableInfo, replicas: int, servers: int,
+            net: Network) -> float:
+    """Predicted communication seconds per step of `info`'s gradient (and,
+    for alltoall, its lookups) by `method`."""
+    n, m, b, beta = replicas, float(info.nbytes), net.bandwidth, net.latency
+    alpha = (info.alpha or 1.0) if info.sparse else 1.0
+    if n < 2:
+        return 0.0
+    if method == "allreduce":
+        if info.sparse:             # a count per row rides along
+            m *= (info.shape[1] + 1) / info.shape[1] if len(info.shape) == 2 else 1.0
+        return 2 * (n - 1) * (m / (n * b) + beta)
+    if method in ("ps", "bfb"):
+        return 2 * n * (alpha * m / (max(servers, 1) * b) + beta)
+    if method == "allgather":
+        return (n - 1) * (alpha * m / b + beta)
+    if method == "alltoall":
+        return 2 * (n - 1) * (alpha * m / (n * b) + beta)
+    raise ValueError(f"no cost for method {method!r}")
+
+
+def costs(info: VariableInfo, allowed, replicas: int, servers: int,
+          net: Network) -> dict[str, float]:
+    """Seconds per step by each allowed method, in METHODS order."""
+    return {m: seconds(m, info, replicas, servers, net) for m in METHODS if m in allowed}
+
+
+def choose(table: dict[str, float]) -> str:
+    """The cheapest method (ties: the earlier in METHODS)."""
+    return min(table, key=lambda m: (table[m], METHODS.index(m)))
