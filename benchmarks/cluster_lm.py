@@ -238,7 +238,7 @@ def traffic_model(plan, rows: dict, index_bytes: dict, distinct_ids: dict) -> di
     each replica's part of every looked-up row sent to each other replica
     (rows padded to the widest part), the same for the gradient's rows; a
     sparse gradient all-reduced as dense: its whole table and a count per
-    row.
+    row."""
     workers, group = plan.num_workers, plan.group_size
     out = {f"worker {w}": 0.0 for w in range(workers)}
     out.update({f"ps {j}": 0.0 for j in range(len(plan.servers))})

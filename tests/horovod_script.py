@@ -25,7 +25,8 @@ args = parser.parse_args()
 
 g, h = embedding_regression(4, "adam", clip=True, ema=True)
 runner = pn.get_runner(g, local(args.devices), {
-    "run_option": "allreduce", "sparse_method": args.sparse, "communication": {"backend": "horovod", "timeout_seconds": 120},
+    "run_option": "allreduce", "sparse_method": args.sparse,
+    "communication": {"backend": "horovod", "timeout_seconds": 120},
     "buckets": {"mode": args.buckets, "bytes": 40,
                 **({"a": 1e-3, "b": 1e-9} if args.buckets == "mgwfbp" else {})}})
 runner.run([h["init"], h["iterator_init"]])
