@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 MODES = ("hybrid", "hybrid-staged", "hybrid-per-host", "allreduce", "ps", "mwms")
 # sparse variables (lm_small's embedding and softmax weights) by each method,
 # dense ones by all-reduce: `--modes sparse` (EmbRace's comparison)
-SPARSE = ("alltoall", "allgather", "hybrid", "dense-allreduce")
+SPARSE = ("alltoall", "allgather", "hybrid", "dense-allreduce", "auto")
 TWO = "[127.0.0.1, 127.0.0.1]"
 OFF = {"local_aggregation": False, "colocate_updates": False, "lookups_on_servers": False}
 # Parallax's Table 4, one feature added per row (2 servers): a plain
@@ -72,6 +72,7 @@ CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
            "allgather": ({"run_option": "allreduce"}, None),
            "alltoall": ({"run_option": "allreduce", "sparse_method": "alltoall"}, None),
            "dense-allreduce": ({"run_option": "allreduce", "sparse_method": "allreduce"}, None),
+           "auto": ({"run_option": "auto"}, None),
            "ps": ({"run_option": "ps"}, "[127.0.0.1]"),
            "mwms": (None, None),
            **{mode: (config, TWO) for mode, config in ABLATION.items()},
@@ -206,7 +207,13 @@ def format_row(r: dict) -> str:
     servers = [b for task, b in r["bytes_per_step"].items() if task.startswith("ps ")]
     balance = (f"  servers max/mean {max(servers) * len(servers) / sum(servers):.3f}"
                if len(servers) > 1 and sum(servers) else "")
-    return f"{r['steps_per_s']:7.2f} steps/s  sent per step: {sent}{balance}"
+    sparse = ", ".join(f"{v} {m}" for v, m in sorted(r.get("methods", {}).items())
+                       if v in r.get("gradient_rows", {}))
+    rows = ", ".join(f"{v} {n['before']:.0f} -> {n['after']:.0f}"
+                     for v, n in sorted(r.get("gradient_rows", {}).items()))
+    return (f"{r['steps_per_s']:7.2f} steps/s  sent per step: {sent}{balance}" +
+            (f"\n{'':17}sparse: {sparse}; gradient rows per replica and step: {rows}"
+             if rows else ""))
 
 
 def report(results: dict, ablation: bool = False) -> None:
@@ -313,22 +320,26 @@ def worker(args) -> None:
         step()
     seconds = time.perf_counter() - start
     after = sent_bytes(tasks.values()) if measure else {}
-    model = model_of(runner, fetch) if runner is not None else {}   # more steps, every worker
+    model, rows = model_of(runner, fetch) if runner is not None else ({}, {})  # every worker
     if measure:
         per_step = {name: (after.get(pid, 0) - before.get(pid, 0)) / args.steps
                     for name, pid in tasks.items()}
+        methods = {v: vp.method for v, vp in runner.plan.variables.items()} if runner else {}
         with open(args.out, "w") as f:
             json.dump({"steps_per_s": args.steps / seconds, "bytes_per_step": per_step,
-                       "model_bytes_per_step": model}, f)
+                       "model_bytes_per_step": model, "methods": methods,
+                       "gradient_rows": rows}, f)
 
 
 MODEL_STEPS = 20
 
 
-def model_of(runner, fetch) -> dict:
+def model_of(runner, fetch) -> tuple[dict, dict]:
     """The traffic model with the distinct rows this worker's sparse
     gradients held over MODEL_STEPS more training steps (the ids its
-    lookups asked for are the same rows)."""
+    lookups asked for are the same rows), and the gradient rows a replica
+    sends per step of each sparse variable before coalescing (one per id
+    looked up) and as the plan sends them."""
     import numpy as np
 
     grads = runner.ctx.tg.gradients
@@ -346,7 +357,8 @@ def model_of(runner, fetch) -> dict:
     plan = runner.plan
     coalesced = {v: rows[v] if plan.variables[v].coalesce else ids[v] for v in sparse}
     looked_up = rows if plan.distinct_lookups else ids
-    return traffic_model(plan, coalesced, index_bytes, looked_up)
+    sent = {v: {"before": ids[v], "after": coalesced[v]} for v in sparse}
+    return traffic_model(plan, coalesced, index_bytes, looked_up), sent
 
 
 def is_emulated(info) -> bool:

@@ -95,3 +95,48 @@ def test_many_collectives_per_step_do_not_pile_up_threads():
         for _ in range(40):
             runner.run(train)
         assert threads() - before < 40, (before, threads())
+
+
+def test_columns_exchange_with_uneven_rows_and_widths():
+    """Three replicas with 3, 1 and 0 ids (a short last batch), a table of 5
+    columns cut 2, 2, 1: every replica gets the full rows of its own ids,
+    repeated ids included, and every replica's gradient rows with its own
+    columns (scaled for a mean), by real collectives."""
+    import numpy as np
+
+    from parallax_ng.placement import Columns
+    from parallax_ng.resources import session_config
+    tf_comm, plan = lowering(n=3)
+    part = Columns.even(5, plan.devices)
+    table = np.arange(8 * 5, dtype=np.float32).reshape(8, 5)
+    ids = [np.array([7, 2, 7], np.int64), np.array([4], np.int64), np.zeros([0], np.int64)]
+    grads = [np.random.RandomState(k).randn(len(i), 5).astype(np.float32)
+             for k, i in enumerate(ids)]
+    g = tf.Graph()
+    with g.as_default():
+        lookup_ops, grad_ops = tf_comm._exchange_ops(), tf_comm._exchange_ops()
+        distinct_ops = tf_comm._exchange_ops()     # one set of keys per collective
+        rows, got_v, got_i = [], [], []
+        for k, s in enumerate(part.shards):
+            with tf.device(s.device):
+                var = tf.compat.v1.get_variable(
+                    f"part_{k}", initializer=table[:, s.start:s.start + s.size], use_resource=True)
+                for distinct, ops in ((False, lookup_ops), (True, distinct_ops)):
+                    rows.append(comm.lookup_columns(tf.constant(ids[k]), var.handle, k, part,
+                                                    tf.float32, *ops, distinct=distinct))
+                v, i = comm.gradient_columns(tf.constant(grads[k]), tf.constant(ids[k]), k, part,
+                                             True, *grad_ops)
+                got_v.append(v)
+                got_i.append(i)
+        init = tf.compat.v1.global_variables_initializer()
+    with tf.compat.v1.Session(graph=g, config=session_config([("CPU", k) for k in range(3)])) as s:
+        bounded = tf.compat.v1.RunOptions(timeout_in_ms=60_000)
+        s.run(init)
+        out_rows, out_v, out_i = s.run([rows, got_v, got_i], options=bounded)
+    for k in range(3):
+        for got in out_rows[2 * k: 2 * k + 2]:
+            np.testing.assert_array_equal(got, table[ids[k]])
+        sh = part.shards[k]
+        np.testing.assert_array_equal(out_i[k], np.concatenate(ids))
+        np.testing.assert_allclose(out_v[k], np.concatenate(grads)[:, sh.start:sh.start + sh.size]
+                                   / 3, rtol=1e-6)
