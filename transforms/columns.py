@@ -14,7 +14,8 @@ found (`columns.uses`):
   `distinct_lookups`, each distinct id of a replica once);
 - a read of the whole value (a fetch, a tied layer) reads every replica's
   part, on other workers too, and puts them side by side (the backend's
-  `join_columns`: under Horovod an all-gather);
+  `join_columns`: an all-gather where other processes' parts are out of
+  the graph's reach);
 - a write of a whole-width value (an initializer, a restore) writes the
   replica's columns of it; VariableShape gives the whole shape.
 The update ops and the reads feeding them stay as they are: they act on
