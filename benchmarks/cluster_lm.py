@@ -258,7 +258,7 @@ def traffic_model(plan, rows: dict, index_bytes: dict, distinct_ids: dict) -> di
         info, p = vp.info, plan.placement[var]
         if vp.method == "bfb":
             continue
-        shards = [(s.device, s.size / p.length) for s in p.shards] if hasattr(p, "shards") \
+        shards = [(s.device, s.size / p.length) for s in p.shards] if hasattr(p, "length") \
             else [(plan.server(var), 1.0)]
         if info.sparse:
             row, r = info.nbytes / info.shape[0], rows[var]

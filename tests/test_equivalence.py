@@ -95,6 +95,30 @@ def test_a_sparse_gradient_all_reduced_as_dense(optimizer):
             assert np.max(np.abs(np.asarray(got) - want)) <= TOL, name
 
 
+def _sparse_bias(batch):
+    """A 1-D table read by id (a sparse bias) beside a 2-D one, Adagrad."""
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf.data.Dataset.from_tensor_slices(np.arange(64) * 7 % 23).batch(batch).repeat()
+        it = tf.compat.v1.data.make_initializable_iterator(pn.shard(ids))
+        words = it.get_next()
+        emb = tf.compat.v1.get_variable("emb", initializer=np.ones([23, 3], np.float32))
+        bias = tf.compat.v1.get_variable("bias", initializer=np.zeros([23], np.float32))
+        x = tf.reduce_sum(tf.nn.embedding_lookup(emb, words), 1) + tf.gather(bias, words)
+        loss = tf.reduce_mean(tf.square(x - 2.0))
+        train = tf.compat.v1.train.AdagradOptimizer(0.3).minimize(loss)
+        init = tf.compat.v1.global_variables_initializer()
+    return g, {"train": train, "init": init, "iterator_init": it.initializer}
+
+
+def test_a_one_dimensional_sparse_gradient_all_reduced_as_dense():
+    parallel, single, _ = train_both(_sparse_bias, 2, STEPS, config={
+        "run_option": "allreduce", "sparse_method": "allreduce"})
+    for name, want in single.items():
+        for got in parallel[name]:
+            assert np.max(np.abs(np.asarray(got) - want)) <= TOL, name
+
+
 def test_rows_seen_one_by_one_cannot_be_summed_as_dense():
     g = tf.Graph()
     with g.as_default():

@@ -101,12 +101,16 @@ def _dense_rows(ctx, var, grad):
     nodes, outputs = [], {}
     mean = plan.average_sparse and plan.group_size > 1
     sums = []
+
+    def dense(v, i):
+        flat = tf.reshape(v, [-1, width])
+        return tf.math.unsorted_segment_sum(
+            tf.concat([flat, tf.ones_like(flat[:, :1])], 1), i, rows)
+
     for k, device in enumerate(plan.devices):
         made, (total,) = emit.emit_traced(
-            lambda v, i: tf.math.unsorted_segment_sum(
-                tf.concat([tf.reshape(v, [-1, width]), tf.ones_like(v[:, :1])], 1), i, rows),
-            [(ctx.replica_tensor(k, grad.values), vt.dtype, [None, width]),
-             (ctx.replica_tensor(k, grad.indices), it.dtype, [None])],
+            dense, [(ctx.replica_tensor(k, grad.values), vt.dtype, None),
+                    (ctx.replica_tensor(k, grad.indices), it.dtype, [None])],
             f"{scope}/replica_{k}/dense", device)
         nodes += made
         sums.append(total)
