@@ -70,6 +70,19 @@ class ColumnUses:
 
 
 def uses(tg: TrainingGraph, var: str) -> ColumnUses:
+    """The uses of `var` (cached on `tg`: planner and passes all ask)."""
+    cache = tg.__dict__.setdefault("_column_uses", {})
+    if var not in cache:
+        try:
+            cache[var] = _uses(tg, var)
+        except ConfigError as e:
+            cache[var] = str(e)
+    if isinstance(cache[var], str):
+        raise ConfigError(cache[var])
+    return cache[var]
+
+
+def _uses(tg: TrainingGraph, var: str) -> ColumnUses:
     v = tg.variables[var]
     grad = tg.gradients.get(var)
     if grad is None or not grad.sparse:
@@ -215,7 +228,7 @@ def _region(tg, seeds: dict, bad: set, gradient: TensorRef, handles: set, writer
             norms.append(name)
             continue
         if op in ELEMENTWISE and all(_scalar(tg, r) for r in others):
-            for i in range(len(node_outputs(tg, name))):
+            for i in range(len(tg.graph.get_operation_by_name(name).outputs)):
                 origin[TensorRef(name, i)] = came
             continue
         if op == "IdentityN":
@@ -228,10 +241,6 @@ def _region(tg, seeds: dict, bad: set, gradient: TensorRef, handles: set, writer
         for seed in came:
             failed.setdefault(seed, name)
     return set(origin), sorted(set(norms)), failed
-
-
-def node_outputs(tg, name: str) -> list:
-    return tg.graph.get_operation_by_name(name).outputs
 
 
 def _scalar(tg, ref: TensorRef) -> bool:

@@ -128,15 +128,7 @@ class TFCollectives:
 
     def join_columns(self, name: str, handles: list[str], part, dtype, device: str,
                      controls=()):
-        """Nodes, the last named `name`: every part read on its device (after
-        `controls`) and the parts put side by side on `device`."""
-        scope = f"parallax/columns/{name}"
-        reads = [emit.node_def(f"{scope}/read_{j}", "ReadVariableOp", [h, *controls], s.device,
-                               dtype=dtype) for j, (h, s) in enumerate(zip(handles, part.shards))]
-        axis = emit.const(f"{scope}/axis", 1, tf.int32, device)
-        return reads + [axis, emit.node_def(name, "ConcatV2", [r.name for r in reads] +
-                                            [axis.name], device, T=dtype, N=len(reads),
-                                            Tidx=tf.int32)]
+        return join_parts(name, handles, part, dtype, device, controls)
 
     def columns_gradient(self, scope, values, indices, part, value_type, index_type, mean):
         ops, plan = self._exchange_ops(), self.plan
@@ -240,6 +232,19 @@ def _gather_slices(values, indices, plan, keys, mean: bool):
     if mean:
         gathered_v = gathered_v * tf.cast(1.0 / n, values.dtype)
     return tf.identity(gathered_v, "values"), tf.identity(gathered_i, "indices")
+
+
+def join_parts(name: str, handles: list[str], part, dtype, device: str, controls=()):
+    """Nodes, the last named `name`: every part of a table cut by columns
+    read on its device (after `controls`) through `handles`, and the parts
+    put side by side on `device`."""
+    scope = f"parallax/columns/{name}"
+    reads = [emit.node_def(f"{scope}/read_{j}", "ReadVariableOp", [h, *controls], s.device,
+                           dtype=dtype) for j, (h, s) in enumerate(zip(handles, part.shards))]
+    axis = emit.const(f"{scope}/axis", 1, tf.int32, device)
+    return reads + [axis, emit.node_def(name, "ConcatV2", [r.name for r in reads] +
+                                        [axis.name], device, T=dtype, N=len(reads),
+                                        Tidx=tf.int32)]
 
 
 def _per_replica(plan, scope: str, builds) -> tuple:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from parallax_ng import columns, emit
-from parallax_ng.comm import TFCollectives
+from parallax_ng.comm import join_parts
 from parallax_ng.errors import GraphError
 from parallax_ng.ir import GraphIR, copy_node, format_input
 from parallax_ng.results import ColumnParts
@@ -164,8 +164,8 @@ def _select(ir, ctx, old, op: str, branches, handles: dict, parts: dict, mine, a
             raise GraphError(f"{op!r} reads the whole of {state!r}, whose parts live in other "
                              "processes this backend reaches only by collectives, which an "
                              f"If's branch cannot run; use ps or allgather for {state!r}")
-        added.extend(TFCollectives.join_columns(None, f"{at}/joined", gates, parts[state],
-                                                var.dtype.base_dtype, old.device, []))
+        added.extend(join_parts(f"{at}/joined", gates, parts[state], var.dtype.base_dtype,
+                                old.device))
         values.append(f"{at}/joined")
     dtype = tf.as_dtype(old.attr["Tout"].list.type[0])
     return emit.node_def(old.name, "Merge", [values[1], values[0]] + controls, old.device,
