@@ -73,6 +73,7 @@ CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
            "alltoall": ({"run_option": "allreduce", "sparse_method": "alltoall"}, None),
            "dense-allreduce": ({"run_option": "allreduce", "sparse_method": "allreduce"}, None),
            "auto": ({"run_option": "auto"}, None),
+           "auto-ps": ({"run_option": "auto"}, "[127.0.0.1]"),   # servers to weigh too
            "ps": ({"run_option": "ps"}, "[127.0.0.1]"),
            "mwms": (None, None),
            **{mode: (config, TWO) for mode, config in ABLATION.items()},

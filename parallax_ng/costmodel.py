@@ -8,6 +8,11 @@ network of bandwidth B bytes/s and latency beta per message:
 - ps (push rows, pull rows; balanced over the servers):  2N(alpha M/(SB) + beta)
 - allgather (every replica's rows to every replica):      (N-1)(alpha M/B + beta)
 - alltoall (rows by columns, forward and backward):       2(N-1)(alpha M/(NB) + beta)
+The bytes are the table's; the latency terms count the messages of this
+implementation's lowering (comm.py), which sends more than the table's
+one per step: an all-gather is three ring gathers (sizes, rows, indices),
+3(N-1) beta; alltoall gathers sizes and ids and exchanges rows in each
+direction, 6(N-1) beta.
 A dense variable has alpha = 1; its server method is balanced fusion
 buffers (bfb) or ps, the same formula. With beta = 0 and B = 1 the times
 are the bytes each replica sends (Parallax's Table 3 for allreduce and
@@ -29,6 +34,8 @@ from .analysis import VariableInfo
 METHODS = ("allreduce", "alltoall", "allgather", "bfb", "ps")
 BANDWIDTH = 1.25e9      # bytes/s: 10 Gb/s, when nothing is measured or configured
 LATENCY = 50e-6         # seconds per message
+GATHERS = 3             # collectives of one all-gather of rows (comm.py)
+EXCHANGES = 3           # collectives of one alltoall exchange, each direction
 
 
 @dataclass(frozen=True)
@@ -65,9 +72,9 @@ def seconds(method: str, info: VariableInfo, replicas: int, servers: int,
     if method in ("ps", "bfb"):
         return 2 * n * (alpha * m / (max(servers, 1) * b) + beta)
     if method == "allgather":
-        return (n - 1) * (alpha * m / b + beta)
+        return (n - 1) * (alpha * m / b + GATHERS * beta)
     if method == "alltoall":
-        return 2 * (n - 1) * (alpha * m / (n * b) + beta)
+        return 2 * (n - 1) * (alpha * m / (n * b) + EXCHANGES * beta)
     raise ValueError(f"no cost for method {method!r}")
 
 

@@ -103,7 +103,10 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
     `sparse_method: alltoall` (or allreduce) takes the run option's method
     for a variable that cannot (a 1-D bias cannot be cut by columns, say);
     naming it in `variable_methods` is an error. `costs` (run_option auto):
-    each variable's predicted seconds per allowed method; the cheapest wins."""
+    each variable's predicted seconds per allowed method; the cheapest wins,
+    but once a variable goes to the servers the dense ones take fusion
+    buffers there too (as `hybrid` does: all-reduce beside server work needs
+    a step in stages, measured slower)."""
     unknown = set(config.variable_methods) - set(info)
     if unknown:
         raise ConfigError(f"config key 'variable_methods' names {sorted(unknown)}, which "
@@ -134,6 +137,9 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
                               f"buffers, for dense gradients), but {name} has a sparse "
                               "gradient; use ps, allgather or allreduce")
         out[name] = method
+    if costs and "ps" in out.values():     # a step on the servers: dense ones there too
+        out.update({v: "bfb" for v in costs if v not in config.variable_methods and
+                    "bfb" in costs[v] and out[v] == "allreduce"})
     return out
 
 
