@@ -16,11 +16,13 @@ Guarantees, for every backend:
   rows of a table cut by columns over the replicas (`placement.Columns`),
   one ids tensor and one handle of the replica's part per local replica
   in; per replica the full rows of its ids (EmbRace's forward AlltoAll;
-  with `distinct`, a repeated id's row crosses once);
+  with `distinct`, a repeated id's row crosses once), and the gathered
+  sizes and ids;
 - `columns_gradient(scope, values, indices, part, ...)`: the IndexedSlices
   gradient of such a table per local replica in; per replica every
   replica's rows, cut to its own columns (scaled by 1/N for a mean), and
-  their indices (the backward AlltoAll);
+  their indices (the backward AlltoAll; given a lookup's gathered sizes and
+  ids when the rows are its distinct ids, nothing is gathered again);
 - `join_columns(name, handles, part, dtype, device)`: the whole value of
   such a table from the handles of its parts this worker has (`reaches_parts`:
   whether those are all of them, or this worker's only);
@@ -120,22 +122,26 @@ class TFCollectives:
 
     def columns_lookup(self, scope, ids, handles, part, dtype, id_type, distinct=False):
         ops, plan = self._exchange_ops(), self.plan
-        return _per_replica(plan, scope, [
+        nodes, rows, sizes, every = _per_replica(plan, scope, [
             (lambda i, h, me=plan.replica_offset + k: lookup_columns(i, h, me, part, dtype,
                                                                      *ops, distinct),
              [(ids[k], id_type, None), (handles[k], tf.resource, [])])
             for k in range(plan.num_replicas)])
+        return nodes, rows, list(zip(sizes, every))
 
     def join_columns(self, name: str, handles: list[str], part, dtype, device: str,
                      controls=()):
         return join_parts(name, handles, part, dtype, device, controls)
 
-    def columns_gradient(self, scope, values, indices, part, value_type, index_type, mean):
+    def columns_gradient(self, scope, values, indices, part, value_type, index_type, mean,
+                         gathered=None):
         ops, plan = self._exchange_ops(), self.plan
         return _per_replica(plan, scope, [
-            (lambda v, i, me=plan.replica_offset + k: gradient_columns(
-                v, i, me, part, mean, *ops),
-             [(values[k], value_type, [None, part.width]), (indices[k], index_type, [None])])
+            (lambda v, i, *g, me=plan.replica_offset + k: gradient_columns(
+                v, i, me, part, mean, *ops, *g),
+             [(values[k], value_type, [None, part.width]), (indices[k], index_type, [None])] +
+             ([(gathered[k][0], tf.int32, [None]), (gathered[k][1], index_type, [None])]
+              if gathered else []))
             for k in range(plan.num_replicas)])
 
     def broadcast(self, scope: str, value: str, dtype, shape) -> Broadcast:
@@ -267,14 +273,16 @@ def lookup_columns(ids, handle, me: int, part, dtype, gather_sizes, gather_rows,
     [N, L * widest] blocks: block j goes to replica j, and block j received
     holds replica j's columns of this replica's ids (EmbRace 4.1). With
     `distinct`, each distinct id of the replica's crosses once and its row
-    is copied where the id repeats."""
+    is copied where the id repeats. Returns the rows, and the gathered
+    sizes and padded ids, which the gradient's exchange may reuse."""
     n, widths = len(part.shards), [s.size for s in part.shards]
     widest = max(widths)
     flat = tf.reshape(ids, [-1])
     if distinct:
         flat, where = tf.unique(flat, out_idx=tf.int32)
     size = tf.shape(flat, out_type=tf.int32)[:1]
-    longest = _longest(gather_sizes(size))
+    sizes = gather_sizes(size)
+    longest = _longest(sizes)
     every = gather_rows(tf.pad(flat, [[0, longest - size[0]]]), longest)      # [N * L]
     rows = tf.raw_ops.ResourceGather(resource=handle, indices=every, dtype=dtype)
     rows = tf.pad(rows, [[0, 0], [0, widest - widths[me]]])                   # [N * L, widest]
@@ -283,22 +291,32 @@ def lookup_columns(ids, handle, me: int, part, dtype, gather_sizes, gather_rows,
     full = tf.concat([got[j, :, :widths[j]] for j in range(n)], 1)[:size[0]]  # [size, D]
     if distinct:
         full = tf.gather(full, where)
-    return tf.identity(tf.reshape(full, tf.concat([tf.shape(ids), [part.width]], 0)),
-                       name="rows")
+    return (tf.identity(tf.reshape(full, tf.concat([tf.shape(ids), [part.width]], 0)),
+                        name="rows"), tf.identity(sizes, name="sizes"),
+            tf.identity(every, name="ids"))
 
 
 def gradient_columns(values, indices, me: int, part, mean: bool, gather_sizes, gather_rows,
-                     exchange):
+                     exchange, sizes=None, every=None):
     """Every replica's gradient rows of a table cut by columns, with this
     replica's columns only, and their indices: the rows padded to the
     longest replica's count L, each replica's columns (padded to the
-    widest part) sent to it by one all-to-all (EmbRace 4.1, backward)."""
+    widest part) sent to it by one all-to-all (EmbRace 4.1, backward).
+    `sizes` and `every`: the forward lookup's gathered sizes and padded ids,
+    when the rows are those distinct ids in that order (nothing gathered
+    again; a replica whose count differs fails the step)."""
     n, widths = len(part.shards), [s.size for s in part.shards]
     widest = max(widths)
     size = tf.shape(indices, out_type=tf.int32)[:1]
-    sizes = gather_sizes(size)
-    longest = _longest(sizes)
-    every = gather_rows(tf.pad(indices, [[0, longest - size[0]]]), longest)   # [N * L]
+    if sizes is None:
+        sizes = gather_sizes(size)
+        longest = _longest(sizes)
+        every = gather_rows(tf.pad(indices, [[0, longest - size[0]]]), longest)   # [N * L]
+    else:
+        check = tf.debugging.assert_equal(sizes[me], size[0], message=(
+            "the gradient's rows are not the lookup's distinct ids"))
+        with tf.control_dependencies([check]):
+            longest = tf.reduce_max(sizes)
     keep = tf.reshape(tf.sequence_mask(sizes, longest), [-1])
     rows = tf.pad(tf.reshape(values, [-1, part.width]), [[0, longest - size[0]], [0, 0]])
     blocks = tf.stack([tf.pad(rows[:, s.start:s.start + s.size],

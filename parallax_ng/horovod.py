@@ -75,20 +75,23 @@ class HorovodCollectives:
     def columns_lookup(self, scope, ids, handles, part, dtype, id_type, distinct=False):
         from .comm import lookup_columns
         self._one_replica("alltoall")
-        made, (out,) = emit.emit_traced(
+        made, (out, sizes, every) = emit.emit_traced(
             lambda i, h: lookup_columns(i, h, self.plan.worker, part, dtype,
                                         *self._exchange_ops(), distinct),
             [(ids[0], id_type, None), (handles[0], tf.resource, [])], scope,
             self.plan.devices[0])
-        return made, [out]
+        return made, [out], [(sizes, every)]
 
-    def columns_gradient(self, scope, values, indices, part, value_type, index_type, mean):
+    def columns_gradient(self, scope, values, indices, part, value_type, index_type, mean,
+                         gathered=None):
         from .comm import gradient_columns
         self._one_replica("alltoall")
         made, (v, i) = emit.emit_traced(
-            lambda v, i: gradient_columns(v, i, self.plan.worker, part, mean,
-                                          *self._exchange_ops()),
-            [(values[0], value_type, [None, part.width]), (indices[0], index_type, [None])],
+            lambda v, i, *g: gradient_columns(v, i, self.plan.worker, part, mean,
+                                              *self._exchange_ops(), *g),
+            [(values[0], value_type, [None, part.width]), (indices[0], index_type, [None])] +
+            ([(gathered[0][0], tf.int32, [None]), (gathered[0][1], index_type, [None])]
+             if gathered else []),
             scope, self.plan.devices[0])
         return made, [v], [i]
 

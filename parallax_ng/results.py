@@ -47,3 +47,11 @@ class ColumnParts:
     value is their all-gather (parallax_ng/horovod.py `join_columns`)."""
     handles: dict
     gather: bool = False
+
+
+@dataclass(frozen=True)
+class ExchangedLookups:
+    """Lookups of tables cut by columns whose exchange `aggregate` built
+    beside the gradient's (which reuses its gathered ids): gather op ->
+    the rows per replica; `columns` puts them in the gathers' place."""
+    rows: dict

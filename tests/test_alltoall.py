@@ -84,4 +84,6 @@ def test_config_errors_name_the_variable():
         pn.get_runner(g, local(2), {"sparse_method": "columns"})
     g, _ = embedding_regression(4, dim=3)
     with pytest.raises(ConfigError, match="its 3 columns per replica, but the job has 4"):
-        pn.get_runner(g, local(4), CONFIG)
+        pn.get_runner(g, local(4), {"variable_methods": {"emb": "alltoall"}})
+    # sparse_method takes the run option's method where alltoall cannot apply
+    assert pn.transform_plan(g, local(4), CONFIG).variables["emb"].method == "allgather"

@@ -27,6 +27,10 @@ def test_in_process_parts_lookups_and_whole_reads():
     assert ir.node("embedding_lookup").op == "Identity"
     exchanges = [n for n in ir.nodes if n.op == "CollectiveAllToAllV2"]
     assert len(exchanges) == 2 * 2
+    # the gradient's rows are the lookup's distinct ids: its sizes and ids
+    # gathered once, in the forward exchange
+    assert op_counts(ir)["CollectiveGatherV2"] == 2 * 2
+    assert op_counts(ir, "parallax/alltoall/emb/")["CollectiveGatherV2"] == 0
     assert {n.device for n in exchanges} == set(ctx.plan.devices)
     # a fetch of the table reads both parts, each on its device
     read = ir.node("emb/Read/ReadVariableOp")
@@ -59,3 +63,10 @@ def test_a_worker_reaches_the_other_workers_parts_by_shared_name():
     users = {c for h in handles[:2] for c in ir.node_consumers.get(h, ())}
     assert users and all(ir.node(u).op == "ReadVariableOp" for u in users)
     assert op_counts(ir)["CollectiveAllToAllV2"] == 2 * 2
+
+
+def test_each_row_sent_gathers_the_gradients_ids_itself():
+    g, _ = embedding_regression(4, "sgd")
+    ir, _, _ = pn.transform(g, local(2), {"run_option": "allreduce", "sparse_method": "alltoall",
+                                          "coalesce_rows": False})
+    assert op_counts(ir, "parallax/alltoall/emb/")["CollectiveGatherV2"] == 2 * 2

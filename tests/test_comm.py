@@ -112,27 +112,40 @@ def test_columns_exchange_with_uneven_rows_and_widths():
     ids = [np.array([7, 2, 7], np.int64), np.array([4], np.int64), np.zeros([0], np.int64)]
     grads = [np.random.RandomState(k).randn(len(i), 5).astype(np.float32)
              for k, i in enumerate(ids)]
+    distinct_ids = [np.array(list(dict.fromkeys(i.tolist())), np.int64) for i in ids]
+    distinct_rows = [np.random.RandomState(9 + k).randn(len(i), 5).astype(np.float32)
+                     for k, i in enumerate(distinct_ids)]
     g = tf.Graph()
     with g.as_default():
         lookup_ops, grad_ops = tf_comm._exchange_ops(), tf_comm._exchange_ops()
         distinct_ops = tf_comm._exchange_ops()     # one set of keys per collective
-        rows, got_v, got_i = [], [], []
+        reuse_ops = tf_comm._exchange_ops()
+        rows, got_v, got_i, reused_v, reused_i = [], [], [], [], []
         for k, s in enumerate(part.shards):
             with tf.device(s.device):
                 var = tf.compat.v1.get_variable(
                     f"part_{k}", initializer=table[:, s.start:s.start + s.size], use_resource=True)
                 for distinct, ops in ((False, lookup_ops), (True, distinct_ops)):
-                    rows.append(comm.lookup_columns(tf.constant(ids[k]), var.handle, k, part,
-                                                    tf.float32, *ops, distinct=distinct))
+                    out = comm.lookup_columns(tf.constant(ids[k]), var.handle, k, part,
+                                              tf.float32, *ops, distinct=distinct)
+                    rows.append(out[0])
                 v, i = comm.gradient_columns(tf.constant(grads[k]), tf.constant(ids[k]), k, part,
                                              True, *grad_ops)
                 got_v.append(v)
                 got_i.append(i)
+                # rows of the distinct ids in first-seen order: the lookup's gathered
+                # sizes and ids serve, nothing gathered again
+                first = tf.constant(distinct_ids[k])
+                v, i = comm.gradient_columns(tf.constant(distinct_rows[k]), first, k, part,
+                                             False, *reuse_ops, sizes=out[1], every=out[2])
+                reused_v.append(v)
+                reused_i.append(i)
         init = tf.compat.v1.global_variables_initializer()
     with tf.compat.v1.Session(graph=g, config=session_config([("CPU", k) for k in range(3)])) as s:
         bounded = tf.compat.v1.RunOptions(timeout_in_ms=60_000)
         s.run(init)
-        out_rows, out_v, out_i = s.run([rows, got_v, got_i], options=bounded)
+        out_rows, out_v, out_i, out_rv, out_ri = s.run(
+            [rows, got_v, got_i, reused_v, reused_i], options=bounded)
     for k in range(3):
         for got in out_rows[2 * k: 2 * k + 2]:
             np.testing.assert_array_equal(got, table[ids[k]])
@@ -140,3 +153,6 @@ def test_columns_exchange_with_uneven_rows_and_widths():
         np.testing.assert_array_equal(out_i[k], np.concatenate(ids))
         np.testing.assert_allclose(out_v[k], np.concatenate(grads)[:, sh.start:sh.start + sh.size]
                                    / 3, rtol=1e-6)
+        np.testing.assert_array_equal(out_ri[k], np.concatenate(distinct_ids))
+        np.testing.assert_array_equal(out_rv[k], np.concatenate(distinct_rows)[
+            :, sh.start:sh.start + sh.size])

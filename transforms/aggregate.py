@@ -32,7 +32,8 @@ import tensorflow as tf
 from parallax_ng import columns, emit, rules
 from parallax_ng.duplicates import coalescing
 from parallax_ng.ir import GraphIR, TensorRef, format_input
-from parallax_ng.results import LocalAggregates
+from parallax_ng.results import ExchangedLookups, LocalAggregates
+from transforms.columns import lookup_exchange
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class AggregatePass:
     after: tuple = ()
 
     def run(self, ir: GraphIR, ctx):
-        new_nodes, rewires, local = [], {}, {}
+        new_nodes, rewires, local, exchanged = [], {}, {}, {}
         counts = {"allreduce": 0, "ps": 0, "allgather": 0, "bfb": 0, "alltoall": 0}
         if ctx.plan.buffers:
             nodes, outputs = _fusion_buffers(ctx)
@@ -62,7 +63,7 @@ class AggregatePass:
                 continue
             grad = ctx.tg.gradients[var]
             build = {"allreduce": _allreduce, "ps": _ps, "allgather": _allgather,
-                     "alltoall": _alltoall}[vp.method]
+                     "alltoall": lambda c, v, g: _alltoall(c, v, g, exchanged)}[vp.method]
             nodes, outputs = build(ctx, var, grad)
             new_nodes.extend(nodes)
             for ref, per_replica in outputs.items():
@@ -73,6 +74,8 @@ class AggregatePass:
         norms = {v: f"parallax/ps/{v}/norm" for v, vp in ctx.plan.variables.items()
                  if vp.coalesce and vp.method == "ps"}
         ctx.publish(LocalAggregates(local, norms))
+        if exchanged:
+            ctx.publish(ExchangedLookups(exchanged))
         return ir.rewire(rewires, new_nodes), counts
 
 
@@ -377,17 +380,25 @@ def _replica_rows(ctx, var, grad, scope):
     return nodes, values, indices, outputs
 
 
-def _alltoall(ctx, var, grad):
+def _alltoall(ctx, var, grad, exchanged: dict):
     """Each replica's rows (each distinct row once when coalesced) exchanged,
     each replica receiving its columns of all of them; a global norm's
     L2Loss of the rows summed over the replicas (their rows' shares when
-    coalesced, else their columns' shares)."""
+    coalesced, else their columns' shares). When the gradient's rows are a
+    lookup's distinct ids, that lookup's exchange is built here too and the
+    gradient reuses its gathered sizes and ids (`exchanged`: gather -> rows
+    per replica, for the columns pass)."""
     plan, tg = ctx.plan, ctx.tg
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
     n, scope = plan.num_replicas, f"parallax/alltoall/{var}"
     nodes, values, indices, outputs = _replica_rows(ctx, var, grad, scope)
+    lookup, gathered = _same_ids(ctx, var, grad), None
+    if lookup is not None:       # the forward's gathered ids serve the gradient too
+        made, rows, gathered = lookup_exchange(ctx, lookup, plan.placement[var])
+        nodes += made
+        exchanged[lookup] = rows
     made, v, i = ctx.comm.columns_gradient(scope, values, indices, plan.placement[var],
-                                           vt.dtype, it.dtype, plan.average_sparse)
+                                           vt.dtype, it.dtype, plan.average_sparse, gathered)
     nodes += made
     outputs.update({grad.values: v, grad.indices: i})
     if plan.variables[var].coalesce:
@@ -399,6 +410,23 @@ def _alltoall(ctx, var, grad):
         nodes += made
         outputs[TensorRef(norm, 0)] = summed
     return nodes, outputs
+
+
+def _same_ids(ctx, var, grad) -> str | None:
+    """The one lookup of `var` whose distinct ids, in the order they first
+    appear, are the rows its coalesced gradient sends (the gradient's
+    indices are the lookup's ids, flattened), when lookups and gradients
+    both go distinct; else None."""
+    plan, tg = ctx.plan, ctx.tg
+    found = columns.uses(tg, var).lookups
+    if not (plan.distinct_lookups and plan.variables[var].coalesce and len(found) == 1):
+        return None
+    handle, ids = tg.ir.data_inputs(found[0])[:2]
+    flat = tg.ir.node(grad.indices.node)
+    if tg.variable_of_handle(handle) != var or flat.op != "Reshape" or \
+            tg.ir.data_inputs(grad.indices.node)[0] != ids:
+        return None
+    return found[0]
 
 
 def _rewire(ctx, ref, per_replica: list[str], rewires: dict) -> None:

@@ -33,7 +33,7 @@ from parallax_ng import columns, emit
 from parallax_ng.comm import join_parts
 from parallax_ng.errors import GraphError
 from parallax_ng.ir import GraphIR, copy_node, format_input
-from parallax_ng.results import ColumnParts
+from parallax_ng.results import ColumnParts, ExchangedLookups
 
 
 @dataclass(frozen=True)
@@ -199,20 +199,32 @@ def _cut_input(nd, pos: int, shard, tg, added: list):
 
 
 def _lookup(ir, ctx, op: str, part, changed: dict, added: list) -> None:
-    """Every replica's copy of gather `op` as rows from the exchange."""
-    plan, tg = ctx.plan, ctx.tg
-    names = [ctx.replica_name(k, op) for k in range(plan.num_replicas)]
-    inputs = [ir.data_inputs(n) for n in names]
-    node = tg.ir.node(op)
-    dtype = tf.as_dtype(node.attr["dtype"].type)
-    id_type = tf.as_dtype(node.attr["Tindices"].type)
-    nodes, outs = ctx.comm.columns_lookup(
-        f"parallax/columns/{op}", [format_input(i[1].node, i[1].index) for i in inputs],
-        [format_input(i[0].node, i[0].index) for i in inputs], part, dtype, id_type,
-        plan.distinct_lookups)
-    added.extend(nodes)
-    for n, out in zip(names, outs):
-        old = ir.node(n)
+    """Every replica's copy of gather `op` as rows from the exchange (the
+    one `aggregate` built with the gradient's, else a new one)."""
+    made = ctx.result(ExchangedLookups)
+    if made is not None and op in made.rows:
+        outs = made.rows[op]
+    else:
+        nodes, outs, _ = lookup_exchange(ctx, op, part)
+        added.extend(nodes)
+    dtype = tf.as_dtype(ctx.tg.ir.node(op).attr["dtype"].type)
+    for k in range(ctx.plan.num_replicas):
+        name = ctx.replica_name(k, op)
+        old = ir.node(name)
         controls = [i for i in old.input if i.startswith("^")]
-        changed[n] = emit.node_def(n, "Identity", [out] + controls, old.device, T=dtype)
+        changed[name] = emit.node_def(name, "Identity", [outs[k]] + controls, old.device,
+                                      T=dtype)
 
+
+def lookup_exchange(ctx, op: str, part):
+    """(nodes, rows per replica, (sizes, ids) gathered per replica): the
+    backend's exchange for every replica's copy of gather `op` of a table
+    cut by columns (`part`)."""
+    plan, tg = ctx.plan, ctx.tg
+    handle, ids = tg.ir.data_inputs(op)[:2]
+    node = tg.ir.node(op)
+    return ctx.comm.columns_lookup(
+        f"parallax/columns/{op}", [ctx.replica_tensor(k, ids) for k in range(plan.num_replicas)],
+        [ctx.replica_tensor(k, handle) for k in range(plan.num_replicas)], part,
+        tf.as_dtype(node.attr["dtype"].type), tf.as_dtype(node.attr["Tindices"].type),
+        plan.distinct_lookups)
