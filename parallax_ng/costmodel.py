@@ -11,8 +11,9 @@ network of bandwidth B bytes/s and latency beta per message:
 The bytes are the table's; the latency terms count the messages of this
 implementation's lowering (comm.py), which sends more than the table's
 one per step: an all-gather is three ring gathers (sizes, rows, indices),
-3(N-1) beta; alltoall gathers sizes and ids and exchanges rows in each
-direction, 6(N-1) beta.
+3(N-1) beta; alltoall gathers sizes and ids and exchanges the rows, and
+exchanges the gradient's rows back (reusing the gathered ids, as it does
+with distinct lookups and coalesced rows), 4(N-1) beta.
 A dense variable has alpha = 1; its server method is balanced fusion
 buffers (bfb) or ps, the same formula. With beta = 0 and B = 1 the times
 are the bytes each replica sends (Parallax's Table 3 for allreduce and
@@ -35,7 +36,7 @@ METHODS = ("allreduce", "alltoall", "allgather", "bfb", "ps")
 BANDWIDTH = 1.25e9      # bytes/s: 10 Gb/s, when nothing is measured or configured
 LATENCY = 50e-6         # seconds per message
 GATHERS = 3             # collectives of one all-gather of rows (comm.py)
-EXCHANGES = 3           # collectives of one alltoall exchange, each direction
+EXCHANGES = 4           # collectives of a table's alltoall lookup and gradient (comm.py)
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def seconds(method: str, info: VariableInfo, replicas: int, servers: int,
     if method == "allgather":
         return (n - 1) * (alpha * m / b + GATHERS * beta)
     if method == "alltoall":
-        return 2 * (n - 1) * (alpha * m / (n * b) + EXCHANGES * beta)
+        return (n - 1) * (2 * alpha * m / (n * b) + EXCHANGES * beta)
     raise ValueError(f"no cost for method {method!r}")
 
 

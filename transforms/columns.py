@@ -32,7 +32,7 @@ import tensorflow as tf
 from parallax_ng import columns, emit
 from parallax_ng.comm import join_parts
 from parallax_ng.errors import GraphError
-from parallax_ng.ir import GraphIR, copy_node, format_input
+from parallax_ng.ir import GraphIR, copy_node
 from parallax_ng.results import ColumnParts, ExchangedLookups
 
 
