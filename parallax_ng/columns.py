@@ -31,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import tensorflow as tf
+
 from . import rules
 from .errors import ConfigError
 from .frontend import TrainingGraph
@@ -110,8 +112,8 @@ def _uses(tg: TrainingGraph, var: str) -> ColumnUses:
         elif kind in ASSIGNS or kind.startswith(("ResourceScatter", "ResourceSparseApply",
                                                  "ResourceApply")):
             writers.add(op)
-        elif kind in ("If", "StatelessIf") and _selected_read(tg, op):
-            selects[op] = _selected_read(tg, op)
+        elif kind in ("If", "StatelessIf") and (branches := _selected_read(tg, op)):
+            selects[op] = branches
             seeds[TensorRef(op, 0)] = op
         elif kind != "VarIsInitializedOp":
             raise ConfigError(f"op {op!r} ({kind}) uses {ops[op]!r}, which alltoall cuts by "
@@ -142,7 +144,7 @@ def _uses(tg: TrainingGraph, var: str) -> ColumnUses:
             t = tg.tensor(ref)
             if t.shape.rank == 0 or not t.dtype.is_floating:
                 continue
-            if t.shape.rank is None or t.shape[-1] != v.shape[1]:
+            if t.shape.rank is None or tf.compat.dimension_value(t.shape[-1]) != v.shape[1]:
                 raise ConfigError(f"op {w!r} ({tg.ir.node(w).op}) writes {ops[w]!r} with "
                                   f"{ref.node} of shape {t.shape}, which alltoall cannot cut "
                                   f"to a replica's columns of {v.shape[1]}; use ps or "

@@ -213,7 +213,6 @@ def _gather_slices(values, indices, plan, keys, mean: bool):
     changes from step to step (a last short batch, coalesced rows), so the
     padded parts are gathered under the instance key of their range plus
     the longest size: every key always sees one shape."""
-    from .passes import RANGE_KEYS
     n, timeout = plan.group_size, OP_TIMEOUT_SECONDS
 
     def all_gather(t, key):
@@ -223,11 +222,7 @@ def _gather_slices(values, indices, plan, keys, mean: bool):
 
     size = tf.shape(indices, out_type=tf.int32)[:1]
     sizes = all_gather(size, keys[0])
-    longest = tf.reduce_max(sizes)
-    check = tf.debugging.assert_less(longest, RANGE_KEYS, message=(
-        f"an all-gathered sparse gradient has more than {RANGE_KEYS} rows on a replica"))
-    with tf.control_dependencies([check]):
-        longest = tf.identity(longest)
+    longest = _longest(sizes)
     pad = longest - size[0]
     rest = tf.zeros(tf.stack([tf.rank(values) - 1, 2]), tf.int32)
     padded_v = tf.pad(values, tf.concat([[[0, pad]], rest], 0))
@@ -336,7 +331,8 @@ def _longest(sizes):
     from .passes import RANGE_KEYS
     longest = tf.reduce_max(sizes)
     check = tf.debugging.assert_less(longest, RANGE_KEYS, message=(
-        f"an exchanged tensor has more than {RANGE_KEYS} rows on a replica"))
+        f"an all-gathered or exchanged tensor has more than {RANGE_KEYS} rows on a "
+        "replica"))
     with tf.control_dependencies([check]):
         return tf.identity(longest)
 

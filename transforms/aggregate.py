@@ -133,21 +133,32 @@ def _dense_rows(ctx, var, grad):
         values.append(v)
         indices.append(i)
     outputs.update({grad.values: values, grad.indices: indices})
-    norms = coalescing(tg, var) or ()
-    if norms:
-        scale = 1.0 / plan.group_size if mean else 1.0
-        shares = []
-        for k, device in enumerate(plan.devices):
-            part = f"{scope}/replica_{k}/norm"
-            nodes += [emit.const(f"{part}/scale", scale, vt.dtype, device),
-                      emit.node_def(f"{part}/scaled", "Mul", [ctx.replica_tensor(
-                          k, grad.values), f"{part}/scale"], device, T=vt.dtype),
-                      emit.node_def(part, "L2Loss", [f"{part}/scaled"], device, T=vt.dtype)]
-            shares.append(part)
-        made, summed = ctx.comm.all_reduce(f"{scope}/norm", shares, vt.dtype, False)
-        nodes += made
-        outputs.update({TensorRef(norm, 0): summed for norm in norms})
-    return nodes, outputs
+    made, norms = _norm_shares(ctx, var, scope, [ctx.replica_tensor(k, grad.values)
+                                                  for k in range(plan.num_replicas)])
+    outputs.update(norms)
+    return nodes + made, outputs
+
+
+def _norm_shares(ctx, var, scope: str, values: list[str]):
+    """(nodes, outputs): a global norm's L2Loss of `var`'s gradient rows (the
+    uses `coalescing` lists) as each replica's rows, scaled for a mean,
+    squared, and summed over the replicas, as one device squares every row."""
+    plan, tg = ctx.plan, ctx.tg
+    norms = coalescing(tg, var)
+    if not norms:
+        return [], {}
+    dtype = tg.tensor(tg.gradients[var].values).dtype
+    scale = 1.0 / plan.group_size if plan.average_sparse else 1.0
+    nodes, shares = [], []
+    for k, device in enumerate(plan.devices):
+        part = f"{scope}/replica_{k}/norm"
+        nodes += [emit.const(f"{part}/scale", scale, dtype, device),
+                  emit.node_def(f"{part}/scaled", "Mul", [values[k], f"{part}/scale"], device,
+                                T=dtype),
+                  emit.node_def(part, "L2Loss", [f"{part}/scaled"], device, T=dtype)]
+        shares.append(part)
+    made, summed = ctx.comm.all_reduce(f"{scope}/norm", shares, dtype, False)
+    return nodes + made, {TensorRef(norm, 0): summed for norm in norms}
 
 
 def _ps(ctx, var, grad):
@@ -360,23 +371,12 @@ def _replica_rows(ctx, var, grad, scope):
     nodes, outputs = [], {}
     if not plan.variables[var].coalesce:
         return nodes, values, indices, outputs
-    scale = 1.0 / plan.group_size if plan.average_sparse else 1.0
+    made, outputs = _norm_shares(ctx, var, scope, values)   # from the rows before the sums
+    nodes += made
     for k, device in enumerate(plan.devices):
         part = f"{scope}/replica_{k}/rows"
         nodes += _coalesce(part, values[k], indices[k], vt.dtype, it.dtype, device)
-        nodes += [emit.const(f"{part}/scale", scale, vt.dtype, device),
-                  emit.node_def(f"{part}/scaled", "Mul", [values[k], f"{part}/scale"],
-                                device, T=vt.dtype),
-                  emit.node_def(f"{part}/norm", "L2Loss", [f"{part}/scaled"], device,
-                                T=vt.dtype)]
         values[k], indices[k] = f"{part}/coalesced", f"{part}/distinct"
-    norms = coalescing(tg, var)
-    if norms:
-        made, summed = ctx.comm.all_reduce(
-            f"{scope}/norm", [f"{scope}/replica_{k}/rows/norm" for k in range(n)],
-            vt.dtype, False)
-        nodes += made
-        outputs.update({TensorRef(norm, 0): summed for norm in norms})
     return nodes, values, indices, outputs
 
 
