@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from .compat import is_ref_dtype
 from .placement import Columns, Sharded, part_name
-from .results import ColumnParts
+from .results import ColumnParts, Deferred
 
 ITERATOR_OPS = ("IteratorV2", "OneShotIterator", "Iterator")
 
@@ -75,6 +75,9 @@ class Checkpointer:
                     handle = graph.get_tensor_by_name(ctx.replica_name(k, it) + ":0")
                     restores.append(tf.raw_ops.DeserializeIterator(
                         resource_handle=handle, serialized=value))
+            deferred = ctx.result(Deferred)     # a restored table has no pending rows
+            restores += [graph.get_operation_by_name(c) for c in deferred.clear] \
+                if deferred else []
             self.restore_op = tf.group(*restores, name="restore")
 
     def save(self, session, step: int) -> str:

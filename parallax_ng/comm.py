@@ -311,7 +311,7 @@ def gradient_columns(values, indices, me: int, part, mean: bool, gather_sizes, g
         check = tf.debugging.assert_equal(sizes[me], size[0], message=(
             "the gradient's rows are not the lookup's distinct ids"))
         with tf.control_dependencies([check]):
-            longest = tf.reduce_max(sizes)
+            longest = tf.maximum(tf.reduce_max(sizes), 1)
     keep = tf.reshape(tf.sequence_mask(sizes, longest), [-1])
     rows = tf.pad(tf.reshape(values, [-1, part.width]), [[0, longest - size[0]], [0, 0]])
     blocks = tf.stack([tf.pad(rows[:, s.start:s.start + s.size],
@@ -326,10 +326,11 @@ def gradient_columns(values, indices, me: int, part, mean: bool, gather_sizes, g
 
 
 def _longest(sizes):
-    """The largest of the replicas' row counts, checked against the keys a
-    range has (one per count)."""
+    """The largest of the replicas' row counts (at least 1: a collective of
+    no elements crashes TensorFlow's CPU kernels), checked against the keys
+    a range has (one per count)."""
     from .passes import RANGE_KEYS
-    longest = tf.reduce_max(sizes)
+    longest = tf.maximum(tf.reduce_max(sizes), 1)
     check = tf.debugging.assert_less(longest, RANGE_KEYS, message=(
         f"an all-gathered or exchanged tensor has more than {RANGE_KEYS} rows on a "
         "replica"))

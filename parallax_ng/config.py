@@ -157,6 +157,7 @@ class Config:
     ps_placement: str = "greedy"                           # whole variables over servers
     coalesce_rows: bool = True                             # sum duplicate sparse rows first
     distinct_lookups: bool = True                          # fetch each distinct row once
+    prefetch: bool = False                                 # next batch's rows first (alltoall)
     variable_methods: dict = field(default_factory=dict)   # variable -> method
     fetch_reduction: dict = field(default_factory=dict)    # tensor name -> how
     dump_dir: str | None = None                            # graphs after each pass
@@ -167,7 +168,8 @@ class Config:
     def __post_init__(self):
         _check_choice("run_option", self.run_option, RUN_OPTIONS)
         _check_choice("verify", self.verify, VERIFY_LEVELS)
-        for key in ("average_dense", "average_sparse", "coalesce_rows", "distinct_lookups"):
+        for key in ("average_dense", "average_sparse", "coalesce_rows", "distinct_lookups",
+                    "prefetch"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"config key {key!r} must be true or false, "
                                   f"not {getattr(self, key)!r}")

@@ -24,6 +24,8 @@ class VariablePlan:
     method: str          # allreduce | ps | allgather | bfb | alltoall
     info: VariableInfo
     coalesce: bool = False   # duplicate rows summed on the worker before they leave it
+    prefetch: bool = False   # rows the next batch reads sent first, the rest during it
+    note: str = ""           # why a setting asked for does not apply
 
     @property
     def shared(self) -> bool:
@@ -206,7 +208,7 @@ class Plan:
             "workers": self.num_workers, "worker": self.worker,
             "average_sparse": self.average_sparse, "devices": list(self.devices),
             "host": self.host,
-            "variables": {k: {"method": v.method, **v.info.to_dict()}
+            "variables": {k: {"method": v.method, "prefetch": v.prefetch, **v.info.to_dict()}
                           for k, v in self.variables.items()},
             "placement": {k: _placement_dict(p) for k, p in self.placement.items()},
             "servers": list(self.servers), "backend": self.backend,
@@ -247,6 +249,13 @@ class Plan:
         if coalesced:
             rows.append("each distinct row sent once (duplicates summed first): "
                         + ", ".join(coalesced))
+        ahead = sorted(v for v, vp in self.variables.items() if vp.prefetch)
+        if ahead:
+            rows.append("prefetch (gradient rows the next batch reads sent first, the rest "
+                        "while it runs): " + ", ".join(ahead))
+        for v, vp in sorted(self.variables.items()):
+            if vp.note:
+                rows.append(f"{v}: {vp.note}")
         off = [k for k, on in vars(self.rewrites).items() if not on]
         if off:
             rows.append("placement rewrites off: " + ", ".join(off))

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import buckets as bucketing
-from . import columns, costmodel, queues, randomness
+from . import columns, costmodel, deferral, queues, randomness
 from .analysis import VariableInfo
 from .config import Config
 from .duplicates import coalescing
@@ -59,6 +59,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                                     coalescing(tg, name) is not None)
                  for name, method in choose_methods(
                      info, config, job_servers, can_cut, can_sum, costs).items()}
+    variables = {name: _prefetch(tg, vp, config) for name, vp in variables.items()}
     roots = shared_roots(variables)
     fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
     _check_servers(tg, roots + fused, config, num_workers, servers)
@@ -88,6 +89,23 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                 distinct_lookups=config.distinct_lookups and (
                     bool(servers) or any(vp.method == "alltoall" for vp in variables.values())),
                 rewrites=Rewrites(**vars(config.placement_rewrites)))
+
+
+def _prefetch(tg: TrainingGraph, vp: VariablePlan, config: Config) -> VariablePlan:
+    """`vp` with prefetch on where the config asks for it and the table's
+    update may wait for the next step (parallax_ng/deferral.py), else with
+    a note saying why not."""
+    if not config.prefetch or not vp.info.sparse:
+        return vp
+    if vp.method != "alltoall":
+        return replace(vp, note=f"no prefetch: it applies to alltoall, not {vp.method}")
+    if not (vp.coalesce and config.distinct_lookups):
+        return replace(vp, note="no prefetch: it needs coalesce_rows and distinct_lookups")
+    try:
+        deferral.analyse(tg, vp.name)
+    except ConfigError as e:
+        return replace(vp, note=f"no prefetch: {e}")
+    return replace(vp, prefetch=True)
 
 
 # -- 1. policy -----------------------------------------------------------------

@@ -55,3 +55,13 @@ class ExchangedLookups:
     beside the gradient's (which reuses its gathered ids): gather op ->
     the rows per replica; `columns` puts them in the gathers' place."""
     rows: dict
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """Tables whose update waits, in part, for the next step (made by
+    `prefetch`): `flush`, ops that apply a pending step in full (every
+    replica's, so all run together); `clear`, ops that forget it (run with
+    every restore of the table)."""
+    flush: tuple
+    clear: tuple

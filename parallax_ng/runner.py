@@ -44,6 +44,10 @@ from .executor import Executor
 from .fetches import FetchMap, combine
 from .profile import Profile, measure
 from .queues import READ_PREFIXES
+from .results import Deferred
+
+
+FLUSH_GRAPH_KEY = 7   # any nonzero key: the run gets a collective executor
 
 
 class Runner:
@@ -93,6 +97,9 @@ class Runner:
                 [ctx.replica_name(k, "").rstrip("/") for k in range(self.plan.num_replicas)])
         self._kinds: dict[tuple, tuple[bool, bool, bool]] = {}
         self._step_read = None
+        deferred = ctx.result(Deferred)
+        self._flush = list(deferred.flush) if deferred else []
+        self._pending = False     # a training run left part of a table's update
 
     # -- public API -----------------------------------------------------------
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None,
@@ -103,6 +110,8 @@ class Runner:
         feeds = self.fetches.feeds(feed_dict)
         fetched = tuple(f.user for f in wanted)
         _, trained, reads_queue = self._kind(fetched)
+        if not trained:
+            self._apply_pending()
         profiling = trained and self._profiled < self.config.profile.steps
         probe = self._probe() if profiling else {}
         options = _bounded(options, self._options)
@@ -117,6 +126,7 @@ class Runner:
             if self._queues is not None:
                 self._queues.raise_failure()   # a queue runner's error closed its queue
             raise
+        self._pending = self._pending or (trained and bool(self._flush))
         if profiling:
             self._measured(run_metadata, dict(zip(probe, values[len(names):])))
         self._after_run(fetched)
@@ -161,6 +171,19 @@ class Runner:
 
     def __exit__(self, *exc):
         self.close()
+
+    def _apply_pending(self) -> None:
+        """Apply the rows of tables whose update waits for the next step
+        (prefetch: transforms/prefetch.py), so what is read holds every
+        step's update."""
+        if self._pending:
+            options = tf.compat.v1.RunOptions()
+            options.CopyFrom(self._options)
+            # its collectives are all AllToAllV2, which TensorFlow's session
+            # does not count when it decides whether a run needs collectives
+            options.experimental.collective_graph_key = FLUSH_GRAPH_KEY
+            self.session.run(self._flush, options=options)
+            self._pending = False
 
     # -- profile, then plan again ----------------------------------------------
     @property
@@ -236,6 +259,7 @@ class Runner:
         position carried over through a checkpoint. If that fails, training
         goes on where it was, with the measured plan."""
         from .checkpoint import Checkpointer
+        self._apply_pending()
         before = dict(self.__dict__)
         with tempfile.TemporaryDirectory() as tmp:
             path = Checkpointer(self.graph, self.ctx, tmp).save(self.session, 0)
@@ -278,6 +302,7 @@ class Runner:
             step = self._global_step()
             step = self._steps if step is None else step
             if step % self.config.checkpoint.every_steps == 0:
+                self._apply_pending()
                 self._checkpoints.save(self.session, step)
 
     def _kind(self, fetched: tuple) -> tuple[bool, bool, bool]:

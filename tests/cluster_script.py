@@ -23,6 +23,7 @@ parser.add_argument("--die-at", type=int, default=-1)
 parser.add_argument("--run-option", default="allreduce")
 parser.add_argument("--partitions", type=int, default=None, help="embedding row ranges")
 parser.add_argument("--no-ema", action="store_true", help="no moving averages")
+parser.add_argument("--no-clip", action="store_true", help="no global-norm clipping")
 parser.add_argument("--optimizer", default="adam", help="a key of models.OPTIMIZERS")
 parser.add_argument("--v1", action="store_true", help="call disable_v2_behavior() first")
 parser.add_argument("--dense-method", default="auto")
@@ -41,7 +42,7 @@ if args.random_init:
         h = {"init": tf.compat.v1.global_variables_initializer(), "iterator_init": None,
              "train": None}
 else:
-    g, h = embedding_regression(4, args.optimizer, clip=True, ema=not args.no_ema,
+    g, h = embedding_regression(4, args.optimizer, clip=not args.no_clip, ema=not args.no_ema,
                                 partitions=args.partitions)
 runner = pn.get_runner(g, None, {"run_option": args.run_option,
                                  "dense_method": args.dense_method,
@@ -55,6 +56,9 @@ if runner.plan.buffers:
     packed = [s.var for b in runner.plan.buffers for s in b.segments]
     print(f"worker {runner.plan.worker}: buffers packed {packed} in "
           f"{runner.plan.order_source}", flush=True)
+ahead = sorted(v for v, vp in runner.plan.variables.items() if vp.prefetch)
+if ahead:
+    print(f"worker {runner.plan.worker}: prefetch {ahead}", flush=True)
 if runner.plan.buckets:
     print(f"worker {runner.plan.worker}: buckets "
           f"{[list(b.variables) for b in runner.plan.buckets]}", flush=True)

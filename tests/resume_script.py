@@ -22,10 +22,11 @@ parser.add_argument("--die-at", type=int, default=-1)
 parser.add_argument("--replicas", type=int, default=2)
 parser.add_argument("--run-option", default="allreduce", help="in a multi-worker job")
 parser.add_argument("--no-ema", action="store_true", help="no moving averages")
+parser.add_argument("--no-clip", action="store_true", help="no global-norm clipping")
 parser.add_argument("--config", default="{}", help="more config keys, as JSON")
 args = parser.parse_args()
 
-g, h = embedding_regression(4, "adam", clip=True, ema=not args.no_ema)
+g, h = embedding_regression(4, "adam", clip=not args.no_clip, ema=not args.no_ema)
 step = tf.compat.v1.train.get_global_step(g)
 resources = None if os.environ.get("PARALLAX_NG_CLUSTER") else local(args.replicas)
 runner = pn.get_runner(g, resources, {"run_option": "hybrid" if resources else args.run_option,

@@ -12,6 +12,7 @@ from transforms.init import InitPass
 from transforms.local_aggregation import LocalAggregationPass
 from transforms.lookups import DistinctLookupsPass, LookupsOnServersPass
 from transforms.place import PlacePass
+from transforms.prefetch import PrefetchPass
 from transforms.replicate import ReplicatePass
 from transforms.server_sync import ServerSyncPass
 from transforms.shard_inputs import ShardInputsPass
@@ -27,7 +28,8 @@ def pipeline_for(plan) -> list:
     the plan needs them, the cross-worker server protocol,
     distinct lookups of rows on servers, sharded variables and the stage
     split; a table cut by columns over the replicas gets its parts after
-    init. Passes with nothing to do for this plan are left out (one replica
+    init, then its update split over steps where the plan prefetches it.
+    Passes with nothing to do for this plan are left out (one replica
     needs no input sharding, state sync or initial-value copies)."""
     several, servers, rewrites = plan.group_size > 1, bool(plan.servers), plan.rewrites
     shared = bool(plan.shared_state())
@@ -38,6 +40,7 @@ def pipeline_for(plan) -> list:
               (ColocateUpdatesPass(), shared and rewrites.colocate_updates),
               (InitPass(), several),
               (ColumnsPass(), bool(plan.columns())),
+              (PrefetchPass(), any(vp.prefetch for vp in plan.variables.values())),
               (ServerSyncPass(), plan.cross_worker_servers),
               (DistinctLookupsPass(), plan.distinct_lookups and bool(plan.servers)),
               (ShardVariablesPass(), bool(plan.sharded())),
@@ -46,6 +49,7 @@ def pipeline_for(plan) -> list:
 
 
 __all__ = ["AggregatePass", "ColocateUpdatesPass", "ColumnsPass", "DistinctLookupsPass",
-           "InitPass", "LocalAggregationPass", "LookupsOnServersPass", "PlacePass", "ReplicatePass",
+           "InitPass", "LocalAggregationPass", "LookupsOnServersPass", "PlacePass", "PrefetchPass",
+           "ReplicatePass",
            "ServerSyncPass", "ShardInputsPass", "ShardVariablesPass", "StagePass",
            "StateSyncPass", "pipeline_for"]

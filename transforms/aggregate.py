@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng import columns, emit, rules
+from parallax_ng import columns, deferral, emit, rules
 from parallax_ng.duplicates import coalescing
 from parallax_ng.ir import GraphIR, TensorRef, format_input
 from parallax_ng.results import ExchangedLookups, LocalAggregates
@@ -392,7 +392,8 @@ def _alltoall(ctx, var, grad, exchanged: dict):
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
     n, scope = plan.num_replicas, f"parallax/alltoall/{var}"
     nodes, values, indices, outputs = _replica_rows(ctx, var, grad, scope)
-    lookup, gathered = _same_ids(ctx, var, grad), None
+    lookup = deferral.same_ids(tg, var, plan.distinct_lookups, plan.variables[var].coalesce)
+    gathered = None
     if lookup is not None:       # the forward's gathered ids serve the gradient too
         made, rows, gathered = lookup_exchange(ctx, lookup, plan.placement[var])
         nodes += made
@@ -410,23 +411,6 @@ def _alltoall(ctx, var, grad, exchanged: dict):
         nodes += made
         outputs[TensorRef(norm, 0)] = summed
     return nodes, outputs
-
-
-def _same_ids(ctx, var, grad) -> str | None:
-    """The one lookup of `var` whose distinct ids, in the order they first
-    appear, are the rows its coalesced gradient sends (the gradient's
-    indices are the lookup's ids, flattened), when lookups and gradients
-    both go distinct; else None."""
-    plan, tg = ctx.plan, ctx.tg
-    found = columns.uses(tg, var).lookups
-    if not (plan.distinct_lookups and plan.variables[var].coalesce and len(found) == 1):
-        return None
-    handle, ids = tg.ir.data_inputs(found[0])[:2]
-    flat = tg.ir.node(grad.indices.node)
-    if tg.variable_of_handle(handle) != var or flat.op != "Reshape" or \
-            tg.ir.data_inputs(grad.indices.node)[0] != ids:
-        return None
-    return found[0]
 
 
 def _rewire(ctx, ref, per_replica: list[str], rewires: dict) -> None:

@@ -1,0 +1,156 @@
+"""Deferral: can a table's update be applied later, row by row?
+
+EmbRace's vertical scheduling (section 4.2.2) sends first the gradient rows
+the next batch reads and the rest later, before they are read. Here a
+step's update of a table cut by columns (`alltoall`) is split so: the step
+runs the table's update math as written with no gradient rows (what every
+row without a gradient gets: nothing, or Adam's decay of its moments), after
+keeping the rows its batch touched as they were; the next step exchanges
+the touched rows its own batch reads first and applies the update to them
+before its lookup, and the rest while it runs (transforms/prefetch.py).
+Applying the update to some rows later is the same update when the math
+acts on each row alone: element-wise ops with scalars, reads and writes of
+the table and its slots, sparse applies, and whatever the gradient's rows
+go through (duplicate ids summed). The scalars it reads from the rest of
+the step (the learning rate, Adam's bias corrections from its step
+counters, a moving average's decay) are kept from the step that made the
+gradient, so a delayed row gets its own step's values (the paper's Adam
+step counter).
+
+Requires: a TrainingGraph and a variable the planner cuts by columns.
+Guarantees: `analyse(tg, var)` returns a `Deferral` (cached on `tg`) or
+raises ConfigError naming the op, the variable and what would be accepted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import columns, rules
+from .errors import ConfigError
+from .frontend import TrainingGraph
+from .ir import TensorRef
+
+# Ops that may see a row of the table or a slot: each output row is a
+# function of the same row of those inputs and of scalars.
+ROW_WISE = columns.ELEMENTWISE | {"IdentityN", "ReadVariableOp", "ResourceGather", "NoOp"}
+
+
+@dataclass(frozen=True)
+class Deferral:
+    var: str
+    lookup: str                         # the lookup whose distinct ids the gradient's rows are
+    ops: tuple[str, ...]                # the update math, in topological order
+    writers: tuple[str, ...]            # its writes of the table and its slots
+    frontier: tuple[TensorRef, ...]     # scalars it reads from the rest of the step
+    constants: tuple[TensorRef, ...]    # constants it reads (the same every step)
+    needs: dict                         # writer -> the frontier scalars it depends on
+    after: dict                         # op -> the writers it follows (by any path)
+
+
+def analyse(tg: TrainingGraph, var: str) -> Deferral:
+    cache = tg.__dict__.setdefault("_deferrals", {})
+    if var not in cache:
+        try:
+            cache[var] = _analyse(tg, var)
+        except ConfigError as e:
+            cache[var] = str(e)
+    if isinstance(cache[var], str):
+        raise ConfigError(cache[var])
+    return cache[var]
+
+
+def same_ids(tg: TrainingGraph, var: str, distinct: bool, coalesce: bool) -> str | None:
+    """The one lookup of `var` whose distinct ids, in the order they first
+    appear, are the rows its coalesced gradient sends (the gradient's
+    indices are the lookup's ids, flattened), when lookups and gradients
+    both go distinct; else None."""
+    found = columns.uses(tg, var).lookups
+    grad = tg.gradients[var]
+    if not (distinct and coalesce and len(found) == 1):
+        return None
+    handle, ids = tg.ir.data_inputs(found[0])[:2]
+    flat = tg.ir.node(grad.indices.node)
+    if tg.variable_of_handle(handle) != var or flat.op != "Reshape" or \
+            tg.ir.data_inputs(grad.indices.node)[0] != ids:
+        return None
+    return found[0]
+
+
+def _analyse(tg: TrainingGraph, var: str) -> Deferral:
+    uses = columns.uses(tg, var)
+    grad = tg.gradients[var]
+    lookup = same_ids(tg, var, True, True)
+    if lookup is None:
+        raise ConfigError(f"prefetch splits {var!r}'s gradient by the ids of one lookup; its "
+                          f"lookups are {list(uses.lookups)} and its gradient's rows are not "
+                          "one lookup's ids (or coalesce_rows/distinct_lookups are off)")
+    if uses.norms:
+        raise ConfigError(f"prefetch delays rows of {var!r}'s gradient to the next step, but "
+                          f"a global norm reads all of them in this one ({uses.norms[0]!r}, "
+                          "clip_by_global_norm); without the norm the rows may wait")
+    state = set(uses.state)
+    step = {w for s in state for w in tg.writers.get(s, ()) if w in tg.after_gradients}
+    within = tg.ir.ancestors(step)
+    writers = {w for s in state for w in tg.writers.get(s, ()) if w in within}
+    # row-bearing: what reads the table or a slot, or the gradient, in the step
+    seeds = {r for s in state for r in tg.readers.get(s, ()) if r in within}
+    rows = _forward(tg, seeds | {grad.values.node, grad.indices.node}, within)
+    ends = {grad.values.node, grad.indices.node}
+    feeding = tg.ir.ancestors(writers, stop=lambda n: n in ends, data_only=True)
+    ops = ({op for op in rows if op in feeding} | writers) - ends
+    from_state = _forward(tg, {r for r in seeds if r in ops}, ops)
+    frontier, constants = set(), set()
+    for op in ops:
+        kind = tg.ir.node(op).op
+        if op in from_state and kind not in ROW_WISE and op not in writers:
+            raise ConfigError(f"op {op!r} ({kind}) updates {var!r} from its rows; prefetch "
+                              "applies some rows a step later, which needs row-wise math "
+                              f"(element-wise ops, reads, writes, sparse applies); turn "
+                              "prefetch off")
+        for ref in tg.ir.data_inputs(op):
+            if ref.node in ops or ref in (grad.values, grad.indices) or \
+                    tg.variable_of_handle(ref) in state:
+                continue
+            if tg.ir.node(ref.node).op == "Const":
+                constants.add(ref)
+            elif tg.tensor(ref).shape.rank == 0:
+                frontier.add(ref)
+            else:
+                raise ConfigError(f"op {op!r} ({kind}) updates {var!r} with {ref}, of shape "
+                                  f"{tg.tensor(ref).shape}; prefetch keeps only scalars from "
+                                  "a step for its delayed rows; turn prefetch off")
+    for ref in (grad.values, grad.indices):
+        outside = [c for c, _ in tg.ir.consumers.get(ref, ())
+                   if c not in ops and not rules.is_autodiff(c)]
+        if outside:
+            raise ConfigError(f"prefetch delays {var!r}'s gradient, which {outside[0]!r} "
+                              "reads besides its update; turn prefetch off")
+    order = [op for op in tg.ir.topo_order if op in ops]
+    needs, after = {}, {}
+    for op in order:
+        before = tg.ir.ancestors([op]) - {op}
+        after[op] = tuple(w for w in order if w in writers and w in before)
+        if op in writers:
+            inside = tg.ir.ancestors([op], stop=lambda n: n not in ops, data_only=True)
+            needs[op] = tuple(sorted(r for r in frontier if r.node in inside))
+    return Deferral(var, lookup, tuple(order), tuple(w for w in order if w in writers),
+                    tuple(sorted(frontier)), tuple(sorted(constants)), needs, after)
+
+
+def _forward(tg: TrainingGraph, seeds: set, within: set) -> set:
+    """Nodes of `within` reached from `seeds` by data edges (seeds included)."""
+    out, todo = set(), list(seeds)
+    while todo:
+        name = todo.pop()
+        if name in out:
+            continue
+        out.add(name)
+        todo.extend(c for c, _ in _out_edges(tg, name) if c in within)
+    return out
+
+
+def _out_edges(tg: TrainingGraph, name: str):
+    node = tg.graph.get_operation_by_name(name)
+    for i in range(len(node.outputs)):
+        yield from tg.ir.consumers.get(TensorRef(name, i), ())
+
