@@ -53,8 +53,11 @@ class ColumnParts:
 class ExchangedLookups:
     """Lookups of tables cut by columns whose exchange `aggregate` built
     beside the gradient's (which reuses its gathered ids): gather op ->
-    the rows per replica; `columns` puts them in the gathers' place."""
+    the rows per replica; `columns` puts them in the gathers' place.
+    `gathered`: gather op -> (sizes, padded ids) every replica's lookup
+    gathered, per replica (`prefetch` splits the next step's rows by them)."""
     rows: dict
+    gathered: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -20,12 +20,15 @@ parser.add_argument("steps", type=int)
 parser.add_argument("--devices", type=int, default=1)
 parser.add_argument("--buckets", default="none",
                     help="buckets.mode (40-byte threshold; mgwfbp with a given cost)")
-parser.add_argument("--sparse", default="auto", help="sparse_method")
+parser.add_argument("--sparse", default="auto",
+                    help="sparse_method, or prefetch (alltoall with prefetch, no clipping)")
 args = parser.parse_args()
 
-g, h = embedding_regression(4, "adam", clip=True, ema=True)
+prefetch = args.sparse == "prefetch"
+g, h = embedding_regression(4, "adam", clip=not prefetch, ema=True)
 runner = pn.get_runner(g, local(args.devices), {
-    "run_option": "allreduce", "sparse_method": args.sparse,
+    "run_option": "allreduce", "sparse_method": "alltoall" if prefetch else args.sparse,
+    "prefetch": prefetch,
     "communication": {"backend": "horovod", "timeout_seconds": 120},
     "buckets": {"mode": args.buckets, "bytes": 40,
                 **({"a": 1e-3, "b": 1e-9} if args.buckets == "mgwfbp" else {})}})

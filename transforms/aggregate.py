@@ -43,7 +43,7 @@ class AggregatePass:
     after: tuple = ()
 
     def run(self, ir: GraphIR, ctx):
-        new_nodes, rewires, local, exchanged = [], {}, {}, {}
+        new_nodes, rewires, local, exchanged, gathered = [], {}, {}, {}, {}
         counts = {"allreduce": 0, "ps": 0, "allgather": 0, "bfb": 0, "alltoall": 0}
         if ctx.plan.buffers:
             nodes, outputs = _fusion_buffers(ctx)
@@ -63,7 +63,7 @@ class AggregatePass:
                 continue
             grad = ctx.tg.gradients[var]
             build = {"allreduce": _allreduce, "ps": _ps, "allgather": _allgather,
-                     "alltoall": lambda c, v, g: _alltoall(c, v, g, exchanged)}[vp.method]
+                     "alltoall": lambda c, v, g: _alltoall(c, v, g, exchanged, gathered)}[vp.method]
             nodes, outputs = build(ctx, var, grad)
             new_nodes.extend(nodes)
             for ref, per_replica in outputs.items():
@@ -75,7 +75,7 @@ class AggregatePass:
                  if vp.coalesce and vp.method == "ps"}
         ctx.publish(LocalAggregates(local, norms))
         if exchanged:
-            ctx.publish(ExchangedLookups(exchanged))
+            ctx.publish(ExchangedLookups(exchanged, gathered))
         return ir.rewire(rewires, new_nodes), counts
 
 
@@ -380,14 +380,15 @@ def _replica_rows(ctx, var, grad, scope):
     return nodes, values, indices, outputs
 
 
-def _alltoall(ctx, var, grad, exchanged: dict):
+def _alltoall(ctx, var, grad, exchanged: dict, ids: dict):
     """Each replica's rows (each distinct row once when coalesced) exchanged,
     each replica receiving its columns of all of them; a global norm's
     L2Loss of the rows summed over the replicas (their rows' shares when
     coalesced, else their columns' shares). When the gradient's rows are a
     lookup's distinct ids, that lookup's exchange is built here too and the
     gradient reuses its gathered sizes and ids (`exchanged`: gather -> rows
-    per replica, for the columns pass)."""
+    per replica, for the columns pass; `ids`: gather -> those sizes and ids
+    per replica)."""
     plan, tg = ctx.plan, ctx.tg
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
     n, scope = plan.num_replicas, f"parallax/alltoall/{var}"
@@ -397,7 +398,7 @@ def _alltoall(ctx, var, grad, exchanged: dict):
     if lookup is not None:       # the forward's gathered ids serve the gradient too
         made, rows, gathered = lookup_exchange(ctx, lookup, plan.placement[var])
         nodes += made
-        exchanged[lookup] = rows
+        exchanged[lookup], ids[lookup] = rows, gathered
     made, v, i = ctx.comm.columns_gradient(scope, values, indices, plan.placement[var],
                                            vt.dtype, it.dtype, plan.average_sparse, gathered)
     nodes += made

@@ -36,7 +36,7 @@ import tensorflow as tf
 from parallax_ng import deferral, emit
 from parallax_ng.errors import GraphError
 from parallax_ng.ir import GraphIR, TensorRef, copy_node, format_input, parse_input
-from parallax_ng.results import Deferred
+from parallax_ng.results import Deferred, ExchangedLookups
 
 PARTS = ("prior", "scheduled")
 
@@ -109,7 +109,8 @@ class Table:
             values = [parts[k][part]["values"] for k in range(n)]
             if part == "scheduled":      # after the lookup's exchange: the model waits less
                 values = [self._node(f"{self._scope(k)}/scheduled/after_lookup", "Identity",
-                                     [values[k], "^" + now[k][2]], k, T=self.dtype)
+                                     [values[k], "^" + parse_input(now[k][2])[0]], k,
+                                     T=self.dtype)
                           for k in range(n)]
             got = self._exchange(part, values, [p[part] for p in parts])
             for k in range(n):
@@ -151,12 +152,18 @@ class Table:
         return out
 
     def _lookup_ids(self, k):
-        """(sizes, padded ids) the lookup gathered this step, and its rows."""
-        at = f"parallax/columns/{self.d.lookup}/replica_{k}"
-        for name in (f"{at}/sizes", f"{at}/ids", f"{at}/rows"):
-            if name not in self.ir:
-                raise GraphError(f"prefetch needs the lookup exchange's {name!r}")
-        return f"{at}/sizes", f"{at}/ids", f"{at}/rows"
+        """(sizes, padded ids) the lookup gathered this step, its rows, and
+        the gather of the replica's columns (aggregate built the exchange)."""
+        made = self.ctx.result(ExchangedLookups)
+        if made is None or self.d.lookup not in made.gathered:
+            raise GraphError(f"prefetch needs the exchange of {self.d.lookup!r} built with "
+                             f"{self.d.var!r}'s gradient")
+        sizes, every = made.gathered[self.d.lookup][k]
+        rows = made.rows[self.d.lookup][k]
+        gather = f"{parse_input(rows)[0].rpartition('/')[0]}/ResourceGather"
+        if gather not in self.ir or self.ir.node(gather).op != "ResourceGather":
+            raise GraphError(f"prefetch needs the lookup exchange's {gather!r}")
+        return sizes, every, rows, gather
 
     def _whole(self, k):
         """The pending step as one part: all its rows."""
@@ -276,7 +283,7 @@ class Table:
         the last one was applied)."""
         ctx, d, tg = self.ctx, self.d, self.ctx.tg
         at, n = f"{self._scope(k)}/step", ctx.plan.group_size
-        sizes, every, _ = now
+        sizes, every = now[:2]
         after = ["^" + a for a in applied]
         rows = self._traced(lambda s, e: tf.unique(_valid(n, s, e), out_idx=tf.int32)[0],
                             [(sizes, tf.int32, [None]), (every, self.itype, [None])],
@@ -319,10 +326,7 @@ class Table:
             nd = self._copy(ctx.replica_name(k, op))
             nd.input.extend(after + ["^" + x for x in keeps + news] +
                             ["^" + scalars[d.frontier.index(r)] for r in d.needs.get(op, ())])
-        gather = f"parallax/columns/{d.lookup}/replica_{k}/ResourceGather"
-        if gather not in self.ir:
-            raise GraphError(f"prefetch needs the lookup exchange's {gather!r}")
-        self._copy(gather).input.append("^" + applied[0])
+        self._copy(now[3]).input.append("^" + applied[0])
 
     def _clear(self, k, name, controls, after_read=False) -> str:
         """Assign the empty pending step (after `controls`); the op that ends
