@@ -13,6 +13,9 @@ MultiWorkerMirroredStrategy training the same model; on loopback, or with
 `--modes sparse` the sparse variables by alltoall, allgather, servers
 (hybrid) and as dense all-reduce (EmbRace's comparison), with the gradient
 rows a worker sends per step before and after coalescing;
+`--modes scheduling` alltoall without and with prefetch (no clipping), with
+the gradient rows sent first (those the next batch reads: EmbRace's
+Table 3, prioritized);
 `balance-*` modes put only dense gradients on 2 or 3 servers.
 
 Each mode is one `parallax-ng run` job. Worker 0 times a window of --steps
@@ -39,6 +42,10 @@ MODES = ("hybrid", "hybrid-staged", "hybrid-per-host", "allreduce", "ps", "mwms"
 # sparse variables (lm_small's embedding and softmax weights) by each method,
 # dense ones by all-reduce: `--modes sparse` (EmbRace's comparison)
 SPARSE = ("alltoall", "allgather", "hybrid", "dense-allreduce", "auto")
+# EmbRace's vertical scheduling, against alltoall without it: both without
+# global-norm clipping (a global norm reads every row of the step, so the
+# rows cannot wait): `--modes scheduling` runs the two
+NO_CLIP = ("alltoall-noclip", "prefetch")
 TWO = "[127.0.0.1, 127.0.0.1]"
 OFF = {"local_aggregation": False, "colocate_updates": False, "lookups_on_servers": False}
 # Parallax's Table 4, one feature added per row (2 servers): a plain
@@ -72,6 +79,9 @@ CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
            "allgather": ({"run_option": "allreduce"}, None),
            "alltoall": ({"run_option": "allreduce", "sparse_method": "alltoall"}, None),
            "dense-allreduce": ({"run_option": "allreduce", "sparse_method": "allreduce"}, None),
+           "alltoall-noclip": ({"run_option": "allreduce", "sparse_method": "alltoall"}, None),
+           "prefetch": ({"run_option": "allreduce", "sparse_method": "alltoall",
+                         "prefetch": True}, None),
            "auto": ({"run_option": "auto"}, None),
            "auto-ps": ({"run_option": "auto"}, "[127.0.0.1]"),   # servers to weigh too
            "ps": ({"run_option": "ps"}, "[127.0.0.1]"),
@@ -116,6 +126,8 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             modes = args.modes.replace("ablation", ",".join(ABLATION)).replace(
                 "sparse", ",".join(SPARSE)).split(",")
+            modes = [m for mode in modes for m in (NO_CLIP if mode == "scheduling" else
+                                                   (mode,))]
             for mode in modes:
                 runs = [job(mode, args, tmp, r) for r in range(args.repeats)]
                 runs.sort(key=lambda r: r["steps_per_s"])
@@ -210,8 +222,9 @@ def format_row(r: dict) -> str:
                if len(servers) > 1 and sum(servers) else "")
     sparse = ", ".join(f"{v} {m}" for v, m in sorted(r.get("methods", {}).items())
                        if v in r.get("gradient_rows", {}))
-    rows = ", ".join(f"{v} {n['before']:.0f} -> {n['after']:.0f}"
-                     for v, n in sorted(r.get("gradient_rows", {}).items()))
+    rows = ", ".join(f"{v} {n['before']:.0f} -> {n['after']:.0f}" + (
+        f" -> {n['prior']:.0f} first" if "prior" in n else "")
+        for v, n in sorted(r.get("gradient_rows", {}).items()))
     return (f"{r['steps_per_s']:7.2f} steps/s  sent per step: {sent}{balance}" +
             (f"\n{'':17}sparse: {sparse}; gradient rows per replica and step: {rows}"
              if rows else ""))
@@ -300,7 +313,8 @@ def worker(args) -> None:
     from parallax_ng import cluster
     info = cluster.from_env()
     # the example's default model, or its --vocab
-    model_args = lm_small.arguments(["--vocab", str(args.vocab)] if args.vocab else [])
+    model_args = lm_small.arguments((["--vocab", str(args.vocab)] if args.vocab else []) +
+                                    (["--clip", "0"] if args.mode in NO_CLIP else []))
     runner = None
     if args.mode == "mwms":
         step = mwms_step(info, model_args)
@@ -346,11 +360,21 @@ def model_of(runner, fetch) -> tuple[dict, dict]:
     grads = runner.ctx.tg.gradients
     sparse = sorted(v for v in runner.plan.variables if grads[v].sparse)
     names = [f"{grads[v].indices.node}:{grads[v].indices.index}" for v in sparse]
+    ahead = [v for v in sparse if runner.plan.variables[v].prefetch]
+    steps = [n for f in fetch for n in runner.fetches.fetch(f, False).names]
+    prior = [f"parallax/prefetch/{v}/replica_0/split/prior_ids:0" for v in ahead]
     rows = {v: 0.0 for v in sparse}
     ids = {v: 0.0 for v in sparse}
+    first = {v: 0.0 for v in ahead}
     index_bytes = {}
     for _ in range(MODEL_STEPS):
-        values = runner.run(fetch + names)[len(fetch):]
+        if ahead:    # the rows the step's batch reads of the last step's (replica 0)
+            values = runner.session.run(steps + [runner.fetches.fetch(n, False).names[0]
+                                                 for n in names] + prior)[len(steps):]
+            for v, idx in zip(ahead, values[len(names):]):
+                first[v] += len(idx) / MODEL_STEPS
+        else:
+            values = runner.run(fetch + names)[len(fetch):]
         for v, idx in zip(sparse, values):
             rows[v] += len(np.unique(idx)) / MODEL_STEPS
             ids[v] += len(idx) / MODEL_STEPS
@@ -358,7 +382,8 @@ def model_of(runner, fetch) -> tuple[dict, dict]:
     plan = runner.plan
     coalesced = {v: rows[v] if plan.variables[v].coalesce else ids[v] for v in sparse}
     looked_up = rows if plan.distinct_lookups else ids
-    sent = {v: {"before": ids[v], "after": coalesced[v]} for v in sparse}
+    sent = {v: {"before": ids[v], "after": coalesced[v],
+                **({"prior": first[v]} if v in first else {})} for v in sparse}
     return traffic_model(plan, coalesced, index_bytes, looked_up), sent
 
 

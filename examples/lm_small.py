@@ -64,7 +64,8 @@ def build(args):
         step = tf1.train.get_or_create_global_step()
         opt = tf1.train.AdagradOptimizer(0.2)
         grads, tvars = zip(*opt.compute_gradients(loss))
-        grads, _ = tf.clip_by_global_norm(grads, 5.0)
+        if args.clip:
+            grads, _ = tf.clip_by_global_norm(grads, args.clip)
         train_op = opt.apply_gradients(zip(grads, tvars), global_step=step)
         init = tf1.global_variables_initializer()
     return graph, train_op, loss, step, init
@@ -84,6 +85,8 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", help="config YAML")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0, help="graph-level random seed")
+    parser.add_argument("--clip", type=float, default=5.0,
+                        help="global-norm clipping (0: none)")
     return parser.parse_args(argv)
 
 

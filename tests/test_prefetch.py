@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from models import embedding_regression, local, read_name, train_both
+from models import OPTIMIZERS, embedding_regression, local, read_name, train_both
 from parallax_ng.errors import ConfigError
 from test_cluster import assert_matches_one_device, run_job
 
@@ -41,6 +41,42 @@ def test_replicas_match_one_device(n, optimizer, extras):
         for k, got in enumerate(parallel[name]):
             diff = np.max(np.abs(np.asarray(got) - want))
             assert diff <= TOL, f"{name} on replica {k}: max abs diff {diff}"
+
+
+def two_tables(batch, optimizer="adam"):
+    """An input table looked up by int32 ids and an output table by int64
+    ids (as a sampled softmax's weights are), each its own pending step."""
+    tf1 = tf.compat.v1
+    rng = np.random.RandomState(3)
+    ids = rng.randint(0, 40, size=(64, 3)).astype(np.int32)
+    out = rng.randint(0, 30, size=(64, 2)).astype(np.int64)
+    y = rng.randn(64).astype(np.float32)
+    g = tf.Graph()
+    with g.as_default():
+        ds = pn.shard(tf.data.Dataset.from_tensor_slices((ids, out, y))).batch(batch).repeat()
+        it = tf1.data.make_initializable_iterator(ds)
+        a, b, t = it.get_next()
+        emb = tf1.get_variable("emb", initializer=rng.randn(40, 5).astype(np.float32))
+        soft = tf1.get_variable("soft", initializer=rng.randn(30, 5).astype(np.float32))
+        h = tf.reduce_mean(tf.nn.embedding_lookup(emb, a), 1)
+        w = tf.nn.embedding_lookup(soft, b)
+        pred = tf.reduce_sum(w * h[:, None, :], [1, 2])
+        loss = tf.reduce_mean(tf.square(pred - t))
+        train = OPTIMIZERS[optimizer]().minimize(
+            loss, global_step=tf1.train.get_or_create_global_step())
+        init = tf1.global_variables_initializer()
+    return g, {"train": train, "init": init, "iterator_init": it.initializer}
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adagrad"])
+def test_two_tables_each_wait_apart(optimizer):
+    seen = {}
+    parallel, single, _ = train_both(lambda b: two_tables(b, optimizer), 2, 6, config=CONFIG,
+                                     seen=seen)
+    assert seen["plan"].variables["emb"].prefetch and seen["plan"].variables["soft"].prefetch
+    for name, want in single.items():
+        for k, got in enumerate(parallel[name]):
+            assert np.max(np.abs(np.asarray(got) - want)) <= TOL, f"{name} on replica {k}"
 
 
 def test_a_read_between_steps_sees_every_update():

@@ -208,7 +208,8 @@ class Table:
         ctx, d, tg = self.ctx, self.d, self.ctx.tg
         at = f"{self._scope(k)}/{name}"
         values, ids = got
-        pos = self._traced(lambda r, i: _places(r, i), [
+        place_type = tg.tensor(self.grad.indices).dtype
+        pos = self._traced(lambda r, i: tf.cast(_places(r, i), place_type), [
             (part["rows"], self.itype, [None]), (ids, self.itype, [None])],
             f"{at}/places", k)[0]
         me = ctx.plan.replica_offset + k
@@ -385,7 +386,9 @@ def _member(x, y):
 def _split(n, rows, sizes, every, ids, values, now_sizes, now_every):
     """For the pending rows `now_every` reads, then for the rest: (those
     rows, their places in `rows`, every replica's count and padded ids of
-    them, this replica's ids and gradient rows of them)."""
+    them, this replica's ids and gradient rows of them), named
+    `<prior|scheduled>_<rows|kept|sizes|every|ids|values>` (the benchmark
+    counts the prior ids)."""
     now = _valid(n, now_sizes, now_every)
     longest = tf.size(every) // n
     keep = tf.reshape(tf.sequence_mask(sizes, longest), [-1])
@@ -404,10 +407,12 @@ def _split(n, rows, sizes, every, ids, values, now_sizes, now_every):
                                tf.cast(tf.stack([n, tf.maximum(tf.reduce_max(counts), 1)]),
                                        tf.int64))
         own = pick(ids)
-        out += [tf.boolean_mask(rows, on_rows),
-                tf.cast(tf.reshape(tf.where(on_rows), [-1]), tf.int32), counts,
-                tf.reshape(packed, [-1]), tf.boolean_mask(ids, own),
-                tf.boolean_mask(values, own)]
+        part = "prior" if prior else "scheduled"
+        out += [tf.identity(t, name=f"{part}_{key}") for key, t in (
+            ("rows", tf.boolean_mask(rows, on_rows)),
+            ("kept", tf.cast(tf.reshape(tf.where(on_rows), [-1]), tf.int32)),
+            ("sizes", counts), ("every", tf.reshape(packed, [-1])),
+            ("ids", tf.boolean_mask(ids, own)), ("values", tf.boolean_mask(values, own)))]
     return out
 
 
