@@ -158,6 +158,7 @@ class Config:
     coalesce_rows: bool = True                             # sum duplicate sparse rows first
     distinct_lookups: bool = True                          # fetch each distinct row once
     prefetch: bool = False                                 # next batch's rows first (alltoall)
+    horizontal_scheduling: bool = False                    # dense updates by block, a step later
     variable_methods: dict = field(default_factory=dict)   # variable -> method
     fetch_reduction: dict = field(default_factory=dict)    # tensor name -> how
     dump_dir: str | None = None                            # graphs after each pass
@@ -169,7 +170,7 @@ class Config:
         _check_choice("run_option", self.run_option, RUN_OPTIONS)
         _check_choice("verify", self.verify, VERIFY_LEVELS)
         for key in ("average_dense", "average_sparse", "coalesce_rows", "distinct_lookups",
-                    "prefetch"):
+                    "prefetch", "horizontal_scheduling"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"config key {key!r} must be true or false, "
                                   f"not {getattr(self, key)!r}")

@@ -78,7 +78,6 @@ def same_ids(tg: TrainingGraph, var: str, distinct: bool, coalesce: bool) -> str
 
 def _analyse(tg: TrainingGraph, var: str) -> Deferral:
     uses = columns.uses(tg, var)
-    grad = tg.gradients[var]
     lookup = same_ids(tg, var, True, True)
     if lookup is None:
         raise ConfigError(f"prefetch splits {var!r}'s gradient by the ids of one lookup; its "
@@ -88,28 +87,60 @@ def _analyse(tg: TrainingGraph, var: str) -> Deferral:
         raise ConfigError(f"prefetch delays rows of {var!r}'s gradient to the next step, but "
                           f"a global norm reads all of them in this one ({uses.norms[0]!r}, "
                           "clip_by_global_norm); without the norm the rows may wait")
-    state = set(uses.state)
+    return _math(tg, var, set(uses.state), lookup, "prefetch", row_wise=True)
+
+
+def analyse_dense(tg: TrainingGraph, var: str) -> Deferral:
+    """The update of dense variable `var` (cached on `tg`), applied whole a
+    step later (horizontal scheduling, transforms/horizontal.py)."""
+    cache = tg.__dict__.setdefault("_dense_deferrals", {})
+    if var not in cache:
+        try:
+            grad = tg.gradients.get(var)
+            if grad is None or grad.sparse:
+                raise ConfigError(f"horizontal scheduling delays dense gradients; {var!r}'s "
+                                  "is sparse or missing")
+            norms = [c for c, _ in tg.ir.consumers.get(grad.values, ())
+                     if tg.ir.node(c).op == "L2Loss"]
+            if norms:
+                raise ConfigError(f"horizontal scheduling applies {var!r}'s update in the "
+                                  f"next step, but a global norm reads its gradient in this "
+                                  f"one ({norms[0]!r}, clip_by_global_norm)")
+            shape = tg.variables[var].shape
+            state = {s for s in tg.owned(var) if tg.variables[s].shape == shape}
+            cache[var] = _math(tg, var, state, "", "horizontal scheduling", row_wise=False)
+        except ConfigError as e:
+            cache[var] = str(e)
+    if isinstance(cache[var], str):
+        raise ConfigError(cache[var])
+    return cache[var]
+
+
+def _math(tg: TrainingGraph, var: str, state: set, lookup: str, what: str,
+          row_wise: bool) -> Deferral:
+    """The ops of the step that update `state` from `var`'s gradient (with
+    `row_wise`, only if each row's update reads that row alone)."""
+    grad = tg.gradients[var]
+    ends = {r.node for r in (grad.values, grad.indices) if r is not None}
     step = {w for s in state for w in tg.writers.get(s, ()) if w in tg.after_gradients}
     within = tg.ir.ancestors(step)
     writers = {w for s in state for w in tg.writers.get(s, ()) if w in within}
     # row-bearing: what reads the table or a slot, or the gradient, in the step
     seeds = {r for s in state for r in tg.readers.get(s, ()) if r in within}
-    rows = _forward(tg, seeds | {grad.values.node, grad.indices.node}, within)
-    ends = {grad.values.node, grad.indices.node}
+    rows = _forward(tg, seeds | ends, within)
     feeding = tg.ir.ancestors(writers, stop=lambda n: n in ends, data_only=True)
     ops = ({op for op in rows if op in feeding} | writers) - ends
     from_state = _forward(tg, {r for r in seeds if r in ops}, ops)
     frontier, constants = set(), set()
     for op in ops:
         kind = tg.ir.node(op).op
-        if op in from_state and kind not in ROW_WISE and op not in writers:
-            raise ConfigError(f"op {op!r} ({kind}) updates {var!r} from its rows; prefetch "
+        if row_wise and op in from_state and kind not in ROW_WISE and op not in writers:
+            raise ConfigError(f"op {op!r} ({kind}) updates {var!r} from its rows; {what} "
                               "applies some rows a step later, which needs row-wise math "
                               f"(element-wise ops, reads, writes, sparse applies); turn "
-                              "prefetch off")
+                              f"{what} off")
         for ref in tg.ir.data_inputs(op):
-            if ref.node in ops or ref in (grad.values, grad.indices) or \
-                    tg.variable_of_handle(ref) in state:
+            if ref.node in ends or ref.node in ops or tg.variable_of_handle(ref) in state:
                 continue
             if tg.ir.node(ref.node).op == "Const":
                 constants.add(ref)
@@ -117,14 +148,14 @@ def _analyse(tg: TrainingGraph, var: str) -> Deferral:
                 frontier.add(ref)
             else:
                 raise ConfigError(f"op {op!r} ({kind}) updates {var!r} with {ref}, of shape "
-                                  f"{tg.tensor(ref).shape}; prefetch keeps only scalars from "
-                                  "a step for its delayed rows; turn prefetch off")
+                                  f"{tg.tensor(ref).shape}; {what} keeps only scalars from "
+                                  f"a step for its delayed update; turn {what} off")
     for ref in (grad.values, grad.indices):
         outside = [c for c, _ in tg.ir.consumers.get(ref, ())
-                   if c not in ops and not rules.is_autodiff(c)]
+                   if c not in ops and not rules.is_autodiff(c)] if ref is not None else []
         if outside:
-            raise ConfigError(f"prefetch delays {var!r}'s gradient, which {outside[0]!r} "
-                              "reads besides its update; turn prefetch off")
+            raise ConfigError(f"{what} delays {var!r}'s gradient, which {outside[0]!r} "
+                              f"reads besides its update; turn {what} off")
     order = [op for op in tg.ir.topo_order if op in ops]
     needs, after = {}, {}
     for op in order:

@@ -93,6 +93,9 @@ class Plan:
     schedule: Schedule = field(default_factory=Schedule)
     buckets: tuple[Bucket, ...] = ()
     buffers: tuple[Buffer, ...] = ()
+    # horizontal scheduling: dense variables updated a step later, by layer, in
+    # the order the forward reads them (one all-reduce per block)
+    blocks: tuple[tuple[str, ...], ...] = ()
     distinct_lookups: bool = False    # each distinct row once: a worker's from a server, a
     #                                   replica's by alltoall
     order_source: str = ""            # where the fusion buffers' packing order came from
@@ -216,6 +219,7 @@ class Plan:
             "split_queues": {k: list(v) for k, v in self.split_queues.items()},
             "schedule": {"staged": self.schedule.staged, "order": list(self.schedule.order)},
             "buckets": [list(b.variables) for b in self.buckets],
+            "blocks": [list(b) for b in self.blocks],
             "buffers": [{"segments": [[s.var, s.start, s.size, s.offset] for s in b.segments],
                          "placement": _placement_dict(b.placement)} for b in self.buffers],
             "distinct_lookups": self.distinct_lookups, "order_source": self.order_source,
@@ -253,6 +257,9 @@ class Plan:
         if ahead:
             rows.append("prefetch (gradient rows the next batch reads sent first, the rest "
                         "while it runs): " + ", ".join(ahead))
+        if self.blocks:
+            rows.append("horizontal scheduling (updates a step later, blocks all-reduced in "
+                        "forward order): " + "; ".join(", ".join(b) for b in self.blocks))
         for v, vp in sorted(self.variables.items()):
             if vp.note:
                 rows.append(f"{v}: {vp.note}")

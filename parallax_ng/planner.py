@@ -70,8 +70,11 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                                 job_devices(devices, num_workers, worker), num_workers))
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
                              list(servers) or [host], config.fusion.buffer_bytes)
+    blocks, notes = horizontal_blocks(tg, variables, config)
+    variables.update({v: replace(variables[v], note=note) for v, note in notes.items()})
+    later = {v for b in blocks for v in b}
     reduced = [v for v, vp in variables.items()      # dense: a sparse one alone
-               if vp.method == "allreduce" and not vp.info.sparse]
+               if vp.method == "allreduce" and not vp.info.sparse and v not in later]
     buckets = allreduce_buckets(tg, ready_order(tg, reduced, order), config.buckets, profile)
     producers = [q for q in queues.find(tg) if q.producer]
     random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),
@@ -85,10 +88,38 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                 backend=config.communication.backend, random=random,
                 split_queues={q.queue: q.enqueues for q in producers},
                 schedule=Schedule(staged=staged), buffers=buffers, buckets=buckets,
+                blocks=blocks,
                 costs=costs, network=net.describe() if net else "",
                 distinct_lookups=config.distinct_lookups and (
                     bool(servers) or any(vp.method == "alltoall" for vp in variables.values())),
                 rewrites=Rewrites(**vars(config.placement_rewrites)))
+
+
+def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config):
+    """(blocks, notes): with `horizontal_scheduling`, the dense variables
+    aggregated by all-reduce whose update may wait a step
+    (parallax_ng/deferral.py), grouped by layer (the name's scope) and in
+    the order the forward pass first reads them; a note on each that may
+    not, saying why."""
+    if not config.horizontal_scheduling:
+        return (), {}
+    first, notes = {}, {}
+    for v, vp in variables.items():
+        if vp.method != "allreduce" or vp.info.sparse:
+            continue
+        try:
+            deferral.analyse_dense(tg, v)
+        except ConfigError as e:
+            notes[v] = f"no horizontal scheduling: {e}"
+            continue
+        reads = [tg.ir.topo_index[r] for r in tg.readers.get(v, ())
+                 if r not in tg.after_gradients]
+        first[v] = min(reads, default=len(tg.ir.topo_index))
+    blocks: dict[str, list[str]] = {}
+    for v in sorted(first, key=lambda v: (first[v], v)):
+        blocks.setdefault(v.rpartition("/")[0] or v, []).append(v)
+    ordered = sorted(blocks.values(), key=lambda b: first[b[0]])
+    return tuple(tuple(b) for b in ordered), notes
 
 
 def _prefetch(tg: TrainingGraph, vp: VariablePlan, config: Config) -> VariablePlan:

@@ -56,6 +56,9 @@ if runner.plan.buffers:
     packed = [s.var for b in runner.plan.buffers for s in b.segments]
     print(f"worker {runner.plan.worker}: buffers packed {packed} in "
           f"{runner.plan.order_source}", flush=True)
+if runner.plan.blocks:
+    print(f"worker {runner.plan.worker}: blocks {[list(b) for b in runner.plan.blocks]}",
+          flush=True)
 ahead = sorted(v for v, vp in runner.plan.variables.items() if vp.prefetch)
 if ahead:
     print(f"worker {runner.plan.worker}: prefetch {ahead}", flush=True)

@@ -35,17 +35,19 @@ def load(prefix, workers=1):
 
 ALLTOALL = '{"run_option": "allreduce", "sparse_method": "alltoall"}'
 PREFETCH = '{"run_option": "allreduce", "sparse_method": "alltoall", "prefetch": true}'
+LATER = '{"run_option": "allreduce", "horizontal_scheduling": true}'
 
 
-@pytest.mark.parametrize("config", ["{}", ALLTOALL, PREFETCH],
-                         ids=["hybrid", "alltoall", "prefetch"])
+@pytest.mark.parametrize("config", ["{}", ALLTOALL, PREFETCH, LATER],
+                         ids=["hybrid", "alltoall", "prefetch", "horizontal"])
 def test_killed_and_restarted_in_process_run_equals_uninterrupted(tmp_path, config):
     """Alltoall: each replica holds its columns of the table; the checkpoint
     holds the whole table, and each replica restores its columns. Prefetch
-    (no clipping: a global norm turns it off): a checkpoint holds every
-    step's update, the rows a step left for the next applied first."""
+    and horizontal scheduling (no clipping: a global norm turns them off):
+    a checkpoint holds every step's update, what a step left for the next
+    applied first."""
     whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
-    more = ["--config", config] + (["--no-clip"] if config == PREFETCH else [])
+    more = ["--config", config] + (["--no-clip"] if config in (PREFETCH, LATER) else [])
     run([sys.executable, SCRIPT, str(tmp_path / "ck_whole"), whole, "20"] + more)
     ck = str(tmp_path / "ck")
     died = run([sys.executable, SCRIPT, ck, broken, "20", "--die-at", "13"] + more,

@@ -66,3 +66,20 @@ def test_an_update_that_needs_the_whole_table_cannot_wait():
             emb.assign(emb - tf.reduce_mean(emb, 0))
     with pytest.raises(ConfigError, match=r"\(Mean\) updates 'emb' from its rows"):
         deferral.analyse(load(g), "emb")
+
+
+def test_a_dense_update_keeps_the_scalars_it_reads_from_the_step():
+    """Adam's dense apply reads its step counters (beta powers) as scalars;
+    a moving average of the weight comes along; a global norm keeps the
+    update in its step."""
+    tg = load(embedding_regression(4, "adam", ema=True)[0])
+    d = deferral.analyse_dense(tg, "dense/w")
+    assert [tg.ir.node(w).op for w in d.writers] == ["ResourceApplyAdam",
+                                                     "AssignSubVariableOp"]
+    reads = {tg.ir.node(r.node).op for r in d.frontier}
+    assert reads == {"ReadVariableOp", "Sub"}     # beta1/beta2 powers, the decay's 1 - d
+    tg = load(embedding_regression(4, "adam", clip=True)[0])
+    with pytest.raises(ConfigError, match="a global norm reads its gradient"):
+        deferral.analyse_dense(tg, "dense/w")
+    with pytest.raises(ConfigError, match="'emb''s is sparse"):
+        deferral.analyse_dense(tg, "emb")

@@ -8,6 +8,7 @@ checks both before it runs anything.
 from transforms.aggregate import AggregatePass
 from transforms.colocate import ColocateUpdatesPass
 from transforms.columns import ColumnsPass
+from transforms.horizontal import HorizontalPass
 from transforms.init import InitPass
 from transforms.local_aggregation import LocalAggregationPass
 from transforms.lookups import DistinctLookupsPass, LookupsOnServersPass
@@ -28,7 +29,8 @@ def pipeline_for(plan) -> list:
     the plan needs them, the cross-worker server protocol,
     distinct lookups of rows on servers, sharded variables and the stage
     split; a table cut by columns over the replicas gets its parts after
-    init, then its update split over steps where the plan prefetches it.
+    init, then its update split over steps where the plan prefetches it, and
+    dense updates a step later by block where it schedules them so.
     Passes with nothing to do for this plan are left out (one replica
     needs no input sharding, state sync or initial-value copies)."""
     several, servers, rewrites = plan.group_size > 1, bool(plan.servers), plan.rewrites
@@ -41,6 +43,7 @@ def pipeline_for(plan) -> list:
               (InitPass(), several),
               (ColumnsPass(), bool(plan.columns())),
               (PrefetchPass(), any(vp.prefetch for vp in plan.variables.values())),
+              (HorizontalPass(), bool(plan.blocks)),
               (ServerSyncPass(), plan.cross_worker_servers),
               (DistinctLookupsPass(), plan.distinct_lookups and bool(plan.servers)),
               (ShardVariablesPass(), bool(plan.sharded())),
@@ -49,6 +52,7 @@ def pipeline_for(plan) -> list:
 
 
 __all__ = ["AggregatePass", "ColocateUpdatesPass", "ColumnsPass", "DistinctLookupsPass",
+           "HorizontalPass",
            "InitPass", "LocalAggregationPass", "LookupsOnServersPass", "PlacePass", "PrefetchPass",
            "ReplicatePass",
            "ServerSyncPass", "ShardInputsPass", "ShardVariablesPass", "StagePass",

@@ -56,21 +56,20 @@ class PrefetchPass:
         return ir.replace(changed, added), {"tables": len(tables)}
 
 
-class Table:
-    """The rewrite of one table on every local replica."""
+class Nodes:
+    """New nodes on replica devices, and copies of changed ones (shared by
+    the passes that apply an update a step later: prefetch, horizontal)."""
 
     def __init__(self, ir, ctx, d: deferral.Deferral, changed: dict, added: list):
         self.ir, self.ctx, self.d, self.changed, self.added = ir, ctx, d, changed, added
-        tg, plan = ctx.tg, ctx.plan
+        tg = ctx.tg
         self.grad = tg.gradients[d.var]
-        self.part = plan.placement[d.var]
         self.state = [s for s in tg.owned(d.var) if tg.variables[s].shape ==
                       tg.variables[d.var].shape]
         self.dtype = tg.variables[d.var].dtype.base_dtype
-        self.itype = tf.as_dtype(tg.ir.node(d.lookup).attr["Tindices"].type)
-        self.n = plan.num_replicas
+        self.n = ctx.plan.num_replicas
+        self.pending: list[dict] = []     # per replica: key -> (handle, dtype)
 
-    # -- nodes ------------------------------------------------------------------
     def _node(self, name, op, inputs, k, **attrs) -> str:
         self.added.append(emit.node_def(name, op, inputs, self.ctx.plan.devices[k], **attrs))
         return name
@@ -97,6 +96,71 @@ class Table:
         if name not in self.changed:
             self.changed[name] = copy_node(self.ir.node(name))
         return self.changed[name]
+
+    def _shared_read(self, k, key) -> str:
+        """One read per step of pending variable `key` (the parts share it)."""
+        h, dtype = self.pending[k][key]
+        name = f"{h}/read"
+        if not any(a.name == name for a in self.added):
+            self._read(h, dtype, k)
+        return name
+
+    def _clone(self, k, at: str, inputs, controls=()) -> dict:
+        """The update math of replica k copied under `at/apply/`: a data
+        input of the user's op is the copy's when the math makes it, else
+        `inputs(ref)` (the gradient, a handle, a kept scalar); every copy
+        waits for the writes it followed and for `controls`. Returns op ->
+        its copy."""
+        ctx, d, tg = self.ctx, self.d, self.ctx.tg
+        clone = {op: f"{at}/apply/{op}" for op in d.ops}
+        for op in d.ops:
+            nd = copy_node(self.ir.node(ctx.replica_name(k, op)))
+            nd.name = clone[op]
+            del nd.input[:]
+            for text in tg.ir.node(op).input:
+                src, idx, control = parse_input(text)
+                if control:
+                    if src in clone:
+                        nd.input.append("^" + clone[src])
+                    continue
+                ref = TensorRef(src, idx)
+                if src in clone:
+                    nd.input.append(format_input(clone[src], idx))
+                elif ref in d.constants:
+                    nd.input.append(ctx.replica_tensor(k, ref))
+                elif ref in d.frontier:
+                    nd.input.append(self._shared_read(k, f"scalar_{d.frontier.index(ref)}"))
+                else:
+                    got = inputs(ref)
+                    if got is None:
+                        raise GraphError(f"input {ref} of {op!r} is not in the analysis of "
+                                         f"{d.var!r}'s update")
+                    nd.input.append(got)
+            nd.input.extend(["^" + clone[w] for w in d.after[op]] + list(controls))
+            self.added.append(nd)
+        return clone
+
+    def _clear_on_writes(self, clear: list) -> None:
+        """Every write of the variable or a slot but the update's (an
+        initializer, a restore) forgets the pending step first."""
+        tg, ctx = self.ctx.tg, self.ctx
+        for s in self.state:
+            for w in tg.writers.get(s, ()):
+                if w in self.d.ops:
+                    continue
+                for k in range(self.n):
+                    name = ctx.replica_name(k, w)
+                    if name in self.ir:
+                        self._copy(name).input.append("^" + clear[k])
+
+
+class Table(Nodes):
+    """The rewrite of one table on every local replica."""
+
+    def __init__(self, ir, ctx, d: deferral.Deferral, changed: dict, added: list):
+        super().__init__(ir, ctx, d, changed, added)
+        self.part = ctx.plan.placement[d.var]
+        self.itype = tf.as_dtype(ctx.tg.ir.node(d.lookup).attr["Tindices"].type)
 
     # -- the rewrite ------------------------------------------------------------
     def build(self, flush: list, clear: list) -> None:
@@ -221,39 +285,16 @@ class Table:
             kept = self._gather(f"{at}/rows_{i}/kept", saved, part["kept"], k)
             inits.append(self._assign(f"{at}/rows_{i}/init", h, kept, self.dtype, k))
             scratch[s] = h
-        scalars = [self._shared_read(k, f"scalar_{i}") for i in range(len(d.frontier))]
-        clone = {op: f"{at}/apply/{op}" for op in d.ops}
-        for op in d.ops:
-            user = tg.ir.node(op)
-            nd = copy_node(self.ir.node(ctx.replica_name(k, op)))
-            nd.name = clone[op]
-            del nd.input[:]
-            handles = False
-            for text in user.input:
-                src, idx, control = parse_input(text)
-                if control:
-                    if src in clone:
-                        nd.input.append("^" + clone[src])
-                    continue
-                ref = TensorRef(src, idx)
-                if src in clone:
-                    nd.input.append(format_input(clone[src], idx))
-                elif ref == self.grad.values:
-                    nd.input.append(values)
-                elif ref == self.grad.indices:
-                    nd.input.append(pos)
-                elif tg.variable_of_handle(ref) in scratch:
-                    nd.input.append(scratch[tg.variable_of_handle(ref)])
-                    handles = True
-                elif ref in d.constants:
-                    nd.input.append(ctx.replica_tensor(k, ref))
-                elif ref in d.frontier:
-                    nd.input.append(scalars[d.frontier.index(ref)])
-                else:
-                    raise GraphError(f"prefetch: input {ref} of {op!r} is not in its analysis")
-            nd.input.extend(["^" + clone[w] for w in d.after[op]] +
-                            (["^" + i for i in inits] if handles else []))
-            self.added.append(nd)
+        state = {s: scratch[s] for s in self.state}
+
+        def inputs(ref):
+            if ref == self.grad.values:
+                return values
+            if ref == self.grad.indices:
+                return pos
+            return state.get(tg.variable_of_handle(ref))
+
+        clone = self._clone(k, at, inputs, ["^" + i for i in inits])
         last = ["^" + clone[w] for w in d.writers]
         ends = []
         for i, s in enumerate(self.state):
@@ -263,14 +304,6 @@ class Table:
                 [ctx.replica_name(k, s), part["rows"], value], k, dtype=self.dtype,
                 Tindices=self.itype))
         return self._node(f"{at}/written", "NoOp", ends, k)
-
-    def _shared_read(self, k, key) -> str:
-        """One read per step of pending variable `key` (the parts share it)."""
-        h, dtype = self.pending[k][key]
-        name = f"{h}/read"
-        if not any(a.name == name for a in self.added):
-            self._read(h, dtype, k)
-        return name
 
     def _gather(self, name, params, indices, k) -> str:
         axis = self._node(f"{name}/axis", "Const", [], k, dtype=tf.int32,
@@ -355,19 +388,6 @@ class Table:
                                              dtype, device))
             ends.append("^" + self._assign(f"{at}/{key}", h, empty, dtype, k, controls))
         return self._node(at, "NoOp", ends, k)
-
-    def _clear_on_writes(self, clear: list) -> None:
-        """Every write of the table or a slot but the update's (an initializer,
-        a restore) forgets the pending step first."""
-        tg, ctx = self.ctx.tg, self.ctx
-        for s in self.state:
-            for w in tg.writers.get(s, ()):
-                if w in self.d.ops:
-                    continue
-                for k in range(self.n):
-                    name = ctx.replica_name(k, w)
-                    if name in self.ir:
-                        self._copy(name).input.append("^" + clear[k])
 
 
 def _valid(n, sizes, every):
