@@ -13,9 +13,10 @@ MultiWorkerMirroredStrategy training the same model; on loopback, or with
 `--modes sparse` the sparse variables by alltoall, allgather, servers
 (hybrid) and as dense all-reduce (EmbRace's comparison), with the gradient
 rows a worker sends per step before and after coalescing;
-`--modes scheduling` alltoall without and with prefetch (no clipping), with
-the gradient rows sent first (those the next batch reads: EmbRace's
-Table 3, prioritized);
+`--modes scheduling` alltoall without and with prefetch, all-reduce of the
+dense gradients without and with horizontal scheduling, and both (no
+clipping), with the gradient rows sent first (those the next batch reads:
+EmbRace's Table 3, prioritized);
 `balance-*` modes put only dense gradients on 2 or 3 servers.
 
 Each mode is one `parallax-ng run` job. Worker 0 times a window of --steps
@@ -42,10 +43,12 @@ MODES = ("hybrid", "hybrid-staged", "hybrid-per-host", "allreduce", "ps", "mwms"
 # sparse variables (lm_small's embedding and softmax weights) by each method,
 # dense ones by all-reduce: `--modes sparse` (EmbRace's comparison)
 SPARSE = ("alltoall", "allgather", "hybrid", "dense-allreduce", "auto")
-# EmbRace's vertical scheduling, against alltoall without it: both without
-# global-norm clipping (a global norm reads every row of the step, so the
-# rows cannot wait): `--modes scheduling` runs the two
-NO_CLIP = ("alltoall-noclip", "prefetch")
+# EmbRace's 2D scheduling: vertical (prefetch) against alltoall without it,
+# horizontal (dense updates a step later by layer) against all-reduce
+# without it, and both; all without global-norm clipping (a global norm
+# reads every gradient in its step, so nothing can wait):
+# `--modes scheduling` runs them all
+NO_CLIP = ("alltoall-noclip", "prefetch", "allgather-noclip", "horizontal", "2d")
 TWO = "[127.0.0.1, 127.0.0.1]"
 OFF = {"local_aggregation": False, "colocate_updates": False, "lookups_on_servers": False}
 # Parallax's Table 4, one feature added per row (2 servers): a plain
@@ -82,6 +85,10 @@ CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
            "alltoall-noclip": ({"run_option": "allreduce", "sparse_method": "alltoall"}, None),
            "prefetch": ({"run_option": "allreduce", "sparse_method": "alltoall",
                          "prefetch": True}, None),
+           "allgather-noclip": ({"run_option": "allreduce"}, None),
+           "horizontal": ({"run_option": "allreduce", "horizontal_scheduling": True}, None),
+           "2d": ({"run_option": "allreduce", "sparse_method": "alltoall", "prefetch": True,
+                   "horizontal_scheduling": True}, None),
            "auto": ({"run_option": "auto"}, None),
            "auto-ps": ({"run_option": "auto"}, "[127.0.0.1]"),   # servers to weigh too
            "ps": ({"run_option": "ps"}, "[127.0.0.1]"),
