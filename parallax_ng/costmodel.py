@@ -67,9 +67,7 @@ def seconds(method: str, info: VariableInfo, replicas: int, servers: int,
     if n < 2:
         return 0.0
     if method == "allreduce":
-        if info.sparse:             # a count per row rides along
-            m *= (info.shape[1] + 1) / info.shape[1] if len(info.shape) == 2 else 1.0
-        return 2 * (n - 1) * (m / (n * b) + beta)
+        return 2 * (n - 1) * (reduced_bytes(info) / (n * b) + beta)
     if method in ("ps", "bfb"):
         return 2 * n * (alpha * m / (max(servers, 1) * b) + beta)
     if method == "allgather":
@@ -77,6 +75,18 @@ def seconds(method: str, info: VariableInfo, replicas: int, servers: int,
     if method == "alltoall":
         return (n - 1) * (2 * alpha * m / (n * b) + EXCHANGES * beta)
     raise ValueError(f"no cost for method {method!r}")
+
+
+def reduced_bytes(info: VariableInfo) -> float:
+    """Bytes all-reduced for a variable: its own, and for a sparse gradient
+    summed as dense a count per row besides (a second column for a 1-D
+    variable, one more in D for a [V, D] table)."""
+    if not info.sparse or not info.shape:
+        return float(info.nbytes)
+    width = 1
+    for d in info.shape[1:]:
+        width *= d or 1
+    return info.nbytes * (width + 1) / width
 
 
 def costs(info: VariableInfo, allowed, replicas: int, servers: int,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from . import costmodel
 from .analysis import VariableInfo
 from .placement import Columns, Mirrored, Shared, Sharded, home
 
@@ -160,8 +161,8 @@ class Plan:
         out = {}
         for name, vp in self.variables.items():
             b, alpha = vp.info.nbytes, vp.info.alpha or 1.0
-            if vp.method == "allreduce":
-                out[name] = 2 * (n - 1) * b / n
+            if vp.method == "allreduce":      # a sparse one: a count per row too
+                out[name] = 2 * (n - 1) * costmodel.reduced_bytes(vp.info) / n
             elif vp.method == "alltoall":    # rows out in the forward, gradients back
                 out[name] = 2 * (n - 1) * alpha * b / n
             elif vp.method == "allgather":

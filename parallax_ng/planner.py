@@ -59,9 +59,10 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                                     coalescing(tg, name) is not None)
                  for name, method in choose_methods(
                      info, config, job_servers, can_cut, can_sum, costs).items()}
-    variables = {name: _prefetch(tg, vp, config) for name, vp in variables.items()}
     roots = shared_roots(variables)
     fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
+    staged = num_workers > 1 and bool(roots or fused)
+    variables = {name: _prefetch(tg, vp, config, staged) for name, vp in variables.items()}
     _check_servers(tg, roots + fused, config, num_workers, servers)
     placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
                             config.ps_placement)
@@ -70,7 +71,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                                 job_devices(devices, num_workers, worker), num_workers))
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
                              list(servers) or [host], config.fusion.buffer_bytes)
-    blocks, notes = horizontal_blocks(tg, variables, config)
+    blocks, notes = horizontal_blocks(tg, variables, config, staged)
     variables.update({v: replace(variables[v], note=note) for v, note in notes.items()})
     later = {v for b in blocks for v in b}
     reduced = [v for v, vp in variables.items()      # dense: a sparse one alone
@@ -80,7 +81,6 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),
                                config.random, config.random_ops,
                                pinned={op for q in producers for op in q.random})
-    staged = num_workers > 1 and bool(roots or fused)
     return Plan(config.run_option, config.average_dense, config.average_sparse,
                 tuple(devices), host, variables, placement,
                 timeout_seconds=config.communication.timeout_seconds,
@@ -95,7 +95,12 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                 rewrites=Rewrites(**vars(config.placement_rewrites)))
 
 
-def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config):
+STAGED = ("a job step in stages (servers beside collectives) runs its parts apart; "
+          "without servers it can")
+
+
+def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config,
+                      staged: bool = False):
     """(blocks, notes): with `horizontal_scheduling`, the dense variables
     aggregated by all-reduce whose update may wait a step
     (parallax_ng/deferral.py), grouped by layer (the name's scope) and in
@@ -106,6 +111,9 @@ def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config):
     first, notes = {}, {}
     for v, vp in variables.items():
         if vp.method != "allreduce" or vp.info.sparse:
+            continue
+        if staged:
+            notes[v] = f"no horizontal scheduling: {STAGED}"
             continue
         try:
             deferral.analyse_dense(tg, v)
@@ -122,7 +130,8 @@ def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config):
     return tuple(tuple(b) for b in ordered), notes
 
 
-def _prefetch(tg: TrainingGraph, vp: VariablePlan, config: Config) -> VariablePlan:
+def _prefetch(tg: TrainingGraph, vp: VariablePlan, config: Config,
+              staged: bool = False) -> VariablePlan:
     """`vp` with prefetch on where the config asks for it and the table's
     update may wait for the next step (parallax_ng/deferral.py), else with
     a note saying why not."""
@@ -132,6 +141,8 @@ def _prefetch(tg: TrainingGraph, vp: VariablePlan, config: Config) -> VariablePl
         return replace(vp, note=f"no prefetch: it applies to alltoall, not {vp.method}")
     if not (vp.coalesce and config.distinct_lookups):
         return replace(vp, note="no prefetch: it needs coalesce_rows and distinct_lookups")
+    if staged:
+        return replace(vp, note=f"no prefetch: {STAGED}")
     try:
         deferral.analyse(tg, vp.name)
     except ConfigError as e:

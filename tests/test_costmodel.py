@@ -32,6 +32,10 @@ def test_embrace_table_2_by_hand():
     dense = costmodel.costs(table(sparse=False), ("allreduce",), n, s, NET)
     assert dense == {"allreduce": pytest.approx(2 * 3 * (m / (4 * 1e9) + 1e-5))}
     assert costmodel.costs(v, costmodel.METHODS, 1, 0, NET)["alltoall"] == 0.0
+    # a 1-D sparse variable summed as dense carries a count per row: twice its bytes
+    bias = VariableInfo("b", (1000,), "float32", 4000, True, 0.01, "measured", 0)
+    got = costmodel.costs(bias, ("allreduce",), n, s, NET)["allreduce"]
+    assert got == pytest.approx(2 * 3 * (8000 / (4 * 1e9) + 1e-5))
 
 
 def test_network_from_a_ring_allreduce_fit():

@@ -42,6 +42,24 @@ def test_replicas_match_one_device(n, optimizer, extras, more):
             assert diff <= TOL, f"{name} on replica {k}: max abs diff {diff}"
 
 
+@pytest.fixture
+def v1_variables():
+    tf.compat.v1.disable_resource_variables()
+    yield
+    tf.compat.v1.enable_resource_variables()
+
+
+def test_reference_variables_keep_a_copy_of_the_step_counters(v1_variables):
+    """Adam's update of a reference variable reads its step counters through
+    reads that alias their buffers, which the step's end changes in place:
+    the kept scalars are copies."""
+    parallel, single, _ = train_both(lambda b: embedding_regression(b, "adam"), 2, 6,
+                                     config=CONFIG)
+    for name, want in single.items():
+        for got in parallel[name]:
+            assert np.max(np.abs(np.asarray(got) - want)) <= TOL, name
+
+
 def test_a_read_between_steps_sees_every_update():
     g, h = embedding_regression(4, "adam", ema=True)
     g1, h1 = embedding_regression(8, "adam", ema=True)
@@ -79,3 +97,19 @@ def test_workers_match_one_device(tmp_path, workers, devices):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "worker 1: blocks [['dense/w', 'dense/b'], ['out/v']]" in done.stdout
     assert_matches_one_device(out, workers, devices, clip=False)
+
+
+def test_a_job_step_in_stages_keeps_its_updates_in_the_step():
+    """With servers beside collectives a job step runs in stages (no
+    session run mixes them): no schedule that spans steps, and a note."""
+    from parallax_ng import frontend
+    from parallax_ng.analysis import analyze
+    from parallax_ng.config import Config
+    from parallax_ng.planner import make_plan
+    tg = frontend.load(embedding_regression(4, "adam")[0])
+    worker = "/job:worker/replica:0/task:0/device:CPU:0"
+    plan = make_plan(tg, analyze(tg), Config(run_option="hybrid", dense_method="allreduce",
+                                             horizontal_scheduling=True), [worker], worker,
+                     num_workers=2, worker=0, servers=["/job:ps/replica:0/task:0/device:CPU:0"])
+    assert plan.schedule.staged and plan.blocks == ()
+    assert "runs its parts apart" in plan.variables["dense/w"].note

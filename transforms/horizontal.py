@@ -188,9 +188,8 @@ class Update(Nodes):
                                  ctx.replica_tensor(k, self.grad.values), self.dtype, k, after),
                     self._assign(f"{at}/valid", pend["valid"][0], self._true(k), tf.bool, k,
                                  after)]
-            scalars = [self._assign(f"{at}/scalar_{i}", pend[f"scalar_{i}"][0],
-                                    ctx.replica_tensor(k, ref), pend[f"scalar_{i}"][1], k,
-                                    after) for i, ref in enumerate(d.frontier)]
+            scalars = [self._keep_scalar(k, at, i, ref, after)
+                       for i, ref in enumerate(d.frontier)]
             for w in d.writers:           # the update as written: only the keeping now
                 name = ctx.replica_name(k, w)
                 old = self.ir.node(name)

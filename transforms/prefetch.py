@@ -105,6 +105,15 @@ class Nodes:
             self._read(h, dtype, k)
         return name
 
+    def _keep_scalar(self, k, at, i, ref, controls) -> str:
+        """Scalar `ref` of the step kept for the next: a copy (a reference
+        variable's read aliases its buffer, which the step's later writes
+        change in place)."""
+        h, dtype = self.pending[k][f"scalar_{i}"]
+        copy = self._node(f"{at}/scalar_{i}/copy", "Snapshot",
+                          [self.ctx.replica_tensor(k, ref)], k, T=dtype)
+        return self._assign(f"{at}/scalar_{i}", h, copy, dtype, k, controls)
+
     def _clone(self, k, at: str, inputs, controls=()) -> dict:
         """The update math of replica k copied under `at/apply/`: a data
         input of the user's op is the copy's when the math makes it, else
@@ -334,9 +343,7 @@ class Table(Nodes):
                              Tindices=self.itype, batch_dims=0, validate_indices=True)
             keeps.append(self._assign(f"{at}/keep_{i}", pend[f"saved_{i}"][0], got,
                                       self.dtype, k, after))
-        scalars = [self._assign(f"{at}/scalar_{i}", pend[f"scalar_{i}"][0],
-                                ctx.replica_tensor(k, ref), pend[f"scalar_{i}"][1], k, after)
-                   for i, ref in enumerate(d.frontier)]
+        scalars = [self._keep_scalar(k, at, i, ref, after) for i, ref in enumerate(d.frontier)]
         news = [self._assign(f"{at}/{key}", pend[key][0], value, pend[key][1], k, after)
                 for key, value in (("rows", rows), ("sizes", sizes), ("every", every),
                                    ("ids", f"{local}/distinct"),
