@@ -13,9 +13,10 @@ acts on each row alone: element-wise ops with scalars, reads and writes of
 the table and its slots, sparse applies, and whatever the gradient's rows
 go through (duplicate ids summed). The scalars it reads from the rest of
 the step (the learning rate, Adam's bias corrections from its step
-counters, a moving average's decay) are kept from the step that made the
-gradient, so a delayed row gets its own step's values (the paper's Adam
-step counter).
+counters, a moving average's decay, a global norm's clip scale) are kept
+from the step that made the gradient, so a delayed row gets its own
+step's values (the paper's Adam step counter). A global norm over the
+rows stays in their step: aggregate sums it from each replica's rows.
 
 Requires: a TrainingGraph and a variable the planner cuts by columns.
 Guarantees: `analyse(tg, var)` returns a `Deferral` (cached on `tg`) or
@@ -26,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import columns, rules
+from .duplicates import coalescing
 from .errors import ConfigError
 from .frontend import TrainingGraph
 from .ir import TensorRef
@@ -83,11 +85,11 @@ def _analyse(tg: TrainingGraph, var: str) -> Deferral:
         raise ConfigError(f"prefetch splits {var!r}'s gradient by the ids of one lookup; its "
                           f"lookups are {list(uses.lookups)} and its gradient's rows are not "
                           "one lookup's ids (or coalesce_rows/distinct_lookups are off)")
-    if uses.norms:
-        raise ConfigError(f"prefetch delays rows of {var!r}'s gradient to the next step, but "
-                          f"a global norm reads all of them in this one ({uses.norms[0]!r}, "
-                          "clip_by_global_norm); without the norm the rows may wait")
-    return _math(tg, var, set(uses.state), lookup, "prefetch", row_wise=True)
+    # a global norm's L2Loss of the rows: each replica's share of the squares,
+    # summed over the replicas, in the rows' own step (aggregate); the clip
+    # scale it makes is one of the scalars kept for the delayed rows
+    norms = set(uses.norms) | set(coalescing(tg, var) or ())
+    return _math(tg, var, set(uses.state), lookup, "prefetch", row_wise=True, norms=norms)
 
 
 def analyse_dense(tg: TrainingGraph, var: str) -> Deferral:
@@ -117,17 +119,22 @@ def analyse_dense(tg: TrainingGraph, var: str) -> Deferral:
 
 
 def _math(tg: TrainingGraph, var: str, state: set, lookup: str, what: str,
-          row_wise: bool) -> Deferral:
+          row_wise: bool, norms: set = frozenset()) -> Deferral:
     """The ops of the step that update `state` from `var`'s gradient (with
-    `row_wise`, only if each row's update reads that row alone)."""
+    `row_wise`, only if each row's update reads that row alone); `norms`:
+    L2Loss ops of the gradient that stay in its step (what they feed is
+    read as a scalar of the step)."""
     grad = tg.gradients[var]
     ends = {r.node for r in (grad.values, grad.indices) if r is not None}
     step = {w for s in state for w in tg.writers.get(s, ()) if w in tg.after_gradients}
     within = tg.ir.ancestors(step)
     writers = {w for s in state for w in tg.writers.get(s, ()) if w in within}
-    # row-bearing: what reads the table or a slot, or the gradient, in the step
-    seeds = {r for s in state for r in tg.readers.get(s, ()) if r in within}
-    rows = _forward(tg, seeds | ends, within)
+    # row-bearing: what reads the table or a slot, or the gradient, in the
+    # update (not the forward's reads, which the gradients come from)
+    forward = _forward_and_backward(tg)
+    seeds = {r for s in state for r in tg.readers.get(s, ()) if r in within and
+             r not in forward}
+    rows = _forward(tg, seeds | ends, within - norms - forward)
     feeding = tg.ir.ancestors(writers, stop=lambda n: n in ends, data_only=True)
     ops = ({op for op in rows if op in feeding} | writers) - ends
     from_state = _forward(tg, {r for r in seeds if r in ops}, ops)
@@ -152,7 +159,8 @@ def _math(tg: TrainingGraph, var: str, state: set, lookup: str, what: str,
                                   f"a step for its delayed update; turn {what} off")
     for ref in (grad.values, grad.indices):
         outside = [c for c, _ in tg.ir.consumers.get(ref, ())
-                   if c not in ops and not rules.is_autodiff(c)] if ref is not None else []
+                   if c not in ops and c not in norms and not rules.is_autodiff(c)
+                   ] if ref is not None else []
         if outside:
             raise ConfigError(f"{what} delays {var!r}'s gradient, which {outside[0]!r} "
                               f"reads besides its update; turn {what} off")
@@ -166,6 +174,14 @@ def _math(tg: TrainingGraph, var: str, state: set, lookup: str, what: str,
             needs[op] = tuple(sorted(r for r in frontier if r.node in inside))
     return Deferral(var, lookup, tuple(order), tuple(w for w in order if w in writers),
                     tuple(sorted(frontier)), tuple(sorted(constants)), needs, after)
+
+
+def _forward_and_backward(tg: TrainingGraph) -> frozenset:
+    """The nodes the gradients come from (cached on `tg`)."""
+    if "_gradient_ancestors" not in tg.__dict__:
+        tg.__dict__["_gradient_ancestors"] = frozenset(
+            tg.ir.ancestors({r.node for r in tg.gradient_tensors}))
+    return tg.__dict__["_gradient_ancestors"]
 
 
 def _forward(tg: TrainingGraph, seeds: set, within: set) -> set:

@@ -21,13 +21,13 @@ parser.add_argument("--devices", type=int, default=1)
 parser.add_argument("--buckets", default="none",
                     help="buckets.mode (40-byte threshold; mgwfbp with a given cost)")
 parser.add_argument("--sparse", default="auto",
-                    help="sparse_method, or prefetch (alltoall with prefetch, no clipping)")
+                    help="sparse_method, or prefetch (alltoall with prefetch)")
 parser.add_argument("--horizontal", action="store_true",
                     help="horizontal scheduling of the dense updates (no clipping)")
 args = parser.parse_args()
 
 prefetch = args.sparse == "prefetch"
-g, h = embedding_regression(4, "adam", clip=not (prefetch or args.horizontal), ema=True)
+g, h = embedding_regression(4, "adam", clip=not args.horizontal, ema=True)
 runner = pn.get_runner(g, local(args.devices), {
     "run_option": "allreduce", "sparse_method": "alltoall" if prefetch else args.sparse,
     "prefetch": prefetch, "horizontal_scheduling": args.horizontal,

@@ -7,7 +7,8 @@ its parts joined, after the pending rows are applied) matches one device
 with the total batch within 1e-5 (float32), in-process on 2 and 4 devices
 and in 2x1 and 2x2 localhost jobs: SGD, Adagrad, Momentum, RMSProp and
 Adam (whose delayed rows take their own step's bias corrections), moving
-averages of the table, widths that do not divide by the replica count.
+averages of the table, global-norm clipping (the delayed rows take their
+step's clip scale), widths that do not divide by the replica count.
 """
 import numpy as np
 import pytest
@@ -22,9 +23,9 @@ TOL = 1e-5
 CONFIG = {"run_option": "allreduce", "sparse_method": "alltoall", "prefetch": True}
 CASES = [  # replicas, optimizer, model options
     (2, "sgd", {}),
-    (2, "adam", {"ema": True, "random_table": True, "dim": 5}),
+    (2, "adam", {"ema": True, "random_table": True, "dim": 5, "clip": True}),
     (4, "adam", {"ema": True}),
-    (4, "adagrad", {"dim": 6}),
+    (4, "adagrad", {"dim": 6, "clip": True}),
     (2, "momentum", {"ema": True}),
     (4, "rmsprop", {"dim": 7}),
 ]
@@ -97,30 +98,28 @@ def test_a_read_between_steps_sees_every_update():
 
 
 def test_the_plan_says_where_prefetch_applies():
-    """On with alltoall; off, with the reason, where a global norm reads every
-    row of the step (clipping) or the method is not alltoall."""
-    g, _ = embedding_regression(4, "adam")
+    """On with alltoall (clipping too); off, with the reason, where rows are
+    not summed before they leave a replica or the method is not alltoall."""
+    g, _ = embedding_regression(4, "adam", clip=True)
     text = pn.transform_plan(g, local(2), CONFIG).format()
     assert "prefetch (gradient rows the next batch reads sent first" in text
-    g, _ = embedding_regression(4, "adam", clip=True)
-    plan = pn.transform_plan(g, local(2), CONFIG)
+    plan = pn.transform_plan(g, local(2), {**CONFIG, "coalesce_rows": False})
     assert not plan.variables["emb"].prefetch
-    assert "no prefetch" in plan.variables["emb"].note
-    assert "global norm" in plan.variables["emb"].note
+    assert plan.variables["emb"].note == \
+        "no prefetch: it needs coalesce_rows and distinct_lookups"
     plan = pn.transform_plan(g, local(2), {**CONFIG, "sparse_method": "allgather"})
     assert plan.variables["emb"].note == "no prefetch: it applies to alltoall, not allgather"
 
 
 @pytest.mark.parametrize("workers,devices", [(2, 1), (2, 2)])
 def test_workers_match_one_device(tmp_path, workers, devices):
-    """Adam, moving averages of every weight, the table cut over every
-    replica of the job, its update split over steps."""
+    """Adam, global-norm clipping, moving averages of every weight, the
+    table cut over every replica of the job, its update split over steps."""
     done, out, _ = run_job(tmp_path, workers, devices, "10", "--run-option", "allreduce",
-                           "--no-clip", "--config",
-                           '{"sparse_method": "alltoall", "prefetch": true}')
+                           "--config", '{"sparse_method": "alltoall", "prefetch": true}')
     assert done.returncode == 0, done.stderr[-3000:]
     assert "worker 1: prefetch ['emb']" in done.stdout
-    assert_matches_one_device(out, workers, devices, clip=False)
+    assert_matches_one_device(out, workers, devices)
 
 
 def test_prefetch_must_be_true_or_false():
