@@ -46,8 +46,8 @@ SPARSE = ("alltoall", "allgather", "hybrid", "dense-allreduce", "auto")
 # EmbRace's 2D scheduling: vertical (prefetch) against alltoall without it,
 # horizontal (dense updates a step later by layer) against all-reduce
 # without it, and both; all without global-norm clipping (a global norm
-# reads every gradient in its step, so nothing can wait):
-# `--modes scheduling` runs them all
+# over the dense gradients needs their all-reduce in their step, so the
+# horizontal schedule cannot wait): `--modes scheduling` runs them all
 NO_CLIP = ("alltoall-noclip", "prefetch", "allgather-noclip", "horizontal", "2d")
 TWO = "[127.0.0.1, 127.0.0.1]"
 OFF = {"local_aggregation": False, "colocate_updates": False, "lookups_on_servers": False}
