@@ -66,3 +66,10 @@ def test_lm_small_repeats_itself():
             "--batch", "32", "--resources", os.path.join(ROOT, "configs", "resources_2cpu.yaml")]
     first, second = (re.findall(r"loss (\d+\.\d+)", run("lm_small.py", *args)) for _ in range(2))
     assert len(first) == 3 and first == second
+
+
+def test_transformer_stack_learns_on_two_replicas():
+    out = run("transformer_stack.py", "--steps", "100",
+              "--resources", os.path.join(ROOT, "configs", "resources_2cpu.yaml"))
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], out
