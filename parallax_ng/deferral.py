@@ -19,18 +19,22 @@ step's values (the paper's Adam step counter). A global norm over the
 rows stays in their step: aggregate sums it from each replica's rows.
 
 Requires: a TrainingGraph and a variable the planner cuts by columns.
+The planner asks `prefetch` and `horizontal_blocks` which variables' updates
+wait (a note on each that may not, saying why).
 Guarantees: `analyse(tg, var)` returns a `Deferral` (cached on `tg`) or
 raises ConfigError naming the op, the variable and what would be accepted.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import columns, rules
 from .duplicates import coalescing
 from .errors import ConfigError
+from .config import Config
 from .frontend import TrainingGraph
 from .ir import TensorRef
+from .plan import VariablePlan
 
 # Ops that may see a row of the table or a slot: each output row is a
 # function of the same row of those inputs and of scalars.
@@ -78,6 +82,63 @@ def same_ids(tg: TrainingGraph, var: str, distinct: bool, coalesce: bool) -> str
     return found[0]
 
 
+# -- what the plan defers ---------------------------------------------------
+STAGED = ("a job step in stages (servers beside collectives) runs its parts apart; "
+          "without servers it can")
+
+
+def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config,
+                      staged: bool = False):
+    """(blocks, notes): with `horizontal_scheduling`, the dense variables
+    aggregated by all-reduce whose update may wait a step
+    (parallax_ng/deferral.py), grouped by layer (the name's scope) and in
+    the order the forward pass first reads them; a note on each that may
+    not, saying why."""
+    if not config.horizontal_scheduling:
+        return (), {}
+    first, notes = {}, {}
+    for v, vp in variables.items():
+        if vp.method != "allreduce" or vp.info.sparse:
+            continue
+        if staged:
+            notes[v] = f"no horizontal scheduling: {STAGED}"
+            continue
+        try:
+            analyse_dense(tg, v)
+        except ConfigError as e:
+            notes[v] = f"no horizontal scheduling: {e}"
+            continue
+        reads = [tg.ir.topo_index[r] for r in tg.readers.get(v, ())
+                 if r not in tg.after_gradients]
+        first[v] = min(reads, default=len(tg.ir.topo_index))
+    blocks: dict[str, list[str]] = {}
+    for v in sorted(first, key=lambda v: (first[v], v)):
+        blocks.setdefault(v.rpartition("/")[0] or v, []).append(v)
+    ordered = sorted(blocks.values(), key=lambda b: first[b[0]])
+    return tuple(tuple(b) for b in ordered), notes
+
+
+def prefetch(tg: TrainingGraph, vp: VariablePlan, config: Config,
+             staged: bool = False) -> VariablePlan:
+    """`vp` with prefetch on where the config asks for it and the table's
+    update may wait for the next step (parallax_ng/deferral.py), else with
+    a note saying why not."""
+    if not config.prefetch or not vp.info.sparse:
+        return vp
+    if vp.method != "alltoall":
+        return replace(vp, note=f"no prefetch: it applies to alltoall, not {vp.method}")
+    if not (vp.coalesce and config.distinct_lookups):
+        return replace(vp, note="no prefetch: it needs coalesce_rows and distinct_lookups")
+    if staged:
+        return replace(vp, note=f"no prefetch: {STAGED}")
+    try:
+        analyse(tg, vp.name)
+    except ConfigError as e:
+        return replace(vp, note=f"no prefetch: {e}")
+    return replace(vp, prefetch=True)
+
+
+# -- the update math ---------------------------------------------------------
 def _analyse(tg: TrainingGraph, var: str) -> Deferral:
     uses = columns.uses(tg, var)
     lookup = same_ids(tg, var, True, True)

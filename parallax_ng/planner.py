@@ -62,7 +62,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     roots = shared_roots(variables)
     fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
     staged = num_workers > 1 and bool(roots or fused)
-    variables = {name: _prefetch(tg, vp, config, staged) for name, vp in variables.items()}
+    variables = {name: deferral.prefetch(tg, vp, config, staged) for name, vp in variables.items()}
     _check_servers(tg, roots + fused, config, num_workers, servers)
     placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
                             config.ps_placement)
@@ -71,7 +71,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                                 job_devices(devices, num_workers, worker), num_workers))
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
                              list(servers) or [host], config.fusion.buffer_bytes)
-    blocks, notes = horizontal_blocks(tg, variables, config, staged)
+    blocks, notes = deferral.horizontal_blocks(tg, variables, config, staged)
     variables.update({v: replace(variables[v], note=note) for v, note in notes.items()})
     later = {v for b in blocks for v in b}
     reduced = [v for v, vp in variables.items()      # dense: a sparse one alone
@@ -93,61 +93,6 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                 distinct_lookups=config.distinct_lookups and (
                     bool(servers) or any(vp.method == "alltoall" for vp in variables.values())),
                 rewrites=Rewrites(**vars(config.placement_rewrites)))
-
-
-STAGED = ("a job step in stages (servers beside collectives) runs its parts apart; "
-          "without servers it can")
-
-
-def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config,
-                      staged: bool = False):
-    """(blocks, notes): with `horizontal_scheduling`, the dense variables
-    aggregated by all-reduce whose update may wait a step
-    (parallax_ng/deferral.py), grouped by layer (the name's scope) and in
-    the order the forward pass first reads them; a note on each that may
-    not, saying why."""
-    if not config.horizontal_scheduling:
-        return (), {}
-    first, notes = {}, {}
-    for v, vp in variables.items():
-        if vp.method != "allreduce" or vp.info.sparse:
-            continue
-        if staged:
-            notes[v] = f"no horizontal scheduling: {STAGED}"
-            continue
-        try:
-            deferral.analyse_dense(tg, v)
-        except ConfigError as e:
-            notes[v] = f"no horizontal scheduling: {e}"
-            continue
-        reads = [tg.ir.topo_index[r] for r in tg.readers.get(v, ())
-                 if r not in tg.after_gradients]
-        first[v] = min(reads, default=len(tg.ir.topo_index))
-    blocks: dict[str, list[str]] = {}
-    for v in sorted(first, key=lambda v: (first[v], v)):
-        blocks.setdefault(v.rpartition("/")[0] or v, []).append(v)
-    ordered = sorted(blocks.values(), key=lambda b: first[b[0]])
-    return tuple(tuple(b) for b in ordered), notes
-
-
-def _prefetch(tg: TrainingGraph, vp: VariablePlan, config: Config,
-              staged: bool = False) -> VariablePlan:
-    """`vp` with prefetch on where the config asks for it and the table's
-    update may wait for the next step (parallax_ng/deferral.py), else with
-    a note saying why not."""
-    if not config.prefetch or not vp.info.sparse:
-        return vp
-    if vp.method != "alltoall":
-        return replace(vp, note=f"no prefetch: it applies to alltoall, not {vp.method}")
-    if not (vp.coalesce and config.distinct_lookups):
-        return replace(vp, note="no prefetch: it needs coalesce_rows and distinct_lookups")
-    if staged:
-        return replace(vp, note=f"no prefetch: {STAGED}")
-    try:
-        deferral.analyse(tg, vp.name)
-    except ConfigError as e:
-        return replace(vp, note=f"no prefetch: {e}")
-    return replace(vp, prefetch=True)
 
 
 # -- 1. policy -----------------------------------------------------------------

@@ -39,6 +39,7 @@ from parallax_ng.ir import GraphIR, TensorRef, copy_node, format_input, parse_in
 from parallax_ng.results import Deferred, ExchangedLookups
 
 PARTS = ("prior", "scheduled")
+ROW_KEYS = ("rows", "every", "ids", "values")   # pending values with a row per id
 
 
 @dataclass(frozen=True)
@@ -385,7 +386,7 @@ class Table(Nodes):
                                else [])
             if after_read:
                 empty = self._traced(
-                    lambda x, rows=bool(shape) and shape[0] == 0: tf.boolean_mask(
+                    lambda x, rows=key in ROW_KEYS or key.startswith("saved"): tf.boolean_mask(
                         x, tf.zeros(tf.shape(x)[:1], tf.bool)) if rows else tf.zeros_like(x),
                     [(self._shared_read(k, key), dtype, [None] * len(shape))], f"{at}/{key}/empty",
                     k)[0]
