@@ -143,12 +143,15 @@ def get_runner(graph, resource_info=None, config=None):
         from .config import ProfileConfig
         cfg = replace(cfg, profile=ProfileConfig(profile_steps, "never"))
     resources = load_resources(resource_info)
-    if cfg.communication.backend == "horovod":   # each process: one worker
+    if cfg.communication.backend == "horovod" and not cfg.l2l.enabled:   # one worker each
         from . import horovod
         check_devices(resources.hosts[0].devices)
         rank = horovod.init()
         return _runner(frontend.load(graph), resources, cfg,
                        session_config(resources.hosts[0].devices), horovod=rank)
+    if cfg.l2l.enabled:
+        return _l2l_runner(frontend.load(graph), resources, cfg,
+                           cluster.from_env(resources if resource_info is not None else None))
     info = cluster.from_env(resources if resource_info is not None else None)
     if info is None:
         check_devices(resources.hosts[0].devices)
@@ -162,6 +165,22 @@ def get_runner(graph, resource_info=None, config=None):
         _profile_job(frontend.load(graph), cfg, info, server)
     return _runner(frontend.load(graph), None, cfg, info.session_config(), cluster_info=info,
                    server=server)
+
+
+def _l2l_runner(tg, resources, config: Config, info):
+    """Layer-to-layer execution (parallax_ng/l2l.py) on this machine's devices."""
+    from .l2l_runner import L2LRunner
+    from .resources import check_devices, session_config
+
+    if config.communication.backend != "tf":
+        raise ConfigError("config key 'l2l' keeps the model on the host of one process; "
+                          "'communication.backend: horovod' does not apply to it")
+    if info is not None:
+        raise ConfigError("config key 'l2l' runs on one machine's devices; in a job (more "
+                          "than one host or worker) it is not supported yet")
+    devices = resources.hosts[0].devices
+    check_devices(devices)
+    return L2LRunner(tg, devices, config, session_config(devices))
 
 
 def _profile_job(tg, config: Config, info, server):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 
 import yaml
@@ -139,6 +140,45 @@ class ProfileConfig:
         _check_choice("profile.replan", self.replan, REPLAN)
 
 
+STASHES = ("device", "host")
+PRECISIONS = ("fp32", "cmp")
+
+
+@dataclass(frozen=True)
+class L2LConfig:
+    """Layer-to-layer execution (parallax_ng/l2l.py); off while `layers` is None."""
+    layers: str | None = None        # regex over variable and op names; group 1: layer index
+    micro_batches: int = 1           # parts each replica's batch is split into
+    stash: str = "device"            # where layer-boundary activations wait for the backward
+    precision: str = "fp32"          # cmp: fp16 on the device, fp32 weights and optimizer
+    loss: str | None = None          # the loss tensor's name (None: what tf.gradients took)
+
+    def __post_init__(self):
+        if self.layers is not None:
+            if not isinstance(self.layers, str):
+                raise ConfigError(f"config key 'l2l.layers' must be a regex, not {self.layers!r}")
+            try:
+                groups = re.compile(self.layers).groups
+            except re.error as e:
+                raise ConfigError(f"config key 'l2l.layers' is not a regex ({e}): "
+                                  f"{self.layers!r}") from None
+            if groups < 1:
+                raise ConfigError("config key 'l2l.layers' needs a group that captures the "
+                                  rf"layer index, e.g. 'encoder/layer_(\d+)/', not {self.layers!r}")
+        if not isinstance(self.micro_batches, int) or isinstance(self.micro_batches, bool) \
+                or self.micro_batches < 1:
+            raise ConfigError("config key 'l2l.micro_batches' must be a positive integer, "
+                              f"not {self.micro_batches!r}")
+        _check_choice("l2l.stash", self.stash, STASHES)
+        _check_choice("l2l.precision", self.precision, PRECISIONS)
+        if self.loss is not None and not isinstance(self.loss, str):
+            raise ConfigError(f"config key 'l2l.loss' must be a tensor name, not {self.loss!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.layers is not None
+
+
 @dataclass(frozen=True)
 class Config:
     run_option: str = "hybrid"
@@ -152,6 +192,7 @@ class Config:
         default_factory=PlacementRewritesConfig)
     buckets: BucketsConfig = field(default_factory=BucketsConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    l2l: L2LConfig = field(default_factory=L2LConfig)
     dense_method: str = "auto"                             # auto: the run option's
     sparse_method: str = "auto"                            # auto: the run option's
     ps_placement: str = "greedy"                           # whole variables over servers
@@ -197,7 +238,8 @@ class Config:
                           ("checkpoint", CheckpointConfig), ("profile", ProfileConfig),
                           ("fusion", FusionConfig),
                           ("placement_rewrites", PlacementRewritesConfig),
-                          ("buckets", BucketsConfig), ("network", NetworkConfig)):
+                          ("buckets", BucketsConfig), ("network", NetworkConfig),
+                          ("l2l", L2LConfig)):
             section = data.pop(key, None) or {}
             if not isinstance(section, dict):
                 raise ConfigError(f"config key {key!r} must be a mapping")

@@ -1,0 +1,440 @@
+"""Layer-to-layer (L2L) execution: one layer on the device at a time.
+
+Requires: a TrainingGraph, its Layering (parallax_ng/layers.py), the
+replicas' devices and the host device, and the `l2l` config.
+Guarantees: `build(...)` returns an L2LGraph: a new tf.Graph where
+- every variable, optimizer slot and the user's update ops live on the host
+  (the eager parameter server, EPS): the user's graph is imported there with
+  each gradient replaced by the sum of what the layers sent;
+- each replica's batch is split into `micro_batches` parts; the forward runs
+  layer by layer, each layer over every micro-batch before the next layer
+  (inner looping); only tensors crossing layer boundaries are kept (the
+  stash: on the device, or copied to the host with `stash: host`);
+- the backward goes through the layers in reverse; each layer is recomputed
+  from its stash and differentiated (tf.gradients of the layer's copy) for
+  its weights and its inputs;
+- a layer's weights are read from the host and copied to the device once per
+  pass (forward, backward) for all micro-batches; the next layer's copy
+  starts when the current layer starts (so at most two layers' weights are
+  on a device); a layer's weight gradients are added on the host as each
+  micro-batch's arrive (per replica, then across replicas), and the
+  optimizer of a variable runs as soon as its sum is complete;
+- the order is fixed by control edges: on each device one (layer,
+  micro-batch) task after another, so the device's memory is the weights of
+  at most two layers, one micro-batch's activations and the stash, whatever
+  the depth.
+The sum equals the gradient of the mean loss over the replicas' whole
+batches (each micro-batch's loss gradient is scaled by 1/(replicas x
+micro-batches)), so a step equals one step of the user's graph on the
+global batch (for a loss that is a mean over the batch).
+A copy "to the device" is a real copy (DeepCopy) when the device is a CPU
+device standing in for an accelerator; for a GPU it is TensorFlow's own
+host-to-device transfer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tensorflow as tf
+
+from . import compat
+from .errors import GraphError
+from .layers import VARIABLE_TYPES, Layering
+
+PREFIX = "l2l"
+
+
+@dataclass
+class L2LGraph:
+    graph: tf.Graph
+    loss: tf.Tensor                           # mean loss of the step (host)
+    clones: dict[str, list[str]]              # forward tensor -> its copies, replica-major
+    forward: set[str]                         # user forward op names (not to be run)
+    devices: list[str]
+    segments: list[str] = field(default_factory=list)
+
+
+def device_string(kind: str, index: int, task: str = "/job:localhost/replica:0/task:0") -> str:
+    return f"{task}/device:{kind}:{index}"
+
+
+def build(tg, layering: Layering, cfg, devices: list[str], host: str) -> L2LGraph:
+    return _Builder(tg, layering, cfg, devices, host).build()
+
+
+class _Builder:
+    def __init__(self, tg, layering, cfg, devices, host):
+        self.tg, self.lay, self.cfg = tg, layering, cfg
+        self.devices, self.host = devices, host
+        self.u = cfg.micro_batches
+        self.n = len(devices)
+        self.graph = tf.Graph()
+        gd = tg.ir.graph_def
+        self.nodes = {n.name: n for n in gd.node}
+        self.library, self.versions = gd.library, gd.versions
+        self.contrib: dict[str, list] = {}     # variable -> [(replica, gradient)]
+        self.clones: dict[str, list[str]] = {}
+
+    # -- the whole graph --------------------------------------------------
+    def build(self) -> L2LGraph:
+        state = self._state_nodes()
+        with self.graph.as_default():
+            self._import(state, "", {}, self.host)
+            data = [self._data(r) for r in range(self.n)]
+            losses = []
+            for r, device in enumerate(self.devices):
+                losses += self._replica(r, device, data[r])
+            grads = self._reduced()
+            rest = [name for name in self.nodes if name not in state]
+            # the update path's control edges back into the user's forward and
+            # backward (gradients grouped by tf.tuple) would run them whole
+            user_step = self.tg.ir.ancestors({r.node for r in self.tg.gradient_tensors})
+            self._import(rest, "", grads, self.host, keep_controls=state, drop=user_step)
+            with tf.device(self.host), tf.name_scope(f"{PREFIX}/loss"):
+                loss = tf.add_n([tf.identity(x) for x in losses]) / float(len(losses))
+        self._check_updates()
+        return L2LGraph(self.graph, loss, self.clones,
+                        {n for s in self.lay.segments for n in s.ops}, self.devices,
+                        [s.name for s in self.lay.segments])
+
+    def _state_nodes(self) -> set[str]:
+        """Variables, data sources and the input pipeline: made first, since
+        the layers' copies use them (the rest of the user's graph comes last,
+        its gradients mapped to the layers' sums)."""
+        roots = [n for n, node in self.nodes.items() if node.op in VARIABLE_TYPES]
+        return self.tg.ir.ancestors(roots + list(self.lay.sources))
+
+    def _import(self, names, prefix: str, input_map: dict, device: str,
+                keep_controls=(), drop=frozenset(), on_host=frozenset()
+                ) -> dict[str, tf.Operation]:
+        """Import the user's nodes `names` (devices and colocation dropped);
+        inputs from nodes outside come from `input_map` (tensor name ->
+        tensor), or from the node of the same name in the graph; control
+        inputs from outside are kept when they name nodes in
+        `keep_controls`, else dropped; so are the control inputs from nodes
+        in `drop` of nodes outside it. Nodes in `on_host` go on the host
+        (resource ops on the host's variables)."""
+        names = set(names)
+        gd = tf.compat.v1.GraphDef()
+        gd.versions.CopyFrom(self.versions)
+        gd.library.CopyFrom(self.library)
+        imap, controls = {}, {}
+        for name in names:
+            node = gd.node.add()
+            node.CopyFrom(self.nodes[name])
+            node.device = self.host if name in on_host else ""
+            if "_class" in node.attr:
+                del node.attr["_class"]
+            inputs = list(node.input)
+            del node.input[:]
+            for ref in inputs:
+                src = ref.lstrip("^").split(":")[0]
+                key = ref if ":" in ref else ref + ":0"
+                if not ref.startswith("^") and key in input_map:
+                    imap[key] = input_map[key]
+                    node.input.append(key)
+                elif src in names:
+                    if not (ref.startswith("^") and src in drop and name not in drop):
+                        node.input.append(ref)
+                elif ref.startswith("^"):
+                    if src in keep_controls:
+                        controls.setdefault(name, []).append(src)
+                else:
+                    if prefix:
+                        raise GraphError(f"layer-by-layer execution: {name!r} reads {key!r}, "
+                                         "which is in no earlier layer")
+                    else:
+                        imap[key] = self.graph.get_tensor_by_name(key)
+                    node.input.append(key)
+        with tf.device(device):
+            ops = tf.graph_util.import_graph_def(
+                gd, input_map=imap, name=prefix, return_elements=sorted(names))
+        made = {name: op for name, op in zip(sorted(names), ops)}
+        for name, srcs in controls.items():
+            compat.add_control_inputs(made[name], [self.graph.get_operation_by_name(s)
+                                                   for s in srcs])
+        return made
+
+    # -- data ---------------------------------------------------------------
+    def _data(self, r: int) -> list[dict[str, tf.Tensor]]:
+        """Per micro-batch: source tensor name -> replica r's part (host)."""
+        parts = [{} for _ in range(self.u)]
+        with tf.device(self.host), tf.name_scope(f"{PREFIX}/data_{r}"):
+            for name in self.lay.sources:
+                op = self.graph.get_operation_by_name(name)
+                if op.type == "Placeholder":
+                    outs = [(op.outputs[0], self.n * self.u, r)]
+                else:
+                    op = op if r == 0 else self._next_batch(op, r)
+                    outs = [(t, self.u, None) for t in op.outputs]
+                for t, ways, replica in outs:
+                    pieces = self._split(t, ways)
+                    key = f"{name}:{t.value_index}"
+                    base = replica * self.u if replica is not None else 0
+                    for k in range(self.u):
+                        parts[k][key] = t if pieces is None else pieces[base + k]
+        return parts
+
+    def _next_batch(self, first: tf.Operation, r: int) -> tf.Operation:
+        """Replica r's own get_next from the same iterator, after replica r-1's
+        (replicas take consecutive batches, as shards of one stream)."""
+        prev = self._last_batch if r > 1 else first
+        with tf.control_dependencies([prev]):
+            outs = getattr(tf.raw_ops, first.type)(
+                iterator=first.inputs[0], output_types=first.get_attr("output_types"),
+                output_shapes=first.get_attr("output_shapes"), name="get_next")
+        self._last_batch = outs[0].op
+        return outs[0].op
+
+    def _split(self, t: tf.Tensor, ways: int):
+        """t split in `ways` along its first dimension; None if t has no
+        batch dimension (a scalar, a fixed-size feed), so every part uses it."""
+        if t.shape.rank == 0:
+            return None
+        if t.op.type == "Placeholder" and (t.shape.rank is not None and
+                                           compat.dim(t.shape, 0) is not None):
+            return None
+        size = compat.dim(t.shape, 0) if t.shape.rank is not None else None
+        if ways == 1:
+            return [t]
+        if size is not None and size % ways:
+            raise GraphError(f"layer-by-layer execution splits {t.name!r} (batch {size}) in "
+                             f"{ways} parts ({self.n} replicas x {self.u} micro-batches); "
+                             "make the batch a multiple of that")
+        return tf.split(t, ways, axis=0)
+
+    # -- one replica's schedule --------------------------------------------
+    def _replica(self, r: int, device: str, data) -> list[tf.Tensor]:
+        segs = self.lay.segments
+        last = len(segs) - 1
+        phases = [("f", s) for s in range(last)] + [("b", s) for s in range(last, -1, -1)]
+        stash = [dict(d) for d in data]            # per micro-batch: tensor name -> value
+        grads_out = [{} for _ in range(self.u)]    # per micro-batch: tensor -> its gradient
+        done_of_phase, prev = [], None
+        losses = []
+        for j, (kind, s) in enumerate(phases):
+            gate = done_of_phase[j - 2] if j >= 2 else None
+            weights = self._load(segs[s], device, gate, f"r{r}/{kind}{s}")
+            for k in range(self.u):
+                scope = f"{PREFIX}/r{r}/{kind}{s}/m{k}"
+                if kind == "f":
+                    prev = self._forward(segs[s], device, weights, stash[k], prev, scope, r)
+                else:
+                    prev, loss = self._backward(s, device, weights, stash[k], grads_out[k],
+                                                prev, scope, r)
+                    if loss is not None:
+                        losses.append(loss)
+            done_of_phase.append(prev)
+        return losses
+
+    def _load(self, seg, device, gate, scope) -> dict[str, tf.Tensor]:
+        """The segment's weights on `device`: read on the host once `gate` ran."""
+        out = {}
+        with tf.name_scope(f"{PREFIX}/{scope}/load/"):
+            for var in seg.weights:
+                v = self.graph.get_operation_by_name(var)
+                with tf.device(self.host), tf.control_dependencies([gate] if gate else []):
+                    if v.type == "VarHandleOp":
+                        value = tf.raw_ops.ReadVariableOp(resource=v.outputs[0],
+                                                          dtype=v.get_attr("dtype"))
+                    else:
+                        value = tf.identity(v.outputs[0])
+                out[var] = _move(value, device)
+        return out
+
+    def _input_map(self, seg, weights, stash, device, gate) -> dict[str, tf.Tensor]:
+        imap = {}
+        for var, reads in seg.weights.items():
+            for read in reads:
+                imap[read + ":0"] = weights[var]
+        for var in seg.handles:
+            imap[var + ":0"] = self.graph.get_tensor_by_name(var + ":0")
+        for t in seg.inputs:
+            imap[t] = self._use(stash[t], device, gate)
+        return imap
+
+    def _use(self, t: tf.Tensor, device: str, gate) -> tf.Tensor:
+        if _same_device(t.device, device):
+            return t
+        with tf.control_dependencies([gate] if gate else []):
+            return _move(t, device)
+
+    def _clone(self, seg, imap, device, scope, gate) -> dict[str, tf.Operation]:
+        names = set(seg.ops) | self._free_inputs(seg.ops)
+        on_host = {name for name in seg.ops
+                   if any(ref.split(":")[0] in seg.handles for ref in self.nodes[name].input)}
+        made = self._import(names, scope, imap, device, on_host=on_host)
+        if gate is not None:
+            inside = set(made.values())
+            for op in made.values():
+                if not any(t.op in inside for t in op.inputs):
+                    compat.add_control_inputs(op, [gate])
+        return made
+
+    def _free_inputs(self, ops) -> set[str]:
+        out, todo = set(), list(ops)
+        while todo:
+            node = self.nodes[todo.pop()]
+            for ref in node.input:
+                src = ref.lstrip("^").split(":")[0]
+                if src in self.lay.free and src not in out:
+                    out.add(src)
+                    todo.append(src)
+        return out
+
+    def _forward(self, seg, device, weights, stash, gate, scope, r):
+        made = self._clone(seg, self._input_map(seg, weights, stash, device, gate),
+                           device, scope, gate)
+        kept = []
+        for t in seg.outputs:
+            value = _tensor(made, t)
+            if self.cfg.stash == "host":
+                value = _move(value, self.host)
+            stash[t] = value
+            kept.append(value.op)
+        self._note_clones(seg, made)
+        with tf.device(device):
+            return tf.group(*kept, name=f"{scope}/done")
+
+    def _backward(self, s, device, weights, stash, grads_out, gate, scope, r):
+        seg = self.lay.segments[s]
+        imap = self._input_map(seg, weights, stash, device, gate)
+        made = self._clone(seg, imap, device, scope, gate)
+        if s == len(self.lay.segments) - 1:      # the last layer runs in the backward only
+            self._note_clones(seg, made)
+        ys, grad_ys = [], []
+        for t in seg.outputs:
+            if t in grads_out:
+                ys.append(_tensor(made, t))
+                grad_ys.append(self._use(grads_out[t], device, gate))
+        loss = None
+        if self.lay.loss.rsplit(":", 1)[0] in made:
+            loss = _tensor(made, self.lay.loss)
+            ys.append(loss)
+            with tf.device(device):
+                grad_ys.append(tf.constant(1.0 / (self.n * self.u), loss.dtype,
+                                           name=f"{scope}/loss_scale"))
+        xs, what = [], []
+        for var in seg.weights:
+            if var in self.tg.gradients:
+                xs.append(weights[var])
+                what.append(("w", var))
+        for var in seg.handles:
+            if var in self.tg.gradients:
+                xs.append(self.graph.get_tensor_by_name(var + ":0"))
+                what.append(("w", var))
+        for t in seg.inputs:
+            if t not in self.lay_sources_tensors and imap[t].dtype.is_floating:
+                xs.append(imap[t])
+                what.append(("x", t))
+        if not ys or not xs:
+            return gate, loss
+        with tf.device(device), tf.name_scope(f"{scope}/grad"):
+            grads = tf.gradients(ys, xs, grad_ys=grad_ys)
+        done = []
+        for (kind, key), g in zip(what, grads):
+            if g is None:
+                continue
+            done.append(g.values.op if isinstance(g, tf.IndexedSlices) else g.op)
+            if kind == "w":
+                self.contrib.setdefault(key, []).append((r, g))
+                continue
+            with tf.device(device):
+                g = tf.convert_to_tensor(g)
+                if key in grads_out:        # read by several later segments: sum
+                    g = g + self._use(grads_out[key], device, gate)
+            grads_out[key] = _move(g, self.host) if self.cfg.stash == "host" else g
+            done.append(grads_out[key].op)
+        with tf.device(device):
+            return tf.group(*done, name=f"{scope}/done"), loss
+
+    @property
+    def lay_sources_tensors(self) -> set[str]:
+        if not hasattr(self, "_source_tensors"):
+            self._source_tensors = {t.name for name in self.lay.sources
+                                    for t in self.tg.graph.get_operation_by_name(name).outputs}
+        return self._source_tensors
+
+    def _note_clones(self, seg, made):
+        for name in seg.ops:
+            for t in made[name].outputs:
+                self.clones.setdefault(f"{name}:{t.value_index}", []).append(t.name)
+
+    # -- the EPS's sums -----------------------------------------------------
+    def _reduced(self) -> dict[str, tf.Tensor]:
+        """User gradient tensor name -> the sum of the layers' contributions."""
+        out = {}
+        with tf.device(self.host), tf.name_scope(f"{PREFIX}/eps/"):
+            for var, grad in self.tg.gradients.items():
+                parts = self.contrib.get(var)
+                if not parts:
+                    raise GraphError(f"variable {var!r} has a gradient in the user's graph "
+                                     "but no layer reads it in the forward pass")
+                if grad.sparse:
+                    if not all(isinstance(g, tf.IndexedSlices) for _, g in parts):
+                        raise GraphError(f"variable {var!r}: the user's gradient is sparse "
+                                         "(IndexedSlices) but a layer's is dense")
+                    values = tf.concat([tf.identity(g.values) for _, g in parts], 0)
+                    idx_dtype = self.tg.tensor(grad.indices).dtype
+                    indices = tf.concat([tf.cast(g.indices, idx_dtype) for _, g in parts], 0)
+                    out[_name(grad.values)] = values
+                    out[_name(grad.indices)] = indices
+                    continue
+                sums = []
+                for r in range(self.n):
+                    acc = None
+                    for rr, g in parts:
+                        if rr != r:
+                            continue
+                        g = tf.convert_to_tensor(g)
+                        acc = tf.identity(g) if acc is None else acc + g
+                    if acc is not None:
+                        sums.append(acc)
+                out[_name(grad.values)] = sums[0] if len(sums) == 1 else tf.add_n(sums)
+        return out
+
+    def _check_updates(self) -> None:
+        """The update ops must not need the user's forward (it is never run
+        whole: batch statistics, a loss-dependent schedule would need it)."""
+        forward = {n for s in self.lay.segments for n in s.ops}
+        roots = [self.graph.get_operation_by_name(w)
+                 for ws in self.tg.writers.values() for w in ws]
+        seen, todo = set(), roots
+        while todo:
+            op = todo.pop()
+            if op.name in seen:
+                continue
+            seen.add(op.name)
+            if op.name in forward:
+                raise GraphError(
+                    f"the update ops read the forward op {op.name!r} ({op.type}): layer-by-"
+                    "layer execution never runs the whole forward at once; updates may read "
+                    "gradients, variables and feeds only (batch-norm statistics and "
+                    "loss-dependent updates are not supported)")
+            todo.extend(t.op for t in op.inputs)
+            todo.extend(op.control_inputs)
+
+
+def _name(ref) -> str:
+    return f"{ref.node}:{ref.index}"
+
+
+def _tensor(made: dict, name: str) -> tf.Tensor:
+    op, _, index = name.rpartition(":")
+    return made[op].outputs[int(index)]
+
+
+def _same_device(a: str, b: str) -> bool:
+    if not a:
+        return False
+    x, y = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    return (x.device_type, x.device_index) == (y.device_type, y.device_index)
+
+
+def _move(t: tf.Tensor, device: str) -> tf.Tensor:
+    """t on `device`: a copy of its own there (DeepCopy for a CPU device, so
+    its bytes are the device's; TensorFlow's transfer for a GPU)."""
+    with tf.device(device):
+        if tf.DeviceSpec.from_string(device).device_type == "CPU":
+            return tf.raw_ops.DeepCopy(x=t)
+        return tf.identity(t)

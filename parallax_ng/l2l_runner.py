@@ -1,0 +1,154 @@
+"""The runner of layer-to-layer execution: the user's fetches on the L2L graph.
+
+Requires: a TrainingGraph, the devices that are replicas, a Config whose
+`l2l.layers` is set.
+Guarantees: `run(fetches, feed_dict)` takes what the user's single-device
+graph would (tensors, ops, variables, names, nested) and returns what one
+device would for the global batch:
+- the training op runs one L2L step (parallax_ng/l2l.py);
+- the loss is the mean of the micro-batches' losses over all replicas (the
+  whole batch's mean loss);
+- another tensor of the forward pass is taken from every replica's
+  micro-batches: the mean of a scalar, batch-shaped values concatenated
+  (`fetch_reduction` overrides: mean, sum, concat, first);
+- variables, slots, the global step and every op outside the forward come
+  from the host, where they live;
+- a fed placeholder with an unknown leading dimension is split into
+  replicas x micro-batches parts (its batch must divide evenly); other feeds
+  are used whole.
+`plan` says how the model was cut (printable).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from . import l2l, layers
+from .errors import FetchError
+from .fetches import Fetch, combine
+
+
+@dataclass(frozen=True)
+class L2LPlan:
+    devices: tuple[str, ...]
+    host: str
+    segments: tuple[tuple[str, int, int], ...]   # (name, weights, ops)
+    micro_batches: int
+    stash: str
+    precision: str
+
+    @property
+    def group_size(self) -> int:
+        return len(self.devices)
+
+    num_replicas = group_size
+
+    def __str__(self) -> str:
+        lines = [f"layer-to-layer: {len(self.devices)} replicas ({', '.join(self.devices)}), "
+                 f"host {self.host}, {self.micro_batches} micro-batches, stash on "
+                 f"{self.stash}, {self.precision}"]
+        for name, weights, ops in self.segments:
+            lines.append(f"  {name:<16} {weights:4d} variables {ops:6d} ops")
+        return "\n".join(lines)
+
+
+class L2LRunner:
+    def __init__(self, tg, devices, config, session_config, target: str = "",
+                 host: str | None = None):
+        cfg = config.l2l
+        self.config, self.tg = config, tg
+        self.layering = layers.split(tg, cfg.layers, cfg.loss)
+        host = host or l2l.device_string("CPU", 0)
+        names = [l2l.device_string(kind, i) for kind, i in devices]
+        self.built = l2l.build(tg, self.layering, cfg, names, host)
+        self.graph = self.built.graph
+        self.plan = L2LPlan(tuple(names), host, tuple(
+            (s.name, len(s.weights) + len(s.handles), len(s.ops))
+            for s in self.layering.segments), cfg.micro_batches, cfg.stash, cfg.precision)
+        self._split = {s + ":0" for s in self.layering.sources} & {
+            op.name + ":0" for op in tg.graph.get_operations() if op.type == "Placeholder"}
+        self._parts = len(names) * cfg.micro_batches
+        self.session = tf.compat.v1.Session(target, graph=self.graph, config=session_config)
+        self._timeout = tf.compat.v1.RunOptions(
+            timeout_in_ms=int(config.communication.timeout_seconds * 1000))
+
+    def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+        leaves = tf.nest.flatten(fetches)
+        wanted = [self._fetch(leaf) for leaf in leaves]
+        names = [n for f in wanted for n in f.names]
+        feeds = {self._feed_key(k): v for k, v in (feed_dict or {}).items()}
+        for name, value in feeds.items():
+            self._check_feed(name, value)
+        if options is None:
+            options = self._timeout
+        values = self.session.run(names, feeds, options=options, run_metadata=run_metadata)
+        out, i = [], 0
+        for f in wanted:
+            out.append(combine(values[i:i + len(f.names)], f))
+            i += len(f.names)
+        return tf.nest.pack_sequence_as(fetches, out)
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- names ----------------------------------------------------------------
+    def _user_name(self, leaf) -> str:
+        if isinstance(leaf, tf.Variable):
+            element = getattr(leaf, "_graph_element", None)
+            leaf = element if element is not None else leaf.op.outputs[0]
+        if isinstance(leaf, (tf.Tensor, tf.Operation)):
+            if leaf.graph is not self.tg.graph:
+                raise FetchError(f"{leaf.name!r} belongs to another graph than the one "
+                                 "given to get_runner")
+            return leaf.name
+        if isinstance(leaf, str):
+            return leaf
+        raise FetchError(f"cannot fetch or feed a {type(leaf).__name__}; use a tensor, an op, "
+                         "a variable or a name from the training graph")
+
+    def _fetch(self, leaf) -> Fetch:
+        name = self._user_name(leaf)
+        node = name.split(":")[0]
+        try:
+            element = self.tg.graph.as_graph_element(name)
+        except (KeyError, ValueError) as e:
+            raise FetchError(f"{name!r} is not in the training graph: {e}") from None
+        if isinstance(element, tf.Operation):
+            if node in self.built.forward:
+                raise FetchError(f"op {name!r} is part of the forward pass, which runs layer "
+                                 "by layer; fetch the training op or a tensor instead")
+            return Fetch((name,), "none", node)
+        if name == self.layering.loss:
+            return Fetch((self.built.loss.name,), "first", node)
+        if name in self.built.clones:
+            how = self.config.fetch_reduction.get(name) or self.config.fetch_reduction.get(
+                node) or _reduction(element)
+            return Fetch(tuple(self.built.clones[name]), how, node)
+        if node in self.layering.segment_of:
+            raise FetchError(f"{name!r} is a read of a variable in the forward pass; fetch "
+                             "the variable")
+        return Fetch((name,), "first", node)
+
+    def _feed_key(self, key) -> str:
+        name = self._user_name(key)
+        name = name if ":" in name else name + ":0"
+        return name
+
+    def _check_feed(self, name: str, value) -> None:
+        if name in self._split and np.ndim(value) and np.shape(value)[0] % self._parts:
+            raise FetchError(f"feed {name!r} has {np.shape(value)[0]} rows, which do not split "
+                             f"into {self._parts} equal parts (replicas x micro-batches)")
+
+
+def _reduction(t: tf.Tensor) -> str:
+    if not (t.dtype.is_floating or t.dtype.is_integer):
+        return "first"
+    return "mean" if t.shape.rank == 0 else "concat"

@@ -1,0 +1,211 @@
+"""Layer-to-layer execution equals training on one device: every variable and
+optimizer slot after k steps, against (a) the gradient-accumulation baseline
+over the same micro-batches (the L2L paper's Algorithm 1: per micro-batch
+gradients summed, one update) and (b) one device with the whole batch.
+Tolerance: 1e-5 absolute on values of order 1 (float32 sums in another
+order). Devices are CPU devices standing in for accelerators; CPU:0 is the
+host."""
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import read_name, variable_names
+
+tf1 = tf.compat.v1
+V, SEQ, D, CLASSES = 50, 6, 8, 3
+LAYERS = r"stack/layer_(\d+)/"
+TOL = 1e-5
+
+
+def _data(n=512):
+    rng = np.random.RandomState(1)
+    ids = rng.randint(0, V, size=(n, SEQ)).astype(np.int32)
+    return ids, (ids.sum(1) % CLASSES).astype(np.int64)
+
+
+def stack(batch, optimizer="adam", layers=3, feed=False, clip=False, seed=3):
+    """Embedding (sparse gradient), `layers` residual tanh layers under
+    stack/layer_<i>/, a head; the training op, loss, logits, init, gradients."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(seed)
+        if feed:
+            ids = tf1.placeholder(tf.int32, [None, SEQ], name="ids")
+            y = tf1.placeholder(tf.int64, [None], name="labels")
+        else:
+            ds = pn.shard(tf.data.Dataset.from_tensor_slices(_data()))
+            ids, y = tf1.data.make_one_shot_iterator(
+                ds.batch(batch, drop_remainder=True).repeat()).get_next()
+        emb = tf1.get_variable("embedding", [V, D])
+        h = tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), 1)
+        for i in range(layers):
+            with tf1.variable_scope(f"stack/layer_{i}"):
+                w = tf1.get_variable("w", [D, D])
+                b = tf1.get_variable("b", [D], initializer=tf1.constant_initializer(0.1))
+                h = h + tf.tanh(tf.matmul(h, w) + b)
+        logits = tf.matmul(h, tf1.get_variable("head/w", [D, CLASSES]), name="logits")
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=logits), name="loss")
+        opt = {"adam": lambda: tf1.train.AdamOptimizer(0.05),
+               "momentum": lambda: tf1.train.MomentumOptimizer(0.1, 0.9),
+               "sgd": lambda: tf1.train.GradientDescentOptimizer(0.5),
+               "adagrad": lambda: tf1.train.AdagradOptimizer(0.3)}[optimizer]()
+        grads = opt.compute_gradients(loss)
+        step = tf1.train.get_or_create_global_step()
+        feeds = []           # (placeholder(s), variable) to apply accumulated gradients
+        for grad, var in grads:
+            if isinstance(grad, tf.IndexedSlices):
+                feeds.append((tf.IndexedSlices(tf1.placeholder(tf.float32, [None, D]),
+                                               tf1.placeholder(grad.indices.dtype, [None]),
+                                               grad.dense_shape), var))
+            else:
+                feeds.append((tf1.placeholder(tf.float32, grad.shape), var))
+
+        def applied(pairs):
+            if clip:
+                clipped, _ = tf.clip_by_global_norm([p for p, _ in pairs], 1.0)
+                pairs = list(zip(clipped, [v for _, v in pairs]))
+            return opt.apply_gradients(pairs, global_step=step)
+
+        train = applied(grads)
+        apply_fed = applied(feeds)
+        init = tf1.global_variables_initializer()
+    return g, dict(train=train, loss=loss, logits=logits, init=init, ids=ids, y=y,
+                   grads=grads, feeds=feeds, apply=apply_fed)
+
+
+def _l2l(replicas, micro, stash="device", **kw):
+    resources = {"hosts": [{"devices": [f"cpu:{k + 1}" for k in range(replicas)]}]}
+    config = {"l2l": {"layers": LAYERS, "micro_batches": micro, "stash": stash}}
+    return resources, config
+
+
+def _run_l2l(g, h, resources, config, steps, feeds=None):
+    names = variable_names(g)
+    losses = []
+    with pn.get_runner(g, resources, config) as runner:
+        runner.run(h["init"])
+        for i in range(steps):
+            losses.append(runner.run([h["train"], h["loss"]], feeds(i) if feeds else None)[1])
+        values = dict(zip(names, runner.run([read_name(n, g) for n in names])))
+    return values, losses
+
+
+def _accumulated(batch, parts, steps, **kw):
+    """Algorithm 1: `parts` micro-batches of `batch // parts`, gradients
+    summed (each of the micro-batch's mean loss, over `parts`), one update."""
+    g, h = stack(batch // parts, **kw)
+    names = variable_names(g)
+    with tf1.Session(graph=g) as sess:
+        sess.run(h["init"])
+        for _ in range(steps):
+            acc = None
+            for _ in range(parts):
+                got = sess.run([gr for gr, _ in h["grads"]])
+                got = [_scaled(x, 1.0 / parts) for x in got]
+                acc = got if acc is None else [_add(a, b) for a, b in zip(acc, got)]
+            feed = {}
+            for (ph, _), value in zip(h["feeds"], acc):
+                if isinstance(ph, tf.IndexedSlices):
+                    feed[ph.values], feed[ph.indices] = value.values, value.indices
+                else:
+                    feed[ph] = value
+            sess.run(h["apply"], feed)
+        return dict(zip(names, sess.run([read_name(n, g) for n in names])))
+
+
+def _whole(batch, steps, **kw):
+    g, h = stack(batch, **kw)
+    names = variable_names(g)
+    with tf1.Session(graph=g) as sess:
+        sess.run(h["init"])
+        losses = [sess.run([h["train"], h["loss"]])[1] for _ in range(steps)]
+        return dict(zip(names, sess.run([read_name(n, g) for n in names]))), losses
+
+
+Slices = collections.namedtuple("Slices", "values indices")
+
+
+def _scaled(x, s):
+    if hasattr(x, "indices"):       # a fetched IndexedSlices
+        return Slices(x.values * s, x.indices)
+    return x * s
+
+
+def _add(a, b):
+    if hasattr(a, "indices"):
+        return Slices(np.concatenate([a.values, b.values]), np.concatenate([a.indices, b.indices]))
+    return a + b
+
+
+def _assert_same(got, want, names=None):
+    assert set(got) == set(want)
+    for name in names or want:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=TOL, err_msg=name)
+
+
+@pytest.mark.parametrize("replicas,micro,stash,optimizer,clip", [
+    (1, 2, "device", "adam", False),
+    (1, 4, "host", "momentum", False),
+    (2, 2, "host", "adam", True),
+    (2, 1, "device", "adagrad", False),
+])
+def test_equals_gradient_accumulation_and_one_device(replicas, micro, stash, optimizer, clip):
+    batch, steps = 8, 10          # each replica's batch; micro-batches of batch // micro
+    g, h = stack(batch, optimizer, clip=clip)
+    values, losses = _run_l2l(g, h, *_l2l(replicas, micro, stash), steps)
+    assert any(n.endswith(("/Adam", "/Momentum", "/Adagrad")) for n in values) or \
+        optimizer == "sgd"        # the slots are compared too
+    want = _accumulated(replicas * batch, replicas * micro, steps, optimizer=optimizer,
+                        clip=clip)
+    _assert_same(values, want)
+    whole, whole_losses = _whole(replicas * batch, steps, optimizer=optimizer, clip=clip)
+    _assert_same(values, whole)
+    np.testing.assert_allclose(losses, whole_losses, rtol=0, atol=TOL)   # the step's mean loss
+
+
+def test_momentum_leaves_untouched_embedding_rows():
+    """The embedding's gradient stays sparse: momentum moves only the rows a
+    step touched, as on one device (a dense sum would move every row)."""
+    g, h = stack(4, "momentum")
+    values, _ = _run_l2l(g, h, *_l2l(1, 2), 1)
+    touched = np.unique(_data()[0][:4])
+    with tf1.Session(graph=g) as sess:
+        sess.run(h["init"])
+        start = sess.run(read_name("embedding", g))
+    moved = np.where(np.abs(values["embedding"] - start).max(1) > 0)[0]
+    np.testing.assert_array_equal(moved, touched)
+
+
+def test_feeds_split_over_replicas_and_micro_batches_and_fetches_combine():
+    ids, labels = _data()
+    g, h = stack(8, "sgd", feed=True)
+    resources, config = _l2l(2, 2)
+
+    def feeds(i):
+        return {h["ids"]: ids[16 * i:16 * (i + 1)], h["y"]: labels[16 * i:16 * (i + 1)]}
+
+    with pn.get_runner(g, resources, config) as runner:
+        runner.run(h["init"])
+        logits, loss = runner.run([h["logits"], h["loss"]], feeds(0))
+        assert logits.shape == (16, CLASSES)
+        names = variable_names(g)
+        start = runner.run([read_name(n, g) for n in names])
+        for i in range(3):
+            runner.run(h["train"], feeds(i))
+        got = dict(zip(names, runner.run([read_name(n, g) for n in names])))
+        with pytest.raises(pn.FetchError, match="equal parts"):
+            runner.run(h["loss"], {h["ids"]: ids[:6], h["y"]: labels[:6]})
+    with tf1.Session(graph=g) as sess:
+        sess.run(h["init"])
+        want_logits, want_loss = sess.run([h["logits"], h["loss"]], feeds(0))
+        np.testing.assert_allclose(logits, want_logits, atol=TOL)
+        np.testing.assert_allclose(loss, want_loss, atol=TOL)
+        np.testing.assert_allclose(start[names.index("embedding")],
+                                   sess.run(read_name("embedding", g)), atol=0)
+        for i in range(3):
+            sess.run(h["train"], feeds(i))
+        _assert_same(got, dict(zip(names, sess.run([read_name(n, g) for n in names]))))
