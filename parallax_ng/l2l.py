@@ -399,20 +399,20 @@ class _Builder:
         forward = {n for s in self.lay.segments for n in s.ops}
         roots = [self.graph.get_operation_by_name(w)
                  for ws in self.tg.writers.values() for w in ws]
-        seen, todo = set(), roots
+        seen, todo = set(), [(op, None) for op in roots]
         while todo:
-            op = todo.pop()
+            op, user = todo.pop(0)           # breadth first: the nearest forward op
             if op.name in seen:
                 continue
             seen.add(op.name)
             if op.name in forward:
                 raise GraphError(
-                    f"the update ops read the forward op {op.name!r} ({op.type}): layer-by-"
-                    "layer execution never runs the whole forward at once; updates may read "
-                    "gradients, variables and feeds only (batch-norm statistics and "
-                    "loss-dependent updates are not supported)")
-            todo.extend(t.op for t in op.inputs)
-            todo.extend(op.control_inputs)
+                    f"the update ops read the forward pass: {user.name!r} ({user.type}) reads "
+                    f"{op.name!r} ({op.type}); layer-by-layer execution never runs the whole "
+                    "forward at once, so updates may read gradients, variables and feeds "
+                    "only (batch-norm statistics and loss-dependent updates are not supported)")
+            todo.extend((t.op, op) for t in op.inputs)
+            todo.extend((c, op) for c in op.control_inputs)
 
 
 def _name(ref) -> str:

@@ -6,6 +6,8 @@ Tolerance: 1e-5 absolute on values of order 1 (float32 sums in another
 order). Devices are CPU devices standing in for accelerators; CPU:0 is the
 host."""
 import collections
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -13,6 +15,10 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from models import read_name, variable_names
+from parallax_ng import memory
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+import transformer_stack  # noqa: E402
 
 tf1 = tf.compat.v1
 V, SEQ, D, CLASSES = 50, 6, 8, 3
@@ -209,3 +215,66 @@ def test_feeds_split_over_replicas_and_micro_batches_and_fetches_combine():
         for i in range(3):
             sess.run(h["train"], feeds(i))
         _assert_same(got, dict(zip(names, sess.run([read_name(n, g) for n in names]))))
+
+
+def _transformer(layers, batch=8, device=None):
+    args = transformer_stack.arguments(["--layers", str(layers), "--dim", "16", "--ffn", "32",
+                                        "--batch", str(batch), "--seq", "8"])
+    return transformer_stack.build(args, device=device)
+
+
+def test_transformer_stack_equals_one_device():
+    """examples/transformer_stack.py, unchanged: 2 replicas x 2 micro-batches,
+    host stash, Adam; 10 steps against one device with the global batch."""
+    g, train, loss, init = _transformer(3, batch=4)
+    names = variable_names(g)
+    with pn.get_runner(g, {"hosts": [{"devices": ["cpu:1", "cpu:2"]}]},
+                       {"l2l": {"layers": r"encoder/layer_(\d+)/", "micro_batches": 2,
+                                "stash": "host"}}) as runner:
+        runner.run(init)
+        losses = [runner.run([train, loss])[1] for _ in range(10)]
+        got = dict(zip(names, runner.run([read_name(n, g) for n in names])))
+    g1, train1, loss1, init1 = _transformer(3, batch=8)
+    with tf1.Session(graph=g1) as sess:
+        sess.run(init1)
+        want_losses = [sess.run([train1, loss1])[1] for _ in range(10)]
+        want = dict(zip(names, sess.run([read_name(n, g1) for n in names])))
+    assert any(n.endswith("/Adam_1") for n in names)
+    _assert_same(got, want)
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
+
+
+def _device_bytes(layers, l2l_stash=None):
+    """Bytes the stand-in accelerator (CPU:1) holds in a step: its variables
+    plus the step's peak of live tensors (parallax_ng/memory.py)."""
+    if l2l_stash is None:
+        g, train, _, init = _transformer(layers, device="/device:CPU:1")
+        with tf1.Session(graph=g, config=tf1.ConfigProto(device_count={"CPU": 2})) as sess:
+            sess.run(init)
+            sess.run(train)
+            md = tf1.RunMetadata()
+            sess.run(train, options=memory.traced(), run_metadata=md)
+        resident = memory.resident_bytes(g, "/device:CPU:1")
+    else:
+        g, train, _, init = _transformer(layers)
+        with pn.get_runner(g, {"hosts": [{"devices": ["cpu:1"]}]},
+                           {"l2l": {"layers": r"encoder/layer_(\d+)/",
+                                    "stash": l2l_stash}}) as runner:
+            runner.run(init)
+            runner.run(train)
+            md = tf1.RunMetadata()
+            runner.run(train, options=memory.traced(), run_metadata=md)
+            resident = memory.resident_bytes(runner.graph, "/device:CPU:1")
+    peaks = memory.step_peaks(md)
+    return resident + sum(v for d, v in peaks.items() if d.endswith("CPU:1"))
+
+
+def test_device_memory_constant_in_depth_with_a_host_stash():
+    base = [_device_bytes(n) for n in (3, 9)]
+    host = [_device_bytes(n, "host") for n in (3, 9)]
+    device = [_device_bytes(n, "device") for n in (3, 9)]
+    assert base[1] > 2.2 * base[0]                  # the baseline grows with depth
+    assert host[1] <= 1.10 * host[0]                # L2L with a host stash does not
+    assert host[1] < base[1] / 2
+    assert host[0] <= device[0] <= device[1]        # a device stash grows by the stash only
+    assert device[1] - device[0] < (base[1] - base[0]) / 4

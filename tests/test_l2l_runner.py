@@ -1,0 +1,68 @@
+"""The layer-to-layer runner: what it fetches and feeds in the user's names,
+its plan, and the configurations it refuses."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from test_l2l import LAYERS, stack
+
+tf1 = tf.compat.v1
+ONE = {"hosts": [{"devices": ["cpu:1"]}]}
+
+
+def test_plan_says_how_the_model_was_cut():
+    g, h = stack(4)
+    with pn.get_runner(g, {"hosts": [{"devices": ["cpu:1", "cpu:2"]}]},
+                       {"l2l": {"layers": LAYERS, "micro_batches": 2, "stash": "host"}}) as r:
+        plan = r.plan
+        assert plan.group_size == 2
+        text = str(plan)
+    assert "2 replicas" in text and "2 micro-batches" in text and "stash on host" in text
+    assert [s[0] for s in plan.segments] == ["pre", "layer_0", "layer_1", "layer_2", "post"]
+    assert [s[1] for s in plan.segments] == [1, 2, 2, 2, 1]      # embedding; w, b; head
+
+
+def test_variables_global_step_and_reductions():
+    g, h = stack(4, "sgd")
+    step = g.get_collection(tf1.GraphKeys.GLOBAL_STEP)[0]
+    emb = [v for v in g.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)
+           if v.op.name == "embedding"][0]
+    config = {"l2l": {"layers": LAYERS, "micro_batches": 2},
+              "fetch_reduction": {"logits:0": "first"}}
+    with pn.get_runner(g, ONE, config) as r:
+        r.run(h["init"])
+        before = r.run(emb)
+        out = r.run({"train": h["train"], "logits": [h["logits"]]})
+        assert out["train"] is None
+        assert out["logits"][0].shape == (2, 3)       # micro-batch 0's only ("first")
+        assert r.run(step) == 1
+        assert not np.array_equal(r.run(emb), before)
+
+
+def test_fetches_it_cannot_serve_are_errors():
+    g, h = stack(4)
+    with pn.get_runner(g, ONE, {"l2l": {"layers": LAYERS}}) as r:
+        r.run(h["init"])
+        with pytest.raises(pn.FetchError, match="part of the forward pass"):
+            r.run(h["logits"].op)
+        with pytest.raises(pn.FetchError, match="is not in the training graph"):
+            r.run("no_such_op:0")
+        other = tf.Graph()
+        with other.as_default():
+            c = tf.constant(1)
+        with pytest.raises(pn.FetchError, match="another graph"):
+            r.run(c)
+
+
+def test_configurations_it_refuses():
+    g, _ = stack(4)
+    with pytest.raises(pn.ConfigError, match="horovod"):
+        pn.get_runner(g, ONE, {"l2l": {"layers": LAYERS},
+                               "communication": {"backend": "horovod"}})
+    with pytest.raises(pn.ConfigError, match="l2l.micro_batches"):
+        pn.get_runner(g, ONE, {"l2l": {"layers": LAYERS, "micro_batches": 0}})
+    with pytest.raises(pn.ConfigError, match="unknown config key 'l2l.layer'"):
+        pn.get_runner(g, ONE, {"l2l": {"layer": LAYERS}})
+    with pytest.raises(pn.GraphError, match="batch 8.*3 parts"):
+        pn.get_runner(stack(8)[0], ONE, {"l2l": {"layers": LAYERS, "micro_batches": 3}})
