@@ -152,6 +152,7 @@ class L2LConfig:
     stash: str = "device"            # where layer-boundary activations wait for the backward
     precision: str = "fp32"          # cmp: fp16 on the device, fp32 weights and optimizer
     loss: str | None = None          # the loss tensor's name (None: what tf.gradients took)
+    loss_scale: float = 128.0        # cmp: the fp16 backward's loss is scaled by this
 
     def __post_init__(self):
         if self.layers is not None:
@@ -171,6 +172,7 @@ class L2LConfig:
                               f"not {self.micro_batches!r}")
         _check_choice("l2l.stash", self.stash, STASHES)
         _check_choice("l2l.precision", self.precision, PRECISIONS)
+        _check_positive("l2l.loss_scale", self.loss_scale)
         if self.loss is not None and not isinstance(self.loss, str):
             raise ConfigError(f"config key 'l2l.loss' must be a tensor name, not {self.loss!r}")
 

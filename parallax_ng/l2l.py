@@ -67,6 +67,8 @@ class _Builder:
         self.tg, self.lay, self.cfg = tg, layering, cfg
         self.devices, self.host = devices, host
         self.u = cfg.micro_batches
+        self.half = cfg.precision == "cmp"
+        self.scale = cfg.loss_scale if self.half else 1.0
         self.n = len(devices)
         self.graph = tf.Graph()
         gd = tg.ir.graph_def
@@ -91,7 +93,8 @@ class _Builder:
             user_step = self.tg.ir.ancestors({r.node for r in self.tg.gradient_tensors})
             self._import(rest, "", grads, self.host, keep_controls=state, drop=user_step)
             with tf.device(self.host), tf.name_scope(f"{PREFIX}/loss"):
-                loss = tf.add_n([tf.identity(x) for x in losses]) / float(len(losses))
+                loss = tf.add_n([tf.cast(x, self.lay_loss_dtype) for x in losses]) / float(
+                    len(losses))
         self._check_updates()
         return L2LGraph(self.graph, loss, self.clones,
                         {n for s in self.lay.segments for n in s.ops}, self.devices,
@@ -105,7 +108,7 @@ class _Builder:
         return self.tg.ir.ancestors(roots + list(self.lay.sources))
 
     def _import(self, names, prefix: str, input_map: dict, device: str,
-                keep_controls=(), drop=frozenset(), on_host=frozenset()
+                keep_controls=(), drop=frozenset(), on_host=frozenset(), half=False
                 ) -> dict[str, tf.Operation]:
         """Import the user's nodes `names` (devices and colocation dropped);
         inputs from nodes outside come from `input_map` (tensor name ->
@@ -113,7 +116,10 @@ class _Builder:
         inputs from outside are kept when they name nodes in
         `keep_controls`, else dropped; so are the control inputs from nodes
         in `drop` of nodes outside it. Nodes in `on_host` go on the host
-        (resource ops on the host's variables)."""
+        (resource ops on the host's variables). With `half`, the other nodes
+        compute in float16 (cross mixed precision): their float32 types and
+        constants become float16, and a host node's float32 output is cast
+        on its way to them."""
         names = set(names)
         gd = tf.compat.v1.GraphDef()
         gd.versions.CopyFrom(self.versions)
@@ -146,6 +152,8 @@ class _Builder:
                     else:
                         imap[key] = self.graph.get_tensor_by_name(key)
                     node.input.append(key)
+        if half:
+            _halve(gd, on_host, self.tg.graph)
         with tf.device(device):
             ops = tf.graph_util.import_graph_def(
                 gd, input_map=imap, name=prefix, return_elements=sorted(names))
@@ -239,6 +247,7 @@ class _Builder:
                                                           dtype=v.get_attr("dtype"))
                     else:
                         value = tf.identity(v.outputs[0])
+                    value = self._halved(value)
                 out[var] = _move(value, device)
         return out
 
@@ -250,8 +259,15 @@ class _Builder:
         for var in seg.handles:
             imap[var + ":0"] = self.graph.get_tensor_by_name(var + ":0")
         for t in seg.inputs:
-            imap[t] = self._use(stash[t], device, gate)
+            imap[t] = self._use(self._halved(stash[t]), device, gate)
         return imap
+
+    def _halved(self, t: tf.Tensor) -> tf.Tensor:
+        """t as the device computes it: float16 under cmp, cast where t is."""
+        if not self.half or t.dtype != tf.float32:
+            return t
+        with tf.device(t.device or self.host):
+            return tf.cast(t, tf.float16)
 
     def _use(self, t: tf.Tensor, device: str, gate) -> tf.Tensor:
         if _same_device(t.device, device):
@@ -263,7 +279,7 @@ class _Builder:
         names = set(seg.ops) | self._free_inputs(seg.ops)
         on_host = {name for name in seg.ops
                    if any(ref.split(":")[0] in seg.handles for ref in self.nodes[name].input)}
-        made = self._import(names, scope, imap, device, on_host=on_host)
+        made = self._import(names, scope, imap, device, on_host=on_host, half=self.half)
         if gate is not None:
             inside = set(made.values())
             for op in made.values():
@@ -312,7 +328,7 @@ class _Builder:
             loss = _tensor(made, self.lay.loss)
             ys.append(loss)
             with tf.device(device):
-                grad_ys.append(tf.constant(1.0 / (self.n * self.u), loss.dtype,
+                grad_ys.append(tf.constant(self.scale / (self.n * self.u), loss.dtype,
                                            name=f"{scope}/loss_scale"))
         xs, what = [], []
         for var in seg.weights:
@@ -349,6 +365,10 @@ class _Builder:
             return tf.group(*done, name=f"{scope}/done"), loss
 
     @property
+    def lay_loss_dtype(self) -> tf.DType:
+        return self.tg.graph.get_tensor_by_name(self.lay.loss).dtype
+
+    @property
     def lay_sources_tensors(self) -> set[str]:
         if not hasattr(self, "_source_tensors"):
             self._source_tensors = {t.name for name in self.lay.sources
@@ -366,7 +386,8 @@ class _Builder:
         out = {}
         with tf.device(self.host), tf.name_scope(f"{PREFIX}/eps/"):
             for var, grad in self.tg.gradients.items():
-                parts = self.contrib.get(var)
+                parts = [(r, self._unscaled(g, self.tg.tensor(grad.values).dtype))
+                         for r, g in self.contrib.get(var, [])]
                 if not parts:
                     raise GraphError(f"variable {var!r} has a gradient in the user's graph "
                                      "but no layer reads it in the forward pass")
@@ -393,6 +414,15 @@ class _Builder:
                 out[_name(grad.values)] = sums[0] if len(sums) == 1 else tf.add_n(sums)
         return out
 
+    def _unscaled(self, g, dtype):
+        """A float16 gradient of the scaled loss as the EPS keeps it."""
+        if not self.half:
+            return g
+        if isinstance(g, tf.IndexedSlices):
+            return tf.IndexedSlices(tf.cast(g.values, dtype) / self.scale, g.indices,
+                                    g.dense_shape)
+        return tf.cast(g, dtype) / self.scale
+
     def _check_updates(self) -> None:
         """The update ops must not need the user's forward (it is never run
         whole: batch statistics, a loss-dependent schedule would need it)."""
@@ -413,6 +443,42 @@ class _Builder:
                     "only (batch-norm statistics and loss-dependent updates are not supported)")
             todo.extend((t.op, op) for t in op.inputs)
             todo.extend((c, op) for c in op.control_inputs)
+
+
+def _halve(gd, on_host: set[str], user: tf.Graph) -> None:
+    """Rewrite `gd`'s nodes outside `on_host` to compute in float16."""
+    import numpy as np
+
+    f32, f16 = tf.float32.as_datatype_enum, tf.float16.as_datatype_enum
+    casts = {}
+    for node in gd.node:
+        if node.name in on_host:
+            continue
+        for attr in node.attr.values():
+            if attr.type == f32:
+                attr.type = f16
+            if attr.HasField("list") and f32 in attr.list.type:
+                types = [f16 if t == f32 else t for t in attr.list.type]
+                del attr.list.type[:]
+                attr.list.type.extend(types)
+            if attr.HasField("tensor") and attr.tensor.dtype == f32:
+                value = tf.make_ndarray(attr.tensor).astype(np.float16)
+                attr.tensor.CopyFrom(tf.make_tensor_proto(value))
+        for i, ref in enumerate(node.input):
+            src = ref.split(":")[0]
+            if ref.startswith("^") or src not in on_host:
+                continue
+            if user.get_tensor_by_name(ref if ":" in ref else ref + ":0").dtype != tf.float32:
+                continue
+            if ref not in casts:
+                casts[ref] = f"{src}/to_half_{len(casts)}"
+            node.input[i] = casts[ref]
+    for ref, name in casts.items():
+        cast = gd.node.add()
+        cast.name, cast.op = name, "Cast"
+        cast.input.append(ref)
+        cast.attr["SrcT"].type, cast.attr["DstT"].type = f32, f16
+        cast.attr["Truncate"].b = False
 
 
 def _name(ref) -> str:

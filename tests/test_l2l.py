@@ -278,3 +278,30 @@ def test_device_memory_constant_in_depth_with_a_host_stash():
     assert host[1] < base[1] / 2
     assert host[0] <= device[0] <= device[1]        # a device stash grows by the stash only
     assert device[1] - device[0] < (base[1] - base[0]) / 4
+
+
+def test_cross_mixed_precision_tracks_fp32():
+    """precision: cmp runs the layers in float16 on the device and keeps
+    float32 weights and Adam on the host. Tolerance: float16's unit roundoff
+    is 2^-11 (4.9e-4), so the first step's loss (same weights, a float16
+    forward ending in one rounding of the loss) is within 2e-3 relative;
+    afterwards each gradient differs by that order, Adam's steps by about as
+    much, and the runs drift apart slowly: measured at most 1.0% (mean
+    0.35%) over 20 steps; allowed 3% (mean 1%)."""
+    runs = {}
+    for precision in ("fp32", "cmp"):
+        g, train, loss, init = _transformer(3, batch=8)
+        with pn.get_runner(g, {"hosts": [{"devices": ["cpu:1"]}]},
+                           {"l2l": {"layers": r"encoder/layer_(\d+)/", "micro_batches": 2,
+                                    "precision": precision}}) as runner:
+            runner.run(init)
+            runs[precision] = np.array([runner.run([train, loss])[1] for _ in range(20)])
+            weights = runner.run("encoder/layer_0/q/Read/ReadVariableOp:0")
+            on_device = [op for op in runner.graph.get_operations()
+                         if op.device.endswith("CPU:1") and op.type in ("Einsum", "MatMul")]
+        assert weights.dtype == np.float32
+        want = tf.float16 if precision == "cmp" else tf.float32
+        assert on_device and all(op.get_attr("T") == want for op in on_device)
+    rel = np.abs(runs["cmp"] - runs["fp32"]) / runs["fp32"]
+    assert rel[0] < 2e-3
+    assert rel.max() < 0.03 and rel.mean() < 0.01
