@@ -168,19 +168,30 @@ def get_runner(graph, resource_info=None, config=None):
 
 
 def _l2l_runner(tg, resources, config: Config, info):
-    """Layer-to-layer execution (parallax_ng/l2l.py) on this machine's devices."""
+    """Layer-to-layer execution (parallax_ng/l2l.py): on this machine's
+    devices, or as one worker of a job (its own host the EPS)."""
+    from .l2l import device_string
     from .l2l_runner import L2LRunner
     from .resources import check_devices, session_config
 
     if config.communication.backend != "tf":
         raise ConfigError("config key 'l2l' keeps the model on the host of one process; "
                           "'communication.backend: horovod' does not apply to it")
-    if info is not None:
-        raise ConfigError("config key 'l2l' runs on one machine's devices; in a job (more "
-                          "than one host or worker) it is not supported yet")
-    devices = resources.hosts[0].devices
-    check_devices(devices)
-    return L2LRunner(tg, devices, config, session_config(devices))
+    if info is None:
+        devices = resources.hosts[0].devices
+        check_devices(devices)
+        return L2LRunner(tg, [device_string(kind, i) for kind, i in devices], config,
+                         session_config(devices))
+    if info.task_type != "worker" or info.ps:
+        raise ConfigError("config key 'l2l': every worker's host is its parameter server; "
+                          "list no 'ps' in the resources")
+    check_devices(info.devices, f"worker {info.task} ({info.workers[info.task]})")
+    server = info.start_server()
+    runner = L2LRunner(tg, info.device_strings(), config, info.session_config(),
+                       target=server.target, host=info.host,
+                       job=(len(info.workers), info.task))
+    runner.server = server
+    return runner
 
 
 def _profile_job(tg, config: Config, info, server):

@@ -39,9 +39,11 @@ import tensorflow as tf
 
 from . import compat
 from .errors import GraphError
+from .frontend import SHARD_SCOPE
 from .layers import VARIABLE_TYPES, Layering
 
 PREFIX = "l2l"
+GROUP_KEY = 3        # a job's EPS hosts, one per worker
 
 
 @dataclass
@@ -52,28 +54,40 @@ class L2LGraph:
     forward: set[str]                         # user forward op names (not to be run)
     devices: list[str]
     segments: list[str] = field(default_factory=list)
+    sync: tf.Operation | None = None          # a job: worker 0's variables everywhere
 
 
 def device_string(kind: str, index: int, task: str = "/job:localhost/replica:0/task:0") -> str:
     return f"{task}/device:{kind}:{index}"
 
 
-def build(tg, layering: Layering, cfg, devices: list[str], host: str) -> L2LGraph:
-    return _Builder(tg, layering, cfg, devices, host).build()
+def build(tg, layering: Layering, cfg, devices: list[str], host: str,
+          job: tuple[int, int] = (1, 0)) -> L2LGraph:
+    """`job`: (workers, this worker) of a multi-process job, where every
+    worker's host is an EPS of its own: the workers' sums are all-reduced
+    (a sparse gradient as its dense sum and a mask of the rows touched),
+    each applies the same update, and `sync` makes every worker's
+    variables worker 0's (run after initializing)."""
+    return _Builder(tg, layering, cfg, devices, host, job).build()
 
 
 class _Builder:
-    def __init__(self, tg, layering, cfg, devices, host):
+    def __init__(self, tg, layering, cfg, devices, host, job):
         self.tg, self.lay, self.cfg = tg, layering, cfg
         self.devices, self.host = devices, host
         self.u = cfg.micro_batches
         self.half = cfg.precision == "cmp"
         self.scale = cfg.loss_scale if self.half else 1.0
         self.n = len(devices)
+        self.workers, self.worker = job
+        self.total = self.n * self.workers          # replicas in the job
+        self._keys = iter(range(1, 1 << 30))        # collective instance keys, in build order
         self.graph = tf.Graph()
         gd = tg.ir.graph_def
         self.nodes = {n.name: n for n in gd.node}
         self.library, self.versions = gd.library, gd.versions
+        if self.workers > 1:
+            self._shard_inputs()
         self.contrib: dict[str, list] = {}     # variable -> [(replica, gradient)]
         self.clones: dict[str, list[str]] = {}
 
@@ -92,13 +106,14 @@ class _Builder:
             # backward (gradients grouped by tf.tuple) would run them whole
             user_step = self.tg.ir.ancestors({r.node for r in self.tg.gradient_tensors})
             self._import(rest, "", grads, self.host, keep_controls=state, drop=user_step)
+            sync = self._sync()
             with tf.device(self.host), tf.name_scope(f"{PREFIX}/loss"):
                 loss = tf.add_n([tf.cast(x, self.lay_loss_dtype) for x in losses]) / float(
                     len(losses))
         self._check_updates()
         return L2LGraph(self.graph, loss, self.clones,
                         {n for s in self.lay.segments for n in s.ops}, self.devices,
-                        [s.name for s in self.lay.segments])
+                        [s.name for s in self.lay.segments], sync)
 
     def _state_nodes(self) -> set[str]:
         """Variables, data sources and the input pipeline: made first, since
@@ -328,7 +343,7 @@ class _Builder:
             loss = _tensor(made, self.lay.loss)
             ys.append(loss)
             with tf.device(device):
-                grad_ys.append(tf.constant(self.scale / (self.n * self.u), loss.dtype,
+                grad_ys.append(tf.constant(self.scale / (self.total * self.u), loss.dtype,
                                            name=f"{scope}/loss_scale"))
         xs, what = [], []
         for var in seg.weights:
@@ -398,6 +413,8 @@ class _Builder:
                     values = tf.concat([tf.identity(g.values) for _, g in parts], 0)
                     idx_dtype = self.tg.tensor(grad.indices).dtype
                     indices = tf.concat([tf.cast(g.indices, idx_dtype) for _, g in parts], 0)
+                    if self.workers > 1:
+                        values, indices = self._all_rows(var, values, indices)
                     out[_name(grad.values)] = values
                     out[_name(grad.indices)] = indices
                     continue
@@ -411,8 +428,73 @@ class _Builder:
                         acc = tf.identity(g) if acc is None else acc + g
                     if acc is not None:
                         sums.append(acc)
-                out[_name(grad.values)] = sums[0] if len(sums) == 1 else tf.add_n(sums)
+                total = sums[0] if len(sums) == 1 else tf.add_n(sums)
+                out[_name(grad.values)] = self._all_reduce(total)
         return out
+
+    # -- a job: one EPS per worker -------------------------------------------
+    def _all_reduce(self, t: tf.Tensor) -> tf.Tensor:
+        if self.workers == 1:
+            return t
+        return tf.raw_ops.CollectiveReduce(
+            input=t, group_size=self.workers, group_key=GROUP_KEY,
+            instance_key=next(self._keys), merge_op="Add", final_op="Id", subdiv_offsets=[0],
+            wait_for=[], communication_hint="auto", timeout_seconds=0.0)
+
+    def _all_rows(self, var, values, indices):
+        """Every worker's rows of a sparse gradient: the dense sum of all and
+        the rows any worker touched, as one IndexedSlices (rows summed)."""
+        rows = self.tg.variables[var].shape[0]
+        dense = self._all_reduce(tf.math.unsorted_segment_sum(values, indices, rows))
+        touched = self._all_reduce(tf.math.unsorted_segment_sum(
+            tf.ones_like(indices, tf.float32), indices, rows))
+        where = tf.cast(tf.reshape(tf.where(touched > 0), [-1]), indices.dtype)
+        return tf.gather(dense, where), where
+
+    def _sync(self) -> tf.Operation | None:
+        """Worker 0's value of every variable on every worker."""
+        if self.workers == 1:
+            return None
+        ops = []
+        with tf.device(self.host), tf.name_scope(f"{PREFIX}/sync/"):
+            for name, var in sorted(self.tg.variables.items()):
+                v = self.graph.get_operation_by_name(name)
+                common = dict(group_size=self.workers, group_key=GROUP_KEY,
+                              instance_key=next(self._keys), shape=list(var.shape),
+                              communication_hint="auto", timeout_seconds=0.0)
+                resource = v.type == "VarHandleOp"
+                value = tf.raw_ops.ReadVariableOp(resource=v.outputs[0], dtype=var.dtype) \
+                    if resource else tf.identity(v.outputs[0])
+                if self.worker == 0:
+                    ops.append(tf.raw_ops.CollectiveBcastSend(input=value, **common))
+                    continue
+                got = tf.raw_ops.CollectiveBcastRecv(T=var.dtype, **common)
+                ops.append(tf.raw_ops.AssignVariableOp(resource=v.outputs[0], value=got)
+                           if resource else tf.compat.v1.assign(v.outputs[0], got))
+        return tf.group(*ops, name=f"{PREFIX}/sync/all")
+
+    def _shard_inputs(self) -> None:
+        """pn.shard() datasets read this worker's shard (its constants, in
+        the graph or in a dataset function, set to workers and worker)."""
+        def set_scalar(node, value):
+            node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(
+                value, tf.as_dtype(node.attr["dtype"].type)))
+
+        for num, index in self.tg.shard_consts:
+            for name, value in ((num, self.workers), (index, self.worker)):
+                node = type(self.nodes[name])()
+                node.CopyFrom(self.nodes[name])
+                set_scalar(node, value)
+                self.nodes[name] = node
+        library = type(self.library)()
+        library.CopyFrom(self.library)
+        for f in library.function:
+            for body in f.node_def:
+                scope, _, leaf = body.name.rpartition("/")
+                if scope.split("/")[-1].startswith(SHARD_SCOPE) and leaf in ("num_shards",
+                                                                               "index"):
+                    set_scalar(body, self.workers if leaf == "num_shards" else self.worker)
+        self.library = library
 
     def _unscaled(self, g, dtype):
         """A float16 gradient of the scaled loss as the EPS keeps it."""

@@ -38,15 +38,20 @@ class L2LPlan:
     micro_batches: int
     stash: str
     precision: str
+    num_workers: int = 1
+    worker: int = 0
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.devices)
 
     @property
     def group_size(self) -> int:
-        return len(self.devices)
-
-    num_replicas = group_size
+        return len(self.devices) * self.num_workers
 
     def __str__(self) -> str:
-        lines = [f"layer-to-layer: {len(self.devices)} replicas ({', '.join(self.devices)}), "
+        lines = [f"layer-to-layer: worker {self.worker} of {self.num_workers}, "
+                 f"{len(self.devices)} replicas ({', '.join(self.devices)}), "
                  f"host {self.host}, {self.micro_batches} micro-batches, stash on "
                  f"{self.stash}, {self.precision}"]
         for name, weights, ops in self.segments:
@@ -55,21 +60,25 @@ class L2LPlan:
 
 
 class L2LRunner:
-    def __init__(self, tg, devices, config, session_config, target: str = "",
-                 host: str | None = None):
+    def __init__(self, tg, devices: list[str], config, session_config, target: str = "",
+                 host: str | None = None, job: tuple[int, int] = (1, 0)):
+        """devices: the replicas' device strings; `job`: (workers, this worker)."""
         cfg = config.l2l
         self.config, self.tg = config, tg
         self.layering = layers.split(tg, cfg.layers, cfg.loss)
         host = host or l2l.device_string("CPU", 0)
-        names = [l2l.device_string(kind, i) for kind, i in devices]
-        self.built = l2l.build(tg, self.layering, cfg, names, host)
+        self.built = l2l.build(tg, self.layering, cfg, list(devices), host, job)
         self.graph = self.built.graph
-        self.plan = L2LPlan(tuple(names), host, tuple(
+        self.plan = L2LPlan(tuple(devices), host, tuple(
             (s.name, len(s.weights) + len(s.handles), len(s.ops))
-            for s in self.layering.segments), cfg.micro_batches, cfg.stash, cfg.precision)
+            for s in self.layering.segments), cfg.micro_batches, cfg.stash, cfg.precision,
+            *job)
         self._split = {s + ":0" for s in self.layering.sources} & {
             op.name + ":0" for op in tg.graph.get_operations() if op.type == "Placeholder"}
-        self._parts = len(names) * cfg.micro_batches
+        self._parts = len(devices) * cfg.micro_batches
+        # runs that initialize variables are followed, in a job, by worker 0's values
+        self._initializes = tg.ir.descendants(
+            {v.initializer for v in tg.variables.values() if v.initializer})
         self.session = tf.compat.v1.Session(target, graph=self.graph, config=session_config)
         self._timeout = tf.compat.v1.RunOptions(
             timeout_in_ms=int(config.communication.timeout_seconds * 1000))
@@ -84,6 +93,8 @@ class L2LRunner:
         if options is None:
             options = self._timeout
         values = self.session.run(names, feeds, options=options, run_metadata=run_metadata)
+        if self.built.sync is not None and any(f.user in self._initializes for f in wanted):
+            self.session.run(self.built.sync, options=self._timeout)
         out, i = [], 0
         for f in wanted:
             out.append(combine(values[i:i + len(f.names)], f))
