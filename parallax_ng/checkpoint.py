@@ -63,12 +63,12 @@ class Checkpointer:
                     continue   # the chief restores parameter-server variables
                 placement = plan.placement[var]
                 if isinstance(placement, Columns):     # each replica its columns
-                    restores += [_assign(graph, ctx.replica_name(k, var), value[
+                    restores += [assign_value(graph, ctx.replica_name(k, var), value[
                         :, s.start:s.start + s.size]) for k, s in enumerate(
                             placement.shards[plan.replica_offset:][:plan.num_replicas])]
                     continue
                 copies = {ctx.replica_name(k, var) for k in range(plan.num_replicas)}
-                restores += [_assign(graph, c, value, placement) for c in sorted(copies)]
+                restores += [assign_value(graph, c, value, placement) for c in sorted(copies)]
             for i, it in enumerate(iterators):
                 for k in range(plan.num_replicas):
                     value = loaded[len(ctx.tg.variables) + i * plan.num_replicas + k]
@@ -120,7 +120,8 @@ def read_value(graph, var, placement=None, gather: bool = False):
     return tf.raw_ops.ReadVariableOp(resource=t, dtype=dtype)
 
 
-def _assign(graph, var: str, value, placement=None):
+def assign_value(graph, var: str, value, placement=None):
+    """An op setting Variable `var` (by name) to `value`."""
     if isinstance(placement, Sharded):
         flat = value if placement.axis == 0 else tf.reshape(value, [-1])
         pieces = tf.split(flat, [s.size for s in placement.shards], 0)

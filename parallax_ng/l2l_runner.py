@@ -16,16 +16,20 @@ device would for the global batch:
 - a fed placeholder with an unknown leading dimension is split into
   replicas x micro-batches parts (its batch must divide evenly); other feeds
   are used whole.
-`plan` says how the model was cut (printable).
+`plan` says how the model was cut (printable). With `checkpoint.dir`, the
+first run that initializes restores the newest checkpoint, and every
+`checkpoint.every_steps` training steps are saved (class Checkpoints).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
 
 from . import l2l, layers
+from .checkpoint import ITERATOR_OPS, Checkpointer, assign_value, read_value
 from .errors import FetchError
 from .fetches import Fetch, combine
 
@@ -79,6 +83,12 @@ class L2LRunner:
         # runs that initialize variables are followed, in a job, by worker 0's values
         self._initializes = tg.ir.descendants(
             {v.initializer for v in tg.variables.values() if v.initializer})
+        writers = {w for var, ws in tg.writers.items() for w in ws} - {
+            v.initializer for v in tg.variables.values()}
+        self._trains = tg.ir.descendants(writers)
+        self._checkpoints, self._restored, self._steps = None, False, 0
+        if config.checkpoint.dir:
+            self._checkpoints = Checkpoints(self.graph, tg, config.checkpoint.dir, host, *job)
         self.session = tf.compat.v1.Session(target, graph=self.graph, config=session_config)
         self._timeout = tf.compat.v1.RunOptions(
             timeout_in_ms=int(config.communication.timeout_seconds * 1000))
@@ -93,13 +103,31 @@ class L2LRunner:
         if options is None:
             options = self._timeout
         values = self.session.run(names, feeds, options=options, run_metadata=run_metadata)
-        if self.built.sync is not None and any(f.user in self._initializes for f in wanted):
-            self.session.run(self.built.sync, options=self._timeout)
+        self._after_run({f.user for f in wanted})
         out, i = [], 0
         for f in wanted:
             out.append(combine(values[i:i + len(f.names)], f))
             i += len(f.names)
         return tf.nest.pack_sequence_as(fetches, out)
+
+    def _after_run(self, fetched: set[str]) -> None:
+        """After a run that initialized: worker 0's values everywhere (a job),
+        then the newest checkpoint, once; every `checkpoint.every_steps`
+        training steps (the global step's value, else runs), a checkpoint."""
+        if fetched & self._initializes:
+            if self.built.sync is not None:
+                self.session.run(self.built.sync, options=self._timeout)
+            if self._checkpoints is not None and not self._restored:
+                self._restored = True
+                latest = self._checkpoints.latest()
+                if latest:
+                    self._checkpoints.restore(self.session, latest)
+        if self._checkpoints is not None and fetched & self._trains:
+            self._steps += 1
+            step = self._checkpoints.global_step(self.session)
+            step = self._steps if step is None else step
+            if step % self.config.checkpoint.every_steps == 0:
+                self._checkpoints.save(self.session, step)
 
     def close(self) -> None:
         self.session.close()
@@ -157,6 +185,47 @@ class L2LRunner:
         if name in self._split and np.ndim(value) and np.shape(value)[0] % self._parts:
             raise FetchError(f"feed {name!r} has {np.shape(value)[0]} rows, which do not split "
                              f"into {self._parts} equal parts (replicas x micro-batches)")
+
+
+class Checkpoints(Checkpointer):
+    """Every variable of the user's graph (under its single-device name, as
+    a plain tf.compat.v1.train.Saver reads it) and the position of the
+    input iterators, saved to `<dir>/model.ckpt-<step>` (a job's worker i:
+    `<dir>/worker-<i>/`); restored into the host's variables. Saving,
+    finding and restoring are Checkpointer's."""
+
+    def __init__(self, graph: tf.Graph, tg, directory: str, host: str, workers: int = 1,
+                 worker: int = 0):
+        self.directory = (os.path.join(directory, f"worker-{worker}") if workers > 1
+                          else directory)
+        variables = sorted(tg.variables)
+        step = tf.compat.v1.train.get_global_step(tg.graph)
+        with graph.as_default(), tf.device(host), tf.compat.v1.name_scope("l2l/checkpoint/"):
+            self.prefix = tf.compat.v1.placeholder(tf.string, [], name="prefix")
+            tensors = [read_value(graph, tg.variables[v]) for v in variables]
+            names = list(variables)
+            iterators = [n.name for n in tg.ir.nodes if n.op in ITERATOR_OPS]
+            for it in iterators:
+                names.append(f"parallax/iterator/{worker}/{it}")
+                tensors.append(tf.raw_ops.SerializeIterator(
+                    resource_handle=graph.get_tensor_by_name(it + ":0"),
+                    external_state_policy=0))
+            self.save_op = tf.raw_ops.SaveV2(prefix=self.prefix, tensor_names=names,
+                                             shape_and_slices=[""] * len(names),
+                                             tensors=tensors)
+            loaded = tf.raw_ops.RestoreV2(prefix=self.prefix, tensor_names=names,
+                                          shape_and_slices=[""] * len(names),
+                                          dtypes=[t.dtype.base_dtype for t in tensors])
+            restores = [assign_value(graph, v, value) for v, value in zip(variables, loaded)]
+            restores += [tf.raw_ops.DeserializeIterator(
+                resource_handle=graph.get_tensor_by_name(it + ":0"), serialized=value)
+                for it, value in zip(iterators, loaded[len(variables):])]
+            self.restore_op = tf.group(*restores, name="restore")
+            self.step = (tensors[variables.index(step.op.name)]
+                         if step is not None and step.op.name in tg.variables else None)
+
+    def global_step(self, session):
+        return None if self.step is None else int(session.run(self.step))
 
 
 def _reduction(t: tf.Tensor) -> str:

@@ -104,3 +104,33 @@ def test_a_two_worker_job_equals_one_device(tmp_path):
         for name in names:
             np.testing.assert_allclose(workers[k][f"end/{name}"], want[name], rtol=0,
                                        atol=1e-5, err_msg=f"worker {k}: {name}")
+
+
+def test_checkpoints_resume_exactly(tmp_path):
+    """Every 3 steps a checkpoint; a new runner restores the newest at its
+    first initializing run (variables, slots, the iterator's position) and
+    ends where an uninterrupted run ends."""
+    config = {"l2l": {"layers": LAYERS, "micro_batches": 2, "stash": "host"},
+              "checkpoint": {"dir": str(tmp_path / "ckpt"), "every_steps": 3}}
+    g, h = stack(4)
+    names = variable_names(g)
+    reads = [read_name(n, g) for n in names]
+    with pn.get_runner(g, ONE, config) as r:
+        r.run(h["init"])
+        for _ in range(7):                 # saved at 3 and 6; step 7 is lost
+            r.run(h["train"])
+    assert tf.train.latest_checkpoint(str(tmp_path / "ckpt")).endswith("model.ckpt-6")
+    with pn.get_runner(g, ONE, config) as r:
+        r.run(h["init"])
+        assert r.run("global_step/Read/ReadVariableOp:0") == 6
+        for _ in range(4):
+            r.run(h["train"])
+        resumed = dict(zip(names, r.run(reads)))
+    with pn.get_runner(g, ONE, {"l2l": config["l2l"]}) as r:
+        r.run(h["init"])
+        for _ in range(10):
+            r.run(h["train"])
+        whole = dict(zip(names, r.run(reads)))
+    assert any(n.endswith("Adam") for n in names)
+    for name in names:
+        np.testing.assert_array_equal(resumed[name], whole[name], err_msg=name)
