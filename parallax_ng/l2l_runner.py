@@ -110,6 +110,16 @@ class L2LRunner:
             i += len(f.names)
         return tf.nest.pack_sequence_as(fetches, out)
 
+    def save(self, saver, path: str) -> str:
+        """Write the variables with the user's tf.compat.v1.train.Saver (the
+        host's: single-device names, so a one-device script restores it)."""
+        d = saver.saver_def
+        return self.run(d.save_tensor_name, {d.filename_tensor_name: path})
+
+    def restore(self, saver, path: str) -> None:
+        d = saver.saver_def
+        self.run(d.restore_op_name, {d.filename_tensor_name: path})
+
     def _after_run(self, fetched: set[str]) -> None:
         """After a run that initialized: worker 0's values everywhere (a job),
         then the newest checkpoint, once; every `checkpoint.every_steps`

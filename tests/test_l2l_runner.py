@@ -134,3 +134,23 @@ def test_checkpoints_resume_exactly(tmp_path):
     assert any(n.endswith("Adam") for n in names)
     for name in names:
         np.testing.assert_array_equal(resumed[name], whole[name], err_msg=name)
+
+
+def test_the_users_saver_writes_a_single_device_checkpoint(tmp_path):
+    g, h = stack(4)
+    with g.as_default():
+        saver = tf1.train.Saver()
+    names = variable_names(g)
+    with pn.get_runner(g, ONE, {"l2l": {"layers": LAYERS}}) as r:
+        r.run(h["init"])
+        for _ in range(3):
+            r.run(h["train"])
+        trained = dict(zip(names, r.run([read_name(n, g) for n in names])))
+        path = r.save(saver, str(tmp_path / "model"))
+        r.run(h["init"])
+        r.restore(saver, path)
+        np.testing.assert_array_equal(r.run(read_name("embedding", g)), trained["embedding"])
+    with tf1.Session(graph=g) as sess:
+        saver.restore(sess, path)
+        for name in names:
+            np.testing.assert_array_equal(sess.run(read_name(name, g)), trained[name])
