@@ -38,7 +38,19 @@ def transform_plan(graph, resource_info=None, config=None):
 
     resources = load_resources(resource_info)
     job = ClusterInfo.planned(resources) if len(resources.hosts) > 1 or resources.ps else None
-    return _plan(frontend.load(graph), resources, load_config(config), job)
+    config = load_config(config)
+    if config.l2l.enabled:         # layer by layer: how the model is cut
+        from .l2l import device_string
+        from .l2l_runner import plan_of
+        from .layers import split
+
+        tg = frontend.load(graph)
+        devices = job.device_strings() if job else [
+            device_string(kind, i) for kind, i in resources.hosts[0].devices]
+        return plan_of(split(tg, config.l2l.layers, config.l2l.loss), devices,
+                       job.host if job else device_string("CPU", 0), config.l2l,
+                       (len(job.workers), 0) if job else (1, 0))
+    return _plan(frontend.load(graph), resources, config, job)
 
 
 def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profile=None,

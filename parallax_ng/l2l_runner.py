@@ -22,6 +22,7 @@ first run that initializes restores the newest checkpoint, and every
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -53,6 +54,12 @@ class L2LPlan:
     def group_size(self) -> int:
         return len(self.devices) * self.num_workers
 
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def format(self) -> str:
+        return str(self)
+
     def __str__(self) -> str:
         lines = [f"layer-to-layer: worker {self.worker} of {self.num_workers}, "
                  f"{len(self.devices)} replicas ({', '.join(self.devices)}), "
@@ -61,6 +68,13 @@ class L2LPlan:
         for name, weights, ops in self.segments:
             lines.append(f"  {name:<16} {weights:4d} variables {ops:6d} ops")
         return "\n".join(lines)
+
+
+def plan_of(layering, devices, host: str, cfg, job=(1, 0)) -> L2LPlan:
+    """What `parallax-ng plan` prints for config l2l `cfg`."""
+    return L2LPlan(tuple(devices), host, tuple(
+        (s.name, len(s.weights) + len(s.handles), len(s.ops)) for s in layering.segments),
+        cfg.micro_batches, cfg.stash, cfg.precision, *job)
 
 
 class L2LRunner:
@@ -73,10 +87,7 @@ class L2LRunner:
         host = host or l2l.device_string("CPU", 0)
         self.built = l2l.build(tg, self.layering, cfg, list(devices), host, job)
         self.graph = self.built.graph
-        self.plan = L2LPlan(tuple(devices), host, tuple(
-            (s.name, len(s.weights) + len(s.handles), len(s.ops))
-            for s in self.layering.segments), cfg.micro_batches, cfg.stash, cfg.precision,
-            *job)
+        self.plan = plan_of(self.layering, devices, host, cfg, job)
         self._split = {s + ":0" for s in self.layering.sources} & {
             op.name + ":0" for op in tg.graph.get_operations() if op.type == "Placeholder"}
         self._parts = len(devices) * cfg.micro_batches

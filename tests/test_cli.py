@@ -91,3 +91,16 @@ def test_plan_of_a_job_prints_the_load_of_every_server(capsys):
     servers = [line for line in out.splitlines() if line.startswith("servers:")][0]
     assert "task:0/device:CPU:0" in servers and "task:1/device:CPU:0" in servers
     assert servers.count(" MB") == 2
+
+
+def test_plan_of_a_layer_to_layer_config(capsys):
+    """`parallax-ng plan` with config l2l prints how the model is cut."""
+    script = os.path.join(ROOT, "examples", "transformer_stack.py")
+    assert cli.main(["plan", script, "-r", os.path.join(ROOT, "configs",
+                                                        "resources_accelerators.yaml"),
+                     "-c", os.path.join(ROOT, "configs", "l2l.yaml"), "--",
+                     "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "layer-to-layer: worker 0 of 1, 2 replicas" in out and "stash on host" in out
+    for segment in ("pre", "layer_0", "layer_1", "post"):
+        assert segment in out

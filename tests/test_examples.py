@@ -73,3 +73,13 @@ def test_transformer_stack_learns_on_two_replicas():
               "--resources", os.path.join(ROOT, "configs", "resources_2cpu.yaml"))
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], out
+
+
+def test_transformer_stack_learns_layer_by_layer_with_the_shipped_configs():
+    """The README's L2L command: configs/l2l.yaml on two stand-in devices."""
+    out = run("transformer_stack.py", "--steps", "100", "--layers", "3",
+              "--resources", os.path.join(ROOT, "configs", "resources_accelerators.yaml"),
+              "--config", os.path.join(ROOT, "configs", "l2l.yaml"))
+    assert "2 replicas" in out
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
+    assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], out
