@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from . import l2l, layers
+from . import compat, l2l, layers
 from .checkpoint import ITERATOR_OPS, Checkpointer, assign_value, read_value
 from .errors import FetchError
 from .fetches import Fetch, combine
@@ -98,6 +98,8 @@ class L2LRunner:
             v.initializer for v in tg.variables.values()}
         self._trains = tg.ir.descendants(writers)
         self._checkpoints, self._restored, self._steps = None, False, 0
+        self._forward_reads: dict[str, str | None] = {}
+        self._late: dict[str, tf.Operation] = {}      # ops copied in after get_runner
         if config.checkpoint.dir:
             self._checkpoints = Checkpoints(self.graph, tg, config.checkpoint.dir, host, *job)
         self.session = tf.compat.v1.Session(target, graph=self.graph, config=session_config)
@@ -181,6 +183,8 @@ class L2LRunner:
             element = self.tg.graph.as_graph_element(name)
         except (KeyError, ValueError) as e:
             raise FetchError(f"{name!r} is not in the training graph: {e}") from None
+        if node not in self.tg.ir and node not in self._late:
+            self._adopt(element if isinstance(element, tf.Operation) else element.op)
         if isinstance(element, tf.Operation):
             if node in self.built.forward:
                 raise FetchError(f"op {name!r} is part of the forward pass, which runs layer "
@@ -195,7 +199,71 @@ class L2LRunner:
         if node in self.layering.segment_of:
             raise FetchError(f"{name!r} is a read of a variable in the forward pass; fetch "
                              "the variable")
+        reads = self._reads_forward(node)
+        if reads:
+            raise FetchError(
+                f"{name!r} reads the forward pass ({reads!r}) but the loss does not depend on "
+                "it; layer-by-layer execution computes the loss's ancestors only (fetch the "
+                "tensors it is computed from, e.g. the logits, and finish in NumPy)")
         return Fetch((name,), "first", node)
+
+    def _adopt(self, op: tf.Operation) -> None:
+        """Copy an op made after get_runner (and the ops it needs that are
+        new too) onto the host, reading the existing ops by name."""
+        known, new, stack = self.tg.ir, {}, [op]
+        while stack:
+            o = stack.pop()
+            if o.name in known or o.name in new:
+                continue
+            new[o.name] = o
+            stack += [t.op for t in o.inputs] + list(o.control_inputs)
+        outside = {t.op.name for o in new.values() for t in o.inputs if t.op.name not in new}
+        outside |= {c.name for o in new.values() for c in o.control_inputs
+                    if c.name not in new}
+        forward = self.built.forward | set(self.layering.sources)
+        reads = sorted(n for n in outside if n in forward or self._reads_forward(n))
+        if reads:
+            raise FetchError(
+                f"{op.name!r} reads the forward pass ({reads[0]!r}) but the loss does not "
+                "depend on it; layer-by-layer execution computes the loss's ancestors only "
+                "(fetch the tensors it is computed from, e.g. the logits, and finish in NumPy)")
+        gd = tf.compat.v1.GraphDef()
+        controls = {}
+        for node in self.tg.graph.as_graph_def().node:
+            if node.name not in new:
+                continue
+            nd = gd.node.add()
+            nd.CopyFrom(node)
+            nd.device = ""
+            if "_class" in nd.attr:
+                del nd.attr["_class"]
+            inputs = list(nd.input)
+            del nd.input[:]
+            for ref in inputs:
+                src = ref.lstrip("^").split(":")[0]
+                if ref.startswith("^") and src not in new:
+                    controls.setdefault(nd.name, []).append(src)
+                else:
+                    nd.input.append(ref)
+        imap = {f"{t.op.name}:{t.value_index}": self.graph.get_tensor_by_name(t.name)
+                for o in new.values() for t in o.inputs if t.op.name not in new}
+        with self.graph.as_default(), tf.device(self.plan.host):
+            tf.graph_util.import_graph_def(gd, input_map=imap, name="")
+        for name, srcs in controls.items():
+            compat.add_control_inputs(self.graph.get_operation_by_name(name),
+                                      [self.graph.get_operation_by_name(x) for x in srcs])
+        if outside & self._initializes:
+            self._initializes = self._initializes | set(new)
+        self._late.update(new)
+
+    def _reads_forward(self, node: str) -> str | None:
+        """A forward op or data source `node` depends on, if any (running it
+        would run the user's forward whole, on the host, on another batch)."""
+        if node not in self._forward_reads:
+            forward = self.built.forward | set(self.layering.sources)
+            hit = sorted(self.tg.ir.ancestors([node]) & forward)
+            self._forward_reads[node] = hit[0] if hit else None
+        return self._forward_reads[node]
 
     def _feed_key(self, key) -> str:
         name = self._user_name(key)

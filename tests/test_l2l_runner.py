@@ -47,12 +47,41 @@ def test_variables_global_step_and_reductions():
         assert not np.array_equal(r.run(emb), before)
 
 
+def test_ops_made_after_get_runner_run_on_the_host(tmp_path):
+    """A late initializer and a late read of the variables are copied in;
+    the late initializer counts as initializing: the checkpoint is restored
+    after it."""
+    config = {"l2l": {"layers": LAYERS},
+              "checkpoint": {"dir": str(tmp_path), "every_steps": 2}}
+    g, h = stack(4)
+    with pn.get_runner(g, ONE, config) as r:
+        r.run(h["init"])
+        r.run(h["train"])
+        r.run(h["train"])                  # saved at step 2
+    with pn.get_runner(g, ONE, config) as r:
+        with g.as_default():
+            init = tf1.global_variables_initializer()
+            norm = tf.add_n([tf.reduce_sum(v * v) for v in tf1.trainable_variables()])
+        r.run(init)
+        assert r.run("global_step/Read/ReadVariableOp:0") == 2
+        before = r.run(norm)
+        r.run(h["train"])
+        assert r.run(norm) != before
+
+
 def test_fetches_it_cannot_serve_are_errors():
     g, h = stack(4)
     with pn.get_runner(g, ONE, {"l2l": {"layers": LAYERS}}) as r:
         r.run(h["init"])
         with pytest.raises(pn.FetchError, match="part of the forward pass"):
             r.run(h["logits"].op)
+        with g.as_default():         # a metric the loss does not depend on
+            accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(h["logits"], 1), h["y"]),
+                                              tf.float32))
+        with pytest.raises(pn.FetchError, match="the loss does not depend on it"):
+            r.run(accuracy)
+        with pytest.raises(pn.FetchError, match="the loss does not depend on it"):
+            r.run(h["y"])
         with pytest.raises(pn.FetchError, match="is not in the training graph"):
             r.run("no_such_op:0")
         other = tf.Graph()
