@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from models import read_name, variable_names
+from models import load_values, read_name, variable_names
 from parallax_ng import memory
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
@@ -305,3 +305,72 @@ def test_cross_mixed_precision_tracks_fp32():
     rel = np.abs(runs["cmp"] - runs["fp32"]) / runs["fp32"]
     assert rel[0] < 2e-3
     assert rel.max() < 0.03 and rel.mean() < 0.01
+
+
+def test_gpu_replicas_graph_is_placed_by_construction():
+    """With GPUs (none here: the graph is only built), the layers' copies go
+    on each GPU, weights and stash cross by TensorFlow's own transfers
+    (Identity on the GPU, no DeepCopy), and the EPS stays on CPU:0."""
+    from parallax_ng import frontend, l2l, layers
+    from parallax_ng.config import L2LConfig
+
+    g, h = stack(8)
+    tg = frontend.load(g)
+    cfg = L2LConfig(layers=LAYERS, micro_batches=2, stash="host")
+    gpus = [l2l.device_string("GPU", k) for k in range(2)]
+    built = l2l.build(tg, layers.split(tg, LAYERS), cfg, gpus, l2l.device_string("CPU", 0))
+    ops = built.graph.get_operations()
+    assert not any(op.type == "DeepCopy" and "GPU" in op.device for op in ops)
+    for k in range(2):
+        matmuls = [op for op in ops if op.type == "MatMul" and op.name.startswith(f"l2l/r{k}/")]
+        assert matmuls and all(op.device.endswith(f"GPU:{k}") for op in matmuls)
+    applies = [op for op in ops if op.type.startswith("ResourceApply")]
+    assert applies and all(op.device.endswith("CPU:0") for op in applies)
+    gathers = [op for op in ops if op.type == "ResourceGather" and op.name.startswith("l2l/")]
+    assert gathers and all(op.device.endswith("CPU:0") for op in gathers)   # rows from the host
+
+
+def test_tf_keras_layers_and_optimizer():
+    """tf_keras Dense layers named layer_<i> and tf_keras's (legacy) Adam:
+    2 replicas x 2 micro-batches against one device from the same start."""
+    import tf_keras
+
+    def build(batch):
+        g = tf.Graph()
+        with g.as_default():
+            rng = np.random.RandomState(0)
+            x = rng.randn(256, 8).astype(np.float32)
+            ds = pn.shard(tf.data.Dataset.from_tensor_slices((x, (x.sum(1) > 0).astype(
+                np.int64))))
+            xs, ys = tf1.data.make_one_shot_iterator(
+                ds.batch(batch, drop_remainder=True).repeat()).get_next()
+            h = xs
+            for i in range(3):
+                h = tf_keras.layers.Dense(8, activation="tanh", name=f"layer_{i}")(h)
+            logits = tf_keras.layers.Dense(2, name="head")(h)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=ys, logits=logits))
+            params = tf1.trainable_variables()
+            train = tf_keras.optimizers.legacy.Adam(0.01).apply_gradients(
+                zip(tf.gradients(loss, params), params))
+            init = tf1.global_variables_initializer()
+        return g, train, init
+
+    g, train, init = build(4)
+    names = variable_names(g)
+    with pn.get_runner(g, {"hosts": [{"devices": ["cpu:1", "cpu:2"]}]},
+                       {"l2l": {"layers": r"^layer_(\d+)/", "micro_batches": 2}}) as r:
+        r.run(init)
+        start = dict(zip(names, r.run([read_name(n, g) for n in names])))
+        for _ in range(5):
+            r.run(train)
+        got = dict(zip(names, r.run([read_name(n, g) for n in names])))
+    g1, train1, init1 = build(8)
+    with tf1.Session(graph=g1) as sess:
+        sess.run(init1)
+        load_values(sess, g1, start)      # tf_keras draws other seeds in another graph
+        for _ in range(5):
+            sess.run(train1)
+        want = dict(zip(names, sess.run([read_name(n, g1) for n in names])))
+    assert "Adam/layer_0/kernel/m" in names
+    _assert_same(got, want)
