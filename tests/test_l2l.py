@@ -296,7 +296,7 @@ def test_cross_mixed_precision_tracks_fp32():
                                     "precision": precision}}) as runner:
             runner.run(init)
             runs[precision] = np.array([runner.run([train, loss])[1] for _ in range(20)])
-            weights = runner.run("encoder/layer_0/q/Read/ReadVariableOp:0")
+            weights = runner.run(read_name("encoder/layer_0/q", g))
             on_device = [op for op in runner.graph.get_operations()
                          if op.device.endswith("CPU:1") and op.type in ("Einsum", "MatMul")]
         assert weights.dtype == np.float32

@@ -86,7 +86,7 @@ def test_a_deeper_stack_holds_more_on_its_device():
         os.path.abspath(__file__))), "benchmarks"))
     import l2l_memory
     small = ["--dim", "32", "--ffn", "64", "--batch", "8"]
-    (r2, p2), (r4, p4) = (l2l_memory.baseline(n, small) for n in (2, 4))
+    (r2, p2), (r4, p4) = (l2l_memory.device_bytes(n, "baseline", argv=small) for n in (2, 4))
     # two more layers: their weights (attention 4 d^2, feed-forward 2 d f + f,
     # two norms 4 d) and Adam's two slots of each, float32
     d, f = 32, 64
