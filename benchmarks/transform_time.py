@@ -47,8 +47,10 @@ def build(blocks=24, vocab=8000, seq=32, dim=64, heads=4):
             with tf1.variable_scope(f"block_{i}"):
                 h = layer_norm(x, "ln1", dim)
                 q, k, v = (dense(h, n, dim, dim) for n in ("q", "k", "v"))
-                split = lambda t: tf.transpose(tf.reshape(t, [-1, seq, heads, dim // heads]),
-                                               [0, 2, 1, 3])
+
+                def split(t):
+                    return tf.transpose(tf.reshape(t, [-1, seq, heads, dim // heads]),
+                                        [0, 2, 1, 3])
                 att = tf.nn.softmax(tf.matmul(split(q), split(k), transpose_b=True) /
                                     np.sqrt(dim // heads))
                 o = tf.reshape(tf.transpose(tf.matmul(att, split(v)), [0, 2, 1, 3]),

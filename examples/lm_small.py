@@ -52,10 +52,11 @@ def build(args):
         emb = tf1.get_variable("embedding", [args.vocab, args.dim],
                                initializer=tf1.random_uniform_initializer(-0.05, 0.05))
         h = tf.reshape(tf.nn.embedding_lookup(emb, words), [-1, CONTEXT * args.dim])
+        zeros = tf1.zeros_initializer()
         h = tf.nn.relu(tf.matmul(h, tf1.get_variable("hidden/w", [CONTEXT * args.dim, args.hidden]))
-                       + tf1.get_variable("hidden/b", [args.hidden], initializer=tf1.zeros_initializer()))
+                       + tf1.get_variable("hidden/b", [args.hidden], initializer=zeros))
         h = tf.tanh(tf.matmul(h, tf1.get_variable("project/w", [args.hidden, args.dim]))
-                    + tf1.get_variable("project/b", [args.dim], initializer=tf1.zeros_initializer()))
+                    + tf1.get_variable("project/b", [args.dim], initializer=zeros))
         soft_w = tf1.get_variable("softmax/w", [args.vocab, args.dim])
         soft_b = tf1.get_variable("softmax/b", [args.vocab], initializer=tf1.zeros_initializer())
         loss = tf.reduce_mean(tf.nn.sampled_softmax_loss(

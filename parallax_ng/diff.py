@@ -290,7 +290,8 @@ def render_html(diffs: list[PassDiff], final: GraphIR, tg, batch=None) -> str:
                   for n, k in d.modified]
         details.append(f"<details><summary>{esc(d.name)}: {esc(describe(d))}</summary>"
                        f"<ul>{''.join(items)}</ul></details>")
-    picture = svg if svg else f"<p>Install Graphviz for a picture; dot source:</p><pre>{esc(dot)}</pre>"
+    picture = svg or (f"<p>Install Graphviz for a picture; dot source:</p>"
+                      f"<pre>{esc(dot)}</pre>")
     legend = " ".join(f'<span style="background:{c};padding:2px 6px">{esc(k)}</span>'
                       for k, c in COLOURS.items())
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>parallax_ng diff</title>

@@ -17,8 +17,8 @@ Guarantees: `build(...)` returns an L2LGraph: a new tf.Graph where
   pass (forward, backward) for all micro-batches; the next layer's copy
   starts when the current layer starts (so at most two layers' weights are
   on a device); a layer's weight gradients are added on the host as each
-  micro-batch's arrive (per replica, then across replicas), and the
-  optimizer of a variable runs as soon as its sum is complete;
+  micro-batch's arrive (per replica, then across replicas: parallax_ng/eps.py),
+  and the optimizer of a variable runs as soon as its sum is complete;
 - the order is fixed by control edges: on each device one (layer,
   micro-batch) task after another, so the device's memory is the weights of
   at most two layers, one micro-batch's activations and the stash, whatever
@@ -37,13 +37,11 @@ from dataclasses import dataclass, field
 
 import tensorflow as tf
 
-from . import compat
+from . import compat, eps
 from .errors import GraphError
-from .frontend import SHARD_SCOPE
 from .layers import VARIABLE_TYPES, Layering
 
 PREFIX = "l2l"
-GROUP_KEY = 3        # a job's EPS hosts, one per worker
 
 
 @dataclass
@@ -79,15 +77,15 @@ class _Builder:
         self.half = cfg.precision == "cmp"
         self.scale = cfg.loss_scale if self.half else 1.0
         self.n = len(devices)
-        self.workers, self.worker = job
-        self.total = self.n * self.workers          # replicas in the job
-        self._keys = iter(range(1, 1 << 30))        # collective instance keys, in build order
+        self.job = eps.Workers(*job)
+        self.total = self.n * self.job.workers       # replicas in the job
         self.graph = tf.Graph()
         gd = tg.ir.graph_def
         self.nodes = {n.name: n for n in gd.node}
         self.library, self.versions = gd.library, gd.versions
-        if self.workers > 1:
-            self._shard_inputs()
+        if self.job.workers > 1:
+            self.nodes, self.library = eps.shard_inputs(
+                self.nodes, self.library, tg.shard_consts, *job)
         self.contrib: dict[str, list] = {}     # variable -> [(replica, gradient)]
         self.clones: dict[str, list[str]] = {}
 
@@ -106,7 +104,8 @@ class _Builder:
             # backward (gradients grouped by tf.tuple) would run them whole
             user_step = self.tg.ir.ancestors({r.node for r in self.tg.gradient_tensors})
             self._import(rest, "", grads, self.host, keep_controls=state, drop=user_step)
-            sync = self._sync()
+            with tf.device(self.host):
+                sync = self.job.sync(self.graph, self.tg.variables, f"{PREFIX}/sync")
             with tf.device(self.host), tf.name_scope(f"{PREFIX}/loss"):
                 loss = tf.add_n([tf.cast(x, self.lay_loss_dtype) for x in losses]) / float(
                     len(losses))
@@ -397,113 +396,17 @@ class _Builder:
 
     # -- the EPS's sums -----------------------------------------------------
     def _reduced(self) -> dict[str, tf.Tensor]:
-        """User gradient tensor name -> the sum of the layers' contributions."""
+        """User gradient tensor name -> the EPS's sum of the layers' gradients."""
         out = {}
         with tf.device(self.host), tf.name_scope(f"{PREFIX}/eps/"):
             for var, grad in self.tg.gradients.items():
-                parts = [(r, self._unscaled(g, self.tg.tensor(grad.values).dtype))
-                         for r, g in self.contrib.get(var, [])]
-                if not parts:
-                    raise GraphError(f"variable {var!r} has a gradient in the user's graph "
-                                     "but no layer reads it in the forward pass")
-                if grad.sparse:
-                    if not all(isinstance(g, tf.IndexedSlices) for _, g in parts):
-                        raise GraphError(f"variable {var!r}: the user's gradient is sparse "
-                                         "(IndexedSlices) but a layer's is dense")
-                    values = tf.concat([tf.identity(g.values) for _, g in parts], 0)
-                    idx_dtype = self.tg.tensor(grad.indices).dtype
-                    indices = tf.concat([tf.cast(g.indices, idx_dtype) for _, g in parts], 0)
-                    if self.workers > 1:
-                        values, indices = self._all_rows(var, values, indices)
-                    out[_name(grad.values)] = values
-                    out[_name(grad.indices)] = indices
-                    continue
-                sums = []
-                for r in range(self.n):
-                    acc = None
-                    for rr, g in parts:
-                        if rr != r:
-                            continue
-                        g = tf.convert_to_tensor(g)
-                        acc = tf.identity(g) if acc is None else acc + g
-                    if acc is not None:
-                        sums.append(acc)
-                total = sums[0] if len(sums) == 1 else tf.add_n(sums)
-                out[_name(grad.values)] = self._all_reduce(total)
+                out.update(eps.gradient_sum(
+                    var, grad, self.contrib.get(var, []), self.n,
+                    self.tg.tensor(grad.values).dtype,
+                    self.tg.tensor(grad.indices).dtype if grad.sparse else None,
+                    self.job, self.tg.variables[var].shape[0] if grad.sparse else None,
+                    self.scale))
         return out
-
-    # -- a job: one EPS per worker -------------------------------------------
-    def _all_reduce(self, t: tf.Tensor) -> tf.Tensor:
-        if self.workers == 1:
-            return t
-        return tf.raw_ops.CollectiveReduce(
-            input=t, group_size=self.workers, group_key=GROUP_KEY,
-            instance_key=next(self._keys), merge_op="Add", final_op="Id", subdiv_offsets=[0],
-            wait_for=[], communication_hint="auto", timeout_seconds=0.0)
-
-    def _all_rows(self, var, values, indices):
-        """Every worker's rows of a sparse gradient: the dense sum of all and
-        the rows any worker touched, as one IndexedSlices (rows summed)."""
-        rows = self.tg.variables[var].shape[0]
-        dense = self._all_reduce(tf.math.unsorted_segment_sum(values, indices, rows))
-        touched = self._all_reduce(tf.math.unsorted_segment_sum(
-            tf.ones_like(indices, tf.float32), indices, rows))
-        where = tf.cast(tf.reshape(tf.where(touched > 0), [-1]), indices.dtype)
-        return tf.gather(dense, where), where
-
-    def _sync(self) -> tf.Operation | None:
-        """Worker 0's value of every variable on every worker."""
-        if self.workers == 1:
-            return None
-        ops = []
-        with tf.device(self.host), tf.name_scope(f"{PREFIX}/sync/"):
-            for name, var in sorted(self.tg.variables.items()):
-                v = self.graph.get_operation_by_name(name)
-                common = dict(group_size=self.workers, group_key=GROUP_KEY,
-                              instance_key=next(self._keys), shape=list(var.shape),
-                              communication_hint="auto", timeout_seconds=0.0)
-                resource = v.type == "VarHandleOp"
-                value = tf.raw_ops.ReadVariableOp(resource=v.outputs[0], dtype=var.dtype) \
-                    if resource else tf.identity(v.outputs[0])
-                if self.worker == 0:
-                    ops.append(tf.raw_ops.CollectiveBcastSend(input=value, **common))
-                    continue
-                got = tf.raw_ops.CollectiveBcastRecv(T=var.dtype, **common)
-                ops.append(tf.raw_ops.AssignVariableOp(resource=v.outputs[0], value=got)
-                           if resource else tf.compat.v1.assign(v.outputs[0], got))
-        return tf.group(*ops, name=f"{PREFIX}/sync/all")
-
-    def _shard_inputs(self) -> None:
-        """pn.shard() datasets read this worker's shard (its constants, in
-        the graph or in a dataset function, set to workers and worker)."""
-        def set_scalar(node, value):
-            node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(
-                value, tf.as_dtype(node.attr["dtype"].type)))
-
-        for num, index in self.tg.shard_consts:
-            for name, value in ((num, self.workers), (index, self.worker)):
-                node = type(self.nodes[name])()
-                node.CopyFrom(self.nodes[name])
-                set_scalar(node, value)
-                self.nodes[name] = node
-        library = type(self.library)()
-        library.CopyFrom(self.library)
-        for f in library.function:
-            for body in f.node_def:
-                scope, _, leaf = body.name.rpartition("/")
-                if scope.split("/")[-1].startswith(SHARD_SCOPE) and leaf in ("num_shards",
-                                                                               "index"):
-                    set_scalar(body, self.workers if leaf == "num_shards" else self.worker)
-        self.library = library
-
-    def _unscaled(self, g, dtype):
-        """A float16 gradient of the scaled loss as the EPS keeps it."""
-        if not self.half:
-            return g
-        if isinstance(g, tf.IndexedSlices):
-            return tf.IndexedSlices(tf.cast(g.values, dtype) / self.scale, g.indices,
-                                    g.dense_shape)
-        return tf.cast(g, dtype) / self.scale
 
     def _check_updates(self) -> None:
         """The update ops must not need the user's forward (it is never run
@@ -561,10 +464,6 @@ def _halve(gd, on_host: set[str], user: tf.Graph) -> None:
         cast.input.append(ref)
         cast.attr["SrcT"].type, cast.attr["DstT"].type = f32, f16
         cast.attr["Truncate"].b = False
-
-
-def _name(ref) -> str:
-    return f"{ref.node}:{ref.index}"
 
 
 def _tensor(made: dict, name: str) -> tf.Tensor:

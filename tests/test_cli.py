@@ -14,7 +14,8 @@ EXAMPLE = os.path.join(ROOT, "examples", "linear_regression.py")
 
 
 def test_plan_of_a_script(capsys):
-    assert cli.main(["plan", EXAMPLE, "-r", os.path.join(ROOT, "configs", "resources_2cpu.yaml")]) == 0
+    resources = os.path.join(ROOT, "configs", "resources_2cpu.yaml")
+    assert cli.main(["plan", EXAMPLE, "-r", resources]) == 0
     out = capsys.readouterr().out
     assert "run_option=hybrid replicas=2" in out and "allreduce" in out
 

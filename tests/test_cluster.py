@@ -21,8 +21,8 @@ SCRIPT = os.path.join(ROOT, "tests", "cluster_script.py")
 
 def resources(tmp_path, workers, devices, servers=0):
     path = tmp_path / "resources.yaml"
-    hosts = "".join(f"  - address: 127.0.0.1\n    devices: [{', '.join(f'cpu:{k}' for k in range(devices))}]\n"
-                    for _ in range(workers))
+    listed = ", ".join(f"cpu:{k}" for k in range(devices))
+    hosts = f"  - address: 127.0.0.1\n    devices: [{listed}]\n" * workers
     if servers == "per_host":
         ps = "ps: per_host\n"
     else:

@@ -1,21 +1,15 @@
 """The layer-to-layer runner: what it fetches and feeds in the user's names,
 its plan, and the configurations it refuses."""
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from models import load_values, read_name, variable_names
+from models import read_name, variable_names
 from test_l2l import LAYERS, stack
 
 tf1 = tf.compat.v1
 ONE = {"hosts": [{"devices": ["cpu:1"]}]}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "tests", "l2l_job_script.py")
 
 
 def test_plan_says_how_the_model_was_cut():
@@ -102,37 +96,6 @@ def test_configurations_it_refuses():
         pn.get_runner(g, ONE, {"l2l": {"layer": LAYERS}})
     with pytest.raises(pn.GraphError, match="batch 8.*3 parts"):
         pn.get_runner(stack(8)[0], ONE, {"l2l": {"layers": LAYERS, "micro_batches": 3}})
-
-
-def test_a_two_worker_job_equals_one_device(tmp_path):
-    """2 workers x 2 stand-in devices x 2 micro-batches: each worker's host
-    sums its replicas' gradients and the two sums are all-reduced; worker
-    0's initial values are broadcast. Both workers end equal to one device
-    with the global batch (16) after 5 steps, at 1e-5."""
-    path = tmp_path / "resources.yaml"
-    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:1, cpu:2]\n" * 2)
-    out = str(tmp_path / "vars")
-    done = subprocess.run(
-        [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r", str(path), "--", out,
-         "5"], capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "worker 1 of 2, 2 replicas" in done.stdout
-    workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
-    g, h = stack(16, "adam")
-    names = variable_names(g)
-    for name in names:
-        np.testing.assert_array_equal(workers[1][f"start/{name}"], workers[0][f"start/{name}"])
-    with tf1.Session(graph=g) as sess:
-        sess.run(h["init"])
-        load_values(sess, g, {n: workers[0][f"start/{n}"] for n in names})
-        for _ in range(5):
-            sess.run(h["train"])
-        want = dict(zip(names, sess.run([read_name(n, g) for n in names])))
-    for k in range(2):
-        for name in names:
-            np.testing.assert_allclose(workers[k][f"end/{name}"], want[name], rtol=0,
-                                       atol=1e-5, err_msg=f"worker {k}: {name}")
 
 
 def test_checkpoints_resume_exactly(tmp_path):

@@ -79,7 +79,8 @@ def test_an_op_made_later_that_spans_stages_is_refused():
 
 
 def test_a_loop_with_collectives_and_server_ops_is_refused():
-    worker, ps = "/job:worker/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:0/device:CPU:0"
+    worker = "/job:worker/replica:0/task:0/device:CPU:0"
+    ps = "/job:ps/replica:0/task:0/device:CPU:0"
     f32 = tf.float32
     nodes = [emit.const("x", 1.0, f32, worker),
              emit.node_def("enter", "Enter", ["x"], worker, T=f32, frame_name="loop"),
