@@ -2,8 +2,9 @@
 
 Token embeddings, then LAYERS blocks under `encoder/layer_<i>/` (a
 single-head self-attention and a feed-forward network, each after a layer
-normalization and added back to its input), a mean over positions and a
-classifier head, trained with Adam on a synthetic task (the label is
+normalization and added back to its input, with dropout on the attention
+weights and on each block's two outputs when --dropout is set), a mean over
+positions and a classifier head, trained with Adam on a synthetic task (the label is
 whether most of the sequence's tokens are in the vocabulary's lower half).
 The layer scopes are what a layer-by-layer execution selects with
 `encoder/layer_(\\d+)/`.
@@ -27,22 +28,24 @@ def data(vocab: int, seq: int, n: int = 4096, seed: int = 0):
     return tokens, ((tokens < vocab // 2).mean(1) > 0.5).astype(np.int64)
 
 
-def layer(h, i: int, dim: int, ffn: int):
+def layer(h, i: int, dim: int, ffn: int, dropout: float = 0.0):
     """One block (normalization first): h [batch, seq, dim] -> the same."""
+    def drop(x):
+        return tf.nn.dropout(x, rate=dropout) if dropout else x
     with tf1.variable_scope(f"encoder/layer_{i}"):
         q, k, v, o = (tf1.get_variable(n, [dim, dim]) for n in ("q", "k", "v", "o"))
         x = _norm(h, "norm_1", dim)
         scores = tf.einsum("bsd,btd->bst", tf.einsum("bsd,de->bse", x, q),
                            tf.einsum("bsd,de->bse", x, k)) / float(np.sqrt(dim))
-        attended = tf.einsum("bst,btd->bsd", tf.nn.softmax(scores),
+        attended = tf.einsum("bst,btd->bsd", drop(tf.nn.softmax(scores)),
                              tf.einsum("bsd,de->bse", x, v))
-        h = h + tf.einsum("bsd,de->bse", attended, o)
+        h = h + drop(tf.einsum("bsd,de->bse", attended, o))
         x = _norm(h, "norm_2", dim)
         w1 = tf1.get_variable("ffn/w1", [dim, ffn])
         b1 = tf1.get_variable("ffn/b1", [ffn], initializer=tf1.zeros_initializer())
         w2 = tf1.get_variable("ffn/w2", [ffn, dim])
-        return h + tf.einsum("bsf,fd->bsd", tf.nn.relu(tf.einsum("bsd,df->bsf", x, w1) + b1),
-                             w2)
+        return h + drop(tf.einsum("bsf,fd->bsd",
+                                  tf.nn.relu(tf.einsum("bsd,df->bsf", x, w1) + b1), w2))
 
 
 def _norm(h, name: str, dim: int):
@@ -67,7 +70,7 @@ def build(args, device: str | None = None):
             emb = tf1.get_variable("embedding", [args.vocab, args.dim])
             h = tf.nn.embedding_lookup(emb, ids)
             for i in range(args.layers):
-                h = layer(h, i, args.dim, args.ffn)
+                h = layer(h, i, args.dim, args.ffn, args.dropout)
             pooled = tf.reduce_mean(_norm(h, "final_norm", args.dim), 1)
             logits = tf.matmul(pooled, tf1.get_variable("head/w", [args.dim, 2]))
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
@@ -89,6 +92,7 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--ffn", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--dropout", type=float, default=0.0, help="dropout rate in the layers")
     parser.add_argument("--seed", type=int, default=0, help="graph-level random seed")
     parser.add_argument("--resources", help="resource YAML (default: this machine)")
     parser.add_argument("--config", help="config YAML")

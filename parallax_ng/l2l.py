@@ -27,6 +27,19 @@ The sum equals the gradient of the mean loss over the replicas' whole
 batches (each micro-batch's loss gradient is scaled by 1/(replicas x
 micro-batches)), so a step equals one step of the user's graph on the
 global batch (for a loss that is a mean over the batch).
+Random ops in the forward (dropout; the kinds in layers.STATELESS) are
+drawn again by their recomputation: every copy of one draws from the
+stateless op of its kind, with the seed [base, key]; base is drawn once per
+run on the host (from the user graph's seed when it has one, else at
+random) and key = (i x replicas + replica) x micro_batches + micro_batch,
+i being the op's position in `Layering.random` and replica its index in
+the job. So a (replica, micro-batch) draws the same numbers in its forward
+and its backward, other ones than every other (replica, micro-batch), and
+new ones every step.
+Where the graph holds a replica's batch size as a constant that a
+micro-batch needs as its own size (`_micro_constants` lists the patterns),
+the copies read a constant of the micro-batch's size instead; any other
+constant that no longer fits is a GraphError naming the op.
 A copy "to the device" is a real copy (DeepCopy) when the device is a CPU
 device standing in for an accelerator; for a GPU it is TensorFlow's own
 host-to-device transfer.
@@ -35,13 +48,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import tensorflow as tf
 
 from . import compat, eps
 from .errors import GraphError
-from .layers import VARIABLE_TYPES, Layering
+from .layers import STATELESS, VARIABLE_TYPES, Layering
 
 PREFIX = "l2l"
+BASE_SEED2 = 0x4C324C      # the base seed's op seed when the user's graph has a seed
 
 
 @dataclass
@@ -88,6 +103,9 @@ class _Builder:
                 self.nodes, self.library, tg.shard_consts, *job)
         self.contrib: dict[str, list] = {}     # variable -> [(replica, gradient)]
         self.clones: dict[str, list[str]] = {}
+        self.seeds: dict[tuple, tf.Tensor] = {}    # (random op, replica, micro) -> seed
+        self._base: tf.Tensor | None = None
+        self._rewires: dict[str, dict] = {}        # segment -> _micro_constants
 
     # -- the whole graph --------------------------------------------------
     def build(self) -> L2LGraph:
@@ -122,8 +140,8 @@ class _Builder:
         return self.tg.ir.ancestors(roots + list(self.lay.sources))
 
     def _import(self, names, prefix: str, input_map: dict, device: str,
-                keep_controls=(), drop=frozenset(), on_host=frozenset(), half=False
-                ) -> dict[str, tf.Operation]:
+                keep_controls=(), drop=frozenset(), on_host=frozenset(), half=False,
+                seeds=None, rewire=None) -> dict[str, tf.Operation]:
         """Import the user's nodes `names` (devices and colocation dropped);
         inputs from nodes outside come from `input_map` (tensor name ->
         tensor), or from the node of the same name in the graph; control
@@ -133,7 +151,9 @@ class _Builder:
         (resource ops on the host's variables). With `half`, the other nodes
         compute in float16 (cross mixed precision): their float32 types and
         constants become float16, and a host node's float32 output is cast
-        on its way to them."""
+        on its way to them. A random op in `seeds` (name -> int64 [2]
+        tensor) becomes its stateless kind drawing with that seed; `rewire`
+        (name -> {input index: tensor}) replaces nodes' inputs."""
         names = set(names)
         gd = tf.compat.v1.GraphDef()
         gd.versions.CopyFrom(self.versions)
@@ -142,6 +162,14 @@ class _Builder:
         for name in names:
             node = gd.node.add()
             node.CopyFrom(self.nodes[name])
+            for index, value in (rewire or {}).get(name, {}).items():
+                key = f"{PREFIX}/micro_batch_constant/{name}/{index}:0"
+                input_map = {**input_map, key: value}
+                node.input[index] = key
+            if seeds and name in seeds:
+                key = f"{PREFIX}/seed_of/{name}:0"
+                input_map = {**input_map, key: seeds[name]}
+                _stateless(node, key)
             node.device = self.host if name in on_host else ""
             if "_class" in node.attr:
                 del node.attr["_class"]
@@ -166,11 +194,24 @@ class _Builder:
                     else:
                         imap[key] = self.graph.get_tensor_by_name(key)
                     node.input.append(key)
-        if half:
-            _halve(gd, on_host, self.tg.graph)
-        with tf.device(device):
-            ops = tf.graph_util.import_graph_def(
-                gd, input_map=imap, name=prefix, return_elements=sorted(names))
+        if half:        # random draws stay float32 (the same numbers as fp32), then cast
+            _halve(gd, set(on_host) | set(seeds or ()), self.tg.graph)
+        try:
+            with tf.device(device):
+                ops = tf.graph_util.import_graph_def(
+                    gd, input_map=imap, name=prefix, return_elements=sorted(names))
+        except ValueError as e:
+            if not prefix:
+                raise
+            batch = self._batch_size()
+            size = (f"micro-batches of {batch // self.u} (a replica's batch {batch} in "
+                    f"{self.u} parts)" if batch else f"{self.u} micro-batches")
+            raise GraphError(
+                f"layer-by-layer execution runs each layer on {size}, and TensorFlow refused "
+                f"the layer's copy: {str(e).replace(prefix + '/', '')}. A shape built from "
+                "the batch size (a Python number in tf.reshape, tf.zeros, tf.ones or "
+                "tf.fill) does not fit a micro-batch: take it from the tensor "
+                "(tf.shape(x)[0]), or set l2l.micro_batches: 1") from None
         made = {name: op for name, op in zip(sorted(names), ops)}
         for name, srcs in controls.items():
             compat.add_control_inputs(made[name], [self.graph.get_operation_by_name(s)
@@ -240,10 +281,11 @@ class _Builder:
             for k in range(self.u):
                 scope = f"{PREFIX}/r{r}/{kind}{s}/m{k}"
                 if kind == "f":
-                    prev = self._forward(segs[s], device, weights, stash[k], prev, scope, r)
+                    prev = self._forward(segs[s], device, weights, stash[k], prev, scope,
+                                         (r, k))
                 else:
                     prev, loss = self._backward(s, device, weights, stash[k], grads_out[k],
-                                                prev, scope, r)
+                                                prev, scope, (r, k))
                     if loss is not None:
                         losses.append(loss)
             done_of_phase.append(prev)
@@ -289,11 +331,13 @@ class _Builder:
         with tf.control_dependencies([gate] if gate else []):
             return _move(t, device)
 
-    def _clone(self, seg, imap, device, scope, gate) -> dict[str, tf.Operation]:
+    def _clone(self, seg, imap, device, scope, gate, task) -> dict[str, tf.Operation]:
         names = set(seg.ops) | self._free_inputs(seg.ops)
         on_host = {name for name in seg.ops
                    if any(ref.split(":")[0] in seg.handles for ref in self.nodes[name].input)}
-        made = self._import(names, scope, imap, device, on_host=on_host, half=self.half)
+        seeds = {name: self._seed(name, *task) for name in seg.ops if name in self.lay.random}
+        made = self._import(names, scope, imap, device, on_host=on_host, half=self.half,
+                            seeds=seeds, rewire=self._micro_constants(seg))
         if gate is not None:
             inside = set(made.values())
             for op in made.values():
@@ -312,9 +356,100 @@ class _Builder:
                     todo.append(src)
         return out
 
-    def _forward(self, seg, device, weights, stash, gate, scope, r):
+    def _seed(self, name: str, r: int, k: int) -> tf.Tensor:
+        """The seed of random op `name`'s copies for replica r's micro-batch k
+        (module docstring): made once, on the host, for forward and backward."""
+        if (name, r, k) not in self.seeds:
+            with tf.device(self.host), tf.name_scope(f"{PREFIX}/seeds/"):
+                if self._base is None:
+                    seed = self.tg.graph.seed
+                    self._base = tf.raw_ops.RandomUniformInt(
+                        shape=tf.constant([], tf.int32), minval=tf.constant(0, tf.int64),
+                        maxval=tf.constant(tf.int64.max, tf.int64), seed=seed or 0,
+                        seed2=BASE_SEED2 if seed is not None else 0, name="base")
+                replica = self.job.worker * self.n + r
+                key = (self.lay.random.index(name) * self.total + replica) * self.u + k
+                self.seeds[name, r, k] = tf.stack(
+                    [self._base, tf.constant(key, tf.int64)], name=f"r{r}_m{k}")
+        return self.seeds[name, r, k]
+
+    def _micro_constants(self, seg) -> dict[str, dict[int, tf.Tensor]]:
+        """Constants holding a replica's batch size B that a micro-batch of
+        m = B / micro_batches needs as m: op -> {input index: new constant}.
+        Three patterns, each where the graph shows the number is the batch:
+        - a random op's constant shape starting with B (dropout on a tensor
+          of static shape: TensorFlow folds the shape);
+        - a reshape of a tensor from the data with first dimension B, to a
+          constant shape whose first entry is a multiple of B ([B, ...],
+          [B x seq, ...]);
+        - the loss as a sum over such a tensor divided by B (or times 1/B).
+        """
+        if seg.name in self._rewires:
+            return self._rewires[seg.name]
+        out = self._rewires[seg.name] = {}
+        batch = self._batch_size()
+        if batch is None or self.u == 1:
+            return out
+        micro = batch // self.u
+        g = self.tg.graph
+
+        def const(t):
+            return tf.make_ndarray(t.op.get_attr("value")) if t.op.type == "Const" else None
+
+        def batched(t):
+            return t.op.name in self._from_data() and t.shape.rank and compat.dim(
+                t.shape, 0) == batch
+
+        with tf.device(self.host), tf.name_scope(f"{PREFIX}/micro_batch_constants/"):
+            for name in seg.ops:
+                op = g.get_operation_by_name(name)
+                if op.type in STATELESS or (op.type == "Reshape" and batched(op.inputs[0])):
+                    shape = const(op.inputs[0 if op.type in STATELESS else 1])
+                    if shape is not None and shape.ndim == 1 and len(shape) and \
+                            shape[0] > 0 and shape[0] % batch == 0 and (
+                                op.type == "Reshape" or shape[0] == batch):
+                        shape = shape.copy()
+                        shape[0] //= self.u
+                        out[name] = {0 if op.type in STATELESS else 1: tf.constant(shape)}
+                elif name == self.lay.loss.rsplit(":", 1)[0] or self._loss_via(name):
+                    if op.type in ("RealDiv", "Div", "Mul") and op.inputs[0].op.type == "Sum" \
+                            and batched(op.inputs[0].op.inputs[0]):
+                        c = const(op.inputs[1])
+                        want = batch if op.type != "Mul" else 1.0 / batch
+                        if c is not None and c.ndim == 0 and np.isclose(c, want, rtol=1e-6):
+                            value = micro if op.type != "Mul" else 1.0 / micro
+                            out[name] = {1: tf.constant(value, op.inputs[1].dtype)}
+        return out
+
+    def _loss_via(self, name: str) -> bool:
+        """Whether the loss is `name`'s output passed through Identity ops."""
+        t = self.tg.graph.get_tensor_by_name(self.lay.loss)
+        while t.op.type == "Identity":
+            t = t.op.inputs[0]
+            if t.op.name == name:
+                return True
+        return False
+
+    def _from_data(self) -> set[str]:
+        """The user's ops that depend on a data source."""
+        if not hasattr(self, "_data_ops"):
+            self._data_ops = set(self.lay.sources)
+            for op in self.tg.graph.get_operations():
+                if any(t.op.name in self._data_ops for t in op.inputs):
+                    self._data_ops.add(op.name)
+        return self._data_ops
+
+    def _batch_size(self) -> int | None:
+        """A replica's batch as the graph was built: the static first
+        dimension of the data iterators' outputs (None if unknown)."""
+        sizes = {compat.dim(t.shape, 0) for name in self.lay.sources
+                 for t in self.tg.graph.get_operation_by_name(name).outputs
+                 if t.op.type != "Placeholder" and t.shape.rank}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    def _forward(self, seg, device, weights, stash, gate, scope, task):
         made = self._clone(seg, self._input_map(seg, weights, stash, device, gate),
-                           device, scope, gate)
+                           device, scope, gate, task)
         kept = []
         for t in seg.outputs:
             value = _tensor(made, t)
@@ -326,10 +461,11 @@ class _Builder:
         with tf.device(device):
             return tf.group(*kept, name=f"{scope}/done")
 
-    def _backward(self, s, device, weights, stash, grads_out, gate, scope, r):
+    def _backward(self, s, device, weights, stash, grads_out, gate, scope, task):
+        r = task[0]
         seg = self.lay.segments[s]
         imap = self._input_map(seg, weights, stash, device, gate)
-        made = self._clone(seg, imap, device, scope, gate)
+        made = self._clone(seg, imap, device, scope, gate, task)
         if s == len(self.lay.segments) - 1:      # the last layer runs in the backward only
             self._note_clones(seg, made)
         ys, grad_ys = [], []
@@ -432,8 +568,6 @@ class _Builder:
 
 def _halve(gd, on_host: set[str], user: tf.Graph) -> None:
     """Rewrite `gd`'s nodes outside `on_host` to compute in float16."""
-    import numpy as np
-
     f32, f16 = tf.float32.as_datatype_enum, tf.float16.as_datatype_enum
     casts = {}
     for node in gd.node:
@@ -464,6 +598,22 @@ def _halve(gd, on_host: set[str], user: tf.Graph) -> None:
         cast.input.append(ref)
         cast.attr["SrcT"].type, cast.attr["DstT"].type = f32, f16
         cast.attr["Truncate"].b = False
+
+
+def _stateless(node, seed: str) -> None:
+    """Rewrite random op `node` (a NodeDef) as its stateless kind, reading
+    its seed from tensor `seed`: inputs (shape, seed, [minval, maxval])."""
+    data = [ref for ref in node.input if not ref.startswith("^")]
+    controls = [ref for ref in node.input if ref.startswith("^")]
+    dtype = node.attr["Tout" if node.op == "RandomUniformInt" else "dtype"].type
+    shape_type = node.attr["T"].type
+    node.op = STATELESS[node.op]
+    node.ClearField("attr")
+    node.attr["dtype"].type = dtype
+    node.attr["T"].type = shape_type
+    node.attr["Tseed"].type = tf.int64.as_datatype_enum
+    del node.input[:]
+    node.input.extend([data[0], seed, *data[1:], *controls])
 
 
 def _tensor(made: dict, name: str) -> tf.Tensor:

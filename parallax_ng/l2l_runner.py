@@ -190,7 +190,7 @@ class L2LRunner:
                 raise FetchError(f"op {name!r} is part of the forward pass, which runs layer "
                                  "by layer; fetch the training op or a tensor instead")
             return Fetch((name,), "none", node)
-        if name == self.layering.loss:
+        if name == self.layering.loss or _identity_of(element) == self.layering.loss:
             return Fetch((self.built.loss.name,), "first", node)
         if name in self.built.clones:
             how = self.config.fetch_reduction.get(name) or self.config.fetch_reduction.get(
@@ -315,6 +315,14 @@ class Checkpoints(Checkpointer):
 
     def global_step(self, session):
         return None if self.step is None else int(session.run(self.step))
+
+
+def _identity_of(t: tf.Tensor) -> str:
+    """The tensor `t` is a chain of Identity ops of (tf.gradients makes no op
+    for an Identity, so a loss found from its gradients is the one before)."""
+    while t.op.type == "Identity":
+        t = t.op.inputs[0]
+    return t.name
 
 
 def _reduction(t: tf.Tensor) -> str:

@@ -20,8 +20,13 @@ last layer that neither matches the regex nor reads its variables goes to
 "post". Stateless ops that depend on nothing but constants are in no
 segment: every segment that uses them has its own copy.
 
+The forward's random ops of the kinds in STATELESS (dropout's uniform
+draw, normal and truncated normal noise, uniform integers) are listed in
+`random`, by name: the layers' copies draw them from stateless ops, so a
+recomputation draws the same numbers (parallax_ng/l2l.py).
+
 Raises GraphError, naming the op, for a forward that cannot be recomputed
-layer by layer: random ops (a recomputation would draw other numbers),
+layer by layer: other random ops (a recomputation would draw other numbers),
 variable writes, tf.compat.v1 control flow, input queues.
 """
 from __future__ import annotations
@@ -39,6 +44,11 @@ _V1_CONTROL_FLOW = ("Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnt
                     "RefExit", "NextIteration", "RefNextIteration", "LoopCond")
 _READ_ONLY_STATEFUL = ("ResourceGather", "ResourceGatherNd", "VariableShape", "Assert",
                        "PrintV2", "Print")
+# random op -> the stateless op that draws the same distribution from a seed input
+STATELESS = {"RandomUniform": "StatelessRandomUniform",
+             "RandomStandardNormal": "StatelessRandomNormal",
+             "TruncatedNormal": "StatelessTruncatedNormal",
+             "RandomUniformInt": "StatelessRandomUniformInt"}
 _GRAD_YS = re.compile(r"(^|/)gradients(_\d+)?/grad_ys_\d+$")
 
 
@@ -59,6 +69,7 @@ class Layering:
     segments: list[Segment]
     free: set[str]                              # constant-only ops, copied where used
     segment_of: dict[str, int]                  # forward op -> segment position
+    random: list[str] = field(default_factory=list)     # forward random ops, sorted
 
     @property
     def forward(self) -> set[str]:
@@ -194,7 +205,8 @@ def split(tg, pattern: str, loss: str | None = None) -> Layering:
     segment_of = {n: old.get(p, 0) for n, p in segment_of.items()}
     source_ops = sorted({op.name for op in sources}, key=lambda n: graph.get_operation_by_name(
         n)._id)  # noqa: SLF001
-    return Layering(loss_t.name, source_ops, keep, free, segment_of)
+    random = sorted(op.name for op in ops if op.type in STATELESS)
+    return Layering(loss_t.name, source_ops, keep, free, segment_of, random)
 
 
 def _index(match, name: str, what: str) -> int:
@@ -256,11 +268,14 @@ def _check(op: tf.Operation) -> None:
             "building the model, or keep the loop out of the layers")
     if not op.op_def.is_stateful or op.type in _READ_ONLY_STATEFUL or _is_read(op):
         return
+    if op.type in STATELESS:
+        return
     if "Random" in op.type or "Multinomial" in op.type or "Shuffle" in op.type:
         raise GraphError(
             f"op {op.name!r} ({op.type}) draws random numbers in the forward pass; "
-            "layer-by-layer execution recomputes each layer in the backward pass and would "
-            "draw different ones (drop it, e.g. dropout, or use stateless random ops)")
+            "layer-by-layer execution recomputes each layer in the backward pass and can "
+            f"redraw the same numbers only for {', '.join(sorted(STATELESS))} (dropout, "
+            "noise); draw this one outside the loss's ancestors, or use a stateless op")
     if op.type.startswith(("Assign", "ResourceScatter", "Scatter", "ResourceApply", "Apply")):
         raise GraphError(
             f"op {op.name!r} ({op.type}) writes a variable in the forward pass (batch "

@@ -33,9 +33,14 @@ def _data(n=512):
     return ids, (ids.sum(1) % CLASSES).astype(np.int64)
 
 
-def stack(batch, optimizer="adam", layers=3, feed=False, clip=False, seed=3):
+def stack(batch, optimizer="adam", layers=3, feed=False, clip=False, seed=3, drop=None,
+          loss_sum=False):
     """Embedding (sparse gradient), `layers` residual tanh layers under
-    stack/layer_<i>/, a head; the training op, loss, logits, init, gradients."""
+    stack/layer_<i>/, a head; the training op, loss, logits, init, gradients.
+    With `drop` (a function of a tensor), it is applied after the
+    embedding, in each layer and before the head (dropout). With `loss_sum`,
+    the loss is the sum over the batch divided by the batch size."""
+    drop = drop or (lambda h: h)
     g = tf.Graph()
     with g.as_default():
         tf1.set_random_seed(seed)
@@ -47,15 +52,18 @@ def stack(batch, optimizer="adam", layers=3, feed=False, clip=False, seed=3):
             ids, y = tf1.data.make_one_shot_iterator(
                 ds.batch(batch, drop_remainder=True).repeat()).get_next()
         emb = tf1.get_variable("embedding", [V, D])
-        h = tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), 1)
+        h = drop(tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), 1))
         for i in range(layers):
             with tf1.variable_scope(f"stack/layer_{i}"):
                 w = tf1.get_variable("w", [D, D])
                 b = tf1.get_variable("b", [D], initializer=tf1.constant_initializer(0.1))
-                h = h + tf.tanh(tf.matmul(h, w) + b)
-        logits = tf.matmul(h, tf1.get_variable("head/w", [D, CLASSES]), name="logits")
-        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=y, logits=logits), name="loss")
+                h = h + drop(tf.tanh(tf.matmul(h, w) + b))
+        logits = tf.matmul(drop(h), tf1.get_variable("head/w", [D, CLASSES]), name="logits")
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        if loss_sum:
+            loss = tf.identity(tf.reduce_sum(xent) / batch, name="loss")
+        else:
+            loss = tf.reduce_mean(xent, name="loss")
         opt = {"adam": lambda: tf1.train.AdamOptimizer(0.05),
                "momentum": lambda: tf1.train.MomentumOptimizer(0.1, 0.9),
                "sgd": lambda: tf1.train.GradientDescentOptimizer(0.5),
@@ -101,17 +109,21 @@ def _run_l2l(g, h, resources, config, steps, feeds=None):
     return values, losses
 
 
-def _accumulated(batch, parts, steps, **kw):
+def _accumulated(batch, parts, steps, feeds=None, start=None, **kw):
     """Algorithm 1: `parts` micro-batches of `batch // parts`, gradients
-    summed (each of the micro-batch's mean loss, over `parts`), one update."""
+    summed (each of the micro-batch's mean loss, over `parts`), one update.
+    `feeds(step, part)`: what to feed to micro-batch `part` of `step`;
+    `start`: the variables' initial values (name -> value)."""
     g, h = stack(batch // parts, **kw)
     names = variable_names(g)
     with tf1.Session(graph=g) as sess:
         sess.run(h["init"])
-        for _ in range(steps):
+        if start:
+            load_values(sess, g, start)
+        for t in range(steps):
             acc = None
-            for _ in range(parts):
-                got = sess.run([gr for gr, _ in h["grads"]])
+            for p in range(parts):
+                got = sess.run([gr for gr, _ in h["grads"]], feeds(t, p) if feeds else None)
                 got = [_scaled(x, 1.0 / parts) for x in got]
                 acc = got if acc is None else [_add(a, b) for a, b in zip(acc, got)]
             feed = {}
@@ -174,6 +186,76 @@ def test_equals_gradient_accumulation_and_one_device(replicas, micro, stash, opt
     np.testing.assert_allclose(losses, whole_losses, rtol=0, atol=TOL)   # the step's mean loss
 
 
+def test_dropout_is_redrawn_the_same_by_the_recomputation():
+    """Dropout after the embedding, in every layer and before the head (5
+    RandomUniform ops), 2 replicas x 2 micro-batches, stash on the host.
+    The reference is Algorithm 1 with each (replica, micro-batch)'s dropout
+    drawn as the module docstring of parallax_ng/l2l.py says: a stateless
+    uniform draw seeded [base, key], base the step's draw of RandomUniformInt
+    seeded (graph seed, BASE_SEED2). Every variable and slot within 1e-5
+    after 5 steps: the backward's recomputed masks are the forward's."""
+    from parallax_ng import l2l
+    rate, replicas, micro, steps = 0.25, 2, 2, 5
+    g, h = stack(8, drop=lambda x: tf.nn.dropout(x, rate=rate))
+    drawn = [op for op in g.get_operations() if op.type == "RandomUniform"
+             and "Initializer" not in op.name]
+    by_name = sorted(op.name for op in drawn)
+    position = [by_name.index(op.name) for op in drawn]      # creation order -> key order
+    values, _ = _run_l2l(g, h, *_l2l(replicas, micro, "host"), steps)
+    with tf1.Session(graph=g) as sess:       # the reference has other ops: other seeds
+        sess.run(h["init"])
+        start = dict(zip(variable_names(g), sess.run([read_name(n, g)
+                                                       for n in variable_names(g)])))
+    bg = tf.Graph()
+    with bg.as_default():
+        base = tf.raw_ops.RandomUniformInt(
+            shape=tf.constant([], tf.int32), minval=tf.constant(0, tf.int64),
+            maxval=tf.constant(tf.int64.max, tf.int64), seed=3, seed2=l2l.BASE_SEED2)
+    with tf1.Session(graph=bg) as sess:
+        bases = [sess.run(base) for _ in range(steps)]
+    seeds = []
+
+    def reference_drop(x):          # tf.nn.dropout's arithmetic on a seeded draw
+        seeds.append(tf1.placeholder(tf.int64, [2]))
+        u = tf.raw_ops.StatelessRandomUniform(shape=tf.shape(x), seed=seeds[-1],
+                                              dtype=tf.float32)
+        return tf.where(u >= rate, x * (1 / (1 - rate)), tf.zeros_like(x))
+
+    def feeds(t, p):                # micro-batch p = replica r's micro-batch k
+        return {ph: [bases[t], position[i] * replicas * micro + p]
+                for i, ph in enumerate(seeds)}
+    want = _accumulated(replicas * 8, replicas * micro, steps, feeds=feeds, start=start,
+                        drop=reference_drop)
+    assert len(seeds) == len(drawn) == 5
+    _assert_same(values, want)
+    plain = _accumulated(replicas * 8, replicas * micro, steps, start=start)
+    assert max(np.abs(values[n] - plain[n]).max() for n in plain) > 1e-2   # dropout acted
+
+
+def _static_reshape(x):     # the batch size built into the graph, as a Python number
+    return tf.reshape(x * 1.5, [int(x.shape[0]), int(x.shape[1])])
+
+
+@pytest.mark.parametrize("replicas,micro,drop", [
+    (1, 2, None), (2, 2, _static_reshape), (1, 4, _static_reshape)])
+def test_batch_size_in_constants_follows_the_micro_batch(replicas, micro, drop):
+    """A loss summed over the batch and divided by the batch size (a
+    constant), reshapes to constant shapes holding the batch size: each
+    micro-batch uses its own size, and the result equals one device."""
+    g, h = stack(8, drop=drop, loss_sum=True)
+    values, losses = _run_l2l(g, h, *_l2l(replicas, micro, "host"), 5)
+    whole, whole_losses = _whole(replicas * 8, 5, drop=drop, loss_sum=True)
+    _assert_same(values, whole)
+    np.testing.assert_allclose(losses, whole_losses, rtol=0, atol=TOL)
+
+
+def test_a_constant_batch_shape_it_cannot_follow_is_an_error():
+    g, h = stack(8, drop=lambda x: x + tf.ones([8, D]))
+    with pytest.raises(pn.GraphError, match=r"micro-batches of 4 \(a replica's batch 8 in 2 "
+                                            r"parts\).*tf.shape\(x\)\[0\]"):
+        _run_l2l(g, h, *_l2l(1, 2), 1)
+
+
 def test_momentum_leaves_untouched_embedding_rows():
     """The embedding's gradient stays sparse: momentum moves only the rows a
     step touched, as on one device (a dense sum would move every row)."""
@@ -218,9 +300,10 @@ def test_feeds_split_over_replicas_and_micro_batches_and_fetches_combine():
         _assert_same(got, dict(zip(names, sess.run([read_name(n, g) for n in names]))))
 
 
-def _transformer(layers, batch=8, device=None):
+def _transformer(layers, batch=8, device=None, dropout=0.0):
     args = transformer_stack.arguments(["--layers", str(layers), "--dim", "16", "--ffn", "32",
-                                        "--batch", str(batch), "--seq", "8"])
+                                        "--batch", str(batch), "--seq", "8",
+                                        "--dropout", str(dropout)])
     return transformer_stack.build(args, device=device)
 
 
@@ -262,17 +345,21 @@ def test_device_memory_constant_in_depth_with_a_host_stash():
     assert device[1] - device[0] < (base[1] - base[0]) / 4
 
 
-def test_cross_mixed_precision_tracks_fp32():
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_cross_mixed_precision_tracks_fp32(dropout):
     """precision: cmp runs the layers in float16 on the device and keeps
     float32 weights and Adam on the host. Tolerance: float16's unit roundoff
     is 2^-11 (4.9e-4), so the first step's loss (same weights, a float16
     forward ending in one rounding of the loss) is within 2e-3 relative;
     afterwards each gradient differs by that order, Adam's steps by about as
     much, and the runs drift apart slowly: measured at most 1.0% (mean
-    0.35%) over 20 steps; allowed 3% (mean 1%)."""
+    0.35%) over 20 steps; allowed 3% (mean 1%). With dropout, cmp draws the
+    same numbers as fp32 (in float32, then cast), so the masks are the same
+    but for draws within float16's rounding of the rate: measured 8.2e-4 at
+    the first step, at most 1.3% (mean 0.45%)."""
     runs = {}
     for precision in ("fp32", "cmp"):
-        g, train, loss, init = _transformer(3, batch=8)
+        g, train, loss, init = _transformer(3, batch=8, dropout=dropout)
         with pn.get_runner(g, {"hosts": [{"devices": ["cpu:1"]}]},
                            {"l2l": {"layers": r"encoder/layer_(\d+)/", "micro_batches": 2,
                                     "precision": precision}}) as runner:
@@ -281,6 +368,12 @@ def test_cross_mixed_precision_tracks_fp32():
             weights = runner.run(read_name("encoder/layer_0/q", g))
             on_device = [op for op in runner.graph.get_operations()
                          if op.device.endswith("CPU:1") and op.type in ("Einsum", "MatMul")]
+            drawn = [op for op in runner.graph.get_operations()
+                     if op.type == "StatelessRandomUniform"]
+        # 3 dropouts in each of 3 layers, 2 micro-batches, forward and backward
+        assert len(drawn) == (36 if dropout else 0)
+        assert all(op.get_attr("dtype") == tf.float32 and op.device.endswith("CPU:1")
+                   for op in drawn)
         assert weights.dtype == np.float32
         want = tf.float16 if precision == "cmp" else tf.float32
         assert on_device and all(op.get_attr("T") == want for op in on_device)

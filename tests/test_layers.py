@@ -96,10 +96,25 @@ def test_regex_that_matches_no_variable_or_captures_no_number():
     assert [s.name for s in lay.segments] == ["layer_0", "layer_1", "post"]
 
 
-def test_random_ops_in_a_layer_are_refused_with_the_op_named():
-    g, _, _ = _mlp(lambda h: tf.nn.dropout(h, rate=0.5))
-    with pytest.raises(pn.GraphError, match=r"block_0/dropout/random_uniform.*draws random"):
+def test_random_ops_it_cannot_redraw_are_refused_with_the_op_named():
+    g, _, _ = _mlp(lambda h: h + tf.random.shuffle(h))
+    with pytest.raises(pn.GraphError, match=r"block_0/RandomShuffle.*draws random.*"
+                                            r"RandomUniform"):
         layers.split(frontend.load(g), r"block_(\d+)/")
+
+
+def test_dropout_and_noise_are_listed_by_name():
+    def noisy(h):
+        h = tf.nn.dropout(h, rate=0.5) + tf.random.truncated_normal(tf.shape(h))
+        return h + tf.random.normal(tf.shape(h)) * tf.cast(
+            tf.random.uniform([], 0, 3, tf.int32), tf.float32)
+    g, _, _ = _mlp(noisy)
+    lay = layers.split(frontend.load(g), r"block_(\d+)/")
+    drawn = sorted(op.name for op in g.get_operations()
+                   if op.type in layers.STATELESS and "Initializer" not in op.name)
+    assert lay.random == drawn
+    assert {g.get_operation_by_name(n).type for n in drawn} == set(layers.STATELESS)
+    assert [lay.segment_of[n] for n in drawn] == [int(n[len("block_")]) for n in drawn]
 
 
 def test_v1_control_flow_in_a_layer_is_refused():
