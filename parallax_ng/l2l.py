@@ -56,6 +56,10 @@ from .errors import GraphError
 from .layers import STATELESS, VARIABLE_TYPES, Layering
 
 PREFIX = "l2l"
+# ops that broadcast their inputs against each other (element by element)
+_BROADCASTING = {"Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum",
+                 "Minimum", "Pow", "SquaredDifference", "SelectV2", "Equal", "NotEqual",
+                 "Less", "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr"}
 BASE_SEED2 = 0x4C324C      # the base seed's op seed when the user's graph has a seed
 
 
@@ -208,7 +212,8 @@ class _Builder:
                     f"{self.u} parts)" if batch else f"{self.u} micro-batches")
             raise GraphError(
                 f"layer-by-layer execution runs each layer on {size}, and TensorFlow refused "
-                f"the layer's copy: {str(e).replace(prefix + '/', '')}. A shape built from "
+                f"the layer's copy: {str(e).replace(prefix + '/', '').rstrip('.')}. A "
+                "shape built from "
                 "the batch size (a Python number in tf.reshape, tf.zeros, tf.ones or "
                 "tf.fill) does not fit a micro-batch: take it from the tensor "
                 "(tf.shape(x)[0]), or set l2l.micro_batches: 1") from None
@@ -376,13 +381,17 @@ class _Builder:
     def _micro_constants(self, seg) -> dict[str, dict[int, tf.Tensor]]:
         """Constants holding a replica's batch size B that a micro-batch of
         m = B / micro_batches needs as m: op -> {input index: new constant}.
-        Three patterns, each where the graph shows the number is the batch:
-        - a random op's constant shape starting with B (dropout on a tensor
-          of static shape: TensorFlow folds the shape);
-        - a reshape of a tensor from the data with first dimension B, to a
-          constant shape whose first entry is a multiple of B ([B, ...],
-          [B x seq, ...]);
-        - the loss as a sum over such a tensor divided by B (or times 1/B).
+        The patterns, each where the graph shows the number is the batch
+        ("data": a tensor that depends on a data source, with a first
+        dimension that is a multiple of B: [B, ...] or [B x seq, ...]):
+        - a random op's constant shape starting with a multiple of B
+          (dropout on data of static shape: TensorFlow folds the shape);
+        - a reshape of data to a constant shape whose first entry is a
+          multiple of B (BERT's [B x seq, width] and back to [B, seq, ...]);
+        - a constant of one value repeated, of first dimension B (tf.ones,
+          tf.zeros, tf.fill with B), that a broadcasting op combines with
+          data of first dimension B (BERT's attention mask);
+        - the loss as a sum over data divided by B (or times 1/B).
         """
         if seg.name in self._rewires:
             return self._rewires[seg.name]
@@ -393,27 +402,43 @@ class _Builder:
         micro = batch // self.u
         g = self.tg.graph
 
-        def const(t):
-            return tf.make_ndarray(t.op.get_attr("value")) if t.op.type == "Const" else None
+        def const(t):       # the value of a constant-only tensor, or None
+            if t.op.type == "Const":
+                return tf.make_ndarray(t.op.get_attr("value"))
+            if t.op.type == "Fill" and all(x.op.type == "Const" for x in t.op.inputs):
+                return np.full(const(t.op.inputs[0]), const(t.op.inputs[1]))
+            return None
 
-        def batched(t):
-            return t.op.name in self._from_data() and t.shape.rank and compat.dim(
-                t.shape, 0) == batch
+        def data(t, exact=False):
+            if t.op.name not in self._from_data() or not t.shape.rank:
+                return False
+            first = compat.dim(t.shape, 0)
+            return first is not None and (first == batch if exact else first % batch == 0)
+
+        def first_over_u(shape):
+            shape = shape.copy()
+            shape[0] //= self.u
+            return tf.constant(shape)
 
         with tf.device(self.host), tf.name_scope(f"{PREFIX}/micro_batch_constants/"):
             for name in seg.ops:
                 op = g.get_operation_by_name(name)
-                if op.type in STATELESS or (op.type == "Reshape" and batched(op.inputs[0])):
-                    shape = const(op.inputs[0 if op.type in STATELESS else 1])
+                if op.type in STATELESS or (op.type == "Reshape" and data(op.inputs[0])):
+                    at = 0 if op.type in STATELESS else 1
+                    shape = const(op.inputs[at])
                     if shape is not None and shape.ndim == 1 and len(shape) and \
-                            shape[0] > 0 and shape[0] % batch == 0 and (
-                                op.type == "Reshape" or shape[0] == batch):
-                        shape = shape.copy()
-                        shape[0] //= self.u
-                        out[name] = {0 if op.type in STATELESS else 1: tf.constant(shape)}
-                elif name == self.lay.loss.rsplit(":", 1)[0] or self._loss_via(name):
+                            shape[0] > 0 and shape[0] % batch == 0:
+                        out[name] = {at: first_over_u(shape)}
+                elif op.type in _BROADCASTING and any(data(t, exact=True) for t in op.inputs):
+                    for at, t in enumerate(op.inputs):
+                        value = const(t)
+                        if value is not None and value.ndim and value.shape[0] == batch and \
+                                (value == value.flat[0]).all():
+                            out.setdefault(name, {})[at] = tf.constant(np.full(
+                                (micro,) + value.shape[1:], value.flat[0], value.dtype))
+                if name == self.lay.loss.rsplit(":", 1)[0] or self._loss_via(name):
                     if op.type in ("RealDiv", "Div", "Mul") and op.inputs[0].op.type == "Sum" \
-                            and batched(op.inputs[0].op.inputs[0]):
+                            and data(op.inputs[0].op.inputs[0]):
                         c = const(op.inputs[1])
                         want = batch if op.type != "Mul" else 1.0 / batch
                         if c is not None and c.ndim == 0 and np.isclose(c, want, rtol=1e-6):

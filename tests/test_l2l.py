@@ -236,8 +236,12 @@ def _static_reshape(x):     # the batch size built into the graph, as a Python n
     return tf.reshape(x * 1.5, [int(x.shape[0]), int(x.shape[1])])
 
 
+def _static_ones(x):        # and in a constant of ones (BERT's attention mask)
+    return _static_reshape(x) * tf.ones([int(x.shape[0]), 1])
+
+
 @pytest.mark.parametrize("replicas,micro,drop", [
-    (1, 2, None), (2, 2, _static_reshape), (1, 4, _static_reshape)])
+    (1, 2, None), (2, 2, _static_reshape), (1, 4, _static_ones)])
 def test_batch_size_in_constants_follows_the_micro_batch(replicas, micro, drop):
     """A loss summed over the batch and divided by the batch size (a
     constant), reshapes to constant shapes holding the batch size: each
@@ -249,8 +253,40 @@ def test_batch_size_in_constants_follows_the_micro_batch(replicas, micro, drop):
     np.testing.assert_allclose(losses, whole_losses, rtol=0, atol=TOL)
 
 
+def test_a_bert_style_script_equals_one_device():
+    """tests/bert_like.py (BERT's way: shapes as Python numbers, the mask
+    from tf.ones([batch, seq, 1])), 2 replicas x 2 micro-batches of 4, host
+    stash: 5 steps equal one device with the batch of 16. With dropout it
+    builds and trains (its draws are checked on the stack above)."""
+    import bert_like
+    g, train, loss, init = bert_like.build(8)
+    names = variable_names(g)
+    config = {"l2l": {"layers": bert_like.LAYERS, "micro_batches": 2, "stash": "host"}}
+    with pn.get_runner(g, {"hosts": [{"devices": ["cpu:1", "cpu:2"]}]}, config) as runner:
+        runner.run(init)
+        start = dict(zip(names, runner.run([read_name(n, g) for n in names])))
+        losses = [runner.run([train, loss])[1] for _ in range(5)]
+        got = dict(zip(names, runner.run([read_name(n, g) for n in names])))
+    g1, train1, loss1, init1 = bert_like.build(16)
+    with tf1.Session(graph=g1) as sess:
+        sess.run(init1)
+        load_values(sess, g1, start)      # tf.compat.v1.layers draw unseeded initial values
+        want_losses = [sess.run([train1, loss1])[1] for _ in range(5)]
+        want = dict(zip(names, sess.run([read_name(n, g1) for n in names])))
+    _assert_same(got, want)
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
+    g, train, loss, init = bert_like.build(8, dropout=0.1)
+    with pn.get_runner(g, {"hosts": [{"devices": ["cpu:1", "cpu:2"]}]}, config) as runner:
+        runner.run(init)
+        dropped = [runner.run([train, loss])[1] for _ in range(3)]
+    assert np.all(np.isfinite(dropped)) and not np.allclose(dropped, losses[:3])
+
+
 def test_a_constant_batch_shape_it_cannot_follow_is_an_error():
-    g, h = stack(8, drop=lambda x: x + tf.ones([8, D]))
+    """A constant with a row per example (not one value repeated): which
+    rows a micro-batch needs is not the graph's to say."""
+    rows = np.arange(8 * D, dtype=np.float32).reshape(8, D) / 100
+    g, h = stack(8, drop=lambda x: x + rows)
     with pytest.raises(pn.GraphError, match=r"micro-batches of 4 \(a replica's batch 8 in 2 "
                                             r"parts\).*tf.shape\(x\)\[0\]"):
         _run_l2l(g, h, *_l2l(1, 2), 1)
