@@ -45,6 +45,7 @@ class L2LPlan:
     precision: str
     num_workers: int = 1
     worker: int = 0
+    random: int = 0                 # random ops the recomputation draws again
 
     @property
     def num_replicas(self) -> int:
@@ -64,7 +65,9 @@ class L2LPlan:
         lines = [f"layer-to-layer: worker {self.worker} of {self.num_workers}, "
                  f"{len(self.devices)} replicas ({', '.join(self.devices)}), "
                  f"host {self.host}, {self.micro_batches} micro-batches, stash on "
-                 f"{self.stash}, {self.precision}"]
+                 f"{self.stash}, {self.precision}"
+                 + (f", {self.random} random ops drawn again by the recomputation "
+                    "(stateless)" if self.random else "")]
         for name, weights, ops in self.segments:
             lines.append(f"  {name:<16} {weights:4d} variables {ops:6d} ops")
         return "\n".join(lines)
@@ -74,7 +77,7 @@ def plan_of(layering, devices, host: str, cfg, job=(1, 0)) -> L2LPlan:
     """What `parallax-ng plan` prints for config l2l `cfg`."""
     return L2LPlan(tuple(devices), host, tuple(
         (s.name, len(s.weights) + len(s.handles), len(s.ops)) for s in layering.segments),
-        cfg.micro_batches, cfg.stash, cfg.precision, *job)
+        cfg.micro_batches, cfg.stash, cfg.precision, *job, len(layering.random))
 
 
 class L2LRunner:

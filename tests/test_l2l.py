@@ -421,11 +421,12 @@ def test_cross_mixed_precision_tracks_fp32(dropout):
 def test_gpu_replicas_graph_is_placed_by_construction():
     """With GPUs (none here: the graph is only built), the layers' copies go
     on each GPU, weights and stash cross by TensorFlow's own transfers
-    (Identity on the GPU, no DeepCopy), and the EPS stays on CPU:0."""
+    (Identity on the GPU, no DeepCopy), and the EPS stays on CPU:0; dropout
+    draws on the GPU from seeds made on CPU:0."""
     from parallax_ng import frontend, l2l, layers
     from parallax_ng.config import L2LConfig
 
-    g, h = stack(8)
+    g, h = stack(8, drop=lambda x: tf.nn.dropout(x, rate=0.1))
     tg = frontend.load(g)
     cfg = L2LConfig(layers=LAYERS, micro_batches=2, stash="host")
     gpus = [l2l.device_string("GPU", k) for k in range(2)]
@@ -437,6 +438,9 @@ def test_gpu_replicas_graph_is_placed_by_construction():
         assert matmuls and all(op.device.endswith(f"GPU:{k}") for op in matmuls)
     applies = [op for op in ops if op.type.startswith(("ResourceApply", "Apply"))]
     assert applies and all(op.device.endswith("CPU:0") for op in applies)
+    drawn = [op for op in ops if op.type == "StatelessRandomUniform"]
+    assert drawn and all(op.device.endswith(f"GPU:{op.name[len('l2l/r')]}") and
+                         op.inputs[1].device.endswith("CPU:0") for op in drawn)
     if g.get_operation_by_name("embedding").type == "VarHandleOp":   # rows from the host
         gathers = [op for op in ops if op.type == "ResourceGather" and op.name.startswith("l2l/")]
         assert gathers and all(op.device.endswith("CPU:0") for op in gathers)

@@ -13,13 +13,14 @@ ONE = {"hosts": [{"devices": ["cpu:1"]}]}
 
 
 def test_plan_says_how_the_model_was_cut():
-    g, h = stack(4)
+    g, h = stack(4, drop=lambda x: tf.nn.dropout(x, rate=0.1))
     with pn.get_runner(g, {"hosts": [{"devices": ["cpu:1", "cpu:2"]}]},
                        {"l2l": {"layers": LAYERS, "micro_batches": 2, "stash": "host"}}) as r:
         plan = r.plan
         assert plan.group_size == 2
         text = str(plan)
     assert "2 replicas" in text and "2 micro-batches" in text and "stash on host" in text
+    assert plan.random == 5 and "5 random ops drawn again" in text
     assert [s[0] for s in plan.segments] == ["pre", "layer_0", "layer_1", "layer_2", "post"]
     assert [s[1] for s in plan.segments] == [1, 2, 2, 2, 1]      # embedding; w, b; head
 
