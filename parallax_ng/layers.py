@@ -1,7 +1,9 @@
 """The layers of a stacked model: how layer-by-layer execution cuts its forward pass.
 
 Requires: a TrainingGraph (parallax_ng/frontend.py) and a regex whose first
-group is a layer index (`l2l.layers`, e.g. `encoder/layer_(\\d+)/`).
+group is a layer index (`l2l.layers`, e.g. `encoder/layer_(\\d+)/`); a name
+where the group takes no part is layer 0 (`^dense(?:_(\\d+))?/` numbers
+Keras's dense, dense_1, dense_2 ... as 0, 1, 2).
 Guarantees: `split(tg, pattern, loss=None)` returns a Layering whose
 segments, in execution order, are: what comes before the first layer (the
 "pre" segment: embeddings, input processing), one segment per layer index
@@ -210,6 +212,8 @@ def split(tg, pattern: str, loss: str | None = None) -> Layering:
 
 
 def _index(match, name: str, what: str) -> int:
+    if match.re.groups and match.group(1) is None:
+        return 0        # an optional number left out: Keras names its first Dense "dense"
     try:
         return int(match.group(1))
     except (TypeError, ValueError):

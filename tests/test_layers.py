@@ -96,6 +96,21 @@ def test_regex_that_matches_no_variable_or_captures_no_number():
     assert [s.name for s in lay.segments] == ["layer_0", "layer_1", "post"]
 
 
+def test_keras_default_names_number_the_first_layer_zero():
+    import tf_keras
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        h = x
+        for _ in range(3):
+            h = tf_keras.layers.Dense(4, activation="tanh")(h)       # dense, dense_1, dense_2
+        loss = tf.reduce_mean(tf.square(h))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    lay = layers.split(frontend.load(g), r"^dense(?:_(\d+))?/")
+    assert [s.name for s in lay.segments] == ["layer_0", "layer_1", "layer_2", "post"]
+    assert all(n.startswith("dense/") for n in lay.segments[0].weights)
+
+
 def test_random_ops_it_cannot_redraw_are_refused_with_the_op_named():
     g, _, _ = _mlp(lambda h: h + tf.random.shuffle(h))
     with pytest.raises(pn.GraphError, match=r"block_0/RandomShuffle.*draws random.*"
