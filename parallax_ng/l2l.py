@@ -29,13 +29,16 @@ micro-batches)), so a step equals one step of the user's graph on the
 global batch (for a loss that is a mean over the batch).
 Random ops in the forward (dropout; the kinds in layers.STATELESS) are
 drawn again by their recomputation: every copy of one draws from the
-stateless op of its kind, with the seed [base, key]; base is drawn once per
-run on the host (from the user graph's seed when it has one, else at
-random) and key = (i x replicas + replica) x micro_batches + micro_batch,
-i being the op's position in `Layering.random` and replica its index in
-the job. So a (replica, micro-batch) draws the same numbers in its forward
-and its backward, other ones than every other (replica, micro-batch), and
-new ones every step.
+stateless op of its kind, with the seed [step, salt + key]. step is the
+user's global step as the step starts when the graph has one (so a resumed
+run draws what an uninterrupted one draws), else a number drawn once per
+run on the host (from the graph's seed when it has one); salt is the
+graph's seed (else a random number) times 2^32; key = (i x replicas +
+replica) x micro_batches + micro_batch, i being the op's position in
+`Layering.random` and replica its index in the job. So a (replica,
+micro-batch) draws the same numbers in its forward and its backward,
+other ones than every other (replica, micro-batch), and new ones every
+step.
 Where the graph holds a replica's batch size as a constant that a
 micro-batch needs as its own size (`_micro_constants` lists the patterns),
 the copies read a constant of the micro-batch's size instead; any other
@@ -46,6 +49,7 @@ host-to-device transfer.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -110,6 +114,7 @@ class _Builder:
         self.seeds: dict[tuple, tf.Tensor] = {}    # (random op, replica, micro) -> seed
         self._base: tf.Tensor | None = None
         self._rewires: dict[str, dict] = {}        # segment -> _micro_constants
+        self._tables: dict[str, dict] = {}         # segment -> _gathered
 
     # -- the whole graph --------------------------------------------------
     def build(self) -> L2LGraph:
@@ -297,8 +302,10 @@ class _Builder:
         return losses
 
     def _load(self, seg, device, gate, scope) -> dict[str, tf.Tensor]:
-        """The segment's weights on `device`: read on the host once `gate` ran."""
+        """The segment's weights on `device`: read on the host once `gate` ran
+        (a table the segment only gathers from stays on the host)."""
         out = {}
+        gathered = self._gathered(seg)
         with tf.name_scope(f"{PREFIX}/{scope}/load/"):
             for var in seg.weights:
                 v = self.graph.get_operation_by_name(var)
@@ -308,8 +315,28 @@ class _Builder:
                                                           dtype=v.get_attr("dtype"))
                     else:
                         value = tf.identity(v.outputs[0])
+                    if var in gathered:
+                        out[var] = value
+                        continue
                     value = self._halved(value)
                 out[var] = _move(value, device)
+        return out
+
+    def _gathered(self, seg) -> dict[str, set[str]]:
+        """Variable -> the gathers of it in `seg`, for each variable the
+        segment only gathers rows from (a reference variable's embedding
+        table: its read feeds Gather ops, which run on the host as a
+        resource variable's ResourceGather does)."""
+        if seg.name in self._tables:
+            return self._tables[seg.name]
+        out = self._tables[seg.name] = {}
+        g, ops = self.tg.graph, set(seg.ops)
+        for var, reads in seg.weights.items():
+            users = [(c, read) for read in reads for c in g.get_operation_by_name(read)
+                     .outputs[0].consumers() if c.name in ops]
+            if users and all(c.type in ("Gather", "GatherV2") and c.inputs[0].op.name == read
+                             for c, read in users):
+                out[var] = {c.name for c, _ in users}
         return out
 
     def _input_map(self, seg, weights, stash, device, gate) -> dict[str, tf.Tensor]:
@@ -340,6 +367,7 @@ class _Builder:
         names = set(seg.ops) | self._free_inputs(seg.ops)
         on_host = {name for name in seg.ops
                    if any(ref.split(":")[0] in seg.handles for ref in self.nodes[name].input)}
+        on_host.update(*self._gathered(seg).values())
         seeds = {name: self._seed(name, *task) for name in seg.ops if name in self.lay.random}
         made = self._import(names, scope, imap, device, on_host=on_host, half=self.half,
                             seeds=seeds, rewire=self._micro_constants(seg))
@@ -366,17 +394,33 @@ class _Builder:
         (module docstring): made once, on the host, for forward and backward."""
         if (name, r, k) not in self.seeds:
             with tf.device(self.host), tf.name_scope(f"{PREFIX}/seeds/"):
-                if self._base is None:
-                    seed = self.tg.graph.seed
-                    self._base = tf.raw_ops.RandomUniformInt(
-                        shape=tf.constant([], tf.int32), minval=tf.constant(0, tf.int64),
-                        maxval=tf.constant(tf.int64.max, tf.int64), seed=seed or 0,
-                        seed2=BASE_SEED2 if seed is not None else 0, name="base")
+                step, salt = self._seed_parts()
                 replica = self.job.worker * self.n + r
                 key = (self.lay.random.index(name) * self.total + replica) * self.u + k
                 self.seeds[name, r, k] = tf.stack(
-                    [self._base, tf.constant(key, tf.int64)], name=f"r{r}_m{k}")
+                    [step, tf.constant(salt + key, tf.int64)], name=f"r{r}_m{k}")
         return self.seeds[name, r, k]
+
+    def _seed_parts(self) -> tuple[tf.Tensor, int]:
+        """(the step's part of every seed, the salt added to the keys)."""
+        if self._base is None:
+            seed = self.tg.graph.seed
+            self._salt = (seed if seed is not None else random.getrandbits(31)) << 32
+            step = tf.compat.v1.train.get_global_step(self.tg.graph)
+            if step is not None:        # read before this step's update adds 1
+                var = self.graph.get_operation_by_name(step.op.name)
+                if var.type == "VarHandleOp":
+                    value = tf.raw_ops.ReadVariableOp(resource=var.outputs[0],
+                                                      dtype=var.get_attr("dtype"))
+                else:
+                    value = tf.raw_ops.Snapshot(input=var.outputs[0])
+                self._base = tf.cast(value, tf.int64, name="global_step")
+            else:
+                self._base = tf.raw_ops.RandomUniformInt(
+                    shape=tf.constant([], tf.int32), minval=tf.constant(0, tf.int64),
+                    maxval=tf.constant(tf.int64.max, tf.int64), seed=seed or 0,
+                    seed2=BASE_SEED2 if seed is not None else 0, name="base")
+        return self._base, self._salt
 
     def _micro_constants(self, seg) -> dict[str, dict[int, tf.Tensor]]:
         """Constants holding a replica's batch size B that a micro-batch of

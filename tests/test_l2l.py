@@ -34,7 +34,7 @@ def _data(n=512):
 
 
 def stack(batch, optimizer="adam", layers=3, feed=False, clip=False, seed=3, drop=None,
-          loss_sum=False):
+          loss_sum=False, global_step=True):
     """Embedding (sparse gradient), `layers` residual tanh layers under
     stack/layer_<i>/, a head; the training op, loss, logits, init, gradients.
     With `drop` (a function of a tensor), it is applied after the
@@ -69,7 +69,7 @@ def stack(batch, optimizer="adam", layers=3, feed=False, clip=False, seed=3, dro
                "sgd": lambda: tf1.train.GradientDescentOptimizer(0.5),
                "adagrad": lambda: tf1.train.AdagradOptimizer(0.3)}[optimizer]()
         grads = opt.compute_gradients(loss)
-        step = tf1.train.get_or_create_global_step()
+        step = tf1.train.get_or_create_global_step() if global_step else None
         feeds = []           # (placeholder(s), variable) to apply accumulated gradients
         for grad, var in grads:
             if isinstance(grad, tf.IndexedSlices):
@@ -186,17 +186,19 @@ def test_equals_gradient_accumulation_and_one_device(replicas, micro, stash, opt
     np.testing.assert_allclose(losses, whole_losses, rtol=0, atol=TOL)   # the step's mean loss
 
 
-def test_dropout_is_redrawn_the_same_by_the_recomputation():
+@pytest.mark.parametrize("global_step", [True, False])
+def test_dropout_is_redrawn_the_same_by_the_recomputation(global_step):
     """Dropout after the embedding, in every layer and before the head (5
     RandomUniform ops), 2 replicas x 2 micro-batches, stash on the host.
     The reference is Algorithm 1 with each (replica, micro-batch)'s dropout
     drawn as the module docstring of parallax_ng/l2l.py says: a stateless
-    uniform draw seeded [base, key], base the step's draw of RandomUniformInt
-    seeded (graph seed, BASE_SEED2). Every variable and slot within 1e-5
-    after 5 steps: the backward's recomputed masks are the forward's."""
+    uniform draw seeded [step, graph seed x 2^32 + key], step the global
+    step, or without one the step's draw of RandomUniformInt seeded (graph
+    seed, BASE_SEED2). Every variable and slot within 1e-5 after 5 steps:
+    the backward's recomputed masks are the forward's."""
     from parallax_ng import l2l
     rate, replicas, micro, steps = 0.25, 2, 2, 5
-    g, h = stack(8, drop=lambda x: tf.nn.dropout(x, rate=rate))
+    g, h = stack(8, drop=lambda x: tf.nn.dropout(x, rate=rate), global_step=global_step)
     drawn = [op for op in g.get_operations() if op.type == "RandomUniform"
              and "Initializer" not in op.name]
     by_name = sorted(op.name for op in drawn)
@@ -212,7 +214,7 @@ def test_dropout_is_redrawn_the_same_by_the_recomputation():
             shape=tf.constant([], tf.int32), minval=tf.constant(0, tf.int64),
             maxval=tf.constant(tf.int64.max, tf.int64), seed=3, seed2=l2l.BASE_SEED2)
     with tf1.Session(graph=bg) as sess:
-        bases = [sess.run(base) for _ in range(steps)]
+        step = list(range(steps)) if global_step else [sess.run(base) for _ in range(steps)]
     seeds = []
 
     def reference_drop(x):          # tf.nn.dropout's arithmetic on a seeded draw
@@ -222,13 +224,14 @@ def test_dropout_is_redrawn_the_same_by_the_recomputation():
         return tf.where(u >= rate, x * (1 / (1 - rate)), tf.zeros_like(x))
 
     def feeds(t, p):                # micro-batch p = replica r's micro-batch k
-        return {ph: [bases[t], position[i] * replicas * micro + p]
+        return {ph: [step[t], (3 << 32) + position[i] * replicas * micro + p]
                 for i, ph in enumerate(seeds)}
     want = _accumulated(replicas * 8, replicas * micro, steps, feeds=feeds, start=start,
-                        drop=reference_drop)
+                        drop=reference_drop, global_step=global_step)
     assert len(seeds) == len(drawn) == 5
     _assert_same(values, want)
-    plain = _accumulated(replicas * 8, replicas * micro, steps, start=start)
+    plain = _accumulated(replicas * 8, replicas * micro, steps, start=start,
+                         global_step=global_step)
     assert max(np.abs(values[n] - plain[n]).max() for n in plain) > 1e-2   # dropout acted
 
 
@@ -441,9 +444,13 @@ def test_gpu_replicas_graph_is_placed_by_construction():
     drawn = [op for op in ops if op.type == "StatelessRandomUniform"]
     assert drawn and all(op.device.endswith(f"GPU:{op.name[len('l2l/r')]}") and
                          op.inputs[1].device.endswith("CPU:0") for op in drawn)
-    if g.get_operation_by_name("embedding").type == "VarHandleOp":   # rows from the host
-        gathers = [op for op in ops if op.type == "ResourceGather" and op.name.startswith("l2l/")]
-        assert gathers and all(op.device.endswith("CPU:0") for op in gathers)
+    # the embedding's rows are gathered on the host (ResourceGather; from a
+    # reference variable's read, GatherV2), the table never copied
+    gathers = [op for op in ops if op.type in ("ResourceGather", "GatherV2")
+               and op.name.startswith("l2l/")]
+    assert gathers and all(op.device.endswith("CPU:0") for op in gathers)
+    assert not any("GPU" in op.device and o.shape.as_list() == [V, D]
+                   for op in ops for o in op.outputs if o.shape.rank == 2)
 
 
 def test_tf_keras_layers_and_optimizer():

@@ -58,7 +58,7 @@ def test_ops_made_after_get_runner_run_on_the_host(tmp_path):
             init = tf1.global_variables_initializer()
             norm = tf.add_n([tf.reduce_sum(v * v) for v in tf1.trainable_variables()])
         r.run(init)
-        assert r.run("global_step/Read/ReadVariableOp:0") == 2
+        assert r.run(read_name("global_step", g)) == 2
         before = r.run(norm)
         r.run(h["train"])
         assert r.run(norm) != before
@@ -102,10 +102,11 @@ def test_configurations_it_refuses():
 def test_checkpoints_resume_exactly(tmp_path):
     """Every 3 steps a checkpoint; a new runner restores the newest at its
     first initializing run (variables, slots, the iterator's position) and
-    ends where an uninterrupted run ends."""
+    ends where an uninterrupted run ends, dropout included (its seeds come
+    from the global step)."""
     config = {"l2l": {"layers": LAYERS, "micro_batches": 2, "stash": "host"},
               "checkpoint": {"dir": str(tmp_path / "ckpt"), "every_steps": 3}}
-    g, h = stack(4)
+    g, h = stack(4, drop=lambda x: tf.nn.dropout(x, rate=0.2))
     names = variable_names(g)
     reads = [read_name(n, g) for n in names]
     with pn.get_runner(g, ONE, config) as r:
@@ -115,7 +116,7 @@ def test_checkpoints_resume_exactly(tmp_path):
     assert tf.train.latest_checkpoint(str(tmp_path / "ckpt")).endswith("model.ckpt-6")
     with pn.get_runner(g, ONE, config) as r:
         r.run(h["init"])
-        assert r.run("global_step/Read/ReadVariableOp:0") == 6
+        assert r.run(read_name("global_step", g)) == 6
         for _ in range(4):
             r.run(h["train"])
         resumed = dict(zip(names, r.run(reads)))

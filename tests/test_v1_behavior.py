@@ -8,7 +8,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUITES = ["test_equivalence.py", "test_v1_shapes.py", "test_keras_and_batchnorm.py",
-          "test_queues.py", "test_randomness.py", "test_tutorials.py", "test_l2l.py"]
+          "test_queues.py", "test_randomness.py", "test_tutorials.py", "test_l2l.py",
+          "test_l2l_runner.py", "test_layers.py", "test_eps.py"]
 
 
 def test_numerical_suites_pass_under_disable_v2_behavior():
