@@ -57,7 +57,7 @@ import tensorflow as tf
 
 from . import compat, eps
 from .errors import GraphError
-from .layers import STATELESS, VARIABLE_TYPES, Layering
+from .layers import STATELESS, VARIABLE_TYPES, Layering, loss_form
 
 PREFIX = "l2l"
 # ops that broadcast their inputs against each other (element by element)
@@ -83,22 +83,30 @@ def device_string(kind: str, index: int, task: str = "/job:localhost/replica:0/t
 
 
 def build(tg, layering: Layering, cfg, devices: list[str], host: str,
-          job: tuple[int, int] = (1, 0)) -> L2LGraph:
+          job: tuple[int, int] = (1, 0), average=(True, True)) -> L2LGraph:
     """`job`: (workers, this worker) of a multi-process job, where every
     worker's host is an EPS of its own: the workers' sums are all-reduced
     (a sparse gradient as its dense sum and a mask of the rows touched),
     each applies the same update, and `sync` makes every worker's
-    variables worker 0's (run after initializing)."""
-    return _Builder(tg, layering, cfg, devices, host, job).build()
+    variables worker 0's (run after initializing). `average`: whether the
+    replicas' gradients of dense and of sparse variables are averaged (the
+    config's average_dense, average_sparse) or summed."""
+    return _Builder(tg, layering, cfg, devices, host, job, average).build()
 
 
 class _Builder:
-    def __init__(self, tg, layering, cfg, devices, host, job):
+    def __init__(self, tg, layering, cfg, devices, host, job, average=(True, True)):
         self.tg, self.lay, self.cfg = tg, layering, cfg
         self.devices, self.host = devices, host
         self.u = cfg.micro_batches
         self.half = cfg.precision == "cmp"
         self.scale = cfg.loss_scale if self.half else 1.0
+        # a micro-batch's loss in its replica's loss: averaged for a mean over
+        # the batch (or when the graph does not show), added for a sum
+        self.loss_form = loss_form(tg.graph.get_tensor_by_name(layering.loss),
+                                   layering.sources, self._batch_size(), self._constant)
+        self.weight = 1.0 if self.loss_form.kind == "sum" else 1.0 / self.u
+        self.average = average
         self.n = len(devices)
         self.job = eps.Workers(*job)
         self.total = self.n * self.job.workers       # replicas in the job
@@ -134,8 +142,8 @@ class _Builder:
             with tf.device(self.host):
                 sync = self.job.sync(self.graph, self.tg.variables, f"{PREFIX}/sync")
             with tf.device(self.host), tf.name_scope(f"{PREFIX}/loss"):
-                loss = tf.add_n([tf.cast(x, self.lay_loss_dtype) for x in losses]) / float(
-                    len(losses))
+                loss = tf.add_n([tf.cast(x, self.lay_loss_dtype) for x in losses]) * (
+                    self.weight / self.n)
         self._check_updates()
         return L2LGraph(self.graph, loss, self.clones,
                         {n for s in self.lay.segments for n in s.ops}, self.devices,
@@ -319,7 +327,9 @@ class _Builder:
                         out[var] = value
                         continue
                     value = self._halved(value)
-                out[var] = _move(value, device)
+                # differentiated as itself, not back through the read into the
+                # variable's handle (which a gather in the segment may also use)
+                out[var] = tf.stop_gradient(_move(value, device))
         return out
 
     def _gathered(self, seg) -> dict[str, set[str]]:
@@ -435,7 +445,8 @@ class _Builder:
         - a constant of one value repeated, of first dimension B (tf.ones,
           tf.zeros, tf.fill with B), that a broadcasting op combines with
           data of first dimension B (BERT's attention mask);
-        - the loss as a sum over data divided by B (or times 1/B).
+        - the loss as a sum over data divided by B (or times 1/B), B being
+          a constant or computed from constants (layers.loss_form).
         """
         if seg.name in self._rewires:
             return self._rewires[seg.name]
@@ -480,24 +491,22 @@ class _Builder:
                                 (value == value.flat[0]).all():
                             out.setdefault(name, {})[at] = tf.constant(np.full(
                                 (micro,) + value.shape[1:], value.flat[0], value.dtype))
-                if name == self.lay.loss.rsplit(":", 1)[0] or self._loss_via(name):
-                    if op.type in ("RealDiv", "Div", "Mul") and op.inputs[0].op.type == "Sum" \
-                            and data(op.inputs[0].op.inputs[0]):
-                        c = const(op.inputs[1])
-                        want = batch if op.type != "Mul" else 1.0 / batch
-                        if c is not None and c.ndim == 0 and np.isclose(c, want, rtol=1e-6):
-                            value = micro if op.type != "Mul" else 1.0 / micro
-                            out[name] = {1: tf.constant(value, op.inputs[1].dtype)}
+            for name, at, multiplies in self.loss_form.by_batch:
+                if name in seg.ops:
+                    dtype = g.get_operation_by_name(name).inputs[at].dtype
+                    out.setdefault(name, {})[at] = tf.constant(
+                        1.0 / micro if multiplies else micro, dtype)
         return out
 
-    def _loss_via(self, name: str) -> bool:
-        """Whether the loss is `name`'s output passed through Identity ops."""
-        t = self.tg.graph.get_tensor_by_name(self.lay.loss)
-        while t.op.type == "Identity":
-            t = t.op.inputs[0]
-            if t.op.name == name:
-                return True
-        return False
+    def _constant(self, t: tf.Tensor):
+        """The value of `t`, a tensor of the user's graph that depends on no
+        data: folded by TensorFlow, or computed from constants alone (as
+        tf.compat.v1.losses counts a batch's examples); None otherwise."""
+        value = tf.get_static_value(t)
+        if value is None and t.op.name in self.lay.free:
+            with tf.compat.v1.Session(graph=self.tg.graph) as sess:
+                value = sess.run(t)
+        return value
 
     def _from_data(self) -> set[str]:
         """The user's ops that depend on a data source."""
@@ -547,7 +556,7 @@ class _Builder:
             loss = _tensor(made, self.lay.loss)
             ys.append(loss)
             with tf.device(device):
-                grad_ys.append(tf.constant(self.scale / (self.total * self.u), loss.dtype,
+                grad_ys.append(tf.constant(self.scale * self.weight / self.total, loss.dtype,
                                            name=f"{scope}/loss_scale"))
         xs, what = [], []
         for var in seg.weights:
@@ -605,12 +614,15 @@ class _Builder:
         out = {}
         with tf.device(self.host), tf.name_scope(f"{PREFIX}/eps/"):
             for var, grad in self.tg.gradients.items():
+                # the layers' gradients are of the loss over the replicas' mean
+                # (module docstring); summed over replicas, they are multiplied back
+                average = self.average[1 if grad.sparse else 0]
                 out.update(eps.gradient_sum(
                     var, grad, self.contrib.get(var, []), self.n,
                     self.tg.tensor(grad.values).dtype,
                     self.tg.tensor(grad.indices).dtype if grad.sparse else None,
                     self.job, self.tg.variables[var].shape[0] if grad.sparse else None,
-                    self.scale))
+                    self.scale if average else self.scale / self.total))
         return out
 
     def _check_updates(self) -> None:

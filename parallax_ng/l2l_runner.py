@@ -88,7 +88,8 @@ class L2LRunner:
         self.config, self.tg = config, tg
         self.layering = layers.split(tg, cfg.layers, cfg.loss)
         host = host or l2l.device_string("CPU", 0)
-        self.built = l2l.build(tg, self.layering, cfg, list(devices), host, job)
+        self.built = l2l.build(tg, self.layering, cfg, list(devices), host, job,
+                               average=(config.average_dense, config.average_sparse))
         self.graph = self.built.graph
         self.plan = plan_of(self.layering, devices, host, cfg, job)
         self._split = {s + ":0" for s in self.layering.sources} & {

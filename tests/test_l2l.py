@@ -34,12 +34,12 @@ def _data(n=512):
 
 
 def stack(batch, optimizer="adam", layers=3, feed=False, clip=False, seed=3, drop=None,
-          loss_sum=False, global_step=True):
+          loss="mean", global_step=True):
     """Embedding (sparse gradient), `layers` residual tanh layers under
     stack/layer_<i>/, a head; the training op, loss, logits, init, gradients.
     With `drop` (a function of a tensor), it is applied after the
-    embedding, in each layer and before the head (dropout). With `loss_sum`,
-    the loss is the sum over the batch divided by the batch size."""
+    embedding, in each layer and before the head (dropout). `loss`: how the
+    examples' cross-entropies make the loss (LOSSES)."""
     drop = drop or (lambda h: h)
     g = tf.Graph()
     with g.as_default():
@@ -60,10 +60,7 @@ def stack(batch, optimizer="adam", layers=3, feed=False, clip=False, seed=3, dro
                 h = h + drop(tf.tanh(tf.matmul(h, w) + b))
         logits = tf.matmul(drop(h), tf1.get_variable("head/w", [D, CLASSES]), name="logits")
         xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
-        if loss_sum:
-            loss = tf.identity(tf.reduce_sum(xent) / batch, name="loss")
-        else:
-            loss = tf.reduce_mean(xent, name="loss")
+        loss = tf.identity(LOSSES[loss](xent, logits, y, batch), name="loss")
         opt = {"adam": lambda: tf1.train.AdamOptimizer(0.05),
                "momentum": lambda: tf1.train.MomentumOptimizer(0.1, 0.9),
                "sgd": lambda: tf1.train.GradientDescentOptimizer(0.5),
@@ -90,6 +87,22 @@ def stack(batch, optimizer="adam", layers=3, feed=False, clip=False, seed=3, dro
         init = tf1.global_variables_initializer()
     return g, dict(train=train, loss=loss, logits=logits, init=init, ids=ids, y=y,
                    grads=grads, feeds=feeds, apply=apply_fed)
+
+
+def _l2_penalty():
+    return 1e-3 * tf.add_n([tf.nn.l2_loss(v) for v in tf1.trainable_variables()])
+
+
+LOSSES = {
+    "mean": lambda xent, logits, y, batch: tf.reduce_mean(xent),
+    "sum/batch": lambda xent, logits, y, batch: tf.reduce_sum(xent) / batch,
+    "sum": lambda xent, logits, y, batch: tf.reduce_sum(xent) * 0.1,
+    "sum/dataset": lambda xent, logits, y, batch: tf.reduce_sum(xent) / 512.0,
+    "mean+l2": lambda xent, logits, y, batch: tf.reduce_mean(xent) + _l2_penalty(),
+    "sum+l2": lambda xent, logits, y, batch: tf.reduce_sum(xent) / 512.0 + _l2_penalty(),
+    "tf1.losses": lambda xent, logits, y, batch: tf1.losses.sparse_softmax_cross_entropy(
+        y, logits),
+}
 
 
 def _l2l(replicas, micro, stash="device", **kw):
@@ -249,9 +262,9 @@ def test_batch_size_in_constants_follows_the_micro_batch(replicas, micro, drop):
     """A loss summed over the batch and divided by the batch size (a
     constant), reshapes to constant shapes holding the batch size: each
     micro-batch uses its own size, and the result equals one device."""
-    g, h = stack(8, drop=drop, loss_sum=True)
+    g, h = stack(8, drop=drop, loss="sum/batch")
     values, losses = _run_l2l(g, h, *_l2l(replicas, micro, "host"), 5)
-    whole, whole_losses = _whole(replicas * 8, 5, drop=drop, loss_sum=True)
+    whole, whole_losses = _whole(replicas * 8, 5, drop=drop, loss="sum/batch")
     _assert_same(values, whole)
     np.testing.assert_allclose(losses, whole_losses, rtol=0, atol=TOL)
 
@@ -283,6 +296,36 @@ def test_a_bert_style_script_equals_one_device():
         runner.run(init)
         dropped = [runner.run([train, loss])[1] for _ in range(3)]
     assert np.all(np.isfinite(dropped)) and not np.allclose(dropped, losses[:3])
+
+
+@pytest.mark.parametrize("loss,replicas,average", [
+    ("sum", 1, True), ("sum/dataset", 1, True), ("mean+l2", 2, True),
+    ("tf1.losses", 2, True), ("sum", 2, False)])
+def test_losses_that_sum_over_the_batch_sum_the_micro_batches(loss, replicas, average):
+    """A loss that sums over the batch (times or over a number the data
+    does not set) adds its micro-batches' losses; a mean (with a penalty on
+    the weights; tf.compat.v1.losses' sum over the examples' count)
+    averages them. So 2 micro-batches equal one device, and with
+    average_dense/average_sparse false (replicas' gradients summed, as the
+    data-parallel runner does) 2 replicas of a sum equal one device with
+    both batches."""
+    config = _l2l(replicas, 2, "host")
+    config[1].update(average_dense=average, average_sparse=average)
+    g, h = stack(8, loss=loss, optimizer="momentum")
+    values, losses = _run_l2l(g, h, *config, 5)
+    whole, whole_losses = _whole((replicas if not average else 1) * 8, 5, loss=loss,
+                                 optimizer="momentum") if replicas == 1 or not average \
+        else _whole(replicas * 8, 5, loss=loss, optimizer="momentum")
+    _assert_same(values, whole)
+    if average:
+        np.testing.assert_allclose(losses, whole_losses, rtol=0, atol=TOL)
+
+
+def test_a_sum_over_the_batch_plus_a_penalty_is_an_error():
+    g, h = stack(8, loss="sum+l2")
+    with pytest.raises(pn.GraphError, match=r"sums over the batch and adds a term "
+                                            r"that does not depend on the data"):
+        _run_l2l(g, h, *_l2l(1, 2), 1)
 
 
 def test_a_constant_batch_shape_it_cannot_follow_is_an_error():
