@@ -106,6 +106,12 @@ class _Builder:
         self.loss_form = loss_form(tg.graph.get_tensor_by_name(layering.loss),
                                    layering.sources, self._batch_size(), self._constant)
         self.weight = 1.0 if self.loss_form.kind == "sum" else 1.0 / self.u
+        whole = [t.name for t in self._whole_feeds()]
+        if self.loss_form.kind == "sum" and self.u > 1 and whole:
+            raise GraphError(
+                f"the loss {layering.loss!r} sums over the batch, and placeholder {whole[0]!r} "
+                "has a fixed first dimension, so every micro-batch would get all its rows "
+                "and add them again: build it with shape [None, ...] to split it")
         self.average = average
         self.n = len(devices)
         self.job = eps.Workers(*job)
@@ -266,6 +272,13 @@ class _Builder:
                 output_shapes=first.get_attr("output_shapes"), name="get_next")
         self._last_batch = outs[0].op
         return outs[0].op
+
+    def _whole_feeds(self) -> list[tf.Tensor]:
+        """The data placeholders every micro-batch gets whole (`_split`)."""
+        return [t for name in self.lay.sources
+                for t in self.tg.graph.get_operation_by_name(name).outputs
+                if t.op.type == "Placeholder" and t.shape.rank and
+                compat.dim(t.shape, 0) is not None]
 
     def _split(self, t: tf.Tensor, ways: int):
         """t split in `ways` along its first dimension; None if t has no

@@ -321,6 +321,20 @@ def test_losses_that_sum_over_the_batch_sum_the_micro_batches(loss, replicas, av
         np.testing.assert_allclose(losses, whole_losses, rtol=0, atol=TOL)
 
 
+def test_a_sum_over_fixed_size_feeds_is_an_error():
+    """A placeholder of fixed first dimension is given whole to every
+    micro-batch; a mean over it is still right, a sum would be added again."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [8, D], name="x")
+        with tf1.variable_scope("stack/layer_0"):
+            h = tf.tanh(tf.matmul(x, tf1.get_variable("w", [D, D])))
+        loss = tf.reduce_sum(tf.square(h))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with pytest.raises(pn.GraphError, match=r"placeholder 'x:0' has a fixed first dimension"):
+        pn.get_runner(g, *_l2l(1, 2))
+
+
 def test_a_sum_over_the_batch_plus_a_penalty_is_an_error():
     g, h = stack(8, loss="sum+l2")
     with pytest.raises(pn.GraphError, match=r"sums over the batch and adds a term "
