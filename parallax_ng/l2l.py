@@ -50,6 +50,7 @@ host-to-device transfer.
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,6 +107,11 @@ class _Builder:
         self.loss_form = loss_form(tg.graph.get_tensor_by_name(layering.loss),
                                    layering.sources, self._batch_size(), self._constant)
         self.weight = 1.0 if self.loss_form.kind == "sum" else 1.0 / self.u
+        if self.loss_form.kind is None and self.u > 1:
+            warnings.warn(
+                f"layer-by-layer execution cannot tell from the graph whether the loss "
+                f"{layering.loss!r} is a mean or a sum over the batch; it averages the "
+                f"{self.u} micro-batches' losses, which is right for a mean", stacklevel=4)
         whole = [t.name for t in self._whole_feeds()]
         if self.loss_form.kind == "sum" and self.u > 1 and whole:
             raise GraphError(

@@ -256,6 +256,18 @@ def batch_rows(t: tf.Tensor, sources) -> bool:
             out = out and rows(op.inputs[0])
         elif op.type in ("GatherV2", "ResourceGather", "Gather"):
             out = rows(op.inputs[1])
+        elif op.type == "Einsum":       # "bsd,de->bse": the output's first index is an input's
+            spec = op.get_attr("equation").decode().replace(" ", "")
+            ins, _, result = spec.partition("->")
+            out = bool(result) and result[0].isalpha() and any(
+                term[:1] == result[0] and rows(x) for term, x in zip(ins.split(","), op.inputs))
+        elif op.type == "Transpose":
+            perm = tf.get_static_value(op.inputs[1])
+            out = perm is not None and len(perm) > 0 and perm[0] == 0 and rows(op.inputs[0])
+        elif op.type == "ConcatV2":
+            axis = tf.get_static_value(op.inputs[-1])
+            out = axis is not None and t.shape.rank and int(axis) % t.shape.rank != 0 and any(
+                rows(x) for x in op.inputs[:-1])
         elif op.type in ("Reshape", "ExpandDims", "Squeeze"):
             before, after = op.inputs[0].shape, t.shape
             out = bool(before.rank and after.rank) and compat.dim(before, 0) == compat.dim(
@@ -278,9 +290,9 @@ class LossForm:
 def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None) -> LossForm:
     """How the loss depends on the number of examples in the batch: "mean"
     (a mean over the batch, or a sum over it divided by the batch size
-    `batch`, as tf.compat.v1.losses computes it), "sum" (a sum over the
-    batch, times or over a number that does not depend on the data), or
-    None when the graph does not show it. `constant(t)`: the value of a
+    `batch`, as tf.compat.v1.losses computes it, or by a count the data
+    sets), "sum" (a sum over the batch, times or over a number that does
+    not depend on the data), or None when the graph does not show it. `constant(t)`: the value of a
     tensor that does not depend on the data, or None if it is not known
     (default: tf.get_static_value).
     Raises GraphError for a sum over the batch plus a term that does not
@@ -304,22 +316,35 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None) -> Los
     def data(t):
         return t.op.name in dependent
 
+    per_row = {}            # a sum's tensor -> the elements it added per example
+
+    def through(t, x):      # t computes x's form: it is a sum of as many per example
+        kind = form(x)
+        if x.name in per_row:
+            per_row[t.name] = per_row[x.name]
+        return kind
+
     def form(t):
         op = t.op
         if not data(t):
             return "constant"
         if op.type in ("Identity", "Snapshot", "Neg"):
-            return form(op.inputs[0])
+            return through(t, op.inputs[0])
+        if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
+                op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum":
+            return "mean"       # a sum over the batch divided by a count the data sets
         if op.type in ("Mul", "RealDiv", "Div", "DivNoNan") and not data(op.inputs[1]):
-            inner = form(op.inputs[0])
+            inner = through(t, op.inputs[0])
             value = constant(op.inputs[1]) if inner == "sum" and batch else None
-            if value is not None and np.ndim(value) == 0 and np.isclose(
-                    value, batch if op.type != "Mul" else 1.0 / batch, rtol=1e-6):
-                by_batch.append((op.name, 1, op.type == "Mul"))
-                return "mean"           # a sum over the batch divided by its size
+            if value is not None and np.ndim(value) == 0:
+                counts = {batch, batch * per_row.get(op.inputs[0].name, 1)}
+                if any(np.isclose(value, n if op.type != "Mul" else 1.0 / n, rtol=1e-6)
+                       for n in counts):
+                    by_batch.append((op.name, 1, op.type == "Mul"))
+                    return "mean"       # a sum over the batch over its size (in elements)
             return inner
         if op.type == "Mul" and not data(op.inputs[0]):
-            return form(op.inputs[1])
+            return through(t, op.inputs[1])
         if op.type in ("Add", "AddV2", "Sub", "AddN"):
             forms = {form(x) for x in op.inputs} - {"constant"}
             if forms == {"sum"} and any(not data(x) for x in op.inputs):
@@ -331,12 +356,16 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None) -> Los
                     "l2l.micro_batches: 1")
             return forms.pop() if len(forms) == 1 else None
         if op.type in _REDUCTIONS and op.inputs[0].shape.rank == 0:
-            return form(op.inputs[0])                # a sum of one number
+            return through(t, op.inputs[0])          # a sum of one number
         if op.type in _REDUCTIONS and batch_rows(op.inputs[0], sources):
             axes = constant(op.inputs[1])
-            rank = op.inputs[0].shape.rank
-            if axes is not None and rank and 0 in {int(a) % rank for a in np.atleast_1d(axes)}:
-                return "mean" if op.type == "Mean" else "sum"
+            shape = op.inputs[0].shape
+            if axes is not None and shape.rank:
+                axes = {int(a) % shape.rank for a in np.atleast_1d(axes)}
+                if 0 in axes:
+                    if len(axes) == shape.rank and shape[1:].is_fully_defined():
+                        per_row[t.name] = int(np.prod(shape[1:].as_list(), dtype=np.int64))
+                    return "mean" if op.type == "Mean" else "sum"
         return None
     kind = form(loss)
     return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [])
