@@ -523,7 +523,8 @@ class _Builder:
         tf.compat.v1.losses counts a batch's examples); None otherwise."""
         value = tf.get_static_value(t)
         if value is None and t.op.name in self.lay.free:
-            with tf.compat.v1.Session(graph=self.tg.graph) as sess:
+            config = tf.compat.v1.ConfigProto(allow_soft_placement=True)   # user's devices
+            with tf.compat.v1.Session(graph=self.tg.graph, config=config) as sess:
                 value = sess.run(t)
         return value
 
