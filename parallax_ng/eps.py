@@ -94,7 +94,7 @@ def gradient_sum(var: str, grad, parts: list, replicas: int, value_dtype: tf.DTy
         values = tf.concat([tf.identity(g.values) for _, g in parts], 0)
         indices = tf.concat([tf.cast(g.indices, index_dtype) for _, g in parts], 0)
         values, indices = workers.all_rows(values, indices, rows)
-        return {_name(grad.values): values, _name(grad.indices): indices}
+        return {tensor_name(grad.values): values, tensor_name(grad.indices): indices}
     sums = []
     for r in range(replicas):
         acc = None
@@ -105,7 +105,7 @@ def gradient_sum(var: str, grad, parts: list, replicas: int, value_dtype: tf.DTy
         if acc is not None:
             sums.append(acc)
     total = sums[0] if len(sums) == 1 else tf.add_n(sums)
-    return {_name(grad.values): workers.all_reduce(total)}
+    return {tensor_name(grad.values): workers.all_reduce(total)}
 
 
 def shard_inputs(nodes: dict, library, shard_consts, workers: int, worker: int):
@@ -142,5 +142,6 @@ def _unscaled(g, dtype: tf.DType, scale: float):
     return tf.cast(g, dtype) / scale
 
 
-def _name(ref) -> str:
+def tensor_name(ref) -> str:
+    """A gradient reference of the TrainingGraph (node, index) as a tensor name."""
     return f"{ref.node}:{ref.index}"

@@ -637,12 +637,24 @@ class _Builder:
                 # the layers' gradients are of the loss over the replicas' mean
                 # (module docstring); summed over replicas, they are multiplied back
                 average = self.average[1 if grad.sparse else 0]
-                out.update(eps.gradient_sum(
+                sums = eps.gradient_sum(
                     var, grad, self.contrib.get(var, []), self.n,
                     self.tg.tensor(grad.values).dtype,
                     self.tg.tensor(grad.indices).dtype if grad.sparse else None,
                     self.job, self.tg.variables[var].shape[0] if grad.sparse else None,
-                    self.scale if average else self.scale / self.total))
+                    self.scale if average else self.scale / self.total)
+                if self.half:
+                    checked = eps.tensor_name(grad.values)
+                    sums[checked] = tf.debugging.check_numerics(
+                        sums[checked],
+                        f"layer-by-layer execution with precision cmp: the gradient of {var!r} "
+                        f"overflowed float16 at loss scale {self.scale:g} (inf or NaN); no "
+                        "variable was updated in this step; lower l2l.loss_scale")
+                out.update(sums)
+            if self.half:       # all or nothing: every update waits for every check
+                checks = [t.op for name, t in out.items() if t.op.type == "CheckNumerics"]
+                with tf.control_dependencies(checks):
+                    out = {name: tf.identity(t) for name, t in out.items()}
         return out
 
     def _check_updates(self) -> None:

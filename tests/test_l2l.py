@@ -478,6 +478,26 @@ def test_cross_mixed_precision_tracks_fp32(dropout):
     assert rel.max() < 0.03 and rel.mean() < 0.01
 
 
+def test_a_float16_overflow_fails_the_step_and_updates_nothing():
+    """cmp with a loss scale float16 cannot hold (2^20 > 65504): the step
+    ends with an error that names a variable and the fix, and no variable
+    or slot moved (every update waits for every gradient's check)."""
+    g, h = stack(8)
+    names = variable_names(g)
+    config = {"l2l": {"layers": LAYERS, "micro_batches": 2, "precision": "cmp",
+                      "loss_scale": 2.0 ** 20}}
+    with pn.get_runner(g, {"hosts": [{"devices": ["cpu:1"]}]}, config) as runner:
+        runner.run(h["init"])
+        before = runner.run([read_name(n, g) for n in names])
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=r"the gradient of '.*' overflowed float16 at loss scale "
+                                 r"1.04858e\+06.*lower l2l.loss_scale"):
+            runner.run(h["train"])
+        after = runner.run([read_name(n, g) for n in names])
+    for name, x, y in zip(names, before, after):
+        np.testing.assert_array_equal(x, y, err_msg=name)
+
+
 def test_gpu_replicas_graph_is_placed_by_construction():
     """With GPUs (none here: the graph is only built), the layers' copies go
     on each GPU, weights and stash cross by TensorFlow's own transfers
