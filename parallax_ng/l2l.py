@@ -24,9 +24,12 @@ Guarantees: `build(...)` returns an L2LGraph: a new tf.Graph where
   at most two layers, one micro-batch's activations and the stash, whatever
   the depth.
 The sum equals the gradient of the mean loss over the replicas' whole
-batches (each micro-batch's loss gradient is scaled by 1/(replicas x
-micro-batches)), so a step equals one step of the user's graph on the
-global batch (for a loss that is a mean over the batch).
+batches: each micro-batch's loss gradient is scaled by 1/(replicas x
+micro-batches) for a loss that is a mean over the batch, by 1/replicas for
+a sum over it (layers.loss_form), so a step equals one step of the user's
+graph on the global batch; with average_dense/average_sparse false the
+replicas' sums are added instead. Under cmp every update waits until
+every sum is checked finite (an overflow is an error, and no update runs).
 Random ops in the forward (dropout; the kinds in layers.STATELESS) are
 drawn again by their recomputation: every copy of one draws from the
 stateless op of its kind, with the seed [step, salt + key]. step is the
