@@ -351,7 +351,8 @@ class _Builder:
                     value = self._halved(value)
                 # differentiated as itself, not back through the read into the
                 # variable's handle (which a gather in the segment may also use)
-                out[var] = tf.stop_gradient(_move(value, device))
+                with tf.device(device):
+                    out[var] = tf.stop_gradient(_move(value, device))
         return out
 
     def _gathered(self, seg) -> dict[str, set[str]]:

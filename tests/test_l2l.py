@@ -516,6 +516,11 @@ def test_gpu_replicas_graph_is_placed_by_construction():
     for k in range(2):
         matmuls = [op for op in ops if op.type == "MatMul" and op.name.startswith(f"l2l/r{k}/")]
         assert matmuls and all(op.device.endswith(f"GPU:{k}") for op in matmuls)
+        loaded = [op for op in ops if op.name.startswith(f"l2l/r{k}/") and "/load/" in op.name
+                  and op.type in ("StopGradient", "Identity") and "GPU" in op.device]
+        assert loaded and all(op.device.endswith(f"GPU:{k}") for op in loaded)
+    assert all(op.device for op in ops if op.name.startswith("l2l/")), \
+        [op.name for op in ops if op.name.startswith("l2l/") and not op.device][:5]
     applies = [op for op in ops if op.type.startswith(("ResourceApply", "Apply"))]
     assert applies and all(op.device.endswith("CPU:0") for op in applies)
     drawn = [op for op in ops if op.type == "StatelessRandomUniform"]
