@@ -83,12 +83,12 @@ def same_ids(tg: TrainingGraph, var: str, distinct: bool, coalesce: bool) -> str
 
 
 # -- what the plan defers ---------------------------------------------------
-STAGED = ("a job step in stages (servers beside collectives) runs its parts apart; "
-          "without servers it can")
+SPLIT = ("a job step with servers beside collectives runs them in two session runs, "
+         "and an update that waits for the next step needs one; without servers it can")
 
 
 def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config,
-                      staged: bool = False):
+                      split: bool = False):
     """(blocks, notes): with `horizontal_scheduling`, the dense variables
     aggregated by all-reduce whose update may wait a step
     (parallax_ng/deferral.py), grouped by layer (the name's scope) and in
@@ -100,8 +100,8 @@ def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config,
     for v, vp in variables.items():
         if vp.method != "allreduce" or vp.info.sparse:
             continue
-        if staged:
-            notes[v] = f"no horizontal scheduling: {STAGED}"
+        if split:
+            notes[v] = f"no horizontal scheduling: {SPLIT}"
             continue
         try:
             analyse_dense(tg, v)
@@ -119,7 +119,7 @@ def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config,
 
 
 def prefetch(tg: TrainingGraph, vp: VariablePlan, config: Config,
-             staged: bool = False) -> VariablePlan:
+             split: bool = False) -> VariablePlan:
     """`vp` with prefetch on where the config asks for it and the table's
     update may wait for the next step (parallax_ng/deferral.py), else with
     a note saying why not."""
@@ -129,8 +129,8 @@ def prefetch(tg: TrainingGraph, vp: VariablePlan, config: Config,
         return replace(vp, note=f"no prefetch: it applies to alltoall, not {vp.method}")
     if not (vp.coalesce and config.distinct_lookups):
         return replace(vp, note="no prefetch: it needs coalesce_rows and distinct_lookups")
-    if staged:
-        return replace(vp, note=f"no prefetch: {STAGED}")
+    if split:
+        return replace(vp, note=f"no prefetch: {SPLIT}")
     try:
         analyse(tg, vp.name)
     except ConfigError as e:

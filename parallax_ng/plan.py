@@ -35,11 +35,11 @@ class VariablePlan:
 
 @dataclass(frozen=True)
 class Schedule:
-    """How a step runs. `staged`: a job step may run as several session
-    runs, none mixing collectives with parameter-server work
-    (parallax_ng/stages.py). `order`: trained variables in the order their
-    gradients became ready in a profiled step (empty: not measured)."""
-    staged: bool = False
+    """How a step runs. `split`: a job step with collectives beside
+    parameter-server work runs as two session runs at once, one for each
+    (parallax_ng/step_parts.py). `order`: trained variables in the order
+    their gradients became ready in a profiled step (empty: not measured)."""
+    split: bool = False
     order: tuple[str, ...] = ()
 
 
@@ -218,7 +218,7 @@ class Plan:
             "servers": list(self.servers), "backend": self.backend,
             "random": dict(self.random),
             "split_queues": {k: list(v) for k, v in self.split_queues.items()},
-            "schedule": {"staged": self.schedule.staged, "order": list(self.schedule.order)},
+            "schedule": {"split": self.schedule.split, "order": list(self.schedule.order)},
             "buckets": [list(b.variables) for b in self.buckets],
             "blocks": [list(b) for b in self.blocks],
             "buffers": [{"segments": [[s.var, s.start, s.size, s.offset] for s in b.segments],
@@ -292,8 +292,9 @@ class Plan:
             modes = list(self.random.values())
             rows.append(f"random ops: {modes.count('distinct')} draw per replica, "
                         f"{modes.count('identical')} the same on every replica")
-        if self.schedule.staged:
-            rows.append("schedule: a step may run in stages (collectives apart from servers)")
+        if self.schedule.split:
+            rows.append("schedule: a step with collectives runs them in a session run of "
+                        "their own, beside the server work's")
         state = sorted(k for k in self.placement if k not in self.variables)
         if state:
             rows.append("state: " + ", ".join(f"{k}={_short(self.placement[k])}"

@@ -61,8 +61,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                      info, config, job_servers, can_cut, can_sum, costs).items()}
     roots = shared_roots(variables)
     fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
-    staged = num_workers > 1 and bool(roots or fused)
-    variables = {name: deferral.prefetch(tg, vp, config, staged) for name, vp in variables.items()}
+    split = num_workers > 1 and bool(roots or fused)
+    variables = {name: deferral.prefetch(tg, vp, config, split) for name, vp in variables.items()}
     _check_servers(tg, roots + fused, config, num_workers, servers)
     placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
                             config.ps_placement)
@@ -71,7 +71,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                                 job_devices(devices, num_workers, worker), num_workers))
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
                              list(servers) or [host], config.fusion.buffer_bytes)
-    blocks, notes = deferral.horizontal_blocks(tg, variables, config, staged)
+    blocks, notes = deferral.horizontal_blocks(tg, variables, config, split)
     variables.update({v: replace(variables[v], note=note) for v, note in notes.items()})
     later = {v for b in blocks for v in b}
     reduced = [v for v, vp in variables.items()      # dense: a sparse one alone
@@ -87,7 +87,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                 num_workers=num_workers, worker=worker, servers=tuple(servers),
                 backend=config.communication.backend, random=random,
                 split_queues={q.queue: q.enqueues for q in producers},
-                schedule=Schedule(staged=staged), buffers=buffers, buckets=buckets,
+                schedule=Schedule(split=split), buffers=buffers, buckets=buckets,
                 blocks=blocks,
                 costs=costs, network=net.describe() if net else "",
                 distinct_lookups=config.distinct_lookups and (

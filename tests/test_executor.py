@@ -1,10 +1,16 @@
-"""The step executor: one run, or one per stage, and the job's barrier."""
+"""The step executor: one run, or two at once (a job step's collectives and
+its server work), and the job's barrier."""
+import threading
+import time
+
+import numpy as np
+import pytest
 import tensorflow as tf
 
 from models import embedding_regression
 from parallax_ng.executor import Executor, SessionRun
 from parallax_ng.results import Barrier
-from parallax_ng.stages import Stages
+from parallax_ng.step_parts import COLLECTIVES, SERVERS, StepParts
 from passkit import cluster_transform, context
 
 
@@ -22,21 +28,109 @@ def test_an_unstaged_step_is_one_session_run():
     assert ex.barrier is None
 
 
-def test_a_staged_step_runs_its_stages_in_order_and_fetches_each_value_once():
+def test_a_split_step_is_two_runs_that_fetch_each_value_once():
     g, h = embedding_regression(4, "adam", clip=True)
     ir, ctx = cluster_transform(g, worker=0, servers=1, dense_method="allreduce")
     graph = imported(ir)
     ex = Executor(graph, ctx)
-    stages = ctx.result(Stages)
     runs = ex.runs([h["train"].name, "loss:0"])
-    assert len(runs) >= 3                                 # server, collectives, server
-    fetched = [i for r in runs for i in r.fetched]
-    assert sorted(fetched) == [0, 1]
-    order = [stages.stage_of_op(graph, r.targets[0]) for r in runs if r.targets]
-    assert order == sorted(order)
-    assert ex.barrier == Barrier(release="parallax/server_sync/release")
+    assert len(runs) == 2
+    assert sorted(i for r in runs for i in r.fetched) == [0, 1]
+    assert [ex.parts.part_of_op(graph, r.targets[0]) for r in runs] == [SERVERS, COLLECTIVES]
+    # the barrier is in the training step: no run of its own
+    assert ex.barrier == Barrier(release="parallax/server_sync/release", folded=True)
     assert ex.barrier.op(0) == "parallax/server_sync/release" and ex.barrier.op(1) is None
-    assert ex.ends_with_barrier(initialized=False, trained=True)
+    assert not ex.ends_with_barrier(initialized=False, trained=True)
+    assert ex.ends_with_barrier(initialized=True, trained=False)
+
+
+def two_parts(items: int):
+    """A local graph cut by hand as split_step cuts a job's: part 0 reads an
+    iterator of `items` elements and queues twice each; part 1 takes it,
+    adds one and counts the steps in a variable."""
+    g = tf.Graph()
+    with g.as_default():
+        it = tf.compat.v1.data.make_initializable_iterator(
+            tf.data.Dataset.range(items).map(lambda x: tf.cast(x, tf.float32)))
+        queue = tf.queue.FIFOQueue(1, [tf.float32], name="queue")
+        enqueue = queue.enqueue(it.get_next() * 2.0, name="enqueue")
+        taken = queue.dequeue(name="dequeue")
+        count = tf.compat.v1.get_variable("count", initializer=0.0, use_resource=True)
+        out = tf.identity(taken + 1.0, name="out")
+        with tf.control_dependencies([taken]):
+            step = count.assign_add(1.0, name="count_step")
+        close = tf.group(queue.close(cancel_pending_enqueues=True), name="close")
+        reset = tf.group(tf.raw_ops.DestroyResourceOp(resource=queue.queue_ref,
+                                                      ignore_lookup_error=True), name="reset")
+    floating = frozenset({"queue", "count"} | {op.name for op in g.get_operations()
+                                               if op.type == "Const"})
+    part_of = {op.name: COLLECTIVES for op in (taken.op, out.op, out.op.inputs[0].op, step.op)}
+    part_of.update({op.name: SERVERS for op in g.get_operations()
+                    if op.name not in part_of and op.name not in floating})
+    parts = StepParts(part_of, floating, {"dequeue": "enqueue"}, ("queue",), close.name,
+                      reset.name)
+    ctx = context(n=1)
+    ctx.publish(parts)
+    return g, ctx, it
+
+
+def test_two_runs_at_once_meet_at_their_queue():
+    g, ctx, it = two_parts(5)
+    ex = Executor(g, ctx, tf.compat.v1.RunOptions(timeout_in_ms=20000))
+    with tf.compat.v1.Session(graph=g) as session:
+        session.run([it.initializer, "count/Assign"])
+        runs = ex.runs(["out:0", "count_step"])
+        assert [r.targets for r in runs] == [("enqueue",), ("count_step", "out")]
+        got = [ex.run(session, ["out:0"], {}) for _ in range(3)]
+        assert got == [[1.0], [3.0], [5.0]]
+        meta = tf.compat.v1.RunMetadata()
+        options = tf.compat.v1.RunOptions(timeout_in_ms=20000,
+                                          trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+        ex.run(session, ["out:0"], {}, options=options, run_metadata=meta)
+        traced = {ns.node_name for d in meta.step_stats.dev_stats for ns in d.node_stats}
+        assert "enqueue" in traced and "out" not in traced   # the server part's run
+
+
+def test_the_end_of_the_input_ends_both_runs_at_once_and_the_next_step_is_clean():
+    """Part 0 reaches the end of its iterator while part 1 waits at the queue:
+    the caller gets OutOfRangeError at once (not after the timeout), part 1
+    did nothing, and after the iterator starts again steps go on as before,
+    with no element left over."""
+    g, ctx, it = two_parts(2)
+    ex = Executor(g, ctx, tf.compat.v1.RunOptions(timeout_in_ms=60000))
+    with tf.compat.v1.Session(graph=g) as session:
+        session.run([it.initializer, "count/Assign"])
+        for epoch in range(3):
+            values = []
+            start = time.monotonic()
+            with pytest.raises(tf.errors.OutOfRangeError):
+                while True:
+                    values.append(ex.run(session, ["out:0", "count_step"], {})[0])
+            assert time.monotonic() - start < 10
+            assert values == [1.0, 3.0]
+            assert session.run("count/Read/ReadVariableOp:0") == 2.0 * (epoch + 1)
+            session.run(it.initializer)
+        assert threading.active_count() < 5
+
+
+def test_a_failing_collective_run_stops_the_server_run():
+    """Part 1 fails (a bad value): the caller gets its error at once, and
+    the next step takes the next element."""
+    g, ctx, it = two_parts(5)
+    before = set(g.get_operations())
+    with g.as_default():
+        tf.debugging.check_numerics(
+            tf.math.log(g.get_tensor_by_name("dequeue:0") - 100.0), "negative", name="checked")
+    ctx.result(StepParts).part_of.update(
+        {op.name: COLLECTIVES for op in set(g.get_operations()) - before})
+    ex = Executor(g, ctx, tf.compat.v1.RunOptions(timeout_in_ms=60000))
+    with tf.compat.v1.Session(graph=g) as session:
+        session.run([it.initializer, "count/Assign"])
+        start = time.monotonic()
+        with pytest.raises(tf.errors.InvalidArgumentError, match="negative"):
+            ex.run(session, ["checked:0"], {})
+        assert time.monotonic() - start < 10
+        assert np.isclose(ex.run(session, ["out:0"], {})[0], 3.0)   # the next element
 
 
 def test_a_step_without_collectives_holds_its_barrier():

@@ -47,7 +47,7 @@ def test_buffers_pack_every_element_once_in_ready_order():
         assert [s.size for s in b.placement.shards] == [6, 6]
         assert [s.device for s in b.placement.shards] == [
             "/job:ps/replica:0/task:0/device:CPU:0", "/job:ps/replica:0/task:1/device:CPU:0"]
-    assert plan.schedule.staged and not plan.shared_state()
+    assert plan.schedule.split and not plan.shared_state()
     assert "fusion buffers: 3" in plan.format()
 
 

@@ -99,9 +99,9 @@ def test_workers_match_one_device(tmp_path, workers, devices):
     assert_matches_one_device(out, workers, devices, clip=False)
 
 
-def test_a_job_step_in_stages_keeps_its_updates_in_the_step():
-    """With servers beside collectives a job step runs in stages (no
-    session run mixes them): no schedule that spans steps, and a note."""
+def test_a_split_job_step_keeps_its_updates_in_the_step():
+    """With servers beside collectives a job step runs as two session runs
+    (no session run mixes them): no schedule that spans steps, and a note."""
     from parallax_ng import frontend
     from parallax_ng.analysis import analyze
     from parallax_ng.config import Config
@@ -111,5 +111,5 @@ def test_a_job_step_in_stages_keeps_its_updates_in_the_step():
     plan = make_plan(tg, analyze(tg), Config(run_option="hybrid", dense_method="allreduce",
                                              horizontal_scheduling=True), [worker], worker,
                      num_workers=2, worker=0, servers=["/job:ps/replica:0/task:0/device:CPU:0"])
-    assert plan.schedule.staged and plan.blocks == ()
-    assert "runs its parts apart" in plan.variables["dense/w"].note
+    assert plan.schedule.split and plan.blocks == ()
+    assert "runs them in two session runs" in plan.variables["dense/w"].note

@@ -47,8 +47,11 @@ def test_other_workers_push_and_never_write_shared_state():
             node = ir.node(w)
             assert node.op == "NoOp" and node.device == HOST1, w
     update = ir.node("Adam/update_emb/ResourceScatterAdd")
+    # ... and, the barrier being in the training run, the chief's token
+    index = _step_writers(ctx).index("Adam/update_emb/ResourceScatterAdd")
     assert set(update.input) == {"^parallax/server_sync/push_0",
-                                 "^parallax/server_sync/result_0/take"}
+                                 "^parallax/server_sync/result_0/take",
+                                 f"^parallax/server_sync/step_{index}/take"}
     # the dense layers are mirrored: worker 1 applies their updates itself
     assert ir.node("Adam/update_dense/w/ResourceApplyAdam").op == "ResourceApplyAdam"
     assert ir.node(WAIT).op == "QueueDequeueV2" and RELEASE not in ir
@@ -127,15 +130,14 @@ def test_sparse_writer_reading_the_indices_is_silenced_and_only_values_come_back
 
 
 def test_the_step_barrier_is_inside_the_training_run():
-    """Without collectives in the step (dense variables by fusion buffers),
-    the chief puts one token per other worker after each shared writer,
+    """The chief puts one token per other worker after each shared writer,
     before whatever follows that writer; worker 1's silenced writers take
-    them after its pushes. With collectives (stages) the barrier stays a run
-    of its own: a token taken in the first stage would wait for the chief's
-    last stage, which waits for this worker's collectives."""
+    them after its pushes. With collectives in the step too (dense variables
+    by all-reduce): those run in a session run of their own beside the one
+    that takes the tokens."""
     g, _ = embedding_regression(4, "adam", clip=True)
-    _, staged = cluster_transform(g, worker=0, dense_method="allreduce")
-    assert not staged.result(Barrier).folded
+    _, split = cluster_transform(g, worker=0, dense_method="allreduce")
+    assert split.result(Barrier).folded
     chief, ctx = cluster_transform(g, worker=0, dense_method="bfb")
     assert ctx.result(Barrier).folded
     writer = "Adam/update_emb/ResourceScatterAdd"

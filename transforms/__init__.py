@@ -18,7 +18,7 @@ from transforms.replicate import ReplicatePass
 from transforms.server_sync import ServerSyncPass
 from transforms.shard_inputs import ShardInputsPass
 from transforms.shard_variables import ShardVariablesPass
-from transforms.stage import StagePass
+from transforms.split_step import SplitStepPass
 from transforms.state_sync import StateSyncPass
 
 
@@ -27,8 +27,8 @@ def pipeline_for(plan) -> list:
     with the placement rewrites the plan turns on (local_aggregation after
     aggregate; lookups_on_servers, colocate_updates after place), then, as
     the plan needs them, the cross-worker server protocol,
-    distinct lookups of rows on servers, sharded variables and the stage
-    split; a table cut by columns over the replicas gets its parts after
+    distinct lookups of rows on servers, sharded variables and the step's
+    split into a collective run and a server run; a table cut by columns over the replicas gets its parts after
     init, then its update split over steps where the plan prefetches it, and
     dense updates a step later by block where it schedules them so.
     Passes with nothing to do for this plan are left out (one replica
@@ -47,7 +47,7 @@ def pipeline_for(plan) -> list:
               (ServerSyncPass(), plan.cross_worker_servers),
               (DistinctLookupsPass(), plan.distinct_lookups and bool(plan.servers)),
               (ShardVariablesPass(), bool(plan.sharded())),
-              (StagePass(), plan.schedule.staged)]
+              (SplitStepPass(), plan.schedule.split)]
     return [p for p, needed in wanted if needed]
 
 
@@ -55,5 +55,5 @@ __all__ = ["AggregatePass", "ColocateUpdatesPass", "ColumnsPass", "DistinctLooku
            "HorizontalPass",
            "InitPass", "LocalAggregationPass", "LookupsOnServersPass", "PlacePass", "PrefetchPass",
            "ReplicatePass",
-           "ServerSyncPass", "ShardInputsPass", "ShardVariablesPass", "StagePass",
+           "ServerSyncPass", "ShardInputsPass", "ShardVariablesPass", "SplitStepPass",
            "StateSyncPass", "pipeline_for"]

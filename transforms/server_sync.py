@@ -23,7 +23,11 @@ Guarantees (the synchronous parameter-server protocol of the Parallax paper):
   chief runs `parallax/server_sync/release` once its writes are done, every
   other worker runs `parallax/server_sync/wait` before it goes on, so no
   worker reads a shared variable before the step's update. The runner runs
-  both; each wait is bounded by the run's timeout.
+  both; each wait is bounded by the run's timeout. A training run holds its
+  own barrier (`Barrier.folded`): the chief puts a token after each shared
+  writer, the others' silenced writers take it. (A step whose collectives
+  run beside it, transforms/split_step.py, takes the tokens in its server
+  run while the collective run goes on, so no worker waits for itself.)
 Queues live on the servers under fixed shared names, so a job needs fresh
 server processes (the launcher starts them).
 """
@@ -78,7 +82,7 @@ class ServerSyncPass:
                 added += _push(ctx, j, server, parts, reads)
                 added += _take_back(ctx, ir, j, server, back, rewires)
         added += _barrier(plan)
-        step = None if _collectives_in_step(ctx, ir) else _step_writers(ctx)
+        step = _step_writers(ctx)
         folded = step is not None
         ctx.publish(Barrier(release=RELEASE, folded=folded) if plan.worker == 0 else
                     Barrier(wait=WAIT, folded=folded))
@@ -273,19 +277,6 @@ def _step_writers(ctx) -> list[str] | None:
     if any(not tg.ir.node_consumers.get(w) for w in writers):
         return None
     return writers
-
-
-def _collectives_in_step(ctx, ir: GraphIR) -> bool:
-    """Whether a training run has collective ops: then it runs in stages
-    (transforms/stage.py), and a token taken inside the first server stage
-    would wait for the chief's last one, which waits for this worker's
-    collectives: the barrier stays a run of its own."""
-    tg = ctx.tg
-    after_grads = tg.after_gradients
-    writers = [ctx.replica_name(k, w) for v in tg.variables for w in tg.writers.get(v, ())
-               if w in after_grads for k in range(ctx.plan.num_replicas)]
-    return any(ir.node(n).op.startswith("Collective")
-               for n in ir.ancestors([w for w in writers if w in ir]))
 
 
 def _step_releases(ctx, ir: GraphIR, writers: list[str]):

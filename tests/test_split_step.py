@@ -1,0 +1,154 @@
+"""Split step: a job step's collectives and its parameter-server work in two
+session runs at once, joined by this worker's queues
+(transforms/split_step.py, parallax_ng/step_parts.py)."""
+import pytest
+import tensorflow as tf
+
+from models import embedding_regression
+from passkit import cluster_transform
+from parallax_ng import emit
+from parallax_ng.errors import FetchError, GraphError
+from parallax_ng.ir import GraphIR
+from parallax_ng.step_parts import COLLECTIVES, SERVERS, StepParts
+from transforms.split_step import COLLECTIVE_OPS, _number, on_server
+
+tf1 = tf.compat.v1
+
+
+def imported(ir):
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(ir.graph_def, name="")
+    return g
+
+
+def pruned(graph, targets):
+    """What TensorFlow runs for `targets`: every op they reach."""
+    seen, todo = set(), list(targets)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        op = graph.get_operation_by_name(name)
+        todo += [t.op.name for t in op.inputs] + [c.name for c in op.control_inputs]
+    return seen
+
+
+@pytest.mark.parametrize("worker", [0, 1])
+def test_each_run_has_collectives_or_server_work_never_both(worker):
+    g, h = embedding_regression(4, "adam", clip=True, ema=True)
+    ir, ctx = cluster_transform(g, worker=worker, devices=2, dense_method="allreduce")
+    parts = ctx.result(StepParts)
+    graph = imported(ir)
+    for fetch in (h["train"].name, h["init"].name):
+        runs = parts.split(graph, (fetch,))
+        assert [p for p, _ in runs] == [SERVERS, COLLECTIVES]
+        ran = {}
+        for part, targets in runs:
+            ops = pruned(graph, targets) - parts.floating
+            assert not ops & set(ran), "an op would run in both runs"
+            ran.update(dict.fromkeys(ops, part))
+            kinds = {("collective" if graph.get_operation_by_name(o).type in COLLECTIVE_OPS
+                      else "server" if on_server(graph.get_operation_by_name(o).device)
+                      else "local") for o in ops}
+            if fetch == h["train"].name:
+                assert kinds >= {"collective" if part else "server"}
+            assert not {"collective", "server"} <= kinds, (part, kinds)
+            assert all(parts.part_of[o] == part for o in ops)
+        # every queue a run takes from, the other run fills, in the same step
+        for deq, enq in parts.enqueue_of.items():
+            if deq in ran:
+                assert ran[enq] == 1 - ran[deq]
+    for q in parts.queues:
+        node = ir.node(q)
+        assert node.op == "FIFOQueueV2" and node.attr["capacity"].i == 1
+        assert node.attr["shared_name"].s == b""           # this session's own
+        assert node.device.startswith(f"/job:worker/replica:0/task:{worker}/")
+    # a control edge across runs became a token through a queue
+    assert any(q.endswith("/token_queue") for q in parts.queues)
+
+
+def test_the_chief_reads_the_clip_scale_from_the_collective_run():
+    """The global norm needs the all-reduced dense gradients; the embedding's
+    update on the server waits for it through a queue, in the same step."""
+    g, h = embedding_regression(4, "adam", clip=True)
+    ir, ctx = cluster_transform(g, worker=0, dense_method="allreduce")
+    parts = ctx.result(StepParts)
+    deqs = [d for d, e in parts.enqueue_of.items()
+            if parts.part_of[d] == SERVERS and parts.part_of[e] == COLLECTIVES]
+    assert deqs, "nothing goes from the collectives back to the server work"
+    assert ir.node(parts.close).op == "NoOp" and ir.node(parts.reset).op == "NoOp"
+    closes = [ir.node(c[1:]) for c in ir.node(parts.close).input]
+    assert {c.op for c in closes} == {"QueueCloseV2"}
+    assert all(c.attr["cancel_pending_enqueues"].b for c in closes)
+    drops = [ir.node(c[1:]) for c in ir.node(parts.reset).input]
+    assert {d.op for d in drops} == {"DestroyResourceOp"}
+    assert len(closes) == len(drops) == len(parts.queues)
+
+
+def test_queues_of_gpu_replicas_are_on_their_task_cpu():
+    g, _ = embedding_regression(4, "momentum", clip=True)
+    from parallax_ng.cluster import ClusterInfo
+    import parallax_ng as pn
+    info = ClusterInfo(("127.0.0.1:2000", "127.0.0.1:2001"), ("127.0.0.1:3000",), "worker", 1,
+                       (("GPU", 0), ("GPU", 1)))
+    ir, ctx, _ = pn.transform(g, config={"run_option": "hybrid", "dense_method": "allreduce"},
+                              cluster_info=info)
+    parts = ctx.result(StepParts)
+    queue_ops = {"FIFOQueueV2", "QueueEnqueueV2", "QueueDequeueV2", "QueueCloseV2",
+                 "DestroyResourceOp"}
+    placed = [n for n in ir.nodes if n.name.startswith("parallax/split_step/")
+              and n.op in queue_ops]
+    assert placed and {n.device for n in placed} == {
+        "/job:worker/replica:0/task:1/device:CPU:0"}
+    assert any("GPU" in ir.node(deq).device or "GPU" in ir.node(c).device
+               for deq in parts.enqueue_of
+               for c in ir.node_consumers.get(deq, ())), "no GPU op reads a dequeue"
+    assert len(parts.queues) >= 2
+
+
+def test_jobs_without_parameter_servers_are_one_run_per_step():
+    g, _ = embedding_regression(4, "adam", clip=True)
+    _, ctx = cluster_transform(g, worker=0, servers=0, run_option="allreduce")
+    assert ctx.result(StepParts) is None
+
+
+def test_fusion_buffers_leave_the_training_step_one_run():
+    """Dense sums on the servers: no collective in the training step (the
+    initial values' broadcast still runs beside the servers' initializers)."""
+    g, h = embedding_regression(4, "adam", clip=True)
+    ir, ctx = cluster_transform(g, worker=0, dense_method="bfb")
+    parts, graph = ctx.result(StepParts), imported(ir)
+    assert [p for p, _ in parts.split(graph, (h["train"].name,))] == [SERVERS]
+    assert [p for p, _ in parts.split(graph, (h["init"].name,))] == [SERVERS, COLLECTIVES]
+
+
+def test_an_op_made_later_that_reads_both_runs_is_refused():
+    g = tf.Graph()
+    with g.as_default():
+        a = tf.constant(1.0, name="a")
+        b = tf.identity(a, name="b")
+        c = tf.identity(a, name="c")
+        tf.add(b, c, name="late")
+        tf.identity(b, name="late_one")
+    parts = StepParts({"b": SERVERS, "c": COLLECTIVES}, frozenset({"a"}))
+    with pytest.raises(FetchError, match="'late' was made after get_runner"):
+        parts.split(g, ("late",))
+    assert parts.split(g, ("late_one",)) == [(SERVERS, ["late_one"])]
+
+
+def test_a_loop_with_collectives_and_server_ops_is_refused():
+    worker = "/job:worker/replica:0/task:0/device:CPU:0"
+    ps = "/job:ps/replica:0/task:0/device:CPU:0"
+    f32 = tf.float32
+    nodes = [emit.const("x", 1.0, f32, worker),
+             emit.node_def("enter", "Enter", ["x"], worker, T=f32, frame_name="loop"),
+             emit.node_def("merge", "Merge", ["enter", "next"], worker, T=f32, N=2),
+             emit.collective_reduce("sum", "merge", f32, worker, group_size=2, group_key=1,
+                                    instance_key=1, mean=False, timeout=10.0),
+             emit.node_def("on_ps", "Identity", ["sum"], ps, T=f32),
+             emit.node_def("next", "NextIteration", ["on_ps"], worker, T=f32)]
+    ir = GraphIR(nodes=nodes, versions=tf1.GraphDef().versions)
+    with pytest.raises(GraphError, match="while loop through 'merge'"):
+        _number(ir, {"x"})
