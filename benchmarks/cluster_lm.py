@@ -39,7 +39,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-MODES = ("hybrid", "hybrid-staged", "hybrid-per-host", "allreduce", "ps", "mwms")
+MODES = ("hybrid", "auto-ps", "hybrid-allreduce", "hybrid-bfb", "allreduce", "ps", "mwms")
 # sparse variables (lm_small's embedding and softmax weights) by each method,
 # dense ones by all-reduce: `--modes sparse` (EmbRace's comparison)
 SPARSE = ("alltoall", "allgather", "hybrid", "dense-allreduce", "auto")
@@ -48,6 +48,8 @@ SPARSE = ("alltoall", "allgather", "hybrid", "dense-allreduce", "auto")
 # without it, and both; all without global-norm clipping (a global norm
 # over the dense gradients needs their all-reduce in their step, so the
 # horizontal schedule cannot wait): `--modes scheduling` runs them all
+# `--model classifier`: the dense-heavy model (`classifier` below)
+CLASSIFIER = {"vocab": 200000, "dim": 128, "hidden": 256, "classes": 2000}
 NO_CLIP = ("alltoall-noclip", "prefetch", "allgather-noclip", "horizontal", "2d")
 TWO = "[127.0.0.1, 127.0.0.1]"
 OFF = {"local_aggregation": False, "colocate_updates": False, "lookups_on_servers": False}
@@ -70,13 +72,16 @@ ABLATION = {
     "+coalesced-rows": {"run_option": "hybrid", "distinct_lookups": False},
     "+distinct-lookups": {"run_option": "hybrid"},
 }
-# mode -> (parallax_ng config, the resource file's `ps:`). hybrid: dense
-# variables by balanced fusion buffers (its default with servers), one server;
-# -staged: dense by all-reduce, collectives and servers in separate runs;
-# -per-host: fusion buffers with a server beside each worker
+# mode -> (parallax_ng config, the resource file's `ps:`). hybrid: the
+# default (dense variables by the method the link model finds fastest), one
+# server; -allreduce: dense by all-reduce (collectives in a session run
+# beside the servers'); -bfb: dense by balanced fusion buffers; -per-host:
+# a server beside each worker. `--layout per_host` gives every mode with a
+# server a server per worker host instead
 CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
-           "hybrid-staged": ({"run_option": "hybrid", "dense_method": "allreduce"},
-                             "[127.0.0.1]"),
+           "hybrid-allreduce": ({"run_option": "hybrid", "dense_method": "allreduce"},
+                                "[127.0.0.1]"),
+           "hybrid-bfb": ({"run_option": "hybrid", "dense_method": "bfb"}, "[127.0.0.1]"),
            "hybrid-per-host": ({"run_option": "hybrid"}, "per_host"),
            "allreduce": ({"run_option": "allreduce"}, None),
            "allgather": ({"run_option": "allreduce"}, None),
@@ -115,7 +120,15 @@ def main():
                         help=f"any of {', '.join(CONFIGS)}; 'ablation' for its rows")
     parser.add_argument("--devices", type=int, default=1, help="CPU devices per worker")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--vocab", type=int, default=None, help="lm_small's --vocab")
+    parser.add_argument("--vocab", type=int, default=None, help="the model's vocabulary")
+    parser.add_argument("--model", choices=("lm", "classifier"), default="lm",
+                        help="lm_small, or the dense-heavy classifier (2.2 MB of dense "
+                             "weights beside a 200,000-row embedding)")
+    parser.add_argument("--layout", choices=("one", "per_host"), default="one",
+                        help="modes with a server: one server, or one beside every worker")
+    parser.add_argument("--no-clip", action="store_true", help="no global-norm clipping")
+    parser.add_argument("--json", metavar="FILE",
+                        help="append the setting and every job's result as a JSON line")
     parser.add_argument("--netlab", metavar="RATE",
                         help="run every task on its own emulated host with a NIC of RATE "
                              "(e.g. 100mbit, 1gbit; ../shared/tools/netlab); bytes are then "
@@ -135,11 +148,19 @@ def main():
                 "sparse", ",".join(SPARSE)).split(",")
             modes = [m for mode in modes for m in (NO_CLIP if mode == "scheduling" else
                                                    (mode,))]
+            every = {}
             for mode in modes:
-                runs = [job(mode, args, tmp, r) for r in range(args.repeats)]
-                runs.sort(key=lambda r: r["steps_per_s"])
-                results[mode] = runs[len(runs) // 2]
+                runs = every[mode] = [job(mode, args, tmp, r) for r in range(args.repeats)]
+                results[mode] = sorted(runs, key=lambda r: r["steps_per_s"])[len(runs) // 2]
                 print(f"{mode:16} {format_row(results[mode])}", flush=True)
+                if args.json:
+                    with open(args.json, "a") as f:
+                        f.write(json.dumps({"model": args.model, "workers": args.workers,
+                                            "devices": args.devices, "layout": args.layout,
+                                            "network": args.netlab or "loopback",
+                                            "vocab": args.vocab, "steps": args.steps,
+                                            "clip": not args.no_clip,
+                                            "mode": mode, "runs": runs}) + "\n")
     finally:
         if args.netlab:
             subprocess.run([NETLAB, "down"], capture_output=True)
@@ -152,6 +173,8 @@ _ports = iter(range(31000, 40000, 10))
 
 def resource_file(mode: str, args, path: str) -> None:
     servers = CONFIGS[mode][1]
+    if args.layout == "per_host" and servers == "[127.0.0.1]":
+        servers = "per_host"
     with open(path, "w") as f:
         devices = ", ".join(f"cpu:{d}" for d in range(args.devices))
         if not args.netlab:
@@ -179,7 +202,8 @@ def job(mode: str, args, tmp: str, repeat: int) -> dict:
     out = os.path.join(tmp, f"{mode}-{repeat}.json")
     cmd = [sys.executable, "-m", "parallax_ng.cli", "run", os.path.abspath(__file__),
            "-r", res, "--", "--mode", mode, "--out", out, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--devices", str(args.devices)] + (
+           "--warmup", str(args.warmup), "--devices", str(args.devices),
+           "--model", args.model] + (["--no-clip"] if args.no_clip else []) + (
                ["--vocab", str(args.vocab)] if args.vocab else [])
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     with tempfile.TemporaryFile("w+") as log:
@@ -314,14 +338,24 @@ def traffic_model(plan, rows: dict, index_bytes: dict, distinct_ids: dict) -> di
 
 
 # -- inside the job -----------------------------------------------------------
-def worker(args) -> None:
+def model_arguments(args):
+    """lm_small's options for `args.model`: the example's default model (or
+    its --vocab), or the classifier's sizes."""
     import lm_small
+    sizes = ["--vocab", str(args.vocab or CLASSIFIER["vocab"]), "--dim",
+             str(CLASSIFIER["dim"]), "--hidden", str(CLASSIFIER["hidden"])] \
+        if args.model == "classifier" else (["--vocab", str(args.vocab)] if args.vocab else [])
+    model_args = lm_small.arguments(sizes + (["--clip", "0"] if args.mode in NO_CLIP or
+                                             args.no_clip else []))
+    model_args.model = args.model
+    model_args.classes = CLASSIFIER["classes"]
+    return model_args
 
+
+def worker(args) -> None:
     from parallax_ng import cluster
     info = cluster.from_env()
-    # the example's default model, or its --vocab
-    model_args = lm_small.arguments((["--vocab", str(args.vocab)] if args.vocab else []) +
-                                    (["--clip", "0"] if args.mode in NO_CLIP else []))
+    model_args = model_arguments(args)
     runner = None
     if args.mode == "mwms":
         step = mwms_step(info, model_args)
@@ -403,11 +437,53 @@ def parallax_step(mode: str, model_args):
     import lm_small
 
     import parallax_ng as pn
-    graph, train_op, loss, _, init = lm_small.build(model_args)
+    build = classifier if model_args.model == "classifier" else lm_small.build
+    graph, train_op, loss, _, init = build(model_args)
     runner = pn.get_runner(graph, None, CONFIGS[mode][0])
     runner.run(init)
     fetch = [train_op, loss]
     return (lambda: runner.run(fetch)), runner, fetch
+
+
+def classifier(a):
+    """The dense-heavy model: the mean of the CONTEXT words' embeddings (a
+    [vocab, dim] table read by Zipf ids, sparse gradient) -> a hidden layer
+    -> logits over `classes` classes (the next word's id modulo classes),
+    softmax cross-entropy; Adagrad and global-norm clipping as lm_small.
+    Its dense layers hold dim*hidden + hidden*classes weights (2.2 MB at
+    128, 256 and 2000): most of a step's bytes."""
+    import tensorflow as tf
+
+    import lm_small
+
+    import parallax_ng as pn
+    tf1 = tf.compat.v1
+    contexts, targets = lm_small.windows(lm_small.corpus(a.vocab, a.words))
+    graph = tf.Graph()
+    with graph.as_default():
+        tf1.set_random_seed(a.seed)
+        ds = tf.data.Dataset.from_tensor_slices((contexts, targets % a.classes))
+        ds = pn.shard(ds.shuffle(10000, seed=1))
+        words, label = tf1.data.make_one_shot_iterator(
+            ds.batch(a.batch, drop_remainder=True).repeat()).get_next()
+        emb = tf1.get_variable("embedding", [a.vocab, a.dim],
+                               initializer=tf1.random_uniform_initializer(-0.05, 0.05))
+        zeros = tf1.zeros_initializer()
+        h = tf.reduce_mean(tf.nn.embedding_lookup(emb, words), axis=1)
+        h = tf.nn.relu(tf.matmul(h, tf1.get_variable("hidden/w", [a.dim, a.hidden])) +
+                       tf1.get_variable("hidden/b", [a.hidden], initializer=zeros))
+        logits = tf.matmul(h, tf1.get_variable("out/w", [a.hidden, a.classes])) + \
+            tf1.get_variable("out/b", [a.classes], initializer=zeros)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=label, logits=logits), name="loss")
+        step = tf1.train.get_or_create_global_step()
+        opt = tf1.train.AdagradOptimizer(0.2)
+        grads, tvars = zip(*opt.compute_gradients(loss))
+        if a.clip:
+            grads, _ = tf.clip_by_global_norm(grads, a.clip)
+        train_op = opt.apply_gradients(zip(grads, tvars), global_step=step)
+        init = tf1.global_variables_initializer()
+    return graph, train_op, loss, step, init
 
 
 def mwms_step(info, model_args):
@@ -422,6 +498,8 @@ def mwms_step(info, model_args):
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     a = model_args
     contexts, targets = lm_small.windows(lm_small.corpus(a.vocab, a.words))
+    if a.model == "classifier":
+        targets = targets % a.classes
 
     def dataset(ctx):
         ds = tf.data.Dataset.from_tensor_slices((contexts, targets)).shuffle(10000, seed=1)
@@ -429,31 +507,18 @@ def mwms_step(info, model_args):
         return ds.batch(a.batch, drop_remainder=True).repeat()
 
     with strategy.scope():
-        init = tf.random_uniform_initializer(-0.05, 0.05)
-        glorot = tf.keras.initializers.GlorotUniform()
-        emb = tf.Variable(init([a.vocab, a.dim]), name="embedding")
-        hidden_w = tf.Variable(glorot([lm_small.CONTEXT * a.dim, a.hidden]))
-        hidden_b = tf.Variable(tf.zeros([a.hidden]))
-        project_w = tf.Variable(glorot([a.hidden, a.dim]))
-        project_b = tf.Variable(tf.zeros([a.dim]))
-        soft_w = tf.Variable(glorot([a.vocab, a.dim]))
-        soft_b = tf.Variable(tf.zeros([a.vocab]))
-        variables = [emb, hidden_w, hidden_b, project_w, project_b, soft_w, soft_b]
+        variables, loss_of = (mwms_classifier if a.model == "classifier" else mwms_lm)(a)
         opt = tf_keras.optimizers.Adagrad(0.2)
     batches = iter(strategy.distribute_datasets_from_function(dataset))
 
     def replica_step(words, nxt):
         with tf.GradientTape() as tape:
-            h = tf.reshape(tf.nn.embedding_lookup(emb, words), [-1, lm_small.CONTEXT * a.dim])
-            h = tf.nn.relu(tf.matmul(h, hidden_w) + hidden_b)
-            h = tf.tanh(tf.matmul(h, project_w) + project_b)
-            loss = tf.reduce_mean(tf.nn.sampled_softmax_loss(
-                soft_w, soft_b, tf.reshape(nxt, [-1, 1]), h, num_sampled=64,
-                num_classes=a.vocab))
+            loss = loss_of(words, nxt)
         grads = tape.gradient(loss, variables)
         ctx = tf.distribute.get_replica_context()
         grads = ctx.all_reduce(tf.distribute.ReduceOp.MEAN, grads)
-        grads, _ = tf.clip_by_global_norm(grads, 5.0)
+        if a.clip:
+            grads, _ = tf.clip_by_global_norm(grads, a.clip)
         opt.apply_gradients(zip(grads, variables), skip_gradients_aggregation=True)
         return loss
 
@@ -462,6 +527,50 @@ def mwms_step(info, model_args):
         return strategy.run(replica_step, args=batch)
 
     return lambda: train(next(batches))
+
+
+def mwms_lm(a):
+    """lm_small's variables and loss in TensorFlow 2."""
+    import tensorflow as tf
+
+    import lm_small
+    init = tf.random_uniform_initializer(-0.05, 0.05)
+    glorot = tf.keras.initializers.GlorotUniform()
+    emb = tf.Variable(init([a.vocab, a.dim]), name="embedding")
+    hidden_w = tf.Variable(glorot([lm_small.CONTEXT * a.dim, a.hidden]))
+    hidden_b = tf.Variable(tf.zeros([a.hidden]))
+    project_w = tf.Variable(glorot([a.hidden, a.dim]))
+    project_b = tf.Variable(tf.zeros([a.dim]))
+    soft_w = tf.Variable(glorot([a.vocab, a.dim]))
+    soft_b = tf.Variable(tf.zeros([a.vocab]))
+
+    def loss(words, nxt):
+        h = tf.reshape(tf.nn.embedding_lookup(emb, words), [-1, lm_small.CONTEXT * a.dim])
+        h = tf.nn.relu(tf.matmul(h, hidden_w) + hidden_b)
+        h = tf.tanh(tf.matmul(h, project_w) + project_b)
+        return tf.reduce_mean(tf.nn.sampled_softmax_loss(
+            soft_w, soft_b, tf.reshape(nxt, [-1, 1]), h, num_sampled=64,
+            num_classes=a.vocab))
+    return [emb, hidden_w, hidden_b, project_w, project_b, soft_w, soft_b], loss
+
+
+def mwms_classifier(a):
+    """The classifier's variables and loss in TensorFlow 2."""
+    import tensorflow as tf
+    init = tf.random_uniform_initializer(-0.05, 0.05)
+    glorot = tf.keras.initializers.GlorotUniform()
+    emb = tf.Variable(init([a.vocab, a.dim]), name="embedding")
+    hidden_w = tf.Variable(glorot([a.dim, a.hidden]))
+    hidden_b = tf.Variable(tf.zeros([a.hidden]))
+    out_w = tf.Variable(glorot([a.hidden, a.classes]))
+    out_b = tf.Variable(tf.zeros([a.classes]))
+
+    def loss(words, label):
+        h = tf.reduce_mean(tf.nn.embedding_lookup(emb, words), axis=1)
+        h = tf.nn.relu(tf.matmul(h, hidden_w) + hidden_b)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=label, logits=tf.matmul(h, out_w) + out_b))
+    return [emb, hidden_w, hidden_b, out_w, out_b], loss
 
 
 def task_pids(info) -> dict[str, int]:
