@@ -127,6 +127,8 @@ def main():
     parser.add_argument("--layout", choices=("one", "per_host"), default="one",
                         help="modes with a server: one server, or one beside every worker")
     parser.add_argument("--no-clip", action="store_true", help="no global-norm clipping")
+    parser.add_argument("--config", default="{}",
+                        help="more config keys for every parallax_ng mode, as JSON")
     parser.add_argument("--json", metavar="FILE",
                         help="append the setting and every job's result as a JSON line")
     parser.add_argument("--netlab", metavar="RATE",
@@ -203,7 +205,8 @@ def job(mode: str, args, tmp: str, repeat: int) -> dict:
     cmd = [sys.executable, "-m", "parallax_ng.cli", "run", os.path.abspath(__file__),
            "-r", res, "--", "--mode", mode, "--out", out, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--devices", str(args.devices),
-           "--model", args.model] + (["--no-clip"] if args.no_clip else []) + (
+           "--model", args.model, "--config", args.config] + (
+               ["--no-clip"] if args.no_clip else []) + (
                ["--vocab", str(args.vocab)] if args.vocab else [])
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     with tempfile.TemporaryFile("w+") as log:
@@ -223,15 +226,18 @@ def job(mode: str, args, tmp: str, repeat: int) -> dict:
 
 def nic_window(out: str, proc) -> dict | None:
     """Bytes each emulated host sent between worker 0's window marks: it
-    writes OUT.start and waits for OUT.go; its result file ends the window."""
+    writes OUT.start and waits for OUT.go, and after its timed steps writes
+    OUT.stop and waits for OUT.stopped (the steps that count rows for the
+    model come after)."""
     before = None
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline and proc.poll() is None:
         if before is None and os.path.exists(out + ".start"):
             before = netlab_bytes()
             open(out + ".go", "w").close()
-        if before is not None and os.path.exists(out):
+        if before is not None and os.path.exists(out + ".stop"):
             after = netlab_bytes()
+            open(out + ".stopped", "w").close()
             return {h: after[h] - before[h] for h in after}
         time.sleep(0.005)
     return None
@@ -275,66 +281,22 @@ def report(results: dict, ablation: bool = False) -> None:
         print(f"{mode:19} {r['steps_per_s']:8.2f} {speed:>12} {total / 1e6:14.3f} {'':14} {size}")
 
 
-def traffic_model(plan, rows: dict, index_bytes: dict, distinct_ids: dict) -> dict:
-    """Bytes each process sends per step by the Parallax paper's traffic
-    model (Table 3) for `plan`, every worker alike, with the distinct rows
-    a worker touches (`rows`, measured) crossing once where the plan
-    coalesces: a worker pushes a ps variable's gradient (sparse: its rows
-    and indices) and asks for the rows of its lookups by id (`distinct_ids`
-    of them; each occurrence when lookups are not made distinct), the
-    variable's server returns every worker the rows it looked up (a dense
-    variable: its value); a ring over the G replicas of the job sends
-    2(G-1)/G of a dense gradient over each worker's link out, an all-gather
-    G-1 replicas' rows; fusion buffers go to the servers whole and come back
-    from each server by its shard. Alltoall (EmbRace): the ids gathered and
-    each replica's part of every looked-up row sent to each other replica
-    (rows padded to the widest part), the same for the gradient's rows; a
-    sparse gradient all-reduced as dense: its whole table and a count per
-    row."""
-    workers, group = plan.num_workers, plan.group_size
-    out = {f"worker {w}": 0.0 for w in range(workers)}
-    out.update({f"ps {j}": 0.0 for j in range(len(plan.servers))})
-
-    def task(device: str) -> str:
-        return "ps " + device.split("/task:")[1].split("/")[0]
-
-    sends = 0.0
-    for var, vp in plan.variables.items():
-        info, p = vp.info, plan.placement[var]
-        if vp.method == "bfb":
-            continue
-        shards = [(s.device, s.size / p.length) for s in p.shards] if hasattr(p, "length") \
-            else [(plan.server(var), 1.0)]
-        if info.sparse:
-            row, r = info.nbytes / info.shape[0], rows[var]
-            if vp.method == "alltoall":    # ids gathered, a part of each row exchanged
-                widest = max(s.size for s in p.shards)
-                part = row / info.shape[1] * widest
-                sends += (group - plan.num_replicas) * (distinct_ids[var] + r) * (
-                    index_bytes[var] + part)
-                continue
-            if vp.method == "allreduce":   # dense, with a count per row
-                sends += 2 * (group - 1) / group * (info.nbytes + 4 * info.shape[0])
-                continue
-            if vp.method == "allgather":
-                sends += (group - 1) * r / plan.num_replicas * (row + index_bytes[var])
-                continue
-            sends += r * (row + index_bytes[var]) + distinct_ids[var] * index_bytes[var]
-            for device, share in shards:
-                out[task(device)] += workers * share * distinct_ids[var] * row
-        elif vp.method == "allreduce":
-            sends += 2 * (group - 1) / group * info.nbytes
-        else:
-            sends += info.nbytes
-            out[task(plan.server(var))] += workers * info.nbytes
-    for buffer in plan.buffers:
-        size = plan.buffer_bytes(buffer)
-        sends += size
-        for s in buffer.placement.shards:
-            out[task(s.device)] += workers * size * s.size / buffer.placement.length
-    for w in range(workers):
-        out[f"worker {w}"] = sends
-    return out
+def traffic_model(plan, rows: dict, index_bytes: dict, looked_up: dict, info) -> dict:
+    """Bytes each task sends per step by the Parallax paper's traffic model
+    (Table 3; parallax_ng/traffic.py) for `plan`, with the rows a worker's
+    sparse gradients send (`rows`, measured) and the ids its lookups ask a
+    server for (`looked_up`); on emulated hosts, what each host's link
+    carries out, named as the NICs are read."""
+    from parallax_ng import traffic
+    flows = traffic.flows(plan, index_bytes, rows, looked_up)
+    if not is_emulated(info):
+        return traffic.task_bytes(flows)
+    layout = traffic.Layout.of(info)
+    sent = traffic.links(flows, layout).sent
+    names = {layout.end(f"worker {i}"): f"host of worker {i}" for i in range(len(info.workers))}
+    names.update({layout.end(f"ps {j}"): "server host" for j in range(len(info.ps))
+                  if layout.end(f"ps {j}") not in names})
+    return {names[end]: b for end, b in sent.items()}
 
 
 # -- inside the job -----------------------------------------------------------
@@ -360,23 +322,23 @@ def worker(args) -> None:
     if args.mode == "mwms":
         step = mwms_step(info, model_args)
     else:
-        step, runner, fetch = parallax_step(args.mode, model_args)
+        step, runner, fetch = parallax_step(args.mode, model_args, json.loads(args.config))
     for _ in range(args.warmup):
         step()
     measure = info.task == 0
     tasks = task_pids(info) if measure else {}
     before = sent_bytes(tasks.values()) if measure else {}
-    if measure and args.out and is_emulated(info):   # the coordinator reads the NICs
-        open(args.out + ".start", "w").close()
-        waited = time.monotonic()
-        while not os.path.exists(args.out + ".go") and time.monotonic() - waited < 60:
-            time.sleep(0.005)
+    emulated = measure and args.out and is_emulated(info)   # the coordinator reads NICs
+    if emulated:
+        handshake(args.out + ".start", args.out + ".go")
     start = time.perf_counter()
     for _ in range(args.steps):
         step()
     seconds = time.perf_counter() - start
     after = sent_bytes(tasks.values()) if measure else {}
-    model, rows = model_of(runner, fetch) if runner is not None else ({}, {})  # every worker
+    if emulated:
+        handshake(args.out + ".stop", args.out + ".stopped")
+    model, rows = model_of(runner, fetch, info) if runner is not None else ({}, {})  # every worker
     if measure:
         per_step = {name: (after.get(pid, 0) - before.get(pid, 0)) / args.steps
                     for name, pid in tasks.items()}
@@ -390,7 +352,15 @@ def worker(args) -> None:
 MODEL_STEPS = 20
 
 
-def model_of(runner, fetch) -> tuple[dict, dict]:
+def handshake(mark: str, answer: str) -> None:
+    """Tell the coordinator (file `mark`) and wait for its `answer`."""
+    open(mark, "w").close()
+    waited = time.monotonic()
+    while not os.path.exists(answer) and time.monotonic() - waited < 60:
+        time.sleep(0.005)
+
+
+def model_of(runner, fetch, info) -> tuple[dict, dict]:
     """The traffic model with the distinct rows this worker's sparse
     gradients held over MODEL_STEPS more training steps (the ids its
     lookups asked for are the same rows), and the gradient rows a replica
@@ -425,21 +395,21 @@ def model_of(runner, fetch) -> tuple[dict, dict]:
     looked_up = rows if plan.distinct_lookups else ids
     sent = {v: {"before": ids[v], "after": coalesced[v],
                 **({"prior": first[v]} if v in first else {})} for v in sparse}
-    return traffic_model(plan, coalesced, index_bytes, looked_up), sent
+    return traffic_model(plan, coalesced, index_bytes, looked_up, info), sent
 
 
 def is_emulated(info) -> bool:
     return info.workers[0].startswith("10.254.0.")
 
 
-def parallax_step(mode: str, model_args):
+def parallax_step(mode: str, model_args, extra: dict):
     """(one training step, the runner, what a step fetches)."""
     import lm_small
 
     import parallax_ng as pn
     build = classifier if model_args.model == "classifier" else lm_small.build
     graph, train_op, loss, _, init = build(model_args)
-    runner = pn.get_runner(graph, None, CONFIGS[mode][0])
+    runner = pn.get_runner(graph, None, {**CONFIGS[mode][0], **extra})
     runner.run(init)
     fetch = [train_op, loss]
     return (lambda: runner.run(fetch)), runner, fetch

@@ -47,6 +47,15 @@ class Fit:
     def residuals(self) -> list[float]:
         return [(self.cost(m) - t) / t for m, t in self.points]
 
+    def link_b(self) -> float:
+        """Seconds per byte of large messages: the slope between the two
+        largest sizes when the largest is 1 MB or more (the fit weighs
+        every size alike, and small messages pull b down), else b."""
+        big = sorted(self.points)[-2:]
+        if len(big) == 2 and big[1][0] >= 2**20 and big[1][1] > big[0][1]:
+            return (big[1][1] - big[0][1]) / (big[1][0] - big[0][0])
+        return self.b
+
     @property
     def rms_error(self) -> float:
         r = self.residuals()
@@ -153,3 +162,34 @@ def _collective_time(metadata, names: set) -> float:
     if not starts:
         raise ValueError("the benchmark's all-reduces are missing from the step stats")
     return max(1, max(ends) - max(starts)) / 1e6
+
+
+def round_trip(target: str, server: str, host: str, session_config, timeout_seconds: float,
+               repeats: int = 30) -> float:
+    """Seconds of one session run that updates a scalar on `server` and
+    reads it back on `host` (this worker's CPU): the fixed cost of a step's
+    round trip to a parameter server, every worker measuring at once as
+    in training. The median of `repeats` runs after five."""
+    import time
+
+    import tensorflow as tf
+    graph = tf.Graph()
+    task = host.split("/task:")[1].split("/")[0]
+    with graph.as_default(), tf.compat.v1.name_scope("parallax/round_trip"):
+        with tf.device(server):
+            var = tf.compat.v1.get_variable(f"parallax/round_trip/worker_{task}", [],
+                                            initializer=tf.compat.v1.zeros_initializer(),
+                                            use_resource=True)
+            bumped = var.assign_add(1.0)
+        with tf.device(host):
+            back = tf.identity(bumped)
+    options = tf.compat.v1.RunOptions(timeout_in_ms=int(timeout_seconds * 1000))
+    times = []
+    with tf.compat.v1.Session(target, graph=graph, config=session_config) as session:
+        session.run(var.initializer, options=options)
+        for k in range(repeats + 5):
+            start = time.perf_counter()
+            session.run(back, options=options)
+            if k >= 5:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)

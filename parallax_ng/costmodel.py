@@ -41,21 +41,44 @@ EXCHANGES = 4           # collectives of a table's alltoall lookup and gradient 
 
 @dataclass(frozen=True)
 class Network:
+    """B and beta; for whole plans (parallax_ng/traffic.py) also what one
+    round of collectives costs besides its bytes (`collective`, the
+    all-reduce's a) and what one round trip to a server costs
+    (`round_trip`); unmeasured, 2(N-1) beta and 2 beta."""
     bandwidth: float        # bytes per second (B)
     latency: float          # seconds per message (beta)
     source: str = "default"
+    collective: float | None = None
+    round_trip: float | None = None
 
     @classmethod
-    def from_allreduce(cls, a: float, b: float, replicas: int) -> "Network":
+    def from_allreduce(cls, a: float, b: float, replicas: int,
+                       round_trip: float | None = None) -> "Network":
         """The constants of a ring all-reduce fit T(M) = a + bM over
         `replicas` (a = 2(N-1) beta, b = 2(N-1)/(N B))."""
         n = max(replicas, 2)
         return cls(2 * (n - 1) / (n * b) if b > 0 else float("inf"), a / (2 * (n - 1)),
-                   "the all-reduce benchmark")
+                   "the all-reduce benchmark" + (" and the server round trip"
+                                                 if round_trip is not None else ""),
+                   a, round_trip)
+
+    def collective_round(self, replicas: int) -> float:
+        """Seconds of one round of collectives over `replicas`, bytes aside."""
+        if self.collective is not None:
+            return self.collective
+        return 2 * (max(replicas, 2) - 1) * self.latency
+
+    def server_round_trip(self) -> float:
+        return self.round_trip if self.round_trip is not None else 2 * self.latency
 
     def describe(self) -> str:
+        extra = ""
+        if self.collective is not None:
+            extra += f", {self.collective * 1e3:.3g} ms per round of collectives"
+        if self.round_trip is not None:
+            extra += f", {self.round_trip * 1e3:.3g} ms per server round trip"
         return (f"network {self.bandwidth * 8 / 1e9:.3g} Gb/s, {self.latency * 1e6:.3g} us "
-                f"per message ({self.source})")
+                f"per message{extra} ({self.source})")
 
 
 def seconds(method: str, info: VariableInfo, replicas: int, servers: int,

@@ -39,6 +39,7 @@ class Profile:
     ready: dict = field(default_factory=dict)      # variable -> seconds into the step
     forward_time: float = 0.0
     allreduce: Fit | None = None                   # the micro-benchmark's fit, if run
+    round_trip: float | None = None                # seconds of a server round trip, if run
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -73,7 +74,8 @@ class Profile:
         return Profile(
             n, {v: mean(self.rows[v], other.rows.get(v, self.rows[v])) for v in self.rows},
             {v: mean(self.ready[v], other.ready.get(v, self.ready[v])) for v in self.ready},
-            mean(self.forward_time, other.forward_time), self.allreduce or other.allreduce)
+            mean(self.forward_time, other.forward_time), self.allreduce or other.allreduce,
+            self.round_trip if self.round_trip is not None else other.round_trip)
 
     def apply(self, info: dict, tg) -> dict:
         """The analysis with measured sparsity: rows touched / rows."""
@@ -91,6 +93,8 @@ class Profile:
                            "backward_time": layer.backward_time} for layer in self.layers()]}
         if self.allreduce is not None:
             out["allreduce"] = self.allreduce.to_dict()
+        if self.round_trip is not None:
+            out["round_trip"] = self.round_trip
         return out
 
     def simulator(self, tg, per_variable: bool = False) -> dict:
