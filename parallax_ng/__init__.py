@@ -64,6 +64,7 @@ def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profil
     else in the static order."""
     from .analysis import analyze
     from .planner import make_plan
+    from .traffic import Layout
 
     info = analyze(tg)
     order = ()
@@ -77,7 +78,7 @@ def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profil
         plan = make_plan(tg, info, config, cluster_info.device_strings(), cluster_info.host,
                          len(cluster_info.workers), cluster_info.task,
                          cluster_info.server_devices(), tuple(job_order["order"]),
-                         profile=measured)
+                         profile=measured, layout=Layout.of(cluster_info))
         if plan.buffers:
             plan = replace(plan, order_source=job_order["source"])
     else:
@@ -259,8 +260,9 @@ def _runner(tg, resources, config: Config, session_config, cluster_info=None, ho
 def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
                ) -> dict | None:
     """In a job whose dense gradients go through fusion buffers or mgwfbp
-    buckets, or whose methods run_option auto weighs (by the rows a step
-    touches and the network): what worker 0's first step measured, before
+    buckets, or whose plans hybrid or auto weigh (by the rows a step
+    touches and the network, parallax_ng/choice.py): what worker 0's first
+    step measured, before
     the graph is built
     (parallax_ng/profile.py first_step_profile: the order and times the
     gradients became ready), and, when mgwfbp has no a and b, the all-reduce
@@ -270,7 +272,7 @@ def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
     meanwhile, so the machine is shared as in training). None outside such
     a job. `profile_steps` (`parallax-ng profile` of a job): measure that many
     steps and run the benchmark whatever the plan."""
-    from . import cluster, costfit
+    from . import choice, cluster, costfit
     from .profile import first_step_profile
 
     if cluster_info is None or server is None or (
@@ -279,16 +281,23 @@ def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
     plan = _plan(tg, None, config, cluster_info)
     mgwfbp = config.buckets.mode == "mgwfbp" and not config.buckets.profile and any(
         vp.method == "allreduce" for vp in plan.variables.values())
-    auto = config.run_option == "auto"
-    if not plan.buffers and not mgwfbp and not auto and not profile_steps:
+    # auto, and hybrid weighing its plans by their links: the rows a step
+    # touches and the network
+    weighs = config.run_option == "auto" or choice.weighs(config, len(cluster_info.workers),
+                                                          cluster_info.ps)
+    if not plan.buffers and not mgwfbp and not weighs and not profile_steps:
         return None
     timeout = config.communication.timeout_seconds
     fit = None
     if mgwfbp and config.buckets.a is None or profile_steps or \
-            auto and config.network.bandwidth is None:
+            weighs and config.network.bandwidth is None:
         fit = costfit.measure(server.target, list(plan.devices), plan.group_size,
                               costfit.sizes(costfit.model_bytes(tg, plan)),
                               cluster_info.session_config(), timeout)
+    trip = None
+    if weighs and cluster_info.ps and config.network.bandwidth is None:
+        trip = costfit.round_trip(server.target, cluster_info.server_devices()[0],
+                                  cluster_info.host, cluster_info.session_config(), timeout)
     # every worker steps at once, so worker 0's times have the machine shared
     # as in training; only worker 0's are used
     steps = profile_steps or config.profile.steps
@@ -299,7 +308,7 @@ def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
         mine = {"order": list(profile.order) if profile else [],
                 "ready": dict(profile.ready) if profile else {},
                 "forward_time": profile.forward_time if profile else 0.0,
-                "allreduce": fit.to_dict() if fit else None,
+                "allreduce": fit.to_dict() if fit else None, "round_trip": trip,
                 "rows": dict(profile.rows) if profile else {},
                 "source": "measured in worker 0's first step" if profile else
                           f"the graph's order: not measured, {why}"}
@@ -315,7 +324,8 @@ def _job_profile(job_order: dict):
         return None
     fit = job_order.get("allreduce")
     return Profile(1, dict(job_order.get("rows", {})), dict(job_order.get("ready", {})),
-                   job_order.get("forward_time", 0.0), Fit.from_dict(fit) if fit else None)
+                   job_order.get("forward_time", 0.0), Fit.from_dict(fit) if fit else None,
+                   job_order.get("round_trip"))
 
 
 def _job_config(config) -> Config:

@@ -73,7 +73,7 @@ class PassContext:
 
     `instance_keys` is the state passes share: each collective they add
     takes a fresh key from it. Passes publish typed results
-    (parallax_ng/results.py, parallax_ng/stages.py) for later passes and
+    (parallax_ng/results.py, parallax_ng/step_parts.py) for later passes and
     the runtime.
     """
 

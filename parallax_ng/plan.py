@@ -76,6 +76,23 @@ class Buffer:
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """A plan the planner weighed by its links (parallax_ng/choice.py): its
+    busiest link's end and bytes per step each way, the bytes over all
+    links, the seconds those bytes take and those of its rounds of
+    messages (parallax_ng/traffic.py), and their sum."""
+    label: str
+    end: str
+    sent: float
+    received: float
+    total: float
+    link_seconds: float
+    fixed_seconds: float
+    seconds: float
+    chosen: bool = False
+
+
+@dataclass(frozen=True)
 class Plan:
     run_option: str
     average_dense: bool
@@ -103,6 +120,7 @@ class Plan:
     rewrites: Rewrites = field(default_factory=Rewrites)
     costs: dict = field(default_factory=dict)   # run_option auto: var -> {method: seconds}
     network: str = ""                           # the network those costs assume
+    choice: tuple[Candidate, ...] = ()          # the plans weighed by their links
 
     @property
     def num_replicas(self) -> int:
@@ -202,6 +220,7 @@ class Plan:
         """The plan without its measurements (sparsity, gradient order): two
         plans with equal decisions transform a graph alike."""
         return replace(self, schedule=replace(self.schedule, order=()), costs={}, network="",
+                       choice=(),
                        variables={
             k: replace(vp, info=replace(vp.info, alpha=None, alpha_source=""))
             for k, vp in self.variables.items()})
@@ -226,6 +245,7 @@ class Plan:
             "distinct_lookups": self.distinct_lookups, "order_source": self.order_source,
             "rewrites": dict(vars(self.rewrites)),
             "costs": {k: dict(v) for k, v in self.costs.items()}, "network": self.network,
+            "choice": [dict(vars(c)) for c in self.choice],
         }
 
     def format(self) -> str:
@@ -247,6 +267,7 @@ class Plan:
                 rows.append(f"  {name:38} " + "  ".join(
                     f"{m}{'*' if m == self.variables[name].method else ''} {t * 1e3:.3f}"
                     for m, t in table.items()))
+        rows += self._format_choice()
         if self.servers:
             rows.append("servers: " + ", ".join(f"{d} {b / 1e6:.3f} MB"
                                                 for d, b in self.server_load().items()))
@@ -300,6 +321,34 @@ class Plan:
             rows.append("state: " + ", ".join(f"{k}={_short(self.placement[k])}"
                                               for k in state))
         return "\n".join(rows)
+
+
+    def _format_choice(self) -> list[str]:
+        if not self.choice:
+            return []
+        rows = [f"plans weighed by their busiest link ({self.network}):",
+                f"  {'plan':40} {'busiest link':24} {'MB out/in':>13} {'MB all':>7} "
+                f"{'link ms':>8} {'+ rounds':>8} {'= ms':>8}"]
+        for c in self.choice:
+            rows.append(f"  {c.label + ('*' if c.chosen else ''):40} {(c.end or '-')[:24]:24} "
+                        f"{c.sent / 1e6:6.3f}/{c.received / 1e6:<6.3f} {c.total / 1e6:7.3f} "
+                        f"{c.link_seconds * 1e3:8.3f} {c.fixed_seconds * 1e3:8.3f} "
+                        f"{c.seconds * 1e3:8.3f}")
+        won = next(c for c in self.choice if c.chosen)
+        rest = [c for c in self.choice if not c.chosen]
+        if rest:
+            nxt = rest[0]
+            bytes_decide = (nxt.link_seconds - won.link_seconds >
+                            nxt.fixed_seconds - won.fixed_seconds)
+            why = (f"{nxt.label}, next, takes {nxt.seconds / won.seconds:.2f}x its time "
+                   + ("(the bytes on the busiest link decide)" if bytes_decide else
+                      "(the rounds of messages decide)")
+                   if nxt.seconds > won.seconds else
+                   f"the same predicted time as {nxt.label}, and "
+                   + ("fewer bytes over all links" if nxt.total > won.total else
+                      "first in the order of preference"))
+            rows.append(f"  chosen: {won.label}: {why}")
+        return rows
 
 
 def job_devices(devices, num_workers: int, worker: int) -> list[str]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import buckets as bucketing
-from . import columns, costmodel, deferral, queues, randomness
+from . import choice, columns, costmodel, deferral, queues, randomness, traffic
 from .analysis import VariableInfo
 from .config import Config
 from .duplicates import coalescing
@@ -36,29 +36,59 @@ from .plan import (Bucket, Buffer, Plan, Rewrites, Schedule, Segment, VariablePl
 
 def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
               devices: list[str], host: str, num_workers: int = 1, worker: int = 0,
-              servers: list[str] = (), order: tuple[str, ...] = (), profile=None) -> Plan:
+              servers: list[str] = (), order: tuple[str, ...] = (), profile=None,
+              layout: traffic.Layout | None = None) -> Plan:
     """`order`: trained variables in the order their gradients became ready
     in a measured step (in a job every worker must pack alike: the order
     worker 0 measured and gave every worker, parallax_ng/__init__.py
     `_job_order`); empty: the static order. `profile`: a measured step
-    (parallax_ng/profile.py), whose ready times the mgwfbp buckets use."""
+    (parallax_ng/profile.py), whose ready times the mgwfbp buckets use.
+    `layout`: the hosts of a job's tasks, whose links weigh the candidate
+    plans of hybrid and auto (parallax_ng/choice.py); None: every task on
+    this machine."""
     job_servers = num_workers > 1 and bool(servers) and config.communication.backend == "tf"
     can_cut = lambda v: cuttable(tg, v, len(devices), num_workers)   # noqa: E731
     can_sum = lambda v: coalescing(tg, v) is not None                 # noqa: E731
     group = len(devices) * num_workers
+    weighing = choice.weighs(config, num_workers, servers)
     net, costs = None, {}
-    if config.run_option == "auto":
+    if config.run_option == "auto" or weighing:
         net = network(config, profile, group)
+    if config.run_option == "auto":
         costs = {name: costmodel.costs(vi, allowed_methods(vi, name, job_servers, can_cut,
                                                            can_sum),
                                        group, len(servers), net)
                  for name, vi in info.items()}
+    job = (tg, info, devices, host, num_workers, worker, servers, order, profile)
+
+    def build(cfg: Config, tables: dict) -> Plan:
+        methods = choose_methods(info, cfg, job_servers, can_cut, can_sum, tables)
+        return replace(_plan_of(job, cfg, methods), costs=costs,
+                       network=net.describe() if net else "")
+    if not weighing:
+        return build(config, costs)
+    candidates, refused = [], []
+    for label, cfg, tables in choice.options(config, costs, info):
+        try:
+            candidates.append((label, build(cfg, tables)))
+        except ConfigError as e:
+            refused.append(e)
+    if not candidates:
+        raise refused[0]
+    index_bytes = {v: tg.tensor(g.indices).dtype.size for v, g in tg.gradients.items()
+                   if g.sparse and g.indices is not None}
+    return choice.best(candidates, layout or traffic.Layout.local(num_workers, len(servers)),
+                       net, index_bytes)
+
+
+def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
+    """The plan of a job (`make_plan`'s inputs) with these methods."""
+    tg, info, devices, host, num_workers, worker, servers, order, profile = job
     variables = {name: VariablePlan(name, method, info[name],
                                     coalesce=config.coalesce_rows and
                                     method in ("ps", "allgather", "alltoall") and
                                     coalescing(tg, name) is not None)
-                 for name, method in choose_methods(
-                     info, config, job_servers, can_cut, can_sum, costs).items()}
+                 for name, method in methods.items()}
     roots = shared_roots(variables)
     fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
     split = num_workers > 1 and bool(roots or fused)
@@ -89,7 +119,6 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                 split_queues={q.queue: q.enqueues for q in producers},
                 schedule=Schedule(split=split), buffers=buffers, buckets=buckets,
                 blocks=blocks,
-                costs=costs, network=net.describe() if net else "",
                 distinct_lookups=config.distinct_lookups and (
                     bool(servers) or any(vp.method == "alltoall" for vp in variables.values())),
                 rewrites=Rewrites(**vars(config.placement_rewrites)))
@@ -99,19 +128,15 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
 def choose_methods(info: dict[str, VariableInfo], config: Config,
                    job_servers: bool = False, cuttable=lambda v: True,
                    can_sum_rows=lambda v: True, costs=None) -> dict[str, str]:
-    """`job_servers`: a job of several workers with parameter servers, where
-    `hybrid` aggregates dense gradients by balanced fusion buffers (one
-    session.run per step; all-reduce would need stages, measured slower).
+    """`job_servers`: a job of several workers with parameter servers.
     `cuttable(var)`: whether alltoall can cut a sparse variable by columns;
     `can_sum_rows(var)`: whether a sparse gradient may be all-reduced as a
     dense one (duplicate rows summed: parallax_ng/duplicates.py).
     `sparse_method: alltoall` (or allreduce) takes the run option's method
     for a variable that cannot (a 1-D bias cannot be cut by columns, say);
     naming it in `variable_methods` is an error. `costs` (run_option auto):
-    each variable's predicted seconds per allowed method; the cheapest wins,
-    but once a variable goes to the servers the dense ones take fusion
-    buffers there too (as `hybrid` does: all-reduce beside server work needs
-    a step in stages, measured slower)."""
+    each variable's predicted seconds per allowed method; the cheapest wins
+    (a dense one takes `dense_method` when the config sets it)."""
     unknown = set(config.variable_methods) - set(info)
     if unknown:
         raise ConfigError(f"config key 'variable_methods' names {sorted(unknown)}, which "
@@ -119,7 +144,8 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
     out = {}
     for name, vi in info.items():
         method = config.variable_methods.get(name) or (
-            costmodel.choose(costs[name]) if costs else
+            costmodel.choose(costs[name]) if costs and (vi.sparse or
+                                                         config.dense_method == "auto") else
             _default_method(config, vi, job_servers))
         if name not in config.variable_methods and vi.sparse and (
                 method == "alltoall" and not cuttable(name) or
@@ -142,21 +168,18 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
                               f"buffers, for dense gradients), but {name} has a sparse "
                               "gradient; use ps, allgather or allreduce")
         out[name] = method
-    if costs and "ps" in out.values():     # a step on the servers: dense ones there too
-        out.update({v: "bfb" for v in costs if v not in config.variable_methods and
-                    "bfb" in costs[v] and out[v] == "allreduce"})
     return out
 
 
 def allowed_methods(vi: VariableInfo, name: str, job_servers: bool, can_cut,
                     can_sum) -> tuple[str, ...]:
     """The methods `run_option: auto` weighs for a variable: all-reduce for a
-    dense one (and fusion buffers on a job's servers); for a sparse one
+    dense one (and fusion buffers or whole on a job's servers); for a sparse one
     all-gather, alltoall where the table can be cut by columns, all-reduce
     as dense where its rows may be summed, and servers in a job that has
     them."""
     if not vi.sparse:
-        return ("allreduce", "bfb") if job_servers else ("allreduce",)
+        return ("allreduce", "bfb", "ps") if job_servers else ("allreduce",)
     out = ["allgather"] + (["alltoall"] if can_cut(name) else []) + (
         ["allreduce"] if can_sum(name) else [])
     return tuple(out + (["ps"] if job_servers else []))
@@ -169,8 +192,9 @@ def network(config: Config, profile, replicas: int) -> costmodel.Network:
         return costmodel.Network(config.network.bandwidth, config.network.latency or 0.0,
                                  "config network")
     if profile is not None and profile.allreduce is not None:
-        cost = profile.allreduce.cost
-        return costmodel.Network.from_allreduce(cost.a, cost.b, replicas)
+        fit = profile.allreduce
+        return costmodel.Network.from_allreduce(fit.a, fit.link_b(), replicas,
+                                                profile.round_trip)
     return costmodel.Network(costmodel.BANDWIDTH, costmodel.LATENCY)
 
 
@@ -181,8 +205,6 @@ def _default_method(config: Config, vi: VariableInfo, job_servers: bool) -> str:
         return "allgather" if config.run_option == "allreduce" else "ps"
     if config.dense_method != "auto":
         return config.dense_method
-    if config.run_option == "hybrid" and job_servers:
-        return "bfb"
     return "ps" if config.run_option == "ps" else "allreduce"
 
 

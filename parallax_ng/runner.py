@@ -18,7 +18,8 @@ is a feed of N times a fixed leading dimension (the global batch of a
 tensor built per replica, e.g. a fetched RNN state fed back); other feeds go
 to every replica unchanged (with a warning, once, for a placeholder on the
 gradients' path fed exactly its fixed batch) (parallax_ng/fetches.py).
-A run is one step of session runs (parallax_ng/executor.py); after one that
+A run is one step of session runs (parallax_ng/executor.py: one, or two at
+once in a job whose step has collectives beside server work); after one that
 initialized (or trained, where the training run does not hold it), a job
 with parameter servers meets at its barrier.
 The first `config.profile.steps` training runs are traced and measured
@@ -137,8 +138,9 @@ class Runner:
         return tf.nest.pack_sequence_as(fetches, out)
 
     def session_runs(self, fetches) -> int:
-        """How many session.runs one `run(fetches)` makes: its stages, and the
-        job's barrier where it is a run of its own."""
+        """How many session.runs one `run(fetches)` makes: one, or two at once
+        (a job step's collectives beside its server work), and the job's
+        barrier where it is a run of its own."""
         wanted = [self.fetches.fetch(leaf, False) for leaf in tf.nest.flatten(fetches)]
         initialized, trained, _ = self._kind(tuple(f.user for f in wanted))
         runs = len(self.executor.runs([n for f in wanted for n in f.names]))

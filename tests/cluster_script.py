@@ -50,8 +50,12 @@ runner = pn.get_runner(g, None, {"run_option": args.run_option,
                                  "communication": {"timeout_seconds": 120},
                                  **json.loads(args.config)})
 if h["train"] is not None:
-    print(f"worker {runner.plan.worker}: {runner.session_runs(h['train'])} session run(s) "
-          "per step", flush=True)
+    runs = runner.session_runs(h["train"])
+    print(f"worker {runner.plan.worker}: {runs} session run(s) "
+          f"{'at once ' if runs > 1 and runner.executor.parts else ''}per step", flush=True)
+chosen = [c.label for c in runner.plan.choice if c.chosen]
+if chosen:
+    print(f"worker {runner.plan.worker}: chose {chosen[0]}", flush=True)
 if runner.plan.buffers:
     packed = [s.var for b in runner.plan.buffers for s in b.segments]
     print(f"worker {runner.plan.worker}: buffers packed {packed} in "

@@ -38,12 +38,16 @@ def op_counts(ir, prefix=""):
 def cluster_transform(graph, worker, servers=1, run_option="hybrid", devices=1, workers=2,
                       **config):
     """Transform `graph` as worker `worker` of a job on made-up loopback ports
-    (nothing is started): (GraphIR, PassContext). `config`: more config keys."""
+    (nothing is started): (GraphIR, PassContext). `config`: more config keys;
+    hybrid's dense variables by fusion buffers unless they say otherwise
+    (the planner would choose by the links otherwise: test_choice.py)."""
     import parallax_ng as pn
     from parallax_ng.cluster import ClusterInfo
     info = ClusterInfo(tuple(f"127.0.0.1:{2000 + i}" for i in range(workers)),
                        tuple(f"127.0.0.1:{3000 + j}" for j in range(servers)), "worker",
                        worker, tuple(("CPU", k) for k in range(devices)))
+    if run_option == "hybrid" and servers:
+        config.setdefault("dense_method", "bfb")
     ir, ctx, _ = pn.transform(graph, config={"run_option": run_option, **config},
                               cluster_info=info)
     return ir, ctx

@@ -62,9 +62,13 @@ def test_killed_and_restarted_in_process_run_equals_uninterrupted(tmp_path, conf
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
 
 
+BFB, RING = '{"dense_method": "bfb"}', '{"dense_method": "allreduce"}'
+
+
 @pytest.mark.parametrize("run_option,servers,extra", [
-    ("allreduce", 0, []), ("hybrid", 1, []),
-    ("hybrid", 2, ["--no-ema"]),     # the embedding split by rows over two servers
+    ("allreduce", 0, []), ("hybrid", 1, ["--config", BFB]),
+    ("hybrid", 1, ["--config", RING]),       # collectives beside the server's run
+    ("hybrid", 2, ["--no-ema", "--config", BFB]),   # the embedding by rows on two servers
     ("allreduce", 0, ["--config", ALLTOALL])])   # by columns over the workers
 def test_killed_and_restarted_two_worker_job_equals_uninterrupted(tmp_path, run_option,
                                                                   servers, extra):

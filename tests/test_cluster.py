@@ -62,24 +62,33 @@ def test_one_worker_job_uses_its_server(tmp_path):
 
 
 @pytest.mark.parametrize("run_option,servers,dense", [
-    ("allreduce", 0, "auto"), ("hybrid", 1, "auto"), ("hybrid", 2, "auto"),
-    ("hybrid", 1, "allreduce"), ("ps", 1, "auto"), ("ps", 2, "auto")])
+    ("allreduce", 0, "auto"), ("hybrid", 1, "bfb"), ("hybrid", 2, "bfb"),
+    ("hybrid", 1, "allreduce"), ("hybrid", 2, "allreduce"), ("hybrid", 1, "auto"),
+    ("ps", 1, "auto"), ("ps", 2, "auto")])
 @pytest.mark.parametrize("workers,devices", [(2, 1), (2, 2)])
 def test_workers_match_one_device(tmp_path, workers, devices, run_option, servers, dense):
     """Adam, gradients clipped by their global norm (dense and sparse), EMA of
     every weight, 10 steps: every variable and slot on every replica of every
     worker within 1e-5 of one device with the total batch. Hybrid's dense
-    variables by fusion buffers (its default with servers) and by all-reduce
-    (in stages)."""
+    variables by fusion buffers, by all-reduce (the step's collectives in a
+    session run of their own beside the server work's) and by the plan the
+    links favour (every worker weighs the same measurements alike)."""
     done, out, _ = run_job(tmp_path, workers, devices, "10", "--run-option", run_option,
                            "--dense-method", dense, servers=servers)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_matches_one_device(out, workers, devices)
-    if run_option == "hybrid" and dense == "auto":   # fusion buffers
+    if run_option == "hybrid" and dense == "bfb":
         packed = [line.split("buffers packed ", 1)[1] for line in done.stdout.splitlines()
                   if "buffers packed" in line]
         assert len(packed) == workers and len(set(packed)) == 1, packed
         assert "measured in worker 0's first step" in packed[0]
+    if run_option == "hybrid" and dense == "allreduce":
+        for w in range(workers):
+            assert f"worker {w}: 2 session run(s) at once per step" in done.stdout
+    if run_option == "hybrid" and dense == "auto":
+        chose = [line.split("chose ", 1)[1] for line in done.stdout.splitlines()
+                 if ": chose " in line]
+        assert len(chose) == workers and len(set(chose)) == 1, chose
 
 
 def assert_matches_one_device(out, workers: int, devices: int, clip: bool = True) -> None:
@@ -96,15 +105,18 @@ def assert_matches_one_device(out, workers: int, devices: int, clip: bool = True
             assert np.max(np.abs(got - single[name])) <= 1e-5, name
 
 
-@pytest.mark.parametrize("run_option", ["hybrid", "ps"])
+@pytest.mark.parametrize("run_option,dense", [("hybrid", "bfb"), ("hybrid", "allreduce"),
+                                              ("ps", "auto")])
 @pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adagrad", "rmsprop"])
-def test_every_optimizer_with_clipping_on_a_server(tmp_path, optimizer, run_option):
+def test_every_optimizer_with_clipping_on_a_server(tmp_path, optimizer, run_option, dense):
     """Gradients clipped by their global norm with the embedding on a server:
     the other workers take back the job's sparse values for the norm, and
     their silenced sparse writers (GradientDescent's ScatterAdd reads the
-    indices directly) stay no-ops. Adam: test_workers_match_one_device."""
+    indices directly) stay no-ops; with the dense gradients all-reduced, the
+    norm crosses from the collective run to the server run of each step.
+    Adam: test_workers_match_one_device."""
     done, out, _ = run_job(tmp_path, 2, 1, "10", "--run-option", run_option,
-                           "--optimizer", optimizer, servers=1)
+                           "--dense-method", dense, "--optimizer", optimizer, servers=1)
     assert done.returncode == 0, done.stderr[-3000:]
     single = train_single(*embedding_regression(8, optimizer, clip=True, ema=True), 10)
     parallel = load(out, 2)
@@ -200,12 +212,13 @@ def test_parameter_servers_missing_from_the_resources_is_a_clear_error(tmp_path)
     assert "list `ps: [address]`" in done.stderr and "run_option: allreduce" in done.stderr
 
 
-@pytest.mark.parametrize("dense", ["auto", "allreduce"])
+@pytest.mark.parametrize("dense", ["bfb", "allreduce"])
 def test_hybrid_with_a_server_runs_600_steps_in_step(tmp_path, dense):
     """Dense variables by fusion buffers (one run per step, no collectives),
-    or by all-reduce with collectives and parameter-server work in separate
-    runs of each step: a long run never hits TensorFlow's step-id cleanup
-    abort, and the workers' mirrored copies stay bit-identical."""
+    or by all-reduce with collectives and parameter-server work in two
+    session runs of each step at once: a long run never hits TensorFlow's
+    step-id cleanup abort, and the workers' mirrored copies stay
+    bit-identical."""
     done, out, _ = run_job(tmp_path, 2, 1, "600", "--run-option", "hybrid",
                            "--dense-method", dense, servers=1, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -282,7 +295,8 @@ def test_killing_any_task_stops_every_process_within_60s(tmp_path, victim):
     res.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2
                    + "ps: [127.0.0.1]\n")
     cmd = [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r", str(res), "--",
-           str(tmp_path / "vars"), "100000", "--run-option", "hybrid"]   # the server in use
+           str(tmp_path / "vars"), "100000", "--run-option", "hybrid",
+           "--dense-method", "bfb"]   # the server in use
     job = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
                            env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
     pids, lines = {}, []
@@ -312,7 +326,7 @@ def test_killing_any_task_stops_every_process_within_60s(tmp_path, victim):
 def test_a_partitioned_embedding_trains_on_two_servers(tmp_path):
     """The embedding as two row ranges (pn.partitioner), one per server."""
     done, out, _ = run_job(tmp_path, 2, 1, "10", "--run-option", "hybrid", "--partitions",
-                           "2", servers=2)
+                           "2", "--dense-method", "bfb", servers=2)
     assert done.returncode == 0, done.stderr[-3000:]
     single = train_single(*embedding_regression(8, "adam", clip=True, ema=True,
                                                 partitions=2), 10)
@@ -328,6 +342,7 @@ def test_an_embedding_split_by_rows_over_two_servers(tmp_path, run_option):
     """The plan cuts the embedding (and its Adam slots) into one row range per
     server; 2 workers x 2 devices still equal one device."""
     done, out, _ = run_job(tmp_path, 2, 2, "10", "--run-option", run_option, "--no-ema",
+                           "--dense-method", "bfb" if run_option == "hybrid" else "auto",
                            servers=2)
     assert done.returncode == 0, done.stderr[-3000:]
     single = train_single(*embedding_regression(16, "adam", clip=True), 10)

@@ -96,23 +96,26 @@ def test_network_config_errors():
         load_config({"network": {"bandwidth": 1e9, "latency": "fast"}})
 
 
-def test_auto_in_a_job_with_servers_keeps_a_step_on_them_whole():
-    """Once a sparse variable is cheapest on the servers, the dense ones go
-    there too, in fusion buffers (beside server work an all-reduce would
-    split the step into stages); otherwise they stay on all-reduce."""
+def test_auto_takes_each_variable_s_cheapest_method_and_weighs_whole_plans_in_a_job():
+    """Per variable, the cheapest method of EmbRace's table (a dense one:
+    `dense_method` when set). In a job with servers the plans that mix
+    those with each dense method, or put every sparse variable on the
+    servers or on collectives, are weighed whole by their links
+    (parallax_ng/choice.py, test_choice.py)."""
     from parallax_ng.config import Config
     from parallax_ng.planner import choose_methods
     info = {"emb": table(), "w": table(sparse=False)}
-    on_server = {"emb": {"allgather": 2.0, "ps": 1.0}, "w": {"allreduce": 1.0, "bfb": 2.0}}
-    assert choose_methods(info, Config(run_option="auto"), True, costs=on_server) == {
-        "emb": "ps", "w": "bfb"}
-    gathered = {"emb": {"allgather": 1.0, "ps": 2.0}, "w": {"allreduce": 1.0, "bfb": 2.0}}
-    assert choose_methods(info, Config(run_option="auto"), True, costs=gathered) == {
-        "emb": "allgather", "w": "allreduce"}
+    costs = {"emb": {"allgather": 2.0, "ps": 1.0}, "w": {"allreduce": 1.0, "bfb": 2.0}}
+    assert choose_methods(info, Config(run_option="auto"), True, costs=costs) == {
+        "emb": "ps", "w": "allreduce"}
+    assert choose_methods(info, Config(run_option="auto", dense_method="bfb"), True,
+                          costs=costs) == {"emb": "ps", "w": "bfb"}
     g, _ = embedding_regression(4, "adam")
-    hosts = [{"address": "127.0.0.1", "devices": ["cpu:0"]}] * 4
-    plan = pn.transform_plan(g, {"hosts": hosts, "ps": ["127.0.0.1"]}, {
+    hosts = [{"address": f"10.0.0.{i}", "devices": ["cpu:0"]} for i in range(4)]
+    plan = pn.transform_plan(g, {"hosts": hosts, "ps": ["10.0.0.9"]}, {
         "run_option": "auto", "network": {"bandwidth": 1e6, "latency": 0.0}})
-    assert plan.variables["emb"].method == "alltoall"     # the fewest bytes
     assert set(plan.costs["emb"]) == {"allreduce", "alltoall", "allgather", "ps"}
-    assert {vp.method for v, vp in plan.variables.items() if v != "emb"} == {"allreduce"}
+    assert {c.label for c in plan.choice} >= {"dense allreduce, sparse EmbRace's costs",
+                                              "dense bfb, sparse on the servers"}
+    won = [c for c in plan.choice if c.chosen]
+    assert len(won) == 1 and won[0].seconds == min(c.seconds for c in plan.choice)

@@ -1,0 +1,85 @@
+"""Choice: among the plans a run option allows, the one whose communication
+the job's links carry fastest.
+
+Where: a job of several workers with parameter servers (TensorFlow's
+runtime), `dense_method: auto`, and `run_option` hybrid or auto.
+- hybrid weighs the dense variables by each of ps (whole variables on
+  the servers), bfb (balanced fusion buffers through every server) and
+  allreduce (a ring between the workers), each with the sparse variables
+  on the servers and by all-gather (`sparse_method` fixes them); a step
+  with collectives and server work runs them in two session runs at once
+  (transforms/split_step.py);
+- auto weighs the same dense methods, each with the sparse variables by
+  EmbRace's per-variable costs (costmodel.py), all on the servers, and
+  all by their cheapest collective.
+Each candidate is a whole plan; `traffic.predict` gives its step's
+communication time on the job's links, the busiest one deciding. The
+fastest wins; ties go to the candidate with the fewer bytes over all
+links, then to the earlier one (ps before bfb: with the same bytes, a
+dense update applied once on a server rather than on every worker).
+
+Requires: the planner's candidates (label, Plan), a traffic.Layout and a
+costmodel.Network. Guarantees: the same inputs give the same choice on
+every worker; the chosen plan carries every candidate's prediction
+(`Plan.choice`) for `parallax-ng plan`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from . import traffic
+from .plan import Candidate
+
+DENSE = ("ps", "bfb", "allreduce")
+SPARSE = ("ps", "allgather")
+
+
+def weighs(config, num_workers: int, servers) -> bool:
+    """Whether the planner chooses a job's dense method by its links."""
+    return (num_workers > 1 and bool(servers) and config.communication.backend == "tf" and
+            config.dense_method == "auto" and config.run_option in ("hybrid", "auto"))
+
+
+def options(config, costs: dict, info: dict) -> list[tuple[str, object, dict]]:
+    """(label, config, costs) of every candidate: the config's dense method
+    set (hybrid), or the per-variable cost tables cut to what the candidate
+    allows (auto)."""
+    if config.run_option == "hybrid":
+        sparse = SPARSE if config.sparse_method == "auto" else (config.sparse_method,)
+        return [(f"dense {m}, sparse {s}", replace(config, dense_method=m, sparse_method=s),
+                 costs) for m in DENSE for s in sparse]
+    sparse = [v for v in costs if info[v].sparse]
+    ways = {"EmbRace's costs": lambda t: t,
+            "on the servers": lambda t: {m: s for m, s in t.items() if m == "ps"} or t,
+            "by collectives": lambda t: {m: s for m, s in t.items() if m != "ps"} or t}
+    out = []
+    for m in DENSE:
+        for way, cut in ways.items():
+            if not sparse and way != "EmbRace's costs":
+                continue
+            tables = {v: (cut(t) if info[v].sparse else {m: t.get(m, 0.0)})
+                      for v, t in costs.items()}
+            out.append((f"dense {m}, sparse {way}" if sparse else f"dense {m}", config, tables))
+    return out
+
+
+def best(candidates: list[tuple[str, object]], layout: traffic.Layout, network,
+         index_bytes: dict):
+    """The fastest of `candidates` (label, Plan), carrying the predictions."""
+    seen, weighed = {}, []
+    for label, plan in candidates:
+        key = tuple(sorted((v, vp.method) for v, vp in plan.variables.items()))
+        if key in seen:       # the same methods by another road
+            continue
+        seen[key] = label
+        p = traffic.predict(plan, layout, network, index_bytes)
+        total = sum(p.links.sent.values())
+        weighed.append((p.seconds, total, len(weighed), label, plan, p))
+    weighed.sort(key=lambda w: w[:3])
+    winner = weighed[0]
+    choice = tuple(Candidate(label, layout.describe(p.end) if p.end else "",
+                             p.links.sent.get(p.end, 0.0), p.links.received.get(p.end, 0.0),
+                             total, p.link_seconds, p.fixed_seconds, seconds,
+                             label == winner[3])
+                   for seconds, total, _, label, _, p in weighed)
+    return replace(winner[4], choice=choice, network=network.describe())
