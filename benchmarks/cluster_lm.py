@@ -150,9 +150,14 @@ def main():
                 "sparse", ",".join(SPARSE)).split(",")
             modes = [m for mode in modes for m in (NO_CLIP if mode == "scheduling" else
                                                    (mode,))]
-            every = {}
-            for mode in modes:
-                runs = every[mode] = [job(mode, args, tmp, r) for r in range(args.repeats)]
+            every = {mode: [] for mode in modes}
+            for r in range(args.repeats):    # modes interleaved: a drift hits them alike
+                for mode in modes:
+                    every[mode].append(job(mode, args, tmp, r))
+                    if args.repeats > 1:
+                        print(f"{mode:16} run {r + 1}: "
+                              f"{every[mode][-1]['steps_per_s']:.2f} steps/s", flush=True)
+            for mode, runs in every.items():
                 results[mode] = sorted(runs, key=lambda r: r["steps_per_s"])[len(runs) // 2]
                 print(f"{mode:16} {format_row(results[mode])}", flush=True)
                 if args.json:
@@ -342,11 +347,15 @@ def worker(args) -> None:
     if measure:
         per_step = {name: (after.get(pid, 0) - before.get(pid, 0)) / args.steps
                     for name, pid in tasks.items()}
-        methods = {v: vp.method for v, vp in runner.plan.variables.items()} if runner else {}
+        plan = runner.plan if runner else None
+        methods = {v: vp.method for v, vp in plan.variables.items()} if plan else {}
         with open(args.out, "w") as f:
             json.dump({"steps_per_s": args.steps / seconds, "bytes_per_step": per_step,
                        "model_bytes_per_step": model, "methods": methods,
-                       "gradient_rows": rows}, f)
+                       "gradient_rows": rows,
+                       # the plans hybrid or auto weighed, and the network they assumed
+                       "choice": [dict(vars(c)) for c in plan.choice] if plan else [],
+                       "network": plan.network if plan else ""}, f)
 
 
 MODEL_STEPS = 20
