@@ -73,13 +73,23 @@ def best(candidates: list[tuple[str, object]], layout: traffic.Layout, network,
             continue
         seen[key] = label
         p = traffic.predict(plan, layout, network, index_bytes)
-        total = sum(p.links.sent.values())
+        total = sum(p.links.sent.values()) + sum(p.links.local.values())
         weighed.append((p.seconds, total, len(weighed), label, plan, p))
     weighed.sort(key=lambda w: w[:3])
     winner = weighed[0]
-    choice = tuple(Candidate(label, layout.describe(p.end) if p.end else "",
-                             p.links.sent.get(p.end, 0.0), p.links.received.get(p.end, 0.0),
+    choice = tuple(Candidate(label, _end(layout, p),
+                             *((p.nbytes, p.nbytes) if p.inside else
+                               (p.links.sent.get(p.end, 0.0), p.links.received.get(p.end, 0.0))),
                              total, p.link_seconds, p.fixed_seconds, seconds,
                              label == winner[3])
                    for seconds, total, _, label, _, p in weighed)
     return replace(winner[4], choice=choice, network=network.describe())
+
+
+def _end(layout: traffic.Layout, p) -> str:
+    """The busiest end, named: its host and tasks, or its loopback."""
+    if not p.end:
+        return ""
+    if p.inside:
+        return f"{p.end} loopback"
+    return layout.describe(p.end)

@@ -50,17 +50,22 @@ class Network:
     source: str = "default"
     collective: float | None = None
     round_trip: float | None = None
+    loopback: float | None = None   # bytes/s between tasks of one host, all together
 
     @classmethod
     def from_allreduce(cls, a: float, b: float, replicas: int,
-                       round_trip: float | None = None) -> "Network":
+                       round_trip: float | None = None, one_host: int = 0) -> "Network":
         """The constants of a ring all-reduce fit T(M) = a + bM over
-        `replicas` (a = 2(N-1) beta, b = 2(N-1)/(N B))."""
+        `replicas` (a = 2(N-1) beta, b = 2(N-1)/(N B)). `one_host`: the
+        benchmark's worker processes all ran on one host (a job on one
+        machine), whose bytes between them then cost that host's CPU at
+        their sum's rate, `one_host` B (each sent 2(N-1)/N M in b M)."""
         n = max(replicas, 2)
-        return cls(2 * (n - 1) / (n * b) if b > 0 else float("inf"), a / (2 * (n - 1)),
+        bandwidth = 2 * (n - 1) / (n * b) if b > 0 else float("inf")
+        return cls(bandwidth, a / (2 * (n - 1)),
                    "the all-reduce benchmark" + (" and the server round trip"
                                                  if round_trip is not None else ""),
-                   a, round_trip)
+                   a, round_trip, one_host * bandwidth if one_host > 1 else None)
 
     def collective_round(self, replicas: int) -> float:
         """Seconds of one round of collectives over `replicas`, bytes aside."""
@@ -77,6 +82,8 @@ class Network:
             extra += f", {self.collective * 1e3:.3g} ms per round of collectives"
         if self.round_trip is not None:
             extra += f", {self.round_trip * 1e3:.3g} ms per server round trip"
+        if self.loopback is not None:
+            extra += f", {self.loopback * 8 / 1e9:.3g} Gb/s between the tasks of a host"
         return (f"network {self.bandwidth * 8 / 1e9:.3g} Gb/s, {self.latency * 1e6:.3g} us "
                 f"per message{extra} ({self.source})")
 

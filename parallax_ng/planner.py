@@ -53,7 +53,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     weighing = choice.weighs(config, num_workers, servers)
     net, costs = None, {}
     if config.run_option == "auto" or weighing:
-        net = network(config, profile, group)
+        layout = layout or traffic.Layout.local(num_workers, len(servers))
+        net = network(config, profile, group, layout)
     if config.run_option == "auto":
         costs = {name: costmodel.costs(vi, allowed_methods(vi, name, job_servers, can_cut,
                                                            can_sum),
@@ -77,8 +78,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
         raise refused[0]
     index_bytes = {v: tg.tensor(g.indices).dtype.size for v, g in tg.gradients.items()
                    if g.sparse and g.indices is not None}
-    return choice.best(candidates, layout or traffic.Layout.local(num_workers, len(servers)),
-                       net, index_bytes)
+    return choice.best(candidates, layout, net, index_bytes)
 
 
 def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
@@ -185,16 +185,21 @@ def allowed_methods(vi: VariableInfo, name: str, job_servers: bool, can_cut,
     return tuple(out + (["ps"] if job_servers else []))
 
 
-def network(config: Config, profile, replicas: int) -> costmodel.Network:
+def network(config: Config, profile, replicas: int, layout: traffic.Layout | None = None
+            ) -> costmodel.Network:
     """The network constants: config `network`, else the profile's all-reduce
-    fit, else the defaults."""
+    fit (with the rate of bytes between tasks of one host where every
+    worker of `layout` ran the benchmark on one host), else the defaults."""
     if config.network.bandwidth is not None:
         return costmodel.Network(config.network.bandwidth, config.network.latency or 0.0,
                                  "config network")
     if profile is not None and profile.allreduce is not None:
         fit = profile.allreduce
-        return costmodel.Network.from_allreduce(fit.a, fit.link_b(), replicas,
-                                                profile.round_trip)
+        hosts = {layout.end(traffic.worker(i)) for i in range(len(layout.workers))} \
+            if layout is not None else set()
+        return costmodel.Network.from_allreduce(
+            fit.a, fit.link_b(), replicas, profile.round_trip,
+            len(layout.workers) if len(hosts) == 1 else 0)
     return costmodel.Network(costmodel.BANDWIDTH, costmodel.LATENCY)
 
 

@@ -23,10 +23,15 @@ analysis's alpha, measured or estimated, times the rows, times R, at most
 the rows). Scalars (norms, tokens) are left out.
 
 Links: the tasks on one host share its network interface; bytes between
-them do not cross it (a job on one machine, loopback, has no link). A
-link carries its bytes each way at the bandwidth (full duplex), so a
-step's communication takes the busiest end's larger direction over the
-bandwidth, plus what its rounds of messages cost besides their bytes,
+them do not cross it but cost the host's CPU (gRPC copies them through
+loopback): a job on one machine has no network link, only that. A
+link carries its bytes each way at the bandwidth (full duplex); a host
+moves the bytes between its tasks, all of them together, at the
+network's `loopback` rate (measured where the job's workers share one
+host; else free beside the link). A step's communication takes the
+busiest end's time (its link's larger direction over the bandwidth, or
+its bytes between tasks over the loopback rate, the larger), plus what
+its rounds of messages cost besides their bytes,
 one after another: a round of collectives (an all-reduce, whatever runs
 beside it: 1; an all-gather: 2, its sizes, then rows and indices;
 alltoall: 4, ids and rows forward, rows back) costs the all-reduce's
@@ -95,18 +100,29 @@ class Layout:
 
 @dataclass(frozen=True)
 class Links:
-    """Bytes per step each end of the job sends and receives over its link."""
+    """Bytes per step each end of the job sends and receives over its link,
+    and moves between its own tasks (`local`)."""
     sent: dict = field(default_factory=dict)
     received: dict = field(default_factory=dict)
+    local: dict = field(default_factory=dict)
 
-    def busiest(self) -> tuple[str, float]:
-        """(end, bytes) of the end with the most bytes in one direction."""
-        load = {e: max(self.sent.get(e, 0.0), self.received.get(e, 0.0))
-                for e in set(self.sent) | set(self.received)}
+    def busiest(self, bandwidth: float = 1.0, loopback: float | None = None
+                ) -> tuple[str, float, float, bool]:
+        """(end, bytes, seconds, inside) of the end that takes longest: its
+        link's larger direction over `bandwidth`, or (inside) its bytes
+        between its tasks over `loopback` (None: free)."""
+        ends = set(self.sent) | set(self.received) | (set(self.local) if loopback else set())
+        load = {}
+        for e in ends:
+            link = max(self.sent.get(e, 0.0), self.received.get(e, 0.0))
+            inside = self.local.get(e, 0.0) if loopback else 0.0
+            load[e] = max((link / bandwidth, link, False),
+                          (inside / loopback if loopback else 0.0, inside, True))
         if not load:
-            return "", 0.0
-        end = max(sorted(load), key=lambda e: load[e])
-        return end, load[end]
+            return "", 0.0, 0.0, False
+        end = max(sorted(load), key=lambda e: load[e][0])
+        seconds, nbytes, inside = load[end]
+        return end, nbytes, seconds, inside
 
 
 def flows(plan, index_bytes: dict | None = None, rows: dict | None = None,
@@ -170,13 +186,15 @@ def flows(plan, index_bytes: dict | None = None, rows: dict | None = None,
 def links(flow_list, layout: Layout) -> Links:
     sent: dict[str, float] = {}
     received: dict[str, float] = {}
+    local: dict[str, float] = {}
     for src, dst, nbytes, _ in flow_list:
         a, b = layout.end(src), layout.end(dst)
         if a == b:
+            local[a] = local.get(a, 0.0) + nbytes
             continue
         sent[a] = sent.get(a, 0.0) + nbytes
         received[b] = received.get(b, 0.0) + nbytes
-    return Links(sent, received)
+    return Links(sent, received, local)
 
 
 def task_bytes(flow_list) -> dict[str, float]:
@@ -209,23 +227,24 @@ class Prediction:
     """A plan's communication per step on the job's links."""
     links: Links
     end: str             # the busiest end
-    nbytes: float        # its bytes in its busier direction
+    nbytes: float        # its bytes in its busier direction (or between its tasks)
     link_seconds: float  # those bytes over the bandwidth
     fixed_seconds: float  # its rounds of messages, bytes aside
     seconds: float
+    inside: bool = False  # the busiest load is between the end's tasks
 
 
 def predict(plan, layout: Layout, network, index_bytes: dict | None = None) -> Prediction:
-    """The step's communication time: the busiest link's bytes over the
-    bandwidth, plus its rounds of collectives and round trips to servers."""
+    """The step's communication time: the busiest end's bytes over its rate
+    (the link's bandwidth, or the host's loopback rate), plus its rounds of
+    collectives and round trips to servers."""
     load = links(flows(plan, index_bytes), layout)
-    end, nbytes = load.busiest()
+    end, nbytes, link, inside = load.busiest(network.bandwidth, network.loopback)
     collective, trips = rounds(plan)
     split = collective > 0 and trips > 0
     fixed = (collective * network.collective_round(plan.group_size) +
              (trips + split) * network.server_round_trip())
-    link = nbytes / network.bandwidth
-    return Prediction(load, end, nbytes, link, fixed, link + fixed)
+    return Prediction(load, end, nbytes, link, fixed, link + fixed, inside)
 
 
 def _home(plan, var: str) -> int:

@@ -38,13 +38,15 @@ def test_one_server_apart_sends_a_dense_heavy_model_round_the_ring():
     assert f"chosen: {won.label}: " in text and "the bytes on the busiest link decide" in text
 
 
-def test_a_small_model_on_one_machine_is_decided_by_its_rounds_of_messages():
-    """One machine has no link: bytes are free, and the plan with the
-    fewest rounds of messages wins. With the configured latency beta a
-    round of collectives over 2 replicas costs a = 2 beta, a server round
-    trip r = 2 beta: the step on the servers alone has two round trips,
-    the ring with all-gather two rounds, the ring beside the servers one
-    round, two round trips and one more for its second run."""
+def test_one_machine_with_a_configured_network_is_decided_by_its_rounds_of_messages():
+    """One machine has no network link, and a configured network says
+    nothing of its loopback: bytes are free, and the plan with the fewest
+    rounds of messages wins. With the configured latency beta a round of
+    collectives over 2 replicas costs a = 2 beta, a server round trip
+    r = 2 beta: the step on the servers alone has two round trips, the
+    ring with all-gather two rounds, the ring beside the servers one
+    round, two round trips and one more for its second run. Of equal
+    times, the one that moves fewer bytes between tasks wins."""
     plan = pn.transform_plan(classifier(), resources(2, loopback=True), {"network": NET})
     assert all(c.link_seconds == 0 and c.end == "" for c in plan.choice)
     by = {c.label: c for c in plan.choice}
@@ -52,8 +54,44 @@ def test_a_small_model_on_one_machine_is_decided_by_its_rounds_of_messages():
     assert by["dense ps, sparse ps"].fixed_seconds == pytest.approx(4 * beta)
     assert by["dense allreduce, sparse allgather"].fixed_seconds == pytest.approx(4 * beta)
     assert by["dense allreduce, sparse ps"].fixed_seconds == pytest.approx(8 * beta)
-    assert plan.choice[0].label == "dense ps, sparse ps"      # ties: the servers first
-    assert "first in the order of preference" in plan.format()
+    assert by["dense ps, sparse ps"].total > by["dense allreduce, sparse allgather"].total
+    assert plan.choice[0].label == "dense allreduce, sparse allgather"
+    assert "fewer bytes over all links" in plan.format()
+
+
+def test_a_measured_machine_charges_the_bytes_between_its_tasks():
+    """Where the job's workers ran the all-reduce benchmark on one host,
+    the bytes between a host's tasks cost its CPU at the rate they moved
+    there together (N B): one server's twice-the-ring bytes lose to the
+    ring even when its rounds cost less."""
+    from parallax_ng import planner, traffic
+    from parallax_ng.costfit import Fit
+    from parallax_ng.profile import Profile
+    fit = Fit(a=1e-3, b=1e-8, points=((1e4, 1e-3 + 1e-4), (1e6, 1e-3 + 1e-2)))
+    layout = traffic.Layout.local(2, 1)
+    net = planner.network(pn.Config(), Profile(1, allreduce=fit, round_trip=2e-4), 2, layout)
+    assert net.bandwidth == pytest.approx(1e8) and net.loopback == pytest.approx(2e8)
+    assert "between the tasks of a host" in net.describe()
+    apart = planner.network(pn.Config(), Profile(1, allreduce=fit, round_trip=2e-4), 2,
+                            traffic.Layout(("10.0.0.1", "10.0.0.2"), ("10.0.0.3",)))
+    assert apart.loopback is None
+    g = classifier()
+    plans = {}
+    for dense in ("allreduce", "ps"):
+        config = pn.Config(run_option="hybrid", dense_method=dense, sparse_method="ps")
+        plans[dense] = pn.transform_plan(g, resources(2, loopback=True), config)
+    ring = traffic.predict(plans["allreduce"], layout, net)
+    whole = traffic.predict(plans["ps"], layout, net)
+    assert ring.end == whole.end == "127.0.0.1"
+    assert ring.nbytes == pytest.approx(sum(b for *_, b, _ in traffic.flows(plans["allreduce"])))
+    assert whole.link_seconds == pytest.approx(whole.nbytes / 2e8)
+    assert whole.nbytes > 1.5 * ring.nbytes and whole.seconds > ring.seconds
+    assert whole.fixed_seconds < ring.fixed_seconds
+    from parallax_ng import choice
+    chosen = choice.best(list(plans.items()), layout, net, {})
+    assert [(c.label, c.end, c.chosen) for c in chosen.choice] == [
+        ("allreduce", "127.0.0.1 loopback", True), ("ps", "127.0.0.1 loopback", False)]
+    assert chosen.choice[1].sent == chosen.choice[1].received == whole.nbytes
 
 
 def test_a_server_beside_every_worker_evens_the_servers_out():

@@ -46,7 +46,7 @@ def plan_of(workers=2, servers="one", devices=1, **config):
         else (f"10.0.0.{10 + workers}:5000",))
 
 
-def test_ends_are_hosts_and_a_job_on_one_machine_has_no_link():
+def test_ends_are_hosts_and_a_job_on_one_machine_moves_its_bytes_inside():
     layout = Layout(("10.0.0.1:2000", "10.0.0.2:2000"), ("10.0.0.1:2001", "10.0.0.3"))
     assert [layout.end(t) for t in layout.tasks()] == ["10.0.0.1", "10.0.0.2", "10.0.0.1",
                                                        "10.0.0.3"]
@@ -56,7 +56,13 @@ def test_ends_are_hosts_and_a_job_on_one_machine_has_no_link():
     flows = [("worker 0", "ps 0", 5.0, "a"), ("ps 0", "worker 1", 7.0, "a")]
     load = traffic.links(flows, layout)     # worker 0 -> ps 0 stays inside 10.0.0.1
     assert load.sent == {"10.0.0.1": 7.0} and load.received == {"10.0.0.2": 7.0}
-    assert traffic.links(flows, local) == traffic.Links({}, {})
+    assert load.local == {"10.0.0.1": 5.0}
+    assert traffic.links(flows, local) == traffic.Links({}, {}, {"127.0.0.1": 12.0})
+    # free without a loopback rate; else the host's bytes inside at that rate
+    assert load.busiest(1.0) == ("10.0.0.1", 7.0, 7.0, False)
+    assert load.busiest(1.0, loopback=0.5) == ("10.0.0.1", 5.0, 10.0, True)
+    assert load.busiest(1.0, loopback=1.0) == ("10.0.0.1", 7.0, 7.0, False)
+    assert traffic.links(flows, local).busiest(1.0) == ("", 0.0, 0.0, False)
 
 
 @pytest.mark.parametrize("workers", [2, 4])
