@@ -165,11 +165,13 @@ def _collective_time(metadata, names: set) -> float:
 
 
 def round_trip(target: str, server: str, host: str, session_config, timeout_seconds: float,
-               repeats: int = 30) -> float:
-    """Seconds of one session run that updates a scalar on `server` and
-    reads it back on `host` (this worker's CPU): the fixed cost of a step's
-    round trip to a parameter server, every worker measuring at once as
-    in training. The median of `repeats` runs after five."""
+               repeats: int = 30) -> tuple[float, float]:
+    """(seconds a round trip to `server` adds to a session run, seconds of
+    a session run of one op on `host`, this worker's CPU): the fixed costs
+    of a step's round trip to a parameter server and of a session run of
+    its own, every worker measuring at once as in training. Medians of
+    `repeats` runs of each after five; the round trip is a run that updates
+    a scalar on the server and reads it back, less the local run."""
     import time
 
     import tensorflow as tf
@@ -183,13 +185,16 @@ def round_trip(target: str, server: str, host: str, session_config, timeout_seco
             bumped = var.assign_add(1.0)
         with tf.device(host):
             back = tf.identity(bumped)
+            local = tf.identity(tf.constant(1.0)) + 1.0
     options = tf.compat.v1.RunOptions(timeout_in_ms=int(timeout_seconds * 1000))
-    times = []
+    times: dict = {back: [], local: []}
     with tf.compat.v1.Session(target, graph=graph, config=session_config) as session:
         session.run(var.initializer, options=options)
         for k in range(repeats + 5):
-            start = time.perf_counter()
-            session.run(back, options=options)
-            if k >= 5:
-                times.append(time.perf_counter() - start)
-    return statistics.median(times)
+            for fetch in (back, local):     # alternating: a drift hits both
+                start = time.perf_counter()
+                session.run(fetch, options=options)
+                if k >= 5:
+                    times[fetch].append(time.perf_counter() - start)
+    run = statistics.median(times[local])
+    return max(0.0, statistics.median(times[back]) - run), run

@@ -43,18 +43,21 @@ EXCHANGES = 4           # collectives of a table's alltoall lookup and gradient 
 class Network:
     """B and beta; for whole plans (parallax_ng/traffic.py) also what one
     round of collectives costs besides its bytes (`collective`, the
-    all-reduce's a) and what one round trip to a server costs
-    (`round_trip`); unmeasured, 2(N-1) beta and 2 beta."""
+    all-reduce's a), what one round trip to a server adds to a session
+    run (`round_trip`) and what a session run of its own costs
+    (`session_run`); unmeasured, 2(N-1) beta, 2 beta and 2 beta."""
     bandwidth: float        # bytes per second (B)
     latency: float          # seconds per message (beta)
     source: str = "default"
     collective: float | None = None
     round_trip: float | None = None
     loopback: float | None = None   # bytes/s between tasks of one host, all together
+    session_run: float | None = None
 
     @classmethod
     def from_allreduce(cls, a: float, b: float, replicas: int,
-                       round_trip: float | None = None, one_host: int = 0) -> "Network":
+                       round_trip: float | None = None, one_host: int = 0,
+                       session_run: float | None = None) -> "Network":
         """The constants of a ring all-reduce fit T(M) = a + bM over
         `replicas` (a = 2(N-1) beta, b = 2(N-1)/(N B)). `one_host`: the
         benchmark's worker processes all ran on one host (a job on one
@@ -65,7 +68,8 @@ class Network:
         return cls(bandwidth, a / (2 * (n - 1)),
                    "the all-reduce benchmark" + (" and the server round trip"
                                                  if round_trip is not None else ""),
-                   a, round_trip, one_host * bandwidth if one_host > 1 else None)
+                   a, round_trip, one_host * bandwidth if one_host > 1 else None,
+                   session_run)
 
     def collective_round(self, replicas: int) -> float:
         """Seconds of one round of collectives over `replicas`, bytes aside."""
@@ -76,12 +80,18 @@ class Network:
     def server_round_trip(self) -> float:
         return self.round_trip if self.round_trip is not None else 2 * self.latency
 
+    def extra_run(self) -> float:
+        """Seconds of one more session run in a step."""
+        return self.session_run if self.session_run is not None else 2 * self.latency
+
     def describe(self) -> str:
         extra = ""
         if self.collective is not None:
             extra += f", {self.collective * 1e3:.3g} ms per round of collectives"
         if self.round_trip is not None:
             extra += f", {self.round_trip * 1e3:.3g} ms per server round trip"
+        if self.session_run is not None:
+            extra += f", {self.session_run * 1e3:.3g} ms per session run"
         if self.loopback is not None:
             extra += f", {self.loopback * 8 / 1e9:.3g} Gb/s between the tasks of a host"
         return (f"network {self.bandwidth * 8 / 1e9:.3g} Gb/s, {self.latency * 1e6:.3g} us "

@@ -39,7 +39,8 @@ class Profile:
     ready: dict = field(default_factory=dict)      # variable -> seconds into the step
     forward_time: float = 0.0
     allreduce: Fit | None = None                   # the micro-benchmark's fit, if run
-    round_trip: float | None = None                # seconds of a server round trip, if run
+    round_trip: float | None = None                # seconds a server round trip adds to a run
+    session_run: float | None = None               # seconds of a session run of one local op
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -75,7 +76,8 @@ class Profile:
             n, {v: mean(self.rows[v], other.rows.get(v, self.rows[v])) for v in self.rows},
             {v: mean(self.ready[v], other.ready.get(v, self.ready[v])) for v in self.ready},
             mean(self.forward_time, other.forward_time), self.allreduce or other.allreduce,
-            self.round_trip if self.round_trip is not None else other.round_trip)
+            self.round_trip if self.round_trip is not None else other.round_trip,
+            self.session_run if self.session_run is not None else other.session_run)
 
     def apply(self, info: dict, tg) -> dict:
         """The analysis with measured sparsity: rows touched / rows."""
@@ -95,6 +97,8 @@ class Profile:
             out["allreduce"] = self.allreduce.to_dict()
         if self.round_trip is not None:
             out["round_trip"] = self.round_trip
+        if self.session_run is not None:
+            out["session_run"] = self.session_run
         return out
 
     def simulator(self, tg, per_variable: bool = False) -> dict:

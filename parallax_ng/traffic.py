@@ -38,9 +38,10 @@ alltoall: 4, ids and rows forward, rows back) costs the all-reduce's
 fixed time a; a round trip to the servers (the forward's reads of server
 variables: 1; the push, the chief's update and the barrier: 1) costs r;
 a step with both runs its collectives in a session run of its own beside
-the server work's (transforms/split_step.py), one round trip more.
-a and r are measured on the job (parallax_ng/costfit.py) or follow from
-the configured latency.
+the server work's (transforms/split_step.py): that run's cost s, and one
+round trip more for the hand-over between the two.
+a, r and s are measured on the job (parallax_ng/costfit.py) or follow
+from the configured latency.
 
 Requires: a Plan (methods, placements, buffers), the index bytes of sparse
 gradients, a Layout. Guarantees: `flows` are (source task, destination
@@ -243,7 +244,7 @@ def predict(plan, layout: Layout, network, index_bytes: dict | None = None) -> P
     collective, trips = rounds(plan)
     split = collective > 0 and trips > 0
     fixed = (collective * network.collective_round(plan.group_size) +
-             (trips + split) * network.server_round_trip())
+             (trips + split) * network.server_round_trip() + split * network.extra_run())
     return Prediction(load, end, nbytes, link, fixed, link + fixed, inside)
 
 

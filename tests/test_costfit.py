@@ -41,3 +41,29 @@ def test_measured_on_two_local_devices():
     assert [m for m, _ in got.points] == [4096, 2**22]
     assert got.points[1][1] > got.points[0][1] > 0 and got.b > 0
     assert measure("", devices[:1], 1, [4096], config, 60) is None
+
+
+def test_link_b_is_the_slope_of_the_two_largest_sizes_from_1_mb():
+    """Small messages pull a least-squares b down; the bandwidth of large
+    ones is the slope between the two largest points (from 1 MB)."""
+    points = ((4096, 1.0e-3), (65536, 1.01e-3), (2**20, 1.2e-3), (2**22, 2.0e-3))
+    f = fit(points)
+    assert f.link_b() == pytest.approx((2.0e-3 - 1.2e-3) / (2**22 - 2**20))
+    small = fit(points[:2])
+    assert small.link_b() == small.b
+
+
+def test_round_trip_to_a_server_and_a_session_run_are_measured_apart():
+    """A job of one worker and one server in this process: the round trip
+    is what a server update adds to a run; the run itself is measured on
+    the worker's CPU."""
+    from parallax_ng.cluster import ClusterInfo
+    from parallax_ng.costfit import round_trip
+    from parallax_ng.launch import _with_port
+    info = ClusterInfo((_with_port("127.0.0.1"),), (_with_port("127.0.0.1"),), "worker", 0,
+                       (("CPU", 0),))
+    server = info.start_server()
+    ClusterInfo(info.workers, info.ps, "ps", 0, (("CPU", 0),)).start_server()
+    trip, run = round_trip(server.target, info.server_devices()[0], info.host,
+                           info.session_config(), 60, repeats=10)
+    assert 0 <= trip < 1 and 0 < run < 1

@@ -127,16 +127,17 @@ def test_sparse_rows_on_a_server_and_by_all_gather():
 
 def test_predict_takes_the_busiest_link_and_the_rounds_of_messages():
     """bytes / B on the busiest link, plus a per round of collectives and r
-    per round trip to the servers (one more when a step runs its
-    collectives beside its server work)."""
-    net = Network(1e6, 1e-4, collective=2e-3, round_trip=3e-3)
+    per round trip to the servers (when a step runs its collectives beside
+    its server work: the second session run's s and one more r)."""
+    net = Network(1e6, 1e-4, collective=2e-3, round_trip=3e-3, session_run=5e-3)
     fused, layout = plan_of(2, dense_method="bfb")            # sparse on the server
     p = traffic.predict(fused, layout, net)
     assert p.end == "10.0.0.12" and traffic.rounds(fused) == (0, 2)
     assert p.seconds == pytest.approx(p.nbytes / 1e6 + 2 * 3e-3)
     split, _ = plan_of(2, dense_method="allreduce", sparse_method="ps")
     assert traffic.rounds(split) == (1, 2)
-    assert traffic.predict(split, layout, net).fixed_seconds == pytest.approx(2e-3 + 3 * 3e-3)
+    assert traffic.predict(split, layout, net).fixed_seconds == pytest.approx(
+        2e-3 + 3 * 3e-3 + 5e-3)
     ring, _ = plan_of(2, dense_method="allreduce", sparse_method="allgather")
     assert traffic.rounds(ring) == (2, 0)
     assert traffic.predict(ring, layout, net).fixed_seconds == pytest.approx(2 * 2e-3)
