@@ -58,9 +58,16 @@ class ClusterInfo:
 
     def start_server(self):
         import tensorflow as tf
-        return tf.distribute.Server(self.spec, job_name=self.task_type,
-                                    task_index=self.task, config=self.session_config(),
-                                    start=True)
+        try:
+            return tf.distribute.Server(self.spec, job_name=self.task_type,
+                                        task_index=self.task, config=self.session_config(),
+                                        start=True)
+        except tf.errors.UnknownError as e:     # "Could not start gRPC server"
+            address = (self.ps if self.task_type == "ps" else self.workers)[self.task]
+            raise ResourceError(
+                f"{self.task_type} {self.task} could not start its server at {address} "
+                f"({e.message.strip()}): another process holds the port, or the address "
+                "is not this machine's") from None
 
     @classmethod
     def planned(cls, resources, worker: int = 0) -> "ClusterInfo":
@@ -117,35 +124,44 @@ def done_ops(graph, servers: list[str], workers: int, worker: int) -> list:
 
 def serve(info: ClusterInfo, timeout_seconds: float, poll_seconds: float = 2.0) -> int:
     """Run this server task until every worker has said it is done (0), or
-    until no worker has been reachable for `timeout_seconds` (1)."""
+    until no worker has been reachable for `timeout_seconds` (1). The
+    server waits for the workers' tokens in one run that is never
+    cancelled (a run given up every poll makes TensorFlow log four lines
+    each time); a thread checks every `poll_seconds` that some worker is
+    still reachable."""
     import sys
+    import threading
     import time
 
     import tensorflow as tf
 
+    from . import heartbeat
+    heartbeat.set_timeout(timeout_seconds)
     server = info.start_server()
     graph = tf.Graph()
     with graph.as_default(), tf.device(f"/job:ps/replica:0/task:{info.task}/device:CPU:0"):
         queue = tf.queue.FIFOQueue(len(info.workers), [tf.int32], shapes=[[]],
                                    shared_name=DONE_QUEUE)
         take = queue.dequeue()
-    options = tf.compat.v1.RunOptions(timeout_in_ms=int(poll_seconds * 1000))
     config = info.session_config()
     config.device_filters.append(f"/job:ps/task:{info.task}")   # look for no other task
-    done, seen = set(), time.monotonic()
-    with tf.compat.v1.Session(server.target, graph=graph, config=config) as session:
-        while len(done) < len(info.workers):
-            try:
-                done.add(int(session.run(take, options=options)))
-                continue
-            except tf.errors.DeadlineExceededError:
-                pass
+
+    def watch():
+        seen = time.monotonic()
+        while True:
+            time.sleep(poll_seconds)
             if any(_reachable(address) for address in info.workers):
                 seen = time.monotonic()
             elif time.monotonic() - seen > timeout_seconds:
                 print(f"parallax_ng: ps {info.task}: no worker has been reachable for "
                       f"{timeout_seconds:g} s; stopping", file=sys.stderr, flush=True)
-                return 1
+                os._exit(1)     # the waiting run cannot be given up without a log line
+
+    done = set()
+    threading.Thread(target=watch, daemon=True).start()
+    with tf.compat.v1.Session(server.target, graph=graph, config=config) as session:
+        while len(done) < len(info.workers):    # a worker may say it twice (two runners)
+            done.add(int(session.run(take)))
     return 0
 
 

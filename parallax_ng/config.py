@@ -204,6 +204,7 @@ class Config:
     horizontal_scheduling: bool = False                    # dense updates by block, a step later
     variable_methods: dict = field(default_factory=dict)   # variable -> method
     fetch_reduction: dict = field(default_factory=dict)    # tensor name -> how
+    batch_feeds: dict = field(default_factory=dict)        # placeholder -> split it or not
     dump_dir: str | None = None                            # graphs after each pass
     verify: str = "structure"
     random: str = "distinct"                               # replicas' random streams
@@ -227,6 +228,11 @@ class Config:
             _check_choice(f"random_ops.{pattern}", mode, RANDOM_MODES)
         for name, how in self.fetch_reduction.items():
             _check_choice(f"fetch_reduction.{name}", how, FETCH_REDUCTIONS)
+        for name, split in self.batch_feeds.items():
+            if not isinstance(split, bool):
+                raise ConfigError(f"config key 'batch_feeds.{name}' must be true (its first "
+                                  "dimension is the batch: split it over the replicas) or "
+                                  f"false (every replica gets it whole), not {split!r}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "Config":
@@ -247,7 +253,7 @@ class Config:
                 raise ConfigError(f"config key {key!r} must be a mapping")
             _reject_unknown(key + ".", section, {f.name for f in dataclasses.fields(kind)})
             sections[key] = kind(**section)
-        for key in ("variable_methods", "fetch_reduction", "random_ops"):
+        for key in ("variable_methods", "fetch_reduction", "random_ops", "batch_feeds"):
             if key in data and not isinstance(data[key], dict):
                 raise ConfigError(f"config key {key!r} must be a mapping")
         return cls(**sections, **data)
@@ -263,16 +269,30 @@ def load_config(config) -> Config:
     if isinstance(config, Config):
         return config
     if isinstance(config, (str, os.PathLike)):
-        path = os.fspath(config)
-        if not os.path.exists(path):
-            raise ConfigError(f"config file {path!r} does not exist")
-        with open(path) as f:
-            data = yaml.safe_load(f) or {}
-        return Config.from_dict(data)
+        return Config.from_dict(read_yaml(os.fspath(config), "config", ConfigError))
     if isinstance(config, dict):
         return Config.from_dict(config)
     raise ConfigError(f"config must be a path, a dict or a parallax_ng.Config, "
                       f"not {type(config).__name__}")
+
+
+def read_yaml(path: str, what: str, error) -> dict:
+    """The mapping a YAML file holds; `error` (naming the `what` file, and
+    the line of a syntax error) when it is missing, not YAML or no mapping."""
+    if not os.path.exists(path):
+        raise error(f"{what} file {path!r} does not exist")
+    with open(path) as f:
+        try:
+            data = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+            raise error(f"{what} file {path!r} is not valid YAML{at}: "
+                        f"{getattr(e, 'problem', None) or e}") from None
+    if not isinstance(data, dict):
+        raise error(f"{what} file {path!r} holds a {type(data).__name__}, not a mapping "
+                    "of keys")
+    return data
 
 
 def _reject_unknown(prefix: str, data: dict, known: set[str]) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from . import compat, l2l, layers
+from . import compat, heartbeat, l2l, layers
 from .checkpoint import ITERATOR_OPS, Checkpointer, assign_value, read_value
 from .errors import FetchError
 from .fetches import Fetch, combine
@@ -119,7 +119,8 @@ class L2LRunner:
             self._check_feed(name, value)
         if options is None:
             options = self._timeout
-        values = self.session.run(names, feeds, options=options, run_metadata=run_metadata)
+        with heartbeat.running():
+            values = self.session.run(names, feeds, options=options, run_metadata=run_metadata)
         self._after_run({f.user for f in wanted})
         out, i = [], 0
         for f in wanted:
@@ -291,10 +292,13 @@ class Checkpoints(Checkpointer):
                  worker: int = 0):
         self.directory = (os.path.join(directory, f"worker-{worker}") if workers > 1
                           else directory)
+        # each worker's file holds all (Checkpointer's one-process layout)
+        self.inputs, self.workers, self.worker, self.timeout = self.directory, 1, 0, 0.0
         variables = sorted(tg.variables)
         step = tf.compat.v1.train.get_global_step(tg.graph)
         with graph.as_default(), tf.device(host), tf.compat.v1.name_scope("l2l/checkpoint/"):
             self.prefix = tf.compat.v1.placeholder(tf.string, [], name="prefix")
+            self.input_prefix = self.prefix
             tensors = [read_value(graph, tg.variables[v]) for v in variables]
             names = list(variables)
             iterators = [n.name for n in tg.ir.nodes if n.op in ITERATOR_OPS]

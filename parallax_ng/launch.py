@@ -32,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from . import heartbeat
 from .cluster import CONFIG_ENV, ENV, ClusterInfo
 from .errors import ResourceError
 from .resources import ResourceInfo, load_resources
@@ -61,6 +62,14 @@ QUIET = re.compile(
     rb"|coordination_service\.cc:\d+\] Initializing CoordinationService")
 
 
+STALE = 5.0           # seconds without a heartbeat that make a task suspect when another fails
+TIMEOUT = 300.0       # a silent task's limit until a task says the job's timeout
+
+
+class Terminated(Exception):
+    """SIGTERM reached the launcher."""
+
+
 @dataclass
 class Task:
     name: str                 # "worker 0", "ps 1"
@@ -70,6 +79,19 @@ class Task:
     tail: collections.deque = field(default_factory=lambda: collections.deque(
         maxlen=TAIL_LINES))
     readers: list = field(default_factory=list)
+    beat: float | None = None   # when its last heartbeat came (monotonic)
+    state: tuple = ("idle", 0.0)   # in a runner's step or not, and for how long
+    timeout: float = 0.0        # the job's timeout, as the task said it
+    error: str | None = None    # the exception that ended it, in one line
+
+    def silent(self, now: float) -> float:
+        """Seconds since its last heartbeat (0 before the first)."""
+        return now - self.beat if self.beat is not None else 0.0
+
+    def idle(self, now: float) -> float:
+        """Seconds it has stayed out of its runner's steps (0 inside one)."""
+        state, held = self.state
+        return held + self.silent(now) if state == "idle" else 0.0
 
     def relay(self) -> None:
         """Copy the task's stdout and stderr to ours, line by line, prefixed."""
@@ -83,6 +105,12 @@ class Task:
         for line in iter(pipe.readline, b""):
             if not line.endswith(b"\n"):
                 line += b"\n"
+            mark = line.find(heartbeat.MARK.encode())
+            if mark >= 0:
+                self._told(line[mark:].decode(errors="replace"))
+                if not line[:mark].strip():
+                    continue
+                line = line[:mark] + b"\n"     # the task's unfinished line before it
             if not self.verbose and QUIET.search(line):
                 continue
             if not self.shown:
@@ -93,6 +121,16 @@ class Task:
                 out.buffer.write(prefix + line)
                 out.buffer.flush()
         pipe.close()
+
+    def _told(self, text: str) -> None:
+        """A line the task wrote for the launcher (parallax_ng/heartbeat.py)."""
+        kind, rest = heartbeat.parse(text) or ("", "")
+        if kind == "heartbeat":
+            state, held, timeout = rest.split()
+            self.beat, self.state = time.monotonic(), (state, float(held))
+            self.timeout = max(self.timeout, float(timeout))
+        elif kind == "error":
+            self.error = self.error or rest.split(": ", 1)[-1]
 
     def finish(self, timeout: float = 5.0) -> None:
         """Wait until the task's output is copied (its process has ended)."""
@@ -140,16 +178,30 @@ def _with_port(address: str) -> str:
 def launch(script: str, resource_info, config: str | None = None, args=(),
            grace: float = 10.0, poll: float = 0.2, chief_only: bool = False,
            verbose: bool = False, env: dict | None = None) -> int:
+    """Run the job; its exit code: 0 when every worker ended well, else
+    the failing task's (128 + N for a task ended by signal N), 1 for a task
+    that stopped making progress, 130 on Ctrl-C, 143 on SIGTERM."""
+    from .config import load_config
     if not os.path.isfile(script):
         raise ResourceError(f"script {script!r} does not exist")
+    if config:
+        load_config(config)            # its mistakes before any task starts
     resources = load_resources(resource_info)
     workers, ps = plan_cluster(resources)
+    for name, address, given in _addresses(resources, workers, ps):
+        if given and not is_remote(address):
+            _check_free(name, address)
     tasks: list[Task] = []
     base_env = dict(os.environ, PYTHONUNBUFFERED="1")
     base_env.pop("TF_CONFIG", None)
     base_env.update(env or {})
+    if verbose:
+        base_env[heartbeat.VERBOSE_ENV] = "1"
     if config:
         base_env[CONFIG_ENV] = os.path.abspath(config)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         for j, address in enumerate(resources.ps):
             info = ClusterInfo(tuple(workers), tuple(ps), "ps", j, (("CPU", 0),))
@@ -169,15 +221,46 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
         _say("interrupted; stopping every task")
         _stop(tasks, grace)
         return 130
+    except Terminated:
+        _say("terminated (SIGTERM); stopping every task")
+        _stop(tasks, grace)
+        return 143
     finally:
         _stop(tasks, grace)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def _addresses(resources: ResourceInfo, workers: list[str], ps: list[str]):
+    """(task, host:port, whether the resource file gave the port) of every task."""
+    given = [h.address for h in resources.hosts] + list(resources.ps)
+    names = [f"worker {i}" for i in range(len(workers))] + [f"ps {j}" for j in range(len(ps))]
+    return [(n, a, a == g) for n, a, g in zip(names, workers + ps, given)]
+
+
+def _check_free(name: str, address: str) -> None:
+    """A ResourceError naming the task when its port on this machine is taken."""
+    host, _, port = address.rpartition(":")
+    with socket.socket() as s:
+        try:
+            s.bind((host if host != "localhost" else "127.0.0.1", int(port)))
+        except OSError as e:
+            raise ResourceError(f"{name}'s address {address} cannot be used: {e.strerror} "
+                                "(another process holds the port, or the address is not "
+                                "this machine's); give another port in the resource file, "
+                                "or none to have a free one picked") from None
 
 
 def remote_command(ssh: str, address: str, command: list[str], env: dict) -> list[str]:
     """argv that runs `command` with the parallax_ng part of `env` on `address`."""
     host = address.rpartition(":")[0] or address
     keep = {k: v for k, v in env.items()
-            if k.startswith("PARALLAX_NG_") or k in ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL")}
+            if k.startswith("PARALLAX_NG_") or k in ("PYTHONPATH", "TF_CPP_MIN_LOG_LEVEL",
+                                                      "PYTHONUNBUFFERED")}
     line = " ".join([f"cd {shlex.quote(os.getcwd())} && env"]
                     + [shlex.quote(f"{k}={v}") for k, v in sorted(keep.items())]
                     + [shlex.quote(c) for c in command])
@@ -186,7 +269,7 @@ def remote_command(ssh: str, address: str, command: list[str], env: dict) -> lis
 
 def _start(name: str, command: list[str], info: ClusterInfo, env: dict,
            ssh: str | None = None, shown: bool = True, verbose: bool = False) -> Task:
-    env = dict(env, **{ENV: info.to_env()})
+    env = dict(env, **{ENV: info.to_env(), heartbeat.ENV: name})
     address = (info.ps if info.task_type == "ps" else info.workers)[info.task]
     if ssh is not None:
         command = remote_command(ssh, address, command, env)
@@ -207,15 +290,32 @@ def _say(text: str) -> None:
 def _watch(tasks: list[Task], grace: float, poll: float) -> int:
     workers = [t for t in tasks if t.name.startswith("worker")]
     while True:
+        now = time.monotonic()
         for t in tasks:
             rc = t.process.poll()
             if rc not in (None, 0):   # 0: a worker that finished, a server whose workers did
                 t.finish()
-                _say(f"{t.name} (pid {t.process.pid}) exited with code {rc}; "
-                     "stopping the job")
+                held_by = _holding(tasks, t, now)
+                code = 128 - rc if rc < 0 else rc
+                if held_by is not None:
+                    _say(f"{_stalled(held_by, now)}; {t.name} failed waiting for it "
+                         f"({t.error or f'exit code {code}'}); stopping the job")
+                    held_by.show_tail()
+                elif t.error and _users_mistake(t.error):
+                    _say(f"{t.name}: {t.error}")
+                else:
+                    died = f"signal {-rc}" if rc < 0 else f"code {rc}"
+                    _say(f"{t.name} (pid {t.process.pid}) exited with {died}"
+                         f"{f': {t.error}' if t.error else ''}; stopping the job")
+                    t.show_tail()
+                _stop(tasks, grace)
+                return 1 if held_by is not None else code
+            limit = max([u.timeout for u in tasks if u.timeout] or [TIMEOUT])
+            if rc is None and t.silent(now) > limit:
+                _say(f"{_stalled(t, now)}; stopping the job")
                 t.show_tail()
                 _stop(tasks, grace)
-                return rc or 1
+                return 1
         if all(t.process.poll() == 0 for t in workers):
             for t in workers:
                 t.finish()
@@ -223,11 +323,44 @@ def _watch(tasks: list[Task], grace: float, poll: float) -> int:
         time.sleep(poll)
 
 
+def _users_mistake(error: str) -> bool:
+    """Whether a task's error is a ParallaxError (config, resources, graph)."""
+    return error.split(":", 1)[0] in ("ConfigError", "ResourceError", "GraphError",
+                                      "FetchError", "ParallaxError")
+
+
+def _holding(tasks: list[Task], failed: Task, now: float) -> Task | None:
+    """The live task that stopped the job's progress when `failed` failed:
+    one silent for STALE seconds (stopped or hung), else, when `failed`
+    timed out waiting, a worker that stayed out of its runner's steps for
+    the job's timeout (blocked elsewhere, e.g. in I/O)."""
+    live = [u for u in tasks if u is not failed and u.process.poll() is None]
+    silent = [u for u in live if u.silent(now) > STALE]
+    if silent:
+        return max(silent, key=lambda u: u.silent(now))
+    if failed.error and failed.error.startswith("DeadlineExceededError"):
+        limit = max([u.timeout for u in tasks if u.timeout] or [TIMEOUT])
+        # (most of) the timeout: `failed` began to wait about when the other left its step
+        idle = [u for u in live if u.name.startswith("worker") and u.idle(now) >= 0.8 * limit]
+        if idle:
+            return max(idle, key=lambda u: u.idle(now))
+    return None
+
+
+def _stalled(task: Task, now: float) -> str:
+    if task.silent(now) > STALE:
+        return (f"{task.name} (pid {task.process.pid}) stopped making progress: no "
+                f"heartbeat for {task.silent(now):.0f} s (stopped, e.g. by SIGSTOP, or hung)")
+    return (f"{task.name} (pid {task.process.pid}) stopped making progress: outside its "
+            f"training steps for {task.idle(now):.0f} s (blocked, e.g. in I/O)")
+
+
 def _stop(tasks: list[Task], grace: float) -> None:
     """SIGTERM every live task's process group, SIGKILL what is left after `grace`."""
     live = [t for t in tasks if t.process.poll() is None]
     for t in live:
         _signal(t.process, signal.SIGTERM)
+        _signal(t.process, signal.SIGCONT)     # a stopped task takes its SIGTERM
     deadline = time.monotonic() + grace
     for t in live:
         try:

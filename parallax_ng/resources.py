@@ -20,8 +20,7 @@ import os
 import re
 from dataclasses import dataclass
 
-import yaml
-
+from .config import read_yaml
 from .errors import ResourceError
 
 MAX_DEFAULT_CPU_DEVICES = 8   # replicas of a whole graph cost memory; list more explicitly
@@ -99,11 +98,7 @@ def load_resources(resource_info) -> ResourceInfo:
     if isinstance(resource_info, ResourceInfo):
         return resource_info
     if isinstance(resource_info, (str, os.PathLike)):
-        path = os.fspath(resource_info)
-        if not os.path.exists(path):
-            raise ResourceError(f"resource file {path!r} does not exist")
-        with open(path) as f:
-            resource_info = yaml.safe_load(f) or {}
+        resource_info = read_yaml(os.fspath(resource_info), "resource", ResourceError)
     if not isinstance(resource_info, dict):
         raise ResourceError("resource info must be a path, a dict or None, "
                             f"not {type(resource_info).__name__}")

@@ -84,16 +84,19 @@ def test_plain_v1_script_with_default_graph_and_feeds(tmp_path):
     assert "w [ 1. -2.  3.] b [0.5]" in done.stdout
 
 
-@pytest.mark.parametrize("run_option,devices", [("hybrid", 2), ("ps", 1)])
-def test_adam_on_a_server_in_a_job_of_v1_scripts(tmp_path, v1_variables, run_option, devices):
+@pytest.mark.parametrize("run_option,devices,dense", [
+    ("hybrid", 2, "allreduce"), ("hybrid", 1, "bfb"), ("ps", 1, "auto")])
+def test_adam_on_a_server_in_a_job_of_v1_scripts(tmp_path, v1_variables, run_option, devices,
+                                                 dense):
     """Two workers of a script that calls disable_v2_behavior(): Adam's sparse
     update of a reference variable scales `m` through its ScatterAdd's
     output; on the non-chief worker that chain only feeds silenced writers
     (and, with two replicas, replica 1's copy of the update math feeds
-    nothing)."""
+    nothing). Hybrid's dense variables by all-reduce (a step of two session
+    runs at once) and by fusion buffers."""
     from test_cluster import load, run_job
     done, out, _ = run_job(tmp_path, 2, devices, "10", "--run-option", run_option, "--v1",
-                           servers=1)
+                           "--dense-method", dense, servers=1)
     assert done.returncode == 0, done.stderr[-3000:]
     single = train_single(*embedding_regression(8 * devices, "adam", clip=True, ema=True), 10)
     parallel = load(out, 2)

@@ -1,0 +1,190 @@
+"""The launcher as its user meets it (parallax_ng/launch.py): SIGTERM stops
+every task, a task that stops making progress is named within the job's
+timeout, a user's mistake is one line, a task killed by a signal gives the
+shell's exit code. Real `parallax-ng run` jobs on 127.0.0.1
+(tests/launch_script.py)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "launch_script.py")
+ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+TIMEOUT = 8          # the jobs' communication.timeout_seconds
+
+
+def resources(tmp_path, servers=0, ports=None):
+    path = tmp_path / "r.yaml"
+    addresses = [f"127.0.0.1:{p}" if p else "127.0.0.1" for p in (ports or [None, None])]
+    path.write_text("hosts:\n" + "".join(f"  - address: {a}\n    devices: [cpu:0]\n"
+                                         for a in addresses)
+                    + (f"ps: [{', '.join(['127.0.0.1'] * servers)}]\n" if servers else ""))
+    return str(path)
+
+
+def command(tmp_path, *script_args, config=None, servers=0, launcher=()):
+    config = config or {"run_option": "allreduce",
+                        "communication": {"timeout_seconds": TIMEOUT}}
+    return [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+            resources(tmp_path, servers), *launcher, "--", "--config", json.dumps(config),
+            *script_args]
+
+
+class Job:
+    """A job started in the background, its launcher's stderr read line by line."""
+
+    def __init__(self, cmd):
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, env=ENV)
+        self.pids, self.err = {}, []
+
+    def wait_for_steps(self, count: int = 1, seconds: float = 120) -> None:
+        """Until worker 0 printed `count` steps (every task started)."""
+        deadline = time.monotonic() + seconds
+        seen = 0
+        while seen < count and time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            assert line, self.finish()
+            seen += line.startswith("[worker 0] step")
+        assert seen >= count
+        for line in self.process.stderr:
+            self.err.append(line)
+            if " (pid " in line and "started" in line:
+                name = line.split("started ")[1].split(" (pid")[0]
+                self.pids[name] = int(line.split("(pid ")[1].split(")")[0])
+            if len(self.pids) == self.tasks:
+                return
+
+    tasks = 2
+
+    def finish(self, seconds: float = 120) -> str:
+        try:
+            self.process.wait(timeout=seconds)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+        self.err.append(self.process.stderr.read())
+        self.process.stdout.read()
+        return "".join(self.err)
+
+    def assert_all_gone(self) -> None:
+        for pid in self.pids.values():
+            for _ in range(50):
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.1)
+            else:
+                raise AssertionError(f"pid {pid} outlived the job")
+
+
+def test_sigterm_stops_every_task_and_exits_143(tmp_path):
+    job = Job(command(tmp_path))
+    job.wait_for_steps(3)
+    job.process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    err = job.finish(60)
+    assert job.process.returncode == 143, err
+    assert time.monotonic() - sent < 20
+    assert err.count("terminated (SIGTERM); stopping every task") == 1
+    job.assert_all_gone()
+
+
+@pytest.mark.parametrize("victim", ["worker 1", "ps 0"])
+def test_a_stopped_task_is_named_within_the_timeout(tmp_path, victim):
+    """SIGSTOP: the task's heartbeat stops; the job ends within the timeout
+    plus a few seconds naming it, not the worker that timed out waiting."""
+    config = {"run_option": "ps" if victim == "ps 0" else "allreduce",
+              "communication": {"timeout_seconds": TIMEOUT}}
+    job = Job(command(tmp_path, config=config, servers=int(victim == "ps 0")))
+    job.tasks = 2 + (victim == "ps 0")
+    job.wait_for_steps(3)
+    os.kill(job.pids[victim], signal.SIGSTOP)
+    stopped = time.monotonic()
+    err = job.finish(120)
+    took = time.monotonic() - stopped
+    assert job.process.returncode == 1, err
+    said = [ln for ln in err.splitlines() if "stopped making progress" in ln]
+    assert len(said) == 1 and said[0].startswith(
+        f"parallax-ng run: {victim} (pid {job.pids[victim]}) stopped making progress: no "
+        "heartbeat"), err
+    assert took < TIMEOUT + 8, took
+    job.assert_all_gone()
+
+
+def test_a_worker_blocked_outside_its_steps_is_named(tmp_path):
+    """Worker 1 blocks (its heartbeat goes on); worker 0 times out waiting
+    for it in a collective, and the launcher names worker 1."""
+    job = Job(command(tmp_path, "--block-at", "5"))
+    job.wait_for_steps(3)
+    started = time.monotonic()
+    err = job.finish(120)
+    assert job.process.returncode == 1, err
+    assert "worker 1 (pid" in err and "outside its training steps for" in err, err
+    assert "worker 0 failed waiting for it (DeadlineExceededError" in err
+    assert time.monotonic() - started < TIMEOUT + 10
+    job.assert_all_gone()
+
+
+def test_a_task_killed_by_a_signal_gives_128_plus_the_signal(tmp_path):
+    job = Job(command(tmp_path))
+    job.wait_for_steps(3)
+    os.kill(job.pids["worker 1"], signal.SIGKILL)
+    err = job.finish(60)
+    assert job.process.returncode == 137, err
+    assert f"worker 1 (pid {job.pids['worker 1']}) exited with signal 9" in err
+    job.assert_all_gone()
+
+
+def test_a_config_mistake_in_the_tasks_is_one_line_per_job(tmp_path):
+    config = {"run_option": "allreduce", "dense_metod": "bfb"}
+    done = subprocess.run(command(tmp_path, config=config), capture_output=True, text=True,
+                          timeout=120, env=ENV)
+    assert done.returncode == 1
+    lines = [ln for ln in done.stderr.splitlines() if "started" not in ln]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("parallax-ng run: worker ")
+    assert ": ConfigError: unknown config key 'dense_metod'" in lines[0]
+    assert "Traceback" not in done.stderr + done.stdout
+    verbose = subprocess.run(command(tmp_path, config=config, launcher=("--verbose",)),
+                             capture_output=True, text=True, timeout=120, env=ENV)
+    assert "Traceback" in verbose.stderr and "ConfigError" in verbose.stderr
+
+
+@pytest.mark.parametrize("text,says", [
+    ("run_option: hybird\n", "config key 'run_option' has value 'hybird'"),
+    ("run_option: [allreduce\n", "is not valid YAML at line 2"),
+    (None, "does not exist")])
+def test_the_config_file_is_checked_before_any_task_starts(tmp_path, text, says):
+    path = tmp_path / "c.yaml"
+    if text is not None:
+        path.write_text(text)
+    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+                           resources(tmp_path), "-c", str(path)], capture_output=True,
+                          text=True, timeout=60, env=ENV)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and says in done.stderr, done.stderr
+    assert "started" not in done.stderr
+
+
+def test_a_port_in_use_names_the_address_and_the_task(tmp_path):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        path = tmp_path / "r.yaml"
+        path.write_text(f"hosts:\n  - address: 127.0.0.1\n    devices: [cpu:0]\n"
+                        f"  - address: 127.0.0.1:{port}\n    devices: [cpu:0]\n")
+        done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+                               str(path)], capture_output=True, text=True, timeout=60,
+                              env=ENV)
+    assert done.returncode == 2
+    assert f"worker 1's address 127.0.0.1:{port} cannot be used" in done.stderr
+    assert "started" not in done.stderr
