@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import sys
 import warnings
 from dataclasses import dataclass
 from functools import cached_property
@@ -20,7 +21,7 @@ from functools import cached_property
 import numpy as np
 import tensorflow as tf
 
-from . import compat
+from . import batch, compat
 from .errors import FetchError
 from .ir import format_input, parse_input, parse_tensor
 from .passes import REPLICA_PREFIX
@@ -182,10 +183,19 @@ class FetchMap:
             rows = compat.dim(shape, 0) if shape.rank else 0
             if n > 1 and len(set(copies)) == n and rows != 0:
                 value = np.asarray(value)
+                kind = self._batch_kind(ref.node) if rows is None else batch.BATCH
+                if kind != batch.BATCH:
+                    if kind == batch.UNKNOWN:
+                        self._unsure(ref.node, len(value))
+                    for c in copies:
+                        out[c] = value
+                    continue
                 if rows is None and len(value) % n:
                     raise FetchError(
                         f"feed {name!r} has {len(value)} rows, which do not split "
-                        f"evenly over {n} replicas; feed a multiple of {n}")
+                        f"evenly over {n} replicas; feed a multiple of {n}, or set "
+                        f"config `batch_feeds: {{{ref.node}: false}}` if every replica "
+                        "needs it whole")
                 if rows is None or len(value) == n * rows:
                     for c, part in zip(copies, np.split(value, n)):
                         out[c] = part
@@ -195,6 +205,30 @@ class FetchMap:
             for c in dict.fromkeys(copies):
                 out[c] = value
         return out
+
+    def _batch_kind(self, node: str) -> str:
+        """Whether placeholder `node` is fed a batch (config `batch_feeds`,
+        else the graph: parallax_ng/batch.py)."""
+        if node in self.config.batch_feeds:
+            return batch.BATCH if self.config.batch_feeds[node] else batch.WHOLE
+        return self._kinds.get(node, (batch.UNKNOWN, ""))[0]
+
+    def _unsure(self, node: str, rows: int) -> None:
+        """Once per placeholder the graph does not show to be a batch: it goes
+        whole to every replica (the same result as one device, without
+        data parallelism for it if it is a batch after all); say so."""
+        if node in self._warned:
+            return
+        self._warned.add(node)
+        why = self._kinds.get(node, (0, "it is not in the analysed graph"))[1]
+        print(f"parallax_ng: placeholder {node!r}: {why}; its feed ({rows} rows) goes whole "
+              f"to every replica. If its rows are examples, set config `batch_feeds: "
+              f"{{{node}: true}}` to split them over the replicas (false: whole, silently)",
+              file=sys.stderr, flush=True)
+
+    @cached_property
+    def _kinds(self) -> dict:
+        return batch.kinds(self.ctx.tg)
 
     def _warn_whole_feed(self, name: str, tensor: tf.Tensor, rows: int) -> None:
         """Once per placeholder: a fixed batch dimension fed whole turns data

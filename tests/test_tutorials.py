@@ -19,6 +19,9 @@ tf1 = tf.compat.v1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, TOL = 6, 1e-5
 OPTIONS = ["hybrid", "allreduce", "ps"]
+# every model under every option; DeepFM's tables also by alltoall and auto
+CASES = [(m, o) for m in MODELS for o in OPTIONS] + [("deepfm", "alltoall"),
+                                                     ("deepfm", "auto")]
 
 
 def global_variables(graph):
@@ -42,12 +45,25 @@ def one_device(model, replicas, start):
         return dict(zip(names, sess.run([read_name(v, graph) for v in names]))), losses
 
 
+def unmet(sparse_method):
+    """What get_runner says the config asks that the plan does not do:
+    DeepFM's [features, 1] first-order weights cannot be cut into columns."""
+    if sparse_method != "alltoall":
+        return []
+    return ["feature_bias: sparse_method alltoall not used (alltoall cuts 'feature_bias' "
+            "into one part of its 1 columns per replica, but the job has 2 replicas; use ps "
+            "or allgather for 'feature_bias'); it goes by allgather"]
+
+
 def in_process(model, n, cfg, tmp_path):
     kwargs = {"windows": ptb_windows(STEPS * n, BATCH)} if model == "ptb" else {}
     if model == "ptb":     # the tutorial trains from its exported MetaGraphDef
         kwargs["meta_path"] = str(tmp_path / "ptb.meta")
     source, h = build(model, BATCH, **kwargs)
     with pn.get_runner(source, local(n), cfg) as runner:
+        assert runner.plan.unmet() == unmet(cfg.get("sparse_method"))
+        if cfg.get("sparse_method") == "alltoall":
+            assert runner.plan.variables["feature_embeddings"].method == "alltoall"
         graph = runner.ctx.tg.graph
         names = global_variables(graph)
         reads = [read_name(v, graph) for v in names]
@@ -66,8 +82,7 @@ def assert_equal_to_one_device(parallel, single, copies):
             assert diff <= TOL, f"{name} on replica {k}: max abs diff {diff}"
 
 
-@pytest.mark.parametrize("run_option", OPTIONS)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model,run_option", CASES)
 def test_tutorial_in_process_equals_one_device(tmp_path, model, run_option):
     parallel, start, losses = in_process(model, 2, config(model, run_option), tmp_path)
     single, single_losses = one_device(model, 2, start)
@@ -88,15 +103,22 @@ def test_word2vec_with_distinct_negatives_trains_but_is_not_one_device(tmp_path)
 def run_job(tmp_path, model, run_option, workers=2):
     res = tmp_path / "resources.yaml"
     res.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * workers
-                   + ("ps: [127.0.0.1]\n" if run_option != "allreduce" else ""))
+                   + ("ps: [127.0.0.1]\n" if run_option not in ("allreduce", "alltoall")
+                      else ""))
     out = str(tmp_path / "vars")
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng.cli", "run",
          os.path.join(ROOT, "tests", "tutorial_job.py"), "-r", str(res), "--",
-         model, out, str(STEPS), run_option, str(workers)],
+         model, out, str(STEPS), run_option, str(workers)]
+        + (["v2"] if model == "deepfm" else []),
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stderr[-4000:]
+    if run_option == "alltoall":
+        assert "'feature_embeddings': 'alltoall'" in done.stdout, done.stdout
+    said = [line.split("parallax_ng: ", 1)[1] for line in done.stderr.splitlines()
+            if "parallax_ng: " in line]
+    assert said == unmet(run_option), done.stderr       # once per job, worker 0
     with np.load(f"{out}.init.npz") as d:
         start = {k: d[k] for k in d.files}
     parallel = {}
@@ -107,8 +129,7 @@ def run_job(tmp_path, model, run_option, workers=2):
     return parallel, start
 
 
-@pytest.mark.parametrize("run_option", OPTIONS)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model,run_option", CASES)
 def test_tutorial_two_worker_job_equals_one_device(tmp_path, model, run_option):
     parallel, start = run_job(tmp_path, model, run_option)
     single, _ = one_device(model, 2, start)

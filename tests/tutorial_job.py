@@ -3,7 +3,10 @@ worker feeds its own rows of the global batch; worker 0 writes the initial
 values to OUT.init.npz, every worker its replicas' final values to
 OUT.<worker>.npz.
 
-    python tutorial_job.py MODEL OUT STEPS RUN_OPTION REPLICAS
+    python tutorial_job.py MODEL OUT STEPS RUN_OPTION REPLICAS [v2]
+
+`v2`: keep TensorFlow 2's behaviour (resource variables), as a script that
+uses tf.compat.v1 without disable_v2_behavior() does.
 """
 import os
 import sys
@@ -12,7 +15,8 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 import numpy as np  # noqa: E402
 import tensorflow.compat.v1 as tf  # noqa: E402
 
-tf.disable_v2_behavior()
+if sys.argv[6:] != ["v2"]:
+    tf.disable_v2_behavior()
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parallax_ng as pn  # noqa: E402
 from models import read_name  # noqa: E402
@@ -25,6 +29,8 @@ graph, h = build(model, BATCH, **kwargs)
 runner = pn.get_runner(graph, None, dict(config(model, run_option),
                                          communication={"timeout_seconds": 120}))
 plan = runner.plan
+print(f"worker {plan.worker}: methods "
+      f"{ {v: vp.method for v, vp in sorted(plan.variables.items())} }", flush=True)
 names = [v.op.name for v in graph.get_collection(tf.GraphKeys.GLOBAL_VARIABLES)]
 reads = [read_name(v, graph) for v in names]
 runner.run(h["init"])

@@ -8,7 +8,12 @@ as a user ports them (tf.compat.v1, placeholders, tf.Variable, queue input):
 - ptb: ptb_word_lm's 2-layer LSTM language model, statically unrolled,
   gradients clipped by their global norm, GradientDescent, the RNN state
   fetched and fed back every step, steps read from a range_input_producer
-  queue, the graph exported as a MetaGraphDef and trained from it.
+  queue, the graph exported as a MetaGraphDef and trained from it;
+- deepfm: a DeepFM written as its widely used TF1 implementation writes it
+  (feature index and value placeholders, embeddings and first-order
+  weights looked up by index, FM and deep parts, dropout keep
+  probabilities fed as `[None]` placeholders with one value per layer,
+  `tf.losses.log_loss`, Adam, a `tf.train.Saver` built before training).
 
 `build(batch)` makes the graph; `train(run, handles, steps, batch, part)`
 is the tutorial's loop for `run` = Session.run or Runner.run, where
@@ -23,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 tf1 = tf.compat.v1
-MODELS = ("word2vec", "mnist", "ptb")
+MODELS = ("word2vec", "mnist", "ptb", "deepfm")
 BATCH = 4              # rows per replica
 SAMPLER_SEED = 11
 
@@ -170,9 +175,74 @@ def ptb(batch, windows=None, meta_path=None):
     return (meta_path or g), h
 
 
+# -- DeepFM ------------------------------------------------------------------------
+FEATURES, FIELDS, K, DEEP = 60, 4, 4, (8, 8)
+
+
+def deepfm(batch):
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(5)
+        feat_index = tf1.placeholder(tf.int32, shape=[None, None], name="feat_index")
+        feat_value = tf1.placeholder(tf.float32, shape=[None, None], name="feat_value")
+        label = tf1.placeholder(tf.float32, shape=[None, 1], name="label")
+        keep_fm = tf1.placeholder(tf.float32, shape=[None], name="dropout_keep_fm")
+        keep_deep = tf1.placeholder(tf.float32, shape=[None], name="dropout_keep_deep")
+        tf1.placeholder(tf.bool, name="train_phase")
+        w = {"feature_embeddings": tf1.Variable(
+                 tf1.random_normal([FEATURES, K], 0.0, 0.1), name="feature_embeddings"),
+             "feature_bias": tf1.Variable(tf1.random_uniform([FEATURES, 1], 0.0, 1.0),
+                                          name="feature_bias")}
+        sizes = (FIELDS * K,) + DEEP
+        for i in range(len(DEEP)):
+            glorot = np.sqrt(2.0 / (sizes[i] + sizes[i + 1]))
+            w[f"layer_{i}"] = tf1.Variable(np.random.RandomState(i).normal(
+                0, glorot, (sizes[i], sizes[i + 1])).astype(np.float32), name=f"layer_{i}")
+            w[f"bias_{i}"] = tf1.Variable(np.zeros((1, sizes[i + 1]), np.float32),
+                                          name=f"bias_{i}")
+        w["concat_projection"] = tf1.Variable(np.random.RandomState(9).normal(
+            0, 0.1, (FIELDS + K + DEEP[-1], 1)).astype(np.float32), name="concat_projection")
+        w["concat_bias"] = tf1.Variable(tf.constant(0.01), dtype=np.float32)
+        embeddings = tf1.nn.embedding_lookup(w["feature_embeddings"], feat_index)
+        value = tf.reshape(feat_value, shape=[-1, FIELDS, 1])
+        embeddings = tf.multiply(embeddings, value)
+        first = tf1.nn.embedding_lookup(w["feature_bias"], feat_index)
+        first = tf.reduce_sum(tf.multiply(first, value), 2)
+        first = tf1.nn.dropout(first, keep_fm[0])
+        summed = tf.square(tf.reduce_sum(embeddings, 1))
+        squared = tf.reduce_sum(tf.square(embeddings), 1)
+        second = tf1.nn.dropout(0.5 * tf.subtract(summed, squared), keep_fm[1])
+        deep = tf.reshape(embeddings, shape=[-1, FIELDS * K])
+        deep = tf1.nn.dropout(deep, keep_deep[0])
+        for i in range(len(DEEP)):
+            deep = tf.nn.relu(tf.add(tf.matmul(deep, w[f"layer_{i}"]), w[f"bias_{i}"]))
+            deep = tf1.nn.dropout(deep, keep_deep[1 + i])
+        out = tf.add(tf.matmul(tf.concat([first, second, deep], axis=1),
+                               w["concat_projection"]), w["concat_bias"])
+        out = tf.nn.sigmoid(out)
+        loss = tf.identity(tf1.losses.log_loss(label, out), name="loss")
+        tf1.train.AdamOptimizer(learning_rate=0.01, beta1=0.9, beta2=0.999,
+                                epsilon=1e-8).minimize(loss, name="train")
+        tf1.global_variables_initializer()
+        tf1.train.Saver()
+    return g, {"init": "init", "train": "train", "loss": "loss:0"}
+
+
+def _fields(step, rows):
+    """Xi (each field's feature index), Xv (its value) and y, as DeepFM's
+    data loader gives them."""
+    rng = np.random.RandomState(400 + step)
+    index = np.stack([rng.randint(f * FEATURES // FIELDS, (f + 1) * FEATURES // FIELDS, rows)
+                      for f in range(FIELDS)], axis=1).astype(np.int32)
+    value = rng.rand(rows, FIELDS).astype(np.float32)
+    y = (index[:, 0] % 2 == 0).astype(np.float32)[:, None]
+    return index, value, y
+
+
 # -- one loop for Session.run and Runner.run -------------------------------------
 def build(model, batch, **kwargs):
-    return {"word2vec": word2vec, "mnist": mnist, "ptb": ptb}[model](batch, **kwargs)
+    return {"word2vec": word2vec, "mnist": mnist, "ptb": ptb,
+            "deepfm": deepfm}[model](batch, **kwargs)
 
 
 def train(model, run, h, steps, batch, part=(0, 1), keep_prob=1.0):
@@ -190,6 +260,12 @@ def train(model, run, h, steps, batch, part=(0, 1), keep_prob=1.0):
         elif model == "mnist":
             images, labels = _images(step, batch)
             feed = {"x:0": images[rows], "y_:0": labels[rows], "keep_prob:0": keep_prob}
+        elif model == "deepfm":     # as its author feeds it: keep probabilities per layer
+            index, value, y = _fields(step, batch)
+            feed = {"feat_index:0": index[rows], "feat_value:0": value[rows],
+                    "label:0": y[rows], "dropout_keep_fm:0": [keep_prob] * 2,
+                    "dropout_keep_deep:0": [keep_prob] * (1 + len(DEEP)),
+                    "train_phase:0": True}
         else:
             feed = {name: value for names, values in zip(h["initial_state"], state)
                     for name, value in zip(names, values)}
@@ -203,8 +279,11 @@ def train(model, run, h, steps, batch, part=(0, 1), keep_prob=1.0):
 
 def config(model, run_option):
     """The config a model equals one device with: word2vec's NCE negatives
-    drawn alike on every replica (as one device draws them once)."""
+    drawn alike on every replica (as one device draws them once). Run
+    option `alltoall`: allreduce with sparse_method alltoall."""
     out = {"run_option": run_option}
+    if run_option == "alltoall":
+        out = {"run_option": "allreduce", "sparse_method": "alltoall"}
     if model == "word2vec":
         out["random_ops"] = {"nce_loss/": "identical"}
     return out

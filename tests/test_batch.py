@@ -1,0 +1,102 @@
+"""Which placeholders are fed batches (parallax_ng/batch.py): decided from
+the graph, not from the static shape alone; the runner splits only those
+(parallax_ng/fetches.py). DeepFM-shaped models as their authors feed them
+are in tests/test_tutorials.py."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import local
+from parallax_ng import batch, frontend
+from tutorials import deepfm
+
+tf1 = tf.compat.v1
+
+
+def kinds(graph):
+    return {name: kind for name, (kind, _) in batch.kinds(frontend.load(graph)).items()}
+
+
+def test_deepfm_s_data_is_batch_and_its_keep_probabilities_are_not():
+    g, _ = deepfm(4)
+    assert kinds(g) == {"feat_index": "batch", "feat_value": "batch", "label": "batch",
+                        "dropout_keep_fm": "whole", "dropout_keep_deep": "whole"}
+
+
+def model(use):
+    """x [None, 3] -> a dense layer -> a loss; `use` adds a use of v [None]."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        v = tf1.placeholder(tf.float32, [None], name="v")
+        y = tf1.placeholder(tf.int32, [None], name="y")
+        logits = tf.matmul(x, tf1.get_variable("w", [3, 4]))
+        per_example = tf1.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        loss = tf.reduce_mean(use(v, per_example, logits, y))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    return g
+
+
+@pytest.mark.parametrize("use,kind", [
+    (lambda v, e, lg, y: e * v, "batch"),                           # a weight per example
+    (lambda v, e, lg, y: e * tf.gather(v, y), "whole"),             # a weight per class
+    (lambda v, e, lg, y: e * v[0] + v[1], "whole"),                 # hyper-parameters
+    (lambda v, e, lg, y: e + tf.reduce_sum(lg * v, 1), "unknown"),  # lined up with classes
+    (lambda v, e, lg, y: e + tf.reduce_sum(v), "unknown"),          # summed, alone
+])
+def test_a_vector_placeholder_is_what_its_uses_make_it(use, kind):
+    got = kinds(model(use))
+    assert got["x"] == got["y"] == "batch"
+    assert got["v"] == kind
+
+
+def test_a_lone_input_averaged_by_the_loss_is_a_batch():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 2], name="x")
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, tf1.get_variable("w", [2, 1])) - 1.0))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    assert kinds(g) == {"x": "batch"}
+
+
+def test_the_runner_splits_batches_and_gives_the_rest_whole(capsys):
+    """Per-class weights fed as `[None]` (4 values over 2 replicas, then 3):
+    every replica gets them whole; an undecided placeholder too, with one
+    line naming it and the config key; `batch_feeds` decides without a
+    word."""
+    build = {"w": lambda v, e, lg, y: e * tf.gather(v, y),
+             "u": lambda v, e, lg, y: e + tf.reduce_sum(lg * v, 1)}
+    x = np.ones([4, 3], np.float32)
+    y = np.array([0, 1, 2, 0], np.int32)
+    for key, use in build.items():
+        g = model(use)
+        loss = g.get_tensor_by_name("Mean:0")
+        with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
+            runner.run(runner.ctx.tg.variables["w"].initializer)
+            feed = {"x:0": x, "y:0": y, "v:0": np.ones(4, np.float32)}
+            runner.run(loss, feed)
+            if key == "w":
+                feed["v:0"] = np.ones(3, np.float32)
+            runner.run(loss, feed)
+        err = capsys.readouterr().err
+        if key == "w":
+            assert "placeholder" not in err
+        else:
+            assert err.count("placeholder 'v'") == 1, err
+            assert "batch_feeds: {v: true}" in err
+    g = model(build["u"])
+    with pn.get_runner(g, local(2), {"run_option": "allreduce",
+                                     "batch_feeds": {"v": False}}) as runner:
+        runner.run(runner.ctx.tg.variables["w"].initializer)
+        runner.run("Mean:0", {"x:0": x, "y:0": y, "v:0": np.ones(4, np.float32)})
+    assert "placeholder" not in capsys.readouterr().err
+    g = model(lambda v, e, lg, y: e * v)         # a weight per example: split
+    with pn.get_runner(g, local(2), {"run_option": "allreduce",
+                                     "batch_feeds": {"x": True}}) as runner:
+        runner.run(runner.ctx.tg.variables["w"].initializer)
+        got = runner.run("mul:0", {"x:0": x, "y:0": y, "v:0": np.arange(4, dtype=np.float32)},
+                         per_replica=True)
+        assert [len(part) for part in got] == [2, 2]
+    with pytest.raises(pn.ConfigError, match="batch_feeds.v' must be true"):
+        pn.get_runner(g, local(2), {"batch_feeds": {"v": "yes"}})
