@@ -144,6 +144,9 @@ def _uses(tg: TrainingGraph, var: str) -> ColumnUses:
             t = tg.tensor(ref)
             if t.shape.rank == 0 or not t.dtype.is_floating:
                 continue
+            if _restored(tg, ref):     # a Saver's restore: the whole variable, checked
+                cut.append((w, pos))   # by the restore itself when it runs
+                continue
             if t.shape.rank is None or tf.compat.dimension_value(t.shape[-1]) != v.shape[1]:
                 raise ConfigError(f"op {w!r} ({tg.ir.node(w).op}) writes {ops[w]!r} with "
                                   f"{ref.node} of shape {t.shape}, which alltoall cannot cut "
@@ -152,6 +155,23 @@ def _uses(tg: TrainingGraph, var: str) -> ColumnUses:
             cut.append((w, pos))
     return ColumnUses(var, state, lookups, whole, tuple(cut), tuple(shapes), tuple(norms),
                       selects, tuple(sorted(op for op in bad if op in selects)))
+
+
+RESTORES = frozenset({"RestoreV2", "Restore", "RestoreSlice"})
+
+
+def _restored(tg, ref: TensorRef) -> bool:
+    """Whether `ref` is a value read from a checkpoint (through Identity ops):
+    what a tf.compat.v1.train.Saver's restore assigns, of unknown shape."""
+    seen = 0
+    while seen < 8:
+        kind = tg.ir.node(ref.node).op
+        if kind in RESTORES:
+            return True
+        if kind != "Identity":
+            return False
+        ref, seen = tg.ir.data_inputs(ref.node)[0], seen + 1
+    return False
 
 
 @dataclass(frozen=True)

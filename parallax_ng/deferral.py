@@ -126,15 +126,15 @@ def prefetch(tg: TrainingGraph, vp: VariablePlan, config: Config,
     if not config.prefetch or not vp.info.sparse:
         return vp
     if vp.method != "alltoall":
-        return replace(vp, note=f"no prefetch: it applies to alltoall, not {vp.method}")
+        return vp.noted(f"no prefetch: it applies to alltoall, not {vp.method}")
     if not (vp.coalesce and config.distinct_lookups):
-        return replace(vp, note="no prefetch: it needs coalesce_rows and distinct_lookups")
+        return vp.noted("no prefetch: it needs coalesce_rows and distinct_lookups")
     if split:
-        return replace(vp, note=f"no prefetch: {SPLIT}")
+        return vp.noted(f"no prefetch: {SPLIT}")
     try:
         analyse(tg, vp.name)
     except ConfigError as e:
-        return replace(vp, note=f"no prefetch: {e}")
+        return vp.noted(f"no prefetch: {e}")
     return replace(vp, prefetch=True)
 
 

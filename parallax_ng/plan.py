@@ -32,6 +32,10 @@ class VariablePlan:
     def shared(self) -> bool:
         return self.method == "ps"
 
+    def noted(self, note: str) -> "VariablePlan":
+        """With `note` added to its notes."""
+        return replace(self, note=f"{self.note}; {note}" if self.note else note)
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -121,6 +125,7 @@ class Plan:
     costs: dict = field(default_factory=dict)   # run_option auto: var -> {method: seconds}
     network: str = ""                           # the network those costs assume
     choice: tuple[Candidate, ...] = ()          # the plans weighed by their links
+    notes: tuple[str, ...] = ()                 # settings asked for that do not apply, why
 
     @property
     def num_replicas(self) -> int:
@@ -245,7 +250,7 @@ class Plan:
             "distinct_lookups": self.distinct_lookups, "order_source": self.order_source,
             "rewrites": dict(vars(self.rewrites)),
             "costs": {k: dict(v) for k, v in self.costs.items()}, "network": self.network,
-            "choice": [dict(vars(c)) for c in self.choice],
+            "choice": [dict(vars(c)) for c in self.choice], "notes": list(self.notes),
         }
 
     def format(self) -> str:
@@ -260,6 +265,10 @@ class Plan:
             rows.append(f"{name:40} {str(list(i.shape)):>16} "
                         f"{'sparse' if i.sparse else 'dense':6} {alpha:>6} "
                         f"{vp.method:9} {traffic[name] / 1e6:15.3f}")
+        if any(vp.info.sparse for vp in self.variables.values()):
+            rows.append("  (alpha: the share of a sparse variable's rows one replica's step "
+                        "touches, measured or estimated from its lookups; MB/step/replica: "
+                        "Parallax's traffic model)")
         if self.costs:
             rows.append(f"run_option auto, predicted ms/step by method ({self.network}):")
             for name, table in sorted(self.costs.items(),
@@ -282,9 +291,7 @@ class Plan:
         if self.blocks:
             rows.append("horizontal scheduling (updates a step later, blocks all-reduced in "
                         "forward order): " + "; ".join(", ".join(b) for b in self.blocks))
-        for v, vp in sorted(self.variables.items()):
-            if vp.note:
-                rows.append(f"{v}: {vp.note}")
+        rows += self.unmet()
         off = [k for k, on in vars(self.rewrites).items() if not on]
         if off:
             rows.append("placement rewrites off: " + ", ".join(off))
@@ -305,7 +312,8 @@ class Plan:
             rows.append(f"fusion buffers: {len(sizes)}, {sum(sizes) / 1e6:.3f} MB "
                         f"(largest {max(sizes) / 1e6:.3f} MB); per server per worker and step: "
                         + ", ".join(f"{d} {b / 1e6:.3f} MB" for d, b in per.items())
-                        + (f"; packed in {self.order_source}" if self.order_source else ""))
+                        + (f"; gradient order: {self.order_source}" if self.order_source
+                           else ""))
         for var, p in sorted({**self.sharded(), **self.columns()}.items()):
             if var in self.variables:
                 rows.append(f"{var}: {p.describe()}")
@@ -322,6 +330,12 @@ class Plan:
                                               for k in state))
         return "\n".join(rows)
 
+
+    def unmet(self) -> list[str]:
+        """One line for each setting the config asks for that the plan does
+        not apply, with the reason (the job's, then each variable's)."""
+        return list(self.notes) + [f"{v}: {vp.note}" for v, vp in sorted(self.variables.items())
+                                   if vp.note]
 
     def _format_choice(self) -> list[str]:
         if not self.choice:

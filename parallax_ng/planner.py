@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from . import buckets as bucketing
-from . import choice, columns, costmodel, deferral, queues, randomness, traffic
+from .buckets import buffer_bytes
+from . import choice, columns, costmodel, deferral, queues, randomness, rules, traffic
 from .analysis import VariableInfo
 from .config import Config
 from .duplicates import coalescing
@@ -46,8 +47,15 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     `layout`: the hosts of a job's tasks, whose links weigh the candidate
     plans of hybrid and auto (parallax_ng/choice.py); None: every task on
     this machine."""
+    notes = ()
+    if config.run_option == "hybrid" and num_workers > 1 and not servers and \
+            config.sparse_method == "auto" and "ps" not in config.variable_methods.values():
+        config = replace(config, sparse_method="allgather")
+        notes = ("run_option hybrid: the job has no parameter server (`ps:` in the resource "
+                 "file), so sparse gradients go by all-gather, as under run_option allreduce",)
     job_servers = num_workers > 1 and bool(servers) and config.communication.backend == "tf"
-    can_cut = lambda v: cuttable(tg, v, len(devices), num_workers)   # noqa: E731
+    backend = config.communication.backend
+    can_cut = lambda v: cuttable(tg, v, len(devices), num_workers, backend)   # noqa: E731
     can_sum = lambda v: coalescing(tg, v) is not None                 # noqa: E731
     group = len(devices) * num_workers
     weighing = choice.weighs(config, num_workers, servers)
@@ -65,7 +73,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     def build(cfg: Config, tables: dict) -> Plan:
         methods = choose_methods(info, cfg, job_servers, can_cut, can_sum, tables)
         return replace(_plan_of(job, cfg, methods), costs=costs,
-                       network=net.describe() if net else "")
+                       network=net.describe() if net else "", notes=notes)
     if not weighing:
         return build(config, costs)
     candidates, refused = [], []
@@ -87,7 +95,8 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     variables = {name: VariablePlan(name, method, info[name],
                                     coalesce=config.coalesce_rows and
                                     method in ("ps", "allgather", "alltoall") and
-                                    coalescing(tg, name) is not None)
+                                    coalescing(tg, name) is not None,
+                                    note=_unmet(tg, config, name, method, devices, num_workers))
                  for name, method in methods.items()}
     roots = shared_roots(variables)
     fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
@@ -98,11 +107,12 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
                             config.ps_placement)
     placement.update(by_columns(tg, [v for v, vp in variables.items()
                                      if vp.method == "alltoall"],
-                                job_devices(devices, num_workers, worker), num_workers))
+                                job_devices(devices, num_workers, worker), num_workers,
+                                config.communication.backend))
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
                              list(servers) or [host], config.fusion.buffer_bytes)
     blocks, notes = deferral.horizontal_blocks(tg, variables, config, split)
-    variables.update({v: replace(variables[v], note=note) for v, note in notes.items()})
+    variables.update({v: variables[v].noted(note) for v, note in notes.items()})
     later = {v for b in blocks for v in b}
     reduced = [v for v, vp in variables.items()      # dense: a sparse one alone
                if vp.method == "allreduce" and not vp.info.sparse and v not in later]
@@ -124,6 +134,26 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
                 rewrites=Rewrites(**vars(config.placement_rewrites)))
 
 
+def _unmet(tg, config: Config, name: str, method: str, devices, num_workers: int) -> str:
+    """Why a sparse variable does not go by the config's `sparse_method`
+    (alltoall or allreduce), or ""."""
+    asked = config.sparse_method
+    if asked not in ("alltoall", "allreduce") or method == asked or \
+            not tg.gradients[name].sparse or name in config.variable_methods:
+        return ""
+    if asked == "alltoall":
+        try:
+            by_columns(tg, [name], [""] * (len(devices) * num_workers), num_workers,
+                       config.communication.backend)
+            why = "the cost model chose otherwise"
+        except ConfigError as e:
+            why = str(e)
+    else:
+        why = ("a use of its rows sees them one by one, so duplicate rows may not be "
+               "summed" if coalescing(tg, name) is None else "the cost model chose otherwise")
+    return f"sparse_method {asked} not used ({why}); it goes by {method}"
+
+
 # -- 1. policy -----------------------------------------------------------------
 def choose_methods(info: dict[str, VariableInfo], config: Config,
                    job_servers: bool = False, cuttable=lambda v: True,
@@ -143,9 +173,9 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
                           f"are not trained variables; trained: {sorted(info)}")
     out = {}
     for name, vi in info.items():
+        asked = config.sparse_method if vi.sparse else config.dense_method
         method = config.variable_methods.get(name) or (
-            costmodel.choose(costs[name]) if costs and (vi.sparse or
-                                                         config.dense_method == "auto") else
+            costmodel.choose(costs[name]) if costs and asked == "auto" else
             _default_method(config, vi, job_servers))
         if name not in config.variable_methods and vi.sparse and (
                 method == "alltoall" and not cuttable(name) or
@@ -199,7 +229,7 @@ def network(config: Config, profile, replicas: int, layout: traffic.Layout | Non
             if layout is not None else set()
         return costmodel.Network.from_allreduce(
             fit.a, fit.link_b(), replicas, profile.round_trip,
-            len(layout.workers) if len(hosts) == 1 else 0)
+            len(layout.workers) if len(hosts) == 1 else 0, profile.session_run)
     return costmodel.Network(costmodel.BANDWIDTH, costmodel.LATENCY)
 
 
@@ -255,18 +285,19 @@ def map_devices(tg: TrainingGraph, roots: list[str], host: str, servers=(),
     return placement
 
 
-def cuttable(tg: TrainingGraph, var: str, devices: int, num_workers: int) -> bool:
+def cuttable(tg: TrainingGraph, var: str, devices: int, num_workers: int,
+             backend: str = "tf") -> bool:
     """Whether alltoall can cut sparse variable `var` by columns over a job
     of `num_workers` x `devices` replicas (`by_columns` says why not)."""
     try:
-        by_columns(tg, [var], [""] * (devices * num_workers), num_workers)
+        by_columns(tg, [var], [""] * (devices * num_workers), num_workers, backend)
     except ConfigError:
         return False
     return True
 
 
 def by_columns(tg: TrainingGraph, cut: list[str], devices: list[str],
-               num_workers: int = 1) -> dict:
+               num_workers: int = 1, backend: str = "tf") -> dict:
     """Each variable of `cut` and its slots of its shape cut by columns, one
     part per replica of the job (`devices`, in job order); its other state
     (scalars) stays mirrored. Raises ConfigError when a use of the variable
@@ -274,12 +305,15 @@ def by_columns(tg: TrainingGraph, cut: list[str], devices: list[str],
     workers when a step would read the whole of it: that reads other
     workers' parts, and TensorFlow's runtime aborts a step of one worker's
     collectives when another worker's step that touched it ends (DESIGN,
-    between-graph facts); a read for the caller alone (a fetch) is fine."""
+    between-graph facts); a read for the caller alone (a fetch, or, with
+    TensorFlow's runtime, a Saver's save: a run of its own that reads the
+    other workers' parts without collectives) is fine."""
     out = {}
+    alone = _saves(tg) if backend == "tf" else set()
     for var in sorted(cut):
         uses = columns.uses(tg, var)
         inside = [op for op in uses.whole_reads + uses.whole_selects
-                  if tg.ir.node_consumers.get(op)]
+                  if set(tg.ir.node_consumers.get(op, ())) - alone]
         if num_workers > 1 and inside:
             raise ConfigError(f"op {inside[0]!r} reads the whole of {var!r} within a step "
                               f"(its value goes to {sorted(tg.ir.node_consumers[inside[0]])[:3]}"
@@ -294,6 +328,12 @@ def by_columns(tg: TrainingGraph, cut: list[str], devices: list[str],
         part = Columns.even(width, devices)
         out.update({s: part for s in uses.state})
     return out
+
+
+def _saves(tg: TrainingGraph) -> set[str]:
+    """The graph's checkpoint writers (a Saver's SaveV2)."""
+    return {n.name for n in tg.ir.nodes if n.op in rules.EXTERNAL_EFFECT_OPS and
+            n.op.startswith("Save")}
 
 
 def balance(tg: TrainingGraph, shared: list[str], servers: list[str],
@@ -392,18 +432,6 @@ def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
             chosen = bucketing.mgwfbp(start, layers, cost)
         out += [Bucket(tuple(same[i] for i in b)) for b in chosen]
     return tuple(out)
-
-
-MIN_SHARD_BYTES = 256 * 1024     # smaller messages: per-message cost dominates
-MAX_BUFFER_BYTES = 64 * 2**20
-
-
-def buffer_bytes(total: int, servers: int) -> int:
-    """Fusion buffer size from model and cluster size: four buffers (so the
-    first ones travel while the backward pass goes on), each shard at least
-    256 KB, no buffer over 64 MB; a model smaller than that is one buffer."""
-    size = max(-(-total // 4), servers * MIN_SHARD_BYTES)
-    return min(size, MAX_BUFFER_BYTES, total) if total else 0
 
 
 def fusion_buffers(tg: TrainingGraph, order: list[str], servers: list[str],

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -29,6 +30,8 @@ parser.add_argument("--v1", action="store_true", help="call disable_v2_behavior(
 parser.add_argument("--dense-method", default="auto")
 parser.add_argument("--buffer-bytes", type=int, default=0, help="fusion buffer size")
 parser.add_argument("--config", default="{}", help="more config keys, as JSON")
+parser.add_argument("--saver", help="a Saver in the graph: save to this path (worker 0) after "
+                                    "the steps, train 2 more, restore")
 args = parser.parse_args()
 if args.v1:
     tf.compat.v1.disable_v2_behavior()
@@ -44,6 +47,10 @@ if args.random_init:
 else:
     g, h = embedding_regression(4, args.optimizer, clip=not args.no_clip, ema=not args.no_ema,
                                 partitions=args.partitions)
+saver = None
+if args.saver:      # built before training, as most TF1 scripts build theirs
+    with g.as_default():
+        saver = tf.compat.v1.train.Saver()
 runner = pn.get_runner(g, None, {"run_option": args.run_option,
                                  "dense_method": args.dense_method,
                                  "fusion": {"buffer_bytes": args.buffer_bytes},
@@ -75,6 +82,19 @@ for step in range(args.steps):
         print(f"worker 1 dies at step {step}", flush=True)
         os._exit(3)
     runner.run(h["train"])
+if saver is not None:
+    if runner.plan.worker == 0:
+        print(f"saved {runner.save(saver, args.saver)}", flush=True)
+    runner.run(h["train"])     # every worker: a step of the job
+    runner.run(h["train"])
+    runner.restore(saver, args.saver)
+    # every worker restored before any reads the others' parts of a cut table
+    open(f"{args.out}.restored.{runner.plan.worker}", "w").close()
+    while not all(os.path.exists(f"{args.out}.restored.{w}")
+                  for w in range(runner.plan.num_workers)):
+        time.sleep(0.05)
+    print(f"worker {runner.plan.worker}: methods "
+          f"{ {v: vp.method for v, vp in sorted(runner.plan.variables.items())} }", flush=True)
 names = variable_names(g)
 values = runner.run([read_name(v, g) for v in names], per_replica=True)
 np.savez(f"{args.out}.{runner.plan.worker}.npz",

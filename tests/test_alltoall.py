@@ -7,11 +7,15 @@ batch within 1e-5 (float32), in-process on 2 and 4 devices and in 2x1 and
 2x2 localhost jobs; embedding widths that do not divide by the replica
 count included.
 """
+import os
+import tempfile
+
 import numpy as np
 import pytest
 
 import parallax_ng as pn
-from models import embedding_regression, local, train_both
+from models import (embedding_regression, local, read_name, train_both, train_single,
+                    variable_names)
 from parallax_ng.errors import ConfigError
 from test_cluster import assert_matches_one_device, run_job
 
@@ -87,3 +91,50 @@ def test_config_errors_name_the_variable():
         pn.get_runner(g, local(4), {"variable_methods": {"emb": "alltoall"}})
     # sparse_method takes the run option's method where alltoall cannot apply
     assert pn.transform_plan(g, local(4), CONFIG).variables["emb"].method == "allgather"
+
+
+def test_a_saver_in_the_graph_keeps_alltoall_and_round_trips():
+    """A tf.compat.v1.train.Saver built before training (as most TF1 scripts
+    do): its restore assigns values of unknown shape (RestoreV2) to the
+    table, which each replica takes its columns of; its save writes the
+    whole table under its single-device name."""
+    import tensorflow as tf
+    g, h = embedding_regression(4, "adam", dim=5)
+    with g.as_default():
+        saver = tf.compat.v1.train.Saver()
+    names = variable_names(g)
+    reads = [read_name(v, g) for v in names]
+    with pn.get_runner(g, local(2), CONFIG) as runner, tempfile.TemporaryDirectory() as tmp:
+        assert runner.plan.variables["emb"].method == "alltoall"
+        assert runner.plan.unmet() == []
+        runner.run([h["init"], h["iterator_init"]])
+        for _ in range(3):
+            runner.run(h["train"])
+        saved = dict(zip(names, runner.run(reads)))
+        path = runner.save(saver, os.path.join(tmp, "model"))
+        stored = tf.train.load_checkpoint(path)
+        for name in ("emb", "emb/Adam", "emb/Adam_1", "dense/w"):
+            np.testing.assert_array_equal(stored.get_tensor(name), saved[name], err_msg=name)
+        for _ in range(2):
+            runner.run(h["train"])
+        runner.restore(saver, path)
+        for name, copies in zip(names, runner.run(reads, per_replica=True)):
+            for got in copies:
+                np.testing.assert_array_equal(got, saved[name], err_msg=name)
+
+
+def test_a_saver_in_a_two_worker_job_keeps_alltoall(tmp_path):
+    """Worker 0 saves after 10 steps (the other workers' columns read from
+    them, no collectives in that run), both train 2 more and restore: every
+    replica's variables equal one device after 10 steps."""
+    import tensorflow as tf
+    path = str(tmp_path / "model")
+    done, out, _ = run_job(tmp_path, 2, 1, "10", "--run-option", "allreduce", "--config",
+                           '{"sparse_method": "alltoall"}', "--saver", path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("'emb': 'alltoall'") == 2, done.stdout
+    assert_matches_one_device(out, 2, 1)
+    single = train_single(*embedding_regression(8, "adam", clip=True, ema=True), 10)
+    stored = tf.train.load_checkpoint(path)
+    for name in ("emb", "emb/Adam", "emb/ExponentialMovingAverage"):
+        assert np.max(np.abs(stored.get_tensor(name) - single[name])) <= TOL, name
