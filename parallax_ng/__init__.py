@@ -8,12 +8,15 @@
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
 
+from . import heartbeat
 from .config import Config, load_config
 from .errors import ConfigError, FetchError, GraphError, ParallaxError, ResourceError
 
 __version__ = "0.1.0"
+heartbeat.start()       # a task of `parallax-ng run` tells its launcher it is alive
 
 
 def __getattr__(name):
@@ -152,6 +155,7 @@ def get_runner(graph, resource_info=None, config=None):
     profile_steps = capture.check(graph, resource_info, config)
     resource_info, config = capture.resources(resource_info), capture.config(config)
     cfg = _job_config(config)
+    heartbeat.set_timeout(cfg.communication.timeout_seconds)
     if profile_steps:      # `parallax-ng plan --profile N`: measure, keep the graph
         from .config import ProfileConfig
         cfg = replace(cfg, profile=ProfileConfig(profile_steps, "never"))
@@ -253,6 +257,9 @@ def _runner(tg, resources, config: Config, session_config, cluster_info=None, ho
         return ir, ctx, manager.records
 
     ir, ctx, records = rebuild(replan())
+    if ctx.plan.worker == 0:       # once per job: what the config asked that is not done
+        for line in ctx.plan.unmet():
+            print(f"parallax_ng: {line}", file=sys.stderr, flush=True)
     return Runner(ir, ctx, config, session_config, records, server=server,
                   replan=replan, rebuild=rebuild)
 
@@ -294,7 +301,7 @@ def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
         fit = costfit.measure(server.target, list(plan.devices), plan.group_size,
                               costfit.sizes(costfit.model_bytes(tg, plan)),
                               cluster_info.session_config(), timeout)
-    trip = None
+    trip = (None, None)
     if weighs and cluster_info.ps and config.network.bandwidth is None:
         trip = costfit.round_trip(server.target, cluster_info.server_devices()[0],
                                   cluster_info.host, cluster_info.session_config(), timeout)
@@ -308,7 +315,8 @@ def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
         mine = {"order": list(profile.order) if profile else [],
                 "ready": dict(profile.ready) if profile else {},
                 "forward_time": profile.forward_time if profile else 0.0,
-                "allreduce": fit.to_dict() if fit else None, "round_trip": trip,
+                "allreduce": fit.to_dict() if fit else None, "round_trip": trip[0],
+                "session_run": trip[1],
                 "rows": dict(profile.rows) if profile else {},
                 "source": "measured in worker 0's first step" if profile else
                           f"the graph's order: not measured, {why}"}
@@ -325,7 +333,7 @@ def _job_profile(job_order: dict):
     fit = job_order.get("allreduce")
     return Profile(1, dict(job_order.get("rows", {})), dict(job_order.get("ready", {})),
                    job_order.get("forward_time", 0.0), Fit.from_dict(fit) if fit else None,
-                   job_order.get("round_trip"))
+                   job_order.get("round_trip"), job_order.get("session_run"))
 
 
 def _job_config(config) -> Config:

@@ -32,6 +32,8 @@ kept and the graph stays).
 """
 from __future__ import annotations
 
+import atexit
+import sys
 import tempfile
 import warnings
 import weakref
@@ -40,7 +42,7 @@ from functools import cached_property
 
 import tensorflow as tf
 
-from . import capture
+from . import capture, heartbeat
 from .executor import Executor
 from .fetches import FetchMap, combine
 from .profile import Profile, measure
@@ -64,6 +66,8 @@ class Runner:
         self._replan = replan     # profile -> Plan (None: keep the plan, add measurements)
         self._rebuild = rebuild   # Plan -> (ir, ctx, records)
         self._restored, self._steps = False, 0
+        self._saved, self._failed = None, False   # the step last saved; a run raised
+        self._closed = False
         self.profile: Profile | None = None
         self.replans = 0
         self._install(ir, ctx, records)
@@ -73,6 +77,9 @@ class Runner:
             ops = done_ops(self.graph, list(self.plan.servers), self.plan.num_workers,
                            self.plan.worker)
             self._done = weakref.finalize(self, _tell_done, self.session, ops)
+        if config.checkpoint.dir:   # the last steps saved when the process ends, before
+            ref = weakref.ref(self)  # the servers hear this worker is done (atexit: LIFO)
+            atexit.register(lambda: (r := ref()) is not None and r.save_final())
 
     def _install(self, ir, ctx, records) -> None:
         """Graph, session and everything bound to them, for one transformation."""
@@ -86,7 +93,8 @@ class Runner:
         self._checkpoints = None
         if self.config.checkpoint.dir:
             from .checkpoint import Checkpointer
-            self._checkpoints = Checkpointer(self.graph, ctx, self.config.checkpoint.dir)
+            self._checkpoints = Checkpointer(self.graph, ctx, self.config.checkpoint.dir,
+                                             ctx.plan.timeout_seconds)
         self.session = tf.compat.v1.Session(
             self.server.target if self.server is not None else "", graph=self.graph,
             config=self._session_config)
@@ -121,11 +129,15 @@ class Runner:
         if reads_queue and self._queues is not None:
             self._queues.start(self.session)
         try:
-            values = self.executor.run(self.session, names + list(probe.values()), feeds,
-                                       options=options, run_metadata=run_metadata)
+            with heartbeat.running():
+                values = self.executor.run(self.session, names + list(probe.values()), feeds,
+                                           options=options, run_metadata=run_metadata)
         except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
             if self._queues is not None:
                 self._queues.raise_failure()   # a queue runner's error closed its queue
+            raise
+        except BaseException:
+            self._failed = trained
             raise
         self._pending = self._pending or (trained and bool(self._flush))
         if profiling:
@@ -161,12 +173,31 @@ class Runner:
         self.run(d.restore_op_name, {d.filename_tensor_name: path})
         self.executor.end_step(self.session)
 
+    def save_final(self) -> None:
+        """Save the steps trained since the last checkpoint (at close, and
+        when the process ends), unless the last training run failed."""
+        if self._checkpoints is None or self._failed or not self._steps or self._closed:
+            return
+        step = self._global_step()
+        step = self._steps if step is None else step
+        if step != self._saved:
+            self._save(step)
+
+    def _save(self, step: int) -> None:
+        self._apply_pending()
+        path = self._checkpoints.save(self.session, step)
+        self._saved = step
+        if self.plan.worker == 0:
+            print(f"parallax_ng: saved step {step} to {path}", file=sys.stderr, flush=True)
+
     def close(self) -> None:
+        self.save_final()
         if self._queues is not None:
             self._queues.stop()
         if self._done is not None:
             self._done()
         self.session.close()
+        self._closed = True
 
     def __enter__(self):
         return self
@@ -296,7 +327,9 @@ class Runner:
             self._restored = True
             latest = self._checkpoints.latest()
             if latest:
-                self._checkpoints.restore(self.session, latest)
+                self._saved = self._checkpoints.restore(self.session, latest)
+                print(f"parallax_ng: restored step {self._saved} from {latest}",
+                      file=sys.stderr, flush=True)
         if self.executor.ends_with_barrier(initialized, trained):
             self.executor.end_step(self.session)
         if trained and self._checkpoints is not None:
@@ -304,8 +337,7 @@ class Runner:
             step = self._global_step()
             step = self._steps if step is None else step
             if step % self.config.checkpoint.every_steps == 0:
-                self._apply_pending()
-                self._checkpoints.save(self.session, step)
+                self._save(step)
 
     def _kind(self, fetched: tuple) -> tuple[bool, bool, bool]:
         """(initializes variables, trains, reads an input queue) for a run of

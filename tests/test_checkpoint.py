@@ -38,6 +38,18 @@ PREFETCH = '{"run_option": "allreduce", "sparse_method": "alltoall", "prefetch":
 LATER = '{"run_option": "allreduce", "horizontal_scheduling": true}'
 
 
+def test_a_run_that_ends_saves_its_last_steps_and_says_so(tmp_path):
+    """7 steps with every_steps 5: saved at 5 and, as the run ends, at 7;
+    a rerun restores step 7 and says where from."""
+    ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    first = run([sys.executable, SCRIPT, ck, out, "7"])
+    assert [ln for ln in first.stderr.splitlines() if "parallax_ng: " in ln] == [
+        f"parallax_ng: saved step {s} to {ck}/model.ckpt-{s}" for s in (5, 7)]
+    again = run([sys.executable, SCRIPT, ck, out, "9"])
+    assert "starting at step 7" in again.stdout
+    assert f"parallax_ng: restored step 7 from {ck}/model.ckpt-7" in again.stderr
+
+
 @pytest.mark.parametrize("config", ["{}", ALLTOALL, PREFETCH, LATER],
                          ids=["hybrid", "alltoall", "prefetch", "horizontal"])
 def test_killed_and_restarted_in_process_run_equals_uninterrupted(tmp_path, config):
@@ -84,6 +96,15 @@ def test_killed_and_restarted_two_worker_job_equals_uninterrupted(tmp_path, run_
     assert died.returncode != 0
     again = run(launch + [ck, broken, "15"] + option)
     assert again.stdout.count("starting at step 5") == 2
+    for w in (0, 1):
+        assert f"[worker {w}] parallax_ng: restored step 5 from {ck}/model.ckpt-5" in \
+            again.stderr
+    # one copy of the variables; each worker's input positions beside it
+    assert sorted(os.listdir(ck)) == ["checkpoint", "inputs"] + [
+        f"model.ckpt-{s}.{x}" for s in (10, 15, 5) for x in ("data-00000-of-00001", "index")]
+    assert again.stderr.count("parallax_ng: saved step 15") == 1
+    for w in (0, 1):
+        assert tf.train.latest_checkpoint(f"{ck}/inputs/worker-{w}").endswith("ckpt-15")
     a, b = load(whole, 2), load(broken, 2)
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=key)
