@@ -199,6 +199,18 @@ def server_timeline(forward_time: float, layers: list[Layer], messages,
     return max(ready[-1] if ready else forward_time, end)
 
 
+MIN_SHARD_BYTES = 256 * 1024     # smaller messages: per-message cost dominates
+MAX_BUFFER_BYTES = 64 * 2**20
+
+
+def buffer_bytes(total: int, servers: int) -> int:
+    """Fusion buffer size from model and cluster size: four buffers (so the
+    first ones travel while the backward pass goes on), each shard at least
+    256 KB, no buffer over 64 MB; a model smaller than that is one buffer."""
+    size = max(-(-total // 4), servers * MIN_SHARD_BYTES)
+    return min(size, MAX_BUFFER_BYTES, total) if total else 0
+
+
 STRATEGIES = ("wfbp", "single", "threshold:BYTES", "mgwfbp", "bfb:SERVERS", "ps:SERVERS")
 
 
@@ -225,7 +237,6 @@ def simulate(forward_time: float, layers: list[Layer], strategies, cost: Cost | 
     model, for `strategies` named as in STRATEGIES. All-reduces cost `cost`,
     else the ring's on `network`; bfb and ps need the network."""
     from .errors import ConfigError
-    from .planner import buffer_bytes
     cost = cost or (network.ring() if network else None)
     backward = [layer.name for layer in reversed(layers)]
     out = {}

@@ -145,11 +145,13 @@ def origin_of(diffs: list[PassDiff]) -> dict[str, str]:
 
 
 def render_text(diffs: list[PassDiff], final: GraphIR, tg, batch=None) -> str:
-    lines = ["pass            added  removed  re-placed  re-wired  attrs      ms"]
+    width = max([len(d.name) for d in diffs] + [4])
+    lines = [f"{'pass':{width}} {'added':>6} {'removed':>8} {'re-placed':>10} "
+             f"{'re-wired':>9} {'attrs':>6} {'ms':>7}"]
     for d in diffs:
         c = d.counts()
         ms = "" if d.seconds is None else f"{d.seconds * 1e3:7.1f}"
-        lines.append(f"{d.name:14} {c['added']:6d} {c['removed']:8d} {c['re-placed']:10d} "
+        lines.append(f"{d.name:{width}} {c['added']:6d} {c['removed']:8d} {c['re-placed']:10d} "
                      f"{c['re-wired']:9d} {c['attrs']:6d} {ms:>7}")
     lines.append(f"\nnodes: {len(tg.ir)} in the user's graph, {len(final)} after the passes")
     lines.append("\nnodes per device:")

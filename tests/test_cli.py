@@ -65,6 +65,33 @@ def test_help_does_not_import_tensorflow():
     assert done.stdout.strip().endswith("False") and "--chief-only" in done.stdout
 
 
+def test_simulate_is_arithmetic_without_tensorflow(tmp_path):
+    """`parallax-ng simulate` neither imports TensorFlow nor prints its banner."""
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"forward_time": 0.01, "layers": [
+        {"name": "a", "bytes": 10**6, "backward_time": 0.005},
+        {"name": "b", "bytes": 2 * 10**6, "backward_time": 0.004}]}))
+    code = ("import sys\nfrom parallax_ng import cli\n"
+            f"cli.main(['simulate', '--profile', {str(profile)!r}, '--nodes', '2', "
+            "'--alpha', '1e-4', '--beta', '1e-9', '--strategies', 'wfbp,mgwfbp,bfb:2,ps:2'])\n"
+            "print('tensorflow' in sys.modules)")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert done.stdout.strip().endswith("False") and "bfb:2" in done.stdout, done.stderr
+    assert done.stderr == ""
+
+
+def test_plan_of_a_job_names_where_its_gradient_order_comes_from(capsys):
+    res = os.path.join(ROOT, "configs", "resources_2workers_1ps.yaml")
+    assert cli.main(["plan", os.path.join(ROOT, "examples", "lm_small.py"), "-r", res,
+                     "-c", os.path.join(ROOT, "configs", "hybrid.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "packed in" not in out
+    assert "alpha: the share of a sparse variable's rows" in out
+
+
 def test_script_arguments_with_and_without_double_dash(tmp_path):
     script = tmp_path / "argv.py"
     script.write_text("import json, sys\nopen(sys.argv[1], 'w').write(json.dumps(sys.argv[2:]))\n")

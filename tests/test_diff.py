@@ -25,6 +25,10 @@ def test_diff_reports_each_pass_and_the_traffic():
     assert coll[ctx.plan.devices[1]] == dense
     text = diff.render_text(diffs, ir, ctx.tg, batch=4)
     assert "replicate" in text and "nodes per device" in text
+    # the summary's columns line up, whatever the longest pass name
+    table = text.split("\n\n")[0].splitlines()
+    assert any(row.startswith("lookups_on_servers ") for row in table)
+    assert len({len(row) for row in table}) == 1, table
     # long lists end by saying how many lines they left out
     placed = len(by["place"].replaced)
     assert placed > 10 and f"  @ ... {placed - 10} more" in text
