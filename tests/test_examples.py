@@ -30,8 +30,10 @@ def test_lm_small_loss_falls_in_every_run_option():
         assert len(losses) == 4 and losses[-1] < losses[0], (option, out)
 
 
-def test_readme_and_examples_name_only_shipped_config_files():
-    texts = [open(os.path.join(ROOT, "README.md")).read()] + [
+def test_readme_docs_and_examples_name_only_shipped_config_files():
+    pages = ["README.md"] + [os.path.join("docs", f) for f in os.listdir(
+        os.path.join(ROOT, "docs")) if f.endswith(".md")]
+    texts = [open(os.path.join(ROOT, p)).read() for p in pages] + [
         open(os.path.join(ROOT, "examples", f)).read()
         for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py")]
     named = {m for t in texts for m in re.findall(r"configs/[\w.]+\.yaml", t)}
@@ -40,9 +42,9 @@ def test_readme_and_examples_name_only_shipped_config_files():
         assert os.path.exists(os.path.join(ROOT, path)), path
 
 
-def test_the_readme_resource_file_is_the_shipped_one():
-    readme = open(os.path.join(ROOT, "README.md")).read()
-    block = readme.split("`configs/resources_2workers_1ps.yaml`:\n\n```yaml\n")[1].split("```")[0]
+def test_the_jobs_page_resource_file_is_the_shipped_one():
+    page = open(os.path.join(ROOT, "docs", "jobs.md")).read()
+    block = page.split("`configs/resources_2workers_1ps.yaml`:\n\n```yaml\n")[1].split("```")[0]
     with open(os.path.join(ROOT, "configs", "resources_2workers_1ps.yaml")) as f:
         assert f.read() == block
 
