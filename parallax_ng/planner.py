@@ -49,7 +49,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     this machine."""
     notes = ()
     if config.run_option == "hybrid" and num_workers > 1 and not servers and \
-            config.sparse_method == "auto" and "ps" not in config.variable_methods.values():
+            config.sparse_method == "auto" and "ps" not in config.variable_methods.values() \
+            and any(vi.sparse for vi in info.values()):
         config = replace(config, sparse_method="allgather")
         notes = ("run_option hybrid: the job has no parameter server (`ps:` in the resource "
                  "file), so sparse gradients go by all-gather, as under run_option allreduce",)

@@ -96,12 +96,37 @@ def test_shared_variables_spread_over_servers_by_bytes():
 def test_horovod_backend_has_no_parameter_servers(tg):
     with pytest.raises(ConfigError, match="backend horovod does not have"):
         make_plan(tg, analyze(tg), Config.from_dict(
-                      {"run_option": "hybrid", "communication": {"backend": "horovod"}}),
+                      {"run_option": "ps", "communication": {"backend": "horovod"}}),
                   DEVICES, HOST, num_workers=2, worker=0)
+    hybrid = make_plan(tg, analyze(tg), Config.from_dict(
+        {"run_option": "hybrid", "communication": {"backend": "horovod"}}),
+        DEVICES, HOST, num_workers=2, worker=0)
+    assert hybrid.variables["emb"].method == "allgather"
+    assert hybrid.unmet() == [
+        "run_option hybrid: the job has no parameter server (`ps:` in the resource file), "
+        "so sparse gradients go by all-gather, as under run_option allreduce"]
     plan = make_plan(tg, analyze(tg), Config.from_dict(
                          {"run_option": "allreduce", "communication": {"backend": "horovod"}}),
                      DEVICES, HOST, num_workers=2, worker=1)
     assert plan.backend == "horovod" and plan.to_dict()["backend"] == "horovod"
+
+
+def test_what_the_config_asks_and_the_plan_does_not_do_is_said_once(capsys):
+    """At get_runner, one line per setting a variable does not get, with
+    the reason: prefetch (alltoall only), horizontal scheduling (not with a
+    global norm over the dense gradients), sparse_method allreduce (rows
+    used one by one)."""
+    import parallax_ng as pn
+    from models import local
+    g, _ = embedding_regression(4, "adam", clip=True)
+    with pn.get_runner(g, local(2), {"run_option": "allreduce", "prefetch": True,
+                                     "horizontal_scheduling": True}) as runner:
+        lines = runner.plan.unmet()
+    err = capsys.readouterr().err
+    assert "emb: no prefetch: it applies to alltoall, not allgather" in lines
+    assert any(line.startswith("dense/w: no horizontal scheduling: ") for line in lines)
+    assert [f"parallax_ng: {line}" for line in lines] == [
+        line for line in err.splitlines() if line.startswith("parallax_ng: ")]
 
 
 def test_a_one_worker_job_puts_shared_variables_on_its_server():
