@@ -10,12 +10,17 @@ MultiWorkerMirroredStrategy), each a `cluster_lm.py` job, medians of
                                           [--models lm,classifier] [--workers 2,4]
                                           [--networks loopback,1gbit,100mbit]
                                           [--layouts one,per_host] [--modes ...]
-    python benchmarks/dense_choice.py report FILE.jsonl
+    python benchmarks/dense_choice.py report FILE.jsonl [FILE.jsonl ...] [--markdown]
 
 `run` appends each mode's jobs to FILE as a JSON line (cluster_lm.py
 --json); `report` prints, per setting, steps/s and ratios to the fastest
 fixed mode, what hybrid and auto chose, and their bytes against the
-traffic model. Modes without a server (allreduce, mwms) are the same in
+traffic model (a mode in a later file replaces the earlier file's jobs of
+that mode and setting, so a mode can be run again alone). `--markdown`
+prints the tables of docs/benchmarks.md: steps/s per mode and setting, and
+the model's misses: for the plans hybrid weighed that a fixed mode also
+ran, the predicted gap in communication time against the measured gap in
+step time. Modes without a server (allreduce, mwms) are the same in
 both layouts and run once, under `one`.
 """
 from __future__ import annotations
@@ -53,15 +58,29 @@ def run(args) -> None:
                     subprocess.run(cmd, check=False)
 
 
-def load(path: str) -> dict:
-    """(network, model, workers, layout) -> mode -> [jobs]"""
+def load(paths) -> dict:
+    """(network, model, workers, layout) -> mode -> [jobs]; a later file's
+    jobs of a mode and setting replace an earlier file's."""
     out: dict = {}
-    with open(path) as f:
-        for line in f:
-            r = json.loads(line)
-            key = (r["network"], r["model"], r["workers"], r["layout"])
-            out.setdefault(key, {}).setdefault(r["mode"], []).extend(r["runs"])
+    for path in [paths] if isinstance(paths, str) else paths:
+        mine: dict = {}
+        with open(path) as f:
+            for line in f:
+                r = json.loads(line)
+                key = (r["network"], r["model"], r["workers"], r["layout"])
+                mine.setdefault(key, {}).setdefault(r["mode"], []).extend(r["runs"])
+        for key, modes in mine.items():
+            out.setdefault(key, {}).update(modes)
     return out
+
+
+def with_serverless(data: dict, key: tuple) -> dict:
+    """A setting's modes; per_host takes the serverless modes of `one`."""
+    modes = data[key]
+    if key[3] == "per_host":
+        modes = {**{m: j for m, j in data.get(key[:3] + ("one",), {}).items()
+                    if m in SERVERLESS}, **modes}
+    return modes
 
 
 def median(jobs: list) -> float:
@@ -82,10 +101,7 @@ def report(path: str) -> None:
     print(f"{'network':9} {'model':10} {'w':>2} {'layout':8} {'mode':17} {'steps/s':>8} "
           f"{'vs best':>8} {'chose':22} {'x model':>8}")
     for key in sorted(data):
-        modes = data[key]
-        if key[3] == "per_host":     # the serverless modes ran under `one`
-            modes = {**{m: j for m, j in data.get(key[:3] + ("one",), {}).items()
-                        if m in SERVERLESS}, **modes}
+        modes = with_serverless(data, key)
         fixed = {m: median(j) for m, j in modes.items() if m in FIXED}
         best = max(fixed.values()) if fixed else None
         for mode in MODES:
@@ -105,6 +121,76 @@ def report(path: str) -> None:
         print()
 
 
+# the plans hybrid weighs that a fixed mode runs as well
+SAME = {"dense allreduce, sparse allgather": "allreduce", "dense ps, sparse ps": "ps",
+        "dense bfb, sparse ps": "hybrid-bfb", "dense allreduce, sparse ps": "hybrid-allreduce"}
+COLUMNS = ("hybrid", "auto-ps", "hybrid-allreduce", "hybrid-bfb", "ps", "allreduce", "mwms")
+SHORT = {"allreduce/allgather": "ring+gather", "ps/ps": "servers", "bfb/ps": "bfb+servers",
+         "allreduce/ps": "ring+servers", "bfb/allgather": "bfb+gather",
+         "ps/allgather": "servers+gather"}
+
+
+def worst_bytes(job: dict) -> float | None:
+    """The largest measured / model bytes over a job's tasks (or hosts)."""
+    model, sent = job.get("model_bytes_per_step", {}), job.get("bytes_per_step", {})
+    return max((sent[t] / model[t] for t in model if model[t] and t in sent), default=None)
+
+
+def middle(jobs: list) -> dict:
+    return sorted(jobs, key=lambda j: j["steps_per_s"])[len(jobs) // 2]
+
+
+def markdown(paths) -> None:
+    data = load(paths)
+    for network in ("loopback", "1gbit", "100mbit"):
+        for model in ("lm", "classifier"):
+            keys = sorted(k for k in data if k[0] == network and k[1] == model)
+            if not keys:
+                continue
+            print(f"\n{network}, {model} (steps/s, median of 3 jobs; ratios to the fastest of "
+                  "ring+servers, bfb+servers, ps and allreduce)\n")
+            print("| workers, servers | hybrid | auto | ring+servers | bfb+servers | ps | "
+                  "allreduce | MWMS | hybrid / best | auto / best | hybrid chose | x model |")
+            print("|---|" + "---|" * 12)
+            for key in keys:
+                modes = with_serverless(data, key)
+                speed = {m: median(j) for m, j in modes.items()}
+                best = max(speed[m] for m in FIXED if m in speed)
+                cells = [f"{speed[m]:.2f}" if m in speed else "-" for m in COLUMNS]
+                mid = middle(modes["hybrid"]) if "hybrid" in modes else {}
+                ratio = lambda m: f"{speed[m] / best:.3f}" if m in speed else "-"  # noqa: E731
+                bold = [f"**{c}**" if m in FIXED and m in speed and speed[m] == best else c
+                        for m, c in zip(COLUMNS, cells)]
+                layout = "1 server" if key[3] == "one" else "a server per host"
+                print(f"| {key[2]}, {layout} | " + " | ".join(bold) +
+                      f" | {ratio('hybrid')} | {ratio('auto-ps')} | "
+                      f"{SHORT.get(chose(mid), chose(mid)) if mid else '-'} | "
+                      f"{worst_bytes(mid) or 0:.3f} |")
+    print("\nWhere the model missed (hybrid's predictions for the plans a fixed mode also "
+          "ran: predicted communication ms against the measured step ms of that mode, "
+          "each as a gap to the chosen plan)\n")
+    print("| setting | chosen | measured fastest | predicted gap ms | measured gap ms |")
+    print("|---|---|---|---|---|")
+    for key in sorted(data):
+        modes = with_serverless(data, key)
+        if "hybrid" not in modes:
+            continue
+        mid = middle(modes["hybrid"])
+        predicted = {SAME[c["label"]]: c["seconds"] for c in mid.get("choice", [])
+                     if c["label"] in SAME}
+        chosen = [SAME.get(c["label"], c["label"]) for c in mid.get("choice", [])
+                  if c["chosen"]]
+        measured = {m: 1 / median(j) for m, j in modes.items() if m in predicted}
+        if not chosen or chosen[0] not in measured or not measured:
+            continue
+        fastest = min(measured, key=measured.get)
+        if fastest == chosen[0]:
+            continue
+        print(f"| {key[0]} {key[1]} {key[2]}w {key[3]} | {chosen[0]} | {fastest} | "
+              f"{(predicted[fastest] - predicted[chosen[0]]) * 1e3:+.2f} | "
+              f"{(measured[fastest] - measured[chosen[0]]) * 1e3:+.2f} |")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,9 +203,15 @@ def main():
     r.add_argument("--layouts", default="one,per_host")
     r.add_argument("--modes", default=",".join(MODES))
     p = sub.add_parser("report")
-    p.add_argument("path")
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
-    run(args) if args.command == "run" else report(args.path)
+    if args.command == "run":
+        run(args)
+    elif args.markdown:
+        markdown(args.paths)
+    else:
+        report(args.paths)
 
 
 if __name__ == "__main__":

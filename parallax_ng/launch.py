@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import os
+import random
 import re
 import shlex
 import signal
@@ -170,9 +171,42 @@ def _with_port(address: str) -> str:
     if is_remote(address):
         raise ResourceError(f"address {address!r} is another machine's: give its port "
                             "(address:port); free ports are only picked on this machine")
-    with socket.socket() as s:
-        s.bind((address if address != "localhost" else "127.0.0.1", 0))
-        return f"{address}:{s.getsockname()[1]}"
+    return f"{address}:{free_port()}"
+
+
+_PICKED: set[int] = set()
+
+
+def free_port() -> int:
+    """A port no process of this machine listens on, below the kernel's
+    range of ephemeral ports: a port from that range that is free now may
+    be taken by any outgoing connection (the job's own, to the tasks that
+    started first) before the task that is to listen on it starts. Never
+    the same twice in this process."""
+    low = _ephemeral_low()
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _PICKED:
+            continue
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", port))       # TensorFlow's server listens on every interface
+            except OSError:
+                continue
+        _PICKED.add(port)
+        return port
+    raise ResourceError(f"no free port below {low} on this machine; give the tasks' ports "
+                        "in the resource file (address:port)")
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def launch(script: str, resource_info, config: str | None = None, args=(),

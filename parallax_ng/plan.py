@@ -178,6 +178,12 @@ class Plan:
         several workers update: aggregation then goes through the servers."""
         return self.num_workers > 1 and bool(self.shared_state())
 
+    @property
+    def uses_servers(self) -> bool:
+        """Whether a job's steps touch its parameter servers (variables on
+        them, or fusion buffers summed there)."""
+        return bool(self.servers) and bool(self.shared_state() or self.buffers)
+
     def bytes_per_replica(self) -> dict[str, float]:
         """Bytes one replica sends+receives per step (Parallax paper, Table 3)."""
         n = self.group_size

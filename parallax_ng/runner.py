@@ -77,6 +77,11 @@ class Runner:
             ops = done_ops(self.graph, list(self.plan.servers), self.plan.num_workers,
                            self.plan.worker)
             self._done = weakref.finalize(self, _tell_done, self.session, ops)
+            if not self.plan.uses_servers:     # idle servers would only share the CPUs
+                self._done()
+                if self.plan.worker == 0:
+                    print("parallax_ng: the plan puts nothing on the parameter servers; "
+                          "they stop", file=sys.stderr, flush=True)
         if config.checkpoint.dir:   # the last steps saved when the process ends, before
             ref = weakref.ref(self)  # the servers hear this worker is done (atexit: LIFO)
             atexit.register(lambda: (r := ref()) is not None and r.save_final())

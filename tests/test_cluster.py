@@ -323,6 +323,15 @@ def test_killing_any_task_stops_every_process_within_60s(tmp_path, victim):
             os.kill(pid, 0)
 
 
+def test_servers_the_plan_does_not_use_stop_and_the_job_trains_on(tmp_path):
+    """A plan with nothing on the servers (allreduce, or what hybrid may
+    choose) lets them go at once: idle, they would share the CPUs."""
+    done, out, _ = run_job(tmp_path, 2, 1, "10", "--run-option", "allreduce", servers=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("the plan puts nothing on the parameter servers; they stop") == 1
+    assert_matches_one_device(out, 2, 1)
+
+
 def test_a_partitioned_embedding_trains_on_two_servers(tmp_path):
     """The embedding as two row ranges (pn.partitioner), one per server."""
     done, out, _ = run_job(tmp_path, 2, 1, "10", "--run-option", "hybrid", "--partitions",

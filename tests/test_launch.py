@@ -188,3 +188,17 @@ def test_a_port_in_use_names_the_address_and_the_task(tmp_path):
     assert done.returncode == 2
     assert f"worker 1's address 127.0.0.1:{port} cannot be used" in done.stderr
     assert "started" not in done.stderr
+
+
+def test_picked_ports_are_free_distinct_and_below_the_ephemeral_range():
+    """A port from the ephemeral range that is free when picked may be taken by
+    an outgoing connection before its server starts; picked ports stay below it."""
+    from parallax_ng import launch
+    low = launch._ephemeral_low()
+    ports = [launch.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(1024 <= p < low for p in ports), (low, ports)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports[0]))       # free indeed
+    address = launch._with_port("127.0.0.1")
+    assert address.startswith("127.0.0.1:") and int(address.rsplit(":", 1)[1]) < low
