@@ -151,7 +151,7 @@ def markdown(paths) -> None:
                   "ring+servers, bfb+servers, ps and allreduce)\n")
             print("| workers, servers | hybrid | auto | ring+servers | bfb+servers | ps | "
                   "allreduce | MWMS | hybrid / best | auto / best | hybrid chose | x model |")
-            print("|---|" + "---|" * 12)
+            print("|---|" + "---|" * 11)
             for key in keys:
                 modes = with_serverless(data, key)
                 speed = {m: median(j) for m, j in modes.items()}

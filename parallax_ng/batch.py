@@ -13,8 +13,11 @@ joined, taken from an input, or gone), a placeholder is
   input pipeline's, or goes through a layer (a product with weights, a
   convolution) and is summed or averaged away (a loss over examples);
 - `whole` when every use of its first dimension picks entries by
-  constants (`keep[0]`, an unstack) or by other data (a gather from it);
-- `unknown` otherwise (an op this table does not know, say).
+  constants (`keep[0]`, an unstack) or by other data (a gather from it), or
+  broadcasts it along a later axis of a tensor of higher rank (a weight per
+  class times the logits);
+- `unknown` otherwise (an op this table does not know, say): the runner
+  splits it, as a batch, and says so.
 Only placeholders of rank 1 or more whose first dimension is unknown are
 classified; a fixed one is the runner's business (parallax_ng/fetches.py).
 
@@ -135,9 +138,9 @@ def kinds(tg) -> dict[str, tuple[str, str]]:
         elif "reduced" in facts and "modeled" in facts:
             out[name] = (BATCH, "its rows go through the model's layers and are summed "
                                 "or averaged over, as a loss over examples is")
-        elif "indexed" in facts and "unknown" not in facts and "kept" not in facts:
-            out[name] = (WHOLE, "its entries are picked by index, not lined up with "
-                                "examples")
+        elif facts & {"indexed", "broadcast"} and not facts & {"unknown", "kept"}:
+            out[name] = (WHOLE, "its entries are picked by index, or broadcast along a "
+                                "later axis, not lined up with examples")
         else:
             out[name] = (UNKNOWN, "the graph does not show whether its first dimension "
                                   "is the batch")
@@ -161,8 +164,9 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
             lined = [d for _, d in carried]        # a condition per row
         joined = dims.join(lined)
         for ref, d in carried:
-            if d not in lined:
-                dims.note(d, "unknown")            # broadcast against another axis
+            if d not in lined:      # of lower rank: its first dimension lines up with
+                low = kind not in LOSSES and (_rank(tg, ref) or 0) < (rank or 0)
+                dims.note(d, "broadcast" if low else "unknown")    # a later axis's
         for out in outs:
             first[out] = joined
         return

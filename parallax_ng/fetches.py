@@ -184,12 +184,12 @@ class FetchMap:
             if n > 1 and len(set(copies)) == n and rows != 0:
                 value = np.asarray(value)
                 kind = self._batch_kind(ref.node) if rows is None else batch.BATCH
-                if kind != batch.BATCH:
-                    if kind == batch.UNKNOWN:
-                        self._unsure(ref.node, len(value))
+                if kind == batch.WHOLE:
                     for c in copies:
                         out[c] = value
                     continue
+                if kind == batch.UNKNOWN:
+                    self._unsure(ref.node, len(value))
                 if rows is None and len(value) % n:
                     raise FetchError(
                         f"feed {name!r} has {len(value)} rows, which do not split "
@@ -214,16 +214,17 @@ class FetchMap:
         return self._kinds.get(node, (batch.UNKNOWN, ""))[0]
 
     def _unsure(self, node: str, rows: int) -> None:
-        """Once per placeholder the graph does not show to be a batch: it goes
-        whole to every replica (the same result as one device, without
-        data parallelism for it if it is a batch after all); say so."""
+        """Once per placeholder the graph does not show to be a batch: it is
+        split as one (what a `[None, ...]` feed almost always is; given whole,
+        a batch would be counted N times by any state it updates, and would
+        not line up with the feeds beside it that are split); say so."""
         if node in self._warned:
             return
         self._warned.add(node)
         why = self._kinds.get(node, (0, "it is not in the analysed graph"))[1]
-        print(f"parallax_ng: placeholder {node!r}: {why}; its feed ({rows} rows) goes whole "
-              f"to every replica. If its rows are examples, set config `batch_feeds: "
-              f"{{{node}: true}}` to split them over the replicas (false: whole, silently)",
+        print(f"parallax_ng: placeholder {node!r}: {why}; its feed ({rows} rows) is split "
+              f"over the replicas as a batch. If every replica needs it whole, set config "
+              f"`batch_feeds: {{{node}: false}}` (true: split, silently)",
               file=sys.stderr, flush=True)
 
     @cached_property

@@ -344,7 +344,7 @@ def _watch(tasks: list[Task], grace: float, poll: float) -> int:
                     t.show_tail()
                 _stop(tasks, grace)
                 return 1 if held_by is not None else code
-            limit = max([u.timeout for u in tasks if u.timeout] or [TIMEOUT])
+            limit = _limit(tasks, workers)
             if rc is None and t.silent(now) > limit:
                 _say(f"{_stalled(t, now)}; stopping the job")
                 t.show_tail()
@@ -355,6 +355,14 @@ def _watch(tasks: list[Task], grace: float, poll: float) -> int:
                 t.finish()
             return 0
         time.sleep(poll)
+
+
+def _limit(tasks: list[Task], workers: list[Task]) -> float:
+    """How long a task may stay silent: the job's timeout as the workers
+    said it (their script's config; a server knows only the launcher's
+    `-c`), else as any task said it, else TIMEOUT."""
+    said = [u.timeout for u in workers if u.timeout] or [u.timeout for u in tasks if u.timeout]
+    return max(said or [TIMEOUT])
 
 
 def _users_mistake(error: str) -> bool:

@@ -42,7 +42,7 @@ def model(use):
     (lambda v, e, lg, y: e * v, "batch"),                           # a weight per example
     (lambda v, e, lg, y: e * tf.gather(v, y), "whole"),             # a weight per class
     (lambda v, e, lg, y: e * v[0] + v[1], "whole"),                 # hyper-parameters
-    (lambda v, e, lg, y: e + tf.reduce_sum(lg * v, 1), "unknown"),  # lined up with classes
+    (lambda v, e, lg, y: e + tf.reduce_sum(lg * v, 1), "whole"),    # broadcast over classes
     (lambda v, e, lg, y: e + tf.reduce_sum(v), "unknown"),          # summed, alone
 ])
 def test_a_vector_placeholder_is_what_its_uses_make_it(use, kind):
@@ -62,11 +62,10 @@ def test_a_lone_input_averaged_by_the_loss_is_a_batch():
 
 def test_the_runner_splits_batches_and_gives_the_rest_whole(capsys):
     """Per-class weights fed as `[None]` (4 values over 2 replicas, then 3):
-    every replica gets them whole; an undecided placeholder too, with one
-    line naming it and the config key; `batch_feeds` decides without a
-    word."""
+    every replica gets them whole, without a word; an undecided placeholder
+    is split as a batch, with one line naming it and the config key."""
     build = {"w": lambda v, e, lg, y: e * tf.gather(v, y),
-             "u": lambda v, e, lg, y: e + tf.reduce_sum(lg * v, 1)}
+             "u": lambda v, e, lg, y: e + tf.reduce_sum(v)}
     x = np.ones([4, 3], np.float32)
     y = np.array([0, 1, 2, 0], np.int32)
     for key, use in build.items():
@@ -74,17 +73,21 @@ def test_the_runner_splits_batches_and_gives_the_rest_whole(capsys):
         loss = g.get_tensor_by_name("Mean:0")
         with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
             runner.run(runner.ctx.tg.variables["w"].initializer)
-            feed = {"x:0": x, "y:0": y, "v:0": np.ones(4, np.float32)}
+            feed = {"x:0": x, "y:0": y, "v:0": np.arange(4, dtype=np.float32)}
             runner.run(loss, feed)
             if key == "w":
                 feed["v:0"] = np.ones(3, np.float32)
-            runner.run(loss, feed)
+                runner.run(loss, feed)
+            else:
+                parts = runner.run("Sum:0", feed, per_replica=True)
+                assert [float(p) for p in parts] == [1.0, 5.0]      # 0+1 and 2+3
         err = capsys.readouterr().err
         if key == "w":
             assert "placeholder" not in err
         else:
             assert err.count("placeholder 'v'") == 1, err
-            assert "batch_feeds: {v: true}" in err
+            assert "is split over the replicas as a batch" in err
+            assert "batch_feeds: {v: false}" in err
     g = model(build["u"])
     with pn.get_runner(g, local(2), {"run_option": "allreduce",
                                      "batch_feeds": {"v": False}}) as runner:

@@ -206,10 +206,13 @@ def test_a_worker_listing_a_missing_gpu_ends_the_job_in_seconds(tmp_path):
     assert "lists gpu:99 on worker 1" in done.stderr
 
 
-def test_parameter_servers_missing_from_the_resources_is_a_clear_error(tmp_path):
-    done, _, _ = run_job(tmp_path, 2, 1, "1", "--run-option", "hybrid", timeout=120)
-    assert done.returncode != 0
-    assert "list `ps: [address]`" in done.stderr and "run_option: allreduce" in done.stderr
+def test_hybrid_without_parameter_servers_gathers_sparse_gradients_and_says_so(tmp_path):
+    """A resource file without `ps:`: the embedding's gradients go by
+    all-gather, said once (worker 0), and the job equals one device."""
+    done, out, _ = run_job(tmp_path, 2, 1, "10", "--run-option", "hybrid")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stderr.count("so sparse gradients go by all-gather") == 1, done.stderr
+    assert_matches_one_device(out, 2, 1)
 
 
 @pytest.mark.parametrize("dense", ["bfb", "allreduce"])

@@ -123,7 +123,8 @@ def test_the_tools_page_commands(tmp_path):
     export = ("import sys; sys.argv = ['lm_small.py']\n"
               "import tensorflow as tf\nsys.path.insert(0, 'examples')\nimport lm_small\n"
               "graph, *_ = lm_small.build(lm_small.arguments([]))\n"
-              "tf.compat.v1.train.export_meta_graph('model.meta', graph=graph)\n")
+              "with graph.as_default():\n"
+              "    tf.compat.v1.train.export_meta_graph('model.meta')\n")
     run([sys.executable, "-c", export], cwd=tmp_path)
     meta = json.loads(run(CLI + ["plan", "model.meta", "-c", "configs/ps.yaml", "--json"],
                           cwd=tmp_path).stdout)

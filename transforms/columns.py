@@ -19,7 +19,10 @@ found (`columns.uses`):
 - a write of a whole-width value (an initializer, a restore) writes the
   replica's columns of it; VariableShape gives the whole shape.
 The update ops and the reads feeding them stay as they are: they act on
-the replica's columns element by element or row by row. The pass publishes
+the replica's columns element by element or row by row; a write among them
+that would run before the step's first collective (Adam's decay of its
+moments) waits for the data of the write it precedes, so no worker's parts
+change before all have entered the step. The pass publishes
 `ColumnParts`: the handle of every part of every such variable in this
 worker's graph (its own replicas', and the other workers' by shared name).
 """
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng import columns, emit
+from parallax_ng import columns, emit, rules
 from parallax_ng.comm import join_parts
 from parallax_ng.errors import GraphError
 from parallax_ng.ir import GraphIR, copy_node
@@ -88,9 +91,42 @@ class ColumnsPass:
             counts["lookups"] += len(uses.lookups)
             counts["whole_reads"] += len(uses.whole_reads)
             counts["cut_writes"] += len(uses.cut)
+        counts["writes_held"] = _writes_after_exchange(ir, ctx, cut, changed)
         ctx.publish(ColumnParts({s: tuple(h) for s, h in handles.items()},
                                 gather=not ctx.comm.reaches_parts))
         return ir.replace(changed, added), counts
+
+
+def _writes_after_exchange(ir, ctx, cut: list[str], changed: dict) -> int:
+    """A write to a replica's columns that waits for no collective of the
+    step (Adam's m <- beta1 * m, which precedes its scatter-add of the
+    gradient rows by a control edge) waits for the input of the write it
+    precedes that does: no worker's columns then change before every worker
+    has entered the step, so while worker 0 is between steps the other
+    workers' parts hold the last step's values (its checkpoints, a Saver
+    and whole reads read them there). Returns how many writes it held."""
+    collective = [n.name for n in ir.nodes if n.op.startswith(("Collective", "Horovod"))]
+    after = ir.descendants(collective)
+    held = 0
+    for k in range(ctx.plan.num_replicas):
+        handles = {ctx.replica_name(k, s) for var in cut for s in columns.uses(ctx.tg, var).state}
+        for node in ir.nodes:
+            if node.name in after or not rules.is_writer(node.op):
+                continue
+            inputs = ir.data_inputs(node.name)
+            if not inputs or inputs[0].node not in handles:
+                continue
+            mine = ir.descendants([node.name])
+            waits = sorted({ref.node for later in ir.node_consumers.get(node.name, ())
+                            if later in after and rules.is_writer(ir.node(later).op)
+                            for ref in ir.data_inputs(later)
+                            if ref.node in after and ref.node not in mine})
+            if waits:
+                nd = changed.get(node.name) or copy_node(node)
+                nd.input.extend("^" + w for w in waits if "^" + w not in nd.input)
+                changed[node.name] = nd
+                held += 1
+    return held
 
 
 def _handles(ir, ctx, state: str, part, added: list) -> list[str]:
