@@ -26,6 +26,8 @@ Guarantees, for every backend:
 - `join_columns(name, handles, part, dtype, device)`: the whole value of
   such a table from the handles of its parts this worker has (`reaches_parts`:
   whether those are all of them, or this worker's only);
+- `op_types`: the prefixes of the op types its exchanges are made of (an op
+  after one of them runs only once every worker has entered the step);
 - `broadcast(scope, value, dtype, shape)`: worker 0's `value` on every
   worker, as a `Broadcast`: the tensor this worker should use and the ops
   its use must wait for;
@@ -74,6 +76,7 @@ class TFCollectives:
     """TensorFlow's collective ops (CollectiveReduce, CollectiveGatherV2,
     CollectiveBcastSend/Recv), one instance key per operation."""
     reaches_parts = True     # a worker's graph may read another worker's variables
+    op_types = ("Collective",)
 
     def __init__(self, plan, instance_keys):
         self.plan, self.keys = plan, instance_keys

@@ -49,6 +49,7 @@ def init() -> tuple[int, int]:
 class HorovodCollectives:
     """parallax_ng.comm's operations with Horovod's ops."""
     reaches_parts = False    # another rank's variables only through collectives
+    op_types = ("Horovod", "Collective")
 
     def __init__(self, plan):
         self.plan = plan

@@ -105,7 +105,7 @@ def _writes_after_exchange(ir, ctx, cut: list[str], changed: dict) -> int:
     has entered the step, so while worker 0 is between steps the other
     workers' parts hold the last step's values (its checkpoints, a Saver
     and whole reads read them there). Returns how many writes it held."""
-    collective = [n.name for n in ir.nodes if n.op.startswith(("Collective", "Horovod"))]
+    collective = [n.name for n in ir.nodes if n.op.startswith(ctx.comm.op_types)]
     after = ir.descendants(collective)
     held = 0
     for k in range(ctx.plan.num_replicas):
