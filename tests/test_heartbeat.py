@@ -1,0 +1,42 @@
+"""parallax_ng/heartbeat.py: the lines a launched task writes for its
+launcher, in a real child process with the launcher's environment."""
+import os
+import subprocess
+import sys
+
+from parallax_ng import heartbeat
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_a_line_says_run_or_idle_and_parses_back():
+    assert heartbeat.line().startswith("heartbeat idle ")
+    with heartbeat.running():
+        kind, rest = heartbeat.parse(f"noise {heartbeat.MARK} {heartbeat.line()}")
+        assert kind == "heartbeat" and rest.split()[0] == "run"
+    assert heartbeat.parse("an ordinary line") is None
+
+
+def child(code: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=ROOT, **env))
+
+
+def test_a_launched_task_beats_and_reports_its_error_in_one_line():
+    code = ("import time, parallax_ng.heartbeat as h; h.start(); h.set_timeout(7); "
+            "time.sleep(1.5); from parallax_ng.errors import ConfigError; "
+            "raise ConfigError(\"config key 'x' is not known;\\n known keys: a, b\")")
+    done = child(code, **{heartbeat.ENV: "worker 1"})
+    lines = [heartbeat.parse(ln) for ln in done.stderr.split("\n")]   # MARK is \x1e,
+    # which str.splitlines() takes for a line break
+    beats = [rest for kind, rest in filter(None, lines) if kind == "heartbeat"]
+    errors = [rest for kind, rest in filter(None, lines) if kind == "error"]
+    assert len(beats) >= 1 and beats[-1].split()[2] == "7"
+    assert errors == ["worker 1: ConfigError: config key 'x' is not known; known keys: a, b"]
+    assert "Traceback" not in done.stderr          # a user's mistake: the line only
+
+
+def test_outside_a_launched_job_it_writes_nothing():
+    done = child("import parallax_ng.heartbeat as h; h.start(); raise ValueError('boom')",
+                 **{heartbeat.ENV: ""})
+    assert heartbeat.MARK not in done.stderr and "ValueError: boom" in done.stderr
