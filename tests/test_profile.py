@@ -219,7 +219,9 @@ def test_profile_command_measures_a_job(tmp_path, servers, run_option):
     data = json.loads(out.read_text())
     variables = {v for layer in data["layers"] for v in layer["variables"]}
     assert {"emb", "dense/w", "out/v"} <= variables
-    assert data["allreduce"]["b"] > 0 and len(data["allreduce"]["points"]) >= 4
+    # a fit of timings: its slope may come out 0 on a loaded 2-core machine (a timed
+    # assertion does not belong in a test; benchmarks measure it)
+    assert data["allreduce"]["b"] >= 0 and len(data["allreduce"]["points"]) >= 4
     # the embedding's bytes are its distinct rows, not the whole table
     emb = next(layer for layer in data["layers"] if "emb" in layer["variables"])
     assert emb["bytes"] < 40 * 4 * 8 or len(emb["variables"]) > 1
