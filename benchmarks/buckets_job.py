@@ -96,7 +96,7 @@ CRASHES = []      # jobs that failed and were run again, reported at the end
 def cli(*args, timeout=900, tries=2):
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     for _ in range(tries):
-        done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", *args], text=True,
+        done = subprocess.run([sys.executable, "-m", "parallax_ng", *args], text=True,
                               capture_output=True, timeout=timeout, env=env)
         if not done.returncode:
             return done.stdout
@@ -158,7 +158,7 @@ def resource_file(opts, path: str) -> str:
 def job(opts, tmp, config, model, name) -> dict:
     """One training job; worker 0's result, with the NICs' bytes per step."""
     out = os.path.join(tmp, f"{name}.json")
-    cmd = [sys.executable, "-m", "parallax_ng.cli", "run", __file__, "-r",
+    cmd = [sys.executable, "-m", "parallax_ng", "run", __file__, "-r",
            resource_file(opts, os.path.join(tmp, f"{name}.yaml")), "-c", config,
            "--chief-only", "--", "--worker", "--out", out, "--steps", str(opts.steps),
            "--warmup", str(opts.warmup), *model] + (["--window"] if opts.netlab else [])

@@ -207,7 +207,7 @@ def job(mode: str, args, tmp: str, repeat: int) -> dict:
     res = os.path.join(tmp, f"{mode}.yaml")
     resource_file(mode, args, res)
     out = os.path.join(tmp, f"{mode}-{repeat}.json")
-    cmd = [sys.executable, "-m", "parallax_ng.cli", "run", os.path.abspath(__file__),
+    cmd = [sys.executable, "-m", "parallax_ng", "run", os.path.abspath(__file__),
            "-r", res, "--", "--mode", mode, "--out", out, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--devices", str(args.devices),
            "--model", args.model, "--config", args.config] + (
@@ -288,11 +288,11 @@ def report(results: dict, ablation: bool = False) -> None:
 
 def traffic_model(plan, rows: dict, index_bytes: dict, looked_up: dict, info) -> dict:
     """Bytes each task sends per step by the Parallax paper's traffic model
-    (Table 3; parallax_ng/traffic.py) for `plan`, with the rows a worker's
+    (Table 3; parallax_ng/planning/traffic.py) for `plan`, with the rows a worker's
     sparse gradients send (`rows`, measured) and the ids its lookups ask a
     server for (`looked_up`); on emulated hosts, what each host's link
     carries out, named as the NICs are read."""
-    from parallax_ng import traffic
+    from parallax_ng.planning import traffic
     flows = traffic.flows(plan, index_bytes, rows, looked_up)
     if not is_emulated(info):
         return traffic.task_bytes(flows)

@@ -4,9 +4,9 @@ the one-device baseline against layer-to-layer execution (L2L).
 The second CPU device stands in for the accelerator; CPU:0 is the host. The
 baseline places the model's variables and ops on CPU:1 (the input pipeline
 stays on the host); L2L runs with that one device as its replica
-(parallax_ng/l2l.py), the model and optimizer on the host. The figure is the
+(parallax_ng/l2l/builder.py), the model and optimizer on the host. The figure is the
 bytes of the variables on the device (held across steps) plus the step's
-peak of live tensor bytes its nodes allocated (parallax_ng/memory.py: the
+peak of live tensor bytes its nodes allocated (parallax_ng/runtime/memory.py: the
 allocation records of a traced step, charged to the device whose node made
 them, since both CPU devices share one allocator). L2L's weights reach the
 device as copies of their own (DeepCopy), so they are counted as a GPU's
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import transformer_stack  # noqa: E402
 
 import parallax_ng as pn  # noqa: E402
-from parallax_ng import memory  # noqa: E402
+from parallax_ng.runtime import memory
 
 DEVICE = "/device:CPU:1"
 LAYERS = r"encoder/layer_(\d+)/"

@@ -1,6 +1,6 @@
 """Predicted scaling from the shipped layer profiles (profiles/, written by
 benchmarks/model_profiles.py), by the model `parallax-ng simulate` uses
-(parallax_ng/buckets.py).
+(parallax_ng/planning/buckets.py).
 
 - ResNet-50 (K80, batch 32) on 4 to 64 nodes of a 10 GbE-like network: the
   MG-WFBP paper's setting. alpha = 45.26 us (the paper's measured ring
@@ -23,7 +23,7 @@ import argparse
 import json
 import os
 
-from parallax_ng import buckets
+from parallax_ng.planning import buckets
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

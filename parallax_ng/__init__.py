@@ -11,9 +11,9 @@ import os
 import sys
 from dataclasses import replace
 
-from . import heartbeat
 from .config import Config, load_config
 from .errors import ConfigError, FetchError, GraphError, ParallaxError, ResourceError
+from .runtime import heartbeat
 
 __version__ = "0.1.0"
 heartbeat.start()       # a task of `parallax-ng run` tells its launcher it is alive
@@ -23,10 +23,10 @@ def __getattr__(name):
     # TensorFlow is imported on first use, so `parallax-ng --help` and the
     # launcher start at once.
     if name == "shard":
-        from .data import shard
+        from .graph.data import shard
         return shard
     if name == "partitioner":
-        from .partition import partitioner
+        from .graph.partition import partitioner
         return partitioner
     raise AttributeError(f"module 'parallax_ng' has no attribute {name!r}")
 
@@ -35,17 +35,17 @@ def transform_plan(graph, resource_info=None, config=None):
     """The Plan for `graph` (analysis only; the graph is not rewritten). A
     resource file with several hosts or with servers is planned as the job
     `parallax-ng run` would start, seen from worker 0."""
-    from . import frontend
     from .cluster import ClusterInfo
+    from .graph import frontend
     from .resources import load_resources
 
     resources = load_resources(resource_info)
     job = ClusterInfo.planned(resources) if len(resources.hosts) > 1 or resources.ps else None
     config = load_config(config)
     if config.l2l.enabled:         # layer by layer: how the model is cut
-        from .l2l import device_string
-        from .l2l_runner import plan_of
-        from .layers import split
+        from .l2l.builder import device_string
+        from .l2l.layers import split
+        from .l2l.runner import plan_of
 
         tg = frontend.load(graph)
         devices = job.device_strings() if job else [
@@ -61,13 +61,13 @@ def _plan(tg, resources, config: Config, cluster_info=None, horovod=None, profil
     """The Plan for a TrainingGraph: of worker `cluster_info` of a job, of
     rank `horovod` = (rank, size) under horovodrun, else of this machine's
     devices in `resources` (a loaded ResourceInfo); with the measurements of
-    `profile` (parallax_ng/profile.py) when given. In a job the gradients
+    `profile` (parallax_ng/planning/profile.py) when given. In a job the gradients
     are packed in `job_order` (the same on every worker: `_job_order`),
     and mgwfbp buckets planned with its ready times and all-reduce fit;
     else in the static order."""
-    from .analysis import analyze
-    from .planner import make_plan
-    from .traffic import Layout
+    from .planning.analysis import analyze
+    from .planning.planner import make_plan
+    from .planning.traffic import Layout
 
     info = analyze(tg)
     order = ()
@@ -117,7 +117,7 @@ def transform(graph, resource_info=None, config=None, keep_graphs=False,
     Returns (transformed GraphIR, PassContext, PassManager) for tools and
     tests; with keep_graphs the manager holds the graph after every pass.
     """
-    from . import frontend
+    from .graph import frontend
     from .resources import load_resources
 
     config = load_config(config)
@@ -132,7 +132,7 @@ def _rewrite(tg, plan, config: Config, keep_graphs: bool = False):
     """Run the passes the plan needs over the user's graph."""
     import transforms
 
-    from .passes import PassContext, PassManager
+    from .pipeline.passes import PassContext, PassManager
 
     ctx = PassContext(tg, plan)
     manager = PassManager(transforms.pipeline_for(plan), config.verify, config.dump_dir,
@@ -149,8 +149,10 @@ def get_runner(graph, resource_info=None, config=None):
     `parallax-ng run -c FILE`, None means FILE, and a different config is an
     error.
     """
-    from . import capture, cluster, frontend
+    from . import cluster
+    from .graph import capture, frontend
     from .resources import check_devices, load_resources, session_config
+    from .runtime import serving
 
     profile_steps = capture.check(graph, resource_info, config)
     resource_info, config = capture.resources(resource_info), capture.config(config)
@@ -161,7 +163,7 @@ def get_runner(graph, resource_info=None, config=None):
         cfg = replace(cfg, profile=ProfileConfig(profile_steps, "never"))
     resources = load_resources(resource_info)
     if cfg.communication.backend == "horovod" and not cfg.l2l.enabled:   # one worker each
-        from . import horovod
+        from .comm import horovod
         check_devices(resources.hosts[0].devices)
         rank = horovod.init()
         return _runner(frontend.load(graph), resources, cfg,
@@ -175,7 +177,7 @@ def get_runner(graph, resource_info=None, config=None):
         return _runner(frontend.load(graph), resources, cfg,
                        session_config(resources.hosts[0].devices))
     if info.task_type == "ps":     # TF_CONFIG convention: a server task only serves
-        raise SystemExit(cluster.serve(info, cfg.communication.timeout_seconds))
+        raise SystemExit(serving.serve(info, cfg.communication.timeout_seconds))
     check_devices(info.devices, f"worker {info.task} ({info.workers[info.task]})")
     server = info.start_server()
     if os.environ.get(cluster.PROFILE_ENV):       # `parallax-ng profile` of a job
@@ -185,10 +187,10 @@ def get_runner(graph, resource_info=None, config=None):
 
 
 def _l2l_runner(tg, resources, config: Config, info):
-    """Layer-to-layer execution (parallax_ng/l2l.py): on this machine's
+    """Layer-to-layer execution (parallax_ng/l2l/builder.py): on this machine's
     devices, or as one worker of a job (its own host the EPS)."""
-    from .l2l import device_string
-    from .l2l_runner import L2LRunner
+    from .l2l.builder import device_string
+    from .l2l.runner import L2LRunner
     from .resources import check_devices, session_config
 
     if config.communication.backend != "tf":
@@ -221,6 +223,7 @@ def _profile_job(tg, config: Config, info, server):
     import tensorflow as tf
 
     from . import cluster
+    from .runtime import serving
 
     steps, per_variable, path = os.environ[cluster.PROFILE_ENV].split(":", 2)
     shared = _job_order(tg, config, info, server, int(steps))
@@ -235,7 +238,7 @@ def _profile_job(tg, config: Config, info, server):
         print(profile.format(), flush=True)
     if info.ps:
         graph = tf.Graph()
-        ops = cluster.done_ops(graph, info.server_devices(), len(info.workers), info.task)
+        ops = serving.done_ops(graph, info.server_devices(), len(info.workers), info.task)
         with tf.compat.v1.Session(server.target, graph=graph,
                                   config=info.session_config()) as session:
             session.run(ops)
@@ -245,7 +248,7 @@ def _profile_job(tg, config: Config, info, server):
 def _runner(tg, resources, config: Config, session_config, cluster_info=None, horovod=None,
             server=None):
     """A Runner for `tg`, able to plan again from a profile and rebuild."""
-    from .runner import Runner
+    from .runtime.runner import Runner
 
     order = _job_order(tg, config, cluster_info, server)
 
@@ -268,19 +271,20 @@ def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
                ) -> dict | None:
     """In a job whose dense gradients go through fusion buffers or mgwfbp
     buckets, or whose plans hybrid or auto weigh (by the rows a step
-    touches and the network, parallax_ng/choice.py): what worker 0's first
+    touches and the network, parallax_ng/planning/choice.py): what worker 0's first
     step measured, before
     the graph is built
-    (parallax_ng/profile.py first_step_profile: the order and times the
+    (parallax_ng/planning/profile.py first_step_profile: the order and times the
     gradients became ready), and, when mgwfbp has no a and b, the all-reduce
-    benchmark that every worker runs together (parallax_ng/costfit.py);
+    benchmark that every worker runs together (parallax_ng/planning/costfit.py);
     worker 0's results are given once to every worker, so all pack their
     buffers and plan their buckets alike (the others take the same steps
     meanwhile, so the machine is shared as in training). None outside such
     a job. `profile_steps` (`parallax-ng profile` of a job): measure that many
     steps and run the benchmark whatever the plan."""
-    from . import choice, cluster, costfit
-    from .profile import first_step_profile
+    from .planning import choice, costfit
+    from .planning.profile import first_step_profile
+    from .runtime import serving
 
     if cluster_info is None or server is None or (
             len(cluster_info.workers) < 2 and not profile_steps):
@@ -320,13 +324,13 @@ def _job_order(tg, config: Config, cluster_info, server, profile_steps: int = 0
                 "rows": dict(profile.rows) if profile else {},
                 "source": "measured in worker 0's first step" if profile else
                           f"the graph's order: not measured, {why}"}
-    return cluster.share(cluster_info, server, mine, timeout)
+    return serving.share(cluster_info, server, mine, timeout)
 
 
 def _job_profile(job_order: dict):
     """The Profile worker 0 measured and shared (`_job_order`), or None."""
-    from .costfit import Fit
-    from .profile import Profile
+    from .planning.costfit import Fit
+    from .planning.profile import Profile
     if not job_order.get("ready") and not job_order.get("allreduce") and \
             not job_order.get("rows"):
         return None

@@ -146,7 +146,7 @@ PRECISIONS = ("fp32", "cmp")
 
 @dataclass(frozen=True)
 class L2LConfig:
-    """Layer-to-layer execution (parallax_ng/l2l.py); off while `layers` is None."""
+    """Layer-to-layer execution (parallax_ng/l2l/builder.py); off while `layers` is None."""
     layers: str | None = None        # regex over variable and op names; group 1: layer index
     micro_batches: int = 1           # parts each replica's batch is split into
     stash: str = "device"            # where layer-boundary activations wait for the backward

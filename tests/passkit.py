@@ -2,11 +2,11 @@
 from collections import Counter
 
 from models import embedding_regression
-from parallax_ng import frontend
-from parallax_ng.analysis import analyze
+from parallax_ng.graph import frontend
+from parallax_ng.planning.analysis import analyze
 from parallax_ng.config import Config
-from parallax_ng.passes import PassContext
-from parallax_ng.planner import make_plan
+from parallax_ng.pipeline.passes import PassContext
+from parallax_ng.planning.planner import make_plan
 
 
 def devices(n, kind="CPU"):

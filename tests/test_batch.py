@@ -1,6 +1,6 @@
-"""Which placeholders are fed batches (parallax_ng/batch.py): decided from
+"""Which placeholders are fed batches (parallax_ng/graph/batch.py): decided from
 the graph, not from the static shape alone; the runner splits only those
-(parallax_ng/fetches.py). DeepFM-shaped models as their authors feed them
+(parallax_ng/runtime/fetches.py). DeepFM-shaped models as their authors feed them
 are in tests/test_tutorials.py."""
 import numpy as np
 import pytest
@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from models import local
-from parallax_ng import batch, frontend
+from parallax_ng.graph import batch, frontend
 from tutorials import deepfm
 
 tf1 = tf.compat.v1

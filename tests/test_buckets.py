@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from parallax_ng.buckets import (Cost, Layer, iteration_time, mgwfbp, ready_times, single,
-                                 threshold, wfbp)
+from parallax_ng.planning.buckets import (Cost, Layer, iteration_time, mgwfbp, ready_times,
+                                          single, threshold, wfbp)
 
 
 def every_bucketing(n):
@@ -63,8 +63,8 @@ def test_fixed_bucketings():
 def test_the_network_form_ring_and_parameter_servers_by_hand():
     """Two layers (input first) l0: 100 bytes, l1: 300 bytes, 1 s backward
     each: l1 ready at 1, l0 at 2. Two nodes, alpha 0.5 s, beta 0.01 s/byte."""
-    from parallax_ng.buckets import (Network, fusion_messages, placed_messages,
-                                     server_timeline, simulate)
+    from parallax_ng.planning.buckets import (Network, fusion_messages, placed_messages,
+                                              server_timeline, simulate)
     ring = Network(4, 1e-3, 1e-9).ring()
     assert (ring.a, ring.b) == pytest.approx((6e-3, 1.5e-9), rel=1e-12)
     layers = [Layer("l0", 100, 1.0), Layer("l1", 300, 1.0)]
@@ -93,7 +93,7 @@ def test_simulate_with_a_network_and_its_errors(tmp_path, capsys):
     all-reduces slow; balanced fusion buffers over N servers are not."""
     import json
 
-    from parallax_ng import cli
+    from parallax_ng.tools import cli
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"forward_time": 0.01, "layers": [
         {"name": f"l{i}", "bytes": 400000, "backward_time": 1e-3} for i in range(20)]}))
@@ -152,7 +152,7 @@ def test_resnet50_at_64_nodes_keeps_the_papers_order():
     import json
     import os
 
-    from parallax_ng.buckets import Network, load_profile, simulate
+    from parallax_ng.planning.buckets import Network, load_profile, simulate
     _, directory = _shipped()
     with open(os.path.join(directory, "resnet50-k80.json")) as f:
         forward, layers = load_profile(json.load(f))
@@ -227,7 +227,7 @@ def test_simulate_reads_a_hand_written_profile_and_ranks_the_strategies(tmp_path
     is never slower than any other bucketing."""
     import json
 
-    from parallax_ng import cli
+    from parallax_ng.tools import cli
     profile = {"forward_time": 0.01,
                "layers": [{"name": f"l{i}", "bytes": 40000, "backward_time": 1e-4}
                           for i in range(20)]}
@@ -253,11 +253,11 @@ def test_mgwfbp_buckets_follow_the_measured_ready_times():
     """Without a profile every gradient is ready at once and a startup cost
     merges them all; with gradients ready far apart (and all-reduces cheap
     next to that) each gets its own bucket."""
-    from parallax_ng import frontend
-    from parallax_ng.analysis import analyze
+    from parallax_ng.graph import frontend
+    from parallax_ng.planning.analysis import analyze
     from parallax_ng.config import Config
-    from parallax_ng.planner import make_plan
-    from parallax_ng.profile import Profile
+    from parallax_ng.planning.planner import make_plan
+    from parallax_ng.planning.profile import Profile
     from passkit import HOST, devices
     g, _ = embedding_regression(4, "adam")
     tg = frontend.load(g)
@@ -302,10 +302,10 @@ def test_a_profile_file_plans_the_buckets_and_makes_mgwfbp_the_default(tmp_path)
     same on every worker, nothing measured); mgwfbp is then the default."""
     import json
 
-    from parallax_ng import frontend
-    from parallax_ng.analysis import analyze
+    from parallax_ng.graph import frontend
+    from parallax_ng.planning.analysis import analyze
     from parallax_ng.config import Config
-    from parallax_ng.planner import make_plan
+    from parallax_ng.planning.planner import make_plan
     from passkit import HOST, devices
     path = tmp_path / "p.json"
     # input to output: dense/w, dense/b, out/v; far apart, a cheap all-reduce
@@ -354,7 +354,8 @@ def test_mgwfbp_under_horovod_needs_a_cost_it_is_given():
               "buckets": {"mode": "mgwfbp"}}
     with pytest.raises(pn.ConfigError, match="buckets.a and buckets.b, or buckets.profile"):
         pn.transform(g, local(1), config, horovod=(0, 2))
-    from parallax_ng import _plan, frontend
+    from parallax_ng import _plan
+    from parallax_ng.graph import frontend
     from parallax_ng.config import Config
     from parallax_ng.resources import load_resources
     given = Config.from_dict({**config, "buckets": {"mode": "mgwfbp", "a": 1.0, "b": 0.0}})

@@ -3,7 +3,7 @@ import os
 import pytest
 
 import parallax_ng as pn
-from parallax_ng import capture
+from parallax_ng.graph import capture
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

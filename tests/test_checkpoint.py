@@ -87,7 +87,7 @@ def test_killed_and_restarted_two_worker_job_equals_uninterrupted(tmp_path, run_
     res = tmp_path / "r.yaml"
     res.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2
                    + (f"ps: [{', '.join(['127.0.0.1'] * servers)}]\n" if servers else ""))
-    launch = [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r", str(res), "--"]
+    launch = [sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r", str(res), "--"]
     whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
     option = ["--run-option", run_option] + extra
     run(launch + [str(tmp_path / "ck_whole"), whole, "15"] + option)

@@ -1,4 +1,4 @@
-"""The plan whose links carry a step fastest (parallax_ng/choice.py): hybrid
+"""The plan whose links carry a step fastest (parallax_ng/planning/choice.py): hybrid
 and auto in a job with servers weigh whole plans; a dense-heavy model with
 one server apart goes to the ring, a small one on one machine to the
 servers; every worker chooses alike."""
@@ -6,7 +6,7 @@ import pytest
 
 import parallax_ng as pn
 from parallax_ng.cluster import ClusterInfo
-from parallax_ng.plan import Candidate
+from parallax_ng.planning.plan import Candidate
 from test_traffic import classifier
 
 NET = {"bandwidth": 1.25e7, "latency": 1e-4}      # 100 Mb/s
@@ -64,9 +64,9 @@ def test_a_measured_machine_charges_the_bytes_between_its_tasks():
     the bytes between a host's tasks cost its CPU at the rate they moved
     there together (N B): one server's twice-the-ring bytes lose to the
     ring even when its rounds cost less."""
-    from parallax_ng import planner, traffic
-    from parallax_ng.costfit import Fit
-    from parallax_ng.profile import Profile
+    from parallax_ng.planning import planner, traffic
+    from parallax_ng.planning.costfit import Fit
+    from parallax_ng.planning.profile import Profile
     fit = Fit(a=5e-4, b=1e-8, points=((1e4, 5e-4 + 1e-4), (1e6, 5e-4 + 1e-2)))
     layout = traffic.Layout.local(2, 1)
     net = planner.network(pn.Config(), Profile(1, allreduce=fit, round_trip=2e-4), 2, layout)
@@ -87,7 +87,7 @@ def test_a_measured_machine_charges_the_bytes_between_its_tasks():
     assert whole.link_seconds == pytest.approx(whole.nbytes / 2e8)
     assert whole.nbytes > 1.5 * ring.nbytes and whole.seconds > ring.seconds
     assert whole.fixed_seconds < ring.fixed_seconds
-    from parallax_ng import choice
+    from parallax_ng.planning import choice
     chosen = choice.best(list(plans.items()), layout, net, {})
     assert [(c.label, c.end, c.chosen) for c in chosen.choice] == [
         ("allreduce", "127.0.0.1 loopback", True), ("ps", "127.0.0.1 loopback", False)]

@@ -7,7 +7,7 @@ import sys
 import tensorflow as tf
 
 from models import embedding_regression
-from parallax_ng import cli
+from parallax_ng.tools import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "linear_regression.py")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from models import embedding_regression, train_single
-from parallax_ng import cluster, launch
+from parallax_ng import cluster
+from parallax_ng.tools import launch
 from parallax_ng.errors import ResourceError
 from parallax_ng.resources import load_resources
 
@@ -33,7 +34,7 @@ def resources(tmp_path, workers, devices, servers=0):
 
 def run_job(tmp_path, workers, devices, *args, timeout=300, servers=0):
     out = str(tmp_path / "vars")
-    cmd = [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+    cmd = [sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r",
            resources(tmp_path, workers, devices, servers), "--", out, *args]
     start = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
@@ -165,7 +166,7 @@ def test_task_output_is_labelled_whole_and_free_of_harmless_noise(tmp_path):
     res = resources(tmp_path, 2, 1)
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)    # TensorFlow's default logging
-    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", str(script),
+    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", str(script),
                            "-r", res], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
@@ -175,7 +176,7 @@ def test_task_output_is_labelled_whole_and_free_of_harmless_noise(tmp_path):
     assert all(re.fullmatch(r"\[worker [01]\] step \d+ loss \d+\.\d{6}", ln) for ln in lines)
     assert "Cleanup" not in done.stderr and "cpu_feature_guard" not in done.stderr
     # --chief-only: worker 1 is silent
-    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", str(script),
+    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", str(script),
                            "-r", res, "--chief-only"], capture_output=True, text=True,
                           timeout=300, env=env)
     assert done.returncode == 0 and "[worker 1]" not in done.stdout + done.stderr
@@ -184,7 +185,7 @@ def test_task_output_is_labelled_whole_and_free_of_harmless_noise(tmp_path):
 
 def test_chief_only_shows_the_last_lines_of_a_failing_worker(tmp_path):
     out = str(tmp_path / "vars")
-    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r",
                            resources(tmp_path, 2, 1), "--chief-only", "--", out, "50",
                            "--die-at", "3"], capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
@@ -198,7 +199,7 @@ def test_a_worker_listing_a_missing_gpu_ends_the_job_in_seconds(tmp_path):
     res.write_text("hosts:\n  - address: 127.0.0.1\n    devices: [cpu:0]\n"
                    "  - address: 127.0.0.1\n    devices: [gpu:99]\n")
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r",
                            str(res), "--", str(tmp_path / "vars"), "3"], capture_output=True,
                           text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
@@ -263,7 +264,7 @@ def test_a_worker_started_through_the_ssh_command(tmp_path):
                    "  - address: 127.0.0.1\n    devices: [cpu:0]\n"
                    f"  - address: 127.0.0.1:{port}\n    devices: [cpu:0]\n    launch: ssh\n")
     out = str(tmp_path / "vars")
-    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r",
                            str(res), "--", out, "3"], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, PYTHONPATH=ROOT,
                                                 TF_CPP_MIN_LOG_LEVEL="2"))
@@ -297,7 +298,7 @@ def test_killing_any_task_stops_every_process_within_60s(tmp_path, victim):
     res = tmp_path / "r.yaml"
     res.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2
                    + "ps: [127.0.0.1]\n")
-    cmd = [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r", str(res), "--",
+    cmd = [sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r", str(res), "--",
            str(tmp_path / "vars"), "100000", "--run-option", "hybrid",
            "--dense-method", "bfb"]   # the server in use
     job = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
@@ -400,10 +401,10 @@ def test_a_waiting_server_logs_nothing_with_tensorflow_s_default_logging(tmp_pat
         fake_worker.listen()
         worker = f"127.0.0.1:{fake_worker.getsockname()[1]}"
         server = launch._with_port("127.0.0.1")
-        code = ("from parallax_ng import cluster\n"
+        code = ("from parallax_ng import cluster\nfrom parallax_ng.runtime import serving\n"
                 f"info = cluster.ClusterInfo(({worker!r},), ({server!r},), 'ps', 0, "
                 "(('CPU', 0),))\n"
-                "raise SystemExit(cluster.serve(info, timeout_seconds=2, poll_seconds=0.2))\n")
+                "raise SystemExit(serving.serve(info, timeout_seconds=2, poll_seconds=0.2))\n")
         env = dict(os.environ, PYTHONPATH=ROOT)
         env.pop("TF_CPP_MIN_LOG_LEVEL", None)
         proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE,
@@ -419,9 +420,9 @@ def test_a_waiting_server_logs_nothing_with_tensorflow_s_default_logging(tmp_pat
 def test_a_server_whose_workers_never_come_gives_up_after_the_timeout(tmp_path):
     ports = [launch._with_port("127.0.0.1") for _ in range(2)]
     info = cluster.ClusterInfo((ports[0],), (ports[1],), "ps", 0, (("CPU", 0),))
-    code = ("import sys\nfrom parallax_ng import cluster\n"
+    code = ("import sys\nfrom parallax_ng import cluster\nfrom parallax_ng.runtime import serving\n"
             f"info = cluster.ClusterInfo(*{(info.workers, info.ps, 'ps', 0, info.devices)!r})\n"
-            "raise SystemExit(cluster.serve(info, timeout_seconds=3, poll_seconds=0.5))\n")
+            "raise SystemExit(serving.serve(info, timeout_seconds=3, poll_seconds=0.5))\n")
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, env=dict(os.environ, PYTHONPATH=ROOT,

@@ -1,15 +1,15 @@
-"""parallax_ng/columns.py: which uses of a table cut by columns change, and
+"""parallax_ng/planning/column_cut.py: which uses of a table cut by columns change, and
 which make alltoall impossible (named in the error)."""
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from models import embedding_regression
-from parallax_ng import frontend
-from parallax_ng.columns import Branch, uses
+from parallax_ng.graph import frontend
+from parallax_ng.planning.column_cut import Branch, uses
 from parallax_ng.errors import ConfigError
-from parallax_ng.placement import Columns
-from parallax_ng.planner import by_columns
+from parallax_ng.planning.placement import Columns
+from parallax_ng.planning.planner import by_columns
 
 tf1 = tf.compat.v1
 

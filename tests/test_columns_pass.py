@@ -6,7 +6,7 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from models import embedding_regression, local
-from parallax_ng.results import ColumnParts
+from parallax_ng.pipeline.results import ColumnParts
 from passkit import cluster_transform, op_counts
 
 

@@ -3,7 +3,8 @@ emits (the Horovod lowering runs in tests/test_horovod.py)."""
 import pytest
 import tensorflow as tf
 
-from parallax_ng import comm
+from parallax_ng.comm import collectives as comm
+from parallax_ng.comm.lowering import lowering as lower
 from parallax_ng.errors import ConfigError
 from passkit import context
 
@@ -12,7 +13,7 @@ def lowering(n=2, workers=1, worker=0):
     from dataclasses import replace
     ctx = context(n=n)
     plan = replace(ctx.plan, num_workers=workers, worker=worker)
-    return comm.lowering(plan, ctx.instance_keys), plan
+    return lower(plan, ctx.instance_keys), plan
 
 
 def test_all_reduce_is_one_collective_per_replica_with_one_key():
@@ -52,11 +53,11 @@ def test_the_horovod_lowering_needs_horovod():
     try:
         import horovod.tensorflow  # noqa: F401
     except ImportError:
-        h = comm.lowering(replace(ctx.plan, backend="horovod"), ctx.instance_keys)
+        h = lower(replace(ctx.plan, backend="horovod"), ctx.instance_keys)
         with pytest.raises(ConfigError, match="horovod"):
             h.all_reduce("s", ["a", "b"], tf.float32, True)
     else:
-        h = comm.lowering(replace(ctx.plan, backend="horovod"), ctx.instance_keys)
+        h = lower(replace(ctx.plan, backend="horovod"), ctx.instance_keys)
         nodes, outs = h.all_reduce("s", ["a", "b"], tf.float32, True)
         assert any(n.op == "HorovodAllreduce" for n in nodes)
 
@@ -104,7 +105,7 @@ def test_columns_exchange_with_uneven_rows_and_widths():
     columns (scaled for a mean), by real collectives."""
     import numpy as np
 
-    from parallax_ng.placement import Columns
+    from parallax_ng.planning.placement import Columns
     from parallax_ng.resources import session_config
     tf_comm, plan = lowering(n=3)
     part = Columns.even(5, plan.devices)

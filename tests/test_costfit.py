@@ -3,7 +3,7 @@ points, the sizes it measures, and a real run over two local devices."""
 import pytest
 import tensorflow as tf
 
-from parallax_ng.costfit import Fit, fit, measure, sizes
+from parallax_ng.planning.costfit import Fit, fit, measure, sizes
 
 
 def test_the_fit_recovers_a_line_and_reports_its_error():
@@ -58,8 +58,8 @@ def test_round_trip_to_a_server_and_a_session_run_are_measured_apart():
     is what a server update adds to a run; the run itself is measured on
     the worker's CPU."""
     from parallax_ng.cluster import ClusterInfo
-    from parallax_ng.costfit import round_trip
-    from parallax_ng.launch import _with_port
+    from parallax_ng.planning.costfit import round_trip
+    from parallax_ng.tools.launch import _with_port
     info = ClusterInfo((_with_port("127.0.0.1"),), (_with_port("127.0.0.1"),), "worker", 0,
                        (("CPU", 0),))
     server = info.start_server()

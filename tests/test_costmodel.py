@@ -1,4 +1,4 @@
-"""parallax_ng/costmodel.py and run_option auto: EmbRace's Table 2 by hand,
+"""parallax_ng/planning/costmodel.py and run_option auto: EmbRace's Table 2 by hand,
 the network constants from an all-reduce fit, and choices where the answer
 is clear."""
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 
 import parallax_ng as pn
 from models import embedding_regression, local, train_both
-from parallax_ng import costmodel
-from parallax_ng.analysis import VariableInfo
+from parallax_ng.planning import costmodel
+from parallax_ng.planning.analysis import VariableInfo
 from parallax_ng.config import load_config
 from parallax_ng.errors import ConfigError
 
@@ -101,9 +101,9 @@ def test_auto_takes_each_variable_s_cheapest_method_and_weighs_whole_plans_in_a_
     `dense_method` when set). In a job with servers the plans that mix
     those with each dense method, or put every sparse variable on the
     servers or on collectives, are weighed whole by their links
-    (parallax_ng/choice.py, test_choice.py)."""
+    (parallax_ng/planning/choice.py, test_choice.py)."""
     from parallax_ng.config import Config
-    from parallax_ng.planner import choose_methods
+    from parallax_ng.planning.planner import choose_methods
     info = {"emb": table(), "w": table(sparse=False)}
     costs = {"emb": {"allgather": 2.0, "ps": 1.0}, "w": {"allreduce": 1.0, "bfb": 2.0}}
     assert choose_methods(info, Config(run_option="auto"), True, costs=costs) == {

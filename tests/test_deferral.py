@@ -4,10 +4,10 @@ import pytest
 import tensorflow as tf
 
 from models import embedding_regression
-from parallax_ng import deferral
+from parallax_ng.planning import deferral
 from parallax_ng.errors import ConfigError
-from parallax_ng.frontend import load
-from parallax_ng.ir import TensorRef
+from parallax_ng.graph.frontend import load
+from parallax_ng.graph.ir import TensorRef
 
 tf1 = tf.compat.v1
 

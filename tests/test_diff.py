@@ -1,6 +1,6 @@
 import parallax_ng as pn
 from models import local
-from parallax_ng import diff
+from parallax_ng.tools import diff
 from passkit import context
 
 

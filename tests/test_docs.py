@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
-CLI = [sys.executable, "-m", "parallax_ng.cli"]
+CLI = [sys.executable, "-m", "parallax_ng"]
 
 # command (as the docs write it, comments and line breaks dropped) -> who runs it
 BY_OTHERS = {

@@ -6,8 +6,8 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from models import embedding_regression, local, train_both
-from parallax_ng import frontend
-from parallax_ng.duplicates import coalescing, lookups
+from parallax_ng.graph import frontend
+from parallax_ng.planning.coalescing import coalescing, lookups
 
 tf1 = tf.compat.v1
 

@@ -1,7 +1,7 @@
 import numpy as np
 import tensorflow as tf
 
-from parallax_ng import emit
+from parallax_ng.graph import emit
 
 tf1 = tf.compat.v1
 
@@ -42,7 +42,7 @@ def test_traced_template_is_spliced_onto_named_inputs():
 
 def test_like_copies_op_and_attrs_but_not_the_colocation_group():
     import tensorflow as tf
-    from parallax_ng import emit
+    from parallax_ng.graph import emit
     node = emit.node_def("g", "GatherV2", ["a", "b", "c"], "/cpu:0", Tparams=tf.float32,
                          Tindices=tf.int32, Taxis=tf.int32, batch_dims=0)
     node.attr["_class"].list.s.append(b"loc:@a")

@@ -1,4 +1,4 @@
-"""The eager parameter server's sums (parallax_ng/eps.py): per replica in
+"""The eager parameter server's sums (parallax_ng/l2l/eps.py): per replica in
 arrival order, across replicas, across a job's workers; sparse gradients
 kept sparse; cmp's scaled float16 gradients unscaled; pn.shard constants
 set per worker."""
@@ -12,9 +12,10 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from models import load_values, read_name, variable_names
-from parallax_ng import eps, frontend
-from parallax_ng.frontend import Gradient
-from parallax_ng.ir import TensorRef
+from parallax_ng.l2l import eps
+from parallax_ng.graph import frontend
+from parallax_ng.graph.frontend import Gradient
+from parallax_ng.graph.ir import TensorRef
 from test_l2l import stack
 
 tf1 = tf.compat.v1
@@ -89,7 +90,7 @@ def test_a_two_worker_job_equals_one_device(tmp_path):
     path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:1, cpu:2]\n" * 2)
     out = str(tmp_path / "vars")
     done = subprocess.run(
-        [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r", str(path), "--", out,
+        [sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r", str(path), "--", out,
          "5"], capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

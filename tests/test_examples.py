@@ -52,7 +52,7 @@ def test_the_jobs_page_resource_file_is_the_shipped_one():
 def test_lm_small_with_a_server_as_the_readme_runs_it():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
     done = subprocess.run(
-        [sys.executable, "-m", "parallax_ng.cli", "run", os.path.join(ROOT, "examples",
+        [sys.executable, "-m", "parallax_ng", "run", os.path.join(ROOT, "examples",
                                                                       "lm_small.py"),
          "-r", os.path.join(ROOT, "configs", "resources_2workers_1ps.yaml"), "--steps", "40",
          "--log-every", "20", "--vocab", "2000", "--words", "20000", "--batch", "32"],

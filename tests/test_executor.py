@@ -8,9 +8,9 @@ import pytest
 import tensorflow as tf
 
 from models import embedding_regression
-from parallax_ng.executor import Executor, SessionRun
-from parallax_ng.results import Barrier
-from parallax_ng.step_parts import COLLECTIVES, SERVERS, StepParts
+from parallax_ng.runtime.executor import Executor, SessionRun
+from parallax_ng.pipeline.results import Barrier
+from parallax_ng.pipeline.step_parts import COLLECTIVES, SERVERS, StepParts
 from passkit import cluster_transform, context
 
 

@@ -4,7 +4,7 @@ import pytest
 
 import parallax_ng as pn
 from models import embedding_regression, local
-from parallax_ng.fetches import Fetch, combine
+from parallax_ng.runtime.fetches import Fetch, combine
 
 
 def test_each_kind_of_fetch():

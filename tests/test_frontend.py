@@ -3,9 +3,9 @@ import pytest
 import tensorflow as tf
 
 from models import OPTIMIZERS, embedding_regression
-from parallax_ng import frontend
+from parallax_ng.graph import frontend
 from parallax_ng.errors import GraphError
-from parallax_ng.ir import TensorRef
+from parallax_ng.graph.ir import TensorRef
 
 tf1 = tf.compat.v1
 

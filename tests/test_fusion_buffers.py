@@ -9,7 +9,7 @@ import parallax_ng as pn
 from model_shapes import bert_base, parameters, resnet50, training_graph
 from models import embedding_regression, local, train_both
 from parallax_ng.errors import ConfigError
-from parallax_ng.planner import buffer_bytes
+from parallax_ng.planning.buckets import buffer_bytes
 
 tf1 = tf.compat.v1
 

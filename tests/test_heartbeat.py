@@ -1,10 +1,10 @@
-"""parallax_ng/heartbeat.py: the lines a launched task writes for its
+"""parallax_ng/runtime/heartbeat.py: the lines a launched task writes for its
 launcher, in a real child process with the launcher's environment."""
 import os
 import subprocess
 import sys
 
-from parallax_ng import heartbeat
+from parallax_ng.runtime import heartbeat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +23,7 @@ def child(code: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_a_launched_task_beats_and_reports_its_error_in_one_line():
-    code = ("import time, parallax_ng.heartbeat as h; h.start(); h.set_timeout(7); "
+    code = ("import time, parallax_ng.runtime.heartbeat as h; h.start(); h.set_timeout(7); "
             "time.sleep(1.5); from parallax_ng.errors import ConfigError; "
             "raise ConfigError(\"config key 'x' is not known;\\n known keys: a, b\")")
     done = child(code, **{heartbeat.ENV: "worker 1"})
@@ -37,6 +37,6 @@ def test_a_launched_task_beats_and_reports_its_error_in_one_line():
 
 
 def test_outside_a_launched_job_it_writes_nothing():
-    done = child("import parallax_ng.heartbeat as h; h.start(); raise ValueError('boom')",
+    done = child("import parallax_ng.runtime.heartbeat as h; h.start(); raise ValueError('boom')",
                  **{heartbeat.ENV: ""})
     assert heartbeat.MARK not in done.stderr and "ValueError: boom" in done.stderr

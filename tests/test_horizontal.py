@@ -102,10 +102,10 @@ def test_workers_match_one_device(tmp_path, workers, devices):
 def test_a_split_job_step_keeps_its_updates_in_the_step():
     """With servers beside collectives a job step runs as two session runs
     (no session run mixes them): no schedule that spans steps, and a note."""
-    from parallax_ng import frontend
-    from parallax_ng.analysis import analyze
+    from parallax_ng.graph import frontend
+    from parallax_ng.planning.analysis import analyze
     from parallax_ng.config import Config
-    from parallax_ng.planner import make_plan
+    from parallax_ng.planning.planner import make_plan
     tg = frontend.load(embedding_regression(4, "adam")[0])
     worker = "/job:worker/replica:0/task:0/device:CPU:0"
     plan = make_plan(tg, analyze(tg), Config(run_option="hybrid", dense_method="allreduce",

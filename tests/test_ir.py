@@ -2,7 +2,7 @@ import pytest
 import tensorflow as tf
 
 from parallax_ng.errors import GraphError
-from parallax_ng.ir import GraphIR, TensorRef, format_input, parse_input, parse_tensor
+from parallax_ng.graph.ir import GraphIR, TensorRef, format_input, parse_input, parse_tensor
 
 
 def small_graph_def():

@@ -204,12 +204,12 @@ def test_dropout_is_redrawn_the_same_by_the_recomputation(global_step):
     """Dropout after the embedding, in every layer and before the head (5
     RandomUniform ops), 2 replicas x 2 micro-batches, stash on the host.
     The reference is Algorithm 1 with each (replica, micro-batch)'s dropout
-    drawn as the module docstring of parallax_ng/l2l.py says: a stateless
+    drawn as the module docstring of parallax_ng/l2l/builder.py says: a stateless
     uniform draw seeded [step, graph seed x 2^32 + key], step the global
     step, or without one the step's draw of RandomUniformInt seeded (graph
     seed, BASE_SEED2). Every variable and slot within 1e-5 after 5 steps:
     the backward's recomputed masks are the forward's."""
-    from parallax_ng import l2l
+    from parallax_ng.l2l import draws
     rate, replicas, micro, steps = 0.25, 2, 2, 5
     g, h = stack(8, drop=lambda x: tf.nn.dropout(x, rate=rate), global_step=global_step)
     drawn = [op for op in g.get_operations() if op.type == "RandomUniform"
@@ -225,7 +225,7 @@ def test_dropout_is_redrawn_the_same_by_the_recomputation(global_step):
     with bg.as_default():
         base = tf.raw_ops.RandomUniformInt(
             shape=tf.constant([], tf.int32), minval=tf.constant(0, tf.int64),
-            maxval=tf.constant(tf.int64.max, tf.int64), seed=3, seed2=l2l.BASE_SEED2)
+            maxval=tf.constant(tf.int64.max, tf.int64), seed=3, seed2=draws.BASE_SEED2)
     with tf1.Session(graph=bg) as sess:
         step = list(range(steps)) if global_step else [sess.run(base) for _ in range(steps)]
     seeds = []
@@ -503,7 +503,8 @@ def test_gpu_replicas_graph_is_placed_by_construction():
     on each GPU, weights and stash cross by TensorFlow's own transfers
     (Identity on the GPU, no DeepCopy), and the EPS stays on CPU:0; dropout
     draws on the GPU from seeds made on CPU:0."""
-    from parallax_ng import frontend, l2l, layers
+    from parallax_ng.graph import frontend
+    from parallax_ng.l2l import builder as l2l, layers
     from parallax_ng.config import L2LConfig
 
     g, h = stack(8, drop=lambda x: tf.nn.dropout(x, rate=0.1))

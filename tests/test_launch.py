@@ -1,4 +1,4 @@
-"""The launcher as its user meets it (parallax_ng/launch.py): SIGTERM stops
+"""The launcher as its user meets it (parallax_ng/tools/launch.py): SIGTERM stops
 every task, a task that stops making progress is named within the job's
 timeout, a user's mistake is one line, a task killed by a signal gives the
 shell's exit code. Real `parallax-ng run` jobs on 127.0.0.1
@@ -31,7 +31,7 @@ def resources(tmp_path, servers=0, ports=None):
 def command(tmp_path, *script_args, config=None, servers=0, launcher=()):
     config = config or {"run_option": "allreduce",
                         "communication": {"timeout_seconds": TIMEOUT}}
-    return [sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+    return [sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r",
             resources(tmp_path, servers), *launcher, "--", "--config", json.dumps(config),
             *script_args]
 
@@ -166,7 +166,7 @@ def test_the_config_file_is_checked_before_any_task_starts(tmp_path, text, says)
     path = tmp_path / "c.yaml"
     if text is not None:
         path.write_text(text)
-    done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r",
                            resources(tmp_path), "-c", str(path)], capture_output=True,
                           text=True, timeout=60, env=ENV)
     assert done.returncode == 2
@@ -182,7 +182,7 @@ def test_a_port_in_use_names_the_address_and_the_task(tmp_path):
         path = tmp_path / "r.yaml"
         path.write_text(f"hosts:\n  - address: 127.0.0.1\n    devices: [cpu:0]\n"
                         f"  - address: 127.0.0.1:{port}\n    devices: [cpu:0]\n")
-        done = subprocess.run([sys.executable, "-m", "parallax_ng.cli", "run", SCRIPT, "-r",
+        done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r",
                                str(path)], capture_output=True, text=True, timeout=60,
                               env=ENV)
     assert done.returncode == 2
@@ -193,7 +193,7 @@ def test_a_port_in_use_names_the_address_and_the_task(tmp_path):
 def test_picked_ports_are_free_distinct_and_below_the_ephemeral_range():
     """A port from the ephemeral range that is free when picked may be taken by
     an outgoing connection before its server starts; picked ports stay below it."""
-    from parallax_ng import launch
+    from parallax_ng.tools import launch
     low = launch._ephemeral_low()
     ports = [launch.free_port() for _ in range(50)]
     assert len(set(ports)) == 50

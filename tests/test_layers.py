@@ -1,4 +1,4 @@
-"""How layer-by-layer execution cuts a model's forward pass (parallax_ng/layers.py),
+"""How layer-by-layer execution cuts a model's forward pass (parallax_ng/l2l/layers.py),
 and the graphs it refuses, with the op named."""
 import os
 import sys
@@ -8,7 +8,8 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from parallax_ng import frontend, layers
+from parallax_ng.graph import frontend
+from parallax_ng.l2l import layers
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
 import transformer_stack  # noqa: E402

@@ -75,10 +75,10 @@ def test_each_replica_gets_exactly_its_rows(kind):
     import numpy as np
 
     import parallax_ng as pn
-    from parallax_ng import frontend
-    from parallax_ng.analysis import analyze
+    from parallax_ng.graph import frontend
+    from parallax_ng.planning.analysis import analyze
     from parallax_ng.config import Config
-    from parallax_ng.planner import make_plan
+    from parallax_ng.planning.planner import make_plan
     from passkit import HOST, devices
 
     if kind == "reference":

@@ -1,9 +1,9 @@
-"""parallax_ng/memory.py: a step's peak live bytes per device, from real
+"""parallax_ng/runtime/memory.py: a step's peak live bytes per device, from real
 traced runs on two CPU devices (which share one allocator)."""
 import numpy as np
 import tensorflow as tf
 
-from parallax_ng import memory
+from parallax_ng.runtime import memory
 
 tf1 = tf.compat.v1
 MB4 = 1000 * 1000 * 4      # one [1000, 1000] float32 tensor

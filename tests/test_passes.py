@@ -21,7 +21,7 @@ class DanglingPass:
 
 
 def test_manager_runs_the_plans_pipeline_and_records_each_pass(tmp_path):
-    from parallax_ng.passes import PassManager
+    from parallax_ng.pipeline.passes import PassManager
     ctx = context(n=2, optimizer="adam")
     manager = PassManager(transforms.pipeline_for(ctx.plan), dump_dir=str(tmp_path))
     out = manager.run(ctx.tg.ir, ctx)
@@ -38,7 +38,7 @@ def test_manager_runs_the_plans_pipeline_and_records_each_pass(tmp_path):
 
 
 def test_failing_verification_names_the_pass_and_those_before():
-    from parallax_ng.passes import PassManager
+    from parallax_ng.pipeline.passes import PassManager
     ctx = context(n=2)
     manager = PassManager([transforms.ReplicatePass(), DanglingPass()])
     with pytest.raises(GraphError) as err:
@@ -62,7 +62,7 @@ class MistypedPass:
 
 
 def test_import_verification_runs_tensorflow():
-    from parallax_ng.passes import PassManager
+    from parallax_ng.pipeline.passes import PassManager
     ctx = context(n=2)
     passes = [transforms.ReplicatePass(), transforms.AggregatePass(), MistypedPass()]
     assert len(PassManager(passes, verify="full").run(ctx.tg.ir, ctx)) > len(ctx.tg.ir)

@@ -1,7 +1,7 @@
 """Placements: mirrored, shared on one device, sharded at row or element offsets."""
 import pytest
 
-from parallax_ng.placement import MIRRORED, Shard, Sharded, Shared, home, part_name
+from parallax_ng.planning.placement import MIRRORED, Shard, Sharded, Shared, home, part_name
 
 CPU = [f"/cpu:{k}" for k in range(3)]
 

@@ -2,11 +2,12 @@ import pytest
 import tensorflow as tf
 
 from models import embedding_regression
-from parallax_ng import frontend
-from parallax_ng.analysis import analyze, replica_variant, with_measured_alpha
+from parallax_ng.graph import frontend
+from parallax_ng.graph.variance import replica_variant
+from parallax_ng.planning.analysis import analyze, with_measured_alpha
 from parallax_ng.config import Config
 from parallax_ng.errors import ConfigError
-from parallax_ng.planner import make_plan
+from parallax_ng.planning.planner import make_plan
 
 DEVICES = [f"/job:localhost/replica:0/task:0/device:CPU:{k}" for k in range(4)]
 HOST = DEVICES[0]

@@ -9,12 +9,13 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from models import embedding_regression, local, read_name, train_single, variable_names
-from parallax_ng import cli, frontend
+from parallax_ng.tools import cli
+from parallax_ng.graph import frontend
 from parallax_ng.errors import ConfigError
-from parallax_ng.placement import MIRRORED
-from parallax_ng.profile import Profile
+from parallax_ng.planning.placement import MIRRORED
+from parallax_ng.planning.profile import Profile
 from parallax_ng.resources import load_resources, session_config
-from parallax_ng.runner import Runner
+from parallax_ng.runtime.runner import Runner
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -152,7 +153,7 @@ def test_the_first_step_is_measured_in_a_session_of_its_own():
     """Worker 0's measuring step: the user's graph, its own variables and
     iterator; the gradients' ready order, last layer first, and the ready
     times after the forward pass."""
-    from parallax_ng.profile import first_step_profile
+    from parallax_ng.planning.profile import first_step_profile
     from passkit import tiny_graph
     g, _ = embedding_regression(4, "adam", clip=True)
     tg = frontend.load(g)
@@ -209,7 +210,7 @@ def test_profile_command_measures_a_job(tmp_path, servers, run_option):
 
     from test_cluster import SCRIPT, resources
     out = tmp_path / "p.json"
-    cmd = [sys.executable, "-m", "parallax_ng.cli", "profile", SCRIPT, "-r",
+    cmd = [sys.executable, "-m", "parallax_ng", "profile", SCRIPT, "-r",
            resources(tmp_path, 2, 1, servers), "--steps", "2", "--out", str(out), "--",
            str(tmp_path / "vars"), "10", "--run-option", run_option]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,

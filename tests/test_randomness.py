@@ -5,7 +5,7 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from models import local
-from parallax_ng import randomness
+from parallax_ng.graph import randomness
 from parallax_ng.errors import ConfigError
 from passkit import cluster_transform
 

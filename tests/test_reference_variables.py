@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from models import OPTIMIZERS, embedding_regression, train_both, train_single
-from parallax_ng import frontend
+from parallax_ng.graph import frontend
 
 tf1 = tf.compat.v1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,6 +1,7 @@
 import pytest
 
-from parallax_ng import compat, rules
+from parallax_ng import compat
+from parallax_ng.graph import rules
 from parallax_ng.errors import GraphError
 
 
@@ -40,7 +41,7 @@ def test_tables():
 
 def test_output_dtypes_from_op_signatures():
     import tensorflow as tf
-    from parallax_ng import emit
+    from parallax_ng.graph import emit
     add_n = emit.node_def("s", "AddN", ["a", "b"], T=tf.float32, N=2)
     assert compat.output_dtypes(add_n) == [(tf.float32, False)]
     deq = emit.node_def("d", "QueueDequeueV2", ["q"], component_types=[tf.float32, tf.int64])

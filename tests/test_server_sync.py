@@ -7,7 +7,7 @@ from models import embedding_regression
 from passkit import cluster_transform, context, run_passes
 from parallax_ng.errors import GraphError
 from transforms import pipeline_for
-from parallax_ng.results import Barrier
+from parallax_ng.pipeline.results import Barrier
 from transforms.server_sync import RELEASE, WAIT, _step_writers
 
 tf1 = tf.compat.v1

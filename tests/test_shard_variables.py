@@ -6,9 +6,9 @@ import tensorflow as tf
 
 from models import embedding_regression
 from passkit import cluster_transform
-from parallax_ng import frontend
-from parallax_ng.placement import Shard, Sharded
-from parallax_ng.planner import shardable
+from parallax_ng.graph import frontend
+from parallax_ng.planning.placement import Shard, Sharded
+from parallax_ng.planning.planner import shardable
 
 PS = [f"/job:ps/replica:0/task:{j}/device:CPU:0" for j in range(2)]
 
@@ -78,7 +78,7 @@ def sharded_runner(graph, config):
     import parallax_ng as pn
     from models import local
     from parallax_ng.resources import session_config
-    from parallax_ng.runner import Runner
+    from parallax_ng.runtime.runner import Runner
     plan = pn.transform_plan(graph, local(3), config)
     flat = Sharded(None, (Shard(LOCAL[0], 0, 10), Shard(LOCAL[1], 10, 35),
                           Shard(LOCAL[2], 45, 27)))

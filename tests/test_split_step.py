@@ -1,15 +1,15 @@
 """Split step: a job step's collectives and its parameter-server work in two
 session runs at once, joined by this worker's queues
-(transforms/split_step.py, parallax_ng/step_parts.py)."""
+(transforms/split_step.py, parallax_ng/pipeline/step_parts.py)."""
 import pytest
 import tensorflow as tf
 
 from models import embedding_regression
 from passkit import cluster_transform
-from parallax_ng import emit
+from parallax_ng.graph import emit
 from parallax_ng.errors import FetchError, GraphError
-from parallax_ng.ir import GraphIR
-from parallax_ng.step_parts import COLLECTIVES, SERVERS, StepParts
+from parallax_ng.graph.ir import GraphIR
+from parallax_ng.pipeline.step_parts import COLLECTIVES, SERVERS, StepParts
 from transforms.split_step import COLLECTIVE_OPS, _number, on_server
 
 tf1 = tf.compat.v1

@@ -118,7 +118,7 @@ def test_a_job_with_fusion_buffers_keeps_state_equal_to_one_device(tmp_path):
     script = tmp_path / "stats.py"
     script.write_text(JOB_SCRIPT.format(tests=tests))
     done = subprocess.run(
-        [sys.executable, "-m", "parallax_ng.cli", "run", str(script), "-r",
+        [sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
          resources(tmp_path, 2, 1, servers=1)], capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=os.path.dirname(tests), TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,14 +1,14 @@
 """The traffic model of a plan: Parallax's Table 3 per variable as flows
 between tasks, the bytes each link carries, the busiest one
-(parallax_ng/traffic.py). Plans are made by the planner for made-up jobs;
+(parallax_ng/planning/traffic.py). Plans are made by the planner for made-up jobs;
 no session runs."""
 import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from parallax_ng import traffic
-from parallax_ng.costmodel import Network
-from parallax_ng.traffic import Layout
+from parallax_ng.planning import traffic
+from parallax_ng.planning.costmodel import Network
+from parallax_ng.planning.traffic import Layout
 
 tf1 = tf.compat.v1
 ROWS, WIDTH, HIDDEN, CLASSES, BATCH = 1000, 16, 64, 500, 32

@@ -110,7 +110,7 @@ def run_job(tmp_path, model, run_option, workers=2):
                       else ""))
     out = str(tmp_path / "vars")
     done = subprocess.run(
-        [sys.executable, "-m", "parallax_ng.cli", "run",
+        [sys.executable, "-m", "parallax_ng", "run",
          os.path.join(ROOT, "tests", "tutorial_job.py"), "-r", str(res), "--",
          model, out, str(STEPS), run_option, str(workers)]
         + (["v2"] if model == "deepfm" else []),

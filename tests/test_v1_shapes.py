@@ -10,8 +10,9 @@ import tensorflow as tf
 import parallax_ng as pn
 from conftest import V1_BEHAVIOR
 from models import local, read_name
-from parallax_ng import compat, frontend
-from parallax_ng.analysis import analyze
+from parallax_ng import compat
+from parallax_ng.graph import frontend
+from parallax_ng.planning.analysis import analyze
 
 tf1 = tf.compat.v1
 VOCAB, STEPS = 12, 10

@@ -4,7 +4,7 @@ Requires: replicas made by `replicate`; the plan's method per variable.
 Guarantees: for each trained variable, the autodiff output of every replica
 is combined across replicas before anything else reads it (clipping, global
 norms, summaries, update ops), by the plan's method:
-- allreduce: the backend's all-reduce (mean or sum; parallax_ng/comm.py),
+- allreduce: the backend's all-reduce (mean or sum; parallax_ng/comm/collectives.py),
   one per variable, or one per bucket of the plan's (packed flat on each
   replica's device, reduced, split back); a sparse gradient as a dense one
   (its rows summed by index, with their counts), then the touched rows;
@@ -13,12 +13,12 @@ norms, summaries, update ops), by the plan's method:
   host); IndexedSlices are concatenated there, scaled by 1/N for a mean;
 - allgather: the backend's all-gather of the IndexedSlices;
 - alltoall (EmbRace): every replica's rows, each replica receiving its own
-  columns of them (the table is cut by columns, parallax_ng/columns.py),
+  columns of them (the table is cut by columns, parallax_ng/planning/column_cut.py),
   by the backend's exchange; a global norm's L2Loss of the rows is each
   replica's share, summed over the replicas;
 - bfb (balanced fusion buffers, Herring): the replicas' sum on the host,
   flattened and packed into the plan's buffers; each buffer's shards summed
-  over the workers on their servers (`server_sum`, parallax_ng/comm.py),
+  over the workers on their servers (`server_sum`, parallax_ng/comm/collectives.py),
   scaled for a mean there, and unpacked on the host. Every worker applies the
   update to its own copy.
 New nodes live under `parallax/<method>/<variable>/` (bfb: `parallax/bfb/`).
@@ -29,10 +29,12 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng import columns, deferral, emit, rules
-from parallax_ng.duplicates import coalescing
-from parallax_ng.ir import GraphIR, TensorRef, format_input
-from parallax_ng.results import ExchangedLookups, LocalAggregates
+from parallax_ng.graph import emit, rules
+from parallax_ng.graph.ir import GraphIR, TensorRef, format_input
+from parallax_ng.pipeline.results import ExchangedLookups, LocalAggregates
+from parallax_ng.planning import column_cut as columns
+from parallax_ng.planning import deferral
+from parallax_ng.planning.coalescing import coalescing
 from transforms.columns import lookup_exchange
 
 

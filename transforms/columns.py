@@ -2,7 +2,7 @@
 
 Requires: replicas made by `replicate`, placed; the plan's `Columns`
 placements (method alltoall and its slots; the planner checked every use
-with parallax_ng/columns.py); runs after `init`, so an initializer writes
+with parallax_ng/planning/column_cut.py); runs after `init`, so an initializer writes
 the value every replica agreed on.
 Guarantees, for every replica k (job index j) and every use the analysis
 found (`columns.uses`):
@@ -32,11 +32,12 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng import columns, emit, rules
-from parallax_ng.comm import join_parts
+from parallax_ng.comm.collectives import join_parts
 from parallax_ng.errors import GraphError
-from parallax_ng.ir import GraphIR, copy_node
-from parallax_ng.results import ColumnParts, ExchangedLookups
+from parallax_ng.graph import emit, rules
+from parallax_ng.graph.ir import GraphIR, copy_node
+from parallax_ng.pipeline.results import ColumnParts, ExchangedLookups
+from parallax_ng.planning import column_cut as columns
 
 
 @dataclass(frozen=True)

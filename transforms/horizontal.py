@@ -2,7 +2,7 @@
 the order its forward pass reads them (EmbRace 4.2.1, horizontal scheduling).
 
 Requires: the plan's `blocks` (dense variables aggregated by all-reduce,
-grouped by layer, in forward order; parallax_ng/deferral.py accepted each
+grouped by layer, in forward order; parallax_ng/planning/deferral.py accepted each
 one's update); runs after `aggregate` and the placement passes.
 Guarantees, on every replica k:
 - step t runs no update of a block's variables: it keeps the replica's own
@@ -29,10 +29,11 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from parallax_ng import deferral, emit
-from parallax_ng.ir import GraphIR
-from parallax_ng.results import Deferred
-from transforms.prefetch import Nodes
+from parallax_ng.graph import emit
+from parallax_ng.graph.ir import GraphIR
+from parallax_ng.pipeline.results import Deferred
+from parallax_ng.planning import deferral
+from transforms.deferred_updates import Nodes
 
 
 @dataclass(frozen=True)

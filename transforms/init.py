@@ -6,7 +6,7 @@ replica 0's initial-value tensor, so random initializers are drawn once and
 every copy starts equal (the user's `global_variables_initializer()` runs all
 replicas' initializers in one step). In a multi-worker job every worker
 assigns worker 0's initial values, by the backend's broadcast
-(parallax_ng/comm.py), so every worker starts equal too.
+(parallax_ng/comm/collectives.py), so every worker starts equal too.
 Shared variables are initialized once. A variable cut by columns
 (placement.Columns) is initialized like a mirrored one; the `columns` pass
 then cuts each replica's value to its columns.
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax_ng import columns
 from parallax_ng.errors import GraphError
-from parallax_ng.ir import GraphIR, copy_node
+from parallax_ng.graph.ir import GraphIR, copy_node
+from parallax_ng.planning import column_cut as columns
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class InitPass:
 
 def _own_columns(ctx) -> set[str]:
     """Variables cut by columns whose initializer assigns each replica its
-    own columns already (parallax_ng/columns.py: its value is not cut later)."""
+    own columns already (parallax_ng/planning/column_cut.py: its value is not cut later)."""
     out = set()
     for var, vp in ctx.plan.variables.items():
         if vp.method != "alltoall":

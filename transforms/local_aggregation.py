@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax_ng.ir import GraphIR, copy_node
+from parallax_ng.graph.ir import GraphIR, copy_node
 
 SCOPE = "parallax/ps/"
 

@@ -13,7 +13,7 @@ DistinctLookupsPass: a worker fetches each distinct row of a server's
 variable once per step, however many of its replicas' ids name it.
 
 Requires: `place` (lookups of shared variables run with the variable,
-parallax_ng/duplicates.py `lookups`); a job with parameter servers; runs
+parallax_ng/planning/coalescing.py `lookups`); a job with parameter servers; runs
 before `shard_variables`, which cuts the one gather that is left by row
 range.
 Guarantees: for every lookup of a variable on the servers, the ids of all
@@ -32,10 +32,10 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng import emit
-from parallax_ng.duplicates import lookups
-from parallax_ng.ir import GraphIR, format_input
-from parallax_ng.placement import Sharded
+from parallax_ng.graph import emit
+from parallax_ng.graph.ir import GraphIR, format_input
+from parallax_ng.planning.coalescing import lookups
+from parallax_ng.planning.placement import Sharded
 from transforms.place import move, server_side
 
 SCOPE = "parallax/lookups"

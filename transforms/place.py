@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax_ng import rules
-from parallax_ng.duplicates import lookups
-from parallax_ng.ir import GraphIR, copy_node
-from parallax_ng.passes import replica_of
+from parallax_ng.graph import rules
+from parallax_ng.graph.ir import GraphIR, copy_node
+from parallax_ng.pipeline.passes import replica_of
+from parallax_ng.planning.coalescing import lookups
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ Guarantees:
 - copies get their own resource names (`shared_name`), loop frames and
   colocation groups, so replicas never alias each other's state;
 - every replica's random ops carry the seeds the plan's random streams
-  give its job-wide index (parallax_ng/randomness.py), in functions too;
+  give its job-wide index (parallax_ng/graph/randomness.py), in functions too;
 - replicas that read shared state keep the single-device order of reads and
   writes: a shared writer runs after every replica's copy of each read of the
   same variable that is its ancestor in the user's graph (otherwise replica k
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax_ng import randomness, rules
-from parallax_ng.ir import GraphIR, copy_node, format_input
+from parallax_ng.graph import randomness, rules
+from parallax_ng.graph.ir import GraphIR, copy_node, format_input
 
 
 @dataclass(frozen=True)

@@ -37,12 +37,13 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng import compat, emit
-from parallax_ng.duplicates import coalescing
+from parallax_ng import compat
 from parallax_ng.errors import GraphError
-from parallax_ng.ir import GraphIR, TensorRef, copy_node
-from parallax_ng.results import Barrier, LocalAggregates
-from parallax_ng.passes import replica_of
+from parallax_ng.graph import emit
+from parallax_ng.graph.ir import GraphIR, TensorRef, copy_node
+from parallax_ng.pipeline.passes import replica_of
+from parallax_ng.pipeline.results import Barrier, LocalAggregates
+from parallax_ng.planning.coalescing import coalescing
 
 SCOPE = "parallax/server_sync"
 RELEASE = f"{SCOPE}/release"

@@ -4,7 +4,7 @@ and of every input producer queue.
 Requires: replicas made by `replicate`; the (num_shards, index) constants
 that `parallax_ng.shard` put in the graph, either as graph nodes or inside a
 one-shot iterator's dataset function; the plan's producer queues
-(parallax_ng/queues.py).
+(parallax_ng/graph/queues.py).
 Guarantees: replica r of N reads shard (N, r + offset), where offset is this
 worker's first replica in the job (0 in-process). One-shot iterators of
 replica r get a private copy of their dataset function with those values.
@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng import compat, emit
+from parallax_ng import compat
 from parallax_ng.errors import GraphError
-from parallax_ng.frontend import SHARD_SCOPE
-from parallax_ng.ir import GraphIR, copy_node
-from parallax_ng.passes import replica_of
+from parallax_ng.graph import emit
+from parallax_ng.graph.frontend import SHARD_SCOPE
+from parallax_ng.graph.ir import GraphIR, copy_node
+from parallax_ng.pipeline.passes import replica_of
 from transforms.place import host_cpu_of
 
 

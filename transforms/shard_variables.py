@@ -1,6 +1,6 @@
 """Shard variables: a variable the plan shards lives as parts on several devices.
 
-Requires: the plan's `Sharded` placements (parallax_ng/placement.py; the
+Requires: the plan's `Sharded` placements (parallax_ng/planning/placement.py; the
 planner shards only variables `planner.shardable` accepts, a hand-made plan
 must do the same); runs after `place` and `server_sync` (a non-chief
 worker's writers are already no-ops).
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng import emit
 from parallax_ng.errors import GraphError
-from parallax_ng.ir import GraphIR, TensorRef
-from parallax_ng.placement import part_name as part
+from parallax_ng.graph import emit
+from parallax_ng.graph.ir import GraphIR, TensorRef
+from parallax_ng.planning.placement import part_name as part
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 collectives and one with the parameter-server work.
 
 Requires: the final graph of a multi-worker job (every node placed).
-Guarantees (see parallax_ng/step_parts.py for why): when the graph has both
+Guarantees (see parallax_ng/pipeline/step_parts.py for why): when the graph has both
 collective ops and ops on parameter-server devices, every node gets a part:
 ops on a server run in part 0, collectives in part 1, other ops where the
 smallest stage their inputs allow puts them (stages alternate between
@@ -27,10 +27,11 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng import compat, emit
+from parallax_ng import compat
 from parallax_ng.errors import GraphError
-from parallax_ng.ir import GraphIR, format_input
-from parallax_ng.step_parts import StepParts
+from parallax_ng.graph import emit
+from parallax_ng.graph.ir import GraphIR, format_input
+from parallax_ng.pipeline.step_parts import StepParts
 
 SCOPE = "parallax/split_step"
 CLOSE = f"{SCOPE}/close"

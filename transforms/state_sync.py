@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax_ng import emit, rules
-from parallax_ng.ir import GraphIR
+from parallax_ng.graph import emit, rules
+from parallax_ng.graph.ir import GraphIR
 
 
 @dataclass(frozen=True)

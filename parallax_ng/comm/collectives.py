@@ -1,0 +1,337 @@
+"""Communication as abstract operations, lowered once per backend.
+
+Passes ask `ctx.comm` (the plan's backend's `Collectives`) for an
+operation and get graph nodes back; no pass knows which backend it is.
+
+Requires: the plan (devices, group size, worker) and, for
+TensorFlow collectives, the graph's instance keys.
+Guarantees, for every backend:
+- `all_reduce(scope, tensors, dtype, mean)`: one tensor per local replica
+  in, one name per local replica out, each the sum (or mean) over every
+  replica of the job;
+- `all_gather(scope, values, indices, ...)`: an IndexedSlices per local
+  replica in; per replica the concatenation of every replica's slices
+  (values scaled by 1/N for a mean);
+- `columns_lookup(scope, ids, handles, part, dtype, id_type, distinct)`:
+  rows of a table cut by columns over the replicas (`placement.Columns`),
+  one ids tensor and one handle of the replica's part per local replica
+  in; per replica the full rows of its ids (EmbRace's forward AlltoAll;
+  with `distinct`, a repeated id's row crosses once), and the gathered
+  sizes and ids;
+- `columns_gradient(scope, values, indices, part, ...)`: the IndexedSlices
+  gradient of such a table per local replica in; per replica every
+  replica's rows, cut to its own columns (scaled by 1/N for a mean), and
+  their indices (the backward AlltoAll; given a lookup's gathered sizes and
+  ids when the rows are its distinct ids, nothing is gathered again);
+- `join_columns(name, handles, part, dtype, device)`: the whole value of
+  such a table from the handles of its parts this worker has (`reaches_parts`:
+  whether those are all of them, or this worker's only);
+- `op_types`: the prefixes of the op types its exchanges are made of (an op
+  after one of them runs only once every worker has entered the step);
+- `broadcast(scope, value, dtype, shape)`: worker 0's `value` on every
+  worker, as a `Broadcast`: the tensor this worker should use and the ops
+  its use must wait for;
+- `server_sum(scope, tensor, dtype, server, scale)`: every worker's `tensor`
+  (one per worker, equal shapes) summed on the parameter-server device
+  `server`, times `scale`, back on every worker (`server_sum`, below: queues
+  on the server, no collective op, so any backend uses it).
+New nodes live under `scope`. TensorFlow's lowering is here; Horovod's is in
+parallax_ng/comm/horovod.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tensorflow as tf
+
+from ..graph import emit
+from .keys import RANGE_KEYS
+
+GROUP_KEY = 1             # every replica of the job
+BROADCAST_GROUP_KEY = 2   # replica 0 of every worker
+# A collective op with a timeout of its own makes TensorFlow start a thread
+# per run of the op, which sleeps out the whole timeout (its watchdog), so a
+# job of many all-reduces per step piles up threads until the process can
+# make no more (thousands within a minute at 300 s). The ops get none; the
+# runner bounds every session run instead (RunOptions.timeout_in_ms, from
+# config communication.timeout_seconds), which cancels a stuck collective.
+OP_TIMEOUT_SECONDS = 0.0
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    nodes: list
+    value: str                                   # what this worker uses
+    before: list = field(default_factory=list)   # control inputs for its use
+
+
+class TFCollectives:
+    """TensorFlow's collective ops (CollectiveReduce, CollectiveGatherV2,
+    CollectiveBcastSend/Recv), one instance key per operation."""
+    reaches_parts = True     # a worker's graph may read another worker's variables
+    op_types = ("Collective",)
+
+    def __init__(self, plan, instance_keys):
+        self.plan, self.keys = plan, instance_keys
+
+    def all_reduce(self, scope: str, tensors: list[str], dtype, mean: bool):
+        plan, key = self.plan, self.keys.take()
+        nodes = [emit.collective_reduce(
+            f"{scope}/replica_{k}", t, dtype, device, group_size=plan.group_size,
+            group_key=GROUP_KEY, instance_key=key, mean=mean, timeout=OP_TIMEOUT_SECONDS)
+            for k, (t, device) in enumerate(zip(tensors, plan.devices))]
+        return nodes, [n.name for n in nodes]
+
+    def all_gather(self, scope: str, values: list[str], indices: list[str], value_type,
+                   index_type, value_shape, mean: bool):
+        plan = self.plan
+        keys = (self.keys.take(), self.keys.take_range(), self.keys.take_range())
+        nodes, out_v, out_i = [], [], []
+        for k, device in enumerate(plan.devices):
+            made, (v, i) = emit.emit_traced(
+                lambda vals, idx: _gather_slices(vals, idx, plan, keys, mean),
+                [(values[k], value_type, value_shape), (indices[k], index_type, [None])],
+                f"{scope}/replica_{k}", device)
+            nodes.extend(made)
+            out_v.append(v)
+            out_i.append(i)
+        return nodes, out_v, out_i
+
+    def server_sum(self, scope: str, tensor: str, dtype, server: str, scale: float):
+        return server_sum(self.plan, scope, tensor, dtype, server, scale)
+
+    def _exchange_ops(self):
+        """(gather of one int32 per replica, gather of padded rows, all-to-all
+        of [N, ...] blocks): collective ops under fresh keys; the shapes of
+        the last two change with the longest part L, so their key is their
+        range's first plus L."""
+        n = self.plan.group_size
+        keys = (self.keys.take(), self.keys.take_range(), self.keys.take_range())
+        common = dict(group_size=n, group_key=GROUP_KEY, ordering_token=[],
+                      communication_hint="auto", timeout_seconds=OP_TIMEOUT_SECONDS)
+        return (lambda t: tf.raw_ops.CollectiveGatherV2(input=t, instance_key=keys[0],
+                                                        **common),
+                lambda t, longest: tf.raw_ops.CollectiveGatherV2(
+                    input=t, instance_key=keys[1] + longest, **common),
+                lambda t, longest: tf.raw_ops.CollectiveAllToAllV2(
+                    input=t, instance_key=keys[2] + longest, **common))
+
+    def columns_lookup(self, scope, ids, handles, part, dtype, id_type, distinct=False):
+        ops, plan = self._exchange_ops(), self.plan
+        nodes, rows, sizes, every = _per_replica(plan, scope, [
+            (lambda i, h, me=plan.replica_offset + k: lookup_columns(i, h, me, part, dtype,
+                                                                     *ops, distinct),
+             [(ids[k], id_type, None), (handles[k], tf.resource, [])])
+            for k in range(plan.num_replicas)])
+        return nodes, rows, list(zip(sizes, every))
+
+    def join_columns(self, name: str, handles: list[str], part, dtype, device: str,
+                     controls=()):
+        return join_parts(name, handles, part, dtype, device, controls)
+
+    def columns_gradient(self, scope, values, indices, part, value_type, index_type, mean,
+                         gathered=None):
+        ops, plan = self._exchange_ops(), self.plan
+        return _per_replica(plan, scope, [
+            (lambda v, i, *g, me=plan.replica_offset + k: gradient_columns(
+                v, i, me, part, mean, *ops, *g),
+             [(values[k], value_type, [None, part.width]), (indices[k], index_type, [None])] +
+             ([(gathered[k][0], tf.int32, [None]), (gathered[k][1], index_type, [None])]
+              if gathered else []))
+            for k in range(plan.num_replicas)])
+
+    def broadcast(self, scope: str, value: str, dtype, shape) -> Broadcast:
+        plan = self.plan
+        common = dict(T=dtype, group_size=plan.num_workers, group_key=BROADCAST_GROUP_KEY,
+                      instance_key=self.keys.take(), shape=_shape_attr(shape),
+                      communication_hint="auto", timeout_seconds=OP_TIMEOUT_SECONDS)
+        if plan.worker == 0:
+            send = emit.node_def(f"{scope}/send", "CollectiveBcastSend", [value],
+                                 plan.devices[0], **common)
+            return Broadcast([send], value, ["^" + send.name])
+        recv = emit.node_def(f"{scope}/recv", "CollectiveBcastRecv", [], plan.devices[0],
+                             **common)
+        return Broadcast([recv], recv.name)
+
+
+def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float):
+    """A parameter-server all-reduce of one tensor per worker, through FIFO
+    queues on `server` (one per worker and direction, so sums are added in
+    worker order and every worker gets the same bits). Worker 0 runs the
+    server's side: it dequeues the others' tensors, adds its own, scales,
+    and queues the result for each of them; its own result waits for those
+    puts. Another worker queues its tensor and dequeues the result. Each
+    queue moves one element per step, so steps cannot mix. Returns (nodes,
+    the name of this worker's result)."""
+    out = f"{scope}/sum"
+    nodes = []
+    if plan.worker == 0:
+        taken = []
+        for w in range(1, plan.num_workers):
+            q = f"{scope}/from_{w}"
+            nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/{w}", [dtype], server),
+                      emit.node_def(f"{q}/take", "QueueDequeueV2", [q], server,
+                                    component_types=[dtype], timeout_ms=-1)]
+            taken.append(f"{q}/take")
+        total = f"{scope}/total"
+        nodes.append(emit.node_def(total, "AddN", [tensor] + taken, server, T=dtype,
+                                   N=1 + len(taken)) if taken else
+                     emit.node_def(total, "Identity", [tensor], server, T=dtype))
+        if scale != 1.0:
+            nodes += [emit.const(f"{scope}/scale", scale, dtype, server),
+                      emit.node_def(f"{scope}/scaled", "Mul", [total, f"{scope}/scale"],
+                                    server, T=dtype)]
+            total = f"{scope}/scaled"
+        puts = []
+        for w in range(1, plan.num_workers):
+            q = f"{scope}/to_{w}"
+            nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/result/{w}", [dtype], server),
+                      emit.node_def(f"{q}/put", "QueueEnqueueV2", [q, total], server,
+                                    Tcomponents=[dtype], timeout_ms=-1)]
+            puts.append(f"^{q}/put")
+        nodes.append(emit.node_def(out, "Identity", [total] + puts, server, T=dtype))
+    else:
+        w = plan.worker
+        q, back = f"{scope}/to_server", f"{scope}/from_server"
+        nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/{w}", [dtype], server),
+                  emit.node_def(f"{q}/put", "QueueEnqueueV2", [q, tensor], server,
+                                Tcomponents=[dtype], timeout_ms=-1),
+                  emit.fifo_queue(back, f"parallax_ng/sum/{scope}/result/{w}", [dtype], server),
+                  emit.node_def(out, "QueueDequeueV2", [back, f"^{q}/put"], server,
+                                component_types=[dtype], timeout_ms=-1)]
+    return nodes, out
+
+
+def _gather_slices(values, indices, plan, keys, mean: bool):
+    """IndexedSlices gathered from every replica: sizes first, every part
+    padded to the longest, the padding dropped after. TensorFlow fixes a
+    collective instance's shape at its first run, and the longest part
+    changes from step to step (a last short batch, coalesced rows), so the
+    padded parts are gathered under the instance key of their range plus
+    the longest size: every key always sees one shape."""
+    n, timeout = plan.group_size, OP_TIMEOUT_SECONDS
+
+    def all_gather(t, key):
+        return tf.raw_ops.CollectiveGatherV2(
+            input=t, group_size=n, group_key=GROUP_KEY, instance_key=key,
+            ordering_token=[], communication_hint="auto", timeout_seconds=timeout)
+
+    size = tf.shape(indices, out_type=tf.int32)[:1]
+    sizes = all_gather(size, keys[0])
+    longest = _longest(sizes)
+    pad = longest - size[0]
+    rest = tf.zeros(tf.stack([tf.rank(values) - 1, 2]), tf.int32)
+    padded_v = tf.pad(values, tf.concat([[[0, pad]], rest], 0))
+    padded_i = tf.pad(indices, [[0, pad]])
+    mask = tf.reshape(tf.sequence_mask(sizes, longest), [-1])
+    gathered_v = tf.boolean_mask(all_gather(padded_v, keys[1] + longest), mask)
+    gathered_i = tf.boolean_mask(all_gather(padded_i, keys[2] + longest), mask)
+    if mean:
+        gathered_v = gathered_v * tf.cast(1.0 / n, values.dtype)
+    return tf.identity(gathered_v, "values"), tf.identity(gathered_i, "indices")
+
+
+def join_parts(name: str, handles: list[str], part, dtype, device: str, controls=()):
+    """Nodes, the last named `name`: every part of a table cut by columns
+    read on its device (after `controls`) through `handles`, and the parts
+    put side by side on `device`."""
+    scope = f"parallax/columns/{name}"
+    reads = [emit.node_def(f"{scope}/read_{j}", "ReadVariableOp", [h, *controls], s.device,
+                           dtype=dtype) for j, (h, s) in enumerate(zip(handles, part.shards))]
+    axis = emit.const(f"{scope}/axis", 1, tf.int32, device)
+    return reads + [axis, emit.node_def(name, "ConcatV2", [r.name for r in reads] +
+                                        [axis.name], device, T=dtype, N=len(reads),
+                                        Tidx=tf.int32)]
+
+
+def _per_replica(plan, scope: str, builds) -> tuple:
+    """Trace one (function, inputs) per local replica on its device; returns
+    (nodes, then one list of names per output, a name per replica)."""
+    nodes, outs = [], []
+    for k, (fn, inputs) in enumerate(builds):
+        made, names = emit.emit_traced(fn, inputs, f"{scope}/replica_{k}", plan.devices[k])
+        nodes += made
+        outs.append(names)
+    return (nodes, *[list(x) for x in zip(*outs)])
+
+
+def lookup_columns(ids, handle, me: int, part, dtype, gather_sizes, gather_rows, exchange,
+                   distinct: bool = False):
+    """Full rows of `ids` from a table cut by columns (`part`), on job
+    replica `me`, whose `handle` holds its columns: every replica's ids
+    gathered (padded to the longest, L), this replica's columns of all of
+    them looked up and padded to the widest part, then one all-to-all of
+    [N, L * widest] blocks: block j goes to replica j, and block j received
+    holds replica j's columns of this replica's ids (EmbRace 4.1). With
+    `distinct`, each distinct id of the replica's crosses once and its row
+    is copied where the id repeats. Returns the rows, and the gathered
+    sizes and padded ids, which the gradient's exchange may reuse."""
+    n, widths = len(part.shards), [s.size for s in part.shards]
+    widest = max(widths)
+    flat = tf.reshape(ids, [-1])
+    if distinct:
+        flat, where = tf.unique(flat, out_idx=tf.int32)
+    size = tf.shape(flat, out_type=tf.int32)[:1]
+    sizes = gather_sizes(size)
+    longest = _longest(sizes)
+    every = gather_rows(tf.pad(flat, [[0, longest - size[0]]]), longest)      # [N * L]
+    rows = tf.raw_ops.ResourceGather(resource=handle, indices=every, dtype=dtype)
+    rows = tf.pad(rows, [[0, 0], [0, widest - widths[me]]])                   # [N * L, widest]
+    got = exchange(tf.reshape(rows, tf.stack([n, longest * widest])), longest)
+    got = tf.reshape(got, tf.stack([n, longest, widest]))
+    full = tf.concat([got[j, :, :widths[j]] for j in range(n)], 1)[:size[0]]  # [size, D]
+    if distinct:
+        full = tf.gather(full, where)
+    return (tf.identity(tf.reshape(full, tf.concat([tf.shape(ids), [part.width]], 0)),
+                        name="rows"), tf.identity(sizes, name="sizes"),
+            tf.identity(every, name="ids"))
+
+
+def gradient_columns(values, indices, me: int, part, mean: bool, gather_sizes, gather_rows,
+                     exchange, sizes=None, every=None):
+    """Every replica's gradient rows of a table cut by columns, with this
+    replica's columns only, and their indices: the rows padded to the
+    longest replica's count L, each replica's columns (padded to the
+    widest part) sent to it by one all-to-all (EmbRace 4.1, backward).
+    `sizes` and `every`: the forward lookup's gathered sizes and padded ids,
+    when the rows are those distinct ids in that order (nothing gathered
+    again; a replica whose count differs fails the step)."""
+    n, widths = len(part.shards), [s.size for s in part.shards]
+    widest = max(widths)
+    size = tf.shape(indices, out_type=tf.int32)[:1]
+    if sizes is None:
+        sizes = gather_sizes(size)
+        longest = _longest(sizes)
+        every = gather_rows(tf.pad(indices, [[0, longest - size[0]]]), longest)   # [N * L]
+    else:
+        check = tf.debugging.assert_equal(sizes[me], size[0], message=(
+            "the gradient's rows are not the lookup's distinct ids"))
+        with tf.control_dependencies([check]):
+            longest = tf.maximum(tf.reduce_max(sizes), 1)
+    keep = tf.reshape(tf.sequence_mask(sizes, longest), [-1])
+    rows = tf.pad(tf.reshape(values, [-1, part.width]), [[0, longest - size[0]], [0, 0]])
+    blocks = tf.stack([tf.pad(rows[:, s.start:s.start + s.size],
+                              [[0, 0], [0, widest - s.size]]) for s in part.shards])
+    got = exchange(tf.reshape(blocks, tf.stack([n, longest * widest])), longest)
+    got = tf.reshape(got, tf.stack([n * longest, widest]))[:, :widths[me]]
+    out = tf.boolean_mask(got, keep)
+    if mean:
+        out = out * tf.cast(1.0 / n, values.dtype)
+    return tf.identity(out, name="values"), tf.identity(tf.boolean_mask(every, keep),
+                                                        name="indices")
+
+
+def _longest(sizes):
+    """The largest of the replicas' row counts (at least 1: a collective of
+    no elements crashes TensorFlow's CPU kernels), checked against the keys
+    a range has (one per count)."""
+    longest = tf.maximum(tf.reduce_max(sizes), 1)
+    check = tf.debugging.assert_less(longest, RANGE_KEYS, message=(
+        f"an all-gathered or exchanged tensor has more than {RANGE_KEYS} rows on a "
+        "replica"))
+    with tf.control_dependencies([check]):
+        return tf.identity(longest)
+
+
+def _shape_attr(shape):
+    return tf.compat.v1.AttrValue(shape=tf.TensorShape(list(shape)).as_proto())

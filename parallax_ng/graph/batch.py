@@ -1,0 +1,310 @@
+"""Batch: which placeholders a feed fills with a batch of examples (split
+over the replicas) and which with a value every replica needs whole (a
+keep probability per layer, a class-weight vector, a mask of the model).
+
+A placeholder's first dimension is the batch when it meets the batch
+dimension of the data: the first dimensions of the tensors an op lines up
+(the operands of an element-wise op of equal rank, the inputs of a
+concatenation along another axis, logits and labels of a loss) are one
+dimension. Following the first dimension of every tensor forward from the
+placeholders and the input pipeline's batches (a rule per op type: kept,
+joined, taken from an input, or gone), a placeholder is
+- `batch` when its first dimension joins another placeholder's or the
+  input pipeline's, or goes through a layer (a product with weights, a
+  convolution) and is summed or averaged away (a loss over examples);
+- `whole` when every use of its first dimension picks entries by
+  constants (`keep[0]`, an unstack) or by other data (a gather from it), or
+  broadcasts it along a later axis of a tensor of higher rank (a weight per
+  class times the logits);
+- `unknown` otherwise (an op this table does not know, say): the runner
+  splits it, as a batch, and says so.
+Only placeholders of rank 1 or more whose first dimension is unknown are
+classified; a fixed one is the runner's business (parallax_ng/runtime/fetches.py).
+
+Requires: a TrainingGraph. Guarantees: `kinds(tg)` maps each such
+placeholder to (kind, reason); a pure function of the graph, the same on
+every worker. Gradient ops (which mirror the forward pass) are not read.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from .. import compat
+from . import rules
+from .ir import TensorRef
+
+BATCH, WHOLE, UNKNOWN = "batch", "whole", "unknown"
+
+# outputs take the first dimension of their inputs of the output's rank, all joined
+ELEMENTWISE = frozenset({
+    "Identity", "Snapshot", "StopGradient", "PreventGradient", "Neg", "Abs", "Sign",
+    "Sqrt", "Rsqrt", "Square", "Exp", "Log", "Log1p", "Expm1", "Reciprocal", "Inv", "Cast",
+    "Floor", "Ceil", "Round", "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Softplus",
+    "Softsign", "LeakyRelu", "Erf", "Sin", "Cos", "ZerosLike", "OnesLike", "Add", "AddV2",
+    "AddN", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "FloorDiv", "FloorMod",
+    "TruncateDiv", "Maximum", "Minimum", "Pow", "SquaredDifference", "ClipByValue",
+    "Select", "SelectV2", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal",
+    "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot", "IsFinite", "IsNan", "BiasAdd",
+    "Softmax", "LogSoftmax", "Enter", "Exit", "Merge", "Switch", "NextIteration",
+    "CheckNumerics", "EnsureShape",
+})
+# outputs take input 0's first dimension
+FIRST = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv1D", "Conv2D", "Conv3D",
+    "DepthwiseConv2dNative", "MaxPool", "MaxPoolV2", "AvgPool", "MaxPool3D", "AvgPool3D",
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "LRN",
+    "ResizeBilinear", "ResizeNearestNeighbor", "Pad", "PadV2", "MirrorPad", "ArgMax", "ArgMin", "TopKV2", "InTopKV2", "Cumsum", "Cumprod", "ReverseV2",
+})
+# the loss ops that line up logits (input 0) and labels (input 1)
+LOSSES = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
+REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"})
+# inputs that read a tensor's shape only: no use of its first dimension
+SHAPE_ONLY = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastArgs",
+                        "BroadcastGradientArgs"})
+SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "QueueDequeueManyV2",
+                     "QueueDequeueUpToV2", "QueueDequeueMany", "QueueDequeueUpTo"})
+
+
+class _Dims:
+    """Union-find over first dimensions, each class with what happened to it."""
+
+    def __init__(self):
+        self.parent: dict[int, int] = {}
+        self.facts: dict[int, set] = {}
+        self.placeholders: dict[int, set] = {}
+
+    def new(self, placeholder: str | None = None, fact: str | None = None) -> int:
+        d = len(self.parent)
+        self.parent[d] = d
+        self.facts[d] = {fact} if fact else set()
+        self.placeholders[d] = {placeholder} if placeholder else set()
+        return d
+
+    def find(self, d: int) -> int:
+        while self.parent[d] != d:
+            self.parent[d] = self.parent[self.parent[d]]
+            d = self.parent[d]
+        return d
+
+    def join(self, dims) -> int | None:
+        roots = list(dict.fromkeys(self.find(d) for d in dims if d is not None))
+        if not roots:
+            return None
+        first = roots[0]
+        for r in roots[1:]:
+            self.parent[r] = first
+            self.facts[first] |= self.facts.pop(r)
+            self.placeholders[first] |= self.placeholders.pop(r)
+        if len(roots) > 1:
+            self.facts[first].add("joined")
+        return first
+
+    def note(self, d: int | None, fact: str) -> None:
+        if d is not None:
+            self.facts[self.find(d)].add(fact)
+
+
+def kinds(tg) -> dict[str, tuple[str, str]]:
+    """{placeholder: (batch | whole | unknown, why)} for every placeholder
+    of rank 1 or more whose first dimension is unknown."""
+    dims = _Dims()
+    first: dict[TensorRef, int | None] = {}
+    asked = {}
+    for name in tg.ir.topo_order:
+        node = tg.ir.node(name)
+        if rules.is_autodiff(name):
+            continue
+        if node.op in ("Placeholder", "PlaceholderWithDefault"):
+            shape = tg.tensor(TensorRef(name, 0)).shape
+            if shape.rank:
+                unknown = compat.dim(shape, 0) is None
+                first[TensorRef(name, 0)] = dims.new(name if unknown else None,
+                                                     None if unknown else "fixed")
+                if unknown:
+                    asked[name] = first[TensorRef(name, 0)]
+            continue
+        if node.op in SOURCES:
+            data = dims.new(fact="data")
+            for k in range(len(tg.graph.get_operation_by_name(name).outputs)):
+                first[TensorRef(name, k)] = data
+            continue
+        _rule(tg, name, node, first, dims)
+    out = {}
+    for name, d in asked.items():
+        root = dims.find(d)
+        facts, others = dims.facts[root], dims.placeholders[root] - {name}
+        if "data" in facts or others:
+            out[name] = (BATCH, "its first dimension meets the input data's" + (
+                f" (with {sorted(others)[0]!r})" if others else ""))
+        elif "reduced" in facts and "modeled" in facts:
+            out[name] = (BATCH, "its rows go through the model's layers and are summed "
+                                "or averaged over, as a loss over examples is")
+        elif facts & {"indexed", "broadcast"} and not facts & {"unknown", "kept"}:
+            out[name] = (WHOLE, "its entries are picked by index, or broadcast along a "
+                                "later axis, not lined up with examples")
+        else:
+            out[name] = (UNKNOWN, "the graph does not show whether its first dimension "
+                                  "is the batch")
+    return out
+
+
+def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
+    """The first dimension of `name`'s outputs from its inputs' (rule table
+    by op type; an op it does not know takes its inputs' as unknown uses)."""
+    ins = [(ref, first.get(ref)) for ref in tg.ir.data_inputs(name)]
+    carried = [(ref, d) for ref, d in ins if d is not None]
+    op = tg.graph.get_operation_by_name(name)
+    outs = [TensorRef(name, k) for k in range(len(op.outputs))]
+    if not carried or node.op in SHAPE_ONLY:
+        return
+    kind = node.op
+    if kind in ELEMENTWISE or kind in LOSSES:
+        rank = _rank(tg, outs[0]) if outs else None
+        lined = [d for ref, d in carried if kind in LOSSES or _lines_up(tg, ref, rank)]
+        if kind in ("Select",) and len(ins) == 3 and _rank(tg, ins[0][0]) == 1:
+            lined = [d for _, d in carried]        # a condition per row
+        joined = dims.join(lined)
+        for ref, d in carried:
+            if d not in lined:      # of lower rank: its first dimension lines up with
+                low = kind not in LOSSES and (_rank(tg, ref) or 0) < (rank or 0)
+                dims.note(d, "broadcast" if low else "unknown")    # a later axis's
+        for out in outs:
+            first[out] = joined
+        return
+    if kind in FIRST:
+        lead = ins[0][1] if ins else None
+        if kind == "MatMul" and node.attr["transpose_a"].b:
+            lead = None
+        for ref, d in carried:
+            if d is not lead:
+                dims.note(d, "unknown")
+        dims.note(lead, "modeled")      # rows through a layer (weights, a convolution)
+        for out in outs[:1] if kind.startswith("FusedBatchNorm") else outs:
+            first[out] = lead
+        return
+    if kind in REDUCTIONS:
+        axes = _const(tg, ins[1][0]) if len(ins) > 1 else None
+        rank = _rank(tg, ins[0][0])
+        if axes is None or rank is None:
+            dims.note(ins[0][1], "unknown")
+            return
+        axes = {a % rank for a in (axes if isinstance(axes, list) else [axes])}
+        if 0 in axes:
+            dims.note(ins[0][1], "reduced")
+        elif ins[0][1] is not None:
+            for out in outs:
+                first[out] = ins[0][1]
+        return
+    _index_rules(tg, name, node, ins, outs, first, dims)
+
+
+def _index_rules(tg, name, node, ins, outs, first, dims) -> None:
+    """Ops that pick along the first dimension, move it, or reshape."""
+    kind = node.op
+    if kind in ("GatherV2", "Gather", "ResourceGather"):
+        axis = _const(tg, ins[2][0]) if kind == "GatherV2" and len(ins) > 2 else 0
+        if axis != 0:
+            _unknown(ins, dims)
+            return
+        dims.note(ins[0][1], "indexed")            # rows picked from the table
+        for out in outs:
+            first[out] = ins[1][1] if len(ins) > 1 else None
+        if len(ins) > 1 and ins[1][1] is not None:
+            dims.note(ins[1][1], "kept")
+        return
+    if kind == "StridedSlice":
+        begin, end, strides = (_const(tg, ins[k][0]) for k in (1, 2, 3))
+        masks = {k: node.attr[k].i for k in ("begin_mask", "end_mask", "shrink_axis_mask",
+                                            "ellipsis_mask", "new_axis_mask")}
+        if masks["ellipsis_mask"] & 1 or masks["new_axis_mask"] & 1 or strides is None:
+            _unknown(ins, dims)
+            return
+        whole = masks["begin_mask"] & 1 and masks["end_mask"] & 1 and strides[0] == 1
+        if whole and not masks["shrink_axis_mask"] & 1:
+            dims.note(ins[0][1], "kept")
+            for out in outs:
+                first[out] = ins[0][1]
+            return
+        dims.note(ins[0][1], "indexed" if begin is not None and end is not None else "unknown")
+        return
+    if kind in ("Unpack", "Split", "SplitV"):
+        axis = node.attr["axis"].i if kind == "Unpack" else _const(
+            tg, ins[0 if kind == "Split" else 2][0])
+        data = ins[1][1] if kind == "Split" else ins[0][1]
+        if axis == 0:
+            dims.note(data, "indexed")
+            return
+        for out in outs:
+            first[out] = data
+        return
+    if kind in ("ConcatV2", "Pack"):
+        values = ins[:-1] if kind == "ConcatV2" else ins
+        axis = _const(tg, ins[-1][0]) if kind == "ConcatV2" else node.attr["axis"].i
+        if axis is None or axis == 0 or (kind == "ConcatV2" and axis < 0 and
+                                         _rank(tg, outs[0]) == -axis):
+            _unknown(ins, dims)
+            return
+        joined = dims.join([d for _, d in values])
+        for out in outs:
+            first[out] = joined
+        return
+    if kind in ("Reshape", "ExpandDims", "Squeeze", "Transpose", "Tile", "OneHot"):
+        _moves(tg, node, ins, outs, first, dims)
+        return
+    _unknown(ins, dims)
+
+
+def _moves(tg, node, ins, outs, first, dims) -> None:
+    """Reshape to [-1, ...], ExpandDims/Squeeze off axis 0, a transpose that
+    keeps axis 0, a tile that repeats it once, one-hot of ids: kept."""
+    kind, data = node.op, ins[0][1]
+    keep = False
+    if kind == "Reshape":
+        shape = _const(tg, ins[1][0])
+        keep = isinstance(shape, list) and bool(shape) and shape[0] == -1
+    elif kind == "ExpandDims":
+        axis = _const(tg, ins[1][0])
+        keep = axis is not None and axis != 0 and axis != -(_rank(tg, outs[0]) or 0)
+    elif kind == "Squeeze":
+        axes = list(node.attr["squeeze_dims"].list.i)
+        keep = bool(axes) and 0 not in axes and all(a > 0 for a in axes)
+    elif kind == "Transpose":
+        perm = _const(tg, ins[1][0])
+        keep = isinstance(perm, list) and bool(perm) and perm[0] == 0
+    elif kind == "Tile":
+        multiples = _const(tg, ins[1][0])
+        keep = isinstance(multiples, list) and bool(multiples) and multiples[0] == 1
+    elif kind == "OneHot":
+        keep = node.attr["axis"].i != 0
+    if not keep:
+        _unknown(ins, dims)
+        return
+    dims.note(data, "kept")
+    for out in outs:
+        first[out] = data
+
+
+def _unknown(ins, dims) -> None:
+    for _, d in ins:
+        dims.note(d, "unknown")
+
+
+def _rank(tg, ref: TensorRef) -> int | None:
+    shape = tg.tensor(ref).shape
+    return shape.rank
+
+
+def _lines_up(tg, ref: TensorRef, rank: int | None) -> bool:
+    """Whether input `ref` of an element-wise op lines its first dimension
+    up with the output's (equal rank, and not a broadcast 1)."""
+    shape = tg.tensor(ref).shape
+    return rank is not None and shape.rank == rank and compat.dim(shape, 0) != 1
+
+
+def _const(tg, ref: TensorRef):
+    """The value of a constant input as a Python int or list, else None."""
+    node = tg.ir.node(ref.node)
+    if node.op != "Const":
+        return None
+    value = tf.make_ndarray(node.attr["value"].tensor)
+    return value.tolist()

@@ -1,0 +1,329 @@
+"""Front end: a user's single-device training graph as a `TrainingGraph`.
+
+Requires: a `tf.Graph` built with tf.compat.v1 ops and resource or reference
+variables, trained by a tf.compat.v1.train or tf_keras optimizer (or any code
+that writes variables from `tf.gradients` outputs), or a MetaGraphDef (object
+or file) of one.
+Guarantees: every variable, its writers and readers, the state it owns (slots,
+moving averages), and for every trained variable the raw gradient tensors the
+autodiff produced (dense tensor, or values+indices of an IndexedSlices).
+The user's graph is not modified.
+"""
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import tensorflow as tf
+
+from .. import compat
+from ..errors import GraphError
+from . import queues, rules, variance
+from .ir import GraphIR, TensorRef
+
+SHARD_SCOPE = "parallax_shard"
+
+
+@dataclass(frozen=True)
+class Variable:
+    name: str                   # VarHandleOp node name
+    dtype: tf.DType
+    shape: tuple                # None entries for unknown dims
+    trainable: bool
+    initializer: str | None     # op that assigns the initial value
+    owner: str | None = None    # trainable variable this state belongs to
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.size
+        for d in self.shape:
+            n *= d or 1
+        return n
+
+
+@dataclass(frozen=True)
+class Gradient:
+    variable: str
+    values: TensorRef               # dense gradient, or IndexedSlices values
+    indices: TensorRef | None = None  # IndexedSlices indices (sparse only)
+
+    @property
+    def sparse(self) -> bool:
+        return self.indices is not None
+
+
+@dataclass
+class TrainingGraph:
+    ir: GraphIR
+    graph: tf.Graph                       # shapes, dtypes; a measuring step of its own
+    variables: dict[str, Variable]
+    writers: dict[str, list[str]]         # variable -> writer op names
+    readers: dict[str, list[str]]         # variable -> reader op names
+    gradients: dict[str, Gradient]        # trainable variable -> gradient
+    shard_consts: list[tuple[str, str]] = field(default_factory=list)  # (num, index)
+    queue_runners: list = field(default_factory=list)   # queues.RunnerDef
+
+    # -- tensor facts -----------------------------------------------------
+    def tensor(self, ref: TensorRef) -> tf.Tensor:
+        return self.graph.get_operation_by_name(ref.node).outputs[ref.index]
+
+    def owned(self, var: str) -> list[str]:
+        """`var` and the state it owns (slots, moving averages, beta powers)."""
+        return [var] + [v.name for v in self.variables.values() if v.owner == var]
+
+    def reads(self, var: str) -> list[str]:
+        """The ops whose completion ends every read of `var` in a step.
+
+        A resource variable's reads are its readers (ReadVariableOp is a
+        snapshot: a later write copies the buffer first). A reference
+        variable's `read` Identity aliases the variable's buffer, and
+        Assign, AssignAdd and AssignSub on a reference write that buffer in
+        place; so every op that dereferences what a pass-through read hands
+        on is a read too.
+        """
+        readers = list(self.readers.get(var, ()))
+        if self.ir.node(var).op == "VarHandleOp":
+            return readers
+        out, todo = [], readers
+        while todo:
+            r = todo.pop()
+            if r in out:
+                continue
+            out.append(r)
+            if self.ir.node(r).op in ("Identity", *rules.REF_PASSTHROUGH):
+                todo.extend(sorted(c for c, _ in self.ir.consumers.get(TensorRef(r, 0), ())))
+        return out
+
+    @cached_property
+    def gradient_tensors(self) -> frozenset[TensorRef]:
+        """Every autodiff output the transformation aggregates."""
+        return frozenset(r for g in self.gradients.values()
+                         for r in (g.values, g.indices) if r is not None)
+
+    @cached_property
+    def after_gradients(self) -> frozenset[str]:
+        """Nodes the gradients feed (data or control): the training step's
+        update side (writers here are training writers, not initializers)."""
+        return frozenset(self.ir.descendants({r.node for r in self.gradient_tensors}))
+
+    @cached_property
+    def variant(self) -> frozenset[str]:
+        """User nodes whose outputs differ between replicas (see analysis)."""
+        return variance.replica_variant(self)
+
+    @property
+    def trainable(self) -> list[str]:
+        return [v.name for v in self.variables.values() if v.trainable]
+
+    def variable_of_handle(self, ref: TensorRef) -> str | None:
+        """The variable whose handle (or reference) `ref` carries, if any.
+
+        Follows pass-through ops and, for reference variables, writers whose
+        output is the reference they wrote through.
+        """
+        start, seen = ref, set()
+        while ref.node not in seen:
+            seen.add(ref.node)
+            node = self.ir.get(ref.node)
+            if node is None:
+                return None
+            if node.op in rules.VARIABLE_OPS:
+                if node.name not in self.variables:
+                    return None
+                dtype = self.tensor(start).dtype
+                return node.name if dtype == tf.resource or compat.is_ref_dtype(dtype) else None
+            if node.input and (node.op in rules.HANDLE_PASSTHROUGH or
+                               node.op in rules.REF_PASSTHROUGH or
+                               (compat.outputs_ref(node.op) and ref.index == 0)):
+                ref = self.ir.data_inputs(node.name)[0]
+                continue
+            return None
+        return None
+
+
+def load(source) -> TrainingGraph:
+    """Build a TrainingGraph from a tf.Graph, a MetaGraphDef or a file path."""
+    if isinstance(source, (str, os.PathLike)):
+        source = _read_meta_graph(os.fspath(source))
+    if isinstance(source, tf.compat.v1.MetaGraphDef):
+        graph = tf.Graph()
+        with graph.as_default():
+            tf.compat.v1.train.import_meta_graph(source, clear_devices=False)
+        source = graph
+    if not isinstance(source, tf.Graph):
+        raise GraphError(
+            f"cannot parallelize a {type(source).__name__}; pass a tf.Graph, a "
+            "tf.compat.v1.MetaGraphDef or the path of an exported .meta file")
+    return _from_graph(source)
+
+
+def _read_meta_graph(path: str):
+    if not os.path.exists(path):
+        raise GraphError(f"meta graph file {path!r} does not exist")
+    meta = tf.compat.v1.MetaGraphDef()
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        meta.ParseFromString(data)
+    except Exception:  # text format
+        from google.protobuf import text_format
+        text_format.Merge(data.decode(), meta)
+    return meta
+
+
+def _from_graph(graph: tf.Graph) -> TrainingGraph:
+    ir = GraphIR(graph.as_graph_def())
+    variables = _variables(graph, ir)
+    tg = TrainingGraph(ir, graph, variables, {}, {}, {})
+    tg.writers, tg.readers = _resource_uses(tg)
+    tg.gradients = {v: g for v in tg.trainable
+                    if (g := _find_gradient(tg, v)) is not None}
+    if not tg.gradients:
+        raise GraphError(
+            "found no optimizer update in the graph: no trainable variable is "
+            "written from a gradient of tf.gradients/compute_gradients. Build the "
+            "training op (e.g. tf.compat.v1.train.AdamOptimizer(...).minimize(loss)) "
+            "in the graph before calling get_runner")
+    tg.shard_consts = _shard_consts(ir)
+    tg.queue_runners = [queues.RunnerDef.of(qr) for qr in
+                        graph.get_collection(tf.compat.v1.GraphKeys.QUEUE_RUNNERS)]
+    return tg
+
+
+def _variables(graph: tf.Graph, ir: GraphIR) -> dict[str, Variable]:
+    keys = (tf.compat.v1.GraphKeys.GLOBAL_VARIABLES, tf.compat.v1.GraphKeys.LOCAL_VARIABLES)
+    pyvars = {v.op.name: v for key in keys for v in graph.get_collection(key)}
+    trainable = {v.op.name for v in graph.get_collection(
+        tf.compat.v1.GraphKeys.TRAINABLE_VARIABLES)}
+    out = {}
+    for node in ir.nodes:
+        if node.op not in rules.VARIABLE_OPS:
+            continue
+        op = graph.get_operation_by_name(node.name)
+        py = pyvars.get(node.name)
+        shape = tf.TensorShape(op.get_attr("shape"))
+        shape = tuple(shape.as_list()) if shape.rank is not None else ()
+        out[node.name] = Variable(
+            name=node.name, dtype=tf.as_dtype(op.get_attr("dtype")), shape=shape,
+            trainable=node.name in trainable,
+            initializer=py.initializer.name if py is not None else None)
+    for name, var in list(out.items()):
+        if not var.trainable:
+            owner = _owner(ir.node(name), trainable)
+            out[name] = Variable(**{**var.__dict__, "owner": owner})
+    return out
+
+
+def _owner(node, trainable: set[str]) -> str | None:
+    """The trainable variable a state variable was created for.
+
+    TensorFlow creates slots, moving averages and beta powers under
+    `colocate_with(var)`, which records `loc:@var`; the name prefix
+    `var/...` is the fallback.
+    """
+    if "_class" in node.attr:
+        for loc in node.attr["_class"].list.s:
+            target = loc.decode().removeprefix("loc:@")
+            if target in trainable and target != node.name:
+                return target
+    best = None
+    for t in trainable:
+        if node.name.startswith(t + "/") and (best is None or len(t) > len(best)):
+            best = t
+    return best
+
+
+def _resource_uses(tg: TrainingGraph):
+    writers: dict[str, list[str]] = defaultdict(list)
+    readers: dict[str, list[str]] = defaultdict(list)
+    for node in tg.ir.nodes:
+        for pos, ref in enumerate(tg.ir.data_inputs(node.name)):
+            var = tg.variable_of_handle(ref)
+            if var is None:
+                continue
+            if tg.ir.node(var).op == "VarHandleOp":
+                use = rules.classify_resource_use(node.op, node.name, var)
+            else:
+                use = rules.classify_ref_use(node.op, pos)
+            if use == "write":
+                writers[var].append(node.name)
+            elif use == "read":
+                readers[var].append(node.name)
+    return dict(writers), dict(readers)
+
+
+def _find_gradient(tg: TrainingGraph, var: str) -> Gradient | None:
+    """Walk back from the writers of `var` and its state to the autodiff output.
+
+    The walk follows only tensors that can carry this variable's gradient:
+    float tensors shaped like the variable (or like its rows, for
+    IndexedSlices values) and rank-1 integer tensors (IndexedSlices indices).
+    The nearest autodiff tensors of each kind win; ties are an error.
+    """
+    v = tg.variables[var]
+    starts = []
+    for state in tg.owned(var):
+        for w in tg.writers.get(state, ()):
+            starts.extend(tg.ir.data_inputs(w))
+    found = {"values": {}, "indices": {}}
+    seen = set()
+    frontier = [(ref, 0) for ref in starts]
+    while frontier:
+        nxt = []
+        for ref, dist in frontier:
+            if ref in seen:
+                continue
+            seen.add(ref)
+            kind = _grad_kind(tg.tensor(ref), v)
+            if kind is None:
+                continue
+            if rules.is_autodiff(ref.node):
+                found[kind].setdefault(ref, dist)
+                continue
+            inputs = tg.ir.data_inputs(ref.node)
+            used = rules.inputs_of_output(tg.ir.node(ref.node).op, ref.index, len(inputs))
+            nxt.extend((inputs[i], dist + 1) for i in used)
+        frontier = nxt
+    values = _nearest(found["values"], var, "gradient")
+    if values is None:
+        return None
+    indices = _nearest(found["indices"], var, "gradient indices")
+    return Gradient(var, values, indices)
+
+
+def _grad_kind(t: tf.Tensor, v: Variable) -> str | None:
+    if t.dtype.base_dtype == v.dtype.base_dtype:
+        shape = t.shape
+        if shape.is_compatible_with(v.shape):
+            return "values"
+        if shape.rank == len(v.shape) and len(v.shape) >= 1 and \
+                shape[1:].is_compatible_with(v.shape[1:]):
+            return "values"
+        return None
+    if t.dtype in (tf.int32, tf.int64) and t.shape.rank == 1:
+        return "indices"
+    return None
+
+
+def _nearest(found: dict[TensorRef, int], var: str, what: str) -> TensorRef | None:
+    if not found:
+        return None
+    best = min(found.values())
+    winners = sorted(str(r) for r, d in found.items() if d == best)
+    if len(winners) > 1:
+        raise GraphError(
+            f"cannot tell which of {winners} is the {what} of variable {var!r}: "
+            "each is equally close to its update ops")
+    return next(r for r, d in found.items() if d == best)
+
+
+def _shard_consts(ir: GraphIR) -> list[tuple[str, str]]:
+    """Pairs of (num_shards, index) Const nodes that `pn.shard` created."""
+    out = []
+    for node in ir.nodes:
+        scope, _, leaf = node.name.rpartition("/")
+        if leaf == "num_shards" and scope.split("/")[-1].startswith(SHARD_SCOPE):
+            out.append((node.name, scope + "/index"))
+    return out

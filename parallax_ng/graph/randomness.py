@@ -1,0 +1,98 @@
+"""Random streams per replica.
+
+A replicated graph copies every random op with its `seed`/`seed2` attrs, so
+seeded ops (an op seed, or any op under a graph seed) would draw the same
+numbers on every replica: dropout masks repeating every b rows, noise that
+one device with the global batch never has. The plan decides, per stateful
+random op, whether replicas draw
+
+- `distinct` streams (the default): replica 0 of the job keeps the user's
+  seeds, so it draws what one device draws; replica r > 0 draws from
+  `seed2` mixed with r, deterministically (two runs with the same seeds
+  draw the same numbers). Ops without seeds (both 0) already draw a fresh
+  stream per op instance and stay unseeded;
+- `identical` streams: every replica of every worker draws the same
+  numbers (sampled-softmax or NCE negatives shared by the job); an op
+  without seeds gets a fixed seed derived from its name.
+
+Requires: a TrainingGraph and the config. Guarantees: `decide` names every
+seeded random op of the graph and of its functions (`function/op` for the
+latter), and `seeds` gives the attrs of one replica's copy.
+Stateless random ops take their seed as a tensor and draw the same on every
+replica; random ops that feed a queue an input producer fills are pinned
+to `identical` elsewhere (their shuffle must agree for the shards to be
+disjoint).
+"""
+from __future__ import annotations
+
+import re
+import zlib
+
+from ..errors import ConfigError
+
+_MASK = (1 << 63) - 1
+_FIXED_SEED = 87654321   # TensorFlow's default op seed under a graph seed
+
+
+def is_random(node_def) -> bool:
+    """A stateful random op: one with integer `seed` and `seed2` attrs (data
+    pipeline ops take seeds as tensors and are never touched)."""
+    return ("seed" in node_def.attr and "seed2" in node_def.attr
+            and "Dataset" not in node_def.op)
+
+
+def random_ops(nodes, library) -> dict[str, tuple[int, int]]:
+    """(seed, seed2) of every random op among `nodes` and in the function
+    library: top-level by name, function bodies as `function/op`."""
+    out = {n.name: _attrs(n) for n in nodes if is_random(n)}
+    for f in (library.function if library is not None else ()):
+        for n in f.node_def:
+            if is_random(n):
+                out[f"{f.signature.name}/{n.name}"] = _attrs(n)
+    return out
+
+
+def decide(ops: dict[str, tuple[int, int]], default: str,
+           overrides: dict[str, str], pinned=frozenset()) -> dict[str, str]:
+    """Mode of every random op: identical for `pinned` ops (an input
+    producer's shuffle), else the first override whose regex it matches
+    (re.search), else `default`. A pattern that matches no op is an error."""
+    patterns = {}
+    for pattern in overrides:
+        try:
+            patterns[pattern] = re.compile(pattern)
+        except re.error as e:
+            raise ConfigError(f"config key 'random_ops.{pattern}' is not a regular "
+                              f"expression: {e}") from None
+        if not any(patterns[pattern].search(name) for name in ops):
+            raise ConfigError(
+                f"config key 'random_ops.{pattern}' matches no random op of the graph; "
+                f"its seeded random ops: {sorted(ops)[:8] or 'none'}")
+    out = {}
+    for name in ops:
+        mode = next((overrides[p] for p, rx in patterns.items() if rx.search(name)), default)
+        out[name] = "identical" if name in pinned else mode
+    return out
+
+
+def seeds(name: str, mode: str, seed: int, seed2: int, replica: int) -> tuple[int, int]:
+    """The (seed, seed2) attrs of job-wide replica `replica`'s copy of op `name`."""
+    if mode == "identical":
+        if seed or seed2:
+            return seed, seed2
+        return _FIXED_SEED, 1 + zlib.crc32(name.encode())
+    if replica == 0 or not (seed or seed2):
+        return seed, seed2
+    return seed, _mix(seed2, replica)
+
+
+def _mix(seed2: int, replica: int) -> int:
+    """A 63-bit value from (seed2, replica) with splitmix64's finaliser, never 0."""
+    z = (seed2 * 0x9E3779B97F4A7C15 + replica * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return ((z ^ (z >> 31)) & _MASK) or 1
+
+
+def _attrs(node_def) -> tuple[int, int]:
+    return node_def.attr["seed"].i, node_def.attr["seed2"].i

@@ -1,0 +1,145 @@
+"""Rule tables keyed by op type.
+
+Every op that takes a variable's resource handle must be known here as a
+reader, a writer or a handle pass-through; any other op on a variable is an
+error that names it (a loud default, never a silent skip).
+"""
+from __future__ import annotations
+
+import re
+
+from .. import compat
+from ..errors import GraphError
+
+VARIABLE_OPS = frozenset({"VarHandleOp", "VariableV2", "Variable"})
+
+# Ops whose outputs differ between replicas even with equal state.
+PER_REPLICA_SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue"})
+# queue dequeues and file readers (which take their work from a queue), any version
+READ_PREFIXES = ("QueueDequeue", "ReaderRead")
+
+# Ops that forward a resource handle unchanged.
+HANDLE_PASSTHROUGH = frozenset({"Identity", "Enter", "Switch", "Merge", "Exit"})
+
+# Ops that forward a reference unchanged (other ops dereference: they read).
+REF_PASSTHROUGH = frozenset({"RefIdentity", "RefEnter", "RefSwitch", "RefMerge",
+                             "RefExit", "RefNextIteration", "RefSelect"})
+
+# Ops that take a reference argument but only read it.
+REF_READERS = frozenset({"IsVariableInitialized"})
+
+# Ops that only read a variable.
+READERS = frozenset({
+    "ReadVariableOp", "ResourceGather", "ResourceGatherNd", "VarIsInitializedOp",
+    "VariableShape", "_ReadVariablesOp",
+    # Functional ops receive handles as captured inputs; TensorFlow's own
+    # v1 code uses them to read (e.g. ExponentialMovingAverage's init `cond`).
+    "If", "StatelessIf", "While", "StatelessWhile", "PartitionedCall",
+    "StatefulPartitionedCall", "Case", "StatelessCase",
+    # Checkpoint and shape helpers.
+    "SaveV2", "Save", "SaveSlices",
+})
+
+# Ops that write every resource input they take.
+_WRITER_PATTERN = re.compile(
+    r"^(AssignVariableOp|AssignAddVariableOp|AssignSubVariableOp|"
+    r"ResourceApply\w+|ResourceSparseApply\w+|ResourceScatter\w+|"
+    r"ResourceStridedSliceAssign|ResourceCountUpTo|DestroyResourceOp|_VarHandlesOp)$")
+
+# Reads that are cheap enough to force in order to keep replicas race-free.
+CHEAP_READERS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
+                           "VariableShape", "VarIsInitializedOp",
+                           "Identity", "IsVariableInitialized"})   # reference variables
+
+# Ops that act outside the graph (files): never replicated, run once.
+EXTERNAL_EFFECT_OPS = frozenset({
+    "SaveV2", "Save", "SaveSlices", "MergeV2Checkpoints", "WriteFile",
+    "WriteSummary", "WriteScalarSummary", "WriteHistogramSummary",
+    "WriteImageSummary", "WriteAudioSummary", "WriteRawProtoSummary",
+    "WriteGraphSummary", "FlushSummaryWriter", "CloseSummaryWriter",
+})
+
+# Ops that must run on a host CPU even when the replica device is a GPU.
+_HOST_ONLY_PATTERN = re.compile(
+    r"(Dataset(V\d)?$|^Iterator|^MakeIterator$|^AnonymousIterator|"
+    r"^IteratorGetNext|^OptionalGetValue|^Save|^Restore|^MergeV2Checkpoints$|"
+    r"^Print|^ShardedFilename|^StringJoin$|^ParseExample|^DecodeRaw$|"
+    r"^TextLineReader|^ReaderRead|^FIFOQueue|^QueueDequeue|^QueueEnqueue)")
+
+# How a replica-dependent value written into mirrored state is combined across
+# replicas so that all replicas keep one value (see README, "state").
+#   sum:  accumulators (AssignAdd of counts, totals: streaming metrics)
+#   mean: moving averages and assignments (batch-norm moving statistics)
+STATE_SYNC_REDUCTION = {
+    "AssignAddVariableOp": "sum", "AssignAdd": "sum",
+    "AssignSubVariableOp": "mean", "AssignSub": "mean",
+    "AssignVariableOp": "mean", "Assign": "mean",
+}
+
+# Ops whose output i is a function of input i alone; other ops' outputs may
+# depend on every input.
+_ELEMENTWISE_MULTI = frozenset({"IdentityN"})
+
+AUTODIFF_SCOPE = re.compile(r"(^|/)gradients(_\d+)?/")
+
+
+def is_writer(op_type: str) -> bool:
+    return bool(_WRITER_PATTERN.match(op_type))
+
+
+def inputs_of_output(op_type: str, index: int, num_inputs: int) -> range:
+    """Positions of the inputs that output `index` of an op can depend on."""
+    if op_type in _ELEMENTWISE_MULTI:
+        return range(index, index + 1)
+    return range(num_inputs)
+
+
+def is_host_only(op_type: str) -> bool:
+    return bool(_HOST_ONLY_PATTERN.search(op_type))
+
+
+def is_autodiff(node_name: str) -> bool:
+    """True for ops TensorFlow's autodiff (`tf.gradients`) created."""
+    return bool(AUTODIFF_SCOPE.search(node_name))
+
+
+def classify_ref_use(op_type: str, position: int) -> str:
+    """'read', 'write' or 'pass' for an op that takes a reference variable.
+
+    TensorFlow dereferences a reference passed to a value argument, so such
+    ops read; ops whose argument is itself a reference write through it.
+    """
+    if op_type in REF_PASSTHROUGH:
+        return "pass"
+    if op_type in REF_READERS:
+        return "read"
+    refs = compat.ref_input_positions(op_type)
+    if refs and position < len(refs) and refs[position]:
+        return "write"
+    return "read"
+
+
+def classify_resource_use(op_type: str, node_name: str, variable: str) -> str:
+    """'read', 'write' or 'pass' for an op that takes a variable's handle."""
+    if is_writer(op_type):
+        return "write"
+    if op_type in READERS:
+        return "read"
+    if op_type in HANDLE_PASSTHROUGH:
+        return "pass"
+    raise GraphError(
+        f"op {node_name!r} of type {op_type} uses variable {variable!r}; "
+        f"parallax_ng knows how variables are read ({', '.join(sorted(READERS))}), "
+        "written (AssignVariableOp, AssignAdd/SubVariableOp, ResourceApply*, "
+        "ResourceSparseApply*, ResourceScatter*, ResourceCountUpTo) or passed on "
+        f"({', '.join(sorted(HANDLE_PASSTHROUGH))})")
+
+
+def state_sync_reduction(op_type: str, node_name: str) -> str:
+    try:
+        return STATE_SYNC_REDUCTION[op_type]
+    except KeyError:
+        raise GraphError(
+            f"op {node_name!r} of type {op_type} writes a value computed from "
+            "one replica's batch into non-trainable state; parallax_ng combines "
+            f"such values only for {', '.join(sorted(STATE_SYNC_REDUCTION))}") from None

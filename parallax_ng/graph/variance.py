@@ -1,0 +1,51 @@
+"""Variance: which nodes of a user's graph compute a different value on each
+replica.
+
+Requires: a TrainingGraph (duck-typed: its IR, gradient tensors and graph).
+Guarantees: `replica_variant` is every node downstream of a per-replica
+source (input pipelines, queue reads, split placeholders, random ops) along
+data edges, gradients aside (the transformation aggregates them);
+`is_input_source` says which ops give each replica its own data.
+"""
+from __future__ import annotations
+
+from .. import compat
+from . import randomness, rules
+
+
+def replica_variant(tg, identical: frozenset[str] = frozenset()
+                    ) -> frozenset[str]:
+    """User nodes whose outputs differ between replicas.
+
+    Sources: input pipelines, placeholders with an unknown leading dimension
+    (their feeds are split by replica), random ops (but those in
+    `identical`, which every replica draws alike). Differences flow along
+    data edges, except out of gradients, which the transformation aggregates.
+    """
+    grads = tg.gradient_tensors
+    variant: set[str] = set()
+    for name in tg.ir.topo_order:
+        node = tg.ir.node(name)
+        if _is_source(tg, node) and name not in identical:
+            variant.add(name)
+            continue
+        for ref in tg.ir.data_inputs(name):
+            if ref.node in variant and ref not in grads:
+                variant.add(name)
+                break
+    return frozenset(variant)
+
+
+def _is_source(tg, node) -> bool:
+    return is_input_source(tg, node) or randomness.is_random(node)
+
+
+def is_input_source(tg, node) -> bool:
+    """True for ops that give each replica its own data: input pipelines,
+    queue reads and placeholders whose feeds are split by replica."""
+    if node.op in rules.PER_REPLICA_SOURCES or node.op.startswith(rules.READ_PREFIXES):
+        return True
+    if node.op in ("Placeholder", "PlaceholderWithDefault"):
+        shape = tg.graph.get_operation_by_name(node.name).outputs[0].shape
+        return bool(shape.rank) and compat.dim(shape, 0) is None
+    return False

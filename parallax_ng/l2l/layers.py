@@ -1,0 +1,446 @@
+"""The layers of a stacked model: how layer-by-layer execution cuts its forward pass.
+
+Requires: a TrainingGraph (parallax_ng/graph/frontend.py) and a regex whose first
+group is a layer index (`l2l.layers`, e.g. `encoder/layer_(\\d+)/`); a name
+where the group takes no part is layer 0 (`^dense(?:_(\\d+))?/` numbers
+Keras's dense, dense_1, dense_2 ... as 0, 1, 2).
+Guarantees: `split(tg, pattern, loss=None)` returns a Layering whose
+segments, in execution order, are: what comes before the first layer (the
+"pre" segment: embeddings, input processing), one segment per layer index
+(sorted by value), and what comes after the last (the "post" segment:
+head and loss); empty ones are left out. Every forward op (an ancestor of
+the loss that is not a data source, a variable or a read of one) is in
+exactly one segment, and never in an earlier segment than an op it reads
+from, so running the segments in order with the tensors that cross their
+boundaries (a segment's `inputs`) computes the forward pass.
+
+An op's segment is the largest of: the layer its name matches, the layers of
+the variables it reads (a variable whose name matches the regex belongs to
+that layer; any other variable to "pre", or to "post" when an op that reads
+it also depends on a layer), and the segments of its inputs. An op after the
+last layer that neither matches the regex nor reads its variables goes to
+"post". Stateless ops that depend on nothing but constants are in no
+segment: every segment that uses them has its own copy.
+
+The forward's random ops of the kinds in STATELESS (dropout's uniform
+draw, normal and truncated normal noise, uniform integers) are listed in
+`random`, by name: the layers' copies draw them from stateless ops, so a
+recomputation draws the same numbers (parallax_ng/l2l/builder.py).
+
+Raises GraphError, naming the op, for a forward that cannot be recomputed
+layer by layer: other random ops (a recomputation would draw other numbers),
+variable writes, tf.compat.v1 control flow, input queues.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import tensorflow as tf
+
+from .. import compat
+from ..errors import GraphError
+from ..graph import rules
+
+SOURCE_TYPES = ("IteratorGetNext", "IteratorGetNextSync", "Placeholder")
+_V1_CONTROL_FLOW = ("Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
+                    "RefExit", "NextIteration", "RefNextIteration", "LoopCond")
+_READ_ONLY_STATEFUL = ("ResourceGather", "ResourceGatherNd", "VariableShape", "Assert",
+                       "PrintV2", "Print")
+# random op -> the stateless op that draws the same distribution from a seed input
+STATELESS = {"RandomUniform": "StatelessRandomUniform",
+             "RandomStandardNormal": "StatelessRandomNormal",
+             "TruncatedNormal": "StatelessTruncatedNormal",
+             "RandomUniformInt": "StatelessRandomUniformInt"}
+_GRAD_YS = re.compile(r"(^|/)gradients(_\d+)?/grad_ys_\d+$")
+
+
+@dataclass
+class Segment:
+    name: str                                   # "pre", "layer_<i>" or "post"
+    ops: list[str] = field(default_factory=list)        # in topological order
+    inputs: list[str] = field(default_factory=list)     # tensors from earlier segments/sources
+    outputs: list[str] = field(default_factory=list)    # tensors later segments read
+    weights: dict[str, list[str]] = field(default_factory=dict)  # variable -> its read ops
+    handles: list[str] = field(default_factory=list)    # variables resource ops use directly
+
+
+@dataclass
+class Layering:
+    loss: str                                   # tensor name
+    sources: list[str]                          # data source ops (iterators, placeholders)
+    segments: list[Segment]
+    free: set[str]                              # constant-only ops, copied where used
+    segment_of: dict[str, int]                  # forward op -> segment position
+    random: list[str] = field(default_factory=list)     # forward random ops, sorted
+
+    @property
+    def forward(self) -> set[str]:
+        return set(self.segment_of)
+
+    def segment_of_tensor(self, name: str) -> int | None:
+        return self.segment_of.get(name.rsplit(":", 1)[0])
+
+
+def find_loss(graph: tf.Graph, name: str | None = None) -> tf.Tensor:
+    """The tensor whose gradients trained the variables: `name`, or the one
+    tensor tf.gradients was called on (its `grad_ys` fill)."""
+    if name is not None:
+        try:
+            return graph.get_tensor_by_name(name if ":" in name else name + ":0")
+        except (KeyError, ValueError):
+            raise GraphError(f"config key 'l2l.loss' names {name!r}, which is not a tensor "
+                             "of the graph") from None
+    found = []
+    for op in graph.get_operations():
+        if op.type != "Fill" or not _GRAD_YS.search(op.name):
+            continue
+        if op.inputs[0].op.type == "Shape":
+            candidates = [op.inputs[0].op.inputs[0]]
+        else:      # a static shape: the first gradient op is named for the loss's op
+            scope = op.name[:op.name.rindex("/") + 1]
+            candidates = []
+            for c in op.outputs[0].consumers():
+                rest = c.name[len(scope):] if c.name.startswith(scope) else ""
+                head = rest.rsplit("_grad/", 1)[0] if "_grad/" in rest else None
+                try:
+                    candidates.append(graph.get_operation_by_name(head).outputs[0])
+                except (KeyError, ValueError, IndexError):
+                    pass
+        for t in candidates:
+            if t not in found:
+                found.append(t)
+    if len(found) != 1:
+        which = ", ".join(t.name for t in found) or "none"
+        raise GraphError(f"cannot tell which tensor is the loss (tf.gradients was taken of: "
+                         f"{which}); name it with config key 'l2l.loss'")
+    return found[0]
+
+
+def split(tg, pattern: str, loss: str | None = None) -> Layering:
+    graph = tg.graph
+    regex = re.compile(pattern)
+    loss_t = find_loss(graph, loss)
+    forward, sources = _forward(loss_t)
+    var_layer = {}
+    for var in tg.variables:
+        m = regex.search(var)
+        if m:
+            var_layer[var] = _index(m, var, "variable")
+    if not var_layer:
+        raise GraphError(f"config key 'l2l.layers' ({pattern!r}) matches no variable; "
+                         f"variables are named like {sorted(tg.variables)[:4]}")
+    order = sorted(set(var_layer.values()))
+    position = {layer: i + 1 for i, layer in enumerate(order)}
+    last, post = len(order), len(order) + 1
+    free = _free(forward)
+    ops = [op for op in forward if op.name not in free]
+
+    def reads(op):      # variables `op` reads, directly or as a read op
+        out = []
+        for t in op.inputs:
+            if t.op.type in rules.VARIABLE_OPS:
+                out.append(t.op.name)
+        return out
+
+    # which variables outside the layers are read after a layer ran
+    depends = {}
+    for op in ops:
+        depends[op.name] = max([depends.get(t.op.name, 0) for t in op.inputs] +
+                               [position[var_layer[v]] for v in reads(op) if v in var_layer]
+                               + [0])
+    late = set()
+    for op in ops:
+        for v in reads(op):
+            if v not in var_layer and (depends[op.name] > 0 or any(
+                    depends.get(c.name, 0) > 0 for out in op.outputs for c in out.consumers()
+                    if _is_read(op))):
+                late.add(v)
+    segment_of = {}
+    for op in ops:
+        _check(op)
+        m = regex.search(op.name)
+        named = position[_index(m, op.name, "op")] if m and _index(
+            m, op.name, "op") in position else None
+        own = [position[var_layer[v]] if v in var_layer else (post if v in late else 0)
+               for v in reads(op)]
+        s = max([segment_of.get(t.op.name, 0) for t in op.inputs] + own + [named or 0])
+        if s == last and named is None and not any(
+                v in var_layer and position[var_layer[v]] == last for v in reads(op)) \
+                and not _is_read(op):
+            s = post
+        segment_of[op.name] = s
+    # a read belongs with its consumers: it is copied to each segment using it
+    names = ["pre"] + [f"layer_{i}" for i in order] + ["post"]
+    segments = [Segment(n) for n in names]
+    for op in ops:
+        if _is_read(op):
+            continue
+        seg = segments[segment_of[op.name]]
+        seg.ops.append(op.name)
+        for t in op.inputs:
+            src = t.op
+            if src.name in free:
+                continue
+            if _is_read(src):
+                var = src.inputs[0].op.name
+                reads_of = seg.weights.setdefault(var, [])
+                if src.name not in reads_of:
+                    reads_of.append(src.name)
+            elif src.type in rules.VARIABLE_OPS:
+                if src.name not in seg.handles:
+                    seg.handles.append(src.name)
+            elif src.name not in seg.ops and t.name not in seg.inputs:
+                seg.inputs.append(t.name)
+    for op in ops:
+        if _is_read(op):        # its segment is the latest one using it (for ordering only)
+            users = [segment_of[c.name] for out in op.outputs for c in out.consumers()
+                     if c.name in segment_of]
+            segment_of[op.name] = max(users, default=0)
+    for pos, seg in enumerate(segments):
+        for t in seg.inputs:
+            producer = segment_of.get(t.rsplit(":", 1)[0])
+            if producer is not None and t not in segments[producer].outputs:
+                segments[producer].outputs.append(t)
+    keep = [s for s in segments if s.ops]
+    renumber = {id(s): i for i, s in enumerate(keep)}
+    old = {i: renumber[id(s)] for i, s in enumerate(segments) if id(s) in renumber}
+    segment_of = {n: old.get(p, 0) for n, p in segment_of.items()}
+    source_ops = sorted({op.name for op in sources}, key=lambda n: graph.get_operation_by_name(
+        n)._id)  # noqa: SLF001
+    random = sorted(op.name for op in ops if op.type in STATELESS)
+    return Layering(loss_t.name, source_ops, keep, free, segment_of, random)
+
+
+# ops whose output's first dimension is their first input's (element by
+# element, or reducing/reshaping other dimensions)
+_ROW_WISE = {"Identity", "Snapshot", "Neg", "Square", "Sqrt", "Rsqrt", "Exp", "Log", "Log1p",
+             "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Softplus", "Abs", "Cast",
+             "Softmax", "LogSoftmax", "BiasAdd", "MatMul", "BatchMatMulV2", "BatchMatMul",
+             "StopGradient", "Erf", "Sign", "Floor", "Round", "Reciprocal",
+             "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
+             "Pow", "SquaredDifference", "SelectV2", "Equal", "NotEqual", "Less",
+             "LessEqual", "Greater", "GreaterEqual"}
+_REDUCTIONS = ("Sum", "Mean")
+
+
+def batch_rows(t: tf.Tensor, sources) -> bool:
+    """Whether t's first dimension is the batch: it comes from a data
+    source's first dimension through ops that keep rows (element-wise ops,
+    matrix products, losses per example, reductions and reshapes that leave
+    the first dimension alone, gathers by such indices)."""
+    seen = {}
+
+    def rows(t):
+        key = t.name
+        if key in seen:
+            return seen[key]
+        seen[key] = False
+        op = t.op
+        if op.name in sources:
+            out = True
+        elif t.shape.rank == 0:
+            out = False
+        elif op.type in ("SparseSoftmaxCrossEntropyWithLogits",
+                         "SoftmaxCrossEntropyWithLogits"):
+            out = rows(op.inputs[0])            # a loss per example: the logits' rows
+        elif op.type in _ROW_WISE and not (op.type == "MatMul" and op.get_attr("transpose_a")):
+            out = any(rows(x) and x.shape.rank == t.shape.rank for x in op.inputs
+                      if x.dtype != tf.resource)
+        elif op.type in _REDUCTIONS + ("Max", "Min", "Prod"):
+            axes = tf.get_static_value(op.inputs[1])
+            out = axes is not None and 0 not in set(
+                int(a) % op.inputs[0].shape.rank for a in np.atleast_1d(axes)) \
+                if op.inputs[0].shape.rank else False
+            out = out and rows(op.inputs[0])
+        elif op.type in ("GatherV2", "ResourceGather", "Gather"):
+            out = rows(op.inputs[1])
+        elif op.type == "Einsum":       # "bsd,de->bse": the output's first index is an input's
+            spec = op.get_attr("equation").decode().replace(" ", "")
+            ins, _, result = spec.partition("->")
+            out = bool(result) and result[0].isalpha() and any(
+                term[:1] == result[0] and rows(x) for term, x in zip(ins.split(","), op.inputs))
+        elif op.type == "Transpose":
+            perm = tf.get_static_value(op.inputs[1])
+            out = perm is not None and len(perm) > 0 and perm[0] == 0 and rows(op.inputs[0])
+        elif op.type == "ConcatV2":
+            axis = tf.get_static_value(op.inputs[-1])
+            out = axis is not None and t.shape.rank and int(axis) % t.shape.rank != 0 and any(
+                rows(x) for x in op.inputs[:-1])
+        elif op.type in ("Reshape", "ExpandDims", "Squeeze"):
+            before, after = op.inputs[0].shape, t.shape
+            out = bool(before.rank and after.rank) and compat.dim(before, 0) == compat.dim(
+                after, 0) is not None and rows(op.inputs[0])
+        else:
+            out = False
+        seen[key] = out
+        return out
+    return rows(t)
+
+
+@dataclass
+class LossForm:
+    kind: str | None            # "mean", "sum" or None (the graph does not show)
+    # the divisors equal to the batch size that make a sum a mean: (op, input
+    # index, True when the op multiplies by 1/B); a micro-batch divides by its size
+    by_batch: list[tuple[str, int, bool]] = field(default_factory=list)
+
+
+def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None) -> LossForm:
+    """How the loss depends on the number of examples in the batch: "mean"
+    (a mean over the batch, or a sum over it divided by the batch size
+    `batch`, as tf.compat.v1.losses computes it, or by a count the data
+    sets), "sum" (a sum over the batch, times or over a number that does
+    not depend on the data), or None when the graph does not show it. `constant(t)`: the value of a
+    tensor that does not depend on the data, or None if it is not known
+    (default: tf.get_static_value).
+    Raises GraphError for a sum over the batch plus a term that does not
+    depend on the data (a regularizer): each micro-batch would add it once."""
+    sources = set(sources)
+    constant = constant or tf.get_static_value
+    dependent = set()
+    stack, order, visited = [loss.op], [], set()
+    while stack:        # the loss's ancestors that depend on a data source
+        op = stack.pop()
+        if op.name in visited:
+            continue
+        visited.add(op.name)
+        order.append(op)
+        stack.extend(t.op for t in op.inputs)
+    for op in sorted(order, key=lambda o: o._id):  # noqa: SLF001 (creation order)
+        if op.name in sources or any(t.op.name in dependent for t in op.inputs):
+            dependent.add(op.name)
+    by_batch = []
+
+    def data(t):
+        return t.op.name in dependent
+
+    per_row = {}            # a sum's tensor -> the elements it added per example
+
+    def through(t, x):      # t computes x's form: it is a sum of as many per example
+        kind = form(x)
+        if x.name in per_row:
+            per_row[t.name] = per_row[x.name]
+        return kind
+
+    def form(t):
+        op = t.op
+        if not data(t):
+            return "constant"
+        if op.type in ("Identity", "Snapshot", "Neg"):
+            return through(t, op.inputs[0])
+        if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
+                op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum":
+            return "mean"       # a sum over the batch divided by a count the data sets
+        if op.type in ("Mul", "RealDiv", "Div", "DivNoNan") and not data(op.inputs[1]):
+            inner = through(t, op.inputs[0])
+            value = constant(op.inputs[1]) if inner == "sum" and batch else None
+            if value is not None and np.ndim(value) == 0:
+                counts = {batch, batch * per_row.get(op.inputs[0].name, 1)}
+                if any(np.isclose(value, n if op.type != "Mul" else 1.0 / n, rtol=1e-6)
+                       for n in counts):
+                    by_batch.append((op.name, 1, op.type == "Mul"))
+                    return "mean"       # a sum over the batch over its size (in elements)
+            return inner
+        if op.type == "Mul" and not data(op.inputs[0]):
+            return through(t, op.inputs[1])
+        if op.type in ("Add", "AddV2", "Sub", "AddN"):
+            forms = {form(x) for x in op.inputs} - {"constant"}
+            if forms == {"sum"} and any(not data(x) for x in op.inputs):
+                raise GraphError(
+                    f"the loss {loss.name!r} sums over the batch and adds a term that does not "
+                    f"depend on the data ({op.name!r}, a regularizer?); layer-by-layer "
+                    "execution sums the micro-batches' losses and would add it once per "
+                    "micro-batch: divide the sum by the batch size (a mean), or set "
+                    "l2l.micro_batches: 1")
+            return forms.pop() if len(forms) == 1 else None
+        if op.type in _REDUCTIONS and op.inputs[0].shape.rank == 0:
+            return through(t, op.inputs[0])          # a sum of one number
+        if op.type in _REDUCTIONS and batch_rows(op.inputs[0], sources):
+            axes = constant(op.inputs[1])
+            shape = op.inputs[0].shape
+            if axes is not None and shape.rank:
+                axes = {int(a) % shape.rank for a in np.atleast_1d(axes)}
+                if 0 in axes:
+                    if len(axes) == shape.rank and shape[1:].is_fully_defined():
+                        per_row[t.name] = int(np.prod(shape[1:].as_list(), dtype=np.int64))
+                    return "mean" if op.type == "Mean" else "sum"
+        return None
+    kind = form(loss)
+    return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [])
+
+
+def _index(match, name: str, what: str) -> int:
+    if match.re.groups and match.group(1) is None:
+        return 0        # an optional number left out: Keras names its first Dense "dense"
+    try:
+        return int(match.group(1))
+    except (TypeError, ValueError):
+        raise GraphError(f"config key 'l2l.layers': the first group must capture a layer "
+                         f"number; in {what} {name!r} it captured {match.group(1)!r}") from None
+
+
+def _is_read(op: tf.Operation) -> bool:
+    return (op.type == "ReadVariableOp" and op.inputs[0].op.type == "VarHandleOp") or (
+        op.type == "Identity" and op.inputs[0].op.type in ("VariableV2", "Variable"))
+
+
+def _forward(loss: tf.Tensor) -> tuple[list[tf.Operation], list[tf.Operation]]:
+    """The loss's ancestors (topological order) short of data sources and
+    variables; and the sources met."""
+    seen, sources, order = set(), [], []
+    stack = [(loss.op, False)]
+    while stack:
+        op, expanded = stack.pop()
+        if expanded:
+            order.append(op)
+            continue
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.type in SOURCE_TYPES:
+            sources.append(op)
+            continue
+        if op.type in rules.VARIABLE_OPS:
+            continue
+        if op.type.startswith("QueueDequeue"):
+            raise GraphError(f"layer-by-layer execution reads its data from tf.data iterators "
+                             f"or fed placeholders; {op.name!r} ({op.type}) dequeues from a "
+                             "queue")
+        stack.append((op, True))
+        for t in list(op.inputs)[::-1]:
+            stack.append((t.op, False))
+    return order, sources
+
+
+def _free(forward: list[tf.Operation]) -> set[str]:
+    free = set()
+    for op in forward:
+        if op.op_def.is_stateful or op.control_inputs:
+            continue
+        if all(t.op.name in free for t in op.inputs):
+            free.add(op.name)
+    return free
+
+
+def _check(op: tf.Operation) -> None:
+    if op.type in _V1_CONTROL_FLOW:
+        raise GraphError(
+            f"op {op.name!r} ({op.type}) is tf.compat.v1 control flow, which layer-by-layer "
+            "execution cannot recompute; call tf.compat.v1.enable_control_flow_v2() before "
+            "building the model, or keep the loop out of the layers")
+    if not op.op_def.is_stateful or op.type in _READ_ONLY_STATEFUL or _is_read(op):
+        return
+    if op.type in STATELESS:
+        return
+    if "Random" in op.type or "Multinomial" in op.type or "Shuffle" in op.type:
+        raise GraphError(
+            f"op {op.name!r} ({op.type}) draws random numbers in the forward pass; "
+            "layer-by-layer execution recomputes each layer in the backward pass and can "
+            f"redraw the same numbers only for {', '.join(sorted(STATELESS))} (dropout, "
+            "noise); draw this one outside the loss's ancestors, or use a stateless op")
+    if op.type.startswith(("Assign", "ResourceScatter", "Scatter", "ResourceApply", "Apply")):
+        raise GraphError(
+            f"op {op.name!r} ({op.type}) writes a variable in the forward pass (batch "
+            "statistics?); layer-by-layer execution runs each layer several times a step")

@@ -1,0 +1,70 @@
+"""Typed facts passes hand on: to later passes and to the runtime.
+
+A pass publishes a result with `ctx.publish(result)`; a reader asks for it
+by type with `ctx.result(Kind)` (None when no pass made one). The runtime
+reads these, never a pass module's names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LocalAggregates:
+    """For each variable aggregated on a parameter server: this worker's sum
+    of its replicas' gradients, (values or dense sum, indices or None),
+    already scaled for a mean (made by `aggregate`, read by `server_sync`);
+    `norms`: for a variable whose duplicate rows were summed, the L2Loss of
+    its rows before that, which stands for the user's L2Loss of the values
+    (its job value is the sum over the workers)."""
+    of: dict
+    norms: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Barrier:
+    """The ops that end a step of a job with parameter servers (made by
+    `server_sync`): the chief runs `release` once its writes are done, the
+    other workers run `wait` before they read a server variable again. After
+    initialisation they are runs of their own; with `folded`, a training run
+    holds its barrier already (the chief puts a token after each shared
+    write, the others' training writers take it), so it needs no extra run."""
+    release: str | None = None
+    wait: str | None = None
+    folded: bool = False
+
+    def op(self, worker: int) -> str | None:
+        return self.release if worker == 0 else self.wait
+
+
+@dataclass(frozen=True)
+class ColumnParts:
+    """For each variable cut by columns over the replicas (and each slot cut
+    with it): a handle of every job replica's part, in job order, in this
+    worker's graph (made by `columns`; the checkpoint reads and writes
+    through them). With `gather`, the backend reaches other processes by
+    collectives only: `handles` are this process's parts, and the whole
+    value is their all-gather (parallax_ng/comm/horovod.py `join_columns`)."""
+    handles: dict
+    gather: bool = False
+
+
+@dataclass(frozen=True)
+class ExchangedLookups:
+    """Lookups of tables cut by columns whose exchange `aggregate` built
+    beside the gradient's (which reuses its gathered ids): gather op ->
+    the rows per replica; `columns` puts them in the gathers' place.
+    `gathered`: gather op -> (sizes, padded ids) every replica's lookup
+    gathered, per replica (`prefetch` splits the next step's rows by them)."""
+    rows: dict
+    gathered: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """Tables whose update waits, in part, for the next step (made by
+    `prefetch`): `flush`, ops that apply a pending step in full (every
+    replica's, so all run together); `clear`, ops that forget it (run with
+    every restore of the table)."""
+    flush: tuple
+    clear: tuple

@@ -1,0 +1,109 @@
+"""Packing: which gradients travel together, in the order they become ready.
+
+- `fusion_buffers`: the gradients of the variables aggregated by balanced
+  fusion buffers (method bfb, mirrored), packed flat in the order they
+  become ready into equal buffers, each buffer sharded evenly over the
+  servers (Herring III-1, III-2);
+- `allreduce_buckets`: the all-reduced gradients merged into buckets as
+  `buckets.mode` says (parallax_ng/planning/buckets.py: one, by a byte
+  threshold, or MG-WFBP's merges from measured ready times).
+
+Requires: a TrainingGraph and the order its gradients become ready
+(`ready_order`: measured, else the graph's). Guarantees: the same inputs
+give the same packing on every worker.
+"""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from ..graph.frontend import TrainingGraph
+from . import buckets as bucketing
+from .buckets import buffer_bytes
+from .placement import Sharded
+from .plan import Bucket, Buffer, Segment
+
+
+def ready_order(tg: TrainingGraph, variables: list[str], measured=()) -> list[str]:
+    """`variables` in the order their gradients become ready: as measured,
+    else the order of their gradient ops in the graph's topological order
+    (the same on every worker); variables the measurement missed go last."""
+    index = tg.ir.topo_index
+    static = sorted(variables, key=lambda v: (index[tg.gradients[v].values.node], v))
+    seen = [v for v in measured if v in set(variables)]
+    return seen + [v for v in static if v not in set(seen)]
+
+
+def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
+                      profile=None) -> tuple[Bucket, ...]:
+    """The all-reduced variables in `order` (backward) merged into buckets
+    as `config.mode` says (parallax_ng/planning/buckets.py), one dtype per bucket;
+    none for mode `none` (one all-reduce per variable). mgwfbp takes each
+    variable's backward time from `profile` (the time since the variable
+    before it was ready; without one every gradient is ready at once) and
+    the all-reduce cost from the config, else from the profile's fit (none
+    yet: one all-reduce per variable until it is measured). A profile file
+    in the config (`buckets.profile`) stands for the measured profile."""
+    if config.profile:               # a profile file: the same buckets on every worker
+        from .profile import from_file
+        profile = from_file(config.profile)
+        if config.a is None and profile.allreduce is None:
+            raise ConfigError(f"buckets.profile {config.profile!r} has no all-reduce fit "
+                              "(`allreduce`); give buckets.a and buckets.b, or profile with "
+                              "parallax-ng profile")
+    cost = (bucketing.Cost(config.a, config.b) if config.a is not None else
+            profile.allreduce.cost if profile is not None and profile.allreduce else None)
+    if config.mode == "none" or (config.mode == "mgwfbp" and cost is None):
+        return ()
+    ready = profile.ready if profile is not None else {}
+    start = profile.forward_time if profile is not None else 0.0
+    out = []
+    for dtype in sorted({tg.variables[v].dtype.base_dtype.name for v in order}):
+        same = [v for v in order if tg.variables[v].dtype.base_dtype.name == dtype]
+        times, previous = [], start
+        for v in same:
+            at = max(ready.get(v, previous), previous)
+            times.append(at - previous)
+            previous = at
+        layers = [bucketing.Layer(v, tg.variables[v].nbytes, t)
+                  for v, t in zip(reversed(same), reversed(times))]
+        if config.mode == "single":
+            chosen = bucketing.single(layers)
+        elif config.mode == "threshold":
+            chosen = bucketing.threshold(layers, config.bytes)
+        else:
+            chosen = bucketing.mgwfbp(start, layers, cost)
+        out += [Bucket(tuple(same[i] for i in b)) for b in chosen]
+    return tuple(out)
+
+
+def fusion_buffers(tg: TrainingGraph, order: list[str], servers: list[str],
+                   size_bytes: int = 0) -> tuple[Buffer, ...]:
+    """Gradients of `order` packed flat, in that order, into buffers of
+    `size_bytes` (0: `buffer_bytes`), one dtype per run of buffers; a
+    variable may span two buffers, the last buffer may be smaller. Every
+    buffer is sharded evenly over `servers` at element offsets."""
+    by_dtype: dict = {}
+    for var in order:
+        by_dtype.setdefault(tg.variables[var].dtype, []).append(var)
+    out = []
+    for dtype, variables in by_dtype.items():
+        sizes = {v: tg.variables[v].nbytes // dtype.size for v in variables}
+        total = sum(sizes.values())
+        per = max(1, (size_bytes or buffer_bytes(total * dtype.size, len(servers)))
+                  // dtype.size)
+        segments, used = [], 0
+        for var in variables:
+            start = 0
+            while start < sizes[var]:
+                take = min(sizes[var] - start, per - used)
+                segments.append(Segment(var, start, take, used))
+                start, used = start + take, used + take
+                if used == per:
+                    out.append(_buffer(segments, used, servers))
+                    segments, used = [], 0
+        if segments:
+            out.append(_buffer(segments, used, servers))
+    return tuple(out)
+
+
+def _buffer(segments: list[Segment], length: int, servers: list[str]) -> Buffer:
+    return Buffer(tuple(segments), Sharded.even(None, length, servers))

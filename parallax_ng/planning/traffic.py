@@ -1,0 +1,261 @@
+"""Traffic: the bytes a plan moves between a job's tasks per step, what each
+link of the job carries, and how long the busiest link takes.
+
+Parallax's data-transfer model (its Table 3), per trained variable, for N
+workers of R replicas each (G = N R replicas), flows between tasks:
+- allreduce (a ring over the G replicas; TensorFlow's ring keeps a
+  worker's replicas together): every worker sends 2(G-1)/G of the
+  gradient to the next worker (a sparse gradient summed as dense: the
+  table and a count per row);
+- bfb (balanced fusion buffers): every worker sends each server its shard
+  of every buffer and receives the shard's sum back;
+- ps, dense: every worker sends the server its local sum and reads the
+  value back for its forward pass;
+- ps, sparse: every worker sends its r distinct rows with their indices and
+  the r distinct ids its lookups ask for, and receives r rows (row ranges
+  on several servers take their share);
+- allgather: a ring over the G replicas carrying every replica's rows and
+  indices to all others, (G-1) replicas' rows over each worker's link;
+- alltoall (EmbRace): each replica's distinct ids and gradient rows to
+  every other replica, a part of each row (its columns) with each id.
+r is the distinct rows a worker's R replicas touch in a step (the
+analysis's alpha, measured or estimated, times the rows, times R, at most
+the rows). Scalars (norms, tokens) are left out.
+
+Links: the tasks on one host share its network interface; bytes between
+them do not cross it but cost the host's CPU (gRPC copies them through
+loopback): a job on one machine has no network link, only that. A
+link carries its bytes each way at the bandwidth (full duplex); a host
+moves the bytes between its tasks, all of them together, at the
+network's `loopback` rate (measured where the job's workers share one
+host; else free beside the link). A step's communication takes the
+busiest end's time (its link's larger direction over the bandwidth, or
+its bytes between tasks over the loopback rate, the larger), plus what
+its rounds of messages cost besides their bytes,
+one after another: a round of collectives (an all-reduce, whatever runs
+beside it: 1; an all-gather: 2, its sizes, then rows and indices;
+alltoall: 4, ids and rows forward, rows back) costs the all-reduce's
+fixed time a; a round trip to the servers (the forward's reads of server
+variables: 1; the push, the chief's update and the barrier: 1) costs r;
+a step with both runs its collectives in a session run of its own beside
+the server work's (transforms/split_step.py): that run's cost s, and one
+round trip more for the hand-over between the two.
+a, r and s are measured on the job (parallax_ng/planning/costfit.py) or follow
+from the configured latency.
+
+Requires: a Plan (methods, placements, buffers), the index bytes of sparse
+gradients, a Layout. Guarantees: `flows` are (source task, destination
+task, bytes, the variable or buffer) per step; `links` sums them per end; `predict` is a pure
+function of its inputs (every worker computes the same).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .costmodel import reduced_bytes
+from .placement import Sharded
+
+
+def worker(i: int) -> str:
+    return f"worker {i}"
+
+
+def server(j: int) -> str:
+    return f"ps {j}"
+
+
+def server_index(device: str) -> int:
+    """The task index of a server device (/job:ps/replica:0/task:J/...)."""
+    return int(device.split("/task:")[1].split("/")[0])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which host each task runs on: `workers[i]`, `servers[j]` are
+    addresses (host or host:port)."""
+    workers: tuple[str, ...]
+    servers: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, cluster_info) -> "Layout":
+        return cls(tuple(cluster_info.workers), tuple(cluster_info.ps))
+
+    @classmethod
+    def local(cls, workers: int, servers: int) -> "Layout":
+        """Every task on this machine (no link)."""
+        return cls(("127.0.0.1",) * workers, ("127.0.0.1",) * servers)
+
+    def end(self, task: str) -> str:
+        """The link a task's bytes cross: its host's."""
+        kind, index = task.split()
+        address = (self.workers if kind == "worker" else self.servers)[int(index)]
+        return address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+
+    def describe(self, end: str) -> str:
+        tasks = [t for t in self.tasks() if self.end(t) == end]
+        return end if tasks == [end] else f"{end} ({', '.join(tasks)})"
+
+    def tasks(self) -> list[str]:
+        return ([worker(i) for i in range(len(self.workers))] +
+                [server(j) for j in range(len(self.servers))])
+
+
+@dataclass(frozen=True)
+class Links:
+    """Bytes per step each end of the job sends and receives over its link,
+    and moves between its own tasks (`local`)."""
+    sent: dict = field(default_factory=dict)
+    received: dict = field(default_factory=dict)
+    local: dict = field(default_factory=dict)
+
+    def busiest(self, bandwidth: float = 1.0, loopback: float | None = None
+                ) -> tuple[str, float, float, bool]:
+        """(end, bytes, seconds, inside) of the end that takes longest: its
+        link's larger direction over `bandwidth`, or (inside) its bytes
+        between its tasks over `loopback` (None: free)."""
+        ends = set(self.sent) | set(self.received) | (set(self.local) if loopback else set())
+        load = {}
+        for e in ends:
+            link = max(self.sent.get(e, 0.0), self.received.get(e, 0.0))
+            inside = self.local.get(e, 0.0) if loopback else 0.0
+            load[e] = max((link / bandwidth, link, False),
+                          (inside / loopback if loopback else 0.0, inside, True))
+        if not load:
+            return "", 0.0, 0.0, False
+        end = max(sorted(load), key=lambda e: load[e][0])
+        seconds, nbytes, inside = load[end]
+        return end, nbytes, seconds, inside
+
+
+def flows(plan, index_bytes: dict | None = None, rows: dict | None = None,
+          looked_up: dict | None = None) -> list[tuple[str, str, float, str]]:
+    """(source task, destination task, bytes, what) per step of `plan`
+    (what: the variable, or `buffer K`). `rows`: the rows a worker's sparse
+    gradient sends per step (else from the analysis); `looked_up`: the ids
+    its lookups ask a server for (else `rows`); `index_bytes`: each sparse
+    gradient's index size (else 8)."""
+    n, r, g = plan.num_workers, plan.num_replicas, plan.group_size
+    index_bytes, rows, looked_up = index_bytes or {}, rows or {}, looked_up or {}
+    out: list[tuple[str, str, float, str]] = []
+    if n == 1 and not plan.servers:
+        return out           # in-process: no link
+
+    def ring(nbytes: float, what: str) -> None:
+        for i in range(n if n > 1 else 0):
+            out.append((worker(i), worker((i + 1) % n), nbytes, what))
+
+    for var, vp in sorted(plan.variables.items()):
+        info = vp.info
+        if vp.method == "bfb":
+            continue            # by buffer, below
+        if vp.method == "allreduce":
+            ring(2 * (g - 1) / g * reduced_bytes(info), var)
+            continue
+        if not info.sparse:      # ps: the local sum in, the value back
+            for i in range(n):
+                out += [(worker(i), server(_home(plan, var)), info.nbytes, var),
+                        (server(_home(plan, var)), worker(i), info.nbytes, var)]
+            continue
+        row = info.nbytes / info.shape[0]
+        idx = index_bytes.get(var, 8)
+        per_worker = rows.get(var, min(info.shape[0], r * (info.alpha or 1.0) * info.shape[0]))
+        per_replica = per_worker / r
+        if vp.method == "allgather":
+            ring((g - 1) * per_replica * (row + idx), var)
+        elif vp.method == "alltoall":
+            part = row / info.shape[1] * max(s.size for s in plan.placement[var].shards)
+            each = r * r * 2 * per_replica * (idx + part)   # ids and rows, both ways
+            for i in range(n):
+                out += [(worker(i), worker(k), each, var) for k in range(n) if k != i]
+        else:                    # ps: rows and ids out, rows back
+            asked = looked_up.get(var, per_worker)
+            for j, share in _shares(plan, var):
+                for i in range(n):
+                    out += [(worker(i), server(j),
+                             share * (per_worker * (row + idx) + asked * idx), var),
+                            (server(j), worker(i), share * asked * row, var)]
+    for k, buffer in enumerate(plan.buffers):
+        size = plan.buffer_bytes(buffer)
+        for s in buffer.placement.shards:
+            part = size * s.size / buffer.placement.length
+            j = server_index(s.device)
+            for i in range(n):
+                out += [(worker(i), server(j), part, f"buffer {k}"),
+                        (server(j), worker(i), part, f"buffer {k}")]
+    return out
+
+
+def links(flow_list, layout: Layout) -> Links:
+    sent: dict[str, float] = {}
+    received: dict[str, float] = {}
+    local: dict[str, float] = {}
+    for src, dst, nbytes, _ in flow_list:
+        a, b = layout.end(src), layout.end(dst)
+        if a == b:
+            local[a] = local.get(a, 0.0) + nbytes
+            continue
+        sent[a] = sent.get(a, 0.0) + nbytes
+        received[b] = received.get(b, 0.0) + nbytes
+    return Links(sent, received, local)
+
+
+def task_bytes(flow_list) -> dict[str, float]:
+    """Bytes each task sends per step."""
+    out: dict[str, float] = {}
+    for src, _, nbytes, _ in flow_list:
+        out[src] = out.get(src, 0.0) + nbytes
+    return out
+
+
+ROUNDS = {"allreduce": 1, "allgather": 2, "alltoall": 4}
+
+
+def rounds(plan) -> tuple[int, int]:
+    """(rounds of collectives, round trips to the servers) one after
+    another in a step of `plan` (its variables' methods run side by side)."""
+    if plan.num_workers < 2:
+        return 0, 0
+    methods = {vp.method for vp in plan.variables.values()}
+    collective = max((ROUNDS[m] for m in methods if m in ROUNDS), default=0)
+    trips = 0
+    if plan.servers:
+        read = any(vp.method == "ps" for vp in plan.variables.values())
+        trips = int(read) + int(bool(methods & {"ps", "bfb"}))
+    return collective, trips
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A plan's communication per step on the job's links."""
+    links: Links
+    end: str             # the busiest end
+    nbytes: float        # its bytes in its busier direction (or between its tasks)
+    link_seconds: float  # those bytes over the bandwidth
+    fixed_seconds: float  # its rounds of messages, bytes aside
+    seconds: float
+    inside: bool = False  # the busiest load is between the end's tasks
+
+
+def predict(plan, layout: Layout, network, index_bytes: dict | None = None) -> Prediction:
+    """The step's communication time: the busiest end's bytes over its rate
+    (the link's bandwidth, or the host's loopback rate), plus its rounds of
+    collectives and round trips to servers."""
+    load = links(flows(plan, index_bytes), layout)
+    end, nbytes, link, inside = load.busiest(network.bandwidth, network.loopback)
+    collective, trips = rounds(plan)
+    split = collective > 0 and trips > 0
+    fixed = (collective * network.collective_round(plan.group_size) +
+             (trips + split) * network.server_round_trip() + split * network.extra_run())
+    return Prediction(load, end, nbytes, link, fixed, link + fixed, inside)
+
+
+def _home(plan, var: str) -> int:
+    return server_index(plan.server(var))
+
+
+def _shares(plan, var: str) -> list[tuple[int, float]]:
+    """(server index, share of the rows) for a variable on servers."""
+    p = plan.placement[var]
+    if isinstance(p, Sharded):
+        return [(server_index(s.device), s.size / p.length) for s in p.shards]
+    return [(_home(plan, var), 1.0)]

@@ -1,0 +1,211 @@
+"""Checkpoints of a parallel job that resume exactly.
+
+Requires: the runner's graph (replica 0 keeps the user's names) and the
+PassContext that made it.
+Guarantees: `save(step)` writes every variable of the user's graph (weights,
+slots, moving averages, global step) under its single-device name to
+`<dir>/model.ckpt-<step>`, and the position of every replica's input
+iterator: in one process in the same file; in a multi-worker job worker 0
+writes the variables once (they are equal on every worker) and every
+worker writes its own replicas' positions to `<dir>/inputs/worker-<i>/`,
+and worker 0 names the step in `<dir>/checkpoint` only once every
+worker's positions for it are there (so `<dir>` must be storage every
+worker shares; a worker that cannot see the others' files is an error
+that says so). `latest()` and `restore()` put the newest such step back
+into every replica's copy and every iterator (parameter-server variables
+of a multi-worker job: by the chief only). A table cut by columns over the
+replicas is saved whole (every part read, other workers' too) and each
+replica restores its own columns. A job killed after step k and started
+again continues from the last checkpoint and ends with the variables of an
+uninterrupted run. The variable part is a plain checkpoint a single-device
+`tf.compat.v1.train.Saver` restores.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import tensorflow as tf
+
+from ..compat import is_ref_dtype
+from ..errors import ParallaxError
+from ..pipeline.results import ColumnParts, Deferred
+from ..planning.placement import Columns, Sharded, part_name
+
+ITERATOR_OPS = ("IteratorV2", "OneShotIterator", "Iterator")
+
+
+class CheckpointError(ParallaxError):
+    """A checkpoint of a job cannot be written or read as one."""
+
+
+class Checkpointer:
+    def __init__(self, graph: tf.Graph, ctx, directory: str, timeout_seconds: float = 300):
+        plan = ctx.plan
+        self.directory, self.timeout = directory, timeout_seconds
+        self.worker, self.workers = plan.worker, plan.num_workers
+        self.inputs = (os.path.join(directory, "inputs", f"worker-{plan.worker}")
+                       if plan.num_workers > 1 else directory)
+        names, tensors, restores = [], [], []
+        parts = ctx.result(ColumnParts)
+        with graph.as_default(), tf.device(plan.host), \
+                tf.compat.v1.name_scope("parallax/checkpoint/"):
+            self.prefix = tf.compat.v1.placeholder(tf.string, [], name="prefix")
+            self.input_prefix = tf.compat.v1.placeholder_with_default(self.prefix, [],
+                                                                      name="input_prefix")
+            for var in sorted(ctx.tg.variables):
+                names.append(var)
+                placement = plan.placement[var]
+                if isinstance(placement, Columns):
+                    placement = parts.handles[var]
+                tensors.append(read_value(graph, ctx.tg.variables[var], placement,
+                                          gather=parts is not None and parts.gather))
+            inputs, positions = [], []
+            iterators = [n.name for n in ctx.tg.ir.nodes if n.op in ITERATOR_OPS]
+            for it in iterators:
+                for k in range(plan.num_replicas):
+                    handle = graph.get_tensor_by_name(ctx.replica_name(k, it) + ":0")
+                    inputs.append(f"parallax/iterator/{plan.replica_offset + k}/{it}")
+                    positions.append(tf.raw_ops.SerializeIterator(
+                        resource_handle=handle, external_state_policy=0))
+            self.save_op = self._save_ops(names, tensors, inputs, positions, parts)
+            loaded = self._restored(names, tensors) if self.workers > 1 else \
+                self._restored(names + inputs, tensors + positions)
+            moved = self._restored(inputs, positions, self.input_prefix) \
+                if self.workers > 1 else loaded[len(names):]
+            for var, value in zip(sorted(ctx.tg.variables), loaded):
+                if var in plan.shared_state() and plan.worker > 0:
+                    continue   # the chief restores parameter-server variables
+                placement = plan.placement[var]
+                if isinstance(placement, Columns):     # each replica its columns
+                    restores += [assign_value(graph, ctx.replica_name(k, var), value[
+                        :, s.start:s.start + s.size]) for k, s in enumerate(
+                            placement.shards[plan.replica_offset:][:plan.num_replicas])]
+                    continue
+                copies = {ctx.replica_name(k, var) for k in range(plan.num_replicas)}
+                restores += [assign_value(graph, c, value, placement) for c in sorted(copies)]
+            for i, it in enumerate(iterators):
+                for k in range(plan.num_replicas):
+                    value = moved[i * plan.num_replicas + k]
+                    handle = graph.get_tensor_by_name(ctx.replica_name(k, it) + ":0")
+                    restores.append(tf.raw_ops.DeserializeIterator(
+                        resource_handle=handle, serialized=value))
+            deferred = ctx.result(Deferred)     # a restored table has no pending rows
+            restores += [graph.get_operation_by_name(c) for c in deferred.clear] \
+                if deferred else []
+            self.restore_op = tf.group(*restores, name="restore")
+
+    def _save_ops(self, names, tensors, inputs, positions, parts):
+        """One process: variables and positions in one file. A job: worker 0
+        writes the variables (the others join in where reading a cut table
+        takes all of them), every worker its positions to its own file."""
+        def save(prefix, keys, values):
+            return tf.raw_ops.SaveV2(prefix=prefix, tensor_names=keys,
+                                     shape_and_slices=[""] * len(keys), tensors=values)
+        if self.workers == 1:
+            return save(self.prefix, names + inputs, tensors + positions)
+        ops = [save(self.prefix, names, tensors) if self.worker == 0 else
+               tf.group(*tensors) if parts is not None and parts.gather else tf.no_op()]
+        if inputs:
+            ops.append(save(self.input_prefix, inputs, positions))
+        return tf.group(*ops)
+
+    def _restored(self, keys, like, prefix=None):
+        if not keys:
+            return []
+        return tf.raw_ops.RestoreV2(prefix=self.prefix if prefix is None else prefix,
+                                    tensor_names=keys, shape_and_slices=[""] * len(keys),
+                                    dtypes=[t.dtype.base_dtype for t in like])
+
+    def save(self, session, step: int) -> str:
+        path = os.path.join(self.directory, f"model.ckpt-{step}")
+        mine = os.path.join(self.inputs, f"model.ckpt-{step}")
+        os.makedirs(self.inputs, exist_ok=True)
+        session.run(self.save_op, {self.prefix: path, self.input_prefix: mine})
+        if self.workers > 1:
+            tf.compat.v1.train.update_checkpoint_state(self.inputs, mine)
+            if self.worker > 0:
+                return path
+            self._wait_for_every_worker(step)
+        tf.compat.v1.train.update_checkpoint_state(self.directory, path)
+        return path
+
+    def _wait_for_every_worker(self, step: int) -> None:
+        """Until every worker's positions for `step` are in the directory."""
+        deadline = time.monotonic() + self.timeout
+        for w in range(1, self.workers):
+            where = os.path.join(self.directory, "inputs", f"worker-{w}")
+            while _step_of(tf.train.latest_checkpoint(where)) != step:
+                if time.monotonic() > deadline:
+                    raise CheckpointError(
+                        f"checkpoint.dir {self.directory!r}: worker 0 does not see worker "
+                        f"{w}'s input positions for step {step} in {where!r} after "
+                        f"{self.timeout:g} s; checkpoint.dir must be storage every worker "
+                        "of the job shares (a network file system, say)")
+                time.sleep(0.05)
+
+    def latest(self) -> str | None:
+        """The newest checkpoint of the job (its step's positions of this
+        worker included), or None."""
+        path = tf.train.latest_checkpoint(self.directory) if os.path.isdir(self.directory) \
+            else None
+        if self.workers > 1:
+            mine = tf.train.latest_checkpoint(self.inputs) if os.path.isdir(self.inputs) \
+                else None
+            if path is None and mine is not None:
+                raise CheckpointError(
+                    f"checkpoint.dir {self.directory!r}: worker {self.worker} finds its own "
+                    f"input positions ({mine!r}) but no checkpoint of the job: worker 0 "
+                    "writes that one, so checkpoint.dir must be storage every worker of the "
+                    "job shares (a network file system, say)")
+        return path
+
+    def restore(self, session, path: str) -> int:
+        """Put checkpoint `path` back; its step."""
+        step = _step_of(path)
+        mine = os.path.join(self.inputs, f"model.ckpt-{step}")
+        session.run(self.restore_op, {self.prefix: path, self.input_prefix: mine})
+        return step
+
+
+def _step_of(path: str | None) -> int | None:
+    return int(path.rsplit("-", 1)[1]) if path else None
+
+
+def read_value(graph, var, placement=None, gather: bool = False):
+    """A new op reading replica 0's value of Variable `var` (resource or
+    reference; a sharded variable's parts put together: row ranges along
+    axis 0, element ranges (1-D parts) flattened; given the handles of a
+    variable cut by columns, its parts side by side, or with `gather` this
+    process's part and the others' by all-gather)."""
+    dtype = var.dtype.base_dtype
+    if isinstance(placement, tuple):
+        reads = [tf.raw_ops.ReadVariableOp(resource=graph.get_tensor_by_name(h + ":0"),
+                                           dtype=dtype) for h in placement]
+        if gather:
+            from ..comm.horovod import join_columns
+            return join_columns(reads[0])
+        return tf.concat(reads, 1)
+    if isinstance(placement, Sharded):
+        parts = tf.concat([tf.raw_ops.ReadVariableOp(
+            resource=graph.get_tensor_by_name(part_name(var.name, k) + ":0"), dtype=dtype)
+            for k in range(len(placement.shards))], 0)
+        return parts if placement.axis == 0 else tf.reshape(parts, var.shape)
+    t = graph.get_tensor_by_name(var.name + ":0")
+    if is_ref_dtype(t.dtype):
+        return tf.identity(t)
+    return tf.raw_ops.ReadVariableOp(resource=t, dtype=dtype)
+
+
+def assign_value(graph, var: str, value, placement=None):
+    """An op setting Variable `var` (by name) to `value`."""
+    if isinstance(placement, Sharded):
+        flat = value if placement.axis == 0 else tf.reshape(value, [-1])
+        pieces = tf.split(flat, [s.size for s in placement.shards], 0)
+        return tf.group(*[tf.raw_ops.AssignVariableOp(
+            resource=graph.get_tensor_by_name(part_name(var, k) + ":0"), value=piece)
+            for k, piece in enumerate(pieces)])
+    t = graph.get_tensor_by_name(var + ":0")
+    if is_ref_dtype(t.dtype):
+        return tf.raw_ops.Assign(ref=t, value=value).op
+    return tf.raw_ops.AssignVariableOp(resource=t, value=value)

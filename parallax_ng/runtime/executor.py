@@ -1,0 +1,125 @@
+"""Step executor: one user run as the session runs that compute it.
+
+Requires: the runner's tf.Graph and Session, and what the passes published
+for the runtime (parallax_ng/pipeline/results.py: `Barrier`; parallax_ng/pipeline/step_parts.py:
+`StepParts`).
+Guarantees: `runs(names)` is the list of `SessionRun`s that compute `names`
+(fetched tensors and ops): one run, or, in a job whose step has collectives
+beside parameter-server work, one per part of the step;
+`run(session, names, feeds)` performs them (two parts at the same time,
+each in its own thread) and returns the values in the order of `names`.
+When one part's run fails, the other's waits at the step's queues are
+cancelled and the queues made anew, so the error (the end of the input,
+say) reaches the caller at once and the next step starts clean.
+`end_step(session)` runs the job's barrier after a run that initialized,
+or trained when the training run does not hold the barrier itself
+(`ends_with_barrier`). A micro-batch loop or a layer-by-layer schedule is a
+different list of session runs built on the same two calls.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from ..pipeline.results import Barrier
+from ..pipeline.step_parts import StepParts
+
+
+@dataclass(frozen=True)
+class SessionRun:
+    """One session.run: the positions of the caller's names it fetches, and
+    further ops it must run."""
+    fetched: tuple[int, ...]
+    targets: tuple[str, ...] = ()
+
+
+class Executor:
+    def __init__(self, graph: tf.Graph, ctx, options=None):
+        self.graph = graph
+        self.parts = ctx.result(StepParts)
+        self.barrier = ctx.result(Barrier)
+        self.worker = ctx.plan.worker
+        self.options = options          # every run gives up after the timeout
+
+    def runs(self, names: list) -> list[SessionRun]:
+        if self.parts is None:
+            return [SessionRun(tuple(range(len(names))))]
+        nodes = [_node(n) for n in names]
+        out = []
+        for part, targets in self.parts.split(self.graph, tuple(sorted(set(nodes)))):
+            mine = tuple(i for i, node in enumerate(nodes)
+                         if self.parts.part_of_op(self.graph, node) == part)
+            out.append(SessionRun(mine, tuple(targets)))
+        return out
+
+    def run(self, session, names: list, feeds: dict, options=None, run_metadata=None) -> list:
+        """The values of `names`; `run_metadata` collects every run's step stats."""
+        runs = self.runs(names)
+        options = options or self.options
+        if len(runs) == 1:
+            got = self._run(session, runs[0], names, feeds, options, run_metadata)
+        else:
+            got = self._together(session, runs, names, feeds, options, run_metadata)
+        values: list = [None] * len(names)
+        for r, vals in zip(runs, got):
+            for i, value in zip(r.fetched, vals):
+                values[i] = value
+        return values
+
+    def _run(self, session, r: SessionRun, names, feeds, options, run_metadata) -> list:
+        ops = [self.graph.get_operation_by_name(t) for t in r.targets]
+        return [session.run([names[i] for i in r.fetched] + ops, feeds, options=options,
+                            run_metadata=run_metadata)]
+
+    def _together(self, session, runs, names, feeds, options, run_metadata) -> list:
+        """Both parts' runs at once; the first failure cancels the other's waits.
+        A traced step traces the server part's run only: it holds the
+        forward and backward pass, and TensorFlow traces one run at a time
+        in a process ("Another profiling session active")."""
+        got: list = [None] * len(runs)
+        quiet = tf.compat.v1.RunOptions()
+        quiet.CopyFrom(options)
+        quiet.trace_level = tf.compat.v1.RunOptions.NO_TRACE
+        settings = [(options, run_metadata), (quiet, None)]
+        failed: list[Exception] = []
+        lock = threading.Lock()
+
+        def one(k: int) -> None:
+            try:
+                got[k] = self._run(session, runs[k], names, feeds, *settings[k])[0]
+            except Exception as e:             # noqa: BLE001  (raised below, first one)
+                with lock:
+                    failed.append(e)
+                    first = len(failed) == 1
+                if first:
+                    session.run(self.graph.get_operation_by_name(self.parts.close),
+                                options=options)
+
+        other = threading.Thread(target=one, args=(1,), daemon=True,
+                                 name="parallax_ng step part")
+        other.start()
+        one(0)
+        other.join()
+        if failed:
+            session.run(self.graph.get_operation_by_name(self.parts.reset), options=options)
+            raise failed[0]
+        return got
+
+    def ends_with_barrier(self, initialized: bool, trained: bool) -> bool:
+        """Whether a run that did this needs the job's barrier as a run of its
+        own (a training run holds it when the barrier is folded)."""
+        if self.barrier is None:
+            return False
+        return initialized or trained and not self.barrier.folded
+
+    def end_step(self, session) -> None:
+        """Chief: release the other workers; others: wait for that."""
+        if self.barrier is not None:
+            op = self.graph.get_operation_by_name(self.barrier.op(self.worker))
+            session.run(op, options=self.options)
+
+
+def _node(name) -> str:
+    return name.name if isinstance(name, tf.Operation) else name.split(":")[0]

@@ -1,0 +1,280 @@
+"""Fetches and feeds: the user's names, mapped onto the replicated graph.
+
+Requires: the runner's tf.Graph (the transformed graph, imported) and the
+PassContext that made it.
+Guarantees: `fetch(leaf, per_replica)` turns a tensor, op, variable or name
+of the user's single-device graph into a `Fetch` (the names to run in the
+runner's graph and how to combine their values, see parallax_ng/runtime/runner.py);
+`combine(values, fetch)` does it; `feeds(feed_dict)` maps a feed dict onto
+every replica (splitting per-replica batches); ops the user made after
+get_runner are copied into every replica the first time they are named.
+"""
+from __future__ import annotations
+
+import difflib
+import itertools
+import sys
+import warnings
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import tensorflow as tf
+
+from .. import compat
+from ..errors import FetchError
+from ..graph import batch
+from ..graph.ir import format_input, parse_input, parse_tensor
+from ..pipeline.passes import REPLICA_PREFIX
+
+
+@dataclass(frozen=True)
+class Fetch:
+    names: tuple            # tensor names or tf.Operations to run
+    how: str                # none | first | list | mean | sum | concat
+    user: str               # the user's node
+    replicas: tuple = ()    # for "list": index into `names` of each replica's value
+
+
+class FetchMap:
+    def __init__(self, graph: tf.Graph, ctx, config):
+        self.graph, self.ctx, self.plan, self.config = graph, ctx, ctx.plan, config
+        self.user_graph = ctx.tg.graph
+        self.late: dict[str, list[str]] = {}    # user op made after get_runner -> copies
+        self.late_variant: set[str] = set()
+        self._warned: set[str] = set()          # fed tensors already warned about
+        self._imports = itertools.count()
+
+    # -- fetches --------------------------------------------------------------
+    def fetch(self, leaf, per_replica: bool = False) -> Fetch:
+        name = self.user_name(leaf)
+        n = self.plan.num_replicas
+        if ":" not in name:            # an op: run it everywhere it exists
+            targets = dict.fromkeys(self.copy_name(k, name) for k in range(n))
+            return Fetch(tuple(self.graph.get_operation_by_name(t) for t in targets),
+                         "none", name)
+        ref = parse_tensor(name)
+        if per_replica:
+            how = "list"
+        elif not self.varies(ref.node):
+            return Fetch((name,), "first", ref.node)
+        else:
+            how = self.config.fetch_reduction.get(name) or \
+                _default_reduction(self.user_graph.get_tensor_by_name(name))
+        copies = [f"{self.copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
+        names = tuple(dict.fromkeys(copies))
+        # a node that exists once (a shared variable) is every replica's value
+        return Fetch(names, how, ref.node, tuple(names.index(c) for c in copies))
+
+    def varies(self, node: str) -> bool:
+        return node in self.ctx.variant or node in self.late_variant
+
+    def copy_name(self, k: int, node: str) -> str:
+        """Replica k's copy of user node `node` in the runner's graph."""
+        if node in self.late:
+            return self.late[node][k]
+        return self.ctx.replica_name(k, node)
+
+    def user_name(self, leaf) -> str:
+        """The name in the user's graph of a fetch or feed key; copies ops made
+        after get_runner into the replicas."""
+        if isinstance(leaf, tf.Variable):
+            element = getattr(leaf, "_graph_element", None)
+            if element is None:   # a reference variable's value is its own output
+                element = leaf.op.name + (":0" if leaf.op.type == "VariableV2"
+                                          else "/Read/ReadVariableOp:0")
+            leaf = element
+        if isinstance(leaf, (tf.Tensor, tf.Operation)):
+            if leaf.graph is not self.user_graph:
+                raise FetchError(f"{leaf.name!r} belongs to another graph than the one "
+                                 "given to get_runner")
+            name = leaf.name
+        elif isinstance(leaf, str):
+            name = leaf
+        else:
+            raise FetchError(f"cannot fetch or feed a {type(leaf).__name__}; use a tensor, an op, "
+                             "a variable or a name from the training graph")
+        node = name.split(":")[0]
+        if node not in self.ctx.tg.ir and node not in self.late:
+            if not self._adopt(node):
+                close = [self._fetchable(c) for c in
+                         difflib.get_close_matches(node, self.ctx.tg.ir.names(), n=3)]
+                raise FetchError(f"{name!r} is not in the training graph"
+                                 + (f"; did you mean {close}?" if close else ""))
+        if ":" in name:
+            try:
+                self.user_graph.get_tensor_by_name(name)
+            except (KeyError, ValueError) as e:
+                raise FetchError(f"{name!r} is not a tensor of the training graph: {e}") from None
+        return name
+
+    def _fetchable(self, node: str) -> str:
+        """The name to fetch for a suggestion: an op's first output (a value),
+        or the op itself when it has none (e.g. a training op)."""
+        op = self.user_graph.get_operation_by_name(node)
+        return op.outputs[0].name if op.outputs else node
+
+    def _adopt(self, node: str) -> bool:
+        """Copy user ops made after get_runner (e.g. a later
+        global_variables_initializer()) into every replica; False if `node`
+        is not in the user's graph at all."""
+        try:
+            op = self.user_graph.get_operation_by_name(node)
+        except KeyError:
+            return False
+        known = self.ctx.tg.ir
+        new, todo = {}, [op]
+        while todo:
+            o = todo.pop()
+            if o.name in new or o.name in known or o.name in self.late:
+                continue
+            if o.type in ("VarHandleOp", "VariableV2"):
+                raise FetchError(f"variable {o.name!r} was created after get_runner; "
+                                 "create every variable before calling get_runner")
+            new[o.name] = o
+            todo.extend(t.op for t in o.inputs)
+            todo.extend(o.control_inputs)
+        order = [o for o in self.user_graph.get_operations() if o.name in new]
+        for o in order:
+            if any(self.varies(t.op.name) for t in o.inputs):
+                self.late_variant.add(o.name)
+        for k, device in enumerate(self.plan.devices):
+            self._import_copy(order, new, k, device)
+        return True
+
+    def _import_copy(self, order, new, k: int, device: str) -> None:
+        scope = f"parallax/late_{next(self._imports)}"
+        gd, input_map, controls = tf.compat.v1.GraphDef(), {}, {}
+        for o in order:
+            nd = gd.node.add()
+            nd.CopyFrom(o.node_def)
+            nd.name = _late_name(k, o.name)
+            nd.device = device
+            del nd.input[:]
+            for text in o.node_def.input:
+                src, idx, control = parse_input(text)
+                if src in new:
+                    nd.input.append(format_input(_late_name(k, src), idx))
+                elif control:
+                    controls.setdefault(nd.name, []).append(self.copy_name(k, src))
+                else:
+                    there = self.copy_name(k, src)
+                    input_map[f"{src}:{idx}"] = self.graph.get_tensor_by_name(f"{there}:{idx}")
+                    nd.input.append(f"{src}:{idx}")
+        with self.graph.as_default():
+            tf.graph_util.import_graph_def(gd, input_map=input_map, name=scope)
+        for name, deps in controls.items():
+            compat.add_control_inputs(self.graph.get_operation_by_name(f"{scope}/{name}"),
+                                      [self.graph.get_operation_by_name(d) for d in deps])
+        for o in order:
+            self.late.setdefault(o.name, []).append(f"{scope}/{_late_name(k, o.name)}")
+
+    # -- feeds ----------------------------------------------------------------
+    def feeds(self, feed_dict) -> dict:
+        out = {}
+        n = self.plan.num_replicas
+        for key, value in (feed_dict or {}).items():
+            name = self.user_name(key)
+            if ":" not in name:
+                name += ":0"
+            ref = parse_tensor(name)
+            user_tensor = self.user_graph.get_tensor_by_name(name)
+            shape = user_tensor.shape
+            copies = [f"{self.copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
+            rows = compat.dim(shape, 0) if shape.rank else 0
+            if n > 1 and len(set(copies)) == n and rows != 0:
+                value = np.asarray(value)
+                kind = self._batch_kind(ref.node) if rows is None else batch.BATCH
+                if kind == batch.WHOLE:
+                    for c in copies:
+                        out[c] = value
+                    continue
+                if kind == batch.UNKNOWN:
+                    self._unsure(ref.node, len(value))
+                if rows is None and len(value) % n:
+                    raise FetchError(
+                        f"feed {name!r} has {len(value)} rows, which do not split "
+                        f"evenly over {n} replicas; feed a multiple of {n}, or set "
+                        f"config `batch_feeds: {{{ref.node}: false}}` if every replica "
+                        "needs it whole")
+                if rows is None or len(value) == n * rows:
+                    for c, part in zip(copies, np.split(value, n)):
+                        out[c] = part
+                    continue
+                if len(value) == rows:
+                    self._warn_whole_feed(name, user_tensor, rows)
+            for c in dict.fromkeys(copies):
+                out[c] = value
+        return out
+
+    def _batch_kind(self, node: str) -> str:
+        """Whether placeholder `node` is fed a batch (config `batch_feeds`,
+        else the graph: parallax_ng/graph/batch.py)."""
+        if node in self.config.batch_feeds:
+            return batch.BATCH if self.config.batch_feeds[node] else batch.WHOLE
+        return self._kinds.get(node, (batch.UNKNOWN, ""))[0]
+
+    def _unsure(self, node: str, rows: int) -> None:
+        """Once per placeholder the graph does not show to be a batch: it is
+        split as one (what a `[None, ...]` feed almost always is; given whole,
+        a batch would be counted N times by any state it updates, and would
+        not line up with the feeds beside it that are split); say so."""
+        if node in self._warned:
+            return
+        self._warned.add(node)
+        why = self._kinds.get(node, (0, "it is not in the analysed graph"))[1]
+        print(f"parallax_ng: placeholder {node!r}: {why}; its feed ({rows} rows) is split "
+              f"over the replicas as a batch. If every replica needs it whole, set config "
+              f"`batch_feeds: {{{node}: false}}` (true: split, silently)",
+              file=sys.stderr, flush=True)
+
+    @cached_property
+    def _kinds(self) -> dict:
+        return batch.kinds(self.ctx.tg)
+
+    def _warn_whole_feed(self, name: str, tensor: tf.Tensor, rows: int) -> None:
+        """Once per placeholder: a fixed batch dimension fed whole turns data
+        parallelism off for it (every replica trains on the same rows)."""
+        if name in self._warned or tensor.op.type != "Placeholder":
+            return
+        self._warned.add(name)
+        if tensor.op.name not in self._feeds_gradients:
+            return
+        n = self.plan.num_replicas
+        warnings.warn(
+            f"placeholder {name!r} has a fixed batch dimension of {rows}, and a feed of "
+            f"{rows} rows goes whole to each of the {n} replicas, which then train on the "
+            f"same rows. Build it with shape [None, ...] to split feeds over the "
+            f"replicas, or feed {n * rows} rows ({rows} per replica)", stacklevel=5)
+
+    @cached_property
+    def _feeds_gradients(self) -> set[str]:
+        tg = self.ctx.tg
+        return tg.ir.ancestors({r.node for r in tg.gradient_tensors}, data_only=True)
+
+
+def combine(values: list, f: Fetch):
+    """One value from the values of a fetch's names."""
+    if f.how == "none":
+        return None
+    if f.how == "first":
+        return values[0]
+    if f.how == "list":
+        return [values[i] for i in f.replicas]
+    if f.how == "mean":
+        return np.mean(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
+    if f.how == "sum":
+        return np.sum(np.stack(values), axis=0)
+    return np.concatenate([np.atleast_1d(v) for v in values], axis=0)
+
+
+def _late_name(k: int, name: str) -> str:
+    return name if k == 0 else REPLICA_PREFIX.format(k) + name
+
+
+def _default_reduction(t: tf.Tensor) -> str:
+    if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
+        return "first"
+    if t.shape.rank == 0:
+        return "mean"
+    return "concat"

@@ -1,0 +1,422 @@
+"""Runner: drives the transformed graph with the user's own fetches and feeds.
+
+Requires: a transformed GraphIR and the PassContext that made it.
+Guarantees: `run(fetches, feed_dict)` takes tensors, ops, variables or names
+of the user's single-device graph (any nesting of lists, tuples, dicts) and
+returns what one device would return for the global batch:
+- an op runs in every replica (shared ops once);
+- a tensor that is equal on all replicas (variables, global step, aggregated
+  gradients) comes from replica 0;
+- a tensor computed from a replica's own data is combined: scalars by mean,
+  tensors with a batch dimension by concatenation along axis 0, strings and
+  booleans from replica 0; `config.fetch_reduction` overrides per tensor
+  (mean, sum, concat, first);
+- `run(..., per_replica=True)` returns a list with every replica's value instead.
+Feeds of placeholders with an unknown leading dimension are split evenly
+across replicas (the global batch must divide by the replica count), and so
+is a feed of N times a fixed leading dimension (the global batch of a
+tensor built per replica, e.g. a fetched RNN state fed back); other feeds go
+to every replica unchanged (with a warning, once, for a placeholder on the
+gradients' path fed exactly its fixed batch) (parallax_ng/runtime/fetches.py).
+A run is one step of session runs (parallax_ng/runtime/executor.py: one, or two at
+once in a job whose step has collectives beside server work); after one that
+initialized (or trained, where the training run does not hold it), a job
+with parameter servers meets at its barrier.
+The first `config.profile.steps` training runs are traced and measured
+(parallax_ng/planning/profile.py); the planner then plans again with the
+measurements and, when the plan's decisions change (or with
+`profile.replan: always`), the graph is transformed again and training goes
+on in a new session holding the same state (in-process runs without queue
+input or stateful random ops in the step; otherwise the measured plan is
+kept and the graph stays).
+"""
+from __future__ import annotations
+
+import atexit
+import sys
+import tempfile
+import warnings
+import weakref
+from dataclasses import replace
+from functools import cached_property
+
+import tensorflow as tf
+
+from ..graph import capture
+from ..graph.rules import READ_PREFIXES
+from ..pipeline.results import Deferred
+from ..planning.profile import Profile, measure
+from . import heartbeat
+from .executor import Executor
+from .fetches import FetchMap, combine
+
+FLUSH_GRAPH_KEY = 7   # any nonzero key: the run gets a collective executor
+
+
+class Runner:
+    def __init__(self, ir, ctx, config, session_config, records=(), server=None,
+                 replan=None, rebuild=None):
+        self.config = config
+        self.server = server     # this worker's gRPC server in cluster mode
+        self._session_config = session_config
+        # every run gives up after the timeout (collective ops have none of
+        # their own: parallax_ng/comm/collectives.py OP_TIMEOUT_SECONDS)
+        self._options = tf.compat.v1.RunOptions(
+            timeout_in_ms=int(ctx.plan.timeout_seconds * 1000))
+        self._replan = replan     # profile -> Plan (None: keep the plan, add measurements)
+        self._rebuild = rebuild   # Plan -> (ir, ctx, records)
+        self._restored, self._steps = False, 0
+        self._saved, self._failed = None, False   # the step last saved; a run raised
+        self._closed = False
+        self.profile: Profile | None = None
+        self.replans = 0
+        self._install(ir, ctx, records)
+        self._done = None   # in a job with servers: tell them this worker is done, once
+        if server is not None and self.plan.servers:
+            from .serving import done_ops
+            ops = done_ops(self.graph, list(self.plan.servers), self.plan.num_workers,
+                           self.plan.worker)
+            self._done = weakref.finalize(self, _tell_done, self.session, ops)
+            if not self.plan.uses_servers:     # idle servers would only share the CPUs
+                self._done()
+                if self.plan.worker == 0:
+                    print("parallax_ng: the plan puts nothing on the parameter servers; "
+                          "they stop", file=sys.stderr, flush=True)
+        if config.checkpoint.dir:   # the last steps saved when the process ends, before
+            ref = weakref.ref(self)  # the servers hear this worker is done (atexit: LIFO)
+            atexit.register(lambda: (r := ref()) is not None and r.save_final())
+
+    def _install(self, ir, ctx, records) -> None:
+        """Graph, session and everything bound to them, for one transformation."""
+        self._ir, self.ctx, self.plan = ir, ctx, ctx.plan
+        self.pass_records = list(records)
+        self.graph = tf.Graph()
+        with self.graph.as_default():
+            tf.graph_util.import_graph_def(ir.graph_def, name="")
+        self.fetches = FetchMap(self.graph, ctx, self.config)
+        self.executor = Executor(self.graph, ctx, self._options)
+        self._checkpoints = None
+        if self.config.checkpoint.dir:
+            from .checkpoint import Checkpointer
+            self._checkpoints = Checkpointer(self.graph, ctx, self.config.checkpoint.dir,
+                                             ctx.plan.timeout_seconds)
+        self.session = tf.compat.v1.Session(
+            self.server.target if self.server is not None else "", graph=self.graph,
+            config=self._session_config)
+        self._queues = None      # threads filling every replica's input queues
+        if ctx.tg.queue_runners:
+            from ..graph.queues import QueueThreads
+            self._queues = QueueThreads(
+                self.graph, ctx.tg.queue_runners,
+                [ctx.replica_name(k, "").rstrip("/") for k in range(self.plan.num_replicas)])
+        self._kinds: dict[tuple, tuple[bool, bool, bool]] = {}
+        self._step_read = None
+        deferred = ctx.result(Deferred)
+        self._flush = list(deferred.flush) if deferred else []
+        self._pending = False     # a training run left part of a table's update
+
+    # -- public API -----------------------------------------------------------
+    def run(self, fetches, feed_dict=None, options=None, run_metadata=None,
+            per_replica: bool = False):
+        leaves = tf.nest.flatten(fetches)
+        wanted = [self.fetches.fetch(leaf, per_replica) for leaf in leaves]
+        names = [n for f in wanted for n in f.names]
+        feeds = self.fetches.feeds(feed_dict)
+        fetched = tuple(f.user for f in wanted)
+        _, trained, reads_queue = self._kind(fetched)
+        if not trained:
+            self._apply_pending()
+        profiling = trained and self._profiled < self.config.profile.steps
+        probe = self._probe() if profiling else {}
+        options = _bounded(options, self._options)
+        if profiling:
+            options, run_metadata = _traced(options, run_metadata)
+        if reads_queue and self._queues is not None:
+            self._queues.start(self.session)
+        try:
+            with heartbeat.running():
+                values = self.executor.run(self.session, names + list(probe.values()), feeds,
+                                           options=options, run_metadata=run_metadata)
+        except (tf.errors.OutOfRangeError, tf.errors.CancelledError):
+            if self._queues is not None:
+                self._queues.raise_failure()   # a queue runner's error closed its queue
+            raise
+        except BaseException:
+            self._failed = trained
+            raise
+        self._pending = self._pending or (trained and bool(self._flush))
+        if profiling:
+            self._measured(run_metadata, dict(zip(probe, values[len(names):])))
+        self._after_run(fetched)
+        out, i = [], 0
+        for f in wanted:
+            out.append(combine(values[i:i + len(f.names)], f))
+            i += len(f.names)
+        return tf.nest.pack_sequence_as(fetches, out)
+
+    def session_runs(self, fetches) -> int:
+        """How many session.runs one `run(fetches)` makes: one, or two at once
+        (a job step's collectives beside its server work), and the job's
+        barrier where it is a run of its own."""
+        wanted = [self.fetches.fetch(leaf, False) for leaf in tf.nest.flatten(fetches)]
+        initialized, trained, _ = self._kind(tuple(f.user for f in wanted))
+        runs = len(self.executor.runs([n for f in wanted for n in f.names]))
+        return runs + int(self.executor.ends_with_barrier(initialized, trained))
+
+    def save(self, saver, path: str) -> str:
+        """Write replica 0's variables with the user's tf.compat.v1.train.Saver.
+
+        The checkpoint has the single-device names, so a one-device script
+        restores it unchanged.
+        """
+        d = saver.saver_def
+        return self.run(d.save_tensor_name, {d.filename_tensor_name: path})
+
+    def restore(self, saver, path: str) -> None:
+        """Restore every replica's copy (and the shared variables) from `path`."""
+        d = saver.saver_def
+        self.run(d.restore_op_name, {d.filename_tensor_name: path})
+        self.executor.end_step(self.session)
+
+    def save_final(self) -> None:
+        """Save the steps trained since the last checkpoint (at close, and
+        when the process ends), unless the last training run failed."""
+        if self._checkpoints is None or self._failed or not self._steps or self._closed:
+            return
+        step = self._global_step()
+        step = self._steps if step is None else step
+        if step != self._saved:
+            self._save(step)
+
+    def _save(self, step: int) -> None:
+        self._apply_pending()
+        path = self._checkpoints.save(self.session, step)
+        self._saved = step
+        if self.plan.worker == 0:
+            print(f"parallax_ng: saved step {step} to {path}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        self.save_final()
+        if self._queues is not None:
+            self._queues.stop()
+        if self._done is not None:
+            self._done()
+        self.session.close()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _apply_pending(self) -> None:
+        """Apply the rows of tables whose update waits for the next step
+        (prefetch: transforms/prefetch.py), so what is read holds every
+        step's update."""
+        if self._pending:
+            options = tf.compat.v1.RunOptions()
+            options.CopyFrom(self._options)
+            # its collectives are all AllToAllV2, which TensorFlow's session
+            # does not count when it decides whether a run needs collectives
+            options.experimental.collective_graph_key = FLUSH_GRAPH_KEY
+            self.session.run(self._flush, options=options)
+            self._pending = False
+
+    # -- profile, then plan again ----------------------------------------------
+    @property
+    def _profiled(self) -> int:
+        return self.profile.steps if self.profile is not None else 0
+
+    def _probe(self) -> dict[str, str]:
+        """Replica 0's gradient indices of the sparse variables."""
+        grads = self.ctx.tg.gradients
+        return {v: str(grads[v].indices) for v, vp in sorted(self.plan.variables.items())
+                if vp.info.sparse}
+
+    def _measured(self, run_metadata, indices: dict) -> None:
+        step = measure(self.ctx.tg, run_metadata, indices)
+        self.profile = step if self.profile is None else self.profile.merge(step)
+        if self.profile.steps == self.config.profile.steps:
+            if self._wants_fit():
+                from dataclasses import replace
+
+                from ..planning import costfit
+                fit = costfit.measure("", list(self.plan.devices), self.plan.group_size,
+                                      costfit.sizes(costfit.model_bytes(self.ctx.tg,
+                                                                        self.plan)),
+                                      self._session_config, self.plan.timeout_seconds)
+                self.profile = replace(self.profile, allreduce=fit)
+            self._plan_again()
+            capture.profiled(self.plan, self.profile, self.ctx.tg)
+
+    def _wants_fit(self) -> bool:
+        """In-process with TensorFlow collectives over several devices, when
+        the mgwfbp buckets or run_option auto need the all-reduce cost or
+        `parallax-ng profile` asks for it (a job measures before its graph
+        is built)."""
+        plan, buckets = self.plan, self.config.buckets
+        return (self.server is None and plan.backend == "tf" and len(plan.devices) > 1 and
+                plan.group_size == len(plan.devices) and
+                (buckets.mode == "mgwfbp" and buckets.a is None and not buckets.profile
+                 or self.config.run_option == "auto" and self.config.network.bandwidth is None
+                 or capture.wants_fit()))
+
+    def _plan_again(self) -> None:
+        """Plan with the measurements; transform again if the decisions change."""
+        if self._replan is None:
+            plan = _measured_plan(self.plan, self.profile, self.ctx.tg)
+        else:
+            plan = self._replan(self.profile)
+        how = self.config.profile.replan
+        same = plan.decisions() == self.plan.decisions()
+        why = self._cannot_move_state() if self._rebuild is not None else "no transformer"
+        if how == "never" or (how == "auto" and same) or why:
+            if why and how != "never" and (how == "always" or not same):
+                warnings.warn(f"the measured plan differs but training goes on with the "
+                              f"graph it has: {why}", stacklevel=4)
+            self.plan = self.ctx.plan = plan
+            return
+        self._move_to(*self._rebuild(plan))
+
+    def _cannot_move_state(self) -> str | None:
+        """Why training cannot go on in a new session with the same state."""
+        if self.plan.num_workers > 1 or self.plan.servers:
+            return "a job's servers and other workers hold state of this graph"
+        if self.ctx.tg.queue_runners:
+            return "input queues hold elements a new session would lose"
+        step = self.ctx.tg.ir.ancestors(self._training_writers)
+        drawn = [op for op in self.plan.random if op in step]
+        if drawn:
+            return (f"random ops in the step ({drawn[:3]}) would start their streams "
+                    "again in a new session")
+        return None
+
+    def _move_to(self, ir, ctx, records) -> None:
+        """Go on in a session of the new graph: every variable and input
+        position carried over through a checkpoint. If that fails, training
+        goes on where it was, with the measured plan."""
+        from .checkpoint import Checkpointer
+        self._apply_pending()
+        before = dict(self.__dict__)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Checkpointer(self.graph, self.ctx, tmp).save(self.session, 0)
+            try:
+                self._install(ir, ctx, records)
+                restore = Checkpointer(self.graph, self.ctx, tmp)
+                # an iterator takes a position only once it exists
+                self.session.run([op for op in self.graph.get_operations()
+                                  if op.type == "MakeIterator"])
+                restore.restore(self.session, path)
+            except tf.errors.OpError as e:
+                self.session.close()
+                self.__dict__.update(before)
+                self.plan = self.ctx.plan = ctx.plan
+                warnings.warn("the measured plan differs but training goes on with the "
+                              f"graph it has: moving its state failed ({e.message})",
+                              stacklevel=5)
+                return
+        before["session"].close()
+        self._restored = True
+        self.replans += 1
+
+    # -- checkpoints and barriers ---------------------------------------------
+    def _after_run(self, fetched: tuple) -> None:
+        """Restore after the first run that initialized variables; meet the
+        other workers after initialisation and after each training step
+        (multi-worker jobs with parameter servers); save every
+        `checkpoint.every_steps` training steps (the global step if the graph
+        has one, else runs that trained)."""
+        initialized, trained, _ = self._kind(fetched)
+        if initialized and not self._restored and self._checkpoints is not None:
+            self._restored = True
+            latest = self._checkpoints.latest()
+            if latest:
+                self._saved = self._checkpoints.restore(self.session, latest)
+                print(f"parallax_ng: restored step {self._saved} from {latest}",
+                      file=sys.stderr, flush=True)
+        if self.executor.ends_with_barrier(initialized, trained):
+            self.executor.end_step(self.session)
+        if trained and self._checkpoints is not None:
+            self._steps += 1
+            step = self._global_step()
+            step = self._steps if step is None else step
+            if step % self.config.checkpoint.every_steps == 0:
+                self._save(step)
+
+    def _kind(self, fetched: tuple) -> tuple[bool, bool, bool]:
+        """(initializes variables, trains, reads an input queue) for a run of
+        the user ops `fetched`."""
+        if fetched not in self._kinds:
+            tg = self.ctx.tg
+            known = [f for f in fetched if f in tg.ir]
+            late = [f for f in fetched if f in self.fetches.late]
+            ancestors = tg.ir.ancestors(known)
+            for name in late:   # ops made after get_runner: look at what they reach
+                op = tg.graph.get_operation_by_name(name)
+                ancestors |= tg.ir.ancestors(
+                    [t.op.name for t in op.inputs] + [c.name for c in op.control_inputs])
+            inits = {v.initializer for v in tg.variables.values() if v.initializer}
+            reads_queue = any(tg.ir.node(a).op.startswith(READ_PREFIXES) for a in ancestors)
+            self._kinds[fetched] = (bool(ancestors & inits),
+                                    bool(ancestors & self._training_writers), reads_queue)
+        return self._kinds[fetched]
+
+    @cached_property
+    def _training_writers(self) -> frozenset[str]:
+        """Writers of trained variables that the gradients feed (not initializers
+        or restores)."""
+        tg = self.ctx.tg
+        return frozenset(w for v in tg.gradients for s in tg.owned(v)
+                         for w in tg.writers.get(s, ()) if w in tg.after_gradients)
+
+    def _global_step(self):
+        tg = self.ctx.tg
+        step = tf.compat.v1.train.get_global_step(tg.graph)
+        if step is None or step.op.name not in tg.variables:
+            return None
+        if self._step_read is None:
+            from .checkpoint import read_value
+            with self.graph.as_default():
+                self._step_read = read_value(self.graph, tg.variables[step.op.name],
+                                             self.plan.placement[step.op.name])
+        return int(self.session.run(self._step_read))
+
+
+def _tell_done(session, ops) -> None:
+    """Tell the servers this worker is done (at close, or when the process
+    exits); servers that are gone already are no error."""
+    try:
+        session.run(ops, options=tf.compat.v1.RunOptions(timeout_in_ms=10000))
+    except (tf.errors.OpError, RuntimeError):
+        pass
+
+
+def _bounded(options, default):
+    """The caller's run options with the runner's timeout where they set none."""
+    if options is None:
+        return default
+    if options.timeout_in_ms:
+        return options
+    bounded = tf.compat.v1.RunOptions()
+    bounded.CopyFrom(options)
+    bounded.timeout_in_ms = default.timeout_in_ms
+    return bounded
+
+
+def _traced(options, run_metadata):
+    """Run options that trace the step (keeping a timeout), and RunMetadata."""
+    traced = tf.compat.v1.RunOptions()
+    if options is not None:
+        traced.CopyFrom(options)
+    traced.trace_level = tf.compat.v1.RunOptions.FULL_TRACE
+    return traced, run_metadata if run_metadata is not None else tf.compat.v1.RunMetadata()
+
+
+def _measured_plan(plan, profile: Profile, tg):
+    """`plan` with the profile's measurements (no new decisions)."""
+    info = profile.apply({k: vp.info for k, vp in plan.variables.items()}, tg)
+    return replace(plan, variables={k: replace(vp, info=info[k])
+                                    for k, vp in plan.variables.items()},
+                   schedule=replace(plan.schedule, order=profile.order))
+

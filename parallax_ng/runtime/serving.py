@@ -1,0 +1,115 @@
+"""Serving: what a job's parameter-server tasks do, and what passes between
+its workers outside their training steps.
+
+Requires: a ClusterInfo (parallax_ng/cluster.py) and the task's started
+server. Guarantees: a parameter-server task `serve`s until every worker has
+said it is done (`done_ops`, which a worker's runner runs when it closes),
+or until no worker has been reachable for the timeout; `share` gives worker
+0's value to every other worker once, within the timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from ..cluster import ClusterInfo
+
+DONE_QUEUE = "parallax_ng/workers_done"   # on every server: one token per finished worker
+
+
+def done_ops(graph, servers: list[str], workers: int, worker: int) -> list:
+    """Ops (in `graph`) that tell every server this worker is done."""
+    import tensorflow as tf
+    ops = []
+    with graph.as_default(), tf.compat.v1.name_scope("parallax/done/"):
+        for device in servers:
+            with tf.device(device):
+                queue = tf.queue.FIFOQueue(workers, [tf.int32], shapes=[[]],
+                                           shared_name=DONE_QUEUE)
+                ops.append(queue.enqueue(worker))
+    return ops
+
+
+def serve(info: ClusterInfo, timeout_seconds: float, poll_seconds: float = 2.0) -> int:
+    """Run this server task until every worker has said it is done (0), or
+    until no worker has been reachable for `timeout_seconds` (1). The
+    server waits for the workers' tokens in one run that is never
+    cancelled (a run given up every poll makes TensorFlow log four lines
+    each time); a thread checks every `poll_seconds` that some worker is
+    still reachable."""
+    import sys
+    import threading
+    import time
+
+    import tensorflow as tf
+
+    from . import heartbeat
+    heartbeat.set_timeout(timeout_seconds)
+    server = info.start_server()
+    graph = tf.Graph()
+    with graph.as_default(), tf.device(f"/job:ps/replica:0/task:{info.task}/device:CPU:0"):
+        queue = tf.queue.FIFOQueue(len(info.workers), [tf.int32], shapes=[[]],
+                                   shared_name=DONE_QUEUE)
+        take = queue.dequeue()
+    config = info.session_config()
+    config.device_filters.append(f"/job:ps/task:{info.task}")   # look for no other task
+
+    def watch():
+        seen = time.monotonic()
+        while True:
+            time.sleep(poll_seconds)
+            if any(_reachable(address) for address in info.workers):
+                seen = time.monotonic()
+            elif time.monotonic() - seen > timeout_seconds:
+                print(f"parallax_ng: ps {info.task}: no worker has been reachable for "
+                      f"{timeout_seconds:g} s; stopping", file=sys.stderr, flush=True)
+                os._exit(1)     # the waiting run cannot be given up without a log line
+
+    done = set()
+    threading.Thread(target=watch, daemon=True).start()
+    with tf.compat.v1.Session(server.target, graph=graph, config=config) as session:
+        while len(done) < len(info.workers):    # a worker may say it twice (two runners)
+            done.add(int(session.run(take)))
+    return 0
+
+
+def _reachable(address: str) -> bool:
+    import socket
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+SHARE_QUEUE = "parallax_ng/from_worker_0"   # on server 0: one element per other worker
+
+
+def share(info: ClusterInfo, server, value, timeout_seconds: float):
+    """Worker 0's `value` (JSON-able), given once to every other worker
+    through a queue on server 0 (without servers: on worker 0): worker 0
+    passes it and gets it back once every other worker has it (each answers
+    on a second queue, so worker 0 may end its process then), the others
+    pass None and get it. DeadlineExceededError when that takes longer than
+    the timeout."""
+    import tensorflow as tf
+    graph = tf.Graph()
+    where = (info.server_devices() or ["/job:worker/replica:0/task:0/device:CPU:0"])[0]
+    others = len(info.workers) - 1
+    with graph.as_default(), tf.device(where), \
+            tf.compat.v1.name_scope("parallax/share/"):
+        queue = tf.queue.FIFOQueue(len(info.workers), [tf.string], shapes=[[]],
+                                   shared_name=SHARE_QUEUE)
+        acks = tf.queue.FIFOQueue(len(info.workers), [tf.int32], shapes=[[]],
+                                  shared_name=SHARE_QUEUE + "/got")
+        if info.task == 0:
+            ops = [queue.enqueue_many([[json.dumps(value)] * others]),
+                   acks.dequeue_many(others)]
+        else:
+            ops = [queue.dequeue(), acks.enqueue(info.task)]
+    options = tf.compat.v1.RunOptions(timeout_in_ms=int(timeout_seconds * 1000))
+    with tf.compat.v1.Session(server.target, graph=graph,
+                              config=info.session_config()) as session:
+        got = [session.run(op, options=options) for op in ops][0]
+    return value if info.task == 0 else json.loads(got.decode())
