@@ -302,11 +302,7 @@ def test_a_profile_file_plans_the_buckets_and_makes_mgwfbp_the_default(tmp_path)
     same on every worker, nothing measured); mgwfbp is then the default."""
     import json
 
-    from parallax_ng.graph import frontend
-    from parallax_ng.planning.analysis import analyze
     from parallax_ng.config import Config
-    from parallax_ng.planning.planner import make_plan
-    from passkit import HOST, devices
     path = tmp_path / "p.json"
     # input to output: dense/w, dense/b, out/v; far apart, a cheap all-reduce
     path.write_text(json.dumps({"forward_time": 0.05, "layers": [
@@ -318,18 +314,17 @@ def test_a_profile_file_plans_the_buckets_and_makes_mgwfbp_the_default(tmp_path)
     assert config.buckets.mode == "mgwfbp"
     assert Config.from_dict({}).buckets.mode == "none"
     g, _ = embedding_regression(4, "adam")
-    tg = frontend.load(g)
-    plan = make_plan(tg, analyze(tg), config, devices(2), HOST)
+    plan = pn.transform_plan(g, local(2), config)
     assert [b.variables for b in plan.buckets] == [("out/v",), ("dense/b",), ("dense/w",)]
     # a large startup cost given in the config merges them all
     merged = Config.from_dict({"run_option": "allreduce",
                                "buckets": {"profile": str(path), "a": 1.0, "b": 0.0}})
-    assert len(make_plan(tg, analyze(tg), merged, devices(2), HOST).buckets) == 1
+    assert len(pn.transform_plan(g, local(2), merged).buckets) == 1
     with pytest.raises(pn.ConfigError, match="buckets.profile"):
         Config.from_dict({"buckets": {"profile": str(tmp_path / "missing.json")}})
     path.write_text(json.dumps({"forward_time": 0.0, "layers": []}))
     with pytest.raises(pn.ConfigError, match="has no all-reduce fit"):
-        make_plan(tg, analyze(tg), config, devices(2), HOST)
+        pn.transform_plan(g, local(2), config)
 
     def build(batch):
         return embedding_regression(batch, "adam", clip=True)
@@ -354,10 +349,11 @@ def test_mgwfbp_under_horovod_needs_a_cost_it_is_given():
               "buckets": {"mode": "mgwfbp"}}
     with pytest.raises(pn.ConfigError, match="buckets.a and buckets.b, or buckets.profile"):
         pn.transform(g, local(1), config, horovod=(0, 2))
-    from parallax_ng import _plan
-    from parallax_ng.graph import frontend
+    from parallax_ng import build
     from parallax_ng.config import Config
+    from parallax_ng.graph import frontend
     from parallax_ng.resources import load_resources
     given = Config.from_dict({**config, "buckets": {"mode": "mgwfbp", "a": 1.0, "b": 0.0}})
-    plan = _plan(frontend.load(g), load_resources(local(1)), given, horovod=(0, 2))
+    job = build.make(given, load_resources(local(1)), horovod=(0, 2))
+    plan = build.Build(frontend.load(g), job).plan()
     assert len(plan.buckets) == 1

@@ -8,14 +8,12 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lowest first: a module may import its own layer and the layers before it.
-# "foundation" is the package's top-level modules but __init__ and the
-# entry points; the package itself (get_runner's orchestration) sits
-# above the runtime and layer-to-layer, and the tools above everything.
+# "foundation" is the package's top-level modules but __init__, build.py
+# and the entry point; the package itself and build.py (the one path from a
+# graph to a Runner) sit above the runtime and layer-to-layer, and the
+# tools above everything.
 LAYERS = ["foundation", "graph", "comm", "planning", "pipeline", "transforms", "runtime",
           "l2l", "parallax_ng", "tools"]
-# Modules whose defining job is to stop the process: the command line and
-# the launcher's server entry point.
-MAY_EXIT = {"parallax_ng.__main__", "parallax_ng.tools.cli", "parallax_ng.tools.launch"}
 MAX_LINES = 450
 
 
@@ -64,8 +62,10 @@ def layer(name):
     parts = name.split(".")
     if parts[0] == "transforms":
         return "transforms"
-    if name in ("parallax_ng", "parallax_ng.__main__"):
-        return "parallax_ng" if name == "parallax_ng" else "tools"
+    if name in ("parallax_ng", "parallax_ng.build"):
+        return "parallax_ng"
+    if name == "parallax_ng.__main__":
+        return "tools"
     if len(parts) == 2 and not MODULES[name].endswith("__init__.py"):
         return "foundation"
     return parts[1]
@@ -108,6 +108,21 @@ def test_every_subpackage_says_what_it_holds_and_may_import():
             assert "May import" in doc, name
 
 
+def test_only_the_command_line_and_the_launcher_end_the_process():
+    """No SystemExit or sys.exit below the tools: the library raises its
+    errors, and a task's end is the launcher's or the CLI's to decide."""
+    found = []
+    for name in MODULES:
+        if layer(name) == "tools":
+            continue
+        for node in ast.walk(tree(name)):
+            if isinstance(node, ast.Name) and node.id == "SystemExit" or \
+                    isinstance(node, ast.Attribute) and node.attr == "exit" and \
+                    isinstance(node.value, ast.Name) and node.value.id == "sys":
+                found.append(f"{name}:{node.lineno}")
+    assert not found, found
+
+
 def test_no_module_is_over_the_line_limit():
     long = {}
     for name, path in MODULES.items():
@@ -124,8 +139,8 @@ def test_the_library_imports_no_pass_module():
             continue
         for t in imports(name):
             assert layer(t) != "transforms", (name, t)
-    # the orchestration reads the passes only through `pipeline_for`
-    for node in ast.walk(tree("parallax_ng")):
+    # the build reads the passes only through `pipeline_for`
+    for node in ast.walk(tree("parallax_ng.build")):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and \
                 node.value.id == "transforms":
             assert node.attr == "pipeline_for", node.attr

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
+from parallax_ng import build
 from models import embedding_regression, local, read_name, train_single, variable_names
 from parallax_ng.tools import cli
 from parallax_ng.graph import frontend
@@ -71,11 +72,10 @@ def test_a_measured_decision_rebuilds_the_graph():
     training equals one device."""
     g, h = embedding_regression(4, "adagrad")
     config = pn.load_config({"run_option": "hybrid"})
-    resources = load_resources(local(2))
-    tg = frontend.load(g)
+    built = build.Build(frontend.load(g), build.make(config, load_resources(local(2))))
 
     def replan(profile=None):
-        plan = pn._plan(tg, resources, config, profile=profile)
+        plan = built.plan(profile)
         info = plan.variables["emb"].info
         if profile is not None and info.alpha < 12 / 40:
             variables = dict(plan.variables, emb=replace(plan.variables["emb"],
@@ -86,7 +86,7 @@ def test_a_measured_decision_rebuilds_the_graph():
         return plan
 
     def rebuild(plan):
-        ir, ctx, manager = pn._rewrite(tg, plan, config)
+        ir, ctx, manager = built.rewrite(plan)
         return ir, ctx, manager.records
 
     ir, ctx, records = rebuild(replan())

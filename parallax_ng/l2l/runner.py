@@ -30,7 +30,8 @@ import numpy as np
 import tensorflow as tf
 
 from .. import compat
-from ..errors import FetchError
+from ..errors import ConfigError, FetchError
+from ..resources import check_devices, session_config
 from ..runtime import heartbeat
 from ..runtime.checkpoint import ITERATOR_OPS, Checkpointer, assign_value, read_value
 from ..runtime.fetches import Fetch, combine
@@ -81,6 +82,41 @@ def plan_of(layering, devices, host: str, cfg, job=(1, 0)) -> L2LPlan:
     return L2LPlan(tuple(devices), host, tuple(
         (s.name, len(s.weights) + len(s.handles), len(s.ops)) for s in layering.segments),
         cfg.micro_batches, cfg.stash, cfg.precision, *job, len(layering.random))
+
+
+def l2l_runner(tg, job) -> "L2LRunner":
+    """Layer-to-layer execution of `tg` for a build.Job: on this machine's
+    devices, or as one worker of a job (its own host the EPS)."""
+    config, info = job.config, job.cluster
+    if config.communication.backend != "tf":
+        raise ConfigError("config key 'l2l' keeps the model on the host of one process; "
+                          "'communication.backend: horovod' does not apply to it")
+    if info is None:
+        devices = job.resources.hosts[0].devices
+        check_devices(devices)
+        return L2LRunner(tg, [l2l.device_string(kind, i) for kind, i in devices], config,
+                         session_config(devices))
+    if info.task_type != "worker" or info.ps:
+        raise ConfigError("config key 'l2l': every worker's host is its parameter server; "
+                          "list no 'ps' in the resources")
+    check_devices(info.devices, f"worker {info.task} ({info.workers[info.task]})")
+    server = info.start_server()
+    runner = L2LRunner(tg, info.device_strings(), config, info.session_config(),
+                       target=server.target, host=info.host,
+                       job=(len(info.workers), info.task))
+    runner.server = server
+    return runner
+
+
+def l2l_plan(tg, job) -> L2LPlan:
+    """How layer-to-layer execution cuts `tg` for a build.Job (nothing is built)."""
+    info, cfg = job.cluster, job.config.l2l
+    if info is not None:
+        return plan_of(layers.split(tg, cfg.layers, cfg.loss), info.device_strings(),
+                       info.host, cfg, (len(info.workers), 0))
+    devices = [l2l.device_string(kind, i) for kind, i in job.resources.hosts[0].devices]
+    return plan_of(layers.split(tg, cfg.layers, cfg.loss), devices,
+                   l2l.device_string("CPU", 0), cfg)
 
 
 class L2LRunner:

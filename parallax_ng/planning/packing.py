@@ -14,7 +14,6 @@ give the same packing on every worker.
 """
 from __future__ import annotations
 
-from ..errors import ConfigError
 from ..graph.frontend import TrainingGraph
 from . import buckets as bucketing
 from .buckets import buffer_bytes
@@ -40,15 +39,8 @@ def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
     variable's backward time from `profile` (the time since the variable
     before it was ready; without one every gradient is ready at once) and
     the all-reduce cost from the config, else from the profile's fit (none
-    yet: one all-reduce per variable until it is measured). A profile file
-    in the config (`buckets.profile`) stands for the measured profile."""
-    if config.profile:               # a profile file: the same buckets on every worker
-        from .profile import from_file
-        profile = from_file(config.profile)
-        if config.a is None and profile.allreduce is None:
-            raise ConfigError(f"buckets.profile {config.profile!r} has no all-reduce fit "
-                              "(`allreduce`); give buckets.a and buckets.b, or profile with "
-                              "parallax-ng profile")
+    yet: one all-reduce per variable until it is measured). The file
+    `buckets.profile` names, read, comes as `profile` (parallax_ng/build.py)."""
     cost = (bucketing.Cost(config.a, config.b) if config.a is not None else
             profile.allreduce.cost if profile is not None and profile.allreduce else None)
     if config.mode == "none" or (config.mode == "mgwfbp" and cost is None):

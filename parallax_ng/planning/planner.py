@@ -37,12 +37,14 @@ from .plan import Plan, Rewrites, Schedule, VariablePlan, job_devices
 def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
               devices: list[str], host: str, num_workers: int = 1, worker: int = 0,
               servers: list[str] = (), order: tuple[str, ...] = (), profile=None,
-              layout: traffic.Layout | None = None) -> Plan:
+              layout: traffic.Layout | None = None, bucket_profile=None) -> Plan:
     """`order`: trained variables in the order their gradients became ready
     in a measured step (in a job every worker must pack alike: the order
-    worker 0 measured and gave every worker, parallax_ng/__init__.py
-    `_job_order`); empty: the static order. `profile`: a measured step
-    (parallax_ng/planning/profile.py), whose ready times the mgwfbp buckets use.
+    worker 0 measured and gave every worker, parallax_ng/build.py
+    `measure_job`); empty: the static order. `profile`: a measured step
+    (parallax_ng/planning/profile.py), whose ready times the mgwfbp buckets
+    use; `bucket_profile`: the file `buckets.profile` names, read, which
+    stands for it there.
     `layout`: the hosts of a job's tasks, whose links weigh the candidate
     plans of hybrid and auto (parallax_ng/planning/choice.py); None: every task on
     this machine."""
@@ -68,7 +70,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                                                            can_sum),
                                        group, len(servers), net)
                  for name, vi in info.items()}
-    job = (tg, info, devices, host, num_workers, worker, servers, order, profile)
+    job = (tg, info, devices, host, num_workers, worker, servers, order,
+           bucket_profile or profile)
 
     def build(cfg: Config, tables: dict) -> Plan:
         methods = choose_methods(info, cfg, job_servers, can_cut, can_sum, tables)

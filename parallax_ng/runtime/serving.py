@@ -30,6 +30,17 @@ def done_ops(graph, servers: list[str], workers: int, worker: int) -> list:
     return ops
 
 
+def tell_done(info: ClusterInfo, server) -> None:
+    """Tell every server of the job that this worker is done (in a graph of
+    its own; a Runner does it with `done_ops` in its graph when it closes)."""
+    import tensorflow as tf
+    graph = tf.Graph()
+    ops = done_ops(graph, info.server_devices(), len(info.workers), info.task)
+    with tf.compat.v1.Session(server.target, graph=graph,
+                              config=info.session_config()) as session:
+        session.run(ops)
+
+
 def serve(info: ClusterInfo, timeout_seconds: float, poll_seconds: float = 2.0) -> int:
     """Run this server task until every worker has said it is done (0), or
     until no worker has been reachable for `timeout_seconds` (1). The
@@ -71,6 +82,19 @@ def serve(info: ClusterInfo, timeout_seconds: float, poll_seconds: float = 2.0) 
         while len(done) < len(info.workers):    # a worker may say it twice (two runners)
             done.add(int(session.run(take)))
     return 0
+
+
+def serve_task(info: ClusterInfo, timeout_seconds: float) -> None:
+    """A parameter-server task whose process runs the training script (as
+    orchestrators that set TF_CONFIG start every task): serve until the
+    workers are done, then end the process with `serve`'s code, as
+    tf.distribute.Server.join() never returns to the script. (Tasks that
+    `parallax-ng run` starts run `serve` alone, not the script.)"""
+    import sys
+    code = serve(info, timeout_seconds)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _reachable(address: str) -> bool:

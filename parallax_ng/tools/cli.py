@@ -182,9 +182,10 @@ def _profile(opts) -> int:
 
 
 def _profile_job(opts) -> int:
-    """Start the job; its workers measure before building their graphs
-    (worker 0's first steps, the all-reduce benchmark on all) and stop;
-    worker 0 writes the profile."""
+    """Start the job; its workers run the script until get_runner, measure
+    as before building their graphs (worker 0's first steps, the all-reduce
+    benchmark on all) and stop; worker 0 writes the profile
+    (tools/profile_task.py)."""
     import tempfile
 
     from ..cluster import PROFILE_ENV
@@ -192,7 +193,8 @@ def _profile_job(opts) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.abspath(opts.out or os.path.join(tmp, "profile.json"))
         done = launch(opts.script, opts.resources, opts.config, opts.args, chief_only=True,
-                      env={PROFILE_ENV: f"{opts.steps}:{int(opts.per_variable)}:{path}"})
+                      env={PROFILE_ENV: f"{opts.steps}:{int(opts.per_variable)}:{path}"},
+                      runner="parallax_ng.tools.profile_task")
         if done != 0:
             return done
         with open(path) as f:

@@ -211,10 +211,12 @@ def _ephemeral_low() -> int:
 
 def launch(script: str, resource_info, config: str | None = None, args=(),
            grace: float = 10.0, poll: float = 0.2, chief_only: bool = False,
-           verbose: bool = False, env: dict | None = None) -> int:
+           verbose: bool = False, env: dict | None = None, runner: str = "") -> int:
     """Run the job; its exit code: 0 when every worker ended well, else
     the failing task's (128 + N for a task ended by signal N), 1 for a task
-    that stopped making progress, 130 on Ctrl-C, 143 on SIGTERM."""
+    that stopped making progress, 130 on Ctrl-C, 143 on SIGTERM. `runner`:
+    a module each worker runs the script with (`python -m runner script
+    ...`), else the script runs as itself."""
     from ..config import load_config
     if not os.path.isfile(script):
         raise ResourceError(f"script {script!r} does not exist")
@@ -245,7 +247,8 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
                                 shown=not chief_only, verbose=verbose))
         for i, host in enumerate(resources.hosts):
             info = ClusterInfo(tuple(workers), tuple(ps), "worker", i, host.devices)
-            command = [sys.executable, os.path.abspath(script), *args]
+            command = [sys.executable, *(['-m', runner] if runner else []),
+                       os.path.abspath(script), *args]
             tasks.append(_start(f"worker {i}", command, info, base_env,
                                 resources.ssh if is_remote(host.address, host.launch)
                                 else None, shown=i == 0 or not chief_only,

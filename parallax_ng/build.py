@@ -1,0 +1,284 @@
+"""Build: the one path from a user's graph to a Runner.
+
+    job = resolve(resource_info, config)       # once: where this process trains
+    build = Build(frontend.load(graph), job)   # the analysis, once
+    plan = build.plan()                        # planning/planner.py
+    ir, ctx, manager = build.rewrite(plan)     # the passes (transforms/)
+    Runner(ir, ctx, ...)                       # runtime/runner.py
+
+`resolve` reads the config (the job's, `parallax-ng run -c FILE`, checked
+against the one given), the resources, this process's place in a job
+(parallax_ng/cluster.py) or its Horovod rank, and the profile file
+`buckets.profile` names: nothing below reads them again. A front end gives
+a TrainingGraph (graph/frontend.py today); everything after it is shared.
+Layer-to-layer execution builds its own graph from the same TrainingGraph
+(l2l/runner.py).
+
+In a multi-process job whose plan needs measurements (fusion buffers or
+mgwfbp buckets packed by ready times; hybrid and auto weighing whole plans
+by the rows a step touches and the network), every worker measures before
+its graph is built (`measure_job`) and takes worker 0's results, so every
+worker plans alike; otherwise the first plan is the plan.
+
+Requires: a TrainingGraph. Guarantees: the same inputs give the same plan
+on every worker; what a config asks and the plan does not do is printed
+once per job, by worker 0 (Plan.unmet).
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, replace
+
+from . import cluster
+from .config import Config, load_config
+from .errors import ConfigError, ResourceError
+from .resources import ResourceInfo, check_devices, load_resources, session_config
+
+
+@dataclass(frozen=True)
+class Job:
+    """Where this process trains: this machine's devices (`resources`),
+    a worker of a multi-process job (`cluster`), or a Horovod rank
+    (`horovod` = (rank, size), its devices in `resources`)."""
+    config: Config
+    resources: ResourceInfo | None = None
+    cluster: cluster.ClusterInfo | None = None
+    horovod: tuple[int, int] | None = None
+    bucket_profile: object = None      # buckets.profile, read (planning/profile.py)
+
+    @property
+    def workers(self) -> int:
+        return len(self.cluster.workers) if self.cluster else (self.horovod or (0, 1))[1]
+
+
+def resolve(resource_info=None, config=None, planned: bool = False) -> Job:
+    """The Job of this process, from the environment a launcher or an
+    orchestrator set (a Horovod rank, a worker of a job), else this
+    machine's devices. `planned`: a resource file with several hosts or
+    with servers is the job `parallax-ng run` would start, seen from worker
+    0 (nothing is started; the config is the one given)."""
+    cfg = load_config(config) if planned else job_config(config)
+    resources = load_resources(resource_info)
+    if planned:
+        several = len(resources.hosts) > 1 or resources.ps
+        return make(cfg, resources, cluster.ClusterInfo.planned(resources) if several else None)
+    if cfg.communication.backend == "horovod" and not cfg.l2l.enabled:   # one worker each
+        from .comm import horovod
+        check_devices(resources.hosts[0].devices)
+        return make(cfg, resources, horovod=horovod.init())
+    info = cluster.from_env(resources if resource_info is not None else None)
+    return make(cfg, resources, info)
+
+
+def make(config: Config, resources: ResourceInfo | None = None,
+         cluster_info: cluster.ClusterInfo | None = None,
+         horovod: tuple[int, int] | None = None) -> Job:
+    """The Job of a worker of a multi-process job (`cluster_info`), of a
+    Horovod rank (`horovod` = (rank, size)), else of the devices in
+    `resources`, with the profile file `buckets.profile` read."""
+    b = config.buckets
+    profile = None
+    if b.profile:
+        from .planning.profile import from_file
+        profile = from_file(b.profile)
+        if b.a is None and profile.allreduce is None:
+            raise ConfigError(f"buckets.profile {b.profile!r} has no all-reduce fit "
+                              "(`allreduce`); give buckets.a and buckets.b, or profile with "
+                              "parallax-ng profile")
+    if cluster_info is not None:
+        return Job(config, None, cluster_info, bucket_profile=profile)
+    if horovod is not None and horovod[1] > 1 and b.mode == "mgwfbp" and b.a is None and \
+            not b.profile:
+        raise ConfigError("buckets.mode mgwfbp under Horovod needs the all-reduce cost: "
+                          "buckets.a and buckets.b, or buckets.profile (a `parallax-ng "
+                          "profile` file); ranks do not measure it")
+    if len(resources.hosts) > 1:
+        raise ResourceError(
+            f"resource info lists {len(resources.hosts)} hosts; get_runner runs on one "
+            "machine's devices. List one host, or start the job with "
+            "`parallax-ng run script.py -r resources.yaml`")
+    return Job(config, resources, None, horovod, profile)
+
+
+def job_config(config) -> Config:
+    """`config`, or the job's (`parallax-ng run -c FILE` sets
+    PARALLAX_NG_CONFIG); both given and different is an error."""
+    path = os.environ.get(cluster.CONFIG_ENV)
+    if not path:
+        return load_config(config)
+    job = load_config(path)
+    if config is None:
+        return job
+    given = load_config(config)
+    if given != job:
+        raise ConfigError(
+            f"get_runner was given a config that differs from the job's (parallax-ng run "
+            f"-c {path}); pass config=None to use the job's, or start the job without -c")
+    return given
+
+
+class Build:
+    """The analysis of `tg` (once) and its plans and rewrites for `job`.
+    `shared`: what worker 0 measured before the graph was built and gave
+    every worker (`measure_job`), or None."""
+
+    def __init__(self, tg, job: Job, shared: dict | None = None):
+        from .planning.analysis import analyze
+        self.tg, self.job, self.shared = tg, job, shared
+        self.info = analyze(tg)
+        self.measured = job_profile(shared) if shared else None
+
+    def plan(self, profile=None):
+        """The Plan; with `profile`, a step this process measured
+        (planning/profile.py), whose rows, ready times and fit it uses."""
+        from .planning.planner import make_plan
+        from .planning.traffic import Layout
+
+        tg, job, config, info = self.tg, self.job, self.job.config, self.info
+        order = ()
+        if profile is not None:
+            info, order = profile.apply(info, tg), profile.order
+        if job.cluster is not None:
+            if self.measured is not None and self.measured.rows:   # worker 0's rows
+                info = self.measured.apply(info, tg)
+            c = job.cluster
+            plan = make_plan(tg, info, config, c.device_strings(), c.host, len(c.workers),
+                             c.task, c.server_devices(),
+                             tuple(self.shared["order"]) if self.shared else (),
+                             profile=self.measured, layout=Layout.of(c),
+                             bucket_profile=job.bucket_profile)
+            if plan.buffers:
+                plan = replace(plan, order_source=(self.shared or {}).get("source", ""))
+        else:
+            rank, size = job.horovod or (0, 1)
+            measured = None if size > 1 else profile   # every rank plans alike
+            plan = make_plan(tg, info, config, job.resources.local_device_strings(),
+                             "/job:localhost/replica:0/task:0/device:CPU:0",
+                             num_workers=size, worker=rank, order=() if size > 1 else order,
+                             profile=measured, bucket_profile=job.bucket_profile)
+        if profile is not None:
+            plan = replace(plan, schedule=replace(plan.schedule, order=profile.order))
+        return plan
+
+    def rewrite(self, plan, keep_graphs: bool = False):
+        """(transformed GraphIR, PassContext, PassManager): the passes the
+        plan needs, run over the user's graph."""
+        import transforms
+
+        from .pipeline.passes import PassContext, PassManager
+
+        config = self.job.config
+        ctx = PassContext(self.tg, plan)
+        manager = PassManager(transforms.pipeline_for(plan), config.verify, config.dump_dir,
+                              keep_graphs)
+        return manager.run(self.tg.ir, ctx), ctx, manager
+
+
+def runner(tg, job: Job, profile_steps: int = 0):
+    """The Runner of `tg` for `job` (in a job, this worker's server started;
+    a parameter-server task serves instead and never returns). With
+    `profile_steps` (`parallax-ng plan --profile N`) the runner measures
+    that many steps and keeps its graph."""
+    config = job.config
+    if profile_steps:
+        from .config import ProfileConfig
+        job = replace(job, config=replace(config, profile=ProfileConfig(profile_steps,
+                                                                        "never")))
+    if job.config.l2l.enabled:
+        from .l2l.runner import l2l_runner
+        return l2l_runner(tg, job)
+    info, server = job.cluster, None
+    if info is not None:
+        if info.task_type == "ps":      # TF_CONFIG convention: a server task only serves
+            from .runtime.serving import serve_task
+            serve_task(info, config.communication.timeout_seconds)
+        check_devices(info.devices, f"worker {info.task} ({info.workers[info.task]})")
+        server = info.start_server()
+        shared = measure_job(tg, job, server)
+        sessions = info.session_config()
+    else:
+        check_devices(job.resources.hosts[0].devices)
+        shared, sessions = None, session_config(job.resources.hosts[0].devices)
+    return _runner(Build(tg, job, shared), sessions, server)
+
+
+def _runner(build: Build, sessions, server):
+    from .runtime.runner import Runner
+
+    def rebuild(plan):
+        ir, ctx, manager = build.rewrite(plan)
+        return ir, ctx, manager.records
+
+    ir, ctx, records = rebuild(build.plan())
+    if ctx.plan.worker == 0:       # once per job: what the config asked that is not done
+        for line in ctx.plan.unmet():
+            print(f"parallax_ng: {line}", file=sys.stderr, flush=True)
+    return Runner(ir, ctx, build.job.config, sessions, records, server=server,
+                  replan=build.plan, rebuild=rebuild)
+
+
+def measure_job(tg, job: Job, server, profile_steps: int = 0) -> dict | None:
+    """In a job whose dense gradients go through fusion buffers or mgwfbp
+    buckets, or whose plans hybrid or auto weigh (by the rows a step
+    touches and the network, planning/choice.py): what worker 0's first
+    step measured before the graph is built (planning/profile.py
+    first_step_profile: the order and times the gradients became ready,
+    the rows they touched), and, when mgwfbp has no a and b or the plans
+    are weighed without a configured network, the all-reduce benchmark and
+    the server round trip every worker runs together
+    (planning/costfit.py); worker 0's results are given once to every
+    worker (runtime/serving.py share), so all plan alike (the others take
+    the same steps meanwhile, so the machine is shared as in training).
+    None outside such a job. `profile_steps` (`parallax-ng profile` of a
+    job): measure that many steps and run the benchmark whatever the plan."""
+    from .planning import choice, costfit
+    from .planning.profile import first_step_profile
+    from .runtime import serving
+
+    info, config = job.cluster, job.config
+    if info is None or server is None or (len(info.workers) < 2 and not profile_steps):
+        return None
+    plan = Build(tg, job).plan()
+    mgwfbp = config.buckets.mode == "mgwfbp" and not config.buckets.profile and any(
+        vp.method == "allreduce" for vp in plan.variables.values())
+    weighs = config.run_option == "auto" or choice.weighs(config, len(info.workers), info.ps)
+    if not plan.buffers and not mgwfbp and not weighs and not profile_steps:
+        return None
+    timeout = config.communication.timeout_seconds
+    fit = None
+    if mgwfbp and config.buckets.a is None or profile_steps or \
+            weighs and config.network.bandwidth is None:
+        fit = costfit.measure(server.target, list(plan.devices), plan.group_size,
+                              costfit.sizes(costfit.model_bytes(tg, plan)),
+                              info.session_config(), timeout)
+    trip = (None, None)
+    if weighs and info.ps and config.network.bandwidth is None:
+        trip = costfit.round_trip(server.target, info.server_devices()[0], info.host,
+                                  info.session_config(), timeout)
+    steps = profile_steps or config.profile.steps
+    profile, why = first_step_profile(tg, timeout, steps) if steps else (
+        None, "profile.steps is 0")
+    mine = None
+    if info.task == 0:
+        mine = {"order": list(profile.order) if profile else [],
+                "ready": dict(profile.ready) if profile else {},
+                "forward_time": profile.forward_time if profile else 0.0,
+                "allreduce": fit.to_dict() if fit else None, "round_trip": trip[0],
+                "session_run": trip[1],
+                "rows": dict(profile.rows) if profile else {},
+                "source": "measured in worker 0's first step" if profile else
+                          f"the graph's order: not measured, {why}"}
+    return serving.share(info, server, mine, timeout)
+
+
+def job_profile(shared: dict):
+    """The Profile worker 0 measured and shared (`measure_job`), or None."""
+    from .planning.costfit import Fit
+    from .planning.profile import Profile
+    if not shared.get("ready") and not shared.get("allreduce") and not shared.get("rows"):
+        return None
+    fit = shared.get("allreduce")
+    return Profile(1, dict(shared.get("rows", {})), dict(shared.get("ready", {})),
+                   shared.get("forward_time", 0.0), Fit.from_dict(fit) if fit else None,
+                   shared.get("round_trip"), shared.get("session_run"))
