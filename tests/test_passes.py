@@ -48,6 +48,24 @@ def test_failing_verification_names_the_pass_and_those_before():
 
 
 @dataclass(frozen=True)
+class BuggyPass:
+    """A pass with a bug: a lookup of a node that is not there."""
+    name: str = "buggy"
+
+    def run(self, ir, ctx):
+        return ir, {"found": {}["missing"]}
+
+
+def test_any_error_a_pass_raises_names_the_pass_and_keeps_its_type():
+    from parallax_ng.pipeline.passes import PassManager
+    ctx = context(n=2)
+    manager = PassManager([transforms.ReplicatePass(), BuggyPass()])
+    with pytest.raises(KeyError) as err:
+        manager.run(ctx.tg.ir, ctx)
+    assert err.value.__notes__ == ["parallax_ng: raised in pass 'buggy' (after ['replicate'])"]
+
+
+@dataclass(frozen=True)
 class MistypedPass:
     """A graph whose structure is sound but which TensorFlow rejects: an op
     (AddN, ConcatV2) that claims more inputs than it has."""

@@ -24,6 +24,8 @@ def test_reference_uses_follow_the_op_definition():
     assert rules.classify_ref_use("Identity", 0) == "read"        # dereferences
     assert rules.classify_ref_use("RefIdentity", 0) == "pass"
     assert rules.classify_ref_use("IsVariableInitialized", 0) == "read"
+    with pytest.raises(GraphError, match="NoSuchRefOp.*no registered definition"):
+        rules.classify_ref_use("NoSuchRefOp", 0)
 
 
 def test_tables():

@@ -114,9 +114,15 @@ def classify_ref_use(op_type: str, position: int) -> str:
     if op_type in REF_READERS:
         return "read"
     refs = compat.ref_input_positions(op_type)
-    if refs and position < len(refs) and refs[position]:
+    if refs is None:
+        raise GraphError(
+            f"op type {op_type} takes a reference variable, and TensorFlow has no "
+            "registered definition of it in this process, so parallax_ng cannot tell "
+            "whether it writes the variable; import the module that registers the op "
+            "before get_runner, or use resource variables (tf.Variable under v2 behavior)")
+    if position < len(refs) and refs[position]:
         return "write"
-    return "read"
+    return "read"       # a value argument: TensorFlow dereferences it
 
 
 def classify_resource_use(op_type: str, node_name: str, variable: str) -> str:

@@ -147,8 +147,10 @@ class PassManager:
                 ir, report = p.run(ir, ctx)
                 self._check(ir, last=i == len(self.passes))
             except ParallaxError as e:
-                before = [q.name for q in self.passes[:i - 1]]
-                raise type(e)(f"pass {p.name!r} (after {before or 'none'}) failed: {e}") from e
+                raise type(e)(f"{self._where(i)} failed: {e}") from e
+            except Exception as e:     # a bug or TensorFlow's: its type kept, the pass named
+                e.add_note(f"parallax_ng: raised in {self._where(i)}")
+                raise
             self.records.append(PassRecord(p.name, time.perf_counter() - start,
                                            len(ir), report))
             self._dump(i, p.name, ir)
@@ -156,6 +158,11 @@ class PassManager:
             with open(os.path.join(self.dump_dir, "passes.json"), "w") as f:
                 json.dump([r.__dict__ for r in self.records], f, indent=1, default=str)
         return ir
+
+    def _where(self, i: int) -> str:
+        """The i-th pass (from 1) and the ones before it, for an error."""
+        before = [q.name for q in self.passes[:i - 1]]
+        return f"pass {self.passes[i - 1].name!r} (after {before or 'none'})"
 
     def _check(self, ir: GraphIR, last: bool) -> None:
         # "structure": inputs after every pass, acyclicity once at the end
