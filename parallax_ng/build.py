@@ -119,19 +119,29 @@ def job_config(config) -> Config:
 
 
 class Build:
-    """The analysis of `tg` (once) and its plans and rewrites for `job`.
+    """The analyses of `tg` (once: its VariableInfo and the Facts the
+    planner and the passes share) and its plans and rewrites for `job`.
     `shared`: what worker 0 measured before the graph was built and gave
     every worker (`measure_job`), or None."""
 
     def __init__(self, tg, job: Job, shared: dict | None = None):
         from .planning.analysis import analyze
-        self.tg, self.job, self.shared = tg, job, shared
-        self.info = analyze(tg)
+        from .planning.facts import Facts
+        self.tg, self.job = tg, job
+        self.info, self.facts = analyze(tg), Facts(tg)
+        self.share(shared)
+
+    def share(self, shared: dict | None) -> None:
+        """Plan from now on with what worker 0 measured (`measure_job`)."""
+        self.shared = shared
         self.measured = job_profile(shared) if shared else None
+        self._plain = None       # the plan without a profile of this process's steps
 
     def plan(self, profile=None):
         """The Plan; with `profile`, a step this process measured
         (planning/profile.py), whose rows, ready times and fit it uses."""
+        if profile is None and self._plain is not None:
+            return self._plain
         from .planning.planner import make_plan
         from .planning.traffic import Layout
 
@@ -147,7 +157,7 @@ class Build:
                              c.task, c.server_devices(),
                              tuple(self.shared["order"]) if self.shared else (),
                              profile=self.measured, layout=Layout.of(c),
-                             bucket_profile=job.bucket_profile)
+                             bucket_profile=job.bucket_profile, facts=self.facts)
             if plan.buffers:
                 plan = replace(plan, order_source=(self.shared or {}).get("source", ""))
         else:
@@ -156,9 +166,11 @@ class Build:
             plan = make_plan(tg, info, config, job.resources.local_device_strings(),
                              "/job:localhost/replica:0/task:0/device:CPU:0",
                              num_workers=size, worker=rank, order=() if size > 1 else order,
-                             profile=measured, bucket_profile=job.bucket_profile)
+                             profile=measured, bucket_profile=job.bucket_profile,
+                             facts=self.facts)
         if profile is not None:
-            plan = replace(plan, schedule=replace(plan.schedule, order=profile.order))
+            return replace(plan, schedule=replace(plan.schedule, order=profile.order))
+        self._plain = plan
         return plan
 
     def rewrite(self, plan, keep_graphs: bool = False):
@@ -169,7 +181,7 @@ class Build:
         from .pipeline.passes import PassContext, PassManager
 
         config = self.job.config
-        ctx = PassContext(self.tg, plan)
+        ctx = PassContext(self.tg, plan, facts=self.facts)
         manager = PassManager(transforms.pipeline_for(plan), config.verify, config.dump_dir,
                               keep_graphs)
         return manager.run(self.tg.ir, ctx), ctx, manager
@@ -195,12 +207,13 @@ def runner(tg, job: Job, profile_steps: int = 0):
             serve_task(info, config.communication.timeout_seconds)
         check_devices(info.devices, f"worker {info.task} ({info.workers[info.task]})")
         server = info.start_server()
-        shared = measure_job(tg, job, server)
+        build = Build(tg, job)
+        build.share(measure_job(build, server))
         sessions = info.session_config()
     else:
         check_devices(job.resources.hosts[0].devices)
-        shared, sessions = None, session_config(job.resources.hosts[0].devices)
-    return _runner(Build(tg, job, shared), sessions, server)
+        build, sessions = Build(tg, job), session_config(job.resources.hosts[0].devices)
+    return _runner(build, sessions, server)
 
 
 def _runner(build: Build, sessions, server):
@@ -218,7 +231,7 @@ def _runner(build: Build, sessions, server):
                   replan=build.plan, rebuild=rebuild)
 
 
-def measure_job(tg, job: Job, server, profile_steps: int = 0) -> dict | None:
+def measure_job(build: Build, server, profile_steps: int = 0) -> dict | None:
     """In a job whose dense gradients go through fusion buffers or mgwfbp
     buckets, or whose plans hybrid or auto weigh (by the rows a step
     touches and the network, planning/choice.py): what worker 0's first
@@ -236,10 +249,10 @@ def measure_job(tg, job: Job, server, profile_steps: int = 0) -> dict | None:
     from .planning.profile import first_step_profile
     from .runtime import serving
 
-    info, config = job.cluster, job.config
+    tg, info, config = build.tg, build.job.cluster, build.job.config
     if info is None or server is None or (len(info.workers) < 2 and not profile_steps):
         return None
-    plan = Build(tg, job).plan()
+    plan = build.plan()
     mgwfbp = config.buckets.mode == "mgwfbp" and not config.buckets.profile and any(
         vp.method == "allreduce" for vp in plan.variables.values())
     weighs = config.run_option == "auto" or choice.weighs(config, len(info.workers), info.ps)

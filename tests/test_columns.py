@@ -8,6 +8,7 @@ from models import embedding_regression
 from parallax_ng.graph import frontend
 from parallax_ng.planning.column_cut import Branch, uses
 from parallax_ng.errors import ConfigError
+from parallax_ng.planning.facts import Facts
 from parallax_ng.planning.placement import Columns
 from parallax_ng.planning.planner import by_columns
 
@@ -71,10 +72,10 @@ def test_a_tied_output_layer_reads_the_whole_table_which_a_job_cannot():
     u = uses(tg, "emb")
     inside = [r for r in u.whole_reads if tg.ir.node_consumers.get(r)]
     assert inside == ["Read/ReadVariableOp"]
-    assert by_columns(tg, ["emb"], ["d0", "d1"])["emb"].width == 4
+    assert by_columns(Facts(tg), ["emb"], ["d0", "d1"])["emb"].width == 4
     with pytest.raises(ConfigError, match="'Read/ReadVariableOp' reads the whole of 'emb' "
                                           "within a step.*use ps or allgather"):
-        by_columns(tg, ["emb"], ["d0", "d1"], num_workers=2)
+        by_columns(Facts(tg), ["emb"], ["d0", "d1"], num_workers=2)
 
 
 def test_reference_variables_and_other_shapes_are_errors():

@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from models import embedding_regression
 from parallax_ng.planning import deferral
+from parallax_ng.planning.facts import Facts
 from parallax_ng.errors import ConfigError
 from parallax_ng.graph.frontend import load
 from parallax_ng.graph.ir import TensorRef
@@ -14,7 +15,7 @@ tf1 = tf.compat.v1
 
 def test_sgd_updates_by_one_scatter_with_a_constant_rate():
     tg = load(embedding_regression(4, "sgd")[0])
-    d = deferral.analyse(tg, "emb")
+    d = deferral.analyse(Facts(tg), "emb")
     assert d.writers == ("GradientDescent/update_emb/ResourceScatterAdd",)
     assert d.frontier == ()
     assert TensorRef("GradientDescent/learning_rate", 0) in d.constants
@@ -26,7 +27,7 @@ def test_adam_keeps_its_bias_corrected_rate_and_the_average_its_decay():
     learning rate comes from the step counters (a scalar kept per step),
     and the moving average reads the table after the table's update."""
     tg = load(embedding_regression(4, "adam", ema=True)[0])
-    d = deferral.analyse(tg, "emb")
+    d = deferral.analyse(Facts(tg), "emb")
     kinds = sorted(tg.ir.node(w).op for w in d.writers)
     assert kinds == ["AssignSubVariableOp", "AssignSubVariableOp", "AssignVariableOp",
                      "AssignVariableOp", "ResourceScatterAdd", "ResourceScatterAdd"]
@@ -44,7 +45,7 @@ def test_a_global_norm_stays_in_the_step_and_a_second_lookup_keeps_the_update():
     replica's share is summed in the rows' step); the clip scale it makes
     is a scalar kept for the delayed rows."""
     tg = load(embedding_regression(4, "adam", clip=True)[0])
-    d = deferral.analyse(tg, "emb")
+    d = deferral.analyse(Facts(tg), "emb")
     assert not any(tg.ir.node(op).op == "L2Loss" for op in d.ops)
     assert any(r.node.startswith("clip_by_global_norm/") for r in d.frontier)
     g = tf.Graph()
@@ -55,7 +56,7 @@ def test_a_global_norm_stays_in_the_step_and_a_second_lookup_keeps_the_update():
         loss = tf.reduce_sum(tf.gather(emb, a)) + tf.reduce_sum(tf.gather(emb, b) ** 2)
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
     with pytest.raises(ConfigError, match="not one lookup's ids"):
-        deferral.analyse(load(g), "emb")
+        deferral.analyse(Facts(load(g)), "emb")
 
 
 def test_an_update_that_needs_the_whole_table_cannot_wait():
@@ -69,7 +70,7 @@ def test_an_update_that_needs_the_whole_table_cannot_wait():
         with tf.control_dependencies([train]):
             emb.assign(emb - tf.reduce_mean(emb, 0))
     with pytest.raises(ConfigError, match=r"\(Mean\) updates 'emb' from its rows"):
-        deferral.analyse(load(g), "emb")
+        deferral.analyse(Facts(load(g)), "emb")
 
 
 def test_a_dense_update_keeps_the_scalars_it_reads_from_the_step():

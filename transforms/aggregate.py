@@ -32,9 +32,7 @@ import tensorflow as tf
 from parallax_ng.graph import emit, rules
 from parallax_ng.graph.ir import GraphIR, TensorRef, format_input
 from parallax_ng.pipeline.results import ExchangedLookups, LocalAggregates
-from parallax_ng.planning import column_cut as columns
 from parallax_ng.planning import deferral
-from parallax_ng.planning.coalescing import coalescing
 from transforms.columns import lookup_exchange
 
 
@@ -146,7 +144,7 @@ def _norm_shares(ctx, var, scope: str, values: list[str]):
     uses `coalescing` lists) as each replica's rows, scaled for a mean,
     squared, and summed over the replicas, as one device squares every row."""
     plan, tg = ctx.plan, ctx.tg
-    norms = coalescing(tg, var)
+    norms = ctx.facts.coalescing(var)
     if not norms:
         return [], {}
     dtype = tg.tensor(tg.gradients[var].values).dtype
@@ -188,7 +186,7 @@ def _ps(ctx, var, grad):
     if plan.variables[var].coalesce:
         nodes += _coalesce(scope, rows, f"{scope}/indices", dtype, idx_dtype, device)
         nodes.append(emit.node_def(f"{scope}/norm", "L2Loss", [rows], device, T=dtype))
-        for norm in coalescing(ctx.tg, var):
+        for norm in ctx.facts.coalescing(var):
             outputs[TensorRef(norm, 0)] = [f"{scope}/norm"] * n
     outputs[grad.values] = [out_values] * n
     return nodes, outputs
@@ -395,7 +393,8 @@ def _alltoall(ctx, var, grad, exchanged: dict, ids: dict):
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
     n, scope = plan.num_replicas, f"parallax/alltoall/{var}"
     nodes, values, indices, outputs = _replica_rows(ctx, var, grad, scope)
-    lookup = deferral.same_ids(tg, var, plan.distinct_lookups, plan.variables[var].coalesce)
+    lookup = deferral.same_ids(ctx.facts, var, plan.distinct_lookups,
+                               plan.variables[var].coalesce)
     gathered = None
     if lookup is not None:       # the forward's gathered ids serve the gradient too
         made, rows, gathered = lookup_exchange(ctx, lookup, plan.placement[var])
@@ -407,7 +406,7 @@ def _alltoall(ctx, var, grad, exchanged: dict, ids: dict):
     outputs.update({grad.values: v, grad.indices: i})
     if plan.variables[var].coalesce:
         return nodes, outputs
-    for norm in columns.uses(tg, var).norms:     # each replica squared its columns
+    for norm in ctx.facts.column_uses(var).norms:     # each replica squared its columns
         made, summed = ctx.comm.all_reduce(
             f"{scope}/norm/{norm}", [ctx.replica_tensor(k, TensorRef(norm, 0))
                                      for k in range(n)], vt.dtype, False)

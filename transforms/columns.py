@@ -5,7 +5,7 @@ placements (method alltoall and its slots; the planner checked every use
 with parallax_ng/planning/column_cut.py); runs after `init`, so an initializer writes
 the value every replica agreed on.
 Guarantees, for every replica k (job index j) and every use the analysis
-found (`columns.uses`):
+found (`Facts.column_uses`):
 - replica k's copy of the table and of each slot of its shape is a
   variable of the replica's columns only ([rows, width of part j]);
 - a lookup whose rows the model reads gives full rows, by the backend's
@@ -37,7 +37,6 @@ from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit, rules
 from parallax_ng.graph.ir import GraphIR, copy_node
 from parallax_ng.pipeline.results import ColumnParts, ExchangedLookups
-from parallax_ng.planning import column_cut as columns
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ class ColumnsPass:
             handles[state] = _handles(ir, ctx, state, part, added)
         counts = {"lookups": 0, "whole_reads": 0, "cut_writes": 0}
         for var in cut:
-            uses = columns.uses(tg, var)
+            uses = ctx.facts.column_uses(var)
             part = parts[var]
             for k in range(plan.num_replicas):
                 me = plan.replica_offset + k
@@ -110,7 +109,8 @@ def _writes_after_exchange(ir, ctx, cut: list[str], changed: dict) -> int:
     after = ir.descendants(collective)
     held = 0
     for k in range(ctx.plan.num_replicas):
-        handles = {ctx.replica_name(k, s) for var in cut for s in columns.uses(ctx.tg, var).state}
+        handles = {ctx.replica_name(k, s) for var in cut
+                   for s in ctx.facts.column_uses(var).state}
         for node in ir.nodes:
             if node.name in after or not rules.is_writer(node.op):
                 continue

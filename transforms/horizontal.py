@@ -32,7 +32,6 @@ import tensorflow as tf
 from parallax_ng.graph import emit
 from parallax_ng.graph.ir import GraphIR
 from parallax_ng.pipeline.results import Deferred
-from parallax_ng.planning import deferral
 from transforms.deferred_updates import Nodes
 
 
@@ -44,7 +43,7 @@ class HorizontalPass:
 
     def run(self, ir: GraphIR, ctx):
         changed, added, flush, clear = {}, [], [], []
-        blocks = [[Update(ir, ctx, deferral.analyse_dense(ctx.tg, v), changed, added)
+        blocks = [[Update(ir, ctx, ctx.facts.dense_deferral(v), changed, added)
                    for v in block] for block in ctx.plan.blocks]
         for block in blocks:
             for u in block:

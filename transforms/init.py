@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from parallax_ng.errors import GraphError
 from parallax_ng.graph.ir import GraphIR, copy_node
-from parallax_ng.planning import column_cut as columns
 
 
 @dataclass(frozen=True)
@@ -73,7 +72,7 @@ def _own_columns(ctx) -> set[str]:
     for var, vp in ctx.plan.variables.items():
         if vp.method != "alltoall":
             continue
-        uses = columns.uses(ctx.tg, var)
+        uses = ctx.facts.column_uses(var)
         cut = {w for w, _ in uses.cut}
         out.update(s for s in uses.state if ctx.tg.variables[s].initializer not in cut)
     return out

@@ -54,7 +54,7 @@ class PrefetchPass:
         changed, added, flush, clear = {}, [], [], []
         tables = sorted(v for v, vp in ctx.plan.variables.items() if vp.prefetch)
         for var in tables:
-            Table(ir, ctx, deferral.analyse(ctx.tg, var), changed, added).build(flush, clear)
+            Table(ir, ctx, ctx.facts.deferral(var), changed, added).build(flush, clear)
         ctx.publish(Deferred(tuple(flush), tuple(clear)))
         return ir.replace(changed, added), {"tables": len(tables)}
 

@@ -43,7 +43,6 @@ from parallax_ng.graph import emit
 from parallax_ng.graph.ir import GraphIR, TensorRef, copy_node
 from parallax_ng.pipeline.passes import replica_of
 from parallax_ng.pipeline.results import Barrier, LocalAggregates
-from parallax_ng.planning.coalescing import coalescing
 
 SCOPE = "parallax/server_sync"
 RELEASE = f"{SCOPE}/release"
@@ -192,7 +191,7 @@ def _needed_by_every_worker(ctx) -> set[str]:
     mirrored_writers = [w for v in plan.placement if plan.mirrored(v)
                         for w in tg.writers.get(v, ())]
     # the user's L2Loss of coalesced values is replaced by the summed norms
-    replaced = {n for v in local.norms for n in coalescing(tg, v)}
+    replaced = {n for v in local.norms for n in ctx.facts.coalescing(v)}
     feeding = tg.ir.ancestors(mirrored_writers, stop=replaced.__contains__, data_only=True)
     out = set()
     for var, vp in plan.variables.items():
@@ -203,7 +202,7 @@ def _needed_by_every_worker(ctx) -> set[str]:
         for tensor, ref in zip(local.of[var], (grad.values, grad.indices)):
             if tensor and ref.node in feeding - replaced:
                 out.add(tensor)
-        if var in local.norms and feeding & set(coalescing(tg, var)):
+        if var in local.norms and feeding & set(ctx.facts.coalescing(var)):
             out.add(local.norms[var])
     return out
 

@@ -103,6 +103,11 @@ class TrainingGraph:
                          for r in (g.values, g.indices) if r is not None)
 
     @cached_property
+    def before_gradients(self) -> frozenset[str]:
+        """Nodes the gradients come from: the forward and backward passes."""
+        return frozenset(self.ir.ancestors({r.node for r in self.gradient_tensors}))
+
+    @cached_property
     def after_gradients(self) -> frozenset[str]:
         """Nodes the gradients feed (data or control): the training step's
         update side (writers here are training writers, not initializers)."""

@@ -23,6 +23,7 @@ from ..graph import rules
 from ..graph.frontend import TrainingGraph
 from ..graph.ir import GraphIR, format_input
 from ..graph.variance import replica_variant
+from ..planning.facts import Facts
 from ..planning.plan import Plan
 
 REPLICA_PREFIX = "parallax/replica_{}/"
@@ -47,18 +48,24 @@ class Pass(Protocol):
 
 @dataclass
 class PassContext:
-    """What every pass may read: the analysed user graph and the plan.
+    """What every pass may read: the analysed user graph, the plan and the
+    graph's analyses the planner asked too (`facts`, planning/facts.py).
 
     `instance_keys` is the state passes share: each collective they add
     takes a fresh key from it. Passes publish typed results
-    (parallax_ng/pipeline/results.py, parallax_ng/pipeline/step_parts.py) for later passes and
-    the runtime.
+    (parallax_ng/pipeline/results.py, parallax_ng/pipeline/step_parts.py)
+    for later passes and the runtime.
     """
 
     tg: TrainingGraph
     plan: Plan
     instance_keys: InstanceKeys = field(default_factory=InstanceKeys)
     results: dict = field(default_factory=dict)   # result type -> result
+    facts: Facts | None = None
+
+    def __post_init__(self):
+        if self.facts is None:
+            self.facts = Facts(self.tg)
 
     def publish(self, result) -> None:
         self.results[type(result)] = result

@@ -72,19 +72,8 @@ class ColumnUses:
 
 
 def uses(tg: TrainingGraph, var: str) -> ColumnUses:
-    """The uses of `var` (cached on `tg`: planner and passes all ask)."""
-    cache = tg.__dict__.setdefault("_column_uses", {})
-    if var not in cache:
-        try:
-            cache[var] = _uses(tg, var)
-        except ConfigError as e:
-            cache[var] = str(e)
-    if isinstance(cache[var], str):
-        raise ConfigError(cache[var])
-    return cache[var]
-
-
-def _uses(tg: TrainingGraph, var: str) -> ColumnUses:
+    """The uses of `var`, or a ConfigError naming the one that cannot be cut
+    (the planner and the passes ask Facts.column_uses, which asks once)."""
     v = tg.variables[var]
     grad = tg.gradients.get(var)
     if grad is None or not grad.sparse:

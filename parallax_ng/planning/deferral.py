@@ -21,8 +21,9 @@ rows stays in their step: aggregate sums it from each replica's rows.
 Requires: a TrainingGraph and a variable the planner cuts by columns.
 The planner asks `prefetch` and `horizontal_blocks` which variables' updates
 wait (a note on each that may not, saying why).
-Guarantees: `analyse(tg, var)` returns a `Deferral` (cached on `tg`) or
-raises ConfigError naming the op, the variable and what would be accepted.
+Guarantees: `analyse(facts, var)` returns a `Deferral` or raises
+ConfigError naming the op, the variable and what would be accepted (the
+planner and the passes ask planning/facts.py, which asks once).
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ from ..graph import rules
 from ..graph.frontend import TrainingGraph
 from ..graph.ir import TensorRef
 from . import column_cut as columns
-from .coalescing import coalescing
 from .plan import VariablePlan
 
 # Ops that may see a row of the table or a slot: each output row is a
@@ -54,24 +54,13 @@ class Deferral:
     after: dict                         # op -> the writers it follows (by any path)
 
 
-def analyse(tg: TrainingGraph, var: str) -> Deferral:
-    cache = tg.__dict__.setdefault("_deferrals", {})
-    if var not in cache:
-        try:
-            cache[var] = _analyse(tg, var)
-        except ConfigError as e:
-            cache[var] = str(e)
-    if isinstance(cache[var], str):
-        raise ConfigError(cache[var])
-    return cache[var]
-
-
-def same_ids(tg: TrainingGraph, var: str, distinct: bool, coalesce: bool) -> str | None:
+def same_ids(facts, var: str, distinct: bool, coalesce: bool) -> str | None:
     """The one lookup of `var` whose distinct ids, in the order they first
     appear, are the rows its coalesced gradient sends (the gradient's
     indices are the lookup's ids, flattened), when lookups and gradients
     both go distinct; else None."""
-    found = columns.uses(tg, var).lookups
+    tg = facts.tg
+    found = facts.column_uses(var).lookups
     grad = tg.gradients[var]
     if not (distinct and coalesce and len(found) == 1):
         return None
@@ -88,8 +77,7 @@ SPLIT = ("a job step with servers beside collectives runs them in two session ru
          "and an update that waits for the next step needs one; without servers it can")
 
 
-def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config,
-                      split: bool = False):
+def horizontal_blocks(facts, variables: dict, config: Config, split: bool = False):
     """(blocks, notes): with `horizontal_scheduling`, the dense variables
     aggregated by all-reduce whose update may wait a step
     (parallax_ng/planning/deferral.py), grouped by layer (the name's scope) and in
@@ -97,6 +85,7 @@ def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config,
     not, saying why."""
     if not config.horizontal_scheduling:
         return (), {}
+    tg = facts.tg
     first, notes = {}, {}
     for v, vp in variables.items():
         if vp.method != "allreduce" or vp.info.sparse:
@@ -105,7 +94,7 @@ def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config,
             notes[v] = f"no horizontal scheduling: {SPLIT}"
             continue
         try:
-            analyse_dense(tg, v)
+            facts.dense_deferral(v)
         except ConfigError as e:
             notes[v] = f"no horizontal scheduling: {e}"
             continue
@@ -119,8 +108,7 @@ def horizontal_blocks(tg: TrainingGraph, variables: dict, config: Config,
     return tuple(tuple(b) for b in ordered), notes
 
 
-def prefetch(tg: TrainingGraph, vp: VariablePlan, config: Config,
-             split: bool = False) -> VariablePlan:
+def prefetch(facts, vp: VariablePlan, config: Config, split: bool = False) -> VariablePlan:
     """`vp` with prefetch on where the config asks for it and the table's
     update may wait for the next step (parallax_ng/planning/deferral.py), else with
     a note saying why not."""
@@ -133,16 +121,18 @@ def prefetch(tg: TrainingGraph, vp: VariablePlan, config: Config,
     if split:
         return vp.noted(f"no prefetch: {SPLIT}")
     try:
-        analyse(tg, vp.name)
+        facts.deferral(vp.name)
     except ConfigError as e:
         return vp.noted(f"no prefetch: {e}")
     return replace(vp, prefetch=True)
 
 
 # -- the update math ---------------------------------------------------------
-def _analyse(tg: TrainingGraph, var: str) -> Deferral:
-    uses = columns.uses(tg, var)
-    lookup = same_ids(tg, var, True, True)
+def analyse(facts, var: str) -> Deferral:
+    """The update math of table `var`, applied row by row a step later."""
+    tg = facts.tg
+    uses = facts.column_uses(var)
+    lookup = same_ids(facts, var, True, True)
     if lookup is None:
         raise ConfigError(f"prefetch splits {var!r}'s gradient by the ids of one lookup; its "
                           f"lookups are {list(uses.lookups)} and its gradient's rows are not "
@@ -150,34 +140,26 @@ def _analyse(tg: TrainingGraph, var: str) -> Deferral:
     # a global norm's L2Loss of the rows: each replica's share of the squares,
     # summed over the replicas, in the rows' own step (aggregate); the clip
     # scale it makes is one of the scalars kept for the delayed rows
-    norms = set(uses.norms) | set(coalescing(tg, var) or ())
+    norms = set(uses.norms) | set(facts.coalescing(var) or ())
     return _math(tg, var, set(uses.state), lookup, "prefetch", row_wise=True, norms=norms)
 
 
 def analyse_dense(tg: TrainingGraph, var: str) -> Deferral:
-    """The update of dense variable `var` (cached on `tg`), applied whole a
-    step later (horizontal scheduling, transforms/horizontal.py)."""
-    cache = tg.__dict__.setdefault("_dense_deferrals", {})
-    if var not in cache:
-        try:
-            grad = tg.gradients.get(var)
-            if grad is None or grad.sparse:
-                raise ConfigError(f"horizontal scheduling delays dense gradients; {var!r}'s "
-                                  "is sparse or missing")
-            norms = [c for c, _ in tg.ir.consumers.get(grad.values, ())
-                     if tg.ir.node(c).op == "L2Loss"]
-            if norms:
-                raise ConfigError(f"horizontal scheduling applies {var!r}'s update in the "
-                                  f"next step, but a global norm reads its gradient in this "
-                                  f"one ({norms[0]!r}, clip_by_global_norm)")
-            shape = tg.variables[var].shape
-            state = {s for s in tg.owned(var) if tg.variables[s].shape == shape}
-            cache[var] = _math(tg, var, state, "", "horizontal scheduling", row_wise=False)
-        except ConfigError as e:
-            cache[var] = str(e)
-    if isinstance(cache[var], str):
-        raise ConfigError(cache[var])
-    return cache[var]
+    """The update of dense variable `var`, applied whole a step later
+    (horizontal scheduling, transforms/horizontal.py)."""
+    grad = tg.gradients.get(var)
+    if grad is None or grad.sparse:
+        raise ConfigError(f"horizontal scheduling delays dense gradients; {var!r}'s "
+                          "is sparse or missing")
+    norms = [c for c, _ in tg.ir.consumers.get(grad.values, ())
+             if tg.ir.node(c).op == "L2Loss"]
+    if norms:
+        raise ConfigError(f"horizontal scheduling applies {var!r}'s update in the "
+                          f"next step, but a global norm reads its gradient in this "
+                          f"one ({norms[0]!r}, clip_by_global_norm)")
+    shape = tg.variables[var].shape
+    state = {s for s in tg.owned(var) if tg.variables[s].shape == shape}
+    return _math(tg, var, state, "", "horizontal scheduling", row_wise=False)
 
 
 def _math(tg: TrainingGraph, var: str, state: set, lookup: str, what: str,
@@ -193,7 +175,7 @@ def _math(tg: TrainingGraph, var: str, state: set, lookup: str, what: str,
     writers = {w for s in state for w in tg.writers.get(s, ()) if w in within}
     # row-bearing: what reads the table or a slot, or the gradient, in the
     # update (not the forward's reads, which the gradients come from)
-    forward = _forward_and_backward(tg)
+    forward = tg.before_gradients
     seeds = {r for s in state for r in tg.readers.get(s, ()) if r in within and
              r not in forward}
     rows = _forward(tg, seeds | ends, within - norms - forward)
@@ -236,14 +218,6 @@ def _math(tg: TrainingGraph, var: str, state: set, lookup: str, what: str,
             needs[op] = tuple(sorted(r for r in frontier if r.node in inside))
     return Deferral(var, lookup, tuple(order), tuple(w for w in order if w in writers),
                     tuple(sorted(frontier)), tuple(sorted(constants)), needs, after)
-
-
-def _forward_and_backward(tg: TrainingGraph) -> frozenset:
-    """The nodes the gradients come from (cached on `tg`)."""
-    if "_gradient_ancestors" not in tg.__dict__:
-        tg.__dict__["_gradient_ancestors"] = frozenset(
-            tg.ir.ancestors({r.node for r in tg.gradient_tensors}))
-    return tg.__dict__["_gradient_ancestors"]
 
 
 def _forward(tg: TrainingGraph, seeds: set, within: set) -> set:

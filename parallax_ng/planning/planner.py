@@ -25,10 +25,9 @@ from ..errors import ConfigError
 from ..graph import queues, randomness, rules
 from ..graph.frontend import TrainingGraph
 from . import choice
-from . import column_cut as columns
 from . import costmodel, deferral, traffic
 from .analysis import VariableInfo
-from .coalescing import coalescing
+from .facts import Facts
 from .packing import allreduce_buckets, fusion_buffers, ready_order
 from .placement import MIRRORED, Columns, Sharded, Shared
 from .plan import Plan, Rewrites, Schedule, VariablePlan, job_devices
@@ -37,14 +36,16 @@ from .plan import Plan, Rewrites, Schedule, VariablePlan, job_devices
 def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
               devices: list[str], host: str, num_workers: int = 1, worker: int = 0,
               servers: list[str] = (), order: tuple[str, ...] = (), profile=None,
-              layout: traffic.Layout | None = None, bucket_profile=None) -> Plan:
+              layout: traffic.Layout | None = None, bucket_profile=None,
+              facts: Facts | None = None) -> Plan:
     """`order`: trained variables in the order their gradients became ready
     in a measured step (in a job every worker must pack alike: the order
     worker 0 measured and gave every worker, parallax_ng/build.py
     `measure_job`); empty: the static order. `profile`: a measured step
     (parallax_ng/planning/profile.py), whose ready times the mgwfbp buckets
     use; `bucket_profile`: the file `buckets.profile` names, read, which
-    stands for it there.
+    stands for it there. `facts`: the graph's shared analyses (made here
+    when not given).
     `layout`: the hosts of a job's tasks, whose links weigh the candidate
     plans of hybrid and auto (parallax_ng/planning/choice.py); None: every task on
     this machine."""
@@ -57,8 +58,9 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                  "file), so sparse gradients go by all-gather, as under run_option allreduce",)
     job_servers = num_workers > 1 and bool(servers) and config.communication.backend == "tf"
     backend = config.communication.backend
-    can_cut = lambda v: cuttable(tg, v, len(devices), num_workers, backend)   # noqa: E731
-    can_sum = lambda v: coalescing(tg, v) is not None                 # noqa: E731
+    facts = facts or Facts(tg)
+    can_cut = lambda v: cuttable(facts, v, len(devices), num_workers, backend)   # noqa: E731
+    can_sum = lambda v: facts.coalescing(v) is not None               # noqa: E731
     group = len(devices) * num_workers
     weighing = choice.weighs(config, num_workers, servers)
     net, costs = None, {}
@@ -70,7 +72,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                                                            can_sum),
                                        group, len(servers), net)
                  for name, vi in info.items()}
-    job = (tg, info, devices, host, num_workers, worker, servers, order,
+    job = (facts, info, devices, host, num_workers, worker, servers, order,
            bucket_profile or profile)
 
     def build(cfg: Config, tables: dict) -> Plan:
@@ -94,27 +96,30 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
 
 def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     """The plan of a job (`make_plan`'s inputs) with these methods."""
-    tg, info, devices, host, num_workers, worker, servers, order, profile = job
+    facts, info, devices, host, num_workers, worker, servers, order, profile = job
+    tg = facts.tg
     variables = {name: VariablePlan(name, method, info[name],
                                     coalesce=config.coalesce_rows and
                                     method in ("ps", "allgather", "alltoall") and
-                                    coalescing(tg, name) is not None,
-                                    note=_unmet(tg, config, name, method, devices, num_workers))
+                                    facts.coalescing(name) is not None,
+                                    note=_unmet(facts, config, name, method, devices,
+                                                num_workers))
                  for name, method in methods.items()}
     roots = shared_roots(variables)
     fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
     split = num_workers > 1 and bool(roots or fused)
-    variables = {name: deferral.prefetch(tg, vp, config, split) for name, vp in variables.items()}
+    variables = {name: deferral.prefetch(facts, vp, config, split)
+                 for name, vp in variables.items()}
     _check_servers(tg, roots + fused, config, num_workers, servers)
     placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
                             config.ps_placement)
-    placement.update(by_columns(tg, [v for v, vp in variables.items()
+    placement.update(by_columns(facts, [v for v, vp in variables.items()
                                      if vp.method == "alltoall"],
                                 job_devices(devices, num_workers, worker), num_workers,
                                 config.communication.backend))
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
                              list(servers) or [host], config.fusion.buffer_bytes)
-    blocks, notes = deferral.horizontal_blocks(tg, variables, config, split)
+    blocks, notes = deferral.horizontal_blocks(facts, variables, config, split)
     variables.update({v: variables[v].noted(note) for v, note in notes.items()})
     later = {v for b in blocks for v in b}
     reduced = [v for v, vp in variables.items()      # dense: a sparse one alone
@@ -137,23 +142,23 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
                 rewrites=Rewrites(**vars(config.placement_rewrites)))
 
 
-def _unmet(tg, config: Config, name: str, method: str, devices, num_workers: int) -> str:
+def _unmet(facts, config: Config, name: str, method: str, devices, num_workers: int) -> str:
     """Why a sparse variable does not go by the config's `sparse_method`
     (alltoall or allreduce), or ""."""
     asked = config.sparse_method
     if asked not in ("alltoall", "allreduce") or method == asked or \
-            not tg.gradients[name].sparse or name in config.variable_methods:
+            not facts.tg.gradients[name].sparse or name in config.variable_methods:
         return ""
     if asked == "alltoall":
         try:
-            by_columns(tg, [name], [""] * (len(devices) * num_workers), num_workers,
+            by_columns(facts, [name], [""] * (len(devices) * num_workers), num_workers,
                        config.communication.backend)
             why = "the cost model chose otherwise"
         except ConfigError as e:
             why = str(e)
     else:
         why = ("a use of its rows sees them one by one, so duplicate rows may not be "
-               "summed" if coalescing(tg, name) is None else "the cost model chose otherwise")
+               "summed" if facts.coalescing(name) is None else "the cost model chose otherwise")
     return f"sparse_method {asked} not used ({why}); it goes by {method}"
 
 
@@ -288,18 +293,18 @@ def map_devices(tg: TrainingGraph, roots: list[str], host: str, servers=(),
     return placement
 
 
-def cuttable(tg: TrainingGraph, var: str, devices: int, num_workers: int,
+def cuttable(facts: Facts, var: str, devices: int, num_workers: int,
              backend: str = "tf") -> bool:
     """Whether alltoall can cut sparse variable `var` by columns over a job
     of `num_workers` x `devices` replicas (`by_columns` says why not)."""
     try:
-        by_columns(tg, [var], [""] * (devices * num_workers), num_workers, backend)
+        by_columns(facts, [var], [""] * (devices * num_workers), num_workers, backend)
     except ConfigError:
         return False
     return True
 
 
-def by_columns(tg: TrainingGraph, cut: list[str], devices: list[str],
+def by_columns(facts: Facts, cut: list[str], devices: list[str],
                num_workers: int = 1, backend: str = "tf") -> dict:
     """Each variable of `cut` and its slots of its shape cut by columns, one
     part per replica of the job (`devices`, in job order); its other state
@@ -311,10 +316,10 @@ def by_columns(tg: TrainingGraph, cut: list[str], devices: list[str],
     between-graph facts); a read for the caller alone (a fetch, or, with
     TensorFlow's runtime, a Saver's save: a run of its own that reads the
     other workers' parts without collectives) is fine."""
-    out = {}
+    tg, out = facts.tg, {}
     alone = _saves(tg) if backend == "tf" else set()
     for var in sorted(cut):
-        uses = columns.uses(tg, var)
+        uses = facts.column_uses(var)
         inside = [op for op in uses.whole_reads + uses.whole_selects
                   if set(tg.ir.node_consumers.get(op, ())) - alone]
         if num_workers > 1 and inside:

@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
     heartbeat.set_timeout(job.config.communication.timeout_seconds)
     tg = frontend.load(got.graph)
     server = info.start_server()
-    shared = build.measure_job(tg, job, server, int(steps))
+    shared = build.measure_job(build.Build(tg, job), server, int(steps))
     if info.task == 0:
         profile = build.job_profile(shared)
         if profile is None:
