@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from parallax_ng.graph import emit, rules
 from parallax_ng.graph.ir import GraphIR, TensorRef, format_input
-from parallax_ng.pipeline.results import ExchangedLookups, LocalAggregates
+from parallax_ng.pipeline.results import CoalescedRows, ExchangedLookups, LocalAggregates
 from parallax_ng.planning import deferral
 from transforms.columns import lookup_exchange
 
@@ -44,6 +44,7 @@ class AggregatePass:
 
     def run(self, ir: GraphIR, ctx):
         new_nodes, rewires, local, exchanged, gathered = [], {}, {}, {}, {}
+        on_server, coalesced = {}, {}
         counts = {"allreduce": 0, "ps": 0, "allgather": 0, "bfb": 0, "alltoall": 0}
         if ctx.plan.buffers:
             nodes, outputs = _fusion_buffers(ctx)
@@ -63,7 +64,8 @@ class AggregatePass:
                 continue
             grad = ctx.tg.gradients[var]
             build = {"allreduce": _allreduce, "ps": _ps, "allgather": _allgather,
-                     "alltoall": lambda c, v, g: _alltoall(c, v, g, exchanged, gathered)}[vp.method]
+                     "alltoall": lambda c, v, g: _alltoall(c, v, g, exchanged, gathered,
+                                                           coalesced)}[vp.method]
             nodes, outputs = build(ctx, var, grad)
             new_nodes.extend(nodes)
             for ref, per_replica in outputs.items():
@@ -71,11 +73,14 @@ class AggregatePass:
             counts[vp.method] += 1
             if vp.method == "ps":
                 local[var] = _ps_outputs(ctx.plan, var, grad.sparse)
+                on_server[var] = tuple(n.name for n in nodes)
         norms = {v: f"parallax/ps/{v}/norm" for v, vp in ctx.plan.variables.items()
                  if vp.coalesce and vp.method == "ps"}
-        ctx.publish(LocalAggregates(local, norms))
+        ctx.publish(LocalAggregates(local, norms, on_server))
         if exchanged:
             ctx.publish(ExchangedLookups(exchanged, gathered))
+        if coalesced:
+            ctx.publish(CoalescedRows(coalesced))
         return ir.rewire(rewires, new_nodes), counts
 
 
@@ -380,7 +385,7 @@ def _replica_rows(ctx, var, grad, scope):
     return nodes, values, indices, outputs
 
 
-def _alltoall(ctx, var, grad, exchanged: dict, ids: dict):
+def _alltoall(ctx, var, grad, exchanged: dict, ids: dict, coalesced: dict):
     """Each replica's rows (each distinct row once when coalesced) exchanged,
     each replica receiving its columns of all of them; a global norm's
     L2Loss of the rows summed over the replicas (their rows' shares when
@@ -388,11 +393,13 @@ def _alltoall(ctx, var, grad, exchanged: dict, ids: dict):
     lookup's distinct ids, that lookup's exchange is built here too and the
     gradient reuses its gathered sizes and ids (`exchanged`: gather -> rows
     per replica, for the columns pass; `ids`: gather -> those sizes and ids
-    per replica)."""
+    per replica; `coalesced`: var -> each replica's coalesced rows and ids)."""
     plan, tg = ctx.plan, ctx.tg
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
     n, scope = plan.num_replicas, f"parallax/alltoall/{var}"
     nodes, values, indices, outputs = _replica_rows(ctx, var, grad, scope)
+    if plan.variables[var].coalesce:
+        coalesced[var] = tuple(zip(values, indices))
     lookup = deferral.same_ids(ctx.facts, var, plan.distinct_lookups,
                                plan.variables[var].coalesce)
     gathered = None

@@ -36,7 +36,7 @@ import tensorflow as tf
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit
 from parallax_ng.graph.ir import GraphIR, parse_input
-from parallax_ng.pipeline.results import Deferred, ExchangedLookups
+from parallax_ng.pipeline.results import CoalescedRows, Deferred, ExchangedLookups
 from parallax_ng.planning import deferral
 from transforms.deferred_updates import Nodes
 
@@ -227,10 +227,10 @@ class Table(Nodes):
         rows = self._traced(lambda s, e: tf.unique(_valid(n, s, e), out_idx=tf.int32)[0],
                             [(sizes, tf.int32, [None]), (every, self.itype, [None])],
                             f"{at}/rows", k)[0]
-        local = f"parallax/alltoall/{d.var}/replica_{k}/rows"
-        for name in (f"{local}/distinct", f"{local}/coalesced"):
-            if name not in self.ir:
-                raise GraphError(f"prefetch needs the coalesced gradient rows {name!r}")
+        found = ctx.result(CoalescedRows)
+        if found is None or d.var not in found.of:
+            raise GraphError(f"prefetch needs {d.var!r}'s gradient rows coalesced by aggregate")
+        values, ids = found.of[d.var][k]
         pend = self.pending[k]
         keeps = []
         for i, s in enumerate(self.state):
@@ -242,8 +242,7 @@ class Table(Nodes):
         scalars = [self._keep_scalar(k, at, i, ref, after) for i, ref in enumerate(d.frontier)]
         news = [self._assign(f"{at}/{key}", pend[key][0], value, pend[key][1], k, after)
                 for key, value in (("rows", rows), ("sizes", sizes), ("every", every),
-                                   ("ids", f"{local}/distinct"),
-                                   ("values", f"{local}/coalesced"))]
+                                   ("ids", ids), ("values", values))]
         me = ctx.plan.replica_offset + k
         device = ctx.plan.devices[k]
         no_values = emit.const(f"{at}/no_values", np.zeros(

@@ -16,9 +16,12 @@ class LocalAggregates:
     already scaled for a mean (made by `aggregate`, read by `server_sync`);
     `norms`: for a variable whose duplicate rows were summed, the L2Loss of
     its rows before that, which stands for the user's L2Loss of the values
-    (its job value is the sum over the workers)."""
+    (its job value is the sum over the workers); `nodes`: the nodes that
+    make each of them, on the variable's server (`local_aggregation` moves
+    them to the worker's host)."""
     of: dict
     norms: dict = field(default_factory=dict)
+    nodes: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,15 @@ class ExchangedLookups:
     gathered, per replica (`prefetch` splits the next step's rows by them)."""
     rows: dict
     gathered: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CoalescedRows:
+    """For each table cut by columns whose gradient rows leave a replica
+    coalesced (made by `aggregate`): per local replica, the (summed rows,
+    distinct ids) tensors it sends (`prefetch` keeps them for the next
+    step)."""
+    of: dict
 
 
 @dataclass(frozen=True)
