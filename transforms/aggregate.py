@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
+from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit, rules
-from parallax_ng.graph.ir import GraphIR, TensorRef, format_input
+from parallax_ng.graph.ir import GraphIR, TensorRef, format_input, parse_input
 from parallax_ng.pipeline.results import CoalescedRows, ExchangedLookups, LocalAggregates
 from parallax_ng.planning import deferral
 from transforms.columns import lookup_exchange
@@ -44,7 +45,7 @@ class AggregatePass:
 
     def run(self, ir: GraphIR, ctx):
         new_nodes, rewires, local, exchanged, gathered = [], {}, {}, {}, {}
-        on_server, coalesced = {}, {}
+        on_server, coalesced, reads = {}, {}, {}
         counts = {"allreduce": 0, "ps": 0, "allgather": 0, "bfb": 0, "alltoall": 0}
         if ctx.plan.buffers:
             nodes, outputs = _fusion_buffers(ctx)
@@ -65,7 +66,7 @@ class AggregatePass:
             grad = ctx.tg.gradients[var]
             build = {"allreduce": _allreduce, "ps": _ps, "allgather": _allgather,
                      "alltoall": lambda c, v, g: _alltoall(c, v, g, exchanged, gathered,
-                                                           coalesced)}[vp.method]
+                                                           coalesced, reads)}[vp.method]
             nodes, outputs = build(ctx, var, grad)
             new_nodes.extend(nodes)
             for ref, per_replica in outputs.items():
@@ -78,7 +79,7 @@ class AggregatePass:
                  if vp.coalesce and vp.method == "ps"}
         ctx.publish(LocalAggregates(local, norms, on_server))
         if exchanged:
-            ctx.publish(ExchangedLookups(exchanged, gathered))
+            ctx.publish(ExchangedLookups(exchanged, gathered, reads))
         if coalesced:
             ctx.publish(CoalescedRows(coalesced))
         return ir.rewire(rewires, new_nodes), counts
@@ -385,7 +386,21 @@ def _replica_rows(ctx, var, grad, scope):
     return nodes, values, indices, outputs
 
 
-def _alltoall(ctx, var, grad, exchanged: dict, ids: dict, coalesced: dict):
+def _part_reads(ctx, lookup: str, made: list) -> list[str]:
+    """Per replica, the ResourceGather of the exchange `made` for `lookup`
+    that reads the replica's own part (by its handle input)."""
+    handle = ctx.tg.ir.data_inputs(lookup)[0]
+    out = []
+    for k in range(ctx.plan.num_replicas):
+        mine = parse_input(ctx.replica_tensor(k, handle))[:2]
+        out += [n.name for n in made if n.op == "ResourceGather" and
+                parse_input(n.input[0])[:2] == mine][:1]
+    if len(out) != ctx.plan.num_replicas:
+        raise GraphError(f"the exchange of lookup {lookup!r} reads no part by its handle")
+    return out
+
+
+def _alltoall(ctx, var, grad, exchanged: dict, ids: dict, coalesced: dict, reads: dict):
     """Each replica's rows (each distinct row once when coalesced) exchanged,
     each replica receiving its columns of all of them; a global norm's
     L2Loss of the rows summed over the replicas (their rows' shares when
@@ -405,6 +420,7 @@ def _alltoall(ctx, var, grad, exchanged: dict, ids: dict, coalesced: dict):
     gathered = None
     if lookup is not None:       # the forward's gathered ids serve the gradient too
         made, rows, gathered = lookup_exchange(ctx, lookup, plan.placement[var])
+        reads[lookup] = _part_reads(ctx, lookup, made)
         nodes += made
         exchanged[lookup], ids[lookup] = rows, gathered
     made, v, i = ctx.comm.columns_gradient(scope, values, indices, plan.placement[var],

@@ -129,10 +129,7 @@ class Table(Nodes):
                              f"{self.d.var!r}'s gradient")
         sizes, every = made.gathered[self.d.lookup][k]
         rows = made.rows[self.d.lookup][k]
-        gather = f"{parse_input(rows)[0].rpartition('/')[0]}/ResourceGather"
-        if gather not in self.ir or self.ir.node(gather).op != "ResourceGather":
-            raise GraphError(f"prefetch needs the lookup exchange's {gather!r}")
-        return sizes, every, rows, gather
+        return sizes, every, rows, made.reads[self.d.lookup][k]
 
     def _whole(self, k):
         """The pending step as one part: all its rows."""

@@ -58,9 +58,12 @@ class ExchangedLookups:
     beside the gradient's (which reuses its gathered ids): gather op ->
     the rows per replica; `columns` puts them in the gathers' place.
     `gathered`: gather op -> (sizes, padded ids) every replica's lookup
-    gathered, per replica (`prefetch` splits the next step's rows by them)."""
+    gathered, per replica (`prefetch` splits the next step's rows by them);
+    `reads`: gather op -> per replica the ResourceGather of its own part's
+    rows in the exchange (`prefetch` orders its updates around them)."""
     rows: dict
     gathered: dict = field(default_factory=dict)
+    reads: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
