@@ -1,106 +1,72 @@
-"""parallax_ng/planning/column_cut.py: which uses of a table cut by columns change, and
-which make alltoall impossible (named in the error)."""
-import numpy as np
-import pytest
+"""transforms/columns.py: each replica's part of a table cut by columns,
+the exchange that replaces a lookup, whole reads, and other workers'
+parts in a job (structure of the rewritten graph; the numbers are in
+tests/test_alltoall.py)."""
 import tensorflow as tf
 
-from models import embedding_regression
-from parallax_ng.graph import frontend
-from parallax_ng.planning.column_cut import Branch, uses
-from parallax_ng.errors import ConfigError
-from parallax_ng.planning.facts import Facts
-from parallax_ng.planning.placement import Columns
-from parallax_ng.planning.planner import by_columns
-
-tf1 = tf.compat.v1
+import parallax_ng as pn
+from models import embedding_regression, local
+from parallax_ng.pipeline.results import ColumnParts
+from passkit import cluster_transform, op_counts
 
 
-def test_adam_with_clipping_and_moving_averages():
-    """The update ops stay (element-wise on the replica's columns); the lookup
-    is exchanged, the global norm's L2Loss summed, initializers cut, the
-    moving average's `initialized_value()` If recognized, and reads nobody
-    consumes (fetches) read the whole table."""
-    tg = frontend.load(embedding_regression(4, "adam", clip=True, ema=True)[0])
-    u = uses(tg, "emb")
-    assert u.state == ("emb", "emb/Adam", "emb/Adam_1", "emb/ExponentialMovingAverage")
-    assert u.lookups == ("embedding_lookup",)
-    assert u.norms == ("global_norm/L2Loss",)
-    assert {w for w, _ in u.cut} == {"emb/Assign", "emb/Adam/Assign", "emb/Adam_1/Assign"}
-    assert u.selects == {"cond": (Branch("read", 0), Branch("pass", 1))}
-    assert u.whole_selects == ()
-    assert "emb/Read/ReadVariableOp" in u.whole_reads
-    assert all(not tg.ir.node_consumers.get(r) for r in u.whole_reads)
-    for op in ("Adam/update_emb/ResourceScatterAdd", "Adam/update_emb/AssignSubVariableOp"):
-        assert op not in u.whole_reads and op not in {w for w, _ in u.cut}
+def _shape(nd):
+    return tf.TensorShape(nd.attr["shape"].shape).as_list()
 
 
-def test_adagrad_keeps_its_sparse_apply():
-    u = uses(frontend.load(embedding_regression(4, "adagrad")[0]), "emb")
-    assert u.state == ("emb", "emb/Adagrad") and u.norms == ()
-    assert u.lookups == ("embedding_lookup",)
+def test_in_process_parts_lookups_and_whole_reads():
+    g, _ = embedding_regression(4, "adam", dim=5, ema=True)
+    ir, ctx, manager = pn.transform(g, local(2), {"run_option": "allreduce",
+                                                  "sparse_method": "alltoall"})
+    assert "columns" in [p.name for p in manager.passes]
+    for state in ("emb", "emb/Adam", "emb/ExponentialMovingAverage"):
+        assert _shape(ir.node(state)) == [40, 3]
+        assert _shape(ir.node(f"parallax/replica_1/{state}")) == [40, 2]
+    # the lookup: every replica's ids gathered, its columns of all of them,
+    # one AlltoAll; the gradient: one more
+    assert ir.node("embedding_lookup").op == "Identity"
+    exchanges = [n for n in ir.nodes if n.op == "CollectiveAllToAllV2"]
+    assert len(exchanges) == 2 * 2
+    # the gradient's rows are the lookup's distinct ids: its sizes and ids
+    # gathered once, in the forward exchange
+    assert op_counts(ir)["CollectiveGatherV2"] == 2 * 2
+    assert op_counts(ir, "parallax/alltoall/emb/")["CollectiveGatherV2"] == 0
+    assert {n.device for n in exchanges} == set(ctx.plan.devices)
+    # a fetch of the table reads both parts, each on its device
+    read = ir.node("emb/Read/ReadVariableOp")
+    assert read.op == "ConcatV2"
+    parts = [ir.node(i) for i in read.input[:2]]
+    assert [p.device for p in parts] == list(ctx.plan.devices)
+    assert ctx.result(ColumnParts).handles["emb"] == ("emb", "parallax/replica_1/emb")
+    assert not ctx.result(ColumnParts).gather
 
 
-def _tied(extra=None):
-    """An embedding whose table is also the output layer (a whole read in
-    the step), or whose gradient goes on to `extra`."""
-    g = tf.Graph()
-    with g.as_default():
-        ids = tf1.placeholder(tf.int32, [None], name="ids")
-        emb = tf1.get_variable("emb", initializer=np.ones([10, 4], np.float32))
-        h = tf.nn.embedding_lookup(emb, ids)
-        if extra == "tied":     # the output layer reads the table, not trained there
-            logits = tf.matmul(h, tf.stop_gradient(emb.read_value()), transpose_b=True)
-            loss = tf.reduce_mean(logits)
-        else:
-            loss = tf.reduce_mean(h)
-        opt = tf1.train.GradientDescentOptimizer(0.1)
-        gv = opt.compute_gradients(loss)
-        if extra == "summed":
-            grad = gv[0][0]
-            tf.identity(tf.reduce_sum(grad.values), name="grad_total")
-        opt.apply_gradients(gv)
-    return frontend.load(g)
+def test_a_worker_reaches_the_other_workers_parts_by_shared_name():
+    g, _ = embedding_regression(4, "sgd", dim=6)
+    ir, ctx = cluster_transform(g, 1, servers=0, run_option="allreduce", devices=2,
+                                sparse_method="alltoall")
+    part = ctx.plan.placement["emb"]
+    assert [s.size for s in part.shards] == [2, 2, 1, 1]
+    assert _shape(ir.node("emb")) == [40, 1]      # job replica 2 holds column 4
+    assert _shape(ir.node("parallax/replica_1/emb")) == [40, 1]
+    handles = ctx.result(ColumnParts).handles["emb"]
+    assert handles[2:] == ("emb", "parallax/replica_1/emb")
+    remote = [ir.node(h) for h in handles[:2]]
+    assert [r.attr["shared_name"].s for r in remote] == [b"emb", b"parallax/replica_1/emb"]
+    assert [r.device for r in remote] == ["/job:worker/replica:0/task:0/device:CPU:0",
+                                          "/job:worker/replica:0/task:0/device:CPU:1"]
+    assert [_shape(r) for r in remote] == [[40, 2], [40, 2]]
+    # the training step never touches a part of worker 0: only reads for a
+    # fetch or a checkpoint (no consumers) join them
+    step = ir.ancestors(["GradientDescent"])
+    assert not step & set(handles[:2])
+    users = {c for h in handles[:2] for c in ir.node_consumers.get(h, ())}
+    assert users and all(ir.node(u).op == "ReadVariableOp" for u in users)
+    assert op_counts(ir)["CollectiveAllToAllV2"] == 2 * 2
 
 
-def test_a_gradient_leaving_the_rows_is_an_error_naming_the_op():
-    with pytest.raises(ConfigError, match=r"reaches op 'Sum' \(Sum\).*use ps or allgather"):
-        uses(_tied("summed"), "emb")
-
-
-def test_a_tied_output_layer_reads_the_whole_table_which_a_job_cannot():
-    tg = _tied("tied")
-    u = uses(tg, "emb")
-    inside = [r for r in u.whole_reads if tg.ir.node_consumers.get(r)]
-    assert inside == ["Read/ReadVariableOp"]
-    assert by_columns(Facts(tg), ["emb"], ["d0", "d1"])["emb"].width == 4
-    with pytest.raises(ConfigError, match="'Read/ReadVariableOp' reads the whole of 'emb' "
-                                          "within a step.*use ps or allgather"):
-        by_columns(Facts(tg), ["emb"], ["d0", "d1"], num_workers=2)
-
-
-def test_reference_variables_and_other_shapes_are_errors():
-    g = tf.Graph()
-    with g.as_default():
-        ids = tf1.placeholder(tf.int32, [None])
-        emb = tf1.get_variable("emb", [10, 4], use_resource=False)
-        tf1.train.GradientDescentOptimizer(0.1).minimize(
-            tf.reduce_mean(tf.nn.embedding_lookup(emb, ids)))
-    with pytest.raises(ConfigError, match="reference variable.*use_resource=True"):
-        uses(frontend.load(g), "emb")
-    g = tf.Graph()
-    with g.as_default():
-        ids = tf1.placeholder(tf.int32, [None])
-        emb = tf1.get_variable("emb", initializer=np.ones([10, 2, 2], np.float32))
-        tf1.train.GradientDescentOptimizer(0.1).minimize(
-            tf.reduce_mean(tf.nn.embedding_lookup(emb, ids)))
-    with pytest.raises(ConfigError, match=r"shape \[10, 2, 2\]"):
-        uses(frontend.load(g), "emb")
-
-
-def test_columns_cut_as_evenly_as_possible():
-    part = Columns.even(6, ["a", "b", "c", "d"])
-    assert [(s.device, s.start, s.size) for s in part.shards] == [
-        ("a", 0, 2), ("b", 2, 2), ("c", 4, 1), ("d", 5, 1)]
-    assert part.width == 6
-    with pytest.raises(ValueError, match="3 columns cannot give each of 4"):
-        Columns.even(3, ["a", "b", "c", "d"])
+def test_each_row_sent_gathers_the_gradients_ids_itself():
+    g, _ = embedding_regression(4, "sgd")
+    ir, _, _ = pn.transform(g, local(2), {"run_option": "allreduce", "sparse_method": "alltoall",
+                                          "coalesce_rows": False})
+    assert op_counts(ir, "parallax/alltoall/emb/")["CollectiveGatherV2"] == 2 * 2

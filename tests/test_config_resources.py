@@ -73,17 +73,3 @@ def test_bad_resources_name_the_problem(data, words):
         load_resources(data)
     for w in words:
         assert w in str(err.value)
-
-
-def test_a_jobs_config_and_an_explicit_one_must_agree(tmp_path, monkeypatch):
-    import parallax_ng as pn
-    from parallax_ng.cluster import CONFIG_ENV
-    path = tmp_path / "job.yaml"
-    path.write_text("run_option: ps\n")
-    monkeypatch.setenv(CONFIG_ENV, str(path))
-    with pytest.raises(ConfigError, match="differs from the job's .*-c .*job.yaml"):
-        pn.get_runner("unused.meta", None, {"run_option": "hybrid"})
-    assert pn._job_config(None).run_option == "ps"                       # the job's
-    assert pn._job_config({"run_option": "ps"}).run_option == "ps"       # the same: fine
-    monkeypatch.delenv(CONFIG_ENV)
-    assert pn._job_config({"run_option": "hybrid"}).run_option == "hybrid"

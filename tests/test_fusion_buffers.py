@@ -9,7 +9,7 @@ import parallax_ng as pn
 from model_shapes import bert_base, parameters, resnet50, training_graph
 from models import embedding_regression, local, train_both
 from parallax_ng.errors import ConfigError
-from parallax_ng.planning.buckets import buffer_bytes
+from parallax_ng.planning.buckets import fusion_buffer_size
 
 tf1 = tf.compat.v1
 
@@ -52,9 +52,9 @@ def test_buffers_pack_every_element_once_in_ready_order():
 
 
 def test_buffer_size_from_model_and_cluster():
-    assert buffer_bytes(100 * 2**20, 4) == 25 * 2**20        # four buffers
-    assert buffer_bytes(1_000_000, 4) == 1_000_000          # shards >= 256 KB: one buffer
-    assert buffer_bytes(2 * 2**30, 2) == 64 * 2**20          # at most 64 MB
+    assert fusion_buffer_size(100 * 2**20, 4) == 25 * 2**20        # four buffers
+    assert fusion_buffer_size(1_000_000, 4) == 1_000_000          # shards >= 256 KB: one buffer
+    assert fusion_buffer_size(2 * 2**30, 2) == 64 * 2**20          # at most 64 MB
     with pytest.raises(ConfigError, match="fusion.buffer_bytes"):
         pn.Config.from_dict({"fusion": {"buffer_bytes": -1}})
     with pytest.raises(ConfigError, match="dense_method.*allowed: auto, allreduce, ps, bfb"):

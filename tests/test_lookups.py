@@ -5,7 +5,7 @@ import tensorflow as tf
 
 from models import embedding_regression
 from passkit import cluster_transform
-from test_duplicates import TABLE, lookup_graph
+from test_coalescing import TABLE, lookup_graph
 
 tf1 = tf.compat.v1
 

@@ -42,7 +42,7 @@ def test_update_math_runs_with_its_parameter(on):
 
 @pytest.mark.parametrize("on", [True, False])
 def test_a_gather_of_a_whole_read_runs_on_the_server(on):
-    from test_duplicates import lookup_graph
+    from test_coalescing import lookup_graph
     g = lookup_graph("read_then_gather")
     ir, ctx = cluster_transform(g, worker=0, run_option="ps", distinct_lookups=False,
                                 placement_rewrites={"lookups_on_servers": on})

@@ -9,7 +9,7 @@ from transforms.aggregate import AggregatePass
 from transforms.colocate import ColocateUpdatesPass
 from transforms.columns import ColumnsPass
 from transforms.horizontal import HorizontalPass
-from transforms.init import InitPass
+from transforms.initial_values import InitPass
 from transforms.local_aggregation import LocalAggregationPass
 from transforms.lookups import DistinctLookupsPass, LookupsOnServersPass
 from transforms.place import PlacePass

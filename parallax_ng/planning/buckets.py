@@ -203,7 +203,7 @@ MIN_SHARD_BYTES = 256 * 1024     # smaller messages: per-message cost dominates
 MAX_BUFFER_BYTES = 64 * 2**20
 
 
-def buffer_bytes(total: int, servers: int) -> int:
+def fusion_buffer_size(total: int, servers: int) -> int:
     """Fusion buffer size from model and cluster size: four buffers (so the
     first ones travel while the backward pass goes on), each shard at least
     256 KB, no buffer over 64 MB; a model smaller than that is one buffer."""
@@ -252,7 +252,7 @@ def simulate(forward_time: float, layers: list[Layer], strategies, cost: Cost | 
                                   "not only an all-reduce cost a + b*M")
             servers = int(arg)
             messages = (fusion_messages(layers, servers,
-                                        buffer_bytes(sum(x.bytes for x in layers), servers))
+                                        fusion_buffer_size(sum(x.bytes for x in layers), servers))
                         if kind == "bfb" else placed_messages(layers, servers))
             out[name] = {"iteration_time": server_timeline(forward_time, layers, messages,
                                                            network),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ..graph.frontend import TrainingGraph
 from . import buckets as bucketing
-from .buckets import buffer_bytes
+from .buckets import fusion_buffer_size
 from .placement import Sharded
 from .plan import Bucket, Buffer, Segment
 
@@ -70,7 +70,7 @@ def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
 def fusion_buffers(tg: TrainingGraph, order: list[str], servers: list[str],
                    size_bytes: int = 0) -> tuple[Buffer, ...]:
     """Gradients of `order` packed flat, in that order, into buffers of
-    `size_bytes` (0: `buffer_bytes`), one dtype per run of buffers; a
+    `size_bytes` (0: `fusion_buffer_size`), one dtype per run of buffers; a
     variable may span two buffers, the last buffer may be smaller. Every
     buffer is sharded evenly over `servers` at element offsets."""
     by_dtype: dict = {}
@@ -80,7 +80,7 @@ def fusion_buffers(tg: TrainingGraph, order: list[str], servers: list[str],
     for dtype, variables in by_dtype.items():
         sizes = {v: tg.variables[v].nbytes // dtype.size for v in variables}
         total = sum(sizes.values())
-        per = max(1, (size_bytes or buffer_bytes(total * dtype.size, len(servers)))
+        per = max(1, (size_bytes or fusion_buffer_size(total * dtype.size, len(servers)))
                   // dtype.size)
         segments, used = [], 0
         for var in variables:

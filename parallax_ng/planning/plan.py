@@ -212,7 +212,7 @@ class Plan:
                     load[s.device] = load.get(s.device, 0.0) + vp.info.nbytes * s.size / p.length
         return load
 
-    def buffer_bytes(self, buffer: Buffer) -> int:
+    def bytes_of(self, buffer: Buffer) -> int:
         var = buffer.segments[0].var
         return buffer.placement.length * self.variables[var].info.nbytes // max(
             1, _elements(self.variables[var].info.shape))
@@ -222,7 +222,7 @@ class Plan:
         per step (and sends back to it)."""
         load: dict[str, float] = {}
         for b in self.buffers:
-            per = self.buffer_bytes(b) / b.placement.length
+            per = self.bytes_of(b) / b.placement.length
             for s in b.placement.shards:
                 load[s.device] = load.get(s.device, 0.0) + s.size * per
         return load
@@ -313,7 +313,7 @@ class Plan:
                                          for vp in self.variables.values()):
             rows.append("alltoall lookups: each distinct id's row exchanged once per replica")
         if self.buffers:
-            sizes = [self.buffer_bytes(b) for b in self.buffers]
+            sizes = [self.bytes_of(b) for b in self.buffers]
             per = self.buffer_load()
             rows.append(f"fusion buffers: {len(sizes)}, {sum(sizes) / 1e6:.3f} MB "
                         f"(largest {max(sizes) / 1e6:.3f} MB); per server per worker and step: "

@@ -175,7 +175,7 @@ def flows(plan, index_bytes: dict | None = None, rows: dict | None = None,
                              share * (per_worker * (row + idx) + asked * idx), var),
                             (server(j), worker(i), share * asked * row, var)]
     for k, buffer in enumerate(plan.buffers):
-        size = plan.buffer_bytes(buffer)
+        size = plan.bytes_of(buffer)
         for s in buffer.placement.shards:
             part = size * s.size / buffer.placement.length
             j = server_index(s.device)

@@ -4,7 +4,7 @@ import tensorflow as tf
 import parallax_ng as pn
 from models import local
 from passkit import context, run_passes
-from transforms.init import InitPass
+from transforms.initial_values import InitPass
 from transforms.replicate import ReplicatePass
 
 tf1 = tf.compat.v1

@@ -1,4 +1,4 @@
-"""Init: all replicas start from the same values.
+"""Initial values: all replicas start from the same values.
 
 Requires: replicas made by `replicate`.
 Guarantees: replica k's initializer of every mirrored variable assigns

@@ -1,0 +1,36 @@
+"""Variance: which nodes differ between replicas (their sources, and what
+follows them along data edges, gradients aside)."""
+import tensorflow as tf
+
+from models import embedding_regression
+from parallax_ng.graph import frontend
+from parallax_ng.graph.variance import is_input_source, replica_variant
+
+
+def test_replica_variant_stops_at_gradients():
+    tg = frontend.load(embedding_regression(4, "adam", ema=True)[0])
+    variant = replica_variant(tg)
+    assert "IteratorGetNext" in variant and "loss" in variant
+    assert "dense/w/Read/ReadVariableOp" not in variant
+    # update math fed by (aggregated) gradients is the same on every replica
+    assert not any(n.startswith("Adam/update_dense/w") for n in variant)
+
+
+def test_sources_are_inputs_split_by_replica_and_random_draws():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 2], name="batch")
+        lr = tf.compat.v1.placeholder(tf.float32, [], name="lr")
+        noise = tf.identity(tf.random.uniform([2]), name="noise")
+        w = tf.Variable([1.0, 2.0], name="w")
+        loss = tf.reduce_sum(x * w * lr + noise, name="loss")
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    tg = frontend.load(g)
+    assert is_input_source(tg, tg.ir.node("batch"))
+    assert not is_input_source(tg, tg.ir.node("lr"))          # fed whole
+    variant = replica_variant(tg)
+    assert {"batch", "random_uniform/RandomUniform", "noise", "loss"} <= variant
+    assert "lr" not in variant
+    # a draw every replica makes alike is no source
+    alike = replica_variant(tg, identical=frozenset({"random_uniform/RandomUniform"}))
+    assert "noise" not in alike and "batch" in alike
