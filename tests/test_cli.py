@@ -58,7 +58,7 @@ def test_console_script_is_installed():
 
 
 def test_help_does_not_import_tensorflow():
-    code = ("import sys\nfrom parallax_ng import cli\ntry:\n    cli.main(['run', '--help'])\n"
+    code = ("import sys\nfrom parallax_ng.tools import cli\ntry:\n    cli.main(['run', '--help'])\n"
             "except SystemExit:\n    pass\nprint('tensorflow' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
@@ -71,7 +71,7 @@ def test_simulate_is_arithmetic_without_tensorflow(tmp_path):
     profile.write_text(json.dumps({"forward_time": 0.01, "layers": [
         {"name": "a", "bytes": 10**6, "backward_time": 0.005},
         {"name": "b", "bytes": 2 * 10**6, "backward_time": 0.004}]}))
-    code = ("import sys\nfrom parallax_ng import cli\n"
+    code = ("import sys\nfrom parallax_ng.tools import cli\n"
             f"cli.main(['simulate', '--profile', {str(profile)!r}, '--nodes', '2', "
             "'--alpha', '1e-4', '--beta', '1e-9', '--strategies', 'wfbp,mgwfbp,bfb:2,ps:2'])\n"
             "print('tensorflow' in sys.modules)")
