@@ -398,7 +398,8 @@ def test_a_server_task_ends_when_its_workers_are_done(tmp_path):
 def test_a_waiting_server_logs_nothing_with_tensorflow_s_default_logging(tmp_path):
     """A server waits for its workers' tokens in one run it never gives up
     (a run given up every poll makes TensorFlow log four lines each time:
-    about 5,400 an hour). Its worker is reachable for 6 s, then gone."""
+    about 5,400 an hour). Its worker is reachable until the server listens
+    and 2 s (10 polls) more, then gone."""
     import socket
     with socket.socket() as fake_worker:
         fake_worker.bind(("127.0.0.1", 0))
@@ -413,7 +414,15 @@ def test_a_waiting_server_logs_nothing_with_tensorflow_s_default_logging(tmp_pat
         env.pop("TF_CPP_MIN_LOG_LEVEL", None)
         proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE,
                                 text=True, env=env)
-        time.sleep(6)
+        host, port = server.rsplit(":", 1)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        time.sleep(2)
     err = proc.communicate(timeout=60)[1]
     assert proc.returncode == 1 and "no worker has been reachable for 2 s" in err
     for noise in ("Cancellation requested", "Client requested cancellation",
@@ -424,7 +433,8 @@ def test_a_waiting_server_logs_nothing_with_tensorflow_s_default_logging(tmp_pat
 def test_a_server_whose_workers_never_come_gives_up_after_the_timeout(tmp_path):
     ports = [launch._with_port("127.0.0.1") for _ in range(2)]
     info = cluster.ClusterInfo((ports[0],), (ports[1],), "ps", 0, (("CPU", 0),))
-    code = ("import sys\nfrom parallax_ng import cluster\nfrom parallax_ng.runtime import serving\n"
+    code = ("import sys\nfrom parallax_ng import cluster\n"
+            "from parallax_ng.runtime import serving\n"
             f"info = cluster.ClusterInfo(*{(info.workers, info.ps, 'ps', 0, info.devices)!r})\n"
             "raise SystemExit(serving.serve(info, timeout_seconds=3, poll_seconds=0.5))\n")
     start = time.monotonic()
