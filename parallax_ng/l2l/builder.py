@@ -60,6 +60,7 @@ import tensorflow as tf
 from .. import compat
 from ..errors import GraphError
 from ..graph import rules
+from ..graph.ir import parse_input
 from . import eps
 from .copies import Copies
 from .draws import Seeds
@@ -299,7 +300,8 @@ class _Builder:
     def _clone(self, seg, imap, device, scope, gate, task) -> dict[str, tf.Operation]:
         names = set(seg.ops) | self._free_inputs(seg.ops)
         on_host = {name for name in seg.ops
-                   if any(ref.split(":")[0] in seg.handles for ref in self.nodes[name].input)}
+                   if any(not control and src in seg.handles for src, _, control in
+                          map(parse_input, self.nodes[name].input))}
         on_host.update(*self._gathered(seg).values())
         seeds = {name: self.seeds.seed(name, *task) for name in seg.ops
                  if name in self.lay.random}
@@ -329,7 +331,7 @@ class _Builder:
         while todo:
             node = self.nodes[todo.pop()]
             for ref in node.input:
-                src = ref.lstrip("^").split(":")[0]
+                src = parse_input(ref)[0]
                 if src in self.lay.free and src not in out:
                     out.add(src)
                     todo.append(src)

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
+from ..graph.ir import parse_input
 from .draws import halve, stateless
 
 
@@ -60,8 +61,8 @@ class Copies:
             inputs = list(node.input)
             del node.input[:]
             for ref in inputs:
-                src = ref.lstrip("^").split(":")[0]
-                key = ref if ":" in ref else ref + ":0"
+                src, index, _ = parse_input(ref)
+                key = f"{src}:{index}"
                 if not ref.startswith("^") and key in input_map:
                     imap[key] = input_map[key]
                     node.input.append(key)

@@ -20,6 +20,7 @@ import random
 import numpy as np
 import tensorflow as tf
 
+from ..graph.ir import parse_input
 from .layers import STATELESS
 
 BASE_SEED2 = 0x4C324C      # the base seed's op seed when the user's graph has a seed
@@ -103,10 +104,10 @@ def halve(gd, on_host: set[str], user: tf.Graph) -> None:
                 value = tf.make_ndarray(attr.tensor).astype(np.float16)
                 attr.tensor.CopyFrom(tf.make_tensor_proto(value))
         for i, ref in enumerate(node.input):
-            src = ref.split(":")[0]
-            if ref.startswith("^") or src not in on_host:
+            src, index, control = parse_input(ref)
+            if control or src not in on_host:
                 continue
-            if user.get_tensor_by_name(ref if ":" in ref else ref + ":0").dtype != tf.float32:
+            if user.get_tensor_by_name(f"{src}:{index}").dtype != tf.float32:
                 continue
             if ref not in casts:
                 casts[ref] = f"{src}/to_half_{len(casts)}"

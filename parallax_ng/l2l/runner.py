@@ -31,6 +31,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import ConfigError, FetchError
+from ..graph.ir import parse_input
 from ..resources import check_devices, session_config
 from ..runtime import heartbeat
 from ..runtime.checkpoint import ITERATOR_OPS, Checkpointer, assign_value, read_value
@@ -284,8 +285,8 @@ class L2LRunner:
             inputs = list(nd.input)
             del nd.input[:]
             for ref in inputs:
-                src = ref.lstrip("^").split(":")[0]
-                if ref.startswith("^") and src not in new:
+                src, _, control = parse_input(ref)
+                if control and src not in new:
                     controls.setdefault(nd.name, []).append(src)
                 else:
                     nd.input.append(ref)

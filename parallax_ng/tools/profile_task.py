@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import replace
 
 from .. import build
 from ..cluster import PROFILE_ENV
@@ -38,7 +39,6 @@ def main(argv: list[str]) -> int:
         profile = build.job_profile(shared)
         if profile is None:
             raise RuntimeError(f"the job's first step was not measured: {shared['source']}")
-        from dataclasses import replace
         profile = replace(profile, rows=dict(shared.get("rows", {})), steps=int(steps))
         with open(path, "w") as f:
             json.dump(profile.simulator(tg, per_variable == "1"), f, indent=1)
