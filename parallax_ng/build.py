@@ -4,7 +4,7 @@
     build = Build(frontend.load(graph), job)   # the analysis, once
     plan = build.plan()                        # planning/planner.py
     ir, ctx, manager = build.rewrite(plan)     # the passes (transforms/)
-    Runner(ir, ctx, ...)                       # runtime/runner.py
+    Runner(transformed(ir, ctx, ...), ...)     # runtime/program.py, runtime/runner.py
 
 `resolve` reads the config (the job's, `parallax-ng run -c FILE`, checked
 against the one given), the resources, this process's place in a job
@@ -12,7 +12,7 @@ against the one given), the resources, this process's place in a job
 `buckets.profile` names: nothing below reads them again. A front end gives
 a TrainingGraph (graph/frontend.py today); everything after it is shared.
 Layer-to-layer execution builds its own graph from the same TrainingGraph
-(l2l/runner.py).
+and gives the same Runner a Program of it (l2l/runner.py).
 
 In a multi-process job whose plan needs measurements (fusion buffers or
 mgwfbp buckets packed by ready times; hybrid and auto weighing whole plans
@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 from . import cluster
 from .config import Config, load_config
 from .errors import ConfigError, ResourceError
-from .resources import ResourceInfo, check_devices, load_resources, session_config
+from .resources import (ResourceInfo, check_devices, load_resources,
+                        session_config)
 
 
 @dataclass(frozen=True)
@@ -217,17 +218,18 @@ def runner(tg, job: Job, profile_steps: int = 0):
 
 
 def _runner(build: Build, sessions, server):
+    from .runtime.program import transformed
     from .runtime.runner import Runner
 
     def rebuild(plan):
         ir, ctx, manager = build.rewrite(plan)
-        return ir, ctx, manager.records
+        return transformed(ir, ctx, build.job.config, manager.records, server is not None)
 
-    ir, ctx, records = rebuild(build.plan())
-    if ctx.plan.worker == 0:       # once per job: what the config asked that is not done
-        for line in ctx.plan.unmet():
+    program = rebuild(build.plan())
+    if program.worker == 0:       # once per job: what the config asked that is not done
+        for line in program.plan.unmet():
             print(f"parallax_ng: {line}", file=sys.stderr, flush=True)
-    return Runner(ir, ctx, build.job.config, sessions, records, server=server,
+    return Runner(program, build.job.config, sessions, server=server,
                   replan=build.plan, rebuild=rebuild)
 
 

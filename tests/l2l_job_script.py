@@ -3,6 +3,7 @@ initial values unseeded (so they agree only if worker 0's are broadcast);
 saves every variable before and after training to OUT.<worker>.npz.
 
     python l2l_job_script.py OUT STEPS [--micro-batches 2] [--stash host]
+        [--checkpoint DIR]
 """
 import argparse
 import os
@@ -20,12 +21,14 @@ parser.add_argument("out")
 parser.add_argument("steps", type=int)
 parser.add_argument("--micro-batches", type=int, default=2)
 parser.add_argument("--stash", default="host")
+parser.add_argument("--checkpoint", default=None, help="checkpoint.dir, saved every 2 steps")
 args = parser.parse_args()
 
 g, h = stack(4, "adam", seed=None)
 runner = pn.get_runner(g, None, {"l2l": {"layers": LAYERS, "micro_batches": args.micro_batches,
                                          "stash": args.stash},
-                                 "communication": {"timeout_seconds": 120}})
+                                 "communication": {"timeout_seconds": 120},
+                                 "checkpoint": {"dir": args.checkpoint, "every_steps": 2}})
 print(f"worker {runner.plan.worker}: {runner.plan}", flush=True)
 names = variable_names(g)
 reads = [read_name(n, g) for n in names]

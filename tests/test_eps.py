@@ -85,13 +85,15 @@ def test_a_two_worker_job_equals_one_device(tmp_path):
     """2 workers x 2 stand-in devices x 2 micro-batches: each worker's host
     sums its replicas' gradients and the two sums are all-reduced; worker
     0's initial values are broadcast. Both workers end equal to one device
-    with the global batch (16) after 5 steps, at 1e-5."""
+    with the global batch (16) after 5 steps, at 1e-5. Checkpoints have a
+    job's layout: worker 0 writes the variables, each worker its input
+    position; the last one (at close) holds the final values."""
     path = tmp_path / "resources.yaml"
     path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:1, cpu:2]\n" * 2)
-    out = str(tmp_path / "vars")
+    out, ckpt = str(tmp_path / "vars"), str(tmp_path / "ckpt")
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r", str(path), "--", out,
-         "5"], capture_output=True, text=True, timeout=300,
+         "5", "--checkpoint", ckpt], capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "worker 1 of 2, 2 replicas" in done.stdout
@@ -110,3 +112,11 @@ def test_a_two_worker_job_equals_one_device(tmp_path):
         for name in names:
             np.testing.assert_allclose(workers[k][f"end/{name}"], want[name], rtol=0,
                                        atol=1e-5, err_msg=f"worker {k}: {name}")
+    latest = tf.train.latest_checkpoint(ckpt)
+    assert latest.endswith("model.ckpt-5")
+    for k in range(2):
+        assert tf.train.latest_checkpoint(f"{ckpt}/inputs/worker-{k}").endswith("ckpt-5")
+    reader = tf.train.load_checkpoint(latest)
+    for name in names:
+        np.testing.assert_array_equal(reader.get_tensor(name), workers[0][f"end/{name}"],
+                                      err_msg=name)

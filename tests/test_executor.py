@@ -23,7 +23,7 @@ def imported(ir):
 
 def test_an_unstaged_step_is_one_session_run():
     ctx = context(n=2)
-    ex = Executor(tf.Graph(), ctx)
+    ex = Executor.of(tf.Graph(), ctx)
     assert ex.runs(["loss:0", "train"]) == [SessionRun((0, 1))]
     assert ex.barrier is None
 
@@ -32,7 +32,7 @@ def test_a_split_step_is_two_runs_that_fetch_each_value_once():
     g, h = embedding_regression(4, "adam", clip=True)
     ir, ctx = cluster_transform(g, worker=0, servers=1, dense_method="allreduce")
     graph = imported(ir)
-    ex = Executor(graph, ctx)
+    ex = Executor.of(graph, ctx)
     runs = ex.runs([h["train"].name, "loss:0"])
     assert len(runs) == 2
     assert sorted(i for r in runs for i in r.fetched) == [0, 1]
@@ -76,7 +76,7 @@ def two_parts(items: int):
 
 def test_two_runs_at_once_meet_at_their_queue():
     g, ctx, it = two_parts(5)
-    ex = Executor(g, ctx, tf.compat.v1.RunOptions(timeout_in_ms=20000))
+    ex = Executor.of(g, ctx, tf.compat.v1.RunOptions(timeout_in_ms=20000))
     with tf.compat.v1.Session(graph=g) as session:
         session.run([it.initializer, "count/Assign"])
         runs = ex.runs(["out:0", "count_step"])
@@ -97,7 +97,7 @@ def test_the_end_of_the_input_ends_both_runs_at_once_and_the_next_step_is_clean(
     did nothing, and after the iterator starts again steps go on as before,
     with no element left over."""
     g, ctx, it = two_parts(2)
-    ex = Executor(g, ctx, tf.compat.v1.RunOptions(timeout_in_ms=60000))
+    ex = Executor.of(g, ctx, tf.compat.v1.RunOptions(timeout_in_ms=60000))
     with tf.compat.v1.Session(graph=g) as session:
         session.run([it.initializer, "count/Assign"])
         for epoch in range(3):
@@ -123,7 +123,7 @@ def test_a_failing_collective_run_stops_the_server_run():
             tf.math.log(g.get_tensor_by_name("dequeue:0") - 100.0), "negative", name="checked")
     ctx.result(StepParts).part_of.update(
         {op.name: COLLECTIVES for op in set(g.get_operations()) - before})
-    ex = Executor(g, ctx, tf.compat.v1.RunOptions(timeout_in_ms=60000))
+    ex = Executor.of(g, ctx, tf.compat.v1.RunOptions(timeout_in_ms=60000))
     with tf.compat.v1.Session(graph=g) as session:
         session.run([it.initializer, "count/Assign"])
         start = time.monotonic()
@@ -136,7 +136,7 @@ def test_a_failing_collective_run_stops_the_server_run():
 def test_a_step_without_collectives_holds_its_barrier():
     g, h = embedding_regression(4, "adam", clip=True)
     ir, ctx = cluster_transform(g, worker=0, servers=1, dense_method="bfb")
-    ex = Executor(imported(ir), ctx)
+    ex = Executor.of(imported(ir), ctx)
     assert len(ex.runs([h["train"].name])) == 1 and ex.barrier.folded
     assert ex.ends_with_barrier(initialized=True, trained=False)
     assert not ex.ends_with_barrier(initialized=False, trained=True)
@@ -145,6 +145,6 @@ def test_a_step_without_collectives_holds_its_barrier():
 def test_other_workers_wait_at_the_barrier():
     g, _ = embedding_regression(4, "adam")
     ir, ctx = cluster_transform(g, worker=1, servers=1)
-    ex = Executor(imported(ir), ctx)
+    ex = Executor.of(imported(ir), ctx)
     assert ex.barrier.op(1) == "parallax/server_sync/wait"
     assert ex.graph.get_operation_by_name(ex.barrier.op(1)).type == "QueueDequeueV2"

@@ -100,10 +100,10 @@ def test_configurations_it_refuses():
 
 
 def test_checkpoints_resume_exactly(tmp_path):
-    """Every 3 steps a checkpoint; a new runner restores the newest at its
-    first initializing run (variables, slots, the iterator's position) and
-    ends where an uninterrupted run ends, dropout included (its seeds come
-    from the global step)."""
+    """Every 3 steps a checkpoint, and one at close; a new runner restores
+    the newest at its first initializing run (variables, slots, the
+    iterator's position) and ends where an uninterrupted run ends, dropout
+    included (its seeds come from the global step)."""
     config = {"l2l": {"layers": LAYERS, "micro_batches": 2, "stash": "host"},
               "checkpoint": {"dir": str(tmp_path / "ckpt"), "every_steps": 3}}
     g, h = stack(4, drop=lambda x: tf.nn.dropout(x, rate=0.2))
@@ -111,13 +111,15 @@ def test_checkpoints_resume_exactly(tmp_path):
     reads = [read_name(n, g) for n in names]
     with pn.get_runner(g, ONE, config) as r:
         r.run(h["init"])
-        for _ in range(7):                 # saved at 3 and 6; step 7 is lost
+        for _ in range(5):                 # saved at 3, and at close (5)
             r.run(h["train"])
-    assert tf.train.latest_checkpoint(str(tmp_path / "ckpt")).endswith("model.ckpt-6")
+    saved = sorted(p.name for p in (tmp_path / "ckpt").glob("model.ckpt-*.index"))
+    assert saved == ["model.ckpt-3.index", "model.ckpt-5.index"]
+    assert tf.train.latest_checkpoint(str(tmp_path / "ckpt")).endswith("model.ckpt-5")
     with pn.get_runner(g, ONE, config) as r:
         r.run(h["init"])
-        assert r.run(read_name("global_step", g)) == 6
-        for _ in range(4):
+        assert r.run(read_name("global_step", g)) == 5
+        for _ in range(5):
             r.run(h["train"])
         resumed = dict(zip(names, r.run(reads)))
     with pn.get_runner(g, ONE, {"l2l": config["l2l"]}) as r:

@@ -6,17 +6,19 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import tensorflow as tf
+from models import (embedding_regression, local, read_name, train_single,
+                    variable_names)
 
 import parallax_ng as pn
 from parallax_ng import build
-from models import embedding_regression, local, read_name, train_single, variable_names
-from parallax_ng.tools import cli
-from parallax_ng.graph import frontend
 from parallax_ng.errors import ConfigError
+from parallax_ng.graph import frontend
 from parallax_ng.planning.placement import MIRRORED
 from parallax_ng.planning.profile import Profile
 from parallax_ng.resources import load_resources, session_config
+from parallax_ng.runtime.program import transformed
 from parallax_ng.runtime.runner import Runner
+from parallax_ng.tools import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -87,10 +89,9 @@ def test_a_measured_decision_rebuilds_the_graph():
 
     def rebuild(plan):
         ir, ctx, manager = built.rewrite(plan)
-        return ir, ctx, manager.records
+        return transformed(ir, ctx, config, manager.records)
 
-    ir, ctx, records = rebuild(replan())
-    with Runner(ir, ctx, config, session_config([("CPU", 0), ("CPU", 1)]), records,
+    with Runner(rebuild(replan()), config, session_config([("CPU", 0), ("CPU", 1)]),
                 replan=replan, rebuild=rebuild) as runner:
         assert runner.plan.variables["emb"].method == "ps"
         got = train(runner, h, g)
@@ -153,8 +154,9 @@ def test_the_first_step_is_measured_in_a_session_of_its_own():
     """Worker 0's measuring step: the user's graph, its own variables and
     iterator; the gradients' ready order, last layer first, and the ready
     times after the forward pass."""
-    from parallax_ng.planning.profile import first_step_profile
     from passkit import tiny_graph
+
+    from parallax_ng.planning.profile import first_step_profile
     g, _ = embedding_regression(4, "adam", clip=True)
     tg = frontend.load(g)
     profile, why = first_step_profile(tg, 60)

@@ -3,9 +3,9 @@ servers, read off the generated graphs (the multi-process run is in
 test_cluster.py)."""
 import numpy as np
 import tensorflow as tf
-
 from models import embedding_regression
 from passkit import cluster_transform
+
 from parallax_ng.graph import frontend
 from parallax_ng.planning.placement import Shard, Sharded
 from parallax_ng.planning.planner import shardable
@@ -75,9 +75,11 @@ def sharded_runner(graph, config):
     each with its Adam slots, one shard per device."""
     from dataclasses import replace
 
-    import parallax_ng as pn
     from models import local
+
+    import parallax_ng as pn
     from parallax_ng.resources import session_config
+    from parallax_ng.runtime.program import transformed
     from parallax_ng.runtime.runner import Runner
     plan = pn.transform_plan(graph, local(3), config)
     flat = Sharded(None, (Shard(LOCAL[0], 0, 10), Shard(LOCAL[1], 10, 35),
@@ -89,8 +91,9 @@ def sharded_runner(graph, config):
             placement[state] = p
     ir, ctx, manager = pn.transform(graph, local(3), config,
                                     plan=replace(plan, placement=placement))
-    return Runner(ir, ctx, pn.load_config(config),
-                  session_config([("CPU", k) for k in range(3)]), manager.records)
+    config = pn.load_config(config)
+    return Runner(transformed(ir, ctx, config, manager.records), config,
+                  session_config([("CPU", k) for k in range(3)]))
 
 
 def test_sharded_placement_over_three_devices_at_uneven_offsets_equals_one_device():

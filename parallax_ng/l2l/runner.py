@@ -1,8 +1,10 @@
-"""The runner of layer-to-layer execution: the user's fetches on the L2L graph.
+"""Layer-to-layer execution as a Program for the one Runner: the L2L graph
+and the user's fetches on it.
 
 Requires: a TrainingGraph, the devices that are replicas, a Config whose
 `l2l.layers` is set.
-Guarantees: `run(fetches, feed_dict)` takes what the user's single-device
+Guarantees: `l2l_runner(tg, job)` is a Runner (parallax_ng/runtime/runner.py)
+whose `run(fetches, feed_dict)` takes what the user's single-device
 graph would (tensors, ops, variables, names, nested) and returns what one
 device would for the global batch:
 - the training op runs one L2L step (parallax_ng/l2l/builder.py);
@@ -16,14 +18,17 @@ device would for the global batch:
 - a fed placeholder with an unknown leading dimension is split into
   replicas x micro-batches parts (its batch must divide evenly); other feeds
   are used whole.
-`plan` says how the model was cut (printable). With `checkpoint.dir`, the
-first run that initializes restores the newest checkpoint, and every
-`checkpoint.every_steps` training steps are saved (class Checkpoints).
+`run(..., per_replica=True)` is an error that says why. `plan` says how the
+model was cut (printable). With `checkpoint.dir`, checkpoints are the
+Runner's: every variable of the user's graph under its single-device name
+and the position of the input iterators, the newest restored by the first
+run that initializes, saved every `checkpoint.every_steps` training steps
+and at close (a job's worker 0 writes the variables, every worker its
+input positions).
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,10 +37,13 @@ import tensorflow as tf
 from .. import compat
 from ..errors import ConfigError, FetchError
 from ..graph.ir import parse_input
+from ..pipeline.results import Barrier
 from ..resources import check_devices, session_config
-from ..runtime import heartbeat
-from ..runtime.checkpoint import ITERATOR_OPS, Checkpointer, assign_value, read_value
-from ..runtime.fetches import Fetch, combine
+from ..runtime.checkpoint import Checkpointer, Layout
+from ..runtime.executor import Executor
+from ..runtime.fetches import Fetch, FetchMap
+from ..runtime.program import Program, run_options
+from ..runtime.runner import Runner
 from . import builder as l2l
 from . import layers
 
@@ -85,9 +93,9 @@ def plan_of(layering, devices, host: str, cfg, job=(1, 0)) -> L2LPlan:
         cfg.micro_batches, cfg.stash, cfg.precision, *job, len(layering.random))
 
 
-def l2l_runner(tg, job) -> "L2LRunner":
-    """Layer-to-layer execution of `tg` for a build.Job: on this machine's
-    devices, or as one worker of a job (its own host the EPS)."""
+def l2l_runner(tg, job) -> Runner:
+    """The Runner of layer-to-layer execution of `tg` for a build.Job: on
+    this machine's devices, or as one worker of a job (its own host the EPS)."""
     config, info = job.config, job.cluster
     if config.communication.backend != "tf":
         raise ConfigError("config key 'l2l' keeps the model on the host of one process; "
@@ -95,18 +103,17 @@ def l2l_runner(tg, job) -> "L2LRunner":
     if info is None:
         devices = job.resources.hosts[0].devices
         check_devices(devices)
-        return L2LRunner(tg, [l2l.device_string(kind, i) for kind, i in devices], config,
-                         session_config(devices))
+        return Runner(l2l_program(tg, config, [l2l.device_string(kind, i)
+                                               for kind, i in devices]),
+                      config, session_config(devices))
     if info.task_type != "worker" or info.ps:
         raise ConfigError("config key 'l2l': every worker's host is its parameter server; "
                           "list no 'ps' in the resources")
     check_devices(info.devices, f"worker {info.task} ({info.workers[info.task]})")
     server = info.start_server()
-    runner = L2LRunner(tg, info.device_strings(), config, info.session_config(),
-                       target=server.target, host=info.host,
-                       job=(len(info.workers), info.task))
-    runner.server = server
-    return runner
+    program = l2l_program(tg, config, info.device_strings(), info.host,
+                          (len(info.workers), info.task))
+    return Runner(program, config, info.session_config(), server=server)
 
 
 def l2l_plan(tg, job) -> L2LPlan:
@@ -120,116 +127,56 @@ def l2l_plan(tg, job) -> L2LPlan:
                    l2l.device_string("CPU", 0), cfg)
 
 
-class L2LRunner:
-    def __init__(self, tg, devices: list[str], config, session_config, target: str = "",
-                 host: str | None = None, job: tuple[int, int] = (1, 0)):
-        """devices: the replicas' device strings; `job`: (workers, this worker)."""
-        cfg = config.l2l
-        self.config, self.tg = config, tg
-        self.layering = layers.split(tg, cfg.layers, cfg.loss)
-        host = host or l2l.device_string("CPU", 0)
-        self.built = l2l.build(tg, self.layering, cfg, list(devices), host, job,
-                               average=(config.average_dense, config.average_sparse))
-        self.graph = self.built.graph
-        self.plan = plan_of(self.layering, devices, host, cfg, job)
-        self._split = {s + ":0" for s in self.layering.sources} & {
+def l2l_program(tg, config, devices: list[str], host: str | None = None,
+                job: tuple[int, int] = (1, 0)) -> Program:
+    """The L2L graph of `tg` over the replicas `devices` (device strings),
+    with the variables on `host`; `job`: (workers, this worker). Its one
+    barrier is the collective giving every worker worker 0's values after
+    they are initialized; checkpoints have the layout of a data-parallel
+    job whose variables are on every worker (runtime/checkpoint.py)."""
+    cfg = config.l2l
+    layering = layers.split(tg, cfg.layers, cfg.loss)
+    host = host or l2l.device_string("CPU", 0)
+    built = l2l.build(tg, layering, cfg, list(devices), host, job,
+                      average=(config.average_dense, config.average_sparse))
+    plan = plan_of(layering, devices, host, cfg, job)
+    timeout = config.communication.timeout_seconds
+    options = run_options(timeout)
+    sync = built.sync.name if built.sync is not None else None
+    executor = Executor(built.graph, options,
+                        barrier=Barrier(sync, sync, folded=True) if sync else None,
+                        worker=job[1])
+    checkpoints = None
+    if config.checkpoint.dir:
+        layout = Layout(tg, host, worker=job[1], workers=job[0], offset=job[1])
+        checkpoints = Checkpointer(built.graph, layout, config.checkpoint.dir, timeout)
+    fetches = L2LFetchMap(built.graph, tg, config, built, layering, plan.host,
+                          len(devices) * cfg.micro_batches)
+    return Program(built.graph, tg, plan, fetches, executor, options, checkpoints,
+                   worker=job[1])
+
+
+class L2LFetchMap(FetchMap):
+    """The user's fetches on the L2L graph: the loss is the step's mean
+    loss; another tensor of the forward pass comes from every replica's
+    micro-batches; everything else from the host, under the user's names."""
+
+    def __init__(self, graph, tg, config, built, layering, host: str, parts: int):
+        super().__init__(graph, tg, config)
+        self.built, self.layering, self.host = built, layering, host
+        self._split = {s + ":0" for s in layering.sources} & {
             op.name + ":0" for op in tg.graph.get_operations() if op.type == "Placeholder"}
-        self._parts = len(devices) * cfg.micro_batches
-        # runs that initialize variables are followed, in a job, by worker 0's values
-        self._initializes = tg.ir.descendants(
-            {v.initializer for v in tg.variables.values() if v.initializer})
-        writers = {w for var, ws in tg.writers.items() for w in ws} - {
-            v.initializer for v in tg.variables.values()}
-        self._trains = tg.ir.descendants(writers)
-        self._checkpoints, self._restored, self._steps = None, False, 0
+        self._parts = parts          # replicas x micro-batches
         self._forward_reads: dict[str, str | None] = {}
-        self._late: dict[str, tf.Operation] = {}      # ops copied in after get_runner
-        if config.checkpoint.dir:
-            self._checkpoints = Checkpoints(self.graph, tg, config.checkpoint.dir, host, *job)
-        self.session = tf.compat.v1.Session(target, graph=self.graph, config=session_config)
-        self._timeout = tf.compat.v1.RunOptions(
-            timeout_in_ms=int(config.communication.timeout_seconds * 1000))
 
-    def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
-        leaves = tf.nest.flatten(fetches)
-        wanted = [self._fetch(leaf) for leaf in leaves]
-        names = [n for f in wanted for n in f.names]
-        feeds = {self._feed_key(k): v for k, v in (feed_dict or {}).items()}
-        for name, value in feeds.items():
-            self._check_feed(name, value)
-        if options is None:
-            options = self._timeout
-        with heartbeat.running():
-            values = self.session.run(names, feeds, options=options, run_metadata=run_metadata)
-        self._after_run({f.user for f in wanted})
-        out, i = [], 0
-        for f in wanted:
-            out.append(combine(values[i:i + len(f.names)], f))
-            i += len(f.names)
-        return tf.nest.pack_sequence_as(fetches, out)
-
-    def save(self, saver, path: str) -> str:
-        """Write the variables with the user's tf.compat.v1.train.Saver (the
-        host's: single-device names, so a one-device script restores it)."""
-        d = saver.saver_def
-        return self.run(d.save_tensor_name, {d.filename_tensor_name: path})
-
-    def restore(self, saver, path: str) -> None:
-        d = saver.saver_def
-        self.run(d.restore_op_name, {d.filename_tensor_name: path})
-
-    def _after_run(self, fetched: set[str]) -> None:
-        """After a run that initialized: worker 0's values everywhere (a job),
-        then the newest checkpoint, once; every `checkpoint.every_steps`
-        training steps (the global step's value, else runs), a checkpoint."""
-        if fetched & self._initializes:
-            if self.built.sync is not None:
-                self.session.run(self.built.sync, options=self._timeout)
-            if self._checkpoints is not None and not self._restored:
-                self._restored = True
-                latest = self._checkpoints.latest()
-                if latest:
-                    self._checkpoints.restore(self.session, latest)
-        if self._checkpoints is not None and fetched & self._trains:
-            self._steps += 1
-            step = self._checkpoints.global_step(self.session)
-            step = self._steps if step is None else step
-            if step % self.config.checkpoint.every_steps == 0:
-                self._checkpoints.save(self.session, step)
-
-    def close(self) -> None:
-        self.session.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    # -- names ----------------------------------------------------------------
-    def _user_name(self, leaf) -> str:
-        if isinstance(leaf, tf.Variable):
-            element = getattr(leaf, "_graph_element", None)
-            leaf = element if element is not None else leaf.op.outputs[0]
-        if isinstance(leaf, (tf.Tensor, tf.Operation)):
-            if leaf.graph is not self.tg.graph:
-                raise FetchError(f"{leaf.name!r} belongs to another graph than the one "
-                                 "given to get_runner")
-            return leaf.name
-        if isinstance(leaf, str):
-            return leaf
-        raise FetchError(f"cannot fetch or feed a {type(leaf).__name__}; use a tensor, an op, "
-                         "a variable or a name from the training graph")
-
-    def _fetch(self, leaf) -> Fetch:
-        name = self._user_name(leaf)
+    def fetch(self, leaf, per_replica: bool = False) -> Fetch:
+        name = self.user_name(leaf)
+        if per_replica:
+            raise FetchError("run(..., per_replica=True) is not available with layer-to-layer "
+                             "execution: a replica's values are its micro-batches'; fetch "
+                             "the combined value")
         node = name.split(":")[0]
-        try:
-            element = self.tg.graph.as_graph_element(name)
-        except (KeyError, ValueError) as e:
-            raise FetchError(f"{name!r} is not in the training graph: {e}") from None
-        if node not in self.tg.ir and node not in self._late:
-            self._adopt(element if isinstance(element, tf.Operation) else element.op)
+        element = self.user_graph.as_graph_element(name)
         if isinstance(element, tf.Operation):
             if node in self.built.forward:
                 raise FetchError(f"op {name!r} is part of the forward pass, which runs layer "
@@ -252,16 +199,26 @@ class L2LRunner:
                 "tensors it is computed from, e.g. the logits, and finish in NumPy)")
         return Fetch((name,), "first", node)
 
-    def _adopt(self, op: tf.Operation) -> None:
+    def feeds(self, feed_dict) -> dict:
+        """Feeds go to the host's placeholders; the L2L graph splits a batch
+        into replicas x micro-batches, so it must divide evenly."""
+        out = {}
+        for key, value in (feed_dict or {}).items():
+            name = self.user_name(key)
+            name = name if ":" in name else name + ":0"
+            if name in self._split and np.ndim(value) and np.shape(value)[0] % self._parts:
+                raise FetchError(f"feed {name!r} has {np.shape(value)[0]} rows, which do not "
+                                 f"split into {self._parts} equal parts (replicas x "
+                                 "micro-batches)")
+            out[name] = value
+        return out
+
+    def _adopt(self, node: str) -> bool:
         """Copy an op made after get_runner (and the ops it needs that are
         new too) onto the host, reading the existing ops by name."""
-        known, new, stack = self.tg.ir, {}, [op]
-        while stack:
-            o = stack.pop()
-            if o.name in known or o.name in new:
-                continue
-            new[o.name] = o
-            stack += [t.op for t in o.inputs] + list(o.control_inputs)
+        new = self._new_ops(node)
+        if new is None:
+            return False
         outside = {t.op.name for o in new.values() for t in o.inputs if t.op.name not in new}
         outside |= {c.name for o in new.values() for c in o.control_inputs
                     if c.name not in new}
@@ -269,22 +226,21 @@ class L2LRunner:
         reads = sorted(n for n in outside if n in forward or self._reads_forward(n))
         if reads:
             raise FetchError(
-                f"{op.name!r} reads the forward pass ({reads[0]!r}) but the loss does not "
+                f"{node!r} reads the forward pass ({reads[0]!r}) but the loss does not "
                 "depend on it; layer-by-layer execution computes the loss's ancestors only "
                 "(fetch the tensors it is computed from, e.g. the logits, and finish in NumPy)")
         gd = tf.compat.v1.GraphDef()
         controls = {}
-        for node in self.tg.graph.as_graph_def().node:
-            if node.name not in new:
+        for o in self.user_graph.get_operations():
+            if o.name not in new:
                 continue
             nd = gd.node.add()
-            nd.CopyFrom(node)
+            nd.CopyFrom(o.node_def)
             nd.device = ""
             if "_class" in nd.attr:
                 del nd.attr["_class"]
-            inputs = list(nd.input)
             del nd.input[:]
-            for ref in inputs:
+            for ref in o.node_def.input:
                 src, _, control = parse_input(ref)
                 if control and src not in new:
                     controls.setdefault(nd.name, []).append(src)
@@ -292,14 +248,13 @@ class L2LRunner:
                     nd.input.append(ref)
         imap = {f"{t.op.name}:{t.value_index}": self.graph.get_tensor_by_name(t.name)
                 for o in new.values() for t in o.inputs if t.op.name not in new}
-        with self.graph.as_default(), tf.device(self.plan.host):
+        with self.graph.as_default(), tf.device(self.host):
             tf.graph_util.import_graph_def(gd, input_map=imap, name="")
         for name, srcs in controls.items():
             compat.add_control_inputs(self.graph.get_operation_by_name(name),
                                       [self.graph.get_operation_by_name(x) for x in srcs])
-        if outside & self._initializes:
-            self._initializes = self._initializes | set(new)
-        self._late.update(new)
+        self.late.update({name: [name] for name in new})
+        return True
 
     def _reads_forward(self, node: str) -> str | None:
         """A forward op or data source `node` depends on, if any (running it
@@ -309,60 +264,6 @@ class L2LRunner:
             hit = sorted(self.tg.ir.ancestors([node]) & forward)
             self._forward_reads[node] = hit[0] if hit else None
         return self._forward_reads[node]
-
-    def _feed_key(self, key) -> str:
-        name = self._user_name(key)
-        name = name if ":" in name else name + ":0"
-        return name
-
-    def _check_feed(self, name: str, value) -> None:
-        if name in self._split and np.ndim(value) and np.shape(value)[0] % self._parts:
-            raise FetchError(f"feed {name!r} has {np.shape(value)[0]} rows, which do not split "
-                             f"into {self._parts} equal parts (replicas x micro-batches)")
-
-
-class Checkpoints(Checkpointer):
-    """Every variable of the user's graph (under its single-device name, as
-    a plain tf.compat.v1.train.Saver reads it) and the position of the
-    input iterators, saved to `<dir>/model.ckpt-<step>` (a job's worker i:
-    `<dir>/worker-<i>/`); restored into the host's variables. Saving,
-    finding and restoring are Checkpointer's."""
-
-    def __init__(self, graph: tf.Graph, tg, directory: str, host: str, workers: int = 1,
-                 worker: int = 0):
-        self.directory = (os.path.join(directory, f"worker-{worker}") if workers > 1
-                          else directory)
-        # each worker's file holds all (Checkpointer's one-process layout)
-        self.inputs, self.workers, self.worker, self.timeout = self.directory, 1, 0, 0.0
-        variables = sorted(tg.variables)
-        step = tf.compat.v1.train.get_global_step(tg.graph)
-        with graph.as_default(), tf.device(host), tf.compat.v1.name_scope("l2l/checkpoint/"):
-            self.prefix = tf.compat.v1.placeholder(tf.string, [], name="prefix")
-            self.input_prefix = self.prefix
-            tensors = [read_value(graph, tg.variables[v]) for v in variables]
-            names = list(variables)
-            iterators = [n.name for n in tg.ir.nodes if n.op in ITERATOR_OPS]
-            for it in iterators:
-                names.append(f"parallax/iterator/{worker}/{it}")
-                tensors.append(tf.raw_ops.SerializeIterator(
-                    resource_handle=graph.get_tensor_by_name(it + ":0"),
-                    external_state_policy=0))
-            self.save_op = tf.raw_ops.SaveV2(prefix=self.prefix, tensor_names=names,
-                                             shape_and_slices=[""] * len(names),
-                                             tensors=tensors)
-            loaded = tf.raw_ops.RestoreV2(prefix=self.prefix, tensor_names=names,
-                                          shape_and_slices=[""] * len(names),
-                                          dtypes=[t.dtype.base_dtype for t in tensors])
-            restores = [assign_value(graph, v, value) for v, value in zip(variables, loaded)]
-            restores += [tf.raw_ops.DeserializeIterator(
-                resource_handle=graph.get_tensor_by_name(it + ":0"), serialized=value)
-                for it, value in zip(iterators, loaded[len(variables):])]
-            self.restore_op = tf.group(*restores, name="restore")
-            self.step = (tensors[variables.index(step.op.name)]
-                         if step is not None and step.op.name in tg.variables else None)
-
-    def global_step(self, session):
-        return None if self.step is None else int(session.run(self.step))
 
 
 def _identity_of(t: tf.Tensor) -> str:

@@ -1,7 +1,8 @@
 """Checkpoints of a parallel job that resume exactly.
 
-Requires: the runner's graph (replica 0 keeps the user's names) and the
-PassContext that made it.
+Requires: the runner's graph and its `Layout`: where the user's variables
+and iterators are in it (the passes' replicas, replica 0 under the user's
+names, from the PassContext; or layer-to-layer's host).
 Guarantees: `save(step)` writes every variable of the user's graph (weights,
 slots, moving averages, global step) under its single-device name to
 `<dir>/model.ckpt-<step>`, and the position of every replica's input
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import tensorflow as tf
 
@@ -39,33 +42,66 @@ class CheckpointError(ParallaxError):
     """A checkpoint of a job cannot be written or read as one."""
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where a step graph keeps the user's state: every variable (under
+    `replica_name(k, var)` in each of this process's `copies` replicas, or
+    by its `placement`) and every input iterator (one per replica); the
+    data-parallel passes' layout (`of(ctx)`) or layer-to-layer's (every
+    variable and iterator once, on the host)."""
+    tg: object                      # the user's TrainingGraph
+    host: str                       # the device of the checkpoint's ops
+    worker: int = 0
+    workers: int = 1
+    copies: int = 1                 # replicas of the user's nodes in this process
+    offset: int = 0                 # job-wide index of this process's replica 0
+    placement: dict = field(default_factory=dict)   # variable -> Placement
+    shared: frozenset = frozenset()  # variables that exist once: the chief restores them
+    replica_name: Callable = field(default=lambda k, name: name)
+    parts: ColumnParts | None = None
+    clear: tuple = ()               # ops that drop a restored table's pending rows
+
+    @classmethod
+    def of(cls, ctx) -> "Layout":
+        """The layout of the graph the passes made with `ctx`."""
+        plan, deferred = ctx.plan, ctx.result(Deferred)
+        return cls(ctx.tg, plan.host, plan.worker, plan.num_workers, plan.num_replicas,
+                   plan.replica_offset, dict(plan.placement), frozenset(plan.shared_state()),
+                   ctx.replica_name, ctx.result(ColumnParts),
+                   tuple(deferred.clear) if deferred else ())
+
+
 class Checkpointer:
-    def __init__(self, graph: tf.Graph, ctx, directory: str, timeout_seconds: float = 300):
-        plan = ctx.plan
+    def __init__(self, graph: tf.Graph, layout: Layout, directory: str,
+                 timeout_seconds: float = 300):
+        lay, tg = layout, layout.tg
         self.directory, self.timeout = directory, timeout_seconds
-        self.worker, self.workers = plan.worker, plan.num_workers
-        self.inputs = (os.path.join(directory, "inputs", f"worker-{plan.worker}")
-                       if plan.num_workers > 1 else directory)
+        self.worker, self.workers = lay.worker, lay.workers
+        self.inputs = (os.path.join(directory, "inputs", f"worker-{lay.worker}")
+                       if lay.workers > 1 else directory)
         names, tensors, restores = [], [], []
-        parts = ctx.result(ColumnParts)
-        with graph.as_default(), tf.device(plan.host), \
+        parts = lay.parts
+        with graph.as_default(), tf.device(lay.host), \
                 tf.compat.v1.name_scope("parallax/checkpoint/"):
             self.prefix = tf.compat.v1.placeholder(tf.string, [], name="prefix")
             self.input_prefix = tf.compat.v1.placeholder_with_default(self.prefix, [],
                                                                       name="input_prefix")
-            for var in sorted(ctx.tg.variables):
+            for var in sorted(tg.variables):
                 names.append(var)
-                placement = plan.placement[var]
+                placement = lay.placement.get(var)
                 if isinstance(placement, Columns):
                     placement = parts.handles[var]
-                tensors.append(read_value(graph, ctx.tg.variables[var], placement,
+                tensors.append(read_value(graph, tg.variables[var], placement,
                                           gather=parts is not None and parts.gather))
+            step = tf.compat.v1.train.get_global_step(tg.graph)
+            self.step = tensors[names.index(step.op.name)] \
+                if step is not None and step.op.name in names else None
             inputs, positions = [], []
-            iterators = [n.name for n in ctx.tg.ir.nodes if n.op in ITERATOR_OPS]
+            iterators = [n.name for n in tg.ir.nodes if n.op in ITERATOR_OPS]
             for it in iterators:
-                for k in range(plan.num_replicas):
-                    handle = graph.get_tensor_by_name(ctx.replica_name(k, it) + ":0")
-                    inputs.append(f"parallax/iterator/{plan.replica_offset + k}/{it}")
+                for k in range(lay.copies):
+                    handle = graph.get_tensor_by_name(lay.replica_name(k, it) + ":0")
+                    inputs.append(f"parallax/iterator/{lay.offset + k}/{it}")
                     positions.append(tf.raw_ops.SerializeIterator(
                         resource_handle=handle, external_state_policy=0))
             self.save_op = self._save_ops(names, tensors, inputs, positions, parts)
@@ -73,27 +109,29 @@ class Checkpointer:
                 self._restored(names + inputs, tensors + positions)
             moved = self._restored(inputs, positions, self.input_prefix) \
                 if self.workers > 1 else loaded[len(names):]
-            for var, value in zip(sorted(ctx.tg.variables), loaded):
-                if var in plan.shared_state() and plan.worker > 0:
+            for var, value in zip(sorted(tg.variables), loaded):
+                if var in lay.shared and lay.worker > 0:
                     continue   # the chief restores parameter-server variables
-                placement = plan.placement[var]
+                placement = lay.placement.get(var)
                 if isinstance(placement, Columns):     # each replica its columns
-                    restores += [assign_value(graph, ctx.replica_name(k, var), value[
+                    restores += [assign_value(graph, lay.replica_name(k, var), value[
                         :, s.start:s.start + s.size]) for k, s in enumerate(
-                            placement.shards[plan.replica_offset:][:plan.num_replicas])]
+                            placement.shards[lay.offset:][:lay.copies])]
                     continue
-                copies = {ctx.replica_name(k, var) for k in range(plan.num_replicas)}
+                copies = {lay.replica_name(k, var) for k in range(lay.copies)}
                 restores += [assign_value(graph, c, value, placement) for c in sorted(copies)]
             for i, it in enumerate(iterators):
-                for k in range(plan.num_replicas):
-                    value = moved[i * plan.num_replicas + k]
-                    handle = graph.get_tensor_by_name(ctx.replica_name(k, it) + ":0")
+                for k in range(lay.copies):
+                    value = moved[i * lay.copies + k]
+                    handle = graph.get_tensor_by_name(lay.replica_name(k, it) + ":0")
                     restores.append(tf.raw_ops.DeserializeIterator(
                         resource_handle=handle, serialized=value))
-            deferred = ctx.result(Deferred)     # a restored table has no pending rows
-            restores += [graph.get_operation_by_name(c) for c in deferred.clear] \
-                if deferred else []
+            restores += [graph.get_operation_by_name(c) for c in lay.clear]
             self.restore_op = tf.group(*restores, name="restore")
+
+    def global_step(self, session) -> int | None:
+        """The user's global step (None when the graph has none)."""
+        return None if self.step is None else int(session.run(self.step))
 
     def _save_ops(self, names, tensors, inputs, positions, parts):
         """One process: variables and positions in one file. A job: worker 0

@@ -13,8 +13,10 @@ cancelled and the queues made anew, so the error (the end of the input,
 say) reaches the caller at once and the next step starts clean.
 `end_step(session)` runs the job's barrier after a run that initialized,
 or trained when the training run does not hold the barrier itself
-(`ends_with_barrier`). A micro-batch loop or a layer-by-layer schedule is a
-different list of session runs built on the same two calls.
+(`ends_with_barrier`). Layer-to-layer execution's step is one run; its
+barrier is the collective that gives every worker worker 0's initial
+values (parallax_ng/l2l/runner.py). A micro-batch loop is a different list
+of session runs built on the same two calls.
 """
 from __future__ import annotations
 
@@ -36,12 +38,16 @@ class SessionRun:
 
 
 class Executor:
-    def __init__(self, graph: tf.Graph, ctx, options=None):
+    def __init__(self, graph: tf.Graph, options=None, parts: StepParts | None = None,
+                 barrier: Barrier | None = None, worker: int = 0):
         self.graph = graph
-        self.parts = ctx.result(StepParts)
-        self.barrier = ctx.result(Barrier)
-        self.worker = ctx.plan.worker
+        self.parts, self.barrier, self.worker = parts, barrier, worker
         self.options = options          # every run gives up after the timeout
+
+    @classmethod
+    def of(cls, graph: tf.Graph, ctx, options=None) -> "Executor":
+        """The executor of a graph the passes made (their StepParts and Barrier)."""
+        return cls(graph, options, ctx.result(StepParts), ctx.result(Barrier), ctx.plan.worker)
 
     def runs(self, names: list) -> list[SessionRun]:
         if self.parts is None:

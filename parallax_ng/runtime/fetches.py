@@ -1,13 +1,18 @@
-"""Fetches and feeds: the user's names, mapped onto the replicated graph.
+"""Fetches and feeds: the user's names, mapped onto the step graph.
 
-Requires: the runner's tf.Graph (the transformed graph, imported) and the
-PassContext that made it.
-Guarantees: `fetch(leaf, per_replica)` turns a tensor, op, variable or name
-of the user's single-device graph into a `Fetch` (the names to run in the
-runner's graph and how to combine their values, see parallax_ng/runtime/runner.py);
-`combine(values, fetch)` does it; `feeds(feed_dict)` maps a feed dict onto
-every replica (splitting per-replica batches); ops the user made after
-get_runner are copied into every replica the first time they are named.
+Requires: the runner's tf.Graph and the TrainingGraph it was made from
+(for the replicas' map, the PassContext that made it).
+Guarantees: `FetchMap.user_name(leaf)` is the user-graph name of a tensor,
+op, variable or name of the user's single-device graph (a clear error for
+anything else, with suggestions for a name that is not there); ops the
+user made after get_runner are copied into the step graph the first time
+they are named. A map's `fetch(leaf, per_replica)` turns a key into a
+`Fetch` (the names to run in the step graph and how to combine their
+values, see parallax_ng/runtime/runner.py); `combine(values, fetch)` does
+it; `feeds(feed_dict)` maps a feed dict onto the step graph.
+`ReplicaFetchMap` is the map of the data-parallel passes' graph: every
+replica's copy, per-replica batches split; layer-to-layer's is
+parallax_ng/l2l/runner.py's.
 """
 from __future__ import annotations
 
@@ -37,10 +42,95 @@ class Fetch:
 
 
 class FetchMap:
+    """The user's fetch and feed keys as names of the user's graph; a step
+    graph's map (the replicas' below, layer-to-layer's in
+    parallax_ng/l2l/runner.py) says what to run for them (`fetch`), where
+    feeds go (`feeds`) and copies ops made after get_runner (`_adopt`)."""
+
+    def __init__(self, graph: tf.Graph, tg, config):
+        self.graph, self.tg, self.config = graph, tg, config
+        self.user_graph = tg.graph
+        self.late: dict = {}          # user op made after get_runner -> its copies
+
+    def fetch(self, leaf, per_replica: bool = False) -> Fetch:
+        raise NotImplementedError
+
+    def feeds(self, feed_dict) -> dict:
+        raise NotImplementedError
+
+    def _adopt(self, node: str) -> bool:
+        """Copy user op `node`, made after get_runner, into the step graph;
+        False if it is not in the user's graph at all."""
+        raise NotImplementedError
+
+    def user_name(self, leaf) -> str:
+        """The name in the user's graph of a fetch or feed key; copies ops made
+        after get_runner into the step graph."""
+        if isinstance(leaf, tf.Variable):
+            element = getattr(leaf, "_graph_element", None)
+            if element is None:   # a reference variable's value is its own output
+                element = leaf.op.name + (":0" if leaf.op.type == "VariableV2"
+                                          else "/Read/ReadVariableOp:0")
+            leaf = element
+        if isinstance(leaf, (tf.Tensor, tf.Operation)):
+            if leaf.graph is not self.user_graph:
+                raise FetchError(f"{leaf.name!r} belongs to another graph than the one "
+                                 "given to get_runner")
+            name = leaf.name
+        elif isinstance(leaf, str):
+            name = leaf
+        else:
+            raise FetchError(f"cannot fetch or feed a {type(leaf).__name__}; use a tensor, an op, "
+                             "a variable or a name from the training graph")
+        node = name.split(":")[0]
+        if node not in self.tg.ir and node not in self.late:
+            if not self._adopt(node):
+                close = [self._fetchable(c) for c in
+                         difflib.get_close_matches(node, self.tg.ir.names(), n=3)]
+                raise FetchError(f"{name!r} is not in the training graph"
+                                 + (f"; did you mean {close}?" if close else ""))
+        if ":" in name:
+            try:
+                self.user_graph.get_tensor_by_name(name)
+            except (KeyError, ValueError) as e:
+                raise FetchError(f"{name!r} is not a tensor of the training graph: {e}") from None
+        return name
+
+    def _fetchable(self, node: str) -> str:
+        """The name to fetch for a suggestion: an op's first output (a value),
+        or the op itself when it has none (e.g. a training op)."""
+        op = self.user_graph.get_operation_by_name(node)
+        return op.outputs[0].name if op.outputs else node
+
+    def _new_ops(self, node: str) -> dict | None:
+        """User op `node` and the ops it needs that the step graph does not
+        have yet (made after get_runner), by name; None if `node` is not in
+        the user's graph."""
+        try:
+            op = self.user_graph.get_operation_by_name(node)
+        except KeyError:
+            return None
+        new, todo = {}, [op]
+        while todo:
+            o = todo.pop()
+            if o.name in new or o.name in self.tg.ir or o.name in self.late:
+                continue
+            if o.type in ("VarHandleOp", "VariableV2"):
+                raise FetchError(f"variable {o.name!r} was created after get_runner; "
+                                 "create every variable before calling get_runner")
+            new[o.name] = o
+            todo.extend(t.op for t in o.inputs)
+            todo.extend(o.control_inputs)
+        return new
+
+
+class ReplicaFetchMap(FetchMap):
+    """Fetches and feeds of the graph the data-parallel passes made: every
+    replica's copy of a user node."""
+
     def __init__(self, graph: tf.Graph, ctx, config):
-        self.graph, self.ctx, self.plan, self.config = graph, ctx, ctx.plan, config
-        self.user_graph = ctx.tg.graph
-        self.late: dict[str, list[str]] = {}    # user op made after get_runner -> copies
+        super().__init__(graph, ctx.tg, config)
+        self.ctx, self.plan = ctx, ctx.plan
         self.late_variant: set[str] = set()
         self._warned: set[str] = set()          # fed tensors already warned about
         self._imports = itertools.count()
@@ -75,65 +165,12 @@ class FetchMap:
             return self.late[node][k]
         return self.ctx.replica_name(k, node)
 
-    def user_name(self, leaf) -> str:
-        """The name in the user's graph of a fetch or feed key; copies ops made
-        after get_runner into the replicas."""
-        if isinstance(leaf, tf.Variable):
-            element = getattr(leaf, "_graph_element", None)
-            if element is None:   # a reference variable's value is its own output
-                element = leaf.op.name + (":0" if leaf.op.type == "VariableV2"
-                                          else "/Read/ReadVariableOp:0")
-            leaf = element
-        if isinstance(leaf, (tf.Tensor, tf.Operation)):
-            if leaf.graph is not self.user_graph:
-                raise FetchError(f"{leaf.name!r} belongs to another graph than the one "
-                                 "given to get_runner")
-            name = leaf.name
-        elif isinstance(leaf, str):
-            name = leaf
-        else:
-            raise FetchError(f"cannot fetch or feed a {type(leaf).__name__}; use a tensor, an op, "
-                             "a variable or a name from the training graph")
-        node = name.split(":")[0]
-        if node not in self.ctx.tg.ir and node not in self.late:
-            if not self._adopt(node):
-                close = [self._fetchable(c) for c in
-                         difflib.get_close_matches(node, self.ctx.tg.ir.names(), n=3)]
-                raise FetchError(f"{name!r} is not in the training graph"
-                                 + (f"; did you mean {close}?" if close else ""))
-        if ":" in name:
-            try:
-                self.user_graph.get_tensor_by_name(name)
-            except (KeyError, ValueError) as e:
-                raise FetchError(f"{name!r} is not a tensor of the training graph: {e}") from None
-        return name
-
-    def _fetchable(self, node: str) -> str:
-        """The name to fetch for a suggestion: an op's first output (a value),
-        or the op itself when it has none (e.g. a training op)."""
-        op = self.user_graph.get_operation_by_name(node)
-        return op.outputs[0].name if op.outputs else node
-
     def _adopt(self, node: str) -> bool:
         """Copy user ops made after get_runner (e.g. a later
-        global_variables_initializer()) into every replica; False if `node`
-        is not in the user's graph at all."""
-        try:
-            op = self.user_graph.get_operation_by_name(node)
-        except KeyError:
+        global_variables_initializer()) into every replica."""
+        new = self._new_ops(node)
+        if new is None:
             return False
-        known = self.ctx.tg.ir
-        new, todo = {}, [op]
-        while todo:
-            o = todo.pop()
-            if o.name in new or o.name in known or o.name in self.late:
-                continue
-            if o.type in ("VarHandleOp", "VariableV2"):
-                raise FetchError(f"variable {o.name!r} was created after get_runner; "
-                                 "create every variable before calling get_runner")
-            new[o.name] = o
-            todo.extend(t.op for t in o.inputs)
-            todo.extend(o.control_inputs)
         order = [o for o in self.user_graph.get_operations() if o.name in new]
         for o in order:
             if any(self.varies(t.op.name) for t in o.inputs):

@@ -1,6 +1,8 @@
-"""Runner: drives the transformed graph with the user's own fetches and feeds.
+"""Runner: drives a step graph with the user's own fetches and feeds.
 
-Requires: a transformed GraphIR and the PassContext that made it.
+Requires: a Program (parallax_ng/runtime/program.py): the graph the
+data-parallel passes made, or layer-to-layer execution's, with its fetch
+map, executor and checkpoints.
 Guarantees: `run(fetches, feed_dict)` takes tensors, ops, variables or names
 of the user's single-device graph (any nesting of lists, tuples, dicts) and
 returns what one device would return for the global batch:
@@ -18,6 +20,9 @@ is a feed of N times a fixed leading dimension (the global batch of a
 tensor built per replica, e.g. a fetched RNN state fed back); other feeds go
 to every replica unchanged (with a warning, once, for a placeholder on the
 gradients' path fed exactly its fixed batch) (parallax_ng/runtime/fetches.py).
+Layer-to-layer execution maps fetches and feeds its own way
+(parallax_ng/l2l/runner.py); the rest holds for it too, except measuring
+and planning again.
 A run is one step of session runs (parallax_ng/runtime/executor.py: one, or two at
 once in a job whose step has collectives beside server work); after one that
 initialized (or trained, where the training run does not hold it), a job
@@ -44,75 +49,54 @@ import tensorflow as tf
 
 from ..graph import capture
 from ..graph.rules import READ_PREFIXES
-from ..pipeline.results import Deferred
 from ..planning.profile import Profile, measure
 from . import heartbeat
-from .executor import Executor
-from .fetches import FetchMap, combine
+from .checkpoint import Checkpointer, Layout
+from .fetches import combine
+from .program import Program
 
 FLUSH_GRAPH_KEY = 7   # any nonzero key: the run gets a collective executor
 
 
 class Runner:
-    def __init__(self, ir, ctx, config, session_config, records=(), server=None,
+    def __init__(self, program: Program, config, session_config, server=None,
                  replan=None, rebuild=None):
+        """`replan`: profile -> Plan (None: keep the plan, add measurements);
+        `rebuild`: Plan -> Program (None: the graph stays)."""
         self.config = config
         self.server = server     # this worker's gRPC server in cluster mode
         self._session_config = session_config
-        # every run gives up after the timeout (collective ops have none of
-        # their own: parallax_ng/comm/collectives.py OP_TIMEOUT_SECONDS)
-        self._options = tf.compat.v1.RunOptions(
-            timeout_in_ms=int(ctx.plan.timeout_seconds * 1000))
-        self._replan = replan     # profile -> Plan (None: keep the plan, add measurements)
-        self._rebuild = rebuild   # Plan -> (ir, ctx, records)
+        self._replan, self._rebuild = replan, rebuild
         self._restored, self._steps = False, 0
         self._saved, self._failed = None, False   # the step last saved; a run raised
         self._closed = False
         self.profile: Profile | None = None
         self.replans = 0
-        self._install(ir, ctx, records)
+        self._install(program)
         self._done = None   # in a job with servers: tell them this worker is done, once
-        if server is not None and self.plan.servers:
-            from .serving import done_ops
-            ops = done_ops(self.graph, list(self.plan.servers), self.plan.num_workers,
-                           self.plan.worker)
-            self._done = weakref.finalize(self, _tell_done, self.session, ops)
-            if not self.plan.uses_servers:     # idle servers would only share the CPUs
+        if program.done is not None:
+            self._done = weakref.finalize(self, _tell_done, self.session, program.done)
+            if program.servers_idle:     # idle servers would only share the CPUs
                 self._done()
-                if self.plan.worker == 0:
+                if program.worker == 0:
                     print("parallax_ng: the plan puts nothing on the parameter servers; "
                           "they stop", file=sys.stderr, flush=True)
         if config.checkpoint.dir:   # the last steps saved when the process ends, before
             ref = weakref.ref(self)  # the servers hear this worker is done (atexit: LIFO)
             atexit.register(lambda: (r := ref()) is not None and r.save_final())
 
-    def _install(self, ir, ctx, records) -> None:
-        """Graph, session and everything bound to them, for one transformation."""
-        self._ir, self.ctx, self.plan = ir, ctx, ctx.plan
-        self.pass_records = list(records)
-        self.graph = tf.Graph()
-        with self.graph.as_default():
-            tf.graph_util.import_graph_def(ir.graph_def, name="")
-        self.fetches = FetchMap(self.graph, ctx, self.config)
-        self.executor = Executor(self.graph, ctx, self._options)
-        self._checkpoints = None
-        if self.config.checkpoint.dir:
-            from .checkpoint import Checkpointer
-            self._checkpoints = Checkpointer(self.graph, ctx, self.config.checkpoint.dir,
-                                             ctx.plan.timeout_seconds)
+    def _install(self, program: Program) -> None:
+        """Graph, session and everything bound to them, for one Program."""
+        self.program, self.plan, self.ctx = program, program.plan, program.ctx
+        self.pass_records = list(program.records)
+        self.graph, self.fetches = program.graph, program.fetches
+        self.executor, self._options = program.executor, program.options
+        self._checkpoints, self._queues = program.checkpoints, program.queues
         self.session = tf.compat.v1.Session(
             self.server.target if self.server is not None else "", graph=self.graph,
             config=self._session_config)
-        self._queues = None      # threads filling every replica's input queues
-        if ctx.tg.queue_runners:
-            from ..graph.queues import QueueThreads
-            self._queues = QueueThreads(
-                self.graph, ctx.tg.queue_runners,
-                [ctx.replica_name(k, "").rstrip("/") for k in range(self.plan.num_replicas)])
         self._kinds: dict[tuple, tuple[bool, bool, bool]] = {}
-        self._step_read = None
-        deferred = ctx.result(Deferred)
-        self._flush = list(deferred.flush) if deferred else []
+        self._flush = list(program.flush)
         self._pending = False     # a training run left part of a table's update
 
     # -- public API -----------------------------------------------------------
@@ -126,7 +110,8 @@ class Runner:
         _, trained, reads_queue = self._kind(fetched)
         if not trained:
             self._apply_pending()
-        profiling = trained and self._profiled < self.config.profile.steps
+        profiling = trained and self.ctx is not None and \
+            self._profiled < self.config.profile.steps
         probe = self._probe() if profiling else {}
         options = _bounded(options, self._options)
         if profiling:
@@ -192,7 +177,7 @@ class Runner:
         self._apply_pending()
         path = self._checkpoints.save(self.session, step)
         self._saved = step
-        if self.plan.worker == 0:
+        if self.program.worker == 0:
             print(f"parallax_ng: saved step {step} to {path}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
@@ -239,8 +224,6 @@ class Runner:
         self.profile = step if self.profile is None else self.profile.merge(step)
         if self.profile.steps == self.config.profile.steps:
             if self._wants_fit():
-                from dataclasses import replace
-
                 from ..planning import costfit
                 fit = costfit.measure("", list(self.plan.devices), self.plan.group_size,
                                       costfit.sizes(costfit.model_bytes(self.ctx.tg,
@@ -277,7 +260,7 @@ class Runner:
                               f"graph it has: {why}", stacklevel=4)
             self.plan = self.ctx.plan = plan
             return
-        self._move_to(*self._rebuild(plan))
+        self._move_to(self._rebuild(plan))
 
     def _cannot_move_state(self) -> str | None:
         """Why training cannot go on in a new session with the same state."""
@@ -292,18 +275,17 @@ class Runner:
                     "again in a new session")
         return None
 
-    def _move_to(self, ir, ctx, records) -> None:
+    def _move_to(self, program: Program) -> None:
         """Go on in a session of the new graph: every variable and input
         position carried over through a checkpoint. If that fails, training
         goes on where it was, with the measured plan."""
-        from .checkpoint import Checkpointer
         self._apply_pending()
         before = dict(self.__dict__)
         with tempfile.TemporaryDirectory() as tmp:
-            path = Checkpointer(self.graph, self.ctx, tmp).save(self.session, 0)
+            path = Checkpointer(self.graph, Layout.of(self.ctx), tmp).save(self.session, 0)
             try:
-                self._install(ir, ctx, records)
-                restore = Checkpointer(self.graph, self.ctx, tmp)
+                self._install(program)
+                restore = Checkpointer(self.graph, Layout.of(self.ctx), tmp)
                 # an iterator takes a position only once it exists
                 self.session.run([op for op in self.graph.get_operations()
                                   if op.type == "MakeIterator"])
@@ -311,7 +293,7 @@ class Runner:
             except tf.errors.OpError as e:
                 self.session.close()
                 self.__dict__.update(before)
-                self.plan = self.ctx.plan = ctx.plan
+                self.plan = self.ctx.plan = program.plan
                 warnings.warn("the measured plan differs but training goes on with the "
                               f"graph it has: moving its state failed ({e.message})",
                               stacklevel=5)
@@ -348,7 +330,7 @@ class Runner:
         """(initializes variables, trains, reads an input queue) for a run of
         the user ops `fetched`."""
         if fetched not in self._kinds:
-            tg = self.ctx.tg
+            tg = self.program.tg
             known = [f for f in fetched if f in tg.ir]
             late = [f for f in fetched if f in self.fetches.late]
             ancestors = tg.ir.ancestors(known)
@@ -366,21 +348,12 @@ class Runner:
     def _training_writers(self) -> frozenset[str]:
         """Writers of trained variables that the gradients feed (not initializers
         or restores)."""
-        tg = self.ctx.tg
+        tg = self.program.tg
         return frozenset(w for v in tg.gradients for s in tg.owned(v)
                          for w in tg.writers.get(s, ()) if w in tg.after_gradients)
 
-    def _global_step(self):
-        tg = self.ctx.tg
-        step = tf.compat.v1.train.get_global_step(tg.graph)
-        if step is None or step.op.name not in tg.variables:
-            return None
-        if self._step_read is None:
-            from .checkpoint import read_value
-            with self.graph.as_default():
-                self._step_read = read_value(self.graph, tg.variables[step.op.name],
-                                             self.plan.placement[step.op.name])
-        return int(self.session.run(self._step_read))
+    def _global_step(self) -> int | None:
+        return self._checkpoints.global_step(self.session)
 
 
 def _tell_done(session, ops) -> None:
