@@ -157,3 +157,21 @@ def test_columns_exchange_with_uneven_rows_and_widths():
         np.testing.assert_array_equal(out_ri[k], np.concatenate(distinct_ids))
         np.testing.assert_array_equal(out_rv[k], np.concatenate(distinct_rows)[
             :, sh.start:sh.start + sh.size])
+
+
+def test_the_hosts_collectives_take_their_own_group_and_keys_in_call_order():
+    from parallax_ng.comm import keys
+    from parallax_ng.comm.lowering import host_lowering
+    groups = [keys.JOB_GROUP, keys.WORKERS_GROUP, keys.HOSTS_GROUP, keys.BENCHMARK_GROUP]
+    assert len(set(groups)) == len(groups)
+    with pytest.raises(ConfigError, match="'communication.backend: horovod' does not apply"):
+        host_lowering("horovod", 2, 0)
+    with tf.Graph().as_default():
+        sender, receiver = host_lowering("tf", 2, 0), host_lowering("tf", 2, 1)
+        ops = [sender.all_reduce(tf.ones([3])).op, sender.broadcast(tf.ones([2])),
+               receiver.all_reduce(tf.ones([3])).op, receiver.receive(tf.float32, [2]).op]
+    assert [op.type for op in ops] == ["CollectiveReduce", "CollectiveBcastSend",
+                                       "CollectiveReduce", "CollectiveBcastRecv"]
+    assert {op.get_attr("group_key") for op in ops} == {keys.HOSTS_GROUP}
+    assert [op.get_attr("instance_key") for op in ops] == [1, 2, 1, 2]
+    assert {op.get_attr("group_size") for op in ops} == {2}

@@ -9,19 +9,20 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
+from models import load_values, read_name, variable_names
+from test_l2l import stack
 
 import parallax_ng as pn
-from models import load_values, read_name, variable_names
-from parallax_ng.l2l import eps
+from parallax_ng.comm.collectives import HostCollectives
 from parallax_ng.graph import frontend
 from parallax_ng.graph.frontend import Gradient
 from parallax_ng.graph.ir import TensorRef
-from test_l2l import stack
+from parallax_ng.l2l import eps
 
 tf1 = tf.compat.v1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "l2l_job_script.py")
-ONE_WORKER = eps.Workers(1, 0)
+ONE_WORKER = eps.Workers(HostCollectives(1, 0))
 
 
 def test_dense_sum_over_micro_batches_and_replicas_unscaled():

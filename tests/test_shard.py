@@ -59,3 +59,22 @@ def test_file_list_dataset_replicas_read_disjoint_files(tmp_path):
 def test_shard_rejects_non_datasets():
     with pytest.raises(TypeError, match="tf.data.Dataset"):
         pn.shard([1, 2, 3])
+
+
+def test_the_marked_constants_are_set_for_a_shard_and_nothing_else():
+    from parallax_ng.graph.data import set_shard, shard_constant
+    g = tf.Graph()
+    with g.as_default():
+        pn.shard(tf.data.Dataset.range(10))
+        other = tf.constant(7, tf.int64, name="index")
+    nodes = {n.name: n for n in g.as_graph_def().node}
+    assert shard_constant("parallax_shard/num_shards") == "num_shards"
+    assert shard_constant("outer/parallax_shard_1/index") == "index"
+    assert shard_constant(other.op.name) is None
+    num, index = nodes["parallax_shard/num_shards"], nodes["parallax_shard/index"]
+    assert set_shard(num, 4, 3) and set_shard(index, 4, 3)
+    assert not set_shard(nodes[other.op.name], 4, 3)
+    assert tf.make_ndarray(num.attr["value"].tensor) == 4
+    assert tf.make_ndarray(index.attr["value"].tensor) == 3
+    assert tf.make_ndarray(nodes[other.op.name].attr["value"].tensor) == 7
+    assert num.attr["value"].tensor.dtype == tf.int64.as_datatype_enum

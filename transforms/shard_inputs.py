@@ -21,7 +21,7 @@ import tensorflow as tf
 from parallax_ng import compat
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit
-from parallax_ng.graph.frontend import SHARD_SCOPE
+from parallax_ng.graph.data import set_shard, shard_constant
 from parallax_ng.graph.ir import GraphIR, copy_node
 from parallax_ng.pipeline.passes import replica_of
 from transforms.place import host_cpu_of
@@ -42,9 +42,10 @@ class ShardInputsPass:
         changed = {}
         for num, index in ctx.tg.shard_consts:
             for k in range(n):
-                for name, value in ((num, total), (index, offset + k)):
-                    name = ctx.replica_name(k, name)
-                    changed[name] = _with_scalar(ir.node(name), value)
+                for name in (num, index):
+                    nd = copy_node(ir.node(ctx.replica_name(k, name)))
+                    set_shard(nd, total, offset + k)
+                    changed[nd.name] = nd
         library = ir.library
         functions = _shard_functions(library) if library is not None else set()
         copies = 0
@@ -76,12 +77,7 @@ class ShardInputsPass:
             f.CopyFrom(by_name[fname])
             f.signature.name = f"{fname}_parallax_shard_{offset + k}_of_{total}"
             for body in f.node_def:
-                scope, _, leaf = body.name.rpartition("/")
-                if scope.split("/")[-1].startswith(SHARD_SCOPE):
-                    if leaf == "num_shards":
-                        _set_scalar(body, total)
-                    elif leaf == "index":
-                        _set_scalar(body, offset + k)
+                set_shard(body, total, offset + k)
             library.function.append(f)
             nd = copy_node(node)
             nd.attr["dataset_factory"].func.name = f.signature.name
@@ -124,21 +120,5 @@ def _split_producers(ir: GraphIR, ctx, total: int, offset: int):
 
 
 def _shard_functions(library) -> set[str]:
-    out = set()
-    for f in library.function:
-        for body in f.node_def:
-            scope, _, leaf = body.name.rpartition("/")
-            if leaf == "num_shards" and scope.split("/")[-1].startswith(SHARD_SCOPE):
-                out.add(f.signature.name)
-    return out
-
-
-def _with_scalar(node, value: int):
-    nd = copy_node(node)
-    _set_scalar(nd, value)
-    return nd
-
-
-def _set_scalar(nd, value: int) -> None:
-    dtype = tf.as_dtype(nd.attr["dtype"].type)
-    nd.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=dtype))
+    return {f.signature.name for f in library.function
+            if any(shard_constant(body.name) == "num_shards" for body in f.node_def)}

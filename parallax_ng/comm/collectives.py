@@ -36,7 +36,11 @@ Guarantees, for every backend:
   `server`, times `scale`, back on every worker (`server_sum`, below: queues
   on the server, no collective op, so any backend uses it).
 New nodes live under `scope`. TensorFlow's lowering is here; Horovod's is in
-parallax_ng/comm/horovod.py.
+parallax_ng/comm/horovod.py. `HostCollectives` are the same operations for
+a graph built with TensorFlow's own ops (layer-to-layer's), among one host
+device per worker: `all_reduce(t)` and `broadcast(value)` /
+`receive(dtype, shape)`, instance keys in call order (the same on every
+worker that builds the same graph).
 """
 from __future__ import annotations
 
@@ -45,10 +49,11 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from ..graph import emit
-from .keys import RANGE_KEYS
+from .keys import (HOSTS_GROUP, JOB_GROUP, RANGE_KEYS, WORKERS_GROUP,
+                   InstanceKeys)
 
-GROUP_KEY = 1             # every replica of the job
-BROADCAST_GROUP_KEY = 2   # replica 0 of every worker
+GROUP_KEY = JOB_GROUP
+BROADCAST_GROUP_KEY = WORKERS_GROUP
 # A collective op with a timeout of its own makes TensorFlow start a thread
 # per run of the op, which sleeps out the whole timeout (its watchdog), so a
 # job of many all-reduces per step piles up threads until the process can
@@ -152,6 +157,35 @@ class TFCollectives:
         recv = emit.node_def(f"{scope}/recv", "CollectiveBcastRecv", [], plan.devices[0],
                              **common)
         return Broadcast([recv], recv.name)
+
+
+class HostCollectives:
+    """TensorFlow collectives among one device per worker (layer-to-layer's
+    hosts), as tf ops in the graph under construction, on the current device."""
+
+    def __init__(self, workers: int, worker: int):
+        self.workers, self.worker = workers, worker
+        self.keys = InstanceKeys()
+
+    def all_reduce(self, t: tf.Tensor) -> tf.Tensor:
+        """The sum of `t` over the workers."""
+        return tf.raw_ops.CollectiveReduce(
+            input=t, group_size=self.workers, group_key=HOSTS_GROUP,
+            instance_key=self.keys.take(), merge_op="Add", final_op="Id", subdiv_offsets=[0],
+            wait_for=[], communication_hint="auto", timeout_seconds=OP_TIMEOUT_SECONDS)
+
+    def broadcast(self, value: tf.Tensor) -> tf.Operation:
+        """Worker 0: send `value` to every worker."""
+        return tf.raw_ops.CollectiveBcastSend(input=value, **self._common(value.shape)).op
+
+    def receive(self, dtype, shape) -> tf.Tensor:
+        """Every other worker: worker 0's `broadcast`."""
+        return tf.raw_ops.CollectiveBcastRecv(T=dtype, **self._common(shape))
+
+    def _common(self, shape) -> dict:
+        return dict(group_size=self.workers, group_key=HOSTS_GROUP,
+                    instance_key=self.keys.take(), shape=list(shape),
+                    communication_hint="auto", timeout_seconds=OP_TIMEOUT_SECONDS)
 
 
 def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float):

@@ -1,15 +1,22 @@
-"""Collective instance keys: every collective op of one transformed graph
-takes its own key (TensorFlow matches an op across workers by group and
-instance key), so the passes that add collectives draw them from one
+"""Collective group and instance keys. TensorFlow matches a collective op
+across workers by its group key (which devices take part) and instance key
+(which operation), so every group the project forms has its own key, here,
+and every collective op of one graph takes its own instance key from one
 InstanceKeys.
 
-Guarantees: single keys counting up from `start`, and ranges of
-RANGE_KEYS keys above RANGES_START for a collective whose shape changes
-from step to step; a GraphError when the ranges run out.
+Guarantees: the group keys below are distinct; InstanceKeys gives single
+keys counting up from `start`, and ranges of RANGE_KEYS keys above
+RANGES_START for a collective whose shape changes from step to step; a
+GraphError when the ranges run out.
 """
 from __future__ import annotations
 
 from ..errors import GraphError
+
+JOB_GROUP = 1               # every replica of the job
+WORKERS_GROUP = 2           # replica 0 of every worker (broadcasts)
+HOSTS_GROUP = 3             # one host device per worker (layer-to-layer's EPS)
+BENCHMARK_GROUP = 4         # the all-reduce benchmark's own (planning/costfit.py)
 
 RANGE_KEYS = 1 << 22        # instance keys in a range (one per shape)
 RANGES_START = 1 << 30      # ranges above the single keys, up to 2**31

@@ -8,6 +8,10 @@ marked constants, 1 and 0 by default, so the single-device graph reads all of
 `ds`. The replicate pass gives replica r of N the values (N, r): replica r
 reads elements r, r+N, r+2N, ... of `ds` (elements, or file names when `ds`
 is a file list), and the N replicas together read what one device reads.
+`set_shard(node, num_shards, index)` sets one of the marked constants (a
+NodeDef of the graph or of a dataset function's body) to its value for a
+shard; it is how every part of the project that splits inputs (the
+shard_inputs pass, layer-to-layer's workers) recognizes and sets them.
 """
 from __future__ import annotations
 
@@ -25,3 +29,24 @@ def shard(ds: tf.data.Dataset) -> tf.data.Dataset:
     if not scope.rstrip("/").split("/")[-1].startswith(SHARD_SCOPE):
         raise RuntimeError(f"unexpected shard scope {scope!r}")
     return ds.shard(num, index)
+
+
+def shard_constant(name: str) -> str | None:
+    """"num_shards" or "index" when node `name` (in the graph or in a
+    dataset function's body) is one of `shard`'s marked constants, else None."""
+    scope, _, leaf = name.rpartition("/")
+    if leaf in ("num_shards", "index") and scope.split("/")[-1].startswith(SHARD_SCOPE):
+        return leaf
+    return None
+
+
+def set_shard(node, num_shards: int, index: int) -> bool:
+    """Give marked constant `node` (a NodeDef, changed in place) its value
+    for shard `index` of `num_shards`; False if it is not one."""
+    which = shard_constant(node.name)
+    if which is None:
+        return False
+    dtype = tf.as_dtype(node.attr["dtype"].type)
+    value = num_shards if which == "num_shards" else index
+    node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=dtype))
+    return True

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from .. import compat
+from ..comm.lowering import host_lowering
 from ..errors import GraphError
 from ..graph import rules
 from ..graph.ir import parse_input
@@ -86,19 +87,21 @@ def device_string(kind: str, index: int, task: str = "/job:localhost/replica:0/t
 
 
 def build(tg, layering: Layering, cfg, devices: list[str], host: str,
-          job: tuple[int, int] = (1, 0), average=(True, True)) -> L2LGraph:
+          job: tuple[int, int] = (1, 0), average=(True, True), backend: str = "tf") -> L2LGraph:
     """`job`: (workers, this worker) of a multi-process job, where every
     worker's host is an EPS of its own: the workers' sums are all-reduced
     (a sparse gradient as its dense sum and a mask of the rows touched),
     each applies the same update, and `sync` makes every worker's
     variables worker 0's (run after initializing). `average`: whether the
     replicas' gradients of dense and of sparse variables are averaged (the
-    config's average_dense, average_sparse) or summed."""
-    return _Builder(tg, layering, cfg, devices, host, job, average).build()
+    config's average_dense, average_sparse) or summed; `backend`: the
+    config's communication.backend (its hosts' collectives)."""
+    return _Builder(tg, layering, cfg, devices, host, job, average, backend).build()
 
 
 class _Builder:
-    def __init__(self, tg, layering, cfg, devices, host, job, average=(True, True)):
+    def __init__(self, tg, layering, cfg, devices, host, job, average=(True, True),
+                 backend="tf"):
         self.tg, self.lay, self.cfg = tg, layering, cfg
         self.devices, self.host = devices, host
         self.u = cfg.micro_batches
@@ -124,7 +127,7 @@ class _Builder:
                 "and add them again: build it with shape [None, ...] to split it")
         self.average = average
         self.n = len(devices)
-        self.job = eps.Workers(*job)
+        self.job = eps.Workers(host_lowering(backend, *job))
         self.total = self.n * self.job.workers       # replicas in the job
         self.graph = tf.Graph()
         gd = tg.ir.graph_def

@@ -15,36 +15,33 @@ Guarantees:
 - `Workers`: in a job, one EPS per worker: `all_reduce` sums a tensor over
   the workers' hosts (a sparse gradient as its dense sum and the rows any
   worker touched, summed rows), `sync` sets every worker's variables to
-  worker 0's; instance keys are taken in call order, the same on every
-  worker building the same graph;
+  worker 0's, both through the hosts' collectives (comm/lowering.py
+  host_lowering, whose instance keys are taken in call order, the same on
+  every worker building the same graph);
 - `reduced(...)`: every gradient the user's update ops read, as its sum
   (`gradient_sum`), checked finite under cmp before any update uses one;
   `check_updates` says when the update ops would need the forward pass;
 - `shard_inputs(nodes, library, ...)`: the user's pn.shard() constants (in
-  the graph or in a dataset function) set to (workers, worker).
+  the graph or in a dataset function) set to (workers, worker), by
+  graph/data.py's set_shard (as the shard_inputs pass sets them).
 """
 from __future__ import annotations
 
 import tensorflow as tf
 
+from ..comm.collectives import HostCollectives
 from ..errors import GraphError
-from ..graph.frontend import SHARD_SCOPE
-
-GROUP_KEY = 3        # a job's EPS hosts, one per worker
+from ..graph.data import set_shard
 
 
 class Workers:
-    def __init__(self, workers: int, worker: int):
-        self.workers, self.worker = workers, worker
-        self._keys = iter(range(1, 1 << 30))
+    def __init__(self, comm: HostCollectives):
+        """`comm`: the collectives among the workers' hosts (comm/lowering.py)."""
+        self.comm = comm
+        self.workers, self.worker = comm.workers, comm.worker
 
     def all_reduce(self, t: tf.Tensor) -> tf.Tensor:
-        if self.workers == 1:
-            return t
-        return tf.raw_ops.CollectiveReduce(
-            input=t, group_size=self.workers, group_key=GROUP_KEY,
-            instance_key=next(self._keys), merge_op="Add", final_op="Id", subdiv_offsets=[0],
-            wait_for=[], communication_hint="auto", timeout_seconds=0.0)
+        return t if self.workers == 1 else self.comm.all_reduce(t)
 
     def all_rows(self, values, indices, rows: int):
         """Every worker's rows of a sparse gradient: the dense sum of all and
@@ -66,16 +63,13 @@ class Workers:
         with tf.compat.v1.name_scope(scope + "/"):
             for name, var in sorted(variables.items()):
                 v = graph.get_operation_by_name(name)
-                common = dict(group_size=self.workers, group_key=GROUP_KEY,
-                              instance_key=next(self._keys), shape=list(var.shape),
-                              communication_hint="auto", timeout_seconds=0.0)
                 resource = v.type == "VarHandleOp"
-                value = tf.raw_ops.ReadVariableOp(resource=v.outputs[0], dtype=var.dtype) \
-                    if resource else tf.identity(v.outputs[0])
                 if self.worker == 0:
-                    ops.append(tf.raw_ops.CollectiveBcastSend(input=value, **common))
+                    value = tf.raw_ops.ReadVariableOp(resource=v.outputs[0], dtype=var.dtype) \
+                        if resource else tf.identity(v.outputs[0])
+                    ops.append(self.comm.broadcast(value))
                     continue
-                got = tf.raw_ops.CollectiveBcastRecv(T=var.dtype, **common)
+                got = self.comm.receive(var.dtype, var.shape)
                 ops.append(tf.raw_ops.AssignVariableOp(resource=v.outputs[0], value=got)
                            if resource else tf.compat.v1.assign(v.outputs[0], got))
         return tf.group(*ops, name=f"{scope}/all")
@@ -169,25 +163,17 @@ def check_updates(graph, tg, segments) -> None:
 def shard_inputs(nodes: dict, library, shard_consts, workers: int, worker: int):
     """(nodes, library) with pn.shard()'s constants set to this worker's
     shard; `nodes` (name -> NodeDef) and `library` are not changed."""
-    def set_scalar(node, value):
-        node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(
-            value, tf.as_dtype(node.attr["dtype"].type)))
-
     nodes = dict(nodes)
-    for num, index in shard_consts:
-        for name, value in ((num, workers), (index, worker)):
-            node = type(nodes[name])()
-            node.CopyFrom(nodes[name])
-            set_scalar(node, value)
-            nodes[name] = node
+    for name in (n for pair in shard_consts for n in pair):
+        node = type(nodes[name])()
+        node.CopyFrom(nodes[name])
+        set_shard(node, workers, worker)
+        nodes[name] = node
     out = type(library)()
     out.CopyFrom(library)
     for f in out.function:
         for body in f.node_def:
-            scope, _, leaf = body.name.rpartition("/")
-            if scope.split("/")[-1].startswith(SHARD_SCOPE) and leaf in ("num_shards",
-                                                                           "index"):
-                set_scalar(body, workers if leaf == "num_shards" else worker)
+            set_shard(body, workers, worker)
     return nodes, out
 
 

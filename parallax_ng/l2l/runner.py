@@ -97,9 +97,6 @@ def l2l_runner(tg, job) -> Runner:
     """The Runner of layer-to-layer execution of `tg` for a build.Job: on
     this machine's devices, or as one worker of a job (its own host the EPS)."""
     config, info = job.config, job.cluster
-    if config.communication.backend != "tf":
-        raise ConfigError("config key 'l2l' keeps the model on the host of one process; "
-                          "'communication.backend: horovod' does not apply to it")
     if info is None:
         devices = job.resources.hosts[0].devices
         check_devices(devices)
@@ -138,7 +135,8 @@ def l2l_program(tg, config, devices: list[str], host: str | None = None,
     layering = layers.split(tg, cfg.layers, cfg.loss)
     host = host or l2l.device_string("CPU", 0)
     built = l2l.build(tg, layering, cfg, list(devices), host, job,
-                      average=(config.average_dense, config.average_sparse))
+                      average=(config.average_dense, config.average_sparse),
+                      backend=config.communication.backend)
     plan = plan_of(layering, devices, host, cfg, job)
     timeout = config.communication.timeout_seconds
     options = run_options(timeout)

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..comm.collectives import OP_TIMEOUT_SECONDS
+from ..comm.keys import BENCHMARK_GROUP
 from .buckets import Cost
 
 MIN_BYTES, MAX_BYTES = 4 * 1024, 64 * 2**20
-GROUP_KEY = 3                    # the benchmark's own group: the job's replica devices
 FIRST_INSTANCE_KEY = 1 << 29     # above the graph's single keys, below its ranges
 
 
@@ -131,7 +131,7 @@ def measure(target: str, devices: list[str], group_size: int, nbytes: list[int],
                 with tf.device(device):
                     x = tf.fill([size // 4], tf.constant(1.0))
                     ops.append(tf.raw_ops.CollectiveReduce(
-                        input=x, group_size=group_size, group_key=GROUP_KEY,
+                        input=x, group_size=group_size, group_key=BENCHMARK_GROUP,
                         instance_key=FIRST_INSTANCE_KEY + k, merge_op="Add", final_op="Id",
                         subdiv_offsets=[0], wait_for=[], communication_hint="auto",
                         timeout_seconds=OP_TIMEOUT_SECONDS).op)
