@@ -33,8 +33,8 @@ from dataclasses import dataclass, replace
 from . import cluster
 from .config import Config, load_config
 from .errors import ConfigError, ResourceError
-from .resources import (ResourceInfo, check_devices, load_resources,
-                        session_config)
+from .methods import method
+from .resources import ResourceInfo, check_devices, load_resources, session_config
 
 
 @dataclass(frozen=True)
@@ -256,7 +256,7 @@ def measure_job(build: Build, server, profile_steps: int = 0) -> dict | None:
         return None
     plan = build.plan()
     mgwfbp = config.buckets.mode == "mgwfbp" and not config.buckets.profile and any(
-        vp.method == "allreduce" for vp in plan.variables.values())
+        method(vp.method).all_reduced for vp in plan.variables.values())
     weighs = config.run_option == "auto" or choice.weighs(config, len(info.workers), info.ps)
     if not plan.buffers and not mgwfbp and not weighs and not profile_steps:
         return None

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from . import methods
 from .errors import ConfigError
 
 RUN_OPTIONS = ("hybrid", "allreduce", "ps", "auto")
-METHODS = ("allreduce", "ps", "allgather", "bfb", "alltoall")
-DENSE_METHODS = ("auto", "allreduce", "ps", "bfb")
-SPARSE_METHODS = ("auto", "ps", "allgather", "alltoall", "allreduce")
+METHODS = tuple(methods.METHODS)
+DENSE_METHODS = ("auto",) + methods.taking(sparse=False)
+SPARSE_METHODS = ("auto",) + methods.taking(sparse=True)
 PS_PLACEMENTS = ("greedy", "round_robin")
 FETCH_REDUCTIONS = ("mean", "sum", "concat", "first")
 VERIFY_LEVELS = ("structure", "full", "import")

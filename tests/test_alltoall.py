@@ -84,7 +84,7 @@ def test_config_errors_name_the_variable():
     with pytest.raises(ConfigError, match="variable_methods.dense/w' is alltoall.*dense"):
         pn.get_runner(g, local(2), {"variable_methods": {"dense/w": "alltoall"}})
     with pytest.raises(ConfigError, match="'sparse_method' has value 'columns'; "
-                                          "allowed: auto, ps, allgather, alltoall"):
+                                          "allowed: auto, allreduce, alltoall, allgather, ps"):
         pn.get_runner(g, local(2), {"sparse_method": "columns"})
     g, _ = embedding_regression(4, dim=3)
     with pytest.raises(ConfigError, match="its 3 columns per replica, but the job has 4"):

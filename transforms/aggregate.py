@@ -32,6 +32,7 @@ import tensorflow as tf
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit, rules
 from parallax_ng.graph.ir import GraphIR, TensorRef, format_input, parse_input
+from parallax_ng.methods import ALLREDUCE, BFB, METHODS
 from parallax_ng.pipeline.results import CoalescedRows, ExchangedLookups, LocalAggregates
 from parallax_ng.planning import deferral
 from transforms.columns import lookup_exchange
@@ -46,22 +47,20 @@ class AggregatePass:
     def run(self, ir: GraphIR, ctx):
         new_nodes, rewires, local, exchanged, gathered = [], {}, {}, {}, {}
         on_server, coalesced, reads = {}, {}, {}
-        counts = {"allreduce": 0, "ps": 0, "allgather": 0, "bfb": 0, "alltoall": 0}
+        counts = dict.fromkeys(METHODS, 0)
         if ctx.plan.buffers:
             nodes, outputs = _fusion_buffers(ctx)
             new_nodes.extend(nodes)
-            for ref, per_replica in outputs.items():
-                _rewire(ctx, ref, per_replica, rewires)
-            counts["bfb"] = len(outputs)
+            _rewire(ctx, outputs, rewires)
+            counts[BFB.name] = len(outputs)
         bucketed = {v for b in ctx.plan.buckets for v in b.variables}
         for b, bucket in enumerate(ctx.plan.buckets):
             nodes, outputs = _bucket(ctx, b, bucket.variables)
             new_nodes.extend(nodes)
-            for ref, per_replica in outputs.items():
-                _rewire(ctx, ref, per_replica, rewires)
-            counts["allreduce"] += len(outputs)
+            _rewire(ctx, outputs, rewires)
+            counts[ALLREDUCE.name] += len(outputs)
         for var, vp in sorted(ctx.plan.variables.items()):
-            if vp.method == "bfb" or var in bucketed:
+            if METHODS[vp.method].fused or var in bucketed:
                 continue
             grad = ctx.tg.gradients[var]
             build = {"allreduce": _allreduce, "ps": _ps, "allgather": _allgather,
@@ -69,14 +68,13 @@ class AggregatePass:
                                                            coalesced, reads)}[vp.method]
             nodes, outputs = build(ctx, var, grad)
             new_nodes.extend(nodes)
-            for ref, per_replica in outputs.items():
-                _rewire(ctx, ref, per_replica, rewires)
+            _rewire(ctx, outputs, rewires)
             counts[vp.method] += 1
-            if vp.method == "ps":
+            if vp.shared:
                 local[var] = _ps_outputs(ctx.plan, var, grad.sparse)
                 on_server[var] = tuple(n.name for n in nodes)
         norms = {v: f"parallax/ps/{v}/norm" for v, vp in ctx.plan.variables.items()
-                 if vp.coalesce and vp.method == "ps"}
+                 if vp.coalesce and vp.shared}
         ctx.publish(LocalAggregates(local, norms, on_server))
         if exchanged:
             ctx.publish(ExchangedLookups(exchanged, gathered, reads))
@@ -438,13 +436,15 @@ def _alltoall(ctx, var, grad, exchanged: dict, ids: dict, coalesced: dict, reads
     return nodes, outputs
 
 
-def _rewire(ctx, ref, per_replica: list[str], rewires: dict) -> None:
-    """Point every non-autodiff consumer of `ref`, in every replica, at the aggregate."""
-    for consumer, pos in ctx.tg.ir.consumers.get(ref, ()):
-        if rules.is_autodiff(consumer):
-            continue
-        for k in range(ctx.plan.num_replicas):
-            target = ctx.replica_name(k, consumer)
-            rewires.setdefault((target, pos), per_replica[k])
-            if target == consumer and k > 0:
-                break   # an op that exists once reads replica 0's aggregate
+def _rewire(ctx, outputs: dict, rewires: dict) -> None:
+    """Point every non-autodiff consumer of a gradient tensor of `outputs`,
+    in every replica, at its aggregate (`outputs`: ref -> one per replica)."""
+    for ref, per_replica in outputs.items():
+        for consumer, pos in ctx.tg.ir.consumers.get(ref, ()):
+            if rules.is_autodiff(consumer):
+                continue
+            for k in range(ctx.plan.num_replicas):
+                target = ctx.replica_name(k, consumer)
+                rewires.setdefault((target, pos), per_replica[k])
+                if target == consumer and k > 0:
+                    break   # an op that exists once reads replica 0's aggregate

@@ -36,6 +36,7 @@ from parallax_ng.comm.collectives import join_parts
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit, rules
 from parallax_ng.graph.ir import GraphIR, copy_node
+from parallax_ng.methods import method
 from parallax_ng.pipeline.results import ColumnParts, ExchangedLookups
 
 
@@ -48,7 +49,7 @@ class ColumnsPass:
     def run(self, ir: GraphIR, ctx):
         plan, tg = ctx.plan, ctx.tg
         parts = plan.columns()
-        cut = sorted(v for v, vp in plan.variables.items() if vp.method == "alltoall")
+        cut = sorted(v for v, vp in plan.variables.items() if method(vp.method).columns)
         changed, added, handles = {}, [], {}
         for state, part in sorted(parts.items()):
             handles[state] = _handles(ir, ctx, state, part, added)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from parallax_ng.errors import GraphError
 from parallax_ng.graph.ir import GraphIR, copy_node
+from parallax_ng.methods import method
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ def _own_columns(ctx) -> set[str]:
     own columns already (parallax_ng/planning/column_cut.py: its value is not cut later)."""
     out = set()
     for var, vp in ctx.plan.variables.items():
-        if vp.method != "alltoall":
+        if not method(vp.method).columns:
             continue
         uses = ctx.facts.column_uses(var)
         cut = {w for w, _ in uses.cut}

@@ -49,8 +49,7 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from ..graph import emit
-from .keys import (HOSTS_GROUP, JOB_GROUP, RANGE_KEYS, WORKERS_GROUP,
-                   InstanceKeys)
+from .keys import HOSTS_GROUP, JOB_GROUP, RANGE_KEYS, WORKERS_GROUP, InstanceKeys
 
 GROUP_KEY = JOB_GROUP
 BROADCAST_GROUP_KEY = WORKERS_GROUP

@@ -25,8 +25,7 @@ import tensorflow as tf
 
 from ..errors import ConfigError
 from ..graph import emit
-from .collectives import (Broadcast, gradient_columns, lookup_columns,
-                          server_sum)
+from .collectives import Broadcast, gradient_columns, lookup_columns, server_sum
 
 
 def _hvd():

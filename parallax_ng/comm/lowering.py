@@ -14,8 +14,7 @@ from .collectives import HostCollectives, TFCollectives
 def lowering(plan, instance_keys):
     """The plan's backend's collectives."""
     if plan.backend == "horovod":
-        from .horovod import \
-            HorovodCollectives  # Horovod is imported only when asked for
+        from .horovod import HorovodCollectives  # Horovod is imported only when asked for
         return HorovodCollectives(plan)
     return TFCollectives(plan, instance_keys)
 

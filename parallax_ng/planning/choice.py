@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..methods import method
 from . import traffic
 from .plan import Candidate
 
@@ -50,8 +51,9 @@ def options(config, costs: dict, info: dict) -> list[tuple[str, object, dict]]:
                  costs) for m in DENSE for s in sparse]
     sparse = [v for v in costs if info[v].sparse]
     ways = {"EmbRace's costs": lambda t: t,
-            "on the servers": lambda t: {m: s for m, s in t.items() if m == "ps"} or t,
-            "by collectives": lambda t: {m: s for m, s in t.items() if m != "ps"} or t}
+            "on the servers": lambda t: {m: s for m, s in t.items() if method(m).shared} or t,
+            "by collectives": lambda t: {m: s for m, s in t.items()
+                                         if not method(m).servers} or t}
     out = []
     for m in DENSE:
         for way, cut in ways.items():

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..comm.collectives import OP_TIMEOUT_SECONDS
 from ..comm.keys import BENCHMARK_GROUP
+from ..methods import method
 from .buckets import Cost
 
 MIN_BYTES, MAX_BYTES = 4 * 1024, 64 * 2**20
@@ -103,7 +104,7 @@ def model_bytes(tg, plan) -> int:
     """The bytes the plan all-reduces per replica, else all the variables'
     (what the benchmark's largest size should reach)."""
     return sum(tg.variables[v].nbytes for v, vp in plan.variables.items()
-               if vp.method == "allreduce") or sum(v.nbytes for v in tg.variables.values())
+               if method(vp.method).all_reduced) or sum(v.nbytes for v in tg.variables.values())
 
 
 def sizes(total_bytes: int) -> list[int]:

@@ -1,26 +1,13 @@
 """Cost model: the communication time of one variable per step by each
 aggregation method, for `run_option: auto`.
 
-EmbRace's Table 2, with N replicas, S parameter servers, a table of M
-bytes of which one replica's step touches the share alpha of the rows, a
-network of bandwidth B bytes/s and latency beta per message:
-- allreduce (a ring; a sparse gradient summed as dense):  2(N-1)(M/(NB) + beta)
-- ps (push rows, pull rows; balanced over the servers):  2N(alpha M/(SB) + beta)
-- allgather (every replica's rows to every replica):      (N-1)(alpha M/B + beta)
-- alltoall (rows by columns, forward and backward):       2(N-1)(alpha M/(NB) + beta)
-The bytes are the table's; the latency terms count the messages of this
-implementation's lowering (comm.py), which sends more than the table's
-one per step: an all-gather is three ring gathers (sizes, rows, indices),
-3(N-1) beta; alltoall gathers sizes and ids and exchanges the rows, and
-exchanges the gradient's rows back (reusing the gathered ids, as it does
-with distinct lookups and coalesced rows), 4(N-1) beta.
-A dense variable has alpha = 1; its server method is balanced fusion
-buffers (bfb) or ps, the same formula. With beta = 0 and B = 1 the times
-are the bytes each replica sends (Parallax's Table 3 for allreduce and
-ps). The network constants come from the all-reduce micro-benchmark
-(parallax_ng/planning/costfit.py), whose fit a + bM of a ring over N replicas has
-a = 2(N-1) beta and b = 2(N-1)/(NB); else from config `network`, else the
-defaults below.
+Each method's formula is EmbRace's Table 2 with the latency terms of this
+implementation's lowering (parallax_ng/methods.py states them); with
+beta = 0 and B = 1 the times are the bytes each replica sends (Parallax's
+Table 3 for allreduce and ps). The network constants come from the
+all-reduce micro-benchmark (parallax_ng/planning/costfit.py), whose fit
+a + bM of a ring over N replicas has a = 2(N-1) beta and b = 2(N-1)/(NB);
+else from config `network`, else the defaults below.
 
 Requires: VariableInfo (bytes, alpha). Guarantees: `choose` returns the
 cheapest allowed method, ties to the earlier of METHODS; the same inputs
@@ -30,13 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import methods
 from .analysis import VariableInfo
 
-METHODS = ("allreduce", "alltoall", "allgather", "bfb", "ps")
+METHODS = tuple(methods.METHODS)
 BANDWIDTH = 1.25e9      # bytes/s: 10 Gb/s, when nothing is measured or configured
 LATENCY = 50e-6         # seconds per message
-GATHERS = 3             # collectives of one all-gather of rows (comm.py)
-EXCHANGES = 4           # collectives of a table's alltoall lookup and gradient (comm.py)
 
 
 @dataclass(frozen=True)
@@ -102,31 +88,7 @@ def seconds(method: str, info: VariableInfo, replicas: int, servers: int,
             net: Network) -> float:
     """Predicted communication seconds per step of `info`'s gradient (and,
     for alltoall, its lookups) by `method`."""
-    n, m, b, beta = replicas, float(info.nbytes), net.bandwidth, net.latency
-    alpha = (info.alpha or 1.0) if info.sparse else 1.0
-    if n < 2:
-        return 0.0
-    if method == "allreduce":
-        return 2 * (n - 1) * (reduced_bytes(info) / (n * b) + beta)
-    if method in ("ps", "bfb"):
-        return 2 * n * (alpha * m / (max(servers, 1) * b) + beta)
-    if method == "allgather":
-        return (n - 1) * (alpha * m / b + GATHERS * beta)
-    if method == "alltoall":
-        return (n - 1) * (2 * alpha * m / (n * b) + EXCHANGES * beta)
-    raise ValueError(f"no cost for method {method!r}")
-
-
-def reduced_bytes(info: VariableInfo) -> float:
-    """Bytes all-reduced for a variable: its own, and for a sparse gradient
-    summed as dense a count per row besides (a second column for a 1-D
-    variable, one more in D for a [V, D] table)."""
-    if not info.sparse or not info.shape:
-        return float(info.nbytes)
-    width = 1
-    for d in info.shape[1:]:
-        width *= d or 1
-    return info.nbytes * (width + 1) / width
+    return methods.seconds(method, info, replicas, servers, net)
 
 
 def costs(info: VariableInfo, allowed, replicas: int, servers: int,

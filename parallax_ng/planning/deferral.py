@@ -34,6 +34,7 @@ from ..errors import ConfigError
 from ..graph import rules
 from ..graph.frontend import TrainingGraph
 from ..graph.ir import TensorRef
+from ..methods import method
 from . import column_cut as columns
 from .plan import VariablePlan
 
@@ -88,7 +89,7 @@ def horizontal_blocks(facts, variables: dict, config: Config, split: bool = Fals
     tg = facts.tg
     first, notes = {}, {}
     for v, vp in variables.items():
-        if vp.method != "allreduce" or vp.info.sparse:
+        if not method(vp.method).horizontal or vp.info.sparse:
             continue
         if split:
             notes[v] = f"no horizontal scheduling: {SPLIT}"
@@ -114,7 +115,7 @@ def prefetch(facts, vp: VariablePlan, config: Config, split: bool = False) -> Va
     a note saying why not."""
     if not config.prefetch or not vp.info.sparse:
         return vp
-    if vp.method != "alltoall":
+    if not method(vp.method).columns:
         return vp.noted(f"no prefetch: it applies to alltoall, not {vp.method}")
     if not (vp.coalesce and config.distinct_lookups):
         return vp.noted("no prefetch: it needs coalesce_rows and distinct_lookups")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from . import costmodel
+from ..methods import method
 from .analysis import VariableInfo
 from .placement import Columns, Mirrored, Sharded, Shared, home
 
@@ -22,7 +22,7 @@ from .placement import Columns, Mirrored, Sharded, Shared, home
 @dataclass(frozen=True)
 class VariablePlan:
     name: str
-    method: str          # allreduce | ps | allgather | bfb | alltoall
+    method: str          # a name in parallax_ng/methods.py METHODS
     info: VariableInfo
     coalesce: bool = False   # duplicate rows summed on the worker before they leave it
     prefetch: bool = False   # rows the next batch reads sent first, the rest during it
@@ -30,7 +30,8 @@ class VariablePlan:
 
     @property
     def shared(self) -> bool:
-        return self.method == "ps"
+        """The variable exists once, on a parameter server."""
+        return method(self.method).shared
 
     def noted(self, note: str) -> "VariablePlan":
         """With `note` added to its notes."""
@@ -189,15 +190,7 @@ class Plan:
         n = self.group_size
         out = {}
         for name, vp in self.variables.items():
-            b, alpha = vp.info.nbytes, vp.info.alpha or 1.0
-            if vp.method == "allreduce":      # a sparse one: a count per row too
-                out[name] = 2 * (n - 1) * costmodel.reduced_bytes(vp.info) / n
-            elif vp.method == "alltoall":    # rows out in the forward, gradients back
-                out[name] = 2 * (n - 1) * alpha * b / n
-            elif vp.method == "allgather":
-                out[name] = 2 * (n - 1) * alpha * b
-            else:
-                out[name] = 2 * alpha * b if vp.info.sparse else 2 * b
+            out[name] = method(vp.method).replica_bytes(vp.info, n)
         return out
 
     def server_load(self) -> dict[str, float]:
@@ -309,7 +302,7 @@ class Plan:
                                     for b, n in zip(self.buckets, sizes)))
         if self.distinct_lookups and self.servers:
             rows.append("lookups of rows on servers: each distinct row fetched once per worker")
-        if self.distinct_lookups and any(vp.method == "alltoall"
+        if self.distinct_lookups and any(method(vp.method).columns
                                          for vp in self.variables.values()):
             rows.append("alltoall lookups: each distinct id's row exchanged once per replica")
         if self.buffers:

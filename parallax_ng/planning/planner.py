@@ -24,8 +24,8 @@ from ..config import Config
 from ..errors import ConfigError
 from ..graph import queues, randomness, rules
 from ..graph.frontend import TrainingGraph
-from . import choice
-from . import costmodel, deferral, traffic
+from ..methods import METHODS, method
+from . import choice, costmodel, deferral, traffic
 from .analysis import VariableInfo
 from .facts import Facts
 from .packing import allreduce_buckets, fusion_buffers, ready_order
@@ -51,7 +51,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     this machine."""
     notes = ()
     if config.run_option == "hybrid" and num_workers > 1 and not servers and \
-            config.sparse_method == "auto" and "ps" not in config.variable_methods.values() \
+            config.sparse_method == "auto" and \
+            not any(method(m).shared for m in config.variable_methods.values()) \
             and any(vi.sparse for vi in info.values()):
         config = replace(config, sparse_method="allgather")
         notes = ("run_option hybrid: the job has no parameter server (`ps:` in the resource "
@@ -98,15 +99,15 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     """The plan of a job (`make_plan`'s inputs) with these methods."""
     facts, info, devices, host, num_workers, worker, servers, order, profile = job
     tg = facts.tg
-    variables = {name: VariablePlan(name, method, info[name],
+    variables = {name: VariablePlan(name, how, info[name],
                                     coalesce=config.coalesce_rows and
-                                    method in ("ps", "allgather", "alltoall") and
+                                    method(how).coalesces and
                                     facts.coalescing(name) is not None,
-                                    note=_unmet(facts, config, name, method, devices,
+                                    note=_unmet(facts, config, name, how, devices,
                                                 num_workers))
-                 for name, method in methods.items()}
+                 for name, how in methods.items()}
     roots = shared_roots(variables)
-    fused = sorted(v for v, vp in variables.items() if vp.method == "bfb")
+    fused = sorted(v for v, vp in variables.items() if method(vp.method).fused)
     split = num_workers > 1 and bool(roots or fused)
     variables = {name: deferral.prefetch(facts, vp, config, split)
                  for name, vp in variables.items()}
@@ -114,7 +115,7 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
                             config.ps_placement)
     placement.update(by_columns(facts, [v for v, vp in variables.items()
-                                     if vp.method == "alltoall"],
+                                     if method(vp.method).columns],
                                 job_devices(devices, num_workers, worker), num_workers,
                                 config.communication.backend))
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
@@ -123,7 +124,7 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     variables.update({v: variables[v].noted(note) for v, note in notes.items()})
     later = {v for b in blocks for v in b}
     reduced = [v for v, vp in variables.items()      # dense: a sparse one alone
-               if vp.method == "allreduce" and not vp.info.sparse and v not in later]
+               if method(vp.method).all_reduced and not vp.info.sparse and v not in later]
     buckets = allreduce_buckets(tg, ready_order(tg, reduced, order), config.buckets, profile)
     producers = [q for q in queues.find(tg) if q.producer]
     random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),
@@ -138,18 +139,20 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
                 schedule=Schedule(split=split), buffers=buffers, buckets=buckets,
                 blocks=blocks,
                 distinct_lookups=config.distinct_lookups and (
-                    bool(servers) or any(vp.method == "alltoall" for vp in variables.values())),
+                    bool(servers) or any(method(vp.method).columns
+                                         for vp in variables.values())),
                 rewrites=Rewrites(**vars(config.placement_rewrites)))
 
 
-def _unmet(facts, config: Config, name: str, method: str, devices, num_workers: int) -> str:
+def _unmet(facts, config: Config, name: str, how: str, devices, num_workers: int) -> str:
     """Why a sparse variable does not go by the config's `sparse_method`
-    (alltoall or allreduce), or ""."""
+    (one that cuts tables by columns, or sums rows as dense), or ""."""
     asked = config.sparse_method
-    if asked not in ("alltoall", "allreduce") or method == asked or \
+    wanted = METHODS.get(asked)
+    if wanted is None or not (wanted.columns or wanted.sums_rows) or how == asked or \
             not facts.tg.gradients[name].sparse or name in config.variable_methods:
         return ""
-    if asked == "alltoall":
+    if wanted.columns:
         try:
             by_columns(facts, [name], [""] * (len(devices) * num_workers), num_workers,
                        config.communication.backend)
@@ -159,7 +162,7 @@ def _unmet(facts, config: Config, name: str, method: str, devices, num_workers: 
     else:
         why = ("a use of its rows sees them one by one, so duplicate rows may not be "
                "summed" if facts.coalescing(name) is None else "the cost model chose otherwise")
-    return f"sparse_method {asked} not used ({why}); it goes by {method}"
+    return f"sparse_method {asked} not used ({why}); it goes by {how}"
 
 
 # -- 1. policy -----------------------------------------------------------------
@@ -182,30 +185,17 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
     out = {}
     for name, vi in info.items():
         asked = config.sparse_method if vi.sparse else config.dense_method
-        method = config.variable_methods.get(name) or (
+        how = config.variable_methods.get(name) or (
             costmodel.choose(costs[name]) if costs and asked == "auto" else
             _default_method(config, vi, job_servers))
         if name not in config.variable_methods and vi.sparse and (
-                method == "alltoall" and not cuttable(name) or
-                method == "allreduce" and not can_sum_rows(name)):
-            method = _default_method(replace(config, sparse_method="auto"), vi, job_servers)
-        if method == "allgather" and not vi.sparse:
-            raise ConfigError(f"config key 'variable_methods.{name}' is allgather, but "
-                              f"{name} has a dense gradient; use allreduce, ps or bfb")
-        if method == "allreduce" and vi.sparse and not can_sum_rows(name):
-            raise ConfigError(f"config key 'variable_methods.{name}' is allreduce, which sums "
-                              f"{name}'s sparse gradient as a dense one (duplicate rows "
-                              "summed), but a use of its rows sees them one by one; use "
-                              "allgather, alltoall or ps")
-        if method == "alltoall" and not vi.sparse:
-            raise ConfigError(f"config key 'variable_methods.{name}' is alltoall (rows of a "
-                              f"sparse gradient, by columns), but {name} has a dense "
-                              "gradient; use allreduce, ps or bfb")
-        if method == "bfb" and vi.sparse:
-            raise ConfigError(f"config key 'variable_methods.{name}' is bfb (balanced fusion "
-                              f"buffers, for dense gradients), but {name} has a sparse "
-                              "gradient; use ps, allgather or allreduce")
-        out[name] = method
+                method(how).columns and not cuttable(name) or
+                method(how).sums_rows and not can_sum_rows(name)):
+            how = _default_method(replace(config, sparse_method="auto"), vi, job_servers)
+        why = method(how).refusal(name, vi.sparse, can_sum_rows(name) if vi.sparse else True)
+        if why:
+            raise ConfigError(why)
+        out[name] = how
     return out
 
 
@@ -216,11 +206,10 @@ def allowed_methods(vi: VariableInfo, name: str, job_servers: bool, can_cut,
     all-gather, alltoall where the table can be cut by columns, all-reduce
     as dense where its rows may be summed, and servers in a job that has
     them."""
-    if not vi.sparse:
-        return ("allreduce", "bfb", "ps") if job_servers else ("allreduce",)
-    out = ["allgather"] + (["alltoall"] if can_cut(name) else []) + (
-        ["allreduce"] if can_sum(name) else [])
-    return tuple(out + (["ps"] if job_servers else []))
+    return tuple(m.name for m in METHODS.values()
+                 if (m.sparse if vi.sparse else m.dense) and (job_servers or not m.servers)
+                 and not (vi.sparse and m.columns and not can_cut(name))
+                 and not (vi.sparse and m.sums_rows and not can_sum(name)))
 
 
 def network(config: Config, profile, replicas: int, layout: traffic.Layout | None = None

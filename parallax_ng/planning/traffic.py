@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .costmodel import reduced_bytes
+from ..methods import method, reduced_bytes
 from .placement import Sharded
 
 
@@ -145,10 +145,10 @@ def flows(plan, index_bytes: dict | None = None, rows: dict | None = None,
             out.append((worker(i), worker((i + 1) % n), nbytes, what))
 
     for var, vp in sorted(plan.variables.items()):
-        info = vp.info
-        if vp.method == "bfb":
+        info, how = vp.info, method(vp.method)
+        if how.fused:
             continue            # by buffer, below
-        if vp.method == "allreduce":
+        if how.sums_rows:        # a ring all-reduce, of a sparse gradient as dense too
             ring(2 * (g - 1) / g * reduced_bytes(info), var)
             continue
         if not info.sparse:      # ps: the local sum in, the value back
@@ -160,13 +160,13 @@ def flows(plan, index_bytes: dict | None = None, rows: dict | None = None,
         idx = index_bytes.get(var, 8)
         per_worker = rows.get(var, min(info.shape[0], r * (info.alpha or 1.0) * info.shape[0]))
         per_replica = per_worker / r
-        if vp.method == "allgather":
-            ring((g - 1) * per_replica * (row + idx), var)
-        elif vp.method == "alltoall":
+        if how.columns:          # ids and rows to the owners of the columns, both ways
             part = row / info.shape[1] * max(s.size for s in plan.placement[var].shards)
-            each = r * r * 2 * per_replica * (idx + part)   # ids and rows, both ways
+            each = r * r * 2 * per_replica * (idx + part)
             for i in range(n):
                 out += [(worker(i), worker(k), each, var) for k in range(n) if k != i]
+        elif not how.shared:     # every replica's rows to every replica
+            ring((g - 1) * per_replica * (row + idx), var)
         else:                    # ps: rows and ids out, rows back
             asked = looked_up.get(var, per_worker)
             for j, share in _shares(plan, var):
@@ -207,20 +207,16 @@ def task_bytes(flow_list) -> dict[str, float]:
     return out
 
 
-ROUNDS = {"allreduce": 1, "allgather": 2, "alltoall": 4}
-
-
 def rounds(plan) -> tuple[int, int]:
     """(rounds of collectives, round trips to the servers) one after
     another in a step of `plan` (its variables' methods run side by side)."""
     if plan.num_workers < 2:
         return 0, 0
-    methods = {vp.method for vp in plan.variables.values()}
-    collective = max((ROUNDS[m] for m in methods if m in ROUNDS), default=0)
+    used = [method(vp.method) for vp in plan.variables.values()]
+    collective = max((m.rounds for m in used), default=0)
     trips = 0
     if plan.servers:
-        read = any(vp.method == "ps" for vp in plan.variables.values())
-        trips = int(read) + int(bool(methods & {"ps", "bfb"}))
+        trips = int(any(m.shared for m in used)) + int(any(m.servers for m in used))
     return collective, trips
 
 
