@@ -4,13 +4,15 @@
     ds = pn.shard(ds)                                      # in the graph
     runner = pn.get_runner(graph, resource_info, config)   # after building it
     runner.run(train_op, feed_dict)
+    step = pn.function(train_step, resource_info, config)  # a TF2 step, as written
 
 The package: errors, compat, config, resources and cluster (what the user
 gives and where this process runs) are the foundation; graph/ reads and
 writes the user's graph, comm/ lowers collectives, planning/ decides,
 pipeline/ runs the passes (the package `transforms`), runtime/ drives the
 result, l2l/ is layer-to-layer execution, build.py is the one path from a
-graph to a Runner, and tools/ is the command line and the launcher.
+graph to a Runner, tf2.py brings TF2 steps onto it, and tools/ is the
+command line and the launcher.
 """
 from __future__ import annotations
 
@@ -31,6 +33,9 @@ def __getattr__(name):
     if name == "partitioner":
         from .graph.partition import partitioner
         return partitioner
+    if name == "function":
+        from .tf2 import function
+        return function
     raise AttributeError(f"module 'parallax_ng' has no attribute {name!r}")
 
 
@@ -79,14 +84,9 @@ def get_runner(graph, resource_info=None, config=None):
     error.
     """
     from . import build
-    from .graph import capture, frontend
-
-    profile_steps = capture.check(graph, resource_info, config)
-    job = build.resolve(capture.resources(resource_info), capture.config(config))
-    heartbeat.set_timeout(job.config.communication.timeout_seconds)
-    return build.runner(frontend.load(graph), job, profile_steps)
+    return build.get_runner(graph, resource_info, config)
 
 
 __all__ = ["Config", "ConfigError", "FetchError", "GraphError", "ParallaxError",
-           "ResourceError", "get_runner", "partitioner", "shard", "transform", "transform_plan",
-           "__version__"]
+           "ResourceError", "function", "get_runner", "partitioner", "shard", "transform",
+           "transform_plan", "__version__"]

@@ -188,6 +188,18 @@ class Build:
         return manager.run(self.tg.ir, ctx), ctx, manager
 
 
+def get_runner(graph, resource_info=None, config=None):
+    """`pn.get_runner`: resolve the job, load the graph (front end), and the
+    Runner (`parallax-ng profile` measures the steps it asks for)."""
+    from .graph import capture, frontend
+    from .runtime import heartbeat
+
+    profile_steps = capture.check(graph, resource_info, config)
+    job = resolve(capture.resources(resource_info), capture.config(config))
+    heartbeat.set_timeout(job.config.communication.timeout_seconds)
+    return runner(frontend.load(graph), job, profile_steps)
+
+
 def runner(tg, job: Job, profile_steps: int = 0):
     """The Runner of `tg` for `job` (in a job, this worker's server started;
     a parameter-server task serves instead and never returns). With

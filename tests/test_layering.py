@@ -8,10 +8,10 @@ import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lowest first: a module may import its own layer and the layers before it.
-# "foundation" is the package's top-level modules but __init__, build.py
-# and the entry point; the package itself and build.py (the one path from a
-# graph to a Runner) sit above the runtime and layer-to-layer, and the
-# tools above everything.
+# "foundation" is the package's top-level modules but __init__, build.py,
+# tf2.py and the entry point; the package itself, build.py (the one path
+# from a graph to a Runner) and tf2.py (TF2 programs on that path) sit
+# above the runtime and layer-to-layer, and the tools above everything.
 LAYERS = ["foundation", "graph", "comm", "planning", "pipeline", "transforms", "runtime",
           "l2l", "parallax_ng", "tools"]
 MAX_LINES = 450
@@ -62,7 +62,7 @@ def layer(name):
     parts = name.split(".")
     if parts[0] == "transforms":
         return "transforms"
-    if name in ("parallax_ng", "parallax_ng.build"):
+    if name in ("parallax_ng", "parallax_ng.build", "parallax_ng.tf2"):
         return "parallax_ng"
     if name == "parallax_ng.__main__":
         return "tools"

@@ -80,7 +80,8 @@ STATE_SYNC_REDUCTION = {
 # depend on every input.
 _ELEMENTWISE_MULTI = frozenset({"IdentityN"})
 
-AUTODIFF_SCOPE = re.compile(r"(^|/)gradients(_\d+)?/")
+# tf.gradients' scope, and GradientTape's in a traced TF2 step
+AUTODIFF_SCOPE = re.compile(r"(^|/)(gradients(_\d+)?|gradient_tape)/")
 
 
 def is_writer(op_type: str) -> bool:
@@ -99,7 +100,7 @@ def is_host_only(op_type: str) -> bool:
 
 
 def is_autodiff(node_name: str) -> bool:
-    """True for ops TensorFlow's autodiff (`tf.gradients`) created."""
+    """True for ops TensorFlow's autodiff (`tf.gradients`, GradientTape) created."""
     return bool(AUTODIFF_SCOPE.search(node_name))
 
 

@@ -1,0 +1,252 @@
+"""TF2 steps as training graphs: a step function (a Python function or a
+tf.function that computes a loss under tf.GradientTape and applies its
+gradients with an optimizer) traced once and rebuilt as a tf.compat.v1
+graph, which the front end, the planner and the passes take as they take a
+TF1 graph (docs/tf2-capture.md has the facts this relies on).
+
+Requires: `capture(fn, args)`: `fn(*args)` runs one training step on the
+batch `args` (tensors or arrays, nested); every variable it uses exists
+once it has been traced (an optimizer's slots are made during the trace
+and given their starting values here).
+Guarantees: a `Captured` whose `graph` holds
+- a resource variable per variable the step reads or writes, under its
+  Keras path or tf.Variable name (made unique), trainable as the program's,
+  whose initializer assigns its value at capture (fed by `init_feeds`, not
+  stored in the graph); a Keras optimizer slot is colocated with its
+  variable (the front end's owner);
+- a Placeholder per leaf of `args` (`inputs`, in order), its first
+  dimension unknown, so the runner splits a global batch over the replicas;
+- the step's ops, nested function calls inlined and tf.cond / while_loop
+  lowered (Switch/Merge), names as traced (GradientTape's `gradient_tape/`);
+- `outputs`: fn's return value as tensor names, in its structure; `train`:
+  an op that runs the whole step (every stateful op of the trace).
+`variables` maps each graph variable to the program's tf.Variable.
+A tensor the step captures (a NumPy array in its closure) becomes a
+constant. A step that needs what cannot be rebuilt (a resource that is not
+a variable, an argument that is not a batch) is a GraphError naming it.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+
+import tensorflow as tf
+
+from ..errors import GraphError
+
+INPUT = "parallax_input_{}"
+
+
+@dataclass
+class Captured:
+    graph: tf.Graph
+    inputs: list[str]                  # placeholder names, in the order of args' leaves
+    outputs: object                    # fn's return structure, tensor names as leaves
+    train: str                         # op that runs the step
+    variables: dict                    # graph variable name -> the program's tf.Variable
+    reads: dict                        # graph variable name -> a tensor reading it
+    init: str                          # op that initializes every variable
+    init_feeds: dict = field(default_factory=dict)   # placeholder name -> value
+
+
+def capture(fn, args: tuple) -> Captured:
+    python = getattr(fn, "python_function", fn)
+    specs = [_spec(a, i) for i, a in enumerate(tf.nest.flatten(args))]
+    structure = args
+
+    def step(*leaves):     # an output besides fn's, which holds every stateful op
+        return python(*tf.nest.pack_sequence_as(structure, list(leaves))), tf.constant(0)
+
+    with _slots_recorded() as owners:
+        traced = tf.function(step, autograph=True, jit_compile=False)
+        traced.get_concrete_function(*specs)         # makes slots and other state
+        concrete = tf.function(step, autograph=True,
+                               jit_compile=False).get_concrete_function(*specs)
+    return _rebuild(concrete, owners)
+
+
+def _spec(value, i: int) -> tf.TensorSpec:
+    try:
+        t = tf.convert_to_tensor(value)
+    except (TypeError, ValueError) as e:
+        raise GraphError(f"argument leaf {i} of the step is a {type(value).__name__}, not a "
+                         f"tensor or array: {e}") from None
+    if t.shape.rank == 0:
+        raise GraphError(f"argument leaf {i} of the step is a scalar; every argument is a "
+                         "batch whose first dimension the replicas split")
+    return tf.TensorSpec([None] + t.shape.as_list()[1:], t.dtype, name=INPUT.format(i))
+
+
+_OWNERS: dict = {}      # slot's tf.Variable .ref() -> its variable, every slot seen being made
+
+
+@contextlib.contextmanager
+def _slots_recorded():
+    """Record (slot -> variable) as Keras optimizers make slots (kept for
+    later captures of the same program)."""
+    owners = _OWNERS
+    patched = []
+    for cls in _optimizer_classes():
+        original = cls.add_variable_from_reference
+
+        def recording(self, reference_variable, *a, _original=original, **kw):
+            slot = _original(self, reference_variable, *a, **kw)
+            owners[_tf_variable(slot).ref()] = _tf_variable(reference_variable)
+            return slot
+
+        cls.add_variable_from_reference = recording
+        patched.append((cls, original))
+    try:
+        yield owners
+    finally:
+        for cls, original in patched:
+            cls.add_variable_from_reference = original
+
+
+def _optimizer_classes() -> list:
+    out = []
+    try:
+        from keras.src.optimizers.base_optimizer import BaseOptimizer
+        out.append(BaseOptimizer)
+    except ImportError:
+        pass
+    try:
+        from tf_keras.src.optimizers.optimizer import _BaseOptimizer
+        out.append(_BaseOptimizer)
+    except ImportError:
+        pass
+    return out
+
+
+def _tf_variable(v):
+    """The tf.Variable of a Keras 3 variable (itself otherwise)."""
+    return getattr(v, "_value", v) if not isinstance(v, tf.Variable) else v
+
+
+def _rebuild(concrete, owners: dict) -> Captured:
+    graph_def = _inlined(concrete)
+    fg = concrete.graph
+    by_handle = {}
+    for v in fg.variables:
+        by_handle[id(v.handle)] = v
+    captured = {}                     # internal placeholder name -> tf.Variable
+    constants = {}                    # internal placeholder name -> value (a captured tensor)
+    for external, internal in fg.captures:
+        if internal.dtype != tf.resource:
+            constants[internal.op.name] = external.numpy()
+            continue
+        var = by_handle.get(id(external))
+        if var is None:
+            raise GraphError(f"the step captures resource {internal.op.name!r}, which is "
+                             "not a variable (a lookup table or dataset iterator cannot be "
+                             "rebuilt yet)")
+        captured[internal.op.name] = var
+    inside = {internal.op.name for _, internal in fg.captures}
+    inputs = [t.op.name for t in fg.inputs if t.op.name not in inside]
+    values = {name: v.numpy() for name, v in captured.items()}
+    owners = {**_owners_by_name(list(captured.values())), **owners}
+    keep = [n for n in graph_def.node
+            if n.name not in captured and n.name not in constants and n.name not in inputs]
+    del graph_def.node[:]
+    graph_def.node.extend(keep)
+    for node in graph_def.node:
+        if "_class" in node.attr:
+            del node.attr["_class"]
+    graph = tf.Graph()
+    made, names, feeds = {}, set(), {}
+    order = sorted(captured, key=lambda n: captured[n].ref() in owners)   # owners first
+    with graph.as_default():
+        placeholders = [tf.compat.v1.placeholder(
+            fg.get_tensor_by_name(name + ":0").dtype,
+            fg.get_tensor_by_name(name + ":0").shape, name=INPUT.format(i))
+            for i, name in enumerate(inputs)]
+        for name in order:
+            var = captured[name]
+            vname = _unique(_variable_name(var), names)
+            owner = owners.get(var.ref())
+            scope = tf.compat.v1.colocate_with(made[id(owner)].op) \
+                if owner is not None and id(owner) in made else contextlib.nullcontext()
+            with scope:
+                initial = tf.compat.v1.placeholder(var.dtype.base_dtype, var.shape,
+                                                   name=f"{vname}/initial_value")
+                new = tf.compat.v1.Variable(initial, name=vname, use_resource=True,
+                                            trainable=var.trainable)
+            made[id(var)] = new
+            feeds[initial.name] = values[name]
+        input_map = {f"{name}:0": made[id(var)].handle for name, var in captured.items()}
+        input_map.update({f"{name}:0": ph for name, ph in zip(inputs, placeholders)})
+        input_map.update({f"{name}:0": tf.constant(value, name=f"parallax_captured/{k}")
+                          for k, (name, value) in enumerate(sorted(constants.items()))})
+        out_names = [t.name for t in tf.nest.flatten(concrete.outputs)]
+        controls = [op.name for op in fg.control_outputs]
+        returned = tf.graph_util.import_graph_def(
+            graph_def, input_map=input_map, return_elements=out_names + controls, name="")
+        outs, ops = returned[:len(out_names)], returned[len(out_names):]
+        with tf.control_dependencies([t.op for t in outs] + ops):
+            train = tf.no_op(name="parallax_step")
+        init = tf.compat.v1.variables_initializer(list(made.values()), name="parallax_init")
+    names = iter(t.name for t in outs)       # fn's tensors, in order (None is no output)
+    structured = tf.nest.map_structure(lambda t: None if t is None else next(names),
+                                       concrete.structured_outputs)[0]
+    return Captured(graph, [p.op.name for p in placeholders], structured, train.name,
+                    {made[id(v)].op.name: v for v in captured.values()},
+                    {made[id(v)].op.name: made[id(v)]._graph_element.name
+                     for v in captured.values()}, init.name, feeds)
+
+
+def _inlined(concrete):
+    """The traced graph with every function call inlined and tf.cond /
+    while_loop lowered to Switch/Merge (Grappler's function optimizer, as
+    TensorFlow's own graph freezing runs it), keeping what the outputs and
+    the stateful ops (the function's control outputs) need."""
+    from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
+    from tensorflow.python.grappler import tf_optimizer
+    graph_def = concrete.graph.as_graph_def()
+    for f in graph_def.library.function:     # no alternative implementations kept
+        if "api_implements" in f.attr:
+            del f.attr["api_implements"]
+    meta = tf.compat.v1.train.export_meta_graph(graph_def=graph_def, graph=concrete.graph)
+    for name in ("variables", "trainable_variables", "model_variables", "local_variables"):
+        meta.collection_def.pop(name, None)
+    fetch = meta_graph_pb2.CollectionDef()
+    fetch.node_list.value.extend([t.name for t in concrete.inputs + concrete.outputs] +
+                                 [op.name for op in concrete.graph.control_outputs])
+    meta.collection_def["train_op"].CopyFrom(fetch)
+    config = config_pb2.ConfigProto()
+    rewrite = config.graph_options.rewrite_options
+    rewrite.min_graph_nodes = -1
+    rewrite.optimizers.append("function")
+    rewrite.function_optimization = rewriter_config_pb2.RewriterConfig.AGGRESSIVE
+    return tf_optimizer.OptimizeGraph(config, meta)
+
+
+def _owners_by_name(variables: list) -> dict:
+    """Slots made before any capture saw them: a Keras 3 optimizer names a
+    slot `<optimizer>/<variable path with '_' for '/'>_<slot>`; the longest
+    such trainable variable of the same shape owns it."""
+    trained = [v for v in variables if v.trainable]
+    out = {}
+    for v in variables:
+        if v.trainable or "/" not in v.name:
+            continue
+        leaf = v.name.split(":")[0].split("/", 1)[1]
+        hits = [t for t in trained if t.shape == v.shape and
+                leaf.startswith(t.name.split(":")[0].replace("/", "_") + "_")]
+        if hits:
+            out[v.ref()] = max(hits, key=lambda t: len(t.name))
+    return out
+
+
+def _variable_name(var) -> str:
+    path = var.name
+    return re.sub(r"[^A-Za-z0-9_./-]", "_", path.split(":")[0]) or "variable"
+
+
+def _unique(name: str, names: set) -> str:
+    out, k = name, 1
+    while out in names:
+        out, k = f"{name}_{k}", k + 1
+    names.add(out)
+    return out
+

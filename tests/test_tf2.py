@@ -1,0 +1,217 @@
+"""TF2 custom training loops (`pn.function`): N replicas with a global batch
+equal one device with it, every variable and optimizer slot, 1e-5 after 10
+steps; Keras 3 and tf_keras models and optimizers; an embedding stays sparse."""
+import os
+
+os.environ["TF_USE_LEGACY_KERAS"] = "0"   # tf.keras is Keras 3 here; tf_keras is imported by name
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import parallax_ng as pn  # noqa: E402
+from models import local  # noqa: E402
+
+STEPS, BATCH = 10, 8
+
+
+def data(seed=0, vocab=None):
+    rng = np.random.default_rng(seed)
+    if vocab:
+        x = rng.integers(0, vocab, size=(STEPS, BATCH, 3)).astype(np.int32)
+    else:
+        x = rng.normal(size=(STEPS, BATCH, 5)).astype(np.float32)
+    y = rng.normal(size=(STEPS, BATCH, 1)).astype(np.float32)
+    return x, y
+
+
+def step_of(model, optimizer, loss_fn=None):
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            pred = model(x, training=True)
+            loss = tf.reduce_mean(tf.square(pred - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return train_step
+
+
+def keras3_dense():
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                             keras.layers.Dense(1)])
+
+
+def keras3_embedding(vocab):
+    return keras.Sequential([keras.Input((3,), dtype="int32"),
+                             keras.layers.Embedding(vocab, 4),
+                             keras.layers.Flatten(), keras.layers.Dense(1)])
+
+
+def twins(make, make_optimizer):
+    """Two models with the same weights, each with its own optimizer."""
+    a, b = make(), make()
+    b.set_weights(a.get_weights())
+    return (a, make_optimizer()), (b, make_optimizer())
+
+
+def check_equal(parallel, single):
+    (pm, po), (sm, so) = parallel, single
+    for w1, w2 in zip(pm.weights, sm.weights):
+        np.testing.assert_allclose(np.asarray(w1), np.asarray(w2), atol=1e-5, rtol=0,
+                                   err_msg=getattr(w1, "path", w1.name))
+    assert len(po.variables) == len(so.variables) > 2      # the same slots, in order
+    for v1, v2 in zip(po.variables, so.variables):
+        name = getattr(v1, "path", v1.name)
+        assert np.shape(v1) == np.shape(v2), name
+        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=1e-5, rtol=0,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    lambda: keras.optimizers.Adam(0.01, clipnorm=1.0),
+    lambda: keras.optimizers.SGD(0.05, momentum=0.9),
+], ids=["adam-clipnorm", "sgd-momentum"])
+def test_keras3_custom_loop_equals_one_device(make_optimizer):
+    parallel, single = twins(keras3_dense, make_optimizer)
+    step = pn.function(step_of(*parallel), local(2))
+    ref = tf.function(step_of(*single))
+    x, y = data()
+    losses = []
+    for k in range(STEPS):
+        losses.append(step(x[k], y[k]))
+        want = ref(x[k], y[k])
+        np.testing.assert_allclose(losses[-1], want.numpy(), atol=1e-5, rtol=0)
+    step.sync()
+    check_equal(parallel, single)
+    assert step.runner.plan.num_replicas == 2
+
+
+def test_a_keras3_embedding_stays_sparse_and_equals_one_device():
+    vocab = 50
+    parallel, single = twins(lambda: keras3_embedding(vocab),
+                             lambda: keras.optimizers.Adam(0.01))
+    step = pn.function(step_of(*parallel), local(2))
+    ref = tf.function(step_of(*single))
+    x, y = data(1, vocab)
+    for k in range(STEPS):
+        step(x[k], y[k])
+        ref(x[k], y[k])
+    table = [vp for name, vp in step.runner.plan.variables.items() if "embedding" in name]
+    assert len(table) == 1 and table[0].info.sparse
+    step.sync()
+    check_equal(parallel, single)
+
+
+def test_tf_keras_custom_loop_equals_one_device():
+    import tf_keras
+
+    def make():
+        return tf_keras.Sequential([tf_keras.layers.Dense(8, activation="relu",
+                                                          input_shape=(5,)),
+                                    tf_keras.layers.Dense(1)])
+    parallel, single = twins(make, lambda: tf_keras.optimizers.Adam(0.01))
+    step = pn.function(step_of(*parallel), local(2))
+    ref = tf.function(step_of(*single))
+    x, y = data(2)
+    for k in range(STEPS):
+        step(x[k], y[k])
+        ref(x[k], y[k])
+    step.sync()
+    check_equal(parallel, single)
+
+
+def test_a_captured_array_is_a_constant_and_outputs_keep_their_structure():
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.1))
+    weights = np.array([[2.0]], np.float32)            # captured by the step: a constant
+
+    def train_step(model, optimizer):
+        def fn(x, y):
+            with tf.GradientTape() as tape:
+                pred = model(x, training=True)
+                loss = tf.reduce_mean(tf.square(pred - y) * weights)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return {"loss": loss, "pred": pred}
+        return fn
+    step = pn.function(train_step(*parallel), local(2))
+    ref = tf.function(train_step(*single))
+    x, y = data(4)
+    for k in range(3):
+        got, want = step(x[k], y[k]), ref(x[k], y[k])
+        assert set(got) == {"loss", "pred"} and got["pred"].shape == (BATCH, 1)
+        np.testing.assert_allclose(got["pred"], want["pred"].numpy(), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(got["loss"], want["loss"].numpy(), atol=1e-5, rtol=0)
+
+
+def test_per_replica_outputs_and_bad_calls():
+    parallel, _ = twins(keras3_dense, lambda: keras.optimizers.Adam(0.01))
+    step = pn.function(step_of(*parallel), local(2))
+    x, y = data(3)
+    losses = step(x[0], y[0], per_replica=True)
+    assert len(losses) == 2
+    with pytest.raises(pn.FetchError, match="do not split evenly over 2 replicas"):
+        step(x[1][:3], y[1][:3])
+    with pytest.raises(pn.ConfigError, match="traced with 2 batch tensors"):
+        step(x[1])
+    with pytest.raises(pn.ConfigError, match="not a int"):
+        pn.function(3)
+    train = step_of(*parallel)
+
+    def returns_nothing(x, y):
+        train(x, y)
+    quiet = pn.function(returns_nothing, local(2))
+    assert quiet(x[2], y[2]) is None
+
+
+def test_a_two_worker_job_equals_one_device(tmp_path):
+    """2 workers x 1 device, each called with the global batch (8 rows, 4
+    each); their starting weights differ (unseeded) and worker 0's are
+    broadcast; both end equal to one device with the global batch after 5
+    steps, every weight and optimizer variable, 1e-5."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / "resources.yaml"
+    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2)
+    out = str(tmp_path / "vars")
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax_ng", "run", os.path.join(root, "tests",
+                                                                 "tf2_job_script.py"),
+         "-r", str(path), "--", out, "5"], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "worker 1 of 2: done" in done.stdout
+    workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
+    model, optimizer = keras3_dense(), keras.optimizers.Adam(0.01)
+    model.set_weights([workers[0][f"start{i}"] for i in range(len(model.weights))])
+    assert not all(np.array_equal(workers[0][f"start{i}"], workers[1][f"start{i}"])
+                   for i in range(len(model.weights)))
+    ref = tf.function(step_of(model, optimizer))
+    x, y = data()
+    for k in range(5):
+        ref(x[k], y[k])
+    for w in workers:
+        for i, v in enumerate(model.weights):
+            np.testing.assert_allclose(w[f"w{i}"], np.asarray(v), atol=1e-5, rtol=0)
+        for i, v in enumerate(optimizer.variables):
+            np.testing.assert_allclose(w[f"o{i}"], np.asarray(v), atol=1e-5, rtol=0)
+
+
+def test_slots_made_before_the_capture_still_belong_to_their_variables():
+    """An optimizer that trained eagerly first: its slots exist before the
+    step is traced (their owners come from Keras's slot names)."""
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.Adam(0.01))
+    x, y = data(5)
+    for model, opt in (parallel, single):
+        tf.function(step_of(model, opt))(x[0], y[0])        # one eager step each
+    step = pn.function(step_of(*parallel), local(2))
+    ref = tf.function(step_of(*single))
+    for k in range(1, 4):
+        step(x[k], y[k])
+        ref(x[k], y[k])
+    step.sync()
+    check_equal(parallel, single)
+    slots = [v for name, v in step.runner.program.tg.variables.items()
+             if name.endswith(("_momentum", "_velocity"))]
+    assert len(slots) == 8 and all(v.owner is not None for v in slots)

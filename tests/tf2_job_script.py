@@ -1,0 +1,32 @@
+"""A Keras 3 custom training loop as one worker of a job (tests/test_tf2.py):
+`pn.function` on a global batch; saves the model's starting weights (its
+own, unseeded) and the model's and optimizer's variables after training
+(after `step.sync()`) to OUT.<worker>.npz.
+
+    python tf2_job_script.py OUT STEPS
+"""
+import os
+import sys
+
+os.environ["TF_USE_LEGACY_KERAS"] = "0"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import parallax_ng as pn  # noqa: E402
+from test_tf2 import data, keras3_dense, step_of  # noqa: E402
+
+out, steps = sys.argv[1], int(sys.argv[2])
+model = keras3_dense()                      # unseeded: worker 0's values are broadcast
+optimizer = keras.optimizers.Adam(0.01)
+step = pn.function(step_of(model, optimizer), None, {"run_option": "allreduce"})
+x, y = data()
+start = model.get_weights()
+for k in range(steps):
+    step(x[k], y[k])
+worker = step.runner.plan.worker
+step.sync()
+np.savez(f"{out}.{worker}.npz", **{f"start{i}": w for i, w in enumerate(start)},
+         **{f"w{i}": np.asarray(w) for i, w in enumerate(model.weights)},
+         **{f"o{i}": np.asarray(v) for i, v in enumerate(optimizer.variables)})
+print(f"worker {worker} of {step.runner.plan.num_workers}: done", flush=True)
