@@ -36,6 +36,9 @@ def __getattr__(name):
     if name == "function":
         from .tf2 import function
         return function
+    if name == "parallelize":
+        from .tf2 import parallelize
+        return parallelize
     raise AttributeError(f"module 'parallax_ng' has no attribute {name!r}")
 
 
@@ -88,5 +91,5 @@ def get_runner(graph, resource_info=None, config=None):
 
 
 __all__ = ["Config", "ConfigError", "FetchError", "GraphError", "ParallaxError",
-           "ResourceError", "function", "get_runner", "partitioner", "shard", "transform",
-           "transform_plan", "__version__"]
+           "ResourceError", "function", "get_runner", "parallelize", "partitioner", "shard",
+           "transform", "transform_plan", "__version__"]

@@ -39,6 +39,7 @@ class StepFunction:
         self._fn, self._resources, self._config = fn, resource_info, config
         self.runner = None
         self._captured = None
+        self._pushes: dict = {}          # graph variable -> (placeholder, assign op)
 
     def __call__(self, *args, per_replica: bool = False):
         if self.runner is None:
@@ -78,6 +79,32 @@ class StepFunction:
         for name, value in zip(names, got):
             cap.variables[name].assign(value)
 
+    def push(self, variables) -> None:
+        """The program's values of `variables` (tf.Variables or Keras
+        variables the step uses) into the runner: after the program changed
+        them (a callback, `set_weights`, a metric reset)."""
+        if self.runner is None:
+            return
+        cap = self._captured
+        names = {id(v): name for name, v in cap.variables.items()}
+        ops, feeds = [], {}
+        for v in variables:
+            name = names.get(id(getattr(v, "_value", v)))
+            if name is None:
+                continue
+            if name not in self._pushes:
+                var = cap.variables[name]
+                with cap.graph.as_default(), tf.compat.v1.name_scope("parallax_push/"):
+                    value = tf.compat.v1.placeholder(var.dtype.base_dtype, var.shape)
+                    op = tf.raw_ops.AssignVariableOp(
+                        resource=cap.graph.get_tensor_by_name(name + ":0"), value=value)
+                self._pushes[name] = (value.name, op.name)
+            value, op = self._pushes[name]
+            ops.append(op)
+            feeds[value] = _array(cap.variables[name])
+        if ops:
+            self.runner.run(ops, feeds)
+
     def _build(self, args) -> None:
         from .build import get_runner
         from .graph.tracing import capture
@@ -93,3 +120,82 @@ def function(fn, resource_info=None, config=None) -> StepFunction:
 
 def _array(leaf):
     return leaf.numpy() if hasattr(leaf, "numpy") else leaf
+
+
+class KerasFit:
+    """`model.fit` on the runner: Keras's loop, callbacks and progress bar
+    as they are, each step (`train_function`) a data-parallel step of the
+    model's `train_step`; the program's variables written back at the end
+    of every epoch (before validation and the epoch's callbacks) and read
+    again at the start of every `fit` and after a metric reset."""
+
+    def __init__(self, model, resource_info, config):
+        self.model = model
+        self.step = StepFunction(model.train_step, resource_info, config)
+        self._rate = None
+
+    def make_train_function(self, force: bool = False):
+        """Keras 3 calls it and reads `train_function`; tf_keras uses what it returns."""
+        self.step.push(self.model.variables + self._optimizer_variables())
+        self.model.train_function = self.train_function
+        return self.train_function
+
+    def train_function(self, iterator):
+        logs = None
+        for k in range(self._steps_per_call()):
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if k == 0:
+                    raise StopIteration from None
+                break
+            self._push_rate()
+            logs = self.step(data)
+        return logs
+
+    def _steps_per_call(self) -> int:
+        """Batches Keras expects one call to take (`steps_per_execution`)."""
+        spe = getattr(self.model, "_steps_per_execution", None)     # tf_keras: a variable
+        if spe is None or isinstance(spe, int):
+            spe = getattr(self.model, "steps_per_execution", 1)
+        return max(int(_array(spe) or 1), 1)
+
+    def epoch_logs(self, logs):
+        """The step's logs (cumulative, as Keras's metrics are) once the
+        program holds the trained values."""
+        self.step.sync()
+        return logs
+
+    def reset_metrics(self) -> None:
+        type(self.model).reset_metrics(self.model)
+        self.step.push([v for m in self.model.metrics for v in m.variables])
+
+    def _optimizer_variables(self) -> list:
+        opt = self.model.optimizer
+        return list(getattr(opt, "variables", []) or [])
+
+    def _push_rate(self) -> None:
+        """A learning rate a callback changed (LearningRateScheduler)."""
+        rate = getattr(self.model.optimizer, "learning_rate", None)
+        if not isinstance(rate, tf.Variable) and not hasattr(rate, "_value"):
+            return
+        value = float(_array(rate))
+        if value != self._rate:
+            self.step.push([rate])
+            self._rate = value
+
+
+def parallelize(model, resource_info=None, config=None):
+    """`model.fit` data-parallel (after `model.compile(...)`): its batches are
+    global batches, each replica takes its part. Returns the model."""
+    if not getattr(model, "compiled", getattr(model, "_is_compiled", False)) or \
+            getattr(model, "optimizer", None) is None:
+        raise ConfigError("pn.parallelize takes a compiled model: call model.compile("
+                          "optimizer=..., loss=...) first")
+    fit = KerasFit(model, resource_info, config)
+    model.make_train_function = fit.make_train_function
+    model.reset_metrics = fit.reset_metrics
+    model._get_metrics_result_or_logs = fit.epoch_logs          # Keras 3
+    model._validate_and_get_metrics_result = fit.epoch_logs     # tf_keras
+    model._parallax_ng = fit
+    return model

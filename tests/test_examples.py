@@ -85,3 +85,10 @@ def test_transformer_stack_learns_layer_by_layer_with_the_shipped_configs():
     assert "2 replicas" in out
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) == 4 and losses[-1] < 0.8 * losses[0], out
+
+
+def test_keras_fit_learns_on_two_replicas():
+    out = run("keras_fit.py", "--epochs", "2",
+              "--resources", os.path.join(ROOT, "configs", "resources_2cpu.yaml"))
+    found = re.search(r"val_accuracy (\d\.\d+) \(2 replicas; embedding by (\w+)\)", out)
+    assert found and float(found.group(1)) > 0.9, out[-2000:]

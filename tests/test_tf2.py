@@ -3,15 +3,13 @@ equal one device with it, every variable and optimizer slot, 1e-5 after 10
 steps; Keras 3 and tf_keras models and optimizers; an embedding stays sparse."""
 import os
 
-os.environ["TF_USE_LEGACY_KERAS"] = "0"   # tf.keras is Keras 3 here; tf_keras is imported by name
+import keras            # Keras 3 by name (tf.keras follows TF_USE_LEGACY_KERAS, which
+import numpy as np      # the other tests set; the job's script sets it to 0 itself)
+import pytest
+import tensorflow as tf
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import parallax_ng as pn  # noqa: E402
-from models import local  # noqa: E402
+import parallax_ng as pn
+from models import local
 
 STEPS, BATCH = 10, 8
 
@@ -164,11 +162,13 @@ def test_per_replica_outputs_and_bad_calls():
     assert quiet(x[2], y[2]) is None
 
 
-def test_a_two_worker_job_equals_one_device(tmp_path):
+@pytest.mark.parametrize("how", ["loop", "fit"])
+def test_a_two_worker_job_equals_one_device(tmp_path, how):
     """2 workers x 1 device, each called with the global batch (8 rows, 4
-    each); their starting weights differ (unseeded) and worker 0's are
-    broadcast; both end equal to one device with the global batch after 5
-    steps, every weight and optimizer variable, 1e-5."""
+    each), by a custom loop (`pn.function`) or `model.fit`
+    (`pn.parallelize`); their starting weights differ (unseeded) and worker
+    0's are broadcast; both end equal to one device with the global batch
+    after 5 steps, every weight and optimizer variable, 1e-5."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -178,7 +178,8 @@ def test_a_two_worker_job_equals_one_device(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run", os.path.join(root, "tests",
                                                                  "tf2_job_script.py"),
-         "-r", str(path), "--", out, "5"], capture_output=True, text=True, timeout=300,
+         "-r", str(path), "--", out, "5"] + (["--fit"] if how == "fit" else []),
+        capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "worker 1 of 2: done" in done.stdout

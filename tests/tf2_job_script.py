@@ -3,7 +3,10 @@
 own, unseeded) and the model's and optimizer's variables after training
 (after `step.sync()`) to OUT.<worker>.npz.
 
-    python tf2_job_script.py OUT STEPS
+    python tf2_job_script.py OUT STEPS [--fit]
+
+With --fit, `pn.parallelize(model)` and `model.fit` on the global batches
+(STEPS batches of 8 rows, one epoch) instead of a custom loop.
 """
 import os
 import sys
@@ -19,11 +22,19 @@ from test_tf2 import data, keras3_dense, step_of  # noqa: E402
 out, steps = sys.argv[1], int(sys.argv[2])
 model = keras3_dense()                      # unseeded: worker 0's values are broadcast
 optimizer = keras.optimizers.Adam(0.01)
-step = pn.function(step_of(model, optimizer), None, {"run_option": "allreduce"})
 x, y = data()
 start = model.get_weights()
-for k in range(steps):
-    step(x[k], y[k])
+config = {"run_option": "allreduce"}
+if "--fit" in sys.argv:
+    model.compile(optimizer=optimizer, loss="mse")
+    pn.parallelize(model, None, config)
+    model.fit(x[:steps].reshape(-1, 5), y[:steps].reshape(-1, 1), batch_size=8, epochs=1,
+              shuffle=False, verbose=0)
+    step = model._parallax_ng.step
+else:
+    step = pn.function(step_of(model, optimizer), None, config)
+    for k in range(steps):
+        step(x[k], y[k])
 worker = step.runner.plan.worker
 step.sync()
 np.savez(f"{out}.{worker}.npz", **{f"start{i}": w for i, w in enumerate(start)},

@@ -1,0 +1,114 @@
+"""Keras `model.fit` data-parallel (`pn.parallelize`): N replicas with the
+global batch equal one device, every weight, optimizer variable and epoch
+log, 1e-5; callbacks and validation see the trained weights."""
+import keras            # Keras 3 by name, whatever TF_USE_LEGACY_KERAS says
+import numpy as np
+import pytest
+
+import parallax_ng as pn
+from models import local
+
+SAMPLES, BATCH = 80, 16          # 5 steps an epoch
+
+
+def data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(SAMPLES, 5)).astype(np.float32)
+    y = (x @ rng.normal(size=(5, 1)) + 0.1 * rng.normal(size=(SAMPLES, 1))).astype(np.float32)
+    return x, y
+
+
+def make():
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                             keras.layers.Dense(1)])
+
+
+def twins(optimizer=lambda: keras.optimizers.Adam(0.01)):
+    a, b = make(), make()
+    b.set_weights(a.get_weights())
+    for m in (a, b):
+        m.compile(optimizer=optimizer(), loss="mse", metrics=["mae"])
+    return a, b
+
+
+def check(parallel, single):
+    for w1, w2 in zip(parallel.weights, single.weights):
+        np.testing.assert_allclose(np.asarray(w1), np.asarray(w2), atol=1e-5, rtol=0,
+                                   err_msg=w1.path)
+    o1, o2 = parallel.optimizer.variables, single.optimizer.variables
+    assert len(o1) == len(o2) > 2
+    for v1, v2 in zip(o1, o2):
+        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=1e-5, rtol=0,
+                                   err_msg=v1.path)
+
+
+def test_fit_equals_one_device_with_the_global_batch():
+    parallel, single = twins()
+    assert pn.parallelize(parallel, local(2)) is parallel
+    x, y = data()
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    check(parallel, single)
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(h1.history[key], h2.history[key], atol=1e-5, rtol=0)
+    assert parallel._parallax_ng.step.runner.plan.num_replicas == 2
+    np.testing.assert_allclose(parallel.predict(x, verbose=0), single.predict(x, verbose=0),
+                               atol=1e-5)
+
+
+def test_callbacks_validation_and_a_second_fit_see_the_trained_weights(tmp_path):
+    parallel, single = twins()
+    pn.parallelize(parallel, local(2))
+    x, y = data(1)
+    vx, vy = data(2)
+
+    def callbacks(name):
+        return [keras.callbacks.LearningRateScheduler(lambda epoch: 0.02 * 0.5 ** epoch),
+                keras.callbacks.ModelCheckpoint(str(tmp_path / f"{name}.weights.h5"),
+                                                save_weights_only=True)]
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                      validation_data=(vx, vy), callbacks=callbacks("parallel"))
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                    validation_data=(vx, vy), callbacks=callbacks("single"))
+    for key in ("loss", "val_loss", "val_mae", "learning_rate"):
+        np.testing.assert_allclose(h1.history[key], h2.history[key], atol=1e-5, rtol=0,
+                                   err_msg=key)
+    saved = make()
+    saved.load_weights(str(tmp_path / "parallel.weights.h5"))
+    for w1, w2 in zip(saved.weights, single.weights):
+        np.testing.assert_allclose(np.asarray(w1), np.asarray(w2), atol=1e-5, rtol=0)
+    # weights set between fits are what the next fit starts from
+    for m in (parallel, single):
+        m.set_weights([w * 0.5 for w in single.get_weights()])
+        m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    check(parallel, single)
+
+
+def test_tf_keras_fit_equals_one_device():
+    import tf_keras
+
+    def make_tk():
+        return tf_keras.Sequential([tf_keras.layers.Dense(8, activation="relu",
+                                                          input_shape=(5,)),
+                                    tf_keras.layers.Dense(1)])
+    parallel, single = make_tk(), make_tk()
+    single.set_weights(parallel.get_weights())
+    for m in (parallel, single):
+        m.compile(optimizer=tf_keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    pn.parallelize(parallel, local(2))
+    x, y = data(3)
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(h1.history[key], h2.history[key], atol=1e-5, rtol=0)
+    for w1, w2 in zip(parallel.weights, single.weights):
+        np.testing.assert_allclose(w1.numpy(), w2.numpy(), atol=1e-5, rtol=0, err_msg=w1.name)
+    o1, o2 = parallel.optimizer.variables, single.optimizer.variables
+    assert len(o1) == len(o2) > 2
+    for v1, v2 in zip(o1, o2):
+        np.testing.assert_allclose(v1.numpy(), v2.numpy(), atol=1e-5, rtol=0, err_msg=v1.name)
+
+
+def test_a_model_that_is_not_compiled_is_refused():
+    with pytest.raises(pn.ConfigError, match="call model.compile"):
+        pn.parallelize(make(), local(2))
