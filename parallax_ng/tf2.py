@@ -29,6 +29,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from .errors import ConfigError, FetchError
+from .graph.tracing import tf_variable
 
 
 class StepFunction:
@@ -89,7 +90,7 @@ class StepFunction:
         names = {id(v): name for name, v in cap.variables.items()}
         ops, feeds = [], {}
         for v in variables:
-            name = names.get(id(getattr(v, "_value", v)))
+            name = names.get(id(tf_variable(v)))
             if name is None:
                 continue
             if name not in self._pushes:

@@ -101,14 +101,15 @@ def test_a_keras3_embedding_stays_sparse_and_equals_one_device():
     check_equal(parallel, single)
 
 
+def tf_keras_dense():
+    import tf_keras
+    return tf_keras.Sequential([tf_keras.layers.Dense(8, activation="relu", input_shape=(5,)),
+                                tf_keras.layers.Dense(1)])
+
+
 def test_tf_keras_custom_loop_equals_one_device():
     import tf_keras
-
-    def make():
-        return tf_keras.Sequential([tf_keras.layers.Dense(8, activation="relu",
-                                                          input_shape=(5,)),
-                                    tf_keras.layers.Dense(1)])
-    parallel, single = twins(make, lambda: tf_keras.optimizers.Adam(0.01))
+    parallel, single = twins(tf_keras_dense, lambda: tf_keras.optimizers.Adam(0.01))
     step = pn.function(step_of(*parallel), local(2))
     ref = tf.function(step_of(*single))
     x, y = data(2)

@@ -7,6 +7,7 @@ import pytest
 
 import parallax_ng as pn
 from models import local
+from test_tf2 import check_equal, tf_keras_dense
 
 SAMPLES, BATCH = 80, 16          # 5 steps an epoch
 
@@ -32,14 +33,7 @@ def twins(optimizer=lambda: keras.optimizers.Adam(0.01)):
 
 
 def check(parallel, single):
-    for w1, w2 in zip(parallel.weights, single.weights):
-        np.testing.assert_allclose(np.asarray(w1), np.asarray(w2), atol=1e-5, rtol=0,
-                                   err_msg=w1.path)
-    o1, o2 = parallel.optimizer.variables, single.optimizer.variables
-    assert len(o1) == len(o2) > 2
-    for v1, v2 in zip(o1, o2):
-        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=1e-5, rtol=0,
-                                   err_msg=v1.path)
+    check_equal((parallel, parallel.optimizer), (single, single.optimizer))
 
 
 def test_fit_equals_one_device_with_the_global_batch():
@@ -86,12 +80,7 @@ def test_callbacks_validation_and_a_second_fit_see_the_trained_weights(tmp_path)
 
 def test_tf_keras_fit_equals_one_device():
     import tf_keras
-
-    def make_tk():
-        return tf_keras.Sequential([tf_keras.layers.Dense(8, activation="relu",
-                                                          input_shape=(5,)),
-                                    tf_keras.layers.Dense(1)])
-    parallel, single = make_tk(), make_tk()
+    parallel, single = tf_keras_dense(), tf_keras_dense()
     single.set_weights(parallel.get_weights())
     for m in (parallel, single):
         m.compile(optimizer=tf_keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
@@ -101,12 +90,7 @@ def test_tf_keras_fit_equals_one_device():
     h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     for key in ("loss", "mae"):
         np.testing.assert_allclose(h1.history[key], h2.history[key], atol=1e-5, rtol=0)
-    for w1, w2 in zip(parallel.weights, single.weights):
-        np.testing.assert_allclose(w1.numpy(), w2.numpy(), atol=1e-5, rtol=0, err_msg=w1.name)
-    o1, o2 = parallel.optimizer.variables, single.optimizer.variables
-    assert len(o1) == len(o2) > 2
-    for v1, v2 in zip(o1, o2):
-        np.testing.assert_allclose(v1.numpy(), v2.numpy(), atol=1e-5, rtol=0, err_msg=v1.name)
+    check(parallel, single)
 
 
 def test_a_model_that_is_not_compiled_is_refused():

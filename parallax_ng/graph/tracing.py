@@ -92,7 +92,7 @@ def _slots_recorded():
 
         def recording(self, reference_variable, *a, _original=original, **kw):
             slot = _original(self, reference_variable, *a, **kw)
-            owners[_tf_variable(slot).ref()] = _tf_variable(reference_variable)
+            owners[tf_variable(slot).ref()] = tf_variable(reference_variable)
             return slot
 
         cls.add_variable_from_reference = recording
@@ -119,17 +119,15 @@ def _optimizer_classes() -> list:
     return out
 
 
-def _tf_variable(v):
-    """The tf.Variable of a Keras 3 variable (itself otherwise)."""
+def tf_variable(v):
+    """The tf.Variable of a Keras 3 variable (a tf.Variable itself otherwise)."""
     return getattr(v, "_value", v) if not isinstance(v, tf.Variable) else v
 
 
 def _rebuild(concrete, owners: dict) -> Captured:
     graph_def = _inlined(concrete)
     fg = concrete.graph
-    by_handle = {}
-    for v in fg.variables:
-        by_handle[id(v.handle)] = v
+    by_handle = {id(v.handle): v for v in fg.variables}
     captured = {}                     # internal placeholder name -> tf.Variable
     constants = {}                    # internal placeholder name -> value (a captured tensor)
     for external, internal in fg.captures:
@@ -157,10 +155,9 @@ def _rebuild(concrete, owners: dict) -> Captured:
     made, names, feeds = {}, set(), {}
     order = sorted(captured, key=lambda n: captured[n].ref() in owners)   # owners first
     with graph.as_default():
-        placeholders = [tf.compat.v1.placeholder(
-            fg.get_tensor_by_name(name + ":0").dtype,
-            fg.get_tensor_by_name(name + ":0").shape, name=INPUT.format(i))
-            for i, name in enumerate(inputs)]
+        args = [fg.get_tensor_by_name(name + ":0") for name in inputs]
+        placeholders = [tf.compat.v1.placeholder(t.dtype, t.shape, name=INPUT.format(i))
+                        for i, t in enumerate(args)]
         for name in order:
             var = captured[name]
             vname = _unique(_variable_name(var), names)
