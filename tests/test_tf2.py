@@ -272,3 +272,24 @@ def test_keras3_layers_and_optimizers_equal_one_device(make_optimizer, model_kin
     # 1e-5 absolute, and relative where values are large: Adagrad's and
     # RMSprop's accumulators reach 17 here, where float32 values are 2e-6 apart
     check_equal(parallel, single, rtol=1e-5)
+
+
+def test_keras3_dropout_drawing_alike_on_every_replica_is_said(capsys):
+    """Keras 3's Dropout is a stateless op seeded by a variable: the replicas
+    draw the same mask (docs/limits.md); get_runner says so."""
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dropout(0.5),
+                              keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.0)
+
+    def fn(x, y):
+        with tf.GradientTape() as tape:
+            h = model.layers[0](x, training=True)
+            loss = tf.reduce_mean(model.layers[1](h) - y)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return tf.cast(h > 0, tf.float32)
+    step = pn.function(fn, local(2))
+    a, b = step(np.ones((4, 16), np.float32), np.zeros((4, 1), np.float32), per_replica=True)
+    np.testing.assert_array_equal(a, b)
+    err = capsys.readouterr().err
+    assert "random: distinct does not apply to" in err and "StatelessRandom" in err
