@@ -26,7 +26,6 @@ them. `runner` is the Runner (its `plan`, `save`, checkpoints).
 """
 from __future__ import annotations
 
-import sys
 
 import tensorflow as tf
 
@@ -114,12 +113,6 @@ class StepFunction:
         self._captured = cap = capture(self._fn, args)
         self.runner = get_runner(cap.graph, self._resources, self._config)
         self.runner.run(cap.init, cap.init_feeds)
-        plan = self.runner.plan
-        if cap.variable_seeded and plan.worker == 0 and plan.group_size > 1:
-            print(f"parallax_ng: random: distinct does not apply to {cap.variable_seeded[:3]}"
-                  f"{' and more' if len(cap.variable_seeded) > 3 else ''} (stateless, seeded "
-                  "by a variable, as Keras 3's Dropout is): every replica draws the same "
-                  "numbers", file=sys.stderr, flush=True)
 
 
 def function(fn, resource_info=None, config=None) -> StepFunction:

@@ -5,7 +5,7 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from models import local
-from parallax_ng.graph import randomness
+from parallax_ng.graph import frontend, randomness
 from parallax_ng.errors import ConfigError
 from passkit import cluster_transform
 
@@ -123,3 +123,49 @@ def test_random_config_errors_name_the_key():
         pn.Config(random="same")
     with pytest.raises(ConfigError, match="random_ops.x"):
         pn.Config.from_dict({"random_ops": {"x": "shared"}})
+
+
+def stateless_model():
+    """A stateless draw seeded by a constant (the same on every replica) and
+    one seeded by the input (already per replica)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, FEATURES], name="x")
+        keep = tf.random.stateless_uniform(tf.shape(x), seed=[5, 9]) < 0.5
+        mask = tf.identity(tf.where(keep, x, tf.zeros_like(x)), name="mask")
+        per_row = tf.cast(tf.reduce_sum(x, axis=1), tf.int64)
+        tf.identity(tf.random.stateless_uniform([1], tf.stack([per_row[0], per_row[0]])),
+                    name="from_data")
+        w = tf1.get_variable("w", [FEATURES, 1])
+        loss = tf.reduce_mean(tf.matmul(mask, w), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        tf1.global_variables_initializer()
+    return g
+
+
+def test_stateless_draws_with_a_shared_seed_differ_between_replicas():
+    """A stateless op's seed the same on every replica is XORed with the
+    replica's mask (replica 0 keeps it: it draws one device's first rows);
+    a seed computed from the input is left alone; `identical` keeps them."""
+    g = stateless_model()
+    key = [op.name for op in g.get_operations()
+           if op.type == "StatelessRandomGetKeyCounter"]
+    tg = frontend.load(g)
+    assert randomness.stateless_draws(tg.ir, tg.variant) == key[:1]
+    ones = np.ones([2 * ROWS, FEATURES], np.float32)
+    with tf1.Session(graph=g) as sess:
+        one = sess.run("mask:0", {"x:0": ones})
+    for mode in ("distinct", "identical"):
+        with pn.get_runner(g, local(2), {"random": mode}) as runner:
+            runner.run("init")
+            a, b = runner.run("mask:0", {"x:0": ones}, per_replica=True)
+            np.testing.assert_array_equal(a, one[:ROWS])
+            assert np.array_equal(a, b) == (mode == "identical")
+    chief, _ = cluster_transform(g, worker=0, servers=0, run_option="allreduce")
+    other, _ = cluster_transform(g, worker=1, servers=0, run_option="allreduce")
+    assert chief.node(key[0]).input[0] == g.get_operation_by_name(key[0]).inputs[0].op.name
+    xor = other.node(other.node(key[0]).input[0].split(":")[0])
+    assert xor.op == "BitwiseXor"
+    mask = tf.make_ndarray(other.node(xor.input[1]).attr["value"].tensor)
+    assert mask.tolist() == [randomness.seed_mask(1), 0]
+    assert other.node(key[1]).input == chief.node(key[1]).input      # seeded by the input

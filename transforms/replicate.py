@@ -9,6 +9,7 @@ Guarantees:
   colocation groups, so replicas never alias each other's state;
 - every replica's random ops carry the seeds the plan's random streams
   give its job-wide index (parallax_ng/graph/randomness.py), in functions too;
+  a distinct stateless op of replica r > 0 reads its seed XORed with r's mask;
 - replicas that read shared state keep the single-device order of reads and
   writes: a shared writer runs after every replica's copy of each read of the
   same variable that is its ancestor in the user's graph (otherwise replica k
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax_ng.graph import randomness, rules
+from parallax_ng.graph import emit, randomness, rules
 from parallax_ng.graph.ir import GraphIR, copy_node, format_input
 
 
@@ -40,6 +41,7 @@ class ReplicatePass:
             parsed = ir.parsed_inputs(node)
             for k in range(1, n):
                 out.append(_copy(node, k, ctx, parsed, functions))
+        out, masked = _mask_stateless_seeds(out, ir, ctx, n)
         extra = _order_shared_writers(ir, ctx, n)
         nodes = []
         for node in out:
@@ -48,7 +50,7 @@ class ReplicatePass:
             nodes.append(node)
         report = {"replicas": n, "copied": (len(ir) - len(once)) * (n - 1),
                   "once": len(once), "ordering_edges": sum(map(len, extra.values())),
-                  "function_copies": len(functions.made)}
+                  "function_copies": len(functions.made), "stateless_masked": masked}
         return GraphIR.from_nodes(nodes, ir).replace(library=functions.new_library()), report
 
 
@@ -84,11 +86,43 @@ def _first_replica(node, ctx, functions):
 def _seed(nd, key: str, k: int, ctx) -> None:
     """Set the seeds of random op `nd` (plan key `key`) for local replica k."""
     mode = ctx.plan.random.get(key)
-    if mode is None:
+    if mode is None or not randomness.is_random(nd):
         return
     seed, seed2 = randomness.seeds(key, mode, nd.attr["seed"].i, nd.attr["seed2"].i,
                                    ctx.plan.replica_offset + k)
     nd.attr["seed"].i, nd.attr["seed2"].i = seed, seed2
+
+
+def _mask_stateless_seeds(out: list, ir: GraphIR, ctx, n: int) -> tuple[list, int]:
+    """Every replica but the job's first reads a distinct stateless op's seed
+    XORed with its mask (graph/randomness.py): a Const and a BitwiseXor on
+    the op's device, the op's seed input rewired to them."""
+    todo = {}
+    for key, mode in ctx.plan.random.items():
+        at = randomness.seed_input(ir.node(key)) if key in ir else None
+        if mode != "distinct" or at is None:
+            continue
+        dtype = ctx.tg.tensor(ir.data_inputs(key)[at]).dtype
+        for k in range(n):
+            r = ctx.plan.replica_offset + k
+            if r > 0:
+                todo[ctx.replica_name(k, key)] = (at, r, dtype)
+    if not todo:
+        return out, 0
+    new = []
+    for node in out:
+        if node.name not in todo:
+            new.append(node)
+            continue
+        at, r, dtype = todo[node.name]
+        nd = copy_node(node)
+        mask = emit.const(f"{nd.name}/parallax_seed_mask", [randomness.seed_mask(r), 0],
+                          dtype, nd.device)
+        xor = emit.node_def(f"{nd.name}/parallax_seed", "BitwiseXor",
+                            [nd.input[at], mask.name], nd.device, T=dtype)
+        nd.input[at] = xor.name
+        new.extend([mask, xor, nd])
+    return new, len(todo)
 
 
 class _FunctionCopies:

@@ -18,15 +18,24 @@ random op, whether replicas draw
 Requires: a TrainingGraph and the config. Guarantees: `decide` names every
 seeded random op of the graph and of its functions (`function/op` for the
 latter), and `seeds` gives the attrs of one replica's copy.
-Stateless random ops take their seed as a tensor and draw the same on every
-replica; random ops that feed a queue an input producer fills are pinned
-to `identical` elsewhere (their shuffle must agree for the shards to be
+Stateless random ops take their seed as a tensor. Where that tensor is the
+same on every replica (a constant, or a variable's value: Keras 3's seed
+generators, which Dropout and the noise layers draw from), `stateless_draws`
+names them and the plan decides them like the stateful ones: under
+`distinct`, replica r > 0's copy reads its seed XORed with `seed_mask(r)`
+(the first element; the second, Keras's call counter, is left alone), so
+replica 0 still draws what one device draws for its rows. A seed computed
+from the input (a per-example seed) already differs per replica and is left
+alone. Random ops that feed a queue an input producer fills are pinned to
+`identical` elsewhere (their shuffle must agree for the shards to be
 disjoint).
 """
 from __future__ import annotations
 
 import re
 import zlib
+
+from tensorflow.python.framework import op_def_registry
 
 from ..errors import ConfigError
 
@@ -39,6 +48,38 @@ def is_random(node_def) -> bool:
     pipeline ops take seeds as tensors and are never touched)."""
     return ("seed" in node_def.attr and "seed2" in node_def.attr
             and "Dataset" not in node_def.op)
+
+
+def seed_input(node_def) -> int | None:
+    """Input position of a stateless random op's `seed` tensor (None for
+    other ops, and for ops whose inputs before it are lists)."""
+    if not node_def.op.startswith("Stateless"):
+        return None
+    op_def = op_def_registry.get(node_def.op)
+    names = [a.name for a in op_def.input_arg] if op_def is not None else []
+    if "seed" not in names:
+        return None
+    at = names.index("seed")
+    if any(a.number_attr or a.type_list_attr for a in op_def.input_arg[:at]):
+        return None
+    return at
+
+
+def stateless_draws(ir, variant) -> list[str]:
+    """Stateless random ops (top level) whose seed is the same on every
+    replica: its producer is not in `variant`."""
+    out = []
+    for node in ir.nodes:
+        at = seed_input(node)
+        if at is not None and ir.data_inputs(node.name)[at].node not in variant:
+            out.append(node.name)
+    return out
+
+
+def seed_mask(replica: int) -> int:
+    """What job replica `replica` (> 0) XORs into a stateless op's first seed
+    element: a nonzero value below 2**31, so int32 seeds keep their type."""
+    return (_mix(0x5EED, replica) & 0x7FFFFFFF) or 1
 
 
 def random_ops(nodes, library) -> dict[str, tuple[int, int]]:

@@ -21,8 +21,6 @@ Guarantees: a `Captured` whose `graph` holds
 - `outputs`: fn's return value as tensor names, in its structure; `train`:
   an op that runs the whole step (every stateful op of the trace).
 `variables` maps each graph variable to the program's tf.Variable;
-`variable_seeded` names the stateless random ops seeded by a variable
-(Keras 3's Dropout), which draw the same numbers on every replica.
 A tensor the step captures (a NumPy array in its closure) becomes a
 constant. A step that needs what cannot be rebuilt (a resource that is not
 a variable, an argument that is not a batch) is a GraphError naming it.
@@ -50,7 +48,6 @@ class Captured:
     reads: dict                        # graph variable name -> a tensor reading it
     init: str                          # op that initializes every variable
     init_feeds: dict = field(default_factory=dict)   # placeholder name -> value
-    variable_seeded: list = field(default_factory=list)  # stateless random ops seeded by a variable
 
 
 def capture(fn, args: tuple) -> Captured:
@@ -192,30 +189,7 @@ def _rebuild(concrete, owners: dict) -> Captured:
     return Captured(graph, [p.op.name for p in placeholders], structured, train.name,
                     {made[id(v)].op.name: v for v in captured.values()},
                     {made[id(v)].op.name: made[id(v)]._graph_element.name
-                     for v in captured.values()}, init.name, feeds, _variable_seeded(graph))
-
-
-def _variable_seeded(graph: tf.Graph) -> list[str]:
-    """Stateless random ops whose seed is read from a variable (Keras 3's
-    seed generators: Dropout, noise layers): every replica draws alike."""
-    out = []
-    for op in graph.get_operations():
-        if not op.type.startswith("Stateless"):
-            continue
-        names = [a.name for a in op.op_def.input_arg]
-        if "seed" not in names:
-            continue
-        todo, seen = [op.inputs[names.index("seed")].op], set()
-        while todo:
-            o = todo.pop()
-            if o.name in seen:
-                continue
-            seen.add(o.name)
-            if o.type == "ReadVariableOp":
-                out.append(op.name)
-                break
-            todo.extend(t.op for t in o.inputs)
-    return out
+                     for v in captured.values()}, init.name, feeds)
 
 
 def _inlined(concrete):

@@ -3,7 +3,8 @@ replica.
 
 Requires: a TrainingGraph (duck-typed: its IR, gradient tensors and graph).
 Guarantees: `replica_variant` is every node downstream of a per-replica
-source (input pipelines, queue reads, split placeholders, random ops) along
+source (input pipelines, queue reads, split placeholders, random ops,
+stateless ones included) along
 data edges, gradients aside (the transformation aggregates them);
 `is_input_source` says which ops give each replica its own data.
 """
@@ -18,8 +19,8 @@ def replica_variant(tg, identical: frozenset[str] = frozenset()
     """User nodes whose outputs differ between replicas.
 
     Sources: input pipelines, placeholders with an unknown leading dimension
-    (their feeds are split by replica), random ops (but those in
-    `identical`, which every replica draws alike). Differences flow along
+    (their feeds are split by replica), random ops, stateful or stateless
+    (but those in `identical`, which every replica draws alike). Differences flow along
     data edges, except out of gradients, which the transformation aggregates.
     """
     grads = tg.gradient_tensors
@@ -37,7 +38,8 @@ def replica_variant(tg, identical: frozenset[str] = frozenset()
 
 
 def _is_source(tg, node) -> bool:
-    return is_input_source(tg, node) or randomness.is_random(node)
+    return (is_input_source(tg, node) or randomness.is_random(node)
+            or randomness.seed_input(node) is not None)
 
 
 def is_input_source(tg, node) -> bool:

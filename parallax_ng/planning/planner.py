@@ -127,7 +127,9 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
                if method(vp.method).all_reduced and not vp.info.sparse and v not in later]
     buckets = allreduce_buckets(tg, ready_order(tg, reduced, order), config.buckets, profile)
     producers = [q for q in queues.find(tg) if q.producer]
-    random = randomness.decide(randomness.random_ops(tg.ir.nodes, tg.ir.library),
+    drawn = {**randomness.random_ops(tg.ir.nodes, tg.ir.library),
+             **dict.fromkeys(randomness.stateless_draws(tg.ir, tg.variant))}
+    random = randomness.decide(drawn,
                                config.random, config.random_ops,
                                pinned={op for q in producers for op in q.random})
     return Plan(config.run_option, config.average_dense, config.average_sparse,

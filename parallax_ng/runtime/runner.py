@@ -47,7 +47,7 @@ from functools import cached_property
 
 import tensorflow as tf
 
-from ..graph import capture
+from ..graph import capture, randomness
 from ..graph.rules import READ_PREFIXES
 from ..planning.profile import Profile, measure
 from . import heartbeat
@@ -269,7 +269,8 @@ class Runner:
         if self.ctx.tg.queue_runners:
             return "input queues hold elements a new session would lose"
         step = self.ctx.tg.ir.ancestors(self._training_writers)
-        drawn = [op for op in self.plan.random if op in step]
+        drawn = [op for op in self.plan.random       # stateless ones keep no stream
+                 if op in step and randomness.is_random(self.ctx.tg.ir.node(op))]
         if drawn:
             return (f"random ops in the step ({drawn[:3]}) would start their streams "
                     "again in a new session")
