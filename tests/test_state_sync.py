@@ -129,3 +129,52 @@ def test_a_job_with_fusion_buffers_keeps_state_equal_to_one_device(tmp_path):
         numbers = [float(v) for v in re.findall(r"-?\d+\.\d+(?:e-?\d+)?", line)]
         np.testing.assert_allclose(numbers[:3], mean, rtol=1e-6)
         assert numbers[3] == 8.0, line
+
+
+def accumulation_graph():
+    """Writes told apart by what they compute: `total.assign(total + sum)`
+    accumulates (Keras 3's metrics), as does its reference-variable twin;
+    `ema.assign_add((mean - ema) * 0.5)` is a moving average written as an
+    add; `last.assign(last * 0 + mean)` reads itself under a product."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
+
+        def state(name, resource=True):
+            return tf1.get_variable(name, initializer=np.zeros([3], np.float32),
+                                    trainable=False, use_resource=resource)
+        total, ref_total, ema, last = (state("total"), state("ref_total", False),
+                                       state("ema"), state("last"))
+        updates = [total.assign(total + tf.reduce_sum(x, 0)),
+                   tf1.assign(ref_total, ref_total + tf.reduce_sum(x, 0)),
+                   ema.assign_add((tf.reduce_mean(x, 0) - ema) * 0.5),
+                   last.assign(last * 0.0 + tf.reduce_mean(x, 0))]
+        loss = tf.reduce_mean(tf.reduce_sum(x * w, 1))
+        with tf.control_dependencies(updates):
+            tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        tf1.global_variables_initializer()
+        for v in (total, ref_total, ema, last):
+            tf.identity(v, name=v.op.name + "_value")
+    return g
+
+
+def test_accumulations_are_summed_and_averages_averaged():
+    import parallax_ng as pn
+    from models import local
+    g = accumulation_graph()
+    names = ["total", "ref_total", "ema", "last"]
+    data = np.arange(48, dtype=np.float32).reshape(16, 3)
+    with tf1.Session(graph=g) as sess:
+        sess.run("init")
+        for k in range(2):
+            sess.run("train", {"x:0": data[8 * k:8 * k + 8]})
+        one = sess.run([f"{v}_value:0" for v in names])
+    with pn.get_runner(g, local(2), {"batch_feeds": {"x": True}}) as runner:
+        runner.run("init")
+        for k in range(2):
+            runner.run("train", {"x:0": data[8 * k:8 * k + 8]})
+        got = runner.run([f"{v}_value:0" for v in names], per_replica=True)
+    for name, want, replicas in zip(names, one, got):
+        for value in replicas:
+            np.testing.assert_allclose(value, want, rtol=1e-6, err_msg=name)

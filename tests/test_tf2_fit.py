@@ -78,6 +78,46 @@ def test_callbacks_validation_and_a_second_fit_see_the_trained_weights(tmp_path)
     check(parallel, single)
 
 
+def classifier_metrics(k):
+    """Metrics that are means and metrics that sum (counts, confusion
+    matrices), named alike in both models."""
+    return ["accuracy", k.metrics.Precision(name="precision"),
+            k.metrics.AUC(num_thresholds=20, name="auc"),
+            k.metrics.TruePositives(name="tp"), k.metrics.MeanAbsoluteError(name="mae")]
+
+
+def check_classifier_fit(k, parallel, single):
+    """Both models compiled with the classifier's metrics fit alike: every
+    epoch's logs, every metric variable (totals and counts as one device
+    with the global batch has them), every weight and slot."""
+    for m in (parallel, single):
+        m.compile(optimizer=k.optimizers.Adam(0.01), loss="binary_crossentropy",
+                  metrics=classifier_metrics(k))
+    pn.parallelize(parallel, local(2))
+    x, y = data(3)
+    y = (y > 0).astype(np.float32)
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert sorted(h1.history) == sorted(h2.history)
+    assert max(h2.history["tp"]) > 5
+    for key in h2.history:
+        np.testing.assert_allclose(h1.history[key], h2.history[key], atol=1e-5, rtol=1e-6,
+                                   err_msg=key)
+    for m1, m2 in zip(parallel.metrics, single.metrics):
+        for v1, v2 in zip(m1.variables, m2.variables):
+            np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=1e-5, rtol=1e-6,
+                                       err_msg=v1.name)
+    check(parallel, single)
+
+
+def test_keras3_metrics_that_sum_equal_one_device():
+    parallel = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                 keras.layers.Dense(1, activation="sigmoid")])
+    single = keras.models.clone_model(parallel)
+    single.set_weights(parallel.get_weights())
+    check_classifier_fit(keras, parallel, single)
+
+
 def test_tf_keras_fit_equals_one_device():
     import tf_keras
     parallel, single = tf_keras_dense(), tf_keras_dense()
@@ -91,6 +131,16 @@ def test_tf_keras_fit_equals_one_device():
     for key in ("loss", "mae"):
         np.testing.assert_allclose(h1.history[key], h2.history[key], atol=1e-5, rtol=0)
     check(parallel, single)
+
+
+def test_tf_keras_metrics_that_sum_equal_one_device():
+    import tf_keras
+    parallel, single = (tf_keras.Sequential([tf_keras.layers.Dense(8, activation="relu",
+                                                                   input_shape=(5,)),
+                                             tf_keras.layers.Dense(1, activation="sigmoid")])
+                        for _ in range(2))
+    single.set_weights(parallel.get_weights())
+    check_classifier_fit(tf_keras, parallel, single)
 
 
 def test_a_model_that_is_not_compiled_is_refused():

@@ -5,7 +5,13 @@ Guarantees: when a mirrored variable is written with a value computed from a
 replica's own batch (batch-norm moving statistics, streaming metric totals),
 that value is all-reduced across replicas first, by the rule table in
 `parallax_ng.rules` (AssignAdd: sum; AssignSub and Assign: mean), so every
-replica writes the same value and the replicas never drift apart. In a job
+replica writes the same value and the replicas never drift apart. Two
+forms are told apart from what the value computes: an Assign of
+`var + increment` whose increment does not read `var` is an accumulation
+(Keras 3's metrics: totals and counts), so the replicas' increments are
+summed, as AssignAdd's are, and the total equals one device's with the
+global batch; an AssignAdd whose increment reads `var` is a moving average
+written as an add, so it is averaged. In a job
 that sums dense gradients on the servers (fusion buffers) these sums go
 there too (the worker's sum, then `server_sum` on the servers in turn), so
 the step keeps no collective op.
@@ -42,16 +48,52 @@ class StateSyncPass:
                     if pos == 0 or not ctx.varies(ref):
                         continue
                     how = rules.state_sync_reduction(tg.ir.node(w).op, w)
+                    node, at = w, pos
+                    if how == "sum" and _reads(tg, var, ref.node):
+                        how = "mean"              # a moving average written as an add
+                    elif tg.ir.node(w).op in _ASSIGNS and (
+                            delta := _accumulated(tg, var, ref)) is not None:
+                        node, at, ref, how = ref.node, delta, tg.ir.data_inputs(ref.node)[delta], "sum"
                     reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
                     nodes, outs = reduce(
-                        ctx, f"parallax/state_sync/{w}/input_{pos}",
+                        ctx, f"parallax/state_sync/{node}/input_{at}",
                         [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)],
                         tg.tensor(ref).dtype, how == "mean", synced)
                     synced += 1
                     new_nodes.extend(nodes)
                     for k, out in enumerate(outs):
-                        rewires[(ctx.replica_name(k, w), pos)] = out
+                        rewires[(ctx.replica_name(k, node), at)] = out
         return ir.rewire(rewires, new_nodes), {"synced": synced}
+
+
+_ASSIGNS = frozenset({"AssignVariableOp", "Assign"})
+
+
+def _accumulated(tg, var: str, ref) -> int | None:
+    """Input position of the increment when `ref` is `var + increment` (an
+    Add of a read of `var` itself and an increment that does not read it:
+    Keras 3's metrics accumulate so), else None."""
+    node = tg.ir.node(ref.node)
+    if node.op not in ("AddV2", "Add") or ref.index != 0:
+        return None
+    ins = tg.ir.data_inputs(ref.node)
+    for at, other in ((1, ins[0]), (0, ins[1])):
+        if _is_read_of(tg, var, other) and not _reads(tg, var, ins[at].node):
+            return at
+    return None
+
+
+def _is_read_of(tg, var: str, ref) -> bool:
+    """A read of `var`'s value (a resource's ReadVariableOp, a reference's
+    `read` Identity)."""
+    return (tg.ir.node(ref.node).op in ("ReadVariableOp", "Identity", "Snapshot")
+            and ref.node in tg.readers.get(var, ()))
+
+
+def _reads(tg, var: str, name: str) -> bool:
+    """True if node `name` depends on `var`'s value (data edges)."""
+    readers = set(tg.readers.get(var, ()))
+    return bool(readers & tg.ir.ancestors({name}, data_only=True))
 
 
 def _all_reduce(ctx, scope, tensors, dtype, mean: bool, _):
