@@ -26,7 +26,6 @@ them. `runner` is the Runner (its `plan`, `save`, checkpoints).
 """
 from __future__ import annotations
 
-
 import tensorflow as tf
 
 from .errors import ConfigError, FetchError

@@ -306,3 +306,57 @@ def test_keras3_dropout_draws_per_replica(mode):
             np.testing.assert_array_equal(a, b)
         else:
             assert (a != b).mean() > 0.3 and 0.35 < b.mean() < 0.65
+
+
+class TableUses(keras.Model):
+    """One embedding table used as real models use it: read at two ids per
+    row (`two`: the tape concatenates the lookups' rows), tied to an output
+    projection (`tied`: a dense gradient), or read at positions (`positions`:
+    the same ids on every replica, each row summed over the batch)."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+        self.emb = keras.layers.Embedding(50, 4)
+        self.pos = keras.layers.Embedding(3, 4)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        a, b = self.emb(x[:, 0]), self.emb(x[:, 1])
+        h = a * b
+        if self.kind == "tied":
+            h = h + keras.ops.matmul(a, keras.ops.transpose(self.emb.embeddings))[:, :4]
+        if self.kind == "positions":
+            h = keras.ops.mean(self.emb(x) + self.pos(keras.ops.arange(3)), axis=1)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("kind, run_option, sparse", [
+    ("two", "ps", True), ("two", "allreduce", True), ("tied", "hybrid", False),
+    ("positions", "hybrid", True), ("positions", "allreduce", True), ("positions", "ps", True),
+])
+def test_a_table_read_twice_tied_or_at_positions_equals_one_device(kind, run_option, sparse):
+    """Under Adam, whose Keras 3 update squares an IndexedSlices' values row
+    by row: the tape's sums outside its scope (a ConcatV2 of two lookups'
+    rows, an AddN with a dense part) are the gradient, and rows alike on
+    every replica are summed row for row, not concatenated."""
+    def make():
+        model = TableUses(kind)
+        model(np.zeros((1, 3), np.int32))
+        return model
+    parallel, single = twins(make, lambda: keras.optimizers.Adam(0.01))
+    step = pn.function(step_of(*parallel), local(2), {"run_option": run_option})
+    ref = tf.function(step_of(*single))
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 50, (STEPS, BATCH, 3)).astype(np.int32)
+    y = rng.normal(size=(STEPS, BATCH, 1)).astype(np.float32)
+    for k in range(STEPS):
+        step(x[k], y[k])
+        ref(x[k], y[k])
+    step.sync()
+    check_equal(parallel, single)
+    tg = step.runner.ctx.tg
+    table, = (v for v in tg.gradients if tuple(tg.variables[v].shape) == (50, 4))
+    assert step.runner.plan.variables[table].info.sparse == sparse
+    assert [tuple(tg.variables[v].shape) for v in tg.rows_alike] == \
+        ([(3, 4)] if kind == "positions" else [])

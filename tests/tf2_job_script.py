@@ -3,11 +3,14 @@
 own, unseeded) and the model's and optimizer's variables after training
 (after `step.sync()`) to OUT.<worker>.npz.
 
-    python tf2_job_script.py OUT STEPS [--fit]
+    python tf2_job_script.py OUT STEPS [--fit | --example NAME]
 
 With --fit, `pn.parallelize(model)` and `model.fit` on the global batches
-(STEPS batches of 8 rows, one epoch) instead of a custom loop.
+(STEPS batches of 8 rows, one epoch) instead of a custom loop; with
+--example NAME, the same with a model of tests/keras_examples.py (dropout
+off) and the plan the config's defaults give (`hybrid`).
 """
+import json
 import os
 import sys
 
@@ -23,9 +26,21 @@ out, steps = sys.argv[1], int(sys.argv[2])
 model = keras3_dense()                      # unseeded: worker 0's values are broadcast
 optimizer = keras.optimizers.Adam(0.01)
 x, y = data()
-start = model.get_weights()
 config = {"run_option": "allreduce"}
-if "--fit" in sys.argv:
+if "--example" in sys.argv:
+    import keras_examples as ex
+    name = sys.argv[sys.argv.index("--example") + 1]
+    model = ex.MODELS[name](dropout=0.0)
+    args = ex.compile_args(name)
+    optimizer, config = args["optimizer"], None
+    model.compile(**args)
+    x, y = ex.data(name, steps * 8)
+start = model.get_weights()
+if "--example" in sys.argv:
+    pn.parallelize(model, None, config)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    step = model._parallax_ng.step
+elif "--fit" in sys.argv:
     model.compile(optimizer=optimizer, loss="mse")
     pn.parallelize(model, None, config)
     model.fit(x[:steps].reshape(-1, 5), y[:steps].reshape(-1, 1), batch_size=8, epochs=1,
@@ -37,7 +52,10 @@ else:
         step(x[k], y[k])
 worker = step.runner.plan.worker
 step.sync()
-np.savez(f"{out}.{worker}.npz", **{f"start{i}": w for i, w in enumerate(start)},
+plan = {v: ("alike " if v in step.runner.ctx.tg.rows_alike else "") + vp.method
+        for v, vp in step.runner.plan.variables.items()}
+np.savez(f"{out}.{worker}.npz", plan=np.array(json.dumps(plan)),
+         **{f"start{i}": w for i, w in enumerate(start)},
          **{f"w{i}": np.asarray(w) for i, w in enumerate(model.weights)},
          **{f"o{i}": np.asarray(v) for i, v in enumerate(optimizer.variables)})
 print(f"worker {worker} of {step.runner.plan.num_workers}: done", flush=True)

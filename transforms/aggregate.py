@@ -12,6 +12,10 @@ norms, summaries, update ops), by the plan's method:
   in-process; transforms/local_aggregation.py moves it to the worker's
   host); IndexedSlices are concatenated there, scaled by 1/N for a mean;
 - allgather: the backend's all-gather of the IndexedSlices;
+- a sparse gradient whose indices are the same on every replica (a lookup
+  of positions: TrainingGraph.rows_alike) has its values summed row for
+  row instead (all-reduced, or AddN on the server), its indices kept, so
+  the update sees one device's rows (under allreduce, allgather and ps);
 - alltoall (EmbRace): every replica's rows, each replica receiving its own
   columns of them (the table is cut by columns, parallax_ng/planning/column_cut.py),
   by the backend's exchange; a global norm's L2Loss of the rows is each
@@ -84,13 +88,20 @@ class AggregatePass:
 
 
 def _allreduce(ctx, var, grad):
-    if grad.sparse:
+    if grad.sparse and var not in ctx.tg.rows_alike:
         return _dense_rows(ctx, var, grad)
+    return _reduce_values(ctx, var, grad, "allreduce")
+
+
+def _reduce_values(ctx, var, grad, method: str):
+    """The gradient's values all-reduced: a dense gradient, or the values of
+    one whose rows are alike on every replica (TrainingGraph.rows_alike;
+    each replica keeps its own indices, the same as the others')."""
     plan, dtype = ctx.plan, ctx.tg.tensor(grad.values).dtype
     nodes, outs = ctx.comm.all_reduce(
-        f"parallax/allreduce/{var}",
+        f"parallax/{method}/{var}",
         [ctx.replica_tensor(k, grad.values) for k in range(plan.num_replicas)],
-        dtype, plan.average_dense)
+        dtype, plan.average_sparse if grad.sparse else plan.average_dense)
     return nodes, {grad.values: outs}
 
 
@@ -172,7 +183,14 @@ def _ps(ctx, var, grad):
     dtype = ctx.tg.tensor(grad.values).dtype
     values = [ctx.replica_tensor(k, grad.values) for k in range(n)]
     out_values, out_indices = _ps_outputs(plan, var, grad.sparse)
-    if grad.sparse:
+    alike = var in ctx.tg.rows_alike
+    if alike:       # rows summed row for row; replica 0's indices are everyone's
+        idx_dtype = ctx.tg.tensor(grad.indices).dtype
+        nodes = [emit.node_def(f"{scope}/values", "AddN", values, device, T=dtype, N=n),
+                 emit.node_def(f"{scope}/indices", "Identity",
+                               [ctx.replica_tensor(0, grad.indices)], device, T=idx_dtype)]
+        outputs = {grad.indices: [out_indices] * n}
+    elif grad.sparse:
         idx_dtype = ctx.tg.tensor(grad.indices).dtype
         indices = [ctx.replica_tensor(k, grad.indices) for k in range(n)]
         nodes = [emit.const(f"{scope}/axis", 0, tf.int32, device),
@@ -352,6 +370,8 @@ def _allgather(ctx, var, grad):
     distinct rows only, and a global norm's L2Loss summed over the replicas'
     shares (as one device squares every row)."""
     plan, tg = ctx.plan, ctx.tg
+    if var in tg.rows_alike:
+        return _reduce_values(ctx, var, grad, "allgather")
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
     scope = f"parallax/allgather/{var}"
     nodes, values, indices, outputs = _replica_rows(ctx, var, grad, scope)

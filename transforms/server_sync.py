@@ -114,8 +114,9 @@ def _components(ctx, variables: list[str]) -> list[tuple[str, tf.DType, bool]]:
         grad = ctx.tg.gradients[var]
         values, indices = local.of[var]
         dtype = ctx.tg.tensor(grad.values).dtype
-        out.append((values, dtype, grad.sparse))
-        if indices:
+        alike = var in ctx.tg.rows_alike      # summed row for row; the chief's indices
+        out.append((values, dtype, grad.sparse and not alike))
+        if indices and not alike:
             out.append((indices, ctx.tg.tensor(grad.indices).dtype, True))
         if var in local.norms:     # the rows' squared norm, summed over the workers
             out.append((local.norms[var], dtype, False))

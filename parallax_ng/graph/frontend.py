@@ -118,6 +118,18 @@ class TrainingGraph:
         """User nodes whose outputs differ between replicas (see analysis)."""
         return variance.replica_variant(self)
 
+    @cached_property
+    def rows_alike(self) -> frozenset[str]:
+        """Variables whose sparse gradient has the same indices on every
+        replica (a lookup of positions, not of the batch's ids): row i of
+        one device's gradient is the sum of row i of the replicas', so the
+        aggregation sums the values row for row and keeps the indices
+        (concatenating them would hand the update every row N times, which
+        a use that sees rows one by one, such as Keras 3's Adam squaring
+        the values, tells apart)."""
+        return frozenset(v for v, g in self.gradients.items()
+                         if g.sparse and g.indices.node not in self.variant)
+
     @property
     def trainable(self) -> list[str]:
         return [v.name for v in self.variables.values() if v.trainable]
@@ -183,8 +195,9 @@ def _from_graph(graph: tf.Graph) -> TrainingGraph:
     variables = _variables(graph, ir)
     tg = TrainingGraph(ir, graph, variables, {}, {}, {})
     tg.writers, tg.readers = _resource_uses(tg)
+    autodiff = _autodiff(ir)
     tg.gradients = {v: g for v in tg.trainable
-                    if (g := _find_gradient(tg, v)) is not None}
+                    if (g := _find_gradient(tg, v, autodiff)) is not None}
     if not tg.gradients:
         raise GraphError(
             "found no optimizer update in the graph: no trainable variable is "
@@ -259,8 +272,36 @@ def _resource_uses(tg: TrainingGraph):
     return dict(writers), dict(readers)
 
 
-def _find_gradient(tg: TrainingGraph, var: str) -> Gradient | None:
-    """Walk back from the writers of `var` and its state to the autodiff output.
+def _autodiff(ir: GraphIR) -> frozenset[str]:
+    """Ops of the autodiff: those in its scopes, and the sums a GradientTape
+    adds outside them where a variable is read more than once: a ConcatV2
+    along axis 0 of autodiff rows (two lookups of one table: their values,
+    and their indices), an AddN of autodiff tensors (an IndexedSlices among
+    them made dense first by an UnsortedSegmentSum of its values and
+    indices: a lookup plus a regularizer on the whole table)."""
+    out = {n.name for n in ir.nodes if rules.is_autodiff(n.name)}
+    for name in ir.topo_order:
+        node = ir.node(name)
+        if name in out or node.op not in ("AddN", "ConcatV2"):
+            continue
+        ins = ir.data_inputs(name)
+        if node.op == "ConcatV2":
+            axis = ir.node(ins[-1].node)
+            if axis.op == "Const" and tf.make_ndarray(axis.attr["value"].tensor) == 0 \
+                    and all(r.node in out for r in ins[:-1]):
+                out.add(name)
+            continue
+        dense = [r.node for r in ins if r.node not in out and
+                 ir.node(r.node).op == "UnsortedSegmentSum" and
+                 all(i.node in out for i in ir.data_inputs(r.node)[:2])]
+        if all(r.node in out or r.node in dense for r in ins):
+            out.update([name, *dense])
+    return frozenset(out)
+
+
+def _find_gradient(tg: TrainingGraph, var: str, autodiff: frozenset[str]) -> Gradient | None:
+    """Walk back from the writers of `var` and its state to the autodiff output
+    (`autodiff`: the autodiff's ops, `_autodiff`).
 
     The walk follows only tensors that can carry this variable's gradient:
     float tensors shaped like the variable (or like its rows, for
@@ -284,7 +325,7 @@ def _find_gradient(tg: TrainingGraph, var: str) -> Gradient | None:
             kind = _grad_kind(tg.tensor(ref), v)
             if kind is None:
                 continue
-            if rules.is_autodiff(ref.node):
+            if ref.node in autodiff:
                 found[kind].setdefault(ref, dist)
                 continue
             inputs = tg.ir.data_inputs(ref.node)

@@ -101,7 +101,7 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     tg = facts.tg
     variables = {name: VariablePlan(name, how, info[name],
                                     coalesce=config.coalesce_rows and
-                                    method(how).coalesces and
+                                    method(how).coalesces and name not in tg.rows_alike and
                                     facts.coalescing(name) is not None,
                                     note=_unmet(facts, config, name, how, devices,
                                                 num_workers))
@@ -310,6 +310,11 @@ def by_columns(facts: Facts, cut: list[str], devices: list[str],
     tg, out = facts.tg, {}
     alone = _saves(tg) if backend == "tf" else set()
     for var in sorted(cut):
+        if var in tg.rows_alike:
+            raise ConfigError(f"the gradient of {var!r} has the same rows on every replica "
+                              "(its lookup reads the same ids everywhere, not the batch's), "
+                              "so its rows are summed row for row, not exchanged by "
+                              f"columns; use ps, allgather or allreduce for {var!r}")
         uses = facts.column_uses(var)
         inside = [op for op in uses.whole_reads + uses.whole_selects
                   if set(tg.ir.node_consumers.get(op, ())) - alone]

@@ -1,0 +1,132 @@
+"""Keras 3 models with the structure of Keras's own examples, small enough
+for a test (tests/test_keras_examples.py, tests/tf2_job_script.py):
+
+- `transformer_classifier`: text classification with a Transformer block
+  (token and position embeddings, MultiHeadAttention, a feed-forward
+  Sequential, two LayerNormalizations, global average pooling, softmax);
+- `RecommenderNet`: collaborative filtering as a Model subclass (user and
+  movie embeddings and biases, L2-regularized, a dot product, sigmoid);
+- `mnist_convnet`: two Conv2D + MaxPooling2D blocks, Flatten, Dropout,
+  softmax.
+
+Each takes `dropout` (the examples' rates by default; 0 for a run that must
+equal one device number for number) and `data(name, rows, seed)` gives
+inputs and labels for it with the loss and metrics the example compiles
+with (`compile_args(name)`).
+"""
+import keras
+import numpy as np
+from keras import layers, ops
+
+VOCAB, MAXLEN, USERS, MOVIES, SIDE = 200, 12, 40, 60, 12
+
+
+class TokenAndPositionEmbedding(layers.Layer):
+    def __init__(self, maxlen, vocab_size, embed_dim, **kwargs):
+        super().__init__(**kwargs)
+        self.token_emb = layers.Embedding(input_dim=vocab_size, output_dim=embed_dim)
+        self.pos_emb = layers.Embedding(input_dim=maxlen, output_dim=embed_dim)
+
+    def call(self, x):
+        positions = ops.arange(start=0, stop=ops.shape(x)[-1], step=1)
+        return self.token_emb(x) + self.pos_emb(positions)
+
+
+class TransformerBlock(layers.Layer):
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1, **kwargs):
+        super().__init__(**kwargs)
+        self.att = layers.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential([layers.Dense(ff_dim, activation="relu"),
+                                     layers.Dense(embed_dim)])
+        self.layernorm1 = layers.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = layers.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = layers.Dropout(rate)
+        self.dropout2 = layers.Dropout(rate)
+
+    def call(self, inputs, training=None):
+        attn_output = self.att(inputs, inputs)
+        attn_output = self.dropout1(attn_output, training=training)
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.ffn(out1)
+        ffn_output = self.dropout2(ffn_output, training=training)
+        return self.layernorm2(out1 + ffn_output)
+
+
+def transformer_classifier(dropout=0.1, embed_dim=16, num_heads=2, ff_dim=16):
+    inputs = layers.Input(shape=(MAXLEN,), dtype="int32")
+    x = TokenAndPositionEmbedding(MAXLEN, VOCAB, embed_dim)(inputs)
+    x = TransformerBlock(embed_dim, num_heads, ff_dim, dropout)(x)
+    x = layers.GlobalAveragePooling1D()(x)
+    x = layers.Dropout(dropout)(x)
+    x = layers.Dense(20, activation="relu")(x)
+    x = layers.Dropout(dropout)(x)
+    outputs = layers.Dense(2, activation="softmax")(x)
+    return keras.Model(inputs=inputs, outputs=outputs)
+
+
+class RecommenderNet(keras.Model):
+    def __init__(self, num_users, num_movies, embedding_size, **kwargs):
+        super().__init__(**kwargs)
+        self.user_embedding = layers.Embedding(
+            num_users, embedding_size, embeddings_initializer="he_normal",
+            embeddings_regularizer=keras.regularizers.l2(1e-6))
+        self.user_bias = layers.Embedding(num_users, 1)
+        self.movie_embedding = layers.Embedding(
+            num_movies, embedding_size, embeddings_initializer="he_normal",
+            embeddings_regularizer=keras.regularizers.l2(1e-6))
+        self.movie_bias = layers.Embedding(num_movies, 1)
+
+    def call(self, inputs):
+        user_vector = self.user_embedding(inputs[:, 0])
+        user_bias = self.user_bias(inputs[:, 0])
+        movie_vector = self.movie_embedding(inputs[:, 1])
+        movie_bias = self.movie_bias(inputs[:, 1])
+        dot_user_movie = ops.sum(user_vector * movie_vector, axis=1, keepdims=True)
+        x = dot_user_movie + user_bias + movie_bias
+        return ops.nn.sigmoid(x)
+
+
+def recommender(dropout=None, embedding_size=8):
+    model = RecommenderNet(USERS, MOVIES, embedding_size)
+    model(np.zeros((1, 2), np.int32))           # built: its weights exist
+    return model
+
+
+def mnist_convnet(dropout=0.5):
+    return keras.Sequential([
+        keras.Input(shape=(SIDE, SIDE, 1)),
+        layers.Conv2D(8, kernel_size=(3, 3), activation="relu"),
+        layers.MaxPooling2D(pool_size=(2, 2)),
+        layers.Conv2D(8, kernel_size=(3, 3), activation="relu"),
+        layers.MaxPooling2D(pool_size=(2, 2)),
+        layers.Flatten(),
+        layers.Dropout(dropout),
+        layers.Dense(10, activation="softmax"),
+    ])
+
+
+MODELS = {"transformer": transformer_classifier, "recommender": recommender,
+          "convnet": mnist_convnet}
+
+
+def compile_args(name):
+    if name == "transformer":
+        return dict(optimizer=keras.optimizers.Adam(0.01),
+                    loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    if name == "recommender":
+        return dict(optimizer=keras.optimizers.Adam(learning_rate=0.01),
+                    loss=keras.losses.BinaryCrossentropy())
+    return dict(optimizer=keras.optimizers.Adam(0.01), loss="categorical_crossentropy",
+                metrics=["accuracy"])
+
+
+def data(name, rows, seed=0):
+    rng = np.random.default_rng(seed)
+    if name == "transformer":
+        x = rng.integers(0, VOCAB, size=(rows, MAXLEN)).astype(np.int32)
+        return x, (x[:, 0] % 2).astype(np.int32)
+    if name == "recommender":
+        x = np.stack([rng.integers(0, USERS, rows), rng.integers(0, MOVIES, rows)], 1)
+        return x.astype(np.int32), ((x[:, 0] + x[:, 1]) % 5 / 4.0).astype(np.float32)
+    x = rng.random(size=(rows, SIDE, SIDE, 1)).astype(np.float32)
+    return x, np.eye(10, dtype=np.float32)[rng.integers(0, 10, rows)]

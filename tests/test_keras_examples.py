@@ -1,0 +1,97 @@
+"""Keras 3 models with the structure of Keras's own examples
+(tests/keras_examples.py) under `pn.parallelize` and `model.fit`: N
+replicas with the global batch equal one device, every weight, optimizer
+variable and epoch log (dropout off, as one device's masks over the global
+batch are not the replicas'); with dropout on they train."""
+import keras
+import numpy as np
+import pytest
+
+import parallax_ng as pn
+import keras_examples as ex
+from models import local
+from test_tf2 import check_equal
+
+ROWS, BATCH = 64, 16           # 4 steps an epoch
+
+
+def twins(name, dropout):
+    a = ex.MODELS[name](dropout=dropout)
+    b = ex.MODELS[name](dropout=dropout)
+    b.set_weights(a.get_weights())
+    for m in (a, b):
+        m.compile(**ex.compile_args(name))
+    return a, b
+
+
+@pytest.mark.parametrize("name, config", [
+    ("transformer", None),
+    ("recommender", None),
+    ("recommender", {"run_option": "allreduce"}),
+    ("convnet", None),
+])
+def test_example_model_fit_equals_one_device(name, config):
+    parallel, single = twins(name, 0.0)
+    pn.parallelize(parallel, local(2), config)
+    x, y = ex.data(name, ROWS)
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    for key in h2.history:
+        np.testing.assert_allclose(h1.history[key], h2.history[key], atol=1e-5, rtol=1e-5,
+                                   err_msg=key)
+    check_equal((parallel, parallel.optimizer), (single, single.optimizer), rtol=1e-5)
+    if name == "recommender":      # the regularizer reads whole tables: dense gradients
+        plan = parallel._parallax_ng.step.runner.plan
+        sparse = {v.split("/")[-1]: vp.info.sparse for v, vp in plan.variables.items()}
+        assert sparse == {"embeddings": False, "embeddings_1": True, "embeddings_2": False,
+                          "embeddings_3": True}
+
+
+def test_example_convnet_with_dropout_trains():
+    model = ex.mnist_convnet()
+    model.compile(**ex.compile_args("convnet"))
+    pn.parallelize(model, local(2))
+    x, y = ex.data("convnet", ROWS)
+    y = np.eye(10, dtype=np.float32)[(x.mean(axis=(1, 2, 3)) * 20).astype(int) % 10]
+    history = model.fit(x, y, batch_size=BATCH, epochs=6, shuffle=False, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert keras.ops.all(keras.ops.isfinite(model.weights[0]))
+
+
+def test_example_transformer_in_a_two_worker_job_with_a_server_equals_one_device(tmp_path):
+    """2 workers x 1 device and a parameter server (`hybrid`: the token
+    table on the server, its positions' rows summed row for row across the
+    workers there), `model.fit` on 5 global batches of 8: both workers end
+    equal to one device, every weight and optimizer variable, 1e-5."""
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / "resources.yaml"
+    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2
+                    + "ps: [127.0.0.1]\n")
+    out = str(tmp_path / "vars")
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax_ng", "run",
+         os.path.join(root, "tests", "tf2_job_script.py"), "-r", str(path), "--", out, "5",
+         "--example", "transformer"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
+    plan = json.loads(str(workers[0]["plan"]))
+    assert plan["token_and_position_embedding/embeddings"] == "ps"
+    assert plan["token_and_position_embedding/embeddings_1"] == "alike ps"
+    model = ex.transformer_classifier(0.0)
+    model.set_weights([workers[0][f"start{i}"] for i in range(len(model.weights))])
+    model.compile(**ex.compile_args("transformer"))
+    x, y = ex.data("transformer", 40)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for w in workers:
+        for i, v in enumerate(model.weights):
+            np.testing.assert_allclose(w[f"w{i}"], np.asarray(v), atol=1e-5, rtol=1e-5,
+                                       err_msg=v.path)
+        for i, v in enumerate(model.optimizer.variables):
+            np.testing.assert_allclose(w[f"o{i}"], np.asarray(v), atol=1e-5, rtol=1e-5,
+                                       err_msg=v.path)
