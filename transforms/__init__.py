@@ -1,5 +1,6 @@
-"""The pass library: one rewrite per module; `pipeline_for(plan)` picks the
-passes a plan needs, in order.
+"""The pass library: one rewrite per module (and `flat_buffers`, the packing
+the aggregate pass builds fusion buffers and buckets with);
+`pipeline_for(plan)` picks the passes a plan needs, in order.
 
 Each pass declares `requires` (passes that must run before it) and `after`
 (passes that must run before it when they run at all); the PassManager

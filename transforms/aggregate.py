@@ -6,7 +6,7 @@ is combined across replicas before anything else reads it (clipping, global
 norms, summaries, update ops), by the plan's method:
 - allreduce: the backend's all-reduce (mean or sum; parallax_ng/comm/collectives.py),
   one per variable, or one per bucket of the plan's (packed flat on each
-  replica's device, reduced, split back); a sparse gradient as a dense one
+  replica's device, reduced, split back: transforms/flat_buffers.py); a sparse gradient as a dense one
   (its rows summed by index, with their counts), then the touched rows;
 - ps: sum of the worker's replicas on the variable's server (host CPU
   in-process; transforms/local_aggregation.py moves it to the worker's
@@ -21,10 +21,9 @@ norms, summaries, update ops), by the plan's method:
   by the backend's exchange; a global norm's L2Loss of the rows is each
   replica's share, summed over the replicas;
 - bfb (balanced fusion buffers, Herring): the replicas' sum on the host,
-  flattened and packed into the plan's buffers; each buffer's shards summed
-  over the workers on their servers (`server_sum`, parallax_ng/comm/collectives.py),
-  scaled for a mean there, and unpacked on the host. Every worker applies the
-  update to its own copy.
+  packed into the plan's buffers, each buffer's shards summed over the
+  workers on their servers (transforms/flat_buffers.py). Every worker
+  applies the update to its own copy.
 New nodes live under `parallax/<method>/<variable>/` (bfb: `parallax/bfb/`).
 """
 from __future__ import annotations
@@ -35,11 +34,12 @@ import tensorflow as tf
 
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit, rules
-from parallax_ng.graph.ir import GraphIR, TensorRef, format_input, parse_input
+from parallax_ng.graph.ir import GraphIR, TensorRef, parse_input
 from parallax_ng.methods import ALLREDUCE, BFB, METHODS
 from parallax_ng.pipeline.results import CoalescedRows, ExchangedLookups, LocalAggregates
 from parallax_ng.planning import deferral
 from transforms.columns import lookup_exchange
+from transforms.flat_buffers import bucket, concat, elements, fusion_buffers
 
 
 @dataclass(frozen=True)
@@ -53,13 +53,13 @@ class AggregatePass:
         on_server, coalesced, reads = {}, {}, {}
         counts = dict.fromkeys(METHODS, 0)
         if ctx.plan.buffers:
-            nodes, outputs = _fusion_buffers(ctx)
+            nodes, outputs = fusion_buffers(ctx)
             new_nodes.extend(nodes)
             _rewire(ctx, outputs, rewires)
             counts[BFB.name] = len(outputs)
         bucketed = {v for b in ctx.plan.buckets for v in b.variables}
-        for b, bucket in enumerate(ctx.plan.buckets):
-            nodes, outputs = _bucket(ctx, b, bucket.variables)
+        for b, bucket_ in enumerate(ctx.plan.buckets):
+            nodes, outputs = bucket(ctx, b, bucket_.variables)
             new_nodes.extend(nodes)
             _rewire(ctx, outputs, rewires)
             counts[ALLREDUCE.name] += len(outputs)
@@ -87,16 +87,12 @@ class AggregatePass:
         return ir.rewire(rewires, new_nodes), counts
 
 
-def _allreduce(ctx, var, grad):
+def _allreduce(ctx, var, grad, method: str = "allreduce"):
+    """A dense gradient all-reduced; a sparse one as dense rows, or its
+    values alone where its rows are alike on every replica (each replica
+    keeps its own indices, the same as the others')."""
     if grad.sparse and var not in ctx.tg.rows_alike:
         return _dense_rows(ctx, var, grad)
-    return _reduce_values(ctx, var, grad, "allreduce")
-
-
-def _reduce_values(ctx, var, grad, method: str):
-    """The gradient's values all-reduced: a dense gradient, or the values of
-    one whose rows are alike on every replica (TrainingGraph.rows_alike;
-    each replica keeps its own indices, the same as the others')."""
     plan, dtype = ctx.plan, ctx.tg.tensor(grad.values).dtype
     nodes, outs = ctx.comm.all_reduce(
         f"parallax/{method}/{var}",
@@ -114,7 +110,7 @@ def _dense_rows(ctx, var, grad):
     duplicates summed, is what the gradient's uses see (`coalescing`)."""
     plan, tg = ctx.plan, ctx.tg
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
-    rows, width = tg.variables[var].shape[0], _elements(tg, var) // tg.variables[var].shape[0]
+    rows, width = tg.variables[var].shape[0], elements(tg, var) // tg.variables[var].shape[0]
     scope = f"parallax/allreduce/{var}"
     nodes, outputs = [], {}
     mean = plan.average_sparse and plan.group_size > 1
@@ -183,19 +179,16 @@ def _ps(ctx, var, grad):
     dtype = ctx.tg.tensor(grad.values).dtype
     values = [ctx.replica_tensor(k, grad.values) for k in range(n)]
     out_values, out_indices = _ps_outputs(plan, var, grad.sparse)
-    alike = var in ctx.tg.rows_alike
-    if alike:       # rows summed row for row; replica 0's indices are everyone's
-        idx_dtype = ctx.tg.tensor(grad.indices).dtype
-        nodes = [emit.node_def(f"{scope}/values", "AddN", values, device, T=dtype, N=n),
-                 emit.node_def(f"{scope}/indices", "Identity",
-                               [ctx.replica_tensor(0, grad.indices)], device, T=idx_dtype)]
-        outputs = {grad.indices: [out_indices] * n}
-    elif grad.sparse:
+    alike = var in ctx.tg.rows_alike     # rows summed row for row, replica 0's indices
+    if grad.sparse:
         idx_dtype = ctx.tg.tensor(grad.indices).dtype
         indices = [ctx.replica_tensor(k, grad.indices) for k in range(n)]
         nodes = [emit.const(f"{scope}/axis", 0, tf.int32, device),
-                 _concat(f"{scope}/values", values, f"{scope}/axis", dtype, device),
-                 _concat(f"{scope}/indices", indices, f"{scope}/axis", idx_dtype, device)]
+                 emit.node_def(f"{scope}/values", "AddN", values, device, T=dtype, N=n)
+                 if alike else concat(f"{scope}/values", values, f"{scope}/axis", dtype, device),
+                 emit.node_def(f"{scope}/indices", "Identity", indices[:1], device, T=idx_dtype)
+                 if alike else concat(f"{scope}/indices", indices, f"{scope}/axis", idx_dtype,
+                                       device)]
         outputs = {grad.indices: [out_indices] * n}
     else:
         nodes = [emit.node_def(f"{scope}/sum", "AddN", values, device, T=dtype, N=n)]
@@ -249,129 +242,13 @@ def _ps_outputs(plan, var: str, sparse: bool) -> tuple[str, str | None]:
     return _rows(plan, var, sparse), (f"{scope}/indices" if sparse else None)
 
 
-def _fusion_buffers(ctx):
-    """Balanced fusion buffers: local sums packed, each buffer shard summed
-    over the workers on its server, the sums unpacked per variable."""
-    plan, tg = ctx.plan, ctx.tg
-    n, host, scope = plan.num_replicas, plan.host, "parallax/bfb"
-    fused = sorted({s.var for b in plan.buffers for s in b.segments})
-    mean = plan.average_dense and plan.group_size > 1
-    scale = 1.0 / plan.group_size if mean else 1.0
-    nodes = [emit.const(f"{scope}/axis", 0, tf.int32, host),
-             emit.const(f"{scope}/flat", [-1], tf.int32, host)]
-    flat = {}
-    for var in fused:
-        grad, dtype = tg.gradients[var], tg.variables[var].dtype
-        values = [ctx.replica_tensor(k, grad.values) for k in range(n)]
-        local = f"{scope}/{var}/local"
-        nodes += [emit.node_def(local, "AddN", values, host, T=dtype, N=n) if n > 1 else
-                  emit.node_def(local, "Identity", values, host, T=dtype),
-                  emit.node_def(f"{scope}/{var}/flat", "Reshape", [local, f"{scope}/flat"],
-                                host, T=dtype, Tshape=tf.int32)]
-        flat[var] = f"{scope}/{var}/flat"
-    pieces: dict[str, list[tuple[int, str]]] = {v: [] for v in fused}
-    for b, buf in enumerate(plan.buffers):
-        at, dtype = f"{scope}/buffer_{b}", tg.variables[buf.segments[0].var].dtype
-        parts = [_slice(nodes, f"{at}/in_{k}", flat[s.var], s.start, s.size, dtype, host,
-                        whole=s.size == _elements(tg, s.var))
-                 for k, s in enumerate(buf.segments)]
-        nodes.append(_concat(f"{at}/packed", parts, f"{scope}/axis", dtype, host))
-        sums = []
-        for i, shard in enumerate(buf.placement.shards):
-            piece = _slice(nodes, f"{at}/shard_{i}/piece", f"{at}/packed", shard.start,
-                           shard.size, dtype, host, whole=shard.size == buf.placement.length)
-            made, total = ctx.comm.server_sum(f"{at}/shard_{i}", piece, dtype, shard.device,
-                                              scale)
-            nodes += made
-            sums.append(total)
-        nodes.append(_concat(f"{at}/sum", sums, f"{scope}/axis", dtype, host))
-        for k, s in enumerate(buf.segments):
-            pieces[s.var].append((s.start, _slice(
-                nodes, f"{at}/out_{k}", f"{at}/sum", s.offset, s.size, dtype, host,
-                whole=s.size == buf.placement.length)))
-    outputs = {}
-    for var in fused:
-        dtype, shape = tg.variables[var].dtype, list(tg.variables[var].shape)
-        parts = [t for _, t in sorted(pieces[var])]
-        nodes += [_concat(f"{scope}/{var}/joined", parts, f"{scope}/axis", dtype, host),
-                  emit.const(f"{scope}/{var}/shape", shape, tf.int32, host),
-                  emit.node_def(f"{scope}/{var}/sum", "Reshape",
-                                [f"{scope}/{var}/joined", f"{scope}/{var}/shape"], host,
-                                T=dtype, Tshape=tf.int32)]
-        outputs[tg.gradients[var].values] = [f"{scope}/{var}/sum"] * n
-    return nodes, outputs
-
-
-def _elements(tg, var: str) -> int:
-    return tg.variables[var].nbytes // tg.variables[var].dtype.size
-
-
-def _slice(nodes: list, name: str, tensor: str, start: int, size: int, dtype, device: str,
-           whole: bool = False) -> str:
-    """Elements [start, start + size) of a flat tensor (the tensor itself
-    when that is all of it)."""
-    if whole:
-        return tensor
-    nodes += [emit.const(f"{name}/begin", [start], tf.int32, device),
-              emit.const(f"{name}/size", [size], tf.int32, device),
-              emit.node_def(name, "Slice", [tensor, f"{name}/begin", f"{name}/size"], device,
-                            T=dtype, Index=tf.int32)]
-    return name
-
-
-def _concat(name, inputs, axis, dtype, device):
-    if len(inputs) == 1:   # ConcatV2 needs two inputs or more
-        return emit.node_def(name, "Identity", inputs, device, T=dtype)
-    return emit.node_def(name, "ConcatV2", inputs + [axis], device,
-                         T=dtype, N=len(inputs), Tidx=tf.int32)
-
-
-def _bucket(ctx, b: int, variables: tuple[str, ...]):
-    """One all-reduce of the bucket's gradients: on every replica's device
-    flattened and packed, reduced, split and reshaped back."""
-    plan, tg = ctx.plan, ctx.tg
-    scope = f"parallax/bucket_{b}"
-    dtype = tg.variables[variables[0]].dtype.base_dtype
-    sizes = [_elements(tg, v) for v in variables]
-    nodes, packed = [], []
-    for k, device in enumerate(plan.devices):
-        at = f"{scope}/replica_{k}"
-        nodes += [emit.const(f"{at}/axis", 0, tf.int32, device),
-                  emit.const(f"{at}/flat", [-1], tf.int32, device)]
-        flats = []
-        for i, var in enumerate(variables):
-            flats.append(f"{at}/in_{i}")
-            nodes.append(emit.node_def(flats[-1], "Reshape", [
-                ctx.replica_tensor(k, tg.gradients[var].values), f"{at}/flat"], device,
-                T=dtype, Tshape=tf.int32))
-        nodes.append(_concat(f"{at}/packed", flats, f"{at}/axis", dtype, device))
-        packed.append(f"{at}/packed")
-    made, reduced = ctx.comm.all_reduce(f"{scope}/reduce", packed, dtype, plan.average_dense)
-    nodes += made
-    outputs = {tg.gradients[v].values: [] for v in variables}
-    for k, device in enumerate(plan.devices):
-        at = f"{scope}/replica_{k}"
-        nodes += [emit.const(f"{at}/sizes", sizes, tf.int32, device),
-                  emit.node_def(f"{at}/split", "SplitV", [reduced[k], f"{at}/sizes",
-                                                          f"{at}/axis"], device, T=dtype,
-                                Tlen=tf.int32, num_split=len(variables))]
-        for i, var in enumerate(variables):
-            shape = list(tg.variables[var].shape)
-            nodes += [emit.const(f"{at}/shape_{i}", shape, tf.int32, device),
-                      emit.node_def(f"{at}/out_{i}", "Reshape", [
-                          format_input(f"{at}/split", i), f"{at}/shape_{i}"], device,
-                          T=dtype, Tshape=tf.int32)]
-            outputs[tg.gradients[var].values].append(f"{at}/out_{i}")
-    return nodes, outputs
-
-
 def _allgather(ctx, var, grad):
     """The replicas' IndexedSlices gathered; with coalescing, each replica's
     distinct rows only, and a global norm's L2Loss summed over the replicas'
     shares (as one device squares every row)."""
     plan, tg = ctx.plan, ctx.tg
     if var in tg.rows_alike:
-        return _reduce_values(ctx, var, grad, "allgather")
+        return _allreduce(ctx, var, grad, "allgather")
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
     scope = f"parallax/allgather/{var}"
     nodes, values, indices, outputs = _replica_rows(ctx, var, grad, scope)
