@@ -18,6 +18,11 @@ dense gradients without and with horizontal scheduling, and both (no
 clipping), with the gradient rows sent first (those the next batch reads:
 EmbRace's Table 3, prioritized);
 `balance-*` modes put only dense gradients on 2 or 3 servers.
+`--modes fit` (with `--model classifier`) trains the classifier as a Keras
+model with `model.fit`: Keras 3 through parallax_ng's TF2 front end
+(`pn.parallelize`; `keras3` the default hybrid plan, `keras3-allreduce`),
+and tf_keras under MultiWorkerMirroredStrategy (`mwms-fit`; Keras 3's fit
+does not run under it), beside the TF1 graph's `hybrid` and `allreduce`.
 
 Each mode is one `parallax-ng run` job. Worker 0 times a window of --steps
 steps after --warmup steps, and counts the bytes every process of the job
@@ -50,6 +55,10 @@ SPARSE = ("alltoall", "allgather", "hybrid", "dense-allreduce", "auto")
 # horizontal schedule cannot wait): `--modes scheduling` runs them all
 # `--model classifier`: the dense-heavy model (`classifier` below)
 CLASSIFIER = {"vocab": 200000, "dim": 128, "hidden": 256, "classes": 2000}
+# the classifier by `model.fit` (`--modes fit`): the TF2 front end against
+# the TF1 graph of the same model and against tf_keras under MWMS
+FIT = ("keras3", "keras3-allreduce", "mwms-fit")
+FIT_ROWS = ("hybrid", "allreduce", *FIT)
 NO_CLIP = ("alltoall-noclip", "prefetch", "allgather-noclip", "horizontal", "2d")
 TWO = "[127.0.0.1, 127.0.0.1]"
 OFF = {"local_aggregation": False, "colocate_updates": False, "lookups_on_servers": False}
@@ -98,6 +107,9 @@ CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
            "auto-ps": ({"run_option": "auto"}, "[127.0.0.1]"),   # servers to weigh too
            "ps": ({"run_option": "ps"}, "[127.0.0.1]"),
            "mwms": (None, None),
+           "keras3": ({"run_option": "hybrid"}, "[127.0.0.1]"),
+           "keras3-allreduce": ({"run_option": "allreduce"}, None),
+           "mwms-fit": (None, None),
            **{mode: (config, TWO) for mode, config in ABLATION.items()},
            # servers that carry only dense gradients (sparse by all-gather), to
            # see their balance: fusion buffers, or whole variables (greedy by
@@ -147,7 +159,9 @@ def main():
     try:
         with tempfile.TemporaryDirectory() as tmp:
             modes = args.modes.replace("ablation", ",".join(ABLATION)).replace(
-                "sparse", ",".join(SPARSE)).split(",")
+                "sparse", ",".join(SPARSE)).replace("fit", ",".join(FIT_ROWS)).split(",")
+            if args.model != "classifier" and set(modes) & set(FIT):
+                raise SystemExit(f"modes {FIT} train the classifier: add --model classifier")
             modes = [m for mode in modes for m in (NO_CLIP if mode == "scheduling" else
                                                    (mode,))]
             every = {mode: [] for mode in modes}
@@ -276,7 +290,8 @@ def report(results: dict, ablation: bool = False) -> None:
     """Steps/s and bytes against MultiWorkerMirroredStrategy, or, for the
     ablation, against its first row."""
     name = "first row" if ablation else "MWMS"
-    base = next(iter(results.values())) if ablation else results.get("mwms")
+    base = next(iter(results.values())) if ablation else \
+        results.get("mwms") or results.get("mwms-fit")
     print(f"\nmode                 steps/s  vs {name:9}  MB sent/step (all processes)  vs {name}")
     for mode, r in results.items():
         total = sum(r["bytes_per_step"].values())
@@ -284,6 +299,10 @@ def report(results: dict, ablation: bool = False) -> None:
         base_total = sum(base["bytes_per_step"].values()) if base else 0
         size = f"{total / base_total:7.2f}x" if base_total else "      -"
         print(f"{mode:19} {r['steps_per_s']:8.2f} {speed:>12} {total / 1e6:14.3f} {'':14} {size}")
+    for tf2, tf1 in (("keras3", "hybrid"), ("keras3-allreduce", "allreduce")):
+        if tf2 in results and tf1 in results:     # the TF2 front end against the TF1 graph
+            print(f"{tf2} / {tf1} (TF1 graph): "
+                  f"{results[tf2]['steps_per_s'] / results[tf1]['steps_per_s']:.2f}x")
 
 
 def traffic_model(plan, rows: dict, index_bytes: dict, looked_up: dict, info) -> dict:
@@ -323,6 +342,8 @@ def worker(args) -> None:
     from parallax_ng import cluster
     info = cluster.from_env()
     model_args = model_arguments(args)
+    if args.mode in FIT:
+        return fit_worker(args, info, model_args)
     runner = None
     if args.mode == "mwms":
         step = mwms_step(info, model_args)
@@ -550,6 +571,77 @@ def mwms_classifier(a):
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=label, logits=tf.matmul(h, out_w) + out_b))
     return [emb, hidden_w, hidden_b, out_w, out_b], loss
+
+
+def fit_worker(args, info, a) -> None:
+    """The classifier as a Keras model trained by `model.fit` on global
+    batches (every worker is given the same), worker 0 timing the window
+    of --steps batches after --warmup in a callback and counting the bytes
+    every task sent in it."""
+    import tensorflow as tf
+
+    import lm_small
+    contexts, targets = lm_small.windows(lm_small.corpus(a.vocab, a.words))
+    global_batch = a.batch * args.devices * len(info.workers)
+    if args.mode == "mwms-fit":
+        import tf_keras as k
+        os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": list(info.workers)},
+                                              "task": {"type": "worker", "index": info.task}})
+        with tf.distribute.MultiWorkerMirroredStrategy().scope():
+            model = keras_classifier(k, a)
+    else:
+        import keras as k
+
+        import parallax_ng as pn
+        model = pn.parallelize(keras_classifier(k, a), None,
+                               {**CONFIGS[args.mode][0], **json.loads(args.config)})
+    measure = info.task == 0
+    tasks = task_pids(info) if measure else {}
+    emulated = measure and args.out and is_emulated(info)
+    window = {}
+
+    class Window(k.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if not measure or batch not in (args.warmup - 1, args.warmup + args.steps - 1):
+                return
+            if batch == args.warmup - 1:
+                window["before"] = sent_bytes(tasks.values())
+                if emulated:
+                    handshake(args.out + ".start", args.out + ".go")
+                window["start"] = time.perf_counter()
+                return
+            window["seconds"] = time.perf_counter() - window["start"]
+            window["after"] = sent_bytes(tasks.values())
+            if emulated:
+                handshake(args.out + ".stop", args.out + ".stopped")
+    ds = tf.data.Dataset.from_tensor_slices((contexts, targets % a.classes))
+    model.fit(ds.batch(global_batch, drop_remainder=True).repeat(), epochs=1, verbose=0,
+              steps_per_epoch=args.warmup + args.steps, callbacks=[Window()])
+    if measure:
+        runner = None if args.mode == "mwms-fit" else model._parallax_ng.step.runner
+        methods = {v: vp.method for v, vp in runner.plan.variables.items()} if runner else {}
+        per_step = {name: (window["after"].get(pid, 0) - window["before"].get(pid, 0))
+                    / args.steps for name, pid in tasks.items()}
+        with open(args.out, "w") as f:
+            json.dump({"steps_per_s": args.steps / window["seconds"],
+                       "bytes_per_step": per_step, "methods": methods,
+                       "network": runner.plan.network if runner else ""}, f)
+
+
+def keras_classifier(k, a):
+    """The classifier as a compiled Keras model (`k`: keras or tf_keras):
+    the same table, layers, initializers, Adagrad and global-norm clipping."""
+    import lm_small
+    model = k.Sequential([
+        k.Input((lm_small.CONTEXT,), dtype="int32"),
+        k.layers.Embedding(a.vocab, a.dim,
+                           embeddings_initializer=k.initializers.RandomUniform(-0.05, 0.05)),
+        k.layers.GlobalAveragePooling1D(),
+        k.layers.Dense(a.hidden, activation="relu"),
+        k.layers.Dense(a.classes)])
+    model.compile(optimizer=k.optimizers.Adagrad(0.2, global_clipnorm=a.clip or None),
+                  loss=k.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
 
 
 def task_pids(info) -> dict[str, int]:

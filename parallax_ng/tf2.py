@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .errors import ConfigError, FetchError
+from .errors import ConfigError, FetchError, GraphError
+from .graph.frontend import NO_UPDATE
 from .graph.tracing import tf_variable
 
 
@@ -41,6 +42,7 @@ class StepFunction:
         self.runner = None
         self._captured = None
         self._pushes: dict = {}          # graph variable -> (placeholder, assign op)
+        self.built: list = []            # called once the runner holds the variables
 
     def __call__(self, *args, per_replica: bool = False):
         if self.runner is None:
@@ -50,23 +52,26 @@ class StepFunction:
         if len(leaves) != len(cap.inputs):
             raise ConfigError(f"the step was traced with {len(cap.inputs)} batch tensors and "
                               f"is called with {len(leaves)}; call it as it was first called")
-        feeds = {name + ":0": self._mine(_array(leaf)) for name, leaf in zip(cap.inputs, leaves)}
+        feeds = {name + ":0": self._mine(i, _array(leaf))
+                 for i, (name, leaf) in enumerate(zip(cap.inputs, leaves))}
         if cap.outputs is None:          # the step returns nothing
             self.runner.run(cap.train, feeds)
             return None
         return self.runner.run([cap.train, cap.outputs], feeds, per_replica=per_replica)[1]
 
-    def _mine(self, batch):
+    def _mine(self, i: int, batch):
         """This worker's rows of a global batch (in a job, every worker is
         called with the global batch and takes its part)."""
         plan = self.runner.plan
-        workers = getattr(plan, "num_workers", 1)
+        workers, rows = getattr(plan, "num_workers", 1), len(batch)
+        if rows % plan.group_size:
+            raise FetchError(
+                f"argument leaf {i} of the step holds a global batch of {rows} rows, which "
+                f"does not split evenly over the job's {plan.group_size} replicas: use a "
+                f"batch size that {plan.group_size} divides (with model.fit, the last batch "
+                "too: a dataset size it divides, drop_remainder=True or steps_per_epoch)")
         if workers == 1:
             return batch
-        rows = len(batch)
-        if rows % workers:
-            raise FetchError(f"a global batch of {rows} rows does not split evenly over the "
-                             f"job's {workers} workers")
         part = rows // workers
         return batch[plan.worker * part:(plan.worker + 1) * part]
 
@@ -110,8 +115,48 @@ class StepFunction:
         from .build import get_runner
         from .graph.tracing import capture
         self._captured = cap = capture(self._fn, args)
-        self.runner = get_runner(cap.graph, self._resources, self._config)
-        self.runner.run(cap.init, cap.init_feeds)
+        try:
+            self.runner = get_runner(cap.graph, self._resources, self._config)
+        except GraphError as e:
+            if not str(e).startswith(NO_UPDATE):
+                raise
+            raise GraphError(
+                f"the step {getattr(self._fn, '__name__', self._fn)!r} trains nothing: no "
+                "trainable variable is written from a gradient. It must compute a loss "
+                "under tf.GradientTape and apply the tape's gradients with an optimizer "
+                "(optimizer.apply_gradients(zip(grads, variables))) in the step; parallax_ng "
+                "finds the loss and the gradients from that update") from None
+        try:
+            _check_sparse_updates(cap.optimizers, self.runner.ctx.tg)
+        except ConfigError:
+            self.runner.close()
+            self.runner = None
+            raise
+        self.runner.run(cap.init, cap.init_feeds)     # and restores `checkpoint.dir`'s latest
+        for hook in self.built:
+            hook()
+
+
+# Keras 3 optimizers whose update of a sparse (embedding) gradient equals one
+# device's under parallax_ng's methods (tests/test_tf2.py). Others may make
+# math of the rows that the replicas' rows do not reproduce (Adadelta and
+# Adafactor do not); tf_keras's sum duplicate rows first, as TF1's do.
+SPARSE_KNOWN = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Nadam", "Adamax", "Lion",
+                "Ftrl", "Lamb")
+
+
+def _check_sparse_updates(classes, tg) -> None:
+    """Refuse a Keras 3 optimizer not in SPARSE_KNOWN on a sparse gradient."""
+    sparse = sorted(v for v, g in tg.gradients.items() if g.sparse)
+    unknown = sorted({c.__name__ for c in classes if c.__module__.startswith("keras.")
+                      and c.__name__ not in SPARSE_KNOWN})
+    if sparse and unknown:
+        raise ConfigError(
+            f"Keras 3 optimizer {unknown[0]} updates the sparse gradient of {sparse[:3]} "
+            "(an embedding's rows) with math parallax_ng does not know to give one "
+            f"device's result from the replicas' rows; it knows {', '.join(SPARSE_KNOWN)} "
+            "(and tf_keras's optimizers) there. Use one of those, or give the table a "
+            "dense gradient")
 
 
 def function(fn, resource_info=None, config=None) -> StepFunction:
@@ -133,6 +178,7 @@ class KerasFit:
     def __init__(self, model, resource_info, config):
         self.model = model
         self.step = StepFunction(model.train_step, resource_info, config)
+        self.step.built.append(self._metrics_reset)   # not a checkpoint's totals
         self._rate = None
 
     def make_train_function(self, force: bool = False):
@@ -169,6 +215,9 @@ class KerasFit:
 
     def reset_metrics(self) -> None:
         type(self.model).reset_metrics(self.model)
+        self._metrics_reset()
+
+    def _metrics_reset(self) -> None:
         self.step.push([v for m in self.model.metrics for v in m.variables])
 
     def _optimizer_variables(self) -> list:

@@ -149,7 +149,7 @@ def test_per_replica_outputs_and_bad_calls():
     x, y = data(3)
     losses = step(x[0], y[0], per_replica=True)
     assert len(losses) == 2
-    with pytest.raises(pn.FetchError, match="do not split evenly over 2 replicas"):
+    with pytest.raises(pn.FetchError, match="does not split evenly over the job.s 2 replicas"):
         step(x[1][:3], y[1][:3])
     with pytest.raises(pn.ConfigError, match="traced with 2 batch tensors"):
         step(x[1])
@@ -360,3 +360,54 @@ def test_a_table_read_twice_tied_or_at_positions_equals_one_device(kind, run_opt
     assert step.runner.plan.variables[table].info.sparse == sparse
     assert [tuple(tg.variables[v].shape) for v in tg.rows_alike] == \
         ([(3, 4)] if kind == "positions" else [])
+
+
+@pytest.mark.parametrize("name", ["Nadam", "Adamax", "Lion", "Ftrl", "Lamb"])
+def test_more_keras3_optimizers_on_an_embedding_equal_one_device(name):
+    """The other Keras 3 optimizers parallax_ng knows on a sparse gradient
+    (tf2.SPARSE_KNOWN), with an embedding and a dense layer."""
+    parallel, single = twins(lambda: keras3_embedding(30),
+                             lambda: getattr(keras.optimizers, name)(0.01))
+    step = pn.function(step_of(*parallel), local(2))
+    ref = tf.function(step_of(*single))
+    x, y = data(vocab=30)
+    for k in range(STEPS):
+        step(x[k], y[k])
+        ref(x[k], y[k])
+    step.sync()
+    check_equal(parallel, single, rtol=1e-5)
+    assert any(vp.info.sparse for vp in step.runner.plan.variables.values())
+
+
+def test_bad_steps_are_refused_naming_the_problem():
+    x, y = data()
+    model, optimizer = keras3_dense(), keras.optimizers.SGD(0.1)
+
+    def no_update(x, y):
+        return tf.reduce_mean(model(x) - y)
+
+    def new_variable(x, y):
+        v = tf.Variable(1.0)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(x) * v - y)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    calls = []
+
+    def side_effect(x, y):
+        calls.append(1)
+        return step_of(model, optimizer)(x, y) * len(calls)
+    for fn, error, match in [
+            (no_update, pn.GraphError, "'no_update' trains nothing.*apply_gradients"),
+            (new_variable, pn.GraphError, "makes variables on every call"),
+            (side_effect, pn.GraphError, "built another graph when traced a second time")]:
+        with pytest.raises(error, match=match):
+            pn.function(fn, local(2))(x[0], y[0])
+    step = pn.function(step_of(model, optimizer), local(2))
+    with pytest.raises(pn.FetchError, match="global batch of 7 rows.*2 replicas"):
+        step(x[0][:7], y[0][:7])
+    ids, _ = data(vocab=30)
+    table = keras3_embedding(30)
+    with pytest.raises(pn.ConfigError, match="optimizer Adadelta updates the sparse.*Lamb"):
+        pn.function(step_of(table, keras.optimizers.Adadelta(0.1)), local(2))(ids[0], y[0])

@@ -146,3 +146,37 @@ def test_tf_keras_metrics_that_sum_equal_one_device():
 def test_a_model_that_is_not_compiled_is_refused():
     with pytest.raises(pn.ConfigError, match="call model.compile"):
         pn.parallelize(make(), local(2))
+
+
+def test_fit_stopped_and_started_again_from_its_checkpoint_equals_one_run(tmp_path):
+    """`checkpoint.dir`: a program that fits 2 epochs and ends, then is run
+    again with `initial_epoch=2` to 4 epochs, restores the step-10
+    checkpoint (weights, Adam's slots and iteration count) and ends equal
+    to one device fitting 4 epochs in one go, every weight and optimizer
+    variable, and the last epochs' losses, 1e-5."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "tests", "keras_resume_script.py")
+    env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+    runs = []
+    for name, epochs, initial in (("first", 2, 0), ("again", 4, 2)):
+        out = str(tmp_path / name)
+        done = subprocess.run([sys.executable, script, out, str(tmp_path / "ckpt"),
+                               str(epochs), str(initial)],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        runs.append((dict(np.load(out + ".npz")), done.stdout + done.stderr))
+    (first, _), (again, log) = runs
+    assert "restored step 10 from" in log
+    single = make()
+    single.set_weights([first[f"start{i}"] for i in range(len(single.weights))])
+    single.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    x, y = data()
+    h = single.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0)
+    np.testing.assert_allclose(again["loss"], h.history["loss"][2:], atol=1e-5, rtol=0)
+    for i, v in enumerate(single.weights):
+        np.testing.assert_allclose(again[f"w{i}"], np.asarray(v), atol=1e-5, rtol=0)
+    for i, v in enumerate(single.optimizer.variables):
+        np.testing.assert_allclose(again[f"o{i}"], np.asarray(v), atol=1e-5, rtol=0)

@@ -32,8 +32,10 @@ import tensorflow as tf
 from .. import compat
 from . import rules
 from .ir import TensorRef
+from .tracing import INPUT
 
 BATCH, WHOLE, UNKNOWN = "batch", "whole", "unknown"
+TF2_ARGUMENT = INPUT.format("")           # placeholders of a traced TF2 step's arguments
 
 # outputs take the first dimension of their inputs of the output's rank, all joined
 ELEMENTWISE = frozenset({
@@ -131,6 +133,10 @@ def kinds(tg) -> dict[str, tuple[str, str]]:
         _rule(tg, name, node, first, dims)
     out = {}
     for name, d in asked.items():
+        if name.startswith(TF2_ARGUMENT):
+            out[name] = (BATCH, "it is an argument of a TF2 step, a batch by pn.function's "
+                                "contract")
+            continue
         root = dims.find(d)
         facts, others = dims.facts[root], dims.placeholders[root] - {name}
         if "data" in facts or others:

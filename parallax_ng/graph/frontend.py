@@ -24,6 +24,7 @@ from . import queues, rules, variance
 from .ir import GraphIR, TensorRef
 
 SHARD_SCOPE = "parallax_shard"
+NO_UPDATE = "found no optimizer update in the graph"     # the error's start (tf2.py)
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,7 @@ def _from_graph(graph: tf.Graph) -> TrainingGraph:
                     if (g := _find_gradient(tg, v, autodiff)) is not None}
     if not tg.gradients:
         raise GraphError(
-            "found no optimizer update in the graph: no trainable variable is "
+            f"{NO_UPDATE}: no trainable variable is "
             "written from a gradient of tf.gradients/compute_gradients. Build the "
             "training op (e.g. tf.compat.v1.train.AdamOptimizer(...).minimize(loss)) "
             "in the graph before calling get_runner")

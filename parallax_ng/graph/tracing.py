@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import tensorflow as tf
@@ -48,6 +49,7 @@ class Captured:
     reads: dict                        # graph variable name -> a tensor reading it
     init: str                          # op that initializes every variable
     init_feeds: dict = field(default_factory=dict)   # placeholder name -> value
+    optimizers: set = field(default_factory=set)     # classes that made slots in the trace
 
 
 def capture(fn, args: tuple) -> Captured:
@@ -58,12 +60,53 @@ def capture(fn, args: tuple) -> Captured:
     def step(*leaves):     # an output besides fn's, which holds every stateful op
         return python(*tf.nest.pack_sequence_as(structure, list(leaves))), tf.constant(0)
 
-    with _slots_recorded() as owners:
-        traced = tf.function(step, autograph=True, jit_compile=False)
-        traced.get_concrete_function(*specs)         # makes slots and other state
-        concrete = tf.function(step, autograph=True,
-                               jit_compile=False).get_concrete_function(*specs)
-    return _rebuild(concrete, owners)
+    made = []
+
+    def creator(next_creator, **kwargs):
+        made.append(kwargs.get("name") or "a variable")
+        return next_creator(**kwargs)
+    try:
+        with _slots_recorded() as owners:
+            dry = tf.function(step, autograph=True,
+                              jit_compile=False).get_concrete_function(*specs)
+            with tf.variable_creator_scope(creator):  # slots and layers exist by now
+                concrete = tf.function(step, autograph=True,
+                                       jit_compile=False).get_concrete_function(*specs)
+    except ValueError as e:
+        if "singleton tf.Variables" not in str(e):
+            raise
+        made.append("a tf.Variable made in the step's body")
+    if made:
+        raise GraphError(f"the step makes variables on every call ({made[:3]}): each "
+                         "call would start from a new one. Make them once, before the "
+                         "step (a Keras layer or optimizer makes its own on its first "
+                         "call, which is fine)")
+    changed = _differences(dry, concrete)
+    if changed:
+        raise GraphError(
+            "the step's Python code built another graph when traced a second time "
+            f"({changed}): it depends on Python state that changes from call to call "
+            "(a counter, a list it appends to, a random number from Python). The step "
+            "is traced once and that graph runs on every call: keep such state in a "
+            "tf.Variable, or out of the step")
+    captured = _rebuild(concrete, owners)
+    captured.optimizers = set(_MAKERS)
+    return captured
+
+
+def _differences(a, b) -> str:
+    """What two traces of the step hold differently (op types, and constants'
+    values), or "" when they agree."""
+    def ops(concrete):
+        out = Counter()
+        for n in concrete.graph.as_graph_def().node:
+            value = tf.make_ndarray(n.attr["value"].tensor).tobytes()[:64] \
+                if n.op == "Const" else b""
+            out[(n.op, value)] += 1
+        return out
+    first, second = ops(a), ops(b)
+    diff = sorted({op for op, _ in (first - second) + (second - first)})
+    return f"{', '.join(diff[:4])} differ" if diff else ""
 
 
 def _spec(value, i: int) -> tf.TensorSpec:
@@ -79,13 +122,17 @@ def _spec(value, i: int) -> tf.TensorSpec:
 
 
 _OWNERS: dict = {}      # slot's tf.Variable .ref() -> its variable, every slot seen being made
+_MAKERS: set = set()    # optimizer classes that made slots in the latest capture
 
 
 @contextlib.contextmanager
 def _slots_recorded():
     """Record (slot -> variable) as Keras optimizers make slots (kept for
-    later captures of the same program)."""
+    later captures of the same program), and the optimizers' classes
+    (`_MAKERS`)."""
     owners = _OWNERS
+    makers = _MAKERS
+    makers.clear()
     patched = []
     for cls in _optimizer_classes():
         original = cls.add_variable_from_reference
@@ -93,6 +140,7 @@ def _slots_recorded():
         def recording(self, reference_variable, *a, _original=original, **kw):
             slot = _original(self, reference_variable, *a, **kw)
             owners[tf_variable(slot).ref()] = tf_variable(reference_variable)
+            makers.add(type(self))
             return slot
 
         cls.add_variable_from_reference = recording
