@@ -159,7 +159,8 @@ def main():
     try:
         with tempfile.TemporaryDirectory() as tmp:
             modes = args.modes.replace("ablation", ",".join(ABLATION)).replace(
-                "sparse", ",".join(SPARSE)).replace("fit", ",".join(FIT_ROWS)).split(",")
+                "sparse", ",".join(SPARSE)).split(",")
+            modes = [m for mode in modes for m in (FIT_ROWS if mode == "fit" else (mode,))]
             if args.model != "classifier" and set(modes) & set(FIT):
                 raise SystemExit(f"modes {FIT} train the classifier: add --model classifier")
             modes = [m for mode in modes for m in (NO_CLIP if mode == "scheduling" else
@@ -596,7 +597,7 @@ def fit_worker(args, info, a) -> None:
         model = pn.parallelize(keras_classifier(k, a), None,
                                {**CONFIGS[args.mode][0], **json.loads(args.config)})
     measure = info.task == 0
-    tasks = task_pids(info) if measure else {}
+    tasks = {}                     # the servers start with the first step
     emulated = measure and args.out and is_emulated(info)
     window = {}
 
@@ -605,6 +606,7 @@ def fit_worker(args, info, a) -> None:
             if not measure or batch not in (args.warmup - 1, args.warmup + args.steps - 1):
                 return
             if batch == args.warmup - 1:
+                tasks.update(task_pids(info))
                 window["before"] = sent_bytes(tasks.values())
                 if emulated:
                     handshake(args.out + ".start", args.out + ".go")

@@ -139,10 +139,10 @@ class StepFunction:
 
 # Keras 3 optimizers whose update of a sparse (embedding) gradient equals one
 # device's under parallax_ng's methods (tests/test_tf2.py). Others may make
-# math of the rows that the replicas' rows do not reproduce (Adadelta and
-# Adafactor do not); tf_keras's sum duplicate rows first, as TF1's do.
+# math of the rows that the replicas' rows do not reproduce (Adafactor's
+# factored moments do not); tf_keras's sum duplicate rows first, as TF1's do.
 SPARSE_KNOWN = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Nadam", "Adamax", "Lion",
-                "Ftrl", "Lamb")
+                "Ftrl", "Lamb", "Adadelta")
 
 
 def _check_sparse_updates(classes, tg) -> None:

@@ -338,7 +338,7 @@ def _rewire(ctx, outputs: dict, rewires: dict) -> None:
     in every replica, at its aggregate (`outputs`: ref -> one per replica)."""
     for ref, per_replica in outputs.items():
         for consumer, pos in ctx.tg.ir.consumers.get(ref, ()):
-            if rules.is_autodiff(consumer):
+            if rules.is_autodiff_use(ctx.tg.ir.node(consumer)):
                 continue
             for k in range(ctx.plan.num_replicas):
                 target = ctx.replica_name(k, consumer)

@@ -104,6 +104,18 @@ def is_autodiff(node_name: str) -> bool:
     return bool(AUTODIFF_SCOPE.search(node_name))
 
 
+# Ops that carry a tensor into a lowered tf.cond or while loop. Grappler's
+# lowering names them after the tensor (`adagrad/cond/gradient_tape/.../_7`),
+# so a gradient's Switch in a user's cond looks like autodiff by name.
+CONTROL_FLOW_ENTRIES = frozenset({"Switch", "RefSwitch", "Enter", "RefEnter"})
+
+
+def is_autodiff_use(node) -> bool:
+    """True if NodeDef `node`, a consumer of an autodiff output, belongs to
+    the autodiff (not a user's control flow that the gradient enters)."""
+    return is_autodiff(node.name) and node.op not in CONTROL_FLOW_ENTRIES
+
+
 def classify_ref_use(op_type: str, position: int) -> str:
     """'read', 'write' or 'pass' for an op that takes a reference variable.
 

@@ -47,7 +47,8 @@ def coalescing(tg: TrainingGraph, var: str) -> tuple[str, ...] | None:
     while todo:
         ref, scaled = todo.pop()
         for consumer, pos in tg.ir.consumers.get(ref, ()):
-            if rules.is_autodiff(consumer) and ref == grad.values or (consumer, pos) in seen:
+            if rules.is_autodiff_use(tg.ir.node(consumer)) and ref == grad.values or \
+                    (consumer, pos) in seen:
                 continue
             seen.add((consumer, pos))
             op = tg.ir.node(consumer).op

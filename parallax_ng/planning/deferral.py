@@ -204,7 +204,7 @@ def _math(tg: TrainingGraph, var: str, state: set, lookup: str, what: str,
                                   f"a step for its delayed update; turn {what} off")
     for ref in (grad.values, grad.indices):
         outside = [c for c, _ in tg.ir.consumers.get(ref, ())
-                   if c not in ops and c not in norms and not rules.is_autodiff(c)
+                   if c not in ops and c not in norms and not rules.is_autodiff_use(tg.ir.node(c))
                    ] if ref is not None else []
         if outside:
             raise ConfigError(f"{what} delays {var!r}'s gradient, which {outside[0]!r} "
