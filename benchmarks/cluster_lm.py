@@ -139,6 +139,9 @@ def main():
     parser.add_argument("--layout", choices=("one", "per_host"), default="one",
                         help="modes with a server: one server, or one beside every worker")
     parser.add_argument("--no-clip", action="store_true", help="no global-norm clipping")
+    parser.add_argument("--optimizer", choices=("adagrad", "sgd"), default="adagrad",
+                        help="the classifier's optimizer (sgd: plain SGD, whose Keras 3 "
+                             "update of the table stays sparse as TF1's does)")
     parser.add_argument("--config", default="{}",
                         help="more config keys for every parallax_ng mode, as JSON")
     parser.add_argument("--json", metavar="FILE",
@@ -182,6 +185,7 @@ def main():
                                             "network": args.netlab or "loopback",
                                             "vocab": args.vocab, "steps": args.steps,
                                             "clip": not args.no_clip,
+                                            "optimizer": args.optimizer,
                                             "mode": mode, "runs": runs}) + "\n")
     finally:
         if args.netlab:
@@ -226,7 +230,7 @@ def job(mode: str, args, tmp: str, repeat: int) -> dict:
            "-r", res, "--", "--mode", mode, "--out", out, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--devices", str(args.devices),
            "--model", args.model, "--config", args.config] + (
-               ["--no-clip"] if args.no_clip else []) + (
+               ["--no-clip"] if args.no_clip else []) + ["--optimizer", args.optimizer] + (
                ["--vocab", str(args.vocab)] if args.vocab else [])
     env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
     with tempfile.TemporaryFile("w+") as log:
@@ -336,6 +340,7 @@ def model_arguments(args):
                                              args.no_clip else []))
     model_args.model = args.model
     model_args.classes = CLASSIFIER["classes"]
+    model_args.optimizer = args.optimizer
     return model_args
 
 
@@ -478,7 +483,8 @@ def classifier(a):
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=label, logits=logits), name="loss")
         step = tf1.train.get_or_create_global_step()
-        opt = tf1.train.AdagradOptimizer(0.2)
+        opt = tf1.train.AdagradOptimizer(0.2) if a.optimizer == "adagrad" else \
+            tf1.train.GradientDescentOptimizer(0.2)
         grads, tvars = zip(*opt.compute_gradients(loss))
         if a.clip:
             grads, _ = tf.clip_by_global_norm(grads, a.clip)
@@ -509,7 +515,8 @@ def mwms_step(info, model_args):
 
     with strategy.scope():
         variables, loss_of = (mwms_classifier if a.model == "classifier" else mwms_lm)(a)
-        opt = tf_keras.optimizers.Adagrad(0.2)
+        opt = tf_keras.optimizers.Adagrad(0.2) if a.optimizer == "adagrad" else \
+            tf_keras.optimizers.SGD(0.2)
     batches = iter(strategy.distribute_datasets_from_function(dataset))
 
     def replica_step(words, nxt):
@@ -641,7 +648,8 @@ def keras_classifier(k, a):
         k.layers.GlobalAveragePooling1D(),
         k.layers.Dense(a.hidden, activation="relu"),
         k.layers.Dense(a.classes)])
-    model.compile(optimizer=k.optimizers.Adagrad(0.2, global_clipnorm=a.clip or None),
+    kind = k.optimizers.Adagrad if a.optimizer == "adagrad" else k.optimizers.SGD
+    model.compile(optimizer=kind(0.2, global_clipnorm=a.clip or None),
                   loss=k.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
 
