@@ -415,3 +415,19 @@ def test_bad_steps_are_refused_naming_the_problem():
     table = keras3_embedding(30)
     with pytest.raises(pn.ConfigError, match="optimizer Adafactor updates the sparse.*Lamb"):
         pn.function(step_of(table, keras.optimizers.Adafactor(0.1)), local(2))(ids[0], y[0])
+
+
+def test_an_embedding_reads_its_rows_not_the_whole_table():
+    """Keras 3's Embedding gathers from a read of the whole table; the
+    capture makes it a ResourceGather of the variable (a whole read that
+    the step's update outlives copies the table every step)."""
+    from parallax_ng.graph.tracing import capture
+    model, optimizer = keras3_embedding(30), keras.optimizers.Adam(0.01)
+    ids, y = data(vocab=30)
+    cap = capture(step_of(model, optimizer), (ids[0], y[0]))
+    ops = cap.graph.get_operations()
+    gathers = [op for op in ops if op.type == "ResourceGather"]
+    assert len(gathers) == 1 and gathers[0].inputs[0].op.type == "VarHandleOp"
+    assert not [op for op in ops if op.type == "GatherV2" and
+                op.inputs[0].op.type == "ReadVariableOp" and
+                tuple(op.inputs[0].shape) == (30, 4)]

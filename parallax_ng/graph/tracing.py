@@ -173,7 +173,7 @@ def tf_variable(v):
 
 
 def _rebuild(concrete, owners: dict) -> Captured:
-    graph_def = _inlined(concrete)
+    graph_def, replaced = _row_reads(_inlined(concrete))
     fg = concrete.graph
     by_handle = {id(v.handle): v for v in fg.variables}
     captured = {}                     # internal placeholder name -> tf.Variable
@@ -224,7 +224,7 @@ def _rebuild(concrete, owners: dict) -> Captured:
         input_map.update({f"{name}:0": tf.constant(value, name=f"parallax_captured/{k}")
                           for k, (name, value) in enumerate(sorted(constants.items()))})
         out_names = [t.name for t in tf.nest.flatten(concrete.outputs)]
-        controls = [op.name for op in fg.control_outputs]
+        controls = sorted({replaced.get(op.name, op.name) for op in fg.control_outputs})
         returned = tf.graph_util.import_graph_def(
             graph_def, input_map=input_map, return_elements=out_names + controls, name="")
         outs, ops = returned[:len(out_names)], returned[len(out_names):]
@@ -238,6 +238,44 @@ def _rebuild(concrete, owners: dict) -> Captured:
                     {made[id(v)].op.name: v for v in captured.values()},
                     {made[id(v)].op.name: made[id(v)]._graph_element.name
                      for v in captured.values()}, init.name, feeds)
+
+
+def _row_reads(graph_def):
+    """Gathers of rows from a whole read of a variable (Keras 3's Embedding:
+    GatherV2 along axis 0 of a ReadVariableOp that nothing else reads) as
+    ResourceGather of the variable, under the gather's name: the step reads
+    the rows, not the table (a whole read that a later write in the step
+    outlives makes TensorFlow copy the table first). Returns the graph and
+    {dropped read: the gather that replaces it}."""
+    nodes = {n.name: n for n in graph_def.node}
+    uses = Counter(i.split(":")[0] for n in graph_def.node for i in n.input
+                   if not i.startswith("^"))
+    dropped = {}
+    for n in graph_def.node:
+        if n.op != "GatherV2" or n.attr["batch_dims"].i != 0 or len(n.input) < 3:
+            continue
+        read, axis = nodes.get(n.input[0].split(":")[0]), nodes.get(n.input[2].split(":")[0])
+        if read is None or read.op != "ReadVariableOp" or uses[read.name] != 1 or \
+                axis is None or axis.op != "Const" or \
+                tf.make_ndarray(axis.attr["value"].tensor).tolist() != 0:
+            continue
+        gather = tf.compat.v1.NodeDef(name=n.name, op="ResourceGather", device=n.device)
+        gather.input.extend([read.input[0], n.input[1]] + list(read.input[1:]) +
+                            [i for i in n.input[3:] if i.startswith("^")])
+        gather.attr["dtype"].CopyFrom(read.attr["dtype"])
+        gather.attr["Tindices"].CopyFrom(n.attr["Tindices"])
+        gather.attr["batch_dims"].i = 0
+        gather.attr["validate_indices"].b = True
+        n.CopyFrom(gather)
+        dropped[read.name] = n.name
+    keep = [n for n in graph_def.node if n.name not in dropped]
+    for n in keep:           # waits on the read (the step's stateful ops) wait on the gather
+        for k, i in enumerate(n.input):
+            if i.startswith("^") and i[1:] in dropped:
+                n.input[k] = "^" + dropped[i[1:]]
+    del graph_def.node[:]
+    graph_def.node.extend(keep)
+    return graph_def, dropped
 
 
 def _inlined(concrete):
