@@ -59,8 +59,8 @@ def test_example_convnet_with_dropout_trains():
 
 
 def test_example_transformer_in_a_two_worker_job_with_a_server_equals_one_device(tmp_path):
-    """2 workers x 1 device and a parameter server (`hybrid`: the token
-    table on the server, its positions' rows summed row for row across the
+    """2 workers x 1 device and a parameter server (`hybrid`, sparse
+    gradients pinned to `ps`: the token table on the server, its positions' rows summed row for row across the
     workers there), `model.fit` on 5 global batches of 8: both workers end
     equal to one device, every weight and optimizer variable, 1e-5."""
     import json
