@@ -631,10 +631,12 @@ def fit_worker(args, info, a) -> None:
         methods = {v: vp.method for v, vp in runner.plan.variables.items()} if runner else {}
         per_step = {name: (window["after"].get(pid, 0) - window["before"].get(pid, 0))
                     / args.steps for name, pid in tasks.items()}
+        plan = runner.plan if runner else None
         with open(args.out, "w") as f:
             json.dump({"steps_per_s": args.steps / window["seconds"],
                        "bytes_per_step": per_step, "methods": methods,
-                       "network": runner.plan.network if runner else ""}, f)
+                       "choice": [dict(vars(c)) for c in plan.choice] if plan else [],
+                       "network": plan.network if plan else ""}, f)
 
 
 def keras_classifier(k, a):

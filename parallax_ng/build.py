@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from . import cluster
 from .config import Config, load_config
@@ -188,7 +189,15 @@ class Build:
         return manager.run(self.tg.ir, ctx), ctx, manager
 
 
-def get_runner(graph, resource_info=None, config=None):
+class Sample(NamedTuple):
+    """What a graph's placeholders are fed in its first step (a TF2 step's,
+    parallax_ng/tf2.py), so a job can measure that step before building
+    (`measure_job`): tensor name -> value."""
+    batch: dict           # a global batch (each replica's part is its 1/G)
+    fixed: dict           # fed as they are (the variables' initial values)
+
+
+def get_runner(graph, resource_info=None, config=None, sample: Sample | None = None):
     """`pn.get_runner`: resolve the job, load the graph (front end), and the
     Runner (`parallax-ng profile` measures the steps it asks for)."""
     from .graph import capture, frontend
@@ -197,14 +206,15 @@ def get_runner(graph, resource_info=None, config=None):
     profile_steps = capture.check(graph, resource_info, config)
     job = resolve(capture.resources(resource_info), capture.config(config))
     heartbeat.set_timeout(job.config.communication.timeout_seconds)
-    return runner(frontend.load(graph), job, profile_steps)
+    return runner(frontend.load(graph), job, profile_steps, sample)
 
 
-def runner(tg, job: Job, profile_steps: int = 0):
+def runner(tg, job: Job, profile_steps: int = 0, sample: Sample | None = None):
     """The Runner of `tg` for `job` (in a job, this worker's server started;
     a parameter-server task serves instead and never returns). With
     `profile_steps` (`parallax-ng plan --profile N`) the runner measures
-    that many steps and keeps its graph."""
+    that many steps and keeps its graph. `sample`: the first step's feeds,
+    which a job measures it with."""
     config = job.config
     if profile_steps:
         from .config import ProfileConfig
@@ -221,7 +231,7 @@ def runner(tg, job: Job, profile_steps: int = 0):
         check_devices(info.devices, f"worker {info.task} ({info.workers[info.task]})")
         server = info.start_server()
         build = Build(tg, job)
-        build.share(measure_job(build, server))
+        build.share(measure_job(build, server, sample=sample))
         sessions = info.session_config()
     else:
         check_devices(job.resources.hosts[0].devices)
@@ -245,7 +255,8 @@ def _runner(build: Build, sessions, server):
                   replan=build.plan, rebuild=rebuild)
 
 
-def measure_job(build: Build, server, profile_steps: int = 0) -> dict | None:
+def measure_job(build: Build, server, profile_steps: int = 0,
+                sample: Sample | None = None) -> dict | None:
     """In a job whose dense gradients go through fusion buffers or mgwfbp
     buckets, or whose plans hybrid or auto weigh (by the rows a step
     touches and the network, planning/choice.py): what worker 0's first
@@ -258,7 +269,9 @@ def measure_job(build: Build, server, profile_steps: int = 0) -> dict | None:
     worker (runtime/serving.py share), so all plan alike (the others take
     the same steps meanwhile, so the machine is shared as in training).
     None outside such a job. `profile_steps` (`parallax-ng profile` of a
-    job): measure that many steps and run the benchmark whatever the plan."""
+    job): measure that many steps and run the benchmark whatever the plan.
+    `sample`: the feeds the first step is measured with, one replica's
+    rows of the batch (its first 1/G)."""
     from .planning import choice, costfit
     from .planning.profile import first_step_profile
     from .runtime import serving
@@ -284,7 +297,12 @@ def measure_job(build: Build, server, profile_steps: int = 0) -> dict | None:
         trip = costfit.round_trip(server.target, info.server_devices()[0], info.host,
                                   info.session_config(), timeout)
     steps = profile_steps or config.profile.steps
-    profile, why = first_step_profile(tg, timeout, steps) if steps else (
+    feeds = {}
+    if sample is not None:
+        feeds = {name: value[:len(value) // plan.group_size] if getattr(value, "ndim", 0)
+                 else value for name, value in sample.batch.items()}
+        feeds.update(sample.fixed)
+    profile, why = first_step_profile(tg, timeout, steps, feeds) if steps else (
         None, "profile.steps is 0")
     mine = None
     if info.task == 0:

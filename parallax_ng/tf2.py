@@ -112,11 +112,14 @@ class StepFunction:
             self.runner.run(ops, feeds)
 
     def _build(self, args) -> None:
-        from .build import get_runner
+        from .build import Sample, get_runner
         from .graph.tracing import capture
         self._captured = cap = capture(self._fn, args)
         try:
-            self.runner = get_runner(cap.graph, self._resources, self._config)
+            sample = Sample({name + ":0": _array(leaf)
+                             for name, leaf in zip(cap.inputs, tf.nest.flatten(args))},
+                            cap.init_feeds)
+            self.runner = get_runner(cap.graph, self._resources, self._config, sample)
         except GraphError as e:
             if not str(e).startswith(NO_UPDATE):
                 raise

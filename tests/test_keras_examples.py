@@ -61,7 +61,8 @@ def test_example_convnet_with_dropout_trains():
 def test_example_transformer_in_a_two_worker_job_with_a_server_equals_one_device(tmp_path):
     """2 workers x 1 device and a parameter server (`hybrid`, sparse
     gradients pinned to `ps`: the token table on the server, its positions' rows summed row for row across the
-    workers there), `model.fit` on 5 global batches of 8: both workers end
+    workers there; the plan weighed with the rows the first batch touches),
+    `model.fit` on 5 global batches of 8: both workers end
     equal to one device, every weight and optimizer variable, 1e-5."""
     import json
     import os
@@ -83,6 +84,11 @@ def test_example_transformer_in_a_two_worker_job_with_a_server_equals_one_device
     plan = json.loads(str(workers[0]["plan"]))
     assert plan["token_and_position_embedding/embeddings"] == "ps"
     assert plan["token_and_position_embedding/embeddings_1"] == "alike ps"
+    # the job's first step was measured on the first batch (the step's
+    # arguments are fed), so the plan was weighed by the rows it touches
+    assert json.loads(str(workers[0]["sources"])) == {
+        "token_and_position_embedding/embeddings": "measured",
+        "token_and_position_embedding/embeddings_1": "measured"}
     model = ex.transformer_classifier(0.0)
     model.set_weights([workers[0][f"start{i}"] for i in range(len(model.weights))])
     model.compile(**ex.compile_args("transformer"))

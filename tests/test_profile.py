@@ -68,12 +68,11 @@ def test_replan_always_goes_on_in_a_new_graph_with_the_same_state():
     assert_one_device(got, clip=True, ema=True)
 
 
-def test_a_measured_decision_rebuilds_the_graph():
-    """A planner that all-gathers the embedding once its measured sparsity
-    is below the static estimate: the graph changes after the profile, and
-    training equals one device."""
+def emb_replanner(config):
+    """(replan, rebuild) of embedding_regression's graph: a planner that
+    all-gathers the embedding once its measured sparsity is below the
+    static estimate."""
     g, h = embedding_regression(4, "adagrad")
-    config = pn.load_config({"run_option": "hybrid"})
     built = build.Build(frontend.load(g), build.make(config, load_resources(local(2))))
 
     def replan(profile=None):
@@ -90,7 +89,14 @@ def test_a_measured_decision_rebuilds_the_graph():
     def rebuild(plan):
         ir, ctx, manager = built.rewrite(plan)
         return transformed(ir, ctx, config, manager.records)
+    return g, h, replan, rebuild
 
+
+def test_a_measured_decision_rebuilds_the_graph():
+    """The embedding all-gathered once measured: the graph changes after
+    the profile, and training equals one device."""
+    config = pn.load_config({"run_option": "hybrid"})
+    g, h, replan, rebuild = emb_replanner(config)
     with Runner(rebuild(replan()), config, session_config([("CPU", 0), ("CPU", 1)]),
                 replan=replan, rebuild=rebuild) as runner:
         assert runner.plan.variables["emb"].method == "ps"
@@ -98,6 +104,25 @@ def test_a_measured_decision_rebuilds_the_graph():
         assert runner.replans == 1 and runner.plan.variables["emb"].method == "allgather"
         ops = {n.type for n in runner.graph.get_operations()}
         assert "CollectiveGatherV2" in ops
+    assert_one_device(got, "adagrad")
+
+
+def test_a_kept_graph_keeps_its_decisions_in_the_plan():
+    """`profile.replan: never` and a measured plan that differs: the graph
+    stays, and `runner.plan` says what it runs (the embedding on the
+    server, with the measured rows), not what the measurements would
+    choose; training equals one device."""
+    config = pn.load_config({"run_option": "hybrid", "profile": {"replan": "never"}})
+    g, h, replan, rebuild = emb_replanner(config)
+    with Runner(rebuild(replan()), config, session_config([("CPU", 0), ("CPU", 1)]),
+                replan=replan, rebuild=rebuild) as runner:
+        first = runner.graph
+        got = train(runner, h, g)
+        assert runner.replans == 0 and runner.graph is first
+        assert replan(runner.profile).variables["emb"].method == "allgather"
+        emb = runner.plan.variables["emb"]
+        assert emb.method == "ps" and emb.info.alpha_source == "measured"
+        assert runner.plan.placement["emb"] != MIRRORED
     assert_one_device(got, "adagrad")
 
 

@@ -56,7 +56,10 @@ worker = step.runner.plan.worker
 step.sync()
 plan = {v: ("alike " if v in step.runner.ctx.tg.rows_alike else "") + vp.method
         for v, vp in step.runner.plan.variables.items()}
+sources = {v: vp.info.alpha_source for v, vp in step.runner.program.plan.variables.items()
+           if vp.info.sparse}          # the plan the graph was built with
 np.savez(f"{out}.{worker}.npz", plan=np.array(json.dumps(plan)),
+         sources=np.array(json.dumps(sources)),
          **{f"start{i}": w for i, w in enumerate(start)},
          **{f"w{i}": np.asarray(w) for i, w in enumerate(model.weights)},
          **{f"o{i}": np.asarray(v) for i, v in enumerate(optimizer.variables)})

@@ -231,7 +231,7 @@ def _loss(tg) -> str | None:
     return max(read, key=lambda n: (depth.get(n, -1), n), default=None)
 
 
-def first_step_profile(tg, timeout_seconds: float, steps: int = 1
+def first_step_profile(tg, timeout_seconds: float, steps: int = 1, feeds: dict | None = None
                        ) -> tuple[Profile | None, str]:
     """(profile, why not measured): when each trained variable's gradient
     became ready, the forward time and the distinct rows of sparse
@@ -241,7 +241,9 @@ def first_step_profile(tg, timeout_seconds: float, steps: int = 1
     in a session of its own on this process (its variables initialized, its
     iterators made, the gradients fetched; nothing is applied and nothing of
     a job's state is touched). Empty, with the reason, when that step would
-    need feeds or queue input, or when it fails: None with the reason."""
+    need feeds or queue input, or when it fails: None with the reason.
+    `feeds`: placeholder tensor name -> one replica's value (a TF2 step's
+    first batch, parallax_ng/tf2.py), fed to every run."""
     import statistics
     import time
 
@@ -251,7 +253,9 @@ def first_step_profile(tg, timeout_seconds: float, steps: int = 1
 
     heads = sorted({r.node for r in tg.gradient_tensors})
     ancestors = tg.ir.ancestors(heads)
-    fed = sorted(a for a in ancestors if tg.ir.node(a).op in ("Placeholder", "PlaceholderV2"))
+    feeds = dict(feeds or {})
+    fed = sorted(a for a in ancestors if tg.ir.node(a).op in ("Placeholder", "PlaceholderV2")
+                 and a + ":0" not in feeds)
     if fed:
         return None, f"the gradients need fed placeholders ({', '.join(fed[:3])})"
     if any(tg.ir.node(a).op.startswith(READ_PREFIXES) for a in ancestors):
@@ -277,12 +281,12 @@ def first_step_profile(tg, timeout_seconds: float, steps: int = 1
         return out
     try:
         with tf.compat.v1.Session(graph=graph, config=config) as session:
-            session.run(inits)
-            session.run(fetches, options=plain)    # warm-up: kernels made, caches filled
+            session.run(inits, feeds)
+            session.run(fetches, feeds, options=plain)   # warm-up: kernels, caches
             for _ in range(steps):
-                timed("plain", fetches, options=plain)
+                timed("plain", fetches, feeds, options=plain)
                 metadata = tf.compat.v1.RunMetadata()
-                got = timed("traced", [fetches, list(probe.values())], options=options,
+                got = timed("traced", [fetches, list(probe.values())], feeds, options=options,
                             run_metadata=metadata)
                 step = measure(tg, metadata, dict(zip(probe, got[1])))
                 profile = step if profile is None else profile.merge(step)

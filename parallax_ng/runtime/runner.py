@@ -230,8 +230,7 @@ class Runner:
                                                                         self.plan)),
                                       self._session_config, self.plan.timeout_seconds)
                 self.profile = replace(self.profile, allreduce=fit)
-            self._plan_again()
-            capture.profiled(self.plan, self.profile, self.ctx.tg)
+            capture.profiled(self._plan_again(), self.profile, self.ctx.tg)
 
     def _wants_fit(self) -> bool:
         """In-process with TensorFlow collectives over several devices, when
@@ -245,8 +244,11 @@ class Runner:
                  or self.config.run_option == "auto" and self.config.network.bandwidth is None
                  or capture.wants_fit()))
 
-    def _plan_again(self) -> None:
-        """Plan with the measurements; transform again if the decisions change."""
+    def _plan_again(self):
+        """Plan with the measurements; transform again if the decisions
+        change. Returns the measured plan. Where the graph stays, `plan`
+        keeps the decisions the graph was built with (and gets the
+        measurements), so it says what runs."""
         if self._replan is None:
             plan = _measured_plan(self.plan, self.profile, self.ctx.tg)
         else:
@@ -258,9 +260,11 @@ class Runner:
             if why and how != "never" and (how == "always" or not same):
                 warnings.warn(f"the measured plan differs but training goes on with the "
                               f"graph it has: {why}", stacklevel=4)
-            self.plan = self.ctx.plan = plan
-            return
+            self.plan = self.ctx.plan = plan if same else \
+                _measured_plan(self.plan, self.profile, self.ctx.tg)
+            return plan
         self._move_to(self._rebuild(plan))
+        return plan
 
     def _cannot_move_state(self) -> str | None:
         """Why training cannot go on in a new session with the same state."""
@@ -294,7 +298,8 @@ class Runner:
             except tf.errors.OpError as e:
                 self.session.close()
                 self.__dict__.update(before)
-                self.plan = self.ctx.plan = program.plan
+                self.plan = self.ctx.plan = _measured_plan(self.plan, self.profile,
+                                                           self.ctx.tg)
                 warnings.warn("the measured plan differs but training goes on with the "
                               f"graph it has: moving its state failed ({e.message})",
                               stacklevel=5)
