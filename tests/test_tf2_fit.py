@@ -180,3 +180,114 @@ def test_fit_stopped_and_started_again_from_its_checkpoint_equals_one_run(tmp_pa
         np.testing.assert_allclose(again[f"w{i}"], np.asarray(v), atol=1e-5, rtol=0)
     for i, v in enumerate(single.optimizer.variables):
         np.testing.assert_allclose(again[f"o{i}"], np.asarray(v), atol=1e-5, rtol=0)
+
+
+def bn_model(lib, conv: bool):
+    lib.utils.set_random_seed(1)
+    first = [lib.layers.Conv2D(4, 3, padding="same")] if conv else [lib.layers.Dense(8)]
+    model = lib.Sequential([lib.Input((4, 4, 2) if conv else (6,)), *first,
+                            lib.layers.BatchNormalization(momentum=0.9, epsilon=1e-3),
+                            lib.layers.Activation("relu"), lib.layers.Flatten(),
+                            lib.layers.Dense(1)])
+    model.compile(optimizer=lib.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    return model
+
+
+def bn_data(conv: bool, rows: int):
+    rng = np.random.default_rng(0)
+    x = (rng.normal(size=(rows, *((4, 4, 2) if conv else (6,)))) * 3 + 1).astype(np.float32)
+    return x, rng.normal(size=(rows, 1)).astype(np.float32)
+
+
+def ghost_batches(model, x, y, batch, parts, bessel):
+    """One device training `model` on `batch` rows a step, its
+    BatchNormalization normalizing each of `parts` equal slices of the batch
+    by the slice's own mean and variance, and its moving statistics moved
+    by the slices' average (variances times n/(n-1) with `bessel`, as
+    TensorFlow's fused kernel keeps them)."""
+    import tensorflow as tf
+    first, bn, *rest = model.layers
+    n = batch // parts
+    for s in range(len(x) // batch):
+        xb, yb = x[s * batch:(s + 1) * batch], y[s * batch:(s + 1) * batch]
+        with tf.GradientTape() as tape:
+            h = first(xb)
+            axes = list(range(len(h.shape) - 1))
+            outs, means, variances = [], [], []
+            for k in range(parts):
+                part = h[k * n:(k + 1) * n]
+                mean, variance = tf.nn.moments(part, axes=axes)
+                count = int(np.prod(part.shape[:-1]))
+                means.append(mean)
+                variances.append(variance * count / (count - 1) if bessel else variance)
+                outs.append((part - mean) * tf.math.rsqrt(variance + bn.epsilon) * bn.gamma
+                            + bn.beta)
+            out = tf.concat(outs, 0)
+            for layer in rest:
+                out = layer(out)
+            loss = tf.reduce_mean(tf.square(out - yb))
+        variables = model.trainable_variables
+        model.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        for stat, got in ((bn.moving_mean, means), (bn.moving_variance, variances)):
+            stat.assign(stat * bn.momentum + tf.add_n(got) / parts * (1 - bn.momentum))
+
+
+@pytest.mark.parametrize("lib, conv, bessel", [("keras", False, False),
+                                               ("keras", True, False),
+                                               ("tf_keras", False, False),
+                                               ("tf_keras", True, True)],
+                         ids=["keras3-dense", "keras3-conv", "tf_keras-dense",
+                              "tf_keras-conv-fused"])
+def test_batchnorm_normalizes_each_replicas_rows_as_ghost_batches_of_one_device(lib, conv,
+                                                                                 bessel):
+    """As docs/limits.md states: in training each replica normalizes its
+    rows by their own statistics (as MultiWorkerMirroredStrategy without
+    SyncBatchNorm), and the moving statistics move by the replicas'
+    average. 2 replicas with the global batch equal one device whose
+    BatchNormalization does that on the batch's two halves ("ghost
+    batches"), every weight, moving statistic and slot, 1e-5 after 4 steps
+    (tf_keras on 4-d input runs TensorFlow's fused kernel, whose moving
+    variance is the unbiased one)."""
+    import importlib
+    keras_lib = importlib.import_module(lib)
+    x, y = bn_data(conv, 64)
+    single, parallel = bn_model(keras_lib, conv), bn_model(keras_lib, conv)
+    ghost_batches(single, x, y, BATCH, 2, bessel)
+    pn.parallelize(parallel, local(2))
+    parallel.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    check(parallel, single)
+    ops = {op.type for op in parallel._parallax_ng.step._captured.graph.get_operations()}
+    assert ("FusedBatchNormV3" in ops) == bessel
+    moving = [w for w in parallel.weights if "moving" in getattr(w, "path", w.name)]
+    assert len(moving) == 2 and not np.allclose(np.asarray(moving[1]), 1.0)
+
+
+def test_batchnorm_in_a_two_worker_job_equals_ghost_batches_of_one_device(tmp_path):
+    """The same in a job of 2 workers x 1 device (Keras 3, `model.fit`, 5
+    global batches of 16): the moving statistics are averaged across the
+    workers; both equal the one-device ghost batches, 1e-5."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / "resources.yaml"
+    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2)
+    out = str(tmp_path / "vars")
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax_ng", "run", os.path.join(root, "tests",
+                                                                 "tf2_job_script.py"),
+         "-r", str(path), "--", out, "5", "--bn"], capture_output=True, text=True,
+        timeout=300, env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
+    single = bn_model(keras, False)
+    single.set_weights([workers[0][f"start{i}"] for i in range(len(single.weights))])
+    x, y = bn_data(False, 5 * BATCH)
+    ghost_batches(single, x, y, BATCH, 2, False)
+    for w in workers:
+        for i, v in enumerate(single.weights):
+            np.testing.assert_allclose(w[f"w{i}"], np.asarray(v), atol=1e-5, rtol=0,
+                                       err_msg=v.path)
+        for i, v in enumerate(single.optimizer.variables):
+            np.testing.assert_allclose(w[f"o{i}"], np.asarray(v), atol=1e-5, rtol=0,
+                                       err_msg=v.path)

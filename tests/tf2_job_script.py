@@ -3,14 +3,15 @@
 own, unseeded) and the model's and optimizer's variables after training
 (after `step.sync()`) to OUT.<worker>.npz.
 
-    python tf2_job_script.py OUT STEPS [--fit | --example NAME]
+    python tf2_job_script.py OUT STEPS [--fit | --example NAME | --bn]
 
 With --fit, `pn.parallelize(model)` and `model.fit` on the global batches
 (STEPS batches of 8 rows, one epoch) instead of a custom loop; with
 --example NAME, the same with a model of tests/keras_examples.py (dropout
 off), run option `hybrid` with sparse gradients pinned to the server
 (hybrid weighs ps against allgather by the measured network, which differs
-between machines).
+between machines); with --bn, test_tf2_fit's BatchNormalization model by
+`model.fit` on STEPS global batches of 16.
 """
 import json
 import os
@@ -37,8 +38,17 @@ if "--example" in sys.argv:
     optimizer, config = args["optimizer"], {"sparse_method": "ps"}
     model.compile(**args)
     x, y = ex.data(name, steps * 8)
+if "--bn" in sys.argv:
+    from test_tf2_fit import BATCH, bn_data, bn_model
+    model = bn_model(keras, False)
+    optimizer, config = model.optimizer, None
+    x, y = bn_data(False, steps * BATCH)
 start = model.get_weights()
-if "--example" in sys.argv:
+if "--bn" in sys.argv:
+    pn.parallelize(model, None, config)
+    model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    step = model._parallax_ng.step
+elif "--example" in sys.argv:
     pn.parallelize(model, None, config)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     step = model._parallax_ng.step
