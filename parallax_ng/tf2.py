@@ -26,6 +26,8 @@ them. `runner` is the Runner (its `plan`, `save`, checkpoints).
 """
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from .errors import ConfigError, FetchError, GraphError
@@ -183,6 +185,18 @@ class KerasFit:
         self.step = StepFunction(model.train_step, resource_info, config)
         self.step.built.append(self._metrics_reset)   # not a checkpoint's totals
         self._rate = None
+        self.batch_sync = False
+
+    def fit(self, fit, *args, **kwargs):
+        """`model.fit`, the model written after every batch when one of its
+        callbacks reads the weights there (`reads_weights_per_batch`)."""
+        import inspect
+        given = inspect.signature(fit).bind_partial(*args, **kwargs).arguments
+        self.batch_sync = any(reads_weights_per_batch(c) for c in given.get("callbacks") or ())
+        try:
+            return fit(*args, **kwargs)
+        finally:
+            self.batch_sync = False
 
     def make_train_function(self, force: bool = False):
         """Keras 3 calls it and reads `train_function`; tf_keras uses what it returns."""
@@ -201,6 +215,8 @@ class KerasFit:
                 break
             self._push_rate()
             logs = self.step(data)
+        if self.batch_sync:           # a callback reads the weights after every batch
+            self.step.sync()
         return logs
 
     def _steps_per_call(self) -> int:
@@ -238,6 +254,30 @@ class KerasFit:
             self._rate = value
 
 
+# Keras's own callbacks that read the model's weights at batch ends when
+# saving every `save_freq` batches (others there read only the logs).
+SAVING = ("ModelCheckpoint", "BackupAndRestore", "OrbaxCheckpoint",
+          "SidecarEvaluatorModelExport")
+BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+
+
+def reads_weights_per_batch(callback) -> bool:
+    """Whether `callback` may read the model's weights between a fit's
+    batches: Keras's savers with an integer `save_freq`, a LambdaCallback
+    given a batch hook, and any other class of the program's that
+    overrides a batch hook (Keras's ProgbarLogger, TensorBoard,
+    TerminateOnNaN, ... read only the logs)."""
+    cls = type(callback)
+    if cls.__module__.split(".")[0] not in ("keras", "tf_keras"):
+        base = next((c for c in cls.__mro__ if c.__name__ == "Callback" and
+                     c.__module__.split(".")[0] in ("keras", "tf_keras")), object)
+        return any(getattr(cls, h, None) is not getattr(base, h, None) for h in BATCH_HOOKS)
+    if cls.__name__ == "LambdaCallback":
+        return any(h in vars(callback) for h in BATCH_HOOKS)
+    return any(c.__name__ in SAVING for c in cls.__mro__) and \
+        isinstance(getattr(callback, "save_freq", "epoch"), int)
+
+
 def parallelize(model, resource_info=None, config=None):
     """`model.fit` data-parallel (after `model.compile(...)`): its batches are
     global batches, each replica takes its part. Returns the model."""
@@ -246,6 +286,7 @@ def parallelize(model, resource_info=None, config=None):
         raise ConfigError("pn.parallelize takes a compiled model: call model.compile("
                           "optimizer=..., loss=...) first")
     fit = KerasFit(model, resource_info, config)
+    model.fit = functools.partial(fit.fit, type(model).fit.__get__(model))
     model.make_train_function = fit.make_train_function
     model.reset_metrics = fit.reset_metrics
     model._get_metrics_result_or_logs = fit.epoch_logs          # Keras 3

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import parallax_ng as pn
+from parallax_ng import tf2
 from models import local
 from test_tf2 import check_equal, tf_keras_dense
 
@@ -291,3 +292,54 @@ def test_batchnorm_in_a_two_worker_job_equals_ghost_batches_of_one_device(tmp_pa
         for i, v in enumerate(single.optimizer.variables):
             np.testing.assert_allclose(w[f"o{i}"], np.asarray(v), atol=1e-5, rtol=0,
                                        err_msg=v.path)
+
+
+class Recorder:
+    """A callback class of the program's: the first weight after every batch."""
+    def __init__(self, lib):
+        class Record(lib.callbacks.Callback):
+            def on_train_batch_end(inner, batch, logs=None):
+                self.seen.append(np.array(inner.model.weights[0]))
+        self.seen, self.callback = [], Record()
+
+
+@pytest.mark.parametrize("lib", ["keras", "tf_keras"])
+def test_batch_level_callbacks_see_each_batchs_weights(tmp_path, lib):
+    """A callback of the program's that reads the weights after every
+    batch, and ModelCheckpoint saving every 2 batches: they see what one
+    device has after that batch (the model is written after every batch
+    then, and not when no callback reads weights there)."""
+    import importlib
+    k = importlib.import_module(lib)
+    parallel, single = bn_model(k, False), bn_model(k, False)
+    x, y = bn_data(False, 64)
+    (tmp_path / "p").mkdir()
+    (tmp_path / "s").mkdir()
+    suffix = ".weights.h5" if lib == "keras" else ".h5"
+    seen = {}
+    for name, model in (("p", parallel), ("s", single)):
+        model.layers[1].trainable = False           # no ghost batches: one device's math
+        model.compile(optimizer=k.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+        if name == "p":
+            pn.parallelize(model, local(2))
+        record = Recorder(k)
+        save = k.callbacks.ModelCheckpoint(str(tmp_path / name / ("b{batch}" + suffix)),
+                                           save_weights_only=True, save_freq=2)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[record.callback, save])
+        seen[name] = record.seen
+    assert len(seen["p"]) == len(seen["s"]) == 4
+    for got, want in zip(seen["p"], seen["s"]):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert not np.allclose(seen["p"][0], seen["p"][-1])
+    for batch in (2, 4):
+        p, s = bn_model(k, False), bn_model(k, False)
+        p.load_weights(str(tmp_path / "p" / f"b{batch}{suffix}"))
+        s.load_weights(str(tmp_path / "s" / f"b{batch}{suffix}"))
+        for a, b in zip(p.weights, s.weights):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    assert not parallel._parallax_ng.batch_sync       # only during that fit
+    assert not tf2.reads_weights_per_batch(k.callbacks.ModelCheckpoint("m" + suffix))
+    assert not tf2.reads_weights_per_batch(k.callbacks.TerminateOnNaN())
+    assert tf2.reads_weights_per_batch(k.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: None))
