@@ -11,7 +11,8 @@ gives and where this process runs) are the foundation; graph/ reads and
 writes the user's graph, comm/ lowers collectives, planning/ decides,
 pipeline/ runs the passes (the package `transforms`), runtime/ drives the
 result, l2l/ is layer-to-layer execution, build.py is the one path from a
-graph to a Runner, tf2.py brings TF2 steps onto it, and tools/ is the
+graph to a Runner, tf2.py brings TF2 steps onto it (keras_fit.py Keras's
+fit, evaluate and predict), and tools/ is the
 command line and the launcher.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ def __getattr__(name):
         from .tf2 import function
         return function
     if name == "parallelize":
-        from .tf2 import parallelize
+        from .keras_fit import parallelize
         return parallelize
     raise AttributeError(f"module 'parallax_ng' has no attribute {name!r}")
 

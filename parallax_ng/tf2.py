@@ -26,8 +26,7 @@ them. `runner` is the Runner (its `plan`, `save`, checkpoints).
 """
 from __future__ import annotations
 
-import functools
-
+import numpy as np
 import tensorflow as tf
 
 from .errors import ConfigError, FetchError, GraphError
@@ -36,11 +35,15 @@ from .graph.tracing import tf_variable
 
 
 class StepFunction:
-    def __init__(self, fn, resource_info=None, config=None):
+    def __init__(self, fn, resource_info=None, config=None, parts=None):
+        """`parts`: args -> {name: (function, its args)}, functions traced
+        with the step (on the first call's args) that `run_part` runs on the
+        replicas (KerasFit's test_step and predict_step)."""
         if not callable(fn):
             raise ConfigError(f"pn.function takes the training step function, not a "
                               f"{type(fn).__name__}")
         self._fn, self._resources, self._config = fn, resource_info, config
+        self._parts = parts
         self.runner = None
         self._captured = None
         self._pushes: dict = {}          # graph variable -> (placeholder, assign op)
@@ -54,12 +57,40 @@ class StepFunction:
         if len(leaves) != len(cap.inputs):
             raise ConfigError(f"the step was traced with {len(cap.inputs)} batch tensors and "
                               f"is called with {len(leaves)}; call it as it was first called")
+        return self._run(cap.train, cap.inputs, cap.outputs, leaves, per_replica)
+
+    def _run(self, op, inputs, outputs, leaves, per_replica):
         feeds = {name + ":0": self._mine(i, _array(leaf))
-                 for i, (name, leaf) in enumerate(zip(cap.inputs, leaves))}
-        if cap.outputs is None:          # the step returns nothing
-            self.runner.run(cap.train, feeds)
+                 for i, (name, leaf) in enumerate(zip(inputs, leaves))}
+        if outputs is None:              # it returns nothing
+            self.runner.run(op, feeds)
             return None
-        return self.runner.run([cap.train, cap.outputs], feeds, per_replica=per_replica)[1]
+        return self.runner.run([op, outputs], feeds, per_replica=per_replica)[1]
+
+    def fits(self, name: str, args) -> bool:
+        """Whether part `name` (built with the step) takes `args`: the leaves
+        it was traced with (dtype, shape past the batch dimension), and a
+        batch every replica gets an equal part of."""
+        if self.runner is None or name not in self._captured.parts:
+            return False
+        graph, inputs = self._captured.graph, self._captured.parts[name].inputs
+        leaves = [_array(leaf) for leaf in tf.nest.flatten(args)]
+        if len(leaves) != len(inputs):
+            return False
+        for placeholder, leaf in zip(inputs, leaves):
+            t = graph.get_tensor_by_name(placeholder + ":0")
+            if np.ndim(leaf) == 0 or tf.as_dtype(np.asarray(leaf).dtype) != t.dtype or \
+                    list(np.shape(leaf)[1:]) != t.shape.as_list()[1:] or \
+                    len(leaf) % self.runner.plan.group_size:
+                return False
+        return True
+
+    def run_part(self, name: str, args, per_replica: bool = False):
+        """Part `name` on the replicas, each on its part of the global batch
+        `args` (`fits` says whether it can)."""
+        part = self._captured.parts[name]
+        return self._run(part.run, part.inputs, part.outputs, tf.nest.flatten(args),
+                         per_replica)
 
     def _mine(self, i: int, batch):
         """This worker's rows of a global batch (in a job, every worker is
@@ -113,10 +144,16 @@ class StepFunction:
         if ops:
             self.runner.run(ops, feeds)
 
+    def build(self, args) -> None:
+        """Trace the step on `args` and make its runner, if not yet done."""
+        if self.runner is None:
+            self._build(args)
+
     def _build(self, args) -> None:
         from .build import Sample, get_runner
         from .graph.tracing import capture
-        self._captured = cap = capture(self._fn, args)
+        self._captured = cap = capture(self._fn, args,
+                                       self._parts(args) if self._parts else None)
         try:
             sample = Sample({name + ":0": _array(leaf)
                              for name, leaf in zip(cap.inputs, tf.nest.flatten(args))},
@@ -171,125 +208,3 @@ def function(fn, resource_info=None, config=None) -> StepFunction:
 
 def _array(leaf):
     return leaf.numpy() if hasattr(leaf, "numpy") else leaf
-
-
-class KerasFit:
-    """`model.fit` on the runner: Keras's loop, callbacks and progress bar
-    as they are, each step (`train_function`) a data-parallel step of the
-    model's `train_step`; the program's variables written back at the end
-    of every epoch (before validation and the epoch's callbacks) and read
-    again at the start of every `fit` and after a metric reset."""
-
-    def __init__(self, model, resource_info, config):
-        self.model = model
-        self.step = StepFunction(model.train_step, resource_info, config)
-        self.step.built.append(self._metrics_reset)   # not a checkpoint's totals
-        self._rate = None
-        self.batch_sync = False
-
-    def fit(self, fit, *args, **kwargs):
-        """`model.fit`, the model written after every batch when one of its
-        callbacks reads the weights there (`reads_weights_per_batch`)."""
-        import inspect
-        given = inspect.signature(fit).bind_partial(*args, **kwargs).arguments
-        self.batch_sync = any(reads_weights_per_batch(c) for c in given.get("callbacks") or ())
-        try:
-            return fit(*args, **kwargs)
-        finally:
-            self.batch_sync = False
-
-    def make_train_function(self, force: bool = False):
-        """Keras 3 calls it and reads `train_function`; tf_keras uses what it returns."""
-        self.step.push(self.model.variables + self._optimizer_variables())
-        self.model.train_function = self.train_function
-        return self.train_function
-
-    def train_function(self, iterator):
-        logs = None
-        for k in range(self._steps_per_call()):
-            try:
-                data = next(iterator)
-            except (StopIteration, tf.errors.OutOfRangeError):
-                if k == 0:
-                    raise StopIteration from None
-                break
-            self._push_rate()
-            logs = self.step(data)
-        if self.batch_sync:           # a callback reads the weights after every batch
-            self.step.sync()
-        return logs
-
-    def _steps_per_call(self) -> int:
-        """Batches Keras expects one call to take (`steps_per_execution`)."""
-        spe = getattr(self.model, "_steps_per_execution", None)     # tf_keras: a variable
-        if spe is None or isinstance(spe, int):
-            spe = getattr(self.model, "steps_per_execution", 1)
-        return max(int(_array(spe) or 1), 1)
-
-    def epoch_logs(self, logs):
-        """The step's logs (cumulative, as Keras's metrics are) once the
-        program holds the trained values."""
-        self.step.sync()
-        return logs
-
-    def reset_metrics(self) -> None:
-        type(self.model).reset_metrics(self.model)
-        self._metrics_reset()
-
-    def _metrics_reset(self) -> None:
-        self.step.push([v for m in self.model.metrics for v in m.variables])
-
-    def _optimizer_variables(self) -> list:
-        opt = self.model.optimizer
-        return list(getattr(opt, "variables", []) or [])
-
-    def _push_rate(self) -> None:
-        """A learning rate a callback changed (LearningRateScheduler)."""
-        rate = getattr(self.model.optimizer, "learning_rate", None)
-        if not isinstance(rate, tf.Variable) and not hasattr(rate, "_value"):
-            return
-        value = float(_array(rate))
-        if value != self._rate:
-            self.step.push([rate])
-            self._rate = value
-
-
-# Keras's own callbacks that read the model's weights at batch ends when
-# saving every `save_freq` batches (others there read only the logs).
-SAVING = ("ModelCheckpoint", "BackupAndRestore", "OrbaxCheckpoint",
-          "SidecarEvaluatorModelExport")
-BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
-
-
-def reads_weights_per_batch(callback) -> bool:
-    """Whether `callback` may read the model's weights between a fit's
-    batches: Keras's savers with an integer `save_freq`, a LambdaCallback
-    given a batch hook, and any other class of the program's that
-    overrides a batch hook (Keras's ProgbarLogger, TensorBoard,
-    TerminateOnNaN, ... read only the logs)."""
-    cls = type(callback)
-    if cls.__module__.split(".")[0] not in ("keras", "tf_keras"):
-        base = next((c for c in cls.__mro__ if c.__name__ == "Callback" and
-                     c.__module__.split(".")[0] in ("keras", "tf_keras")), object)
-        return any(getattr(cls, h, None) is not getattr(base, h, None) for h in BATCH_HOOKS)
-    if cls.__name__ == "LambdaCallback":
-        return any(h in vars(callback) for h in BATCH_HOOKS)
-    return any(c.__name__ in SAVING for c in cls.__mro__) and \
-        isinstance(getattr(callback, "save_freq", "epoch"), int)
-
-
-def parallelize(model, resource_info=None, config=None):
-    """`model.fit` data-parallel (after `model.compile(...)`): its batches are
-    global batches, each replica takes its part. Returns the model."""
-    if not getattr(model, "compiled", getattr(model, "_is_compiled", False)) or \
-            getattr(model, "optimizer", None) is None:
-        raise ConfigError("pn.parallelize takes a compiled model: call model.compile("
-                          "optimizer=..., loss=...) first")
-    fit = KerasFit(model, resource_info, config)
-    model.fit = functools.partial(fit.fit, type(model).fit.__get__(model))
-    model.make_train_function = fit.make_train_function
-    model.reset_metrics = fit.reset_metrics
-    model._get_metrics_result_or_logs = fit.epoch_logs          # Keras 3
-    model._validate_and_get_metrics_result = fit.epoch_logs     # tf_keras
-    model._parallax_ng = fit
-    return model

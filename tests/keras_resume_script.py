@@ -1,9 +1,9 @@
 """`model.fit` under `pn.parallelize` with `checkpoint.dir`, as one run of a
-program that is stopped and started again (tests/test_tf2_fit.py):
+program that is stopped and started again (tests/test_keras_fit.py):
 
     python keras_resume_script.py OUT CHECKPOINT_DIR EPOCHS INITIAL_EPOCH
 
-Builds test_tf2_fit's model and optimizer (the same names in every run),
+Builds test_keras_fit's model and optimizer (the same names in every run),
 fits the test's data to EPOCHS from INITIAL_EPOCH on 2 local replicas,
 checkpointing every epoch (5 steps), and saves the starting weights, the
 trained weights and the optimizer's variables to OUT.npz.
@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 
 import parallax_ng as pn  # noqa: E402
 from models import local  # noqa: E402
-from test_tf2_fit import BATCH, data, make  # noqa: E402
+from test_keras_fit import BATCH, data, make  # noqa: E402
 
 out, directory, epochs, initial = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 model = make()

@@ -62,7 +62,7 @@ def test_example_transformer_in_a_two_worker_job_with_a_server_equals_one_device
     """2 workers x 1 device and a parameter server (`hybrid`, sparse
     gradients pinned to `ps`: the token table on the server, its positions' rows summed row for row across the
     workers there; the plan weighed with the rows the first batch touches),
-    `model.fit` on 5 global batches of 8: both workers end
+    `model.fit` on 5 global batches of 8, then `evaluate` on the replicas: both workers end
     equal to one device, every weight and optimizer variable, 1e-5."""
     import json
     import os
@@ -94,7 +94,10 @@ def test_example_transformer_in_a_two_worker_job_with_a_server_equals_one_device
     model.compile(**ex.compile_args("transformer"))
     x, y = ex.data("transformer", 40)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    want = model.evaluate(x, y, batch_size=8, verbose=0)     # the trained model's
     for w in workers:
+        np.testing.assert_allclose(w["evaluated"], want, atol=1e-5, rtol=0)
+        assert json.loads(str(w["on_model"])) == {}         # every batch on the replicas
         for i, v in enumerate(model.weights):
             np.testing.assert_allclose(w[f"w{i}"], np.asarray(v), atol=1e-5, rtol=1e-5,
                                        err_msg=v.path)

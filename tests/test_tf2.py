@@ -1,6 +1,7 @@
 """TF2 custom training loops (`pn.function`): N replicas with a global batch
 equal one device with it, every variable and optimizer slot, 1e-5 after 10
 steps; Keras 3 and tf_keras models and optimizers; an embedding stays sparse."""
+import json
 import os
 
 import keras            # Keras 3 by name (tf.keras follows TF_USE_LEGACY_KERAS, which
@@ -169,7 +170,10 @@ def test_a_two_worker_job_equals_one_device(tmp_path, how):
     each), by a custom loop (`pn.function`) or `model.fit`
     (`pn.parallelize`); their starting weights differ (unseeded) and worker
     0's are broadcast; both end equal to one device with the global batch
-    after 5 steps, every weight and optimizer variable, 1e-5."""
+    after 5 steps, every weight and optimizer variable, 1e-5. After `fit`,
+    `evaluate` (on the replicas but its last batch, which 2 do not divide)
+    and `predict` (on the model: each worker holds only its rows) equal
+    one device's."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -198,6 +202,15 @@ def test_a_two_worker_job_equals_one_device(tmp_path, how):
             np.testing.assert_allclose(w[f"w{i}"], np.asarray(v), atol=1e-5, rtol=0)
         for i, v in enumerate(optimizer.variables):
             np.testing.assert_allclose(w[f"o{i}"], np.asarray(v), atol=1e-5, rtol=0)
+    if how == "fit":        # evaluate on the replicas, predict on the model
+        model.compile(loss="mse", metrics=["mae"])
+        want = model.evaluate(x.reshape(-1, 5)[:43], y.reshape(-1, 1)[:43], batch_size=8,
+                              verbose=0)
+        predicted = model.predict(x.reshape(-1, 5)[:43], batch_size=8, verbose=0)
+        for w in workers:
+            np.testing.assert_allclose(w["evaluated"], want, atol=1e-5, rtol=0)
+            np.testing.assert_allclose(w["predicted"], predicted, atol=1e-5, rtol=0)
+            assert json.loads(str(w["on_model"])) == {"test": 1, "predict": 6}
 
 
 def test_slots_made_before_the_capture_still_belong_to_their_variables():

@@ -6,11 +6,12 @@ own, unseeded) and the model's and optimizer's variables after training
     python tf2_job_script.py OUT STEPS [--fit | --example NAME | --bn]
 
 With --fit, `pn.parallelize(model)` and `model.fit` on the global batches
-(STEPS batches of 8 rows, one epoch) instead of a custom loop; with
+(STEPS batches of 8 rows, one epoch) instead of a custom loop, then
+`evaluate` and `predict` (saved); with
 --example NAME, the same with a model of tests/keras_examples.py (dropout
 off), run option `hybrid` with sparse gradients pinned to the server
 (hybrid weighs ps against allgather by the measured network, which differs
-between machines); with --bn, test_tf2_fit's BatchNormalization model by
+between machines); with --bn, test_keras_fit's BatchNormalization model by
 `model.fit` on STEPS global batches of 16.
 """
 import json
@@ -30,6 +31,7 @@ model = keras3_dense()                      # unseeded: worker 0's values are br
 optimizer = keras.optimizers.Adam(0.01)
 x, y = data()
 config = {"run_option": "allreduce"}
+extra = {}
 if "--example" in sys.argv:
     import keras_examples as ex
     name = sys.argv[sys.argv.index("--example") + 1]
@@ -39,7 +41,7 @@ if "--example" in sys.argv:
     model.compile(**args)
     x, y = ex.data(name, steps * 8)
 if "--bn" in sys.argv:
-    from test_tf2_fit import BATCH, bn_data, bn_model
+    from test_keras_fit import BATCH, bn_data, bn_model
     model = bn_model(keras, False)
     optimizer, config = model.optimizer, None
     x, y = bn_data(False, steps * BATCH)
@@ -52,12 +54,20 @@ elif "--example" in sys.argv:
     pn.parallelize(model, None, config)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     step = model._parallax_ng.step
+    extra = {"evaluated": np.array(model.evaluate(x, y, batch_size=8, verbose=0)),
+             "on_model": np.array(json.dumps(model._parallax_ng.on_model))}
 elif "--fit" in sys.argv:
-    model.compile(optimizer=optimizer, loss="mse")
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
     pn.parallelize(model, None, config)
     model.fit(x[:steps].reshape(-1, 5), y[:steps].reshape(-1, 1), batch_size=8, epochs=1,
               shuffle=False, verbose=0)
     step = model._parallax_ng.step
+    # evaluate on the replicas (its last batch of 3 rows on the model), predict on the model
+    evaluated = model.evaluate(x.reshape(-1, 5)[:43], y.reshape(-1, 1)[:43], batch_size=8,
+                               verbose=0)
+    predicted = model.predict(x.reshape(-1, 5)[:43], batch_size=8, verbose=0)
+    extra = {"evaluated": np.array(evaluated), "predicted": predicted,
+             "on_model": np.array(json.dumps(model._parallax_ng.on_model))}
 else:
     step = pn.function(step_of(model, optimizer), None, config)
     for k in range(steps):
@@ -72,5 +82,5 @@ np.savez(f"{out}.{worker}.npz", plan=np.array(json.dumps(plan)),
          sources=np.array(json.dumps(sources)),
          **{f"start{i}": w for i, w in enumerate(start)},
          **{f"w{i}": np.asarray(w) for i, w in enumerate(model.weights)},
-         **{f"o{i}": np.asarray(v) for i, v in enumerate(optimizer.variables)})
+         **{f"o{i}": np.asarray(v) for i, v in enumerate(optimizer.variables)}, **extra)
 print(f"worker {worker} of {step.runner.plan.num_workers}: done", flush=True)

@@ -19,7 +19,13 @@ Guarantees: a `Captured` whose `graph` holds
 - the step's ops, nested function calls inlined and tf.cond / while_loop
   lowered (Switch/Merge), names as traced (GradientTape's `gradient_tape/`);
 - `outputs`: fn's return value as tensor names, in its structure; `train`:
-  an op that runs the whole step (every stateful op of the trace).
+  an op that runs the whole step (every stateful op of the trace);
+- with `parts` ({name: (function, args)}, e.g. Keras's test_step and
+  predict_step), each function traced on its own and imported beside the
+  step under the scope `parallax_part_<name>`, with its own placeholders
+  (numbered after the step's), outputs and run op (`Captured.parts`),
+  sharing the step's variables; a part whose trace fails is left out
+  (`Captured.failed` says why).
 `variables` maps each graph variable to the program's tf.Variable;
 A tensor the step captures (a NumPy array in its closure) becomes a
 constant. A step that needs what cannot be rebuilt (a resource that is not
@@ -37,6 +43,16 @@ import tensorflow as tf
 from ..errors import GraphError
 
 INPUT = "parallax_input_{}"
+PART = "parallax_part_{}"           # the name scope of a part's ops (`capture`'s parts)
+
+
+@dataclass
+class Part:
+    """A function traced beside the step (`capture`'s parts: Keras's
+    test_step and predict_step), run by its own op on its own inputs."""
+    inputs: list[str]                  # placeholder names, in the order of its args' leaves
+    outputs: object                    # its return structure, tensor names as leaves
+    run: str                           # op that runs it (its outputs and stateful ops)
 
 
 @dataclass
@@ -50,11 +66,35 @@ class Captured:
     init: str                          # op that initializes every variable
     init_feeds: dict = field(default_factory=dict)   # placeholder name -> value
     optimizers: set = field(default_factory=set)     # classes that made slots in the trace
+    parts: dict = field(default_factory=dict)        # name -> Part
+    failed: dict = field(default_factory=dict)       # part that could not be traced -> why
 
 
-def capture(fn, args: tuple) -> Captured:
+def capture(fn, args: tuple, parts: dict | None = None) -> Captured:
+    parts = dict(parts or {})
+    with _slots_recorded() as owners:
+        pieces = [_piece(_trace(fn, args, 0, "the step"))]
+    first, traced, failed = len(tf.nest.flatten(args)), [], {}
+    for name, (part, part_args) in parts.items():
+        try:
+            pieces.append(_piece(_trace(part, part_args, first, f"its {name} function")))
+        except Exception as e:         # a part is optional: its calls go elsewhere
+            failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            continue
+        traced.append(name)
+        first += len(tf.nest.flatten(part_args))
+    captured = _rebuild(pieces, owners, traced)
+    captured.optimizers = set(_MAKERS)
+    captured.failed = failed
+    return captured
+
+
+def _trace(fn, args: tuple, first: int, what: str):
+    """`fn`'s concrete function on `args`' specs (their leaves numbered from
+    `first`), traced twice: a trace that makes variables, or a second one
+    that differs from the first, is a GraphError."""
     python = getattr(fn, "python_function", fn)
-    specs = [_spec(a, i) for i, a in enumerate(tf.nest.flatten(args))]
+    specs = [_spec(a, first + i) for i, a in enumerate(tf.nest.flatten(args))]
     structure = args
 
     def step(*leaves):     # an output besides fn's, which holds every stateful op
@@ -66,32 +106,28 @@ def capture(fn, args: tuple) -> Captured:
         made.append(kwargs.get("name") or "a variable")
         return next_creator(**kwargs)
     try:
-        with _slots_recorded() as owners:
-            dry = tf.function(step, autograph=True,
-                              jit_compile=False).get_concrete_function(*specs)
-            with tf.variable_creator_scope(creator):  # slots and layers exist by now
-                concrete = tf.function(step, autograph=True,
-                                       jit_compile=False).get_concrete_function(*specs)
+        dry = tf.function(step, autograph=True, jit_compile=False).get_concrete_function(*specs)
+        with tf.variable_creator_scope(creator):  # slots and layers exist by now
+            concrete = tf.function(step, autograph=True,
+                                   jit_compile=False).get_concrete_function(*specs)
     except ValueError as e:
         if "singleton tf.Variables" not in str(e):
             raise
         made.append("a tf.Variable made in the step's body")
     if made:
-        raise GraphError(f"the step makes variables on every call ({made[:3]}): each "
+        raise GraphError(f"{what} makes variables on every call ({made[:3]}): each "
                          "call would start from a new one. Make them once, before the "
                          "step (a Keras layer or optimizer makes its own on its first "
                          "call, which is fine)")
     changed = _differences(dry, concrete)
     if changed:
         raise GraphError(
-            "the step's Python code built another graph when traced a second time "
+            f"{what}'s Python code built another graph when traced a second time "
             f"({changed}): it depends on Python state that changes from call to call "
             "(a counter, a list it appends to, a random number from Python). The step "
             "is traced once and that graph runs on every call: keep such state in a "
             "tf.Variable, or out of the step")
-    captured = _rebuild(concrete, owners)
-    captured.optimizers = set(_MAKERS)
-    return captured
+    return concrete
 
 
 def _differences(a, b) -> str:
@@ -172,12 +208,22 @@ def tf_variable(v):
     return getattr(v, "_value", v) if not isinstance(v, tf.Variable) else v
 
 
-def _rebuild(concrete, owners: dict) -> Captured:
+@dataclass
+class _Piece:
+    """One traced function, inlined, as `_rebuild` imports it."""
+    concrete: object
+    graph_def: object
+    replaced: dict                    # read dropped by _row_reads -> its gather
+    captured: dict                    # internal placeholder name -> tf.Variable
+    constants: dict                   # internal placeholder name -> value (a captured tensor)
+    inputs: list                      # the function's argument placeholders
+
+
+def _piece(concrete) -> _Piece:
     graph_def, replaced = _row_reads(_inlined(concrete))
     fg = concrete.graph
     by_handle = {id(v.handle): v for v in fg.variables}
-    captured = {}                     # internal placeholder name -> tf.Variable
-    constants = {}                    # internal placeholder name -> value (a captured tensor)
+    captured, constants = {}, {}
     for external, internal in fg.captures:
         if internal.dtype != tf.resource:
             constants[internal.op.name] = external.numpy()
@@ -190,8 +236,6 @@ def _rebuild(concrete, owners: dict) -> Captured:
         captured[internal.op.name] = var
     inside = {internal.op.name for _, internal in fg.captures}
     inputs = [t.op.name for t in fg.inputs if t.op.name not in inside]
-    values = {name: v.numpy() for name, v in captured.items()}
-    owners = {**_owners_by_name(list(captured.values())), **owners}
     keep = [n for n in graph_def.node
             if n.name not in captured and n.name not in constants and n.name not in inputs]
     del graph_def.node[:]
@@ -199,15 +243,28 @@ def _rebuild(concrete, owners: dict) -> Captured:
     for node in graph_def.node:
         if "_class" in node.attr:
             del node.attr["_class"]
+    return _Piece(concrete, graph_def, replaced, captured, constants, inputs)
+
+
+def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
+    """The step (`pieces[0]`) and its parts (the rest, named `parts`) in
+    one tf.Graph sharing their variables; a part's ops under its scope."""
+    variables = {}                    # id -> tf.Variable, the step's first
+    for piece in pieces:
+        for var in piece.captured.values():
+            variables.setdefault(id(var), var)
+    owners = {**_owners_by_name(list(variables.values())), **owners}
+    values = {i: v.numpy() for i, v in variables.items()}
     graph = tf.Graph()
-    made, names, feeds = {}, set(), {}
-    order = sorted(captured, key=lambda n: captured[n].ref() in owners)   # owners first
+    made, names, feeds, runs, placeholders = {}, set(), {}, [], []
     with graph.as_default():
-        args = [fg.get_tensor_by_name(name + ":0") for name in inputs]
-        placeholders = [tf.compat.v1.placeholder(t.dtype, t.shape, name=INPUT.format(i))
-                        for i, t in enumerate(args)]
-        for name in order:
-            var = captured[name]
+        for piece in pieces:
+            args = [piece.concrete.graph.get_tensor_by_name(name + ":0") for name in piece.inputs]
+            placeholders.append([
+                tf.compat.v1.placeholder(t.dtype, t.shape,
+                                         name=INPUT.format(sum(map(len, placeholders)) + i))
+                for i, t in enumerate(args)])
+        for var in sorted(variables.values(), key=lambda v: v.ref() in owners):  # owners first
             vname = _unique(_variable_name(var), names)
             owner = owners.get(var.ref())
             scope = tf.compat.v1.colocate_with(made[id(owner)].op) \
@@ -218,26 +275,37 @@ def _rebuild(concrete, owners: dict) -> Captured:
                 new = tf.compat.v1.Variable(initial, name=vname, use_resource=True,
                                             trainable=var.trainable)
             made[id(var)] = new
-            feeds[initial.name] = values[name]
-        input_map = {f"{name}:0": made[id(var)].handle for name, var in captured.items()}
-        input_map.update({f"{name}:0": ph for name, ph in zip(inputs, placeholders)})
-        input_map.update({f"{name}:0": tf.constant(value, name=f"parallax_captured/{k}")
-                          for k, (name, value) in enumerate(sorted(constants.items()))})
-        out_names = [t.name for t in tf.nest.flatten(concrete.outputs)]
-        controls = sorted({replaced.get(op.name, op.name) for op in fg.control_outputs})
-        returned = tf.graph_util.import_graph_def(
-            graph_def, input_map=input_map, return_elements=out_names + controls, name="")
-        outs, ops = returned[:len(out_names)], returned[len(out_names):]
-        with tf.control_dependencies([t.op for t in outs] + ops):
-            train = tf.no_op(name="parallax_step")
+            feeds[initial.name] = values[id(var)]
+        for k, piece in enumerate(pieces):
+            scope = "" if k == 0 else PART.format(parts[k - 1])
+            input_map = {f"{name}:0": made[id(var)].handle
+                         for name, var in piece.captured.items()}
+            input_map.update({f"{name}:0": ph
+                              for name, ph in zip(piece.inputs, placeholders[k])})
+            input_map.update({f"{name}:0": tf.constant(value, name=f"{scope or 'parallax'}"
+                                                                  f"_captured/{j}")
+                              for j, (name, value) in enumerate(sorted(piece.constants.items()))})
+            fg = piece.concrete.graph
+            out_names = [t.name for t in tf.nest.flatten(piece.concrete.outputs)]
+            controls = sorted({piece.replaced.get(op.name, op.name)
+                               for op in fg.control_outputs})
+            returned = tf.graph_util.import_graph_def(
+                piece.graph_def, input_map=input_map, return_elements=out_names + controls,
+                name=scope)
+            outs, ops = returned[:len(out_names)], returned[len(out_names):]
+            with tf.control_dependencies([t.op for t in outs] + ops):
+                run = tf.no_op(name=f"{scope}_run" if scope else "parallax_step")
+            tensors = iter(t.name for t in outs)      # fn's, in order (None: no output)
+            runs.append((tf.nest.map_structure(lambda t: None if t is None else next(tensors),
+                                               piece.concrete.structured_outputs)[0],
+                         run.name))
         init = tf.compat.v1.variables_initializer(list(made.values()), name="parallax_init")
-    names = iter(t.name for t in outs)       # fn's tensors, in order (None is no output)
-    structured = tf.nest.map_structure(lambda t: None if t is None else next(names),
-                                       concrete.structured_outputs)[0]
-    return Captured(graph, [p.op.name for p in placeholders], structured, train.name,
-                    {made[id(v)].op.name: v for v in captured.values()},
-                    {made[id(v)].op.name: made[id(v)]._graph_element.name
-                     for v in captured.values()}, init.name, feeds)
+    return Captured(graph, [p.op.name for p in placeholders[0]], runs[0][0], runs[0][1],
+                    {made[i].op.name: v for i, v in variables.items()},
+                    {made[i].op.name: made[i]._graph_element.name for i in variables},
+                    init.name, feeds,
+                    parts={name: Part([p.op.name for p in placeholders[k + 1]], *runs[k + 1])
+                           for k, name in enumerate(parts)})
 
 
 def _row_reads(graph_def):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import parallax_ng as pn
-from parallax_ng import tf2
+from parallax_ng import keras_fit
 from models import local
 from test_tf2 import check_equal, tf_keras_dense
 
@@ -339,7 +339,81 @@ def test_batch_level_callbacks_see_each_batchs_weights(tmp_path, lib):
         for a, b in zip(p.weights, s.weights):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     assert not parallel._parallax_ng.batch_sync       # only during that fit
-    assert not tf2.reads_weights_per_batch(k.callbacks.ModelCheckpoint("m" + suffix))
-    assert not tf2.reads_weights_per_batch(k.callbacks.TerminateOnNaN())
-    assert tf2.reads_weights_per_batch(k.callbacks.LambdaCallback(
+    assert not keras_fit.reads_weights_per_batch(k.callbacks.ModelCheckpoint("m" + suffix))
+    assert not keras_fit.reads_weights_per_batch(k.callbacks.TerminateOnNaN())
+    assert keras_fit.reads_weights_per_batch(k.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: None))
+
+
+@pytest.mark.parametrize("lib", ["keras", "tf_keras"])
+def test_evaluate_and_predict_run_on_the_replicas_and_equal_one_device(lib):
+    """`evaluate` and `predict` run each batch on the replicas (the model's
+    test_step and predict_step, traced with its train_step): before any
+    fit, after one, after `set_weights`; a last batch the 2 replicas do not
+    divide runs on the model itself. Losses, metrics and predictions equal
+    one device's, 1e-5."""
+    import importlib
+    k = importlib.import_module(lib)
+
+    def make():
+        k.utils.set_random_seed(1)
+        model = k.Sequential([k.Input((5,)), k.layers.Dense(8, activation="relu"),
+                              k.layers.Dense(1)])
+        model.compile(optimizer=k.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+        return model
+    parallel, single = make(), make()
+    pn.parallelize(parallel, local(2))
+    fit = parallel._parallax_ng
+    x, y = data(4)
+
+    def same(how, **kwargs):
+        got, want = (getattr(m, how)(**kwargs, batch_size=BATCH, verbose=0)
+                     for m in (parallel, single))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0, err_msg=how)
+
+    same("evaluate", x=x, y=y)
+    assert fit.step.runner is not None and not fit.on_model      # built by evaluate
+    for m in (parallel, single):
+        m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    same("evaluate", x=x, y=y)
+    same("predict", x=x)
+    assert not fit.on_model
+    same("evaluate", x=x[:75], y=y[:75])          # 4 batches of 16, then 11 rows
+    same("predict", x=x[:75])
+    assert fit.on_model == {"test": 1, "predict": 1}
+    weights = [w * 0.5 for w in single.get_weights()]
+    for m in (parallel, single):
+        m.set_weights(weights)
+    same("evaluate", x=x, y=y)
+    same("predict", x=x)
+    check(parallel, single)
+
+
+def test_a_test_step_that_cannot_be_traced_runs_on_the_model():
+    """A model whose test_step reads a lookup table (a resource the capture
+    cannot rebuild yet): fit still runs data-parallel, the part is left out
+    (and why is kept), and `evaluate` runs on the model itself, as one
+    device does."""
+    import tensorflow as tf
+    table = tf.lookup.StaticHashTable(
+        tf.lookup.KeyValueTensorInitializer([1], [2.0]), default_value=0.0)
+
+    class Fresh(keras.Sequential):
+        def test_step(self, data):
+            x, y = data
+            return self.compute_metrics(x, y, self(x) * table.lookup(tf.constant(1)))
+    parallel, single = (Fresh([keras.Input((5,)), keras.layers.Dense(1)]) for _ in range(2))
+    single.set_weights(parallel.get_weights())
+    for m in (parallel, single):
+        m.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse", metrics=["mae"])
+    pn.parallelize(parallel, local(2))
+    x, y = data(5)
+    for m in (parallel, single):
+        m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    fit = parallel._parallax_ng
+    assert "lookup table" in fit.step._captured.failed["test"]
+    assert set(fit.step._captured.parts) == {"predict"}
+    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               single.evaluate(x, y, batch_size=BATCH, verbose=0), atol=1e-5)
+    assert fit.on_model["test"] == SAMPLES // BATCH
+    check(parallel, single)

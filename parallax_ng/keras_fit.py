@@ -1,0 +1,234 @@
+"""Keras `model.fit`, `evaluate` and `predict` data-parallel:
+`pn.parallelize(model)` after `model.compile(...)`.
+
+Requires: a compiled Keras 3 or tf_keras model; the batches Keras makes
+are global batches.
+Guarantees: `fit` keeps Keras's loop, callbacks, progress bar and history;
+each step is the model's `train_step` as a data-parallel step (tf2.py's
+StepFunction), traced on the first batch together with the model's
+`test_step` and `predict_step` (`graph/tracing.py` parts), which
+`evaluate` (and fit's validation) and `predict` run on the replicas, each
+replica on its part of every batch, with the trained values in place.
+A batch those cannot take (one the replica count does not divide, other
+leaves than the first batch's), and `predict` in a job of several workers
+(each worker holds only its replicas' rows), run on the model itself, with
+the runner's values written into it first. The model holds the runner's
+values at every epoch's end, after `evaluate`, and after every batch while
+a callback that reads weights there is in the fit
+(`reads_weights_per_batch`); weights the program sets on the model between
+calls are taken in when the next `fit`, `evaluate` or `predict` starts.
+"""
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import tensorflow as tf
+
+from .errors import ConfigError
+from .tf2 import StepFunction, _array
+
+
+class KerasFit:
+    """The model's train, test and predict functions on one runner (module
+    docstring). `behind`: steps ran since the model last got the runner's
+    values; `on_model`: how many test and predict batches ran on the model
+    itself."""
+
+    def __init__(self, model, resource_info, config):
+        self.model = model
+        self.step = StepFunction(model.train_step, resource_info, config, self._parts)
+        self.step.built.append(self._metrics_reset)   # not a checkpoint's totals
+        self._rate = None
+        self.batch_sync = False
+        self.behind = False
+        self._own = {}                 # kind -> the model's own tf.function of its step
+        self.on_model = Counter()      # kind -> batches run on the model itself
+
+    def _parts(self, args) -> dict:
+        data = args[0]
+        x = data[0] if isinstance(data, (tuple, list)) else data
+        return {"test": (self.model.test_step, args), "predict": (self.model.predict_step,
+                                                                 ((x,),))}
+
+    def fit(self, fit, *args, **kwargs):
+        """`model.fit`, the model written after every batch when one of its
+        callbacks reads the weights there (`reads_weights_per_batch`)."""
+        import inspect
+        given = inspect.signature(fit).bind_partial(*args, **kwargs).arguments
+        self.batch_sync = any(reads_weights_per_batch(c) for c in given.get("callbacks") or ())
+        try:
+            return fit(*args, **kwargs)
+        finally:
+            self.batch_sync = False
+
+    def make_train_function(self, force: bool = False):
+        """Keras 3 calls it and reads `train_function`; tf_keras uses what it returns."""
+        self._current(self.model.variables + self._optimizer_variables())
+        self.model.train_function = self.train_function
+        return self.train_function
+
+    def make_test_function(self, force: bool = False):
+        self._current(self.model.variables)
+        self.model.test_function = self.test_function
+        return self.test_function
+
+    def make_predict_function(self, force: bool = False):
+        self._current(self.model.variables)
+        self.model.predict_function = self.predict_function
+        return self.predict_function
+
+    def _current(self, variables) -> None:
+        """Runner and model alike: the runner's values into the model if
+        steps ran since it last had them, else the model's `variables`
+        (the program may have set them) into the runner."""
+        if self.behind:
+            self.sync()
+        else:
+            self.step.push(variables)
+
+    def sync(self) -> None:
+        self.step.sync()
+        self.behind = False
+
+    def test_function(self, iterator):
+        logs = None
+        for data in self._batches(iterator):
+            logs = self._run("test", data)
+        return logs
+
+    def predict_function(self, data):
+        """Keras 3 gives a list of batches; tf_keras an iterator."""
+        batches = self._batches(data) if hasattr(data, "__next__") else data
+        outs = [self._run("predict", batch) for batch in batches]
+        return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outs)
+
+    def _batches(self, iterator):
+        for k in range(self._steps_per_call()):
+            try:
+                yield next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if k == 0:
+                    raise StopIteration from None
+                return
+
+    def _run(self, kind: str, data):
+        """A test or predict step on the replicas where it can run there,
+        else on the model itself (a test step's metric totals carried
+        over both ways)."""
+        if self.step.runner is None:
+            self.step.build((data,))
+        plan = self.step.runner.plan
+        jobwide = kind == "test" or getattr(plan, "num_workers", 1) == 1
+        if jobwide and self.step.fits(kind, (data,)):
+            self.behind = self.behind or kind == "test"
+            return self.step.run_part(kind, (data,))
+        if self.behind:
+            self.sync()
+        self.on_model[kind] += 1
+        if kind not in self._own:
+            self._own[kind] = tf.function(getattr(self.model, f"{kind}_step"))
+        out = self._own[kind](data)
+        if kind == "test":
+            self._metrics_reset()
+        return tf.nest.map_structure(_array, out)
+
+    def train_function(self, iterator):
+        logs = None
+        for k in range(self._steps_per_call()):
+            try:
+                data = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if k == 0:
+                    raise StopIteration from None
+                break
+            self._push_rate()
+            logs = self.step(data)
+            self.behind = True
+        if self.batch_sync:           # a callback reads the weights after every batch
+            self.sync()
+        return logs
+
+    def _steps_per_call(self) -> int:
+        """Batches Keras expects one call to take (`steps_per_execution`)."""
+        spe = getattr(self.model, "_steps_per_execution", None)     # tf_keras: a variable
+        if spe is None or isinstance(spe, int):
+            spe = getattr(self.model, "steps_per_execution", 1)
+        return max(int(_array(spe) or 1), 1)
+
+    def logs(self, keras_method: str):
+        """Keras's `keras_method` (the logs of an epoch or an evaluation,
+        from the metrics' totals) once the model holds the runner's values."""
+        method = getattr(type(self.model), keras_method)
+
+        def logs(logs):
+            self.sync()
+            return method(self.model, logs)
+        return logs
+
+    def reset_metrics(self) -> None:
+        type(self.model).reset_metrics(self.model)
+        self._metrics_reset()
+
+    def _metrics_reset(self) -> None:
+        self.step.push([v for m in self.model.metrics for v in m.variables])
+
+    def _optimizer_variables(self) -> list:
+        opt = self.model.optimizer
+        return list(getattr(opt, "variables", []) or [])
+
+    def _push_rate(self) -> None:
+        """A learning rate a callback changed (LearningRateScheduler)."""
+        rate = getattr(self.model.optimizer, "learning_rate", None)
+        if not isinstance(rate, tf.Variable) and not hasattr(rate, "_value"):
+            return
+        value = float(_array(rate))
+        if value != self._rate:
+            self.step.push([rate])
+            self._rate = value
+
+
+# Keras's own callbacks that read the model's weights at batch ends when
+# saving every `save_freq` batches (others there read only the logs).
+SAVING = ("ModelCheckpoint", "BackupAndRestore", "OrbaxCheckpoint",
+          "SidecarEvaluatorModelExport")
+BATCH_HOOKS = ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+
+
+def reads_weights_per_batch(callback) -> bool:
+    """Whether `callback` may read the model's weights between a fit's
+    batches: Keras's savers with an integer `save_freq`, a LambdaCallback
+    given a batch hook, and any other class of the program's that
+    overrides a batch hook (Keras's ProgbarLogger, TensorBoard,
+    TerminateOnNaN, ... read only the logs)."""
+    cls = type(callback)
+    if cls.__module__.split(".")[0] not in ("keras", "tf_keras"):
+        base = next((c for c in cls.__mro__ if c.__name__ == "Callback" and
+                     c.__module__.split(".")[0] in ("keras", "tf_keras")), object)
+        return any(getattr(cls, h, None) is not getattr(base, h, None) for h in BATCH_HOOKS)
+    if cls.__name__ == "LambdaCallback":
+        return any(h in vars(callback) for h in BATCH_HOOKS)
+    return any(c.__name__ in SAVING for c in cls.__mro__) and \
+        isinstance(getattr(callback, "save_freq", "epoch"), int)
+
+
+def parallelize(model, resource_info=None, config=None):
+    """`model.fit`, `evaluate` and `predict` data-parallel (after
+    `model.compile(...)`): their batches are global batches, each replica
+    takes its part. Returns the model."""
+    if not getattr(model, "compiled", getattr(model, "_is_compiled", False)) or \
+            getattr(model, "optimizer", None) is None:
+        raise ConfigError("pn.parallelize takes a compiled model: call model.compile("
+                          "optimizer=..., loss=...) first")
+    fit = KerasFit(model, resource_info, config)
+    model.fit = functools.partial(fit.fit, type(model).fit.__get__(model))
+    model.make_train_function = fit.make_train_function
+    model.make_test_function = fit.make_test_function
+    model.make_predict_function = fit.make_predict_function
+    model.reset_metrics = fit.reset_metrics
+    for name in ("_get_metrics_result_or_logs",                  # Keras 3
+                 "_validate_and_get_metrics_result"):            # tf_keras
+        if hasattr(type(model), name):
+            setattr(model, name, fit.logs(name))
+    model._parallax_ng = fit
+    return model
