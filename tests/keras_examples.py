@@ -110,8 +110,8 @@ MODELS = {"transformer": transformer_classifier, "recommender": recommender,
 
 
 def compile_args(name):
-    if name == "transformer":
-        return dict(optimizer=keras.optimizers.Adam(0.01),
+    if name == "transformer":         # Keras's example: "adam", its default rate
+        return dict(optimizer=keras.optimizers.Adam(1e-3),
                     loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     if name == "recommender":
         return dict(optimizer=keras.optimizers.Adam(learning_rate=0.01),

@@ -55,6 +55,25 @@ def test_horovod_workers_match_one_device(tmp_path, devices, buckets, sparse):
     assert copies == 2 * devices * len(single)
 
 
+@pytest.mark.horovod
+@pytest.mark.parametrize("how", ["loop", "fit"])
+def test_horovod_tf2_ranks_match_one_device(tmp_path, how):
+    """A Keras 3 program under horovodrun (2 ranks x 1 device, backend
+    horovod): a custom loop (`pn.function`) or `model.fit` then `evaluate`
+    and `predict` (`pn.parallelize`), every rank called with the global
+    batch; both equal one device with it, every weight and optimizer
+    variable, 1e-5 (tests/test_tf2.py check_job)."""
+    from test_tf2 import check_job
+    out = str(tmp_path / "vars")
+    cmd = [horovodrun(), "--gloo", "-np", "2", "-H", "localhost:2", "--network-interface",
+           "lo", sys.executable, os.path.join(ROOT, "tests", "tf2_job_script.py"), out, "5",
+           "--horovod"] + (["--fit"] if how == "fit" else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    check_job(out, how)
+
+
 def test_without_horovod_the_backend_is_a_clear_error():
     g, _ = embedding_regression(4)
     with pytest.raises(ConfigError, match=r"backend' is horovod.*pip install \.\[horovod\]"):

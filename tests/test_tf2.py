@@ -188,6 +188,12 @@ def test_a_two_worker_job_equals_one_device(tmp_path, how):
         env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "worker 1 of 2: done" in done.stdout
+    check_job(out, how)
+
+
+def check_job(out, how):
+    """tf2_job_script.py's two workers (OUT.<worker>.npz) against one device
+    with the global batch, from worker 0's starting weights."""
     workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
     model, optimizer = keras3_dense(), keras.optimizers.Adam(0.01)
     model.set_weights([workers[0][f"start{i}"] for i in range(len(model.weights))])

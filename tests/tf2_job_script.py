@@ -3,7 +3,7 @@
 own, unseeded) and the model's and optimizer's variables after training
 (after `step.sync()`) to OUT.<worker>.npz.
 
-    python tf2_job_script.py OUT STEPS [--fit | --example NAME | --bn]
+    python tf2_job_script.py OUT STEPS [--fit | --example NAME | --bn] [--horovod]
 
 With --fit, `pn.parallelize(model)` and `model.fit` on the global batches
 (STEPS batches of 8 rows, one epoch) instead of a custom loop, then
@@ -11,7 +11,8 @@ With --fit, `pn.parallelize(model)` and `model.fit` on the global batches
 --example NAME, the same with a model of tests/keras_examples.py (dropout
 off), run option `hybrid` with sparse gradients pinned to the server
 (hybrid weighs ps against allgather by the measured network, which differs
-between machines); with --bn, test_keras_fit's BatchNormalization model by
+between machines); with --horovod, a rank of horovodrun (the loop or --fit,
+`communication.backend: horovod`); with --bn, test_keras_fit's BatchNormalization model by
 `model.fit` on STEPS global batches of 16.
 """
 import json
@@ -31,6 +32,11 @@ model = keras3_dense()                      # unseeded: worker 0's values are br
 optimizer = keras.optimizers.Adam(0.01)
 x, y = data()
 config = {"run_option": "allreduce"}
+resources = None                            # the job's (parallax-ng run)
+if "--horovod" in sys.argv:                 # a rank of horovodrun, one device each
+    from models import local
+    resources = local(1)
+    config["communication"] = {"backend": "horovod", "timeout_seconds": 120}
 extra = {}
 if "--example" in sys.argv:
     import keras_examples as ex
@@ -58,7 +64,7 @@ elif "--example" in sys.argv:
              "on_model": np.array(json.dumps(model._parallax_ng.on_model))}
 elif "--fit" in sys.argv:
     model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
-    pn.parallelize(model, None, config)
+    pn.parallelize(model, resources, config)
     model.fit(x[:steps].reshape(-1, 5), y[:steps].reshape(-1, 1), batch_size=8, epochs=1,
               shuffle=False, verbose=0)
     step = model._parallax_ng.step
@@ -69,7 +75,7 @@ elif "--fit" in sys.argv:
     extra = {"evaluated": np.array(evaluated), "predicted": predicted,
              "on_model": np.array(json.dumps(model._parallax_ng.on_model))}
 else:
-    step = pn.function(step_of(model, optimizer), None, config)
+    step = pn.function(step_of(model, optimizer), resources, config)
     for k in range(steps):
         step(x[k], y[k])
 worker = step.runner.plan.worker
