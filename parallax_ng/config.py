@@ -24,6 +24,7 @@ FETCH_REDUCTIONS = ("mean", "sum", "concat", "first")
 VERIFY_LEVELS = ("structure", "full", "import")
 BACKENDS = ("tf", "horovod")
 RANDOM_MODES = ("distinct", "identical")
+BATCH_SYNC = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -210,6 +211,7 @@ class Config:
     verify: str = "structure"
     random: str = "distinct"                               # replicas' random streams
     random_ops: dict = field(default_factory=dict)         # op-name regex -> mode
+    batch_sync: str = "auto"                               # fit: the model written per batch
 
     def __post_init__(self):
         _check_choice("run_option", self.run_option, RUN_OPTIONS)
@@ -225,6 +227,7 @@ class Config:
         _check_choice("dense_method", self.dense_method, DENSE_METHODS)
         _check_choice("sparse_method", self.sparse_method, SPARSE_METHODS)
         _check_choice("ps_placement", self.ps_placement, PS_PLACEMENTS)
+        _check_choice("batch_sync", self.batch_sync, BATCH_SYNC)
         for pattern, mode in self.random_ops.items():
             _check_choice(f"random_ops.{pattern}", mode, RANDOM_MODES)
         for name, how in self.fetch_reduction.items():

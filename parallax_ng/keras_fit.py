@@ -14,9 +14,9 @@ leaves than the first batch's), and `predict` in a job of several workers
 (each worker holds only its replicas' rows), run on the model itself, with
 the runner's values written into it first. The model holds the runner's
 values at every epoch's end, after `evaluate`, and after every batch while
-a callback that reads weights there is in the fit
-(`reads_weights_per_batch`); weights the program sets on the model between
-calls are taken in when the next `fit`, `evaluate` or `predict` starts.
+a callback that reads weights there is in the fit (`reads_weights_per_batch`;
+config `batch_sync`); weights the program sets on the model between calls
+are taken in when the next `fit`, `evaluate` or `predict` starts.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ class KerasFit:
         self.step = StepFunction(model.train_step, resource_info, config, self._parts)
         self.step.built.append(self._metrics_reset)   # not a checkpoint's totals
         self._rate = None
-        self.batch_sync = False
+        self.callbacks_read = False
         self.behind = False
         self._own = {}                 # kind -> the model's own tf.function of its step
         self.on_model = Counter()      # kind -> batches run on the model itself
@@ -53,14 +53,15 @@ class KerasFit:
 
     def fit(self, fit, *args, **kwargs):
         """`model.fit`, the model written after every batch when one of its
-        callbacks reads the weights there (`reads_weights_per_batch`)."""
+        callbacks reads the weights there (`reads_weights_per_batch`; the
+        config's `batch_sync`)."""
         import inspect
         given = inspect.signature(fit).bind_partial(*args, **kwargs).arguments
-        self.batch_sync = any(reads_weights_per_batch(c) for c in given.get("callbacks") or ())
+        self.callbacks_read = any(reads_weights_per_batch(c) for c in given.get("callbacks") or ())
         try:
             return fit(*args, **kwargs)
         finally:
-            self.batch_sync = False
+            self.callbacks_read = False
 
     def make_train_function(self, force: bool = False):
         """Keras 3 calls it and reads `train_function`; tf_keras uses what it returns."""
@@ -145,7 +146,8 @@ class KerasFit:
             self._push_rate()
             logs = self.step(data)
             self.behind = True
-        if self.batch_sync:           # a callback reads the weights after every batch
+        mode = self.step.runner.config.batch_sync
+        if mode == "always" or mode == "auto" and self.callbacks_read:   # a callback reads them
             self.sync()
         return logs
 

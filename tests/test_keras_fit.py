@@ -308,7 +308,8 @@ def test_batch_level_callbacks_see_each_batchs_weights(tmp_path, lib):
     """A callback of the program's that reads the weights after every
     batch, and ModelCheckpoint saving every 2 batches: they see what one
     device has after that batch (the model is written after every batch
-    then, and not when no callback reads weights there)."""
+    then, and not when no callback reads weights there); with `batch_sync:
+    never` it is written at epoch ends only."""
     import importlib
     k = importlib.import_module(lib)
     parallel, single = bn_model(k, False), bn_model(k, False)
@@ -338,7 +339,17 @@ def test_batch_level_callbacks_see_each_batchs_weights(tmp_path, lib):
         s.load_weights(str(tmp_path / "s" / f"b{batch}{suffix}"))
         for a, b in zip(p.weights, s.weights):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
-    assert not parallel._parallax_ng.batch_sync       # only during that fit
+    assert not parallel._parallax_ng.callbacks_read       # only during that fit
+    never = bn_model(k, False)
+    never.layers[1].trainable = False
+    never.compile(optimizer=k.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    pn.parallelize(never, local(2), {"batch_sync": "never"})   # epoch ends only
+    record = Recorder(k)
+    never.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[record.callback])
+    assert all(np.array_equal(w, record.seen[0]) for w in record.seen)
+    with pytest.raises(pn.ConfigError, match="batch_sync"):
+        pn.Config.from_dict({"batch_sync": "sometimes"})
     assert not keras_fit.reads_weights_per_batch(k.callbacks.ModelCheckpoint("m" + suffix))
     assert not keras_fit.reads_weights_per_batch(k.callbacks.TerminateOnNaN())
     assert keras_fit.reads_weights_per_batch(k.callbacks.LambdaCallback(
