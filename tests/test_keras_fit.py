@@ -112,6 +112,9 @@ def check_classifier_fit(k, parallel, single):
 
 
 def test_keras3_metrics_that_sum_equal_one_device():
+    # seeded: AUC and the 0.5 threshold count a prediction on one side of a
+    # bucket edge, so an unseeded start could put one within float noise of it
+    keras.utils.set_random_seed(7)
     parallel = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
                                  keras.layers.Dense(1, activation="sigmoid")])
     single = keras.models.clone_model(parallel)
@@ -136,6 +139,7 @@ def test_tf_keras_fit_equals_one_device():
 
 def test_tf_keras_metrics_that_sum_equal_one_device():
     import tf_keras
+    tf_keras.utils.set_random_seed(7)                 # as the Keras 3 test
     parallel, single = (tf_keras.Sequential([tf_keras.layers.Dense(8, activation="relu",
                                                                    input_shape=(5,)),
                                              tf_keras.layers.Dense(1, activation="sigmoid")])
