@@ -104,14 +104,18 @@ class KerasFit:
         outs = [self._run("predict", batch) for batch in batches]
         return tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *outs)
 
-    def _batches(self, iterator):
-        for k in range(self._steps_per_call()):
+    def _batches(self, iterator) -> list:
+        """The batches of one call (`steps_per_execution`); StopIteration,
+        which ends Keras's loop, when the data ended before the first."""
+        out = []
+        for _ in range(self._steps_per_call()):
             try:
-                yield next(iterator)
+                out.append(next(iterator))
             except (StopIteration, tf.errors.OutOfRangeError):
-                if k == 0:
+                if not out:
                     raise StopIteration from None
-                return
+                break
+        return out
 
     def _run(self, kind: str, data):
         """A test or predict step on the replicas where it can run there,

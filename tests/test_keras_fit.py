@@ -365,8 +365,8 @@ def test_evaluate_and_predict_run_on_the_replicas_and_equal_one_device(lib):
     """`evaluate` and `predict` run each batch on the replicas (the model's
     test_step and predict_step, traced with its train_step): before any
     fit, after one, after `set_weights`; a last batch the 2 replicas do not
-    divide runs on the model itself. Losses, metrics and predictions equal
-    one device's, 1e-5."""
+    divide runs on the model itself; a dataset of unknown length runs to
+    its end. Losses, metrics and predictions equal one device's, 1e-5."""
     import importlib
     k = importlib.import_module(lib)
 
@@ -395,6 +395,14 @@ def test_evaluate_and_predict_run_on_the_replicas_and_equal_one_device(lib):
     assert not fit.on_model
     same("evaluate", x=x[:75], y=y[:75])          # 4 batches of 16, then 11 rows
     same("predict", x=x[:75])
+    assert fit.on_model == {"test": 1, "predict": 1}
+    import tensorflow as tf           # a dataset whose length is unknown: to its end
+    unknown = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True)
+    got, want = (m.evaluate(unknown.batch(BATCH), verbose=0) for m in (parallel, single))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    got, want = (m.predict(unknown.map(lambda a, b: a).batch(BATCH), verbose=0)
+                 for m in (parallel, single))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     assert fit.on_model == {"test": 1, "predict": 1}
     weights = [w * 0.5 for w in single.get_weights()]
     for m in (parallel, single):
