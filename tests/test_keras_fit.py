@@ -271,19 +271,8 @@ def test_batchnorm_in_a_two_worker_job_equals_ghost_batches_of_one_device(tmp_pa
     """The same in a job of 2 workers x 1 device (Keras 3, `model.fit`, 5
     global batches of 16): the moving statistics are averaged across the
     workers; both equal the one-device ghost batches, 1e-5."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = tmp_path / "resources.yaml"
-    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2)
-    out = str(tmp_path / "vars")
-    done = subprocess.run(
-        [sys.executable, "-m", "parallax_ng", "run", os.path.join(root, "tests",
-                                                                 "tf2_job_script.py"),
-         "-r", str(path), "--", out, "5", "--bn"], capture_output=True, text=True,
-        timeout=300, env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    from test_tf2 import run_job
+    out, _ = run_job(tmp_path, "--bn")
     workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
     single = bn_model(keras, False)
     single.set_weights([workers[0][f"start{i}"] for i in range(len(single.weights))])

@@ -174,6 +174,14 @@ def test_a_two_worker_job_equals_one_device(tmp_path, how):
     `evaluate` (on the replicas but its last batch, which 2 do not divide)
     and `predict` (on the model: each worker holds only its rows) equal
     one device's."""
+    out, done = run_job(tmp_path, *(["--fit"] if how == "fit" else []))
+    assert "worker 1 of 2: done" in done.stdout
+    check_job(out, how)
+
+
+def run_job(tmp_path, *flags):
+    """tf2_job_script.py (5 steps, `flags`) as a job of 2 workers x 1 device
+    on 127.0.0.1: (its OUT prefix, the finished process)."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,12 +191,10 @@ def test_a_two_worker_job_equals_one_device(tmp_path, how):
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run", os.path.join(root, "tests",
                                                                  "tf2_job_script.py"),
-         "-r", str(path), "--", out, "5"] + (["--fit"] if how == "fit" else []),
-        capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
+         "-r", str(path), "--", out, "5", *flags], capture_output=True, text=True,
+        timeout=300, env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "worker 1 of 2: done" in done.stdout
-    check_job(out, how)
+    return out, done
 
 
 def check_job(out, how):
