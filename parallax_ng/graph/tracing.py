@@ -35,12 +35,13 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import tensorflow as tf
 
 from ..errors import GraphError
+from .row_updates import row_updates
 
 INPUT = "parallax_input_{}"
 PART = "parallax_part_{}"           # the name scope of a part's ops (`capture`'s parts)
@@ -220,9 +221,12 @@ class _Piece:
 
 
 def _piece(concrete) -> _Piece:
-    graph_def, replaced = _row_reads(_inlined(concrete))
     fg = concrete.graph
     by_handle = {id(v.handle): v for v in fg.variables}
+    graph_def = _inlined(concrete)
+    row_updates(graph_def, {internal.op.name: by_handle[id(external)]
+                            for external, internal in fg.captures if id(external) in by_handle})
+    graph_def, replaced = _row_reads(graph_def)
     captured, constants = {}, {}
     for external, internal in fg.captures:
         if internal.dtype != tf.resource:
@@ -288,7 +292,7 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
             fg = piece.concrete.graph
             out_names = [t.name for t in tf.nest.flatten(piece.concrete.outputs)]
             controls = sorted({piece.replaced.get(op.name, op.name)
-                               for op in fg.control_outputs})
+                               for op in fg.control_outputs} - {None})
             returned = tf.graph_util.import_graph_def(
                 piece.graph_def, input_map=input_map, return_elements=out_names + controls,
                 name=scope)
@@ -313,8 +317,11 @@ def _row_reads(graph_def):
     GatherV2 along axis 0 of a ReadVariableOp that nothing else reads) as
     ResourceGather of the variable, under the gather's name: the step reads
     the rows, not the table (a whole read that a later write in the step
-    outlives makes TensorFlow copy the table first). Returns the graph and
-    {dropped read: the gather that replaces it}."""
+    outlives makes TensorFlow copy the table first). Shapes of a whole read
+    (and nothing else) become VariableShape, and a read that nothing reads
+    (its shape folded to a constant) is dropped: a variable once read or
+    written by rows copies itself on every whole read. Returns the graph
+    and {dropped read: the op that replaces it, or None}."""
     nodes = {n.name: n for n in graph_def.node}
     uses = Counter(i.split(":")[0] for n in graph_def.node for i in n.input
                    if not i.startswith("^"))
@@ -336,11 +343,37 @@ def _row_reads(graph_def):
         gather.attr["validate_indices"].b = True
         n.CopyFrom(gather)
         dropped[read.name] = n.name
+    shapes = defaultdict(list)
+    for n in graph_def.node:
+        if n.op == "Shape":
+            shapes[n.input[0].split(":")[0]].append(n)
+    for name, users in shapes.items():
+        read = nodes.get(name)
+        if read is None or read.op != "ReadVariableOp" or len(users) != uses[name]:
+            continue
+        for n in users:
+            out_type = n.attr["out_type"].type
+            n.op, n.input[0] = "VariableShape", read.input[0]
+            n.input.extend(i for i in read.input[1:] if i not in n.input)
+            del n.attr["T"]
+            n.attr["out_type"].type = out_type
+        dropped[name] = users[0].name
+    for n in graph_def.node:
+        if n.op == "ReadVariableOp" and not uses[n.name]:
+            dropped[n.name] = None
+
+    def waits(i):      # a wait on a read: on what replaces it, or on what the read waited on
+        if not i.startswith("^") or i[1:] not in dropped:
+            return [i]
+        if dropped[i[1:]] is not None:
+            return ["^" + dropped[i[1:]]]
+        return [w for c in nodes[i[1:]].input if c.startswith("^") for w in waits(c)]
     keep = [n for n in graph_def.node if n.name not in dropped]
-    for n in keep:           # waits on the read (the step's stateful ops) wait on the gather
-        for k, i in enumerate(n.input):
-            if i.startswith("^") and i[1:] in dropped:
-                n.input[k] = "^" + dropped[i[1:]]
+    for n in keep:
+        inputs = [w for i in n.input for w in waits(i)]
+        del n.input[:]
+        n.input.extend(i for k, i in enumerate(inputs)
+                       if not i.startswith("^") or i not in inputs[:k])
     del graph_def.node[:]
     graph_def.node.extend(keep)
     return graph_def, dropped

@@ -1,0 +1,150 @@
+"""Whole-table updates that change only the gradient's rows become row
+updates (graph/row_updates.py): Keras 3 optimizers after `global_clipnorm`
+on an embedding equal one device, in every mode, and their step touches
+the rows only; updates that change other rows too are left whole."""
+import os
+
+os.environ["TF_USE_LEGACY_KERAS"] = "0"     # this module's Keras is Keras 3
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import parallax_ng as pn  # noqa: E402
+from models import local  # noqa: E402
+from parallax_ng.graph.tracing import capture  # noqa: E402
+from test_tf2 import STEPS, data, step_of, twins  # noqa: E402
+
+VOCAB = 40
+
+
+def embedding_model():
+    return keras.Sequential([keras.Input((3,), dtype="int32"),
+                             keras.layers.Embedding(VOCAB, 4),
+                             keras.layers.Flatten(), keras.layers.Dense(1)])
+
+
+def whole_table_ops(graph, shape):
+    """Ops of the step (not the initializer) whose output has `shape`."""
+    return sorted(op.name for op in graph.get_operations()
+                  if op.outputs and tuple(op.outputs[0].shape) == shape and
+                  op.type not in ("VarHandleOp", "Placeholder") and
+                  not op.name.endswith(("/Assign", "/Read/ReadVariableOp", "/initial_value",
+                                        "IsInitialized/VarIsInitializedOp")))
+
+
+OPTIMIZERS = {
+    "adagrad-global": lambda: keras.optimizers.Adagrad(0.3, global_clipnorm=0.05),
+    "sgd-global": lambda: keras.optimizers.SGD(0.3, global_clipnorm=0.05),
+    "adam-global": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05),
+}
+
+
+@pytest.mark.parametrize("name, rows_only", [("adagrad-global", True), ("sgd-global", True),
+                                             ("adam-global", False)])
+def test_only_updates_that_keep_other_rows_become_row_updates(name, rows_only):
+    """Adagrad's and SGD's updates add zero to rows without gradient, so
+    the step reads and writes the gradient's rows (ResourceGather,
+    ResourceScatterAdd/Sub); Adam's moments decay every row, so its update
+    stays whole."""
+    model, optimizer = embedding_model(), OPTIMIZERS[name]()
+    ids, y = data(vocab=VOCAB)
+    cap = capture(step_of(model, optimizer), (ids[0], y[0]))
+    ops = cap.graph.get_operations()
+    whole = whole_table_ops(cap.graph, (VOCAB, 4))
+    tables = {op.name for op in ops if op.type == "VarHandleOp" and
+              tf.TensorShape(op.get_attr("shape")).as_list() == [VOCAB, 4]}
+    writes = {op.type for op in ops if op.inputs and op.inputs[0].op.name in tables and
+              op.type not in ("AssignVariableOp", "ReadVariableOp", "ResourceGather",
+                              "VarIsInitializedOp")}
+    if rows_only:
+        assert whole == [], whole
+        assert writes and writes <= {"ResourceScatterAdd", "ResourceScatterSub"}, writes
+    else:
+        assert whole and "AssignSubVariableOp" in writes, (whole, writes)
+
+
+@pytest.mark.parametrize("config", [
+    {"run_option": "hybrid"}, {"run_option": "ps"}, {"run_option": "allreduce"},
+    {"sparse_method": "alltoall"}, {"sparse_method": "allreduce"}],
+    ids=["hybrid", "ps", "allgather", "alltoall", "dense-allreduce"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_clipped_updates_on_an_embedding_equal_one_device(name, config):
+    """Clipping is active (the norm is above 0.05 at every step), so every
+    step scales the rows by the global norm of all gradients."""
+    parallel, single = twins(embedding_model, OPTIMIZERS[name])
+    step = pn.function(step_of(*parallel), local(2), config)
+    ref = tf.function(step_of(*single))
+    x, y = data(vocab=VOCAB)
+    for k in range(STEPS):
+        np.testing.assert_allclose(step(x[k], y[k]), ref(x[k], y[k]).numpy(), atol=1e-5)
+    step.sync()
+    (pm, po), (sm, so) = parallel, single
+    pairs = list(zip(pm.weights + po.variables, sm.weights + so.variables))
+    assert len(pm.weights + po.variables) == len(pairs) == len(sm.weights + so.variables)
+    for a, b in pairs:       # 1e-5, relative where Adagrad's accumulators grow
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-5,
+                                   err_msg=a.path)
+    table = next(v for v, vp in step.runner.plan.variables.items()
+                 if tuple(step.runner.ctx.tg.variables[v].shape) == (VOCAB, 4))
+    plan = step.runner.plan.variables[table]
+    assert plan.info.sparse
+    # Keras's norm of the rows (UnsortedSegmentSum of their squares) is read as
+    # an L2Loss, so each replica sums its duplicate rows before they travel
+    assert plan.coalesce == (plan.method != "allreduce"), (plan.method, plan.coalesce)
+
+
+def rewritten(fn, *args):
+    """`fn`'s captured graph, run once, and the values of its variables."""
+    cap = capture(fn, args)
+    with tf.compat.v1.Session(graph=cap.graph) as sess:
+        sess.run(cap.init, cap.init_feeds)
+        sess.run(cap.train, dict(zip([n + ":0" for n in cap.inputs], args)))
+        values = {id(cap.variables[name]): sess.run(read) for name, read in cap.reads.items()}
+    types = {op.type for op in cap.graph.get_operations()}
+    return values, types
+
+
+@pytest.mark.parametrize("kind", ["scaled", "by-vector", "divided-by-rows", "sum-of-axis-0",
+                                  "assigned"])
+def test_each_use_of_the_dense_rows_decides(kind):
+    """A sum into the table's shape is made a row update only when every
+    use keeps the other rows as they are: a Mul by a scalar does; a Mul by
+    a vector that broadcasts along the rows, a division by the rows, a Sum
+    along one axis and a plain assign do not (they are left whole). Each
+    graph gives the values eager execution gives."""
+    table = tf.Variable(np.linspace(1.0, 2.0, 60, dtype=np.float32).reshape(20, 3))
+    start = table.numpy()
+    acc = tf.Variable(np.full((20, 3), 0.5, np.float32))
+
+    def fn(values, ids):
+        dense = tf.math.unsorted_segment_sum(values, ids, 20)
+        if kind == "scaled":
+            acc.assign_add(tf.square(dense))
+            table.assign_sub(0.5 * dense / tf.sqrt(acc + 0.1))
+        elif kind == "by-vector":
+            table.assign_sub(dense * tf.constant([1.0, 2.0, 3.0]))
+        elif kind == "divided-by-rows":
+            table.assign_sub(tf.ones((20, 3)) / (dense + 1.0))
+        elif kind == "sum-of-axis-0":
+            table.assign_sub(tf.broadcast_to(tf.reduce_sum(dense, axis=0), (20, 3)))
+        else:
+            table.assign(dense)
+        return tf.constant(0.0)
+    values = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+    ids = np.array([3, 7, 3, 19], np.int32)
+    got, types = rewritten(fn, values, ids)
+    table.assign(start)
+    acc.assign(np.full((20, 3), 0.5, np.float32))
+    tf.function(fn)(values, ids)
+    for var in (table, acc):
+        if id(var) in got:
+            np.testing.assert_allclose(got[id(var)], var.numpy(), rtol=1e-6, atol=1e-7,
+                                       err_msg=var.name)
+    if kind == "scaled":
+        assert {"ResourceScatterAdd", "ResourceScatterSub", "Unique"} <= types
+        assert not {"AssignAddVariableOp", "AssignSubVariableOp"} & types
+    else:
+        assert "Unique" not in types and not types & {"ResourceScatterSub",
+                                                       "ResourceScatterUpdate"}
