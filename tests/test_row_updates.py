@@ -2,19 +2,15 @@
 updates (graph/row_updates.py): Keras 3 optimizers after `global_clipnorm`
 on an embedding equal one device, in every mode, and their step touches
 the rows only; updates that change other rows too are left whole."""
-import os
+import keras            # Keras 3 by name, whatever TF_USE_LEGACY_KERAS the suite sets
+import numpy as np
+import pytest
+import tensorflow as tf
 
-os.environ["TF_USE_LEGACY_KERAS"] = "0"     # this module's Keras is Keras 3
-
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-import parallax_ng as pn  # noqa: E402
-from models import local  # noqa: E402
-from parallax_ng.graph.tracing import capture  # noqa: E402
-from test_tf2 import STEPS, data, step_of, twins  # noqa: E402
+import parallax_ng as pn
+from models import local
+from parallax_ng.graph.tracing import capture
+from test_tf2 import STEPS, data, step_of, twins
 
 VOCAB = 40
 
