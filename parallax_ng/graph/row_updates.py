@@ -31,7 +31,12 @@ hold. Each row gets the value the whole-table update gives it, in the same
 order of operations; the rows without gradient keep their values where the
 whole-table update adds an exact zero to them (it would make them NaN only
 by dividing zero by a zero or multiplying it by an infinity there). A Sum
-over every axis adds the same numbers without the zeros.
+over every axis adds the same numbers without the zeros; where D sums
+squares (Keras's squared norm of an IndexedSlices, its only use such
+Sums), they become 2 * L2Loss of the values, the form a sparse
+aggregation supplies from each replica's rows (planning/coalescing.py).
+`GraphDefEdit` is the in-place editing both this module and
+graph/row_divisions.py use.
 """
 from __future__ import annotations
 
@@ -53,19 +58,25 @@ def row_updates(graph_def, variables: dict) -> list[str]:
     returns the names of the writes that became row updates."""
     if not any(n.op == "UnsortedSegmentSum" for n in graph_def.node):
         return []
-    rewrite = _Rewrite(graph_def, variables)
-    done = []
-    for node in list(graph_def.node):
-        if node.op == "UnsortedSegmentSum":
-            done.extend(rewrite.try_sum(node.name))
-    return done
+    rewrite = _Sums(graph_def, variables)
+    return [w for node in list(graph_def.node) if node.op == "UnsortedSegmentSum"
+            for w in rewrite.try_sum(node.name)]
 
 
-def _tensor(name: str) -> str:
+def tensor_name(name: str) -> str:
+    """A NodeDef input as a tensor name ("op" -> "op:0")."""
     return name if ":" in name else name + ":0"
 
 
-class _Rewrite:
+_tensor = tensor_name
+
+
+class GraphDefEdit:
+    """A GraphDef being rewritten in place: its nodes by name, the uses of
+    each tensor (as the edit began), static shapes and dtypes (from a copy
+    imported once, on the first question, with the captured variables'
+    shapes), and ways to add and drop nodes."""
+
     def __init__(self, graph_def, variables):
         self.graph_def, self.variables = graph_def, variables
         self.nodes = {n.name: n for n in graph_def.node}
@@ -74,12 +85,10 @@ class _Rewrite:
             for pos, i in enumerate(n.input):
                 if not i.startswith("^"):
                     self.users[_tensor(i)].append((n.name, pos))
-        self.unique = {}                        # ids tensor -> the Unique node's name
-        self.rows = {}                          # (tensor, ids) -> its rows
         self._graph = None
 
     def shape(self, tensor: str) -> tf.TensorShape:
-        if self._graph is None:                 # shapes only where a sum is a candidate
+        if self._graph is None:
             self._graph = tf.Graph()
             with self._graph.as_default():        # handles that know their variables' shapes
                 handles = {f"{name}:0": tf.raw_ops.VarHandleOp(
@@ -87,6 +96,38 @@ class _Rewrite:
                     for k, (name, v) in enumerate(self.variables.items())}
                 tf.graph_util.import_graph_def(self.graph_def, input_map=handles, name="")
         return self._graph.get_tensor_by_name(tensor).shape
+
+    def dtype(self, tensor: str):
+        self.shape(tensor)
+        return self._graph.get_tensor_by_name(tensor).dtype.as_datatype_enum
+
+    def variable_shape(self, handle: str):
+        var = self.variables.get(handle.split(":")[0])
+        return None if var is None else var.shape
+
+    def add(self, node) -> None:
+        self.graph_def.node.append(node)
+        self.nodes[node.name] = self.graph_def.node[-1]
+
+    def prune(self, names: set) -> None:
+        """Drops the nodes of `names` that nothing uses any more (a whole
+        read they leave unused the capture drops, keeping the step's order)."""
+        while True:
+            used = {i.lstrip("^").split(":")[0] for n in self.graph_def.node for i in n.input}
+            gone = {n for n in names if n in self.nodes and n not in used}
+            if not gone:
+                return
+            keep = [n for n in self.graph_def.node if n.name not in gone]
+            del self.graph_def.node[:]
+            self.graph_def.node.extend(keep)
+            self.nodes = {n.name: n for n in self.graph_def.node}
+
+
+class _Sums(GraphDefEdit):
+    def __init__(self, graph_def, variables):
+        super().__init__(graph_def, variables)
+        self.unique = {}                        # ids tensor -> the Unique node's name
+        self.rows = {}                          # (tensor, ids) -> its rows
 
     def try_sum(self, name: str) -> list[str]:
         shape = self.shape(name + ":0")
@@ -111,7 +152,7 @@ class _Rewrite:
             node = self.nodes[write]
             node.op = WRITES[node.op]
             node.input.insert(1, f"{unique}:0")
-            node.attr["Tindices"].type = self._dtype(ids)
+            node.attr["Tindices"].type = self.dtype(ids)
         return writes
 
     def _squared_norm(self, name: str) -> bool:
@@ -173,7 +214,7 @@ class _Rewrite:
                         return None
                     made = [user + ":0"]
                 elif node.op in WRITES and pos == 1 and \
-                        self._variable_shape(node.input[0]) == shape:
+                        self.variable_shape(node.input[0]) == shape:
                     writes.append(user)
                     made = []
                 elif node.op == "Sum" and pos == 0 and self._every_axis(node, shape.rank):
@@ -187,20 +228,12 @@ class _Rewrite:
         whole = {(u, p) for u, p in whole if _tensor(self.nodes[u].input[p]) not in zeros}
         return zeros, whole, writes
 
-    def _variable_shape(self, handle: str):
-        var = self.variables.get(handle.split(":")[0])
-        return None if var is None else var.shape
-
     def _every_axis(self, node, rank: int) -> bool:
         axes = self.nodes.get(node.input[1].split(":")[0])
         if axes is None or axes.op != "Const":
             return False
         values = np.ravel(tf.make_ndarray(axes.attr["value"].tensor)) % rank
         return sorted(set(values.tolist())) == list(range(rank))
-
-    def _dtype(self, tensor: str):
-        self.shape(tensor)
-        return self._graph.get_tensor_by_name(tensor).dtype.as_datatype_enum
 
     def _unique_of(self, ids: str, scope: str | None = None) -> str:
         """The Unique of `ids` and its size, made once per ids tensor, under
@@ -209,11 +242,11 @@ class _Rewrite:
             return self.unique[ids]
         base = f"{scope}/parallax_rows"
         unique = tf.compat.v1.NodeDef(name=f"{base}/unique", op="Unique", input=[ids])
-        unique.attr["T"].type = self._dtype(ids)
+        unique.attr["T"].type = self.dtype(ids)
         unique.attr["out_idx"].type = tf.int32.as_datatype_enum
         size = tf.compat.v1.NodeDef(name=f"{base}/unique/size", op="Size",
                                     input=[f"{base}/unique:0"])
-        size.attr["T"].type = self._dtype(ids)
+        size.attr["T"].type = self.dtype(ids)
         size.attr["out_type"].type = tf.int32.as_datatype_enum
         self.graph_def.node.extend([unique, size])
         self.nodes[unique.name], self.nodes[size.name] = unique, size
@@ -237,7 +270,7 @@ class _Rewrite:
             node.name, node.op = name, "ResourceGather"
             node.input.extend([handle, f"{unique}:0", *controls])
             node.attr["dtype"].type = dtype
-            node.attr["Tindices"].type = self._dtype(ids)
+            node.attr["Tindices"].type = self.dtype(ids)
             node.attr["batch_dims"].i = 0
             node.attr["validate_indices"].b = True
             return tensor
@@ -254,8 +287,8 @@ class _Rewrite:
         axis.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(0, tf.int32))
         gather = tf.compat.v1.NodeDef(name=base, op="GatherV2",
                                       input=[tensor, f"{unique}:0", axis.name])
-        gather.attr["Tparams"].type = self._dtype(tensor)
-        gather.attr["Tindices"].type = self._dtype(ids)
+        gather.attr["Tparams"].type = self.dtype(tensor)
+        gather.attr["Tindices"].type = self.dtype(ids)
         gather.attr["Taxis"].type = tf.int32.as_datatype_enum
         gather.attr["batch_dims"].i = 0
         self.graph_def.node.extend([axis, gather])

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from ..errors import GraphError
+from .row_divisions import row_divisions
 from .row_updates import row_updates
 
 INPUT = "parallax_input_{}"
@@ -224,8 +225,10 @@ def _piece(concrete) -> _Piece:
     fg = concrete.graph
     by_handle = {id(v.handle): v for v in fg.variables}
     graph_def = _inlined(concrete)
-    row_updates(graph_def, {internal.op.name: by_handle[id(external)]
-                            for external, internal in fg.captures if id(external) in by_handle})
+    variables = {internal.op.name: by_handle[id(external)]
+                 for external, internal in fg.captures if id(external) in by_handle}
+    row_updates(graph_def, variables)
+    row_divisions(graph_def, variables)
     graph_def, replaced = _row_reads(graph_def)
     captured, constants = {}, {}
     for external, internal in fg.captures:
