@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from passkit import context, op_counts, run_passes
@@ -74,11 +75,16 @@ def test_golden_tiny_counter():
     assert report == {"synced": 1}
 
 
-def test_in_a_job_with_fusion_buffers_state_is_summed_on_the_servers():
+ON_SERVERS = [{"dense_method": "bfb"}, {"run_option": "ps"}]
+
+
+@pytest.mark.parametrize("config", ON_SERVERS, ids=["fusion-buffers", "ps"])
+def test_in_a_job_with_gradients_on_the_servers_state_is_summed_there(config):
     """No collective op in the step: the running statistics' sums go through
-    the servers like the gradients."""
+    the servers like the gradients (fusion buffers, or every variable on
+    the servers: a collective would make the step two session runs)."""
     from passkit import cluster_transform
-    ir, ctx = cluster_transform(stats_graph(), worker=0, servers=2, dense_method="bfb")
+    ir, ctx = cluster_transform(stats_graph(), worker=0, servers=2, **config)
     assert ctx.plan.reduces_on_servers
     step = ir.ancestors(["train"])
     assert not [n for n in step if ir.node(n).op.startswith("Collective")]
@@ -97,7 +103,7 @@ import parallax_ng as pn
 from test_state_sync import stats_graph
 
 g = stats_graph()
-runner = pn.get_runner(g, None, {{"dense_method": "bfb"}})
+runner = pn.get_runner(g, None, {config!r})
 runner.run([v.initializer.name for v in g.get_collection("variables")])
 data = np.arange(24, dtype=np.float32).reshape(8, 3)
 w = runner.plan.worker
@@ -108,7 +114,9 @@ print("runs", runner.session_runs("train"), "state", mean.tolist(), float(count)
 """
 
 
-def test_a_job_with_fusion_buffers_keeps_state_equal_to_one_device(tmp_path):
+@pytest.mark.parametrize("config", ON_SERVERS, ids=["fusion-buffers", "ps"])
+def test_a_job_with_gradients_on_the_servers_keeps_state_equal_to_one_device(tmp_path,
+                                                                             config):
     import os
     import re
     import subprocess
@@ -116,7 +124,7 @@ def test_a_job_with_fusion_buffers_keeps_state_equal_to_one_device(tmp_path):
     from test_cluster import resources
     tests = os.path.dirname(os.path.abspath(__file__))
     script = tmp_path / "stats.py"
-    script.write_text(JOB_SCRIPT.format(tests=tests))
+    script.write_text(JOB_SCRIPT.format(tests=tests, config=config))
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
          resources(tmp_path, 2, 1, servers=1)], capture_output=True, text=True, timeout=300,

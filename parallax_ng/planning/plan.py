@@ -169,9 +169,11 @@ class Plan:
     @property
     def reduces_on_servers(self) -> bool:
         """A job whose dense gradients are summed on the servers (fusion
-        buffers): other sums in the step go there too, so a training run has
-        no collective op and is one session.run."""
-        return self.num_workers > 1 and bool(self.buffers)
+        buffers, or every variable on them): other sums in the step (a
+        metric's totals, moving statistics) go there too, so a training run
+        has no collective op and is one session.run."""
+        return self.num_workers > 1 and bool(self.servers) and (bool(self.buffers) or bool(
+            self.variables) and all(method(vp.method).servers for vp in self.variables.values()))
 
     @property
     def cross_worker_servers(self) -> bool:
