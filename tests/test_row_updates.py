@@ -165,3 +165,27 @@ def test_each_use_of_the_dense_rows_decides(kind):
     else:
         assert "Unique" not in types and not types & {"ResourceScatterSub",
                                                        "ResourceScatterUpdate"}
+
+
+def test_in_a_job_with_servers_the_clipped_update_runs_on_them():
+    """Keras 3's clipping leaves results the step drops (an Identity of each
+    scaled gradient); the capture keeps only what the step runs, so the
+    update math (the norm, the scaling, Adagrad's) moves to the server with
+    the variables and no worker op reads a summed dense gradient from it."""
+    from passkit import cluster_transform
+    model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                              keras.layers.Embedding(VOCAB, 4), keras.layers.Flatten(),
+                              keras.layers.Dense(8), keras.layers.Dense(1)])
+    optimizer = OPTIMIZERS["adagrad-global"]()
+    ids, y = data(vocab=VOCAB)
+    cap = capture(step_of(model, optimizer), (ids[0], y[0]))
+    with cap.graph.as_default():
+        tf.compat.v1.add_to_collection(tf.compat.v1.GraphKeys.TRAIN_OP,
+                                       cap.graph.get_operation_by_name(cap.train))
+    ir, ctx = cluster_transform(cap.graph, worker=0, servers=1, run_option="ps", workers=2)
+    summed = {n.name for n in ir.nodes if n.name.startswith("parallax/ps/") and
+              n.name.endswith("/mean/job")}
+    assert summed
+    on_worker = [(n.name, ref.node) for n in ir.nodes if "/job:worker" in n.device
+                 for ref in ir.data_inputs(n.name) if ref.node in summed]
+    assert on_worker == []

@@ -1,5 +1,12 @@
-"""Whole-table updates that change only the gradient's rows, rewritten to
-touch those rows (Keras 3 optimizers after `global_clipnorm`).
+"""Whole-table reads and updates of a traced step that need only some
+rows, rewritten to touch those rows (Keras 3's Embedding and its
+optimizers after `global_clipnorm`).
+
+`row_reads`: Keras 3's Embedding gathers rows from a whole read of the
+table and reads the whole table again for its gradient's shape; once a
+variable has had a sparse access TensorFlow copies it on every whole
+read, and a whole read a later write outlives is copied too. Its
+docstring says what it rewrites.
 
 Keras 3 clips an embedding's gradient (an IndexedSlices) by the global norm
 by scaling a dense tensor: the rows become a whole-table gradient (an
@@ -40,7 +47,7 @@ graph/row_divisions.py use.
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import numpy as np
 import tensorflow as tf
@@ -69,6 +76,74 @@ def tensor_name(name: str) -> str:
 
 
 _tensor = tensor_name
+
+
+def row_reads(graph_def):
+    """Gathers of rows from a whole read of a variable (Keras 3's Embedding:
+    GatherV2 along axis 0 of a ReadVariableOp that nothing else reads) as
+    ResourceGather of the variable, under the gather's name: the step reads
+    the rows, not the table (a whole read that a later write in the step
+    outlives makes TensorFlow copy the table first). Shapes of a whole read
+    (and nothing else) become VariableShape, and a read that nothing reads
+    (its shape folded to a constant) is dropped: a variable once read or
+    written by rows copies itself on every whole read. Returns the graph
+    and {dropped read: the op that replaces it, or None}."""
+    nodes = {n.name: n for n in graph_def.node}
+    uses = Counter(i.split(":")[0] for n in graph_def.node for i in n.input
+                   if not i.startswith("^"))
+    dropped = {}
+    for n in graph_def.node:
+        if n.op != "GatherV2" or n.attr["batch_dims"].i != 0 or len(n.input) < 3:
+            continue
+        read, axis = nodes.get(n.input[0].split(":")[0]), nodes.get(n.input[2].split(":")[0])
+        if read is None or read.op != "ReadVariableOp" or uses[read.name] != 1 or \
+                axis is None or axis.op != "Const" or \
+                tf.make_ndarray(axis.attr["value"].tensor).tolist() != 0:
+            continue
+        gather = tf.compat.v1.NodeDef(name=n.name, op="ResourceGather", device=n.device)
+        gather.input.extend([read.input[0], n.input[1]] + list(read.input[1:]) +
+                            [i for i in n.input[3:] if i.startswith("^")])
+        gather.attr["dtype"].CopyFrom(read.attr["dtype"])
+        gather.attr["Tindices"].CopyFrom(n.attr["Tindices"])
+        gather.attr["batch_dims"].i = 0
+        gather.attr["validate_indices"].b = True
+        n.CopyFrom(gather)
+        dropped[read.name] = n.name
+    shapes = defaultdict(list)
+    for n in graph_def.node:
+        if n.op == "Shape":
+            shapes[n.input[0].split(":")[0]].append(n)
+    for name, users in shapes.items():
+        read = nodes.get(name)
+        if read is None or read.op != "ReadVariableOp" or len(users) != uses[name]:
+            continue
+        for n in users:
+            out_type = n.attr["out_type"].type
+            n.op, n.input[0] = "VariableShape", read.input[0]
+            n.input.extend(i for i in read.input[1:] if i not in n.input)
+            del n.attr["T"]
+            n.attr["out_type"].type = out_type
+        dropped[name] = users[0].name
+    for n in graph_def.node:
+        if n.op == "ReadVariableOp" and not uses[n.name]:
+            dropped[n.name] = None
+
+    def waits(i):      # a wait on a read: on what replaces it, or on what the read waited on
+        if not i.startswith("^") or i[1:] not in dropped:
+            return [i]
+        if dropped[i[1:]] is not None:
+            return ["^" + dropped[i[1:]]]
+        return [w for c in nodes[i[1:]].input if c.startswith("^") for w in waits(c)]
+    keep = [n for n in graph_def.node if n.name not in dropped]
+    for n in keep:
+        inputs = [w for i in n.input for w in waits(i)]
+        del n.input[:]
+        n.input.extend(i for k, i in enumerate(inputs)
+                       if not i.startswith("^") or i not in inputs[:k])
+    del graph_def.node[:]
+    graph_def.node.extend(keep)
+    return graph_def, dropped
+
 
 
 class GraphDefEdit:

@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 
 import tensorflow as tf
 
 from ..errors import GraphError
 from .row_divisions import row_divisions
-from .row_updates import row_updates
+from .row_updates import row_reads, row_updates
 
 INPUT = "parallax_input_{}"
 PART = "parallax_part_{}"           # the name scope of a part's ops (`capture`'s parts)
@@ -215,7 +215,7 @@ class _Piece:
     """One traced function, inlined, as `_rebuild` imports it."""
     concrete: object
     graph_def: object
-    replaced: dict                    # read dropped by _row_reads -> its gather
+    replaced: dict                    # read dropped by row_reads -> what replaces it
     captured: dict                    # internal placeholder name -> tf.Variable
     constants: dict                   # internal placeholder name -> value (a captured tensor)
     inputs: list                      # the function's argument placeholders
@@ -229,7 +229,7 @@ def _piece(concrete) -> _Piece:
                  for external, internal in fg.captures if id(external) in by_handle}
     row_updates(graph_def, variables)
     row_divisions(graph_def, variables)
-    graph_def, replaced = _row_reads(graph_def)
+    graph_def, replaced = row_reads(graph_def)
     captured, constants = {}, {}
     for external, internal in fg.captures:
         if internal.dtype != tf.resource:
@@ -243,8 +243,10 @@ def _piece(concrete) -> _Piece:
         captured[internal.op.name] = var
     inside = {internal.op.name for _, internal in fg.captures}
     inputs = [t.op.name for t in fg.inputs if t.op.name not in inside]
-    keep = [n for n in graph_def.node
-            if n.name not in captured and n.name not in constants and n.name not in inputs]
+    needed = _ancestors(graph_def, {t.op.name for t in tf.nest.flatten(concrete.outputs)} |
+                        {replaced.get(op.name, op.name) for op in fg.control_outputs} - {None})
+    keep = [n for n in graph_def.node if n.name in needed and n.name not in captured and
+            n.name not in constants and n.name not in inputs]
     del graph_def.node[:]
     graph_def.node.extend(keep)
     for node in graph_def.node:
@@ -315,71 +317,19 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
                            for k, name in enumerate(parts)})
 
 
-def _row_reads(graph_def):
-    """Gathers of rows from a whole read of a variable (Keras 3's Embedding:
-    GatherV2 along axis 0 of a ReadVariableOp that nothing else reads) as
-    ResourceGather of the variable, under the gather's name: the step reads
-    the rows, not the table (a whole read that a later write in the step
-    outlives makes TensorFlow copy the table first). Shapes of a whole read
-    (and nothing else) become VariableShape, and a read that nothing reads
-    (its shape folded to a constant) is dropped: a variable once read or
-    written by rows copies itself on every whole read. Returns the graph
-    and {dropped read: the op that replaces it, or None}."""
-    nodes = {n.name: n for n in graph_def.node}
-    uses = Counter(i.split(":")[0] for n in graph_def.node for i in n.input
-                   if not i.startswith("^"))
-    dropped = {}
-    for n in graph_def.node:
-        if n.op != "GatherV2" or n.attr["batch_dims"].i != 0 or len(n.input) < 3:
-            continue
-        read, axis = nodes.get(n.input[0].split(":")[0]), nodes.get(n.input[2].split(":")[0])
-        if read is None or read.op != "ReadVariableOp" or uses[read.name] != 1 or \
-                axis is None or axis.op != "Const" or \
-                tf.make_ndarray(axis.attr["value"].tensor).tolist() != 0:
-            continue
-        gather = tf.compat.v1.NodeDef(name=n.name, op="ResourceGather", device=n.device)
-        gather.input.extend([read.input[0], n.input[1]] + list(read.input[1:]) +
-                            [i for i in n.input[3:] if i.startswith("^")])
-        gather.attr["dtype"].CopyFrom(read.attr["dtype"])
-        gather.attr["Tindices"].CopyFrom(n.attr["Tindices"])
-        gather.attr["batch_dims"].i = 0
-        gather.attr["validate_indices"].b = True
-        n.CopyFrom(gather)
-        dropped[read.name] = n.name
-    shapes = defaultdict(list)
-    for n in graph_def.node:
-        if n.op == "Shape":
-            shapes[n.input[0].split(":")[0]].append(n)
-    for name, users in shapes.items():
-        read = nodes.get(name)
-        if read is None or read.op != "ReadVariableOp" or len(users) != uses[name]:
-            continue
-        for n in users:
-            out_type = n.attr["out_type"].type
-            n.op, n.input[0] = "VariableShape", read.input[0]
-            n.input.extend(i for i in read.input[1:] if i not in n.input)
-            del n.attr["T"]
-            n.attr["out_type"].type = out_type
-        dropped[name] = users[0].name
-    for n in graph_def.node:
-        if n.op == "ReadVariableOp" and not uses[n.name]:
-            dropped[n.name] = None
-
-    def waits(i):      # a wait on a read: on what replaces it, or on what the read waited on
-        if not i.startswith("^") or i[1:] not in dropped:
-            return [i]
-        if dropped[i[1:]] is not None:
-            return ["^" + dropped[i[1:]]]
-        return [w for c in nodes[i[1:]].input if c.startswith("^") for w in waits(c)]
-    keep = [n for n in graph_def.node if n.name not in dropped]
-    for n in keep:
-        inputs = [w for i in n.input for w in waits(i)]
-        del n.input[:]
-        n.input.extend(i for k, i in enumerate(inputs)
-                       if not i.startswith("^") or i not in inputs[:k])
-    del graph_def.node[:]
-    graph_def.node.extend(keep)
-    return graph_def, dropped
+def _ancestors(graph_def, roots: set) -> set:
+    """`roots` and every node they wait on (data or control): what a run of
+    them executes. The rest (a result the step drops, e.g. an Identity of a
+    clipped gradient) would only hold back passes that move ops by their
+    consumers."""
+    inputs = {n.name: [i.lstrip("^").split(":")[0] for i in n.input] for n in graph_def.node}
+    out, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name not in out and name in inputs:
+            out.add(name)
+            todo.extend(inputs[name])
+    return out
 
 
 def _inlined(concrete):
