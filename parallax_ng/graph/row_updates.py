@@ -240,7 +240,7 @@ class _Sums(GraphDefEdit):
         sums = [u for u, _ in self.users[name + ":0"]]
         if square.op != "Square" or [u for u, _ in self.users[square.name + ":0"]] != [name] \
                 or any(self.nodes[u].attr["keep_dims"].b for u in sums) \
-                or any("^" + n in i for n in (name, square.name)
+                or any(i in ("^" + name, "^" + square.name)
                        for m in self.graph_def.node for i in m.input):
             return False
         for u in sums:
@@ -258,11 +258,9 @@ class _Sums(GraphDefEdit):
             total.name, total.op = u, "Mul"
             total.input.extend([half.name, two.name, *controls])
             total.attr["T"].type = dtype
-            self.graph_def.node.extend([half, two])
-        keep = [n for n in self.graph_def.node if n.name not in (name, square.name)]
-        del self.graph_def.node[:]
-        self.graph_def.node.extend(keep)
-        self.nodes = {n.name: n for n in self.graph_def.node}
+            self.add(half)
+            self.add(two)
+        self.prune({name, square.name})
         return True
 
     def _uses(self, name: str, shape):
@@ -323,8 +321,8 @@ class _Sums(GraphDefEdit):
                                     input=[f"{base}/unique:0"])
         size.attr["T"].type = self.dtype(ids)
         size.attr["out_type"].type = tf.int32.as_datatype_enum
-        self.graph_def.node.extend([unique, size])
-        self.nodes[unique.name], self.nodes[size.name] = unique, size
+        self.add(unique)
+        self.add(size)
         self.unique[ids] = unique.name
         return unique.name
 
@@ -366,7 +364,7 @@ class _Sums(GraphDefEdit):
         gather.attr["Tindices"].type = self.dtype(ids)
         gather.attr["Taxis"].type = tf.int32.as_datatype_enum
         gather.attr["batch_dims"].i = 0
-        self.graph_def.node.extend([axis, gather])
-        self.nodes[axis.name], self.nodes[gather.name] = axis, gather
+        self.add(axis)
+        self.add(gather)
         self.rows[tensor, ids] = gather.name + ":0"
         return gather.name + ":0"
