@@ -171,7 +171,9 @@ def test_in_a_job_with_servers_the_clipped_update_runs_on_them():
     """Keras 3's clipping leaves results the step drops (an Identity of each
     scaled gradient); the capture keeps only what the step runs, so the
     update math (the norm, the scaling, Adagrad's) moves to the server with
-    the variables and no worker op reads a summed dense gradient from it."""
+    the variables and no worker op reads a summed dense gradient from it.
+    The accumulator's rows are gathered there too, at ids found there: a
+    gather on the update side is not a lookup the workers fetch rows for."""
     from passkit import cluster_transform
     model = keras.Sequential([keras.Input((3,), dtype="int32"),
                               keras.layers.Embedding(VOCAB, 4), keras.layers.Flatten(),
@@ -189,3 +191,13 @@ def test_in_a_job_with_servers_the_clipped_update_runs_on_them():
     on_worker = [(n.name, ref.node) for n in ir.nodes if "/job:worker" in n.device
                  for ref in ir.data_inputs(n.name) if ref.node in summed]
     assert on_worker == []
+    fetched = {n.name.removeprefix("parallax/lookups/").rsplit("/", 1)[0]
+               for n in ir.nodes if n.name.startswith("parallax/lookups/")}
+    assert len(fetched) == 1 and fetched <= ctx.tg.before_gradients   # the embedding's
+    accumulators = {v for v in ctx.plan.shared_state() if v.endswith("_accumulator")}
+    gathers = [n for n in ir.nodes if n.op == "ResourceGather" and
+               ir.data_inputs(n.name)[0].node in accumulators]
+    assert gathers
+    for n in gathers:
+        ids = ir.node(ir.data_inputs(n.name)[1].node)
+        assert "/job:ps/" in n.device and "/job:ps/" in ids.device, (n.name, ids.name)

@@ -20,9 +20,12 @@ product with a scalar), only ops that sum rows by index (sparse applies, scatter
 UnsortedSegmentSum) or `L2Loss` of the values themselves; then it lists
 those `L2Loss` ops, whose value the aggregation must supply from the rows
 before they were summed. `lookups(tg, var)` lists the top-level ops that
-read rows of `var` by index along axis 0: ResourceGather of its handle, and
-Gather/GatherV2 of a whole read of it (ReadVariableOp, a reference
-variable's `read`, Identities after them), each with the reads in between.
+read rows of `var` by index along axis 0 in the forward pass: ResourceGather
+of its handle, and Gather/GatherV2 of a whole read of it (ReadVariableOp, a
+reference variable's `read`, Identities after them), each with the reads in
+between. A gather on the update side (after the gradients: an optimizer
+slot's rows at the summed gradient's ids, graph/row_updates.py) is not a
+lookup: its ids are alike on every replica and it runs with the update.
 """
 from __future__ import annotations
 
@@ -82,13 +85,13 @@ GATHERS = ("GatherV2", "Gather")
 
 
 def lookups(tg: TrainingGraph, var: str) -> tuple[Lookup, ...]:
-    ir = tg.ir
+    ir, update_side = tg.ir, tg.after_gradients
     out, todo = [], [(var, ())]
     while todo:
         name, via = todo.pop()
         for consumer, pos in ir.consumers.get(TensorRef(name, 0), ()):
             nd = ir.node(consumer)
-            if pos != 0 or _batch_dims(nd):
+            if pos != 0 or _batch_dims(nd) or consumer in update_side:
                 continue
             if nd.op == "ResourceGather" and name == var:
                 out.append(Lookup(consumer))
