@@ -105,7 +105,17 @@ def make(config: Config, resources: ResourceInfo | None = None,
 
 def job_config(config) -> Config:
     """`config`, or the job's (`parallax-ng run -c FILE` sets
-    PARALLAX_NG_CONFIG); both given and different is an error."""
+    PARALLAX_NG_CONFIG); both given and different is an error. A job the
+    launcher restarts (`--restarts`) checkpoints to the directory it names
+    (PARALLAX_NG_CHECKPOINT_DIR) unless the config sets `checkpoint.dir`."""
+    cfg = _given_or_jobs(config)
+    default = os.environ.get(cluster.CHECKPOINT_ENV)
+    if default and cfg.checkpoint.dir is None:
+        cfg = replace(cfg, checkpoint=replace(cfg.checkpoint, dir=default))
+    return cfg
+
+
+def _given_or_jobs(config) -> Config:
     path = os.environ.get(cluster.CONFIG_ENV)
     if not path:
         return load_config(config)

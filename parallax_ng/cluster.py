@@ -20,6 +20,7 @@ from .resources import session_config
 
 ENV = "PARALLAX_NG_CLUSTER"
 CONFIG_ENV = "PARALLAX_NG_CONFIG"
+CHECKPOINT_ENV = "PARALLAX_NG_CHECKPOINT_DIR"   # `parallax-ng run --restarts`: checkpoint.dir's default
 PROFILE_ENV = "PARALLAX_NG_PROFILE"    # `parallax-ng profile` of a job: "STEPS:0|1:PATH"
 
 

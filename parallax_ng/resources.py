@@ -9,6 +9,9 @@ Accepted forms (YAML path or dict)::
     ps: []                        # parameter-server addresses (cluster mode), or
                                   # per_host: one server on each host's address
     ssh: ssh                      # command that runs a command on a host (parallax-ng run)
+    spares:                       # hosts that take the place of one whose task failed
+      - address: 10.0.0.9         # twice (parallax-ng run --restarts); same devices
+        devices: [cpu:0, cpu:1]
 
 `None` means this machine: all its GPUs, or, without GPUs, one CPU device per
 core, at most MAX_DEFAULT_CPU_DEVICES (made with
@@ -42,6 +45,7 @@ class ResourceInfo:
     hosts: tuple[Host, ...]
     ps: tuple[str, ...] = ()
     ssh: str = "ssh"
+    spares: tuple[Host, ...] = ()
 
     @property
     def num_replicas(self) -> int:
@@ -118,41 +122,54 @@ def local_resources() -> ResourceInfo:
 
 
 def _parse(data: dict) -> ResourceInfo:
-    unknown = set(data) - {"hosts", "ps", "ssh"}
+    unknown = set(data) - {"hosts", "ps", "ssh", "spares"}
     if unknown:
-        raise ResourceError(f"unknown resource key(s) {sorted(unknown)}; known: hosts, ps, ssh")
+        raise ResourceError(f"unknown resource key(s) {sorted(unknown)}; known: hosts, ps, "
+                            "ssh, spares")
     hosts_data = data.get("hosts")
     if not hosts_data or not isinstance(hosts_data, list):
         raise ResourceError("resource info names no devices: give 'hosts', a list of "
                             "{address: ..., devices: [cpu:0, gpu:0, ...]}")
-    hosts = []
-    for i, h in enumerate(hosts_data):
-        if not isinstance(h, dict):
-            raise ResourceError(f"hosts[{i}] must be a mapping with 'address' and 'devices'")
-        extra = set(h) - {"address", "devices", "launch"}
-        if extra:
-            raise ResourceError(f"unknown key(s) {sorted(extra)} in hosts[{i}]; "
-                                "known: address, devices, launch")
-        launch = h.get("launch", "auto")
-        if launch not in LAUNCH_MODES:
-            raise ResourceError(f"hosts[{i}].launch is {launch!r}; allowed: "
-                                + ", ".join(LAUNCH_MODES))
-        devices = h.get("devices") or []
-        if not devices:
-            raise ResourceError(f"hosts[{i}] ({h.get('address', '127.0.0.1')}) names no "
-                                "devices; list them as devices: [cpu:0, gpu:0, ...]")
-        parsed = []
-        for d in devices:
-            m = _DEVICE.match(str(d).strip())
-            if not m:
-                raise ResourceError(f"device {d!r} in hosts[{i}] is not understood; "
-                                    "write cpu:N or gpu:N")
-            parsed.append((m.group(1).upper(), int(m.group(2))))
-        if len(set(parsed)) != len(parsed):
-            raise ResourceError(f"hosts[{i}] lists a device twice: {devices}")
-        hosts.append(Host(str(h.get("address", "127.0.0.1")), tuple(parsed), launch))
+    hosts = [_host(h, f"hosts[{i}]") for i, h in enumerate(hosts_data)]
+    spares_data = data.get("spares") or []
+    if not isinstance(spares_data, list):
+        raise ResourceError("resource key 'spares' must be a list of hosts "
+                            "({address: ..., devices: [...]}), like 'hosts'")
+    spares = tuple(_host(h, f"spares[{i}]") for i, h in enumerate(spares_data))
+    for i, spare in enumerate(spares):
+        if len(spare.devices) != len(hosts[0].devices):
+            raise ResourceError(f"spares[{i}] ({spare.address}) lists {len(spare.devices)} "
+                                f"devices; a spare takes a host's place, so it lists as many "
+                                f"as every host ({len(hosts[0].devices)})")
     return ResourceInfo(tuple(hosts), _servers(data.get("ps"), hosts),
-                        str(data.get("ssh") or "ssh"))
+                        str(data.get("ssh") or "ssh"), spares)
+
+
+def _host(h, where: str) -> Host:
+    """One entry of `hosts` or `spares`."""
+    if not isinstance(h, dict):
+        raise ResourceError(f"{where} must be a mapping with 'address' and 'devices'")
+    extra = set(h) - {"address", "devices", "launch"}
+    if extra:
+        raise ResourceError(f"unknown key(s) {sorted(extra)} in {where}; "
+                            "known: address, devices, launch")
+    launch = h.get("launch", "auto")
+    if launch not in LAUNCH_MODES:
+        raise ResourceError(f"{where}.launch is {launch!r}; allowed: " + ", ".join(LAUNCH_MODES))
+    devices = h.get("devices") or []
+    if not devices:
+        raise ResourceError(f"{where} ({h.get('address', '127.0.0.1')}) names no "
+                            "devices; list them as devices: [cpu:0, gpu:0, ...]")
+    parsed = []
+    for d in devices:
+        m = _DEVICE.match(str(d).strip())
+        if not m:
+            raise ResourceError(f"device {d!r} in {where} is not understood; "
+                                "write cpu:N or gpu:N")
+        parsed.append((m.group(1).upper(), int(m.group(2))))
+    if len(set(parsed)) != len(parsed):
+        raise ResourceError(f"{where} lists a device twice: {devices}")
+    return Host(str(h.get("address", "127.0.0.1")), tuple(parsed), launch)
 
 
 def _servers(ps, hosts) -> tuple[str, ...]:

@@ -1,6 +1,10 @@
 """Trains to a global step with checkpoints; can kill itself at a step.
 
     python resume_script.py CKPT_DIR OUT STEPS [--die-at STEP] [--config JSON]
+        [--every N] [--print-steps] [--die-on-host ADDRESS]
+
+CKPT_DIR "-": the config names no checkpoint.dir (a launcher with
+--restarts gives one).
 """
 import argparse
 import json
@@ -24,19 +28,33 @@ parser.add_argument("--run-option", default="allreduce", help="in a multi-worker
 parser.add_argument("--no-ema", action="store_true", help="no moving averages")
 parser.add_argument("--no-clip", action="store_true", help="no global-norm clipping")
 parser.add_argument("--config", default="{}", help="more config keys, as JSON")
+parser.add_argument("--every", type=int, default=5, help="checkpoint.every_steps")
+parser.add_argument("--print-steps", action="store_true", help="say each step trained")
+parser.add_argument("--die-on-host", help="--die-at only in a worker at this address")
 args = parser.parse_args()
+
+
+def my_host() -> str:
+    """This worker's address in its job, without the port."""
+    cluster = json.loads(os.environ["PARALLAX_NG_CLUSTER"])
+    return cluster["worker"][cluster["task"]].rpartition(":")[0]
+
 
 g, h = embedding_regression(4, "adam", clip=not args.no_clip, ema=not args.no_ema)
 step = tf.compat.v1.train.get_global_step(g)
 resources = None if os.environ.get("PARALLAX_NG_CLUSTER") else local(args.replicas)
 runner = pn.get_runner(g, resources, {"run_option": "hybrid" if resources else args.run_option,
-                                      "checkpoint": {"dir": args.ckpt, "every_steps": 5},
+                                      "checkpoint": {"every_steps": args.every, **(
+                                          {} if args.ckpt == "-" else {"dir": args.ckpt})},
                                       **json.loads(args.config)})
 runner.run([h["init"], h["iterator_init"]])       # restores the latest checkpoint if any
 print(f"starting at step {runner.run(step)}", flush=True)   # one write: workers share stdout
 while runner.run(step) < args.steps:
     runner.run(h["train"])
-    if runner.run(step) == args.die_at:
+    done = runner.run(step)
+    if args.print_steps:
+        print(f"step {done}", flush=True)
+    if done == args.die_at and (args.die_on_host is None or args.die_on_host == my_host()):
         os._exit(9)
 names = variable_names(g)
 values = runner.run([read_name(v, g) for v in names], per_replica=True)

@@ -77,8 +77,8 @@ def test_killed_and_restarted_in_process_run_equals_uninterrupted(tmp_path, conf
 BFB, RING = '{"dense_method": "bfb"}', '{"dense_method": "allreduce"}'
 
 
-@pytest.mark.parametrize("run_option,servers,extra", [
-    ("allreduce", 0, []), ("hybrid", 1, ["--config", BFB]),
+@pytest.mark.parametrize("run_option,servers,extra", [   # (all-reduce alone: test_restarts.py)
+    ("hybrid", 1, ["--config", BFB]),
     ("hybrid", 1, ["--config", RING]),       # collectives beside the server's run
     ("hybrid", 2, ["--no-ema", "--config", BFB]),   # the embedding by rows on two servers
     ("allreduce", 0, ["--config", ALLTOALL])])   # by columns over the workers

@@ -56,6 +56,11 @@ def test_resources_forms(tmp_path):
                                          {"address": "10.0.0.2", "devices": ["cpu:0"]}],
                                "ps": "per_host"})
     assert per_host.ps == ("10.0.0.1:2223", "10.0.0.2")
+    spared = load_resources({"hosts": [{"devices": ["cpu:0", "cpu:1"]}],
+                             "spares": [{"address": "10.0.0.9", "devices": ["cpu:0", "cpu:1"]}]})
+    assert [(h.address, h.devices) for h in spared.spares] == [
+        ("10.0.0.9", (("CPU", 0), ("CPU", 1)))]
+    assert spared.num_replicas == 2          # a spare trains only in a host's place
 
 
 @pytest.mark.parametrize("data,words", [
@@ -65,8 +70,13 @@ def test_resources_forms(tmp_path):
     ({"hosts": [{"devices": ["tpu:0"]}]}, ["tpu:0", "cpu:N or gpu:N"]),
     ({"hosts": [{"devices": ["cpu:0", "cpu:0"]}]}, ["twice"]),
     ({"hosts": [{"devices": ["cpu:0"], "gpus": 2}]}, ["gpus", "address, devices"]),
-    ({"machines": []}, ["machines", "hosts, ps"]),
+    ({"machines": []}, ["machines", "hosts, ps, ssh, spares"]),
     ({"hosts": [{"devices": ["cpu:0"]}], "ps": "each"}, ["'ps' is 'each'", "per_host"]),
+    ({"hosts": [{"devices": ["cpu:0"]}], "spares": [{"address": "10.0.0.9"}]},
+     ["spares[0] (10.0.0.9) names no devices"]),
+    ({"hosts": [{"devices": ["cpu:0"]}], "spares": [{"devices": ["cpu:0", "cpu:1"]}]},
+     ["spares[0] (127.0.0.1) lists 2 devices", "as every host (1)"]),
+    ({"hosts": [{"devices": ["cpu:0"]}], "spares": "10.0.0.9"}, ["'spares' must be a list"]),
 ])
 def test_bad_resources_name_the_problem(data, words):
     with pytest.raises(ResourceError) as err:

@@ -1,5 +1,5 @@
 """The launcher as its user meets it (parallax_ng/tools/launch.py): SIGTERM stops
-every task, a task that stops making progress is named within the job's
+every task (workers without checkpoints at once), a task that stops making progress is named within the job's
 timeout, a user's mistake is one line, a task killed by a signal gives the
 shell's exit code. Real `parallax-ng run` jobs on 127.0.0.1
 (tests/launch_script.py)."""
@@ -94,7 +94,8 @@ def test_sigterm_stops_every_task_and_exits_143(tmp_path):
     err = job.finish(60)
     assert job.process.returncode == 143, err
     assert time.monotonic() - sent < 20
-    assert err.count("terminated (SIGTERM); stopping every task") == 1
+    assert err.count("the launcher got SIGTERM: passed on to every worker") == 1
+    assert "every worker stopped; none saved a checkpoint" in err
     job.assert_all_gone()
 
 

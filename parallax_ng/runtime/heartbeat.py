@@ -11,7 +11,10 @@ job's `communication.timeout_seconds` once a runner or server has said it
 never gives the interpreter back writes none. An exception that ends the
 task is reported as one line `MARK error <task>: <Type>: <message>`; a
 ParallaxError (a user's mistake: config, resources, graph) is printed only
-as that line, its traceback only with PARALLAX_NG_VERBOSE=1. The launcher
+as that line, its traceback only with PARALLAX_NG_VERBOSE=1. `tell` writes
+an event the launcher keeps: `saved <step> <path>` once worker 0 has written
+a checkpoint of the job, `trained <step>` after a process's first training
+step (what a restarted job's launcher waits for). The launcher
 reads these lines (parallax_ng/tools/launch.py) and shows none of them. Writes
 are single `os.write`s of whole lines, so they never break a line of the
 task's own output in two unless the task left one unfinished.
@@ -52,6 +55,12 @@ def start() -> None:
         if not issubclass(kind, ParallaxError) or os.environ.get(VERBOSE_ENV) == "1":
             previous(kind, value, tb)
     sys.excepthook = report
+
+
+def tell(kind: str, text: str) -> None:
+    """An event for the launcher (nothing outside a launched task)."""
+    if _state["started"]:
+        _write(f"{kind} {text}")
 
 
 def set_timeout(seconds: float) -> None:

@@ -34,6 +34,9 @@ measurements and, when the plan's decisions change (or with
 on in a new session holding the same state (in-process runs without queue
 input or stateful random ops in the step; otherwise the measured plan is
 kept and the graph stays).
+With checkpoints, SIGTERM (a preemption) makes the job save the step every
+worker stops at and end each worker's process with SystemExit(143)
+(parallax_ng/runtime/preemption.py).
 """
 from __future__ import annotations
 
@@ -53,6 +56,8 @@ from ..planning.profile import Profile, measure
 from . import heartbeat
 from .checkpoint import Checkpointer, Layout
 from .fetches import combine
+from .preemption import EXIT_CODE as PREEMPTED
+from .preemption import Preemption
 from .program import Program
 
 FLUSH_GRAPH_KEY = 7   # any nonzero key: the run gets a collective executor
@@ -70,6 +75,7 @@ class Runner:
         self._restored, self._steps = False, 0
         self._saved, self._failed = None, False   # the step last saved; a run raised
         self._closed = False
+        self._told_trained = False    # the launcher heard of this process's first step
         self.profile: Profile | None = None
         self.replans = 0
         self._install(program)
@@ -81,9 +87,13 @@ class Runner:
                 if program.worker == 0:
                     print("parallax_ng: the plan puts nothing on the parameter servers; "
                           "they stop", file=sys.stderr, flush=True)
+        self._preemption = None
         if config.checkpoint.dir:   # the last steps saved when the process ends, before
             ref = weakref.ref(self)  # the servers hear this worker is done (atexit: LIFO)
             atexit.register(lambda: (r := ref()) is not None and r.save_final())
+            checkpoints = program.checkpoints
+            self._preemption = Preemption(config.checkpoint.dir, checkpoints.worker,
+                                          checkpoints.workers)
 
     def _install(self, program: Program) -> None:
         """Graph, session and everything bound to them, for one Program."""
@@ -179,6 +189,7 @@ class Runner:
         self._saved = step
         if self.program.worker == 0:
             print(f"parallax_ng: saved step {step} to {path}", file=sys.stderr, flush=True)
+            heartbeat.tell("saved", f"{step} {path}")
 
     def close(self) -> None:
         self.save_final()
@@ -321,16 +332,36 @@ class Runner:
             latest = self._checkpoints.latest()
             if latest:
                 self._saved = self._checkpoints.restore(self.session, latest)
+                self._preemption.start = self._saved
                 print(f"parallax_ng: restored step {self._saved} from {latest}",
                       file=sys.stderr, flush=True)
         if self.executor.ends_with_barrier(initialized, trained):
             self.executor.end_step(self.session)
+        if trained and not self._told_trained:
+            self._told_trained = True
+            heartbeat.tell("trained", str(self._steps + 1 if self._saved is None
+                                          else self._saved + 1))
         if trained and self._checkpoints is not None:
             self._steps += 1
             step = self._global_step()
             step = self._steps if step is None else step
             if step % self.config.checkpoint.every_steps == 0:
                 self._save(step)
+            if self._preemption.requested:
+                self._stop_if_preempted(step)
+
+    def _stop_if_preempted(self, step: int) -> None:
+        """After a SIGTERM: at the step every worker stops at, save it and
+        end the process (SystemExit 143, which unwinds the script)."""
+        stop = self._preemption.stop_at(step)
+        if stop is None or step < stop:
+            return
+        if step != self._saved:
+            self._save(step)
+        heartbeat.tell("preempted", str(step))
+        print(f"parallax_ng: stopped at step {step} after SIGTERM, with a checkpoint of it",
+              file=sys.stderr, flush=True)
+        raise SystemExit(PREEMPTED)
 
     def _kind(self, fetched: tuple) -> tuple[bool, bool, bool]:
         """(initializes variables, trains, reads an input queue) for a run of

@@ -4,7 +4,9 @@ its workers outside their training steps.
 Requires: a ClusterInfo (parallax_ng/cluster.py) and the task's started
 server. Guarantees: a parameter-server task `serve`s until every worker has
 said it is done (`done_ops`, which a worker's runner runs when it closes),
-or until no worker has been reachable for the timeout; `share` gives worker
+or until no worker has been reachable for the timeout; SIGTERM (a
+preemption's notice) does not end it, it tells the launcher, whose workers
+then checkpoint and finish; `share` gives worker
 0's value to every other worker once, within the timeout.
 """
 from __future__ import annotations
@@ -48,6 +50,7 @@ def serve(info: ClusterInfo, timeout_seconds: float, poll_seconds: float = 2.0) 
     cancelled (a run given up every poll makes TensorFlow log four lines
     each time); a thread checks every `poll_seconds` that some worker is
     still reachable."""
+    import signal
     import sys
     import threading
     import time
@@ -56,6 +59,9 @@ def serve(info: ClusterInfo, timeout_seconds: float, poll_seconds: float = 2.0) 
 
     from . import heartbeat
     heartbeat.set_timeout(timeout_seconds)
+    if threading.current_thread() is threading.main_thread():   # a preemption's notice:
+        signal.signal(signal.SIGTERM,                           # serve while workers save
+                      lambda signum, frame: heartbeat.tell("stopping", "SIGTERM"))
     server = info.start_server()
     graph = tf.Graph()
     with graph.as_default(), tf.device(f"/job:ps/replica:0/task:{info.task}/device:CPU:0"):
@@ -76,11 +82,17 @@ def serve(info: ClusterInfo, timeout_seconds: float, poll_seconds: float = 2.0) 
                       f"{timeout_seconds:g} s; stopping", file=sys.stderr, flush=True)
                 os._exit(1)     # the waiting run cannot be given up without a log line
 
-    done = set()
+    def wait():
+        done = set()
+        with tf.compat.v1.Session(server.target, graph=graph, config=config) as session:
+            while len(done) < len(info.workers):    # a worker may say it twice (two runners)
+                done.add(int(session.run(take)))
+
     threading.Thread(target=watch, daemon=True).start()
-    with tf.compat.v1.Session(server.target, graph=graph, config=config) as session:
-        while len(done) < len(info.workers):    # a worker may say it twice (two runners)
-            done.add(int(session.run(take)))
+    waiting = threading.Thread(target=wait, daemon=True)
+    waiting.start()
+    while waiting.is_alive():      # the main thread stays free for a SIGTERM's handler
+        waiting.join(0.5)
     return 0
 
 

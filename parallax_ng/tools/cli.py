@@ -1,6 +1,8 @@
 """`parallax-ng`: inspect what parallax_ng does to a training graph.
 
-    parallax-ng run SCRIPT -r RESOURCES [-c CONFIG] [--chief-only] [--verbose] [-- ARGS]
+    parallax-ng run SCRIPT -r RESOURCES [-c CONFIG] [--chief-only] [--verbose]
+                    [--restarts N] [--run-dir DIR] [--grace-seconds S] [-- ARGS]
+    parallax-ng tf-config -r RESOURCES --task worker:I|ps:J
     parallax-ng plan SOURCE [-r RESOURCES] [-c CONFIG] [--json] [-- ARGS]
     parallax-ng diff SOURCE [-r RESOURCES] [-c CONFIG] [--out DIR] [--batch N] [-- ARGS]
     parallax-ng profile SCRIPT [-r RESOURCES] [-c CONFIG] [--steps N] [--out P.json]
@@ -41,6 +43,20 @@ def main(argv=None) -> int:
                           "shown if it fails)")
     run.add_argument("--verbose", action="store_true",
                      help="also show TensorFlow's harmless start-up and step-cleanup lines")
+    run.add_argument("--restarts", type=int, default=0, metavar="N",
+                     help="when a task dies or hangs, stop every task and start the job "
+                          "again from its last checkpoint, up to N times")
+    run.add_argument("--grace-seconds", type=float, default=30.0, metavar="S",
+                     help="after SIGTERM (to the launcher or a task), how long the workers "
+                          "have to save a checkpoint and stop (default 30)")
+    run.add_argument("--run-dir", metavar="DIR",
+                     help="with --restarts and no checkpoint.dir in the config: the "
+                          "checkpoints go to DIR/checkpoints (default: a new "
+                          "parallax_ng_run-<time> here)")
+    tfc = sub.add_parser("tf-config", help="print one task's TF_CONFIG (for an orchestrator "
+                                           "that starts each task: Kubernetes, Slurm)")
+    tfc.add_argument("-r", "--resources", required=True, help="resource YAML: hosts, ps")
+    tfc.add_argument("--task", required=True, help="worker:I or ps:J")
     for name, text in (("plan", "print the plan: method and traffic per variable"),
                        ("diff", "show what each pass changed, as text and HTML")):
         p = sub.add_parser(name, help=text)
@@ -96,9 +112,20 @@ def main(argv=None) -> int:
         from .launch import launch
         try:
             return launch(opts.script, opts.resources, opts.config, opts.args,
-                          chief_only=opts.chief_only, verbose=opts.verbose)
+                          chief_only=opts.chief_only, verbose=opts.verbose,
+                          restarts=opts.restarts, run_dir=opts.run_dir,
+                          grace_seconds=opts.grace_seconds)
         except ParallaxError as e:
             print(f"parallax-ng run: {e}", file=sys.stderr)
+            return 2
+    if opts.command == "tf-config":
+        from ..resources import load_resources
+        from .launch import tf_config
+        try:
+            print(json.dumps(tf_config(load_resources(opts.resources), opts.task)))
+            return 0
+        except ParallaxError as e:
+            print(f"parallax-ng tf-config: {e}", file=sys.stderr)
             return 2
     if opts.command == "profile":
         try:
