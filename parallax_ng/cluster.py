@@ -106,3 +106,24 @@ def from_env(resources=None) -> ClusterInfo | None:
         devices = resources.hosts[index].devices
     return ClusterInfo(workers, tuple(cluster.get("ps", ())),
                        "ps" if task["type"] == "ps" else "worker", index, devices)
+
+
+def tf_config(resources, task: str) -> dict:
+    """The TF_CONFIG of task `task` ("worker:I" or "ps:J") of the job a
+    resource file describes, for an orchestrator that starts each task
+    itself (Kubernetes, Slurm): the process joins the same cluster, in the
+    same place, as under `parallax-ng run` (`from_env` reads it). Every address needs its port (no free one can be picked for
+    another machine, nor agreed on by separate calls)."""
+    kind, _, index = task.partition(":")
+    count = {"worker": len(resources.hosts), "ps": len(resources.ps)}
+    if kind not in count or not index.isdigit() or int(index) >= count[kind]:
+        raise ResourceError(f"--task must be worker:I (I < {count['worker']}) or ps:J "
+                            f"(J < {count['ps']}) for this resource file, not {task!r}")
+    workers, ps = [h.address for h in resources.hosts], list(resources.ps)
+    for address in workers + ps:
+        host, sep, port = address.rpartition(":")
+        if not (sep and port.isdigit()):
+            raise ResourceError(f"address {address!r} has no port: an orchestrator's tasks "
+                                "need every address as host:port")
+    cluster = {"worker": workers, **({"ps": ps} if ps else {})}
+    return {"cluster": cluster, "task": {"type": kind, "index": int(index)}}

@@ -111,10 +111,12 @@ def test_every_subpackage_says_what_it_holds_and_may_import():
 
 def test_only_the_command_line_and_the_launcher_end_the_process():
     """No SystemExit or sys.exit below the tools: the library raises its
-    errors, and a task's end is the launcher's or the CLI's to decide."""
+    errors, and a task's end is the launcher's or the CLI's to decide; or a
+    signal's sender's: runtime/preemption.py ends a process that got
+    SIGTERM, at a step boundary after its checkpoint."""
     found = []
     for name in MODULES:
-        if layer(name) == "tools":
+        if layer(name) == "tools" or name == "parallax_ng.runtime.preemption":
             continue
         for node in ast.walk(tree(name)):
             if isinstance(node, ast.Name) and node.id == "SystemExit" or \

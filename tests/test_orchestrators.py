@@ -12,10 +12,10 @@ import sys
 import pytest
 import yaml
 
-from parallax_ng.cluster import ClusterInfo, from_env
+from parallax_ng.cluster import ClusterInfo, from_env, tf_config
 from parallax_ng.errors import ResourceError
 from parallax_ng.resources import load_resources
-from parallax_ng.tools.launch import plan_cluster, tf_config
+from parallax_ng.tools.launch import plan_cluster
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join(ROOT, "docs", "orchestrators.md")

@@ -53,10 +53,9 @@ import tensorflow as tf
 from ..graph import capture, randomness
 from ..graph.rules import READ_PREFIXES
 from ..planning.profile import Profile, measure
-from . import heartbeat
+from . import heartbeat, preemption
 from .checkpoint import Checkpointer, Layout
 from .fetches import combine
-from .preemption import EXIT_CODE as PREEMPTED
 from .preemption import Preemption
 from .program import Program
 
@@ -352,7 +351,7 @@ class Runner:
 
     def _stop_if_preempted(self, step: int) -> None:
         """After a SIGTERM: at the step every worker stops at, save it and
-        end the process (SystemExit 143, which unwinds the script)."""
+        end the process (SystemExit 143, which unwinds the script: preemption.end)."""
         stop = self._preemption.stop_at(step)
         if stop is None or step < stop:
             return
@@ -361,7 +360,7 @@ class Runner:
         heartbeat.tell("preempted", str(step))
         print(f"parallax_ng: stopped at step {step} after SIGTERM, with a checkpoint of it",
               file=sys.stderr, flush=True)
-        raise SystemExit(PREEMPTED)
+        preemption.end()
 
     def _kind(self, fetched: tuple) -> tuple[bool, bool, bool]:
         """(initializes variables, trains, reads an input queue) for a run of

@@ -119,8 +119,8 @@ def main(argv=None) -> int:
             print(f"parallax-ng run: {e}", file=sys.stderr)
             return 2
     if opts.command == "tf-config":
+        from ..cluster import tf_config
         from ..resources import load_resources
-        from .launch import tf_config
         try:
             print(json.dumps(tf_config(load_resources(opts.resources), opts.task)))
             return 0

@@ -1,0 +1,53 @@
+"""The launcher's view of a job (parallax_ng/tools/tasks.py): what a task's
+event lines set, and which host a restart replaces. (Whole jobs:
+tests/test_launch.py, tests/test_restarts.py.)"""
+import subprocess
+import sys
+
+from parallax_ng.resources import load_resources
+from parallax_ng.runtime.heartbeat import MARK
+from parallax_ng.tools.tasks import Job, Outcome, Task
+
+
+def test_a_tasks_events_are_kept():
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    job = Job()
+    task = Task("worker 1", process, job=job)
+    task._told(f"{MARK} saved 30 /ck/model.ckpt-30")
+    task._told(f"{MARK} preempted 31")
+    task._told(f"{MARK} error worker 1: ConfigError: bad key")
+    assert task.saved == (30, "/ck/model.ckpt-30") and task.preempted == 31
+    assert task.error == "ConfigError: bad key"
+    job.tasks = [task]
+    job.heard()
+    assert job.saved == (30, "/ck/model.ckpt-30")
+
+
+RESOURCES = {"hosts": [{"address": "10.0.0.1", "devices": ["cpu:0"]},
+                       {"address": "10.0.0.2", "devices": ["cpu:0"]}],
+             "ps": ["10.0.0.5"],
+             "spares": [{"address": "10.0.0.8", "devices": ["cpu:0"]},
+                        {"address": "10.0.0.9", "devices": ["cpu:0"]}]}
+
+
+def test_a_host_that_failed_twice_takes_the_next_spare():
+    job = Job(resources=load_resources(RESOURCES))
+    job.restart(Outcome(9, "worker 1", True), 1, 5)
+    assert [h.address for h in job.resources.hosts] == ["10.0.0.1", "10.0.0.2"]
+    job.restart(Outcome(9, "worker 1", True), 2, 5)
+    assert [h.address for h in job.resources.hosts] == ["10.0.0.1", "10.0.0.8"]
+    for count in (3, 4):             # the server's address fails twice: the next spare
+        job.restart(Outcome(1, "ps 0", True), count, 5)
+    assert job.resources.ps == ("10.0.0.9",)
+    job.restart(Outcome(9, "worker 0", True), 5, 5)
+    job.restart(Outcome(9, "worker 0", True), 6, 6)     # no spare left: it stays
+    assert job.resources.hosts[0].address == "10.0.0.1"
+
+
+def test_a_preemption_is_not_a_hosts_failure():
+    job = Job(resources=load_resources(RESOURCES))
+    for count in (1, 2):
+        job.why = "worker 1 got SIGTERM"
+        job.restart(Outcome(143, "worker 1", True), count, 5)
+    assert job.failures == {} and job.resources.hosts[1].address == "10.0.0.2"
