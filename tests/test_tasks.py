@@ -48,6 +48,6 @@ def test_a_host_that_failed_twice_takes_the_next_spare():
 def test_a_preemption_is_not_a_hosts_failure():
     job = Job(resources=load_resources(RESOURCES))
     for count in (1, 2):
-        job.why = "worker 1 got SIGTERM"
+        job.preempted_by = "worker 1"
         job.restart(Outcome(143, "worker 1", True), count, 5)
     assert job.failures == {} and job.resources.hosts[1].address == "10.0.0.2"

@@ -160,7 +160,7 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
         run_dir = os.path.abspath(run_dir or time.strftime("parallax_ng_run-%Y%m%d-%H%M%S"))
         base_env[CHECKPOINT_ENV] = os.path.join(run_dir, "checkpoints")
         say(f"checkpoints go to {base_env[CHECKPOINT_ENV]} (a restart resumes from the "
-             "last; the script's config may name another checkpoint.dir)")
+            "last; the script's config may name another checkpoint.dir)")
     job = Job(grace_seconds=grace_seconds, grace=grace, resources=resources)
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -275,9 +275,9 @@ def _watch(job: Job, poll: float) -> Outcome:
                 return job.stopped()
             if now > job.stopping:
                 say(f"workers still running {job.grace_seconds:g} s after SIGTERM; stopping "
-                     "every task")
+                    "every task")
                 stop(tasks, job.grace)
-                return Outcome(143, job.why.split(" got ")[0], not job.signalled)
+                return Outcome(143, job.preempted_by, not job.signalled)
         # 0: a worker that finished, a server whose workers did; a worker's end
         # during a preemption is not a failure; of several that failed, one a
         # signal ended (the others may have failed for it)
@@ -294,17 +294,17 @@ def _watch(job: Job, poll: float) -> Outcome:
             mistake = held_by is None and bool(t.error) and _users_mistake(t.error)
             if held_by is not None:
                 say(f"{_stalled(held_by, now)}; {t.name} failed waiting for it "
-                     f"({t.error or f'exit code {code}'}); stopping the job")
+                    f"({t.error or f'exit code {code}'}); stopping the job")
                 held_by.show_tail()
             elif mistake:
                 say(f"{t.name}: {t.error}")
             else:
                 died = f"signal {-rc}" if rc < 0 else f"code {rc}"
                 say(f"{t.name} (pid {t.process.pid}) exited with {died}"
-                     f"{f': {t.error}' if t.error else ''}; stopping the job")
+                    f"{f': {t.error}' if t.error else ''}; stopping the job")
                 t.show_tail()
             stop(tasks, job.grace)
-            job.why = ""
+            job.preempted_by = ""
             if held_by is not None:
                 return Outcome(1, held_by.name, True)
             return Outcome(code, t.name, not mistake and not job.signalled)
@@ -314,7 +314,7 @@ def _watch(job: Job, poll: float) -> Outcome:
                 say(f"{_stalled(t, now)}; stopping the job")
                 t.show_tail()
                 stop(tasks, job.grace)
-                job.why = ""
+                job.preempted_by = ""
                 return Outcome(1, t.name, not job.signalled)
         if job.stopping is None and all(t.process.poll() == 0 for t in workers):
             for t in workers:

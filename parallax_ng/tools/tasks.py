@@ -124,7 +124,7 @@ class Task:
         elif kind == "trained" and self.job is not None:
             self.job.training(self, rest.strip())
         elif kind == "stopping" and self.job is not None:
-            self.job.preempt(f"{self.name} got {rest.strip() or 'SIGTERM'}", self)
+            self.job.preempt(self)
         elif kind == "preempted":
             self.preempted = int(rest)
 
@@ -169,7 +169,7 @@ class Job:
     failed_at: float | None = None           # monotonic time of the failure restarted from
     stopping: float | None = None            # a preemption's deadline (monotonic)
     signalled: bool = False                  # the launcher itself got SIGTERM
-    why: str = ""                            # who got the SIGTERM
+    preempted_by: str = ""                   # the task (or "the launcher") SIGTERM reached
 
     def heard(self) -> None:
         for t in self.tasks:
@@ -178,13 +178,14 @@ class Job:
 
     def restart(self, outcome: Outcome, count: int, limit: int) -> None:
         self.failed_at, self.stopping = time.monotonic(), None
-        if not self.why:           # a failure, not a preemption
+        if not self.preempted_by:      # a failure, not a preemption
             self._replace(outcome.task)
         where = (f"resumes from step {self.saved[0]} ({self.saved[1]})" if self.saved else
                  "starts from its last checkpoint if it has one (none was reported)")
-        say(f"restart {count} of {limit}: {self.why or f'{outcome.task} failed'}; every "
-             f"task starts again and the job {where}")
-        self.why = ""
+        what = (f"{self.preempted_by} got SIGTERM" if self.preempted_by else
+                f"{outcome.task} failed")
+        say(f"restart {count} of {limit}: {what}; every task starts again and the job {where}")
+        self.preempted_by = ""
 
     def _replace(self, task: str) -> None:
         """Count a failure of `task`'s host; a host that failed twice gives
@@ -201,7 +202,7 @@ class Job:
         if self.spares_used >= len(res.spares):
             if res.spares:
                 say(f"{task}'s host {address} failed {self.failures[address]} times; no "
-                     "spare is left, it stays")
+                    "spare is left, it stays")
             return
         spare = res.spares[self.spares_used]
         self.spares_used += 1
@@ -214,7 +215,7 @@ class Job:
             ps[i] = spare.address
             self.resources = replace(res, ps=tuple(ps))
         say(f"{task}'s host {address} failed {self.failures[address]} times; spare "
-             f"{spare.address} takes its place")
+            f"{spare.address} takes its place")
 
     def training(self, task: "Task", step: str) -> None:
         """A task's first training step after a restart (said once: each
@@ -223,7 +224,7 @@ class Job:
             failed_at, self.failed_at = self.failed_at, None
         if failed_at is not None:
             say(f"training again (step {step}, {task.name}) "
-                 f"{time.monotonic() - failed_at:.1f} s after the failure")
+                f"{time.monotonic() - failed_at:.1f} s after the failure")
 
     def terminated(self, signum, frame) -> None:
         """SIGTERM to the launcher: the workers checkpoint and stop; a second
@@ -231,17 +232,17 @@ class Job:
         if self.signalled:
             raise Terminated()
         self.signalled = True
-        self.preempt("the launcher got SIGTERM")
+        self.preempt()
 
-    def preempt(self, why: str, source: "Task | None" = None) -> None:
-        """Pass SIGTERM on to every worker that runs but `source`, which got
-        it (once per start)."""
+    def preempt(self, source: "Task | None" = None) -> None:
+        """Pass SIGTERM on to every worker that runs but `source`, the task
+        that got it (None: the launcher did), once per start."""
         if self.stopping is not None:
             return
         self.stopping = time.monotonic() + self.grace_seconds
-        self.why = why
-        say(f"{why}: passed on to every worker, which saves a checkpoint at a step they "
-             f"all reach and stops (given {self.grace_seconds:g} s)")
+        self.preempted_by = source.name if source is not None else "the launcher"
+        say(f"{self.preempted_by} got SIGTERM: passed on to every worker, which saves a "
+            f"checkpoint at a step they all reach and stops (given {self.grace_seconds:g} s)")
         for t in self.tasks:
             if t.name.startswith("worker") and t is not source and t.process.poll() is None:
                 send(t.process, signal.SIGTERM)
@@ -256,11 +257,11 @@ class Job:
             say(f"the job stopped at step {steps.pop()} with a checkpoint of it")
         elif steps == {None}:
             say("every worker stopped; none saved a checkpoint (a job saves one when its "
-                 "config sets checkpoint.dir)")
+                "config sets checkpoint.dir)")
         else:
             say("the job stopped; not every worker saved a step with the others "
-                 "(a rerun resumes from the last complete checkpoint)")
-        return Outcome(143, self.why.split(" got ")[0], not self.signalled)
+                "(a rerun resumes from the last complete checkpoint)")
+        return Outcome(143, self.preempted_by, not self.signalled)
 
 
 def say(text: str) -> None:
