@@ -1,5 +1,5 @@
-"""Layer-to-layer training as one worker of a job (tests/test_l2l_runner.py):
-initial values unseeded (so they agree only if worker 0's are broadcast);
+"""Layer-to-layer training as one worker of a job (tests/test_eps.py):
+each worker's initial values seeded apart (models.worker_seed);
 saves every variable before and after training to OUT.<worker>.npz.
 
     python l2l_job_script.py OUT STEPS [--micro-batches 2] [--stash host]
@@ -13,7 +13,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parallax_ng as pn  # noqa: E402
-from models import read_name, variable_names  # noqa: E402
+from models import read_name, variable_names, worker_seed  # noqa: E402
 from test_l2l import LAYERS, stack  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -24,7 +24,7 @@ parser.add_argument("--stash", default="host")
 parser.add_argument("--checkpoint", default=None, help="checkpoint.dir, saved every 2 steps")
 args = parser.parse_args()
 
-g, h = stack(4, "adam", seed=None)
+g, h = stack(4, "adam", seed=worker_seed(7))
 runner = pn.get_runner(g, None, {"l2l": {"layers": LAYERS, "micro_batches": args.micro_batches,
                                          "stash": args.stash},
                                  "communication": {"timeout_seconds": 120},

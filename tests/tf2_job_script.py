@@ -1,6 +1,6 @@
 """A Keras 3 custom training loop as one worker of a job (tests/test_tf2.py):
 `pn.function` on a global batch; saves the model's starting weights (its
-own, unseeded) and the model's and optimizer's variables after training
+own, seeded apart: models.worker_seed) and the model's and optimizer's variables after training
 (after `step.sync()`) to OUT.<worker>.npz.
 
     python tf2_job_script.py OUT STEPS [--fit | --example NAME | --bn] [--horovod]
@@ -25,10 +25,13 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import parallax_ng as pn  # noqa: E402
+from models import worker_seed  # noqa: E402
 from test_tf2 import data, keras3_dense, step_of  # noqa: E402
 
+keras.utils.set_random_seed(worker_seed(11))
+
 out, steps = sys.argv[1], int(sys.argv[2])
-model = keras3_dense()                      # unseeded: worker 0's values are broadcast
+model = keras3_dense()                      # worker 0's values are broadcast
 optimizer = keras.optimizers.Adam(0.01)
 x, y = data()
 config = {"run_option": "allreduce"}
