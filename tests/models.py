@@ -115,6 +115,7 @@ def worker_seed(base: int) -> int:
     its epsilon into 1e-4 of difference; fresh draws in each run met one
     such element in about thirty runs)."""
     import os
+
     from parallax_ng import cluster
     info = cluster.from_env()
     return base + (info.task if info else int(os.environ.get("HOROVOD_RANK", "0")))
