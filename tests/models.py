@@ -35,10 +35,11 @@ def dataset_arrays(dtype=np.float32):
 
 def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
                          dtype=tf.float32, one_shot=False, loss_sum=False, partitions=None,
-                         dim=DIM, random_table=False):
+                         dim=DIM, random_table=False, dropout=0.0):
     """An embedding (sparse gradient) plus a dense layer, with a global step.
     With `partitions`, the embedding is that many row ranges (pn.partitioner);
-    `dim` columns; with `random_table`, drawn by a random initializer."""
+    `dim` columns; with `random_table`, drawn by a random initializer; with
+    `dropout`, the hidden layer's units dropped at that rate (seeded)."""
     np_dtype = dtype.as_numpy_dtype
     g = tf.Graph()
     with g.as_default():
@@ -66,6 +67,8 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
         v = tf1.get_variable("out/v", initializer=rng.randn(8, 1).astype(np_dtype))
         h = tf.reduce_mean(tf1.nn.embedding_lookup(emb, ids, partition_strategy="div"), 1)
         hidden = tf.tanh(tf.matmul(tf.concat([h, x], 1), w) + b)
+        if dropout:
+            hidden = tf1.nn.dropout(hidden, rate=dropout, seed=11)
         pred = tf.squeeze(tf.matmul(hidden, v), 1)
         reduce = tf.reduce_sum if loss_sum else tf.reduce_mean
         loss = reduce(tf.square(pred - y), name="loss")

@@ -1,7 +1,7 @@
 """Trains to a global step with checkpoints; can kill itself at a step.
 
     python resume_script.py CKPT_DIR OUT STEPS [--die-at STEP] [--config JSON]
-        [--every N] [--print-steps] [--die-on-host ADDRESS]
+        [--every N] [--print-steps] [--die-on-host ADDRESS] [--dropout RATE]
 
 CKPT_DIR "-": the config names no checkpoint.dir (a launcher with
 --restarts gives one).
@@ -31,6 +31,7 @@ parser.add_argument("--config", default="{}", help="more config keys, as JSON")
 parser.add_argument("--every", type=int, default=5, help="checkpoint.every_steps")
 parser.add_argument("--print-steps", action="store_true", help="say each step trained")
 parser.add_argument("--die-on-host", help="--die-at only in a worker at this address")
+parser.add_argument("--dropout", type=float, default=0.0, help="seeded dropout at this rate")
 args = parser.parse_args()
 
 
@@ -40,7 +41,8 @@ def my_host() -> str:
     return cluster["worker"][cluster["task"]].rpartition(":")[0]
 
 
-g, h = embedding_regression(4, "adam", clip=not args.no_clip, ema=not args.no_ema)
+g, h = embedding_regression(4, "adam", clip=not args.no_clip, ema=not args.no_ema,
+                            dropout=args.dropout)
 step = tf.compat.v1.train.get_global_step(g)
 resources = None if os.environ.get("PARALLAX_NG_CLUSTER") else local(args.replicas)
 runner = pn.get_runner(g, resources, {"run_option": "hybrid" if resources else args.run_option,

@@ -57,9 +57,10 @@ def test_killed_and_restarted_in_process_run_equals_uninterrupted(tmp_path, conf
     holds the whole table, and each replica restores its columns. Prefetch
     and horizontal scheduling (no clipping: a global norm over dense
     gradients turns it off): a checkpoint holds every step's update, what a
-    step left for the next applied first."""
+    step left for the next applied first. Seeded dropout draws on where the
+    checkpoint's streams were."""
     whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
-    more = ["--config", config] + (["--no-clip"] if config == LATER else [])
+    more = ["--config", config, "--dropout", "0.3"] + (["--no-clip"] if config == LATER else [])
     run([sys.executable, SCRIPT, str(tmp_path / "ck_whole"), whole, "20"] + more)
     ck = str(tmp_path / "ck")
     died = run([sys.executable, SCRIPT, ck, broken, "20", "--die-at", "13"] + more,

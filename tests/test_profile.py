@@ -126,23 +126,45 @@ def test_a_kept_graph_keeps_its_decisions_in_the_plan():
     assert_one_device(got, "adagrad")
 
 
-def test_state_a_new_session_would_lose_keeps_the_graph():
-    """Input queues and random ops in the step: the measured plan is kept,
-    the graph is not rebuilt, and the reason is given."""
+def dropout_step(seed):
     g = tf.Graph()
     with g.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 4])
-        w = tf.compat.v1.get_variable("w", [4, 1])
-        h = tf.compat.v1.nn.dropout(tf.matmul(x, w), rate=0.5, seed=1)
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf.compat.v1.get_variable("w", initializer=np.linspace(-1, 1, 4, dtype=np.float32)
+                                      .reshape(4, 1))
+        h = tf.compat.v1.nn.dropout(tf.matmul(x, w), rate=0.5, seed=seed)
         train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
             tf.reduce_mean(h))
         init = tf.compat.v1.global_variables_initializer()
+    return g, x, w, train_op, init
+
+
+def test_state_a_new_session_would_lose_keeps_the_graph():
+    """Unseeded random ops in the step: the measured plan is kept, the
+    graph is not rebuilt, and the reason is given."""
+    g, x, _, train_op, init = dropout_step(seed=None)
     config = {"profile": {"steps": 1, "replan": "always"}}
     with pn.get_runner(g, local(2), config) as runner:
         runner.run(init)
         with pytest.warns(UserWarning, match="random ops in the step"):
             runner.run(train_op, {x: np.ones([4, 4], np.float32)})
         assert runner.replans == 0 and runner.profile.steps == 1
+
+
+def test_seeded_draws_go_on_in_the_new_graph():
+    """Seeded dropout counts its draws (transforms/counted_draws.py): the
+    new graph goes on where the streams were, so training equals a runner
+    that kept its graph."""
+    got = []
+    for how in ("always", "never"):
+        g, x, w, train_op, init = dropout_step(seed=1)
+        with pn.get_runner(g, local(2), {"profile": {"steps": 1, "replan": how}}) as runner:
+            runner.run(init)
+            for _ in range(4):
+                runner.run(train_op, {x: np.ones([4, 4], np.float32)})
+            assert runner.replans == (how == "always")
+            got.append(runner.run(w))
+    np.testing.assert_array_equal(*got)
 
 
 def test_profile_figures_from_hand_written_times():

@@ -86,8 +86,10 @@ def resources(tmp_path, servers: int = 1) -> str:
 
 
 def script_args(ckpt: str, out: str) -> list[str]:
+    """Seeded dropout: a restarted job draws on where the checkpoint's
+    streams were (transforms/counted_draws.py)."""
     return ["--", ckpt, out, str(STEPS), "--run-option", "hybrid", "--every", str(EVERY),
-            "--print-steps", "--config", TIMEOUT]
+            "--print-steps", "--dropout", "0.3", "--config", TIMEOUT]
 
 
 def variables(prefix: str) -> dict:

@@ -196,6 +196,12 @@ def test_a_fixed_batch_fed_whole_warns_once_naming_the_placeholder():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             runner.run("train", {"x:0": x})     # once only
+    with pn.get_runner(fixed_batch_graph(4), local(2), {"batch_feeds": {"x": False}}) as runner:
+        runner.run("init")
+        with warnings.catch_warnings():       # whole on purpose: said by the config
+            warnings.simplefilter("error")
+            per = runner.run("pred:0", {"x:0": x}, per_replica=True)
+        assert [p.shape for p in per] == [(4, 1), (4, 1)]
 
 
 def test_n_times_a_fixed_batch_is_split_and_equals_one_device():

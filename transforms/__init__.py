@@ -9,6 +9,7 @@ checks both before it runs anything.
 from transforms.aggregate import AggregatePass
 from transforms.colocate import ColocateUpdatesPass
 from transforms.columns import ColumnsPass
+from transforms.counted_draws import CountedDrawsPass
 from transforms.horizontal import HorizontalPass
 from transforms.initial_values import InitPass
 from transforms.local_aggregation import LocalAggregationPass
@@ -24,7 +25,7 @@ from transforms.state_sync import StateSyncPass
 
 
 def pipeline_for(plan) -> list:
-    """replicate -> shard_inputs -> aggregate -> state_sync -> place -> init,
+    """replicate -> (counted_draws) -> shard_inputs -> aggregate -> state_sync -> place -> init,
     with the placement rewrites the plan turns on (local_aggregation after
     aggregate; lookups_on_servers, colocate_updates after place), then, as
     the plan needs them, the cross-worker server protocol,
@@ -36,7 +37,8 @@ def pipeline_for(plan) -> list:
     needs no input sharding, state sync or initial-value copies)."""
     several, servers, rewrites = plan.group_size > 1, bool(plan.servers), plan.rewrites
     shared = bool(plan.shared_state())
-    wanted = [(ReplicatePass(), True), (ShardInputsPass(), several), (AggregatePass(), True),
+    wanted = [(ReplicatePass(), True), (CountedDrawsPass(), bool(plan.counted)),
+              (ShardInputsPass(), several), (AggregatePass(), True),
               (LocalAggregationPass(), servers and rewrites.local_aggregation),
               (StateSyncPass(), several), (PlacePass(), True),
               (LookupsOnServersPass(), shared and rewrites.lookups_on_servers),
@@ -52,7 +54,8 @@ def pipeline_for(plan) -> list:
     return [p for p, needed in wanted if needed]
 
 
-__all__ = ["AggregatePass", "ColocateUpdatesPass", "ColumnsPass", "DistinctLookupsPass",
+__all__ = ["AggregatePass", "ColocateUpdatesPass", "ColumnsPass", "CountedDrawsPass",
+           "DistinctLookupsPass",
            "HorizontalPass",
            "InitPass", "LocalAggregationPass", "LookupsOnServersPass", "PlacePass", "PrefetchPass",
            "ReplicatePass",

@@ -29,6 +29,20 @@ from the input (a per-example seed) already differs per replica and is left
 alone. Random ops that feed a queue an input producer fills are pinned to
 `identical` elsewhere (their shuffle must agree for the shards to be
 disjoint).
+
+A stateful op's stream lives in its kernel: a new process starts it again,
+so a job restarted from a checkpoint would draw what its first steps drew.
+`counted` names the seeded ones whose draws can be counted instead: the op
+becomes its stateless kind (`STATELESS`) keyed by (seed, seed2) and a call
+counter kept in a variable (transforms/counted_draws.py), which is
+TensorFlow's own Philox stream: the k-th call of a stateful op with n
+outputs draws from counter [256 * (outputs of the calls before), seed2]
+and key [seed] (each call reserves 256 samples per output). Left stateful:
+ops in a while loop's body (tf.compat.v1 loops: one counter read would
+serve every iteration), ops that only draw initial values, an input
+producer's shuffle (queues hold their elements outside any checkpoint),
+and kinds without a stateless twin (RandomShuffle, Multinomial,
+RandomGamma, ...).
 """
 from __future__ import annotations
 
@@ -38,6 +52,12 @@ import zlib
 from tensorflow.python.framework import op_def_registry
 
 from ..errors import ConfigError
+
+STATELESS = {"RandomUniform": "StatelessRandomUniformV2",
+             "RandomStandardNormal": "StatelessRandomNormalV2",
+             "TruncatedNormal": "StatelessTruncatedNormalV2",
+             "RandomUniformInt": "StatelessRandomUniformIntV2"}
+SAMPLES_PER_OUTPUT = 256   # what a stateful op's call reserves of its stream per output
 
 _MASK = (1 << 63) - 1
 _FIXED_SEED = 87654321   # TensorFlow's default op seed under a graph seed
@@ -80,6 +100,43 @@ def seed_mask(replica: int) -> int:
     """What job replica `replica` (> 0) XORs into a stateless op's first seed
     element: a nonzero value below 2**31, so int32 seeds keep their type."""
     return (_mix(0x5EED, replica) & 0x7FFFFFFF) or 1
+
+
+def counted(tg, random, pinned=frozenset()) -> list[str]:
+    """The top-level ops among `random` (plan key -> mode) whose calls a
+    counter can stand for (module docstring), in graph order: seeded, or
+    given a seed by `identical`."""
+    ir = tg.ir
+    loops = _in_loops(ir)
+    inits = [v.initializer for v in tg.variables.values() if v.initializer]
+    setup = ir.ancestors(inits)
+    return [n.name for n in ir.nodes
+            if n.name in random and n.op in STATELESS and is_random(n)
+            and (any(_attrs(n)) or random[n.name] == "identical")
+            and n.name not in loops and n.name not in pinned
+            and not ir.descendants([n.name]) <= setup]
+
+
+def _in_loops(ir) -> set[str]:
+    """Nodes inside a tf.compat.v1 while loop's frame: reached from an Enter
+    with more Enters than Exits on the way."""
+    todo = [(n.name, 1) for n in ir.nodes if n.op in ("Enter", "RefEnter")]
+    seen, out = set(), set()
+    while todo:
+        name, depth = todo.pop()
+        if (name, depth) in seen or depth > 64:
+            continue
+        seen.add((name, depth))
+        out.add(name)
+        for c in ir.node_consumers.get(name, ()):
+            op = ir.node(c).op
+            d = depth + 1 if op in ("Enter", "RefEnter") else \
+                depth - 1 if op in ("Exit", "RefExit") else depth
+            if op in ("Exit", "RefExit"):
+                out.add(c)
+            if d > 0:
+                todo.append((c, d))
+    return out
 
 
 def random_ops(nodes, library) -> dict[str, tuple[int, int]]:

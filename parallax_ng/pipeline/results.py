@@ -83,3 +83,13 @@ class Deferred:
     every restore of the table)."""
     flush: tuple
     clear: tuple
+
+
+@dataclass(frozen=True)
+class CountedDraws:
+    """Random ops whose stream is a counter in a variable (made by
+    `counted_draws`): (job replica, user op) -> the counter's handle, and
+    the ops that set every counter to 0 (run once per session, before
+    anything draws)."""
+    calls: dict
+    start: tuple = ()

@@ -112,6 +112,7 @@ class Plan:
     servers: tuple[str, ...] = ()     # parameter-server devices (cluster mode)
     backend: str = "tf"               # collectives across workers: tf | horovod
     random: dict[str, str] = field(default_factory=dict)  # random op -> distinct | identical
+    counted: tuple[str, ...] = ()     # seeded random ops whose calls a checkpointed counter keeps
     split_queues: dict[str, tuple] = field(default_factory=dict)  # producer -> its enqueues
     schedule: Schedule = field(default_factory=Schedule)
     buckets: tuple[Bucket, ...] = ()
@@ -241,7 +242,7 @@ class Plan:
                           for k, v in self.variables.items()},
             "placement": {k: _placement_dict(p) for k, p in self.placement.items()},
             "servers": list(self.servers), "backend": self.backend,
-            "random": dict(self.random),
+            "random": dict(self.random), "counted": list(self.counted),
             "split_queues": {k: list(v) for k, v in self.split_queues.items()},
             "schedule": {"split": self.schedule.split, "order": list(self.schedule.order)},
             "buckets": [list(b.variables) for b in self.buckets],
@@ -321,7 +322,9 @@ class Plan:
         if self.random:
             modes = list(self.random.values())
             rows.append(f"random ops: {modes.count('distinct')} draw per replica, "
-                        f"{modes.count('identical')} the same on every replica")
+                        f"{modes.count('identical')} the same on every replica"
+                        + (f"; {len(self.counted)} seeded with their calls counted (a "
+                           "checkpoint holds where their streams are)" if self.counted else ""))
         if self.schedule.split:
             rows.append("schedule: a step with collectives runs them in a session run of "
                         "their own, beside the server work's")

@@ -129,14 +129,14 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     producers = [q for q in queues.find(tg) if q.producer]
     drawn = {**randomness.random_ops(tg.ir.nodes, tg.ir.library),
              **dict.fromkeys(randomness.stateless_draws(tg.ir, tg.variant))}
-    random = randomness.decide(drawn,
-                               config.random, config.random_ops,
-                               pinned={op for q in producers for op in q.random})
+    pinned = {op for q in producers for op in q.random}
+    random = randomness.decide(drawn, config.random, config.random_ops, pinned=pinned)
     return Plan(config.run_option, config.average_dense, config.average_sparse,
                 tuple(devices), host, variables, placement,
                 timeout_seconds=config.communication.timeout_seconds,
                 num_workers=num_workers, worker=worker, servers=tuple(servers),
                 backend=config.communication.backend, random=random,
+                counted=tuple(randomness.counted(tg, random, pinned)),
                 split_queues={q.queue: q.enqueues for q in producers},
                 schedule=Schedule(split=split), buffers=buffers, buckets=buckets,
                 blocks=blocks,

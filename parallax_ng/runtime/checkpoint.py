@@ -6,9 +6,11 @@ names, from the PassContext; or layer-to-layer's host).
 Guarantees: `save(step)` writes every variable of the user's graph (weights,
 slots, moving averages, global step) under its single-device name to
 `<dir>/model.ckpt-<step>`, and the position of every replica's input
-iterator: in one process in the same file; in a multi-worker job worker 0
-writes the variables once (they are equal on every worker) and every
-worker writes its own replicas' positions to `<dir>/inputs/worker-<i>/`,
+iterator and random stream (the call counters of
+transforms/counted_draws.py): in one process in the same file; in a
+multi-worker job worker 0 writes the variables once (they are equal on
+every worker) and every worker writes its own replicas' positions to
+`<dir>/inputs/worker-<i>/`,
 and worker 0 names the step in `<dir>/checkpoint` only once every
 worker's positions for it are there (so `<dir>` must be storage every
 worker shares; a worker that cannot see the others' files is an error
@@ -32,7 +34,7 @@ import tensorflow as tf
 
 from ..compat import is_ref_dtype
 from ..errors import ParallaxError
-from ..pipeline.results import ColumnParts, Deferred
+from ..pipeline.results import ColumnParts, CountedDraws, Deferred
 from ..planning.placement import Columns, Sharded, part_name
 
 ITERATOR_OPS = ("IteratorV2", "OneShotIterator", "Iterator")
@@ -60,15 +62,18 @@ class Layout:
     replica_name: Callable = field(default=lambda k, name: name)
     parts: ColumnParts | None = None
     clear: tuple = ()               # ops that drop a restored table's pending rows
+    draws: tuple = ()               # (job replica, random op, its call counter's handle)
 
     @classmethod
     def of(cls, ctx) -> "Layout":
         """The layout of the graph the passes made with `ctx`."""
-        plan, deferred = ctx.plan, ctx.result(Deferred)
+        plan, deferred, counted = ctx.plan, ctx.result(Deferred), ctx.result(CountedDraws)
         return cls(ctx.tg, plan.host, plan.worker, plan.num_workers, plan.num_replicas,
                    plan.replica_offset, dict(plan.placement), frozenset(plan.shared_state()),
                    ctx.replica_name, ctx.result(ColumnParts),
-                   tuple(deferred.clear) if deferred else ())
+                   tuple(deferred.clear) if deferred else (),
+                   tuple((r, op, h) for (r, op), h in sorted(counted.calls.items()))
+                   if counted else ())
 
 
 class Checkpointer:
@@ -104,6 +109,10 @@ class Checkpointer:
                     inputs.append(f"parallax/iterator/{lay.offset + k}/{it}")
                     positions.append(tf.raw_ops.SerializeIterator(
                         resource_handle=handle, external_state_policy=0))
+            for r, op, handle in lay.draws:       # where each random stream is
+                inputs.append(f"parallax/draws/{r}/{op}")
+                positions.append(tf.raw_ops.ReadVariableOp(
+                    resource=graph.get_tensor_by_name(handle + ":0"), dtype=tf.int64))
             self.save_op = self._save_ops(names, tensors, inputs, positions, parts)
             loaded = self._restored(names, tensors) if self.workers > 1 else \
                 self._restored(names + inputs, tensors + positions)
@@ -126,6 +135,9 @@ class Checkpointer:
                     handle = graph.get_tensor_by_name(lay.replica_name(k, it) + ":0")
                     restores.append(tf.raw_ops.DeserializeIterator(
                         resource_handle=handle, serialized=value))
+            for (_, _, handle), value in zip(lay.draws, moved[len(iterators) * lay.copies:]):
+                restores.append(tf.raw_ops.AssignVariableOp(
+                    resource=graph.get_tensor_by_name(handle + ":0"), value=value))
             restores += [graph.get_operation_by_name(c) for c in lay.clear]
             self.restore_op = tf.group(*restores, name="restore")
 

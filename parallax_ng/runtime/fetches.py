@@ -221,7 +221,8 @@ class ReplicaFetchMap(FetchMap):
             rows = compat.dim(shape, 0) if shape.rank else 0
             if n > 1 and len(set(copies)) == n and rows != 0:
                 value = np.asarray(value)
-                kind = self._batch_kind(ref.node) if rows is None else batch.BATCH
+                kind = self._batch_kind(ref.node) \
+                    if rows is None or ref.node in self.config.batch_feeds else batch.BATCH
                 if kind == batch.WHOLE:
                     for c in copies:
                         out[c] = value

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from ..graph.queues import QueueThreads
-from ..pipeline.results import Deferred
+from ..pipeline.results import CountedDraws, Deferred
 from .checkpoint import Checkpointer, Layout
 from .executor import Executor
 from .fetches import FetchMap, ReplicaFetchMap
@@ -44,6 +44,7 @@ class Program:
     servers_idle: bool = False      # the plan puts nothing on the servers
     ctx: object | None = None       # the PassContext of a data-parallel program
     records: list = field(default_factory=list)   # the passes' records
+    start: list = field(default_factory=list)   # run once in a new session, before any step
 
 
 def run_options(timeout_seconds: float) -> tf.compat.v1.RunOptions:
@@ -68,11 +69,12 @@ def transformed(ir, ctx, config, records=(), server: bool = False) -> Program:
         queues = QueueThreads(graph, ctx.tg.queue_runners,
                               [ctx.replica_name(k, "").rstrip("/")
                                for k in range(plan.num_replicas)])
-    deferred = ctx.result(Deferred)
+    deferred, counted = ctx.result(Deferred), ctx.result(CountedDraws)
     done = None
     if server and plan.servers:
         done = done_ops(graph, list(plan.servers), plan.num_workers, plan.worker)
     return Program(graph, ctx.tg, plan, ReplicaFetchMap(graph, ctx, config),
                    Executor.of(graph, ctx, options), options, checkpoints, plan.worker,
                    queues, list(deferred.flush) if deferred else [], done,
-                   done is not None and not plan.uses_servers, ctx, list(records))
+                   done is not None and not plan.uses_servers, ctx, list(records),
+                   list(counted.start) if counted else [])

@@ -32,8 +32,8 @@ The first `config.profile.steps` training runs are traced and measured
 measurements and, when the plan's decisions change (or with
 `profile.replan: always`), the graph is transformed again and training goes
 on in a new session holding the same state (in-process runs without queue
-input or stateful random ops in the step; otherwise the measured plan is
-kept and the graph stays).
+input or uncounted stateful random ops in the step, transforms/counted_draws.py;
+otherwise the measured plan is kept and the graph stays).
 With checkpoints, SIGTERM (a preemption) makes the job save the step every
 worker stops at and end each worker's process with SystemExit(143)
 (parallax_ng/runtime/preemption.py).
@@ -52,6 +52,7 @@ import tensorflow as tf
 
 from ..graph import capture, randomness
 from ..graph.rules import READ_PREFIXES
+from ..pipeline.results import CountedDraws
 from ..planning.profile import Profile, measure
 from . import heartbeat, preemption
 from .checkpoint import Checkpointer, Layout
@@ -104,6 +105,8 @@ class Runner:
         self.session = tf.compat.v1.Session(
             self.server.target if self.server is not None else "", graph=self.graph,
             config=self._session_config)
+        if program.start:
+            self.session.run(program.start, options=self._options)
         self._kinds: dict[tuple, tuple[bool, bool, bool]] = {}
         self._flush = list(program.flush)
         self._pending = False     # a training run left part of a table's update
@@ -283,8 +286,11 @@ class Runner:
         if self.ctx.tg.queue_runners:
             return "input queues hold elements a new session would lose"
         step = self.ctx.tg.ir.ancestors(self._training_writers)
+        counted = self.ctx.result(CountedDraws)      # streams a checkpoint holds
+        counted = {op for _, op in counted.calls} if counted else set()
         drawn = [op for op in self.plan.random       # stateless ones keep no stream
-                 if op in step and randomness.is_random(self.ctx.tg.ir.node(op))]
+                 if op in step and op not in counted
+                 and randomness.is_random(self.ctx.tg.ir.node(op))]
         if drawn:
             return (f"random ops in the step ({drawn[:3]}) would start their streams "
                     "again in a new session")
