@@ -17,7 +17,9 @@ rows a worker sends per step before and after coalescing;
 dense gradients without and with horizontal scheduling, and both (no
 clipping), with the gradient rows sent first (those the next batch reads:
 EmbRace's Table 3, prioritized);
-`balance-*` modes put only dense gradients on 2 or 3 servers.
+`balance-*` modes put only dense gradients on 2 or 3 servers. A mode
+`MODE+fp16` or `MODE+bf16` is MODE with gradients in 16 bits
+(`communication.compression`).
 `--modes fit` (with `--model classifier`) trains the classifier as a Keras
 model with `model.fit`: Keras 3 through parallax_ng's TF2 front end
 (`pn.parallelize`; `keras3` the default hybrid plan, `keras3-allreduce`),
@@ -197,8 +199,18 @@ NETLAB = os.environ.get("NETLAB", os.path.join(os.path.dirname(ROOT), "shared", 
 _ports = iter(range(31000, 40000, 10))
 
 
+def config_of(mode: str) -> tuple:
+    """(config, servers) of a mode; `MODE+fp16` / `MODE+bf16` is MODE with
+    compressed gradients (communication.compression)."""
+    base, _, compression = mode.partition("+")
+    config, servers = CONFIGS[base]
+    if compression:
+        config = {**config, "communication": {"compression": compression}}
+    return config, servers
+
+
 def resource_file(mode: str, args, path: str) -> None:
-    servers = CONFIGS[mode][1]
+    servers = config_of(mode)[1]
     if args.layout == "per_host" and servers == "[127.0.0.1]":
         servers = "per_host"
     with open(path, "w") as f:
@@ -445,7 +457,7 @@ def parallax_step(mode: str, model_args, extra: dict):
     import parallax_ng as pn
     build = classifier if model_args.model == "classifier" else lm_small.build
     graph, train_op, loss, _, init = build(model_args)
-    runner = pn.get_runner(graph, None, {**CONFIGS[mode][0], **extra})
+    runner = pn.get_runner(graph, None, {**config_of(mode)[0], **extra})
     runner.run(init)
     fetch = [train_op, loss]
     return (lambda: runner.run(fetch)), runner, fetch
@@ -458,9 +470,8 @@ def classifier(a):
     softmax cross-entropy; Adagrad and global-norm clipping as lm_small.
     Its dense layers hold dim*hidden + hidden*classes weights (2.2 MB at
     128, 256 and 2000): most of a step's bytes."""
-    import tensorflow as tf
-
     import lm_small
+    import tensorflow as tf
 
     import parallax_ng as pn
     tf1 = tf.compat.v1
@@ -496,10 +507,9 @@ def classifier(a):
 def mwms_step(info, model_args):
     """The same model, optimizer and clipping in TensorFlow 2 under
     MultiWorkerMirroredStrategy (a custom training loop)."""
+    import lm_small
     import tensorflow as tf
     import tf_keras
-
-    import lm_small
     os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": list(info.workers)},
                                           "task": {"type": "worker", "index": info.task}})
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
@@ -539,9 +549,8 @@ def mwms_step(info, model_args):
 
 def mwms_lm(a):
     """lm_small's variables and loss in TensorFlow 2."""
-    import tensorflow as tf
-
     import lm_small
+    import tensorflow as tf
     init = tf.random_uniform_initializer(-0.05, 0.05)
     glorot = tf.keras.initializers.GlorotUniform()
     emb = tf.Variable(init([a.vocab, a.dim]), name="embedding")
@@ -586,9 +595,8 @@ def fit_worker(args, info, a) -> None:
     batches (every worker is given the same), worker 0 timing the window
     of --steps batches after --warmup in a callback and counting the bytes
     every task sent in it."""
-    import tensorflow as tf
-
     import lm_small
+    import tensorflow as tf
     contexts, targets = lm_small.windows(lm_small.corpus(a.vocab, a.words))
     global_batch = a.batch * args.devices * len(info.workers)
     if args.mode == "mwms-fit":
@@ -601,9 +609,10 @@ def fit_worker(args, info, a) -> None:
         import keras as k
 
         import parallax_ng as pn
+
         # the window's callback reads only the clock: the model is not written per batch
         model = pn.parallelize(keras_classifier(k, a), None,
-                               {**CONFIGS[args.mode][0], "batch_sync": "never",
+                               {**config_of(args.mode)[0], "batch_sync": "never",
                                 **json.loads(args.config)})
     measure = info.task == 0
     tasks = {}                     # the servers start with the first step

@@ -23,6 +23,7 @@ PS_PLACEMENTS = ("greedy", "round_robin")
 FETCH_REDUCTIONS = ("mean", "sum", "concat", "first")
 VERIFY_LEVELS = ("structure", "full", "import")
 BACKENDS = ("tf", "horovod")
+COMPRESSIONS = ("none", "fp16", "bf16")
 RANDOM_MODES = ("distinct", "identical")
 BATCH_SYNC = ("auto", "always", "never")
 
@@ -31,10 +32,12 @@ BATCH_SYNC = ("auto", "always", "never")
 class CommunicationConfig:
     timeout_seconds: float = 300.0   # every runner session.run gives up after this
     backend: str = "tf"              # tf: TensorFlow collectives; horovod: under horovodrun
+    compression: str = "none"        # float32 gradients on the wire: none | fp16 | bf16
 
     def __post_init__(self):
         _check_positive("communication.timeout_seconds", self.timeout_seconds)
         _check_choice("communication.backend", self.backend, BACKENDS)
+        _check_choice("communication.compression", self.compression, COMPRESSIONS)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ with `communication.backend: horovod`, then saves every replica's variables
 to OUT.<rank>.npz.
 
     horovodrun --gloo -np 2 -H localhost:2 python horovod_script.py OUT STEPS [--devices D]
+        [--buckets MODE] [--sparse METHOD] [--horizontal] [--compression fp16|bf16]
 """
 import argparse
 import os
@@ -24,6 +25,7 @@ parser.add_argument("--sparse", default="auto",
                     help="sparse_method, or prefetch (alltoall with prefetch)")
 parser.add_argument("--horizontal", action="store_true",
                     help="horizontal scheduling of the dense updates (no clipping)")
+parser.add_argument("--compression", default="none", help="communication.compression")
 args = parser.parse_args()
 
 prefetch = args.sparse == "prefetch"
@@ -31,7 +33,8 @@ g, h = embedding_regression(4, "adam", clip=not args.horizontal, ema=True)
 runner = pn.get_runner(g, local(args.devices), {
     "run_option": "allreduce", "sparse_method": "alltoall" if prefetch else args.sparse,
     "prefetch": prefetch, "horizontal_scheduling": args.horizontal,
-    "communication": {"backend": "horovod", "timeout_seconds": 120},
+    "communication": {"backend": "horovod", "timeout_seconds": 120,
+                      "compression": args.compression},
     "buckets": {"mode": args.buckets, "bytes": 40,
                 **({"a": 1e-3, "b": 1e-9} if args.buckets == "mgwfbp" else {})}})
 runner.run([h["init"], h["iterator_init"]])

@@ -125,6 +125,22 @@ def test_sparse_rows_on_a_server_and_by_all_gather():
                                       2 * 3 / 4 * (DENSE))
 
 
+def test_compressed_gradients_count_half_their_bytes_and_ids_stay():
+    """communication.compression: gradient values 2 bytes an element; ids,
+    variables read back and rows looked up as they were."""
+    row, idx, c = WIDTH * 4, 4, {"communication": {"compression": "bf16"}}
+    plan, _ = plan_of(2, dense_method="bfb", sparse_method="ps", **c)
+    flows = traffic.flows(plan, {"emb": idx}, {"emb": 100.0})
+    to_server = sum(b for s, d, b, _ in flows if (s, d) == ("worker 0", "ps 0"))
+    back = sum(b for s, d, b, _ in flows if (s, d) == ("ps 0", "worker 0"))
+    assert to_server == pytest.approx(100 * (row / 2 + 2 * idx) + DENSE / 2)
+    assert back == pytest.approx(100 * row + DENSE / 2)
+    gathered, _ = plan_of(4, run_option="allreduce", **c)
+    flows = traffic.flows(gathered, {"emb": idx}, {"emb": 100.0})
+    ring = [b for s, d, b, _ in flows if (s, d) == ("worker 0", "worker 1")]
+    assert sum(ring) == pytest.approx(3 * 100 * (row / 2 + idx) + 3 / 4 * DENSE)
+
+
 def test_predict_takes_the_busiest_link_and_the_rounds_of_messages():
     """bytes / B on the busiest link, plus a per round of collectives and r
     per round trip to the servers (when a step runs its collectives beside

@@ -97,7 +97,7 @@ def _allreduce(ctx, var, grad, method: str = "allreduce"):
     nodes, outs = ctx.comm.all_reduce(
         f"parallax/{method}/{var}",
         [ctx.replica_tensor(k, grad.values) for k in range(plan.num_replicas)],
-        dtype, plan.average_sparse if grad.sparse else plan.average_dense)
+        dtype, plan.average_sparse if grad.sparse else plan.average_dense, gradient=True)
     return nodes, {grad.values: outs}
 
 
@@ -128,7 +128,8 @@ def _dense_rows(ctx, var, grad):
             f"{scope}/replica_{k}/dense", device)
         nodes += made
         sums.append(total)
-    made, reduced = ctx.comm.all_reduce(f"{scope}/reduce", sums, vt.dtype, False)
+    made, reduced = ctx.comm.all_reduce(f"{scope}/reduce", sums, vt.dtype, False,
+                                        gradient=True)
     nodes += made
     values, indices = [], []
     for k, device in enumerate(plan.devices):

@@ -55,7 +55,7 @@ def fusion_buffers(ctx):
             piece = flat_slice(nodes, f"{at}/shard_{i}/piece", f"{at}/packed", shard.start,
                            shard.size, dtype, host, whole=shard.size == buf.placement.length)
             made, total = ctx.comm.server_sum(f"{at}/shard_{i}", piece, dtype, shard.device,
-                                              scale)
+                                              scale, gradient=True)
             nodes += made
             sums.append(total)
         nodes.append(concat(f"{at}/sum", sums, f"{scope}/axis", dtype, host))
@@ -120,7 +120,8 @@ def bucket(ctx, b: int, variables: tuple[str, ...]):
                 T=dtype, Tshape=tf.int32))
         nodes.append(concat(f"{at}/packed", flats, f"{at}/axis", dtype, device))
         packed.append(f"{at}/packed")
-    made, reduced = ctx.comm.all_reduce(f"{scope}/reduce", packed, dtype, plan.average_dense)
+    made, reduced = ctx.comm.all_reduce(f"{scope}/reduce", packed, dtype, plan.average_dense,
+                                        gradient=True)
     nodes += made
     outputs = {tg.gradients[v].values: [] for v in variables}
     for k, device in enumerate(plan.devices):

@@ -104,7 +104,7 @@ def _reduce(ctx, blocks, name, added) -> list[dict]:
                 added.extend(made)
                 packed.append(flat)
             made, reduced = ctx.comm.all_reduce(f"{scope}/reduce", packed, dtype,
-                                                plan.average_dense)
+                                                plan.average_dense, gradient=True)
             added.extend(made)
             sizes = [int(np.prod(ctx.tg.variables[u.d.var].shape)) for u in group]
             for k in range(plan.num_replicas):

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from parallax_ng import compat
+from parallax_ng.comm import compression
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit
 from parallax_ng.graph.ir import GraphIR, TensorRef, copy_node
@@ -74,12 +75,12 @@ class ServerSyncPass:
             queued += len(parts)
             back = [p for p in parts if p[0] in shared_back]
             if plan.worker == 0:
-                added += _take(ctx, ir, j, server, parts, rewires)
+                added += _take(ctx, ir, j, server, parts, rewires, _wires(ctx, parts))
                 added += _give_back(ctx, ir, j, server, back, rewires)
             else:
                 pushes[server] = [f"{SCOPE}/push_{j}"] + ([f"{SCOPE}/result_{j}/take"]
                                                           if back else [])
-                added += _push(ctx, j, server, parts, reads)
+                added += _push(ctx, ir, j, server, parts, reads, _wires(ctx, parts))
                 added += _take_back(ctx, ir, j, server, back, rewires)
         added += _barrier(plan)
         step = _step_writers(ctx)
@@ -127,31 +128,58 @@ def _queue(name: str, shared_name: str, dtypes, device: str):
     return emit.fifo_queue(name, shared_name, dtypes, device)
 
 
-def _push(ctx, j: int, server: str, parts, reads: list[str]):
+def _wires(ctx, parts) -> list:
+    """Per component, the dtype it is pushed in: 16 bits for a gradient's
+    values (not indices, not norms) under compression, else its own."""
+    local = ctx.result(LocalAggregates)
+    values = {v for v, _ in local.of.values()}
+    wire = compression.wire(ctx.plan.compression)
+    return [wire if t in values and compression.compresses(wire, d) else d
+            for t, d, _ in parts]
+
+
+def _cast(name: str, tensor: str, src, dst, device: str):
+    return emit.node_def(name, "Cast", [tensor], device, SrcT=src, DstT=dst, Truncate=False)
+
+
+def _push(ctx, ir: GraphIR, j: int, server: str, parts, reads: list[str], wires: list):
     plan = ctx.plan
-    dtypes = [d for _, d, _ in parts]
     q = f"{SCOPE}/queue_{j}"
-    return [_queue(q, f"parallax_ng/grads/{j}/{plan.worker}", dtypes, server),
-            emit.node_def(f"{SCOPE}/push_{j}", "QueueEnqueueV2",
-                          [q] + [t for t, _, _ in parts] + ["^" + r for r in reads], server,
-                          Tcomponents=dtypes, timeout_ms=-1)]
+    nodes, pushed = [], []
+    for c, ((t, dtype, _), wire) in enumerate(zip(parts, wires)):
+        if wire != dtype:        # narrowed where the aggregate is, before it leaves
+            nodes.append(_cast(f"{SCOPE}/push_{j}/narrow_{c}", t, dtype, wire,
+                               ir.node(t.split(":")[0]).device))
+            t = nodes[-1].name
+        pushed.append(t)
+    return nodes + [_queue(q, f"parallax_ng/grads/{j}/{plan.worker}", wires, server),
+                    emit.node_def(f"{SCOPE}/push_{j}", "QueueEnqueueV2",
+                                  [q] + pushed + ["^" + r for r in reads], server,
+                                  Tcomponents=wires, timeout_ms=-1)]
 
 
-def _take(ctx, ir: GraphIR, j: int, server: str, parts, rewires: dict):
+def _take(ctx, ir: GraphIR, j: int, server: str, parts, rewires: dict, wires: list):
     """The chief's side: dequeue the other workers' elements and add each to
-    the chief's own local aggregate, in worker order."""
+    the chief's own local aggregate, in worker order (16-bit components
+    widened first, the chief's own narrowed and widened alike)."""
     plan = ctx.plan
-    dtypes = [d for _, d, _ in parts]
     axis = f"{SCOPE}/axis_{j}"
     nodes, taken = [emit.const(axis, 0, tf.int32, server)], []
     for w in range(1, plan.num_workers):
         q, deq = f"{SCOPE}/queue_{j}_{w}", f"{SCOPE}/take_{j}_{w}"
-        nodes += [_queue(q, f"parallax_ng/grads/{j}/{w}", dtypes, server),
+        nodes += [_queue(q, f"parallax_ng/grads/{j}/{w}", wires, server),
                   emit.node_def(deq, "QueueDequeueV2", [q], server,
-                                component_types=dtypes, timeout_ms=-1)]
+                                component_types=wires, timeout_ms=-1)]
         taken.append(deq)
-    for c, (tensor, dtype, sparse) in enumerate(parts):
+    for c, ((tensor, dtype, sparse), wire) in enumerate(zip(parts, wires)):
         inputs = [tensor] + [f"{d}:{c}" for d in taken]
+        if wire != dtype:
+            own = f"{SCOPE}/take_{j}/narrow_{c}"
+            nodes.append(_cast(own, tensor, dtype, wire, ir.node(tensor.split(":")[0]).device))
+            inputs[0] = own
+            for i, t in enumerate(inputs):
+                nodes.append(_cast(f"{SCOPE}/take_{j}/wide_{c}_{i}", t, wire, dtype, server))
+                inputs[i] = nodes[-1].name
         name = f"{tensor}/job"
         if sparse:
             nodes.append(emit.node_def(name, "ConcatV2", inputs + [axis], server,

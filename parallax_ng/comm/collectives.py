@@ -6,12 +6,13 @@ operation and get graph nodes back; no pass knows which backend it is.
 Requires: the plan (devices, group size, worker) and, for
 TensorFlow collectives, the graph's instance keys.
 Guarantees, for every backend:
-- `all_reduce(scope, tensors, dtype, mean)`: one tensor per local replica
-  in, one name per local replica out, each the sum (or mean) over every
-  replica of the job;
+- `all_reduce(scope, tensors, dtype, mean, gradient=False)`: one tensor per
+  local replica in, one name per local replica out, each the sum (or mean)
+  over every replica of the job; a `gradient` travels in 16 bits where the
+  plan compresses gradients (parallax_ng/comm/compression.py);
 - `all_gather(scope, values, indices, ...)`: an IndexedSlices per local
   replica in; per replica the concatenation of every replica's slices
-  (values scaled by 1/N for a mean);
+  (values scaled by 1/N for a mean; in 16 bits under compression);
 - `columns_lookup(scope, ids, handles, part, dtype, id_type, distinct)`:
   rows of a table cut by columns over the replicas (`placement.Columns`),
   one ids tensor and one handle of the replica's part per local replica
@@ -31,10 +32,11 @@ Guarantees, for every backend:
 - `broadcast(scope, value, dtype, shape)`: worker 0's `value` on every
   worker, as a `Broadcast`: the tensor this worker should use and the ops
   its use must wait for;
-- `server_sum(scope, tensor, dtype, server, scale)`: every worker's `tensor`
-  (one per worker, equal shapes) summed on the parameter-server device
-  `server`, times `scale`, back on every worker (`server_sum`, below: queues
-  on the server, no collective op, so any backend uses it).
+- `server_sum(scope, tensor, dtype, server, scale, gradient=False)`: every
+  worker's `tensor` (one per worker, equal shapes) summed on the
+  parameter-server device `server`, times `scale`, back on every worker
+  (`server_sum`, below: queues on the server, no collective op, so any
+  backend uses it; a `gradient` in 16 bits each way under compression).
 New nodes live under `scope`. TensorFlow's lowering is here; Horovod's is in
 parallax_ng/comm/horovod.py. `HostCollectives` are the same operations for
 a graph built with TensorFlow's own ops (layer-to-layer's), among one host
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from ..graph import emit
+from . import compression
 from .keys import HOSTS_GROUP, JOB_GROUP, RANGE_KEYS, WORKERS_GROUP, InstanceKeys
 
 GROUP_KEY = JOB_GROUP
@@ -78,22 +81,48 @@ class TFCollectives:
     def __init__(self, plan, instance_keys):
         self.plan, self.keys = plan, instance_keys
 
-    def all_reduce(self, scope: str, tensors: list[str], dtype, mean: bool):
+    def all_reduce(self, scope: str, tensors: list[str], dtype, mean: bool,
+                   gradient: bool = False):
         plan, key = self.plan, self.keys.take()
+        wire = compression.wire(plan.compression)
+        if gradient and plan.group_size > 1 and compression.compresses(wire, dtype):
+            return self._scattered(scope, tensors, dtype, mean, wire, key)
         nodes = [emit.collective_reduce(
             f"{scope}/replica_{k}", t, dtype, device, group_size=plan.group_size,
             group_key=GROUP_KEY, instance_key=key, mean=mean, timeout=OP_TIMEOUT_SECONDS)
             for k, (t, device) in enumerate(zip(tensors, plan.devices))]
         return nodes, [n.name for n in nodes]
 
+    def _scattered(self, scope, tensors, dtype, mean, wire, key):
+        """A compressed all-reduce: all-to-all of 16-bit chunks, float32
+        sums, all-gather of them (parallax_ng/comm/compression.py)."""
+        plan, gather_key = self.plan, self.keys.take()
+        common = dict(group_size=plan.group_size, group_key=GROUP_KEY, ordering_token=[],
+                      communication_hint="auto", timeout_seconds=OP_TIMEOUT_SECONDS)
+        nodes, outs = [], []
+        for k, (t, device) in enumerate(zip(tensors, plan.devices)):
+            made, (out,) = emit.emit_traced(
+                lambda x: tf.identity(compression.scattered_sum(
+                    x, plan.group_size, wire, mean,
+                    lambda c: tf.raw_ops.CollectiveAllToAllV2(input=c, instance_key=key,
+                                                              **common),
+                    lambda c: tf.raw_ops.CollectiveGatherV2(input=c, instance_key=gather_key,
+                                                            **common)), "sum"),
+                [(t, dtype, None)], f"{scope}/replica_{k}", device)
+            nodes.extend(made)
+            outs.append(out)
+        return nodes, outs
+
     def all_gather(self, scope: str, values: list[str], indices: list[str], value_type,
                    index_type, value_shape, mean: bool):
         plan = self.plan
         keys = (self.keys.take(), self.keys.take_range(), self.keys.take_range())
         nodes, out_v, out_i = [], [], []
+        wire = compression.wire(plan.compression)
+        wire = wire if compression.compresses(wire, value_type) else None
         for k, device in enumerate(plan.devices):
             made, (v, i) = emit.emit_traced(
-                lambda vals, idx: _gather_slices(vals, idx, plan, keys, mean),
+                lambda vals, idx: _gather_slices(vals, idx, plan, keys, mean, wire),
                 [(values[k], value_type, value_shape), (indices[k], index_type, [None])],
                 f"{scope}/replica_{k}", device)
             nodes.extend(made)
@@ -101,8 +130,9 @@ class TFCollectives:
             out_i.append(i)
         return nodes, out_v, out_i
 
-    def server_sum(self, scope: str, tensor: str, dtype, server: str, scale: float):
-        return server_sum(self.plan, scope, tensor, dtype, server, scale)
+    def server_sum(self, scope: str, tensor: str, dtype, server: str, scale: float,
+                   gradient: bool = False):
+        return server_sum(self.plan, scope, tensor, dtype, server, scale, gradient)
 
     def _exchange_ops(self):
         """(gather of one int32 per replica, gather of padded rows, all-to-all
@@ -187,61 +217,88 @@ class HostCollectives:
                     communication_hint="auto", timeout_seconds=OP_TIMEOUT_SECONDS)
 
 
-def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float):
-    """A parameter-server all-reduce of one tensor per worker, through FIFO
-    queues on `server` (one per worker and direction, so sums are added in
-    worker order and every worker gets the same bits). Worker 0 runs the
-    server's side: it dequeues the others' tensors, adds its own, scales,
-    and queues the result for each of them; its own result waits for those
-    puts. Another worker queues its tensor and dequeues the result. Each
-    queue moves one element per step, so steps cannot mix. Returns (nodes,
-    the name of this worker's result)."""
-    out = f"{scope}/sum"
+def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float,
+               gradient: bool = False):
+    """A parameter-server all-reduce of one tensor per worker (on its host),
+    through FIFO queues on `server` (one per worker and direction, so sums
+    are added in worker order and every worker gets the same bits). Worker
+    0 runs the server's side: it dequeues the others' tensors, adds its
+    own, scales, and queues the result for each of them; its own result
+    waits for those puts. Another worker queues its tensor and dequeues the
+    result. Each queue moves one element per step, so steps cannot mix. A
+    `gradient` under compression travels in 16 bits both ways and is added
+    in float32 on the server. Returns (nodes, the name of this worker's
+    result)."""
+    out, host = f"{scope}/sum", plan.host
+    wire = compression.wire(plan.compression) if gradient else None
+    wire = wire if compression.compresses(wire, dtype) else None
+    sent = wire or dtype
     nodes = []
+    if wire is not None:
+        nodes.append(emit.node_def(f"{scope}/narrow", "Cast", [tensor], host, SrcT=dtype,
+                                   DstT=wire, Truncate=False))
+        tensor = f"{scope}/narrow"
+
+    def widened(name, t, device):
+        if wire is None:
+            return t
+        nodes.append(emit.node_def(name, "Cast", [t], device, SrcT=wire, DstT=dtype,
+                                   Truncate=False))
+        return name
+
     if plan.worker == 0:
         taken = []
         for w in range(1, plan.num_workers):
             q = f"{scope}/from_{w}"
-            nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/{w}", [dtype], server),
+            nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/{w}", [sent], server),
                       emit.node_def(f"{q}/take", "QueueDequeueV2", [q], server,
-                                    component_types=[dtype], timeout_ms=-1)]
-            taken.append(f"{q}/take")
+                                    component_types=[sent], timeout_ms=-1)]
+            taken.append(widened(f"{q}/wide", f"{q}/take", server))
+        own = widened(f"{scope}/own", tensor, server)
         total = f"{scope}/total"
-        nodes.append(emit.node_def(total, "AddN", [tensor] + taken, server, T=dtype,
+        nodes.append(emit.node_def(total, "AddN", [own] + taken, server, T=dtype,
                                    N=1 + len(taken)) if taken else
-                     emit.node_def(total, "Identity", [tensor], server, T=dtype))
+                     emit.node_def(total, "Identity", [own], server, T=dtype))
         if scale != 1.0:
             nodes += [emit.const(f"{scope}/scale", scale, dtype, server),
                       emit.node_def(f"{scope}/scaled", "Mul", [total, f"{scope}/scale"],
                                     server, T=dtype)]
             total = f"{scope}/scaled"
+        if wire is not None:
+            nodes.append(emit.node_def(f"{scope}/result", "Cast", [total], server, SrcT=dtype,
+                                       DstT=wire, Truncate=False))
+            total = f"{scope}/result"
         puts = []
         for w in range(1, plan.num_workers):
             q = f"{scope}/to_{w}"
-            nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/result/{w}", [dtype], server),
+            nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/result/{w}", [sent], server),
                       emit.node_def(f"{q}/put", "QueueEnqueueV2", [q, total], server,
-                                    Tcomponents=[dtype], timeout_ms=-1)]
+                                    Tcomponents=[sent], timeout_ms=-1)]
             puts.append(f"^{q}/put")
-        nodes.append(emit.node_def(out, "Identity", [total] + puts, server, T=dtype))
+        done = f"{scope}/done" if wire is not None else out
+        nodes.append(emit.node_def(done, "Identity", [total] + puts, server, T=sent))
     else:
         w = plan.worker
         q, back = f"{scope}/to_server", f"{scope}/from_server"
-        nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/{w}", [dtype], server),
+        done = f"{scope}/back" if wire is not None else out
+        nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/{w}", [sent], server),
                   emit.node_def(f"{q}/put", "QueueEnqueueV2", [q, tensor], server,
-                                Tcomponents=[dtype], timeout_ms=-1),
-                  emit.fifo_queue(back, f"parallax_ng/sum/{scope}/result/{w}", [dtype], server),
-                  emit.node_def(out, "QueueDequeueV2", [back, f"^{q}/put"], server,
-                                component_types=[dtype], timeout_ms=-1)]
+                                Tcomponents=[sent], timeout_ms=-1),
+                  emit.fifo_queue(back, f"parallax_ng/sum/{scope}/result/{w}", [sent], server),
+                  emit.node_def(done, "QueueDequeueV2", [back, f"^{q}/put"], server,
+                                component_types=[sent], timeout_ms=-1)]
+    widened(out, done, host)
     return nodes, out
 
 
-def _gather_slices(values, indices, plan, keys, mean: bool):
+def _gather_slices(values, indices, plan, keys, mean: bool, wire=None):
     """IndexedSlices gathered from every replica: sizes first, every part
     padded to the longest, the padding dropped after. TensorFlow fixes a
     collective instance's shape at its first run, and the longest part
     changes from step to step (a last short batch, coalesced rows), so the
     padded parts are gathered under the instance key of their range plus
-    the longest size: every key always sees one shape."""
+    the longest size: every key always sees one shape. With `wire`, the
+    values travel in that dtype (compression)."""
     n, timeout = plan.group_size, OP_TIMEOUT_SECONDS
 
     def all_gather(t, key):
@@ -257,7 +314,12 @@ def _gather_slices(values, indices, plan, keys, mean: bool):
     padded_v = tf.pad(values, tf.concat([[[0, pad]], rest], 0))
     padded_i = tf.pad(indices, [[0, pad]])
     mask = tf.reshape(tf.sequence_mask(sizes, longest), [-1])
-    gathered_v = tf.boolean_mask(all_gather(padded_v, keys[1] + longest), mask)
+    if wire is not None:
+        gathered_v = compression.carried(lambda t: all_gather(t, keys[1] + longest),
+                                         padded_v, wire)
+    else:
+        gathered_v = all_gather(padded_v, keys[1] + longest)
+    gathered_v = tf.boolean_mask(gathered_v, mask)
     gathered_i = tf.boolean_mask(all_gather(padded_i, keys[2] + longest), mask)
     if mean:
         gathered_v = gathered_v * tf.cast(1.0 / n, values.dtype)

@@ -8,7 +8,9 @@ Guarantees: `init()` starts Horovod and gives (rank, size);
 to Horovod's ops:
 - `all_reduce`: this worker's replicas added on its first device, then
   HorovodAllreduce (sum) across workers, scaled by 1/replicas for a mean;
-  every local replica reads the result;
+  every local replica reads the result; a compressed gradient goes by
+  HorovodAlltoall and HorovodAllgather in 16 bits, summed in float32
+  (parallax_ng/comm/compression.py);
 - `all_gather`: IndexedSlices values and indices concatenated over local
   replicas, then HorovodAllgather (workers may contribute different row
   counts), values scaled for a mean;
@@ -25,6 +27,7 @@ import tensorflow as tf
 
 from ..errors import ConfigError
 from ..graph import emit
+from . import compression
 from .collectives import Broadcast, gradient_columns, lookup_columns, server_sum
 
 
@@ -54,17 +57,17 @@ class HorovodCollectives:
     def __init__(self, plan):
         self.plan = plan
 
-    def all_reduce(self, scope, tensors, dtype, mean):
-        return all_reduce(self.plan, scope, tensors, dtype, mean)
+    def all_reduce(self, scope, tensors, dtype, mean, gradient=False):
+        return all_reduce(self.plan, scope, tensors, dtype, mean, gradient)
 
     def all_gather(self, scope, values, indices, value_type, index_type, value_shape, mean):
         nodes, v, i = all_gather(self.plan, scope, values, indices, value_type, index_type,
                                  value_shape, mean)
         return nodes, [v] * len(values), [i] * len(values)
 
-    def server_sum(self, scope, tensor, dtype, server, scale):
+    def server_sum(self, scope, tensor, dtype, server, scale, gradient=False):
         # the planner gives Horovod jobs no servers; one process sums alone
-        return server_sum(self.plan, scope, tensor, dtype, server, scale)
+        return server_sum(self.plan, scope, tensor, dtype, server, scale, gradient)
 
     def _exchange_ops(self):
         hvd = _hvd()
@@ -115,13 +118,21 @@ class HorovodCollectives:
         return Broadcast(nodes, out)     # every rank takes part, worker 0 included
 
 
-def all_reduce(plan, scope: str, tensors: list[str], dtype, mean: bool):
+def all_reduce(plan, scope: str, tensors: list[str], dtype, mean: bool,
+               gradient: bool = False):
     """(nodes, one output name per local replica)."""
     nodes, local = _local(scope, tensors, dtype, plan.devices[0], "AddN")
+    wire = compression.wire(plan.compression) if gradient else None
 
     def reduce(t):
         hvd = _hvd()
-        out = hvd.allreduce(t, op=hvd.Sum, name="allreduce")
+        if plan.num_workers > 1 and compression.compresses(wire, dtype):
+            out = compression.scattered_sum(
+                t, plan.num_workers, wire, False,
+                lambda c: hvd.alltoall(c, name="scatter"),
+                lambda c: hvd.allgather(c, name="gather"))
+        else:
+            out = hvd.allreduce(t, op=hvd.Sum, name="allreduce")
         if mean:
             out = out * tf.cast(1.0 / plan.group_size, dtype)
         return tf.identity(out, name="out")
@@ -138,9 +149,14 @@ def all_gather(plan, scope: str, values: list[str], indices: list[str], value_ty
     nodes_i, local_i = _local(scope + "/indices_local", indices, index_type, device,
                               "ConcatV2")
 
+    wire = compression.wire(plan.compression)
+
     def gather(v, i):
         hvd = _hvd()
-        gv = hvd.allgather(v, name="values")
+        if compression.compresses(wire, value_type):
+            gv = compression.carried(lambda t: hvd.allgather(t, name="values"), v, wire)
+        else:
+            gv = hvd.allgather(v, name="values")
         gi = hvd.allgather(i, name="indices")
         if mean:
             gv = gv * tf.cast(1.0 / plan.group_size, value_type)

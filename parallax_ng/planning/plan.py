@@ -111,6 +111,7 @@ class Plan:
     worker: int = 0                   # this process's index among them
     servers: tuple[str, ...] = ()     # parameter-server devices (cluster mode)
     backend: str = "tf"               # collectives across workers: tf | horovod
+    compression: str = "none"         # float32 gradients on the wire: none | fp16 | bf16
     random: dict[str, str] = field(default_factory=dict)  # random op -> distinct | identical
     counted: tuple[str, ...] = ()     # seeded random ops whose calls a checkpointed counter keeps
     split_queues: dict[str, tuple] = field(default_factory=dict)  # producer -> its enqueues
@@ -242,6 +243,7 @@ class Plan:
                           for k, v in self.variables.items()},
             "placement": {k: _placement_dict(p) for k, p in self.placement.items()},
             "servers": list(self.servers), "backend": self.backend,
+            "compression": self.compression,
             "random": dict(self.random), "counted": list(self.counted),
             "split_queues": {k: list(v) for k, v in self.split_queues.items()},
             "schedule": {"split": self.schedule.split, "order": list(self.schedule.order)},
@@ -282,6 +284,9 @@ class Plan:
         if self.servers:
             rows.append("servers: " + ", ".join(f"{d} {b / 1e6:.3f} MB"
                                                 for d, b in self.server_load().items()))
+        if self.compression != "none":
+            rows.append(f"compression: float32 gradients travel as {self.compression}, summed "
+                        "in float32 (the traffic above is float32's)")
         coalesced = sorted(v for v, vp in self.variables.items() if vp.coalesce)
         if coalesced:
             rows.append("each distinct row sent once (duplicates summed first): "

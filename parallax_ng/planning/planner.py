@@ -136,6 +136,7 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
                 timeout_seconds=config.communication.timeout_seconds,
                 num_workers=num_workers, worker=worker, servers=tuple(servers),
                 backend=config.communication.backend, random=random,
+                compression=config.communication.compression,
                 counted=tuple(randomness.counted(tg, random, pinned)),
                 split_queues={q.queue: q.enqueues for q in producers},
                 schedule=Schedule(split=split), buffers=buffers, buckets=buckets,

@@ -20,7 +20,12 @@ workers of R replicas each (G = N R replicas), flows between tasks:
   every other replica, a part of each row (its columns) with each id.
 r is the distinct rows a worker's R replicas touch in a step (the
 analysis's alpha, measured or estimated, times the rows, times R, at most
-the rows). Scalars (norms, tokens) are left out.
+the rows). Scalars (norms, tokens) are left out. Under compression
+(`communication.compression`) a float32 gradient's values count 2 bytes an
+element (an all-reduce becomes an all-to-all and an all-gather of 16-bit
+halves: (G-1)/G of the gradient's float32 bytes in all, half the ring's);
+ids, variables read back and rows looked up stay as they are, and so do
+alltoall's rows.
 
 Links: the tasks on one host share its network interface; bytes between
 them do not cross it but cost the host's CPU (gRPC copies them through
@@ -148,15 +153,17 @@ def flows(plan, index_bytes: dict | None = None, rows: dict | None = None,
         info, how = vp.info, method(vp.method)
         if how.fused:
             continue            # by buffer, below
+        wire = _wire(plan, info)         # of the gradient's values, as sent
         if how.sums_rows:        # a ring all-reduce, of a sparse gradient as dense too
-            ring(2 * (g - 1) / g * reduced_bytes(info), var)
+            ring(2 * (g - 1) / g * reduced_bytes(info) * wire, var)
             continue
         if not info.sparse:      # ps: the local sum in, the value back
             for i in range(n):
-                out += [(worker(i), server(_home(plan, var)), info.nbytes, var),
+                out += [(worker(i), server(_home(plan, var)), info.nbytes * wire, var),
                         (server(_home(plan, var)), worker(i), info.nbytes, var)]
             continue
         row = info.nbytes / info.shape[0]
+        sent = row * (1.0 if how.columns else wire)
         idx = index_bytes.get(var, 8)
         per_worker = rows.get(var, min(info.shape[0], r * (info.alpha or 1.0) * info.shape[0]))
         per_replica = per_worker / r
@@ -166,16 +173,16 @@ def flows(plan, index_bytes: dict | None = None, rows: dict | None = None,
             for i in range(n):
                 out += [(worker(i), worker(k), each, var) for k in range(n) if k != i]
         elif not how.shared:     # every replica's rows to every replica
-            ring((g - 1) * per_replica * (row + idx), var)
+            ring((g - 1) * per_replica * (sent + idx), var)
         else:                    # ps: rows and ids out, rows back
             asked = looked_up.get(var, per_worker)
             for j, share in _shares(plan, var):
                 for i in range(n):
                     out += [(worker(i), server(j),
-                             share * (per_worker * (row + idx) + asked * idx), var),
+                             share * (per_worker * (sent + idx) + asked * idx), var),
                             (server(j), worker(i), share * asked * row, var)]
     for k, buffer in enumerate(plan.buffers):
-        size = plan.bytes_of(buffer)
+        size = plan.bytes_of(buffer) * _wire(plan, plan.variables[buffer.segments[0].var].info)
         for s in buffer.placement.shards:
             part = size * s.size / buffer.placement.length
             j = server_index(s.device)
@@ -243,6 +250,13 @@ def predict(plan, layout: Layout, network, index_bytes: dict | None = None) -> P
     fixed = (collective * network.collective_round(plan.group_size) +
              (trips + split) * network.server_round_trip() + split * network.extra_run())
     return Prediction(load, end, nbytes, link, fixed, link + fixed, inside)
+
+
+def _wire(plan, info) -> float:
+    """The share of a gradient's bytes that crosses under the plan's
+    compression (float32 values in 16 bits)."""
+    float32 = info.dtype.removesuffix("_ref") == "float32"
+    return 0.5 if plan.compression != "none" and float32 else 1.0
 
 
 def _home(plan, var: str) -> int:
