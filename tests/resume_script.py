@@ -1,7 +1,7 @@
 """Trains to a global step with checkpoints; can kill itself at a step.
 
     python resume_script.py CKPT_DIR OUT STEPS [--die-at STEP] [--config JSON]
-        [--every N] [--print-steps] [--die-on-host ADDRESS] [--dropout RATE]
+        [--every N] [--print-steps] [--die-on-host ADDRESS] [--once] [--dropout RATE]
 
 CKPT_DIR "-": the config names no checkpoint.dir (a launcher with
 --restarts gives one).
@@ -31,6 +31,7 @@ parser.add_argument("--config", default="{}", help="more config keys, as JSON")
 parser.add_argument("--every", type=int, default=5, help="checkpoint.every_steps")
 parser.add_argument("--print-steps", action="store_true", help="say each step trained")
 parser.add_argument("--die-on-host", help="--die-at only in a worker at this address")
+parser.add_argument("--once", action="store_true", help="--die-at only in a run from step 0")
 parser.add_argument("--dropout", type=float, default=0.0, help="seeded dropout at this rate")
 args = parser.parse_args()
 
@@ -50,13 +51,15 @@ runner = pn.get_runner(g, resources, {"run_option": "hybrid" if resources else a
                                           {} if args.ckpt == "-" else {"dir": args.ckpt})},
                                       **json.loads(args.config)})
 runner.run([h["init"], h["iterator_init"]])       # restores the latest checkpoint if any
-print(f"starting at step {runner.run(step)}", flush=True)   # one write: workers share stdout
+start = runner.run(step)
+print(f"starting at step {start}", flush=True)   # one write: workers share stdout
 while runner.run(step) < args.steps:
     runner.run(h["train"])
     done = runner.run(step)
     if args.print_steps:
         print(f"step {done}", flush=True)
-    if done == args.die_at and (args.die_on_host is None or args.die_on_host == my_host()):
+    if done == args.die_at and (args.die_on_host is None or args.die_on_host == my_host()) \
+            and not (args.once and start > 0):
         os._exit(9)
 names = variable_names(g)
 values = runner.run([read_name(v, g) for v in names], per_replica=True)

@@ -85,17 +85,19 @@ BFB, RING = '{"dense_method": "bfb"}', '{"dense_method": "allreduce"}'
     ("allreduce", 0, ["--config", ALLTOALL])])   # by columns over the workers
 def test_killed_and_restarted_two_worker_job_equals_uninterrupted(tmp_path, run_option,
                                                                   servers, extra):
+    """Both workers die after step 7 (checkpoints every 5 steps); the
+    launcher (`--restarts 1`) starts the job again from step 5."""
     res = tmp_path / "r.yaml"
     res.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2
                    + (f"ps: [{', '.join(['127.0.0.1'] * servers)}]\n" if servers else ""))
-    launch = [sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r", str(res), "--"]
+    launch = [sys.executable, "-m", "parallax_ng", "run", "-r", str(res)]
     whole, broken = str(tmp_path / "whole"), str(tmp_path / "broken")
     option = ["--run-option", run_option] + extra
-    run(launch + [str(tmp_path / "ck_whole"), whole, "15"] + option)
+    run(launch + [SCRIPT, "--", str(tmp_path / "ck_whole"), whole, "15"] + option)
     ck = str(tmp_path / "ck")
-    died = run(launch + [ck, broken, "15", "--die-at", "7"] + option, expect_ok=False)
-    assert died.returncode != 0
-    again = run(launch + [ck, broken, "15"] + option)
+    again = run(launch + ["--restarts", "1", SCRIPT, "--", ck, broken, "15", "--die-at", "7",
+                          "--once"] + option)
+    assert "restart 1 of 1" in again.stderr + again.stdout
     assert again.stdout.count("starting at step 5") == 2
     for w in (0, 1):
         assert f"[worker {w}] parallax_ng: restored step 5 from {ck}/model.ckpt-5" in \
