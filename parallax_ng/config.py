@@ -145,6 +145,24 @@ class ProfileConfig:
         _check_choice("profile.replan", self.replan, REPLAN)
 
 
+@dataclass(frozen=True)
+class TimelineConfig:
+    """A Chrome trace of training steps (parallax_ng/runtime/timeline.py); off
+    while `file` is None. `timeline: FILE` is `timeline: {file: FILE}`."""
+    file: str | None = None          # where the trace goes
+    steps: int = 10                  # training runs traced ...
+    skip: int = 2                    # ... after this many (the first ones warm up)
+
+    def __post_init__(self):
+        if self.file is not None and not isinstance(self.file, str):
+            raise ConfigError(f"config key 'timeline.file' must be a path, not {self.file!r}")
+        for key in ("steps", "skip"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"config key 'timeline.{key}' must be a whole number >= 0, "
+                                  f"not {value!r}")
+
+
 STASHES = ("device", "host")
 PRECISIONS = ("fp32", "cmp")
 
@@ -194,6 +212,7 @@ class Config:
     communication: CommunicationConfig = field(default_factory=CommunicationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    timeline: TimelineConfig = field(default_factory=TimelineConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
     placement_rewrites: PlacementRewritesConfig = field(
         default_factory=PlacementRewritesConfig)
@@ -254,8 +273,10 @@ class Config:
                           ("fusion", FusionConfig),
                           ("placement_rewrites", PlacementRewritesConfig),
                           ("buckets", BucketsConfig), ("network", NetworkConfig),
-                          ("l2l", L2LConfig)):
+                          ("l2l", L2LConfig), ("timeline", TimelineConfig)):
             section = data.pop(key, None) or {}
+            if key == "timeline" and isinstance(section, (str, os.PathLike)):
+                section = {"file": os.fspath(section)}
             if not isinstance(section, dict):
                 raise ConfigError(f"config key {key!r} must be a mapping")
             _reject_unknown(key + ".", section, {f.name for f in dataclasses.fields(kind)})

@@ -37,6 +37,10 @@ BY_OTHERS = {
     "python examples/transformer_stack.py --layers 12 --resources "
     "configs/resources_accelerators.yaml --config configs/l2l.yaml":
         "test_examples.py::test_transformer_stack_learns_layer_by_layer_with_the_shipped_configs",
+    "parallax-ng run examples/lm_small.py -r configs/resources_2workers_1ps.yaml --timeline "
+    "lm.json -- --steps 30": "test_timeline.py::test_a_job_s_timeline_merges_every_task",
+    "parallax-ng timeline lm.json --png lm.png":
+        "test_timeline.py::test_in_process_steps_traced_after_the_skipped_ones",
     "parallax-ng plan examples/lm_small.py": "here",
     "parallax-ng plan model.meta -c configs/ps.yaml --json": "here",
     "parallax-ng plan examples/lm_small.py --profile 2": "here",

@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import sys
 import tempfile
+import time
 import warnings
 import weakref
 from dataclasses import replace
@@ -59,6 +60,7 @@ from .checkpoint import Checkpointer, Layout
 from .fetches import combine
 from .preemption import Preemption
 from .program import Program
+from .timeline import Timeline
 
 FLUSH_GRAPH_KEY = 7   # any nonzero key: the run gets a collective executor
 
@@ -79,6 +81,7 @@ class Runner:
         self.profile: Profile | None = None
         self.replans = 0
         self._install(program)
+        self._timeline = Timeline.of(config, self.plan, self.graph)
         self._done = None   # in a job with servers: tell them this worker is done, once
         if program.done is not None:
             self._done = weakref.finalize(self, _tell_done, self.session, program.done)
@@ -126,8 +129,10 @@ class Runner:
             self._profiled < self.config.profile.steps
         probe = self._probe() if profiling else {}
         options = _bounded(options, self._options)
-        if profiling:
+        tracing = trained and self._timeline is not None and self._timeline.wants()
+        if profiling or tracing:
             options, run_metadata = _traced(options, run_metadata)
+        start = time.time()
         if reads_queue and self._queues is not None:
             self._queues.start(self.session)
         try:
@@ -142,6 +147,8 @@ class Runner:
             self._failed = trained
             raise
         self._pending = self._pending or (trained and bool(self._flush))
+        if trained and self._timeline is not None:
+            self._timeline.record(run_metadata if tracing else None, start, time.time())
         if profiling:
             self._measured(run_metadata, dict(zip(probe, values[len(names):])))
         self._after_run(fetched)
@@ -194,6 +201,8 @@ class Runner:
             heartbeat.tell("saved", f"{step} {path}")
 
     def close(self) -> None:
+        if self._timeline is not None:
+            self._timeline.finish()
         self.save_final()
         if self._queues is not None:
             self._queues.stop()

@@ -1,8 +1,10 @@
 """`parallax-ng`: inspect what parallax_ng does to a training graph.
 
     parallax-ng run SCRIPT -r RESOURCES [-c CONFIG] [--chief-only] [--verbose]
-                    [--restarts N] [--run-dir DIR] [--grace-seconds S] [-- ARGS]
+                    [--restarts N] [--run-dir DIR] [--grace-seconds S]
+                    [--timeline FILE] [-- ARGS]
     parallax-ng tf-config -r RESOURCES --task worker:I|ps:J
+    parallax-ng timeline FILE [--png OUT]
     parallax-ng plan SOURCE [-r RESOURCES] [-c CONFIG] [--json] [-- ARGS]
     parallax-ng diff SOURCE [-r RESOURCES] [-c CONFIG] [--out DIR] [--batch N] [-- ARGS]
     parallax-ng profile SCRIPT [-r RESOURCES] [-c CONFIG] [--steps N] [--out P.json]
@@ -49,10 +51,18 @@ def main(argv=None) -> int:
     run.add_argument("--grace-seconds", type=float, default=30.0, metavar="S",
                      help="after SIGTERM (to the launcher or a task), how long the workers "
                           "have to save a checkpoint and stop (default 30)")
+    run.add_argument("--timeline", metavar="FILE",
+                     help="trace the workers' steps (config timeline.steps after "
+                          "timeline.skip) into one Chrome trace, FILE (Perfetto, "
+                          "chrome://tracing)")
     run.add_argument("--run-dir", metavar="DIR",
                      help="with --restarts and no checkpoint.dir in the config: the "
                           "checkpoints go to DIR/checkpoints (default: a new "
                           "parallax_ng_run-<time> here)")
+    tl = sub.add_parser("timeline", help="per task and step of a timeline (--timeline): "
+                                         "compute, exposed communication, idle")
+    tl.add_argument("file", help="the Chrome trace `run --timeline` or config timeline wrote")
+    tl.add_argument("--png", metavar="OUT", help="also draw it (matplotlib)")
     tfc = sub.add_parser("tf-config", help="print one task's TF_CONFIG (for an orchestrator "
                                            "that starts each task: Kubernetes, Slurm)")
     tfc.add_argument("-r", "--resources", required=True, help="resource YAML: hosts, ps")
@@ -114,10 +124,12 @@ def main(argv=None) -> int:
             return launch(opts.script, opts.resources, opts.config, opts.args,
                           chief_only=opts.chief_only, verbose=opts.verbose,
                           restarts=opts.restarts, run_dir=opts.run_dir,
-                          grace_seconds=opts.grace_seconds)
+                          grace_seconds=opts.grace_seconds, timeline_file=opts.timeline)
         except ParallaxError as e:
             print(f"parallax-ng run: {e}", file=sys.stderr)
             return 2
+    if opts.command == "timeline":
+        return _timeline(opts.file, opts.png)
     if opts.command == "tf-config":
         from ..cluster import tf_config
         from ..resources import load_resources
@@ -286,3 +298,34 @@ def _diff(opts, graph, resources, config) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _timeline(path: str, png: str | None) -> int:
+    """Print each task's mean step split (compute, exposed communication,
+    idle) and the traced steps' communication by what it carries."""
+    from ..runtime import timeline
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        print(f"parallax-ng timeline: cannot read {path!r} as a trace: {e}", file=sys.stderr)
+        return 2
+    shares = timeline.summary(data)
+    if not shares:
+        print(f"parallax-ng timeline: {path!r} holds no traced step", file=sys.stderr)
+        return 2
+    print(f"{'task':12} {'steps':>5} {'ms/step':>8} {'compute':>8} {'exposed':>8} {'idle':>8}")
+    for task in sorted({s.task for s in shares}):
+        mine = [s for s in shares if s.task == task]
+        mean = {k: 1e3 * sum(getattr(s, k) for s in mine) / len(mine)
+                for k in ("seconds", "compute", "exposed", "idle")}
+        print(f"{task:12} {len(mine):5d} {mean['seconds']:8.2f} {mean['compute']:8.2f} "
+              f"{mean['exposed']:8.2f} {mean['idle']:8.2f}")
+    steps = len({(s.task, s.step) for s in shares})
+    print("bytes received by what they carry, MB per traced step of a task:")
+    for what, nbytes in sorted(timeline.received(data).items(), key=lambda kv: -kv[1])[:15]:
+        print(f"  {what:40} {nbytes / steps / 1e6:9.3f}")
+    if png:
+        timeline.draw(shares, png)
+        print(f"wrote {png}")
+    return 0

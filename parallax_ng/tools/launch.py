@@ -50,7 +50,7 @@ import time
 from ..cluster import CHECKPOINT_ENV, CONFIG_ENV, ENV, ClusterInfo
 from ..errors import ResourceError
 from ..resources import ResourceInfo, load_resources
-from ..runtime import heartbeat
+from ..runtime import heartbeat, timeline
 from ..runtime.preemption import EXIT_CODE as PREEMPTED
 from ..runtime.preemption import GRACE_ENV, RUN_ENV
 from .tasks import Job, Outcome, Task, Terminated, say, stop
@@ -126,7 +126,7 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
            grace: float = 10.0, poll: float = 0.2, chief_only: bool = False,
            verbose: bool = False, env: dict | None = None, runner: str = "",
            restarts: int = 0, run_dir: str | None = None,
-           grace_seconds: float = 30.0) -> int:
+           grace_seconds: float = 30.0, timeline_file: str | None = None) -> int:
     """Run the job; its exit code: 0 when every worker ended well, else
     the failing task's (128 + N for a task ended by signal N), 1 for a task
     that stopped making progress, 130 on Ctrl-C, 143 on SIGTERM. `runner`:
@@ -135,7 +135,9 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
     whose task died, hung or was preempted starts again from its last
     checkpoint (the config's `checkpoint.dir`, else `<run_dir>/checkpoints`).
     `grace_seconds`: how long the workers have to checkpoint and stop after
-    SIGTERM. `grace`: how long a killed task's end is waited for."""
+    SIGTERM. `grace`: how long a killed task's end is waited for.
+    `timeline_file`: every worker traces its steps (runtime/timeline.py) and
+    the parts are merged there when the job ends."""
     from ..config import load_config
     if not os.path.isfile(script):
         raise ResourceError(f"script {script!r} does not exist")
@@ -156,6 +158,8 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
         base_env[heartbeat.VERBOSE_ENV] = "1"
     if config:
         base_env[CONFIG_ENV] = os.path.abspath(config)
+    if timeline_file:
+        timeline_file = base_env[timeline.ENV] = os.path.abspath(timeline_file)
     if restarts and not job_config.checkpoint.dir:
         run_dir = os.path.abspath(run_dir or time.strftime("parallax_ng_run-%Y%m%d-%H%M%S"))
         base_env[CHECKPOINT_ENV] = os.path.join(run_dir, "checkpoints")
@@ -193,6 +197,9 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
         stop(job.tasks, grace)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+        if timeline_file and any(os.path.exists(timeline.part_path(timeline_file, w))
+                                 for w in range(len(workers))):
+            say(f"timeline of the job in {timeline.merge(timeline_file, len(workers))}")
 
 
 def _start_tasks(job: Job, script, resources, workers, ps, base_env, args, runner,
