@@ -56,20 +56,22 @@ def test_horovod_workers_match_one_device(tmp_path, devices, buckets, sparse):
 
 
 @pytest.mark.horovod
-def test_horovod_compressed_gradients_match_tensorflow_collectives(tmp_path):
+@pytest.mark.parametrize("sparse", ["auto", "alltoall"])
+def test_horovod_compressed_gradients_match_tensorflow_collectives(tmp_path, sparse):
     """communication.compression fp16 under Horovod (HorovodAlltoall and
     HorovodAllgather of 16-bit chunks, float32 sums; the embedding's rows
-    all-gathered in 16 bits): 2 ranks end where TensorFlow's collectives
-    put 2 replicas in one process with the same compression, 1e-5."""
+    all-gathered in 16 bits, or its gradient's columns exchanged in 16
+    bits): 2 ranks end where TensorFlow's collectives put 2 replicas in one
+    process with the same compression, 1e-5."""
     from models import read_name, variable_names
     out = str(tmp_path / "vars")
     cmd = [horovodrun(), "--gloo", "-np", "2", "-H", "localhost:2", "--network-interface",
-           "lo", sys.executable, SCRIPT, out, "10", "--compression", "fp16"]
+           "lo", sys.executable, SCRIPT, out, "10", "--compression", "fp16", "--sparse", sparse]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     g, h = embedding_regression(4, "adam", clip=True, ema=True)
-    with pn.get_runner(g, local(2), {"run_option": "allreduce",
+    with pn.get_runner(g, local(2), {"run_option": "allreduce", "sparse_method": sparse,
                                      "communication": {"compression": "fp16"}}) as runner:
         runner.run([h["init"], h["iterator_init"]])
         for _ in range(10):

@@ -131,10 +131,8 @@ def _queue(name: str, shared_name: str, dtypes, device: str):
 def _wires(ctx, parts) -> list:
     """Per component, the dtype it is pushed in: 16 bits for a gradient's
     values (not indices, not norms) under compression, else its own."""
-    local = ctx.result(LocalAggregates)
-    values = {v for v, _ in local.of.values()}
-    wire = compression.wire(ctx.plan.compression)
-    return [wire if t in values and compression.compresses(wire, d) else d
+    values = {v for v, _ in ctx.result(LocalAggregates).of.values()}
+    return [compression.wire_for(ctx.plan, d) or d if t in values else d
             for t, d, _ in parts]
 
 

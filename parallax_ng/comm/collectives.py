@@ -84,8 +84,8 @@ class TFCollectives:
     def all_reduce(self, scope: str, tensors: list[str], dtype, mean: bool,
                    gradient: bool = False):
         plan, key = self.plan, self.keys.take()
-        wire = compression.wire(plan.compression)
-        if gradient and plan.group_size > 1 and compression.compresses(wire, dtype):
+        wire = compression.wire_for(plan, dtype)
+        if gradient and plan.group_size > 1 and wire is not None:
             return self._scattered(scope, tensors, dtype, mean, wire, key)
         nodes = [emit.collective_reduce(
             f"{scope}/replica_{k}", t, dtype, device, group_size=plan.group_size,
@@ -118,8 +118,7 @@ class TFCollectives:
         plan = self.plan
         keys = (self.keys.take(), self.keys.take_range(), self.keys.take_range())
         nodes, out_v, out_i = [], [], []
-        wire = compression.wire(plan.compression)
-        wire = wire if compression.compresses(wire, value_type) else None
+        wire = compression.wire_for(plan, value_type)
         for k, device in enumerate(plan.devices):
             made, (v, i) = emit.emit_traced(
                 lambda vals, idx: _gather_slices(vals, idx, plan, keys, mean, wire),
@@ -166,9 +165,10 @@ class TFCollectives:
     def columns_gradient(self, scope, values, indices, part, value_type, index_type, mean,
                          gathered=None):
         ops, plan = self._exchange_ops(), self.plan
+        wire = compression.wire_for(plan, value_type)
         return _per_replica(plan, scope, [
             (lambda v, i, *g, me=plan.replica_offset + k: gradient_columns(
-                v, i, me, part, mean, *ops, *g),
+                v, i, me, part, mean, *ops, *g, wire=wire),
              [(values[k], value_type, [None, part.width]), (indices[k], index_type, [None])] +
              ([(gathered[k][0], tf.int32, [None]), (gathered[k][1], index_type, [None])]
               if gathered else []))
@@ -230,8 +230,7 @@ def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float,
     in float32 on the server. Returns (nodes, the name of this worker's
     result)."""
     out, host = f"{scope}/sum", plan.host
-    wire = compression.wire(plan.compression) if gradient else None
-    wire = wire if compression.compresses(wire, dtype) else None
+    wire = compression.wire_for(plan, dtype) if gradient else None
     sent = wire or dtype
     nodes = []
     if wire is not None:
@@ -383,14 +382,15 @@ def lookup_columns(ids, handle, me: int, part, dtype, gather_sizes, gather_rows,
 
 
 def gradient_columns(values, indices, me: int, part, mean: bool, gather_sizes, gather_rows,
-                     exchange, sizes=None, every=None):
+                     exchange, sizes=None, every=None, wire=None):
     """Every replica's gradient rows of a table cut by columns, with this
     replica's columns only, and their indices: the rows padded to the
     longest replica's count L, each replica's columns (padded to the
     widest part) sent to it by one all-to-all (EmbRace 4.1, backward).
     `sizes` and `every`: the forward lookup's gathered sizes and padded ids,
     when the rows are those distinct ids in that order (nothing gathered
-    again; a replica whose count differs fails the step)."""
+    again; a replica whose count differs fails the step). With `wire`, the
+    rows travel in that dtype (compression)."""
     n, widths = len(part.shards), [s.size for s in part.shards]
     widest = max(widths)
     size = tf.shape(indices, out_type=tf.int32)[:1]
@@ -407,7 +407,9 @@ def gradient_columns(values, indices, me: int, part, mean: bool, gather_sizes, g
     rows = tf.pad(tf.reshape(values, [-1, part.width]), [[0, longest - size[0]], [0, 0]])
     blocks = tf.stack([tf.pad(rows[:, s.start:s.start + s.size],
                               [[0, 0], [0, widest - s.size]]) for s in part.shards])
-    got = exchange(tf.reshape(blocks, tf.stack([n, longest * widest])), longest)
+    blocks = tf.reshape(blocks, tf.stack([n, longest * widest]))
+    got = exchange(blocks, longest) if wire is None else \
+        compression.carried(lambda b: exchange(b, longest), blocks, wire)
     got = tf.reshape(got, tf.stack([n * longest, widest]))[:, :widths[me]]
     out = tf.boolean_mask(got, keep)
     if mean:

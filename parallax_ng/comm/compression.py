@@ -20,9 +20,10 @@ range). Gradients of other dtypes (float64, float16 under a user's mixed
 precision) are sent as they are.
 
 Requires: TensorFlow. Guarantees: `wire(config_value)` the 16-bit dtype or
-None; `compresses(wire, dtype)`; `scattered_sum`, TensorFlow code that
-all-reduces one replica's tensor given the backend's all-to-all and
-all-gather; `carried`, any exchange of a float32 tensor in 16 bits.
+None; `compresses(wire, dtype)`; `wire_for(plan, dtype)`, a gradient's;
+`scattered_sum`, TensorFlow code that all-reduces one replica's tensor
+given the backend's all-to-all and all-gather; `carried`, any exchange of
+a float32 tensor in 16 bits.
 """
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ def wire(compression: str):
 def compresses(wire_dtype, dtype) -> bool:
     """True if a gradient of `dtype` travels as `wire_dtype`."""
     return wire_dtype is not None and tf.as_dtype(dtype).base_dtype == tf.float32
+
+
+def wire_for(plan, dtype):
+    """The dtype a gradient of `dtype` travels in under `plan`'s compression,
+    or None (as it is)."""
+    w = wire(plan.compression)
+    return w if compresses(w, dtype) else None
 
 
 def scattered_sum(t: tf.Tensor, n: int, wire_dtype, mean: bool, all_to_all, all_gather):

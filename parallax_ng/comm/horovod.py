@@ -89,7 +89,9 @@ class HorovodCollectives:
         self._one_replica("alltoall")
         made, (v, i) = emit.emit_traced(
             lambda v, i, *g: gradient_columns(v, i, self.plan.worker, part, mean,
-                                              *self._exchange_ops(), *g),
+                                              *self._exchange_ops(), *g,
+                                              wire=compression.wire_for(self.plan,
+                                                                        value_type)),
             [(values[0], value_type, [None, part.width]), (indices[0], index_type, [None])] +
             ([(gathered[0][0], tf.int32, [None]), (gathered[0][1], index_type, [None])]
              if gathered else []),
@@ -122,11 +124,11 @@ def all_reduce(plan, scope: str, tensors: list[str], dtype, mean: bool,
                gradient: bool = False):
     """(nodes, one output name per local replica)."""
     nodes, local = _local(scope, tensors, dtype, plan.devices[0], "AddN")
-    wire = compression.wire(plan.compression) if gradient else None
+    wire = compression.wire_for(plan, dtype) if gradient else None
 
     def reduce(t):
         hvd = _hvd()
-        if plan.num_workers > 1 and compression.compresses(wire, dtype):
+        if plan.num_workers > 1 and wire is not None:
             out = compression.scattered_sum(
                 t, plan.num_workers, wire, False,
                 lambda c: hvd.alltoall(c, name="scatter"),
@@ -149,11 +151,11 @@ def all_gather(plan, scope: str, values: list[str], indices: list[str], value_ty
     nodes_i, local_i = _local(scope + "/indices_local", indices, index_type, device,
                               "ConcatV2")
 
-    wire = compression.wire(plan.compression)
+    wire = compression.wire_for(plan, value_type)
 
     def gather(v, i):
         hvd = _hvd()
-        if compression.compresses(wire, value_type):
+        if wire is not None:
             gv = compression.carried(lambda t: hvd.allgather(t, name="values"), v, wire)
         else:
             gv = hvd.allgather(v, name="values")

@@ -24,8 +24,7 @@ the rows). Scalars (norms, tokens) are left out. Under compression
 (`communication.compression`) a float32 gradient's values count 2 bytes an
 element (an all-reduce becomes an all-to-all and an all-gather of 16-bit
 halves: (G-1)/G of the gradient's float32 bytes in all, half the ring's);
-ids, variables read back and rows looked up stay as they are, and so do
-alltoall's rows.
+ids, variables read back and rows looked up stay as they are.
 
 Links: the tasks on one host share its network interface; bytes between
 them do not cross it but cost the host's CPU (gRPC copies them through
@@ -163,13 +162,13 @@ def flows(plan, index_bytes: dict | None = None, rows: dict | None = None,
                         (server(_home(plan, var)), worker(i), info.nbytes, var)]
             continue
         row = info.nbytes / info.shape[0]
-        sent = row * (1.0 if how.columns else wire)
+        sent = row * wire
         idx = index_bytes.get(var, 8)
         per_worker = rows.get(var, min(info.shape[0], r * (info.alpha or 1.0) * info.shape[0]))
         per_replica = per_worker / r
         if how.columns:          # ids and rows to the owners of the columns, both ways
             part = row / info.shape[1] * max(s.size for s in plan.placement[var].shards)
-            each = r * r * 2 * per_replica * (idx + part)
+            each = r * r * per_replica * (2 * idx + part + part * wire)   # lookup, gradient
             for i in range(n):
                 out += [(worker(i), worker(k), each, var) for k in range(n) if k != i]
         elif not how.shared:     # every replica's rows to every replica
