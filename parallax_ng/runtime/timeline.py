@@ -32,6 +32,8 @@ import re
 import sys
 from dataclasses import dataclass
 
+from ..errors import ParallaxError
+
 ENV = "PARALLAX_NG_TIMELINE"
 COMMUNICATION = ("Collective", "Horovod", "QueueEnqueue", "QueueDequeue", "_Send", "_Recv",
                  "_HostSend", "_HostRecv", "Send", "Recv")
@@ -301,8 +303,8 @@ def draw(shares: list[StepShare], out: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise SystemExit(f"parallax-ng timeline --png needs matplotlib ({e}); "
-                         "pip install matplotlib") from None
+        raise ParallaxError(f"drawing a timeline needs matplotlib ({e}); pip install "
+                            "matplotlib (or parallax_ng[timeline])") from None
     tasks = sorted({s.task for s in shares})
     means = {t: [sum(getattr(s, k) for s in shares if s.task == t) /
                  max(1, sum(1 for s in shares if s.task == t))

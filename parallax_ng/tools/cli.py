@@ -326,6 +326,10 @@ def _timeline(path: str, png: str | None) -> int:
     for what, nbytes in sorted(timeline.received(data).items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {what:40} {nbytes / steps / 1e6:9.3f}")
     if png:
-        timeline.draw(shares, png)
+        try:
+            timeline.draw(shares, png)
+        except ParallaxError as e:
+            print(f"parallax-ng timeline: {e}", file=sys.stderr)
+            return 2
         print(f"wrote {png}")
     return 0
