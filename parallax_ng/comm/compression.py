@@ -19,9 +19,8 @@ ends at 65504: larger gradients overflow to inf), 2^-8 with bf16 (float32's
 range). Gradients of other dtypes (float64, float16 under a user's mixed
 precision) are sent as they are.
 
-Requires: TensorFlow. Guarantees: `wire(config_value)` the 16-bit dtype or
-None; `compresses(wire, dtype)`; `wire_for(plan, dtype)`, a gradient's;
-`scattered_sum`, TensorFlow code that all-reduces one replica's tensor
+Requires: TensorFlow. Guarantees: `wire_for(plan, dtype)`, the 16-bit
+dtype a gradient travels in, or None; `scattered_sum`, TensorFlow code that all-reduces one replica's tensor
 given the backend's all-to-all and all-gather; `carried`, any exchange of
 a float32 tensor in 16 bits.
 """
@@ -32,21 +31,13 @@ import tensorflow as tf
 WIRES = {"none": None, "fp16": tf.float16, "bf16": tf.bfloat16}
 
 
-def wire(compression: str):
-    """The dtype gradients travel in under config `communication.compression`."""
-    return WIRES[compression]
-
-
-def compresses(wire_dtype, dtype) -> bool:
-    """True if a gradient of `dtype` travels as `wire_dtype`."""
-    return wire_dtype is not None and tf.as_dtype(dtype).base_dtype == tf.float32
-
-
 def wire_for(plan, dtype):
-    """The dtype a gradient of `dtype` travels in under `plan`'s compression,
-    or None (as it is)."""
-    w = wire(plan.compression)
-    return w if compresses(w, dtype) else None
+    """The dtype a gradient of `dtype` travels in under `plan`'s compression
+    (config `communication.compression`), or None (as it is: not float32,
+    or no compression)."""
+    if tf.as_dtype(dtype).base_dtype != tf.float32:
+        return None
+    return WIRES[plan.compression]
 
 
 def scattered_sum(t: tf.Tensor, n: int, wire_dtype, mean: bool, all_to_all, all_gather):
