@@ -161,3 +161,8 @@ def test_a_hybrid_job_trains_within_one_percent_of_float32(tmp_path):
 def test_compression_config_is_checked():
     with pytest.raises(pn.ConfigError, match="communication.compression.*fp16.*bf16"):
         pn.load_config({"communication": {"compression": "int8"}})
+    from test_l2l import LAYERS, stack
+    g, _ = stack(4)
+    with pytest.warns(UserWarning, match="compression.*layer-to-layer.*float32"):
+        pn.get_runner(g, local(1), {"l2l": {"layers": LAYERS},
+                                    "communication": {"compression": "fp16"}}).close()

@@ -29,6 +29,7 @@ input positions).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,6 +98,11 @@ def l2l_runner(tg, job) -> Runner:
     """The Runner of layer-to-layer execution of `tg` for a build.Job: on
     this machine's devices, or as one worker of a job (its own host the EPS)."""
     config, info = job.config, job.cluster
+    if config.communication.compression != "none":
+        warnings.warn(f"config key 'communication.compression' is "
+                      f"{config.communication.compression}, but layer-to-layer execution "
+                      "sums its gradients across workers in float32 (its host's sums are not "
+                      "compressed)", stacklevel=4)
     if info is None:
         devices = job.resources.hosts[0].devices
         check_devices(devices)
