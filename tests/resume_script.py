@@ -2,6 +2,7 @@
 
     python resume_script.py CKPT_DIR OUT STEPS [--die-at STEP] [--config JSON]
         [--every N] [--print-steps] [--die-on-host ADDRESS] [--once] [--dropout RATE]
+        [--hold-at STEP --hold-file PATH]
 
 CKPT_DIR "-": the config names no checkpoint.dir (a launcher with
 --restarts gives one).
@@ -10,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -33,6 +35,10 @@ parser.add_argument("--print-steps", action="store_true", help="say each step tr
 parser.add_argument("--die-on-host", help="--die-at only in a worker at this address")
 parser.add_argument("--once", action="store_true", help="--die-at only in a run from step 0")
 parser.add_argument("--dropout", type=float, default=0.0, help="seeded dropout at this rate")
+parser.add_argument("--hold-at", type=int, default=-1,
+                    help="in a run from step 0, wait after this step until --hold-file exists "
+                         "(a test acts on the job there, however fast the steps go)")
+parser.add_argument("--hold-file", help="the file --hold-at waits for (at most 120 s)")
 args = parser.parse_args()
 
 
@@ -61,6 +67,10 @@ while runner.run(step) < args.steps:
     if done == args.die_at and (args.die_on_host is None or args.die_on_host == my_host()) \
             and not (args.once and start > 0):
         os._exit(9)
+    if done == args.hold_at and start == 0:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(args.hold_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
 names = variable_names(g)
 values = runner.run([read_name(v, g) for v in names], per_replica=True)
 np.savez(f"{args.out}.{runner.plan.worker}.npz",

@@ -61,7 +61,12 @@ class Launched:
         return any(t.is_alive() for t in self._readers)
 
     def pid(self, task: str) -> int:
-        return int(self.wait_for(rf"started {task} \(pid (\d+)\)").group(1))
+        """The process id of `task` as last started."""
+        self.wait_for(rf"started {task} \(pid \d+\)")
+        with self._new:
+            started = [m for m in (re.search(rf"started {task} \(pid (\d+)\)", line)
+                                   for line in self.lines) if m]
+        return int(started[-1].group(1))
 
     def finish(self, timeout: float = 300) -> int:
         try:
@@ -85,11 +90,14 @@ def resources(tmp_path, servers: int = 1) -> str:
     return str(res)
 
 
-def script_args(ckpt: str, out: str) -> list[str]:
+def script_args(ckpt: str, out: str, hold: str | None = None) -> list[str]:
     """Seeded dropout: a restarted job draws on where the checkpoint's
-    streams were (transforms/counted_draws.py)."""
+    streams were (transforms/counted_draws.py). With `hold`, the workers of
+    the first run wait after step KILL_AT until that file exists, so the
+    test's signal lands at that step however fast the steps go."""
     return ["--", ckpt, out, str(STEPS), "--run-option", "hybrid", "--every", str(EVERY),
-            "--print-steps", "--dropout", "0.3", "--config", TIMEOUT]
+            "--print-steps", "--dropout", "0.3", "--config", TIMEOUT,
+            *(["--hold-at", str(KILL_AT), "--hold-file", hold] if hold else [])]
 
 
 def variables(prefix: str) -> dict:
@@ -121,11 +129,12 @@ def test_a_job_restarted_after_a_lost_task_equals_an_uninterrupted_one(
     every 30 steps), says when it trains again, and the job ends with every
     variable of every replica equal to the uninterrupted job's, bit for bit."""
     ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    hold = tmp_path / "go"
     job = Launched(["-r", resources(tmp_path), "--restarts", "1", SCRIPT,
-                    *script_args(ck, out)])
-    victim = job.pid(task)
+                    *script_args(ck, out, str(hold))])
     job.wait_for(rf"^\[worker 1\] step {KILL_AT}$")
-    os.kill(victim, how)
+    os.kill(job.pid(task), how)
+    hold.touch()
     code = job.finish()
     text = job.text()
     assert code == 0, text[-4000:]
@@ -173,10 +182,12 @@ def test_sigterm_to_the_launcher_checkpoints_a_step_every_worker_reaches(tmp_pat
     the launcher exits 143; a rerun resumes there and ends equal to the
     uninterrupted job."""
     ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
-    argv = ["-r", resources(tmp_path), SCRIPT, *script_args(ck, out)]
-    job = Launched(argv)
+    hold = tmp_path / "go"
+    job = Launched(["-r", resources(tmp_path), SCRIPT, *script_args(ck, out, str(hold))])
     job.wait_for(rf"^\[worker 1\] step {KILL_AT}$")
     os.kill(job.process.pid, signal.SIGTERM)
+    job.wait_for("the launcher got SIGTERM: passed on to every worker")
+    hold.touch()
     assert job.finish() == 143, job.text()[-3000:]
     text = job.text()
     saved = checkpoint_step(ck)
@@ -186,7 +197,7 @@ def test_sigterm_to_the_launcher_checkpoints_a_step_every_worker_reaches(tmp_pat
     for w in (0, 1):
         assert f"[worker {w}] parallax_ng: stopped at step {saved} after SIGTERM" in text
         assert checkpoint_step(f"{ck}/inputs/worker-{w}") == saved
-    again = Launched(argv)
+    again = Launched(["-r", resources(tmp_path), SCRIPT, *script_args(ck, out)])
     assert again.finish() == 0, again.text()[-3000:]
     assert f"[worker 0] parallax_ng: restored step {saved} from {ck}/model.ckpt-{saved}" in \
         again.text()
@@ -202,11 +213,13 @@ def test_sigterm_to_a_task_checkpoints_and_the_job_restarts(tmp_path, uninterrup
     and stops; with --restarts 1 the job starts again from there and ends
     equal to the uninterrupted job."""
     ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    hold = tmp_path / "go"
     job = Launched(["-r", resources(tmp_path), "--restarts", "1", SCRIPT,
-                    *script_args(ck, out)])
-    victim = job.pid(task)
+                    *script_args(ck, out, str(hold))])
     job.wait_for(rf"^\[worker 1\] step {KILL_AT}$")
-    os.kill(victim, signal.SIGTERM)
+    os.kill(job.pid(task), signal.SIGTERM)
+    job.wait_for(f"{task} got SIGTERM: passed on to every worker")
+    hold.touch()
     code = job.finish()
     text = job.text()
     assert code == 0, text[-4000:]
@@ -227,12 +240,15 @@ def test_sigterm_in_one_process_saves_the_step_and_exits_143(tmp_path):
     the step it lands after and ends the script with exit code 143; a rerun
     resumes there."""
     ck, out = str(tmp_path / "ck"), str(tmp_path / "out")
+    hold = tmp_path / "go"
     process = subprocess.Popen([sys.executable, SCRIPT, ck, out, "400", "--every", "1000",
-                                "--print-steps"], env=ENV, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                                "--print-steps", "--hold-at", "20", "--hold-file", str(hold)],
+                               env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
     for line in process.stdout:
         if line.strip() == "step 20":
             process.send_signal(signal.SIGTERM)
+            hold.touch()
             break
     _, err = process.communicate(timeout=120)
     assert process.returncode == 143, err[-3000:]
