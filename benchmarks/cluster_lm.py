@@ -394,7 +394,8 @@ def worker(args) -> None:
                        "gradient_rows": rows,
                        # the plans hybrid or auto weighed, and the network they assumed
                        "choice": [dict(vars(c)) for c in plan.choice] if plan else [],
-                       "network": plan.network if plan else ""}, f)
+                       "network": plan.network if plan else "",
+                       "tuned": runner.tuned if runner else {}}, f)
 
 
 MODEL_STEPS = 20
@@ -647,7 +648,8 @@ def fit_worker(args, info, a) -> None:
             json.dump({"steps_per_s": args.steps / window["seconds"],
                        "bytes_per_step": per_step, "methods": methods,
                        "choice": [dict(vars(c)) for c in plan.choice] if plan else [],
-                       "network": plan.network if plan else ""}, f)
+                       "network": plan.network if plan else "",
+                       "tuned": runner.tuned if runner else {}}, f)
 
 
 def keras_classifier(k, a):

@@ -26,8 +26,10 @@ once per job, by worker 0 (Plan.unmet).
 """
 from __future__ import annotations
 
+import copy
 import os
 import sys
+import warnings
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -149,6 +151,13 @@ class Build:
         self.measured = job_profile(shared) if shared else None
         self._plain = None       # the plan without a profile of this process's steps
 
+    def configured(self, config) -> "Build":
+        """This build with another config: the same analyses and what
+        worker 0 measured (tuned sizes, parallax_ng/runtime/tuning.py)."""
+        other = copy.copy(self)
+        other.job, other._plain = replace(self.job, config=config), None
+        return other
+
     def plan(self, profile=None):
         """The Plan; with `profile`, a step this process measured
         (planning/profile.py), whose rows, ready times and fit it uses."""
@@ -185,15 +194,18 @@ class Build:
         self._plain = plan
         return plan
 
-    def rewrite(self, plan, keep_graphs: bool = False):
+    def rewrite(self, plan, keep_graphs: bool = False, graph: int = 0):
         """(transformed GraphIR, PassContext, PassManager): the passes the
-        plan needs, run over the user's graph."""
+        plan needs, run over the user's graph; `graph`: how many graphs
+        this process built before (its collectives take keys of their own:
+        a job's workers keep what earlier graphs' keys meant)."""
         import transforms
 
+        from .comm.keys import graph_keys
         from .pipeline.passes import PassContext, PassManager
 
         config = self.job.config
-        ctx = PassContext(self.tg, plan, facts=self.facts)
+        ctx = PassContext(self.tg, plan, facts=self.facts, instance_keys=graph_keys(graph))
         manager = PassManager(transforms.pipeline_for(plan), config.verify, config.dump_dir,
                               keep_graphs)
         return manager.run(self.tg.ir, ctx), ctx, manager
@@ -253,8 +265,8 @@ def _runner(build: Build, sessions, server):
     from .runtime.program import transformed
     from .runtime.runner import Runner
 
-    def rebuild(plan):
-        ir, ctx, manager = build.rewrite(plan)
+    def rebuild(plan, graph: int = 0):
+        ir, ctx, manager = build.rewrite(plan, graph=graph)
         return transformed(ir, ctx, build.job.config, manager.records, server is not None)
 
     program = rebuild(build.plan())
@@ -262,7 +274,34 @@ def _runner(build: Build, sessions, server):
         for line in program.plan.unmet():
             print(f"parallax_ng: {line}", file=sys.stderr, flush=True)
     return Runner(program, build.job.config, sessions, server=server,
-                  replan=build.plan, rebuild=rebuild)
+                  replan=build.plan, rebuild=rebuild, tuner=_tuner(build, server, rebuild))
+
+
+def _tuner(build: Build, server, rebuild):
+    """The Tuner of `buckets.mode: auto` and `fusion.buffer_bytes: auto`
+    (parallax_ng/runtime/tuning.py), or None. A job's workers plan each size
+    without their own profile (so alike) and take worker 0's choice."""
+    from .runtime import serving, tuning
+
+    config, info = build.job.config, build.job.cluster
+    if not tuning.knobs(config):
+        return None
+    if build.job.horovod and build.job.horovod[1] > 1:
+        if build.job.horovod[0] == 0:
+            warnings.warn(f"{' and '.join(tuning.knobs(config))} auto: sizes are not tried "
+                          "under Horovod (each rank builds its own graph); the default sizes "
+                          "train", stacklevel=4)
+        return None
+
+    def plan_of(config, profile):
+        return build.configured(config).plan(None if info is not None else profile)
+
+    def decide(mine):
+        if info is None:
+            return mine
+        return serving.share(info, server, mine, config.communication.timeout_seconds)
+
+    return tuning.Tuner(config, plan_of, rebuild, decide, info.task if info else 0)
 
 
 def measure_job(build: Build, server, profile_steps: int = 0,

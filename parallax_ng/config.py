@@ -56,13 +56,38 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class FusionConfig:
-    buffer_bytes: int = 0            # balanced fusion buffers' size; 0: from model and cluster
+    buffer_bytes: int | str = 0      # balanced fusion buffers' size; 0: from model and
+                                     # cluster; auto: tuned while training (`tuning`)
 
     def __post_init__(self):
-        if not isinstance(self.buffer_bytes, int) or isinstance(self.buffer_bytes, bool) \
-                or self.buffer_bytes < 0:
+        if self.buffer_bytes != "auto" and (
+                not isinstance(self.buffer_bytes, int) or isinstance(self.buffer_bytes, bool)
+                or self.buffer_bytes < 0):
             raise ConfigError("config key 'fusion.buffer_bytes' must be a whole number of "
-                              f"bytes >= 0 (0: automatic), not {self.buffer_bytes!r}")
+                              "bytes >= 0 (0: from the model and cluster) or auto (tried "
+                              f"while training), not {self.buffer_bytes!r}")
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    """How `buckets.mode: auto` and `fusion.buffer_bytes: auto` try sizes
+    while training (parallax_ng/runtime/tuning.py)."""
+    steps: int = 5                   # steps timed with each size in each of two passes
+    warmup: int = 2                  # steps run first with each size, not timed
+    drift: float = 0.0               # try again when the median step grows this much; 0: never
+    window: int = 50                 # steps whose median the drift is checked on
+
+    def __post_init__(self):
+        for key, least in (("steps", 1), ("warmup", 0), ("window", 1)):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ConfigError(f"config key 'tuning.{key}' must be a whole number >= "
+                                  f"{least}, not {value!r}")
+        if not isinstance(self.drift, (int, float)) or isinstance(self.drift, bool) \
+                or self.drift < 0:
+            raise ConfigError("config key 'tuning.drift' must be a number >= 0 (0.25: try "
+                              "the sizes again once steps take 25% longer; 0: never), "
+                              f"not {self.drift!r}")
 
 
 @dataclass(frozen=True)
@@ -81,13 +106,14 @@ class NetworkConfig:
                               f"{self.latency!r}")
 
 
-BUCKET_MODES = ("none", "single", "threshold", "mgwfbp")
+BUCKET_MODES = ("none", "single", "threshold", "mgwfbp", "auto")
 
 
 @dataclass(frozen=True)
 class BucketsConfig:
     """All-reduce buckets: dense gradients merged into one all-reduce each."""
-    mode: str = ""                   # none: one per variable; single; threshold; mgwfbp
+    mode: str = ""                   # none: one per variable; single; threshold; mgwfbp;
+                                     # auto: thresholds tried while training (`tuning`)
     bytes: int = 4 * 2**20           # threshold: a bucket closes once it holds this much
     a: float | None = None           # mgwfbp: seconds per all-reduce (None: measured)
     b: float | None = None           # mgwfbp: seconds per byte all-reduced (None: measured)
@@ -214,6 +240,7 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     timeline: TimelineConfig = field(default_factory=TimelineConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
+    tuning: TuningConfig = field(default_factory=TuningConfig)
     placement_rewrites: PlacementRewritesConfig = field(
         default_factory=PlacementRewritesConfig)
     buckets: BucketsConfig = field(default_factory=BucketsConfig)
@@ -270,7 +297,7 @@ class Config:
         sections = {}
         for key, kind in (("communication", CommunicationConfig),
                           ("checkpoint", CheckpointConfig), ("profile", ProfileConfig),
-                          ("fusion", FusionConfig),
+                          ("fusion", FusionConfig), ("tuning", TuningConfig),
                           ("placement_rewrites", PlacementRewritesConfig),
                           ("buckets", BucketsConfig), ("network", NetworkConfig),
                           ("l2l", L2LConfig), ("timeline", TimelineConfig)):

@@ -99,13 +99,14 @@ def test_workers_match_one_device(tmp_path, workers, devices, run_option, server
         assert len(chose) == workers and len(set(chose)) == 1, chose
 
 
-def assert_matches_one_device(out, workers: int, devices: int, clip: bool = True) -> None:
-    """Every variable and slot of every replica of a 10-step job of
+def assert_matches_one_device(out, workers: int, devices: int, clip: bool = True,
+                              steps: int = 10) -> None:
+    """Every variable and slot of every replica of a `steps`-step job of
     cluster_script.py (Adam, clipping unless `clip` is off, EMA) within 1e-5
     of one device."""
     parallel = load(out, workers)
     single = train_single(*embedding_regression(4 * workers * devices, "adam",
-                                                clip=clip, ema=True), 10)
+                                                clip=clip, ema=True), steps)
     assert set(parallel) == set(single)
     for name, copies in parallel.items():
         assert len(copies) == workers * devices

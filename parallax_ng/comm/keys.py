@@ -5,7 +5,9 @@ and every collective op of one graph takes its own instance key from one
 InstanceKeys.
 
 Guarantees: the group keys below are distinct; InstanceKeys gives single
-keys counting up from `start`, and ranges of RANGE_KEYS keys above
+keys counting up from `start` (`graph_keys`: a process's later graphs start
+past its earlier ones', since a job's worker keeps what a key meant for as
+long as it runs), and ranges of RANGE_KEYS keys above
 RANGES_START for a collective whose shape changes from step to step; a
 GraphError when the ranges run out.
 """
@@ -20,6 +22,7 @@ BENCHMARK_GROUP = 4         # the all-reduce benchmark's own (planning/costfit.p
 
 RANGE_KEYS = 1 << 22        # instance keys in a range (one per shape)
 RANGES_START = 1 << 30      # ranges above the single keys, up to 2**31
+GRAPH_KEYS = 1 << 20        # single keys of one graph of a process, in turn
 
 
 class InstanceKeys:
@@ -42,3 +45,10 @@ class InstanceKeys:
                              "of changing shape (all-gathered sparse gradients) in one graph")
         self._ranges += 1
         return first
+
+
+def graph_keys(graph: int) -> InstanceKeys:
+    """The InstanceKeys of a process's graph built after `graph` others (a
+    tuned size's, parallax_ng/runtime/tuning.py). A range's keys stay the
+    same (one per shape)."""
+    return InstanceKeys(1 + graph % (RANGES_START // GRAPH_KEYS) * GRAPH_KEYS)

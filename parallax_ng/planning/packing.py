@@ -34,7 +34,8 @@ def ready_order(tg: TrainingGraph, variables: list[str], measured=()) -> list[st
 def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
                       profile=None) -> tuple[Bucket, ...]:
     """The all-reduced variables in `order` (backward) merged into buckets
-    as `config.mode` says (parallax_ng/planning/buckets.py), one dtype per bucket;
+    as `config.mode` says (parallax_ng/planning/buckets.py), one dtype per bucket
+    (auto: by `config.bytes` until parallax_ng/runtime/tuning.py tries others);
     none for mode `none` (one all-reduce per variable). mgwfbp takes each
     variable's backward time from `profile` (the time since the variable
     before it was ready; without one every gradient is ready at once) and
@@ -59,7 +60,7 @@ def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
                   for v, t in zip(reversed(same), reversed(times))]
         if config.mode == "single":
             chosen = bucketing.single(layers)
-        elif config.mode == "threshold":
+        elif config.mode in ("threshold", "auto"):    # auto: until tuning tries others
             chosen = bucketing.threshold(layers, config.bytes)
         else:
             chosen = bucketing.mgwfbp(start, layers, cost)

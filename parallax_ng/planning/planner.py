@@ -118,8 +118,9 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
                                      if method(vp.method).columns],
                                 job_devices(devices, num_workers, worker), num_workers,
                                 config.communication.backend))
+    size = config.fusion.buffer_bytes       # auto: the default until tuning tries others
     buffers = fusion_buffers(tg, ready_order(tg, fused, order),
-                             list(servers) or [host], config.fusion.buffer_bytes)
+                             list(servers) or [host], 0 if size == "auto" else size)
     blocks, notes = deferral.horizontal_blocks(facts, variables, config, split)
     variables.update({v: variables[v].noted(note) for v, note in notes.items()})
     later = {v for b in blocks for v in b}

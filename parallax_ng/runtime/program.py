@@ -53,6 +53,27 @@ def run_options(timeout_seconds: float) -> tf.compat.v1.RunOptions:
     return tf.compat.v1.RunOptions(timeout_in_ms=int(timeout_seconds * 1000))
 
 
+def bounded(options, default):
+    """The caller's run options with the runner's timeout where they set none."""
+    if options is None:
+        return default
+    if options.timeout_in_ms:
+        return options
+    bounded = tf.compat.v1.RunOptions()
+    bounded.CopyFrom(options)
+    bounded.timeout_in_ms = default.timeout_in_ms
+    return bounded
+
+
+def traced(options, run_metadata):
+    """Run options that trace the step (keeping a timeout), and RunMetadata."""
+    traced = tf.compat.v1.RunOptions()
+    if options is not None:
+        traced.CopyFrom(options)
+    traced.trace_level = tf.compat.v1.RunOptions.FULL_TRACE
+    return traced, run_metadata if run_metadata is not None else tf.compat.v1.RunMetadata()
+
+
 def transformed(ir, ctx, config, records=(), server: bool = False) -> Program:
     """The Program of the graph the passes made (`ir`, with `ctx`);
     `server`: this process is a worker of a job (its session's target is

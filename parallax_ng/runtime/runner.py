@@ -33,7 +33,9 @@ measurements and, when the plan's decisions change (or with
 `profile.replan: always`), the graph is transformed again and training goes
 on in a new session holding the same state (in-process runs without queue
 input or uncounted stateful random ops in the step, transforms/counted_draws.py;
-otherwise the measured plan is kept and the graph stays).
+otherwise the measured plan is kept and the graph stays). With sizes to tune
+(parallax_ng/runtime/tuning.py), training moves likewise from graph to graph
+(in a job, every worker at the same step).
 With checkpoints, SIGTERM (a preemption) makes the job save the step every
 worker stops at and end each worker's process with SystemExit(143)
 (parallax_ng/runtime/preemption.py).
@@ -55,11 +57,11 @@ from ..graph import capture, randomness
 from ..graph.rules import READ_PREFIXES
 from ..pipeline.results import CountedDraws
 from ..planning.profile import Profile, measure
-from . import heartbeat, preemption
+from . import heartbeat, preemption, serving, tuning
 from .checkpoint import Checkpointer, Layout
 from .fetches import combine
 from .preemption import Preemption
-from .program import Program
+from .program import Program, bounded, traced
 from .timeline import Timeline
 
 FLUSH_GRAPH_KEY = 7   # any nonzero key: the run gets a collective executor
@@ -67,9 +69,10 @@ FLUSH_GRAPH_KEY = 7   # any nonzero key: the run gets a collective executor
 
 class Runner:
     def __init__(self, program: Program, config, session_config, server=None,
-                 replan=None, rebuild=None):
+                 replan=None, rebuild=None, tuner=None):
         """`replan`: profile -> Plan (None: keep the plan, add measurements);
-        `rebuild`: Plan -> Program (None: the graph stays)."""
+        `rebuild`: Plan -> Program (None: the graph stays); `tuner`: tries
+        sizes while training (parallax_ng/runtime/tuning.py)."""
         self.config = config
         self.server = server     # this worker's gRPC server in cluster mode
         self._session_config = session_config
@@ -81,10 +84,12 @@ class Runner:
         self.profile: Profile | None = None
         self.replans = 0
         self._install(program)
+        self._tuner = self._tuned = tuning.usable(tuner, self._cannot_move_state,
+                                                  program.worker)
         self._timeline = Timeline.of(config, self.plan, self.graph)
         self._done = None   # in a job with servers: tell them this worker is done, once
         if program.done is not None:
-            self._done = weakref.finalize(self, _tell_done, self.session, program.done)
+            self._done = weakref.finalize(self, serving.run_done, self.session, program.done)
             if program.servers_idle:     # idle servers would only share the CPUs
                 self._done()
                 if program.worker == 0:
@@ -128,10 +133,10 @@ class Runner:
         profiling = trained and self.ctx is not None and \
             self._profiled < self.config.profile.steps
         probe = self._probe() if profiling else {}
-        options = _bounded(options, self._options)
+        options = bounded(options, self._options)
         tracing = trained and self._timeline is not None and self._timeline.wants()
         if profiling or tracing:
-            options, run_metadata = _traced(options, run_metadata)
+            options, run_metadata = traced(options, run_metadata)
         start = time.time()
         if reads_queue and self._queues is not None:
             self._queues.start(self.session)
@@ -152,11 +157,21 @@ class Runner:
         if profiling:
             self._measured(run_metadata, dict(zip(probe, values[len(names):])))
         self._after_run(fetched)
+        if trained and self._tuner is not None and self._profiled >= self.config.profile.steps:
+            moved = self._tuner.trained(time.time() - start, self.profile)
+            if moved is not None:
+                self._move_to(moved, "a tuned size's graph")
         out, i = [], 0
         for f in wanted:
             out.append(combine(values[i:i + len(f.names)], f))
             i += len(f.names)
         return tf.nest.pack_sequence_as(fetches, out)
+
+    @property
+    def tuned(self) -> dict:
+        """What tuning tried and chose: {knob: {"chosen": bytes, "tried":
+        {bytes: median step seconds}}} (parallax_ng/runtime/tuning.py)."""
+        return self._tuned.tuned if self._tuned is not None else {}
 
     def session_runs(self, fetches) -> int:
         """How many session.runs one `run(fetches)` makes: one, or two at once
@@ -288,9 +303,10 @@ class Runner:
         self._move_to(self._rebuild(plan))
         return plan
 
-    def _cannot_move_state(self) -> str | None:
-        """Why training cannot go on in a new session with the same state."""
-        if self.plan.num_workers > 1 or self.plan.servers:
+    def _cannot_move_state(self, jobs: bool = False) -> str | None:
+        """Why training cannot go on in a new session with the same state
+        (`jobs`: every worker of a job moves at the same step)."""
+        if (self.plan.num_workers > 1 or self.plan.servers) and not jobs:
             return "a job's servers and other workers hold state of this graph"
         if self.ctx.tg.queue_runners:
             return "input queues hold elements a new session would lose"
@@ -305,33 +321,40 @@ class Runner:
                     "again in a new session")
         return None
 
-    def _move_to(self, program: Program) -> None:
+    def _move_to(self, program: Program, what: str | None = None) -> None:
         """Go on in a session of the new graph: every variable and input
-        position carried over through a checkpoint. If that fails, training
-        goes on where it was, with the measured plan."""
+        position carried over through a checkpoint (in a job, each worker
+        its own, then the job's barrier; a server's variables stay where
+        they are). If that fails, training goes on where it was (with the
+        measured plan; `what` the tuner's graph: no more tuning)."""
         self._apply_pending()
         before = dict(self.__dict__)
         with tempfile.TemporaryDirectory() as tmp:
-            path = Checkpointer(self.graph, Layout.of(self.ctx), tmp).save(self.session, 0)
+            path = Checkpointer(self.graph, _local(self.ctx), tmp).save(self.session, 0)
             try:
                 self._install(program)
-                restore = Checkpointer(self.graph, Layout.of(self.ctx), tmp)
+                restore = Checkpointer(self.graph, _local(self.ctx), tmp)
                 # an iterator takes a position only once it exists
                 self.session.run([op for op in self.graph.get_operations()
                                   if op.type == "MakeIterator"])
                 restore.restore(self.session, path)
+                self.executor.end_step(self.session)
             except tf.errors.OpError as e:
                 self.session.close()
                 self.__dict__.update(before)
-                self.plan = self.ctx.plan = _measured_plan(self.plan, self.profile,
-                                                           self.ctx.tg)
-                warnings.warn("the measured plan differs but training goes on with the "
-                              f"graph it has: moving its state failed ({e.message})",
+                if what is None:
+                    self.plan = self.ctx.plan = _measured_plan(self.plan, self.profile,
+                                                               self.ctx.tg)
+                self._tuner = None
+                warnings.warn(f"{what or 'the measured plan'} differs but training goes on "
+                              f"with the graph it has: moving its state failed ({e.message})",
                               stacklevel=5)
                 return
         before["session"].close()
+        if self._done is not None and self._done.detach():   # servers not told yet
+            self._done = weakref.finalize(self, serving.run_done, self.session, program.done)
         self._restored = True
-        self.replans += 1
+        self.replans += what is None
 
     # -- checkpoints and barriers ---------------------------------------------
     def _after_run(self, fetched: tuple) -> None:
@@ -407,34 +430,10 @@ class Runner:
         return self._checkpoints.global_step(self.session)
 
 
-def _tell_done(session, ops) -> None:
-    """Tell the servers this worker is done (at close, or when the process
-    exits); servers that are gone already are no error."""
-    try:
-        session.run(ops, options=tf.compat.v1.RunOptions(timeout_in_ms=10000))
-    except (tf.errors.OpError, RuntimeError):
-        pass
-
-
-def _bounded(options, default):
-    """The caller's run options with the runner's timeout where they set none."""
-    if options is None:
-        return default
-    if options.timeout_in_ms:
-        return options
-    bounded = tf.compat.v1.RunOptions()
-    bounded.CopyFrom(options)
-    bounded.timeout_in_ms = default.timeout_in_ms
-    return bounded
-
-
-def _traced(options, run_metadata):
-    """Run options that trace the step (keeping a timeout), and RunMetadata."""
-    traced = tf.compat.v1.RunOptions()
-    if options is not None:
-        traced.CopyFrom(options)
-    traced.trace_level = tf.compat.v1.RunOptions.FULL_TRACE
-    return traced, run_metadata if run_metadata is not None else tf.compat.v1.RunMetadata()
+def _local(ctx) -> Layout:
+    """This worker's state, all of it in one local file (a move to another
+    graph: every worker of a job moves at the same step)."""
+    return replace(Layout.of(ctx), workers=1)
 
 
 def _measured_plan(plan, profile: Profile, tg):

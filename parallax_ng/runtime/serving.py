@@ -32,6 +32,16 @@ def done_ops(graph, servers: list[str], workers: int, worker: int) -> list:
     return ops
 
 
+def run_done(session, ops) -> None:
+    """Run a Runner's `done_ops` (at close, or when the process exits);
+    servers that are gone already are no error."""
+    import tensorflow as tf
+    try:
+        session.run(ops, options=tf.compat.v1.RunOptions(timeout_in_ms=10000))
+    except (tf.errors.OpError, RuntimeError):
+        pass
+
+
 def tell_done(info: ClusterInfo, server) -> None:
     """Tell every server of the job that this worker is done (in a graph of
     its own; a Runner does it with `done_ops` in its graph when it closes)."""

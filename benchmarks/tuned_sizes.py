@@ -1,0 +1,91 @@
+"""Benchmark: bucket and fusion-buffer sizes tuned while training against a
+sweep of fixed sizes, on the jobs of cluster_lm.py.
+
+For each model (`lm`: lm_small, 330 KB of dense weights; `classifier`: the
+dense-heavy one, about 2 MB) and knob (`buckets`: allreduce, all-reduce
+buckets by a byte threshold, and one per variable; `fusion`: hybrid with
+dense variables by balanced fusion buffers on one server), one 2-worker job
+per fixed size, then one with the size `auto` (parallax_ng/runtime/tuning.py).
+Every job runs --warmup steps first (the tuned job tries its sizes in them)
+and worker 0 times --steps more; each row is the median of --repeats jobs
+(sizes interleaved). The tuned job's steps/s is printed against the best
+fixed size's, with the size it chose.
+
+    python benchmarks/tuned_sizes.py [--models lm,classifier] [--knobs buckets,fusion]
+        [--steps 200] [--warmup 100] [--repeats 1] [--netlab 1gbit]
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster_lm import NETLAB, job  # noqa: E402
+
+SIZES = (16 * 2**10, 64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20)
+KNOBS = {   # knob -> (cluster_lm mode, {row: config}, config of auto)
+    "buckets": ("allreduce",
+                {"one per variable": {"buckets": {"mode": "none"}},
+                 **{f"{s // 1024} KB": {"buckets": {"mode": "threshold", "bytes": s}}
+                    for s in SIZES}},
+                {"buckets": {"mode": "auto"}}),
+    "fusion": ("hybrid-bfb",
+               {f"{s // 1024} KB": {"fusion": {"buffer_bytes": s}} for s in SIZES},
+               {"fusion": {"buffer_bytes": "auto"}}),
+}
+
+
+def run(mode: str, config: dict, args, tmp: str, repeat: int, model: str) -> dict:
+    """One cluster_lm job of `mode` with `config` added."""
+    opts = argparse.Namespace(
+        steps=args.steps, warmup=args.warmup, devices=1, workers=2, model=model,
+        config=json.dumps(config), no_clip=False, optimizer="adagrad", vocab=None,
+        layout="one", netlab=args.netlab)
+    return job(mode, opts, tmp, repeat)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="lm,classifier")
+    parser.add_argument("--knobs", default="buckets,fusion")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--netlab", metavar="RATE", help="emulated hosts, NICs at RATE")
+    args = parser.parse_args()
+    if args.netlab:
+        subprocess.run([NETLAB, "up", "3", args.netlab], check=True, capture_output=True)
+    summary = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for model in args.models.split(","):
+                for knob in args.knobs.split(","):
+                    mode, fixed, auto = KNOBS[knob]
+                    rows = {**fixed, "auto": auto}
+                    runs = {row: [] for row in rows}
+                    for r in range(args.repeats):
+                        for row, config in rows.items():
+                            runs[row].append(run(mode, config, args, tmp, r, model))
+                    medians = {row: sorted(rs, key=lambda x: x["steps_per_s"])[len(rs) // 2]
+                               for row, rs in runs.items()}
+                    print(f"\n{model}, {knob} ({mode}, "
+                          f"{args.netlab or 'loopback'}): steps/s")
+                    for row, result in medians.items():
+                        print(f"  {row:18} {result['steps_per_s']:8.2f}")
+                    best = max((r for r in fixed), key=lambda r: medians[r]["steps_per_s"])
+                    ratio = medians["auto"]["steps_per_s"] / medians[best]["steps_per_s"]
+                    chosen = {k: v["chosen"] for k, v in medians["auto"]["tuned"].items()}
+                    print(f"  auto / best fixed ({best}): {ratio:.3f}x; chose {chosen}")
+                    summary.append((model, knob, ratio, best, chosen))
+    finally:
+        if args.netlab:
+            subprocess.run([NETLAB, "down"], capture_output=True)
+    print("\nmodel       knob     auto / best fixed")
+    for model, knob, ratio, best, chosen in summary:
+        print(f"{model:11} {knob:8} {ratio:8.3f}x  (best fixed {best}; auto chose {chosen})")
+
+
+if __name__ == "__main__":
+    main()

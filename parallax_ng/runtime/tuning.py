@@ -1,0 +1,215 @@
+"""Tuning: all-reduce bucket and fusion-buffer sizes chosen by timing
+training steps (`buckets.mode: auto`, `fusion.buffer_bytes: auto`).
+
+Requires: `plan_of(config, profile)` and `program_of(plan)`, which build
+the plan and Program of a config (parallax_ng/build.py), and a Runner that
+moves its state to another Program (runner.py `_move_to`).
+Guarantees: once the profiled steps are done, the Runner trains
+`tuning.warmup` + `tuning.steps` steps with each candidate size in turn,
+in two passes (the second backwards, so a drift in the machine's speed
+weighs on every size alike; fusion buffers first, then buckets; sizes from
+the knob's whole gradient down to a 32nd of it, and one bucket per
+variable; sizes that pack the gradients alike are tried once) and goes on
+with the size whose timed steps of both passes had the smallest median. Every size is the same math (exact, as
+every plan), so the trials are training steps, none is lost; only the
+order in which a bucket's elements are summed changes, within float
+rounding. In a job every worker moves at the same step (the schedule
+counts training steps) and takes worker 0's choice (`decide`:
+runtime/serving.py share). With `tuning.drift` > 0, the median of each
+`tuning.window` steps after the choice is compared with the chosen size's
+(worker 0's, given to all) and, once it is that fraction slower, the
+sizes are tried again. What was tried and chosen is printed once per
+round by worker 0 and kept in `tuned`.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import replace
+
+KNOBS = ("fusion.buffer_bytes", "buckets.bytes")
+FRACTIONS = (1, 2, 4, 8, 16, 32)      # sizes tried: the knob's whole gradient over these
+
+
+def knobs(config) -> list[str]:
+    """The sizes `config` asks to tune."""
+    return [k for k, auto in zip(KNOBS, (config.fusion.buffer_bytes == "auto",
+                                         config.buckets.mode == "auto")) if auto]
+
+
+def configured(config, knob: str, size: int):
+    """`config` with `knob` fixed at `size` bytes."""
+    if knob == "buckets.bytes":
+        return replace(config, buckets=replace(config.buckets, mode="threshold", bytes=size))
+    return replace(config, fusion=replace(config.fusion, buffer_bytes=size))
+
+
+def packing(plan, knob: str) -> tuple:
+    """What `knob` decides in `plan`: its buckets' variables, or its buffers'
+    segments."""
+    if knob == "buckets.bytes":
+        return tuple(b.variables for b in plan.buckets)
+    return tuple(b.segments for b in plan.buffers)
+
+
+def now_bytes(plan, knob: str) -> int:
+    """The bytes `knob` packs in `plan`."""
+    if knob == "buckets.bytes":
+        return sum(plan.variables[v].info.nbytes for b in plan.buckets for v in b.variables)
+    return sum(plan.bytes_of(b) for b in plan.buffers)
+
+
+def sizes(total: int, knob: str) -> list[int]:
+    """The sizes tried for `total` bytes: the whole down to a 32nd, and
+    (buckets) 1 byte: one all-reduce per variable."""
+    out = [max(1, total // k) for k in FRACTIONS]
+    return out + [1] if knob == "buckets.bytes" else out
+
+
+class Tuner:
+    """Times training steps of each candidate size and picks the fastest;
+    `trained(seconds, profile)` after each training run returns the
+    Program to move to, or None."""
+
+    def __init__(self, config, plan_of, program_of, decide, worker: int):
+        self.config, self.settings = config, config.tuning
+        self._plan_of, self._program_of = plan_of, program_of
+        self._decide, self._worker = decide, worker
+        self.tuned: dict[str, dict] = {}
+        self._rounds = knobs(config)      # knobs left to tune, in turn
+        self._fixed: dict[str, int] = {}  # knob -> size chosen
+        self._knob = None                 # the knob being tried
+        self._trial: list[tuple[int, object]] = []   # (size, plan) still to try
+        self._size, self._times, self._medians = None, [], {}
+        self._timed: dict = {}            # size -> its timed steps so far
+        self._last = None                 # the chosen size's median step
+        self._watch = None                # after the rounds: (median to keep, steps since)
+        self._graphs = 0                  # graphs built
+        self._counts: dict = {}           # size -> buckets or buffers it makes
+
+    def trained(self, seconds: float, profile):
+        """After a training run of `seconds`: the Program of the size to
+        train with from the next step on, or None to go on."""
+        if self._knob is None:
+            return self._start(profile) if self._watch is None else \
+                self._drifted(seconds, profile)
+        self._times.append(seconds)
+        if len(self._times) < self.settings.warmup + self.settings.steps:
+            return None
+        self._timed.setdefault(self._size, []).extend(self._times[self.settings.warmup:])
+        self._times = []
+        if self._trial:
+            size, plan = self._trial.pop(0)
+            if size != self._size:
+                self._size = size
+                return self._build(plan)
+            self._times = [0.0] * self.settings.warmup     # the same graph: no warm-up
+            return None
+        self._medians = {s: statistics.median(t) for s, t in self._timed.items()}
+        return self._choose(profile)
+
+    def _build(self, plan):
+        """The Program of `plan`, its collectives keyed apart from every
+        graph before it."""
+        self._graphs += 1
+        return self._program_of(plan, self._graphs)
+
+    def _base(self):
+        """The config with the sizes chosen so far."""
+        config = self.config
+        for knob, size in self._fixed.items():
+            config = configured(config, knob, size)
+        return config
+
+    def _start(self, profile):
+        """Begin the next knob's round; its first candidate is the size the
+        graph has now (no move). After the last, watch for drift."""
+        while self._rounds:
+            knob = self._rounds.pop(0)
+            base = self._base()
+            now = self._plan_of(base, profile)
+            seen, trial = {packing(now, knob)}, []
+            for size in sizes(now_bytes(now, knob), knob) if now_bytes(now, knob) else ():
+                plan = self._plan_of(configured(base, knob, size), profile)
+                if packing(plan, knob) not in seen:
+                    seen.add(packing(plan, knob))
+                    trial.append((size, plan))
+                    self._counts[size] = len(packing(plan, knob))
+            if trial:       # two passes, the second backwards: a drift hits all alike
+                self._size, self._times, self._timed = _size_of(base, knob), [], {}
+                self._knob, self._medians = knob, {}
+                self._trial = trial + list(reversed([(self._size, now)] + trial))
+                self._counts[self._size] = len(packing(now, knob))
+                return None
+        drift = self.settings.drift > 0 and self._last is not None
+        self._watch = (self._last if drift else None, [])
+        return None
+
+    def _choose(self, profile):
+        """Worker 0's fastest size, for every worker; the Program to move to
+        unless the graph has it already."""
+        knob, tried = self._knob, self._medians
+        mine = min(tried, key=lambda s: tried[s]) if self._worker == 0 else None
+        best = self._decide(mine)
+        self._fixed[knob], self._last = best, tried.get(best)
+        self.tuned[knob] = {"chosen": best, "tried": dict(tried)}
+        if self._worker == 0:
+            def _name(size):
+                what = "bucket" if knob == "buckets.bytes" else "buffer"
+                count = self._counts.get(size, 0)
+                return ("the default" if size in ("auto", 0) else f"{size:,} bytes") + \
+                    f" ({count} {what}{'s' * (count != 1)})"
+            listed = ", ".join(f"{_name(s)}: {t * 1e3:.1f} ms" for s, t in tried.items())
+            print(f"parallax_ng: tuned {knob} = {_name(best)} (median step "
+                  f"{tried[best] * 1e3:.1f} ms; tried {listed})", file=sys.stderr, flush=True)
+        moved = None
+        if best != self._size:
+            moved = self._build(self._plan_of(self._base(), profile))
+        self._knob = None
+        self._start(profile)
+        return moved
+
+    def _drifted(self, seconds: float, profile):
+        """After the rounds: every `window` steps, whether their median grew
+        by more than `drift` over the chosen size's (worker 0 decides, every
+        worker follows); if so, every knob is tried again."""
+        keep, times = self._watch
+        if keep is None:
+            return None
+        times.append(seconds)
+        if len(times) < self.settings.window:
+            return None
+        median = statistics.median(times)
+        again = self._decide(median > keep * (1 + self.settings.drift)
+                             if self._worker == 0 else None)
+        self._watch = (keep, [])
+        if not again:
+            return None
+        if self._worker == 0:
+            print(f"parallax_ng: steps take {median * 1e3:.1f} ms, over "
+                  f"{1 + self.settings.drift:g}x the {keep * 1e3:.1f} ms tuned for: trying "
+                  "the sizes again", file=sys.stderr, flush=True)
+        self._rounds, self._watch = list(self._fixed), None
+        return self._start(profile)
+
+
+def _size_of(config, knob: str):
+    """The size `knob` has in `config` (its default before tuning)."""
+    if knob == "buckets.bytes":
+        return config.buckets.bytes
+    return config.fusion.buffer_bytes
+
+
+def usable(tuner: Tuner | None, why_not, worker: int) -> Tuner | None:
+    """`tuner`, or None (worker 0 says why) when the Runner cannot move its
+    state to another graph: `why_not(jobs=True)` gives the reason."""
+    if tuner is None:
+        return None
+    why = why_not(jobs=True)
+    if why is None:
+        return tuner
+    if worker == 0:
+        import warnings
+        warnings.warn(f"{' and '.join(knobs(tuner.config))} auto: sizes are not tried while "
+                      f"training ({why}); the default sizes train", stacklevel=4)
+    return None

@@ -1,0 +1,230 @@
+"""Bucket and fusion-buffer sizes tuned while training (`buckets.mode: auto`,
+`fusion.buffer_bytes: auto`, parallax_ng/runtime/tuning.py): the choice is
+the fastest size by measured steps; training moves between graphs exactly
+(in-process and as a job whose workers all follow worker 0); drift tries
+again; what cannot move says so."""
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import embedding_regression, local, read_name, variable_names
+from parallax_ng.build import Build, resolve
+from parallax_ng.graph import frontend
+from parallax_ng.runtime import tuning
+
+tf1 = tf.compat.v1
+
+
+class Recorded:
+    """The Tuner's ways to plan and build, with real plans; a "Program" is
+    the plan it was built from, so the test knows which size the graph has."""
+
+    def __init__(self, config):
+        g, _ = embedding_regression(4, "adam")
+        self.build = Build(frontend.load(g), resolve(local(2), config))
+        self.config = self.build.job.config
+        self.graph = self.build.plan()        # the plan of the graph running now
+        self.graphs = []
+
+    def plan_of(self, config, profile):
+        return self.build.configured(config).plan(profile)
+
+    def program_of(self, plan, graph):
+        self.graphs.append(graph)
+        return plan
+
+    def tuner(self, decide=lambda mine: mine, worker=0):
+        return tuning.Tuner(self.config, self.plan_of, self.program_of, decide, worker)
+
+    def step(self, tuner, seconds_by_buckets):
+        """One training step timed by how many buckets the graph has."""
+        moved = tuner.trained(seconds_by_buckets[len(self.graph.buckets)], None)
+        if moved is not None:
+            self.graph = moved
+        return moved
+
+
+def test_the_fastest_size_wins_and_each_packing_is_tried_once(capsys):
+    """embedding_regression's three dense variables (22 floats in backward
+    order out/v, dense/b, dense/w): one bucket (the default 4 MB threshold),
+    two, and one per variable, each timed 2 steps after 1 of warm-up, in two
+    passes (the second backwards, without a move or warm-up where the size
+    stays); two buckets are fastest, so the graph moves back to them."""
+    r = Recorded({"run_option": "allreduce", "buckets": {"mode": "auto"},
+                  "tuning": {"steps": 2, "warmup": 1}})
+    tuner = r.tuner()
+    times = {1: 0.010, 2: 0.005, 3: 0.008}
+    assert len(r.graph.buckets) == 1
+    assert r.step(tuner, times) is None            # the round starts; the graph stays
+    moves = [r.step(tuner, times) for _ in range(3 + 3 + 3 + 2 + 3 + 3)]
+    landed = [len(m.buckets) for m in moves if m is not None]
+    assert landed == [2, 3, 2, 1, 2]               # 1 2 3 | 3 2 1, then the fastest
+    assert moves[-1] is not None and len(moves[-1].buckets) == 2
+    chosen = tuner.tuned["buckets.bytes"]
+    assert chosen["tried"][chosen["chosen"]] == 0.005 and len(chosen["tried"]) == 3
+    assert r.graphs == [1, 2, 3, 4, 5]             # each graph's collectives keyed apart
+    assert all(r.step(tuner, times) is None for _ in range(20))   # no drift watch
+    said = capsys.readouterr().err
+    assert re.search(r"tuned buckets.bytes = \d[\d,]* bytes \(2 buckets\) \(median step "
+                     r"5.0 ms; tried 4,194,304 bytes \(1 bucket\): 10.0 ms, ", said), said
+
+
+def test_every_worker_takes_worker_0s_choice():
+    """A worker other than 0 passes None and takes what `decide` gives."""
+    r = Recorded({"run_option": "allreduce", "buckets": {"mode": "auto"},
+                  "tuning": {"steps": 1, "warmup": 0}})
+    offered = []
+
+    def decide(mine):
+        offered.append(mine)
+        return 4 * 2**20                           # worker 0's: the default, one bucket
+
+    tuner = r.tuner(decide, worker=1)
+    times = {1: 0.010, 2: 0.005, 3: 0.008}
+    for _ in range(1 + 6):
+        r.step(tuner, times)
+    assert offered == [None] and tuner.tuned["buckets.bytes"]["chosen"] == 4 * 2**20
+    assert len(r.graph.buckets) == 1               # moved back to the default
+
+
+def test_steps_that_drift_start_the_sizes_again(capsys):
+    """With `drift: 0.5` over windows of 4 steps: a window as fast as the
+    choice goes on; one at twice its time tries every size again."""
+    r = Recorded({"run_option": "allreduce", "buckets": {"mode": "auto"},
+                  "tuning": {"steps": 1, "warmup": 0, "drift": 0.5, "window": 4}})
+    tuner = r.tuner()
+    times = {1: 0.010, 2: 0.005, 3: 0.008}
+    for _ in range(1 + 6):
+        r.step(tuner, times)
+    assert len(r.graph.buckets) == 2
+    assert all(r.step(tuner, times) is None for _ in range(4))
+    slow = {n: 2 * t for n, t in times.items()}
+    assert all(r.step(tuner, slow) is None for _ in range(4))
+    assert "trying the sizes again" in capsys.readouterr().err
+    assert r.step(tuner, slow) is not None         # the first other size
+
+
+def test_fusion_buffers_then_buckets_and_sizes_that_change_nothing_are_skipped():
+    """Both knobs auto under hybrid with dense by fusion buffers: only the
+    buffers have anything to try (nothing is all-reduced), so one round."""
+    r = Recorded({"run_option": "hybrid", "dense_method": "bfb",
+                  "buckets": {"mode": "auto"}, "fusion": {"buffer_bytes": "auto"},
+                  "tuning": {"steps": 1, "warmup": 0}})
+    assert tuning.knobs(r.config) == ["fusion.buffer_bytes", "buckets.bytes"]
+    tuner = r.tuner()
+    sizes = []
+    for _ in range(30):
+        moved = tuner.trained(0.01 / (1 + len(sizes)), None)
+        if moved is not None:
+            sizes.append(len(moved.buffers))
+    assert list(tuner.tuned) == ["fusion.buffer_bytes"]
+    tried = tuner.tuned["fusion.buffer_bytes"]["tried"]
+    assert len(tried) == len(set(sizes)) >= 3
+
+
+def train(config, steps, batch=4, replicas=2):
+    """Every replica's variables after `steps` in-process steps, those of
+    one device with the global batch from the same start, and the runner's
+    `tuned`."""
+    g, h = embedding_regression(batch, "adam", clip=True, ema=True)
+    names = variable_names(g)
+    reads = [read_name(v, g) for v in names]
+    with pn.get_runner(g, local(replicas), config) as runner:
+        runner.run([h["init"], h["iterator_init"]])
+        start = runner.run(reads)
+        for _ in range(steps):
+            runner.run(h["train"])
+        parallel = dict(zip(names, runner.run(reads, per_replica=True)))
+        tuned = runner.tuned
+    g1, h1 = embedding_regression(replicas * batch, "adam", clip=True, ema=True)
+    with tf1.Session(graph=g1) as sess:
+        sess.run([h1["init"], h1["iterator_init"]])
+        for var, value in zip(names, start):
+            op = [v for v in g1.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)
+                  if v.op.name == var][0].initializer
+            sess.run(op, {op.inputs[1]: value})
+        for _ in range(steps):
+            sess.run(h1["train"])
+        single = dict(zip(names, sess.run(reads)))
+    return parallel, single, tuned
+
+
+@pytest.mark.parametrize("config", [
+    {"run_option": "allreduce", "buckets": {"mode": "auto"}},
+    {"run_option": "hybrid", "dense_method": "bfb", "fusion": {"buffer_bytes": "auto"}}],
+    ids=["buckets", "fusion-buffers"])
+def test_tuning_in_process_trains_like_one_device(config):
+    """Adam, clipping, moving averages: 24 steps over which the graph moves
+    to each size and to the chosen one; every variable and slot of both
+    replicas within 1e-5 of one device."""
+    parallel, single, tuned = train({**config, "tuning": {"steps": 1, "warmup": 1}}, 24)
+    (knob, record), = tuned.items()
+    assert len(record["tried"]) >= 2 and record["chosen"] in record["tried"]
+    for name, copies in parallel.items():
+        for got in copies:
+            assert np.max(np.abs(got - single[name])) <= 1e-5, name
+
+
+@pytest.mark.parametrize("servers,args", [
+    (1, ["--run-option", "hybrid", "--dense-method", "bfb"]),
+    (0, ["--run-option", "allreduce"])], ids=["fusion-buffers-on-a-server", "buckets"])
+def test_a_tuned_job_equals_one_device(tmp_path, servers, args):
+    """2 workers x 2 devices: every worker moves at the same steps and takes
+    worker 0's choice (else the collectives and the server's queues would
+    not meet); worker 0 says what it chose; 24 steps equal one device."""
+    import json
+
+    from test_cluster import assert_matches_one_device, run_job
+    config = {"buckets": {"mode": "auto"}, "fusion": {"buffer_bytes": "auto"},
+              "tuning": {"steps": 1, "warmup": 0}}
+    done, out, _ = run_job(tmp_path, 2, 2, "24", *args, "--config", json.dumps(config),
+                           servers=servers)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = re.findall(r"\[worker (\d)\] parallax_ng: tuned (\S+) = ", done.stderr)
+    knob = "fusion.buffer_bytes" if servers else "buckets.bytes"
+    assert said == [("0", knob)], done.stderr[-3000:]
+    assert_matches_one_device(out, 2, 2, steps=24)
+
+
+def test_a_step_that_cannot_move_trains_with_the_default_sizes():
+    """An unseeded random op in the step would draw a new stream in another
+    graph: tuning says so and the default sizes train."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4])
+        w = tf1.get_variable("w", initializer=np.ones([4, 1], np.float32))
+        noise = tf.random.uniform([4, 1])
+        loss = tf.reduce_mean(tf.matmul(x, w + noise))
+        train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        init = tf1.global_variables_initializer()
+    with pytest.warns(UserWarning, match=r"buckets.bytes auto: sizes are not tried while "
+                                         r"training \(random ops in the step"):
+        runner = pn.get_runner(g, local(2), {"run_option": "allreduce",
+                                             "buckets": {"mode": "auto"}})
+    with runner:
+        runner.run(init)
+        for _ in range(5):
+            runner.run(train_op, {x: np.ones([4, 4], np.float32)})
+        assert runner.tuned == {} and runner.plan.buckets
+
+
+@pytest.mark.parametrize("section,key,value,words", [
+    ("fusion", "buffer_bytes", "fast", "or auto"),
+    ("tuning", "steps", 0, ">= 1"),
+    ("tuning", "warmup", -1, ">= 0"),
+    ("tuning", "drift", -0.5, "never"),
+    ("tuning", "window", 1.5, ">= 1"),
+    ("tuning", "sizes", [1], "known keys")])
+def test_bad_tuning_settings_name_the_key(section, key, value, words):
+    with pytest.raises(pn.ConfigError, match=re.escape(f"{section}.{key}") + ".*" +
+                       re.escape(words)):
+        pn.Config.from_dict({section: {key: value}})
+
+
+def test_auto_is_a_bucket_mode():
+    assert pn.Config.from_dict({"buckets": {"mode": "auto"}}).buckets.mode == "auto"
+    with pytest.raises(pn.ConfigError, match="allowed: none, single, threshold, mgwfbp, auto"):
+        pn.Config.from_dict({"buckets": {"mode": "fastest"}})
