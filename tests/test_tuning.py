@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 import tensorflow as tf
+from models import embedding_regression, local, read_name, variable_names
 
 import parallax_ng as pn
-from models import embedding_regression, local, read_name, variable_names
 from parallax_ng.build import Build, resolve
 from parallax_ng.graph import frontend
 from parallax_ng.runtime import tuning
