@@ -6,7 +6,7 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from models import local
+from models import local, read_name
 from parallax_ng.graph import frontend, randomness
 from parallax_ng.pipeline.results import CountedDraws
 
@@ -142,3 +142,74 @@ def test_loops_initial_values_and_unseeded_ops_stay_stateful():
         assert runner.ctx.result(CountedDraws) is None and not runner.plan.counted
         assert runner.graph.get_operation_by_name(
             "dropout/random_uniform/RandomUniform").type == "RandomUniform"
+
+
+SAMPLER = "sampled_softmax_loss/LogUniformCandidateSampler"
+SPLIT = {"batch_feeds": {"x": True, "y": True}}
+VALUES = ["out/w", "out/b", "hidden/v", "hidden/c"]
+
+
+def sampled_graph():
+    """Sampled softmax over 50 classes (a seeded LogUniformCandidateSampler,
+    8 negatives) on a dense layer; a global step."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(5)
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.int64, [None, 1], name="y")
+        v = tf1.get_variable("hidden/v", [4, 4])
+        c = tf1.get_variable("hidden/c", [4], initializer=tf1.zeros_initializer())
+        w = tf1.get_variable("out/w", [50, 4])
+        b = tf1.get_variable("out/b", [50], initializer=tf1.zeros_initializer())
+        h = tf.tanh(tf.matmul(x, v) + c)
+        loss = tf.reduce_mean(tf.nn.sampled_softmax_loss(w, b, y, h, num_sampled=8,
+                                                         num_classes=50))
+        step = tf1.train.get_or_create_global_step()
+        tf1.train.GradientDescentOptimizer(0.5).minimize(loss, global_step=step, name="train")
+        tf1.global_variables_initializer()
+    return g
+
+
+def sampled_feeds(step: int, batch: int = 8) -> dict:
+    rng = np.random.RandomState(step)
+    return {"x:0": rng.randn(batch, 4).astype(np.float32),
+            "y:0": rng.randint(0, 50, [batch, 1]).astype(np.int64)}
+
+
+def sampled_steps(runner, steps, first=0):
+    """Train `steps` steps; each step's sampled classes, per replica."""
+    return [runner.run(["train", SAMPLER + ":0"], sampled_feeds(first + s),
+                       per_replica=True)[1] for s in range(steps)]
+
+
+def test_a_candidate_sampler_draws_on_where_its_checkpoint_was(tmp_path):
+    """A candidate sampler stays stateful with its calls counted; a runner
+    restored from step 3 calls it 3 times again and then draws what an
+    uninterrupted runner draws at steps 4-6, and trains to its variables."""
+    config = {"checkpoint": {"dir": str(tmp_path / "ck"), "every_steps": 3}, **SPLIT}
+    with pn.get_runner(sampled_graph(), local(2), SPLIT) as whole:
+        assert [op for _, op in whole.ctx.result(CountedDraws).calls] == [SAMPLER] * 2
+        assert whole.graph.get_operation_by_name(SAMPLER).type == "IdentityN"
+        whole.run("init")
+        want = sampled_steps(whole, 6)
+        want_values = whole.run([read_name(v, whole.ctx.tg.graph) for v in VALUES])
+    assert not np.array_equal(want[0][0], want[0][1])   # replicas draw apart
+    with pn.get_runner(sampled_graph(), local(2), config) as first:
+        first.run("init")
+        np.testing.assert_array_equal(sampled_steps(first, 3), want[:3])
+    g = sampled_graph()
+    with pn.get_runner(g, local(2), config) as again:
+        again.run("init")              # restores step 3, calls each sampler 3 times
+        assert again.run(read_name("global_step", g)) == 3
+        np.testing.assert_array_equal(sampled_steps(again, 3, first=3), want[3:])
+        for got, value in zip(again.run([read_name(v, g) for v in VALUES]), want_values):
+            np.testing.assert_array_equal(got, value)
+
+
+def test_compute_accidental_hits_is_not_random():
+    """It has seed attrs but draws nothing: no seed of its own, no counter."""
+    tg = frontend.load(sampled_graph())
+    drawn = randomness.random_ops(tg.ir.nodes, tg.ir.library)
+    kinds = {tg.ir.node(n).op for n in drawn}
+    assert "LogUniformCandidateSampler" in kinds and "ComputeAccidentalHits" not in kinds
+    assert any(n.op == "ComputeAccidentalHits" for n in tg.ir.nodes)

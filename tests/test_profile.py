@@ -140,15 +140,29 @@ def dropout_step(seed):
 
 
 def test_state_a_new_session_would_lose_keeps_the_graph():
-    """Unseeded random ops in the step: the measured plan is kept, the
-    graph is not rebuilt, and the reason is given."""
-    g, x, _, train_op, init = dropout_step(seed=None)
+    """A seeded RandomShuffle in the step (a stream no counter can stand
+    for): the measured plan is kept, the graph is not rebuilt, and the
+    reason is given. Unseeded dropout draws afresh in any session: the
+    graph moves."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
+        w = tf.compat.v1.get_variable("w", initializer=np.ones([4, 1], np.float32))
+        order = tf.random.shuffle(tf.range(4), seed=3)
+        train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+            tf.reduce_mean(tf.matmul(tf.gather(x, order, axis=1), w)))
+        init = tf.compat.v1.global_variables_initializer()
     config = {"profile": {"steps": 1, "replan": "always"}}
     with pn.get_runner(g, local(2), config) as runner:
         runner.run(init)
         with pytest.warns(UserWarning, match="random ops in the step"):
             runner.run(train_op, {x: np.ones([4, 4], np.float32)})
         assert runner.replans == 0 and runner.profile.steps == 1
+    g, x, _, train_op, init = dropout_step(seed=None)
+    with pn.get_runner(g, local(2), config) as runner:
+        runner.run(init)
+        runner.run(train_op, {x: np.ones([4, 4], np.float32)})
+        assert runner.replans == 1
 
 
 def test_seeded_draws_go_on_in_the_new_graph():

@@ -190,14 +190,15 @@ def test_a_tuned_job_equals_one_device(tmp_path, servers, args):
 
 
 def test_a_step_that_cannot_move_trains_with_the_default_sizes():
-    """An unseeded random op in the step would draw a new stream in another
-    graph: tuning says so and the default sizes train."""
+    """A seeded RandomShuffle in the step (no stateless twin, no fixed
+    reservation per call) would start its stream again in another graph:
+    tuning says so and the default sizes train."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 4])
         w = tf1.get_variable("w", initializer=np.ones([4, 1], np.float32))
-        noise = tf.random.uniform([4, 1])
-        loss = tf.reduce_mean(tf.matmul(x, w + noise))
+        order = tf.random.shuffle(tf.range(4), seed=3)
+        loss = tf.reduce_mean(tf.matmul(tf.gather(x, order, axis=1), w))
         train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
         init = tf1.global_variables_initializer()
     with pytest.warns(UserWarning, match=r"buckets.bytes auto: sizes are not tried while "
@@ -228,3 +229,24 @@ def test_auto_is_a_bucket_mode():
     assert pn.Config.from_dict({"buckets": {"mode": "auto"}}).buckets.mode == "auto"
     with pytest.raises(pn.ConfigError, match="allowed: none, single, threshold, mgwfbp, auto"):
         pn.Config.from_dict({"buckets": {"mode": "fastest"}})
+
+
+def test_a_tuned_step_with_a_candidate_sampler_draws_as_an_untuned_one():
+    """Sampled softmax (a seeded candidate sampler, called again after each
+    move to put its stream back): tuning moves the graph and every step's
+    negatives and the variables equal an untuned runner's, bit for bit (two
+    replicas: a sum of two is the same in any bucket)."""
+    from test_counted_draws import SPLIT, VALUES, sampled_graph, sampled_steps
+    runs = {}
+    for mode in ("threshold", "auto"):
+        g = sampled_graph()
+        config = {"run_option": "allreduce", "buckets": {"mode": mode},
+                  "tuning": {"steps": 1, "warmup": 0}, **SPLIT}
+        with pn.get_runner(g, local(2), config) as runner:
+            runner.run("init")
+            drawn = sampled_steps(runner, 16)
+            runs[mode] = (drawn, runner.run([read_name(v, g) for v in VALUES]), runner.tuned)
+    assert len(runs["auto"][2]["buckets.bytes"]["tried"]) == 2 and not runs["threshold"][2]
+    np.testing.assert_array_equal(runs["auto"][0], runs["threshold"][0])
+    for got, want in zip(runs["auto"][1], runs["threshold"][1]):
+        np.testing.assert_array_equal(got, want)

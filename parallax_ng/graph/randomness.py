@@ -42,7 +42,12 @@ ops in a while loop's body (tf.compat.v1 loops: one counter read would
 serve every iteration), ops that only draw initial values, an input
 producer's shuffle (queues hold their elements outside any checkpoint),
 and kinds without a stateless twin (RandomShuffle, Multinomial,
-RandomGamma, ...).
+RandomGamma, ...). The candidate samplers of sampled softmax and NCE
+(`REPLAYED`) have no stateless twin, but every call reserves the same
+2048 x num_sampled samples of the stream whatever it draws, and learns
+nothing from its input: they stay stateful, a counter counts their calls,
+and after a restore each is called that many times again (with placeholder
+classes) to put its stream back (runtime/checkpoint.py).
 """
 from __future__ import annotations
 
@@ -58,6 +63,9 @@ STATELESS = {"RandomUniform": "StatelessRandomUniformV2",
              "TruncatedNormal": "StatelessTruncatedNormalV2",
              "RandomUniformInt": "StatelessRandomUniformIntV2"}
 SAMPLES_PER_OUTPUT = 256   # what a stateful op's call reserves of its stream per output
+REPLAYED = ("LogUniformCandidateSampler", "UniformCandidateSampler",
+            "FixedUnigramCandidateSampler")
+NOT_RANDOM = ("ComputeAccidentalHits",)   # seed attrs, but nothing drawn
 
 _MASK = (1 << 63) - 1
 _FIXED_SEED = 87654321   # TensorFlow's default op seed under a graph seed
@@ -67,7 +75,7 @@ def is_random(node_def) -> bool:
     """A stateful random op: one with integer `seed` and `seed2` attrs (data
     pipeline ops take seeds as tensors and are never touched)."""
     return ("seed" in node_def.attr and "seed2" in node_def.attr
-            and "Dataset" not in node_def.op)
+            and "Dataset" not in node_def.op and node_def.op not in NOT_RANDOM)
 
 
 def seed_input(node_def) -> int | None:
@@ -111,10 +119,16 @@ def counted(tg, random, pinned=frozenset()) -> list[str]:
     inits = [v.initializer for v in tg.variables.values() if v.initializer]
     setup = ir.ancestors(inits)
     return [n.name for n in ir.nodes
-            if n.name in random and n.op in STATELESS and is_random(n)
+            if n.name in random and (n.op in STATELESS or n.op in REPLAYED) and is_random(n)
             and (any(_attrs(n)) or random[n.name] == "identical")
             and n.name not in loops and n.name not in pinned
-            and not ir.descendants([n.name]) <= setup]
+            and _beyond(ir, n.name, setup)]
+
+
+def _beyond(ir, name: str, setup: set) -> bool:
+    """Whether `name` reaches more than the initializers `setup` holds (and
+    the NoOps that group them, such as global_variables_initializer's)."""
+    return any(ir.node(d).op != "NoOp" for d in ir.descendants([name]) - setup)
 
 
 def _in_loops(ir) -> set[str]:
@@ -190,6 +204,12 @@ def _mix(seed2: int, replica: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
     return ((z ^ (z >> 31)) & _MASK) or 1
+
+
+def repeatable(node_def, mode: str) -> bool:
+    """Whether a random op draws the same numbers in every run (seeded, or
+    given a seed by `identical`): a new session must not start it again."""
+    return any(_attrs(node_def)) or mode == "identical"
 
 
 def _attrs(node_def) -> tuple[int, int]:

@@ -90,6 +90,9 @@ class CountedDraws:
     """Random ops whose stream is a counter in a variable (made by
     `counted_draws`): (job replica, user op) -> the counter's handle, and
     the ops that set every counter to 0 (run once per session, before
-    anything draws)."""
+    anything draws); candidate samplers kept stateful, whose calls are made
+    again after a restore: (counter's handle, sampler op, its classes
+    tensor)."""
     calls: dict
     start: tuple = ()
+    replays: tuple = ()

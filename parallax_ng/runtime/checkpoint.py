@@ -15,7 +15,8 @@ and worker 0 names the step in `<dir>/checkpoint` only once every
 worker's positions for it are there (so `<dir>` must be storage every
 worker shares; a worker that cannot see the others' files is an error
 that says so). `latest()` and `restore()` put the newest such step back
-into every replica's copy and every iterator (parameter-server variables
+into every replica's copy, every iterator and random stream (a candidate
+sampler's by calling it again as often as its counter says) (parameter-server variables
 of a multi-worker job: by the chief only). A table cut by columns over the
 replicas is saved whole (every part read, other workers' too) and each
 replica restores its own columns. A job killed after step k and started
@@ -30,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import tensorflow as tf
 
 from ..compat import is_ref_dtype
@@ -63,6 +65,7 @@ class Layout:
     parts: ColumnParts | None = None
     clear: tuple = ()               # ops that drop a restored table's pending rows
     draws: tuple = ()               # (job replica, random op, its call counter's handle)
+    replays: tuple = ()             # (counter's handle, sampler, classes): called again
 
     @classmethod
     def of(cls, ctx) -> "Layout":
@@ -73,7 +76,7 @@ class Layout:
                    ctx.replica_name, ctx.result(ColumnParts),
                    tuple(deferred.clear) if deferred else (),
                    tuple((r, op, h) for (r, op), h in sorted(counted.calls.items()))
-                   if counted else ())
+                   if counted else (), tuple(counted.replays) if counted else ())
 
 
 class Checkpointer:
@@ -140,6 +143,10 @@ class Checkpointer:
                     resource=graph.get_tensor_by_name(handle + ":0"), value=value))
             restores += [graph.get_operation_by_name(c) for c in lay.clear]
             self.restore_op = tf.group(*restores, name="restore")
+            self._replays = [(tf.raw_ops.ReadVariableOp(
+                resource=graph.get_tensor_by_name(handle + ":0"), dtype=tf.int64),
+                graph.get_tensor_by_name(sampler + ":0"), graph.get_tensor_by_name(classes))
+                for handle, sampler, classes in lay.replays]
 
     def global_step(self, session) -> int | None:
         """The user's global step (None when the graph has none)."""
@@ -215,6 +222,10 @@ class Checkpointer:
         step = _step_of(path)
         mine = os.path.join(self.inputs, f"model.ckpt-{step}")
         session.run(self.restore_op, {self.prefix: path, self.input_prefix: mine})
+        for calls, sampler, classes in self._replays:   # its stream where it was
+            fed = {classes: np.zeros([d or 1 for d in classes.shape.as_list()], np.int64)}
+            for _ in range(int(session.run(calls))):
+                session.run(sampler, fed)
         return step
 
 

@@ -313,9 +313,10 @@ class Runner:
         step = self.ctx.tg.ir.ancestors(self._training_writers)
         counted = self.ctx.result(CountedDraws)      # streams a checkpoint holds
         counted = {op for _, op in counted.calls} if counted else set()
-        drawn = [op for op in self.plan.random       # stateless ones keep no stream
-                 if op in step and op not in counted
-                 and randomness.is_random(self.ctx.tg.ir.node(op))]
+        nodes = self.ctx.tg.ir                       # stateless ones keep no stream;
+        drawn = [op for op, mode in self.plan.random.items()   # unseeded ones draw afresh
+                 if op in step and op not in counted and randomness.is_random(nodes.node(op))
+                 and randomness.repeatable(nodes.node(op), mode)]
         if drawn:
             return (f"random ops in the step ({drawn[:3]}) would start their streams "
                     "again in a new session")

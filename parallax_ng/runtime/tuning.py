@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from dataclasses import replace
 
 KNOBS = ("fusion.buffer_bytes", "buckets.bytes")
@@ -85,6 +86,7 @@ class Tuner:
         self._last = None                 # the chosen size's median step
         self._watch = None                # after the rounds: (median to keep, steps since)
         self._graphs = 0                  # graphs built
+        self._began = 0.0                 # when the round began
         self._counts: dict = {}           # size -> buckets or buffers it makes
 
     def trained(self, seconds: float, profile):
@@ -137,6 +139,7 @@ class Tuner:
                     self._counts[size] = len(packing(plan, knob))
             if trial:       # two passes, the second backwards: a drift hits all alike
                 self._size, self._times, self._timed = _size_of(base, knob), [], {}
+                self._began = time.monotonic()
                 self._knob, self._medians = knob, {}
                 self._trial = trial + list(reversed([(self._size, now)] + trial))
                 self._counts[self._size] = len(packing(now, knob))
@@ -161,7 +164,8 @@ class Tuner:
                     f" ({count} {what}{'s' * (count != 1)})"
             listed = ", ".join(f"{_name(s)}: {t * 1e3:.1f} ms" for s, t in tried.items())
             print(f"parallax_ng: tuned {knob} = {_name(best)} (median step "
-                  f"{tried[best] * 1e3:.1f} ms; tried {listed})", file=sys.stderr, flush=True)
+                  f"{tried[best] * 1e3:.1f} ms; tried {listed}; in "
+                  f"{time.monotonic() - self._began:.1f} s)", file=sys.stderr, flush=True)
         moved = None
         if best != self._size:
             moved = self._build(self._plan_of(self._base(), profile))
