@@ -6,13 +6,16 @@ dense-heavy one, about 2 MB) and knob (`buckets`: allreduce, all-reduce
 buckets by a byte threshold, and one per variable; `fusion`: hybrid with
 dense variables by balanced fusion buffers on one server), one 2-worker job
 per fixed size, then one with the size `auto` (parallax_ng/runtime/tuning.py).
-Every job runs --warmup steps first (the tuned job tries its sizes in them)
-and worker 0 times --steps more; each row is the median of --repeats jobs
+Every job runs --warmup steps first and worker 0 times --steps more; the
+tuned job runs --tuning more steps first, in which it tries its sizes (so
+its timed window, like the others', starts --warmup steps after its last
+graph was built: a new graph's first hundred or so steps are slower, in a
+fresh job as after a move). Each row is the median of --repeats jobs
 (sizes interleaved). The tuned job's steps/s is printed against the best
 fixed size's, with the size it chose.
 
     python benchmarks/tuned_sizes.py [--models lm,classifier] [--knobs buckets,fusion]
-        [--steps 200] [--warmup 100] [--repeats 1] [--netlab 1gbit]
+        [--steps 200] [--warmup 100] [--tuning 150] [--repeats 1] [--netlab 1gbit]
 """
 import argparse
 import json
@@ -39,8 +42,10 @@ KNOBS = {   # knob -> (cluster_lm mode, {row: config}, config of auto)
 
 def run(mode: str, config: dict, args, tmp: str, repeat: int, model: str) -> dict:
     """One cluster_lm job of `mode` with `config` added."""
+    tuned = "auto" in json.dumps(config)
     opts = argparse.Namespace(
-        steps=args.steps, warmup=args.warmup, devices=1, workers=2, model=model,
+        steps=args.steps, warmup=args.warmup + args.tuning * tuned, devices=1, workers=2,
+        model=model,
         config=json.dumps(config), no_clip=False, optimizer="adagrad", vocab=None,
         layout="one", netlab=args.netlab)
     return job(mode, opts, tmp, repeat)
@@ -52,6 +57,8 @@ def main():
     parser.add_argument("--knobs", default="buckets,fusion")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--tuning", type=int, default=150,
+                        help="steps the tuned job runs before the others' warm-up")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--netlab", metavar="RATE", help="emulated hosts, NICs at RATE")
     args = parser.parse_args()
@@ -78,6 +85,10 @@ def main():
                     ratio = medians["auto"]["steps_per_s"] / medians[best]["steps_per_s"]
                     chosen = {k: v["chosen"] for k, v in medians["auto"]["tuned"].items()}
                     print(f"  auto / best fixed ({best}): {ratio:.3f}x; chose {chosen}")
+                    for r in runs["auto"]:
+                        print("  a tuned job tried (ms a step): " + ", ".join(
+                            f"{size}: {t * 1e3:.1f}" for v in r["tuned"].values()
+                            for size, t in v["tried"].items()))
                     summary.append((model, knob, ratio, best, chosen))
     finally:
         if args.netlab:
