@@ -250,3 +250,21 @@ def test_a_tuned_step_with_a_candidate_sampler_draws_as_an_untuned_one():
     np.testing.assert_array_equal(runs["auto"][0], runs["threshold"][0])
     for got, want in zip(runs["auto"][1], runs["threshold"][1]):
         np.testing.assert_array_equal(got, want)
+
+
+def test_keras_fit_with_tuned_buckets_equals_one_device():
+    """Keras 3 `model.fit` (pn.parallelize) moves from graph to graph between
+    its batches like any runner: the weights, optimizer variables and
+    losses equal one device's."""
+    import os
+    os.environ["TF_USE_LEGACY_KERAS"] = "0"
+    from test_keras_fit import BATCH, check, data, twins
+    parallel, single = twins()
+    pn.parallelize(parallel, local(2), {"run_option": "allreduce", "buckets": {"mode": "auto"},
+                                        "tuning": {"steps": 1, "warmup": 0}})
+    x, y = data()
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0)
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=4, shuffle=False, verbose=0)
+    assert parallel._parallax_ng.step.runner.tuned["buckets.bytes"]["tried"]
+    check(parallel, single)
+    np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], atol=1e-5, rtol=0)
