@@ -100,13 +100,9 @@ class Tuner:
             return None
         self._timed.setdefault(self._size, []).extend(self._times[self.settings.warmup:])
         self._times = []
-        if self._trial:
-            size, plan = self._trial.pop(0)
-            if size != self._size:
-                self._size = size
-                return self._build(plan)
-            self._times = [0.0] * self.settings.warmup     # the same graph: no warm-up
-            return None
+        if self._trial:     # a size tried twice in a row is built again: every
+            self._size, plan = self._trial.pop(0)          # trial starts alike
+            return self._build(plan)
         self._medians = {s: statistics.median(t) for s, t in self._timed.items()}
         return self._choose(profile)
 
