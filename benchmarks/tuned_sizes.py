@@ -8,14 +8,15 @@ dense variables by balanced fusion buffers on one server), one 2-worker job
 per fixed size, then one with the size `auto` (parallax_ng/runtime/tuning.py).
 Every job runs --warmup steps first and worker 0 times --steps more; the
 tuned job runs --tuning more steps first, in which it tries its sizes (so
-its timed window, like the others', starts --warmup steps after its last
-graph was built: a new graph's first hundred or so steps are slower, in a
-fresh job as after a move). Each row is the median of --repeats jobs
+its timed window starts well after its last graph was built: a job's
+first steps are slower, and after the moves of tuning with TensorFlow
+collectives the slower steps last a few hundred steps, see
+docs/benchmarks.md). Each row is the median of --repeats jobs
 (sizes interleaved). The tuned job's steps/s is printed against the best
 fixed size's, with the size it chose.
 
     python benchmarks/tuned_sizes.py [--models lm,classifier] [--knobs buckets,fusion]
-        [--steps 200] [--warmup 100] [--tuning 150] [--repeats 1] [--netlab 1gbit]
+        [--steps 200] [--warmup 100] [--tuning 400] [--repeats 1] [--netlab 1gbit]
 """
 import argparse
 import json
@@ -57,7 +58,7 @@ def main():
     parser.add_argument("--knobs", default="buckets,fusion")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--tuning", type=int, default=150,
+    parser.add_argument("--tuning", type=int, default=400,
                         help="steps the tuned job runs before the others' warm-up")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--netlab", metavar="RATE", help="emulated hosts, NICs at RATE")
