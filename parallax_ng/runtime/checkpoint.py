@@ -223,7 +223,9 @@ class Checkpointer:
         mine = os.path.join(self.inputs, f"model.ckpt-{step}")
         session.run(self.restore_op, {self.prefix: path, self.input_prefix: mine})
         for calls, sampler, classes in self._replays:   # its stream where it was
-            fed = {classes: np.zeros([d or 1 for d in classes.shape.as_list()], np.int64)}
+            shape = classes.shape.as_list() if classes.shape.rank is not None else \
+                [1, sampler.op.get_attr("num_true")]
+            fed = {classes: np.zeros([d or 1 for d in shape], np.int64)}
             for _ in range(int(session.run(calls))):
                 session.run(sampler, fed)
         return step

@@ -81,7 +81,7 @@ class Tuner:
         self._fixed: dict[str, int] = {}  # knob -> size chosen
         self._knob = None                 # the knob being tried
         self._trial: list[tuple[int, object]] = []   # (size, plan) still to try
-        self._size, self._times, self._medians = None, [], {}
+        self._size, self._times = None, []
         self._timed: dict = {}            # size -> its timed steps so far
         self._last = None                 # the chosen size's median step
         self._watch = None                # after the rounds: (median to keep, steps since)
@@ -103,7 +103,6 @@ class Tuner:
         if self._trial:     # a size tried twice in a row is built again: every
             self._size, plan = self._trial.pop(0)          # trial starts alike
             return self._build(plan)
-        self._medians = {s: statistics.median(t) for s, t in self._timed.items()}
         return self._choose(profile)
 
     def _build(self, plan):
@@ -136,7 +135,7 @@ class Tuner:
             if trial:       # two passes, the second backwards: a drift hits all alike
                 self._size, self._times, self._timed = _size_of(base, knob), [], {}
                 self._began = time.monotonic()
-                self._knob, self._medians = knob, {}
+                self._knob = knob
                 self._trial = trial + list(reversed([(self._size, now)] + trial))
                 self._counts[self._size] = len(packing(now, knob))
                 return None
@@ -147,7 +146,7 @@ class Tuner:
     def _choose(self, profile):
         """Worker 0's fastest size, for every worker; the Program to move to
         unless the graph has it already."""
-        knob, tried = self._knob, self._medians
+        knob, tried = self._knob, {s: statistics.median(t) for s, t in self._timed.items()}
         mine = min(tried, key=lambda s: tried[s]) if self._worker == 0 else None
         best = self._decide(mine)
         self._fixed[knob], self._last = best, tried.get(best)
