@@ -72,6 +72,33 @@ def test_the_fastest_size_wins_and_each_packing_is_tried_once(capsys):
                      r"5.0 ms; tried 4,194,304 bytes \(1 bucket\): 10.0 ms, ", said), said
 
 
+def test_plan_lists_the_sizes_training_will_try(tmp_path, capsys):
+    """`parallax-ng plan` with buckets auto prints each size tuning tries
+    and the buckets it makes (the graph's own first, one per variable last),
+    as the Tuner's trials are; JSON has them under "tuning"."""
+    import json
+
+    import yaml
+
+    from parallax_ng.tools import cli
+    g, _ = embedding_regression(4, "adam")
+    meta, cfg, res = (str(tmp_path / n) for n in ("m.meta", "c.yaml", "r.yaml"))
+    with g.as_default():
+        tf1.train.export_meta_graph(filename=meta)
+    yaml.safe_dump({"run_option": "allreduce", "buckets": {"mode": "auto"}}, open(cfg, "w"))
+    yaml.safe_dump(local(2), open(res, "w"))
+    assert cli.main(["plan", meta, "-c", cfg, "-r", res]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("buckets.bytes")]
+    assert line == ["buckets.bytes auto: sizes tried while training: 4,194,304 bytes "
+                    "(1 bucket), 44 bytes (2 buckets), 22 bytes (3 buckets)"]
+    assert cli.main(["plan", meta, "-c", cfg, "-r", res, "--json"]) == 0
+    r = Recorded({"run_option": "allreduce", "buckets": {"mode": "auto"}})
+    tried = [(4194304, 1)] + [(size, len(plan.buckets)) for size, plan in tuning.trials(
+        lambda c: r.plan_of(c, None), r.config, r.graph, "buckets.bytes")]
+    assert json.loads(capsys.readouterr().out)["tuning"] == {
+        "buckets.bytes": [list(t) for t in tried]}
+
+
 def test_every_worker_takes_worker_0s_choice():
     """A worker other than 0 passes None and takes what `decide` gives."""
     r = Recorded({"run_option": "allreduce", "buckets": {"mode": "auto"},

@@ -67,6 +67,37 @@ def sizes(total: int, knob: str) -> list[int]:
     return out + [1] if knob == "buckets.bytes" else out
 
 
+def trials(plan_of, base, now, knob: str) -> list[tuple[int, object]]:
+    """The sizes of `knob` tried besides `now`'s (the plan of `base`), each
+    with its plan (`plan_of(config)`): one per packing not seen before."""
+    seen, out = {packing(now, knob)}, []
+    for size in sizes(now_bytes(now, knob), knob) if now_bytes(now, knob) else ():
+        plan = plan_of(configured(base, knob, size))
+        if packing(plan, knob) not in seen:
+            seen.add(packing(plan, knob))
+            out.append((size, plan))
+    return out
+
+
+def candidates(plan_of, config) -> dict[str, list[tuple[int, int]]]:
+    """For `parallax-ng plan`: {knob: [(size, buckets or buffers it makes)]}
+    for each knob `config` tunes, the sizes training will try (the first
+    the graph's to begin with)."""
+    out = {}
+    for knob in knobs(config):
+        now = plan_of(config)
+        tried = [(_size_of(config, knob), now)] + trials(plan_of, config, now, knob)
+        out[knob] = [(size, len(packing(plan, knob))) for size, plan in tried]
+    return out
+
+
+def named(knob: str, size, count: int) -> str:
+    """`size` of `knob` as printed: its bytes (or the default) and what it makes."""
+    what = "bucket" if knob == "buckets.bytes" else "buffer"
+    return ("the default" if size in ("auto", 0) else f"{size:,} bytes") + \
+        f" ({count} {what}{'s' * (count != 1)})"
+
+
 class Tuner:
     """Times training steps of each candidate size and picks the fastest;
     `trained(seconds, profile)` after each training run returns the
@@ -125,13 +156,8 @@ class Tuner:
             knob = self._rounds.pop(0)
             base = self._base()
             now = self._plan_of(base, profile)
-            seen, trial = {packing(now, knob)}, []
-            for size in sizes(now_bytes(now, knob), knob) if now_bytes(now, knob) else ():
-                plan = self._plan_of(configured(base, knob, size), profile)
-                if packing(plan, knob) not in seen:
-                    seen.add(packing(plan, knob))
-                    trial.append((size, plan))
-                    self._counts[size] = len(packing(plan, knob))
+            trial = trials(lambda c: self._plan_of(c, profile), base, now, knob)
+            self._counts.update((size, len(packing(plan, knob))) for size, plan in trial)
             if trial:       # two passes, the second backwards: a drift hits all alike
                 self._size, self._times, self._timed = _size_of(base, knob), [], {}
                 self._began = time.monotonic()
@@ -152,14 +178,10 @@ class Tuner:
         self._fixed[knob], self._last = best, tried.get(best)
         self.tuned[knob] = {"chosen": best, "tried": dict(tried)}
         if self._worker == 0:
-            def _name(size):
-                what = "bucket" if knob == "buckets.bytes" else "buffer"
-                count = self._counts.get(size, 0)
-                return ("the default" if size in ("auto", 0) else f"{size:,} bytes") + \
-                    f" ({count} {what}{'s' * (count != 1)})"
-            listed = ", ".join(f"{_name(s)}: {t * 1e3:.1f} ms" for s, t in tried.items())
-            print(f"parallax_ng: tuned {knob} = {_name(best)} (median step "
-                  f"{tried[best] * 1e3:.1f} ms; tried {listed}; in "
+            listed = ", ".join(f"{named(knob, s, self._counts.get(s, 0))}: {t * 1e3:.1f} ms"
+                               for s, t in tried.items())
+            print(f"parallax_ng: tuned {knob} = {named(knob, best, self._counts.get(best, 0))}"
+                  f" (median step {tried[best] * 1e3:.1f} ms; tried {listed}; in "
                   f"{time.monotonic() - self._began:.1f} s)", file=sys.stderr, flush=True)
         moved = None
         if best != self._size:

@@ -174,9 +174,21 @@ def _load(opts):
 def _plan(opts, graph, resources, config) -> int:
     if opts.profile:
         return _profiled_plan(opts)
-    from .. import transform_plan
-    plan = transform_plan(graph, resources, config)
-    print(json.dumps(plan.to_dict(), indent=1) if opts.json else plan.format())
+    from .. import build, transform_plan
+    from ..runtime import tuning
+    plan, tried = transform_plan(graph, resources, config), {}
+    job = build.resolve(resources, config, planned=True)
+    if tuning.knobs(job.config) and not job.config.l2l.enabled:
+        from ..graph import frontend
+        made = build.Build(frontend.load(graph), job)
+        tried = tuning.candidates(lambda c: made.configured(c).plan(), job.config)
+    if opts.json:
+        print(json.dumps({**plan.to_dict(), "tuning": tried}, indent=1))
+        return 0
+    print(plan.format())
+    for knob, sizes in tried.items():  # buckets.mode / fusion.buffer_bytes auto
+        print(f"{knob} auto: sizes tried while training: " + ", ".join(
+            tuning.named(knob, size, count) for size, count in sizes))
     return 0
 
 
