@@ -51,25 +51,26 @@ def test_the_fastest_size_wins_and_each_packing_is_tried_once(capsys):
     """embedding_regression's three dense variables (22 floats in backward
     order out/v, dense/b, dense/w): one bucket (the default 4 MB threshold),
     two, and one per variable, each timed 2 steps after 1 of warm-up, in two
-    passes (the second backwards, each trial on a graph built for it); two
-    buckets are fastest, so the graph moves back to them."""
+    passes (the second backwards, each trial on a graph built for it, and
+    without one per variable: twice the fastest's time); two buckets are
+    fastest, so the graph moves back to them."""
     r = Recorded({"run_option": "allreduce", "buckets": {"mode": "auto"},
                   "tuning": {"steps": 2, "warmup": 1}})
     tuner = r.tuner()
-    times = {1: 0.010, 2: 0.005, 3: 0.008}
+    times = {1: 0.0052, 2: 0.005, 3: 0.010}
     assert len(r.graph.buckets) == 1
     assert r.step(tuner, times) is None            # the round starts; the graph stays
-    moves = [r.step(tuner, times) for _ in range(6 * 3)]
+    moves = [r.step(tuner, times) for _ in range(5 * 3)]
     landed = [len(m.buckets) for m in moves if m is not None]
-    assert landed == [2, 3, 3, 2, 1, 2]            # 1 2 3 | 3 2 1, then the fastest
+    assert landed == [2, 3, 2, 1, 2]               # 1 2 3 | 2 1, then the fastest
     assert moves[-1] is not None and len(moves[-1].buckets) == 2
     chosen = tuner.tuned["buckets.bytes"]
     assert chosen["tried"][chosen["chosen"]] == 0.005 and len(chosen["tried"]) == 3
-    assert r.graphs == [1, 2, 3, 4, 5, 6]          # each graph's collectives keyed apart
+    assert r.graphs == [1, 2, 3, 4, 5]             # each graph's collectives keyed apart
     assert all(r.step(tuner, times) is None for _ in range(20))   # no drift watch
     said = capsys.readouterr().err
     assert re.search(r"tuned buckets.bytes = \d[\d,]* bytes \(2 buckets\) \(median step "
-                     r"5.0 ms; tried 4,194,304 bytes \(1 bucket\): 10.0 ms, ", said), said
+                     r"5.0 ms; tried 4,194,304 bytes \(1 bucket\): 5.2 ms, ", said), said
 
 
 def test_plan_lists_the_sizes_training_will_try(tmp_path, capsys):
@@ -105,15 +106,17 @@ def test_every_worker_takes_worker_0s_choice():
                   "tuning": {"steps": 1, "warmup": 0}})
     offered = []
 
-    def decide(mine):
+    answers = [[4 * 2**20], 4 * 2**20]             # worker 0's second pass and choice:
+
+    def decide(mine):                              # the default, one bucket
         offered.append(mine)
-        return 4 * 2**20                           # worker 0's: the default, one bucket
+        return answers.pop(0)
 
     tuner = r.tuner(decide, worker=1)
     times = {1: 0.010, 2: 0.005, 3: 0.008}
-    for _ in range(1 + 6):
+    for _ in range(1 + 4):
         r.step(tuner, times)
-    assert offered == [None] and tuner.tuned["buckets.bytes"]["chosen"] == 4 * 2**20
+    assert offered == [None, None] and tuner.tuned["buckets.bytes"]["chosen"] == 4 * 2**20
     assert len(r.graph.buckets) == 1               # moved back to the default
 
 
@@ -124,7 +127,7 @@ def test_steps_that_drift_start_the_sizes_again(capsys):
                   "tuning": {"steps": 1, "warmup": 0, "drift": 0.5, "window": 4}})
     tuner = r.tuner()
     times = {1: 0.010, 2: 0.005, 3: 0.008}
-    for _ in range(1 + 6):
+    for _ in range(1 + 4):                         # 1 2 3 | 2
         r.step(tuner, times)
     assert len(r.graph.buckets) == 2
     assert all(r.step(tuner, times) is None for _ in range(4))
@@ -149,7 +152,7 @@ def test_fusion_buffers_then_buckets_and_sizes_that_change_nothing_are_skipped()
             sizes.append(len(moved.buffers))
     assert list(tuner.tuned) == ["fusion.buffer_bytes"]
     tried = tuner.tuned["fusion.buffer_bytes"]["tried"]
-    assert len(tried) == len(set(sizes)) >= 3
+    assert len(tried) == len(set(sizes) | {len(r.graph.buffers)}) >= 3   # and the first graph's
 
 
 def train(config, steps, batch=4, replicas=2):

@@ -7,10 +7,12 @@ moves its state to another Program (runner.py `_move_to`).
 Guarantees: once the profiled steps are done, the Runner trains
 `tuning.warmup` + `tuning.steps` steps with each candidate size in turn,
 in two passes (the second backwards, so a drift in the machine's speed
-weighs on every size alike; fusion buffers first, then buckets; sizes from
+weighs on every size alike, and only over the sizes within CONTENDERS of
+the first pass's fastest; fusion buffers first, then buckets; sizes from
 the knob's whole gradient down to a 32nd of it, and one bucket per
 variable; sizes that pack the gradients alike are tried once) and goes on
-with the size whose timed steps of both passes had the smallest median. Every size is the same math (exact, as
+with the contender whose timed steps of both passes had the smallest
+median. Every size is the same math (exact, as
 every plan), so the trials are training steps, none is lost; only the
 order in which a bucket's elements are summed changes, within float
 rounding. In a job every worker moves at the same step (the schedule
@@ -30,6 +32,7 @@ from dataclasses import replace
 
 KNOBS = ("fusion.buffer_bytes", "buckets.bytes")
 FRACTIONS = (1, 2, 4, 8, 16, 32)      # sizes tried: the knob's whole gradient over these
+CONTENDERS = 1.15     # the second pass tries the sizes within this of the first's fastest
 
 
 def knobs(config) -> list[str]:
@@ -112,6 +115,8 @@ class Tuner:
         self._fixed: dict[str, int] = {}  # knob -> size chosen
         self._knob = None                 # the knob being tried
         self._trial: list[tuple[int, object]] = []   # (size, plan) still to try
+        self._second: list[tuple[int, object]] = []  # the first pass's, for the second
+        self._kept: list = []             # the sizes in the second pass
         self._size, self._times = None, []
         self._timed: dict = {}            # size -> its timed steps so far
         self._last = None                 # the chosen size's median step
@@ -131,10 +136,21 @@ class Tuner:
             return None
         self._timed.setdefault(self._size, []).extend(self._times[self.settings.warmup:])
         self._times = []
+        if not self._trial and self._second:
+            self._trial, self._second = self._contenders(self._second), []
         if self._trial:     # a size tried twice in a row is built again: every
             self._size, plan = self._trial.pop(0)          # trial starts alike
             return self._build(plan)
         return self._choose(profile)
+
+    def _contenders(self, tried):
+        """The second pass: the first pass's sizes, backwards, whose median
+        was within CONTENDERS of the fastest's (worker 0's, for every worker)."""
+        medians = {s: statistics.median(t) for s, t in self._timed.items()}
+        mine = [s for s, _ in tried if medians[s] <= CONTENDERS * min(medians.values())] \
+            if self._worker == 0 else None
+        self._kept = self._decide(mine)
+        return [(s, plan) for s, plan in reversed(tried) if s in self._kept]
 
     def _build(self, plan):
         """The Program of `plan`, its collectives keyed apart from every
@@ -162,7 +178,7 @@ class Tuner:
                 self._size, self._times, self._timed = _size_of(base, knob), [], {}
                 self._began = time.monotonic()
                 self._knob = knob
-                self._trial = trial + list(reversed([(self._size, now)] + trial))
+                self._trial, self._second = list(trial), [(self._size, now)] + trial
                 self._counts[self._size] = len(packing(now, knob))
                 return None
         drift = self.settings.drift > 0 and self._last is not None
@@ -173,7 +189,7 @@ class Tuner:
         """Worker 0's fastest size, for every worker; the Program to move to
         unless the graph has it already."""
         knob, tried = self._knob, {s: statistics.median(t) for s, t in self._timed.items()}
-        mine = min(tried, key=lambda s: tried[s]) if self._worker == 0 else None
+        mine = min(self._kept, key=lambda s: tried[s]) if self._worker == 0 else None
         best = self._decide(mine)
         self._fixed[knob], self._last = best, tried.get(best)
         self.tuned[knob] = {"chosen": best, "tried": dict(tried)}
