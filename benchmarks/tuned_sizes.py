@@ -17,6 +17,7 @@ fixed size's, with the size it chose.
 
     python benchmarks/tuned_sizes.py [--models lm,classifier] [--knobs buckets,fusion]
         [--steps 200] [--warmup 100] [--tuning 400] [--repeats 1] [--netlab 1gbit]
+        [--sizes 16,64,256,1024,4096]
 """
 import argparse
 import json
@@ -28,17 +29,22 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_lm import NETLAB, job  # noqa: E402
 
-SIZES = (16 * 2**10, 64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20)
-KNOBS = {   # knob -> (cluster_lm mode, {row: config}, config of auto)
-    "buckets": ("allreduce",
-                {"one per variable": {"buckets": {"mode": "none"}},
-                 **{f"{s // 1024} KB": {"buckets": {"mode": "threshold", "bytes": s}}
-                    for s in SIZES}},
-                {"buckets": {"mode": "auto"}}),
-    "fusion": ("hybrid-bfb",
-               {f"{s // 1024} KB": {"fusion": {"buffer_bytes": s}} for s in SIZES},
-               {"fusion": {"buffer_bytes": "auto"}}),
-}
+SIZES = "16,64,256,1024,4096"      # KB
+
+
+def knobs(sizes: list[int]) -> dict:
+    """knob -> (cluster_lm mode, {row: config}, config of auto), the fixed
+    rows at `sizes` bytes."""
+    return {
+        "buckets": ("allreduce",
+                    {"one per variable": {"buckets": {"mode": "none"}},
+                     **{f"{s // 1024} KB": {"buckets": {"mode": "threshold", "bytes": s}}
+                        for s in sizes}},
+                    {"buckets": {"mode": "auto"}}),
+        "fusion": ("hybrid-bfb",
+                   {f"{s // 1024} KB": {"fusion": {"buffer_bytes": s}} for s in sizes},
+                   {"fusion": {"buffer_bytes": "auto"}}),
+    }
 
 
 def run(mode: str, config: dict, args, tmp: str, repeat: int, model: str) -> dict:
@@ -61,6 +67,7 @@ def main():
     parser.add_argument("--tuning", type=int, default=400,
                         help="steps the tuned job runs before the others' warm-up")
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--sizes", default=SIZES, help="the fixed sizes swept, KB")
     parser.add_argument("--netlab", metavar="RATE", help="emulated hosts, NICs at RATE")
     args = parser.parse_args()
     if args.netlab:
@@ -70,7 +77,8 @@ def main():
         with tempfile.TemporaryDirectory() as tmp:
             for model in args.models.split(","):
                 for knob in args.knobs.split(","):
-                    mode, fixed, auto = KNOBS[knob]
+                    mode, fixed, auto = knobs([int(k) * 1024 for k in
+                                               args.sizes.split(",")])[knob]
                     rows = {**fixed, "auto": auto}
                     runs = {row: [] for row in rows}
                     for r in range(args.repeats):
