@@ -9,9 +9,8 @@ per fixed size, then one with the size `auto` (parallax_ng/runtime/tuning.py).
 Every job runs --warmup steps first and worker 0 times --steps more; the
 tuned job runs --tuning more steps first, in which it tries its sizes (so
 its timed window starts well after its last graph was built: a job's
-first steps are slower, and after the moves of tuning with TensorFlow
-collectives the slower steps last a few hundred steps, see
-docs/benchmarks.md). Each row is the median of --repeats jobs
+first steps are slower, and after six moves the classifier's steps
+were 4-9% slower for about 500 steps, see docs/benchmarks.md). Each row is the median of --repeats jobs
 (sizes interleaved). The tuned job's steps/s is printed against the best
 fixed size's, with the size it chose.
 
