@@ -86,9 +86,8 @@ def candidates(plan_of, config) -> dict[str, list[tuple[int, int]]]:
     """For `parallax-ng plan`: {knob: [(size, buckets or buffers it makes)]}
     for each knob `config` tunes, the sizes training will try (the first
     the graph's to begin with)."""
-    out = {}
+    out, now = {}, plan_of(config)
     for knob in knobs(config):
-        now = plan_of(config)
         tried = [(_size_of(config, knob), now)] + trials(plan_of, config, now, knob)
         out[knob] = [(size, len(packing(plan, knob))) for size, plan in tried]
     return out

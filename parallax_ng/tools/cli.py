@@ -176,11 +176,13 @@ def _plan(opts, graph, resources, config) -> int:
         return _profiled_plan(opts)
     from .. import build, transform_plan
     from ..runtime import tuning
-    plan, tried = transform_plan(graph, resources, config), {}
     job = build.resolve(resources, config, planned=True)
-    if tuning.knobs(job.config) and not job.config.l2l.enabled:
+    if job.config.l2l.enabled or not tuning.knobs(job.config):
+        plan, tried = transform_plan(graph, resources, config), {}
+    else:                              # one Build planned with each size tuning tries
         from ..graph import frontend
         made = build.Build(frontend.load(graph), job)
+        plan = made.plan()
         tried = tuning.candidates(lambda c: made.configured(c).plan(), job.config)
     if opts.json:
         print(json.dumps({**plan.to_dict(), "tuning": tried}, indent=1))
