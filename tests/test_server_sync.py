@@ -150,3 +150,34 @@ def test_the_step_barrier_is_inside_the_training_run():
     take = other.node(f"parallax/server_sync/step_{index}/take")
     assert "^parallax/server_sync/push_0" in take.input
     assert f"^{take.name}" in other.node(writer).input
+
+
+def test_a_read_after_a_shared_writer_sees_the_jobs_rows_on_the_chief():
+    """Keras 3's Adagrad reads the accumulator's rows at the gradient's ids
+    after adding to them (graph/row_divisions.py); on the chief that read
+    also waits for the step's barrier token, and it must still read the
+    job's ids (every worker's rows), not the chief's own: else the division
+    meets rows of two sizes ("Incompatible shapes: [1024,128] vs. [512,128]"
+    on the server in a 2-worker job)."""
+    import keras
+    import numpy as np
+
+    import parallax_ng as pn
+    from models import local
+    inp = keras.Input((3,), dtype="int32")
+    out = keras.layers.Dense(5)(keras.layers.GlobalAveragePooling1D()(
+        keras.layers.Embedding(100, 8)(inp)))
+    model = keras.Model(inp, out)
+    model.compile(keras.optimizers.Adagrad(0.1),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    pn.parallelize(model, local(2), {"run_option": "ps"})
+    rng = np.random.default_rng(0)
+    model.fit(rng.integers(0, 100, (32, 3)), rng.integers(0, 5, (32,)), batch_size=16,
+              verbose=0)
+    captured = model._parallax_ng.step.runner.ctx.tg.graph
+    ir, _ = cluster_transform(captured, worker=0, run_option="ps")
+    rows = [n for n in ir.nodes if n.op == "ResourceGather" and n.name.startswith("adagrad/")]
+    assert rows, "Keras 3's Adagrad reads its accumulator's rows"
+    for n in rows:
+        assert any(i.startswith("^parallax/server_sync/step_") for i in n.input), n.input
+        assert n.input[1].endswith("/indices/job"), n.input

@@ -96,8 +96,8 @@ class ServerSyncPass:
             puts, changed = _step_releases(ctx, ir, step)
             added += puts
         out = ir.replace(changed, added) if changed or added else ir
-        # a silenced writer is a NoOp: it no longer reads the aggregates
-        rewires = {key: t for key, t in rewires.items() if key[0] not in changed}
+        if plan.worker > 0:   # a silenced writer is a NoOp: it no longer reads the aggregates
+            rewires = {key: t for key, t in rewires.items() if key[0] not in changed}
         if rewires:
             out = out.rewire(rewires)
             out, moved = _reduce_on_server(out, rewires)
