@@ -19,7 +19,8 @@ clipping), with the gradient rows sent first (those the next batch reads:
 EmbRace's Table 3, prioritized);
 `balance-*` modes put only dense gradients on 2 or 3 servers. A mode
 `MODE+fp16` or `MODE+bf16` is MODE with gradients in 16 bits
-(`communication.compression`).
+(`communication.compression`); `MODE+factors` is MODE with dense weights
+whose gradients are products by their factors (`dense_method: factors`).
 `--modes fit` (with `--model classifier`) trains the classifier as a Keras
 model with `model.fit`: Keras 3 through parallax_ng's TF2 front end
 (`pn.parallelize`; `keras3` the default hybrid plan, `keras3-allreduce`),
@@ -166,7 +167,7 @@ def main():
             modes = args.modes.replace("ablation", ",".join(ABLATION)).replace(
                 "sparse", ",".join(SPARSE)).split(",")
             modes = [m for mode in modes for m in (FIT_ROWS if mode == "fit" else (mode,))]
-            if args.model != "classifier" and set(modes) & set(FIT):
+            if args.model != "classifier" and {m.split("+")[0] for m in modes} & set(FIT):
                 raise SystemExit(f"modes {FIT} train the classifier: add --model classifier")
             modes = [m for mode in modes for m in (NO_CLIP if mode == "scheduling" else
                                                    (mode,))]
@@ -201,11 +202,13 @@ _ports = iter(range(31000, 40000, 10))
 
 def config_of(mode: str) -> tuple:
     """(config, servers) of a mode; `MODE+fp16` / `MODE+bf16` is MODE with
-    compressed gradients (communication.compression)."""
-    base, _, compression = mode.partition("+")
+    compressed gradients (communication.compression), `MODE+factors` with
+    `dense_method: factors` (both: `MODE+factors+fp16`)."""
+    base, *extras = mode.split("+")
     config, servers = CONFIGS[base]
-    if compression:
-        config = {**config, "communication": {"compression": compression}}
+    for extra in extras:
+        config = {**config, **({"dense_method": "factors"} if extra == "factors" else
+                               {"communication": {"compression": extra}})}
     return config, servers
 
 
@@ -360,7 +363,7 @@ def worker(args) -> None:
     from parallax_ng import cluster
     info = cluster.from_env()
     model_args = model_arguments(args)
-    if args.mode in FIT:
+    if args.mode.split("+")[0] in FIT:    # keras3+fp16 is Keras 3's fit too
         return fit_worker(args, info, model_args)
     runner = None
     if args.mode == "mwms":

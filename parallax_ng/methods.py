@@ -20,6 +20,7 @@ message:
 - ps, bfb (push, pull; balanced over the servers):         2N(alpha M/(SB) + beta)
 - allgather (every replica's rows to every replica):       (N-1)(alpha M/B + 3 beta)
 - alltoall (rows by columns, forward and backward):        (N-1)(2 alpha M/(NB) + 4 beta)
+- factors (a MatMul gradient's factors, F bytes a replica):  (N-1)(F/B + 3 beta)
 The latency terms count the messages of this implementation's lowering
 (comm/collectives.py): an all-gather of rows is three ring gathers (sizes,
 rows, indices); alltoall gathers sizes and ids and exchanges the rows, and
@@ -56,16 +57,25 @@ class Method:
     rounds: int = 0               # rounds of collectives one after another in a step
     servers: bool = False         # a step sends its gradients to the job's servers
     horizontal: bool = False      # a dense variable's update may wait for its first read
+    factored: bool = False        # takes only a gradient that is a product of two factors
     passes: tuple = ("aggregate",)   # the passes that build it (transforms/)
 
-    def refusal(self, var: str, sparse: bool, can_sum_rows: bool = True) -> str | None:
+    def refusal(self, var: str, sparse: bool, can_sum_rows: bool = True,
+                factors: bool = True) -> str | None:
         """Why config `variable_methods.<var>: <this method>` cannot be (None:
         it can). `can_sum_rows`: whether duplicate rows of the variable's
-        sparse gradient may be summed (planning/coalescing.py)."""
+        sparse gradient may be summed (planning/coalescing.py); `factors`:
+        whether its dense gradient is a product of two factors
+        (planning/analysis.py `factors`)."""
         if sparse and not self.sparse or not sparse and not self.dense:
             kind = "sparse" if sparse else "dense"
             return (f"config key 'variable_methods.{var}' is {self.name} ({self.what}), but "
                     f"{var} has a {kind} gradient; use {', '.join(taking(sparse))}")
+        if self.factored and not factors:
+            return (f"config key 'variable_methods.{var}' is {self.name} ({self.what}), but "
+                    f"{var}'s gradient is not MatMul(a, b, transpose_a=True) of two 2-D "
+                    "tensors whose sizes the graph knows; use "
+                    + ", ".join(m for m in taking(False) if not METHODS[m].factored))
         if sparse and self.sums_rows and not can_sum_rows:
             return (f"config key 'variable_methods.{var}' is {self.name}, which sums {var}'s "
                     "sparse gradient as a dense one (duplicate rows summed), but a use of "
@@ -93,6 +103,16 @@ def _alpha(info) -> float:
 def _on_servers(info, n: int, servers: int, net) -> float:
     return 2 * n * (_alpha(info) * info.nbytes / (max(servers, 1) * net.bandwidth)
                     + net.latency)
+
+
+def factor_bytes(info) -> float:
+    """Bytes of one replica's two factors (`VariableInfo.factors`; 0 while
+    their rows are unknown: neither the graph nor a measured step gave them)."""
+    rows, width = info.factors or (0, 0)
+    elements = 1
+    for d in info.shape:
+        elements *= d or 1
+    return (rows or 0) * width * info.nbytes / elements
 
 
 def _pushed_and_pulled(info, n: int) -> float:
@@ -125,8 +145,17 @@ PS = Method(
     "ps", "the variable on a parameter server", True, True, _on_servers, _pushed_and_pulled,
     shared=True, coalesces=True, servers=True, passes=("aggregate", "server_sync"))
 
+FACTORS = Method(
+    "factors", "a MatMul gradient's two factors gathered from every replica, multiplied on "
+    "each", True, False,
+    lambda info, n, s, net: (n - 1) * (factor_bytes(info) / net.bandwidth
+                                       + GATHERS * net.latency),
+    lambda info, n: 2 * (n - 1) * factor_bytes(info),
+    factored=True, rounds=2)
+
 # in the order the cost model breaks ties
-METHODS: dict[str, Method] = {m.name: m for m in (ALLREDUCE, ALLTOALL, ALLGATHER, BFB, PS)}
+METHODS: dict[str, Method] = {m.name: m for m in (ALLREDUCE, ALLTOALL, ALLGATHER, BFB, PS,
+                                                  FACTORS)}
 
 
 def method(name: str) -> Method:

@@ -35,17 +35,18 @@ def dataset_arrays(dtype=np.float32):
 
 def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
                          dtype=tf.float32, one_shot=False, loss_sum=False, partitions=None,
-                         dim=DIM, random_table=False, dropout=0.0):
+                         dim=DIM, random_table=False, dropout=0.0, static_batch=False):
     """An embedding (sparse gradient) plus a dense layer, with a global step.
     With `partitions`, the embedding is that many row ranges (pn.partitioner);
     `dim` columns; with `random_table`, drawn by a random initializer; with
-    `dropout`, the hidden layer's units dropped at that rate (seeded)."""
+    `dropout`, the hidden layer's units dropped at that rate (seeded); with
+    `static_batch`, batches of a size the graph knows."""
     np_dtype = dtype.as_numpy_dtype
     g = tf.Graph()
     with g.as_default():
         rng = np.random.RandomState(7)
         ds = tf.data.Dataset.from_tensor_slices(dataset_arrays(np_dtype))
-        ds = pn.shard(ds).batch(batch).repeat()
+        ds = pn.shard(ds).batch(batch, drop_remainder=static_batch).repeat()
         if one_shot:
             it = tf1.data.make_one_shot_iterator(ds)
         else:

@@ -78,4 +78,5 @@ def test_golden_tiny_graph():
     update = "train/update_w/ResourceApplyGradientDescent"
     assert out.node(update).input[2] == "parallax/allreduce/w/replica_0"
     assert out.node("parallax/replica_1/" + update).input[2] == "parallax/allreduce/w/replica_1"
-    assert report == {"allreduce": 1, "ps": 0, "allgather": 0, "bfb": 0, "alltoall": 0}
+    assert report == {"allreduce": 1, "ps": 0, "allgather": 0, "bfb": 0, "alltoall": 0,
+                      "factors": 0}

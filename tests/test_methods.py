@@ -1,6 +1,8 @@
 """The method registry: what each communication method takes (and why
 not), its cost and bytes, its placement flags and the passes that build it,
 and that the config, the planner and the cost model all read it."""
+from dataclasses import replace
+
 import pytest
 
 import parallax_ng as pn
@@ -21,7 +23,7 @@ def info(sparse=True, nbytes=1000, alpha=0.1, shape=(100, 10)):
 
 def test_the_config_and_the_cost_model_list_the_registry():
     assert config.METHODS == tuple(methods.METHODS) == costmodel.METHODS
-    assert config.DENSE_METHODS == ("auto", "allreduce", "bfb", "ps")
+    assert config.DENSE_METHODS == ("auto", "allreduce", "bfb", "ps", "factors")
     assert config.SPARSE_METHODS == ("auto", "allreduce", "alltoall", "allgather", "ps")
 
 
@@ -35,7 +37,10 @@ def test_each_method_refuses_what_it_cannot_take_and_says_what_can():
     assert "sees them one by one; use alltoall, allgather, ps" in m["allreduce"].refusal(
         "emb", True, can_sum_rows=False)
     assert m["allreduce"].refusal("emb", True, can_sum_rows=True) is None
-    assert all(m[n].refusal("w", False) is None for n in ("allreduce", "bfb", "ps"))
+    assert all(m[n].refusal("w", False) is None for n in ("allreduce", "bfb", "ps", "factors"))
+    assert "not MatMul(a, b, transpose_a=True) of two 2-D tensors" in m["factors"].refusal(
+        "b", False, factors=False)
+    assert "has a sparse gradient" in m["factors"].refusal("emb", True)
     assert all(m[n].refusal("e", True) is None for n in ("allreduce", "alltoall",
                                                           "allgather", "ps"))
 
@@ -57,6 +62,12 @@ def test_costs_are_the_papers_tables():
     assert methods.METHODS["allgather"].replica_bytes(v, n) == pytest.approx(2 * 3 * 100)
     assert costmodel.seconds("bfb", dense, n, s, NET) == methods.seconds("bfb", dense, n, s,
                                                                          NET)
+    # a [100, 10] float32 weight whose gradient is [32 rows of 100 | 32 rows of 10]^T products:
+    # every replica's factors (32 * 110 * 4 bytes) to every other, and theirs in
+    factored = replace(dense, nbytes=4000, factors=(32, 110))
+    assert methods.factor_bytes(factored) == 32 * 110 * 4
+    assert methods.seconds("factors", factored, n, s, NET) == (n - 1) * 32 * 110 * 4
+    assert methods.METHODS["factors"].replica_bytes(factored, n) == 2 * (n - 1) * 32 * 110 * 4
 
 
 def test_flags_say_where_a_method_puts_a_variable():
@@ -66,6 +77,7 @@ def test_flags_say_where_a_method_puts_a_variable():
     assert [n for n, x in m.items() if x.columns] == ["alltoall"]
     assert [n for n, x in m.items() if x.servers] == ["bfb", "ps"]
     assert [n for n, x in m.items() if x.all_reduced] == ["allreduce"]
+    assert [n for n, x in m.items() if x.factored] == ["factors"]
 
 
 def test_the_passes_a_method_names_exist():

@@ -12,6 +12,9 @@ norms, summaries, update ops), by the plan's method:
   in-process; transforms/local_aggregation.py moves it to the worker's
   host); IndexedSlices are concatenated there, scaled by 1/N for a mean;
 - allgather: the backend's all-gather of the IndexedSlices;
+- factors: a dense gradient MatMul(a, b, transpose_a=True) by its two
+  factors: every replica's [a | b] all-gathered, the product taken on
+  every replica (the sum of the replicas' products);
 - a sparse gradient whose indices are the same on every replica (a lookup
   of positions: TrainingGraph.rows_alike) has its values summed row for
   row instead (all-reduced, or AddN on the server), its indices kept, so
@@ -32,12 +35,13 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
+from parallax_ng import compat
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit, rules
 from parallax_ng.graph.ir import GraphIR, TensorRef, parse_input
 from parallax_ng.methods import ALLREDUCE, BFB, METHODS
 from parallax_ng.pipeline.results import CoalescedRows, ExchangedLookups, LocalAggregates
-from parallax_ng.planning import deferral
+from parallax_ng.planning import analysis, deferral
 from transforms.columns import lookup_exchange
 from transforms.flat_buffers import bucket, concat, elements, fusion_buffers
 
@@ -68,6 +72,7 @@ class AggregatePass:
                 continue
             grad = ctx.tg.gradients[var]
             build = {"allreduce": _allreduce, "ps": _ps, "allgather": _allgather,
+                     "factors": _factors,
                      "alltoall": lambda c, v, g: _alltoall(c, v, g, exchanged, gathered,
                                                            coalesced, reads)}[vp.method]
             nodes, outputs = build(ctx, var, grad)
@@ -98,6 +103,41 @@ def _allreduce(ctx, var, grad, method: str = "allreduce"):
         f"parallax/{method}/{var}",
         [ctx.replica_tensor(k, grad.values) for k in range(plan.num_replicas)],
         dtype, plan.average_sparse if grad.sparse else plan.average_dense, gradient=True)
+    return nodes, {grad.values: outs}
+
+
+def _factors(ctx, var, grad):
+    """A dense gradient MatMul(a, b, transpose_a=True) from its factors:
+    each replica's [a | b] gathered from every replica (one all-gather of
+    rows, in replica order), and on every replica the product of the
+    gathered a and b, which is the sum of every replica's product (times
+    1/N for a mean)."""
+    plan, tg = ctx.plan, ctx.tg
+    a, b = tg.ir.data_inputs(analysis.product(tg, grad).name)[:2]
+    m, dtype = compat.dim(tg.tensor(a).shape, 1), tg.tensor(grad.values).dtype
+    scope = f"parallax/factors/{var}"
+    nodes, joined, rows = [], [], []
+    for k, device in enumerate(plan.devices):
+        made, (both, ids) = emit.emit_traced(
+            lambda x, y: (tf.concat([x, y], 1), tf.range(tf.shape(x)[0])),
+            [(ctx.replica_tensor(k, a), dtype, tg.tensor(a).shape),
+             (ctx.replica_tensor(k, b), dtype, tg.tensor(b).shape)],
+            f"{scope}/replica_{k}/join", device)
+        nodes += made
+        joined.append(both)
+        rows.append(ids)
+    width = m + compat.dim(tg.tensor(b).shape, 1)
+    made, gathered, _ = ctx.comm.all_gather(f"{scope}/gather", joined, rows, dtype, tf.int32,
+                                            [None, width], mean=False)
+    nodes += made
+    scale = 1.0 / plan.group_size if plan.average_dense else 1.0
+    outs = []
+    for k, device in enumerate(plan.devices):
+        made, (product,) = emit.emit_traced(
+            lambda g: tf.matmul(g[:, :m], g[:, m:], transpose_a=True) * tf.cast(scale, dtype),
+            [(gathered[k], dtype, [None, width])], f"{scope}/replica_{k}/product", device)
+        nodes += made
+        outs.append(product)
     return nodes, {grad.values: outs}
 
 

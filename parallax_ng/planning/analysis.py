@@ -24,11 +24,13 @@ class VariableInfo:
     alpha: float | None       # rows touched per step / rows (sparse only)
     alpha_source: str         # "estimate", "measured" or "dense"
     order: int                # depth where the variable first meets the batch
+    factors: tuple | None = None  # (rows or None, width) of the MatMul factors (dense)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
                 "bytes": self.nbytes, "sparse": self.sparse, "alpha": self.alpha,
-                "alpha_source": self.alpha_source, "order": self.order}
+                "alpha_source": self.alpha_source, "order": self.order,
+                "factors": list(self.factors) if self.factors else None}
 
 
 def analyze(tg: TrainingGraph) -> dict[str, VariableInfo]:
@@ -44,8 +46,54 @@ def analyze(tg: TrainingGraph) -> dict[str, VariableInfo]:
             name=name, shape=var.shape, dtype=var.dtype.name, nbytes=var.nbytes,
             sparse=grad.sparse, alpha=alpha,
             alpha_source="estimate" if grad.sparse else "dense",
-            order=min(reads, default=len(depth)))
+            order=min(reads, default=len(depth)), factors=factors(tg, grad))
     return out
+
+
+def factors(tg: TrainingGraph, grad) -> tuple | None:
+    """(rows, width) of one replica's two factors where its dense gradient
+    is a product `MatMul(a, b, transpose_a=True)` of 2-D tensors (a dense
+    layer's weights: a = the layer's input rows, b = the gradient of its
+    output): the rows they share (None where the graph does not know them;
+    a measured step gives them, planning/profile.py) and the columns of a
+    and b together. The sum over replicas of a_k^T b_k is
+    [a_1; ...; a_N]^T [b_1; ...; b_N], so the factors can cross the network
+    instead of the gradient (sufficient factors: Xie et al. 2015, Poseidon
+    2017). None for any other gradient."""
+    node = product(tg, grad)
+    if node is None:
+        return None
+    a, b = (tg.tensor(r).shape for r in tg.ir.data_inputs(node.name)[:2])
+    if a.rank != 2 or b.rank != 2:
+        return None
+    m, n = compat.dim(a, 1), compat.dim(b, 1)
+    if None in (m, n):
+        return None
+    return compat.dim(a, 0) or compat.dim(b, 0), m + n
+
+
+def unknown_rows(tg: TrainingGraph, info: dict) -> dict[str, str]:
+    """Variable -> the name of its first factor (replica 0's), for the
+    variables whose factors' rows the graph does not know: a measured step
+    fetches them (planning/profile.py `measure`)."""
+    return {v: str(tg.ir.data_inputs(product(tg, tg.gradients[v]).name)[0])
+            for v, vi in sorted(info.items()) if vi.factors and vi.factors[0] is None}
+
+
+def product(tg: TrainingGraph, grad):
+    """The MatMul(a, b, transpose_a=True) node a dense gradient is (through
+    Identity ops: the autodiff's tuples), or None."""
+    if grad.sparse:
+        return None
+    ref = grad.values
+    node = tg.ir.node(ref.node)
+    while node.op == "Identity" and ref.index == 0:
+        ref = tg.ir.data_inputs(node.name)[0]
+        node = tg.ir.node(ref.node)
+    if node.op != "MatMul" or ref.index != 0 or not node.attr["transpose_a"].b or \
+            node.attr["transpose_b"].b:
+        return None
+    return node
 
 
 def forward_depths(tg: TrainingGraph) -> dict[str, int]:

@@ -225,12 +225,14 @@ class Plan:
         return load
 
     def decisions(self) -> "Plan":
-        """The plan without its measurements (sparsity, gradient order): two
-        plans with equal decisions transform a graph alike."""
+        """The plan without its measurements (sparsity, factors' rows,
+        gradient order): two plans with equal decisions transform a graph
+        alike."""
         return replace(self, schedule=replace(self.schedule, order=()), costs={}, network="",
                        choice=(),
                        variables={
-            k: replace(vp, info=replace(vp.info, alpha=None, alpha_source=""))
+            k: replace(vp, info=replace(vp.info, alpha=None, alpha_source="",
+                                        factors=vp.info.factors and (None, vp.info.factors[1])))
             for k, vp in self.variables.items()})
 
     def to_dict(self) -> dict:

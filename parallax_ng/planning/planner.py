@@ -179,7 +179,9 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
     dense one (duplicate rows summed: parallax_ng/planning/coalescing.py).
     `sparse_method: alltoall` (or allreduce) takes the run option's method
     for a variable that cannot (a 1-D bias cannot be cut by columns, say);
-    naming it in `variable_methods` is an error. `costs` (run_option auto):
+    naming it in `variable_methods` is an error; so `dense_method: factors`
+    takes the run option's method for a dense variable whose gradient is
+    not a product of two factors. `costs` (run_option auto):
     each variable's predicted seconds per allowed method; the cheapest wins
     (a dense one takes `dense_method` when the config sets it)."""
     unknown = set(config.variable_methods) - set(info)
@@ -196,7 +198,10 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
                 method(how).columns and not cuttable(name) or
                 method(how).sums_rows and not can_sum_rows(name)):
             how = _default_method(replace(config, sparse_method="auto"), vi, job_servers)
-        why = method(how).refusal(name, vi.sparse, can_sum_rows(name) if vi.sparse else True)
+        if name not in config.variable_methods and method(how).factored and not vi.factors:
+            how = _default_method(replace(config, dense_method="auto"), vi, job_servers)
+        why = method(how).refusal(name, vi.sparse, can_sum_rows(name) if vi.sparse else True,
+                                  bool(vi.factors))
         if why:
             raise ConfigError(why)
         out[name] = how
@@ -209,9 +214,10 @@ def allowed_methods(vi: VariableInfo, name: str, job_servers: bool, can_cut,
     dense one (and fusion buffers or whole on a job's servers); for a sparse one
     all-gather, alltoall where the table can be cut by columns, all-reduce
     as dense where its rows may be summed, and servers in a job that has
-    them."""
+    them (not yet factors: asked for by `dense_method` or `variable_methods`)."""
     return tuple(m.name for m in METHODS.values()
                  if (m.sparse if vi.sparse else m.dense) and (job_servers or not m.servers)
+                 and not m.factored
                  and not (vi.sparse and m.columns and not can_cut(name))
                  and not (vi.sparse and m.sums_rows and not can_sum(name)))
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..graph import rules
-from .analysis import forward_depths
+from .analysis import analyze, forward_depths, unknown_rows
 from .costfit import Fit
 
 TOGETHER = 1e-4      # seconds: gradients ready this close belong to one layer
@@ -41,6 +41,7 @@ class Profile:
     allreduce: Fit | None = None                   # the micro-benchmark's fit, if run
     round_trip: float | None = None                # seconds a server round trip adds to a run
     session_run: float | None = None               # seconds of a session run of one local op
+    factor_rows: dict = field(default_factory=dict)  # dense variable -> its factors' rows
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -77,7 +78,8 @@ class Profile:
             {v: mean(self.ready[v], other.ready.get(v, self.ready[v])) for v in self.ready},
             mean(self.forward_time, other.forward_time), self.allreduce or other.allreduce,
             self.round_trip if self.round_trip is not None else other.round_trip,
-            self.session_run if self.session_run is not None else other.session_run)
+            self.session_run if self.session_run is not None else other.session_run,
+            {**other.factor_rows, **self.factor_rows})
 
     def apply(self, info: dict, tg) -> dict:
         """The analysis with measured sparsity: rows touched / rows."""
@@ -86,6 +88,9 @@ class Profile:
             total = tg.variables[var].shape[0]
             if total:
                 out[var] = replace(info[var], alpha=rows / total, alpha_source="measured")
+        for var, rows in self.factor_rows.items():
+            if out[var].factors and out[var].factors[0] is None:
+                out[var] = replace(out[var], factors=(rows, out[var].factors[1]))
         return out
 
     def to_dict(self) -> dict:
@@ -99,6 +104,8 @@ class Profile:
             out["round_trip"] = self.round_trip
         if self.session_run is not None:
             out["session_run"] = self.session_run
+        if self.factor_rows:
+            out["factor_rows"] = dict(self.factor_rows)
         return out
 
     def simulator(self, tg, per_variable: bool = False) -> dict:
@@ -163,7 +170,8 @@ def from_file(path: str) -> Profile:
 
 def measure(tg, run_metadata, indices: dict) -> Profile:
     """One step's Profile from its RunMetadata and replica 0's gradient
-    indices of the sparse variables ({var: array})."""
+    indices of the sparse variables ({var: array}; for a dense variable
+    whose gradient is a product, its first factor: analysis.unknown_rows)."""
     start, end_of = None, {}
     for dev in run_metadata.step_stats.dev_stats:
         for ns in dev.node_stats:
@@ -186,9 +194,12 @@ def measure(tg, run_metadata, indices: dict) -> Profile:
                 for t in [seconds(r.node)] if t is not None]
         if ends:
             ready[var] = max(ends)
-    rows = {var: float(len(np.unique(idx))) for var, idx in indices.items()}
+    rows = {var: float(len(np.unique(idx))) for var, idx in indices.items()
+            if tg.gradients[var].sparse}
+    factor_rows = {var: int(np.shape(a)[0]) for var, a in indices.items()
+                   if not tg.gradients[var].sparse}
     forward = seconds(_loss(tg)) or 0.0
-    return Profile(1, rows, ready, forward)
+    return Profile(1, rows, ready, forward, factor_rows=factor_rows)
 
 
 def _done_times(tg, end_of: dict):
@@ -267,6 +278,7 @@ def first_step_profile(tg, timeout_seconds: float, steps: int = 1, feeds: dict |
     fetches = sorted({f"{r.node}:{r.index}" for r in tg.gradient_tensors})
     probe = {v: f"{g.indices.node}:{g.indices.index}" for v, g in sorted(tg.gradients.items())
              if g.sparse and g.indices is not None}
+    probe.update(unknown_rows(tg, analyze(tg)))
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
                                       timeout_in_ms=int(timeout_seconds * 1000))
     config = tf.compat.v1.ConfigProto(allow_soft_placement=True)

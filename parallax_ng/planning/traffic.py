@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..methods import method, reduced_bytes
+from ..methods import factor_bytes, method, reduced_bytes
 from .placement import Sharded
 
 
@@ -155,6 +155,9 @@ def flows(plan, index_bytes: dict | None = None, rows: dict | None = None,
         wire = _wire(plan, info)         # of the gradient's values, as sent
         if how.sums_rows:        # a ring all-reduce, of a sparse gradient as dense too
             ring(2 * (g - 1) / g * reduced_bytes(info) * wire, var)
+            continue
+        if how.factored:         # every replica's factors (and a row id each) to every one
+            ring((g - 1) * (factor_bytes(info) * wire + 4 * (info.factors[0] or 0)), var)
             continue
         if not info.sparse:      # ps: the local sum in, the value back
             for i in range(n):

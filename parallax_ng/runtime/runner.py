@@ -56,6 +56,7 @@ import tensorflow as tf
 from ..graph import capture, randomness
 from ..graph.rules import READ_PREFIXES
 from ..pipeline.results import CountedDraws
+from ..planning.analysis import unknown_rows
 from ..planning.profile import Profile, measure
 from . import heartbeat, preemption, serving, tuning
 from .checkpoint import Checkpointer, Layout
@@ -251,10 +252,11 @@ class Runner:
         return self.profile.steps if self.profile is not None else 0
 
     def _probe(self) -> dict[str, str]:
-        """Replica 0's gradient indices of the sparse variables."""
-        grads = self.ctx.tg.gradients
-        return {v: str(grads[v].indices) for v, vp in sorted(self.plan.variables.items())
-                if vp.info.sparse}
+        """Replica 0's gradient indices of the sparse variables (and the
+        first factors of products whose rows the graph does not know)."""
+        info, grads = {v: vp.info for v, vp in self.plan.variables.items()}, self.ctx.tg.gradients
+        return {**{v: str(grads[v].indices) for v, vi in sorted(info.items()) if vi.sparse},
+                **unknown_rows(self.ctx.tg, info)}
 
     def _measured(self, run_metadata, indices: dict) -> None:
         step = measure(self.ctx.tg, run_metadata, indices)
