@@ -152,3 +152,27 @@ def test_a_loop_with_collectives_and_server_ops_is_refused():
     ir = GraphIR(nodes=nodes, versions=tf1.GraphDef().versions)
     with pytest.raises(GraphError, match="while loop through 'merge'"):
         _number(ir, {"x"})
+
+
+def test_only_the_inputs_of_an_identityn_s_outputs_read_are_needed():
+    """TensorFlow prunes an IdentityN's inputs whose outputs nothing in the
+    run reads (Keras's clipped gradients: one IdentityN of them all, whose
+    embedding output a non-chief worker never reads). The split must not
+    run the enqueue of such an input's queue: nothing would take the
+    element, and the next step's enqueue would wait forever."""
+    g = tf.Graph()
+    with g.as_default():
+        q = tf.queue.FIFOQueue(1, [tf.float32], name="q")
+        sent = tf.constant(2.0, name="sent")
+        q.enqueue([sent], name="enq")
+        taken = q.dequeue(name="deq")
+        kept = tf.constant(1.0, name="kept")
+        both = tf.raw_ops.IdentityN(input=[kept, taken], name="clipped")
+        tf.identity(both[0], name="first")
+        tf.identity(both[1], name="second")
+    parts = StepParts({"sent": SERVERS, "enq": SERVERS, "deq": COLLECTIVES,
+                       "kept": COLLECTIVES, "clipped": COLLECTIVES, "first": COLLECTIVES,
+                       "second": COLLECTIVES}, frozenset({"q"}), {"deq": "enq"})
+    assert parts.split(g, ("first",)) == [(COLLECTIVES, ["first"])]
+    assert parts.split(g, ("second",)) == [(SERVERS, ["enq"]), (COLLECTIVES, ["second"])]
+    assert parts.split(g, ("clipped",)) == [(SERVERS, ["enq"]), (COLLECTIVES, ["clipped"])]

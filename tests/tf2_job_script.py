@@ -11,7 +11,8 @@ With --fit, `pn.parallelize(model)` and `model.fit` on the global batches
 --example NAME, the same with a model of tests/keras_examples.py (dropout
 off), run option `hybrid` with sparse gradients pinned to the server
 (hybrid weighs ps against allgather by the measured network, which differs
-between machines); with --horovod, a rank of horovodrun (the loop or --fit,
+between machines; with --clipnorm, Adam with `global_clipnorm` and the
+dense variables by all-reduce beside the server); with --horovod, a rank of horovodrun (the loop or --fit,
 `communication.backend: horovod`); with --bn, test_keras_fit's BatchNormalization model by
 `model.fit` on STEPS global batches of 16.
 """
@@ -46,7 +47,11 @@ if "--example" in sys.argv:
     name = sys.argv[sys.argv.index("--example") + 1]
     model = ex.MODELS[name](dropout=0.0)
     args = ex.compile_args(name)
-    optimizer, config = args["optimizer"], {"sparse_method": "ps"}
+    config = {"sparse_method": "ps"}
+    if "--clipnorm" in sys.argv:            # Keras's global-norm clipping, dense by a ring
+        args["optimizer"] = keras.optimizers.Adam(1e-3, global_clipnorm=1.0)
+        config["dense_method"] = "allreduce"
+    optimizer = args["optimizer"]
     model.compile(**args)
     x, y = ex.data(name, steps * 8)
 if "--bn" in sys.argv:

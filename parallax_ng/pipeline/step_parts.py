@@ -44,20 +44,32 @@ class StepParts:
             return self._cache[fetch_ops]
         targets: dict[int, set[str]] = {}
         seen: set[str] = set()
-        todo = [(name, True) for name in fetch_ops]
+        read: dict[str, set[int]] = {}       # IdentityN -> the outputs something reads
+        todo = [(name, True, None) for name in fetch_ops]
         while todo:
-            name, is_target = todo.pop()
+            name, is_target, index = todo.pop()   # index: the output read (None: the op)
             part = self.part_of_op(graph, name)
             if is_target:
                 targets.setdefault(part, set()).add(name)
+            op = graph.get_operation_by_name(name)
+            if op.type == "IdentityN":
+                # TensorFlow's pruning keeps only the inputs of the outputs read
+                wanted = range(len(op.inputs)) if index is None else (index,)
+                new = [i for i in wanted if i not in read.setdefault(name, set())]
+                read[name].update(new)
+                todo.extend((op.inputs[i].op.name, False, op.inputs[i].value_index)
+                            for i in new)
+                if name not in seen:
+                    seen.add(name)
+                    todo.extend((c.name, False, None) for c in op.control_inputs)
+                continue
             if name in seen:
                 continue
             seen.add(name)
-            op = graph.get_operation_by_name(name)
-            todo.extend((t.op.name, False) for t in op.inputs)
-            todo.extend((c.name, False) for c in op.control_inputs)
+            todo.extend((t.op.name, False, t.value_index) for t in op.inputs)
+            todo.extend((c.name, False, None) for c in op.control_inputs)
             if name in self.enqueue_of:
-                todo.append((self.enqueue_of[name], True))
+                todo.append((self.enqueue_of[name], True, None))
         out = [(p, sorted(targets[p])) for p in sorted(targets)]
         self._cache[fetch_ops] = out
         return out
