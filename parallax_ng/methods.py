@@ -74,7 +74,7 @@ class Method:
         if self.factored and not factors:
             return (f"config key 'variable_methods.{var}' is {self.name} ({self.what}), but "
                     f"{var}'s gradient is not MatMul(a, b, transpose_a=True) of two 2-D "
-                    "tensors whose sizes the graph knows; use "
+                    "tensors whose columns the graph knows; use "
                     + ", ".join(m for m in taking(False) if not METHODS[m].factored))
         if sparse and self.sums_rows and not can_sum_rows:
             return (f"config key 'variable_methods.{var}' is {self.name}, which sums {var}'s "

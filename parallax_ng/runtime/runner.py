@@ -55,6 +55,7 @@ import tensorflow as tf
 
 from ..graph import capture, randomness
 from ..graph.rules import READ_PREFIXES
+from ..methods import method
 from ..pipeline.results import CountedDraws
 from ..planning.analysis import unknown_rows
 from ..planning.profile import Profile, measure
@@ -253,10 +254,11 @@ class Runner:
 
     def _probe(self) -> dict[str, str]:
         """Replica 0's gradient indices of the sparse variables (and the
-        first factors of products whose rows the graph does not know)."""
-        info, grads = {v: vp.info for v, vp in self.plan.variables.items()}, self.ctx.tg.gradients
-        return {**{v: str(grads[v].indices) for v, vi in sorted(info.items()) if vi.sparse},
-                **unknown_rows(self.ctx.tg, info)}
+        first factors of those by factors whose rows the graph does not know)."""
+        plan, grads = self.plan.variables, self.ctx.tg.gradients
+        return {**{v: str(grads[v].indices) for v, vp in sorted(plan.items()) if vp.info.sparse},
+                **unknown_rows(self.ctx.tg, {v: vp.info for v, vp in plan.items()
+                                             if method(vp.method).factored})}
 
     def _measured(self, run_metadata, indices: dict) -> None:
         step = measure(self.ctx.tg, run_metadata, indices)
