@@ -68,6 +68,8 @@ def test_two_replicas_by_factors_equal_one_device(run_option, optimizer, variant
     methods = {v: vp.method for v, vp in seen["plan"].variables.items()}
     assert methods["dense/w"] == methods["out/v"] == "factors"
     assert methods["dense/b"] == "allreduce"        # no factors: the run option's method
+    assert "dense/b: dense_method factors not used (its gradient is not MatMul" in \
+        " ".join(seen["plan"].unmet())
     assert len(single) >= 5
     for name, want in single.items():
         for k, got in enumerate(parallel[name]):

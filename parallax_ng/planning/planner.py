@@ -150,7 +150,12 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
 
 def _unmet(facts, config: Config, name: str, how: str, devices, num_workers: int) -> str:
     """Why a sparse variable does not go by the config's `sparse_method`
-    (one that cuts tables by columns, or sums rows as dense), or ""."""
+    (one that cuts tables by columns, or sums rows as dense), or a dense
+    one by `dense_method: factors`, or ""."""
+    if config.dense_method == "factors" and how != "factors" and \
+            not facts.tg.gradients[name].sparse and name not in config.variable_methods:
+        return (f"dense_method factors not used (its gradient is not MatMul(a, b, "
+                f"transpose_a=True) of two 2-D tensors); it goes by {how}")
     asked = config.sparse_method
     wanted = METHODS.get(asked)
     if wanted is None or not (wanted.columns or wanted.sums_rows) or how == asked or \
