@@ -171,7 +171,8 @@ class Build:
         if profile is not None:
             info, order = profile.apply(info, tg), profile.order
         if job.cluster is not None:
-            if self.measured is not None and self.measured.rows:   # worker 0's rows
+            if self.measured is not None and (self.measured.rows or
+                                              self.measured.factor_rows):   # worker 0's rows
                 info = self.measured.apply(info, tg)
             c = job.cluster
             plan = make_plan(tg, info, config, c.device_strings(), c.host, len(c.workers),
@@ -345,6 +346,9 @@ def measure_job(build: Build, server, profile_steps: int = 0,
     if weighs and info.ps and config.network.bandwidth is None:
         trip = costfit.round_trip(server.target, info.server_devices()[0], info.host,
                                   info.session_config(), timeout)
+    flops = None
+    if weighs and any(vi.factors for vi in build.info.values()):
+        flops = costfit.matmul_rate(build.info, plan.group_size)
     steps = profile_steps or config.profile.steps
     feeds = {}
     if sample is not None:
@@ -361,6 +365,7 @@ def measure_job(build: Build, server, profile_steps: int = 0,
                 "allreduce": fit.to_dict() if fit else None, "round_trip": trip[0],
                 "session_run": trip[1],
                 "rows": dict(profile.rows) if profile else {},
+                "factor_rows": dict(profile.factor_rows) if profile else {}, "flops": flops,
                 "source": "measured in worker 0's first step" if profile else
                           f"the graph's order: not measured, {why}"}
     return serving.share(info, server, mine, timeout)
@@ -370,9 +375,10 @@ def job_profile(shared: dict):
     """The Profile worker 0 measured and shared (`measure_job`), or None."""
     from .planning.costfit import Fit
     from .planning.profile import Profile
-    if not shared.get("ready") and not shared.get("allreduce") and not shared.get("rows"):
+    if not any(shared.get(k) for k in ("ready", "allreduce", "rows", "factor_rows")):
         return None
     fit = shared.get("allreduce")
     return Profile(1, dict(shared.get("rows", {})), dict(shared.get("ready", {})),
                    shared.get("forward_time", 0.0), Fit.from_dict(fit) if fit else None,
-                   shared.get("round_trip"), shared.get("session_run"))
+                   shared.get("round_trip"), shared.get("session_run"),
+                   dict(shared.get("factor_rows", {})), shared.get("flops"))

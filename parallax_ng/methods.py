@@ -20,7 +20,11 @@ message:
 - ps, bfb (push, pull; balanced over the servers):         2N(alpha M/(SB) + beta)
 - allgather (every replica's rows to every replica):       (N-1)(alpha M/B + 3 beta)
 - alltoall (rows by columns, forward and backward):        (N-1)(2 alpha M/(NB) + 4 beta)
-- factors (a MatMul gradient's factors, F bytes a replica):  (N-1)(F/B + 3 beta)
+- factors (a MatMul gradient's factors, F bytes a replica, and an id a row):
+                                                      (N-1)((F + 4r)/B + 3 beta) + P/C
+  (P = 2 N r E floating-point operations, E the variable's elements and r
+  a replica's rows: the product of the gathered factors, which every
+  replica makes at C per second, work no other method adds)
 The latency terms count the messages of this implementation's lowering
 (comm/collectives.py): an all-gather of rows is three ring gathers (sizes,
 rows, indices); alltoall gathers sizes and ids and exchanges the rows, and
@@ -38,6 +42,7 @@ from typing import Callable
 
 GATHERS = 3             # collectives of one all-gather of rows
 EXCHANGES = 4           # collectives of a table's alltoall lookup and gradient
+ID_BYTES = 4            # a gathered row's id (method factors)
 
 
 @dataclass(frozen=True)
@@ -115,6 +120,19 @@ def factor_bytes(info) -> float:
     return (rows or 0) * width * info.nbytes / elements
 
 
+def _rows(info) -> int:
+    return (info.factors or (0, 0))[0] or 0
+
+
+def product_flops(info, n: int) -> float:
+    """Floating-point operations of the product every replica makes of the
+    gathered factors of `n` replicas: 2 n rows times the variable's elements."""
+    elements = 1
+    for d in info.shape:
+        elements *= d or 1
+    return 2.0 * n * _rows(info) * elements
+
+
 def _pushed_and_pulled(info, n: int) -> float:
     return 2 * _alpha(info) * info.nbytes if info.sparse else 2.0 * info.nbytes
 
@@ -148,8 +166,9 @@ PS = Method(
 FACTORS = Method(
     "factors", "a MatMul gradient's two factors gathered from every replica, multiplied on "
     "each", True, False,
-    lambda info, n, s, net: (n - 1) * (factor_bytes(info) / net.bandwidth
-                                       + GATHERS * net.latency),
+    lambda info, n, s, net: (n - 1) * ((factor_bytes(info) + ID_BYTES * _rows(info))
+                                       / net.bandwidth + GATHERS * net.latency)
+    + net.product_seconds(product_flops(info, n)),
     lambda info, n: 2 * (n - 1) * factor_bytes(info),
     factored=True, rounds=2)
 

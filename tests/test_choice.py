@@ -26,7 +26,7 @@ def methods(plan):
 def test_one_server_apart_sends_a_dense_heavy_model_round_the_ring():
     plan = pn.transform_plan(classifier(), resources(4), {"network": NET})
     assert methods(plan)["out/w"] == "allreduce"
-    labels = [c.label for c in plan.choice]
+    labels = [c.label for c in plan.choice if "factors" not in c.label]
     assert len(labels) == 6 and labels[0].startswith("dense allreduce")
     fused = next(c for c in plan.choice if c.label == "dense bfb, sparse ps")
     won = plan.choice[0]
@@ -127,7 +127,7 @@ def test_a_method_the_config_sets_is_not_weighed():
         assert plan.choice == ()
     plan = pn.transform_plan(classifier(), resources(2),
                              {"network": NET, "sparse_method": "ps"})
-    assert [c.label.split(", ")[1] for c in plan.choice] == ["sparse ps"] * 3
+    assert {c.label.split(", ")[-1] for c in plan.choice} == {"sparse ps"}
     assert isinstance(plan.choice[0], Candidate)
 
 
@@ -138,3 +138,120 @@ def test_auto_weighs_each_dense_method_with_three_ways_for_the_sparse_ones():
     assert ways <= {"EmbRace's costs", "on the servers", "by collectives"}
     assert "on the servers" in ways and len(plan.choice) >= 6
     assert methods(plan)["out/w"] == "allreduce"
+
+
+def test_dense_layers_go_by_their_factors_where_those_cost_less_with_their_product():
+    """At 100 Mb/s between 2 workers, out/w (64 x 500) by its factors sends
+    32 rows of 64 + 500 floats a replica, fewer bytes than the ring's
+    2(G-1)/G of its 128 KB, and its product (2 G 32 x 64 x 500
+    operations) costs little; hidden/w (16 x 64) moves fewer bytes by the
+    ring. At 4 workers the gathered factors outgrow the ring's share."""
+    from parallax_ng.methods import factor_bytes
+    from parallax_ng.planning import traffic
+    plan = pn.transform_plan(classifier(), resources(2), {"network": NET})
+    assert methods(plan)["out/w"] == "factors" and methods(plan)["hidden/w"] == "allreduce"
+    won = plan.choice[0]
+    assert won.chosen and won.label.startswith("dense allreduce but out/w by factors")
+    plain = next(c for c in plan.choice if c.label == "dense allreduce, sparse ps")
+    assert won.seconds < plain.seconds
+    info = plan.variables["out/w"].info
+    assert info.factors == (32, 564) and factor_bytes(info) == 32 * 564 * 4
+    ring = {what: b for src, dst, b, what in traffic.flows(plan) if src == "worker 0"}
+    assert ring["out/w"] == pytest.approx(32 * 564 * 4 + 4 * 32)
+    product = traffic.product_seconds(plan, plan_network(plan))
+    assert product == pytest.approx(2 * 2 * 32 * 64 * 500 / 2e10)
+    assert "out/w by factors" in plan.format()
+    four = pn.transform_plan(classifier(), resources(4), {"network": NET})
+    assert "factors" not in methods(four).values()
+
+
+def plan_network(plan):
+    from parallax_ng.planning import costmodel
+    return costmodel.Network(NET["bandwidth"], NET["latency"])
+
+
+def test_the_product_of_the_factors_decides_where_bytes_cost_little():
+    """With a fast network the product every replica makes of the gathered
+    factors costs more than the bytes it saves: a measured MatMul rate
+    (worker 0's, shared with the profile) that is slow keeps the ring."""
+    from parallax_ng.planning import choice, costmodel
+    from parallax_ng.planning.analysis import VariableInfo
+    vi = VariableInfo("k", (256, 2000), "float32", 256 * 2000 * 4, False, None, "", 0,
+                      (128, 2256))
+    slow = costmodel.Network(1.25e7, 1e-4, flops=3e10)
+    fast = costmodel.Network(1.25e9, 1e-4, flops=3e10)
+    config = pn.Config()
+    assert choice.by_factors({"k": vi}, config, "allreduce", slow, 2, 1) == ["k"]
+    assert choice.by_factors({"k": vi}, config, "allreduce", fast, 2, 1) == []
+    cheap = costmodel.seconds("factors", vi, 2, 1, fast)
+    assert cheap == pytest.approx(128 * 2257 * 4 / 1.25e9 + 3e-4 + 2 * 2 * 128 * 512000 / 3e10)
+    assert "30 GFLOP/s of MatMul" in fast.describe()
+    named = pn.Config(variable_methods={"k": "allreduce"})
+    assert choice.by_factors({"k": vi}, named, "allreduce", slow, 2, 1) == []
+    unknown = VariableInfo("k", (256, 2000), "float32", 256 * 2000 * 4, False, None, "", 0,
+                           (None, 2256))
+    assert choice.by_factors({"k": unknown}, config, "allreduce", slow, 2, 1) == []
+
+
+def test_rows_the_graph_does_not_know_are_not_weighed_until_measured():
+    """A batch of unknown size leaves the factors' rows unknown: no
+    candidate goes by factors (their bytes would look free), and auto does
+    not allow them; a measured step's rows (worker 0's, shared) let them in."""
+    from parallax_ng.planning import planner
+    from parallax_ng.planning.analysis import analyze
+    from parallax_ng.planning.profile import Profile
+    from parallax_ng.graph import frontend
+    g = classifier_any_batch()
+    plan = pn.transform_plan(g, resources(2), {"network": NET})
+    assert not any("factors" in c.label for c in plan.choice)
+    assert plan.variables["out/w"].info.factors == (None, 564)
+    auto = pn.transform_plan(g, resources(2), {"run_option": "auto", "network": NET})
+    assert "factors" not in auto.costs["out/w"]
+    tg = frontend.load(g)
+    info = Profile(1, factor_rows={"out/w": 32, "hidden/w": 32}).apply(analyze(tg), tg)
+    assert "factors" in planner.allowed_methods(info["out/w"], "out/w", True, None, None)
+    measured = Profile(1, factor_rows={"out/w": 32, "hidden/w": 32}, flops=1e10)
+    net = planner.network(pn.Config.from_dict({"network": NET}), measured, 2)
+    assert net.flops == 1e10
+
+
+def classifier_any_batch():
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.placeholder(tf.int32, [None, 8], name="ids")
+        label = tf1.placeholder(tf.int64, [None], name="label")
+        emb = tf1.get_variable("emb", [1000, 16])
+        h = tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), axis=1)
+        h = tf.nn.relu(tf.matmul(h, tf1.get_variable("hidden/w", [16, 64])))
+        logits = tf.matmul(h, tf1.get_variable("out/w", [64, 500]))
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=label, logits=logits))
+        tf1.train.AdagradOptimizer(0.1).minimize(loss)
+    return g
+
+
+def test_a_worker_plans_with_the_rows_and_matmul_rate_worker_0_measured():
+    """In a job, worker 0's first step gives the factors' rows the graph
+    does not know and its MatMul rate (build.measure_job shares them with
+    the profile); every worker then weighs the factors alike."""
+    from parallax_ng import build
+    from parallax_ng.config import load_config
+    from parallax_ng.graph import frontend
+    res = resources(2)
+    hosts = tuple(h["address"] for h in res["hosts"])
+    shared = {"order": [], "ready": {}, "rows": {"emb": 40.0},
+              "factor_rows": {"out/w": 32, "hidden/w": 32}, "flops": 3e10,
+              "allreduce": None, "round_trip": None, "session_run": None}
+    chosen = []
+    for task in (0, 1):
+        info = ClusterInfo(hosts, tuple(res["ps"]), "worker", task, (("CPU", 0),))
+        b = build.Build(frontend.load(classifier_any_batch()),
+                        build.make(load_config({"network": NET}), None, info), shared)
+        assert b.measured.flops == 3e10 and b.measured.factor_rows["out/w"] == 32
+        plan = b.plan()
+        assert plan.variables["out/w"].info.factors == (32, 564)
+        assert "30 GFLOP/s of MatMul" in plan.network
+        chosen.append(methods(plan))
+    assert chosen[0] == chosen[1] and chosen[0]["out/w"] == "factors"

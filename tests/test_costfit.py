@@ -67,3 +67,18 @@ def test_round_trip_to_a_server_and_a_session_run_are_measured_apart():
     trip, run = round_trip(server.target, info.server_devices()[0], info.host,
                            info.session_config(), 60, repeats=10)
     assert 0 <= trip < 1 and 0 < run < 1
+
+
+def test_the_matmul_rate_is_measured_at_the_largest_factored_variables_size():
+    """Method factors' product: every replica multiplies the gathered
+    factors of all replicas; its rate is measured at that size (the largest
+    such variable, 2 replicas' rows), and there is none to measure without
+    a variable whose gradient is a product."""
+    from parallax_ng.planning.analysis import VariableInfo
+    from parallax_ng.planning.costfit import matmul_rate
+    small = VariableInfo("a", (8, 4), "float32", 128, False, None, "", 0, (None, 12))
+    big = VariableInfo("b", (64, 256), "float32", 65536, False, None, "", 1, (16, 320))
+    rate = matmul_rate({"a": small, "b": big}, 2)
+    assert rate is not None and 1e8 < rate < 1e13      # FLOP/s of a CPU
+    assert matmul_rate({"a": VariableInfo("a", (8, 4), "float32", 128, False, None, "", 0)},
+                       2) is None

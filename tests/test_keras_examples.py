@@ -70,20 +70,28 @@ def test_example_transformer_in_a_two_worker_job_with_a_server_equals_one_device
     all-reduce, so each step is a collective run beside a server run; the
     clipped IdentityN's output for the embedding, unread on worker 1 (its
     update is the chief's), once left a value in the queue between the runs
-    and the second step waited forever."""
+    and the second step waited forever. Without it, each task on a
+    loopback address of its own (so the plan weighs links, not one
+    machine's loopback) and a configured 100 Mb/s network: the head's
+    16 x 20 kernel goes by its factors (4 rows a replica of 16 + 20 values
+    against the ring's 320), rows the traced step does not know, which
+    worker 0's first step measures."""
     import json
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = tmp_path / "resources.yaml"
-    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2
-                    + "ps: [127.0.0.1]\n")
+    # without clipping, three loopback addresses: hosts whose links the plan weighs
+    hosts = ["127.0.0.1"] * 3 if clipnorm else ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
+    path.write_text("hosts:\n" + "".join(f"  - address: {h}\n    devices: [cpu:0]\n"
+                                          for h in hosts[:2]) + f"ps: [{hosts[2]}]\n")
     out = str(tmp_path / "vars")
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run",
          os.path.join(root, "tests", "tf2_job_script.py"), "-r", str(path), "--", out, "5",
-         "--example", "transformer"] + (["--clipnorm"] if clipnorm else []),
+         "--example", "transformer"] + (["--clipnorm"] if clipnorm else
+                                        ["--network", "1.25e7"]),
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -91,6 +99,7 @@ def test_example_transformer_in_a_two_worker_job_with_a_server_equals_one_device
     plan = json.loads(str(workers[0]["plan"]))
     assert plan["token_and_position_embedding/embeddings"] == "ps"
     assert plan["token_and_position_embedding/embeddings_1"] == "alike ps"
+    assert clipnorm or "factors" in plan.values(), plan
     # the job's first step was measured on the first batch (the step's
     # arguments are fed), so the plan was weighed by the rows it touches
     assert clipnorm or json.loads(str(workers[0]["sources"])) == {

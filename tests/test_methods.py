@@ -63,10 +63,14 @@ def test_costs_are_the_papers_tables():
     assert costmodel.seconds("bfb", dense, n, s, NET) == methods.seconds("bfb", dense, n, s,
                                                                          NET)
     # a [100, 10] float32 weight whose gradient is [32 rows of 100 | 32 rows of 10]^T products:
-    # every replica's factors (32 * 110 * 4 bytes) to every other, and theirs in
+    # every replica's factors (32 * 110 * 4 bytes, a 4-byte id a row) to every other
     factored = replace(dense, nbytes=4000, factors=(32, 110))
     assert methods.factor_bytes(factored) == 32 * 110 * 4
-    assert methods.seconds("factors", factored, n, s, NET) == (n - 1) * 32 * 110 * 4
+    bytes_only = replace(NET, flops=float("inf"))
+    assert methods.seconds("factors", factored, n, s, bytes_only) == (n - 1) * 32 * (110 + 1) * 4
+    # and the product of the gathered factors on every replica: 2 N rows x 1000 elements
+    assert methods.seconds("factors", factored, n, s, replace(NET, flops=1e3)) == \
+        pytest.approx((n - 1) * 32 * (110 + 1) * 4 + 2 * n * 32 * 1000 / 1e3)
     assert methods.METHODS["factors"].replica_bytes(factored, n) == 2 * (n - 1) * 32 * 110 * 4
 
 

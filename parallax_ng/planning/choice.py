@@ -5,11 +5,15 @@ Where: a job of several workers with parameter servers (TensorFlow's
 runtime), `dense_method: auto`, and `run_option` hybrid or auto.
 - hybrid weighs the dense variables by each of ps (whole variables on
   the servers), bfb (balanced fusion buffers through every server) and
-  allreduce (a ring between the workers), each with the sparse variables
-  on the servers and by all-gather (`sparse_method` fixes them); a step
+  allreduce (a ring between the workers), each also with the variables
+  whose factors cost less by their factors (method factors: a MatMul
+  gradient's factors gathered; its product's work counted), each with the
+  sparse variables on the servers and by all-gather (`sparse_method`
+  fixes them); a step
   with collectives and server work runs them in two session runs at once
   (transforms/split_step.py);
-- auto weighs the same dense methods, each with the sparse variables by
+- auto weighs the same dense methods (a variable by its factors where
+  they cost less), each with the sparse variables by
   EmbRace's per-variable costs (costmodel.py), all on the servers, and
   all by their cheapest collective.
 Each candidate is a whole plan; `traffic.predict` gives its step's
@@ -28,7 +32,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..methods import method
-from . import traffic
+from . import costmodel, traffic
 from .plan import Candidate
 
 DENSE = ("ps", "bfb", "allreduce")
@@ -41,14 +45,26 @@ def weighs(config, num_workers: int, servers) -> bool:
             config.dense_method == "auto" and config.run_option in ("hybrid", "auto"))
 
 
-def options(config, costs: dict, info: dict) -> list[tuple[str, object, dict]]:
+def options(config, costs: dict, info: dict, net=None, replicas: int = 2,
+            servers: int = 1) -> list[tuple[str, object, dict]]:
     """(label, config, costs) of every candidate: the config's dense method
     set (hybrid), or the per-variable cost tables cut to what the candidate
-    allows (auto)."""
+    allows (auto); each dense method also with the variables whose factors
+    cost less than it on `net` by their factors (`by_factors`)."""
     if config.run_option == "hybrid":
         sparse = SPARSE if config.sparse_method == "auto" else (config.sparse_method,)
-        return [(f"dense {m}, sparse {s}", replace(config, dense_method=m, sparse_method=s),
-                 costs) for m in DENSE for s in sparse]
+        out = []
+        for m in DENSE:
+            factored = by_factors(info, config, m, net, replicas, servers) if net else []
+            for s in sparse:
+                cfg = replace(config, dense_method=m, sparse_method=s)
+                out.append((f"dense {m}, sparse {s}", cfg, costs))
+                if factored:
+                    out.append((f"dense {m} but {_named(factored)} by factors, sparse {s}",
+                                replace(cfg, variable_methods={
+                                    **dict.fromkeys(factored, "factors"),
+                                    **config.variable_methods}), costs))
+        return out
     sparse = [v for v in costs if info[v].sparse]
     ways = {"EmbRace's costs": lambda t: t,
             "on the servers": lambda t: {m: s for m, s in t.items() if method(m).shared} or t,
@@ -59,10 +75,27 @@ def options(config, costs: dict, info: dict) -> list[tuple[str, object, dict]]:
         for way, cut in ways.items():
             if not sparse and way != "EmbRace's costs":
                 continue
-            tables = {v: (cut(t) if info[v].sparse else {m: t.get(m, 0.0)})
+            tables = {v: (cut(t) if info[v].sparse else
+                          {m: t.get(m, 0.0), **{f: t[f] for f in t if method(f).factored}})
                       for v, t in costs.items()}
             out.append((f"dense {m}, sparse {way}" if sparse else f"dense {m}", config, tables))
     return out
+
+
+def by_factors(info: dict, config, dense: str, net, replicas: int, servers: int) -> list[str]:
+    """The dense variables (not named in `variable_methods`) whose gradients
+    are products of factors with known rows and whose factors' predicted
+    seconds (their bytes and the product they add, costmodel.py) are below
+    dense method `dense`'s."""
+    return sorted(v for v, vi in info.items()
+                  if not vi.sparse and vi.factors and vi.factors[0] and
+                  v not in config.variable_methods and
+                  costmodel.seconds("factors", vi, replicas, servers, net) <
+                  costmodel.seconds(dense, vi, replicas, servers, net))
+
+
+def _named(variables: list[str]) -> str:
+    return ", ".join(variables) if len(variables) <= 2 else f"{len(variables)} variables"
 
 
 def best(candidates: list[tuple[str, object]], layout: traffic.Layout, network,

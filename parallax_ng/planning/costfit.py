@@ -32,6 +32,7 @@ from ..methods import method
 from .buckets import Cost
 
 MIN_BYTES, MAX_BYTES = 4 * 1024, 64 * 2**20
+CHAINED = 10                     # products a run of the MatMul benchmark makes in turn
 FIRST_INSTANCE_KEY = 1 << 29     # above the graph's single keys, below its ranges
 
 
@@ -199,3 +200,42 @@ def round_trip(target: str, server: str, host: str, session_config, timeout_seco
                     times[fetch].append(time.perf_counter() - start)
     run = statistics.median(times[local])
     return max(0.0, statistics.median(times[back]) - run), run
+
+
+def matmul_rate(info: dict, replicas: int, repeats: int = 7) -> float | None:
+    """Floating-point operations per second of the product method factors
+    makes (MatMul(a, b, transpose_a=True) of `replicas` replicas' factors),
+    at the size of the largest dense variable whose gradient is a product
+    (`info`: the analysis; rows unknown yet: 128 a replica), in a session of
+    this process: the median of `repeats` runs after two, each of CHAINED
+    products one after another (so a session run's own cost, which a step
+    pays once, is shared). None when no
+    variable's gradient is a product."""
+    import time
+
+    import tensorflow as tf
+    sizes = [(vi.factors[0] or 128, vi.shape[0], vi.shape[1]) for vi in info.values()
+             if vi.factors and len(vi.shape) == 2 and None not in vi.shape]
+    if not sizes:
+        return None
+    rows, left, right = max(sizes, key=lambda s: (s[1] * s[2], s))
+    rows *= max(replicas, 1)
+    graph = tf.Graph()
+    with graph.as_default(), tf.compat.v1.name_scope("parallax/matmul_benchmark"):
+        a = tf.Variable(tf.ones([rows, left]))
+        b = tf.Variable(tf.ones([rows, right]))
+        product = tf.no_op()
+        for _ in range(CHAINED):       # one after another, as in a step: a run's cost shared
+            with tf.control_dependencies([product]):
+                product = tf.linalg.matmul(a, b, transpose_a=True).op
+    times = []
+    config = tf.compat.v1.ConfigProto()      # no grappler: it would merge the alike products
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+        session.run([a.initializer, b.initializer])
+        for k in range(repeats + 2):
+            start = time.perf_counter()
+            session.run(product)
+            if k >= 2:
+                times.append(time.perf_counter() - start)
+    return 2.0 * rows * left * right * CHAINED / max(statistics.median(times), 1e-9)

@@ -23,6 +23,8 @@ from .analysis import VariableInfo
 METHODS = tuple(methods.METHODS)
 BANDWIDTH = 1.25e9      # bytes/s: 10 Gb/s, when nothing is measured or configured
 LATENCY = 50e-6         # seconds per message
+FLOPS = 2e10            # float32 multiply-adds x 2 per second of one replica's MatMul,
+                        # when not measured (a few CPU cores; method factors' product)
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,7 @@ class Network:
     round_trip: float | None = None
     loopback: float | None = None   # bytes/s between tasks of one host, all together
     session_run: float | None = None
+    flops: float | None = None      # a replica's MatMul rate (factors' product), measured
 
     @classmethod
     def from_allreduce(cls, a: float, b: float, replicas: int,
@@ -66,6 +69,10 @@ class Network:
     def server_round_trip(self) -> float:
         return self.round_trip if self.round_trip is not None else 2 * self.latency
 
+    def product_seconds(self, flop: float) -> float:
+        """Seconds of `flop` floating-point operations of a MatMul on one replica."""
+        return flop / (self.flops or FLOPS)
+
     def extra_run(self) -> float:
         """Seconds of one more session run in a step."""
         return self.session_run if self.session_run is not None else 2 * self.latency
@@ -78,6 +85,8 @@ class Network:
             extra += f", {self.round_trip * 1e3:.3g} ms per server round trip"
         if self.session_run is not None:
             extra += f", {self.session_run * 1e3:.3g} ms per session run"
+        if self.flops is not None:
+            extra += f", {self.flops / 1e9:.3g} GFLOP/s of MatMul"
         if self.loopback is not None:
             extra += f", {self.loopback * 8 / 1e9:.3g} Gb/s between the tasks of a host"
         return (f"network {self.bandwidth * 8 / 1e9:.3g} Gb/s, {self.latency * 1e6:.3g} us "

@@ -351,11 +351,13 @@ class Plan:
     def _format_choice(self) -> list[str]:
         if not self.choice:
             return []
+        width = max(40, max(len(c.label) + 1 for c in self.choice))
         rows = [f"plans weighed by their busiest link ({self.network}):",
-                f"  {'plan':40} {'busiest link':24} {'MB out/in':>13} {'MB all':>7} "
-                f"{'link ms':>8} {'+ rounds':>8} {'= ms':>8}"]
+                f"  {'plan':{width}} {'busiest link':24} {'MB out/in':>13} {'MB all':>7} "
+                f"{'link ms':>8} {'+ fixed':>8} {'= ms':>8}"]
         for c in self.choice:
-            rows.append(f"  {c.label + ('*' if c.chosen else ''):40} {(c.end or '-')[:24]:24} "
+            rows.append(f"  {c.label + ('*' if c.chosen else ''):{width}} "
+                        f"{(c.end or '-')[:24]:24} "
                         f"{c.sent / 1e6:6.3f}/{c.received / 1e6:<6.3f} {c.total / 1e6:7.3f} "
                         f"{c.link_seconds * 1e3:8.3f} {c.fixed_seconds * 1e3:8.3f} "
                         f"{c.seconds * 1e3:8.3f}")
@@ -367,7 +369,7 @@ class Plan:
                             nxt.fixed_seconds - won.fixed_seconds)
             why = (f"{nxt.label}, next, takes {nxt.seconds / won.seconds:.2f}x its time "
                    + ("(the bytes on the busiest link decide)" if bytes_decide else
-                      "(the rounds of messages decide)")
+                      "(the fixed costs decide: rounds of messages, products of factors)")
                    if nxt.seconds > won.seconds else
                    f"the same predicted time as {nxt.label}, and "
                    + ("fewer bytes over all links" if nxt.total > won.total else

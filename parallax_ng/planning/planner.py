@@ -83,7 +83,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     if not weighing:
         return build(config, costs)
     candidates, refused = [], []
-    for label, cfg, tables in choice.options(config, costs, info):
+    for label, cfg, tables in choice.options(config, costs, info, net, group, len(servers)):
         try:
             candidates.append((label, build(cfg, tables)))
         except ConfigError as e:
@@ -218,11 +218,13 @@ def allowed_methods(vi: VariableInfo, name: str, job_servers: bool, can_cut,
     """The methods `run_option: auto` weighs for a variable: all-reduce for a
     dense one (and fusion buffers or whole on a job's servers); for a sparse one
     all-gather, alltoall where the table can be cut by columns, all-reduce
-    as dense where its rows may be summed, and servers in a job that has
-    them (not yet factors: asked for by `dense_method` or `variable_methods`)."""
+    as dense where its rows may be summed, servers in a job that has
+    them, and factors for a dense one whose gradient is a product of two
+    factors with rows known (from the graph or a measured step: unknown
+    rows would look free)."""
     return tuple(m.name for m in METHODS.values()
                  if (m.sparse if vi.sparse else m.dense) and (job_servers or not m.servers)
-                 and not m.factored
+                 and not (m.factored and not (vi.factors and vi.factors[0]))
                  and not (vi.sparse and m.columns and not can_cut(name))
                  and not (vi.sparse and m.sums_rows and not can_sum(name)))
 
@@ -231,18 +233,20 @@ def network(config: Config, profile, replicas: int, layout: traffic.Layout | Non
             ) -> costmodel.Network:
     """The network constants: config `network`, else the profile's all-reduce
     fit (with the rate of bytes between tasks of one host where every
-    worker of `layout` ran the benchmark on one host), else the defaults."""
+    worker of `layout` ran the benchmark on one host), else the defaults;
+    with the profile's measured MatMul rate (method factors' product)."""
+    flops = profile.flops if profile is not None else None
     if config.network.bandwidth is not None:
         return costmodel.Network(config.network.bandwidth, config.network.latency or 0.0,
-                                 "config network")
+                                 "config network", flops=flops)
     if profile is not None and profile.allreduce is not None:
         fit = profile.allreduce
         hosts = {layout.end(traffic.worker(i)) for i in range(len(layout.workers))} \
             if layout is not None else set()
-        return costmodel.Network.from_allreduce(
+        return replace(costmodel.Network.from_allreduce(
             fit.a, fit.link_b(), replicas, profile.round_trip,
-            len(layout.workers) if len(hosts) == 1 else 0, profile.session_run)
-    return costmodel.Network(costmodel.BANDWIDTH, costmodel.LATENCY)
+            len(layout.workers) if len(hosts) == 1 else 0, profile.session_run), flops=flops)
+    return costmodel.Network(costmodel.BANDWIDTH, costmodel.LATENCY, flops=flops)
 
 
 def _default_method(config: Config, vi: VariableInfo, job_servers: bool) -> str:

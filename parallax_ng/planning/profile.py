@@ -42,6 +42,7 @@ class Profile:
     round_trip: float | None = None                # seconds a server round trip adds to a run
     session_run: float | None = None               # seconds of a session run of one local op
     factor_rows: dict = field(default_factory=dict)  # dense variable -> its factors' rows
+    flops: float | None = None                     # a replica's MatMul rate, if measured
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -79,7 +80,8 @@ class Profile:
             mean(self.forward_time, other.forward_time), self.allreduce or other.allreduce,
             self.round_trip if self.round_trip is not None else other.round_trip,
             self.session_run if self.session_run is not None else other.session_run,
-            {**other.factor_rows, **self.factor_rows})
+            {**other.factor_rows, **self.factor_rows},
+            self.flops if self.flops is not None else other.flops)
 
     def apply(self, info: dict, tg) -> dict:
         """The analysis with measured sparsity: rows touched / rows."""
@@ -106,6 +108,8 @@ class Profile:
             out["session_run"] = self.session_run
         if self.factor_rows:
             out["factor_rows"] = dict(self.factor_rows)
+        if self.flops is not None:
+            out["flops"] = self.flops
         return out
 
     def simulator(self, tg, per_variable: bool = False) -> dict:

@@ -43,7 +43,9 @@ fixed time a; a round trip to the servers (the forward's reads of server
 variables: 1; the push, the chief's update and the barrier: 1) costs r;
 a step with both runs its collectives in a session run of its own beside
 the server work's (transforms/split_step.py): that run's cost s, and one
-round trip more for the hand-over between the two.
+round trip more for the hand-over between the two. A variable by its
+factors adds its product of the gathered factors at the replica's
+measured MatMul rate (work the other methods do not add, on the path).
 a, r and s are measured on the job (parallax_ng/planning/costfit.py) or follow
 from the configured latency.
 
@@ -56,7 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..methods import factor_bytes, method, reduced_bytes
+from ..methods import ID_BYTES, factor_bytes, method, product_flops, reduced_bytes
 from .placement import Sharded
 
 
@@ -157,7 +159,7 @@ def flows(plan, index_bytes: dict | None = None, rows: dict | None = None,
             ring(2 * (g - 1) / g * reduced_bytes(info) * wire, var)
             continue
         if how.factored:         # every replica's factors (and a row id each) to every one
-            ring((g - 1) * (factor_bytes(info) * wire + 4 * (info.factors[0] or 0)), var)
+            ring((g - 1) * (factor_bytes(info) * wire + ID_BYTES * (info.factors[0] or 0)), var)
             continue
         if not info.sparse:      # ps: the local sum in, the value back
             for i in range(n):
@@ -250,8 +252,18 @@ def predict(plan, layout: Layout, network, index_bytes: dict | None = None) -> P
     collective, trips = rounds(plan)
     split = collective > 0 and trips > 0
     fixed = (collective * network.collective_round(plan.group_size) +
-             (trips + split) * network.server_round_trip() + split * network.extra_run())
+             (trips + split) * network.server_round_trip() + split * network.extra_run() +
+             product_seconds(plan, network))
     return Prediction(load, end, nbytes, link, fixed, link + fixed, inside)
+
+
+def product_seconds(plan, network) -> float:
+    """Seconds a replica spends on the products of the factors it gathered
+    (method factors), work the step adds to its critical path."""
+    if plan.group_size < 2:
+        return 0.0
+    return sum(network.product_seconds(product_flops(vp.info, plan.group_size))
+               for vp in plan.variables.values() if method(vp.method).factored)
 
 
 def _wire(plan, info) -> float:
