@@ -26,6 +26,7 @@ parser.add_argument("--sparse", default="auto",
 parser.add_argument("--horizontal", action="store_true",
                     help="horizontal scheduling of the dense updates (no clipping)")
 parser.add_argument("--compression", default="none", help="communication.compression")
+parser.add_argument("--dense", default="auto", help="dense_method")
 args = parser.parse_args()
 
 prefetch = args.sparse == "prefetch"
@@ -33,10 +34,14 @@ g, h = embedding_regression(4, "adam", clip=not args.horizontal, ema=True)
 runner = pn.get_runner(g, local(args.devices), {
     "run_option": "allreduce", "sparse_method": "alltoall" if prefetch else args.sparse,
     "prefetch": prefetch, "horizontal_scheduling": args.horizontal,
+    "dense_method": args.dense,
     "communication": {"backend": "horovod", "timeout_seconds": 120,
                       "compression": args.compression},
     "buckets": {"mode": args.buckets, "bytes": 40,
                 **({"a": 1e-3, "b": 1e-9} if args.buckets == "mgwfbp" else {})}})
+factored = sorted(v for v, vp in runner.plan.variables.items() if vp.method == "factors")
+if factored:
+    print(f"rank {runner.plan.worker}: factors {factored}", flush=True)
 runner.run([h["init"], h["iterator_init"]])
 for _ in range(args.steps):
     runner.run(h["train"])

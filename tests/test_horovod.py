@@ -28,21 +28,26 @@ def horovodrun():
 @pytest.mark.parametrize("devices,buckets,sparse", [
     (1, "none", "auto"), (2, "threshold", "auto"), (2, "single", "auto"),
     (2, "mgwfbp", "auto"), (1, "none", "alltoall"), (1, "none", "prefetch"),
-    (1, "none", "horizontal")])
+    (1, "none", "horizontal"), (2, "none", "factors")])
 def test_horovod_workers_match_one_device(tmp_path, devices, buckets, sparse):
     """Adam, global-norm clipping over dense and sparse gradients, EMA; dense
     gradients by HorovodAllreduce (per variable, or merged in buckets), the
     embedding's by HorovodAllgather, or cut by columns over the ranks with
     HorovodAlltoall (sparse_method alltoall, and with prefetch); or the
-    dense updates a step later by block (horizontal, no clipping)."""
+    dense updates a step later by block (horizontal, no clipping); or the
+    kernels by their factors (dense_method factors: every replica's rows
+    by HorovodAllgather, rows the graph does not know)."""
     out = str(tmp_path / "vars")
     cmd = [horovodrun(), "--gloo", "-np", "2", "-H", "localhost:2", "--network-interface",
            "lo", sys.executable, SCRIPT, out, "10", "--devices", str(devices),
            "--buckets", buckets] + (["--horizontal"] if sparse == "horizontal" else
+                                    ["--dense", "factors"] if sparse == "factors" else
                                     ["--sparse", sparse])
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    if sparse == "factors":
+        assert "rank 1: factors ['dense/w', 'out/v']" in done.stdout, done.stdout[-2000:]
     single = train_single(*embedding_regression(4 * 2 * devices, "adam",
                                                 clip=sparse != "horizontal", ema=True), 10)
     copies = 0
