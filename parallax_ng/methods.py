@@ -113,24 +113,25 @@ def _on_servers(info, n: int, servers: int, net) -> float:
 def factor_bytes(info) -> float:
     """Bytes of one replica's two factors (`VariableInfo.factors`; 0 while
     their rows are unknown: neither the graph nor a measured step gave them)."""
-    rows, width = info.factors or (0, 0)
-    elements = 1
-    for d in info.shape:
-        elements *= d or 1
-    return (rows or 0) * width * info.nbytes / elements
+    width = (info.factors or (0, 0))[1]
+    return _rows(info) * width * info.nbytes / _elements(info)
 
 
 def _rows(info) -> int:
     return (info.factors or (0, 0))[0] or 0
 
 
-def product_flops(info, n: int) -> float:
-    """Floating-point operations of the product every replica makes of the
-    gathered factors of `n` replicas: 2 n rows times the variable's elements."""
+def _elements(info) -> int:
     elements = 1
     for d in info.shape:
         elements *= d or 1
-    return 2.0 * n * _rows(info) * elements
+    return elements
+
+
+def product_flops(info, n: int) -> float:
+    """Floating-point operations of the product every replica makes of the
+    gathered factors of `n` replicas: 2 n rows times the variable's elements."""
+    return 2.0 * n * _rows(info) * _elements(info)
 
 
 def _pushed_and_pulled(info, n: int) -> float:

@@ -26,6 +26,13 @@ class VariableInfo:
     order: int                # depth where the variable first meets the batch
     factors: tuple | None = None  # (rows or None, width) of the MatMul factors (dense)
 
+    @property
+    def weighable_factors(self) -> bool:
+        """A product of factors whose rows are known (the graph's or a
+        measured step's): its factors' cost can be weighed (unknown rows
+        would look free)."""
+        return bool(self.factors and self.factors[0])
+
     def to_dict(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
                 "bytes": self.nbytes, "sparse": self.sparse, "alpha": self.alpha,

@@ -88,7 +88,7 @@ def by_factors(info: dict, config, dense: str, net, replicas: int, servers: int)
     seconds (their bytes and the product they add, costmodel.py) are below
     dense method `dense`'s."""
     return sorted(v for v, vi in info.items()
-                  if not vi.sparse and vi.factors and vi.factors[0] and
+                  if not vi.sparse and vi.weighable_factors and
                   v not in config.variable_methods and
                   costmodel.seconds("factors", vi, replicas, servers, net) <
                   costmodel.seconds(dense, vi, replicas, servers, net))

@@ -224,7 +224,7 @@ def allowed_methods(vi: VariableInfo, name: str, job_servers: bool, can_cut,
     rows would look free)."""
     return tuple(m.name for m in METHODS.values()
                  if (m.sparse if vi.sparse else m.dense) and (job_servers or not m.servers)
-                 and not (m.factored and not (vi.factors and vi.factors[0]))
+                 and not (m.factored and not vi.weighable_factors)
                  and not (vi.sparse and m.columns and not can_cut(name))
                  and not (vi.sparse and m.sums_rows and not can_sum(name)))
 
