@@ -21,7 +21,7 @@ BY_OTHERS = {
     "python3 -m venv .venv && . .venv/bin/activate && pip install -e . && "
     "python examples/lm_small.py": "here",
     'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && '
-    "python -m pytest -q": ".ci/run (CI runs this command on a clean clone)",
+    "python -m pytest -q -n 2 --dist loadfile": ".ci/run (CI runs this command on a clean clone)",
     "parallax-ng run examples/lm_small.py -r configs/resources_2workers_1ps.yaml --steps 300":
         "test_examples.py::test_lm_small_with_a_server_as_the_readme_runs_it",
     "parallax-ng run examples/linear_regression.py -r configs/resources_2workers.yaml "
