@@ -88,13 +88,15 @@ ABLATION = {
 # default (dense variables by the method the link model finds fastest), one
 # server; -allreduce: dense by all-reduce (collectives in a session run
 # beside the servers'); -bfb: dense by balanced fusion buffers; -per-host:
-# a server beside each worker. `--layout per_host` gives every mode with a
+# a server beside each worker; -no-server: none (the ring, kernels by
+# their factors where faster, sparse by all-gather). `--layout per_host` gives every mode with a
 # server a server per worker host instead
 CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
            "hybrid-allreduce": ({"run_option": "hybrid", "dense_method": "allreduce"},
                                 "[127.0.0.1]"),
            "hybrid-bfb": ({"run_option": "hybrid", "dense_method": "bfb"}, "[127.0.0.1]"),
            "hybrid-per-host": ({"run_option": "hybrid"}, "per_host"),
+           "hybrid-no-server": ({"run_option": "hybrid"}, None),
            "allreduce": ({"run_option": "allreduce"}, None),
            "allgather": ({"run_option": "allreduce"}, None),
            "alltoall": ({"run_option": "allreduce", "sparse_method": "alltoall"}, None),

@@ -332,7 +332,8 @@ def measure_job(build: Build, server, profile_steps: int = 0,
     plan = build.plan()
     mgwfbp = config.buckets.mode == "mgwfbp" and not config.buckets.profile and any(
         method(vp.method).all_reduced for vp in plan.variables.values())
-    weighs = config.run_option == "auto" or choice.weighs(config, len(info.workers), info.ps)
+    weighs = config.run_option == "auto" or \
+        choice.weighs(config, len(info.workers), info.ps, build.info)
     if not plan.buffers and not mgwfbp and not weighs and not profile_steps:
         return None
     timeout = config.communication.timeout_seconds

@@ -165,6 +165,27 @@ def test_dense_layers_go_by_their_factors_where_those_cost_less_with_their_produ
     assert "factors" not in methods(four).values()
 
 
+def test_without_servers_hybrid_weighs_the_ring_against_kernels_by_their_factors():
+    """No servers: hybrid's candidates are the ring with sparse variables
+    by all-gather, and the same with out/w by its factors, which wins at
+    100 Mb/s; at 4 workers the ring stays, and a model without kernels is
+    not weighed (its plan has no choice)."""
+    from parallax_ng.planning import choice
+    two = {"hosts": resources(2)["hosts"]}
+    plan = pn.transform_plan(classifier(), two, {"network": NET})
+    assert [c.label for c in plan.choice] == [
+        "dense allreduce but out/w by factors, sparse allgather", "dense allreduce, sparse allgather"]
+    assert plan.choice[0].chosen and methods(plan)["out/w"] == "factors"
+    assert methods(plan)["hidden/w"] == "allreduce" and methods(plan)["emb"] == "allgather"
+    assert "has no parameter server" in " ".join(plan.notes)
+    four = pn.transform_plan(classifier(), {"hosts": resources(4)["hosts"]}, {"network": NET})
+    assert "factors" not in methods(four).values() and four.choice[0].chosen
+    assert not choice.weighs(pn.Config(), 2, (), {k: vp.info for k, vp in plan.variables.items()
+                                           if vp.info.sparse})
+    assert not choice.weighs(pn.Config(run_option="auto"), 2, (),
+                             {k: vp.info for k, vp in plan.variables.items()})
+
+
 def plan_network(plan):
     from parallax_ng.planning import costmodel
     return costmodel.Network(NET["bandwidth"], NET["latency"])

@@ -58,53 +58,62 @@ def test_example_convnet_with_dropout_trains():
     assert keras.ops.all(keras.ops.isfinite(model.weights[0]))
 
 
-@pytest.mark.parametrize("clipnorm", [False, True], ids=["hybrid", "clipnorm-ring-beside-server"])
-def test_example_transformer_in_a_two_worker_job_with_a_server_equals_one_device(tmp_path,
-                                                                                 clipnorm):
-    """2 workers x 1 device and a parameter server (`hybrid`, sparse
-    gradients pinned to `ps`: the token table on the server, its positions' rows summed row for row across the
-    workers there; the plan weighed with the rows the first batch touches),
-    `model.fit` on 5 global batches of 8, then `evaluate` on the replicas: both workers end
-    equal to one device, every weight and optimizer variable, 1e-5. With
-    `clipnorm`: Adam with `global_clipnorm` and the dense variables by
-    all-reduce, so each step is a collective run beside a server run; the
-    clipped IdentityN's output for the embedding, unread on worker 1 (its
-    update is the chief's), once left a value in the queue between the runs
-    and the second step waited forever. Without it, each task on a
-    loopback address of its own (so the plan weighs links, not one
-    machine's loopback) and a configured 100 Mb/s network: the head's
-    16 x 20 kernel goes by its factors (4 rows a replica of 16 + 20 values
-    against the ring's 320), rows the traced step does not know, which
-    worker 0's first step measures."""
+@pytest.mark.parametrize("case", ["hybrid", "clipnorm-ring-beside-server", "no-server"])
+def test_example_transformer_in_a_two_worker_job_equals_one_device(tmp_path, case):
+    """2 workers x 1 device, `model.fit` on 5 global batches of 8, then
+    `evaluate` on the replicas: both workers end equal to one device, every
+    weight and optimizer variable, 1e-5.
+    - hybrid: a parameter server, sparse gradients pinned to `ps` (the token
+      table on the server, its positions' rows summed row for row across
+      the workers there; the plan weighed with the rows the first batch
+      touches), each task on a loopback address of its own (so the plan
+      weighs links, not one machine's loopback) and a configured 100 Mb/s
+      network: the head's 16 x 20 kernel goes by its factors (4 rows a
+      replica of 16 + 20 values against the ring's 320), rows the traced
+      step does not know, which worker 0's first step measures.
+    - clipnorm: Adam with `global_clipnorm` and the dense variables by
+      all-reduce, so each step is a collective run beside a server run; the
+      clipped IdentityN's output for the embedding, unread on worker 1 (its
+      update is the chief's), once left a value in the queue between the
+      runs and the second step waited forever.
+    - no-server: the default config on two loopback addresses at a
+      configured 100 Mb/s, no server: hybrid weighs the ring against the
+      ring with kernels by their factors (the tables by all-gather) and
+      sends the head's kernel by its factors."""
     import json
     import os
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = tmp_path / "resources.yaml"
-    # without clipping, three loopback addresses: hosts whose links the plan weighs
+    clipnorm = case == "clipnorm-ring-beside-server"
+    # but with clipping, loopback addresses of their own: hosts whose links the plan weighs
     hosts = ["127.0.0.1"] * 3 if clipnorm else ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
     path.write_text("hosts:\n" + "".join(f"  - address: {h}\n    devices: [cpu:0]\n"
-                                          for h in hosts[:2]) + f"ps: [{hosts[2]}]\n")
+                                          for h in hosts[:2]) +
+                    ("" if case == "no-server" else f"ps: [{hosts[2]}]\n"))
     out = str(tmp_path / "vars")
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run",
          os.path.join(root, "tests", "tf2_job_script.py"), "-r", str(path), "--", out, "5",
          "--example", "transformer"] + (["--clipnorm"] if clipnorm else
-                                        ["--network", "1.25e7"]),
+                                        ["--network", "1.25e7"]) +
+        (["--default-config"] if case == "no-server" else []),
         capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
     plan = json.loads(str(workers[0]["plan"]))
-    assert plan["token_and_position_embedding/embeddings"] == "ps"
-    assert plan["token_and_position_embedding/embeddings_1"] == "alike ps"
+    table = "token_and_position_embedding/embeddings"
+    if case == "no-server":
+        assert plan[table] == "allgather", plan
+    else:
+        assert plan[table] == "ps" and plan[table + "_1"] == "alike ps", plan
     assert clipnorm or "factors" in plan.values(), plan
     # the job's first step was measured on the first batch (the step's
     # arguments are fed), so the plan was weighed by the rows it touches
-    assert clipnorm or json.loads(str(workers[0]["sources"])) == {
-        "token_and_position_embedding/embeddings": "measured",
-        "token_and_position_embedding/embeddings_1": "measured"}
+    assert case != "hybrid" or json.loads(str(workers[0]["sources"])) == {
+        table: "measured", table + "_1": "measured"}
     model = ex.transformer_classifier(0.0)
     model.set_weights([workers[0][f"start{i}"] for i in range(len(model.weights))])
     args = ex.compile_args("transformer")

@@ -13,7 +13,8 @@ off), run option `hybrid` with sparse gradients pinned to the server
 (hybrid weighs ps against allgather by the measured network, which differs
 between machines; with --clipnorm, Adam with `global_clipnorm` and the
 dense variables by all-reduce beside the server; with --network B, config
-`network` of B bytes/s and no latency); with --horovod, a rank of horovodrun (the loop or --fit,
+`network` of B bytes/s and no latency; with --default-config, nothing
+pinned); with --horovod, a rank of horovodrun (the loop or --fit,
 `communication.backend: horovod`); with --bn, test_keras_fit's BatchNormalization model by
 `model.fit` on STEPS global batches of 16.
 """
@@ -48,7 +49,8 @@ if "--example" in sys.argv:
     name = sys.argv[sys.argv.index("--example") + 1]
     model = ex.MODELS[name](dropout=0.0)
     args = ex.compile_args(name)
-    config = {"sparse_method": "ps"}
+    # the default config with --default-config, else sparse pinned to the server
+    config = {} if "--default-config" in sys.argv else {"sparse_method": "ps"}
     if "--clipnorm" in sys.argv:            # Keras's global-norm clipping, dense by a ring
         args["optimizer"] = keras.optimizers.Adam(1e-3, global_clipnorm=1.0)
         config["dense_method"] = "allreduce"

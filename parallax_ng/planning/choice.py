@@ -1,8 +1,10 @@
 """Choice: among the plans a run option allows, the one whose communication
 the job's links carry fastest.
 
-Where: a job of several workers with parameter servers (TensorFlow's
-runtime), `dense_method: auto`, and `run_option` hybrid or auto.
+Where: a job of several workers (TensorFlow's runtime), `dense_method:
+auto`, and `run_option` hybrid or auto with parameter servers, or hybrid
+without them where a kernel has factors (the ring, with sparse variables by
+all-gather, against the same with kernels by their factors).
 - hybrid weighs the dense variables by each of ps (whole variables on
   the servers), bfb (balanced fusion buffers through every server) and
   allreduce (a ring between the workers), each also with the variables
@@ -39,10 +41,15 @@ DENSE = ("ps", "bfb", "allreduce")
 SPARSE = ("ps", "allgather")
 
 
-def weighs(config, num_workers: int, servers) -> bool:
-    """Whether the planner chooses a job's dense method by its links."""
-    return (num_workers > 1 and bool(servers) and config.communication.backend == "tf" and
-            config.dense_method == "auto" and config.run_option in ("hybrid", "auto"))
+def weighs(config, num_workers: int, servers, info: dict) -> bool:
+    """Whether the planner chooses a job's dense method by its links: with
+    servers, hybrid and auto; without, hybrid where a kernel has factors
+    (the ring against the ring with kernels by their factors; auto weighs
+    factors variable by variable)."""
+    return (num_workers > 1 and config.communication.backend == "tf" and
+            config.dense_method == "auto" and config.run_option in ("hybrid", "auto") and
+            (bool(servers) or config.run_option == "hybrid" and
+             any(vi.factors and not vi.sparse for vi in info.values())))
 
 
 def options(config, costs: dict, info: dict, net=None, replicas: int = 2,
@@ -53,8 +60,11 @@ def options(config, costs: dict, info: dict, net=None, replicas: int = 2,
     cost less than it on `net` by their factors (`by_factors`)."""
     if config.run_option == "hybrid":
         sparse = SPARSE if config.sparse_method == "auto" else (config.sparse_method,)
+        dense = DENSE if servers else ("allreduce",)
+        if not servers:
+            sparse = tuple(s for s in sparse if s != "ps") or sparse
         out = []
-        for m in DENSE:
+        for m in dense:
             factored = by_factors(info, config, m, net, replicas, servers) if net else []
             for s in sparse:
                 cfg = replace(config, dense_method=m, sparse_method=s)

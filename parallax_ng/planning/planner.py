@@ -63,7 +63,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     can_cut = lambda v: cuttable(facts, v, len(devices), num_workers, backend)   # noqa: E731
     can_sum = lambda v: facts.coalescing(v) is not None               # noqa: E731
     group = len(devices) * num_workers
-    weighing = choice.weighs(config, num_workers, servers)
+    weighing = choice.weighs(config, num_workers, servers, info)
     net, costs = None, {}
     if config.run_option == "auto" or weighing:
         layout = layout or traffic.Layout.local(num_workers, len(servers))
