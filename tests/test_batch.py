@@ -103,3 +103,70 @@ def test_the_runner_splits_batches_and_gives_the_rest_whole(capsys):
         assert [len(part) for part in got] == [2, 2]
     with pytest.raises(pn.ConfigError, match="batch_feeds.v' must be true"):
         pn.get_runner(g, local(2), {"batch_feeds": {"v": "yes"}})
+
+
+def sparse_model():
+    """A sparse placeholder of ids (rows of 1 to 3 ids) read by
+    embedding_lookup_sparse, a dense layer, Adagrad; the graph and its
+    (ids, y, train op, variables)."""
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.sparse_placeholder(tf.int64, name="ids")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        emb = tf1.get_variable("emb", [50, 4],
+                               initializer=tf1.random_normal_initializer(seed=1))
+        w = tf1.get_variable("w", [4, 1], initializer=tf1.ones_initializer())
+        h = tf.nn.embedding_lookup_sparse(emb, ids, None, combiner="mean")
+        loss = tf.reduce_mean(tf.square(tf.matmul(h, w) - y))
+        train = tf1.train.AdagradOptimizer(0.1).minimize(loss)
+    return g, ids, y, train, [emb, w] + [v for v in g.get_collection("variables")
+                                         if "Adagrad" in v.name]
+
+
+def sparse_batches(steps, rows):
+    """`steps` batches of `rows` rows: (indices, values, dense_shape), labels."""
+    rng = np.random.RandomState(3)
+    out = []
+    for _ in range(steps):
+        counts = rng.randint(1, 4, rows)
+        indices = np.array([[r, j] for r in range(rows) for j in range(counts[r])], np.int64)
+        out.append(((indices, rng.randint(0, 50, len(indices)).astype(np.int64),
+                     np.array([rows, 3], np.int64)), rng.randn(rows, 1).astype(np.float32)))
+    return out
+
+
+@pytest.mark.parametrize("how", ["sparse-tensor", "value", "components"])
+def test_a_sparse_placeholder_is_split_by_its_rows(how):
+    """A sparse placeholder fed a global batch (as a SparseTensor key with
+    a SparseTensorValue or a tuple, or its three tensors one by one): each
+    replica gets its rows' ids, numbered from 0, so 6 steps on 2 replicas
+    equal one device, every variable and slot within 1e-6 (absolute and
+    relative: the accumulators reach 30). Rows that do not
+    divide are an error naming the feed."""
+    data = sparse_batches(6, 8)
+    g, ids, y, train, variables = sparse_model()
+    with tf1.Session(graph=g) as s:
+        s.run(tf1.global_variables_initializer())
+        for (i, v, shape), labels in data:
+            s.run(train, {ids: tf1.SparseTensorValue(i, v, shape), y: labels})
+        single = s.run(variables)
+    g, ids, y, train, variables = sparse_model()
+    with g.as_default():
+        init = tf1.global_variables_initializer()
+    runner = pn.get_runner(g, local(2), {"run_option": "allreduce"})
+    runner.run(init)
+    for (i, v, shape), labels in data:
+        if how == "sparse-tensor":
+            feed = {ids: tf1.SparseTensorValue(i, v, shape)}
+        elif how == "value":
+            feed = {ids: (i, v, shape)}
+        else:
+            feed = {ids.indices: i, ids.values: v, ids.dense_shape: shape}
+        runner.run(train, {**feed, y: labels})
+    for var, want in zip(variables, single):
+        np.testing.assert_allclose(runner.run(var), want, atol=1e-6, rtol=1e-6, err_msg=var.name)
+    (i, v, _), labels = data[0]
+    with pytest.raises(pn.errors.FetchError, match=r"sparse feed 'ids' has 7 rows .* 2 "
+                                                   r"replicas.*batch_feeds: \{ids/indices"):
+        runner.run(train, {ids: (i[i[:, 0] < 7], v[i[:, 0] < 7], np.array([7, 3])),
+                           y: labels[:7]})

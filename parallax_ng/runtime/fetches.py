@@ -208,9 +208,9 @@ class ReplicaFetchMap(FetchMap):
 
     # -- feeds ----------------------------------------------------------------
     def feeds(self, feed_dict) -> dict:
-        out = {}
         n = self.plan.num_replicas
-        for key, value in (feed_dict or {}).items():
+        feed_dict, out = self._sparse_feeds(dict(feed_dict or {}), n)
+        for key, value in feed_dict.items():
             name = self.user_name(key)
             if ":" not in name:
                 name += ":0"
@@ -244,6 +244,59 @@ class ReplicaFetchMap(FetchMap):
             for c in dict.fromkeys(copies):
                 out[c] = value
         return out
+
+    def _sparse_feeds(self, feed_dict: dict, n: int) -> tuple[dict, dict]:
+        """(the other feeds, the step graph's feeds of the sparse ones): a
+        SparseTensor key (a `sparse_placeholder`), or its three tensors fed
+        one by one, is a batch of rows, its first dimension the batch's: each
+        replica gets its rows' entries (row numbers from 0, dense shape
+        its rows), as one device would see its part; config
+        `batch_feeds: {NAME/indices: false}` gives it whole to every replica."""
+        triples = []
+        for key in list(feed_dict):
+            if isinstance(key, tf.SparseTensor):
+                value = feed_dict.pop(key)
+                if isinstance(value, tf.SparseTensor):
+                    raise FetchError(f"feed {key.indices.name.rsplit('/', 1)[0]!r} is given "
+                                     "a SparseTensor; feed a tf.compat.v1.SparseTensorValue "
+                                     "or (indices, values, dense_shape) of numpy arrays")
+                triples.append(((key.indices, key.values, key.dense_shape), tuple(value)))
+        names = {self.user_name(k): k for k in feed_dict}
+        for name in list(names):
+            base, part = name.split(":")[0].rpartition("/")[::2]
+            parts = [f"{base}/{p}:0" for p in ("indices", "values", "shape")]
+            if part == "indices" and all(p in names for p in parts):
+                triples.append((tuple(parts), tuple(feed_dict.pop(names[p]) for p in parts)))
+        out = {}
+        for tensors, (indices, values, shape) in triples:
+            names = [self.user_name(t) for t in tensors]
+            refs = [parse_tensor(t if ":" in t else t + ":0") for t in names]
+            copies = [[f"{self.copy_name(k, r.node)}:{r.index}" for k in range(n)]
+                      for r in refs]
+            indices, values, shape = (np.asarray(indices), np.asarray(values),
+                                      np.asarray(shape))
+            whole = n == 1 or len(set(copies[0])) < n or \
+                not self.config.batch_feeds.get(refs[0].node, True)
+            if whole:
+                for c, v in zip(copies, (indices, values, shape)):
+                    out.update(dict.fromkeys(c, v))
+                continue
+            rows = int(shape[0])
+            if rows % n:
+                raise FetchError(
+                    f"sparse feed {refs[0].node.rpartition('/')[0]!r} has {rows} rows (its "
+                    f"dense_shape[0]), which do not split evenly over {n} replicas; feed a "
+                    f"multiple of {n}, or set config `batch_feeds: {{{refs[0].node}: false}}` "
+                    "if every replica needs it whole")
+            each = rows // n
+            for k in range(n):
+                mine = (indices[:, 0] >= k * each) & (indices[:, 0] < (k + 1) * each)
+                part = indices[mine].copy()
+                part[:, 0] -= k * each
+                for c, v in zip(copies, (part, values[mine],
+                                         np.concatenate([[each], shape[1:]]).astype(shape.dtype))):
+                    out[c[k]] = v
+        return feed_dict, out
 
     def _batch_kind(self, node: str) -> str:
         """Whether placeholder `node` is fed a batch (config `batch_feeds`,
