@@ -135,10 +135,11 @@ def sparse_batches(steps, rows):
     return out
 
 
-@pytest.mark.parametrize("how", ["sparse-tensor", "value", "components"])
+@pytest.mark.parametrize("how", ["sparse-tensor", "value", "components", "names"])
 def test_a_sparse_placeholder_is_split_by_its_rows(how):
     """A sparse placeholder fed a global batch (as a SparseTensor key with
-    a SparseTensorValue or a tuple, or its three tensors one by one): each
+    a SparseTensorValue or a tuple, or its three tensors one by one, by
+    tensor or by name): each
     replica gets its rows' ids, numbered from 0, so 6 steps on 2 replicas
     equal one device, every variable and slot within 1e-6 (absolute and
     relative: the accumulators reach 30). Rows that do not
@@ -160,8 +161,10 @@ def test_a_sparse_placeholder_is_split_by_its_rows(how):
             feed = {ids: tf1.SparseTensorValue(i, v, shape)}
         elif how == "value":
             feed = {ids: (i, v, shape)}
-        else:
+        elif how == "components":
             feed = {ids.indices: i, ids.values: v, ids.dense_shape: shape}
+        else:
+            feed = {"ids/indices": i, "ids/values:0": v, "ids/shape": shape}
         runner.run(train, {**feed, y: labels})
     for var, want in zip(variables, single):
         np.testing.assert_allclose(runner.run(var), want, atol=1e-6, rtol=1e-6, err_msg=var.name)

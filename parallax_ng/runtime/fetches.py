@@ -261,7 +261,8 @@ class ReplicaFetchMap(FetchMap):
                                      "a SparseTensor; feed a tf.compat.v1.SparseTensorValue "
                                      "or (indices, values, dense_shape) of numpy arrays")
                 triples.append(((key.indices, key.values, key.dense_shape), tuple(value)))
-        names = {self.user_name(k): k for k in feed_dict}
+        names = {(n if ":" in n else n + ":0"): k
+                 for k, n in ((k, self.user_name(k)) for k in feed_dict)}
         for name in list(names):
             base, part = name.split(":")[0].rpartition("/")[::2]
             parts = [f"{base}/{p}:0" for p in ("indices", "values", "shape")]
