@@ -368,6 +368,8 @@ def test_momentum_leaves_untouched_embedding_rows():
 def test_feeds_split_over_replicas_and_micro_batches_and_fetches_combine():
     ids, labels = _data()
     g, h = stack(8, "sgd", feed=True)
+    with g.as_default():
+        sparse = tf1.sparse_placeholder(tf.int64, name="sparse_ids")
     resources, config = _l2l(2, 2)
 
     def feeds(i):
@@ -384,6 +386,13 @@ def test_feeds_split_over_replicas_and_micro_batches_and_fetches_combine():
         got = dict(zip(names, runner.run([read_name(n, g) for n in names])))
         with pytest.raises(pn.FetchError, match="equal parts"):
             runner.run(h["loss"], {h["ids"]: ids[:6], h["y"]: labels[:6]})
+        # a sparse placeholder's entries are not rows: refused, however fed
+        value = (np.zeros((4, 2), np.int64), np.zeros(4, np.int64), np.array([16, 3]))
+        for fed in ({sparse: value}, dict(zip((sparse.indices, sparse.values,
+                                               sparse.dense_shape), value))):
+            with pytest.raises(pn.FetchError, match="does not split sparse placeholders "
+                                                    r"\('sparse_ids'\)"):
+                runner.run(h["loss"], {**feeds(0), **fed})
     with tf1.Session(graph=g) as sess:
         sess.run(h["init"])
         want_logits, want_loss = sess.run([h["logits"], h["loss"]], feeds(0))

@@ -207,6 +207,17 @@ class L2LFetchMap(FetchMap):
         """Feeds go to the host's placeholders; the L2L graph splits a batch
         into replicas x micro-batches, so it must divide evenly."""
         out = {}
+        sparse = [k for k in feed_dict or {} if isinstance(k, tf.SparseTensor)]
+        names = {n if ":" in n else n + ":0" for n in
+                 (self.user_name(k) for k in feed_dict or {} if k not in sparse)}
+        sparse = [k.indices.name.rsplit("/", 1)[0] for k in sparse] + sorted(
+            n.rsplit("/", 1)[0] for n in names if n.endswith("/indices:0") and
+            {n.replace("/indices:0", "/values:0"), n.replace("/indices:0", "/shape:0")} <= names)
+        if sparse:
+            raise FetchError(f"layer-by-layer execution does not split sparse placeholders "
+                             f"({sparse[0]!r}): its graph splits each fed batch by its first "
+                             "dimension, which a SparseTensor's entries are not; feed the ids "
+                             "as a dense batch (padded per row)")
         for key, value in (feed_dict or {}).items():
             name = self.user_name(key)
             name = name if ":" in name else name + ":0"
