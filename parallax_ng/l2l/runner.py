@@ -42,7 +42,7 @@ from ..pipeline.results import Barrier
 from ..resources import check_devices, session_config
 from ..runtime.checkpoint import Checkpointer, Layout
 from ..runtime.executor import Executor
-from ..runtime.fetches import Fetch, FetchMap
+from ..runtime.fetches import Fetch, FetchMap, sparse_placeholders
 from ..runtime.program import Program, run_options
 from ..runtime.runner import Runner
 from . import builder as l2l
@@ -210,9 +210,8 @@ class L2LFetchMap(FetchMap):
         sparse = [k for k in feed_dict or {} if isinstance(k, tf.SparseTensor)]
         names = {n if ":" in n else n + ":0" for n in
                  (self.user_name(k) for k in feed_dict or {} if k not in sparse)}
-        sparse = [k.indices.name.rsplit("/", 1)[0] for k in sparse] + sorted(
-            n.rsplit("/", 1)[0] for n in names if n.endswith("/indices:0") and
-            {n.replace("/indices:0", "/values:0"), n.replace("/indices:0", "/shape:0")} <= names)
+        sparse = [k.indices.name.rsplit("/", 1)[0] for k in sparse] + \
+            sparse_placeholders(names)
         if sparse:
             raise FetchError(f"layer-by-layer execution does not split sparse placeholders "
                              f"({sparse[0]!r}): its graph splits each fed batch by its first "

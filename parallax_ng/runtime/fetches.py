@@ -33,6 +33,14 @@ from ..graph.ir import format_input, parse_input, parse_tensor
 from ..pipeline.passes import REPLICA_PREFIX
 
 
+def sparse_placeholders(names: set) -> list[str]:
+    """The sparse placeholders (`sparse_placeholder`'s name scope) whose
+    three tensors, NAME/indices:0, NAME/values:0 and NAME/shape:0, are all
+    among tensor `names`."""
+    bases = (n[:-len("/indices:0")] for n in names if n.endswith("/indices:0"))
+    return sorted(b for b in bases if {f"{b}/values:0", f"{b}/shape:0"} <= names)
+
+
 @dataclass(frozen=True)
 class Fetch:
     names: tuple            # tensor names or tf.Operations to run
@@ -263,11 +271,9 @@ class ReplicaFetchMap(FetchMap):
                 triples.append(((key.indices, key.values, key.dense_shape), tuple(value)))
         names = {(n if ":" in n else n + ":0"): k
                  for k, n in ((k, self.user_name(k)) for k in feed_dict)}
-        for name in list(names):
-            base, part = name.split(":")[0].rpartition("/")[::2]
+        for base in sparse_placeholders(set(names)):
             parts = [f"{base}/{p}:0" for p in ("indices", "values", "shape")]
-            if part == "indices" and all(p in names for p in parts):
-                triples.append((tuple(parts), tuple(feed_dict.pop(names[p]) for p in parts)))
+            triples.append((tuple(parts), tuple(feed_dict.pop(names[p]) for p in parts)))
         out = {}
         for tensors, (indices, values, shape) in triples:
             names = [self.user_name(t) for t in tensors]
