@@ -28,6 +28,7 @@ parser.add_argument("--no-clip", action="store_true", help="no global-norm clipp
 parser.add_argument("--optimizer", default="adam", help="a key of models.OPTIMIZERS")
 parser.add_argument("--v1", action="store_true", help="call disable_v2_behavior() first")
 parser.add_argument("--dense-method", default="auto")
+parser.add_argument("--lookup", default="gather", help="gather | sparse (models.py)")
 parser.add_argument("--static-batch", action="store_true", help="batches of a known size")
 parser.add_argument("--buffer-bytes", type=int, default=0, help="fusion buffer size")
 parser.add_argument("--config", default="{}", help="more config keys, as JSON")
@@ -47,7 +48,8 @@ if args.random_init:
              "train": None}
 else:
     g, h = embedding_regression(4, args.optimizer, clip=not args.no_clip, ema=not args.no_ema,
-                                partitions=args.partitions, static_batch=args.static_batch)
+                                partitions=args.partitions, static_batch=args.static_batch,
+                                lookup=args.lookup)
 saver = None
 if args.saver:      # built before training, as most TF1 scripts build theirs
     with g.as_default():

@@ -35,12 +35,15 @@ def dataset_arrays(dtype=np.float32):
 
 def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
                          dtype=tf.float32, one_shot=False, loss_sum=False, partitions=None,
-                         dim=DIM, random_table=False, dropout=0.0, static_batch=False):
+                         dim=DIM, random_table=False, dropout=0.0, static_batch=False,
+                         lookup="gather"):
     """An embedding (sparse gradient) plus a dense layer, with a global step.
     With `partitions`, the embedding is that many row ranges (pn.partitioner);
     `dim` columns; with `random_table`, drawn by a random initializer; with
     `dropout`, the hidden layer's units dropped at that rate (seeded); with
-    `static_batch`, batches of a size the graph knows."""
+    `static_batch`, batches of a size the graph knows; with `lookup`
+    "sparse", each example's ids read by embedding_lookup_sparse (the same
+    mean, but the gradient holds each distinct id of the batch once)."""
     np_dtype = dtype.as_numpy_dtype
     g = tf.Graph()
     with g.as_default():
@@ -66,7 +69,14 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
         w = tf1.get_variable("dense/w", initializer=rng.randn(dim + FEATURES, 8).astype(np_dtype))
         b = tf1.get_variable("dense/b", initializer=np.zeros([8], np_dtype))
         v = tf1.get_variable("out/v", initializer=rng.randn(8, 1).astype(np_dtype))
-        h = tf.reduce_mean(tf1.nn.embedding_lookup(emb, ids, partition_strategy="div"), 1)
+        if lookup == "sparse":
+            at = tf.where(ids >= 0)
+            bags = tf.SparseTensor(at, tf.cast(tf.gather_nd(ids, at), tf.int64),
+                                   tf.shape(ids, out_type=tf.int64))
+            h = tf1.nn.embedding_lookup_sparse(emb, bags, None, combiner="mean",
+                                               partition_strategy="div")
+        else:
+            h = tf.reduce_mean(tf1.nn.embedding_lookup(emb, ids, partition_strategy="div"), 1)
         hidden = tf.tanh(tf.matmul(tf.concat([h, x], 1), w) + b)
         if dropout:
             hidden = tf1.nn.dropout(hidden, rate=dropout, seed=11)

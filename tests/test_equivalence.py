@@ -46,6 +46,38 @@ def test_replicas_match_one_device(run_option, optimizer, variant, n):
     assert np.all(np.isfinite(losses))
 
 
+LOOKUP_CASES = [("hybrid", "adagrad", {}), ("hybrid", "adam", {}), ("allreduce", "adam", {}),
+                 ("ps", "momentum", {}), ("allreduce", "adagrad", {"sparse_method": "alltoall"}),
+                 ("allreduce", "adam", {"sparse_method": "allreduce"})]
+
+
+@pytest.mark.parametrize("run_option,optimizer,config", LOOKUP_CASES,
+                         ids=[f"{r}-{o}-{c.get('sparse_method', 'default')}"
+                              for r, o, c in LOOKUP_CASES])
+def test_a_lookup_of_distinct_ids_with_clipping_equals_one_device(run_option, optimizer,
+                                                                  config):
+    """embedding_lookup_sparse: one device's gradient holds each distinct id
+    of the batch once, the replicas' rows repeat the ids they share. With
+    gradients clipped by their global norm (the rows' squares) every
+    variable and slot of 2 replicas equals one device (1e-5) under every
+    sparse method: the job's rows are summed by id before any use."""
+    extras = {"clip": True, "ema": True, "lookup": "sparse"}
+    g, h = embedding_regression(BATCH, optimizer, **extras)
+    with pn.get_runner(g, local(2), {"run_option": run_option, **config}) as runner:
+        assert runner.plan.variables["emb"].unique_rows
+        assert "summed by id before the update" in runner.plan.format()
+        runner.run([h["init"], h["iterator_init"]])
+        for _ in range(STEPS):
+            runner.run(h["train"])
+        names = variable_names(g)
+        values = runner.run([read_name(v, g) for v in names], per_replica=True)
+    single = train_single(*embedding_regression(2 * BATCH, optimizer, **extras), STEPS)
+    for name, want in single.items():
+        for k, got in enumerate(values[names.index(name)]):
+            diff = np.max(np.abs(np.asarray(got) - want))
+            assert diff <= TOL, f"{name} on replica {k}: max abs diff {diff}"
+
+
 def test_loss_fetch_is_global_batch_mean():
     """Fetching the loss returns the mean over replicas = the global batch loss."""
     g, h = embedding_regression(BATCH, "sgd")

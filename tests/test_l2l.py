@@ -34,12 +34,14 @@ def _data(n=512):
 
 
 def stack(batch, optimizer="adam", layers=3, feed=False, clip=False, seed=3, drop=None,
-          loss="mean", global_step=True):
+          loss="mean", global_step=True, lookup="gather"):
     """Embedding (sparse gradient), `layers` residual tanh layers under
     stack/layer_<i>/, a head; the training op, loss, logits, init, gradients.
     With `drop` (a function of a tensor), it is applied after the
     embedding, in each layer and before the head (dropout). `loss`: how the
-    examples' cross-entropies make the loss (LOSSES)."""
+    examples' cross-entropies make the loss (LOSSES). `lookup` "sparse": the
+    embedding read by embedding_lookup_sparse (each distinct id once in the
+    gradient)."""
     drop = drop or (lambda h: h)
     g = tf.Graph()
     with g.as_default():
@@ -52,7 +54,13 @@ def stack(batch, optimizer="adam", layers=3, feed=False, clip=False, seed=3, dro
             ids, y = tf1.data.make_one_shot_iterator(
                 ds.batch(batch, drop_remainder=True).repeat()).get_next()
         emb = tf1.get_variable("embedding", [V, D])
-        h = drop(tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), 1))
+        if lookup == "sparse":
+            at = tf.where(ids >= 0)
+            bags = tf.SparseTensor(at, tf.cast(tf.gather_nd(ids, at), tf.int64),
+                                   tf.shape(ids, out_type=tf.int64))
+            h = drop(tf1.nn.embedding_lookup_sparse(emb, bags, None, combiner="mean"))
+        else:
+            h = drop(tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), 1))
         for i in range(layers):
             with tf1.variable_scope(f"stack/layer_{i}"):
                 w = tf1.get_variable("w", [D, D])
@@ -197,6 +205,17 @@ def test_equals_gradient_accumulation_and_one_device(replicas, micro, stash, opt
     whole, whole_losses = _whole(replicas * batch, steps, optimizer=optimizer, clip=clip)
     _assert_same(values, whole)
     np.testing.assert_allclose(losses, whole_losses, rtol=0, atol=TOL)   # the step's mean loss
+
+
+def test_a_lookup_of_distinct_ids_with_clipping_equals_one_device():
+    """embedding_lookup_sparse gathers each distinct id of a micro-batch
+    once; the host sums the replicas' and micro-batches' rows by id, so a
+    global norm (clipping) sees one device's rows: 2 replicas x 2
+    micro-batches equal one device, every variable (1e-5)."""
+    g, h = stack(8, "adam", clip=True, lookup="sparse")
+    values, _ = _run_l2l(g, h, *_l2l(2, 2, "host"), 6)
+    whole, _ = _whole(16, 6, optimizer="adam", clip=True, lookup="sparse")
+    _assert_same(values, whole)
 
 
 @pytest.mark.parametrize("global_step", [True, False])

@@ -15,6 +15,13 @@ norms, summaries, update ops), by the plan's method:
 - factors: a dense gradient MatMul(a, b, transpose_a=True) by its two
   factors: every replica's [a | b] all-gathered, the product taken on
   every replica (the sum of the replicas' products);
+- a sparse gradient that holds each id once on one device (its ids went
+  through a Unique, as embedding_lookup_sparse's: TrainingGraph.rows_unique)
+  has the job's rows summed by id (in the order the ids first appear, one
+  device's order) before any use reads them: where the gathered, exchanged
+  or concatenated rows arrive (on the server, after every worker's,
+  transforms/server_sync.py), so a global norm or an update that squares
+  rows sees one device's rows;
 - a sparse gradient whose indices are the same on every replica (a lookup
   of positions: TrainingGraph.rows_alike) has its values summed row for
   row instead (all-reduced, or AddN on the server), its indices kept, so
@@ -185,6 +192,8 @@ def _dense_rows(ctx, var, grad):
         values.append(v)
         indices.append(i)
     outputs.update({grad.values: values, grad.indices: indices})
+    if plan.variables[var].unique_rows:    # the touched rows are one device's rows
+        return nodes, outputs
     made, norms = _norm_shares(ctx, var, scope, [ctx.replica_tensor(k, grad.values)
                                                   for k in range(plan.num_replicas)])
     outputs.update(norms)
@@ -239,8 +248,10 @@ def _ps(ctx, var, grad):
     if rows != total:
         nodes += [emit.const(f"{scope}/scale", 1.0 / plan.group_size, dtype, device),
                   emit.node_def(rows, "Mul", [total, f"{scope}/scale"], device, T=dtype)]
-    if plan.variables[var].coalesce:
-        nodes += _coalesce(scope, rows, f"{scope}/indices", dtype, idx_dtype, device)
+    if grad.sparse and plan.variables[var].unique_rows:     # server_sync sums the workers'
+        nodes += coalesce(scope, rows, f"{scope}/indices", dtype, idx_dtype, device)
+    elif plan.variables[var].coalesce:
+        nodes += coalesce(scope, rows, f"{scope}/indices", dtype, idx_dtype, device)
         nodes.append(emit.node_def(f"{scope}/norm", "L2Loss", [rows], device, T=dtype))
         for norm in ctx.facts.coalescing(var):
             outputs[TensorRef(norm, 0)] = [f"{scope}/norm"] * n
@@ -248,7 +259,7 @@ def _ps(ctx, var, grad):
     return nodes, outputs
 
 
-def _coalesce(scope: str, values: str, indices: str, dtype, idx_dtype, device: str):
+def coalesce(scope: str, values: str, indices: str, dtype, idx_dtype, device: str):
     """Each distinct row once: duplicate indices' values summed, in the order
     the indices first appear."""
     return [emit.node_def(f"{scope}/unique", "Unique", [indices], device, T=idx_dtype,
@@ -278,7 +289,8 @@ def _ps_outputs(plan, var: str, sparse: bool) -> tuple[str, str | None]:
     (values or dense sum, indices or None); scaled by 1/group_size for a
     mean; each distinct row once when the plan coalesces it."""
     scope = f"parallax/ps/{var}"
-    if sparse and plan.variables[var].coalesce:
+    vp = plan.variables[var]
+    if sparse and (vp.coalesce or vp.unique_rows):
         return f"{scope}/coalesced", f"{scope}/distinct"
     return _rows(plan, var, sparse), (f"{scope}/indices" if sparse else None)
 
@@ -295,8 +307,24 @@ def _allgather(ctx, var, grad):
     nodes, values, indices, outputs = _replica_rows(ctx, var, grad, scope)
     made, v, i = ctx.comm.all_gather(scope, values, indices, vt.dtype, it.dtype, vt.shape,
                                      plan.average_sparse)
+    nodes += made
+    if plan.variables[var].unique_rows:
+        made, v, i = _by_id(ctx, scope, v, i, vt.dtype, it.dtype)
+        nodes += made
     outputs.update({grad.values: v, grad.indices: i})
-    return nodes + made, outputs
+    return nodes, outputs
+
+
+def _by_id(ctx, scope: str, values: list, indices: list, dtype, idx_dtype):
+    """Each replica's job rows (`values`, `indices`: one per replica)
+    summed by id, on the replica's device: (nodes, values, indices)."""
+    nodes, out_values, out_indices = [], [], []
+    for k, device in enumerate(ctx.plan.devices):
+        part = f"{scope}/replica_{k}/by_id"
+        nodes += coalesce(part, values[k], indices[k], dtype, idx_dtype, device)
+        out_values.append(f"{part}/coalesced")
+        out_indices.append(f"{part}/distinct")
+    return nodes, out_values, out_indices
 
 
 def _replica_rows(ctx, var, grad, scope):
@@ -317,7 +345,7 @@ def _replica_rows(ctx, var, grad, scope):
     nodes += made
     for k, device in enumerate(plan.devices):
         part = f"{scope}/replica_{k}/rows"
-        nodes += _coalesce(part, values[k], indices[k], vt.dtype, it.dtype, device)
+        nodes += coalesce(part, values[k], indices[k], vt.dtype, it.dtype, device)
         values[k], indices[k] = f"{part}/coalesced", f"{part}/distinct"
     return nodes, values, indices, outputs
 
@@ -362,6 +390,9 @@ def _alltoall(ctx, var, grad, exchanged: dict, ids: dict, coalesced: dict, reads
     made, v, i = ctx.comm.columns_gradient(scope, values, indices, plan.placement[var],
                                            vt.dtype, it.dtype, plan.average_sparse, gathered)
     nodes += made
+    if plan.variables[var].unique_rows:      # each replica's columns of the job's rows
+        made, v, i = _by_id(ctx, scope, v, i, vt.dtype, it.dtype)
+        nodes += made
     outputs.update({grad.values: v, grad.indices: i})
     if plan.variables[var].coalesce:
         return nodes, outputs

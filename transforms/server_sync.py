@@ -12,7 +12,9 @@ Guarantees (the synchronous parameter-server protocol of the Parallax paper):
   is applied exactly once;
 - the chief takes every other worker's element from each server's queues, in
   worker order, and adds it to its own local aggregate on that server
-  (dense: AddN; sparse: values and indices concatenated). Whatever read the
+  (dense: AddN; sparse: values and indices concatenated, then summed by id
+  where one device's gradient holds each id once, `VariablePlan.unique_rows`,
+  transforms/aggregate.py). Whatever read the
   local aggregate (clipping, update ops) reads the job's aggregate, and the
   chief's writers apply it;
 - where writers of mirrored state need a job aggregate (a global norm that
@@ -44,6 +46,7 @@ from parallax_ng.graph import emit
 from parallax_ng.graph.ir import GraphIR, TensorRef, copy_node
 from parallax_ng.pipeline.passes import replica_of
 from parallax_ng.pipeline.results import Barrier, LocalAggregates
+from transforms.aggregate import coalesce
 
 SCOPE = "parallax/server_sync"
 RELEASE = f"{SCOPE}/release"
@@ -163,6 +166,9 @@ def _take(ctx, ir: GraphIR, j: int, server: str, parts, rewires: dict, wires: li
     plan = ctx.plan
     axis = f"{SCOPE}/axis_{j}"
     nodes, taken = [emit.const(axis, 0, tf.int32, server)], []
+    local, tensors = ctx.result(LocalAggregates), {t for t, _, _ in parts}
+    by_id = {local.of[v][0]: local.of[v][1] for v, vp in plan.variables.items()
+             if vp.unique_rows and local.of.get(v, (None,))[0] in tensors}
     for w in range(1, plan.num_workers):
         q, deq = f"{SCOPE}/queue_{j}_{w}", f"{SCOPE}/take_{j}_{w}"
         nodes += [_queue(q, f"parallax_ng/grads/{j}/{w}", wires, server),
@@ -180,12 +186,23 @@ def _take(ctx, ir: GraphIR, j: int, server: str, parts, rewires: dict, wires: li
                 inputs[i] = nodes[-1].name
         name = f"{tensor}/job"
         if sparse:
-            nodes.append(emit.node_def(name, "ConcatV2", inputs + [axis], server,
-                                       T=dtype, N=len(inputs), Tidx=tf.int32))
+            summed = tensor in by_id or tensor in by_id.values()
+            nodes.append(emit.node_def(name + ("_all" if summed else ""), "ConcatV2",
+                                       inputs + [axis], server, T=dtype, N=len(inputs),
+                                       Tidx=tf.int32))
         else:
             nodes.append(emit.node_def(name, "AddN", inputs, server, T=dtype, N=len(inputs)))
         for consumer, pos in ir.consumers.get(TensorRef(tensor, 0), ()):
             rewires[(consumer, pos)] = name
+    for values, indices in by_id.items():      # the job's rows summed by id
+        rows = f"{values}/job_rows"
+        dtypes = {t: d for t, d, _ in parts}
+        nodes += coalesce(rows, f"{values}/job_all", f"{indices}/job_all", dtypes[values],
+                           dtypes[indices], server)
+        nodes += [emit.node_def(f"{values}/job", "Identity", [f"{rows}/coalesced"], server,
+                                T=dtypes[values]),
+                  emit.node_def(f"{indices}/job", "Identity", [f"{rows}/distinct"], server,
+                                T=dtypes[indices])]
     return nodes
 
 

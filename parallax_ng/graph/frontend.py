@@ -25,6 +25,7 @@ from .ir import GraphIR, TensorRef
 
 SHARD_SCOPE = "parallax_shard"
 NO_UPDATE = "found no optimizer update in the graph"     # the error's start (tf2.py)
+UNIQUE_OPS = frozenset({"Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2"})
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,31 @@ class TrainingGraph:
         the values, tells apart)."""
         return frozenset(v for v, g in self.gradients.items()
                          if g.sparse and g.indices.node not in self.variant)
+
+    @cached_property
+    def rows_unique(self) -> frozenset[str]:
+        """Variables whose sparse gradient holds each row once on one device:
+        its indices are a Unique's ids (through Identity, Reshape, Cast), as
+        embedding_lookup_sparse gathers each distinct id once. The replicas'
+        rows of such a gradient repeat the ids they share, which one device's
+        rows sum; a use that sees rows one by one (a global norm's L2Loss,
+        Keras 3's Adagrad squaring them) tells the two apart, so the job's
+        rows are summed by id before any use (transforms/aggregate.py)."""
+        out = set()
+        for v, g in self.gradients.items():
+            if not g.sparse or v in self.rows_alike:
+                continue
+            ref = g.indices
+            for _ in range(16):
+                node = self.ir.node(ref.node)
+                if node.op in UNIQUE_OPS and ref.index == 0:
+                    out.add(v)
+                    break
+                if node.op not in ("Identity", "Reshape", "Cast", "StopGradient") or \
+                        not node.input:
+                    break
+                ref = self.ir.data_inputs(ref.node)[0]
+        return frozenset(out)
 
     @property
     def trainable(self) -> list[str]:

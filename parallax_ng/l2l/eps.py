@@ -10,7 +10,8 @@ Guarantees:
   per replica as each contribution arrives (a chain of adds in their order),
   then across replicas; a sparse one stays IndexedSlices (every
   contribution's rows, so an optimizer that touches only the rows given
-  still does); cmp's float16 gradients of the scaled loss come back to the
+  still does; summed by id where one device's gradient holds each id once,
+  `unique`: TrainingGraph.rows_unique); cmp's float16 gradients of the scaled loss come back to the
   variable's dtype, unscaled;
 - `Workers`: in a job, one EPS per worker: `all_reduce` sums a tensor over
   the workers' hosts (a sparse gradient as its dense sum and the rows any
@@ -77,7 +78,7 @@ class Workers:
 
 def gradient_sum(var: str, grad, parts: list, replicas: int, value_dtype: tf.DType,
                  index_dtype: tf.DType | None, workers: Workers, rows: int | None,
-                 scale: float = 1.0) -> dict[str, tf.Tensor]:
+                 scale: float = 1.0, unique: bool = False) -> dict[str, tf.Tensor]:
     """User gradient tensor name (values, and indices when sparse) -> the
     EPS's sum of `parts`; `scale`: the loss scale to divide out (cmp)."""
     if not parts:
@@ -90,6 +91,9 @@ def gradient_sum(var: str, grad, parts: list, replicas: int, value_dtype: tf.DTy
                              "(IndexedSlices) but a layer's is dense")
         values = tf.concat([tf.identity(g.values) for _, g in parts], 0)
         indices = tf.concat([tf.cast(g.indices, index_dtype) for _, g in parts], 0)
+        if unique and workers.workers == 1:    # (all_rows sums the workers' by id)
+            indices, at = tf.unique(indices)
+            values = tf.math.unsorted_segment_sum(values, at, tf.size(indices))
         values, indices = workers.all_rows(values, indices, rows)
         return {tensor_name(grad.values): values, tensor_name(grad.indices): indices}
     sums = []
@@ -122,7 +126,7 @@ def reduced(tg, contributions: dict, replicas: int, job: Workers, scale: float,
                 tg.tensor(grad.values).dtype,
                 tg.tensor(grad.indices).dtype if grad.sparse else None,
                 job, tg.variables[var].shape[0] if grad.sparse else None,
-                scale if mean else scale / total)
+                scale if mean else scale / total, var in tg.rows_unique)
             if half:
                 checked = tensor_name(grad.values)
                 sums[checked] = tf.debugging.check_numerics(

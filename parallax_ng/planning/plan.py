@@ -25,6 +25,7 @@ class VariablePlan:
     method: str          # a name in parallax_ng/methods.py METHODS
     info: VariableInfo
     coalesce: bool = False   # duplicate rows summed on the worker before they leave it
+    unique_rows: bool = False   # one device's rows are distinct: the job's summed by id
     prefetch: bool = False   # rows the next batch reads sent first, the rest during it
     note: str = ""           # why a setting asked for does not apply
 
@@ -293,6 +294,10 @@ class Plan:
         if coalesced:
             rows.append("each distinct row sent once (duplicates summed first): "
                         + ", ".join(coalesced))
+        unique = sorted(v for v, vp in self.variables.items() if vp.unique_rows)
+        if unique and self.group_size > 1:
+            rows.append("the replicas' rows summed by id before the update, as one device's "
+                        "gradient holds each id once: " + ", ".join(unique))
         ahead = sorted(v for v, vp in self.variables.items() if vp.prefetch)
         if ahead:
             rows.append("prefetch (gradient rows the next batch reads sent first, the rest "

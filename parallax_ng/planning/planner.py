@@ -61,7 +61,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     backend = config.communication.backend
     facts = facts or Facts(tg)
     can_cut = lambda v: cuttable(facts, v, len(devices), num_workers, backend)   # noqa: E731
-    can_sum = lambda v: facts.coalescing(v) is not None               # noqa: E731
+    can_sum = lambda v: facts.coalescing(v) is not None or v in tg.rows_unique   # noqa: E731
     group = len(devices) * num_workers
     weighing = choice.weighs(config, num_workers, servers, info)
     net, costs = None, {}
@@ -102,7 +102,9 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     variables = {name: VariablePlan(name, how, info[name],
                                     coalesce=config.coalesce_rows and
                                     method(how).coalesces and name not in tg.rows_alike and
+                                    name not in tg.rows_unique and
                                     facts.coalescing(name) is not None,
+                                    unique_rows=name in tg.rows_unique,
                                     note=_unmet(facts, config, name, how, devices,
                                                 num_workers))
                  for name, how in methods.items()}
@@ -170,7 +172,8 @@ def _unmet(facts, config: Config, name: str, how: str, devices, num_workers: int
             why = str(e)
     else:
         why = ("a use of its rows sees them one by one, so duplicate rows may not be "
-               "summed" if facts.coalescing(name) is None else "the cost model chose otherwise")
+               "summed" if facts.coalescing(name) is None and name not in facts.tg.rows_unique
+               else "the cost model chose otherwise")
     return f"sparse_method {asked} not used ({why}); it goes by {how}"
 
 
