@@ -325,6 +325,7 @@ def measure_job(build: Build, server, profile_steps: int = 0,
     from .planning import choice, costfit
     from .planning.profile import first_step_profile
     from .runtime import serving
+    from .runtime.fetches import first_part
 
     tg, info, config = build.tg, build.job.cluster, build.job.config
     if info is None or server is None or (len(info.workers) < 2 and not profile_steps):
@@ -353,9 +354,7 @@ def measure_job(build: Build, server, profile_steps: int = 0,
     steps = profile_steps or config.profile.steps
     feeds = {}
     if sample is not None:
-        feeds = {name: value[:len(value) // plan.group_size] if getattr(value, "ndim", 0)
-                 else value for name, value in sample.batch.items()}
-        feeds.update(sample.fixed)
+        feeds = {**first_part(sample.batch, plan.group_size), **sample.fixed}
     profile, why = first_step_profile(tg, timeout, steps, feeds) if steps else (
         None, "profile.steps is 0")
     mine = None

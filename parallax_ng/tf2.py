@@ -32,6 +32,7 @@ import tensorflow as tf
 from .errors import ConfigError, FetchError, GraphError
 from .graph.frontend import NO_UPDATE
 from .graph.tracing import tf_variable
+from .runtime.fetches import sparse_rows
 
 
 class StepFunction:
@@ -60,8 +61,9 @@ class StepFunction:
         return self._run(cap.train, cap.inputs, cap.outputs, leaves, per_replica)
 
     def _run(self, op, inputs, outputs, leaves, per_replica):
-        feeds = {name + ":0": self._mine(i, _array(leaf))
-                 for i, (name, leaf) in enumerate(zip(inputs, leaves))}
+        feeds = {}
+        for i, (name, leaf) in enumerate(zip(inputs, leaves)):
+            feeds.update(self._feeds(i, name, _leaf(leaf)))
         if outputs is None:              # it returns nothing
             self.runner.run(op, feeds)
             return None
@@ -74,10 +76,19 @@ class StepFunction:
         if self.runner is None or name not in self._captured.parts:
             return False
         graph, inputs = self._captured.graph, self._captured.parts[name].inputs
-        leaves = [_array(leaf) for leaf in tf.nest.flatten(args)]
+        leaves = [_leaf(leaf) for leaf in tf.nest.flatten(args)]
         if len(leaves) != len(inputs):
             return False
         for placeholder, leaf in zip(inputs, leaves):
+            sparse = _sparse_input(graph, placeholder)
+            if sparse != isinstance(leaf, SparseValue):
+                return False
+            if sparse:
+                t = graph.get_tensor_by_name(f"{placeholder}/values:0")
+                if tf.as_dtype(leaf.values.dtype) != t.dtype or \
+                        _rows(leaf) % self.runner.plan.group_size:
+                    return False
+                continue
             t = graph.get_tensor_by_name(placeholder + ":0")
             if np.ndim(leaf) == 0 or tf.as_dtype(np.asarray(leaf).dtype) != t.dtype or \
                     list(np.shape(leaf)[1:]) != t.shape.as_list()[1:] or \
@@ -92,11 +103,24 @@ class StepFunction:
         return self._run(part.run, part.inputs, part.outputs, tf.nest.flatten(args),
                          per_replica)
 
+    def _feeds(self, i: int, name: str, leaf) -> dict:
+        """The feeds of argument leaf `i` (placeholder `name`): this worker's
+        rows of it, a sparse batch's three tensors for a sparse placeholder."""
+        sparse = _sparse_input(self._captured.graph, name)
+        if sparse != isinstance(leaf, SparseValue):
+            kinds = ("a dense tensor", "a SparseTensor")
+            raise ConfigError(f"argument leaf {i} of the step was traced as {kinds[sparse]} and "
+                              f"is given {kinds[not sparse]}; call it as it was first called")
+        mine = self._mine(i, leaf)
+        if not sparse:
+            return {name + ":0": mine}
+        return {f"{name}/{part}:0": v for part, v in zip(("indices", "values", "shape"), mine)}
+
     def _mine(self, i: int, batch):
         """This worker's rows of a global batch (in a job, every worker is
         called with the global batch and takes its part)."""
         plan = self.runner.plan
-        workers, rows = getattr(plan, "num_workers", 1), len(batch)
+        workers, rows = getattr(plan, "num_workers", 1), _rows(batch)
         if rows % plan.group_size:
             raise FetchError(
                 f"argument leaf {i} of the step holds a global batch of {rows} rows, which "
@@ -106,6 +130,8 @@ class StepFunction:
         if workers == 1:
             return batch
         part = rows // workers
+        if isinstance(batch, SparseValue):
+            return SparseValue(*sparse_rows(*batch, plan.worker * part, part))
         return batch[plan.worker * part:(plan.worker + 1) * part]
 
     def sync(self) -> None:
@@ -155,9 +181,15 @@ class StepFunction:
         self._captured = cap = capture(self._fn, args,
                                        self._parts(args) if self._parts else None)
         try:
-            sample = Sample({name + ":0": _array(leaf)
-                             for name, leaf in zip(cap.inputs, tf.nest.flatten(args))},
-                            cap.init_feeds)
+            batch = {}
+            for name, leaf in zip(cap.inputs, tf.nest.flatten(args)):
+                leaf = _leaf(leaf)
+                if isinstance(leaf, SparseValue):
+                    batch.update({f"{name}/{part}:0": v for part, v in
+                                  zip(("indices", "values", "shape"), leaf)})
+                else:
+                    batch[name + ":0"] = leaf
+            sample = Sample(batch, cap.init_feeds)
             self.runner = get_runner(cap.graph, self._resources, self._config, sample)
         except GraphError as e:
             if not str(e).startswith(NO_UPDATE):
@@ -208,3 +240,28 @@ def function(fn, resource_info=None, config=None) -> StepFunction:
 
 def _array(leaf):
     return leaf.numpy() if hasattr(leaf, "numpy") else leaf
+
+
+SparseValue = tf.compat.v1.SparseTensorValue
+
+
+def _leaf(leaf):
+    """A step argument's leaf as fed: an array, or a SparseTensorValue of
+    arrays for a SparseTensor (a batch of sparse rows)."""
+    if isinstance(leaf, (tf.SparseTensor, SparseValue)):
+        return SparseValue(*(np.asarray(_array(t)) for t in
+                             (leaf.indices, leaf.values, leaf.dense_shape)))
+    return _array(leaf)
+
+
+def _rows(leaf) -> int:
+    return int(leaf.dense_shape[0]) if isinstance(leaf, SparseValue) else len(leaf)
+
+
+def _sparse_input(graph: tf.Graph, name: str) -> bool:
+    """Whether argument placeholder `name` is a sparse placeholder's."""
+    try:
+        graph.get_operation_by_name(name + "/indices")
+    except KeyError:
+        return False
+    return True

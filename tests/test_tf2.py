@@ -456,3 +456,83 @@ def test_an_embedding_reads_its_rows_not_the_whole_table():
     assert not [op for op in ops if op.type == "GatherV2" and
                 op.inputs[0].op.type == "ReadVariableOp" and
                 tuple(op.inputs[0].shape) == (30, 4)]
+
+
+def sparse_bags(seed, vocab, rows=BATCH):
+    """A batch of bags of ids as a tf.SparseTensor: `rows` rows of 0 to 3 ids
+    each (a row with none among them), and a target per row."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 4, size=rows)
+    counts[1] = 0
+    indices = np.array([(r, k) for r in range(rows) for k in range(counts[r])], np.int64)
+    ids = rng.integers(0, vocab, size=len(indices)).astype(np.int64)
+    bags = tf.SparseTensor(indices, ids, [rows, 3])
+    return bags, rng.normal(size=(rows, 1)).astype(np.float32)
+
+
+def bag_model(vocab):
+    """A table read by bags of ids (mean of each row's rows) and a Keras 3
+    head; Adagrad (the table's gradient stays sparse)."""
+    table = tf.Variable(np.random.default_rng(7).normal(size=(vocab, 4)).astype(np.float32),
+                        name="bag_table")
+    head = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.Adagrad(0.1)
+
+    def train_step(bags, y):
+        with tf.GradientTape() as tape:
+            mean = tf.nn.safe_embedding_lookup_sparse(table, bags, combiner="mean")
+            loss = tf.reduce_mean(tf.square(head(mean, training=True) - y))
+        weights = [table] + head.trainable_variables
+        optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
+        return loss
+    return train_step, table, head, optimizer
+
+
+def test_a_sparse_tensor_argument_is_split_by_its_rows():
+    """A step taking a tf.SparseTensor batch (bags of ids of 0 to 3 per
+    row): each of 2 replicas gets its rows' entries, so 10 steps equal one
+    device with the global batch (table, head and Adagrad's accumulators,
+    1e-5); the table's gradient stays sparse; a dense batch where the step
+    was traced with a SparseTensor is refused by name."""
+    vocab = 40
+    fn, table, head, optimizer = bag_model(vocab)
+    ref_fn, ref_table, ref_head, ref_optimizer = bag_model(vocab)
+    ref_head.set_weights(head.get_weights())
+    step, ref = pn.function(fn, local(2)), tf.function(ref_fn)
+    for k in range(STEPS):
+        bags, y = sparse_bags(k, vocab)
+        np.testing.assert_allclose(step(bags, y), ref(bags, y).numpy(), atol=1e-5, rtol=0)
+    plan = step.runner.plan.variables
+    assert plan["bag_table"].info.sparse, plan
+    step.sync()
+    np.testing.assert_allclose(table.numpy(), ref_table.numpy(), atol=1e-5, rtol=0)
+    for got, want in zip(head.weights + optimizer.variables,
+                         ref_head.weights + ref_optimizer.variables):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0,
+                                   err_msg=getattr(got, "path", got.name))
+    with pytest.raises(pn.ConfigError, match="leaf 0 of the step was traced as a SparseTensor"):
+        step(np.zeros((BATCH, 3), np.int64), y)
+    with pytest.raises(pn.FetchError, match="leaf 0 .* 7 rows"):
+        step(*sparse_bags(0, vocab, rows=7))
+
+
+def test_a_sparse_tensor_argument_in_a_two_worker_job(tmp_path):
+    """2 workers x 1 device, each called with the global SparseTensor batch
+    (8 rows): each takes its 4 rows' entries (numbered from 0), and after 5
+    steps both equal one device with the global batch from worker 0's head
+    (table, head and Adagrad's accumulators, 1e-5)."""
+    out, done = run_job(tmp_path, "--sparse")
+    assert "worker 1 of 2: done" in done.stdout
+    workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
+    fn, table, head, optimizer = bag_model(40)
+    head.set_weights([workers[0][f"start{i}"] for i in range(len(head.weights))])
+    ref = tf.function(fn)
+    for k in range(5):
+        ref(*sparse_bags(k, 40))
+    for w in workers:
+        assert "allgather" in str(w["plan"])
+        np.testing.assert_allclose(w["table"], table.numpy(), atol=1e-5, rtol=0)
+        for i, v in enumerate(head.weights):
+            np.testing.assert_allclose(w[f"w{i}"], np.asarray(v), atol=1e-5, rtol=0)
+        for i, v in enumerate(optimizer.variables):
+            np.testing.assert_allclose(w[f"o{i}"], np.asarray(v), atol=1e-5, rtol=0)

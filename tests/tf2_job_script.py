@@ -16,7 +16,9 @@ dense variables by all-reduce beside the server; with --network B, config
 `network` of B bytes/s and no latency; with --default-config, nothing
 pinned); with --horovod, a rank of horovodrun (the loop or --fit,
 `communication.backend: horovod`); with --bn, test_keras_fit's BatchNormalization model by
-`model.fit` on STEPS global batches of 16.
+`model.fit` on STEPS global batches of 16; with --sparse, test_tf2's bags of
+ids (a tf.SparseTensor argument) by a custom loop, Keras 3 Adagrad (the
+table saved as `table`).
 """
 import json
 import os
@@ -65,6 +67,9 @@ if "--bn" in sys.argv:
     model = bn_model(keras, False)
     optimizer, config = model.optimizer, None
     x, y = bn_data(False, steps * BATCH)
+if "--sparse" in sys.argv:                  # a SparseTensor batch, its rows split
+    from test_tf2 import bag_model, sparse_bags
+    train_bags, table, model, optimizer = bag_model(40)
 start = model.get_weights()
 if "--bn" in sys.argv:
     pn.parallelize(model, None, config)
@@ -88,12 +93,18 @@ elif "--fit" in sys.argv:
     predicted = model.predict(x.reshape(-1, 5)[:43], batch_size=8, verbose=0)
     extra = {"evaluated": np.array(evaluated), "predicted": predicted,
              "on_model": np.array(json.dumps(model._parallax_ng.on_model))}
+elif "--sparse" in sys.argv:
+    step = pn.function(train_bags, resources, config)
+    for k in range(steps):
+        step(*sparse_bags(k, 40))
 else:
     step = pn.function(step_of(model, optimizer), resources, config)
     for k in range(steps):
         step(x[k], y[k])
 worker = step.runner.plan.worker
 step.sync()
+if "--sparse" in sys.argv:
+    extra["table"] = table.numpy()
 plan = {v: ("alike " if v in step.runner.ctx.tg.rows_alike else "") + vp.method
         for v, vp in step.runner.plan.variables.items()}
 sources = {v: vp.info.alpha_source for v, vp in step.runner.program.plan.variables.items()

@@ -15,7 +15,8 @@ Guarantees: a `Captured` whose `graph` holds
   stored in the graph); a Keras optimizer slot is colocated with its
   variable (the front end's owner);
 - a Placeholder per leaf of `args` (`inputs`, in order), its first
-  dimension unknown, so the runner splits a global batch over the replicas;
+  dimension unknown, so the runner splits a global batch over the replicas
+  (a SparseTensor's: a `sparse_placeholder`, split by its rows);
 - the step's ops, nested function calls inlined and tf.cond / while_loop
   lowered (Switch/Merge), names as traced (GradientTape's `gradient_tape/`);
 - `outputs`: fn's return value as tensor names, in its structure; `train`:
@@ -147,7 +148,16 @@ def _differences(a, b) -> str:
     return f"{', '.join(diff[:4])} differ" if diff else ""
 
 
-def _spec(value, i: int) -> tf.TensorSpec:
+def _spec(value, i: int):
+    if isinstance(value, tf.compat.v1.SparseTensorValue):
+        value = tf.SparseTensor(*value)
+    if isinstance(value, tf.SparseTensor):       # a batch of sparse rows
+        if value.shape.rank is not None and value.shape.rank < 1:
+            raise GraphError(f"argument leaf {i} of the step is a SparseTensor of no rows; "
+                             "every argument is a batch whose first dimension the replicas "
+                             "split")
+        known = value.shape.as_list()[1:] if value.shape.rank is not None else None
+        return tf.SparseTensorSpec(None if known is None else [None] + known, value.dtype)
     try:
         t = tf.convert_to_tensor(value)
     except (TypeError, ValueError) as e:
@@ -268,11 +278,7 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
     made, names, feeds, runs, placeholders = {}, set(), {}, [], []
     with graph.as_default():
         for piece in pieces:
-            args = [piece.concrete.graph.get_tensor_by_name(name + ":0") for name in piece.inputs]
-            placeholders.append([
-                tf.compat.v1.placeholder(t.dtype, t.shape,
-                                         name=INPUT.format(sum(map(len, placeholders)) + i))
-                for i, t in enumerate(args)])
+            placeholders.append(_placeholders(piece, sum(map(len, placeholders))))
         for var in sorted(variables.values(), key=lambda v: v.ref() in owners):  # owners first
             vname = _unique(_variable_name(var), names)
             owner = owners.get(var.ref())
@@ -289,8 +295,8 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
             scope = "" if k == 0 else PART.format(parts[k - 1])
             input_map = {f"{name}:0": made[id(var)].handle
                          for name, var in piece.captured.items()}
-            input_map.update({f"{name}:0": ph
-                              for name, ph in zip(piece.inputs, placeholders[k])})
+            input_map.update({f"{name}:0": t for name, t in
+                              zip(piece.inputs, (t for _, ts in placeholders[k] for t in ts))})
             input_map.update({f"{name}:0": tf.constant(value, name=f"{scope or 'parallax'}"
                                                                   f"_captured/{j}")
                               for j, (name, value) in enumerate(sorted(piece.constants.items()))})
@@ -309,12 +315,28 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
                                                piece.concrete.structured_outputs)[0],
                          run.name))
         init = tf.compat.v1.variables_initializer(list(made.values()), name="parallax_init")
-    return Captured(graph, [p.op.name for p in placeholders[0]], runs[0][0], runs[0][1],
+    return Captured(graph, [name for name, _ in placeholders[0]], runs[0][0], runs[0][1],
                     {made[i].op.name: v for i, v in variables.items()},
                     {made[i].op.name: made[i]._graph_element.name for i in variables},
                     init.name, feeds,
-                    parts={name: Part([p.op.name for p in placeholders[k + 1]], *runs[k + 1])
+                    parts={name: Part([n for n, _ in placeholders[k + 1]], *runs[k + 1])
                            for k, name in enumerate(parts)})
+
+
+def _placeholders(piece: _Piece, first: int) -> list:
+    """A placeholder per leaf of the piece's arguments, numbered from
+    `first`: (its name, the tensors its function's inputs take in order);
+    a SparseTensor's is a `sparse_placeholder` (NAME/indices, NAME/values,
+    NAME/shape: fed as a batch of rows, runtime/fetches.py)."""
+    out = []
+    for i, spec in enumerate(piece.concrete.structured_input_signature[0]):
+        name = INPUT.format(first + i)
+        if isinstance(spec, tf.SparseTensorSpec):
+            sp = tf.compat.v1.sparse_placeholder(spec.dtype, spec.shape, name=name)
+            out.append((name, [sp.indices, sp.values, sp.dense_shape]))
+        else:
+            out.append((name, [tf.compat.v1.placeholder(spec.dtype, spec.shape, name=name)]))
+    return out
 
 
 def _ancestors(graph_def, roots: set) -> set:

@@ -41,6 +41,29 @@ def sparse_placeholders(names: set) -> list[str]:
     return sorted(b for b in bases if {f"{b}/values:0", f"{b}/shape:0"} <= names)
 
 
+def sparse_rows(indices, values, shape, first: int, count: int) -> tuple:
+    """A sparse batch's rows first .. first + count - 1 as a sparse batch of
+    `count` rows (numbered from 0): (indices, values, dense_shape) arrays."""
+    indices, values, shape = np.asarray(indices), np.asarray(values), np.asarray(shape)
+    mine = (indices[:, 0] >= first) & (indices[:, 0] < first + count)
+    part = indices[mine].copy()
+    part[:, 0] -= first
+    return part, values[mine], np.concatenate([[count], shape[1:]]).astype(shape.dtype)
+
+
+def first_part(batch: dict, parts: int) -> dict:
+    """The first of `parts` equal parts of a global batch's feeds (tensor
+    name -> value): a dense value's rows, a sparse placeholder's rows
+    (its three tensors, `sparse_placeholders`); scalars whole."""
+    out = {name: value[:len(value) // parts] if getattr(value, "ndim", 0) else value
+           for name, value in batch.items()}
+    for base in sparse_placeholders(set(batch)):
+        names = [f"{base}/{p}:0" for p in ("indices", "values", "shape")]
+        triple = [batch[n] for n in names]
+        out.update(zip(names, sparse_rows(*triple, 0, int(triple[2][0]) // parts)))
+    return out
+
+
 @dataclass(frozen=True)
 class Fetch:
     names: tuple            # tensor names or tf.Operations to run
@@ -297,11 +320,7 @@ class ReplicaFetchMap(FetchMap):
                     "if every replica needs it whole")
             each = rows // n
             for k in range(n):
-                mine = (indices[:, 0] >= k * each) & (indices[:, 0] < (k + 1) * each)
-                part = indices[mine].copy()
-                part[:, 0] -= k * each
-                for c, v in zip(copies, (part, values[mine],
-                                         np.concatenate([[each], shape[1:]]).astype(shape.dtype))):
+                for c, v in zip(copies, sparse_rows(indices, values, shape, k * each, each)):
                     out[c[k]] = v
         return feed_dict, out
 
