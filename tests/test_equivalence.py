@@ -46,25 +46,30 @@ def test_replicas_match_one_device(run_option, optimizer, variant, n):
     assert np.all(np.isfinite(losses))
 
 
-LOOKUP_CASES = [("hybrid", "adagrad", {}), ("hybrid", "adam", {}), ("allreduce", "adam", {}),
-                 ("ps", "momentum", {}), ("allreduce", "adagrad", {"sparse_method": "alltoall"}),
-                 ("allreduce", "adam", {"sparse_method": "allreduce"})]
+LOOKUP_CASES = [("hybrid", "adagrad", {}, None), ("hybrid", "adam", {}, None),
+                ("allreduce", "adam", {}, None), ("ps", "momentum", {}, None),
+                ("allreduce", "adagrad", {"sparse_method": "alltoall"}, None),
+                ("allreduce", "adam", {"sparse_method": "allreduce"}, None),
+                ("hybrid", "adagrad", {}, 2)]
 
 
-@pytest.mark.parametrize("run_option,optimizer,config", LOOKUP_CASES,
-                         ids=[f"{r}-{o}-{c.get('sparse_method', 'default')}"
-                              for r, o, c in LOOKUP_CASES])
+@pytest.mark.parametrize("run_option,optimizer,config,partitions", LOOKUP_CASES,
+                         ids=[f"{r}-{o}-{c.get('sparse_method', 'default')}-{p}"
+                              for r, o, c, p in LOOKUP_CASES])
 def test_a_lookup_of_distinct_ids_with_clipping_equals_one_device(run_option, optimizer,
-                                                                  config):
+                                                                  config, partitions):
     """embedding_lookup_sparse: one device's gradient holds each distinct id
     of the batch once, the replicas' rows repeat the ids they share. With
     gradients clipped by their global norm (the rows' squares) every
     variable and slot of 2 replicas equals one device (1e-5) under every
-    sparse method: the job's rows are summed by id before any use."""
-    extras = {"clip": True, "ema": True, "lookup": "sparse"}
+    sparse method, and with the table in 2 row ranges (each part's rows
+    distinct too): the job's rows are summed by id before any use."""
+    extras = {"clip": True, "ema": True, "lookup": "sparse", "partitions": partitions}
     g, h = embedding_regression(BATCH, optimizer, **extras)
     with pn.get_runner(g, local(2), {"run_option": run_option, **config}) as runner:
-        assert runner.plan.variables["emb"].unique_rows
+        tables = [v for v in runner.plan.variables if v.startswith("emb")]
+        assert len(tables) == (partitions or 1)
+        assert all(runner.plan.variables[v].unique_rows for v in tables)
         assert "summed by id before the update" in runner.plan.format()
         runner.run([h["init"], h["iterator_init"]])
         for _ in range(STEPS):

@@ -26,6 +26,10 @@ from .ir import GraphIR, TensorRef
 SHARD_SCOPE = "parallax_shard"
 NO_UPDATE = "found no optimizer update in the graph"     # the error's start (tf2.py)
 UNIQUE_OPS = frozenset({"Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2"})
+# elementwise ops a partitioned lookup maps ids to their parts' rows with
+ROW_MATH = frozenset({"Identity", "Reshape", "Cast", "Select", "SelectV2", "FloorMod",
+                      "FloorDiv", "Sub", "Add", "AddV2", "Mul", "Maximum", "Minimum", "Less",
+                      "LessEqual", "Greater", "GreaterEqual"})
 
 
 @dataclass(frozen=True)
@@ -141,21 +145,45 @@ class TrainingGraph:
         rows sum; a use that sees rows one by one (a global norm's L2Loss,
         Keras 3's Adagrad squaring them) tells the two apart, so the job's
         rows are summed by id before any use (transforms/aggregate.py)."""
-        out = set()
-        for v, g in self.gradients.items():
-            if not g.sparse or v in self.rows_alike:
+        return frozenset(v for v, g in self.gradients.items()
+                         if g.sparse and v not in self.rows_alike and self._distinct(g.indices))
+
+    def _distinct(self, ref: TensorRef) -> bool:
+        """Whether `ref` holds each id once: a Unique's ids (through Identity,
+        Reshape, Cast), or a part of them by DynamicPartition (a table cut
+        in row ranges: each part's ids, mapped to its rows, are distinct)."""
+        for _ in range(16):
+            node = self.ir.node(ref.node)
+            if node.op in UNIQUE_OPS:
+                return ref.index == 0
+            if node.op == "DynamicPartition":
+                return self._of_one_unique(self.ir.data_inputs(ref.node)[0])
+            if node.op not in ("Identity", "Reshape", "Cast", "StopGradient") or \
+                    not node.input:
+                return False
+            ref = self.ir.data_inputs(ref.node)[0]
+        return False
+
+    def _of_one_unique(self, ref: TensorRef) -> bool:
+        """Whether `ref` is computed from one Unique's ids by elementwise
+        integer math and replica-invariant operands alone (the row within
+        its part that a partitioned lookup computes for each id)."""
+        roots, todo, seen = set(), [ref], set()
+        while todo:
+            r = todo.pop()
+            if r in seen:
                 continue
-            ref = g.indices
-            for _ in range(16):
-                node = self.ir.node(ref.node)
-                if node.op in UNIQUE_OPS and ref.index == 0:
-                    out.add(v)
-                    break
-                if node.op not in ("Identity", "Reshape", "Cast", "StopGradient") or \
-                        not node.input:
-                    break
-                ref = self.ir.data_inputs(ref.node)[0]
-        return frozenset(out)
+            seen.add(r)
+            node = self.ir.node(r.node)
+            if node.op in UNIQUE_OPS:
+                if r.index != 0:
+                    return False
+                roots.add(r.node)
+            elif r.node in self.variant:
+                if node.op not in ROW_MATH:
+                    return False
+                todo.extend(self.ir.data_inputs(r.node))
+        return len(roots) == 1
 
     @property
     def trainable(self) -> list[str]:
