@@ -34,3 +34,22 @@ def test_sources_are_inputs_split_by_replica_and_random_draws():
     # a draw every replica makes alike is no source
     alike = replica_variant(tg, identical=frozenset({"random_uniform/RandomUniform"}))
     assert "noise" not in alike and "batch" in alike
+
+
+def test_a_sparse_placeholder_s_rows_count_is_each_replica_s():
+    """A sparse placeholder's three tensors are each replica's (its rows'
+    entries and their count): a count of examples read from its dense
+    shape is the replica's, and adding it to a variable sums over them."""
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf.compat.v1.sparse_placeholder(tf.int64, [None, 3], name="ids")
+        other = tf.compat.v1.placeholder(tf.int64, [2], name="other/shape")
+        seen = tf.identity(tf.shape(ids, out_type=tf.int64)[0] + other[0], name="seen")
+        w = tf.Variable(tf.ones([5, 2]), name="w")
+        loss = tf.reduce_sum(tf.nn.embedding_lookup_sparse(w, ids, None))
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    tg = frontend.load(g)
+    assert all(is_input_source(tg, tg.ir.node(f"ids/{p}"))
+               for p in ("indices", "values", "shape"))
+    assert not is_input_source(tg, tg.ir.node("other/shape"))    # no sparse placeholder's
+    assert "seen" in replica_variant(tg)

@@ -49,5 +49,16 @@ def is_input_source(tg, node) -> bool:
         return True
     if node.op in ("Placeholder", "PlaceholderWithDefault"):
         shape = tg.graph.get_operation_by_name(node.name).outputs[0].shape
-        return bool(shape.rank) and compat.dim(shape, 0) is None
+        return bool(shape.rank) and compat.dim(shape, 0) is None or _sparse_shape(tg, node.name)
     return False
+
+
+def _sparse_shape(tg, name: str) -> bool:
+    """Whether placeholder `name` is a sparse placeholder's dense shape
+    (NAME/shape beside NAME/indices and NAME/values): each replica is fed
+    its own rows' count in it (runtime/fetches.py), so a count of the
+    batch's rows read from it (Keras's loss tracker) is the replica's."""
+    base, _, leaf = name.rpartition("/")
+    return leaf == "shape" and all(tg.ir.get(f"{base}/{p}") is not None and
+                                   tg.ir.node(f"{base}/{p}").op == "Placeholder"
+                                   for p in ("indices", "values"))
