@@ -173,3 +173,48 @@ def test_a_sparse_placeholder_is_split_by_its_rows(how):
                                                    r"replicas.*batch_feeds: \{ids/indices"):
         runner.run(train, {ids: (i[i[:, 0] < 7], v[i[:, 0] < 7], np.array([7, 3])),
                            y: labels[:7]})
+
+
+def fixed_model(rows):
+    """Ids and targets in placeholders of `rows` rows (a script built for
+    its batch size), an embedding read by the ids, Adam; the graph and its
+    (ids, y, predictions, train op, init, variables)."""
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.placeholder(tf.int32, [rows, 3], name="ids")
+        y = tf1.placeholder(tf.float32, [rows, 1], name="y")
+        emb = tf1.get_variable("emb", [20, 4], initializer=tf1.random_normal_initializer(seed=1))
+        w = tf1.get_variable("w", [4, 1], initializer=tf1.ones_initializer())
+        pred = tf.matmul(tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), 1), w, name="pred")
+        train = tf1.train.AdamOptimizer(0.1).minimize(tf.reduce_mean(tf.square(pred - y)))
+        init = tf1.global_variables_initializer()
+    return g, ids, y, pred, train, init, [emb, w] + [v for v in g.get_collection("variables")
+                                                     if "Adam" in v.name]
+
+
+def test_placeholders_of_a_fixed_batch_size_fed_the_global_batch():
+    """A script built for a replica's batch (placeholders of 4 rows) fed 8
+    rows on 2 replicas: each replica gets its 4, so its ids differ from the
+    other's (the embedding's rows are gathered, not summed row for row as a
+    lookup of positions alike on every replica would be) and 5 Adam steps
+    equal one device with 8 rows (1e-6); predictions come back as 8 rows."""
+    rng = np.random.default_rng(0)
+    data = [(rng.integers(0, 20, (8, 3)).astype(np.int32),
+             rng.normal(size=(8, 1)).astype(np.float32)) for _ in range(5)]
+    g, ids, y, pred, train, init, variables = fixed_model(8)
+    with tf1.Session(graph=g) as s:
+        s.run(init)
+        first = s.run(pred, {ids: data[0][0]})
+        for i, labels in data:
+            s.run(train, {ids: i, y: labels})
+        single = s.run(variables)
+    g, ids, y, pred, train, init, variables = fixed_model(4)
+    with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
+        assert runner.ctx.tg.fixed_batches == {"ids", "y"} and not runner.ctx.tg.rows_alike
+        runner.run(init)
+        np.testing.assert_allclose(runner.run(pred, {ids: data[0][0]}), first, atol=1e-6)
+        for i, labels in data:
+            runner.run(train, {ids: i, y: labels})
+        for var, want in zip(variables, single):
+            np.testing.assert_allclose(runner.run(var), want, atol=1e-6, rtol=1e-6,
+                                       err_msg=var.name)

@@ -106,9 +106,11 @@ class _Dims:
             self.facts[self.find(d)].add(fact)
 
 
-def kinds(tg) -> dict[str, tuple[str, str]]:
+def kinds(tg, fixed: bool = False) -> dict[str, tuple[str, str]]:
     """{placeholder: (batch | whole | unknown, why)} for every placeholder
-    of rank 1 or more whose first dimension is unknown."""
+    of rank 1 or more whose first dimension is unknown (with `fixed`, every
+    placeholder of rank 1 or more: the runner splits one of a fixed first
+    dimension d that is fed N times d rows)."""
     dims = _Dims()
     first: dict[TensorRef, int | None] = {}
     asked = {}
@@ -120,9 +122,9 @@ def kinds(tg) -> dict[str, tuple[str, str]]:
             shape = tg.tensor(TensorRef(name, 0)).shape
             if shape.rank:
                 unknown = compat.dim(shape, 0) is None
-                first[TensorRef(name, 0)] = dims.new(name if unknown else None,
+                first[TensorRef(name, 0)] = dims.new(name if unknown or fixed else None,
                                                      None if unknown else "fixed")
-                if unknown:
+                if unknown or fixed:
                     asked[name] = first[TensorRef(name, 0)]
             continue
         if node.op in SOURCES:

@@ -125,6 +125,20 @@ class TrainingGraph:
         return variance.replica_variant(self)
 
     @cached_property
+    def fixed_batches(self) -> frozenset[str]:
+        """Placeholders of a fixed first dimension d that the graph shows to
+        be a batch (graph/batch.py): fed N times d rows, as a script built
+        for one replica's batch feeds the global batch, each replica gets
+        its own d rows (runtime/fetches.py), so they differ by replica."""
+        from .batch import BATCH, kinds
+        shapes = {node.name: self.tensor(TensorRef(node.name, 0)).shape for node in self.ir.nodes
+                  if node.op in ("Placeholder", "PlaceholderWithDefault")}
+        if not any(s.rank and compat.dim(s, 0) is not None for s in shapes.values()):
+            return frozenset()
+        return frozenset(n for n, (kind, _) in kinds(self, fixed=True).items()
+                         if kind == BATCH and compat.dim(shapes[n], 0) is not None)
+
+    @cached_property
     def rows_alike(self) -> frozenset[str]:
         """Variables whose sparse gradient has the same indices on every
         replica (a lookup of positions, not of the batch's ids): row i of

@@ -44,12 +44,15 @@ def _is_source(tg, node) -> bool:
 
 def is_input_source(tg, node) -> bool:
     """True for ops that give each replica its own data: input pipelines,
-    queue reads and placeholders whose feeds are split by replica."""
+    queue reads and placeholders whose feeds are split by replica (a first
+    dimension unknown, or fixed in a batch the graph shows:
+    TrainingGraph.fixed_batches)."""
     if node.op in rules.PER_REPLICA_SOURCES or node.op.startswith(rules.READ_PREFIXES):
         return True
     if node.op in ("Placeholder", "PlaceholderWithDefault"):
         shape = tg.graph.get_operation_by_name(node.name).outputs[0].shape
-        return bool(shape.rank) and compat.dim(shape, 0) is None or _sparse_shape(tg, node.name)
+        return bool(shape.rank) and compat.dim(shape, 0) is None or \
+            node.name in getattr(tg, "fixed_batches", ()) or _sparse_shape(tg, node.name)
     return False
 
 
