@@ -11,8 +11,8 @@ Guarantees:
   then across replicas; a sparse one stays IndexedSlices (every
   contribution's rows, so an optimizer that touches only the rows given
   still does; summed by id where one device's gradient holds each id once,
-  `unique`: TrainingGraph.rows_unique); cmp's float16 gradients of the scaled loss come back to the
-  variable's dtype, unscaled;
+  `unique`: TrainingGraph.rows_unique); cmp's float16 gradients of the
+  scaled loss come back to the variable's dtype, unscaled;
 - `Workers`: in a job, one EPS per worker: `all_reduce` sums a tensor over
   the workers' hosts (a sparse gradient as its dense sum and the rows any
   worker touched, summed rows), `sync` sets every worker's variables to
