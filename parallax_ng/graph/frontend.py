@@ -26,6 +26,10 @@ from .ir import GraphIR, TensorRef
 SHARD_SCOPE = "parallax_shard"
 NO_UPDATE = "found no optimizer update in the graph"     # the error's start (tf2.py)
 UNIQUE_OPS = frozenset({"Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2"})
+# gradients of sparse segment reductions of a variable: output 1 is its
+# distinct ids, sorted (embedding_lookup_sparse on a reference variable)
+SEGMENT_GRADS = frozenset({"SparseSegmentSumGradV2", "SparseSegmentMeanGradV2",
+                           "SparseSegmentSqrtNGradV2"})
 # elementwise ops a partitioned lookup maps ids to their parts' rows with
 ROW_MATH = frozenset({"Identity", "Reshape", "Cast", "Select", "SelectV2", "FloorMod",
                       "FloorDiv", "Sub", "Add", "AddV2", "Mul", "Maximum", "Minimum", "Less",
@@ -154,7 +158,8 @@ class TrainingGraph:
     def rows_unique(self) -> frozenset[str]:
         """Variables whose sparse gradient holds each row once on one device:
         its indices are a Unique's ids (through Identity, Reshape, Cast), as
-        embedding_lookup_sparse gathers each distinct id once. The replicas'
+        embedding_lookup_sparse gathers each distinct id once, or the
+        distinct ids a sparse segment reduction's gradient gives. The replicas'
         rows of such a gradient repeat the ids they share, which one device's
         rows sum; a use that sees rows one by one (a global norm's L2Loss,
         Keras 3's Adagrad squaring them) tells the two apart, so the job's
@@ -163,13 +168,16 @@ class TrainingGraph:
                          if g.sparse and v not in self.rows_alike and self._distinct(g.indices))
 
     def _distinct(self, ref: TensorRef) -> bool:
-        """Whether `ref` holds each id once: a Unique's ids (through Identity,
-        Reshape, Cast), or a part of them by DynamicPartition (a table cut
-        in row ranges: each part's ids, mapped to its rows, are distinct)."""
+        """Whether `ref` holds each id once: a Unique's ids or a sparse
+        segment gradient's (through Identity, Reshape, Cast), or a part of
+        them by DynamicPartition (a table cut in row ranges: each part's
+        ids, mapped to its rows, are distinct)."""
         for _ in range(16):
             node = self.ir.node(ref.node)
             if node.op in UNIQUE_OPS:
                 return ref.index == 0
+            if node.op in SEGMENT_GRADS:
+                return ref.index == 1
             if node.op == "DynamicPartition":
                 return self._of_one_unique(self.ir.data_inputs(ref.node)[0])
             if node.op not in ("Identity", "Reshape", "Cast", "StopGradient") or \
