@@ -12,10 +12,11 @@ import parallax_ng as pn
 from models import embedding_regression, local
 from parallax_ng.config import load_config
 from parallax_ng.errors import ConfigError
+from task_env import TASK_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "resume_script.py")
-ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+ENV = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
 
 
 def run(cmd, expect_ok=True):

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from models import embedding_regression
 from parallax_ng.tools import cli
+from task_env import TASK_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "linear_regression.py")
@@ -61,7 +62,7 @@ def test_help_does_not_import_tensorflow():
     code = ("import sys\nfrom parallax_ng.tools import cli\ntry:\n    cli.main(['run', '--help'])\n"
             "except SystemExit:\n    pass\nprint('tensorflow' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+                          timeout=60, env=dict(os.environ, PYTHONPATH=TASK_PATH))
     assert done.stdout.strip().endswith("False") and "--chief-only" in done.stdout
 
 
@@ -75,7 +76,7 @@ def test_simulate_is_arithmetic_without_tensorflow(tmp_path):
             f"cli.main(['simulate', '--profile', {str(profile)!r}, '--nodes', '2', "
             "'--alpha', '1e-4', '--beta', '1e-9', '--strategies', 'wfbp,mgwfbp,bfb:2,ps:2'])\n"
             "print('tensorflow' in sys.modules)")
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=TASK_PATH)
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, env=env)

@@ -15,6 +15,7 @@ from parallax_ng import cluster
 from parallax_ng.tools import launch
 from parallax_ng.errors import ResourceError
 from parallax_ng.resources import load_resources
+from task_env import TASK_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "cluster_script.py")
@@ -38,7 +39,7 @@ def run_job(tmp_path, workers, devices, *args, timeout=300, servers=0):
            resources(tmp_path, workers, devices, servers), "--", out, *args]
     start = time.monotonic()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     return done, out, time.monotonic() - start
 
 
@@ -183,7 +184,7 @@ def test_task_output_is_labelled_whole_and_free_of_harmless_noise(tmp_path):
     script = tmp_path / "printing.py"
     script.write_text(PRINTING)
     res = resources(tmp_path, 2, 1)
-    env = dict(os.environ, PYTHONPATH=ROOT)
+    env = dict(os.environ, PYTHONPATH=TASK_PATH)
     env.pop("TF_CPP_MIN_LOG_LEVEL", None)    # TensorFlow's default logging
     done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", str(script),
                            "-r", res], capture_output=True, text=True, timeout=300, env=env)
@@ -207,7 +208,7 @@ def test_chief_only_shows_the_last_lines_of_a_failing_worker(tmp_path):
     done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r",
                            resources(tmp_path, 2, 1), "--chief-only", "--", out, "50",
                            "--die-at", "3"], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode != 0
     said = done.stderr.index("worker 1 (pid")
     assert done.stderr.index("[worker 1] worker 1 dies at step 3") > said
@@ -221,7 +222,7 @@ def test_a_worker_listing_a_missing_gpu_ends_the_job_in_seconds(tmp_path):
     done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r",
                            str(res), "--", str(tmp_path / "vars"), "3"], capture_output=True,
                           text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode != 0 and time.monotonic() - start < 60
     assert "lists gpu:99 on worker 1" in done.stderr
 
@@ -285,7 +286,7 @@ def test_a_worker_started_through_the_ssh_command(tmp_path):
     out = str(tmp_path / "vars")
     done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r",
                            str(res), "--", out, "3"], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=TASK_PATH,
                                                 TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stderr[-3000:]
     values = load(out, 2)
@@ -321,7 +322,7 @@ def test_killing_any_task_stops_every_process_within_60s(tmp_path, victim):
            str(tmp_path / "vars"), "100000", "--run-option", "hybrid",
            "--dense-method", "bfb"]   # the server in use
     job = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True,
-                           env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+                           env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     pids, lines = {}, []
     try:
         deadline = time.monotonic() + 120
@@ -393,7 +394,7 @@ def test_a_server_task_ends_when_its_workers_are_done(tmp_path):
     cluster_spec = {"worker": ports[:2], "ps": ports[2:]}
     tasks = [("worker", 0), ("worker", 1), ("ps", 0)]
     procs = []
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop(cluster.ENV, None)
     try:
         for kind, index in tasks:
@@ -425,7 +426,7 @@ def test_a_waiting_server_logs_nothing_with_tensorflow_s_default_logging(tmp_pat
                 f"info = cluster.ClusterInfo(({worker!r},), ({server!r},), 'ps', 0, "
                 "(('CPU', 0),))\n"
                 "raise SystemExit(serving.serve(info, timeout_seconds=2, poll_seconds=0.2))\n")
-        env = dict(os.environ, PYTHONPATH=ROOT)
+        env = dict(os.environ, PYTHONPATH=TASK_PATH)
         env.pop("TF_CPP_MIN_LOG_LEVEL", None)
         proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE,
                                 text=True, env=env)
@@ -454,7 +455,7 @@ def test_a_server_whose_workers_never_come_gives_up_after_the_timeout(tmp_path):
             "raise SystemExit(serving.serve(info, timeout_seconds=3, poll_seconds=0.5))\n")
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, PYTHONPATH=ROOT,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=TASK_PATH,
                                                 TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 1 and "no worker has been reachable for 3 s" in done.stderr
     assert time.monotonic() - start < 60

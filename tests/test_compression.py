@@ -12,6 +12,7 @@ import parallax_ng as pn
 from models import local
 from parallax_ng.comm import compression
 from passkit import cluster_transform
+from task_env import TASK_PATH
 
 tf1 = tf.compat.v1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,7 +147,7 @@ def test_a_hybrid_job_trains_within_one_percent_of_float32(tmp_path):
              "-r", str(res), "--", "--steps", "200", "--log-every", "20", "--vocab", "2000",
              "--words", "20000", "--batch", "16", "--config", str(config)],
             capture_output=True, text=True, timeout=600,
-            env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+            env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         if how != "none":
             assert f"float32 gradients travel as {how}" in done.stdout

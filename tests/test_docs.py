@@ -11,9 +11,10 @@ import subprocess
 import sys
 
 import pytest
+from task_env import TASK_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+ENV = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
 CLI = [sys.executable, "-m", "parallax_ng"]
 
 # command (as the docs write it, comments and line breaks dropped) -> who runs it

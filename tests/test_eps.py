@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from models import load_values, read_name, variable_names
+from task_env import TASK_PATH
 from test_l2l import stack
 
 import parallax_ng as pn
@@ -95,7 +96,7 @@ def test_a_two_worker_job_equals_one_device(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r", str(path), "--", out,
          "5", "--checkpoint", ckpt], capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+        env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "worker 1 of 2, 2 replicas" in done.stdout
     workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]

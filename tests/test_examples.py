@@ -4,11 +4,13 @@ import re
 import subprocess
 import sys
 
+from task_env import TASK_PATH
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(script, *args):
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=TASK_PATH)
     done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
                           capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -50,7 +52,7 @@ def test_the_jobs_page_resource_file_is_the_shipped_one():
 
 
 def test_lm_small_with_a_server_as_the_readme_runs_it():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=ROOT)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=TASK_PATH)
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run", os.path.join(ROOT, "examples",
                                                                       "lm_small.py"),

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+from task_env import TASK_PATH
+
 from parallax_ng.runtime import heartbeat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,7 +21,7 @@ def test_a_line_says_run_or_idle_and_parses_back():
 
 def child(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ, PYTHONPATH=ROOT, **env))
+                          timeout=60, env=dict(os.environ, PYTHONPATH=TASK_PATH, **env))
 
 
 def test_a_launched_task_beats_and_reports_its_error_in_one_line():

@@ -13,6 +13,7 @@ import pytest
 import parallax_ng as pn
 from models import embedding_regression, local, train_single
 from parallax_ng.errors import ConfigError
+from task_env import TASK_PATH
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "horovod_script.py")
 
@@ -44,7 +45,7 @@ def test_horovod_workers_match_one_device(tmp_path, devices, buckets, sparse):
                                     ["--dense", "factors"] if sparse == "factors" else
                                     ["--sparse", sparse])
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     if sparse == "factors":
         assert "rank 1: factors ['dense/w', 'out/v']" in done.stdout, done.stdout[-2000:]
@@ -73,7 +74,7 @@ def test_horovod_compressed_gradients_match_tensorflow_collectives(tmp_path, spa
     cmd = [horovodrun(), "--gloo", "-np", "2", "-H", "localhost:2", "--network-interface",
            "lo", sys.executable, SCRIPT, out, "10", "--compression", "fp16", "--sparse", sparse]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     g, h = embedding_regression(4, "adam", clip=True, ema=True)
     with pn.get_runner(g, local(2), {"run_option": "allreduce", "sparse_method": sparse,
@@ -103,7 +104,7 @@ def test_horovod_tf2_ranks_match_one_device(tmp_path, how):
            "lo", sys.executable, os.path.join(ROOT, "tests", "tf2_job_script.py"), out, "5",
            "--horovod"] + (["--fit"] if how == "fit" else [])
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     check_job(out, how)
 

@@ -11,6 +11,7 @@ import parallax_ng as pn
 import keras_examples as ex
 from models import local
 from test_tf2 import check_equal
+from task_env import TASK_PATH
 
 ROWS, BATCH = 64, 16           # 4 steps an epoch
 
@@ -100,7 +101,7 @@ def test_example_transformer_in_a_two_worker_job_equals_one_device(tmp_path, cas
                                         ["--network", "1.25e7"]) +
         (["--default-config"] if case == "no-server" else []),
         capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
+        env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
     plan = json.loads(str(workers[0]["plan"]))

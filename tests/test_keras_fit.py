@@ -9,6 +9,7 @@ import parallax_ng as pn
 from parallax_ng import keras_fit
 from models import local
 from test_tf2 import check_equal, tf_keras_dense
+from task_env import TASK_PATH
 
 SAMPLES, BATCH = 80, 16          # 5 steps an epoch
 
@@ -164,7 +165,7 @@ def test_fit_stopped_and_started_again_from_its_checkpoint_equals_one_run(tmp_pa
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.join(root, "tests", "keras_resume_script.py")
-    env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
     runs = []
     for name, epochs, initial in (("first", 2, 0), ("again", 4, 2)):
         out = str(tmp_path / name)

@@ -13,10 +13,11 @@ import sys
 import time
 
 import pytest
+from task_env import TASK_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "launch_script.py")
-ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+ENV = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
 TIMEOUT = 8          # the jobs' communication.timeout_seconds
 
 

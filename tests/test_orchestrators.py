@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import yaml
+from task_env import TASK_PATH
 
 from parallax_ng.cluster import ClusterInfo, from_env, tf_config
 from parallax_ng.errors import ResourceError
@@ -54,7 +55,7 @@ def stand_ins(tmp_path, **scripts) -> dict:
         path.write_text("#!/bin/bash\n" + text)
         path.chmod(0o755)
     return dict(os.environ, PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:"
-                f"{os.environ['PATH']}", PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+                f"{os.environ['PATH']}", PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
 
 
 # the training script's stand-in: writes the TF_CONFIG it was given

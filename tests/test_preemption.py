@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+from task_env import TASK_PATH
+
 from parallax_ng.runtime import preemption
 from parallax_ng.runtime.preemption import RUN_ENV, Preemption
 
@@ -71,7 +73,7 @@ print("still here", flush=True)
 def start_child(tmp_path, linger: float, grace: str):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2",
+    env = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2",
                PARALLAX_NG_GRACE_SECONDS=grace)
     child = subprocess.Popen([sys.executable, str(script), str(linger)], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -19,6 +19,7 @@ from parallax_ng.resources import load_resources, session_config
 from parallax_ng.runtime.program import transformed
 from parallax_ng.runtime.runner import Runner
 from parallax_ng.tools import cli
+from task_env import TASK_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 10
@@ -277,7 +278,7 @@ def test_profile_command_measures_a_job(tmp_path, servers, run_option):
            resources(tmp_path, 2, 1, servers), "--steps", "2", "--out", str(out), "--",
            str(tmp_path / "vars"), "10", "--run-option", run_option]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "profile of 2 step(s)" in done.stdout and "all-reduce cost a + b*M" in done.stdout
     data = json.loads(out.read_text())

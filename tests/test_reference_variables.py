@@ -11,6 +11,7 @@ import tensorflow as tf
 
 from models import OPTIMIZERS, embedding_regression, train_both, train_single
 from parallax_ng.graph import frontend
+from task_env import TASK_PATH
 
 tf1 = tf.compat.v1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,7 +79,7 @@ def test_plain_v1_script_with_default_graph_and_feeds(tmp_path):
     path = tmp_path / "v1_script.py"
     path.write_text(SCRIPT)
     done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=ROOT,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=TASK_PATH,
                                                 TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "w [ 1. -2.  3.] b [0.5]" in done.stdout

@@ -11,10 +11,11 @@ import time
 
 import numpy as np
 import pytest
+from task_env import TASK_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "resume_script.py")
-ENV = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+ENV = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
 STEPS, KILL_AT, EVERY = 200, 100, 30
 # the server always used (hybrid could find all-gather faster for the table and stop it)
 TIMEOUT = '{"communication": {"timeout_seconds": 8}, "sparse_method": "ps"}'

@@ -6,6 +6,7 @@ from passkit import context, op_counts, run_passes
 from transforms.aggregate import AggregatePass
 from transforms.replicate import ReplicatePass
 from transforms.state_sync import StateSyncPass
+from task_env import TASK_PATH
 
 tf1 = tf.compat.v1
 
@@ -128,7 +129,7 @@ def test_a_job_with_gradients_on_the_servers_keeps_state_equal_to_one_device(tmp
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
          resources(tmp_path, 2, 1, servers=1)], capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=os.path.dirname(tests), TF_CPP_MIN_LOG_LEVEL="2"))
+        env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stderr[-3000:]
     mean = np.arange(24, dtype=np.float32).reshape(8, 3).mean(0) * 0.5
     for w in (0, 1):

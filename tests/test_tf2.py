@@ -11,6 +11,7 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from models import local
+from task_env import TASK_PATH
 
 STEPS, BATCH = 10, 8
 
@@ -192,7 +193,7 @@ def run_job(tmp_path, *flags):
         [sys.executable, "-m", "parallax_ng", "run", os.path.join(root, "tests",
                                                                  "tf2_job_script.py"),
          "-r", str(path), "--", out, "5", *flags], capture_output=True, text=True,
-        timeout=300, env=dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2"))
+        timeout=300, env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, done
 

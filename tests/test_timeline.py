@@ -12,6 +12,7 @@ import parallax_ng as pn
 from models import embedding_regression, local
 from parallax_ng.runtime import timeline
 from parallax_ng.tools import cli
+from task_env import TASK_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -83,7 +84,7 @@ def test_a_job_s_timeline_merges_every_task(tmp_path):
          "-r", res, "--timeline", path, "--", "--steps", "10", "--vocab", "2000",
          "--words", "20000", "--batch", "16", "--config", str(config)],
         capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+        env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert f"timeline of the job in {path}" in done.stderr
     assert not [p for p in os.listdir(tmp_path) if ".worker-" in p]

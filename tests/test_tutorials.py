@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from models import load_values, local, read_name
+from task_env import TASK_PATH
 from tutorials import (BATCH, MODELS, build, config, ptb_windows, single_windows,
                        start_queue_runners, train)
 
@@ -121,7 +122,7 @@ def run_job(tmp_path, model, run_option, workers=2):
          model, out, str(STEPS), run_option, str(workers)]
         + (["v2"] if model == "deepfm" else []),
         capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2"))
+        env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stderr[-4000:]
     if run_option == "alltoall":
         assert "'feature_embeddings': 'alltoall'" in done.stdout, done.stdout

@@ -44,7 +44,7 @@ def test_a_sparse_placeholder_s_rows_count_is_each_replica_s():
     with g.as_default():
         ids = tf.compat.v1.sparse_placeholder(tf.int64, [None, 3], name="ids")
         other = tf.compat.v1.placeholder(tf.int64, [2], name="other/shape")
-        seen = tf.identity(tf.shape(ids, out_type=tf.int64)[0] + other[0], name="seen")
+        tf.identity(tf.shape(ids, out_type=tf.int64)[0] + other[0], name="seen")
         w = tf.Variable(tf.ones([5, 2]), name="w")
         loss = tf.reduce_sum(tf.nn.embedding_lookup_sparse(w, ids, None))
         tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(loss)
