@@ -97,14 +97,3 @@ def test_shard_marks_the_dataset():
     consumers = {c for c, _ in tg.ir.consumers[TensorRef(num)]}
     assert any(tg.ir.node(c).op == "ShardDataset" for c in consumers)
     assert np.array_equal(tf.make_ndarray(tg.ir.node(num).attr["value"].tensor), 1)
-
-
-def test_gradients_that_hold_each_id_once():
-    """embedding_lookup_sparse gathers the batch's distinct ids (a Unique):
-    its table's gradient holds each id once (rows_unique); a gather of
-    the ids themselves repeats them."""
-    gathered, _ = embedding_regression(4, "adagrad")
-    assert frontend.load(gathered).rows_unique == frozenset()
-    distinct, _ = embedding_regression(4, "adagrad", lookup="sparse")
-    tg = frontend.load(distinct)
-    assert tg.rows_unique == {"emb"} and not tg.rows_alike

@@ -20,20 +20,11 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
-from . import queues, rules, variance
+from . import distinct, queues, rules, variance
 from .ir import GraphIR, TensorRef
 
 SHARD_SCOPE = "parallax_shard"
 NO_UPDATE = "found no optimizer update in the graph"     # the error's start (tf2.py)
-UNIQUE_OPS = frozenset({"Unique", "UniqueV2", "UniqueWithCounts", "UniqueWithCountsV2"})
-# gradients of sparse segment reductions of a variable: output 1 is its
-# distinct ids, sorted (embedding_lookup_sparse on a reference variable)
-SEGMENT_GRADS = frozenset({"SparseSegmentSumGradV2", "SparseSegmentMeanGradV2",
-                           "SparseSegmentSqrtNGradV2"})
-# elementwise ops a partitioned lookup maps ids to their parts' rows with
-ROW_MATH = frozenset({"Identity", "Reshape", "Cast", "Select", "SelectV2", "FloorMod",
-                      "FloorDiv", "Sub", "Add", "AddV2", "Mul", "Maximum", "Minimum", "Less",
-                      "LessEqual", "Greater", "GreaterEqual"})
 
 
 @dataclass(frozen=True)
@@ -165,47 +156,8 @@ class TrainingGraph:
         Keras 3's Adagrad squaring them) tells the two apart, so the job's
         rows are summed by id before any use (transforms/aggregate.py)."""
         return frozenset(v for v, g in self.gradients.items()
-                         if g.sparse and v not in self.rows_alike and self._distinct(g.indices))
-
-    def _distinct(self, ref: TensorRef) -> bool:
-        """Whether `ref` holds each id once: a Unique's ids or a sparse
-        segment gradient's (through Identity, Reshape, Cast), or a part of
-        them by DynamicPartition (a table cut in row ranges: each part's
-        ids, mapped to its rows, are distinct)."""
-        for _ in range(16):
-            node = self.ir.node(ref.node)
-            if node.op in UNIQUE_OPS:
-                return ref.index == 0
-            if node.op in SEGMENT_GRADS:
-                return ref.index == 1
-            if node.op == "DynamicPartition":
-                return self._of_one_unique(self.ir.data_inputs(ref.node)[0])
-            if node.op not in ("Identity", "Reshape", "Cast", "StopGradient") or \
-                    not node.input:
-                return False
-            ref = self.ir.data_inputs(ref.node)[0]
-        return False
-
-    def _of_one_unique(self, ref: TensorRef) -> bool:
-        """Whether `ref` is computed from one Unique's ids by elementwise
-        integer math and replica-invariant operands alone (the row within
-        its part that a partitioned lookup computes for each id)."""
-        roots, todo, seen = set(), [ref], set()
-        while todo:
-            r = todo.pop()
-            if r in seen:
-                continue
-            seen.add(r)
-            node = self.ir.node(r.node)
-            if node.op in UNIQUE_OPS:
-                if r.index != 0:
-                    return False
-                roots.add(r.node)
-            elif r.node in self.variant:
-                if node.op not in ROW_MATH:
-                    return False
-                todo.extend(self.ir.data_inputs(r.node))
-        return len(roots) == 1
+                         if g.sparse and v not in self.rows_alike and
+                         distinct.holds_each_id_once(self, g.indices))
 
     @property
     def trainable(self) -> list[str]:
