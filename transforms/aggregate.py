@@ -248,10 +248,10 @@ def _ps(ctx, var, grad):
     if rows != total:
         nodes += [emit.const(f"{scope}/scale", 1.0 / plan.group_size, dtype, device),
                   emit.node_def(rows, "Mul", [total, f"{scope}/scale"], device, T=dtype)]
-    if grad.sparse and plan.variables[var].unique_rows:     # server_sync sums the workers'
+    vp = plan.variables[var]
+    if grad.sparse and (vp.coalesce or vp.unique_rows):   # (server_sync sums the workers')
         nodes += coalesce(scope, rows, f"{scope}/indices", dtype, idx_dtype, device)
-    elif plan.variables[var].coalesce:
-        nodes += coalesce(scope, rows, f"{scope}/indices", dtype, idx_dtype, device)
+    if vp.coalesce:        # never with unique_rows: its norm is of the rows summed by id
         nodes.append(emit.node_def(f"{scope}/norm", "L2Loss", [rows], device, T=dtype))
         for norm in ctx.facts.coalescing(var):
             outputs[TensorRef(norm, 0)] = [f"{scope}/norm"] * n
