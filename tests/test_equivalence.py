@@ -170,3 +170,50 @@ def test_rows_seen_one_by_one_cannot_be_summed_as_dense():
         pn.get_runner(g, local(2), {"variable_methods": {"emb": "allreduce"}})
     plan = pn.transform_plan(g, local(2), {"sparse_method": "allreduce"})
     assert plan.variables["emb"].method == "ps"       # the run option's, hybrid
+
+
+def feature_column_model():
+    """ids -> tf.compat.v1.feature_column.embedding_column (sqrtn) through
+    input_layer (safe_embedding_lookup_sparse: each distinct id once), a
+    dense layer, Adam, gradients clipped by their global norm."""
+    fc = tf.compat.v1.feature_column
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf.compat.v1.placeholder(tf.int64, [None, 3], name="ids")
+        y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
+        column = fc.embedding_column(fc.categorical_column_with_identity("ids", 30), 4,
+                                     combiner="sqrtn",
+                                     initializer=tf.compat.v1.random_normal_initializer(seed=1))
+        h = fc.input_layer({"ids": ids}, [column])
+        w = tf.compat.v1.get_variable("w", [4, 1], initializer=tf.compat.v1.ones_initializer())
+        opt = tf.compat.v1.train.AdamOptimizer(0.05)
+        pairs = opt.compute_gradients(tf.reduce_mean(tf.square(tf.matmul(h, w) - y)))
+        clipped, _ = tf.clip_by_global_norm([grad for grad, _ in pairs], 0.1)
+        train = opt.apply_gradients(zip(clipped, [v for _, v in pairs]))
+        init = tf.compat.v1.global_variables_initializer()
+    return g, ids, y, train, init
+
+
+@pytest.mark.parametrize("run_option", ["hybrid", "allreduce", "ps"])
+def test_a_feature_column_embedding_with_clipping_equals_one_device(run_option):
+    """The TF1 feature-column pattern (an embedding column read through
+    input_layer, clipping): 6 Adam steps on 2 replicas equal one device,
+    every variable and slot (1e-5)."""
+    rng = np.random.default_rng(0)
+    data = [(rng.integers(0, 30, (8, 3)).astype(np.int64),
+             rng.normal(size=(8, 1)).astype(np.float32)) for _ in range(6)]
+    g, ids, y, train, init = feature_column_model()
+    with tf.compat.v1.Session(graph=g) as sess:
+        sess.run(init)
+        for i, labels in data:
+            sess.run(train, {ids: i, y: labels})
+        single = sess.run(g.get_collection("variables"))
+    g, ids, y, train, init = feature_column_model()
+    with pn.get_runner(g, local(2), {"run_option": run_option}) as runner:
+        assert runner.ctx.tg.rows_unique == {"input_layer/ids_embedding/embedding_weights"}
+        runner.run(init)
+        for i, labels in data:
+            runner.run(train, {ids: i, y: labels})
+        for var, want in zip(g.get_collection("variables"), single):
+            np.testing.assert_allclose(runner.run(var), want, atol=TOL, rtol=0,
+                                       err_msg=var.name)
