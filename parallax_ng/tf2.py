@@ -32,7 +32,7 @@ import tensorflow as tf
 from .errors import ConfigError, FetchError, GraphError
 from .graph.frontend import NO_UPDATE
 from .graph.tracing import tf_variable
-from .runtime.fetches import sparse_rows
+from .runtime.fetches import sparse_rows, sparse_tensors
 
 
 class StepFunction:
@@ -111,10 +111,7 @@ class StepFunction:
             kinds = ("a dense tensor", "a SparseTensor")
             raise ConfigError(f"argument leaf {i} of the step was traced as {kinds[sparse]} and "
                               f"is given {kinds[not sparse]}; call it as it was first called")
-        mine = self._mine(i, leaf)
-        if not sparse:
-            return {name + ":0": mine}
-        return {f"{name}/{part}:0": v for part, v in zip(("indices", "values", "shape"), mine)}
+        return _fed(name, self._mine(i, leaf))
 
     def _mine(self, i: int, batch):
         """This worker's rows of a global batch (in a job, every worker is
@@ -183,12 +180,7 @@ class StepFunction:
         try:
             batch = {}
             for name, leaf in zip(cap.inputs, tf.nest.flatten(args)):
-                leaf = _leaf(leaf)
-                if isinstance(leaf, SparseValue):
-                    batch.update({f"{name}/{part}:0": v for part, v in
-                                  zip(("indices", "values", "shape"), leaf)})
-                else:
-                    batch[name + ":0"] = leaf
+                batch.update(_fed(name, _leaf(leaf)))
             sample = Sample(batch, cap.init_feeds)
             self.runner = get_runner(cap.graph, self._resources, self._config, sample)
         except GraphError as e:
@@ -252,6 +244,14 @@ def _leaf(leaf):
         return SparseValue(*(np.asarray(_array(t)) for t in
                              (leaf.indices, leaf.values, leaf.dense_shape)))
     return _array(leaf)
+
+
+def _fed(name: str, leaf) -> dict:
+    """The feeds of argument placeholder `name` given `leaf`: its tensor, or
+    a sparse placeholder's three tensors for a SparseTensorValue."""
+    if isinstance(leaf, SparseValue):
+        return dict(zip(sparse_tensors(name), leaf))
+    return {name + ":0": leaf}
 
 
 def _rows(leaf) -> int:

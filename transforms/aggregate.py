@@ -309,18 +309,19 @@ def _allgather(ctx, var, grad):
                                      plan.average_sparse)
     nodes += made
     if plan.variables[var].unique_rows:
-        made, v, i = _by_id(ctx, scope, v, i, vt.dtype, it.dtype)
+        made, v, i = _by_id(ctx, f"{scope}/replica_{{}}/by_id", v, i, vt.dtype, it.dtype)
         nodes += made
     outputs.update({grad.values: v, grad.indices: i})
     return nodes, outputs
 
 
-def _by_id(ctx, scope: str, values: list, indices: list, dtype, idx_dtype):
-    """Each replica's job rows (`values`, `indices`: one per replica)
-    summed by id, on the replica's device: (nodes, values, indices)."""
+def _by_id(ctx, scopes: str, values: list, indices: list, dtype, idx_dtype):
+    """Each replica's rows (`values`, `indices`: one per replica) summed by
+    id, on the replica's device, under `scopes`.format(replica): (nodes,
+    values, indices)."""
     nodes, out_values, out_indices = [], [], []
     for k, device in enumerate(ctx.plan.devices):
-        part = f"{scope}/replica_{k}/by_id"
+        part = scopes.format(k)
         nodes += coalesce(part, values[k], indices[k], dtype, idx_dtype, device)
         out_values.append(f"{part}/coalesced")
         out_indices.append(f"{part}/distinct")
@@ -343,11 +344,9 @@ def _replica_rows(ctx, var, grad, scope):
         return nodes, values, indices, outputs
     made, outputs = _norm_shares(ctx, var, scope, values)   # from the rows before the sums
     nodes += made
-    for k, device in enumerate(plan.devices):
-        part = f"{scope}/replica_{k}/rows"
-        nodes += coalesce(part, values[k], indices[k], vt.dtype, it.dtype, device)
-        values[k], indices[k] = f"{part}/coalesced", f"{part}/distinct"
-    return nodes, values, indices, outputs
+    made, values, indices = _by_id(ctx, f"{scope}/replica_{{}}/rows", values, indices,
+                                   vt.dtype, it.dtype)
+    return nodes + made, values, indices, outputs
 
 
 def _part_reads(ctx, lookup: str, made: list) -> list[str]:
@@ -391,7 +390,7 @@ def _alltoall(ctx, var, grad, exchanged: dict, ids: dict, coalesced: dict, reads
                                            vt.dtype, it.dtype, plan.average_sparse, gathered)
     nodes += made
     if plan.variables[var].unique_rows:      # each replica's columns of the job's rows
-        made, v, i = _by_id(ctx, scope, v, i, vt.dtype, it.dtype)
+        made, v, i = _by_id(ctx, f"{scope}/replica_{{}}/by_id", v, i, vt.dtype, it.dtype)
         nodes += made
     outputs.update({grad.values: v, grad.indices: i})
     if plan.variables[var].coalesce:

@@ -194,9 +194,9 @@ def _take(ctx, ir: GraphIR, j: int, server: str, parts, rewires: dict, wires: li
             nodes.append(emit.node_def(name, "AddN", inputs, server, T=dtype, N=len(inputs)))
         for consumer, pos in ir.consumers.get(TensorRef(tensor, 0), ()):
             rewires[(consumer, pos)] = name
+    dtypes = {t: d for t, d, _ in parts}
     for values, indices in by_id.items():      # the job's rows summed by id
         rows = f"{values}/job_rows"
-        dtypes = {t: d for t, d, _ in parts}
         nodes += coalesce(rows, f"{values}/job_all", f"{indices}/job_all", dtypes[values],
                            dtypes[indices], server)
         nodes += [emit.node_def(f"{values}/job", "Identity", [f"{rows}/coalesced"], server,

@@ -33,12 +33,17 @@ from ..graph.ir import format_input, parse_input, parse_tensor
 from ..pipeline.passes import REPLICA_PREFIX
 
 
+def sparse_tensors(base: str) -> list[str]:
+    """The three tensors of sparse placeholder `base` (`sparse_placeholder`'s
+    name scope), in SparseTensor order: indices, values, dense shape."""
+    return [f"{base}/{part}:0" for part in ("indices", "values", "shape")]
+
+
 def sparse_placeholders(names: set) -> list[str]:
-    """The sparse placeholders (`sparse_placeholder`'s name scope) whose
-    three tensors, NAME/indices:0, NAME/values:0 and NAME/shape:0, are all
-    among tensor `names`."""
+    """The sparse placeholders whose three tensors (`sparse_tensors`) are
+    all among tensor `names`."""
     bases = (n[:-len("/indices:0")] for n in names if n.endswith("/indices:0"))
-    return sorted(b for b in bases if {f"{b}/values:0", f"{b}/shape:0"} <= names)
+    return sorted(b for b in bases if set(sparse_tensors(b)) <= names)
 
 
 def sparse_rows(indices, values, shape, first: int, count: int) -> tuple:
@@ -58,7 +63,7 @@ def first_part(batch: dict, parts: int) -> dict:
     out = {name: value[:len(value) // parts] if getattr(value, "ndim", 0) else value
            for name, value in batch.items()}
     for base in sparse_placeholders(set(batch)):
-        names = [f"{base}/{p}:0" for p in ("indices", "values", "shape")]
+        names = sparse_tensors(base)
         triple = [batch[n] for n in names]
         out.update(zip(names, sparse_rows(*triple, 0, int(triple[2][0]) // parts)))
     return out
@@ -295,7 +300,7 @@ class ReplicaFetchMap(FetchMap):
         names = {(n if ":" in n else n + ":0"): k
                  for k, n in ((k, self.user_name(k)) for k in feed_dict)}
         for base in sparse_placeholders(set(names)):
-            parts = [f"{base}/{p}:0" for p in ("indices", "values", "shape")]
+            parts = sparse_tensors(base)
             triples.append((tuple(parts), tuple(feed_dict.pop(names[p]) for p in parts)))
         out = {}
         for tensors, (indices, values, shape) in triples:
