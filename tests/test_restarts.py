@@ -111,9 +111,11 @@ def variables(prefix: str) -> dict:
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The variables of the job run through, without restarts."""
+    """The variables of the job run through, without restarts, its tasks
+    started as processes of their own (--no-fork): the restarted jobs'
+    forked tasks (tools/forking.py) must end bit for bit equal to them."""
     tmp = tmp_path_factory.mktemp("whole")
-    job = Launched(["-r", resources(tmp), SCRIPT, *script_args(str(tmp / "ck"),
+    job = Launched(["-r", resources(tmp), "--no-fork", SCRIPT, *script_args(str(tmp / "ck"),
                                                                  str(tmp / "whole"))])
     assert job.finish() == 0, job.text()[-3000:]
     return variables(str(tmp / "whole"))

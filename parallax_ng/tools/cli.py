@@ -59,6 +59,10 @@ def main(argv=None) -> int:
                      help="with --restarts and no checkpoint.dir in the config: the "
                           "checkpoints go to DIR/checkpoints (default: a new "
                           "parallax_ng_run-<time> here)")
+    run.add_argument("--no-fork", action="store_true",
+                     help="start every task on this machine as a process of its own "
+                          "(default: forked from one that imported TensorFlow, so the job "
+                          "starts and restarts without importing it per task)")
     tl = sub.add_parser("timeline", help="per task and step of a timeline (--timeline): "
                                          "compute, exposed communication, idle")
     tl.add_argument("file", help="the Chrome trace `run --timeline` or config timeline wrote")
@@ -124,7 +128,8 @@ def main(argv=None) -> int:
             return launch(opts.script, opts.resources, opts.config, opts.args,
                           chief_only=opts.chief_only, verbose=opts.verbose,
                           restarts=opts.restarts, run_dir=opts.run_dir,
-                          grace_seconds=opts.grace_seconds, timeline_file=opts.timeline)
+                          grace_seconds=opts.grace_seconds, timeline_file=opts.timeline,
+                          fork=not opts.no_fork)
         except ParallaxError as e:
             print(f"parallax-ng run: {e}", file=sys.stderr)
             return 2

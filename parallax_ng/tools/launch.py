@@ -53,6 +53,7 @@ from ..resources import ResourceInfo, load_resources
 from ..runtime import heartbeat, timeline
 from ..runtime.preemption import EXIT_CODE as PREEMPTED
 from ..runtime.preemption import GRACE_ENV, RUN_ENV
+from .forking import Forker
 from .tasks import Job, Outcome, Task, Terminated, say, stop
 
 LOCAL = ("127.", "localhost", "::1")
@@ -126,7 +127,8 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
            grace: float = 10.0, poll: float = 0.2, chief_only: bool = False,
            verbose: bool = False, env: dict | None = None, runner: str = "",
            restarts: int = 0, run_dir: str | None = None,
-           grace_seconds: float = 30.0, timeline_file: str | None = None) -> int:
+           grace_seconds: float = 30.0, timeline_file: str | None = None,
+           fork: bool = True) -> int:
     """Run the job; its exit code: 0 when every worker ended well, else
     the failing task's (128 + N for a task ended by signal N), 1 for a task
     that stopped making progress, 130 on Ctrl-C, 143 on SIGTERM. `runner`:
@@ -137,7 +139,9 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
     `grace_seconds`: how long the workers have to checkpoint and stop after
     SIGTERM. `grace`: how long a killed task's end is waited for.
     `timeline_file`: every worker traces its steps (runtime/timeline.py) and
-    the parts are merged there when the job ends."""
+    the parts are merged there when the job ends. `fork`: tasks on this
+    machine are forked from one process that imported TensorFlow
+    (tools/forking.py), else each starts as a process of its own."""
     from ..config import load_config
     if not os.path.isfile(script):
         raise ResourceError(f"script {script!r} does not exist")
@@ -166,6 +170,9 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
         say(f"checkpoints go to {base_env[CHECKPOINT_ENV]} (a restart resumes from the "
             "last; the script's config may name another checkpoint.dir)")
     job = Job(grace_seconds=grace_seconds, grace=grace, resources=resources)
+    local = [h for h in resources.hosts if not is_remote(h.address, h.launch)] + [
+        p for p in resources.ps if not is_remote(p)]
+    forker = Forker(base_env) if fork and local else None
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, job.terminated)
@@ -178,7 +185,7 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
             base_env[GRACE_ENV] = f"{grace_seconds:g}"
             job.tasks = []
             _start_tasks(job, script, job.resources, workers, ps, base_env, args, runner,
-                         chief_only, verbose)
+                         chief_only, verbose, forker)
             outcome = _watch(job, poll)
             job.heard()
             if outcome.code == 0 or not outcome.retry or attempt == restarts:
@@ -195,6 +202,8 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
         return 143
     finally:
         stop(job.tasks, grace)
+        if forker is not None:
+            forker.close()
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         if timeline_file and any(os.path.exists(timeline.part_path(timeline_file, w))
@@ -203,7 +212,7 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
 
 
 def _start_tasks(job: Job, script, resources, workers, ps, base_env, args, runner,
-                 chief_only, verbose) -> None:
+                 chief_only, verbose, forker=None) -> None:
     """Every task of one start of the job, into `job.tasks` as each starts."""
     tasks = job.tasks
     for j, address in enumerate(resources.ps):
@@ -218,7 +227,8 @@ def _start_tasks(job: Job, script, resources, workers, ps, base_env, args, runne
                    os.path.abspath(script), *args]
         tasks.append(_start(f"worker {i}", command, info, base_env,
                             resources.ssh if is_remote(host.address, host.launch)
-                            else None, shown=i == 0 or not chief_only, verbose=verbose))
+                            else None, shown=i == 0 or not chief_only, verbose=verbose,
+                            forker=forker))
     for t in tasks:
         t.job = job
 
@@ -256,14 +266,24 @@ def remote_command(ssh: str, address: str, command: list[str], env: dict) -> lis
 
 
 def _start(name: str, command: list[str], info: ClusterInfo, env: dict,
-           ssh: str | None = None, shown: bool = True, verbose: bool = False) -> Task:
+           ssh: str | None = None, shown: bool = True, verbose: bool = False,
+           forker: Forker | None = None) -> Task:
     env = dict(env, **{ENV: info.to_env(), heartbeat.ENV: name})
     address = (info.ps if info.task_type == "ps" else info.workers)[info.task]
+    process = None
     if ssh is not None:
         command = remote_command(ssh, address, command, env)
-    process = subprocess.Popen(command, env=env, start_new_session=True,
-                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+    elif forker is not None:       # [python, -m, module, args...] or [python, script, args...]
+        module = command[2] if command[1] == "-m" else ""
+        process = forker.spawn([module, *command[3:]] if module else command[1:], env,
+                               script="" if module else command[1], module=module)
+        if process is None and not forker.said:
+            forker.said = True
+            say(f"tasks start as processes of their own: {forker.failed}")
+    if process is None:
+        process = subprocess.Popen(command, env=env, start_new_session=True,
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE)
     say(f"started {name} (pid {process.pid}) at {address}")
     task = Task(name, process, shown, verbose)
     task.relay()

@@ -1,0 +1,152 @@
+"""The fork server (parallax_ng/tools/forking.py): a task forked from it
+runs as `python SCRIPT ARGS` (or `python -m MODULE ARGS`) would, and the
+launcher sees it as a subprocess.Popen. Real processes: one server that
+imported TensorFlow, its forked children."""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from task_env import TASK_PATH
+
+from parallax_ng.tools.forking import Forker
+
+ENV = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
+
+SCRIPT = """\
+import json, os, sys
+print(json.dumps({"name": __name__, "file": __file__, "argv": sys.argv,
+                  "path0": sys.path[0], "cwd": os.getcwd(), "stdin": sys.stdin.read(),
+                  "only_task": os.environ.get("ONLY_TASK"),
+                  "launcher_only": os.environ.get("LAUNCHER_ONLY")}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.fixture(scope="module")
+def forker():
+    f = Forker(dict(ENV, LAUNCHER_ONLY="1"))
+    yield f
+    f.close()
+
+
+def spawn(forker, tmp_path, text, *args, env=None):
+    path = tmp_path / "task.py"
+    path.write_text(text)
+    task = forker.spawn([str(path), *args], dict(ENV, **(env or {})), script=str(path))
+    assert task is not None, forker.failed
+    return task
+
+
+def test_a_task_runs_as_its_own_python_process_would(forker, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    os.chdir(work)            # the task's working directory is the launcher's now
+    try:
+        task = spawn(forker, tmp_path, SCRIPT, "3", env={"ONLY_TASK": "yes"})
+    finally:
+        os.chdir(tmp_path)
+    assert task.wait(60) == 3 and task.poll() == 3 and task.returncode == 3
+    import json
+    seen = json.loads(task.stdout.read())
+    path = str(tmp_path / "task.py")
+    assert seen == {"name": "__main__", "file": path, "argv": [path, "3"],
+                    "path0": str(tmp_path), "cwd": str(work), "stdin": "",
+                    "only_task": "yes", "launcher_only": None}
+    assert task.stderr.read() == b"to stderr\n"
+
+
+def test_an_exception_prints_the_scripts_traceback_and_exits_1(forker, tmp_path):
+    task = spawn(forker, tmp_path, "import parallax_ng\n\ndef f():\n    raise ValueError('no')\n"
+                 "f()\n", env={"PARALLAX_NG_HEARTBEAT": "worker 0"})
+    assert task.wait(60) == 1
+    err = task.stderr.read().decode()
+    # the heartbeat started with the task (parallax_ng is imported by it, not the server)
+    assert "\x1eparallax_ng error worker 0: ValueError: no" in err
+    trace = err[err.index("Traceback"):]
+    assert trace.splitlines()[1].startswith(f'  File "{tmp_path / "task.py"}", line 5')
+    assert "forking.py" not in trace and "runpy" not in trace
+
+
+def test_signals_reach_the_tasks_process_group(forker, tmp_path):
+    task = spawn(forker, tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    assert task.stdout.readline() == b"up\n"
+    assert os.getpgid(task.pid) == task.pid          # a session and group of its own
+    with pytest.raises(subprocess.TimeoutExpired):
+        task.wait(0.3)
+    assert task.poll() is None
+    os.killpg(task.pid, signal.SIGKILL)
+    assert task.wait(10) == -signal.SIGKILL
+
+
+def test_keras_and_random_state_are_the_tasks_own(forker, tmp_path):
+    """Only TensorFlow is imported before the fork: a script that sets
+    TF_USE_LEGACY_KERAS before importing it gets tf_keras; numpy's and
+    random's generators differ between tasks."""
+    text = ("import os\nos.environ['TF_USE_LEGACY_KERAS'] = '1'\n"
+            "import random, numpy as np, tensorflow as tf\n"
+            "print(tf.keras.__name__.split('.')[0], np.random.randint(1 << 30), "
+            "random.randrange(1 << 30))\n")
+    tasks = [spawn(forker, tmp_path, text) for _ in range(2)]
+    outs = [t.stdout.read().split() for t in tasks]
+    assert [t.wait(60) for t in tasks] == [0, 0]
+    assert outs[0][0] == outs[1][0] == b"tf_keras"
+    assert outs[0][1] != outs[1][1] and outs[0][2] != outs[1][2]
+
+
+def test_a_module_runs_as_python_m_would(forker, tmp_path):
+    (tmp_path / "pn_forked_mod.py").write_text(
+        "import sys\nprint(__name__, sys.argv[1:], sys.path[0])\n")
+    os.chdir(tmp_path)
+    task = forker.spawn(["pn_forked_mod", "a", "b"], ENV, module="pn_forked_mod")
+    assert task.wait(60) == 0
+    assert task.stdout.read().decode().split() == ["__main__", "['a',", "'b']", str(tmp_path)]
+
+
+def test_when_the_server_dies_its_tasks_end_and_spawn_says_none(tmp_path):
+    f = Forker(ENV)
+    try:
+        task = spawn(f, tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+        assert task.stdout.readline() == b"up\n"
+        f.process.kill()
+        assert task.wait(10) == -signal.SIGKILL
+        assert _gone(task.pid)
+        assert f.failed == "the fork server ended"
+        assert f.spawn(["x.py"], ENV, script="x.py") is None
+    finally:
+        f.close()
+
+
+def test_closing_the_server_kills_what_it_started(tmp_path):
+    f = Forker(ENV)
+    task = spawn(f, tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+    assert task.stdout.readline() == b"up\n"
+    f.close()
+    assert f.process.returncode == 0
+    assert _gone(task.pid)
+
+
+def test_a_server_that_cannot_import_tensorflow_says_why(tmp_path):
+    (tmp_path / "tensorflow.py").write_text("raise ImportError('broken on purpose')\n")
+    f = Forker(dict(ENV, PYTHONPATH=f"{tmp_path}{os.pathsep}{TASK_PATH}"))
+    try:
+        assert f.spawn(["x.py"], ENV, script="x.py") is None
+        assert f.failed == "importing TensorFlow: ImportError: broken on purpose"
+    finally:
+        f.close()
+
+
+def _gone(pid: int, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        if open(f"/proc/{pid}/stat").read().split()[2] == "Z":   # ended, not yet reaped
+            return True
+        time.sleep(0.05)
+    return False
+
