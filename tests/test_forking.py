@@ -70,6 +70,18 @@ def test_an_exception_prints_the_scripts_traceback_and_exits_1(forker, tmp_path)
     assert "forking.py" not in trace and "runpy" not in trace
 
 
+def test_the_scripts_globals_live_until_its_atexit_handlers_ran(forker, tmp_path):
+    """As in `python SCRIPT`: `__main__` stays in sys.modules, so an atexit
+    handler that reaches a global through a weak reference finds it (the
+    runner's final checkpoint, parallax_ng/runtime/runner.py)."""
+    task = spawn(forker, tmp_path, "import atexit, sys, weakref\nclass Held: pass\n"
+                 "held = Held()\nref = weakref.ref(held)\n"
+                 "atexit.register(lambda: print('at exit', ref() is not None, "
+                 "sys.modules['__main__'].held is ref(), flush=True))\n")
+    assert task.wait(60) == 0
+    assert task.stdout.read() == b"at exit True True\n"
+
+
 def test_signals_reach_the_tasks_process_group(forker, tmp_path):
     task = spawn(forker, tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
     assert task.stdout.readline() == b"up\n"

@@ -251,7 +251,6 @@ def _reap(children: set[int], send) -> None:
 
 def become(request: dict, fds: list[int]) -> None:
     """In the forked child: turn into the task and run it as `__main__`."""
-    import runpy
     os.setsid()
     stdin = os.open(os.devnull, os.O_RDONLY)
     for target, fd in zip((0, 1, 2), (stdin, *fds)):
@@ -263,22 +262,46 @@ def become(request: dict, fds: list[int]) -> None:
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     sys.argv = list(request["argv"])
-    module, script = request["module"], request["script"]
-    if module:
-        sys.path[0] = request["cwd"]      # as `python -m` sets it
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return
-    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    code, main = _main_module(request["module"], request["script"], request["cwd"])
     try:
-        runpy.run_path(script, run_name="__main__")
+        exec(code, main.__dict__)
     except (SystemExit, KeyboardInterrupt):
         raise
     except BaseException as e:
         # the traceback from the script's frames on, as `python SCRIPT` prints it
         tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename != script:
+        while tb is not None and tb.tb_frame.f_code is not code:
             tb = tb.tb_next
         if tb is not None:
             e.__traceback__ = tb          # what the excepthook prints
         sys.excepthook(type(e), e, e.__traceback__)
         raise SystemExit(1) from None
+
+
+def _main_module(module: str, script: str, cwd: str):
+    """The code to run and the `__main__` module it runs in, which stays
+    in sys.modules until the interpreter ends (as in `python SCRIPT`, so
+    what the script's globals hold lives until its atexit handlers ran)."""
+    import importlib.machinery
+    import importlib.util
+    import types
+    main = types.ModuleType("__main__")
+    if module:                        # as `python -m MODULE` does
+        spec = importlib.util.find_spec(module)
+        if spec is None or spec.loader is None:
+            raise SystemExit(f"{sys.executable}: No module named {module}")
+        code = spec.loader.get_code(module)
+        main.__dict__.update(__spec__=spec, __file__=spec.origin, __loader__=spec.loader,
+                             __package__=module.rpartition(".")[0], __cached__=None)
+        sys.argv[0] = spec.origin
+        sys.path[0] = cwd
+    else:
+        with open(script, "rb") as f:
+            code = compile(f.read(), script, "exec", dont_inherit=True)
+        main.__dict__.update(__file__=script, __cached__=None, __package__=None,
+                             __spec__=None,
+                             __loader__=importlib.machinery.SourceFileLoader("__main__", script))
+        sys.path[0] = os.path.dirname(os.path.realpath(script))
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
+    return code, main
