@@ -7,7 +7,10 @@ for a test (tests/test_keras_examples.py, tests/tf2_job_script.py):
 - `RecommenderNet`: collaborative filtering as a Model subclass (user and
   movie embeddings and biases, L2-regularized, a dot product, sigmoid);
 - `mnist_convnet`: two Conv2D + MaxPooling2D blocks, Flatten, Dropout,
-  softmax.
+  softmax;
+- `structured`: structured-data classification with the lookups in the
+  model (an IntegerLookup of a categorical column's codes, its embedding,
+  numeric columns), concatenated, Dense, Dropout, sigmoid.
 
 Each takes `dropout` (the examples' rates by default; 0 for a run that must
 equal one device number for number) and `data(name, rows, seed)` gives
@@ -105,8 +108,21 @@ def mnist_convnet(dropout=0.5):
     ])
 
 
+CODES = [3, 7, 12, 19, 25, 31, 40]        # a categorical column's values (a vocabulary)
+
+
+def structured(dropout=0.3):
+    codes = keras.Input(shape=(1,), dtype="int64", name="code")
+    numeric = keras.Input(shape=(3,), name="numeric")
+    index = layers.IntegerLookup(vocabulary=CODES)(codes)   # unknown codes: index 0
+    embedded = layers.Flatten()(layers.Embedding(len(CODES) + 1, 4)(index))
+    h = layers.Dense(8, activation="relu")(layers.concatenate([embedded, numeric]))
+    outputs = layers.Dense(1, activation="sigmoid")(layers.Dropout(dropout)(h))
+    return keras.Model([codes, numeric], outputs)
+
+
 MODELS = {"transformer": transformer_classifier, "recommender": recommender,
-          "convnet": mnist_convnet}
+          "convnet": mnist_convnet, "structured": structured}
 
 
 def compile_args(name):
@@ -116,6 +132,9 @@ def compile_args(name):
     if name == "recommender":
         return dict(optimizer=keras.optimizers.Adam(learning_rate=0.01),
                     loss=keras.losses.BinaryCrossentropy())
+    if name == "structured":
+        return dict(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy",
+                    metrics=["accuracy"])
     return dict(optimizer=keras.optimizers.Adam(0.01), loss="categorical_crossentropy",
                 metrics=["accuracy"])
 
@@ -128,5 +147,10 @@ def data(name, rows, seed=0):
     if name == "recommender":
         x = np.stack([rng.integers(0, USERS, rows), rng.integers(0, MOVIES, rows)], 1)
         return x.astype(np.int32), ((x[:, 0] + x[:, 1]) % 5 / 4.0).astype(np.float32)
+    if name == "structured":         # a code outside the vocabulary now and then
+        codes = rng.choice(CODES + [5], size=(rows, 1)).astype(np.int64)
+        numeric = rng.normal(size=(rows, 3)).astype(np.float32)
+        y = ((codes[:, 0] % 3 == 1) ^ (numeric[:, 0] > 0)).astype(np.float32)
+        return [codes, numeric], y
     x = rng.random(size=(rows, SIDE, SIDE, 1)).astype(np.float32)
     return x, np.eye(10, dtype=np.float32)[rng.integers(0, 10, rows)]

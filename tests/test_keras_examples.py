@@ -30,6 +30,7 @@ def twins(name, dropout):
     ("recommender", None),
     ("recommender", {"run_option": "allreduce"}),
     ("convnet", None),
+    ("structured", None),
 ])
 def test_example_model_fit_equals_one_device(name, config):
     parallel, single = twins(name, 0.0)
@@ -82,28 +83,13 @@ def test_example_transformer_in_a_two_worker_job_equals_one_device(tmp_path, cas
       ring with kernels by their factors (the tables by all-gather) and
       sends the head's kernel by its factors."""
     import json
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = tmp_path / "resources.yaml"
     clipnorm = case == "clipnorm-ring-beside-server"
     # but with clipping, loopback addresses of their own: hosts whose links the plan weighs
     hosts = ["127.0.0.1"] * 3 if clipnorm else ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
-    path.write_text("hosts:\n" + "".join(f"  - address: {h}\n    devices: [cpu:0]\n"
-                                          for h in hosts[:2]) +
-                    ("" if case == "no-server" else f"ps: [{hosts[2]}]\n"))
-    out = str(tmp_path / "vars")
-    done = subprocess.run(
-        [sys.executable, "-m", "parallax_ng", "run",
-         os.path.join(root, "tests", "tf2_job_script.py"), "-r", str(path), "--", out, "5",
-         "--example", "transformer"] + (["--clipnorm"] if clipnorm else
-                                        ["--network", "1.25e7"]) +
-        (["--default-config"] if case == "no-server" else []),
-        capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
+    workers = example_job(tmp_path, hosts[:2], [] if case == "no-server" else hosts[2:],
+                          "transformer", *(["--clipnorm"] if clipnorm else
+                                           ["--network", "1.25e7"]),
+                          *(["--default-config"] if case == "no-server" else []))
     plan = json.loads(str(workers[0]["plan"]))
     table = "token_and_position_embedding/embeddings"
     if case == "no-server":
@@ -115,13 +101,51 @@ def test_example_transformer_in_a_two_worker_job_equals_one_device(tmp_path, cas
     # arguments are fed), so the plan was weighed by the rows it touches
     assert case != "hybrid" or json.loads(str(workers[0]["sources"])) == {
         table: "measured", table + "_1": "measured"}
-    model = ex.transformer_classifier(0.0)
+    check_example_job(workers, "transformer", clipnorm)
+
+
+def test_example_structured_with_a_lookup_in_a_two_worker_job_equals_one_device(tmp_path):
+    """The structured-data model (an IntegerLookup in the model: its table
+    rebuilt in each worker's graph, graph/tables.py) by `model.fit` in a job
+    of 2 workers x 1 device and the default config: both workers end equal
+    to one device, every weight and optimizer variable, and evaluate alike."""
+    workers = example_job(tmp_path, ["127.0.0.1"] * 2, [], "structured", "--default-config")
+    check_example_job(workers, "structured")
+
+
+def example_job(tmp_path, hosts, servers, name, *flags):
+    """tf2_job_script.py --example NAME (5 global batches of 8) as a job
+    on `hosts` (1 device each) and `servers`: each worker's saved arrays."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = tmp_path / "resources.yaml"
+    path.write_text("hosts:\n" + "".join(f"  - address: {h}\n    devices: [cpu:0]\n"
+                                          for h in hosts) +
+                    (f"ps: [{', '.join(servers)}]\n" if servers else ""))
+    out = str(tmp_path / "vars")
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax_ng", "run",
+         os.path.join(root, "tests", "tf2_job_script.py"), "-r", str(path), "--", out, "5",
+         "--example", name, *flags], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return [dict(np.load(f"{out}.{k}.npz")) for k in range(len(hosts))]
+
+
+def check_example_job(workers, name, clipnorm=False):
+    """One device fit from worker 0's starting weights on the job's 5
+    global batches: the workers' weights, optimizer variables and
+    evaluation equal its own, 1e-5."""
+    import json
+    model = ex.MODELS[name](dropout=0.0)
     model.set_weights([workers[0][f"start{i}"] for i in range(len(model.weights))])
-    args = ex.compile_args("transformer")
+    args = ex.compile_args(name)
     if clipnorm:
         args["optimizer"] = keras.optimizers.Adam(1e-3, global_clipnorm=1.0)
     model.compile(**args)
-    x, y = ex.data("transformer", 40)
+    x, y = ex.data(name, 40)
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     want = model.evaluate(x, y, batch_size=8, verbose=0)     # the trained model's
     for w in workers:

@@ -29,8 +29,10 @@ Guarantees: a `Captured` whose `graph` holds
   (`Captured.failed` says why).
 `variables` maps each graph variable to the program's tf.Variable;
 A tensor the step captures (a NumPy array in its closure) becomes a
-constant. A step that needs what cannot be rebuilt (a resource that is not
-a variable, an argument that is not a batch) is a GraphError naming it.
+constant; a lookup table it reads, a table of the same entries filled by
+the initializer (graph/tables.py). A step that needs what cannot be
+rebuilt (another resource, an argument that is not a batch) is a
+GraphError naming it.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from ..errors import GraphError
+from . import tables as lookup
 from .row_divisions import row_divisions
 from .row_updates import row_reads, row_updates
 
@@ -229,6 +232,7 @@ class _Piece:
     captured: dict                    # internal placeholder name -> tf.Variable
     constants: dict                   # internal placeholder name -> value (a captured tensor)
     inputs: list                      # the function's argument placeholders
+    tables: dict = field(default_factory=dict)   # internal name -> (id of its handle, Table)
 
 
 def _piece(concrete) -> _Piece:
@@ -240,29 +244,29 @@ def _piece(concrete) -> _Piece:
     row_updates(graph_def, variables)
     row_divisions(graph_def, variables)
     graph_def, replaced = row_reads(graph_def)
-    captured, constants = {}, {}
+    captured, constants, tables = {}, {}, {}
     for external, internal in fg.captures:
         if internal.dtype != tf.resource:
             constants[internal.op.name] = external.numpy()
             continue
         var = by_handle.get(id(external))
-        if var is None:
-            raise GraphError(f"the step captures resource {internal.op.name!r}, which is "
-                             "not a variable (a lookup table or dataset iterator cannot be "
-                             "rebuilt yet)")
+        if var is None:            # a lookup table the step reads, else a GraphError
+            tables[internal.op.name] = (id(external),
+                                        lookup.contents(external, internal.op.name, graph_def))
+            continue
         captured[internal.op.name] = var
     inside = {internal.op.name for _, internal in fg.captures}
     inputs = [t.op.name for t in fg.inputs if t.op.name not in inside]
     needed = _ancestors(graph_def, {t.op.name for t in tf.nest.flatten(concrete.outputs)} |
                         {replaced.get(op.name, op.name) for op in fg.control_outputs} - {None})
     keep = [n for n in graph_def.node if n.name in needed and n.name not in captured and
-            n.name not in constants and n.name not in inputs]
+            n.name not in constants and n.name not in inputs and n.name not in tables]
     del graph_def.node[:]
     graph_def.node.extend(keep)
     for node in graph_def.node:
         if "_class" in node.attr:
             del node.attr["_class"]
-    return _Piece(concrete, graph_def, replaced, captured, constants, inputs)
+    return _Piece(concrete, graph_def, replaced, captured, constants, inputs, tables)
 
 
 def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
@@ -276,13 +280,14 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
     values = {i: v.numpy() for i, v in variables.items()}
     graph = tf.Graph()
     made, names, feeds, runs, placeholders = {}, set(), {}, [], []
+    tables = {}                       # id of the program's table handle -> (handle, fill)
     with graph.as_default():
         for piece in pieces:
             placeholders.append(_placeholders(piece, sum(map(len, placeholders))))
         for var in sorted(variables.values(), key=lambda v: v.ref() in owners):  # owners first
             vname = _unique(_variable_name(var), names)
             owner = owners.get(var.ref())
-            scope = tf.compat.v1.colocate_with(made[id(owner)].op) \
+            scope = graph.colocate_with(made[id(owner)].op) \
                 if owner is not None and id(owner) in made else contextlib.nullcontext()
             with scope:
                 initial = tf.compat.v1.placeholder(var.dtype.base_dtype, var.shape,
@@ -300,6 +305,10 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
             input_map.update({f"{name}:0": tf.constant(value, name=f"{scope or 'parallax'}"
                                                                   f"_captured/{j}")
                               for j, (name, value) in enumerate(sorted(piece.constants.items()))})
+            for name, (key, table) in sorted(piece.tables.items()):
+                if key not in tables:
+                    tables[key] = lookup.make(table, f"parallax_table_{len(tables)}")
+                input_map[f"{name}:0"] = tables[key][0]
             fg = piece.concrete.graph
             out_names = [t.name for t in tf.nest.flatten(piece.concrete.outputs)]
             controls = sorted({piece.replaced.get(op.name, op.name)
@@ -308,19 +317,44 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
                 piece.graph_def, input_map=input_map, return_elements=out_names + controls,
                 name=scope)
             outs, ops = returned[:len(out_names)], returned[len(out_names):]
+            _restore_shapes(graph, fg, piece.graph_def, scope)
             with tf.control_dependencies([t.op for t in outs] + ops):
                 run = tf.no_op(name=f"{scope}_run" if scope else "parallax_step")
             tensors = iter(t.name for t in outs)      # fn's, in order (None: no output)
             runs.append((tf.nest.map_structure(lambda t: None if t is None else next(tensors),
                                                piece.concrete.structured_outputs)[0],
                          run.name))
-        init = tf.compat.v1.variables_initializer(list(made.values()), name="parallax_init")
+        if tables:
+            init = tf.group(tf.compat.v1.variables_initializer(list(made.values())),
+                            *(fill for _, fill in tables.values()), name="parallax_init")
+        else:
+            init = tf.compat.v1.variables_initializer(list(made.values()), name="parallax_init")
     return Captured(graph, [name for name, _ in placeholders[0]], runs[0][0], runs[0][1],
                     {made[i].op.name: v for i, v in variables.items()},
                     {made[i].op.name: made[i]._graph_element.name for i in variables},
                     init.name, feeds,
                     parts={name: Part([n for n, _ in placeholders[k + 1]], *runs[k + 1])
                            for k, name in enumerate(parts)})
+
+
+def _restore_shapes(graph, traced, graph_def, scope: str) -> None:
+    """The traced shapes of the imported ops' outputs: a GraphDef keeps
+    only what shape inference finds again, not what Python code set
+    (`set_shape`: a table lookup's, a numpy_function's), and a fetch of
+    unknown rank would be taken for a batch (runtime/fetches.py)."""
+    prefix = f"{scope}/" if scope else ""
+    for node in graph_def.node:
+        try:
+            old = traced.get_operation_by_name(node.name)
+            new = graph.get_operation_by_name(prefix + node.name)
+        except KeyError:
+            continue
+        for a, b in zip(new.outputs, old.outputs):
+            if b.shape.rank is not None:
+                try:
+                    a.set_shape(b.shape)
+                except ValueError:          # not the traced op's shape after all
+                    pass
 
 
 def _placeholders(piece: _Piece, first: int) -> list:
@@ -365,9 +399,9 @@ def _inlined(concrete):
     for f in graph_def.library.function:     # no alternative implementations kept
         if "api_implements" in f.attr:
             del f.attr["api_implements"]
-    meta = tf.compat.v1.train.export_meta_graph(graph_def=graph_def, graph=concrete.graph)
-    for name in ("variables", "trainable_variables", "model_variables", "local_variables"):
-        meta.collection_def.pop(name, None)
+    # no collections: what Grappler keeps is the train_op collection below
+    meta = tf.compat.v1.train.export_meta_graph(graph_def=graph_def, graph=concrete.graph,
+                                                collection_list=[])
     fetch = meta_graph_pb2.CollectionDef()
     fetch.node_list.value.extend([t.name for t in concrete.inputs + concrete.outputs] +
                                  [op.name for op in concrete.graph.control_outputs])
