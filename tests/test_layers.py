@@ -115,58 +115,6 @@ def test_keras_default_names_number_the_first_layer_zero():
     assert all(n.startswith("dense/") for n in lay.segments[0].weights)
 
 
-LOSS_FORMS = {
-    "mean": (lambda e, x: tf.reduce_mean(e), "mean"),
-    "sum": (lambda e, x: tf.reduce_sum(e), "sum"),
-    "sum times a number": (lambda e, x: 0.5 * tf.reduce_sum(e) / 100.0, "sum"),
-    "sum over the batch size": (lambda e, x: tf.reduce_sum(e) / 8.0, "mean"),
-    "sum over the rows counted": (
-        lambda e, x: tf.reduce_sum(e) / tf.cast(tf.shape(x)[0], tf.float32), "mean"),
-    "mean of a sum per row": (lambda e, x: tf.reduce_mean(tf.reduce_sum(e, 1)), "mean"),
-    "sum of a mean per row": (lambda e, x: tf.reduce_sum(tf.reduce_mean(e, 1)), "sum"),
-    "mean plus a penalty": (
-        lambda e, x: tf.reduce_mean(e) + tf.add_n([tf.nn.l2_loss(v) for v in
-                                                  tf1.trainable_variables()]), "mean"),
-    "tf.compat.v1.losses": (
-        lambda e, x: tf1.losses.mean_squared_error(tf.zeros_like(e), e), "mean"),
-    "sum over the batch's columns only": (lambda e, x: tf.reduce_sum(e[:, 0]) * 0.0 +
-                                          tf.reduce_sum(tf.reduce_sum(e, 0)), None),
-}
-
-
-@pytest.mark.parametrize("name", sorted(LOSS_FORMS))
-def test_how_the_loss_depends_on_the_batch(name):
-    """layers.loss_form, on losses over an einsum stack's outputs (batch 8)."""
-    build, want = LOSS_FORMS[name]
-    g = tf.Graph()
-    with g.as_default():
-        ids = tf1.data.make_one_shot_iterator(tf.data.Dataset.from_tensors(
-            tf.zeros([8, 3], tf.int32)).repeat()).get_next()
-        x = tf.nn.embedding_lookup(tf1.get_variable("emb", [10, 4]), ids)     # [8, 3, 4]
-        with tf1.variable_scope("block_0"):
-            x = tf.einsum("bsd,de->bse", x, tf1.get_variable("w", [4, 4]))
-        per_row = tf.transpose(tf.square(x), [0, 2, 1])                     # [8, 4, 3]
-        loss = build(tf.reduce_mean(per_row, 2), ids)                        # rows [8, 4]
-        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
-    sess = tf1.Session(graph=g)
-    form = layers.loss_form(loss, ["IteratorGetNext"], 8,
-                            lambda t: tf.get_static_value(t) if t.op.type == "Const"
-                            else sess.run(t))
-    assert form.kind == want
-    if name in ("sum over the batch size", "tf.compat.v1.losses"):
-        assert len(form.by_batch) == 1          # the divisor a micro-batch replaces
-
-
-def test_a_sum_plus_a_term_without_data_is_refused():
-    g = tf.Graph()
-    with g.as_default():
-        x = tf1.placeholder(tf.float32, [None, 4])
-        w = tf1.get_variable("w", [4, 4])
-        loss = tf.reduce_sum(tf.matmul(x, w)) + tf.reduce_sum(w)
-    with pytest.raises(pn.GraphError, match="sums over the batch and adds a term"):
-        layers.loss_form(loss, [x.op.name], None)
-
-
 def test_random_ops_it_cannot_redraw_are_refused_with_the_op_named():
     g, _, _ = _mlp(lambda h: h + tf.random.shuffle(h))
     with pytest.raises(pn.GraphError, match=r"block_0/RandomShuffle.*draws random.*"

@@ -187,3 +187,72 @@ def test_accumulations_are_summed_and_averages_averaged():
     for name, want, replicas in zip(names, one, got):
         for value in replicas:
             np.testing.assert_allclose(value, want, rtol=1e-6, err_msg=name)
+
+
+def metrics_graph():
+    """A classifier with tf.compat.v1 metrics: the mean of the (mean) loss,
+    accuracy, AUC; and a fetched count of correct examples."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 5], name="x")
+        y = tf1.placeholder(tf.int64, [None], name="y")
+        h = tf.nn.relu(tf.matmul(x, tf1.get_variable("w1", [5, 8])))
+        logits = tf.matmul(h, tf1.get_variable("w2", [8, 2]))
+        loss = tf1.losses.sparse_softmax_cross_entropy(y, logits)
+        gs = tf1.train.get_or_create_global_step()
+        lr = tf1.train.exponential_decay(0.2, gs, 2, 0.5, staircase=True)
+        train = tf1.train.MomentumOptimizer(lr, 0.9).minimize(loss, global_step=gs)
+        pred = tf.argmax(logits, 1)
+        correct = tf.reduce_sum(tf.cast(tf.equal(pred, y), tf.float32), name="correct")
+        metrics = [tf1.metrics.mean(loss), tf1.metrics.accuracy(y, pred),
+                   tf1.metrics.auc(y, tf.nn.softmax(logits)[:, 1], num_thresholds=20)]
+        init = [tf1.global_variables_initializer(), tf1.local_variables_initializer()]
+    return g, dict(x=x, y=y, train=train, loss=loss, correct=correct, init=init,
+                   updates=[m[1] for m in metrics], values=[m[0] for m in metrics])
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "ps"])
+def test_tf1_metrics_and_fetched_sums_equal_one_device(mode):
+    """tf.compat.v1.metrics.mean(loss) adds a replica's mean loss and counts
+    one: the replicas' means are averaged (one device adds the global
+    batch's), not summed, which had made the mean twice one device's;
+    accuracy and AUC sum their counts; a fetched count of correct examples
+    (a sum over the batch) is the replicas' sum, a fetched loss their
+    mean. Then the metrics' updates run alone (an evaluation pass): every
+    replica's copy runs (replica 0's alone had waited for the others in
+    the sync until the timeout). 6 steps of 8 rows on 2 replicas, every
+    variable, 1e-5."""
+    import parallax_ng as pn
+    from models import local
+    rng = np.random.RandomState(0)
+    xs = rng.randn(48, 5).astype(np.float32)
+    ys = (xs @ rng.randn(5, 1) > 0).astype(np.int64).ravel()
+
+    def run(call, t):
+        call(t["init"])
+        out = [call([t["train"], t["loss"], t["correct"]] + t["updates"],
+                    {t["x"]: xs[k * 8:(k + 1) * 8], t["y"]: ys[k * 8:(k + 1) * 8]})[1:]
+               for k in range(6)]
+        # an evaluation pass: the updates alone (no training op) on more rows
+        evaluated = call(t["updates"], {t["x"]: xs[:16], t["y"]: ys[:16]})
+        return out, [evaluated, call(t["values"])]
+
+    g1, t1 = metrics_graph()
+    with tf1.Session(graph=g1) as sess:
+        want, want_metrics = run(sess.run, t1)
+        want_vars = {v.op.name: sess.run(v) for v in g1.get_collection("variables") +
+                     g1.get_collection("local_variables")}
+    g2, t2 = metrics_graph()
+    runner = pn.get_runner(g2, local(2), {"run_option": mode})
+    got, got_metrics = run(runner.run, t2)
+    got_vars = {v.op.name: runner.run(v) for v in g2.get_collection("variables") +
+                g2.get_collection("local_variables")}
+    runner.close()
+    assert sum(step[1] for step in want) > 10          # correct examples were counted
+    np.testing.assert_allclose(np.array(got, np.float64), np.array(want, np.float64),
+                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(got_metrics, want_metrics, atol=1e-5, rtol=0)
+    assert set(got_vars) == set(want_vars) and len(want_vars) > 8
+    for name, value in want_vars.items():
+        np.testing.assert_allclose(got_vars[name], value, atol=1e-5, rtol=0, err_msg=name)

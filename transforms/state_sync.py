@@ -11,7 +11,9 @@ forms are told apart from what the value computes: an Assign of
 (Keras 3's metrics: totals and counts), so the replicas' increments are
 summed, as AssignAdd's are, and the total equals one device's with the
 global batch; an AssignAdd whose increment reads `var` is a moving average
-written as an add, so it is averaged. In a job
+written as an add, so it is averaged; so is an increment that is a mean
+over the replica's batch (tf.compat.v1.metrics.mean of a mean loss: one
+device adds the global batch's mean, the mean of the replicas'). In a job
 that sums dense gradients on the servers (fusion buffers) these sums go
 there too (the worker's sum, then `server_sum` on the servers in turn), so
 the step keeps no collective op.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax_ng.graph import emit, rules
+from parallax_ng.graph import emit, forms, rules
 from parallax_ng.graph.ir import GraphIR
 
 
@@ -54,6 +56,8 @@ class StateSyncPass:
                     elif tg.ir.node(w).op in _ASSIGNS and (
                             delta := _accumulated(tg, var, ref)) is not None:
                         node, at, ref, how = ref.node, delta, tg.ir.data_inputs(ref.node)[delta], "sum"
+                    if how == "sum" and _a_mean(ctx, ref):
+                        how = "mean"              # one device adds the global batch's mean
                     reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
                     nodes, outs = reduce(
                         ctx, f"parallax/state_sync/{node}/input_{at}",
@@ -81,6 +85,21 @@ def _accumulated(tg, var: str, ref) -> int | None:
         if _is_read_of(tg, var, other) and not _reads(tg, var, ins[at].node):
             return at
     return None
+
+
+def _a_mean(ctx, ref) -> bool:
+    """Whether `ref` is a mean over the replica's batch (a mean loss, as
+    tf.compat.v1.metrics.mean(loss) adds it to its total while its count
+    grows by one): one device adds the global batch's mean, the mean of the
+    replicas'. Every placeholder and iterator counts as data, so a value
+    scaled by a fed number is no mean here (graph/forms.py). A sum over
+    the batch, or a value the graph does not show the form of, is summed."""
+    graph = ctx.tg.graph
+    t = graph.get_tensor_by_name(f"{ref.node}:{ref.index}")
+    if t.shape.rank != 0:
+        return False
+    sources = [op.name for op in graph.get_operations() if op.type in forms.SOURCE_TYPES]
+    return forms.loss_form(t, sources, None, strict=False).kind == "mean"
 
 
 def _is_read_of(tg, var: str, ref) -> bool:

@@ -26,7 +26,7 @@ Guarantees: `build(...)` returns an L2LGraph: a new tf.Graph where
 The sum equals the gradient of the mean loss over the replicas' whole
 batches: each micro-batch's loss gradient is scaled by 1/(replicas x
 micro-batches) for a loss that is a mean over the batch, by 1/replicas for
-a sum over it (layers.loss_form), so a step equals one step of the user's
+a sum over it (graph/forms.py loss_form), so a step equals one step of the user's
 graph on the global batch; with average_dense/average_sparse false the
 replicas' sums are added instead. Under cmp every update waits until
 every sum is checked finite (an overflow is an error, and no update runs).
@@ -61,11 +61,12 @@ from .. import compat
 from ..comm.lowering import host_lowering
 from ..errors import GraphError
 from ..graph import rules
+from ..graph.forms import loss_form
 from ..graph.ir import parse_input
 from . import eps
 from .copies import Copies
 from .draws import Seeds
-from .layers import Layering, loss_form
+from .layers import Layering
 from .micro import MicroBatches
 
 PREFIX = "l2l"

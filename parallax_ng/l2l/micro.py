@@ -99,7 +99,7 @@ class MicroBatches:
           data of first dimension B (BERT's attention mask);
         - the loss as a sum over data divided by B (or times 1/B), B being
           a constant or computed from constants (`by_batch` of
-          layers.loss_form).
+          graph/forms.py loss_form).
         """
         if seg.name in self._rewires:
             return self._rewires[seg.name]

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import FetchError
-from ..graph import batch
+from ..graph import batch, forms
 from ..graph.ir import format_input, parse_input, parse_tensor
 from ..pipeline.passes import REPLICA_PREFIX
 
@@ -170,6 +170,8 @@ class ReplicaFetchMap(FetchMap):
         self.late_variant: set[str] = set()
         self._warned: set[str] = set()          # fed tensors already warned about
         self._imports = itertools.count()
+        self._reductions: dict[str, str] = {}    # fetched tensor -> its default reduction
+        self._synced: dict[str, bool] = {}        # node -> computed from the replicas' data
 
     # -- fetches --------------------------------------------------------------
     def fetch(self, leaf, per_replica: bool = False) -> Fetch:
@@ -183,10 +185,11 @@ class ReplicaFetchMap(FetchMap):
         if per_replica:
             how = "list"
         elif not self.varies(ref.node):
-            return Fetch((name,), "first", ref.node)
+            if not self._from_replicas(ref.node):
+                return Fetch((name,), "first", ref.node)
+            how = "first"      # equal on every replica once synced: every copy runs
         else:
-            how = self.config.fetch_reduction.get(name) or \
-                _default_reduction(self.user_graph.get_tensor_by_name(name))
+            how = self.config.fetch_reduction.get(name) or self._reduction(name)
         copies = [f"{self.copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
         names = tuple(dict.fromkeys(copies))
         # a node that exists once (a shared variable) is every replica's value
@@ -194,6 +197,28 @@ class ReplicaFetchMap(FetchMap):
 
     def varies(self, node: str) -> bool:
         return node in self.ctx.variant or node in self.late_variant
+
+    def _from_replicas(self, node: str) -> bool:
+        """Whether an equal-on-every-replica node is computed from the
+        replicas' own data (a metric's update, its total synced across the
+        replicas): each replica's copy must run, or replica 0's would wait
+        for the others in the sync (and their state would fall behind)."""
+        if node not in self._synced:
+            self._synced[node] = bool(self.tg.ir.ancestors({node}) & self.ctx.variant)
+        return self._synced[node]
+
+    def _reduction(self, name: str) -> str:
+        if name not in self._reductions:         # read once per tensor, not per step
+            self._reductions[name] = _default_reduction(
+                self.user_graph.get_tensor_by_name(name), self._sources)
+        return self._reductions[name]
+
+    @cached_property
+    def _sources(self) -> list[str]:
+        """The user graph's data sources: every placeholder and iterator (a
+        scalar scaled by a fed number has no form, and keeps the mean)."""
+        return [op.name for op in self.user_graph.get_operations()
+                if op.type in forms.SOURCE_TYPES]
 
     def copy_name(self, k: int, node: str) -> str:
         """Replica k's copy of user node `node` in the runner's graph."""
@@ -394,9 +419,13 @@ def _late_name(k: int, name: str) -> str:
     return name if k == 0 else REPLICA_PREFIX.format(k) + name
 
 
-def _default_reduction(t: tf.Tensor) -> str:
+def _default_reduction(t: tf.Tensor, sources: list[str]) -> str:
+    """A scalar is a mean over the batch (a loss: the replicas' mean is the
+    global batch's) unless the graph shows it sums over the batch (a count
+    of correct examples, a summed loss: their sum is), graph/forms.py."""
     if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
         return "first"
     if t.shape.rank == 0:
-        return "mean"
+        kind = forms.loss_form(t, sources, None, strict=False).kind
+        return "sum" if kind == "sum" else "mean"
     return "concat"

@@ -1,0 +1,185 @@
+"""Forms of a tensor over the batch: whether its first dimension is the
+batch's rows (`batch_rows`), and whether a scalar computed from the data
+is a mean over the batch or a sum over it (`loss_form`).
+
+Requires: tf.Tensors of a graph and the names of its data sources (the
+placeholders and iterators that give the batch). Guarantees: both read the
+graph only. `loss_form` names the divisors that make a sum a mean (a
+layer-by-layer step divides by a micro-batch's size instead,
+parallax_ng/l2l/); a value it cannot read is None, never a guess. Used by
+layer-by-layer execution (the loss of micro-batches) and by the state-sync
+pass (an accumulation of a per-replica mean is averaged, not summed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import tensorflow as tf
+
+from .. import compat
+from ..errors import GraphError
+
+# ops that give data: an input pipeline's, a queue's, a fed placeholder's (a
+# SparseTensor's shape is a PlaceholderWithDefault)
+SOURCE_TYPES = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "Placeholder",
+                "PlaceholderWithDefault", "QueueDequeueV2", "QueueDequeueManyV2",
+                "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueMany", "QueueDequeueUpTo")
+_ROW_WISE = {"Identity", "Snapshot", "Neg", "Square", "Sqrt", "Rsqrt", "Exp", "Log", "Log1p",
+             "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Softplus", "Abs", "Cast",
+             "Softmax", "LogSoftmax", "BiasAdd", "MatMul", "BatchMatMulV2", "BatchMatMul",
+             "StopGradient", "Erf", "Sign", "Floor", "Round", "Reciprocal",
+             "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
+             "Pow", "SquaredDifference", "SelectV2", "Equal", "NotEqual", "Less",
+             "LessEqual", "Greater", "GreaterEqual"}
+_REDUCTIONS = ("Sum", "Mean")
+
+
+def batch_rows(t: tf.Tensor, sources) -> bool:
+    """Whether t's first dimension is the batch: it comes from a data
+    source's first dimension through ops that keep rows (element-wise ops,
+    matrix products, losses per example, reductions and reshapes that leave
+    the first dimension alone, gathers by such indices)."""
+    seen = {}
+
+    def rows(t):
+        key = t.name
+        if key in seen:
+            return seen[key]
+        seen[key] = False
+        op = t.op
+        if op.name in sources:
+            out = True
+        elif t.shape.rank == 0:
+            out = False
+        elif op.type in ("SparseSoftmaxCrossEntropyWithLogits",
+                         "SoftmaxCrossEntropyWithLogits"):
+            out = rows(op.inputs[0])            # a loss per example: the logits' rows
+        elif op.type in _ROW_WISE and not (op.type == "MatMul" and op.get_attr("transpose_a")):
+            out = any(rows(x) and x.shape.rank == t.shape.rank for x in op.inputs
+                      if x.dtype != tf.resource)
+        elif op.type in _REDUCTIONS + ("Max", "Min", "Prod"):
+            axes = tf.get_static_value(op.inputs[1])
+            out = axes is not None and 0 not in set(
+                int(a) % op.inputs[0].shape.rank for a in np.atleast_1d(axes)) \
+                if op.inputs[0].shape.rank else False
+            out = out and rows(op.inputs[0])
+        elif op.type in ("GatherV2", "ResourceGather", "Gather"):
+            out = rows(op.inputs[1])
+        elif op.type == "Einsum":       # "bsd,de->bse": the output's first index is an input's
+            spec = op.get_attr("equation").decode().replace(" ", "")
+            ins, _, result = spec.partition("->")
+            out = bool(result) and result[0].isalpha() and any(
+                term[:1] == result[0] and rows(x) for term, x in zip(ins.split(","), op.inputs))
+        elif op.type == "Transpose":
+            perm = tf.get_static_value(op.inputs[1])
+            out = perm is not None and len(perm) > 0 and perm[0] == 0 and rows(op.inputs[0])
+        elif op.type == "ConcatV2":
+            axis = tf.get_static_value(op.inputs[-1])
+            out = axis is not None and t.shape.rank and int(axis) % t.shape.rank != 0 and any(
+                rows(x) for x in op.inputs[:-1])
+        elif op.type in ("Reshape", "ExpandDims", "Squeeze"):
+            before, after = op.inputs[0].shape, t.shape
+            out = bool(before.rank and after.rank) and compat.dim(before, 0) == compat.dim(
+                after, 0) is not None and rows(op.inputs[0])
+        else:
+            out = False
+        seen[key] = out
+        return out
+    return rows(t)
+
+
+@dataclass
+class LossForm:
+    kind: str | None            # "mean", "sum" or None (the graph does not show)
+    # the divisors equal to the batch size that make a sum a mean: (op, input
+    # index, True when the op multiplies by 1/B); a micro-batch divides by its size
+    by_batch: list[tuple[str, int, bool]] = field(default_factory=list)
+
+
+def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
+              strict: bool = True) -> LossForm:
+    """How the loss depends on the number of examples in the batch: "mean"
+    (a mean over the batch, or a sum over it divided by the batch size
+    `batch`, as tf.compat.v1.losses computes it, or by a count the data
+    sets), "sum" (a sum over the batch, times or over a number that does
+    not depend on the data), or None when the graph does not show it. `constant(t)`: the value of a
+    tensor that does not depend on the data, or None if it is not known
+    (default: tf.get_static_value).
+    Raises GraphError for a sum over the batch plus a term that does not
+    depend on the data (a regularizer): each micro-batch would add it once
+    (with `strict` False, its form is None)."""
+    sources = set(sources)
+    constant = constant or tf.get_static_value
+    dependent = set()
+    stack, order, visited = [loss.op], [], set()
+    while stack:        # the loss's ancestors that depend on a data source
+        op = stack.pop()
+        if op.name in visited:
+            continue
+        visited.add(op.name)
+        order.append(op)
+        stack.extend(t.op for t in op.inputs)
+    for op in sorted(order, key=lambda o: o._id):  # noqa: SLF001 (creation order)
+        if op.name in sources or any(t.op.name in dependent for t in op.inputs):
+            dependent.add(op.name)
+    by_batch = []
+
+    def data(t):
+        return t.op.name in dependent
+
+    per_row = {}            # a sum's tensor -> the elements it added per example
+
+    def through(t, x):      # t computes x's form: it is a sum of as many per example
+        kind = form(x)
+        if x.name in per_row:
+            per_row[t.name] = per_row[x.name]
+        return kind
+
+    def form(t):
+        op = t.op
+        if not data(t):
+            return "constant"
+        if op.type in ("Identity", "Snapshot", "Neg"):
+            return through(t, op.inputs[0])
+        if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
+                op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum":
+            return "mean"       # a sum over the batch divided by a count the data sets
+        if op.type in ("Mul", "RealDiv", "Div", "DivNoNan") and not data(op.inputs[1]):
+            inner = through(t, op.inputs[0])
+            value = constant(op.inputs[1]) if inner == "sum" and batch else None
+            if value is not None and np.ndim(value) == 0:
+                counts = {batch, batch * per_row.get(op.inputs[0].name, 1)}
+                if any(np.isclose(value, n if op.type != "Mul" else 1.0 / n, rtol=1e-6)
+                       for n in counts):
+                    by_batch.append((op.name, 1, op.type == "Mul"))
+                    return "mean"       # a sum over the batch over its size (in elements)
+            return inner
+        if op.type == "Mul" and not data(op.inputs[0]):
+            return through(t, op.inputs[1])
+        if op.type in ("Add", "AddV2", "Sub", "AddN"):
+            forms = {form(x) for x in op.inputs} - {"constant"}
+            if forms == {"sum"} and any(not data(x) for x in op.inputs):
+                if not strict:
+                    return None
+                raise GraphError(
+                    f"the loss {loss.name!r} sums over the batch and adds a term that does not "
+                    f"depend on the data ({op.name!r}, a regularizer?); layer-by-layer "
+                    "execution sums the micro-batches' losses and would add it once per "
+                    "micro-batch: divide the sum by the batch size (a mean), or set "
+                    "l2l.micro_batches: 1")
+            return forms.pop() if len(forms) == 1 else None
+        if op.type in _REDUCTIONS and op.inputs[0].shape.rank == 0:
+            return through(t, op.inputs[0])          # a sum of one number
+        if op.type in _REDUCTIONS and batch_rows(op.inputs[0], sources):
+            axes = constant(op.inputs[1])
+            shape = op.inputs[0].shape
+            if axes is not None and shape.rank:
+                axes = {int(a) % shape.rank for a in np.atleast_1d(axes)}
+                if 0 in axes:
+                    if len(axes) == shape.rank and shape[1:].is_fully_defined():
+                        per_row[t.name] = int(np.prod(shape[1:].as_list(), dtype=np.int64))
+                    return "mean" if op.type == "Mean" else "sum"
+        return None
+    kind = form(loss)
+    return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [])

@@ -1,0 +1,81 @@
+"""Forms over the batch (parallax_ng/graph/forms.py): whether a loss is a
+mean or a sum over the batch, the divisors that make it a mean, and the
+refusal of a sum plus a term without data (layer-by-layer execution would
+add it once per micro-batch; without `strict`, no form)."""
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from parallax_ng.graph import forms
+
+tf1 = tf.compat.v1
+
+
+LOSS_FORMS = {
+    "mean": (lambda e, x: tf.reduce_mean(e), "mean"),
+    "sum": (lambda e, x: tf.reduce_sum(e), "sum"),
+    "sum times a number": (lambda e, x: 0.5 * tf.reduce_sum(e) / 100.0, "sum"),
+    "sum over the batch size": (lambda e, x: tf.reduce_sum(e) / 8.0, "mean"),
+    "sum over the rows counted": (
+        lambda e, x: tf.reduce_sum(e) / tf.cast(tf.shape(x)[0], tf.float32), "mean"),
+    "mean of a sum per row": (lambda e, x: tf.reduce_mean(tf.reduce_sum(e, 1)), "mean"),
+    "sum of a mean per row": (lambda e, x: tf.reduce_sum(tf.reduce_mean(e, 1)), "sum"),
+    "mean plus a penalty": (
+        lambda e, x: tf.reduce_mean(e) + tf.add_n([tf.nn.l2_loss(v) for v in
+                                                  tf1.trainable_variables()]), "mean"),
+    "tf.compat.v1.losses": (
+        lambda e, x: tf1.losses.mean_squared_error(tf.zeros_like(e), e), "mean"),
+    "sum over the batch's columns only": (lambda e, x: tf.reduce_sum(e[:, 0]) * 0.0 +
+                                          tf.reduce_sum(tf.reduce_sum(e, 0)), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_FORMS))
+def test_how_the_loss_depends_on_the_batch(name):
+    """forms.loss_form, on losses over an einsum stack's outputs (batch 8)."""
+    build, want = LOSS_FORMS[name]
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.data.make_one_shot_iterator(tf.data.Dataset.from_tensors(
+            tf.zeros([8, 3], tf.int32)).repeat()).get_next()
+        x = tf.nn.embedding_lookup(tf1.get_variable("emb", [10, 4]), ids)     # [8, 3, 4]
+        with tf1.variable_scope("block_0"):
+            x = tf.einsum("bsd,de->bse", x, tf1.get_variable("w", [4, 4]))
+        per_row = tf.transpose(tf.square(x), [0, 2, 1])                     # [8, 4, 3]
+        loss = build(tf.reduce_mean(per_row, 2), ids)                        # rows [8, 4]
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    sess = tf1.Session(graph=g)
+    form = forms.loss_form(loss, ["IteratorGetNext"], 8,
+                            lambda t: tf.get_static_value(t) if t.op.type == "Const"
+                            else sess.run(t))
+    assert form.kind == want
+    if name in ("sum over the batch size", "tf.compat.v1.losses"):
+        assert len(form.by_batch) == 1          # the divisor a micro-batch replaces
+
+
+def test_a_sum_plus_a_term_without_data_is_refused():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4])
+        w = tf1.get_variable("w", [4, 4])
+        loss = tf.reduce_sum(tf.matmul(x, w)) + tf.reduce_sum(w)
+    with pytest.raises(pn.GraphError, match="sums over the batch and adds a term"):
+        forms.loss_form(loss, [x.op.name], None)
+    assert forms.loss_form(loss, [x.op.name], None, strict=False).kind is None
+
+
+def test_a_mean_loss_and_a_count_of_correct_examples():
+    """What the state-sync pass asks: a batch's mean loss is a mean (its
+    replicas' values are averaged), a count of correct examples a sum."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.int64, [None], name="y")
+        logits = tf.matmul(x, tf1.get_variable("w", [4, 3]))
+        loss = tf1.losses.sparse_softmax_cross_entropy(y, logits)
+        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, 1), y), tf.float32))
+        summed = tf.reduce_sum(loss)          # tf.compat.v1.metrics.mean's total's increment
+        assert forms.batch_rows(logits, ["x", "y"]) and not forms.batch_rows(loss, ["x", "y"])
+        assert forms.loss_form(loss, ["x", "y"], None).kind == "mean"
+        assert forms.loss_form(summed, ["x", "y"], None).kind == "mean"
+        assert forms.loss_form(correct, ["x", "y"], None).kind == "sum"
