@@ -338,10 +338,12 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
 
 
 def _restore_shapes(graph, traced, graph_def, scope: str) -> None:
-    """The traced shapes of the imported ops' outputs: a GraphDef keeps
-    only what shape inference finds again, not what Python code set
-    (`set_shape`: a table lookup's, a numpy_function's), and a fetch of
-    unknown rank would be taken for a batch (runtime/fetches.py)."""
+    """The traced shapes of imported outputs whose rank shape inference
+    does not find again: a GraphDef keeps only what it finds, not what
+    Python code set (`set_shape`: a table lookup's, a numpy_function's),
+    and a fetch of unknown rank would be taken for a batch
+    (runtime/fetches.py). An output of known rank keeps its own: the row
+    rewrites (row_updates.py) keep names but not the whole table's shape."""
     prefix = f"{scope}/" if scope else ""
     for node in graph_def.node:
         try:
@@ -349,8 +351,10 @@ def _restore_shapes(graph, traced, graph_def, scope: str) -> None:
             new = graph.get_operation_by_name(prefix + node.name)
         except KeyError:
             continue
+        if old.type != new.type:
+            continue
         for a, b in zip(new.outputs, old.outputs):
-            if b.shape.rank is not None:
+            if a.shape.rank is None and b.shape.rank is not None:
                 try:
                     a.set_shape(b.shape)
                 except ValueError:          # not the traced op's shape after all
