@@ -256,3 +256,40 @@ def test_tf1_metrics_and_fetched_sums_equal_one_device(mode):
     assert set(got_vars) == set(want_vars) and len(want_vars) > 8
     for name, value in want_vars.items():
         np.testing.assert_allclose(got_vars[name], value, atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_a_keras_mean_of_the_loss_in_a_custom_loop_equals_one_device():
+    """keras.metrics.Mean().update_state(loss) in a TF2 step: its total
+    grows by the replica's mean loss and its count by one, so the replicas'
+    increments are averaged (it had been twice one device's)."""
+    import keras
+
+    import parallax_ng as pn
+    from models import local
+    keras.utils.set_random_seed(1)
+    models = [keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)]) for _ in range(2)]
+    models[1].set_weights(models[0].get_weights())
+    means = [keras.metrics.Mean() for _ in range(2)]
+
+    def step_of(model, optimizer, mean):
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x)[:, 0] - y))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            mean.update_state(loss)
+            return loss
+        return step
+    step = pn.function(step_of(models[0], keras.optimizers.SGD(0.1), means[0]), local(2))
+    ref = tf.function(step_of(models[1], keras.optimizers.SGD(0.1), means[1]))
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        x, y = rng.normal(size=(8, 3)).astype(np.float32), rng.normal(size=8).astype(np.float32)
+        step(x, y)
+        ref(x, y)
+    step.sync()
+    assert float(means[1].count) == 4.0
+    for a, b in zip(means[0].variables, means[1].variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(models[0].weights[0]), np.asarray(models[1].weights[0]),
+                               atol=1e-5, rtol=0)
