@@ -131,6 +131,25 @@ def test_when_the_server_dies_its_tasks_end_and_spawn_says_none(tmp_path):
         f.close()
 
 
+def test_a_server_that_stops_forking_leaves_its_tasks_running(tmp_path):
+    """A live server that refuses a request (it found threads it cannot
+    fork with) makes `spawn` say None from then on; the tasks it started
+    run on and their ends are still reported."""
+    f = Forker(ENV)
+    try:
+        go = tmp_path / "go"
+        task = spawn(f, tmp_path, "import os, time\nfor _ in range(600):\n"
+                     f"    if os.path.exists({str(go)!r}): break\n    time.sleep(0.05)\n"
+                     "print('done', flush=True)\n")
+        f._fail("2 threads in the fork server", kill=False)     # as its reply would
+        assert f.spawn(["x.py"], ENV, script="x.py") is None
+        assert task.poll() is None and _gone(task.pid, 0.5) is False
+        go.touch()
+        assert task.stdout.readline() == b"done\n" and task.wait(10) == 0
+    finally:
+        f.close()
+
+
 def test_closing_the_server_kills_what_it_started(tmp_path):
     f = Forker(ENV)
     task = spawn(f, tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")

@@ -145,8 +145,8 @@ class Forker:
             message = json.loads(data)
             if "ready" in message:
                 self._ready.set()
-            elif "failed" in message:
-                self._fail(message["failed"])
+            elif "failed" in message:     # it forks no more; what it started runs on
+                self._fail(message["failed"], kill=False)
             elif "started" in message:
                 task = Forked(message["pid"], message["argv"], None, None)
                 with self._lock:
@@ -160,11 +160,14 @@ class Forker:
                 if task is not None:
                     task._end(message["code"])
 
-    def _fail(self, why: str) -> None:
-        """No more tasks from the server; those it started are killed."""
+    def _fail(self, why: str, kill: bool = True) -> None:
+        """No more tasks from the server; with `kill` (the server is gone,
+        nothing reports their ends), those it started are killed."""
         with self._lock:
             self.failed = self.failed or why
-            tasks, self._tasks = list(self._tasks.values()), {}
+            tasks = list(self._tasks.values()) if kill else []
+            if kill:
+                self._tasks = {}
             waiting, self._started = list(self._started.values()), {}
         for task in tasks:
             _kill_group(task.pid)
