@@ -10,7 +10,12 @@ for each, the seconds from the loss to the launcher's restart and to the
 first training step after it (the launcher's own `training again` line),
 and the steps trained again (from the last checkpoint).
 
-    python benchmarks/restart_time.py [--timeout 8] [--repeats 1]
+    python benchmarks/restart_time.py [--timeout 8] [--repeats 1] [--launch fork,no-fork]
+
+`--launch` says how the launcher starts its tasks: `fork` (the default:
+forked from one process that imported TensorFlow, tools/forking.py) and
+`no-fork` (`parallax-ng run --no-fork`: a process of its own each); each
+case runs under each, one row apiece.
 """
 import argparse
 import json
@@ -68,7 +73,7 @@ class Job:
         return code
 
 
-def one(case: str, timeout: float) -> dict:
+def one(case: str, timeout: float, launch: str = "fork") -> dict:
     tmp = tempfile.mkdtemp()
     res = os.path.join(tmp, "r.yaml")
     with open(res, "w") as f:
@@ -76,7 +81,8 @@ def one(case: str, timeout: float) -> dict:
                 + "ps: [127.0.0.1]\n")
     config = json.dumps({"communication": {"timeout_seconds": timeout},
                          "sparse_method": "ps"})
-    argv = ["-r", res, *(["--restarts", "1"] if case != "sigterm" else []), SCRIPT, "--",
+    argv = ["-r", res, *(["--restarts", "1"] if case != "sigterm" else []),
+            *(["--no-fork"] if launch == "no-fork" else []), SCRIPT, "--",
             os.path.join(tmp, "ck"), os.path.join(tmp, "out"), "200", "--run-option",
             "hybrid", "--every", "30", "--print-steps", "--config", config]
     job = Job(argv)
@@ -112,19 +118,22 @@ def main():
                              "goes unnoticed)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--cases", default="kill-worker,kill-server,stop-worker,sigterm")
+    parser.add_argument("--launch", default="fork",
+                        help="fork, no-fork or both (fork,no-fork)")
     opts = parser.parse_args()
-    print("case          | to restart (s) | to training again (s) | steps trained again")
+    print("case          | launch  | to restart (s) | to training again (s) | steps trained again")
     for case in opts.cases.split(","):
-        runs = [one(case, opts.timeout) for _ in range(opts.repeats)]
-        med = {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None else None
-               for k in runs[0]}
-        if case == "sigterm":
-            print(f"{case:13} | checkpoint of step {med['saved']:.0f} and stop: "
-                  f"{med['restart']:.1f} s after SIGTERM; a new launch trains "
-                  f"{med['relaunch']:.1f} s after it starts")
-            continue
-        print(f"{case:13} | {med['restart']:14.1f} | {med['training']:21.1f} | "
-              f"{med['again']:.0f}")
+        for launch in opts.launch.split(","):
+            runs = [one(case, opts.timeout, launch) for _ in range(opts.repeats)]
+            med = {k: statistics.median(r[k] for r in runs) if runs[0][k] is not None
+                   else None for k in runs[0]}
+            if case == "sigterm":
+                print(f"{case:13} | {launch:7} | checkpoint of step {med['saved']:.0f} and "
+                      f"stop: {med['restart']:.1f} s after SIGTERM; a new launch trains "
+                      f"{med['relaunch']:.1f} s after it starts")
+                continue
+            print(f"{case:13} | {launch:7} | {med['restart']:14.1f} | "
+                  f"{med['training']:21.1f} | {med['again']:.0f}")
 
 
 if __name__ == "__main__":
