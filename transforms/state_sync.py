@@ -40,6 +40,7 @@ class StateSyncPass:
         initializers = {v.initializer for v in tg.variables.values()}
         synced = 0
         new_nodes, rewires = [], {}
+        sources = forms.sources(tg.graph)          # what _a_mean counts as data
         for var, writers in sorted(tg.writers.items()):
             if not plan.mirrored(var):
                 continue
@@ -56,7 +57,7 @@ class StateSyncPass:
                     elif tg.ir.node(w).op in _ASSIGNS and (
                             delta := _accumulated(tg, var, ref)) is not None:
                         node, at, ref, how = ref.node, delta, tg.ir.data_inputs(ref.node)[delta], "sum"
-                    if how == "sum" and _a_mean(ctx, ref):
+                    if how == "sum" and _a_mean(tg, ref, sources):
                         how = "mean"              # one device adds the global batch's mean
                     reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
                     nodes, outs = reduce(
@@ -87,18 +88,16 @@ def _accumulated(tg, var: str, ref) -> int | None:
     return None
 
 
-def _a_mean(ctx, ref) -> bool:
+def _a_mean(tg, ref, sources: list[str]) -> bool:
     """Whether `ref` is a mean over the replica's batch (a mean loss, as
     tf.compat.v1.metrics.mean(loss) adds it to its total while its count
     grows by one): one device adds the global batch's mean, the mean of the
     replicas'. Every placeholder and iterator counts as data, so a value
     scaled by a fed number is no mean here (graph/forms.py). A sum over
     the batch, or a value the graph does not show the form of, is summed."""
-    graph = ctx.tg.graph
-    t = graph.get_tensor_by_name(f"{ref.node}:{ref.index}")
+    t = tg.graph.get_tensor_by_name(f"{ref.node}:{ref.index}")
     if t.shape.rank != 0:
         return False
-    sources = [op.name for op in graph.get_operations() if op.type in forms.SOURCE_TYPES]
     return forms.loss_form(t, sources, None, strict=False).kind == "mean"
 
 

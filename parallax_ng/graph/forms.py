@@ -25,6 +25,11 @@ from ..errors import GraphError
 SOURCE_TYPES = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "Placeholder",
                 "PlaceholderWithDefault", "QueueDequeueV2", "QueueDequeueManyV2",
                 "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueMany", "QueueDequeueUpTo")
+
+
+def sources(graph: tf.Graph) -> list[str]:
+    """The names of `graph`'s data sources (SOURCE_TYPES)."""
+    return [op.name for op in graph.get_operations() if op.type in SOURCE_TYPES]
 _ROW_WISE = {"Identity", "Snapshot", "Neg", "Square", "Sqrt", "Rsqrt", "Exp", "Log", "Log1p",
              "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Softplus", "Abs", "Cast",
              "Softmax", "LogSoftmax", "BiasAdd", "MatMul", "BatchMatMulV2", "BatchMatMul",

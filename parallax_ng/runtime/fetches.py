@@ -217,8 +217,7 @@ class ReplicaFetchMap(FetchMap):
     def _sources(self) -> list[str]:
         """The user graph's data sources: every placeholder and iterator (a
         scalar scaled by a fed number has no form, and keeps the mean)."""
-        return [op.name for op in self.user_graph.get_operations()
-                if op.type in forms.SOURCE_TYPES]
+        return forms.sources(self.user_graph)
 
     def copy_name(self, k: int, node: str) -> str:
         """Replica k's copy of user node `node` in the runner's graph."""
