@@ -25,6 +25,11 @@ LOSS_FORMS = {
                                                   tf1.trainable_variables()]), "mean"),
     "tf.compat.v1.losses": (
         lambda e, x: tf1.losses.mean_squared_error(tf.zeros_like(e), e), "mean"),
+    "binary cross-entropy summed over the batch size": (   # Select and a folded zeros_like
+        lambda e, x: tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(
+            labels=tf.ones_like(e), logits=e)) / 32.0, "mean"),
+    "sum of kept columns over the batch size": (lambda e, x: tf.reduce_sum(e[:, 1:]) / 24.0,
+                                                "mean"),
     "sum over the batch's columns only": (lambda e, x: tf.reduce_sum(e[:, 0]) * 0.0 +
                                           tf.reduce_sum(tf.reduce_sum(e, 0)), None),
 }
@@ -49,7 +54,9 @@ def test_how_the_loss_depends_on_the_batch(name):
                             lambda t: tf.get_static_value(t) if t.op.type == "Const"
                             else sess.run(t))
     assert form.kind == want
-    if name in ("sum over the batch size", "tf.compat.v1.losses"):
+    if name in ("sum over the batch size", "tf.compat.v1.losses",
+                "binary cross-entropy summed over the batch size",
+                "sum of kept columns over the batch size"):
         assert len(form.by_batch) == 1          # the divisor a micro-batch replaces
 
 

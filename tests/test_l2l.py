@@ -275,8 +275,17 @@ def _static_ones(x):        # and in a constant of ones (BERT's attention mask)
     return _static_reshape(x) * tf.ones([int(x.shape[0]), 1])
 
 
+def _static_select(x):      # tf.compat.v1.where against zeros_like: a folded constant
+    return tf1.where(x > 0.1, x, tf.zeros_like(x))
+
+
+def _static_concat(x):      # a constant column joined to the data, then cut off again
+    return tf.concat([tf.ones([int(x.shape[0]), 1]), x], 1)[:, 1:] * 1.5
+
+
 @pytest.mark.parametrize("replicas,micro,drop", [
-    (1, 2, None), (2, 2, _static_reshape), (1, 4, _static_ones)])
+    (1, 2, None), (2, 2, _static_reshape), (1, 4, _static_ones), (2, 2, _static_select),
+    (1, 2, _static_concat)])
 def test_batch_size_in_constants_follows_the_micro_batch(replicas, micro, drop):
     """A loss summed over the batch and divided by the batch size (a
     constant), reshapes to constant shapes holding the batch size: each

@@ -30,13 +30,17 @@ SOURCE_TYPES = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "P
 def sources(graph: tf.Graph) -> list[str]:
     """The names of `graph`'s data sources (SOURCE_TYPES)."""
     return [op.name for op in graph.get_operations() if op.type in SOURCE_TYPES]
+
+
 _ROW_WISE = {"Identity", "Snapshot", "Neg", "Square", "Sqrt", "Rsqrt", "Exp", "Log", "Log1p",
              "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Softplus", "Abs", "Cast",
              "Softmax", "LogSoftmax", "BiasAdd", "MatMul", "BatchMatMulV2", "BatchMatMul",
-             "StopGradient", "Erf", "Sign", "Floor", "Round", "Reciprocal",
+             "StopGradient", "Erf", "Sign", "Floor", "Round", "Reciprocal", "LeakyRelu",
+             "Softsign", "Sin", "Cos", "LogicalNot", "ClipByValue", "OneHot",
              "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
-             "Pow", "SquaredDifference", "SelectV2", "Equal", "NotEqual", "Less",
-             "LessEqual", "Greater", "GreaterEqual"}
+             "Pow", "SquaredDifference", "Select", "SelectV2", "Equal", "NotEqual", "Less",
+             "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "FloorDiv",
+             "FloorMod"}
 _REDUCTIONS = ("Sum", "Mean")
 
 
@@ -83,6 +87,13 @@ def batch_rows(t: tf.Tensor, sources) -> bool:
             axis = tf.get_static_value(op.inputs[-1])
             out = axis is not None and t.shape.rank and int(axis) % t.shape.rank != 0 and any(
                 rows(x) for x in op.inputs[:-1])
+        elif op.type == "StridedSlice":     # x[:, ...]: every row, none added or dropped
+            strides = tf.get_static_value(op.inputs[3])
+            whole = op.get_attr("begin_mask") & op.get_attr("end_mask") & 1
+            moved = (op.get_attr("ellipsis_mask") | op.get_attr("new_axis_mask")
+                     | op.get_attr("shrink_axis_mask")) & 1
+            out = bool(whole and not moved and strides is not None and len(strides)
+                       and strides[0] == 1) and rows(op.inputs[0])
         elif op.type in ("Reshape", "ExpandDims", "Squeeze"):
             before, after = op.inputs[0].shape, t.shape
             out = bool(before.rank and after.rank) and compat.dim(before, 0) == compat.dim(

@@ -20,10 +20,14 @@ from ..errors import GraphError
 from .layers import STATELESS
 
 # ops that broadcast their inputs against each other (element by element)
+# ops whose inputs line up row by row with data of first dimension B, so a
+# constant of B equal rows among them is a micro-batch's m rows: elementwise
+# (broadcasting or not), and joins beside the batch (Pack on any axis, a
+# concatenation on an axis other than 0)
 BROADCASTING = frozenset({
     "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum", "Pow",
-    "SquaredDifference", "SelectV2", "Equal", "NotEqual", "Less", "LessEqual", "Greater",
-    "GreaterEqual", "LogicalAnd", "LogicalOr"})
+    "SquaredDifference", "Select", "SelectV2", "Equal", "NotEqual", "Less", "LessEqual",
+    "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "Pack"})
 
 
 class MicroBatches:
@@ -95,8 +99,10 @@ class MicroBatches:
         - a reshape of data to a constant shape whose first entry is a
           multiple of B (BERT's [B x seq, width] and back to [B, seq, ...]);
         - a constant of one value repeated, of first dimension B (tf.ones,
-          tf.zeros, tf.fill with B), that a broadcasting op combines with
-          data of first dimension B (BERT's attention mask);
+          tf.zeros, tf.fill with B, a folded zeros_like), that an op lining
+          rows up combines with data of first dimension B (BERT's attention
+          mask, tf.compat.v1.where against zeros, a column of ones
+          concatenated to the data);
         - the loss as a sum over data divided by B (or times 1/B), B being
           a constant or computed from constants (`by_batch` of
           graph/forms.py loss_form).
@@ -137,7 +143,8 @@ class MicroBatches:
                     if shape is not None and shape.ndim == 1 and len(shape) and \
                             shape[0] > 0 and shape[0] % batch == 0:
                         out[name] = {at: first_over_u(shape)}
-                elif op.type in BROADCASTING and any(data(t, exact=True) for t in op.inputs):
+                elif (op.type in BROADCASTING or _beside_batch(op)) and \
+                        any(data(t, exact=True) for t in op.inputs):
                     for at, t in enumerate(op.inputs):
                         value = const(t)
                         if value is not None and value.ndim and value.shape[0] == batch and \
@@ -150,3 +157,11 @@ class MicroBatches:
                     out.setdefault(name, {})[at] = tf.constant(
                         1.0 / micro if multiplies else micro, dtype)
         return out
+
+
+def _beside_batch(op) -> bool:
+    """A concatenation on an axis other than the batch's (0)."""
+    if op.type != "ConcatV2":
+        return False
+    axis = op.inputs[-1]
+    return axis.op.type == "Const" and int(tf.make_ndarray(axis.op.get_attr("value"))) != 0
