@@ -60,6 +60,23 @@ def test_a_lone_input_averaged_by_the_loss_is_a_batch():
     assert kinds(g) == {"x": "batch"}
 
 
+def test_arrays_that_fill_an_input_pipeline_are_whole():
+    """The placeholders of Dataset.from_tensor_slices that an initializable
+    iterator is fed with hold the whole data set: the pipeline (pn.shard)
+    gives each replica its examples, so the runner must not split the feed
+    too (it did: each replica saw a quarter of the data, every other row of
+    its half)."""
+    g = tf.Graph()
+    with g.as_default():
+        xs = tf1.placeholder(tf.float32, [None, 2], name="xs")
+        ys = tf1.placeholder(tf.float32, [None, 1], name="ys")
+        ds = pn.shard(tf.data.Dataset.from_tensor_slices((xs, ys))).batch(4).repeat()
+        x, y = tf1.data.make_initializable_iterator(ds).get_next()
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, tf1.get_variable("w", [2, 1])) - y))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    assert kinds(g) == {"xs": "whole", "ys": "whole"}
+
+
 def test_the_runner_splits_batches_and_gives_the_rest_whole(capsys):
     """Per-class weights fed as `[None]` (4 values over 2 replicas, then 3):
     every replica gets them whole, without a word; an undecided placeholder

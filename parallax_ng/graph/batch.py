@@ -12,7 +12,10 @@ joined, taken from an input, or gone), a placeholder is
 - `batch` when its first dimension joins another placeholder's or the
   input pipeline's, or goes through a layer (a product with weights, a
   convolution) and is summed or averaged away (a loss over examples);
-- `whole` when every use of its first dimension picks entries by
+- `whole` when it fills an input pipeline (`Dataset.from_tensor_slices` of
+  placeholders an initializable iterator is fed with: the pipeline, sharded
+  by `pn.shard`, gives each replica its examples), or every use of its
+  first dimension picks entries by
   constants (`keep[0]`, an unstack) or by other data (a gather from it), or
   broadcasts it along a later axis of a tensor of higher rank (a weight per
   class times the logits);
@@ -147,6 +150,9 @@ def kinds(tg, fixed: bool = False) -> dict[str, tuple[str, str]]:
         elif "reduced" in facts and "modeled" in facts:
             out[name] = (BATCH, "its rows go through the model's layers and are summed "
                                 "or averaged over, as a loss over examples is")
+        elif facts - {"fixed"} == {"dataset"}:
+            out[name] = (WHOLE, "it fills an input pipeline (tf.data), which gives each "
+                                "replica its examples (pn.shard)")
         elif facts & {"indexed", "broadcast"} and not facts & {"unknown", "kept"}:
             out[name] = (WHOLE, "its entries are picked by index, or broadcast along a "
                                 "later axis, not lined up with examples")
@@ -164,6 +170,10 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
     op = tg.graph.get_operation_by_name(name)
     outs = [TensorRef(name, k) for k in range(len(op.outputs))]
     if not carried or node.op in SHAPE_ONLY:
+        return
+    if any(t.dtype == tf.variant for t in op.outputs):   # a tf.data dataset made of it
+        for _, d in carried:
+            dims.note(d, "dataset")
         return
     kind = node.op
     if kind in ELEMENTWISE or kind in LOSSES:
