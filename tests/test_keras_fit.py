@@ -112,6 +112,23 @@ def check_classifier_fit(k, parallel, single):
     check(parallel, single)
 
 
+@pytest.mark.parametrize("optimizer", [
+    lambda: keras.optimizers.SGD(0.05, momentum=0.9, gradient_accumulation_steps=2),
+    lambda: keras.optimizers.Adam(0.01, gradient_accumulation_steps=3)], ids=["sgd", "adam"])
+def test_gradient_accumulation_steps_equal_one_device(optimizer):
+    """Keras 3's optimizer adds each step's gradients to accumulators in one
+    branch of a cond and updates with them in the other; the gradient the
+    cond routes into both is aggregated (before: only one branch's, so the
+    update used each replica's own latest gradient, 0.015 off after 2 epochs)."""
+    parallel, single = twins(optimizer)
+    pn.parallelize(parallel, local(2))
+    x, y = data()
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    check(parallel, single)
+    np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], atol=1e-5, rtol=0)
+
+
 def test_keras3_metrics_that_sum_equal_one_device():
     # seeded: AUC and the 0.5 threshold count a prediction on one side of a
     # bucket edge, so an unseeded start could put one within float noise of it

@@ -42,7 +42,7 @@ class StateSyncPass:
         new_nodes, rewires = [], {}
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
         for var, writers in sorted(tg.writers.items()):
-            if not plan.mirrored(var):
+            if not plan.mirrored(var) or var in tg.accumulators:    # replica-local sums
                 continue
             for w in writers:
                 if w in initializers:

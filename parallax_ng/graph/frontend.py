@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
-from . import distinct, queues, rules, variance
+from . import accumulation, distinct, queues, rules, variance
 from .ir import GraphIR, TensorRef
 
 SHARD_SCOPE = "parallax_shard"
@@ -65,6 +65,8 @@ class TrainingGraph:
     gradients: dict[str, Gradient]        # trainable variable -> gradient
     shard_consts: list[tuple[str, str]] = field(default_factory=list)  # (num, index)
     queue_runners: list = field(default_factory=list)   # queues.RunnerDef
+    # variable the script accumulates gradients in -> the variable they train
+    accumulators: dict[str, str] = field(default_factory=dict)
 
     # -- tensor facts -----------------------------------------------------
     def tensor(self, ref: TensorRef) -> tf.Tensor:
@@ -227,6 +229,8 @@ def _from_graph(graph: tf.Graph) -> TrainingGraph:
     autodiff = _autodiff(ir)
     tg.gradients = {v: g for v in tg.trainable
                     if (g := _find_gradient(tg, v, autodiff)) is not None}
+    for acc in tg.accumulators:         # replica-local state, not the trained variable's
+        tg.variables[acc] = Variable(**{**tg.variables[acc].__dict__, "owner": None})
     if not tg.gradients:
         raise GraphError(
             f"{NO_UPDATE}: no trainable variable is "
@@ -330,7 +334,10 @@ def _autodiff(ir: GraphIR) -> frozenset[str]:
 
 def _find_gradient(tg: TrainingGraph, var: str, autodiff: frozenset[str]) -> Gradient | None:
     """Walk back from the writers of `var` and its state to the autodiff output
-    (`autodiff`: the autodiff's ops, `_autodiff`).
+    (`autodiff`: the autodiff's ops, `_autodiff`). When `var`'s own writers
+    reach the autodiff only through reads of variables the script
+    accumulates the gradient in (graph/accumulation.py), such a read is the
+    gradient (each replica's accumulator, aggregated when the update reads it).
 
     The walk follows only tensors that can carry this variable's gradient:
     float tensors shaped like the variable (or like its rows, for
@@ -338,10 +345,35 @@ def _find_gradient(tg: TrainingGraph, var: str, autodiff: frozenset[str]) -> Gra
     The nearest autodiff tensors of each kind win; ties are an error.
     """
     v = tg.variables[var]
+    own = [ref for w in tg.writers.get(var, ()) for ref in tg.ir.data_inputs(w)]
+    reads = accumulation.reader(tg, var, lambda refs: _walk(tg, refs, v, autodiff)["values"])
+    found = _walk(tg, own, v, autodiff, reads)["values"]
+    if found and not any(ref.node in autodiff for ref in found):
+        values = _nearest(found, var, "accumulated gradient")
+        tg.accumulators[accumulation.read_variable(tg, values)] = var
+        return Gradient(var, values)
     starts = []
     for state in tg.owned(var):
         for w in tg.writers.get(state, ()):
             starts.extend(tg.ir.data_inputs(w))
+    found = _walk(tg, starts, v, autodiff)
+    values = _nearest(found["values"], var, "gradient")
+    if values is None:
+        return None
+    indices = _nearest(found["indices"], var, "gradient indices")
+    return Gradient(var, values, indices)
+
+
+# a cond's routing of a gradient into a branch (named after the gradient, so
+# in the autodiff's scope): the gradient is what it routes, which both
+# branches then read aggregated (Keras 3's gradient accumulation: add to the
+# accumulators in one branch, update with them in the other)
+_ROUTES = ("Switch", "RefSwitch")
+
+
+def _walk(tg: TrainingGraph, starts, v: Variable, autodiff, ends=None) -> dict:
+    """{"values": {ref: distance}, "indices": {...}}: the autodiff tensors
+    (or those `ends(ref)` accepts) nearest back from `starts`."""
     found = {"values": {}, "indices": {}}
     seen = set()
     frontier = [(ref, 0) for ref in starts]
@@ -354,18 +386,15 @@ def _find_gradient(tg: TrainingGraph, var: str, autodiff: frozenset[str]) -> Gra
             kind = _grad_kind(tg.tensor(ref), v)
             if kind is None:
                 continue
-            if ref.node in autodiff:
+            if ref.node in autodiff and tg.ir.node(ref.node).op not in _ROUTES or \
+                    kind == "values" and ends is not None and ends(ref):
                 found[kind].setdefault(ref, dist)
                 continue
             inputs = tg.ir.data_inputs(ref.node)
             used = rules.inputs_of_output(tg.ir.node(ref.node).op, ref.index, len(inputs))
             nxt.extend((inputs[i], dist + 1) for i in used)
         frontier = nxt
-    values = _nearest(found["values"], var, "gradient")
-    if values is None:
-        return None
-    indices = _nearest(found["indices"], var, "gradient indices")
-    return Gradient(var, values, indices)
+    return found
 
 
 def _grad_kind(t: tf.Tensor, v: Variable) -> str | None:

@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import FetchError
-from ..graph import batch, forms
+from ..graph import accumulation, batch, forms
 from ..graph.ir import format_input, parse_input, parse_tensor
 from ..pipeline.passes import REPLICA_PREFIX
 
@@ -184,6 +184,8 @@ class ReplicaFetchMap(FetchMap):
         ref = parse_tensor(name)
         if per_replica:
             how = "list"
+        elif self._accumulated(ref):
+            how = "mean"    # each replica's sum of its gradients: their mean is one device's
         elif not self.varies(ref.node):
             if not self._from_replicas(ref.node):
                 return Fetch((name,), "first", ref.node)
@@ -197,6 +199,14 @@ class ReplicaFetchMap(FetchMap):
 
     def varies(self, node: str) -> bool:
         return node in self.ctx.variant or node in self.late_variant
+
+    def _accumulated(self, ref) -> bool:
+        """Whether `ref` is the value of a variable the script accumulates
+        gradients in (graph/accumulation.py): replica-local, never synced."""
+        if not self.tg.accumulators or ref.node not in self.tg.ir:
+            return False
+        return ref.node in self.tg.accumulators or \
+            accumulation.read_variable(self.tg, ref) in self.tg.accumulators
 
     def _from_replicas(self, node: str) -> bool:
         """Whether an equal-on-every-replica node is computed from the

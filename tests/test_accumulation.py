@@ -1,0 +1,127 @@
+"""Gradients a script accumulates in variables of its own
+(parallax_ng/graph/accumulation.py): zero the accumulators, add k
+micro-batches' gradients, apply their mean in a run of its own. Each
+replica accumulates its own micro-batches; the accumulators are aggregated
+once, by the update. 2 replicas with micro-batches of 8 equal one device
+with micro-batches of 16: every variable, optimizer slot and accumulator
+(fetched: the replicas' mean), and every micro-batch's loss, 1e-5 after 4
+updates of 3 micro-batches each. The data comes from an initializable
+iterator fed numpy arrays, as TensorFlow's TF1 guides feed it."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import local, read_name
+from parallax_ng.graph import frontend
+
+tf1 = tf.compat.v1
+K, STEPS, VOCAB = 3, 4, 30
+TOL = 1e-5
+
+
+def _arrays():
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, VOCAB, size=(384, 2)).astype(np.int32)
+    x = rng.randn(384, 5).astype(np.float32)
+    return ids, x, (x @ rng.randn(5, 1) + 0.1 * ids[:, :1]).astype(np.float32)
+
+
+def build(batch, style="plain", optimizer="adam", parallel=True):
+    """An embedding (its IndexedSlices gradient accumulated densely) and two
+    dense layers; `style` how the accumulators are made and added to."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        feeds = [tf1.placeholder(a.dtype, (None,) + a.shape[1:]) for a in _arrays()]
+        ds = tf.data.Dataset.from_tensor_slices(tuple(feeds))
+        ds = pn.shard(ds) if parallel else ds
+        it = tf1.data.make_initializable_iterator(ds.batch(batch).repeat())
+        ids, x, y = it.get_next()
+        emb = tf1.get_variable("emb", [VOCAB, 3])
+        h = tf.concat([tf.reduce_mean(tf.nn.embedding_lookup(emb, ids), 1), x], 1)
+        h = tf.tanh(tf.matmul(h, tf1.get_variable("w1", [8, 16])) + tf1.get_variable(
+            "b1", [16], initializer=tf1.constant_initializer(0.1)))
+        loss = tf.reduce_mean(tf.square(tf.matmul(h, tf1.get_variable("w2", [16, 1])) - y))
+        opt = {"adam": lambda: tf1.train.AdamOptimizer(0.01),
+               "momentum": lambda: tf1.train.MomentumOptimizer(0.05, 0.9)}[optimizer]()
+        tvars = tf1.trainable_variables()
+        grads = tf.gradients(loss, tvars)
+        accum = [tf1.Variable(tf.zeros(v.shape), trainable=False,
+                              use_resource=style == "resource",
+                              name=f"{v.op.name}/accum" if style == "named" else "accum")
+                 for v in tvars]
+        zero = tf.group([a.assign(tf.zeros_like(a)) for a in accum])
+        if style == "assign":
+            add = tf.group([a.assign(a + tf.convert_to_tensor(gr)) for a, gr in
+                            zip(accum, grads)])
+        else:
+            add = tf.group([a.assign_add(gr) for a, gr in zip(accum, grads)])
+        train = opt.apply_gradients([(a / K, v) for a, v in zip(accum, tvars)],
+                                    global_step=tf1.train.get_or_create_global_step())
+        init = tf1.global_variables_initializer()
+    return g, dict(init=init, it=it, feeds=feeds, zero=zero, add=add, train=train, loss=loss)
+
+
+def _train(run, h):
+    run(h["init"])
+    run(h["it"].initializer, dict(zip(h["feeds"], _arrays())))
+    losses = []
+    for _ in range(STEPS):
+        run(h["zero"])
+        losses.extend(run([h["add"], h["loss"]])[1] for _ in range(K))
+        run(h["train"])
+    return losses
+
+
+def _values(run, g):
+    names = [v.op.name for v in g.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)]
+    return dict(zip(names, run([read_name(n, g) for n in names])))
+
+
+def _one_device(n, style, optimizer):
+    g, h = build(8 * n, style, optimizer, parallel=False)
+    with tf1.Session(graph=g) as sess:
+        losses = _train(sess.run, h)
+        return losses, _values(sess.run, g)
+
+
+@pytest.mark.parametrize("style", ["plain", "named", "assign", "resource"])
+def test_the_front_end_takes_a_read_of_the_accumulator_as_the_gradient(style):
+    """Whatever the accumulators are called (under the trained variable's
+    name, too) and however they are added to."""
+    g, _ = build(8, style)
+    tg = frontend.load(g)
+    assert sorted(tg.accumulators.values()) == ["b1", "emb", "w1", "w2"]
+    for acc, var in tg.accumulators.items():
+        assert frontend.accumulation.read_variable(tg, tg.gradients[var].values) == acc
+        assert not tg.gradients[var].sparse and tg.variables[acc].owner is None
+
+
+@pytest.mark.parametrize("style,run_option,optimizer", [
+    ("plain", "hybrid", "adam"), ("assign", "allreduce", "momentum"),
+    ("resource", "ps", "adam"), ("named", "ps", "momentum")])
+def test_two_replicas_accumulating_equal_one_device(style, run_option, optimizer):
+    want_losses, want = _one_device(2, style, optimizer)
+    g, h = build(8, style, optimizer)
+    with pn.get_runner(g, local(2), {"run_option": run_option}) as runner:
+        losses = _train(runner.run, h)
+        got = _values(runner.run, g)
+        # the micro-batches' runs aggregate nothing: the accumulators' adds
+        # are the replicas' own
+        rewritten = runner.graph
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=TOL, err_msg=name)
+    adds = [op for op in rewritten.get_operations() if op.type in (
+        "AssignAdd", "AssignAddVariableOp", "Assign", "AssignVariableOp") and "accum" in op.name]
+    ancestors, todo = set(), [t.op for op in adds for t in op.inputs]
+    while todo:
+        op = todo.pop()
+        if op.name not in ancestors:
+            ancestors.add(op.name)
+            todo.extend(t.op for t in op.inputs)
+    kinds = {rewritten.get_operation_by_name(n).type for n in ancestors}
+    assert adds and not kinds & {"CollectiveReduceV2", "CollectiveReduce", "NcclAllReduce",
+                                 "CollectiveGatherV2", "ResourceAccumulatorApplyGradient"}
