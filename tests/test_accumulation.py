@@ -6,7 +6,14 @@ once, by the update. 2 replicas with micro-batches of 8 equal one device
 with micro-batches of 16: every variable, optimizer slot and accumulator
 (fetched: the replicas' mean), and every micro-batch's loss, 1e-5 after 4
 updates of 3 micro-batches each. The data comes from an initializable
-iterator fed numpy arrays, as TensorFlow's TF1 guides feed it."""
+iterator fed numpy arrays, as TensorFlow's TF1 guides feed it. Run as a
+script (`python test_accumulation.py OUT`, under `parallax-ng run`), it
+trains so in a job and saves worker's variables to OUT.<worker>.npz."""
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -14,6 +21,7 @@ import tensorflow as tf
 import parallax_ng as pn
 from models import local, read_name
 from parallax_ng.graph import frontend
+from task_env import TASK_PATH
 
 tf1 = tf.compat.v1
 K, STEPS, VOCAB = 3, 4, 30
@@ -125,3 +133,70 @@ def test_two_replicas_accumulating_equal_one_device(style, run_option, optimizer
     kinds = {rewritten.get_operation_by_name(n).type for n in ancestors}
     assert adds and not kinds & {"CollectiveReduceV2", "CollectiveReduce", "NcclAllReduce",
                                  "CollectiveGatherV2", "ResourceAccumulatorApplyGradient"}
+
+
+def test_a_job_stopped_between_micro_batches_resumes_exactly(tmp_path):
+    """The runner's checkpoint (at close) holds each replica's accumulator
+    as its own, besides the variable's one-device value (their mean): a
+    runner stopped after 2 of the 3 micro-batches of its second update and
+    started again ends where an uninterrupted one device does."""
+    want_losses, want = _one_device(2, "plain", "adam")
+    config = {"run_option": "hybrid", "checkpoint": {"dir": str(tmp_path), "every_steps": 100}}
+    g, h = build(8)
+    feeds = dict(zip(h["feeds"], _arrays()))
+    losses = []
+    with pn.get_runner(g, local(2), config) as runner:
+        runner.run([h["init"], h["it"].initializer], feeds)
+        for adds in (K, 2):
+            runner.run(h["zero"])
+            losses.extend(runner.run([h["add"], h["loss"]])[1] for _ in range(adds))
+            if adds == K:
+                runner.run(h["train"])
+    saved = tf.train.latest_checkpoint(str(tmp_path))
+    assert saved.endswith("model.ckpt-1")
+    mean = tf.train.load_variable(saved, "accum_2")         # w1's accumulator
+    with pn.get_runner(g, local(2), config) as runner:
+        runner.run([h["init"], h["it"].initializer], feeds)  # restores the checkpoint
+        np.testing.assert_allclose(runner.run("accum_2:0"), mean, rtol=0, atol=1e-7)
+        losses.append(runner.run([h["add"], h["loss"]])[1])
+        runner.run(h["train"])
+        for _ in range(STEPS - 2):
+            runner.run(h["zero"])
+            losses.extend(runner.run([h["add"], h["loss"]])[1] for _ in range(K))
+            runner.run(h["train"])
+        got = _values(runner.run, g)
+    np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=TOL, err_msg=name)
+
+
+def test_a_two_worker_job_with_a_server_equals_one_device(tmp_path):
+    """2 workers x 1 device and a parameter server (the default hybrid
+    plan), each worker accumulating its own micro-batches: both end equal
+    to one device, every variable and optimizer slot (the accumulators are
+    each worker's own: not compared)."""
+    _, want = _one_device(2, "plain", "adam")
+    path = tmp_path / "resources.yaml"
+    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2 +
+                    "ps: [127.0.0.1]\n")
+    out = str(tmp_path / "vars")
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax_ng", "run", os.path.abspath(__file__), "-r", str(path),
+         "--", out], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for w in range(2):
+        got = dict(np.load(f"{out}.{w}.npz"))
+        compared = [n for n in want if not n.endswith("accum") and "accum_" not in n]
+        assert len(compared) == 15          # 4 weights, 8 Adam slots, 2 powers, global step
+        for name in compared:
+            np.testing.assert_allclose(got[name], want[name], rtol=0, atol=TOL, err_msg=name)
+
+
+if __name__ == "__main__":
+    g, h = build(8)
+    with pn.get_runner(g, None, {}) as runner:
+        _train(runner.run, h)
+        values = _values(runner.run, g)
+    worker = json.loads(os.environ["PARALLAX_NG_CLUSTER"])["task"]
+    np.savez(f"{sys.argv[1]}.{worker}.npz", **values)

@@ -10,7 +10,9 @@ iterator and random stream (the call counters of
 transforms/counted_draws.py): in one process in the same file; in a
 multi-worker job worker 0 writes the variables once (they are equal on
 every worker) and every worker writes its own replicas' positions to
-`<dir>/inputs/worker-<i>/`,
+`<dir>/inputs/worker-<i>/` (with them its replicas' accumulators of
+gradients, graph/accumulation.py, each replica's own: the variable's entry
+holds their mean, one device's value),
 and worker 0 names the step in `<dir>/checkpoint` only once every
 worker's positions for it are there (so `<dir>` must be storage every
 worker shares; a worker that cannot see the others' files is an error
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -94,11 +96,15 @@ class Checkpointer:
             self.prefix = tf.compat.v1.placeholder(tf.string, [], name="prefix")
             self.input_prefix = tf.compat.v1.placeholder_with_default(self.prefix, [],
                                                                       name="input_prefix")
+            sums = sorted(tg.accumulators)   # replica-local sums of gradients
             for var in sorted(tg.variables):
                 names.append(var)
                 placement = lay.placement.get(var)
                 if isinstance(placement, Columns):
                     placement = parts.handles[var]
+                if var in sums:     # one device's: the replicas' mean (this process's)
+                    tensors.append(tf.add_n(self._copies(graph, lay, var)) / lay.copies)
+                    continue
                 tensors.append(read_value(graph, tg.variables[var], placement,
                                           gather=parts is not None and parts.gather))
             step = tf.compat.v1.train.get_global_step(tg.graph)
@@ -116,13 +122,17 @@ class Checkpointer:
                 inputs.append(f"parallax/draws/{r}/{op}")
                 positions.append(tf.raw_ops.ReadVariableOp(
                     resource=graph.get_tensor_by_name(handle + ":0"), dtype=tf.int64))
+            for var in sums:             # and each replica's own, as its input position
+                inputs += [f"parallax/accumulator/{lay.offset + k}/{var}"
+                           for k in range(lay.copies)]
+                positions += self._copies(graph, lay, var)
             self.save_op = self._save_ops(names, tensors, inputs, positions, parts)
             loaded = self._restored(names, tensors) if self.workers > 1 else \
                 self._restored(names + inputs, tensors + positions)
             moved = self._restored(inputs, positions, self.input_prefix) \
                 if self.workers > 1 else loaded[len(names):]
             for var, value in zip(sorted(tg.variables), loaded):
-                if var in lay.shared and lay.worker > 0:
+                if var in lay.shared and lay.worker > 0 or var in sums:
                     continue   # the chief restores parameter-server variables
                 placement = lay.placement.get(var)
                 if isinstance(placement, Columns):     # each replica its columns
@@ -141,12 +151,23 @@ class Checkpointer:
             for (_, _, handle), value in zip(lay.draws, moved[len(iterators) * lay.copies:]):
                 restores.append(tf.raw_ops.AssignVariableOp(
                     resource=graph.get_tensor_by_name(handle + ":0"), value=value))
+            own = moved[len(iterators) * lay.copies + len(lay.draws):]
+            for i, var in enumerate(sums):
+                restores += [assign_value(graph, lay.replica_name(k, var),
+                                          own[i * lay.copies + k]) for k in range(lay.copies)]
             restores += [graph.get_operation_by_name(c) for c in lay.clear]
             self.restore_op = tf.group(*restores, name="restore")
             self._replays = [(tf.raw_ops.ReadVariableOp(
                 resource=graph.get_tensor_by_name(handle + ":0"), dtype=tf.int64),
                 graph.get_tensor_by_name(sampler + ":0"), graph.get_tensor_by_name(classes))
                 for handle, sampler, classes in lay.replays]
+
+    @staticmethod
+    def _copies(graph, lay, var: str) -> list:
+        """This process's replicas' values of mirrored variable `var`."""
+        v = lay.tg.variables[var]
+        return [read_value(graph, replace(v, name=lay.replica_name(k, var)))
+                for k in range(lay.copies)]
 
     def global_step(self, session) -> int | None:
         """The user's global step (None when the graph has none)."""
