@@ -233,8 +233,10 @@ class L2LConfig:
 @dataclass(frozen=True)
 class Config:
     run_option: str = "hybrid"
-    average_dense: bool = True
-    average_sparse: bool = True
+    # mean (true) or sum (false) of the replicas' gradients; auto: by the loss
+    # (graph/forms.py `averages`: summed where the loss sums over the batch)
+    average_dense: bool | str = "auto"
+    average_sparse: bool | str = "auto"
     communication: CommunicationConfig = field(default_factory=CommunicationConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
@@ -265,8 +267,11 @@ class Config:
     def __post_init__(self):
         _check_choice("run_option", self.run_option, RUN_OPTIONS)
         _check_choice("verify", self.verify, VERIFY_LEVELS)
-        for key in ("average_dense", "average_sparse", "coalesce_rows", "distinct_lookups",
-                    "prefetch", "horizontal_scheduling"):
+        for key in ("average_dense", "average_sparse"):
+            if getattr(self, key) != "auto" and not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"config key {key!r} must be true, false or auto, "
+                                  f"not {getattr(self, key)!r}")
+        for key in ("coalesce_rows", "distinct_lookups", "prefetch", "horizontal_scheduling"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"config key {key!r} must be true or false, "
                                   f"not {getattr(self, key)!r}")

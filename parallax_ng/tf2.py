@@ -31,7 +31,7 @@ import tensorflow as tf
 
 from .errors import ConfigError, FetchError, GraphError
 from .graph.frontend import NO_UPDATE
-from .graph.tracing import tf_variable
+from .graph.recorders import tf_variable
 from .runtime.fetches import sparse_rows, sparse_tensors
 
 

@@ -19,7 +19,7 @@ def test_defaults_and_yaml(tmp_path):
 @pytest.mark.parametrize("data,words", [
     ({"run_optoin": "ps"}, ["run_optoin", "run_option"]),
     ({"run_option": "mpi"}, ["run_option", "mpi", "hybrid, allreduce, ps"]),
-    ({"average_dense": "yes"}, ["average_dense", "true or false"]),
+    ({"average_dense": "yes"}, ["average_dense", "true, false or auto"]),
     ({"communication": {"timeout": 3}}, ["communication.timeout", "timeout_seconds"]),
     ({"communication": {"timeout_seconds": -1}}, ["timeout_seconds", "positive"]),
     ({"communication": {"backend": "nccl"}}, ["communication.backend", "tf, horovod"]),

@@ -96,13 +96,18 @@ def test_loss_fetch_is_global_batch_mean():
     assert abs(loss - want) <= 1e-6 * max(1.0, abs(want))
 
 
-@pytest.mark.parametrize("run_option", ["hybrid", "allreduce", "ps"])
-def test_summed_losses_with_summed_gradients(run_option):
-    """average_dense/average_sparse false: a sum loss matches one device."""
+@pytest.mark.parametrize("run_option,asked", [("hybrid", False), ("allreduce", False),
+                                              ("ps", False), ("hybrid", "auto"), ("ps", "auto")])
+def test_summed_losses_with_summed_gradients(run_option, asked):
+    """A loss that sums over the batch (tf.reduce_sum): the replicas'
+    gradients summed match one device, asked for (average_dense/
+    average_sparse false) or by default (auto: the loss's form; before,
+    the default averaged them, each step half of one device's)."""
     # a sum over 2*BATCH examples makes steps 2*BATCH times larger: small rate
     small = lambda: tf.compat.v1.train.MomentumOptimizer(0.005, 0.9)  # noqa: E731
     g, h = embedding_regression(BATCH, small, loss_sum=True)
-    config = {"run_option": run_option, "average_dense": False, "average_sparse": False}
+    config = {"run_option": run_option} if asked == "auto" else \
+        {"run_option": run_option, "average_dense": asked, "average_sparse": asked}
     with pn.get_runner(g, local(2), config) as runner:
         runner.run([h["init"], h["iterator_init"]])
         for _ in range(STEPS):

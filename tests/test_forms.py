@@ -86,3 +86,34 @@ def test_a_mean_loss_and_a_count_of_correct_examples():
         assert forms.loss_form(loss, ["x", "y"], None).kind == "mean"
         assert forms.loss_form(summed, ["x", "y"], None).kind == "mean"
         assert forms.loss_form(correct, ["x", "y"], None).kind == "sum"
+
+
+class _Asked:
+    average_dense = average_sparse = "auto"
+
+
+@pytest.mark.parametrize("loss,batch,want,note", [
+    ("sum", None, False, ""),
+    ("mean", None, True, ""),
+    ("sum/8", 8, True, ""),                 # over a replica's batch (the Dataset.batch size)
+    ("sum/16", 8, False, ""),               # over the global batch: the replicas' sum
+    ("sum/8", None, True, "scales the sum by a number"),   # fed: the size is not shown
+])
+def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
+    g = tf.Graph()
+    with g.as_default():
+        if batch:
+            ds = tf.data.Dataset.from_tensors(tf.zeros([3])).repeat(64).batch(batch)
+            x = tf1.data.make_one_shot_iterator(ds).get_next()
+        else:
+            x = tf1.placeholder(tf.float32, [None, 3])
+        e = tf.square(tf.matmul(x, tf1.get_variable("w", [3, 1])))
+        value = {"sum": tf.reduce_sum(e), "mean": tf.reduce_mean(e),
+                 "sum/8": tf.reduce_sum(e) / 8.0, "sum/16": tf.reduce_sum(e) / 16.0}[loss]
+        tf1.train.GradientDescentOptimizer(0.1).minimize(value)
+    dense, sparse, said = forms.averages(_Asked(), g)
+    assert dense is sparse is want
+    assert note in said and bool(said) == bool(note)
+    asked = _Asked()
+    asked.average_dense = True
+    assert forms.averages(asked, g)[:2] == (True, want)      # what the config says wins

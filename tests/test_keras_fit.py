@@ -129,6 +129,29 @@ def test_gradient_accumulation_steps_equal_one_device(optimizer):
     np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
+def test_a_loss_reduced_by_sum_sums_the_replicas_gradients(lib):
+    """`reduction="sum"`: one device's gradient over the global batch is the
+    replicas' sum (average_dense auto; it was their mean). The weights equal
+    one device's; the logged loss, a mean over batches weighted by their
+    size, is the replicas' mean of their sums (docs/usage.md)."""
+    lib = keras if lib == "keras3" else __import__("tf_keras")
+    make = lambda: lib.Sequential([lib.Input((5,)), lib.layers.Dense(8, activation="relu"),  # noqa: E731
+                                   lib.layers.Dense(1)])
+    parallel, single = make(), make()
+    single.set_weights(parallel.get_weights())
+    for m in (parallel, single):
+        m.compile(optimizer=lib.optimizers.SGD(0.002),
+                  loss=lib.losses.MeanSquaredError(reduction="sum"))
+    pn.parallelize(parallel, local(2))
+    x, y = data()
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    for w1, w2 in zip(parallel.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(w1, w2, atol=1e-5, rtol=0)
+    assert np.all(np.isfinite(h1.history["loss"]))
+
+
 def test_keras3_metrics_that_sum_equal_one_device():
     # seeded: AUC and the 0.5 threshold count a prediction on one side of a
     # bucket edge, so an unseeded start could put one within float noise of it

@@ -87,6 +87,44 @@ def test_keras3_custom_loop_equals_one_device(make_optimizer):
     assert step.runner.plan.num_replicas == 2
 
 
+LOSSES = {
+    "reduce_sum": lambda per: tf.reduce_sum(per),
+    "over the global batch": lambda per: tf.nn.compute_average_loss(per,
+                                                                    global_batch_size=BATCH),
+    "compute_average_loss": lambda per: tf.nn.compute_average_loss(per),
+}
+
+
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_a_loss_that_sums_over_the_batch_sums_the_replicas_gradients(loss):
+    """One device's gradient of a sum over its batch (tf.reduce_sum, or a
+    sum over the global batch size as tf.distribute scripts write it) is the
+    sum of the replicas' (average_dense/average_sparse auto: the tapes'
+    targets say which loss; before, they were averaged: steps half as
+    long). The step checks its input and prints (tf.debugging, tf.print:
+    string constants, which traced twice are the same)."""
+    def step_of(model, optimizer):
+        def train_step(x, y):
+            tf.debugging.assert_all_finite(x, "the batch holds a NaN")
+            with tf.GradientTape() as tape:
+                per = tf.reduce_sum(tf.square(model(x, training=True) - y), axis=1)
+                value = LOSSES[loss](per)
+            grads = tape.gradient(value, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            tf.print("loss", value, output_stream="file:///dev/null")
+            return value
+        return train_step
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.01, momentum=0.9))
+    step = pn.function(step_of(*parallel), local(2))
+    ref = tf.function(step_of(*single))
+    x, y = data()
+    for k in range(STEPS):
+        np.testing.assert_allclose(step(x[k], y[k]), ref(x[k], y[k]).numpy(), atol=1e-5,
+                                   rtol=1e-6)
+    step.sync()
+    check_equal(parallel, single)
+
+
 def test_a_keras3_embedding_stays_sparse_and_equals_one_device():
     vocab = 50
     parallel, single = twins(lambda: keras3_embedding(vocab),

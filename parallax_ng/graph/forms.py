@@ -1,6 +1,8 @@
 """Forms of a tensor over the batch: whether its first dimension is the
 batch's rows (`batch_rows`), and whether a scalar computed from the data
-is a mean over the batch or a sum over it (`loss_form`).
+is a mean over the batch or a sum over it (`loss_form`), the losses a
+graph differentiates (`autodiff_losses`), and whether the replicas'
+gradients are averaged or summed for one device's (`averages`).
 
 Requires: tf.Tensors of a graph and the names of its data sources (the
 placeholders and iterators that give the batch). Guarantees: both read the
@@ -12,6 +14,7 @@ pass (an accumulation of a per-replica mean is averaged, not summed).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +28,42 @@ from ..errors import GraphError
 SOURCE_TYPES = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "Placeholder",
                 "PlaceholderWithDefault", "QueueDequeueV2", "QueueDequeueManyV2",
                 "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueMany", "QueueDequeueUpTo")
+
+
+# the collection of a traced TF2 step's graph that names what its tapes
+# differentiated (graph/tracing.py records them as the step is traced)
+TAPE_TARGETS = "parallax_ng_tape_targets"
+_GRAD_YS = re.compile(r"(^|/)gradients(_\d+)?/grad_ys_\d+$")
+
+
+def autodiff_losses(graph: tf.Graph) -> list[tf.Tensor]:
+    """The tensors whose gradients the graph computes: what tf.gradients
+    was called on (its `grad_ys` fills: the Shape of the loss, or with a
+    static shape the gradient op named for the loss's op), and the targets
+    of a traced TF2 step's tapes."""
+    found = []
+    for name in graph.get_collection(TAPE_TARGETS):
+        try:
+            found.append(graph.get_tensor_by_name(name))
+        except (KeyError, ValueError):
+            pass
+    for op in graph.get_operations():
+        if op.type != "Fill" or not _GRAD_YS.search(op.name):
+            continue
+        if op.inputs[0].op.type == "Shape":
+            candidates = [op.inputs[0].op.inputs[0]]
+        else:      # a static shape: the first gradient op is named for the loss's op
+            scope = op.name[:op.name.rindex("/") + 1]
+            candidates = []
+            for c in op.outputs[0].consumers():
+                rest = c.name[len(scope):] if c.name.startswith(scope) else ""
+                head = rest.rsplit("_grad/", 1)[0] if "_grad/" in rest else None
+                try:
+                    candidates.append(graph.get_operation_by_name(head).outputs[0])
+                except (KeyError, ValueError, IndexError):
+                    pass
+        found.extend(candidates)
+    return list({t.name: t for t in found}.values())
 
 
 def sources(graph: tf.Graph) -> list[str]:
@@ -111,6 +150,7 @@ class LossForm:
     # the divisors equal to the batch size that make a sum a mean: (op, input
     # index, True when the op multiplies by 1/B); a micro-batch divides by its size
     by_batch: list[tuple[str, int, bool]] = field(default_factory=list)
+    scaled: bool = False        # a sum times or over a number that is not the batch size
 
 
 def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
@@ -145,6 +185,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         return t.op.name in dependent
 
     per_row = {}            # a sum's tensor -> the elements it added per example
+    scaled = [False]
 
     def through(t, x):      # t computes x's form: it is a sum of as many per example
         kind = form(x)
@@ -170,9 +211,12 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                        for n in counts):
                     by_batch.append((op.name, 1, op.type == "Mul"))
                     return "mean"       # a sum over the batch over its size (in elements)
+            scaled[0] |= inner == "sum"
             return inner
         if op.type == "Mul" and not data(op.inputs[0]):
-            return through(t, op.inputs[1])
+            inner = through(t, op.inputs[1])
+            scaled[0] |= inner == "sum"
+            return inner
         if op.type in ("Add", "AddV2", "Sub", "AddN"):
             forms = {form(x) for x in op.inputs} - {"constant"}
             if forms == {"sum"} and any(not data(x) for x in op.inputs):
@@ -198,4 +242,61 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     return "mean" if op.type == "Mean" else "sum"
         return None
     kind = form(loss)
-    return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [])
+    return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [],
+                    scaled[0] and kind == "sum")
+
+
+def replica_batch(graph: tf.Graph, data) -> int | None:
+    """A replica's batch size where the graph shows it: the data sources'
+    static first dimension, else the one size the input pipeline batches
+    by (a Batch dataset op's constant); None otherwise."""
+    dims = {compat.dim(t.shape, 0) for name in data
+            for t in graph.get_operation_by_name(name).outputs if t.shape.rank}
+    if len(dims) == 1 and None not in dims:
+        return dims.pop()
+    sizes = {int(tf.make_ndarray(op.inputs[1].op.get_attr("value")))
+             for op in graph.get_operations() if op.type in _BATCH_DATASETS
+             and op.inputs[1].op.type == "Const"}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+_BATCH_DATASETS = ("BatchDataset", "BatchDatasetV2", "PaddedBatchDataset",
+                   "PaddedBatchDatasetV2", "ParallelBatchDataset")
+
+
+def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
+    """(average dense, average sparse, a warning or ""): the config's
+    `average_dense`/`average_sparse`, where "auto" follows the losses the
+    graph differentiates. One device's gradient of a sum over the global
+    batch is the sum of the replicas' (`tf.reduce_sum` of per-example
+    losses, or a sum times a number that is not a replica's batch size, as
+    `tf.nn.compute_average_loss(..., global_batch_size=B)` in a TF2 step),
+    of a mean their mean. A TF1 sum scaled by a number, where the graph
+    does not show a replica's batch size, is taken as a mean (a sum over
+    `batch_size`, the usual script), and the warning says so."""
+    wanted = (config.average_dense, config.average_sparse)
+    if "auto" not in wanted:
+        return (*wanted, "")
+    losses = autodiff_losses(graph)
+    data = sources(graph)
+    traced = bool(graph.get_collection(TAPE_TARGETS))
+    batch = None if traced else replica_batch(graph, data)
+    sums, unsure = [], []
+    for loss in losses:
+        form = loss_form(loss, data, batch, strict=False)
+        if form.kind == "sum" and form.scaled and not traced and batch is None:
+            unsure.append(loss.name)
+        elif form.kind == "sum":
+            sums.append(loss.name)
+    summed = bool(losses) and len(sums) == len(losses)
+    note = ""
+    if unsure:
+        note = (f"the loss {unsure[0]!r} sums over the batch and scales the sum by a number "
+                "the graph does not show to be a replica's batch size; the replicas' "
+                "gradients are averaged, which equals one device if it divides by that "
+                "size. If not, set config average_dense and average_sparse: false (summed)")
+    elif sums and not summed:
+        note = (f"the losses {sums} sum over the batch and others average; the replicas' "
+                "gradients are averaged (set average_dense/average_sparse to choose)")
+    dense, sparse = (not summed if w == "auto" else w for w in wanted)
+    return dense, sparse, note

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from ..errors import GraphError
+from . import forms, recorders
 from . import tables as lookup
 from .row_divisions import row_divisions
 from .row_updates import row_reads, row_updates
@@ -78,7 +79,7 @@ class Captured:
 
 def capture(fn, args: tuple, parts: dict | None = None) -> Captured:
     parts = dict(parts or {})
-    with _slots_recorded() as owners:
+    with recorders.slots_recorded() as owners, recorders.tape_targets() as targets:
         pieces = [_piece(_trace(fn, args, 0, "the step"))]
     first, traced, failed = len(tf.nest.flatten(args)), [], {}
     for name, (part, part_args) in parts.items():
@@ -90,7 +91,9 @@ def capture(fn, args: tuple, parts: dict | None = None) -> Captured:
         traced.append(name)
         first += len(tf.nest.flatten(part_args))
     captured = _rebuild(pieces, owners, traced)
-    captured.optimizers = set(_MAKERS)
+    for name in targets:            # what the step's tapes differentiated (graph/forms.py)
+        captured.graph.add_to_collection(forms.TAPE_TARGETS, name)
+    captured.optimizers = set(recorders.MAKERS)
     captured.failed = failed
     return captured
 
@@ -142,8 +145,8 @@ def _differences(a, b) -> str:
     def ops(concrete):
         out = Counter()
         for n in concrete.graph.as_graph_def().node:
-            value = tf.make_ndarray(n.attr["value"].tensor).tobytes()[:64] \
-                if n.op == "Const" else b""
+            # the proto, not the array: a string array's bytes are its pointers
+            value = n.attr["value"].tensor.SerializeToString()[:96] if n.op == "Const" else b""
             out[(n.op, value)] += 1
         return out
     first, second = ops(a), ops(b)
@@ -170,57 +173,6 @@ def _spec(value, i: int):
         raise GraphError(f"argument leaf {i} of the step is a scalar; every argument is a "
                          "batch whose first dimension the replicas split")
     return tf.TensorSpec([None] + t.shape.as_list()[1:], t.dtype, name=INPUT.format(i))
-
-
-_OWNERS: dict = {}      # slot's tf.Variable .ref() -> its variable, every slot seen being made
-_MAKERS: set = set()    # optimizer classes that made slots in the latest capture
-
-
-@contextlib.contextmanager
-def _slots_recorded():
-    """Record (slot -> variable) as Keras optimizers make slots (kept for
-    later captures of the same program), and the optimizers' classes
-    (`_MAKERS`)."""
-    owners = _OWNERS
-    makers = _MAKERS
-    makers.clear()
-    patched = []
-    for cls in _optimizer_classes():
-        original = cls.add_variable_from_reference
-
-        def recording(self, reference_variable, *a, _original=original, **kw):
-            slot = _original(self, reference_variable, *a, **kw)
-            owners[tf_variable(slot).ref()] = tf_variable(reference_variable)
-            makers.add(type(self))
-            return slot
-
-        cls.add_variable_from_reference = recording
-        patched.append((cls, original))
-    try:
-        yield owners
-    finally:
-        for cls, original in patched:
-            cls.add_variable_from_reference = original
-
-
-def _optimizer_classes() -> list:
-    out = []
-    try:
-        from keras.src.optimizers.base_optimizer import BaseOptimizer
-        out.append(BaseOptimizer)
-    except ImportError:
-        pass
-    try:
-        from tf_keras.src.optimizers.optimizer import _BaseOptimizer
-        out.append(_BaseOptimizer)
-    except ImportError:
-        pass
-    return out
-
-
-def tf_variable(v):
-    """The tf.Variable of a Keras 3 variable (a tf.Variable itself otherwise)."""
-    return getattr(v, "_value", v) if not isinstance(v, tf.Variable) else v
 
 
 @dataclass

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from ..errors import GraphError
-from ..graph import rules
+from ..graph import forms, rules
 
 SOURCE_TYPES = ("IteratorGetNext", "IteratorGetNextSync", "Placeholder")
 _V1_CONTROL_FLOW = ("Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
@@ -51,7 +51,6 @@ STATELESS = {"RandomUniform": "StatelessRandomUniform",
              "RandomStandardNormal": "StatelessRandomNormal",
              "TruncatedNormal": "StatelessTruncatedNormal",
              "RandomUniformInt": "StatelessRandomUniformInt"}
-_GRAD_YS = re.compile(r"(^|/)gradients(_\d+)?/grad_ys_\d+$")
 
 
 @dataclass
@@ -90,25 +89,7 @@ def find_loss(graph: tf.Graph, name: str | None = None) -> tf.Tensor:
         except (KeyError, ValueError):
             raise GraphError(f"config key 'l2l.loss' names {name!r}, which is not a tensor "
                              "of the graph") from None
-    found = []
-    for op in graph.get_operations():
-        if op.type != "Fill" or not _GRAD_YS.search(op.name):
-            continue
-        if op.inputs[0].op.type == "Shape":
-            candidates = [op.inputs[0].op.inputs[0]]
-        else:      # a static shape: the first gradient op is named for the loss's op
-            scope = op.name[:op.name.rindex("/") + 1]
-            candidates = []
-            for c in op.outputs[0].consumers():
-                rest = c.name[len(scope):] if c.name.startswith(scope) else ""
-                head = rest.rsplit("_grad/", 1)[0] if "_grad/" in rest else None
-                try:
-                    candidates.append(graph.get_operation_by_name(head).outputs[0])
-                except (KeyError, ValueError, IndexError):
-                    pass
-        for t in candidates:
-            if t not in found:
-                found.append(t)
+    found = forms.autodiff_losses(graph)
     if len(found) != 1:
         which = ", ".join(t.name for t in found) or "none"
         raise GraphError(f"cannot tell which tensor is the loss (tf.gradients was taken of: "

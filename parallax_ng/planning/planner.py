@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from ..config import Config
 from ..errors import ConfigError
-from ..graph import queues, randomness, rules
+from ..graph import forms, queues, randomness, rules
 from ..graph.frontend import TrainingGraph
 from ..methods import METHODS, method
 from . import choice, costmodel, deferral, traffic
@@ -49,14 +49,16 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     `layout`: the hosts of a job's tasks, whose links weigh the candidate
     plans of hybrid and auto (parallax_ng/planning/choice.py); None: every task on
     this machine."""
-    notes = ()
+    dense, sparse, note = forms.averages(config, tg.graph)
+    config = replace(config, average_dense=dense, average_sparse=sparse)
+    notes = (note,) if note else ()
     if config.run_option == "hybrid" and num_workers > 1 and not servers and \
             config.sparse_method == "auto" and \
             not any(method(m).shared for m in config.variable_methods.values()) \
             and any(vi.sparse for vi in info.values()):
         config = replace(config, sparse_method="allgather")
-        notes = ("run_option hybrid: the job has no parameter server (`ps:` in the resource "
-                 "file), so sparse gradients go by all-gather, as under run_option allreduce",)
+        notes += ("run_option hybrid: the job has no parameter server (`ps:` in the resource "
+                  "file), so sparse gradients go by all-gather, as under run_option allreduce",)
     job_servers = num_workers > 1 and bool(servers) and config.communication.backend == "tf"
     backend = config.communication.backend
     facts = facts or Facts(tg)
