@@ -293,3 +293,73 @@ def test_a_keras_mean_of_the_loss_in_a_custom_loop_equals_one_device():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(models[0].weights[0]), np.asarray(models[1].weights[0]),
                                atol=1e-5, rtol=0)
+
+
+def masked_graph(weighted):
+    """Sequences of 4 tokens padded with 0; the loss a mean over the real
+    tokens: a sum over the batch divided by the mask's sum (or
+    tf.compat.v1.losses' mean over nonzero weights)."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(2)
+        ids = tf1.placeholder(tf.int32, [None, 4], name="ids")
+        y = tf1.placeholder(tf.float32, [None, 4], name="y")
+        emb = tf1.get_variable("emb", [20, 3])
+        h = tf.tanh(tf.einsum("bsd,de->bse", tf.nn.embedding_lookup(emb, ids),
+                              tf1.get_variable("w", [3, 1])))[:, :, 0]
+        mask = tf.cast(ids > 0, tf.float32)
+        if weighted:
+            loss = tf1.losses.mean_squared_error(y, h, weights=mask)
+        else:
+            loss = tf.reduce_sum(tf.square(h - y) * mask) / tf.reduce_sum(mask)
+        train = tf1.train.AdamOptimizer(0.05).minimize(
+            loss, global_step=tf1.train.get_or_create_global_step())
+        init = tf1.global_variables_initializer()
+    return g, dict(ids=ids, y=y, loss=loss, train=train, init=init)
+
+
+@pytest.mark.parametrize("weighted,mode", [(False, "hybrid"), (True, "allreduce"),
+                                           (False, "ps")])
+def test_a_masked_mean_divides_by_the_jobs_count(weighted, mode):
+    """Replica 0's rows hold far fewer real tokens than replica 1's: each
+    divides its masked sum by the replicas' mean count (every use of the
+    count: the loss and its gradient), so the mean of their gradients and
+    losses is one device's; dividing by its own count had weighed replica
+    0's tokens 4 times more. 5 steps, every variable, 1e-5."""
+    import parallax_ng as pn
+    from models import local
+    rng = np.random.RandomState(1)
+    ids = rng.randint(1, 20, size=(80, 4)).astype(np.int32)
+    ids[:, 1:] *= (np.arange(80) % 16 >= 8)[:, None]    # rows 0-7 of 16: one real token
+    ys = rng.randn(80, 4).astype(np.float32)
+
+    def run(call, t):
+        call(t["init"])
+        return [call([t["train"], t["loss"]], {t["ids"]: ids[k * 16:(k + 1) * 16],
+                                               t["y"]: ys[k * 16:(k + 1) * 16]})[1]
+                for k in range(5)]
+    g1, t1 = masked_graph(weighted)
+    with tf1.Session(graph=g1) as sess:
+        want = run(sess.run, t1)
+        want_vars = {v.op.name: sess.run(v) for v in g1.get_collection("variables")}
+    g2, t2 = masked_graph(weighted)
+    with pn.get_runner(g2, local(2), {"run_option": mode}) as runner:
+        got = run(runner.run, t2)
+        got_vars = {v.op.name: runner.run(v) for v in g2.get_collection("variables")}
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for name, value in want_vars.items():
+        np.testing.assert_allclose(got_vars[name], value, atol=1e-5, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("config", ON_SERVERS, ids=["fusion-buffers", "ps"])
+def test_in_a_job_with_gradients_on_the_servers_a_masked_count_is_summed_there(config):
+    """The count's mean goes through a server like the gradients: the step
+    keeps no collective op (it would split the step into session runs)."""
+    from passkit import cluster_transform
+    g, t = masked_graph(False)
+    ir, ctx = cluster_transform(g, worker=0, servers=2, **config)
+    step = ir.ancestors([t["train"].name])
+    assert not [n for n in step if ir.node(n).op.startswith("Collective")]
+    counts = [n for n in step if n.startswith("parallax/state_sync/") and "/count" in n
+              and n.endswith("/total")]
+    assert len(counts) == 1 and ir.node(counts[0]).device.startswith("/job:ps/")

@@ -13,7 +13,11 @@ summed, as AssignAdd's are, and the total equals one device's with the
 global batch; an AssignAdd whose increment reads `var` is a moving average
 written as an add, so it is averaged; so is an increment that is a mean
 over the replica's batch (tf.compat.v1.metrics.mean of a mean loss: one
-device adds the global batch's mean, the mean of the replicas'). In a job
+device adds the global batch's mean, the mean of the replicas'). A loss that divides a sum over the
+batch by a count of the data's values (a masked mean, `tf.compat.v1.losses`
+with per-example weights) divides by the replicas' mean count in every
+replica, forward and gradient, so the mean of the replicas' gradients is
+one device's (the global sum over the global count). In a job
 that sums dense gradients on the servers (fusion buffers) these sums go
 there too (the worker's sum, then `server_sum` on the servers in turn), so
 the step keeps no collective op.
@@ -68,7 +72,59 @@ class StateSyncPass:
                     new_nodes.extend(nodes)
                     for k, out in enumerate(outs):
                         rewires[(ctx.replica_name(k, node), at)] = out
+        for count in _counts(tg, sources):     # a masked mean's count: the job's
+            reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
+            nodes, outs = reduce(ctx, f"parallax/state_sync/{count.node}/count",
+                                 [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)],
+                                 tg.tensor(count).dtype, True, synced)
+            synced += 1
+            new_nodes.extend(nodes)
+            for node, at in _uses(tg, count):
+                for k, out in enumerate(outs):      # (a synced write of it stays so)
+                    rewires.setdefault((ctx.replica_name(k, node), at), out)
         return ir.rewire(rewires, new_nodes), {"synced": synced}
+
+
+def _counts(tg, sources) -> list:
+    """The counts that losses divide a sum over the batch by, where the
+    count depends on the data's values (a mask's sum, weights' nonzero
+    count), not only on its shape (tf.shape, tf.size: equal on every
+    replica). One device divides by the global batch's count: each replica
+    divides by the replicas' mean count instead of its own, so the mean of
+    the replicas' gradients (and losses) is one device's."""
+    out = []
+    for loss in forms.autodiff_losses(tg.graph):
+        for op in forms.loss_form(loss, sources, None, strict=False).by_count:
+            count = tg.ir.data_inputs(op)[1]
+            if count not in out and _from_values(tg, count, set(sources)):
+                out.append(count)
+    return out
+
+
+_SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"})
+
+
+def _from_values(tg, ref, sources: set) -> bool:
+    """Whether `ref` depends on a data source's values (data edges not
+    through ops that read only a shape)."""
+    seen, todo = set(), [ref.node]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in sources:
+            return True
+        if tg.ir.node(name).op not in _SHAPES:
+            todo.extend(r.node for r in tg.ir.data_inputs(name))
+    return False
+
+
+def _uses(tg, ref) -> list[tuple[str, int]]:
+    """(node, input position) of every data use of `ref`: the division, and
+    the gradient's ops that divide by the count too."""
+    return [(node.name, at) for node in tg.ir.nodes
+            for at, r in enumerate(tg.ir.data_inputs(node.name)) if r == ref]
 
 
 _ASSIGNS = frozenset({"AssignVariableOp", "Assign"})

@@ -151,6 +151,9 @@ class LossForm:
     # index, True when the op multiplies by 1/B); a micro-batch divides by its size
     by_batch: list[tuple[str, int, bool]] = field(default_factory=list)
     scaled: bool = False        # a sum times or over a number that is not the batch size
+    # the divisions of a sum over the batch by a count the data sets (a masked
+    # mean): input 1 is the count (transforms/state_sync.py shares it)
+    by_count: list[str] = field(default_factory=list)
 
 
 def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
@@ -179,7 +182,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     for op in sorted(order, key=lambda o: o._id):  # noqa: SLF001 (creation order)
         if op.name in sources or any(t.op.name in dependent for t in op.inputs):
             dependent.add(op.name)
-    by_batch = []
+    by_batch, by_count = [], []
 
     def data(t):
         return t.op.name in dependent
@@ -201,6 +204,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return through(t, op.inputs[0])
         if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
                 op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum":
+            by_count.append(op.name)
             return "mean"       # a sum over the batch divided by a count the data sets
         if op.type in ("Mul", "RealDiv", "Div", "DivNoNan") and not data(op.inputs[1]):
             inner = through(t, op.inputs[0])
@@ -243,7 +247,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         return None
     kind = form(loss)
     return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [],
-                    scaled[0] and kind == "sum")
+                    scaled[0] and kind == "sum", by_count if kind == "mean" else [])
 
 
 def replica_batch(graph: tf.Graph, data) -> int | None:
