@@ -98,6 +98,7 @@ class _Asked:
     ("sum/8", 8, True, ""),                 # over a replica's batch (the Dataset.batch size)
     ("sum/16", 8, False, ""),               # over the global batch: the replicas' sum
     ("sum/8", None, True, "scales the sum by a number"),   # fed: the size is not shown
+    ("per example", None, False, ""),       # tf.gradients of a vector sums it
 ])
 def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
     g = tf.Graph()
@@ -109,7 +110,8 @@ def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
             x = tf1.placeholder(tf.float32, [None, 3])
         e = tf.square(tf.matmul(x, tf1.get_variable("w", [3, 1])))
         value = {"sum": tf.reduce_sum(e), "mean": tf.reduce_mean(e),
-                 "sum/8": tf.reduce_sum(e) / 8.0, "sum/16": tf.reduce_sum(e) / 16.0}[loss]
+                 "sum/8": tf.reduce_sum(e) / 8.0, "sum/16": tf.reduce_sum(e) / 16.0,
+                 "per example": e[:, 0]}[loss]
         tf1.train.GradientDescentOptimizer(0.1).minimize(value)
     dense, sparse, said = forms.averages(_Asked(), g)
     assert dense is sparse is want

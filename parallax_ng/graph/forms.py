@@ -287,6 +287,9 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     batch = None if traced else replica_batch(graph, data)
     sums, unsure = [], []
     for loss in losses:
+        if loss.shape.rank and batch_rows(loss, data):
+            sums.append(loss.name)      # a value per example: the autodiff sums them
+            continue
         form = loss_form(loss, data, batch, strict=False)
         if form.kind == "sum" and form.scaled and not traced and batch is None:
             unsure.append(loss.name)
