@@ -59,3 +59,29 @@ def test_v1_loop_frames_are_renamed_per_replica(control_flow_v1):
     frames = {n.attr["frame_name"].s.decode() for n in ir.nodes if n.op == "Enter"}
     assert any(f.startswith("parallax/replica_1/") for f in frames)
     assert any(not f.startswith("parallax/") for f in frames)
+
+
+@pytest.mark.parametrize("v1", [True, False])
+def test_an_update_inside_a_while_loop_is_refused(v1):
+    """Several optimizer steps inside one tf.while_loop: each iteration's
+    update would need that iteration's gradients of every replica, which
+    are not aggregated inside loops; refused naming the variable (v1
+    control flow; a TF2 step's `for` over tf.range: tests/test_tf2.py), or,
+    in a functional While's body, as no update the front end sees."""
+    if v1:
+        tf1.disable_control_flow_v2()
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3])
+        w = tf1.get_variable("w", [3, 1], use_resource=True)
+        opt = tf1.train.GradientDescentOptimizer(0.1)
+
+        def body(i):
+            loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+            with tf.control_dependencies([opt.minimize(loss)]):
+                return i + 1
+        tf1.while_loop(lambda i: i < 3, body, [tf.constant(0)])
+    tf1.enable_control_flow_v2()
+    with pytest.raises(pn.GraphError, match="variable 'w' is updated inside a loop" if v1
+                       else "found no optimizer update.*inside a loop"):
+        pn.get_runner(g, {"hosts": [{"devices": ["cpu:0", "cpu:1"]}]})

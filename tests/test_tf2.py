@@ -466,7 +466,12 @@ def test_bad_steps_are_refused_naming_the_problem():
     def side_effect(x, y):
         calls.append(1)
         return step_of(model, optimizer)(x, y) * len(calls)
+    def updates_in_a_loop(x, y):     # it had waited in the step until the timeout
+        for _ in tf.range(2):
+            step_of(model, optimizer)(x, y)
+        return tf.constant(0.0)
     for fn, error, match in [
+            (updates_in_a_loop, pn.GraphError, "is updated inside a loop.*once per step"),
             (no_update, pn.GraphError, "'no_update' trains nothing.*apply_gradients"),
             (new_variable, pn.GraphError, "makes variables on every call"),
             (side_effect, pn.GraphError, "built another graph when traced a second time")]:

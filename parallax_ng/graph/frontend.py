@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
-from . import accumulation, distinct, queues, rules, variance
+from . import accumulation, distinct, queues, randomness, rules, variance
 from .ir import GraphIR, TensorRef
 
 SHARD_SCOPE = "parallax_shard"
@@ -231,16 +231,32 @@ def _from_graph(graph: tf.Graph) -> TrainingGraph:
                     if (g := _find_gradient(tg, v, autodiff)) is not None}
     for acc in tg.accumulators:         # replica-local state, not the trained variable's
         tg.variables[acc] = Variable(**{**tg.variables[acc].__dict__, "owner": None})
+    _updates_in_loops(tg)
     if not tg.gradients:
         raise GraphError(
-            f"{NO_UPDATE}: no trainable variable is "
-            "written from a gradient of tf.gradients/compute_gradients. Build the "
-            "training op (e.g. tf.compat.v1.train.AdamOptimizer(...).minimize(loss)) "
-            "in the graph before calling get_runner")
+            f"{NO_UPDATE}: no trainable variable is written from a gradient of "
+            "tf.gradients/compute_gradients outside a loop's body. Build the training op "
+            "(e.g. tf.compat.v1.train.AdamOptimizer(...).minimize(loss)) in the graph, once "
+            "per step and not inside a loop, before calling get_runner")
     tg.shard_consts = _shard_consts(ir)
     tg.queue_runners = [queues.RunnerDef.of(qr) for qr in
                         graph.get_collection(tf.compat.v1.GraphKeys.QUEUE_RUNNERS)]
     return tg
+
+
+def _updates_in_loops(tg: TrainingGraph) -> None:
+    """A GraphError if a trained variable is updated inside a while loop."""
+    entered = any(n.op in ("Enter", "RefEnter") for n in tg.ir.nodes)
+    loops = randomness.in_loops(tg.ir) if entered else ()
+    for var in sorted(tg.trainable):
+        for w in tg.writers.get(var, ()):
+            if w in loops and tg.ir.node(w).op not in ("Exit", "RefExit"):
+                raise GraphError(
+                    f"variable {var!r} is updated inside a loop ({w!r} runs in a while loop: "
+                    "a `for` over tf.range in a TF2 step, or tf.while_loop), where the "
+                    "replicas' gradients of each iteration cannot be aggregated; update once "
+                    "per step: loop in Python outside the step (call it once per batch), or "
+                    "accumulate the iterations' gradients and apply them after the loop")
 
 
 def _variables(graph: tf.Graph, ir: GraphIR) -> dict[str, Variable]:

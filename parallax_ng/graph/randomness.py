@@ -115,7 +115,7 @@ def counted(tg, random, pinned=frozenset()) -> list[str]:
     counter can stand for (module docstring), in graph order: seeded, or
     given a seed by `identical`."""
     ir = tg.ir
-    loops = _in_loops(ir)
+    loops = in_loops(ir)
     inits = [v.initializer for v in tg.variables.values() if v.initializer]
     setup = ir.ancestors(inits)
     return [n.name for n in ir.nodes
@@ -131,7 +131,7 @@ def _beyond(ir, name: str, setup: set) -> bool:
     return any(ir.node(d).op != "NoOp" for d in ir.descendants([name]) - setup)
 
 
-def _in_loops(ir) -> set[str]:
+def in_loops(ir) -> set[str]:
     """Nodes inside a tf.compat.v1 while loop's frame: reached from an Enter
     with more Enters than Exits on the way."""
     todo = [(n.name, 1) for n in ir.nodes if n.op in ("Enter", "RefEnter")]
