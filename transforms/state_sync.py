@@ -13,11 +13,12 @@ summed, as AssignAdd's are, and the total equals one device's with the
 global batch; an AssignAdd whose increment reads `var` is a moving average
 written as an add, so it is averaged; so is an increment that is a mean
 over the replica's batch (tf.compat.v1.metrics.mean of a mean loss: one
-device adds the global batch's mean, the mean of the replicas'). A loss that divides a sum over the
-batch by a count of the data's values (a masked mean, `tf.compat.v1.losses`
-with per-example weights) divides by the replicas' mean count in every
-replica, forward and gradient, so the mean of the replicas' gradients is
-one device's (the global sum over the global count). In a job
+device adds the global batch's mean, the mean of the replicas'). A loss
+that divides a sum over the batch by a count of the data's values (a
+masked mean, `tf.compat.v1.losses` with per-example weights) divides by
+the replicas' mean count in every replica, forward and gradient, so the
+mean of the replicas' gradients is one device's (the global sum over the
+global count). In a job
 that sums dense gradients on the servers (fusion buffers) these sums go
 there too (the worker's sum, then `server_sum` on the servers in turn), so
 the step keeps no collective op.
