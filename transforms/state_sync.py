@@ -108,24 +108,15 @@ _SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"}
 def _from_values(tg, ref, sources: set) -> bool:
     """Whether `ref` depends on a data source's values (data edges not
     through ops that read only a shape)."""
-    seen, todo = set(), [ref.node]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if name in sources:
-            return True
-        if tg.ir.node(name).op not in _SHAPES:
-            todo.extend(r.node for r in tg.ir.data_inputs(name))
-    return False
+    return bool(sources & tg.ir.ancestors(
+        {ref.node}, stop=lambda name: tg.ir.node(name).op in _SHAPES, data_only=True))
 
 
 def _uses(tg, ref) -> list[tuple[str, int]]:
     """(node, input position) of every data use of `ref`: the division, and
     the gradient's ops that divide by the count too."""
-    return [(node.name, at) for node in tg.ir.nodes
-            for at, r in enumerate(tg.ir.data_inputs(node.name)) if r == ref]
+    return [(name, at) for name in sorted(tg.ir.node_consumers.get(ref.node, ()))
+            for at, r in enumerate(tg.ir.data_inputs(name)) if r == ref]
 
 
 _ASSIGNS = frozenset({"AssignVariableOp", "Assign"})
