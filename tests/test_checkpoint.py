@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import forked
 import parallax_ng as pn
 from models import embedding_regression, local
 from parallax_ng.config import load_config
@@ -20,7 +21,9 @@ ENV = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
 
 
 def run(cmd, expect_ok=True):
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    """A script forked (tests/forked.py); a job started as a process."""
+    done = (forked.run(cmd, env=ENV, timeout=300) if cmd[1] != "-m" else
+            subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV))
     if expect_ok:
         assert done.returncode == 0, done.stderr[-3000:]
     return done

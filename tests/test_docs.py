@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import forked
 from task_env import TASK_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,9 +91,12 @@ def test_every_documented_command_is_run():
             assert os.path.exists(os.path.join(ROOT, who.split()[0])), who
 
 
-def run(command: list[str], cwd=ROOT, timeout=300) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env=ENV, cwd=cwd)
+def run(command: list[str], cwd=ROOT, timeout=300, fork=False) -> subprocess.CompletedProcess:
+    """The command as a process of its own; with `fork`, forked from the
+    tests' fork server (tests/forked.py: a command that runs no job)."""
+    done = (forked.run(command, env=ENV, cwd=cwd, timeout=timeout) if fork else
+            subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                           env=ENV, cwd=cwd))
     assert done.returncode == 0, (command, done.stderr[-3000:])
     return done
 
@@ -126,7 +130,7 @@ def test_the_tools_page_commands(tmp_path):
     holding the repository's examples, configs and profiles."""
     for name in ("examples", "configs", "profiles"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
-    plan = run(CLI + ["plan", "examples/lm_small.py"], cwd=tmp_path).stdout
+    plan = run(CLI + ["plan", "examples/lm_small.py"], cwd=tmp_path, fork=True).stdout
     assert "embedding" in plan and "MB/step/replica" in plan
     export = ("import sys; sys.argv = ['lm_small.py']\n"
               "import tensorflow as tf\nsys.path.insert(0, 'examples')\nimport lm_small\n"
@@ -135,15 +139,16 @@ def test_the_tools_page_commands(tmp_path):
               "    tf.compat.v1.train.export_meta_graph('model.meta')\n")
     run([sys.executable, "-c", export], cwd=tmp_path)
     meta = json.loads(run(CLI + ["plan", "model.meta", "-c", "configs/ps.yaml", "--json"],
-                          cwd=tmp_path).stdout)
+                          cwd=tmp_path, fork=True).stdout)
     assert meta["run_option"] == "ps"
-    profiled = run(CLI + ["plan", "examples/lm_small.py", "--profile", "2"], cwd=tmp_path)
+    profiled = run(CLI + ["plan", "examples/lm_small.py", "--profile", "2"], cwd=tmp_path,
+                   fork=True)
     assert "measured" in profiled.stdout
     run(CLI + ["profile", "examples/lm_small.py", "-r", "configs/resources_2workers_1ps.yaml",
                "--out", "p.json"], cwd=tmp_path)
     assert json.loads((tmp_path / "p.json").read_text())["layers"]
     diff = run(CLI + ["diff", "examples/lm_small.py", "--out", "diff/", "--batch", "128"],
-               cwd=tmp_path).stdout
+               cwd=tmp_path, fork=True).stdout
     assert "wrote diff.txt, diff.dot, diff.html" in diff
     assert (tmp_path / "diff" / "diff.html").exists()
     simulated = run(CLI + ["simulate", "--profile", "profiles/resnet50-k80.json", "--nodes",

@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import forked
 from task_env import TASK_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -11,8 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run(script, *args):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=TASK_PATH)
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
-                          capture_output=True, text=True, timeout=600, env=env)
+    done = forked.run([sys.executable, os.path.join(ROOT, "examples", script), *args],
+                      env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 

@@ -58,6 +58,17 @@ def test_a_task_runs_as_its_own_python_process_would(forker, tmp_path):
     assert task.stderr.read() == b"to stderr\n"
 
 
+def test_a_task_runs_in_the_directory_it_is_given(forker, tmp_path):
+    work = tmp_path / "given"
+    work.mkdir()
+    path = tmp_path / "task.py"
+    path.write_text(SCRIPT)
+    task = forker.spawn([str(path), "0"], ENV, script=str(path), cwd=str(work))
+    assert task is not None and task.wait(60) == 0
+    import json
+    assert json.loads(task.stdout.read())["cwd"] == str(work) != os.getcwd()
+
+
 def test_an_exception_prints_the_scripts_traceback_and_exits_1(forker, tmp_path):
     task = spawn(forker, tmp_path, "import parallax_ng\n\ndef f():\n    raise ValueError('no')\n"
                  "f()\n", env={"PARALLAX_NG_HEARTBEAT": "worker 0"})
@@ -115,6 +126,17 @@ def test_a_module_runs_as_python_m_would(forker, tmp_path):
     task = forker.spawn(["pn_forked_mod", "a", "b"], ENV, module="pn_forked_mod")
     assert task.wait(60) == 0
     assert task.stdout.read().decode().split() == ["__main__", "['a',", "'b']", str(tmp_path)]
+
+
+def test_a_package_runs_its_main_as_python_m_would(forker, tmp_path):
+    package = tmp_path / "pn_forked_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "__main__.py").write_text(
+        "import sys\nfrom . import __name__ as parent\nprint(__name__, parent, sys.argv[1:])\n")
+    task = forker.spawn(["pn_forked_pkg", "x"], ENV, module="pn_forked_pkg", cwd=str(tmp_path))
+    assert task.wait(60) == 0, task.stderr.read()
+    assert task.stdout.read().decode().split() == ["__main__", "pn_forked_pkg", "['x']"]
 
 
 def test_when_the_server_dies_its_tasks_end_and_spawn_says_none(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 import parallax_ng as pn
 from parallax_ng import keras_fit
 from models import local
+import forked
 from test_tf2 import check_equal, tf_keras_dense
 from task_env import TASK_PATH
 
@@ -201,7 +202,6 @@ def test_fit_stopped_and_started_again_from_its_checkpoint_equals_one_run(tmp_pa
     to one device fitting 4 epochs in one go, every weight and optimizer
     variable, and the last epochs' losses, 1e-5."""
     import os
-    import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = os.path.join(root, "tests", "keras_resume_script.py")
@@ -209,9 +209,8 @@ def test_fit_stopped_and_started_again_from_its_checkpoint_equals_one_run(tmp_pa
     runs = []
     for name, epochs, initial in (("first", 2, 0), ("again", 4, 2)):
         out = str(tmp_path / name)
-        done = subprocess.run([sys.executable, script, out, str(tmp_path / "ckpt"),
-                               str(epochs), str(initial)],
-                              capture_output=True, text=True, timeout=300, env=env)
+        done = forked.run([sys.executable, script, out, str(tmp_path / "ckpt"),
+                           str(epochs), str(initial)], env=env, timeout=300)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
         runs.append((dict(np.load(out + ".npz")), done.stdout + done.stderr))
     (first, _), (again, log) = runs

@@ -1,7 +1,6 @@
 """Reference variables (VariableV2), as scripts that call
 tf.compat.v1.disable_v2_behavior() build them."""
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -9,6 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import forked
 from models import OPTIMIZERS, embedding_regression, train_both, train_single
 from parallax_ng.graph import frontend
 from task_env import TASK_PATH
@@ -78,9 +78,8 @@ SCRIPT = textwrap.dedent("""
 def test_plain_v1_script_with_default_graph_and_feeds(tmp_path):
     path = tmp_path / "v1_script.py"
     path.write_text(SCRIPT)
-    done = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=TASK_PATH,
-                                                TF_CPP_MIN_LOG_LEVEL="2"))
+    done = forked.run([sys.executable, str(path)], timeout=300,
+                      env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "w [ 1. -2.  3.] b [0.5]" in done.stdout
 

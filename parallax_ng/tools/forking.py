@@ -91,9 +91,10 @@ class Forker:
         threading.Thread(target=self._read, name="parallax_ng fork server", daemon=True).start()
 
     def spawn(self, argv: list[str], env: dict, script: str = "",
-              module: str = "") -> Forked | None:
-        """Fork a task running `script` (or `module`) with `argv` and `env`;
-        None when the server cannot (the caller starts a process)."""
+              module: str = "", cwd: str | None = None) -> Forked | None:
+        """Fork a task running `script` (or `module`) with `argv` and `env`
+        in `cwd` (the caller's working directory when None); None when the
+        server cannot (the caller starts a process)."""
         if not self._ready.wait(READY_SECONDS) or self.failed:
             return None
         out_r, out_w = os.pipe()
@@ -103,7 +104,7 @@ class Forker:
             self._next += 1
             ident = self._next
             self._started[ident] = (done, reply)
-        request = {"id": ident, "argv": argv, "env": env, "cwd": os.getcwd(),
+        request = {"id": ident, "argv": argv, "env": env, "cwd": cwd or os.getcwd(),
                    "script": script, "module": module}
         try:
             socket.send_fds(self.sock, [json.dumps(request).encode()], [out_w, err_w])
@@ -291,6 +292,9 @@ def _main_module(module: str, script: str, cwd: str):
     main = types.ModuleType("__main__")
     if module:                        # as `python -m MODULE` does
         spec = importlib.util.find_spec(module)
+        if spec is not None and spec.submodule_search_locations is not None:
+            module += ".__main__"            # a package runs its __main__
+            spec = importlib.util.find_spec(module)
         if spec is None or spec.loader is None:
             raise SystemExit(f"{sys.executable}: No module named {module}")
         code = spec.loader.get_code(module)
