@@ -153,6 +153,59 @@ def test_a_loss_reduced_by_sum_sums_the_replicas_gradients(lib):
     assert np.all(np.isfinite(h1.history["loss"]))
 
 
+def _options_case(case):
+    """(make model, make compile kwargs, fit kwargs, x, y) of a fit option users
+    write; the sample weights put 0 and 8 counted rows on the two replicas."""
+    rng = np.random.default_rng(4)
+    x, y = data(4)
+    if case == "activity-regularizer":      # its captured rate is read by the step only
+        return (lambda: keras.Sequential([
+            keras.Input((5,)), keras.layers.Dense(8, activation="relu",
+                                                  activity_regularizer=keras.regularizers.L1(0.01)),
+            keras.layers.Dense(1)]), lambda: dict(optimizer=keras.optimizers.AdamW(0.01),
+                                                  loss="mse"), {}, x, y)
+    if case == "masked-lstm":
+        ids = rng.integers(1, 50, size=(SAMPLES, 7))
+        ids[:, 5:] = 0
+        return (lambda: keras.Sequential([
+            keras.Input((7,), dtype="int32"), keras.layers.Embedding(50, 8, mask_zero=True),
+            keras.layers.LSTM(6), keras.layers.Dense(1)]),
+                lambda: dict(optimizer=keras.optimizers.Adam(0.01), loss="mse"), {}, ids, y)
+    if case == "mean-with-sample-weight":
+        weights = np.ones(SAMPLES, np.float32)
+        weights[:24] = 0.0
+        loss = keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")
+        return make, lambda: dict(optimizer=keras.optimizers.Adam(0.01), loss=loss), \
+            dict(sample_weight=weights), x, y
+    labels = (y[:, 0] > 0).astype(np.int32)       # class weights, validation split, and
+    return (lambda: keras.Sequential([            # two steps in each call of the step
+        keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+        keras.layers.Dense(2, activation="softmax")]),
+            lambda: dict(optimizer=keras.optimizers.Adagrad(0.1),
+                         loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                         steps_per_execution=2),
+            dict(validation_split=0.2, class_weight={0: 1.0, 1: 3.0}), x, labels)
+
+
+@pytest.mark.parametrize("case", ["activity-regularizer", "masked-lstm",
+                                  "mean-with-sample-weight", "class-weight-and-more"])
+def test_fit_options_users_write_equal_one_device(case):
+    make_model, compiled, options, x, y = _options_case(case)
+    keras.utils.set_random_seed(1)
+    parallel, single = make_model(), make_model()
+    single.set_weights(parallel.get_weights())
+    for m in (parallel, single):
+        m.compile(**compiled())
+    pn.parallelize(parallel, local(2))
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, **options)
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0, **options)
+    check(parallel, single)
+    assert set(h1.history) == set(h2.history)
+    for key in h2.history:
+        np.testing.assert_allclose(h1.history[key], h2.history[key], atol=1e-5, rtol=0,
+                                   err_msg=key)
+
+
 def test_keras3_metrics_that_sum_equal_one_device():
     # seeded: AUC and the 0.5 threshold count a prediction on one side of a
     # bucket edge, so an unseeded start could put one within float noise of it

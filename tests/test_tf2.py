@@ -183,6 +183,34 @@ def test_a_captured_array_is_a_constant_and_outputs_keep_their_structure():
         np.testing.assert_allclose(got["loss"], want["loss"].numpy(), atol=1e-5, rtol=0)
 
 
+def test_a_step_that_leaves_an_argument_and_captures_unread_equals_one_device():
+    """An argument the step does not read (a note beside the batch), and a
+    constant and a variable it captures only in a branch its outputs do not
+    need, are left out of the captured graph (were: "Attempted to map
+    inputs that were not found in graph_def")."""
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+    scale, unused = np.float32(0.5), tf.Variable(3.0)
+
+    def train_step(model, optimizer):
+        def fn(x, y, note):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            tf.identity(unused * scale)        # read by nothing the step runs
+            return loss
+        return fn
+    step = pn.function(train_step(*parallel), local(2))
+    ref = tf.function(train_step(*single))
+    x, y = data(5)
+    notes = np.zeros((BATCH,), np.float32)
+    for k in range(3):
+        np.testing.assert_allclose(step(x[k], y[k], notes), ref(x[k], y[k], notes).numpy(),
+                                   atol=1e-5, rtol=0)
+    step.sync()
+    check_equal(parallel, single)
+
+
 def test_per_replica_outputs_and_bad_calls():
     parallel, _ = twins(keras3_dense, lambda: keras.optimizers.Adam(0.01))
     step = pn.function(step_of(*parallel), local(2))

@@ -250,13 +250,17 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
             feeds[initial.name] = values[id(var)]
         for k, piece in enumerate(pieces):
             scope = "" if k == 0 else PART.format(parts[k - 1])
+            # a capture or an argument no kept op reads is not mapped (import refuses it)
+            read = _read(piece.graph_def)
             input_map = {f"{name}:0": made[id(var)].handle
-                         for name, var in piece.captured.items()}
+                         for name, var in piece.captured.items() if name in read}
             input_map.update({f"{name}:0": t for name, t in
-                              zip(piece.inputs, (t for _, ts in placeholders[k] for t in ts))})
+                              zip(piece.inputs, (t for _, ts in placeholders[k] for t in ts))
+                              if name in read})
             input_map.update({f"{name}:0": tf.constant(value, name=f"{scope or 'parallax'}"
                                                                   f"_captured/{j}")
-                              for j, (name, value) in enumerate(sorted(piece.constants.items()))})
+                              for j, (name, value) in enumerate(sorted(piece.constants.items()))
+                              if name in read})
             for name, (key, table) in sorted(piece.tables.items()):
                 if key not in tables:
                     tables[key] = lookup.make(table, f"parallax_table_{len(tables)}")
@@ -327,6 +331,11 @@ def _placeholders(piece: _Piece, first: int) -> list:
         else:
             out.append((name, [tf.compat.v1.placeholder(spec.dtype, spec.shape, name=name)]))
     return out
+
+
+def _read(graph_def) -> set:
+    """The names of the nodes `graph_def`'s nodes take as inputs."""
+    return {i.lstrip("^").split(":")[0] for node in graph_def.node for i in node.input}
 
 
 def _ancestors(graph_def, roots: set) -> set:
