@@ -25,6 +25,7 @@ VERIFY_LEVELS = ("structure", "full", "import")
 BACKENDS = ("tf", "horovod")
 COMPRESSIONS = ("none", "fp16", "bf16")
 RANDOM_MODES = ("distinct", "identical")
+RANDOM_DEFAULTS = ("auto",) + RANDOM_MODES
 BATCH_SYNC = ("auto", "always", "never")
 
 
@@ -260,7 +261,7 @@ class Config:
     batch_feeds: dict = field(default_factory=dict)        # placeholder -> split it or not
     dump_dir: str | None = None                            # graphs after each pass
     verify: str = "structure"
-    random: str = "distinct"                               # replicas' random streams
+    random: str = "auto"                                   # replicas' random streams
     random_ops: dict = field(default_factory=dict)         # op-name regex -> mode
     batch_sync: str = "auto"                               # fit: the model written per batch
 
@@ -277,7 +278,7 @@ class Config:
                                   f"not {getattr(self, key)!r}")
         for var, method in self.variable_methods.items():
             _check_choice(f"variable_methods.{var}", method, METHODS)
-        _check_choice("random", self.random, RANDOM_MODES)
+        _check_choice("random", self.random, RANDOM_DEFAULTS)
         _check_choice("dense_method", self.dense_method, DENSE_METHODS)
         _check_choice("sparse_method", self.sparse_method, SPARSE_METHODS)
         _check_choice("ps_placement", self.ps_placement, PS_PLACEMENTS)

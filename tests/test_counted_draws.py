@@ -182,18 +182,22 @@ def sampled_steps(runner, steps, first=0):
                        per_replica=True)[1] for s in range(steps)]
 
 
-def test_a_candidate_sampler_draws_on_where_its_checkpoint_was(tmp_path):
+@pytest.mark.parametrize("random", ["auto", "distinct"])
+def test_a_candidate_sampler_draws_on_where_its_checkpoint_was(tmp_path, random):
     """A candidate sampler stays stateful with its calls counted; a runner
     restored from step 3 calls it 3 times again and then draws what an
-    uninterrupted runner draws at steps 4-6, and trains to its variables."""
-    config = {"checkpoint": {"dir": str(tmp_path / "ck"), "every_steps": 3}, **SPLIT}
-    with pn.get_runner(sampled_graph(), local(2), SPLIT) as whole:
+    uninterrupted runner draws at steps 4-6, and trains to its variables.
+    Replicas draw alike by default (one device's negatives), apart with
+    `random: distinct`."""
+    split = {**SPLIT, "random": random}
+    config = {"checkpoint": {"dir": str(tmp_path / "ck"), "every_steps": 3}, **split}
+    with pn.get_runner(sampled_graph(), local(2), split) as whole:
         assert [op for _, op in whole.ctx.result(CountedDraws).calls] == [SAMPLER] * 2
         assert whole.graph.get_operation_by_name(SAMPLER).type == "IdentityN"
         whole.run("init")
         want = sampled_steps(whole, 6)
         want_values = whole.run([read_name(v, whole.ctx.tg.graph) for v in VALUES])
-    assert not np.array_equal(want[0][0], want[0][1])   # replicas draw apart
+    assert np.array_equal(want[0][0], want[0][1]) == (random == "auto")
     with pn.get_runner(sampled_graph(), local(2), config) as first:
         first.run("init")
         np.testing.assert_array_equal(sampled_steps(first, 3), want[:3])

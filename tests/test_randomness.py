@@ -1,10 +1,11 @@
-"""Random streams per replica: distinct by default, identical where asked."""
+"""Random streams per replica: distinct by default, identical where asked and
+for the candidate samplers of NCE and sampled softmax."""
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from models import local
+from models import local, read_name
 from parallax_ng.graph import frontend, randomness
 from parallax_ng.errors import ConfigError
 from passkit import cluster_transform
@@ -121,10 +122,71 @@ def test_stream_rules():
     assert randomness.seeds("op", "identical", 7, 3, 3) == (7, 3)
 
 
+def sampled_model(sampled_softmax=False, seed=3):
+    """NCE (or sampled softmax) over a seeded log-uniform sampler, with dropout."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(7)
+        ids = tf1.placeholder(tf.int32, [None], name="ids")
+        labels = tf1.placeholder(tf.int64, [None, 1], name="labels")
+        emb = tf1.get_variable("emb", initializer=np.linspace(-1, 1, 200 * 8, dtype=np.float32)
+                               .reshape(200, 8))
+        weights = tf1.get_variable("weights", initializer=np.cos(np.arange(200 * 8.0))
+                                   .astype(np.float32).reshape(200, 8))
+        biases = tf1.get_variable("biases", initializer=np.zeros(200, np.float32))
+        rate = tf1.placeholder_with_default(0.2, [], name="rate")
+        h = tf1.nn.dropout(tf1.nn.embedding_lookup(emb, ids), rate=rate)
+        sampled = tf1.nn.log_uniform_candidate_sampler(labels, 1, 8, True, 200, seed=seed)
+        loss_fn = tf1.nn.sampled_softmax_loss if sampled_softmax else tf1.nn.nce_loss
+        loss = tf.reduce_mean(loss_fn(weights, biases, labels, h, 8, 200,
+                                      sampled_values=sampled), name="loss")
+        tf1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+        tf1.global_variables_initializer()
+    return g
+
+
+@pytest.mark.parametrize("sampled_softmax", [False, True], ids=["nce", "sampled-softmax"])
+def test_sampled_negatives_are_one_devices_by_default(sampled_softmax):
+    """`random: auto`: every replica draws the negatives one device draws
+    once for the global batch, so the step equals one device's (dropout
+    rate 0 there: its masks are per replica); `random: distinct` gives each
+    replica its own negatives."""
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 200, 16), rng.integers(0, 200, (16, 1))) for _ in range(4)]
+    names = ["emb", "weights", "biases"]
+
+    def trained(config):
+        g = sampled_model(sampled_softmax)
+        with pn.get_runner(g, local(2), config) as runner:
+            runner.run("init")
+            for ids, labels in batches:
+                runner.run("train", {"ids:0": ids, "labels:0": labels, "rate:0": 0.0})
+            plan = runner.plan.random
+            return plan, runner.run([read_name(n, g) for n in names])
+    plan, got = trained(None)
+    assert plan["LogUniformCandidateSampler"] == "identical"
+    assert plan["dropout/random_uniform/RandomUniform"] == "distinct"
+    g = sampled_model(sampled_softmax)
+    with tf1.Session(graph=g) as sess:
+        sess.run("init")
+        for ids, labels in batches:
+            sess.run("train", {"ids:0": ids, "labels:0": labels, "rate:0": 0.0})
+        want = sess.run([read_name(n, g) for n in names])
+    for name, a, b in zip(names, got, want):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=name)
+    plan, other = trained({"random": "distinct"})
+    assert plan["LogUniformCandidateSampler"] == "distinct"
+    assert np.max(np.abs(other[1] - want[1])) > 1e-3
+
+
 def test_random_config_errors_name_the_key():
     ops = {"a/RandomUniform": (1, 2), "nce/Sampler": (0, 0)}
     assert randomness.decide(ops, "distinct", {"nce": "identical"}) == {
         "a/RandomUniform": "distinct", "nce/Sampler": "identical"}
+    assert randomness.decide(ops, "auto", {}, batch_free={"nce/Sampler"}) == {
+        "a/RandomUniform": "distinct", "nce/Sampler": "identical"}
+    assert randomness.decide(ops, "auto", {"nce": "distinct"}, batch_free={"nce/Sampler"}) == {
+        "a/RandomUniform": "distinct", "nce/Sampler": "distinct"}
     with pytest.raises(ConfigError, match="random_ops.softmax.*matches no random op"):
         randomness.decide(ops, "distinct", {"softmax": "identical"})
     with pytest.raises(ConfigError, match="random_ops.\\(.*regular expression"):

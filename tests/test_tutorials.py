@@ -101,9 +101,10 @@ def test_tutorial_in_process_equals_one_device(tmp_path, model, run_option):
 
 
 def test_word2vec_with_distinct_negatives_trains_but_is_not_one_device(tmp_path):
-    """By default every replica draws its own NCE negatives: a different (as
-    valid) estimate of the loss than one device's single draw."""
-    parallel, start, losses = in_process("word2vec", 2, {"run_option": "hybrid"}, tmp_path)
+    """`random: distinct`: every replica draws its own NCE negatives, a
+    different (as valid) estimate of the loss than one device's single draw."""
+    parallel, start, losses = in_process("word2vec", 2, {"run_option": "hybrid",
+                                                          "random": "distinct"}, tmp_path)
     single, _ = one_device("word2vec", 2, start)
     assert np.max(np.abs(parallel["nce_weights"][0] - single["nce_weights"])) > 1e-3
     np.testing.assert_array_equal(parallel["nce_weights"][0], parallel["nce_weights"][1])

@@ -278,14 +278,12 @@ def train(model, run, h, steps, batch, part=(0, 1), keep_prob=1.0):
 
 
 def config(model, run_option):
-    """The config a model equals one device with: word2vec's NCE negatives
-    drawn alike on every replica (as one device draws them once). Run
-    option `alltoall`: allreduce with sparse_method alltoall."""
+    """The config a model equals one device with: the default (word2vec's
+    NCE negatives drawn alike on every replica, `random: auto`). Run option
+    `alltoall`: allreduce with sparse_method alltoall."""
     out = {"run_option": run_option}
     if run_option == "alltoall":
         out = {"run_option": "allreduce", "sparse_method": "alltoall"}
-    if model == "word2vec":
-        out["random_ops"] = {"nce_loss/": "identical"}
     return out
 
 

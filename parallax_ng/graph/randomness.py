@@ -6,14 +6,17 @@ numbers on every replica: dropout masks repeating every b rows, noise that
 one device with the global batch never has. The plan decides, per stateful
 random op, whether replicas draw
 
-- `distinct` streams (the default): replica 0 of the job keeps the user's
-  seeds, so it draws what one device draws; replica r > 0 draws from
-  `seed2` mixed with r, deterministically (two runs with the same seeds
-  draw the same numbers). Ops without seeds (both 0) already draw a fresh
-  stream per op instance and stay unseeded;
+- `distinct` streams (the default but for the ops below): replica 0 of the
+  job keeps the user's seeds, so it draws what one device draws; replica
+  r > 0 draws from `seed2` mixed with r, deterministically (two runs with
+  the same seeds draw the same numbers). Ops without seeds (both 0)
+  already draw a fresh stream per op instance and stay unseeded;
 - `identical` streams: every replica of every worker draws the same
-  numbers (sampled-softmax or NCE negatives shared by the job); an op
-  without seeds gets a fixed seed derived from its name.
+  numbers; an op without seeds gets a fixed seed derived from its name.
+  The default (`random: auto`) for the candidate samplers of sampled
+  softmax and NCE (`BATCH_FREE`): one device draws `num_sampled`
+  negatives once for its whole batch, whatever the batch, so replicas
+  that draw them alike (with the user's seeds) compute exactly its step.
 
 Requires: a TrainingGraph and the config. Guarantees: `decide` names every
 seeded random op of the graph and of its functions (`function/op` for the
@@ -65,6 +68,9 @@ STATELESS = {"RandomUniform": "StatelessRandomUniformV2",
 SAMPLES_PER_OUTPUT = 256   # what a stateful op's call reserves of its stream per output
 REPLAYED = ("LogUniformCandidateSampler", "UniformCandidateSampler",
             "FixedUnigramCandidateSampler")
+# what they draw does not depend on the batch (nor on anything they were
+# given before): one device draws one set for its whole batch
+BATCH_FREE = REPLAYED + ("AllCandidateSampler",)
 NOT_RANDOM = ("ComputeAccidentalHits",)   # seed attrs, but nothing drawn
 
 _MASK = (1 << 63) - 1
@@ -164,11 +170,25 @@ def random_ops(nodes, library) -> dict[str, tuple[int, int]]:
     return out
 
 
+def batch_free(nodes, library) -> set[str]:
+    """The random ops (names as `random_ops` gives them) whose draws do not
+    depend on the batch: the candidate samplers of sampled softmax and NCE
+    (`BATCH_FREE`; not the learned-unigram ones, which learn from the
+    classes they are given)."""
+    out = {n.name for n in nodes if n.op in BATCH_FREE}
+    for f in (library.function if library is not None else ()):
+        out.update(f"{f.signature.name}/{n.name}" for n in f.node_def if n.op in BATCH_FREE)
+    return out
+
+
 def decide(ops: dict[str, tuple[int, int]], default: str,
-           overrides: dict[str, str], pinned=frozenset()) -> dict[str, str]:
+           overrides: dict[str, str], pinned=frozenset(),
+           batch_free=frozenset()) -> dict[str, str]:
     """Mode of every random op: identical for `pinned` ops (an input
     producer's shuffle), else the first override whose regex it matches
-    (re.search), else `default`. A pattern that matches no op is an error."""
+    (re.search), else `default`; `auto` is identical for the `batch_free`
+    ops (replicas draw what one device draws once for the global batch) and
+    distinct for the rest. A pattern that matches no op is an error."""
     patterns = {}
     for pattern in overrides:
         try:
@@ -183,6 +203,8 @@ def decide(ops: dict[str, tuple[int, int]], default: str,
     out = {}
     for name in ops:
         mode = next((overrides[p] for p, rx in patterns.items() if rx.search(name)), default)
+        if mode == "auto":
+            mode = "identical" if name in batch_free else "distinct"
         out[name] = "identical" if name in pinned else mode
     return out
 
