@@ -46,6 +46,35 @@ def test_replicas_match_one_device(run_option, optimizer, variant, n):
     assert np.all(np.isfinite(losses))
 
 
+MORE_OPTIMIZERS = {
+    "ftrl": lambda: tf.compat.v1.train.FtrlOptimizer(
+        0.1, l1_regularization_strength=0.01, l2_regularization_strength=0.01,
+        l2_shrinkage_regularization_strength=0.01),
+    "adadelta": lambda: tf.compat.v1.train.AdadeltaOptimizer(1.0),
+    "proximal-adagrad": lambda: tf.compat.v1.train.ProximalAdagradOptimizer(
+        0.1, l1_regularization_strength=0.01),
+    "proximal-sgd": lambda: tf.compat.v1.train.ProximalGradientDescentOptimizer(
+        0.1, l2_regularization_strength=0.01),
+    "nesterov": lambda: tf.compat.v1.train.MomentumOptimizer(0.05, 0.9, use_nesterov=True)}
+MORE_CASES = [(name, "hybrid", "gather") for name in sorted(MORE_OPTIMIZERS)] + [
+    ("ftrl", "ps", "sparse"), ("adadelta", "allreduce", "sparse")]
+
+
+@pytest.mark.parametrize("optimizer,run_option,lookup", MORE_CASES,
+                         ids=["-".join(c) for c in MORE_CASES])
+def test_more_tf1_optimizers_equal_one_device(optimizer, run_option, lookup):
+    """The other tf.compat.v1.train optimizers (their sparse kernels on the
+    embedding's rows, their dense ones on the layers), 2 replicas, 10 steps."""
+    parallel, single, names = train_both(
+        lambda b: embedding_regression(b, MORE_OPTIMIZERS[optimizer], lookup=lookup), 2, STEPS,
+        config={"run_option": run_option}, batch=BATCH)
+    assert len(names) >= 5
+    for name in names:
+        for k, got in enumerate(parallel[name]):
+            diff = np.max(np.abs(np.asarray(got) - single[name]))
+            assert diff <= TOL, f"{name} on replica {k}: max abs diff {diff}"
+
+
 LOOKUP_CASES = [("hybrid", "adagrad", {}, None), ("hybrid", "adam", {}, None),
                 ("allreduce", "adam", {}, None), ("ps", "momentum", {}, None),
                 ("allreduce", "adagrad", {"sparse_method": "alltoall"}, None),

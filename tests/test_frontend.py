@@ -60,6 +60,20 @@ def test_graph_without_optimizer_is_an_error():
         frontend.load(g)
 
 
+def test_sync_replicas_optimizer_is_refused_with_what_to_write_instead():
+    """TF1's own synchronous replication: the variables are written from
+    accumulators, not from gradients; the error says to use the wrapped
+    optimizer."""
+    g = tf.Graph()
+    with g.as_default():
+        w = tf1.get_variable("w", [3])
+        opt = tf1.train.SyncReplicasOptimizer(tf1.train.AdamOptimizer(0.1), 1, 1)
+        opt.minimize(tf.reduce_sum(w * w), tf1.train.get_or_create_global_step())
+    with pytest.raises(GraphError, match="no optimizer update.*SyncReplicasOptimizer makes.*"
+                                         "use the optimizer SyncReplicasOptimizer wraps"):
+        frontend.load(g)
+
+
 def test_unknown_op_on_a_variable_names_it():
     g = tf.Graph()
     with g.as_default():

@@ -233,11 +233,7 @@ def _from_graph(graph: tf.Graph) -> TrainingGraph:
         tg.variables[acc] = Variable(**{**tg.variables[acc].__dict__, "owner": None})
     _updates_in_loops(tg)
     if not tg.gradients:
-        raise GraphError(
-            f"{NO_UPDATE}: no trainable variable is written from a gradient of "
-            "tf.gradients/compute_gradients outside a loop's body. Build the training op "
-            "(e.g. tf.compat.v1.train.AdamOptimizer(...).minimize(loss)) in the graph, once "
-            "per step and not inside a loop, before calling get_runner")
+        raise GraphError(f"{NO_UPDATE}: {rules.why_no_update(ir)}")
     tg.shard_consts = _shard_consts(ir)
     tg.queue_runners = [queues.RunnerDef.of(qr) for qr in
                         graph.get_collection(tf.compat.v1.GraphKeys.QUEUE_RUNNERS)]

@@ -84,6 +84,28 @@ _ELEMENTWISE_MULTI = frozenset({"IdentityN"})
 AUTODIFF_SCOPE = re.compile(r"(^|/)(gradients(_\d+)?|gradient_tape)/")
 
 
+# gradients aggregated by TensorFlow's own synchronous replication
+# (tf.compat.v1.train.SyncReplicasOptimizer)
+ACCUMULATORS = frozenset({"ConditionalAccumulator", "SparseConditionalAccumulator",
+                          "ResourceConditionalAccumulator"})
+
+
+def why_no_update(ir) -> str:
+    """Why a graph's trainable variables are written from no gradient."""
+    held = sorted(n.name for n in ir.nodes if n.op in ACCUMULATORS)
+    if held:
+        return (f"the gradients go into accumulators ({held[0]!r}, "
+                f"{len(held)} in all) that tf.compat.v1.train.SyncReplicasOptimizer makes, "
+                "and the variables are written from what they hand back. That is "
+                "TensorFlow's own synchronous replication; parallax_ng makes every step "
+                "synchronous itself: use the optimizer SyncReplicasOptimizer wraps "
+                "(opt.minimize(loss)) and drop SyncReplicasOptimizer and its hook")
+    return ("no trainable variable is written from a gradient of "
+            "tf.gradients/compute_gradients outside a loop's body. Build the training op "
+            "(e.g. tf.compat.v1.train.AdamOptimizer(...).minimize(loss)) in the graph, once "
+            "per step and not inside a loop, before calling get_runner")
+
+
 def is_writer(op_type: str) -> bool:
     return bool(_WRITER_PATTERN.match(op_type))
 
