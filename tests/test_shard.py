@@ -35,6 +35,30 @@ def test_element_dataset_replicas_read_disjoint_parts():
     assert sorted(per[0][0].tolist()) == [0, 2, 4] and sorted(per[0][1].tolist()) == [1, 3, 5]
 
 
+@pytest.mark.parametrize("how", ["batch", "batch-prefetch", "padded-batch"])
+def test_a_batched_dataset_is_sharded_by_its_rows(how):
+    """`pn.shard(ds.batch(3))` (the batches sharded, not the rows): each
+    replica batches its own rows, so 22 rows on 2 replicas end in a step of
+    2 + 2 rows, one device's last batch of 4 (sharding the batches gave
+    replica 0 a last batch replica 1 had no partner for, and the step that
+    read it ended the epoch: those rows went untrained)."""
+    def make():
+        rows = tf.data.Dataset.range(22)
+        batched = {"batch": lambda: rows.batch(3),
+                   "batch-prefetch": lambda: rows.batch(3).prefetch(2),
+                   "padded-batch": lambda: rows.padded_batch(3, padded_shapes=[])}[how]()
+        return pn.shard(batched)
+    g, init = reader_graph(make)
+    with pn.get_runner(g, local(2)) as runner:
+        runner.run(["init", init])
+        per = [runner.run("x:0", per_replica=True) for _ in range(4)]
+        with pytest.raises(tf.errors.OutOfRangeError):
+            runner.run("x:0")
+    assert [sorted(np.concatenate(p).tolist()) for p in per] == [
+        list(range(0, 6)), list(range(6, 12)), list(range(12, 18)), list(range(18, 22))]
+    assert per[0][0].tolist() == [0, 2, 4] and per[3][1].tolist() == [19, 21]
+
+
 def test_file_list_dataset_replicas_read_disjoint_files(tmp_path):
     files = []
     for i in range(4):

@@ -5,7 +5,7 @@ iterator made in the graph (`tf.compat.v1.data.make_initializable_iterator`
 or `make_one_shot_iterator`).
 Guarantees: the returned dataset is `ds.shard(num_shards, index)` with two
 marked constants, 1 and 0 by default, so the single-device graph reads all of
-`ds`. The replicate pass gives replica r of N the values (N, r): replica r
+`ds`; a batched `ds` (`_unbatched`) is sharded by its rows and batched again. The replicate pass gives replica r of N the values (N, r): replica r
 reads elements r, r+N, r+2N, ... of `ds` (elements, or file names when `ds`
 is a file list), and the N replicas together read what one device reads.
 `set_shard(node, num_shards, index)` sets one of the marked constants (a
@@ -28,7 +28,43 @@ def shard(ds: tf.data.Dataset) -> tf.data.Dataset:
         index = tf.constant(0, tf.int64, name="index")
     if not scope.rstrip("/").split("/")[-1].startswith(SHARD_SCOPE):
         raise RuntimeError(f"unexpected shard scope {scope!r}")
-    return ds.shard(num, index)
+    inner, again = _unbatched(ds)
+    return again(inner.shard(num, index))
+
+
+def _unbatched(ds: tf.data.Dataset):
+    """(rows, redo): for `rows.batch(...)` or `rows.padded_batch(...)`, each
+    maybe prefetched, the rows and the function that batches (and
+    prefetches) a dataset of rows again as `ds` does; else (ds, identity).
+    Sharding batches would leave the last count-mod-N batches to some
+    replicas only, and a step ends where the first replica's shard ends:
+    those rows would go untrained, where one device trains them in a
+    smaller last batch. Sharded rows, batched per replica, put every row
+    in the step one device trains it in."""
+    kind = lambda d: getattr(getattr(d, "_variant_tensor", None), "op", None)  # noqa: E731
+    layers, d = [], ds
+    while kind(d) is not None and kind(d).type == "PrefetchDataset" and \
+            hasattr(d, "_buffer_size") and hasattr(d, "_input_dataset"):
+        layers.append(lambda x, b=d._buffer_size: x.prefetch(b))
+        d = d._input_dataset
+    op = kind(d)
+    try:
+        if op is not None and op.type == "BatchDatasetV2" and not op.get_attr("parallel_copy"):
+            layers.append(lambda x, b=d._batch_size, r=d._drop_remainder: x.batch(b, r))
+        elif op is not None and op.type == "PaddedBatchDatasetV2":
+            layers.append(lambda x, b=d._batch_size, s=d._padded_shapes, v=d._padding_values,
+                          r=d._drop_remainder: x.padded_batch(b, s, v, r))
+        else:
+            return ds, lambda x: x
+        rows = d._input_dataset
+    except (AttributeError, ValueError):        # another TensorFlow's private layout
+        return ds, lambda x: x
+
+    def again(x):
+        for layer in reversed(layers):
+            x = layer(x)
+        return x
+    return rows, again
 
 
 def shard_constant(name: str) -> str | None:
