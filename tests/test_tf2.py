@@ -508,6 +508,11 @@ def test_bad_steps_are_refused_naming_the_problem():
     step = pn.function(step_of(model, optimizer), local(2))
     with pytest.raises(pn.FetchError, match="global batch of 7 rows.*2 replicas"):
         step(x[0][:7], y[0][:7])
+    batches = tf.data.Dataset.from_tensor_slices((x[0], y[0])).batch(4)
+    for given in (batches, iter(batches)):       # the TF2 strategies' habit
+        with pytest.raises(pn.GraphError, match="is a .*, not a tensor or array: a step takes "
+                                                "one global batch; iterate outside it"):
+            pn.function(lambda it: step_of(model, optimizer)(*next(iter(it))), local(2))(given)
     ids, _ = data(vocab=30)
     table = keras3_embedding(30)
     with pytest.raises(pn.ConfigError, match="optimizer Adafactor updates the sparse.*Lamb"):

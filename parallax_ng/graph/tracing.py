@@ -167,8 +167,12 @@ def _spec(value, i: int):
     try:
         t = tf.convert_to_tensor(value)
     except (TypeError, ValueError) as e:
+        data = isinstance(value, (tf.data.Dataset, tf.data.Iterator))
         raise GraphError(f"argument leaf {i} of the step is a {type(value).__name__}, not a "
-                         f"tensor or array: {e}") from None
+                         "tensor or array" + (
+                             ": a step takes one global batch; iterate outside it and pass "
+                             "the batch (for x, y in dataset: step(x, y))" if data else
+                             f": {e}")) from None
     if t.shape.rank == 0:
         raise GraphError(f"argument leaf {i} of the step is a scalar; every argument is a "
                          "batch whose first dimension the replicas split")
