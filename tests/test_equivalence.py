@@ -112,6 +112,53 @@ def test_a_lookup_of_distinct_ids_with_clipping_equals_one_device(run_option, op
             assert diff <= TOL, f"{name} on replica {k}: max abs diff {diff}"
 
 
+def fixed_batch_classifier(batch):
+    """mnist's fully_connected_feed: placeholders of a fixed batch,
+    tf.compat.v1.losses, a count of correct examples by in_top_k, a
+    streaming mean of the loss."""
+    rng = np.random.RandomState(3)
+    g = tf.Graph()
+    with g.as_default():
+        images = tf.compat.v1.placeholder(tf.float32, (batch, 6), name="images")
+        labels = tf.compat.v1.placeholder(tf.int32, (batch,), name="labels")
+        w = tf.compat.v1.get_variable("w", initializer=rng.randn(6, 8).astype(np.float32))
+        v = tf.compat.v1.get_variable("v", initializer=rng.randn(8, 3).astype(np.float32))
+        logits = tf.matmul(tf.nn.relu(tf.matmul(images, w)), v)
+        loss = tf.compat.v1.losses.sparse_softmax_cross_entropy(tf.cast(labels, tf.int64),
+                                                                 logits)
+        correct = tf.reduce_sum(tf.cast(tf.compat.v1.nn.in_top_k(logits, labels, 1), tf.int32))
+        _, mean_update = tf.compat.v1.metrics.mean(loss, name="mean_loss")
+        train = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        init = tf.group(tf.compat.v1.global_variables_initializer(),
+                        tf.compat.v1.local_variables_initializer())
+    return g, {"train": train, "loss": loss, "correct": correct, "mean": mean_update,
+               "init": init}
+
+
+def test_fixed_batch_placeholders_with_tf1_losses_equal_one_device():
+    """Fed N times the placeholders' batch: every variable, the loss, the
+    count of correct examples (int32, summed) and the streaming mean equal
+    one device's (were: gradients and the loss the replicas' sum, 2x, the
+    count their mean, 1/2x; forms.constant_value, in_top_k's rows)."""
+    rng = np.random.RandomState(4)
+    x, y = rng.rand(6, 16, 6).astype(np.float32), rng.randint(0, 3, (6, 16)).astype(np.int32)
+    runs = []
+    for batch, parallel in [(8, True), (16, False)]:
+        g, h = fixed_batch_classifier(batch)
+        session = pn.get_runner(g, local(2)) if parallel else tf.compat.v1.Session(graph=g)
+        with session as s:
+            s.run(h["init"])
+            out = [s.run([h["train"], h["loss"], h["correct"], h["mean"]],
+                         {"images:0": x[k], "labels:0": y[k]})[1:] for k in range(6)]
+            runs.append((out, s.run([read_name(n, g) for n in ("w", "v")])))
+    (got, got_vars), (want, want_vars) = runs
+    for (loss, correct, mean), (loss1, correct1, mean1) in zip(got, want):
+        assert abs(loss - loss1) <= 1e-5 and abs(mean - mean1) <= 1e-5
+        assert correct == correct1 and np.asarray(correct).dtype == np.int32
+    for a, b in zip(got_vars, want_vars):
+        assert np.max(np.abs(a - b)) <= TOL
+
+
 def test_loss_fetch_is_global_batch_mean():
     """Fetching the loss returns the mean over replicas = the global batch loss."""
     g, h = embedding_regression(BATCH, "sgd")

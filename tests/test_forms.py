@@ -88,6 +88,45 @@ def test_a_mean_loss_and_a_count_of_correct_examples():
         assert forms.loss_form(correct, ["x", "y"], None).kind == "sum"
 
 
+def test_a_static_batch_counted_by_tf1_losses_is_a_mean():
+    """Placeholders of a fixed batch (fully_connected_feed's [batch_size,
+    pixels]): tf.compat.v1.losses divides by a count made of constants (a
+    Sum of a broadcast of ones) that TensorFlow does not fold; its value is
+    computed, so the loss is a mean over the batch, and a count of correct
+    examples by in_top_k a sum (were: a scaled sum, gradients summed and
+    the loss fetched as the replicas' sum; the count averaged)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [16, 4], name="x")
+        y = tf1.placeholder(tf.int32, [16], name="y")
+        logits = tf.matmul(x, tf1.get_variable("w", [4, 3]))
+        loss = tf1.losses.sparse_softmax_cross_entropy(tf.cast(y, tf.int64), logits)
+        correct = tf.reduce_sum(tf.cast(tf1.nn.in_top_k(logits, y, 1), tf.int32))
+        best = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, 1, output_type=tf.int32), y),
+                                     tf.float32))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    divisor = loss.op.inputs[1]
+    assert tf.get_static_value(divisor) is None and forms.constant_value(divisor) == 16
+    assert forms.constant_value(x) is None
+    form = forms.loss_form(loss, ["x", "y"], 16)
+    assert form.kind == "mean" and form.by_batch == [(loss.op.name, 1, False)]
+    assert forms.scalar_kind(loss, ["x", "y"]) == "mean"
+    assert forms.scalar_kind(correct, ["x", "y"]) == forms.scalar_kind(best, ["x", "y"]) == "sum"
+    assert forms.averages(_Asked(), g)[:2] == (True, True)
+
+
+def test_a_scaled_sum_where_the_batch_is_not_shown_is_a_mean():
+    """scalar_kind (fetches, metrics' increments) reads a TF1 sum over a
+    number as the gradients do: a mean where a replica's batch size is not
+    shown (fed), a sum where it is shown and differs."""
+    for batch, want in [(None, "mean"), (8, "sum")]:
+        g = tf.Graph()
+        with g.as_default():
+            x = tf1.placeholder(tf.float32, [batch, 3], name="x")
+            value = tf.reduce_sum(tf.square(x)) / 32.0
+        assert forms.scalar_kind(value, ["x"]) == want
+
+
 class _Asked:
     average_dense = average_sparse = "auto"
 

@@ -141,12 +141,14 @@ def _a_mean(tg, ref, sources: list[str]) -> bool:
     tf.compat.v1.metrics.mean(loss) adds it to its total while its count
     grows by one): one device adds the global batch's mean, the mean of the
     replicas'. Every placeholder and iterator counts as data, so a value
-    scaled by a fed number is no mean here (graph/forms.py). A sum over
-    the batch, or a value the graph does not show the form of, is summed."""
+    scaled by a fed number is no mean here; a sum over the batch scaled by
+    a number the graph does not show to be the batch size is, as the
+    gradients take it (graph/forms.py scalar_kind). A sum over the batch,
+    or a value the graph does not show the form of, is summed."""
     t = tg.graph.get_tensor_by_name(f"{ref.node}:{ref.index}")
     if t.shape.rank != 0:
         return False
-    return forms.loss_form(t, sources, None, strict=False).kind == "mean"
+    return forms.scalar_kind(t, sources) == "mean"
 
 
 def _is_read_of(tg, var: str, ref) -> bool:

@@ -114,6 +114,13 @@ def batch_rows(t: tf.Tensor, sources) -> bool:
             out = out and rows(op.inputs[0])
         elif op.type in ("GatherV2", "ResourceGather", "Gather"):
             out = rows(op.inputs[1])
+        elif op.type in ("InTopK", "InTopKV2"):     # a row's target among its top k
+            out = rows(op.inputs[0]) or rows(op.inputs[1])
+        elif op.type in ("ArgMax", "ArgMin"):       # over an axis other than the rows'
+            axis = tf.get_static_value(op.inputs[1])
+            rank = op.inputs[0].shape.rank
+            out = bool(rank) and axis is not None and int(axis) % rank != 0 and \
+                rows(op.inputs[0])
         elif op.type == "Einsum":       # "bsd,de->bse": the output's first index is an input's
             spec = op.get_attr("equation").decode().replace(" ", "")
             ins, _, result = spec.partition("->")
@@ -164,12 +171,12 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     sets), "sum" (a sum over the batch, times or over a number that does
     not depend on the data), or None when the graph does not show it. `constant(t)`: the value of a
     tensor that does not depend on the data, or None if it is not known
-    (default: tf.get_static_value).
+    (default: `constant_value`).
     Raises GraphError for a sum over the batch plus a term that does not
     depend on the data (a regularizer): each micro-batch would add it once
     (with `strict` False, its form is None)."""
     sources = set(sources)
-    constant = constant or tf.get_static_value
+    constant = constant or constant_value
     dependent = set()
     stack, order, visited = [loss.op], [], set()
     while stack:        # the loss's ancestors that depend on a data source
@@ -248,6 +255,59 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     kind = form(loss)
     return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [],
                     scaled[0] and kind == "sum", by_count if kind == "mean" else [])
+
+
+def constant_value(t: tf.Tensor):
+    """The value of `t` where constants alone make it: folded by TensorFlow,
+    or computed by running the ops between it and its constants once
+    (tf.compat.v1.losses counts a batch of static shape so: the Sum of a
+    broadcast of ones); None where one of them reads data or state, draws,
+    or calls a function."""
+    value = tf.get_static_value(t)
+    if value is not None:
+        return value
+    ops, stack = {}, [t.op]
+    while stack:
+        op = stack.pop()
+        if op.name in ops:
+            continue
+        if len(ops) >= _MOST_OPS or op.type in SOURCE_TYPES or op._is_stateful or \
+                op.graph._is_function(op.type):       # noqa: SLF001 (TensorFlow's own flags)
+            return None
+        ops[op.name] = op
+        stack.extend([x.op for x in op.inputs] + list(op.control_inputs))
+    graph_def = tf.compat.v1.GraphDef()
+    graph_def.versions.CopyFrom(t.graph.graph_def_versions)
+    for op in ops.values():
+        node = graph_def.node.add()
+        node.CopyFrom(op.node_def)
+        node.device = ""                      # the user's placement is not this one's
+        node.attr.pop("_class", None)
+    graph = tf.Graph()
+    try:
+        with graph.as_default():
+            tf.graph_util.import_graph_def(graph_def, name="")
+        with tf.compat.v1.Session(graph=graph) as sess:
+            return sess.run(t.name)
+    except (tf.errors.OpError, ValueError):
+        return None
+
+
+_MOST_OPS = 256     # a count or a scale is a few ops; a larger graph is not evaluated
+
+
+def scalar_kind(t: tf.Tensor, sources) -> str | None:
+    """"sum" or "mean" over the batch for a scalar the replicas compute (a
+    loss, a metric's increment), as `averages` reads the losses: a TF1 sum
+    scaled by a number the graph does not show to be a replica's batch size
+    is a mean (a sum over `batch_size`, the usual script); None when the
+    graph does not show."""
+    traced = bool(t.graph.get_collection(TAPE_TARGETS))
+    batch = None if traced else replica_batch(t.graph, sources)
+    form = loss_form(t, sources, batch, strict=False)
+    if form.kind == "sum" and form.scaled and not traced and batch is None:
+        return "mean"
+    return form.kind
 
 
 def replica_batch(graph: tf.Graph, data) -> int | None:

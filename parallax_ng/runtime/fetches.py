@@ -419,8 +419,8 @@ def combine(values: list, f: Fetch):
         return [values[i] for i in f.replicas]
     if f.how == "mean":
         return np.mean(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
-    if f.how == "sum":
-        return np.sum(np.stack(values), axis=0)
+    if f.how == "sum":               # in the fetch's own type, as one device gives it
+        return np.sum(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
     return np.concatenate([np.atleast_1d(v) for v in values], axis=0)
 
 
@@ -435,6 +435,5 @@ def _default_reduction(t: tf.Tensor, sources: list[str]) -> str:
     if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
         return "first"
     if t.shape.rank == 0:
-        kind = forms.loss_form(t, sources, None, strict=False).kind
-        return "sum" if kind == "sum" else "mean"
+        return "sum" if forms.scalar_kind(t, sources) == "sum" else "mean"
     return "concat"
