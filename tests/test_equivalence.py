@@ -128,18 +128,21 @@ def fixed_batch_classifier(batch):
                                                                  logits)
         correct = tf.reduce_sum(tf.cast(tf.compat.v1.nn.in_top_k(logits, labels, 1), tf.int32))
         _, mean_update = tf.compat.v1.metrics.mean(loss, name="mean_loss")
+        _, accuracy = tf.compat.v1.metrics.accuracy(labels, tf.argmax(logits, 1, tf.int32))
         train = tf.compat.v1.train.GradientDescentOptimizer(0.5).minimize(loss)
         init = tf.group(tf.compat.v1.global_variables_initializer(),
                         tf.compat.v1.local_variables_initializer())
     return g, {"train": train, "loss": loss, "correct": correct, "mean": mean_update,
-               "init": init}
+               "accuracy": accuracy, "init": init}
 
 
 def test_fixed_batch_placeholders_with_tf1_losses_equal_one_device():
     """Fed N times the placeholders' batch: every variable, the loss, the
-    count of correct examples (int32, summed) and the streaming mean equal
-    one device's (were: gradients and the loss the replicas' sum, 2x, the
-    count their mean, 1/2x; forms.constant_value, in_top_k's rows)."""
+    count of correct examples (int32, summed), the streaming mean and
+    accuracy equal one device's (were: gradients and the loss the
+    replicas' sum, 2x, the count their mean, 1/2x, forms.constant_value and
+    in_top_k's rows; the accuracy 2x, its count of a static batch folded to
+    a constant each replica added alone, state_sync._rows_counted)."""
     rng = np.random.RandomState(4)
     x, y = rng.rand(6, 16, 6).astype(np.float32), rng.randint(0, 3, (6, 16)).astype(np.int32)
     runs = []
@@ -148,12 +151,13 @@ def test_fixed_batch_placeholders_with_tf1_losses_equal_one_device():
         session = pn.get_runner(g, local(2)) if parallel else tf.compat.v1.Session(graph=g)
         with session as s:
             s.run(h["init"])
-            out = [s.run([h["train"], h["loss"], h["correct"], h["mean"]],
+            out = [s.run([h["train"], h["loss"], h["correct"], h["mean"], h["accuracy"]],
                          {"images:0": x[k], "labels:0": y[k]})[1:] for k in range(6)]
             runs.append((out, s.run([read_name(n, g) for n in ("w", "v")])))
     (got, got_vars), (want, want_vars) = runs
-    for (loss, correct, mean), (loss1, correct1, mean1) in zip(got, want):
+    for (loss, correct, mean, acc), (loss1, correct1, mean1, acc1) in zip(got, want):
         assert abs(loss - loss1) <= 1e-5 and abs(mean - mean1) <= 1e-5
+        assert abs(acc - acc1) <= 1e-6
         assert correct == correct1 and np.asarray(correct).dtype == np.int32
     for a, b in zip(got_vars, want_vars):
         assert np.max(np.abs(a - b)) <= TOL

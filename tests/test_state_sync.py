@@ -189,14 +189,18 @@ def test_accumulations_are_summed_and_averages_averaged():
             np.testing.assert_allclose(value, want, rtol=1e-6, err_msg=name)
 
 
-def metrics_graph():
+def metrics_graph(data=None):
     """A classifier with tf.compat.v1 metrics: the mean of the (mean) loss,
-    accuracy, AUC; and a fetched count of correct examples."""
+    accuracy, AUC; and a fetched count of correct examples. `data`: a
+    function giving (x, y) from a dataset instead of placeholders."""
     g = tf.Graph()
     with g.as_default():
         tf1.set_random_seed(1)
-        x = tf1.placeholder(tf.float32, [None, 5], name="x")
-        y = tf1.placeholder(tf.int64, [None], name="y")
+        if data is None:
+            x = tf1.placeholder(tf.float32, [None, 5], name="x")
+            y = tf1.placeholder(tf.int64, [None], name="y")
+        else:
+            x, y = data()
         h = tf.nn.relu(tf.matmul(x, tf1.get_variable("w1", [5, 8])))
         logits = tf.matmul(h, tf1.get_variable("w2", [8, 2]))
         loss = tf1.losses.sparse_softmax_cross_entropy(y, logits)
@@ -254,6 +258,42 @@ def test_tf1_metrics_and_fetched_sums_equal_one_device(mode):
                                atol=1e-5, rtol=0)
     np.testing.assert_allclose(got_metrics, want_metrics, atol=1e-5, rtol=0)
     assert set(got_vars) == set(want_vars) and len(want_vars) > 8
+    for name, value in want_vars.items():
+        np.testing.assert_allclose(got_vars[name], value, atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_tf1_metrics_over_a_batch_of_static_shape_equal_one_device():
+    """A dataset batched with drop_remainder (a static batch of 4 rows per
+    replica): accuracy's and AUC's counts of the batch's rows are folded to
+    constants that every replica adds alike; one device adds the global
+    batch's, so each replica adds its constant times the replicas (the
+    accuracy had been twice one device's). 6 steps on 2 replicas, every
+    variable and metric, 1e-5."""
+    import parallax_ng as pn
+    from models import local
+    rng = np.random.RandomState(1)
+    xs = rng.randn(48, 5).astype(np.float32)
+    ys = (xs @ rng.randn(5, 1) > 0).astype(np.int64).ravel()
+
+    def data(parallel):
+        def make():           # in the classifier's graph
+            ds = tf.data.Dataset.from_tensor_slices((xs, ys))
+            ds = pn.shard(ds).batch(4, drop_remainder=True) if parallel else \
+                ds.batch(8, drop_remainder=True)
+            return tf1.data.make_one_shot_iterator(ds).get_next()
+        return make
+    runs = []
+    for parallel in (True, False):
+        g, t = metrics_graph(data(parallel))
+        with (pn.get_runner(g, local(2)) if parallel else tf1.Session(graph=g)) as s:
+            s.run(t["init"])
+            for _ in range(6):
+                s.run([t["train"]] + t["updates"])
+            runs.append((s.run(t["values"]), {v.op.name: s.run(v) for v in
+                                              g.get_collection("local_variables")}))
+    (got, got_vars), (want, want_vars) = runs
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert set(got_vars) == set(want_vars) and len(want_vars) > 4
     for name, value in want_vars.items():
         np.testing.assert_allclose(got_vars[name], value, atol=1e-5, rtol=0, err_msg=name)
 

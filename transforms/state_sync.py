@@ -13,7 +13,11 @@ summed, as AssignAdd's are, and the total equals one device's with the
 global batch; an AssignAdd whose increment reads `var` is a moving average
 written as an add, so it is averaged; so is an increment that is a mean
 over the replica's batch (tf.compat.v1.metrics.mean of a mean loss: one
-device adds the global batch's mean, the mean of the replicas'). A loss
+device adds the global batch's mean, the mean of the replicas'). An
+increment that is the same on every replica and counts the batch's rows
+(a multiple of the replica batch made of constants: tf.compat.v1.metrics'
+count over a batch of static shape, folded by TensorFlow) is multiplied
+by the replica count, as one device adds the global batch's. A loss
 that divides a sum over the batch by a count of the data's values (a
 masked mean, `tf.compat.v1.losses` with per-example weights) divides by
 the replicas' mean count in every replica, forward and gradient, so the
@@ -27,6 +31,8 @@ Initializers are left to the `init` pass.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from parallax_ng.graph import emit, forms, rules
 from parallax_ng.graph.ir import GraphIR
@@ -46,6 +52,7 @@ class StateSyncPass:
         synced = 0
         new_nodes, rewires = [], {}
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
+        batch = forms.replica_batch(tg.graph, sources)
         for var, writers in sorted(tg.writers.items()):
             if not plan.mirrored(var) or var in tg.accumulators:    # replica-local sums
                 continue
@@ -53,6 +60,11 @@ class StateSyncPass:
                 if w in initializers:
                     continue
                 for pos, ref in enumerate(tg.ir.data_inputs(w)):
+                    if pos and not ctx.varies(ref) and \
+                            (rows := _rows_counted(tg, var, w, pos, batch)) is not None:
+                        nodes, outs = _times_replicas(ctx, ir, *rows)
+                        new_nodes.extend(nodes)
+                        rewires.update(outs)
                     if pos == 0 or not ctx.varies(ref):
                         continue
                     how = rules.state_sync_reduction(tg.ir.node(w).op, w)
@@ -134,6 +146,45 @@ def _accumulated(tg, var: str, ref) -> int | None:
         if _is_read_of(tg, var, other) and not _reads(tg, var, ins[at].node):
             return at
     return None
+
+
+def _rows_counted(tg, var: str, w: str, pos: int, batch: int | None):
+    """(node, input position, increment) when writer `w` adds to `var`, at
+    input `pos`, an increment that is the same on every replica and counts
+    the batch's rows: a value of constants alone that is a multiple of the
+    replica batch B >= 2 (tf.compat.v1.metrics counts a batch of static
+    shape so, its size folded by TensorFlow), where one device adds N times
+    as many; None otherwise."""
+    if batch is None or batch < 2:
+        return None
+    ref, op = tg.ir.data_inputs(w)[pos], tg.ir.node(w).op
+    if op in _ASSIGNS and (delta := _accumulated(tg, var, ref)) is not None:
+        node, at = ref.node, delta
+    elif op in ("AssignAdd", "AssignAddVariableOp") and pos == 1:
+        node, at = w, pos
+    else:
+        return None
+    inc = tg.ir.data_inputs(node)[at]
+    value = forms.constant_value(tg.tensor(inc))
+    if value is None or np.ndim(value) or not value > 0 or value % batch:
+        return None
+    return node, at, inc
+
+
+def _times_replicas(ctx, ir, node: str, at: int, inc):
+    """Every replica's `node` takes its input `at` (`inc`) times the job's
+    replica count."""
+    dtype = ctx.tg.tensor(inc).dtype
+    scope = f"parallax/state_sync/{node}/input_{at}/rows"
+    count = emit.const(f"{scope}/replicas", ctx.plan.group_size, dtype, ctx.plan.host)
+    nodes, outs = [count], {}
+    for k in range(ctx.plan.num_replicas):
+        mine = ctx.replica_name(k, node)
+        nodes.append(emit.node_def(f"{scope}/{k}", "Mul", [ctx.replica_tensor(k, inc),
+                                                           count.name],
+                                   ir.node(mine).device, T=dtype))
+        outs[(mine, at)] = nodes[-1].name
+    return nodes, outs
 
 
 def _a_mean(tg, ref, sources: list[str]) -> bool:
