@@ -115,6 +115,21 @@ def test_a_static_batch_counted_by_tf1_losses_is_a_mean():
     assert forms.averages(_Asked(), g)[:2] == (True, True)
 
 
+def test_a_count_of_the_batchs_rows_is_a_sum():
+    """tf.shape(x)[0] and tf.size(y), fetched to count examples: the
+    replicas' sum is one device's (their mean had been half of it); a
+    dimension other than the rows' is the same on every replica."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        y = tf1.placeholder(tf.int64, [None], name="y")
+        rows = tf.shape(x)[0]
+        width = tf.shape(x)[1]
+        size = tf.cast(tf.size(y), tf.float32)
+    assert forms.scalar_kind(rows, ["x", "y"]) == forms.scalar_kind(size, ["x", "y"]) == "sum"
+    assert forms.scalar_kind(width, ["x", "y"]) is None
+
+
 def test_a_scaled_sum_where_the_batch_is_not_shown_is_a_mean():
     """scalar_kind (fetches, metrics' increments) reads a TF1 sum over a
     number as the gradients do: a mean where a replica's batch size is not

@@ -17,6 +17,7 @@ def feed_graph():
         w = tf1.get_variable("w", initializer=np.array([[1.0], [2.0]], np.float32))
         pred = tf.identity(tf.matmul(x, w) * scale, name="pred")
         loss = tf.reduce_mean(tf.square(pred), name="loss")
+        tf.identity(tf.shape(x)[0], name="rows")          # a count of the batch's rows
         tf1.train.GradientDescentOptimizer(0.01).minimize(loss, name="train")
         tf1.global_variables_initializer()
     return g
@@ -32,6 +33,7 @@ def test_feeds_split_by_batch_and_fetches_combine():
         per = runner.run("pred:0", {"x:0": x, "scale:0": 2.0}, per_replica=True)
         nested = runner.run({"a": ["loss:0"], "b": ("w/Read/ReadVariableOp:0",)},
                             {"x:0": x, "scale:0": 1.0})
+        assert runner.run("rows:0", {"x:0": x, "scale:0": 1.0}) == 4   # the replicas' sum
     want = x @ np.array([[1.0], [2.0]]) * 2
     np.testing.assert_allclose(pred, want)                 # concatenated in order
     np.testing.assert_allclose(loss, np.mean(want ** 2), rtol=1e-6)

@@ -207,8 +207,10 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         op = t.op
         if not data(t):
             return "constant"
-        if op.type in ("Identity", "Snapshot", "Neg"):
+        if op.type in ("Identity", "Snapshot", "Neg", "Cast"):
             return through(t, op.inputs[0])
+        if _counts_rows(op, sources):
+            return "sum"        # the batch's rows (or elements) counted: a sum of ones
         if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
                 op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum":
             by_count.append(op.name)
@@ -308,6 +310,19 @@ def scalar_kind(t: tf.Tensor, sources) -> str | None:
     if form.kind == "sum" and form.scaled and not traced and batch is None:
         return "mean"
     return form.kind
+
+
+def _counts_rows(op, sources) -> bool:
+    """Whether `op` counts a batch's rows: `tf.shape(x)[0]` or `tf.size(x)`
+    of a tensor whose first dimension is the batch."""
+    if op.type == "Size":
+        return batch_rows(op.inputs[0], sources)
+    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape":
+        return False
+    begin, strides = (tf.get_static_value(op.inputs[i]) for i in (1, 3))
+    return (begin is not None and strides is not None and list(begin) == [0]
+            and list(strides) == [1] and op.get_attr("shrink_axis_mask") == 1
+            and batch_rows(op.inputs[0].op.inputs[0], sources))
 
 
 def replica_batch(graph: tf.Graph, data) -> int | None:
