@@ -73,7 +73,8 @@ class StateSyncPass:
                         how = "mean"              # a moving average written as an add
                     elif tg.ir.node(w).op in _ASSIGNS and (
                             delta := _accumulated(tg, var, ref)) is not None:
-                        node, at, ref, how = ref.node, delta, tg.ir.data_inputs(ref.node)[delta], "sum"
+                        node, at, how = ref.node, delta, "sum"
+                        ref = tg.ir.data_inputs(node)[delta]
                     if how == "sum" and _a_mean(tg, ref, sources):
                         how = "mean"              # one device adds the global batch's mean
                     reduce = _on_a_server if plan.reduces_on_servers else _all_reduce

@@ -5,9 +5,10 @@ iterator made in the graph (`tf.compat.v1.data.make_initializable_iterator`
 or `make_one_shot_iterator`).
 Guarantees: the returned dataset is `ds.shard(num_shards, index)` with two
 marked constants, 1 and 0 by default, so the single-device graph reads all of
-`ds`; a batched `ds` (`_unbatched`) is sharded by its rows and batched again. The replicate pass gives replica r of N the values (N, r): replica r
-reads elements r, r+N, r+2N, ... of `ds` (elements, or file names when `ds`
-is a file list), and the N replicas together read what one device reads.
+`ds` (a batched `ds` is sharded by its rows and batched again, `_unbatched`).
+The replicate pass gives replica r of N the values (N, r): replica r reads
+elements r, r+N, r+2N, ... of `ds` (elements, or file names when `ds` is a
+file list), and the N replicas together read what one device reads.
 `set_shard(node, num_shards, index)` sets one of the marked constants (a
 NodeDef of the graph or of a dataset function's body) to its value for a
 shard; it is how every part of the project that splits inputs (the

@@ -169,9 +169,9 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     (a mean over the batch, or a sum over it divided by the batch size
     `batch`, as tf.compat.v1.losses computes it, or by a count the data
     sets), "sum" (a sum over the batch, times or over a number that does
-    not depend on the data), or None when the graph does not show it. `constant(t)`: the value of a
-    tensor that does not depend on the data, or None if it is not known
-    (default: `constant_value`).
+    not depend on the data), or None when the graph does not show it.
+    `constant(t)`: the value of a tensor that does not depend on the data,
+    or None if it is not known (default: `constant_value`).
     Raises GraphError for a sum over the batch plus a term that does not
     depend on the data (a regularizer): each micro-batch would add it once
     (with `strict` False, its form is None)."""
