@@ -304,12 +304,18 @@ def scalar_kind(t: tf.Tensor, sources) -> str | None:
     scaled by a number the graph does not show to be a replica's batch size
     is a mean (a sum over `batch_size`, the usual script); None when the
     graph does not show."""
+    return _scalar_kind(t, sources)[0]
+
+
+def _scalar_kind(t: tf.Tensor, sources) -> tuple[str | None, bool]:
+    """`scalar_kind`'s answer, and whether it is the guess that a scaled
+    TF1 sum is a mean."""
     traced = bool(t.graph.get_collection(TAPE_TARGETS))
     batch = None if traced else replica_batch(t.graph, sources)
     form = loss_form(t, sources, batch, strict=False)
     if form.kind == "sum" and form.scaled and not traced and batch is None:
-        return "mean"
-    return form.kind
+        return "mean", True
+    return form.kind, False
 
 
 def _counts_rows(op, sources) -> bool:
@@ -358,17 +364,15 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
         return (*wanted, "")
     losses = autodiff_losses(graph)
     data = sources(graph)
-    traced = bool(graph.get_collection(TAPE_TARGETS))
-    batch = None if traced else replica_batch(graph, data)
     sums, unsure = [], []
     for loss in losses:
         if loss.shape.rank and batch_rows(loss, data):
             sums.append(loss.name)      # a value per example: the autodiff sums them
             continue
-        form = loss_form(loss, data, batch, strict=False)
-        if form.kind == "sum" and form.scaled and not traced and batch is None:
+        kind, guessed = _scalar_kind(loss, data)
+        if guessed:
             unsure.append(loss.name)
-        elif form.kind == "sum":
+        elif kind == "sum":
             sums.append(loss.name)
     summed = bool(losses) and len(sums) == len(losses)
     note = ""

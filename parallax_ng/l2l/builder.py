@@ -112,8 +112,7 @@ class _Builder:
         # the batch (or when the graph does not show), added for a sum
         self.micro = MicroBatches(tg, layering, self.u, host, PREFIX)
         self.loss_form = loss_form(tg.graph.get_tensor_by_name(layering.loss),
-                                   layering.sources, self.micro.batch_size(),
-                                   self.micro.constant)
+                                   layering.sources, self.micro.batch_size())
         self.weight = 1.0 if self.loss_form.kind == "sum" else 1.0 / self.u
         if self.loss_form.kind is None and self.u > 1:
             warnings.warn(

@@ -3,8 +3,7 @@ number, the number a micro-batch needs instead.
 
 Requires: a TrainingGraph, its Layering, the micro-batches per replica and
 the host device. Guarantees: `batch_size` is a replica's batch as the graph
-was built (the data iterators' static first dimension, or None);
-`constant` folds a tensor that depends on no data; `split` cuts a
+was built (the data iterators' static first dimension, or None); `split` cuts a
 batch into micro-batches (`whole_feeds` are the feeds each gets whole); `constants(seg,
 by_batch)` gives, per op of a layer, the inputs to replace with a
 micro-batch's constant (the patterns are listed there), made once per layer
@@ -43,17 +42,6 @@ class MicroBatches:
                  for t in self.tg.graph.get_operation_by_name(name).outputs
                  if t.op.type != "Placeholder" and t.shape.rank}
         return sizes.pop() if len(sizes) == 1 else None
-
-    def constant(self, t: tf.Tensor):
-        """The value of `t`, a tensor of the user's graph that depends on no
-        data: folded by TensorFlow, or computed from constants alone (as
-        tf.compat.v1.losses counts a batch's examples); None otherwise."""
-        value = tf.get_static_value(t)
-        if value is None and t.op.name in self.lay.free:
-            config = tf.compat.v1.ConfigProto(allow_soft_placement=True)   # user's devices
-            with tf.compat.v1.Session(graph=self.tg.graph, config=config) as sess:
-                value = sess.run(t)
-        return value
 
     def from_data(self) -> set[str]:
         """The user's ops that depend on a data source."""
