@@ -14,6 +14,16 @@ if V1_BEHAVIOR:
     import tensorflow as tf
     tf.compat.v1.disable_v2_behavior()
 
+
+
+def pytest_configure(config):
+    """One fork server per test process forks the scripts the tests run
+    and the tasks of every job they launch (tests/forked.py); not in
+    pytest-xdist's controller, which runs no test."""
+    if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+        import forked
+        forked.share()
+
 # The modules that take longest (minutes of jobs each) are collected first,
 # so that `-n 2 --dist loadfile`, which hands modules to its two workers in
 # collection order, does not leave one of them running a long module alone

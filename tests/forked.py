@@ -4,7 +4,9 @@ launcher starts a job's tasks) instead of a new interpreter importing
 TensorFlow again: 4-5 s of CPU saved on each of the scripts and commands
 the suite runs. `run` takes what subprocess.run takes here and returns its
 CompletedProcess (text output); where the server cannot fork, it runs the
-command as a process of its own."""
+command as a process of its own. `share` makes the server the one every
+`parallax-ng run` the test process starts asks for its tasks (the
+launcher's PARALLAX_NG_FORK_SERVER), instead of each job starting one."""
 import atexit
 import os
 import signal
@@ -12,10 +14,11 @@ import subprocess
 import sys
 import threading
 
-from parallax_ng.tools.forking import Forker
+from parallax_ng.tools.forking import SHARED_ENV, Forker
 from task_env import TASK_PATH
 
-ENV = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
+# as the tests start jobs, with what the launcher adds for its tasks
+ENV = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2", PYTHONUNBUFFERED="1")
 _forker: list[Forker] = []
 
 
@@ -54,8 +57,13 @@ def run(cmd: list[str], env: dict | None = None, cwd=None, timeout: float = 600,
                                        out.get("err", b"").decode(errors="replace"))
 
 
+def share() -> None:
+    """Start the server now and name it to the launchers this process starts."""
+    os.environ[SHARED_ENV] = _server().address
+
+
 def _server() -> Forker:
     if not _forker:
-        _forker.append(Forker(ENV))
+        _forker.append(Forker(ENV, share=True))
         atexit.register(_forker[0].close)
     return _forker[0]

@@ -3,8 +3,10 @@ runs as `python SCRIPT ARGS` (or `python -m MODULE ARGS`) would, and the
 launcher sees it as a subprocess.Popen. Real processes: one server that
 imported TensorFlow, its forked children."""
 import os
+import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -13,6 +15,7 @@ from task_env import TASK_PATH
 from parallax_ng.tools.forking import Forker
 
 ENV = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
+ENV.pop("PARALLAX_NG_FORK_SERVER", None)       # the tests' own (tests/forked.py)
 
 SCRIPT = """\
 import json, os, sys
@@ -32,8 +35,8 @@ def forker():
     f.close()
 
 
-def spawn(forker, tmp_path, text, *args, env=None):
-    path = tmp_path / "task.py"
+def spawn(forker, tmp_path, text, *args, env=None, name="task.py"):
+    path = tmp_path / name
     path.write_text(text)
     task = forker.spawn([str(path), *args], dict(ENV, **(env or {})), script=str(path))
     assert task is not None, forker.failed
@@ -203,3 +206,71 @@ def _gone(pid: int, seconds: float = 10) -> bool:
         time.sleep(0.05)
     return False
 
+
+
+def test_launchers_share_one_server_and_each_ones_tasks_end_with_it(tmp_path):
+    """A server started with `share` forks the tasks of every launcher that
+    connects at its address; a launcher that goes away takes its own tasks
+    with it, and the others' run on and are reported."""
+    server = Forker(ENV, share=True)
+    env = dict(ENV, PARALLAX_NG_FORK_SERVER=server.address)
+    a, b = Forker.shared(env), Forker.shared(env)
+    try:
+        assert a is not None and b is not None and a.process is None
+        go = tmp_path / "go"
+        sleeper = spawn(a, tmp_path, "import time\nprint('up', flush=True)\ntime.sleep(60)\n")
+        waiter = spawn(b, tmp_path, "import os, time\nfor _ in range(600):\n"
+                       f"    if os.path.exists({str(go)!r}): break\n    time.sleep(0.05)\n"
+                       "print(os.getppid(), flush=True)\n", name="waiter.py")
+        assert sleeper.stdout.readline() == b"up\n"
+        a.close()
+        assert _gone(sleeper.pid)
+        go.touch()
+        assert waiter.stdout.readline() == f"{server.process.pid}\n".encode()
+        assert waiter.wait(10) == 0
+        own = spawn(server, tmp_path, "print('own')\n", name="own.py")
+        assert own.wait(30) == 0 and own.stdout.read() == b"own\n"
+    finally:
+        b.close()
+        server.close()
+    assert not os.path.exists(server.address)
+
+
+def test_a_shared_server_is_used_only_where_its_environment_is_the_launchers(tmp_path):
+    server = Forker(ENV, share=True)
+    try:
+        env = dict(ENV, PARALLAX_NG_FORK_SERVER=server.address)
+        assert Forker.shared(ENV) is None                         # none named
+        assert Forker.shared(dict(env, PARALLAX_NG_FORK_SERVER=str(tmp_path / "no"))) is None
+        for differs in ({"TF_ENABLE_ONEDNN_OPTS": "0"}, {"PYTHONPATH": str(tmp_path)},
+                        {"PYTHONHASHSEED": "7"}):   # read by the import or the interpreter
+            assert Forker.shared(dict(env, **differs)) is None, differs
+        for key in ("TF_CPP_MIN_LOG_LEVEL", "PYTHONPATH"):
+            assert Forker.shared({k: v for k, v in env.items() if k != key}) is None, key
+        same = Forker.shared(dict(env, TF_USE_LEGACY_KERAS="0", ONLY_LAUNCHER="1"))
+        assert same is not None       # tf.keras resolves in the task; the rest is the task's
+        same.close()
+    finally:
+        server.close()
+
+
+def test_a_job_takes_its_tasks_from_the_shared_server(tmp_path):
+    """`parallax-ng run` with PARALLAX_NG_FORK_SERVER set forks its worker
+    from that server; without it the launcher starts a server of its own."""
+    script = tmp_path / "job.py"
+    script.write_text("import os\nprint('parent', os.getppid(), flush=True)\n")
+    resources = tmp_path / "r.yaml"
+    resources.write_text("hosts:\n  - address: 127.0.0.1\n    devices: [cpu:0]\n")
+    server = Forker(ENV, share=True)
+    try:
+        cmd = [sys.executable, "-m", "parallax_ng", "run", str(script), "-r", str(resources)]
+        parents = []
+        for env in (dict(ENV, PARALLAX_NG_FORK_SERVER=server.address, PYTHONUNBUFFERED="1"),
+                    {k: v for k, v in ENV.items() if k != "PARALLAX_NG_FORK_SERVER"}):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+            assert done.returncode == 0, done.stderr[-2000:]
+            parents.append(int(re.search(r"\[worker 0\] parent (\d+)", done.stdout).group(1)))
+        assert parents[0] == server.process.pid
+        assert parents[1] != server.process.pid
+    finally:
+        server.close()

@@ -32,20 +32,41 @@ server kills every task it started and exits. A server that fails to
 start, or dies, makes `spawn` return None (the launcher then starts the
 task as a process of its own); tasks it had started are killed and end
 with -SIGKILL.
+A server can be shared by every launcher on the machine that runs many
+jobs (a sweep, a test suite): `Forker(env, share=True)` also listens on a
+socket of its own directory (`address`), and a launcher whose environment
+names it in PARALLAX_NG_FORK_SERVER asks that server for its tasks
+(`Forker.shared`) instead of starting one, sparing each job TensorFlow's
+import. It does only where the server's interpreter and the variables an
+interpreter or TensorFlow's import read (PYTHON*, TF_* but
+TF_USE_LEGACY_KERAS) are the launcher's, else it starts its own. A
+launcher's tasks end when it goes away, as with a server of its own.
 """
 from __future__ import annotations
 
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 
 READY_SECONDS = 300.0     # the server's import of TensorFlow, on a busy machine
 MESSAGE = 1 << 20         # largest request (argv and environment) in bytes
+SHARED_ENV = "PARALLAX_NG_FORK_SERVER"     # a shared server's address
+
+
+def import_env(env: dict) -> dict:
+    """The variables of `env` that an interpreter's start or TensorFlow's
+    import read, which a task forked from a server takes from the server's
+    environment (tf.keras resolves in the task: TF_USE_LEGACY_KERAS is not
+    among them)."""
+    return {k: v for k, v in env.items() if k.startswith(("PYTHON", "TF_"))
+            and k != "TF_USE_LEGACY_KERAS"}
 
 
 class Forked:
@@ -73,14 +94,30 @@ class Forked:
 class Forker:
     """The launcher's side: the server process, its requests and reports."""
 
-    def __init__(self, env: dict):
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.sock = ours
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", _SERVER, str(theirs.fileno())], env=env,
-            pass_fds=(theirs.fileno(),), start_new_session=True, stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        theirs.close()
+    def __init__(self, env: dict, share: bool = False, connected: socket.socket | None = None):
+        """A server of its own, started with `env` (with `share`, others
+        may connect at `address`); or, `connected`, a shared server's."""
+        self.process, self.address, self._dir = None, "", ""
+        if connected is not None:
+            self.sock = connected
+        else:
+            listener = None
+            if share:    # bound here: launchers may connect while the server starts
+                self._dir = tempfile.mkdtemp(prefix="parallax_ng_fork-")
+                self.address = os.path.join(self._dir, "socket")
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                listener.bind(self.address)
+                listener.listen(64)
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self.sock = ours
+            fds = [theirs.fileno()] + ([listener.fileno()] if listener else [])
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _SERVER, *map(str, fds)], env=env, pass_fds=fds,
+                start_new_session=True, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            theirs.close()
+            if listener is not None:
+                listener.close()
         self.failed: str | None = None
         self.said = False          # the launcher has told why it starts processes instead
         self._ready = threading.Event()
@@ -88,7 +125,30 @@ class Forker:
         self._started: dict[int, tuple[threading.Event, list]] = {}   # request -> reply
         self._tasks: dict[int, Forked] = {}
         self._next = 0
+        if connected is not None:
+            self._ready.set()
         threading.Thread(target=self._read, name="parallax_ng fork server", daemon=True).start()
+
+    @classmethod
+    def shared(cls, env: dict) -> Forker | None:
+        """The server `env` names in PARALLAX_NG_FORK_SERVER, where its
+        interpreter and its import's variables are `env`'s; else None."""
+        address = env.get(SHARED_ENV)
+        if not address:
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.settimeout(READY_SECONDS)       # it may still be importing TensorFlow
+            sock.connect(address)
+            hello = json.loads(sock.recv(MESSAGE) or b"{}")
+            sock.settimeout(None)
+        except (OSError, ValueError):
+            sock.close()
+            return None
+        if hello.get("executable") != sys.executable or hello.get("env") != import_env(env):
+            sock.close()
+            return None
+        return cls(env, connected=sock)
 
     def spawn(self, argv: list[str], env: dict, script: str = "",
               module: str = "", cwd: str | None = None) -> Forked | None:
@@ -127,12 +187,15 @@ class Forker:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
         self.sock.close()
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def _read(self) -> None:
         while True:
@@ -192,65 +255,95 @@ def _kill_group(pid: int) -> None:
 # imports parallax_ng itself, with its own environment.
 _SERVER = ("import importlib.util as u, sys; "
            f"s = u.spec_from_file_location('parallax_ng_fork_server', {__file__!r}); "
-           "m = u.module_from_spec(s); s.loader.exec_module(m); m.main(int(sys.argv[1]))")
+           "m = u.module_from_spec(s); s.loader.exec_module(m); "
+           "m.main(*map(int, sys.argv[1:]))")
 
 
-def main(fd: int) -> None:
-    forked = serve(fd)
+def main(fd: int, listening: int = -1) -> None:
+    forked = serve(fd, listening)
     if forked is not None:
         become(*forked)
 
 
-def serve(fd: int):
+def _send(sock: socket.socket, message: dict) -> None:
+    try:
+        sock.send(json.dumps(message).encode())
+    except OSError:         # a launcher gone: its tasks are being killed
+        pass
+
+
+def serve(fd: int, listening: int = -1):
     """Import TensorFlow, then fork a task for each request until the
-    launcher closes its end. Returns only in a child: the request it runs."""
+    launcher that started it closes its end (with a `listening` socket, also
+    for the launchers that connect there; one's tasks are killed when it
+    goes). Returns only in a child: the request it runs."""
     import importlib
-    sock = socket.socket(fileno=fd)
-    send = lambda message: sock.send(json.dumps(message).encode())  # noqa: E731
+    owner = socket.socket(fileno=fd)
+    listener = socket.socket(fileno=listening) if listening >= 0 else None
+    hello = {"ready": os.getpid(), "executable": sys.executable,
+             "env": import_env(dict(os.environ))}     # as it was for the import
     try:
         importlib.import_module("tensorflow")     # what every task would import
     except BaseException as e:       # the launcher starts processes instead
-        send({"failed": f"importing TensorFlow: {type(e).__name__}: {e}"})
+        _send(owner, {"failed": f"importing TensorFlow: {type(e).__name__}: {e}"})
         return None
-    send({"ready": os.getpid()})
-    children: set[int] = set()
+    _send(owner, {"ready": os.getpid()})
+    clients: dict[socket.socket, set[int]] = {owner: set()}    # launcher -> its tasks
     while True:
-        readable, _, _ = select.select([sock], [], [], 0.1)
-        _reap(children, send)
-        if not readable:
-            continue
-        data, fds, _, _ = socket.recv_fds(sock, MESSAGE, 2)
-        if not data:                          # the launcher is gone
-            for pid in children:
-                _kill_group(pid)
-            return None
-        request = json.loads(data)
-        if threading.active_count() != 1:
+        waiting = list(clients) + ([listener] if listener else [])
+        readable, _, _ = select.select(waiting, [], [], 0.1)
+        _reap(clients)
+        for sock in readable:
+            if sock is listener:
+                conn, _ = listener.accept()
+                clients[conn] = set()
+                _send(conn, hello)
+                continue
+            try:
+                data, fds, _, _ = socket.recv_fds(sock, MESSAGE, 2)
+            except OSError:
+                data, fds = b"", []
+            if not data:                          # the launcher is gone
+                for pid in clients.pop(sock):
+                    _kill_group(pid)
+                sock.close()
+                if sock is owner:
+                    for pid in set().union(*clients.values()):
+                        _kill_group(pid)
+                    return None
+                continue
+            request = json.loads(data)
+            if threading.active_count() != 1:
+                for f in fds:
+                    os.close(f)
+                _send(sock, {"failed": f"{threading.active_count()} threads in the fork server"})
+                continue
+            pid = os.fork()
+            if pid == 0:
+                for conn in [*clients, *([listener] if listener else [])]:
+                    conn.close()
+                return request, fds
             for f in fds:
                 os.close(f)
-            send({"failed": f"{threading.active_count()} threads in the fork server"})
-            continue
-        pid = os.fork()
-        if pid == 0:
-            sock.close()
-            return request, fds
-        for f in fds:
-            os.close(f)
-        children.add(pid)
-        send({"started": request["id"], "pid": pid, "argv": request["argv"]})
+            clients[sock].add(pid)
+            _send(sock, {"started": request["id"], "pid": pid, "argv": request["argv"]})
 
 
-def _reap(children: set[int], send) -> None:
-    while children:
+def _reap(clients: dict) -> None:
+    """Report every child that ended to the launcher that asked for it
+    (a gone launcher's are reaped unreported)."""
+    while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            children.clear()
             return
         if pid == 0:
             return
-        children.discard(pid)
-        send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        for sock, children in clients.items():
+            if pid in children:
+                children.discard(pid)
+                _send(sock, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+                break
 
 
 def become(request: dict, fds: list[int]) -> None:

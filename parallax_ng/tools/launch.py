@@ -172,7 +172,7 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
     job = Job(grace_seconds=grace_seconds, grace=grace, resources=resources)
     local = [h for h in resources.hosts if not is_remote(h.address, h.launch)] + [
         p for p in resources.ps if not is_remote(p)]
-    forker = Forker(base_env) if fork and local else None
+    forker = (Forker.shared(base_env) or Forker(base_env)) if fork and local else None
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, job.terminated)
