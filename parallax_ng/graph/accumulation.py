@@ -26,10 +26,73 @@ trained, that a writer adds a gradient of the trained variable to
 front end asks only when the update reaches the autodiff through such
 reads alone (an optimizer's own accumulator, as Adagrad's, is read beside
 the gradient).
+
+A step may also combine gradients it computed within itself: a
+`tf.function` that takes two GradientTapes over halves of its batch and
+applies `g1 / 2 + g2 / 2`. Aggregating one of them (the nearer to the
+update) and leaving the other a replica's own is wrong; `sums` finds the
+sums of gradients by constant factors (Add, AddV2, AddN, Sub of autodiff
+tensors, each maybe negated, multiplied or divided by a constant, or
+made dense from an IndexedSlices; or of zeros), which the front end takes as autodiff tensors themselves: such a
+sum, aggregated, is the sum of the aggregated parts (the mean and the sum
+over replicas are linear), so the update is one device's.
 """
 from __future__ import annotations
 
+import numpy as np
+import tensorflow as tf
+
 from .ir import TensorRef
+
+_SUMS = ("Add", "AddV2", "AddN", "Sub")
+_LONGEST = 16            # ops between a gradient and its sum (a scale, a sign)
+
+
+def sums(ir, autodiff) -> set[str]:
+    """The sums of autodiff tensors (and of such sums) by constant factors,
+    in the graph's order."""
+    found: set[str] = set()
+    grads = set(autodiff)
+    for name in ir.topo_order:
+        if name in grads or ir.node(name).op not in _SUMS:
+            continue
+        kinds = [_term(ir, ref, grads) for ref in ir.data_inputs(name)]
+        if "gradient" in kinds and all(k in ("gradient", "zero") for k in kinds):
+            found.add(name)
+            grads.add(name)
+    return found
+
+
+def _term(ir, ref: TensorRef, grads) -> str | None:
+    """"gradient" where `ref` is one of `grads` times a constant, "zero"
+    where it is zeros, else None."""
+    for _ in range(_LONGEST):
+        if ref.node in grads:
+            return "gradient"
+        node, inputs = ir.node(ref.node), ir.data_inputs(ref.node)
+        if node.op == "ZerosLike" or node.op == "Const" and _zero(node) or \
+                node.op == "Fill" and ir.node(inputs[1].node).op == "Const" and \
+                _zero(ir.node(inputs[1].node)):
+            return "zero"
+        if node.op == "UnsortedSegmentSum" and all(r.node in grads for r in inputs[:2]):
+            return "gradient"          # an IndexedSlices gradient made dense
+        if node.op in ("Identity", "Neg"):
+            ref = inputs[0]
+        elif node.op in ("RealDiv", "Div", "Mul") and _const(ir, inputs[1]):
+            ref = inputs[0]
+        elif node.op == "Mul" and _const(ir, inputs[0]):
+            ref = inputs[1]
+        else:
+            return None
+    return None
+
+
+def _const(ir, ref: TensorRef) -> bool:
+    return ir.node(ref.node).op == "Const"
+
+
+def _zero(node) -> bool:
+    return not np.any(tf.make_ndarray(node.attr["value"].tensor))
 
 
 def read_variable(tg, ref: TensorRef) -> str | None:

@@ -323,7 +323,8 @@ def _autodiff(ir: GraphIR) -> frozenset[str]:
     along axis 0 of autodiff rows (two lookups of one table: their values,
     and their indices), an AddN of autodiff tensors (an IndexedSlices among
     them made dense first by an UnsortedSegmentSum of its values and
-    indices: a lookup plus a regularizer on the whole table)."""
+    indices: a lookup plus a regularizer on the whole table); and the
+    step's own sums of gradients (accumulation.sums)."""
     out = {n.name for n in ir.nodes if rules.is_autodiff(n.name)}
     for name in ir.topo_order:
         node = ir.node(name)
@@ -341,7 +342,7 @@ def _autodiff(ir: GraphIR) -> frozenset[str]:
                  all(i.node in out for i in ir.data_inputs(r.node)[:2])]
         if all(r.node in out or r.node in dense for r in ins):
             out.update([name, *dense])
-    return frozenset(out)
+    return frozenset(out | accumulation.sums(ir, out))
 
 
 def _find_gradient(tg: TrainingGraph, var: str, autodiff: frozenset[str]) -> Gradient | None:
@@ -369,6 +370,10 @@ def _find_gradient(tg: TrainingGraph, var: str, autodiff: frozenset[str]) -> Gra
         for w in tg.writers.get(state, ()):
             starts.extend(tg.ir.data_inputs(w))
     found = _walk(tg, starts, v, autodiff)
+    if len(found["values"]) > 1:
+        raise GraphError(f"the update of variable {var!r} combines gradients computed apart, "
+                         f"{sorted(map(str, found['values']))}, other than by a sum: add them "
+                         "(each times a constant), or take one loss under one tape")
     values = _nearest(found["values"], var, "gradient")
     if values is None:
         return None
