@@ -536,8 +536,21 @@ def test_bad_steps_are_refused_naming_the_problem():
         for _ in tf.range(2):
             step_of(model, optimizer)(x, y)
         return tf.constant(0.0)
+
+    def accumulates_in_a_loop(x, y):     # it waited in its first run for ever
+        grads = [tf.zeros_like(v) for v in model.trainable_variables]
+        for _ in tf.range(2):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x) - y))
+            grads = [a + b for a, b in zip(grads, tape.gradient(loss,
+                                                                model.trainable_variables))]
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
     for fn, error, match in [
-            (updates_in_a_loop, pn.GraphError, "is updated inside a loop.*once per step"),
+            (updates_in_a_loop, pn.GraphError, "is updated, or its gradient taken, inside a "
+             "loop.*loop in Python"),
+            (accumulates_in_a_loop, pn.GraphError, "its gradient taken, inside a loop "
+             r"\('while/body.*gradient_tape.*unrolled in the step"),
             (no_update, pn.GraphError, "'no_update' trains nothing.*apply_gradients"),
             (new_variable, pn.GraphError, "makes variables on every call"),
             (side_effect, pn.GraphError, "built another graph when traced a second time")]:

@@ -201,9 +201,8 @@ def load(source) -> TrainingGraph:
             tf.compat.v1.train.import_meta_graph(source, clear_devices=False)
         source = graph
     if not isinstance(source, tf.Graph):
-        raise GraphError(
-            f"cannot parallelize a {type(source).__name__}; pass a tf.Graph, a "
-            "tf.compat.v1.MetaGraphDef or the path of an exported .meta file")
+        raise GraphError(f"cannot parallelize a {type(source).__name__}; pass a tf.Graph, a "
+                         "tf.compat.v1.MetaGraphDef or the path of an exported .meta file")
     return _from_graph(source)
 
 
@@ -241,18 +240,19 @@ def _from_graph(graph: tf.Graph) -> TrainingGraph:
 
 
 def _updates_in_loops(tg: TrainingGraph) -> None:
-    """A GraphError if a trained variable is updated inside a while loop."""
+    """A GraphError if a trained variable is updated, or its gradient taken,
+    inside a while loop (there, it cannot be aggregated: the step would hang)."""
     entered = any(n.op in ("Enter", "RefEnter") for n in tg.ir.nodes)
     loops = randomness.in_loops(tg.ir) if entered else ()
     for var in sorted(tg.trainable):
-        for w in tg.writers.get(var, ()):
+        grad = tg.gradients.get(var)
+        for w in [*tg.writers.get(var, ()), *([grad.values.node] if grad else [])]:
             if w in loops and tg.ir.node(w).op not in ("Exit", "RefExit"):
                 raise GraphError(
-                    f"variable {var!r} is updated inside a loop ({w!r} runs in a while loop: "
-                    "a `for` over tf.range in a TF2 step, or tf.while_loop), where the "
-                    "replicas' gradients of each iteration cannot be aggregated; update once "
-                    "per step: loop in Python outside the step (call it once per batch), or "
-                    "accumulate the iterations' gradients and apply them after the loop")
+                    f"variable {var!r} is updated, or its gradient taken, inside a loop ({w!r} "
+                    "runs in a while loop: a `for` over tf.range in a TF2 step, tf.while_loop),"
+                    " where the replicas' gradients cannot be aggregated; loop in Python (over "
+                    "`range`, unrolled in the step, summing the gradients) or outside the step")
 
 
 def _variables(graph: tf.Graph, ir: GraphIR) -> dict[str, Variable]:
