@@ -60,7 +60,11 @@ def test_how_the_loss_depends_on_the_batch(name):
         assert len(form.by_batch) == 1          # the divisor a micro-batch replaces
 
 
-def test_a_sum_plus_a_term_without_data_is_refused():
+def test_a_sum_plus_a_term_without_data_is_refused_or_named():
+    """Refused for layer-by-layer execution (strict); otherwise its form is
+    unknown, the op that adds the term is named, and `averages` says what
+    averaging does to it (the data's part 1/N of one device's) and what
+    would be exact."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 4])
@@ -68,7 +72,13 @@ def test_a_sum_plus_a_term_without_data_is_refused():
         loss = tf.reduce_sum(tf.matmul(x, w)) + tf.reduce_sum(w)
     with pytest.raises(pn.GraphError, match="sums over the batch and adds a term"):
         forms.loss_form(loss, [x.op.name], None)
-    assert forms.loss_form(loss, [x.op.name], None, strict=False).kind is None
+    form = forms.loss_form(loss, [x.op.name], None, strict=False)
+    assert form.kind is None and form.once == [loss.op.name]
+    with g.as_default():
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    dense, sparse, note = forms.averages(_Asked(), g)
+    assert dense and sparse and f"adds a term that does not depend on the data " \
+        f"({loss.op.name!r}" in note and "1/N of one device's" in note
 
 
 def test_a_mean_loss_and_a_count_of_correct_examples():

@@ -161,6 +161,9 @@ class LossForm:
     # the divisions of a sum over the batch by a count the data sets (a masked
     # mean): input 1 is the count (transforms/state_sync.py shares it)
     by_count: list[str] = field(default_factory=list)
+    # the ops where a sum over the batch adds a term that does not depend on
+    # the data (a regularizer), which makes the form None
+    once: list[str] = field(default_factory=list)
 
 
 def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
@@ -174,7 +177,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     or None if it is not known (default: `constant_value`).
     Raises GraphError for a sum over the batch plus a term that does not
     depend on the data (a regularizer): each micro-batch would add it once
-    (with `strict` False, its form is None)."""
+    (with `strict` False, its form is None and `once` names the op)."""
     sources = set(sources)
     constant = constant or constant_value
     dependent = set()
@@ -189,7 +192,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     for op in sorted(order, key=lambda o: o._id):  # noqa: SLF001 (creation order)
         if op.name in sources or any(t.op.name in dependent for t in op.inputs):
             dependent.add(op.name)
-    by_batch, by_count = [], []
+    by_batch, by_count, once = [], [], []
 
     def data(t):
         return t.op.name in dependent
@@ -234,6 +237,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             forms = {form(x) for x in op.inputs} - {"constant"}
             if forms == {"sum"} and any(not data(x) for x in op.inputs):
                 if not strict:
+                    once.append(op.name)
                     return None
                 raise GraphError(
                     f"the loss {loss.name!r} sums over the batch and adds a term that does not "
@@ -256,7 +260,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         return None
     kind = form(loss)
     return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [],
-                    scaled[0] and kind == "sum", by_count if kind == "mean" else [])
+                    scaled[0] and kind == "sum", by_count if kind == "mean" else [],
+                    once if kind is None else [])
 
 
 def constant_value(t: tf.Tensor):
@@ -364,7 +369,7 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
         return (*wanted, "")
     losses = autodiff_losses(graph)
     data = sources(graph)
-    sums, unsure = [], []
+    sums, unsure, once = [], [], []
     for loss in losses:
         if loss.shape.rank and batch_rows(loss, data):
             sums.append(loss.name)      # a value per example: the autodiff sums them
@@ -374,9 +379,18 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
             unsure.append(loss.name)
         elif kind == "sum":
             sums.append(loss.name)
+        elif kind is None and (added := loss_form(loss, data, None, strict=False).once):
+            once.append((loss.name, added[0]))
     summed = bool(losses) and len(sums) == len(losses)
     note = ""
-    if unsure:
+    if once:
+        note = (f"the loss {once[0][0]!r} sums over the batch and adds a term that does not "
+                f"depend on the data ({once[0][1]!r}: a regularizer?), which one device adds "
+                "once and every replica would add again; the replicas' gradients are "
+                "averaged, which makes the data's part 1/N of one device's. Make the sum a "
+                "mean over the replica's batch (tf.nn.compute_average_loss without "
+                "global_batch_size, tf.reduce_mean) and add the term to it")
+    elif unsure:
         note = (f"the loss {unsure[0]!r} sums over the batch and scales the sum by a number "
                 "the graph does not show to be a replica's batch size; the replicas' "
                 "gradients are averaged, which equals one device if it divides by that "
