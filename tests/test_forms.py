@@ -61,10 +61,11 @@ def test_how_the_loss_depends_on_the_batch(name):
 
 
 def test_a_sum_plus_a_term_without_data_is_refused_or_named():
-    """Refused for layer-by-layer execution (strict); otherwise its form is
-    unknown, the op that adds the term is named, and `averages` says what
-    averaging does to it (the data's part 1/N of one device's) and what
-    would be exact."""
+    """Refused for layer-by-layer execution (strict); otherwise a sum
+    whose term is named (the op and input that add it: the state-sync pass
+    divides it among replicas), and `averages` sums the gradients; beside a
+    loss that averages, it says what averaging does to it (the data's part
+    1/N of one device's) and what would be exact."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 4])
@@ -73,9 +74,19 @@ def test_a_sum_plus_a_term_without_data_is_refused_or_named():
     with pytest.raises(pn.GraphError, match="sums over the batch and adds a term"):
         forms.loss_form(loss, [x.op.name], None)
     form = forms.loss_form(loss, [x.op.name], None, strict=False)
-    assert form.kind is None and form.once == [loss.op.name]
+    assert form.kind == "sum" and form.once == [(loss.op.name, 1)]
     with g.as_default():
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    assert forms.averages(_Asked(), g) == (False, False, "")
+    assert forms.added_once(g) == [(loss.op.name, 1)]
+    with g.as_default():
+        keras3 = tf.reduce_sum(tf.stack([tf.reduce_sum(tf.matmul(x, w)), tf.reduce_sum(w)]))
+        mean = tf.reduce_mean(tf.matmul(x, w))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(keras3)
+    assert forms.loss_form(keras3, [x.op.name], None, strict=False).once == \
+        [(keras3.op.inputs[0].op.name, 1)]
+    with g.as_default():
+        tf1.train.GradientDescentOptimizer(0.1).minimize(mean)
     dense, sparse, note = forms.averages(_Asked(), g)
     assert dense and sparse and f"adds a term that does not depend on the data " \
         f"({loss.op.name!r}" in note and "1/N of one device's" in note

@@ -130,15 +130,19 @@ def test_gradient_accumulation_steps_equal_one_device(optimizer):
     np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
-def test_a_loss_reduced_by_sum_sums_the_replicas_gradients(lib):
+@pytest.mark.parametrize("lib,l2", [("keras3", 0.0), ("tf_keras", 0.0), ("keras3", 0.05),
+                                    ("tf_keras", 0.05)])
+def test_a_loss_reduced_by_sum_sums_the_replicas_gradients(lib, l2):
     """`reduction="sum"`: one device's gradient over the global batch is the
-    replicas' sum (average_dense auto; it was their mean). The weights equal
-    one device's; the logged loss, a mean over batches weighted by their
-    size, is the replicas' mean of their sums (docs/usage.md)."""
+    replicas' sum (average_dense auto; it was their mean), and a kernel's
+    regularizer, which Keras adds to the loss, is added 1/N in each replica
+    (it had made the loss's form unknown: averaged, silently). The weights
+    equal one device's; the logged loss, a mean over batches weighted by
+    their size, is the replicas' mean of their sums (docs/usage.md)."""
     lib = keras if lib == "keras3" else __import__("tf_keras")
-    make = lambda: lib.Sequential([lib.Input((5,)), lib.layers.Dense(8, activation="relu"),  # noqa: E731
-                                   lib.layers.Dense(1)])
+    reg = lib.regularizers.L2(l2) if l2 else None
+    make = lambda: lib.Sequential([lib.Input((5,)), lib.layers.Dense(  # noqa: E731
+        8, activation="relu", kernel_regularizer=reg), lib.layers.Dense(1)])
     parallel, single = make(), make()
     single.set_weights(parallel.get_weights())
     for m in (parallel, single):

@@ -403,3 +403,56 @@ def test_in_a_job_with_gradients_on_the_servers_a_masked_count_is_summed_there(c
     counts = [n for n in step if n.startswith("parallax/state_sync/") and "/count" in n
               and n.endswith("/total")]
     assert len(counts) == 1 and ir.node(counts[0]).device.startswith("/job:ps/")
+
+
+def regularized_graph(keras_sum):
+    """A loss summed over the batch plus an L2 regularizer (a term without
+    data): `tf.reduce_sum(...) + 0.01 * tf.nn.l2_loss(w)`, or Keras 3's way
+    of adding its losses (`ops.sum` of a list: a Sum of a Pack)."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(3)
+        ids = tf1.placeholder(tf.int32, [None, 2], name="ids")
+        y = tf1.placeholder(tf.float32, [None], name="y")
+        emb = tf1.get_variable("emb", [20, 3])
+        w = tf1.get_variable("w", [3, 1])
+        h = tf.matmul(tf.reduce_sum(tf.nn.embedding_lookup(emb, ids), 1), w)[:, 0]
+        data = tf.reduce_sum(tf.square(h - y))
+        reg = 0.05 * tf.nn.l2_loss(w)
+        loss = tf.reduce_sum(tf.stack([data, reg])) if keras_sum else data + reg
+        train = tf1.train.AdamOptimizer(0.05).minimize(loss)
+        init = tf1.global_variables_initializer()
+    return g, dict(ids=ids, y=y, loss=loss, train=train, init=init)
+
+
+@pytest.mark.parametrize("keras_sum,mode", [(False, "hybrid"), (True, "allreduce"),
+                                            (False, "ps")])
+def test_a_regularizer_beside_a_summed_loss_is_added_once(keras_sum, mode):
+    """The replicas' gradients are summed (the loss sums over the batch) and
+    each adds 1/N of the regularizer, to the loss and to the kernel's
+    gradient, so the sums are one device's (averaged, the data's part was
+    1/N of one device's; summed without the division, the regularizer's N
+    times). 5 Adam steps, every variable and the fetched loss, 1e-5."""
+    import parallax_ng as pn
+    from models import local
+    rng = np.random.RandomState(4)
+    ids = rng.randint(0, 20, size=(80, 2)).astype(np.int32)
+    ys = rng.randn(80).astype(np.float32)
+
+    def run(call, t):
+        call(t["init"])
+        return [call([t["train"], t["loss"]], {t["ids"]: ids[k * 16:(k + 1) * 16],
+                                               t["y"]: ys[k * 16:(k + 1) * 16]})[1]
+                for k in range(5)]
+    g1, t1 = regularized_graph(keras_sum)
+    with tf1.Session(graph=g1) as sess:
+        want = run(sess.run, t1)
+        want_vars = {v.op.name: sess.run(v) for v in g1.get_collection("variables")}
+    g2, t2 = regularized_graph(keras_sum)
+    with pn.get_runner(g2, local(2), {"run_option": mode}) as runner:
+        assert not runner.plan.average_dense
+        got = run(runner.run, t2)
+        got_vars = {v.op.name: runner.run(v) for v in g2.get_collection("variables")}
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-6)
+    for name, value in want_vars.items():
+        np.testing.assert_allclose(got_vars[name], value, atol=1e-5, rtol=0, err_msg=name)

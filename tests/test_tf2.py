@@ -125,6 +125,62 @@ def test_a_loss_that_sums_over_the_batch_sums_the_replicas_gradients(loss):
     check_equal(parallel, single)
 
 
+def test_a_step_that_returns_nothing_still_shows_its_loss():
+    """A step that does not return its loss: the gradients do not need the
+    loss's value (its shape is static), so the trace's graph had dropped it
+    and with it what says the loss sums over the batch: the gradients were
+    averaged (0.063 off one device after 5 steps). The tapes' targets are
+    kept."""
+    def step_of(model, optimizer):
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(model(x, training=True) - y))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return train_step
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.01, momentum=0.9))
+    step = pn.function(step_of(*parallel), local(2))
+    ref = tf.function(step_of(*single))
+    x, y = data()
+    for k in range(5):
+        step(x[k], y[k])
+        ref(x[k], y[k])
+    step.sync()
+    assert not step.runner.plan.average_dense
+    check_equal(parallel, single)
+
+
+def test_the_guides_summed_loss_plus_a_regularizer_equals_one_device():
+    """TensorFlow's custom-loop guide: `compute_average_loss(per,
+    global_batch_size=B) + scale_regularization_loss(model.losses)`. The
+    gradients are summed and each replica adds 1/N of the regularizer (it
+    was averaged with the data's part: 1/N of one device's), Adam, loss
+    and every variable and slot, 1e-5."""
+    def step_of(model, optimizer):
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                per = tf.reduce_sum(tf.square(model(x, training=True) - y), axis=1)
+                value = tf.nn.compute_average_loss(per, global_batch_size=BATCH) + \
+                    tf.nn.scale_regularization_loss(tf.add_n(model.losses))
+            grads = tape.gradient(value, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return value
+        return train_step
+    make = lambda: keras.Sequential([  # noqa: E731
+        keras.Input((5,)), keras.layers.Dense(8, activation="relu",
+                                              kernel_regularizer=keras.regularizers.L2(0.05)),
+        keras.layers.Dense(1)])
+    parallel, single = twins(make, lambda: keras.optimizers.Adam(0.02))
+    step = pn.function(step_of(*parallel), local(2))
+    ref = tf.function(step_of(*single))
+    x, y = data()
+    for k in range(STEPS):
+        np.testing.assert_allclose(step(x[k], y[k]), ref(x[k], y[k]).numpy(), atol=1e-5,
+                                   rtol=1e-6)
+    step.sync()
+    check_equal(parallel, single)
+
+
 def test_a_keras3_embedding_stays_sparse_and_equals_one_device():
     vocab = 50
     parallel, single = twins(lambda: keras3_embedding(vocab),

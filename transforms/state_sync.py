@@ -22,7 +22,11 @@ that divides a sum over the batch by a count of the data's values (a
 masked mean, `tf.compat.v1.losses` with per-example weights) divides by
 the replicas' mean count in every replica, forward and gradient, so the
 mean of the replicas' gradients is one device's (the global sum over the
-global count). In a job
+global count). A loss that sums over the batch and adds a term without
+data (a regularizer) where the replicas' gradients are summed: every
+replica adds 1/N of the term, to the loss and to the variables' gradients
+(the parts of a gradient's sum that do not depend on the data's values),
+so the replicas' sums are one device's. In a job
 that sums dense gradients on the servers (fusion buffers) these sums go
 there too (the worker's sum, then `server_sum` on the servers in turn), so
 the step keeps no collective op.
@@ -62,7 +66,7 @@ class StateSyncPass:
                 for pos, ref in enumerate(tg.ir.data_inputs(w)):
                     if pos and not ctx.varies(ref) and \
                             (rows := _rows_counted(tg, var, w, pos, batch)) is not None:
-                        nodes, outs = _times_replicas(ctx, ir, *rows)
+                        nodes, outs = _times_replicas(ctx, ir, *rows, ctx.plan.group_size)
                         new_nodes.extend(nodes)
                         rewires.update(outs)
                     if pos == 0 or not ctx.varies(ref):
@@ -96,7 +100,32 @@ class StateSyncPass:
             for node, at in _uses(tg, count):
                 for k, out in enumerate(outs):      # (a synced write of it stays so)
                     rewires.setdefault((ctx.replica_name(k, node), at), out)
+        if not plan.average_dense and not plan.average_sparse:
+            parts = forms.added_once(tg.graph)
+            if parts:           # a regularizer beside a summed loss: 1/N of it per replica
+                parts += [p for grad in tg.gradients.values()
+                          for p in _data_free_parts(tg, grad, set(sources))]
+            for node, at in parts:
+                nodes, outs = _times_replicas(ctx, ir, node, at, tg.ir.data_inputs(node)[at],
+                                              1.0 / plan.group_size, "once")
+                new_nodes.extend(nodes)
+                rewires.update(outs)
         return ir.rewire(rewires, new_nodes), {"synced": synced}
+
+
+def _data_free_parts(tg, grad, sources: set) -> list[tuple[str, int]]:
+    """(node, input position) of the terms of a dense gradient's sum (the
+    autodiff's AddN over a variable's uses) that do not depend on the data's
+    values: a regularizer's part."""
+    if grad.sparse:
+        return []
+    ref = grad.values
+    while tg.ir.node(ref.node).op == "Identity" and ref.index == 0:
+        ref = tg.ir.data_inputs(ref.node)[0]
+    if tg.ir.node(ref.node).op not in ("AddN", "AddV2", "Add") or ref.index != 0:
+        return []
+    return [(ref.node, at) for at, r in enumerate(tg.ir.data_inputs(ref.node))
+            if not _from_values(tg, r, sources)]
 
 
 def _counts(tg, sources) -> list:
@@ -172,12 +201,12 @@ def _rows_counted(tg, var: str, w: str, pos: int, batch: int | None):
     return node, at, inc
 
 
-def _times_replicas(ctx, ir, node: str, at: int, inc):
-    """Every replica's `node` takes its input `at` (`inc`) times the job's
-    replica count."""
+def _times_replicas(ctx, ir, node: str, at: int, inc, factor, what: str = "rows"):
+    """Every replica's `node` takes its input `at` (`inc`) times `factor`
+    (the job's replica count, or its inverse)."""
     dtype = ctx.tg.tensor(inc).dtype
-    scope = f"parallax/state_sync/{node}/input_{at}/rows"
-    count = emit.const(f"{scope}/replicas", ctx.plan.group_size, dtype, ctx.plan.host)
+    scope = f"parallax/state_sync/{node}/input_{at}/{what}"
+    count = emit.const(f"{scope}/replicas", factor, dtype, ctx.plan.host)
     nodes, outs = [count], {}
     for k in range(ctx.plan.num_replicas):
         mine = ctx.replica_name(k, node)

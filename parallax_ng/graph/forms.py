@@ -161,9 +161,10 @@ class LossForm:
     # the divisions of a sum over the batch by a count the data sets (a masked
     # mean): input 1 is the count (transforms/state_sync.py shares it)
     by_count: list[str] = field(default_factory=list)
-    # the ops where a sum over the batch adds a term that does not depend on
-    # the data (a regularizer), which makes the form None
-    once: list[str] = field(default_factory=list)
+    # where a sum over the batch adds a term that does not depend on the data
+    # (a regularizer): (op, input index of the term); one device adds it once
+    # (transforms/state_sync.py divides it among replicas whose gradients are summed)
+    once: list[tuple[str, int]] = field(default_factory=list)
 
 
 def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
@@ -177,7 +178,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     or None if it is not known (default: `constant_value`).
     Raises GraphError for a sum over the batch plus a term that does not
     depend on the data (a regularizer): each micro-batch would add it once
-    (with `strict` False, its form is None and `once` names the op)."""
+    (with `strict` False, it is a sum and `once` names where the term enters)."""
     sources = set(sources)
     constant = constant or constant_value
     dependent = set()
@@ -233,15 +234,17 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             inner = through(t, op.inputs[1])
             scaled[0] |= inner == "sum"
             return inner
-        if op.type in ("Add", "AddV2", "Sub", "AddN"):
-            forms = {form(x) for x in op.inputs} - {"constant"}
-            if forms == {"sum"} and any(not data(x) for x in op.inputs):
+        terms = _terms(op)
+        if terms is not None:
+            forms = {form(x) for x in terms.inputs} - {"constant"}
+            if forms == {"sum"} and any(not data(x) for x in terms.inputs):
                 if not strict:
-                    once.append(op.name)
-                    return None
+                    once.extend((terms.name, i) for i, x in enumerate(terms.inputs)
+                                if not data(x))
+                    return "sum"
                 raise GraphError(
                     f"the loss {loss.name!r} sums over the batch and adds a term that does not "
-                    f"depend on the data ({op.name!r}, a regularizer?); layer-by-layer "
+                    f"depend on the data ({terms.name!r}, a regularizer?); layer-by-layer "
                     "execution sums the micro-batches' losses and would add it once per "
                     "micro-batch: divide the sum by the batch size (a mean), or set "
                     "l2l.micro_batches: 1")
@@ -261,7 +264,21 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     kind = form(loss)
     return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [],
                     scaled[0] and kind == "sum", by_count if kind == "mean" else [],
-                    once if kind is None else [])
+                    once if kind == "sum" else [])
+
+
+def _terms(op):
+    """The op whose inputs `op` adds (itself for Add, AddV2, Sub, AddN; the
+    Pack of scalars that a Sum over all its axes adds, as Keras 3 adds a
+    loss and its regularizers), or None."""
+    if op.type in ("Add", "AddV2", "Sub", "AddN"):
+        return op
+    if op.type == "Sum" and op.inputs[0].op.type == "Pack" and op.inputs[0].shape.rank == 1 \
+            and all(x.shape.rank == 0 for x in op.inputs[0].op.inputs):
+        axes = tf.get_static_value(op.inputs[1])
+        if axes is not None and set(np.atleast_1d(axes).tolist()) <= {0, -1}:
+            return op.inputs[0].op
+    return None
 
 
 def constant_value(t: tf.Tensor):
@@ -312,15 +329,15 @@ def scalar_kind(t: tf.Tensor, sources) -> str | None:
     return _scalar_kind(t, sources)[0]
 
 
-def _scalar_kind(t: tf.Tensor, sources) -> tuple[str | None, bool]:
-    """`scalar_kind`'s answer, and whether it is the guess that a scaled
-    TF1 sum is a mean."""
+def _scalar_kind(t: tf.Tensor, sources) -> tuple[str | None, bool, LossForm]:
+    """`scalar_kind`'s answer, whether it is the guess that a scaled TF1
+    sum is a mean, and the form read."""
     traced = bool(t.graph.get_collection(TAPE_TARGETS))
     batch = None if traced else replica_batch(t.graph, sources)
     form = loss_form(t, sources, batch, strict=False)
     if form.kind == "sum" and form.scaled and not traced and batch is None:
-        return "mean", True
-    return form.kind, False
+        return "mean", True, form
+    return form.kind, False, form
 
 
 def _counts_rows(op, sources) -> bool:
@@ -363,7 +380,9 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     `tf.nn.compute_average_loss(..., global_batch_size=B)` in a TF2 step),
     of a mean their mean. A TF1 sum scaled by a number, where the graph
     does not show a replica's batch size, is taken as a mean (a sum over
-    `batch_size`, the usual script), and the warning says so."""
+    `batch_size`, the usual script), and the warning says so. A sum that
+    adds a term without data (a regularizer) is a sum: the replicas' sum of
+    it is exact where each adds 1/N of the term (`added_once`)."""
     wanted = (config.average_dense, config.average_sparse)
     if "auto" not in wanted:
         return (*wanted, "")
@@ -374,22 +393,21 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
         if loss.shape.rank and batch_rows(loss, data):
             sums.append(loss.name)      # a value per example: the autodiff sums them
             continue
-        kind, guessed = _scalar_kind(loss, data)
+        kind, guessed, form = _scalar_kind(loss, data)
         if guessed:
             unsure.append(loss.name)
         elif kind == "sum":
             sums.append(loss.name)
-        elif kind is None and (added := loss_form(loss, data, None, strict=False).once):
-            once.append((loss.name, added[0]))
+            once.extend((loss.name, op) for op, _ in form.once)
     summed = bool(losses) and len(sums) == len(losses)
     note = ""
-    if once:
+    if once and not summed:
         note = (f"the loss {once[0][0]!r} sums over the batch and adds a term that does not "
-                f"depend on the data ({once[0][1]!r}: a regularizer?), which one device adds "
-                "once and every replica would add again; the replicas' gradients are "
-                "averaged, which makes the data's part 1/N of one device's. Make the sum a "
-                "mean over the replica's batch (tf.nn.compute_average_loss without "
-                "global_batch_size, tf.reduce_mean) and add the term to it")
+                f"depend on the data ({once[0][1]!r}: a regularizer?), and other losses "
+                "average; the replicas' gradients are averaged, which makes its data's part "
+                "1/N of one device's. Make the sum a mean over the replica's batch "
+                "(tf.nn.compute_average_loss without global_batch_size, tf.reduce_mean) and "
+                "add the term to it")
     elif unsure:
         note = (f"the loss {unsure[0]!r} sums over the batch and scales the sum by a number "
                 "the graph does not show to be a replica's batch size; the replicas' "
@@ -400,3 +418,14 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
                 "gradients are averaged (set average_dense/average_sparse to choose)")
     dense, sparse = (not summed if w == "auto" else w for w in wanted)
     return dense, sparse, note
+
+
+def added_once(graph: tf.Graph) -> list[tuple[str, int]]:
+    """(op, input index) where a loss the graph differentiates, a sum over
+    the batch, adds a term without data (a regularizer beside a
+    `tf.reduce_sum`; `compute_average_loss(..., global_batch_size=B)` plus
+    `scale_regularization_loss`): one device adds it once, so replicas whose
+    gradients are summed each add 1/N of it."""
+    data = sources(graph)
+    return [where for loss in autodiff_losses(graph)
+            for where in loss_form(loss, data, None, strict=False).once]

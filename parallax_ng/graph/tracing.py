@@ -80,7 +80,7 @@ class Captured:
 def capture(fn, args: tuple, parts: dict | None = None) -> Captured:
     parts = dict(parts or {})
     with recorders.slots_recorded() as owners, recorders.tape_targets() as targets:
-        pieces = [_piece(_trace(fn, args, 0, "the step"))]
+        pieces = [_piece(_trace(fn, args, 0, "the step"), targets)]
     first, traced, failed = len(tf.nest.flatten(args)), [], {}
     for name, (part, part_args) in parts.items():
         try:
@@ -191,7 +191,11 @@ class _Piece:
     tables: dict = field(default_factory=dict)   # internal name -> (id of its handle, Table)
 
 
-def _piece(concrete) -> _Piece:
+def _piece(concrete, targets=()) -> _Piece:
+    """The traced function's graph without what its outputs and control
+    outputs do not need, but for the losses its tapes differentiated
+    (`targets`: a loss only a metric's other sum reads, as tf_keras adds a
+    regularizer, is read by the loss's form, graph/forms.py)."""
     fg = concrete.graph
     by_handle = {id(v.handle): v for v in fg.variables}
     graph_def = _inlined(concrete)
@@ -214,7 +218,8 @@ def _piece(concrete) -> _Piece:
     inside = {internal.op.name for _, internal in fg.captures}
     inputs = [t.op.name for t in fg.inputs if t.op.name not in inside]
     needed = _ancestors(graph_def, {t.op.name for t in tf.nest.flatten(concrete.outputs)} |
-                        {replaced.get(op.name, op.name) for op in fg.control_outputs} - {None})
+                        {replaced.get(op.name, op.name) for op in fg.control_outputs} - {None}
+                        | {name.rsplit(":", 1)[0] for name in targets})
     keep = [n for n in graph_def.node if n.name in needed and n.name not in captured and
             n.name not in constants and n.name not in inputs and n.name not in tables]
     del graph_def.node[:]
