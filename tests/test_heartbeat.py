@@ -42,3 +42,18 @@ def test_outside_a_launched_job_it_writes_nothing():
     done = child("import parallax_ng.runtime.heartbeat as h; h.start(); raise ValueError('boom')",
                  **{heartbeat.ENV: ""})
     assert heartbeat.MARK not in done.stderr and "ValueError: boom" in done.stderr
+
+
+def test_the_last_line_says_the_interpreter_ends():
+    """`exiting` comes after the program's own exit handlers (the launcher
+    waits longer for what follows: TensorFlow's teardown beats no more)."""
+    code = ("import atexit, sys, parallax_ng.runtime.heartbeat as h; h.start(); "
+            "atexit.register(lambda: sys.stderr.write('handler ran\\n'))")
+    done = child(code, **{heartbeat.ENV: "worker 0"})
+    assert done.returncode == 0, done.stderr
+    told = [(ln, heartbeat.parse(ln)) for ln in done.stderr.split("\n")]
+    kinds = [p[0] for _, p in told if p]
+    assert kinds[-1] == "exiting" and kinds.count("exiting") == 1
+    lines = [ln for ln, _ in told]
+    assert lines.index("handler ran") < [i for i, (_, p) in enumerate(told)
+                                         if p and p[0] == "exiting"][0]

@@ -209,3 +209,20 @@ def test_picked_ports_are_free_distinct_and_below_the_ephemeral_range():
         s.bind(("127.0.0.1", ports[0]))       # free indeed
     address = launch._with_port("127.0.0.1")
     assert address.startswith("127.0.0.1:") and int(address.rsplit(":", 1)[1]) < low
+
+
+def test_a_task_slow_to_end_after_its_program_is_not_a_stalled_one(tmp_path):
+    """A worker whose interpreter takes longer than the job's timeout to end
+    after its program (silent: TensorFlow's teardown under load, here an
+    object's finalizer) ends the job with 0, not as a task that stopped
+    making progress (the launcher had stopped such a job, exit 1)."""
+    script = tmp_path / "slow_end.py"
+    script.write_text(
+        "import time\nimport parallax_ng.runtime.heartbeat as h\nh.set_timeout(2)\n"
+        "class Slow:\n    def __del__(self):\n        time.sleep(6)\n"
+        "keep = Slow()\ntime.sleep(2.5)\nprint('done', flush=True)\n")   # timeout said
+    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
+                           resources(tmp_path)], capture_output=True, text=True, env=ENV,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("done") == 2 and "stopped making progress" not in done.stderr

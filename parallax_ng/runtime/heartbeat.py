@@ -14,13 +14,16 @@ ParallaxError (a user's mistake: config, resources, graph) is printed only
 as that line, its traceback only with PARALLAX_NG_VERBOSE=1. `tell` writes
 an event the launcher keeps: `saved <step> <path>` once worker 0 has written
 a checkpoint of the job, `trained <step>` after a process's first training
-step (what a restarted job's launcher waits for). The launcher
+step (what a restarted job's launcher waits for), `exiting` when the
+interpreter ends (after the program and its other exit handlers: what
+follows, TensorFlow's teardown, writes no heartbeat). The launcher
 reads these lines (parallax_ng/tools/launch.py) and shows none of them. Writes
 are single `os.write`s of whole lines, so they never break a line of the
 task's own output in two unless the task left one unfinished.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -43,6 +46,7 @@ def start() -> None:
         return
     _state["started"] = True
     threading.Thread(target=_beat, name="parallax_ng heartbeat", daemon=True).start()
+    atexit.register(tell, "exiting", "")      # registered first: runs after the others
     previous = sys.excepthook
 
     def report(kind, value, tb):

@@ -61,6 +61,7 @@ LOCAL = ("127.", "localhost", "::1")
 
 STALE = 5.0           # seconds without a heartbeat that make a task suspect when another fails
 TIMEOUT = 300.0       # a silent task's limit until a task says the job's timeout
+EXITING = 120.0       # how long a task whose interpreter ends may take to be gone
 
 
 def plan_cluster(resources: ResourceInfo) -> tuple[list[str], list[str]]:
@@ -337,7 +338,8 @@ def _watch(job: Job, poll: float) -> Outcome:
             return Outcome(code, t.name, not mistake and not job.signalled)
         limit = _limit(tasks, workers)
         for t in tasks:
-            if t.process.poll() is None and t.silent(now) > limit:
+            if t.process.poll() is None and t.silent(now) > (
+                    max(limit, EXITING) if t.exiting else limit):
                 say(f"{_stalled(t, now)}; stopping the job")
                 t.show_tail()
                 stop(tasks, job.grace)
@@ -370,7 +372,7 @@ def _holding(tasks: list[Task], failed: Task, now: float) -> Task | None:
     timed out waiting, a worker that stayed out of its runner's steps for
     the job's timeout (blocked elsewhere, e.g. in I/O)."""
     live = [u for u in tasks if u is not failed and u.process.poll() is None]
-    silent = [u for u in live if u.silent(now) > STALE]
+    silent = [u for u in live if u.silent(now) > STALE and not u.exiting]
     if silent:
         return max(silent, key=lambda u: u.silent(now))
     if failed.error and failed.error.startswith("DeadlineExceededError"):
@@ -383,6 +385,9 @@ def _holding(tasks: list[Task], failed: Task, now: float) -> Task | None:
 
 
 def _stalled(task: Task, now: float) -> str:
+    if task.exiting:
+        return (f"{task.name} (pid {task.process.pid}) did not end {task.silent(now):.0f} s "
+                "after its program did (hung in TensorFlow's teardown?)")
     if task.silent(now) > STALE:
         return (f"{task.name} (pid {task.process.pid}) stopped making progress: no "
                 f"heartbeat for {task.silent(now):.0f} s (stopped, e.g. by SIGSTOP, or hung)")

@@ -70,6 +70,7 @@ class Task:
     saved: tuple | None = None  # (step, path) of the last checkpoint it reported
     job: object = None          # the Job it belongs to, told of its first training step
     preempted: int | None = None  # the step it saved and stopped at after SIGTERM
+    exiting: bool = False       # its interpreter is ending (no heartbeat from then on)
 
     def silent(self, now: float) -> float:
         """Seconds since its last heartbeat (0 before the first)."""
@@ -127,6 +128,8 @@ class Task:
             self.job.preempt(self)
         elif kind == "preempted":
             self.preempted = int(rest)
+        elif kind == "exiting":
+            self.exiting = True
 
     def finish(self, timeout: float = 5.0) -> None:
         """Wait until the task's output is copied (its process has ended)."""
