@@ -106,8 +106,7 @@ class StateSyncPass:
                 parts += [p for grad in tg.gradients.values()
                           for p in _data_free_parts(tg, grad, set(sources))]
             for node, at in parts:
-                nodes, outs = _times_replicas(ctx, ir, node, at, tg.ir.data_inputs(node)[at],
-                                              1.0 / plan.group_size, "once")
+                nodes, outs = _times_replicas(ctx, ir, node, at, 1.0 / plan.group_size, "once")
                 new_nodes.extend(nodes)
                 rewires.update(outs)
         return ir.rewire(rewires, new_nodes), {"synced": synced}
@@ -119,9 +118,7 @@ def _data_free_parts(tg, grad, sources: set) -> list[tuple[str, int]]:
     values: a regularizer's part."""
     if grad.sparse:
         return []
-    ref = grad.values
-    while tg.ir.node(ref.node).op == "Identity" and ref.index == 0:
-        ref = tg.ir.data_inputs(ref.node)[0]
+    ref = tg.ir.past_identities(grad.values)
     if tg.ir.node(ref.node).op not in ("AddN", "AddV2", "Add") or ref.index != 0:
         return []
     return [(ref.node, at) for at, r in enumerate(tg.ir.data_inputs(ref.node))
@@ -179,7 +176,7 @@ def _accumulated(tg, var: str, ref) -> int | None:
 
 
 def _rows_counted(tg, var: str, w: str, pos: int, batch: int | None):
-    """(node, input position, increment) when writer `w` adds to `var`, at
+    """(node, input position of the increment) when writer `w` adds to `var`, at
     input `pos`, an increment that is the same on every replica and counts
     the batch's rows: a value of constants alone that is a multiple of the
     replica batch B >= 2 (tf.compat.v1.metrics counts a batch of static
@@ -198,12 +195,13 @@ def _rows_counted(tg, var: str, w: str, pos: int, batch: int | None):
     value = forms.constant_value(tg.tensor(inc))
     if value is None or np.ndim(value) or not value > 0 or value % batch:
         return None
-    return node, at, inc
+    return node, at
 
 
-def _times_replicas(ctx, ir, node: str, at: int, inc, factor, what: str = "rows"):
-    """Every replica's `node` takes its input `at` (`inc`) times `factor`
-    (the job's replica count, or its inverse)."""
+def _times_replicas(ctx, ir, node: str, at: int, factor, what: str = "rows"):
+    """Every replica's `node` takes its input `at` times `factor` (the
+    job's replica count, or its inverse)."""
+    inc = ctx.tg.ir.data_inputs(node)[at]
     dtype = ctx.tg.tensor(inc).dtype
     scope = f"parallax/state_sync/{node}/input_{at}/{what}"
     count = emit.const(f"{scope}/replicas", factor, dtype, ctx.plan.host)

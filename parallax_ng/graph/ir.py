@@ -169,6 +169,13 @@ class GraphIR:
         return [TensorRef(src, idx) for src, idx, control
                 in self.parsed_inputs(self.node(name)) if not control]
 
+    def past_identities(self, ref: TensorRef) -> TensorRef:
+        """The tensor `ref` passes on through Identity ops (the autodiff's
+        tuples of gradients)."""
+        while self.node(ref.node).op == "Identity" and ref.index == 0:
+            ref = self.data_inputs(ref.node)[0]
+        return ref
+
     def control_inputs(self, name: str) -> list[str]:
         return [src for src, _, control in self.parsed_inputs(self.node(name)) if control]
 

@@ -92,11 +92,8 @@ def product(tg: TrainingGraph, grad):
     Identity ops: the autodiff's tuples), or None."""
     if grad.sparse:
         return None
-    ref = grad.values
+    ref = tg.ir.past_identities(grad.values)
     node = tg.ir.node(ref.node)
-    while node.op == "Identity" and ref.index == 0:
-        ref = tg.ir.data_inputs(node.name)[0]
-        node = tg.ir.node(ref.node)
     if node.op != "MatMul" or ref.index != 0 or not node.attr["transpose_a"].b or \
             node.attr["transpose_b"].b:
         return None
