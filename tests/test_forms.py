@@ -174,6 +174,10 @@ class _Asked:
     ("sum/16", 8, False, ""),               # over the global batch: the replicas' sum
     ("sum/8", None, True, "scales the sum by a number"),   # fed: the size is not shown
     ("per example", None, False, ""),       # tf.gradients of a vector sums it
+    ("sum+mean", None, True, "adds a sum over the batch"),     # no rule gives one device's
+    ("sum+mean", 8, True, "adds a sum over the batch"),
+    ("sum/8+mean", None, True, ""),         # the scaled sum taken as a mean, as alone
+    ("sum/16+mean", 8, True, "adds a sum over the batch"),     # shown not to be one
 ])
 def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
     g = tf.Graph()
@@ -186,7 +190,9 @@ def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
         e = tf.square(tf.matmul(x, tf1.get_variable("w", [3, 1])))
         value = {"sum": tf.reduce_sum(e), "mean": tf.reduce_mean(e),
                  "sum/8": tf.reduce_sum(e) / 8.0, "sum/16": tf.reduce_sum(e) / 16.0,
-                 "per example": e[:, 0]}[loss]
+                 "per example": e[:, 0], "sum+mean": tf.reduce_sum(e) + tf.reduce_mean(e),
+                 "sum/8+mean": tf.reduce_sum(e) / 8.0 + tf.reduce_mean(e),
+                 "sum/16+mean": tf.reduce_sum(e) / 16.0 + 2.0 * tf.reduce_mean(e)}[loss]
         tf1.train.GradientDescentOptimizer(0.1).minimize(value)
     dense, sparse, said = forms.averages(_Asked(), g)
     assert dense is sparse is want

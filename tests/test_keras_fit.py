@@ -137,8 +137,10 @@ def test_a_loss_reduced_by_sum_sums_the_replicas_gradients(lib, l2):
     replicas' sum (average_dense auto; it was their mean), and a kernel's
     regularizer, which Keras adds to the loss, is added 1/N in each replica
     (it had made the loss's form unknown: averaged, silently). The weights
-    equal one device's; the logged loss, a mean over batches weighted by
-    their size, is the replicas' mean of their sums (docs/usage.md)."""
+    equal one device's, and so do the logged loss (Keras's tracker adds
+    `loss x batch size`: each replica's increment is taken N times; it was
+    1/N of one device's) and `evaluate`'s (whose graph has no gradients: the
+    regularizer is added 1/N in each replica there too)."""
     lib = keras if lib == "keras3" else __import__("tf_keras")
     reg = lib.regularizers.L2(l2) if l2 else None
     make = lambda: lib.Sequential([lib.Input((5,)), lib.layers.Dense(  # noqa: E731
@@ -151,10 +153,29 @@ def test_a_loss_reduced_by_sum_sums_the_replicas_gradients(lib, l2):
     pn.parallelize(parallel, local(2))
     x, y = data()
     h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
     for w1, w2 in zip(parallel.get_weights(), single.get_weights()):
         np.testing.assert_allclose(w1, w2, atol=1e-5, rtol=0)
-    assert np.all(np.isfinite(h1.history["loss"]))
+    np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], atol=0, rtol=1e-6)
+    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               single.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               atol=0, rtol=1e-6)
+
+
+def test_outputs_reduced_by_sum_and_by_mean_are_named_in_a_warning(capfd):
+    """Two outputs, one loss summed over the batch and one averaged: no one
+    reduction of the replicas' gradients gives one device's, and the job
+    says so, naming the loss (docs/limits.md)."""
+    i = keras.Input((5,))
+    h = keras.layers.Dense(8, activation="relu")(i)
+    model = keras.Model(i, [keras.layers.Dense(1)(h), keras.layers.Dense(1)(h)])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=[
+        keras.losses.MeanSquaredError(reduction="sum"), keras.losses.MeanSquaredError()])
+    pn.parallelize(model, local(2))
+    x, y = data()
+    model.fit(x, [y, y], batch_size=BATCH, epochs=1, steps_per_epoch=1, verbose=0)
+    said = capfd.readouterr().err
+    assert "adds a sum over the batch" in said and "Give its terms one reduction" in said
 
 
 def _options_case(case):

@@ -54,7 +54,7 @@ class StateSyncPass:
             return ir, {"synced": 0}
         initializers = {v.initializer for v in tg.variables.values()}
         synced = 0
-        new_nodes, rewires = [], {}
+        new_nodes, rewires, tracked = [], {}, []
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
         batch = forms.replica_batch(tg.graph, sources)
         for var, writers in sorted(tg.writers.items()):
@@ -81,13 +81,19 @@ class StateSyncPass:
                         ref = tg.ir.data_inputs(node)[delta]
                     if how == "sum" and _a_mean(tg, ref, sources):
                         how = "mean"              # one device adds the global batch's mean
+                    scope = f"parallax/state_sync/{node}/input_{at}"
+                    nodes, tensors = [], [ctx.replica_tensor(k, ref)
+                                          for k in range(plan.num_replicas)]
+                    if how == "sum" and (
+                            loss := _sum_times_rows(tg.tensor(ref), sources)) is not None:
+                        tracked.append(loss)
+                        nodes, tensors = _times(ctx, ir, f"{scope}/sum_times_rows", tensors,
+                                                node, tg.tensor(ref).dtype, plan.group_size)
                     reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
-                    nodes, outs = reduce(
-                        ctx, f"parallax/state_sync/{node}/input_{at}",
-                        [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)],
-                        tg.tensor(ref).dtype, how == "mean", synced)
+                    more, outs = reduce(ctx, scope, tensors, tg.tensor(ref).dtype,
+                                        how == "mean", synced)
                     synced += 1
-                    new_nodes.extend(nodes)
+                    new_nodes.extend(nodes + more)
                     for k, out in enumerate(outs):
                         rewires[(ctx.replica_name(k, node), at)] = out
         for count in _counts(tg, sources):     # a masked mean's count: the job's
@@ -100,15 +106,18 @@ class StateSyncPass:
             for node, at in _uses(tg, count):
                 for k, out in enumerate(outs):      # (a synced write of it stays so)
                     rewires.setdefault((ctx.replica_name(k, node), at), out)
+        parts = []              # a regularizer beside a summed loss: 1/N of it per replica
         if not plan.average_dense and not plan.average_sparse:
             parts = forms.added_once(tg.graph)
-            if parts:           # a regularizer beside a summed loss: 1/N of it per replica
+            if parts:
                 parts += [p for grad in tg.gradients.values()
                           for p in _data_free_parts(tg, grad, set(sources))]
-            for node, at in parts:
-                nodes, outs = _times_replicas(ctx, ir, node, at, 1.0 / plan.group_size, "once")
-                new_nodes.extend(nodes)
-                rewires.update(outs)
+        parts += [p for loss in tracked     # the loss a tracker adds (an evaluation's too)
+                  for p in forms.loss_form(loss, sources, None, strict=False).once]
+        for node, at in dict.fromkeys(parts):
+            nodes, outs = _times_replicas(ctx, ir, node, at, 1.0 / plan.group_size, "once")
+            new_nodes.extend(nodes)
+            rewires.update(outs)
         return ir.rewire(rewires, new_nodes), {"synced": synced}
 
 
@@ -202,17 +211,42 @@ def _times_replicas(ctx, ir, node: str, at: int, factor, what: str = "rows"):
     """Every replica's `node` takes its input `at` times `factor` (the
     job's replica count, or its inverse)."""
     inc = ctx.tg.ir.data_inputs(node)[at]
-    dtype = ctx.tg.tensor(inc).dtype
-    scope = f"parallax/state_sync/{node}/input_{at}/{what}"
+    nodes, outs = _times(ctx, ir, f"parallax/state_sync/{node}/input_{at}/{what}",
+                         [ctx.replica_tensor(k, inc) for k in range(ctx.plan.num_replicas)],
+                         node, ctx.tg.tensor(inc).dtype, factor)
+    return nodes, {(ctx.replica_name(k, node), at): out for k, out in enumerate(outs)}
+
+
+def _times(ctx, ir, scope: str, tensors: list, node: str, dtype, factor):
+    """(nodes, names): replica k's tensor times `factor`, on the device of
+    its copy of `node`."""
     count = emit.const(f"{scope}/replicas", factor, dtype, ctx.plan.host)
-    nodes, outs = [count], {}
-    for k in range(ctx.plan.num_replicas):
-        mine = ctx.replica_name(k, node)
-        nodes.append(emit.node_def(f"{scope}/{k}", "Mul", [ctx.replica_tensor(k, inc),
-                                                           count.name],
-                                   ir.node(mine).device, T=dtype))
-        outs[(mine, at)] = nodes[-1].name
-    return nodes, outs
+    nodes = [count] + [emit.node_def(f"{scope}/{k}", "Mul", [t, count.name],
+                                     ir.node(ctx.replica_name(k, node)).device, T=dtype)
+                       for k, t in enumerate(tensors)]
+    return nodes, [n.name for n in nodes[1:]]
+
+
+_PAST = frozenset({"Identity", "Snapshot", "Cast", "BroadcastTo", "Reshape", "Squeeze",
+                   "ExpandDims"})
+
+
+def _sum_times_rows(t, sources):
+    """The loss when the scalar `t` is a loss summed over the batch times
+    the replica's row count (Keras's loss tracker adds `loss x batch size`
+    to its total), else None: one device adds the global sum times the
+    global count, N times the replicas' sum of theirs."""
+    def past(t):
+        while t.op.type in _PAST or (t.op.type in ("Sum", "Mean")
+                                     and t.op.inputs[0].shape.num_elements() == 1):
+            t = t.op.inputs[0]
+        return t
+    t = past(t)
+    if t.op.type != "Mul" or t.shape.num_elements() != 1:
+        return None
+    a, b = (past(x) for x in t.op.inputs)
+    return next((loss for count, loss in ((a, b), (b, a)) if forms.counts_rows(count.op, sources)
+                 and forms.scalar_kind(loss, sources) == "sum"), None)
 
 
 def _a_mean(tg, ref, sources: list[str]) -> bool:

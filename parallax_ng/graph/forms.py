@@ -15,7 +15,7 @@ pass (an accumulation of a per-replica mean is averaged, not summed).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import tensorflow as tf
@@ -165,6 +165,10 @@ class LossForm:
     # (a regularizer): (op, input index of the term); one device adds it once
     # (transforms/state_sync.py divides it among replicas whose gradients are summed)
     once: list[tuple[str, int]] = field(default_factory=list)
+    # where the form is None because added terms mix sums over the batch and
+    # means: (a summed term, whether it is scaled by a number); no one rule
+    # for the replicas' gradients gives one device's
+    mixed: list[tuple[str, bool]] = field(default_factory=list)
 
 
 def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
@@ -193,7 +197,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     for op in sorted(order, key=lambda o: o._id):  # noqa: SLF001 (creation order)
         if op.name in sources or any(t.op.name in dependent for t in op.inputs):
             dependent.add(op.name)
-    by_batch, by_count, once = [], [], []
+    by_batch, by_count, once, mixed = [], [], [], []
 
     def data(t):
         return t.op.name in dependent
@@ -213,7 +217,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return "constant"
         if op.type in ("Identity", "Snapshot", "Neg", "Cast"):
             return through(t, op.inputs[0])
-        if _counts_rows(op, sources):
+        if counts_rows(op, sources):
             return "sum"        # the batch's rows (or elements) counted: a sum of ones
         if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
                 op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum":
@@ -236,7 +240,14 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return inner
         terms = _terms(op)
         if terms is not None:
-            forms = {form(x) for x in terms.inputs} - {"constant"}
+            kinds = []
+            for x in terms.inputs:
+                before, scaled[0] = scaled[0], False
+                kinds.append((x, form(x), scaled[0]))
+                scaled[0] |= before
+            forms = {kind for _, kind, _ in kinds} - {"constant"}
+            if forms == {"sum", "mean"}:
+                mixed.extend((x.name, s) for x, kind, s in kinds if kind == "sum")
             if forms == {"sum"} and any(not data(x) for x in terms.inputs):
                 if not strict:
                     once.extend((terms.name, i) for i, x in enumerate(terms.inputs)
@@ -264,7 +275,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     kind = form(loss)
     return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [],
                     scaled[0] and kind == "sum", by_count if kind == "mean" else [],
-                    once if kind == "sum" else [])
+                    once if kind == "sum" else [], mixed if kind is None else [])
 
 
 def _terms(op):
@@ -335,12 +346,14 @@ def _scalar_kind(t: tf.Tensor, sources) -> tuple[str | None, bool, LossForm]:
     traced = bool(t.graph.get_collection(TAPE_TARGETS))
     batch = None if traced else replica_batch(t.graph, sources)
     form = loss_form(t, sources, batch, strict=False)
-    if form.kind == "sum" and form.scaled and not traced and batch is None:
-        return "mean", True, form
+    if not traced and batch is None:        # a scaled TF1 sum is taken as a mean
+        if form.kind == "sum" and form.scaled:
+            return "mean", True, form
+        form = replace(form, mixed=[(term, s) for term, s in form.mixed if not s])
     return form.kind, False, form
 
 
-def _counts_rows(op, sources) -> bool:
+def counts_rows(op, sources) -> bool:
     """Whether `op` counts a batch's rows: `tf.shape(x)[0]` or `tf.size(x)`
     of a tensor whose first dimension is the batch."""
     if op.type == "Size":
@@ -382,13 +395,15 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     does not show a replica's batch size, is taken as a mean (a sum over
     `batch_size`, the usual script), and the warning says so. A sum that
     adds a term without data (a regularizer) is a sum: the replicas' sum of
-    it is exact where each adds 1/N of the term (`added_once`)."""
+    it is exact where each adds 1/N of the term (`added_once`). A loss
+    that adds a sum over the batch to a mean is averaged, and the warning
+    says its summed part is 1/N of one device's."""
     wanted = (config.average_dense, config.average_sparse)
     if "auto" not in wanted:
         return (*wanted, "")
     losses = autodiff_losses(graph)
     data = sources(graph)
-    sums, unsure, once = [], [], []
+    sums, unsure, once, mixed = [], [], [], []
     for loss in losses:
         if loss.shape.rank and batch_rows(loss, data):
             sums.append(loss.name)      # a value per example: the autodiff sums them
@@ -399,9 +414,17 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
         elif kind == "sum":
             sums.append(loss.name)
             once.extend((loss.name, op) for op, _ in form.once)
+        elif form.mixed:
+            mixed.append((loss.name, form.mixed[0][0]))
     summed = bool(losses) and len(sums) == len(losses)
     note = ""
-    if once and not summed:
+    if mixed:
+        note = (f"the loss {mixed[0][0]!r} adds a sum over the batch ({mixed[0][1]!r}) to a "
+                "mean over it; the replicas' gradients are averaged, which makes the sum's "
+                "part 1/N of one device's (summed, the mean's part would be N times). Give "
+                "its terms one reduction (a Keras loss's reduction=, tf.reduce_mean or "
+                "tf.reduce_sum throughout)")
+    elif once and not summed:
         note = (f"the loss {once[0][0]!r} sums over the batch and adds a term that does not "
                 f"depend on the data ({once[0][1]!r}: a regularizer?), and other losses "
                 "average; the replicas' gradients are averaged, which makes its data's part "
