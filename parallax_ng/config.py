@@ -235,7 +235,7 @@ class L2LConfig:
 class Config:
     run_option: str = "hybrid"
     # mean (true) or sum (false) of the replicas' gradients; auto: by the loss
-    # (graph/forms.py `averages`: summed where the loss sums over the batch)
+    # (graph/averaging.py `averages`: summed where the loss sums over the batch)
     average_dense: bool | str = "auto"
     average_sparse: bool | str = "auto"
     communication: CommunicationConfig = field(default_factory=CommunicationConfig)

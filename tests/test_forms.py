@@ -6,7 +6,8 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from parallax_ng.graph import forms
+from parallax_ng.graph import averaging, forms
+from test_averaging import _Asked
 
 tf1 = tf.compat.v1
 
@@ -77,8 +78,8 @@ def test_a_sum_plus_a_term_without_data_is_refused_or_named():
     assert form.kind == "sum" and form.once == [(loss.op.name, 1)]
     with g.as_default():
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
-    assert forms.averages(_Asked(), g) == (False, False, "")
-    assert forms.added_once(g) == [(loss.op.name, 1)]
+    assert averaging.averages(_Asked(), g) == (False, False, "")
+    assert averaging.added_once(g) == [(loss.op.name, 1)]
     with g.as_default():
         keras3 = tf.reduce_sum(tf.stack([tf.reduce_sum(tf.matmul(x, w)), tf.reduce_sum(w)]))
         mean = tf.reduce_mean(tf.matmul(x, w))
@@ -87,7 +88,7 @@ def test_a_sum_plus_a_term_without_data_is_refused_or_named():
         [(keras3.op.inputs[0].op.name, 1)]
     with g.as_default():
         tf1.train.GradientDescentOptimizer(0.1).minimize(mean)
-    dense, sparse, note = forms.averages(_Asked(), g)
+    dense, sparse, note = averaging.averages(_Asked(), g)
     assert dense and sparse and f"adds a term that does not depend on the data " \
         f"({loss.op.name!r}" in note and "1/N of one device's" in note
 
@@ -133,7 +134,7 @@ def test_a_static_batch_counted_by_tf1_losses_is_a_mean():
     assert form.kind == "mean" and form.by_batch == [(loss.op.name, 1, False)]
     assert forms.scalar_kind(loss, ["x", "y"]) == "mean"
     assert forms.scalar_kind(correct, ["x", "y"]) == forms.scalar_kind(best, ["x", "y"]) == "sum"
-    assert forms.averages(_Asked(), g)[:2] == (True, True)
+    assert averaging.averages(_Asked(), g)[:2] == (True, True)
 
 
 def test_a_count_of_the_batchs_rows_is_a_sum():
@@ -161,42 +162,3 @@ def test_a_scaled_sum_where_the_batch_is_not_shown_is_a_mean():
             x = tf1.placeholder(tf.float32, [batch, 3], name="x")
             value = tf.reduce_sum(tf.square(x)) / 32.0
         assert forms.scalar_kind(value, ["x"]) == want
-
-
-class _Asked:
-    average_dense = average_sparse = "auto"
-
-
-@pytest.mark.parametrize("loss,batch,want,note", [
-    ("sum", None, False, ""),
-    ("mean", None, True, ""),
-    ("sum/8", 8, True, ""),                 # over a replica's batch (the Dataset.batch size)
-    ("sum/16", 8, False, ""),               # over the global batch: the replicas' sum
-    ("sum/8", None, True, "scales the sum by a number"),   # fed: the size is not shown
-    ("per example", None, False, ""),       # tf.gradients of a vector sums it
-    ("sum+mean", None, True, "adds a sum over the batch"),     # no rule gives one device's
-    ("sum+mean", 8, True, "adds a sum over the batch"),
-    ("sum/8+mean", None, True, ""),         # the scaled sum taken as a mean, as alone
-    ("sum/16+mean", 8, True, "adds a sum over the batch"),     # shown not to be one
-])
-def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
-    g = tf.Graph()
-    with g.as_default():
-        if batch:
-            ds = tf.data.Dataset.from_tensors(tf.zeros([3])).repeat(64).batch(batch)
-            x = tf1.data.make_one_shot_iterator(ds).get_next()
-        else:
-            x = tf1.placeholder(tf.float32, [None, 3])
-        e = tf.square(tf.matmul(x, tf1.get_variable("w", [3, 1])))
-        value = {"sum": tf.reduce_sum(e), "mean": tf.reduce_mean(e),
-                 "sum/8": tf.reduce_sum(e) / 8.0, "sum/16": tf.reduce_sum(e) / 16.0,
-                 "per example": e[:, 0], "sum+mean": tf.reduce_sum(e) + tf.reduce_mean(e),
-                 "sum/8+mean": tf.reduce_sum(e) / 8.0 + tf.reduce_mean(e),
-                 "sum/16+mean": tf.reduce_sum(e) / 16.0 + 2.0 * tf.reduce_mean(e)}[loss]
-        tf1.train.GradientDescentOptimizer(0.1).minimize(value)
-    dense, sparse, said = forms.averages(_Asked(), g)
-    assert dense is sparse is want
-    assert note in said and bool(said) == bool(note)
-    asked = _Asked()
-    asked.average_dense = True
-    assert forms.averages(asked, g)[:2] == (True, want)      # what the config says wins

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallax_ng.graph import emit, forms, rules
+from parallax_ng.graph import averaging, emit, forms, rules
 from parallax_ng.graph.ir import GraphIR
 
 
@@ -108,7 +108,7 @@ class StateSyncPass:
                     rewires.setdefault((ctx.replica_name(k, node), at), out)
         parts = []              # a regularizer beside a summed loss: 1/N of it per replica
         if not plan.average_dense and not plan.average_sparse:
-            parts = forms.added_once(tg.graph)
+            parts = averaging.added_once(tg.graph)
             if parts:
                 parts += [p for grad in tg.gradients.values()
                           for p in _data_free_parts(tg, grad, set(sources))]

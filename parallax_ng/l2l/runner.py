@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import ConfigError, FetchError
-from ..graph import forms
+from ..graph import averaging
 from ..graph.ir import parse_input
 from ..pipeline.results import Barrier
 from ..resources import check_devices, session_config
@@ -141,7 +141,7 @@ def l2l_program(tg, config, devices: list[str], host: str | None = None,
     cfg = config.l2l
     layering = layers.split(tg, cfg.layers, cfg.loss)
     host = host or l2l.device_string("CPU", 0)
-    dense, sparse, note = forms.averages(config, tg.graph)
+    dense, sparse, note = averaging.averages(config, tg.graph)
     if note and job[1] == 0:
         warnings.warn(note, stacklevel=3)
     built = l2l.build(tg, layering, cfg, list(devices), host, job, average=(dense, sparse),

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from ..config import Config
 from ..errors import ConfigError
-from ..graph import forms, queues, randomness, rules
+from ..graph import averaging, queues, randomness, rules
 from ..graph.frontend import TrainingGraph
 from ..methods import METHODS, method
 from . import choice, costmodel, deferral, traffic
@@ -49,7 +49,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     `layout`: the hosts of a job's tasks, whose links weigh the candidate
     plans of hybrid and auto (parallax_ng/planning/choice.py); None: every task on
     this machine."""
-    dense, sparse, note = forms.averages(config, tg.graph)
+    dense, sparse, note = averaging.averages(config, tg.graph)
     config = replace(config, average_dense=dense, average_sparse=sparse)
     notes = (note,) if note else ()
     if config.run_option == "hybrid" and num_workers > 1 and not servers and \

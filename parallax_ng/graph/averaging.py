@@ -1,0 +1,86 @@
+"""Averaging: whether the replicas' gradients are averaged or summed for
+one device's, read from the losses a graph differentiates (`averages`),
+and where a summed loss adds a term without data that each replica then
+adds 1/N of (`added_once`).
+
+Requires: a graph with the losses' gradients (tf.gradients, or a traced
+TF2 step's tapes). Guarantees: reads the graph only, through
+graph/forms.py's forms of the losses; the same graph gives the same
+answer on every worker. Used by the planner (the plan's averaging), by
+layer-by-layer execution and by the state-sync pass.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from .forms import autodiff_losses, batch_rows, loss_form, scalar_form, sources
+
+
+def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
+    """(average dense, average sparse, a warning or ""): the config's
+    `average_dense`/`average_sparse`, where "auto" follows the losses the
+    graph differentiates. One device's gradient of a sum over the global
+    batch is the sum of the replicas' (`tf.reduce_sum` of per-example
+    losses, or a sum times a number that is not a replica's batch size, as
+    `tf.nn.compute_average_loss(..., global_batch_size=B)` in a TF2 step),
+    of a mean their mean. A TF1 sum scaled by a number, where the graph
+    does not show a replica's batch size, is taken as a mean (a sum over
+    `batch_size`, the usual script), and the warning says so. A sum that
+    adds a term without data (a regularizer) is a sum: the replicas' sum of
+    it is exact where each adds 1/N of the term (`added_once`). A loss
+    that adds a sum over the batch to a mean is averaged, and the warning
+    says its summed part is 1/N of one device's."""
+    wanted = (config.average_dense, config.average_sparse)
+    if "auto" not in wanted:
+        return (*wanted, "")
+    losses = autodiff_losses(graph)
+    data = sources(graph)
+    sums, unsure, once, mixed = [], [], [], []
+    for loss in losses:
+        if loss.shape.rank and batch_rows(loss, data):
+            sums.append(loss.name)      # a value per example: the autodiff sums them
+            continue
+        kind, guessed, form = scalar_form(loss, data)
+        if guessed:
+            unsure.append(loss.name)
+        elif kind == "sum":
+            sums.append(loss.name)
+            once.extend((loss.name, op) for op, _ in form.once)
+        elif form.mixed:
+            mixed.append((loss.name, form.mixed[0][0]))
+    summed = bool(losses) and len(sums) == len(losses)
+    note = ""
+    if mixed:
+        note = (f"the loss {mixed[0][0]!r} adds a sum over the batch ({mixed[0][1]!r}) to a "
+                "mean over it; the replicas' gradients are averaged, which makes the sum's "
+                "part 1/N of one device's (summed, the mean's part would be N times). Give "
+                "its terms one reduction (a Keras loss's reduction=, tf.reduce_mean or "
+                "tf.reduce_sum throughout)")
+    elif once and not summed:
+        note = (f"the loss {once[0][0]!r} sums over the batch and adds a term that does not "
+                f"depend on the data ({once[0][1]!r}: a regularizer?), and other losses "
+                "average; the replicas' gradients are averaged, which makes its data's part "
+                "1/N of one device's. Make the sum a mean over the replica's batch "
+                "(tf.nn.compute_average_loss without global_batch_size, tf.reduce_mean) and "
+                "add the term to it")
+    elif unsure:
+        note = (f"the loss {unsure[0]!r} sums over the batch and scales the sum by a number "
+                "the graph does not show to be a replica's batch size; the replicas' "
+                "gradients are averaged, which equals one device if it divides by that "
+                "size. If not, set config average_dense and average_sparse: false (summed)")
+    elif sums and not summed:
+        note = (f"the losses {sums} sum over the batch and others average; the replicas' "
+                "gradients are averaged (set average_dense/average_sparse to choose)")
+    dense, sparse = (not summed if w == "auto" else w for w in wanted)
+    return dense, sparse, note
+
+
+def added_once(graph: tf.Graph) -> list[tuple[str, int]]:
+    """(op, input index) where a loss the graph differentiates, a sum over
+    the batch, adds a term without data (a regularizer beside a
+    `tf.reduce_sum`; `compute_average_loss(..., global_batch_size=B)` plus
+    `scale_regularization_loss`): one device adds it once, so replicas whose
+    gradients are summed each add 1/N of it."""
+    data = sources(graph)
+    return [where for loss in autodiff_losses(graph)
+            for where in loss_form(loss, data, None, strict=False).once]

@@ -1,0 +1,48 @@
+"""Averaging (parallax_ng/graph/averaging.py): the replicas' gradients are
+averaged or summed as the losses a graph differentiates ask, the config's
+keys win, and a loss no one rule makes exact is named in a warning."""
+import pytest
+import tensorflow as tf
+
+from parallax_ng.graph import averaging
+
+tf1 = tf.compat.v1
+
+
+class _Asked:
+    average_dense = average_sparse = "auto"
+
+
+@pytest.mark.parametrize("loss,batch,want,note", [
+    ("sum", None, False, ""),
+    ("mean", None, True, ""),
+    ("sum/8", 8, True, ""),                 # over a replica's batch (the Dataset.batch size)
+    ("sum/16", 8, False, ""),               # over the global batch: the replicas' sum
+    ("sum/8", None, True, "scales the sum by a number"),   # fed: the size is not shown
+    ("per example", None, False, ""),       # tf.gradients of a vector sums it
+    ("sum+mean", None, True, "adds a sum over the batch"),     # no rule gives one device's
+    ("sum+mean", 8, True, "adds a sum over the batch"),
+    ("sum/8+mean", None, True, ""),         # the scaled sum taken as a mean, as alone
+    ("sum/16+mean", 8, True, "adds a sum over the batch"),     # shown not to be one
+])
+def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
+    g = tf.Graph()
+    with g.as_default():
+        if batch:
+            ds = tf.data.Dataset.from_tensors(tf.zeros([3])).repeat(64).batch(batch)
+            x = tf1.data.make_one_shot_iterator(ds).get_next()
+        else:
+            x = tf1.placeholder(tf.float32, [None, 3])
+        e = tf.square(tf.matmul(x, tf1.get_variable("w", [3, 1])))
+        value = {"sum": tf.reduce_sum(e), "mean": tf.reduce_mean(e),
+                 "sum/8": tf.reduce_sum(e) / 8.0, "sum/16": tf.reduce_sum(e) / 16.0,
+                 "per example": e[:, 0], "sum+mean": tf.reduce_sum(e) + tf.reduce_mean(e),
+                 "sum/8+mean": tf.reduce_sum(e) / 8.0 + tf.reduce_mean(e),
+                 "sum/16+mean": tf.reduce_sum(e) / 16.0 + 2.0 * tf.reduce_mean(e)}[loss]
+        tf1.train.GradientDescentOptimizer(0.1).minimize(value)
+    dense, sparse, said = averaging.averages(_Asked(), g)
+    assert dense is sparse is want
+    assert note in said and bool(said) == bool(note)
+    asked = _Asked()
+    asked.average_dense = True
+    assert averaging.averages(asked, g)[:2] == (True, want)      # what the config says wins
