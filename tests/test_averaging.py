@@ -21,6 +21,7 @@ class _Asked:
     ("sum/8", None, True, "scales the sum by a number"),   # fed: the size is not shown
     ("per example", None, False, ""),       # tf.gradients of a vector sums it
     ("sum+mean", None, True, "adds a sum over the batch"),     # no rule gives one device's
+    ("sum+losses", None, False, ""),        # a mean over a count: over N times it, summed
     ("sum+mean", 8, True, "adds a sum over the batch"),
     ("sum/8+mean", None, True, ""),         # the scaled sum taken as a mean, as alone
     ("sum/16+mean", 8, True, "adds a sum over the batch"),     # shown not to be one
@@ -37,6 +38,7 @@ def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
         value = {"sum": tf.reduce_sum(e), "mean": tf.reduce_mean(e),
                  "sum/8": tf.reduce_sum(e) / 8.0, "sum/16": tf.reduce_sum(e) / 16.0,
                  "per example": e[:, 0], "sum+mean": tf.reduce_sum(e) + tf.reduce_mean(e),
+                 "sum+losses": tf.reduce_sum(e) + tf1.losses.absolute_difference(e, e * e),
                  "sum/8+mean": tf.reduce_sum(e) / 8.0 + tf.reduce_mean(e),
                  "sum/16+mean": tf.reduce_sum(e) / 16.0 + 2.0 * tf.reduce_mean(e)}[loss]
         tf1.train.GradientDescentOptimizer(0.1).minimize(value)

@@ -162,3 +162,24 @@ def test_a_scaled_sum_where_the_batch_is_not_shown_is_a_mean():
             x = tf1.placeholder(tf.float32, [batch, 3], name="x")
             value = tf.reduce_sum(tf.square(x)) / 32.0
         assert forms.scalar_kind(value, ["x"]) == want
+
+
+def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
+    """A sum over the batch plus tf.compat.v1.losses' mean (a sum over a
+    count the data's shape sets): a sum whose mean divides by N times its
+    count where the gradients are summed (`widened`, its division named);
+    strict (layer-by-layer), no form. With tf.reduce_mean, which divides by
+    no count the graph shares with its gradient, no form, and `mixed`
+    names the summed term."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        e = tf.square(tf.matmul(x, tf1.get_variable("w", [3, 1])))
+        summed = tf.reduce_sum(e)
+        mean = tf1.losses.absolute_difference(e, e * e)
+        loss, raw = summed + 0.5 * mean, summed + tf.reduce_mean(e)
+    form = forms.loss_form(loss, ["x"], None, strict=False)
+    assert form.kind == "sum" and form.widened == [mean.op.name] and not form.mixed
+    assert forms.loss_form(loss, ["x"], None).kind is None
+    form = forms.loss_form(raw, ["x"], None, strict=False)
+    assert form.kind is None and form.mixed == [(summed.name, False)] and not form.widened

@@ -162,20 +162,39 @@ def test_a_loss_reduced_by_sum_sums_the_replicas_gradients(lib, l2):
                                atol=0, rtol=1e-6)
 
 
-def test_outputs_reduced_by_sum_and_by_mean_are_named_in_a_warning(capfd):
-    """Two outputs, one loss summed over the batch and one averaged: no one
-    reduction of the replicas' gradients gives one device's, and the job
-    says so, naming the loss (docs/limits.md)."""
-    i = keras.Input((5,))
-    h = keras.layers.Dense(8, activation="relu")(i)
-    model = keras.Model(i, [keras.layers.Dense(1)(h), keras.layers.Dense(1)(h)])
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=[
-        keras.losses.MeanSquaredError(reduction="sum"), keras.losses.MeanSquaredError()])
-    pn.parallelize(model, local(2))
+@pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
+def test_outputs_reduced_by_sum_and_by_mean_equal_one_device(lib):
+    """Two outputs, one loss summed over the batch and one averaged, with
+    loss weights and a kernel regularizer: the replicas' gradients are
+    summed and the mean divides by N times its count in every replica
+    (averaged, the sum's part was 1/N of one device's). Weights, every logged loss (the total and each output's) and
+    `evaluate` equal one device's."""
+    lib = keras if lib == "keras3" else __import__("tf_keras")
+
+    def make():
+        i = lib.Input((5,))
+        h = lib.layers.Dense(8, activation="relu",
+                             kernel_regularizer=lib.regularizers.L2(0.02))(i)
+        return lib.Model(i, [lib.layers.Dense(1, name="a")(h), lib.layers.Dense(2, name="b")(h)])
+    parallel, single = make(), make()
+    single.set_weights(parallel.get_weights())
+    for m in (parallel, single):
+        m.compile(optimizer=lib.optimizers.Adam(0.01), loss_weights=[1.0, 0.5], loss=[
+            lib.losses.MeanSquaredError(reduction="sum"), lib.losses.MeanAbsoluteError()])
+    pn.parallelize(parallel, local(2))
     x, y = data()
-    model.fit(x, [y, y], batch_size=BATCH, epochs=1, steps_per_epoch=1, verbose=0)
-    said = capfd.readouterr().err
-    assert "adds a sum over the batch" in said and "Give its terms one reduction" in said
+    ys = [y, np.concatenate([y, -y], 1)]
+    h1 = parallel.fit(x, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    h2 = single.fit(x, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    for w1, w2 in zip(parallel.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(w1, w2, atol=1e-5, rtol=0)
+    assert h1.history.keys() == h2.history.keys()
+    for key in h2.history:
+        np.testing.assert_allclose(h1.history[key], h2.history[key], atol=0, rtol=1e-5,
+                                   err_msg=key)
+    np.testing.assert_allclose(parallel.evaluate(x, ys, batch_size=BATCH, verbose=0),
+                               single.evaluate(x, ys, batch_size=BATCH, verbose=0),
+                               atol=0, rtol=1e-5)
 
 
 def _options_case(case):

@@ -405,10 +405,11 @@ def test_in_a_job_with_gradients_on_the_servers_a_masked_count_is_summed_there(c
     assert len(counts) == 1 and ir.node(counts[0]).device.startswith("/job:ps/")
 
 
-def regularized_graph(keras_sum):
+def regularized_graph(keras_sum, mean=False):
     """A loss summed over the batch plus an L2 regularizer (a term without
     data): `tf.reduce_sum(...) + 0.01 * tf.nn.l2_loss(w)`, or Keras 3's way
-    of adding its losses (`ops.sum` of a list: a Sum of a Pack)."""
+    of adding its losses (`ops.sum` of a list: a Sum of a Pack); with
+    `mean`, plus a tf.compat.v1.losses mean (a sum over its count)."""
     g = tf.Graph()
     with g.as_default():
         tf1.set_random_seed(3)
@@ -419,20 +420,26 @@ def regularized_graph(keras_sum):
         h = tf.matmul(tf.reduce_sum(tf.nn.embedding_lookup(emb, ids), 1), w)[:, 0]
         data = tf.reduce_sum(tf.square(h - y))
         reg = 0.05 * tf.nn.l2_loss(w)
+        if mean:
+            data = data + 0.5 * tf1.losses.absolute_difference(y, h)
         loss = tf.reduce_sum(tf.stack([data, reg])) if keras_sum else data + reg
         train = tf1.train.AdamOptimizer(0.05).minimize(loss)
         init = tf1.global_variables_initializer()
     return g, dict(ids=ids, y=y, loss=loss, train=train, init=init)
 
 
-@pytest.mark.parametrize("keras_sum,mode", [(False, "hybrid"), (True, "allreduce"),
-                                            (False, "ps")])
-def test_a_regularizer_beside_a_summed_loss_is_added_once(keras_sum, mode):
+@pytest.mark.parametrize("keras_sum,mode,mean", [
+    (False, "hybrid", False), (True, "allreduce", False), (False, "ps", False),
+    (False, "hybrid", True), (True, "ps", True)])
+def test_a_regularizer_beside_a_summed_loss_is_added_once(keras_sum, mode, mean):
     """The replicas' gradients are summed (the loss sums over the batch) and
     each adds 1/N of the regularizer, to the loss and to the kernel's
     gradient, so the sums are one device's (averaged, the data's part was
     1/N of one device's; summed without the division, the regularizer's N
-    times). 5 Adam steps, every variable and the fetched loss, 1e-5."""
+    times). A mean added to the sum (tf.compat.v1.losses': a sum over its
+    count) divides by N times the count in every replica, forward and
+    gradient (averaged, the sum's part was 1/N of one device's). 5 Adam
+    steps, every variable and the fetched loss, 1e-5."""
     import parallax_ng as pn
     from models import local
     rng = np.random.RandomState(4)
@@ -444,11 +451,11 @@ def test_a_regularizer_beside_a_summed_loss_is_added_once(keras_sum, mode):
         return [call([t["train"], t["loss"]], {t["ids"]: ids[k * 16:(k + 1) * 16],
                                                t["y"]: ys[k * 16:(k + 1) * 16]})[1]
                 for k in range(5)]
-    g1, t1 = regularized_graph(keras_sum)
+    g1, t1 = regularized_graph(keras_sum, mean)
     with tf1.Session(graph=g1) as sess:
         want = run(sess.run, t1)
         want_vars = {v.op.name: sess.run(v) for v in g1.get_collection("variables")}
-    g2, t2 = regularized_graph(keras_sum)
+    g2, t2 = regularized_graph(keras_sum, mean)
     with pn.get_runner(g2, local(2), {"run_option": mode}) as runner:
         assert not runner.plan.average_dense
         got = run(runner.run, t2)

@@ -26,7 +26,12 @@ global count). A loss that sums over the batch and adds a term without
 data (a regularizer) where the replicas' gradients are summed: every
 replica adds 1/N of the term, to the loss and to the variables' gradients
 (the parts of a gradient's sum that do not depend on the data's values),
-so the replicas' sums are one device's. In a job
+so the replicas' sums are one device's. A mean over a count added to a
+sum over the batch (graph/forms.py `widened`) divides by N times the
+count in every replica, forward and gradient, where the gradients are
+summed or in a graph without gradients; a tracker's increment of a summed
+scalar times the replica's row count (Keras's loss tracker) is taken N
+times, so totals and logs are one device's. In a job
 that sums dense gradients on the servers (fusion buffers) these sums go
 there too (the worker's sum, then `server_sum` on the servers in turn), so
 the step keeps no collective op.
@@ -57,6 +62,8 @@ class StateSyncPass:
         new_nodes, rewires, tracked = [], {}, []
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
         batch = forms.replica_batch(tg.graph, sources)
+        summing = not plan.average_dense and not plan.average_sparse
+        widened = _widened(tg, sources, summing)
         for var, writers in sorted(tg.writers.items()):
             if not plan.mirrored(var) or var in tg.accumulators:    # replica-local sums
                 continue
@@ -79,13 +86,14 @@ class StateSyncPass:
                             delta := _accumulated(tg, var, ref)) is not None:
                         node, at, how = ref.node, delta, "sum"
                         ref = tg.ir.data_inputs(node)[delta]
-                    if how == "sum" and _a_mean(tg, ref, sources):
+                    if how == "sum" and _a_mean(tg, ref, sources) and \
+                            not _over_widened(tg, tg.tensor(ref), sources, widened):
                         how = "mean"              # one device adds the global batch's mean
                     scope = f"parallax/state_sync/{node}/input_{at}"
                     nodes, tensors = [], [ctx.replica_tensor(k, ref)
                                           for k in range(plan.num_replicas)]
-                    if how == "sum" and (
-                            loss := _sum_times_rows(tg.tensor(ref), sources)) is not None:
+                    loss = _times_rows(tg.tensor(ref), sources) if how == "sum" else None
+                    if loss is not None and _summed(tg, loss, sources, widened):
                         tracked.append(loss)
                         nodes, tensors = _times(ctx, ir, f"{scope}/sum_times_rows", tensors,
                                                 node, tg.tensor(ref).dtype, plan.group_size)
@@ -96,18 +104,24 @@ class StateSyncPass:
                     new_nodes.extend(nodes + more)
                     for k, out in enumerate(outs):
                         rewires[(ctx.replica_name(k, node), at)] = out
-        for count in _counts(tg, sources):     # a masked mean's count: the job's
-            reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
-            nodes, outs = reduce(ctx, f"parallax/state_sync/{count.node}/count",
-                                 [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)],
-                                 tg.tensor(count).dtype, True, synced)
-            synced += 1
-            new_nodes.extend(nodes)
+        for count, widen in _counts(tg, sources, widened):
+            dtype = tg.tensor(count).dtype
+            outs = [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)]
+            if _from_values(tg, count, set(sources)):   # a masked mean's count: the job's mean
+                reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
+                nodes, outs = reduce(ctx, f"parallax/state_sync/{count.node}/count", outs,
+                                     dtype, True, synced)
+                synced += 1
+                new_nodes.extend(nodes)
+            if widen:           # a mean added to a sum: over the job's count
+                nodes, outs = _times(ctx, ir, f"parallax/state_sync/{count.node}/widened", outs,
+                                     count.node, dtype, plan.group_size)
+                new_nodes.extend(nodes)
             for node, at in _uses(tg, count):
                 for k, out in enumerate(outs):      # (a synced write of it stays so)
                     rewires.setdefault((ctx.replica_name(k, node), at), out)
         parts = []              # a regularizer beside a summed loss: 1/N of it per replica
-        if not plan.average_dense and not plan.average_sparse:
+        if summing:
             parts = averaging.added_once(tg.graph)
             if parts:
                 parts += [p for grad in tg.gradients.values()
@@ -134,20 +148,52 @@ def _data_free_parts(tg, grad, sources: set) -> list[tuple[str, int]]:
             if not _from_values(tg, r, sources)]
 
 
-def _counts(tg, sources) -> list:
-    """The counts that losses divide a sum over the batch by, where the
-    count depends on the data's values (a mask's sum, weights' nonzero
-    count), not only on its shape (tf.shape, tf.size: equal on every
-    replica). One device divides by the global batch's count: each replica
-    divides by the replicas' mean count instead of its own, so the mean of
-    the replicas' gradients (and losses) is one device's."""
-    out = []
+def _counts(tg, sources, widened: dict) -> list:
+    """(count, widened) of the counts that losses divide a sum over the
+    batch by. Where the count depends on the data's values (a mask's sum,
+    weights' nonzero count), not only on its shape (tf.shape, tf.size:
+    equal on every replica), one device divides by the global batch's
+    count: each replica divides by the replicas' mean count instead of its
+    own, so the mean of the replicas' gradients (and losses) is one
+    device's. The `widened` counts are N times that."""
+    out = {}
     for loss in forms.autodiff_losses(tg.graph):
         for op in forms.loss_form(loss, sources, None, strict=False).by_count:
             count = tg.ir.data_inputs(op)[1]
-            if count not in out and _from_values(tg, count, set(sources)):
-                out.append(count)
-    return out
+            if _from_values(tg, count, set(sources)):
+                out.setdefault(count, False)
+    out.update(widened)
+    return list(out.items())
+
+
+def _widened(tg, sources, summing: bool) -> dict:
+    """{count: True} of the means a loss adds to a sum over the batch
+    (forms.LossForm.widened): where the replicas' gradients are summed, or
+    a graph without gradients (`evaluate`'s) has a tracker add the loss,
+    each replica divides the mean by N times its count, so the replicas'
+    sum of it is one device's mean."""
+    losses = forms.autodiff_losses(tg.graph)
+    trained = tg.ir.ancestors({t.op.name for t in losses}, data_only=True) if losses else set()
+    tracked = [x for op in tg.graph.get_operations() if op.type == "Mul"
+               and (x := _times_rows(op.outputs[0], sources)) is not None]
+    return {tg.ir.data_inputs(op)[1]: True for loss in (losses if summing else []) + tracked
+            for op in forms.loss_form(loss, sources, None, strict=False).widened
+            if summing or op not in trained}
+
+
+def _summed(tg, loss, sources, widened: dict) -> bool:
+    """Whether the replicas' values of the scalar `loss` add up to one
+    device's: a sum over the batch, or a mean over a widened count."""
+    return forms.scalar_kind(loss, sources) == "sum" or \
+        _over_widened(tg, loss, sources, widened)
+
+
+def _over_widened(tg, t, sources, widened: dict) -> bool:
+    """Whether the scalar `t` is a mean whose count is widened (each
+    replica's is 1/N of its share of one device's)."""
+    return bool(widened) and any(
+        tg.ir.data_inputs(op)[1] in widened
+        for op in forms.loss_form(t, sources, None, strict=False).by_count)
 
 
 _SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"})
@@ -231,11 +277,11 @@ _PAST = frozenset({"Identity", "Snapshot", "Cast", "BroadcastTo", "Reshape", "Sq
                    "ExpandDims"})
 
 
-def _sum_times_rows(t, sources):
-    """The loss when the scalar `t` is a loss summed over the batch times
-    the replica's row count (Keras's loss tracker adds `loss x batch size`
-    to its total), else None: one device adds the global sum times the
-    global count, N times the replicas' sum of theirs."""
+def _times_rows(t, sources):
+    """x when the scalar `t` is a scalar x times the replica's row count
+    (Keras's loss tracker adds `loss x batch size` to its total), else
+    None. Where x is summed (`_summed`), one device adds the global x times
+    the global count, N times the replicas' sum of theirs."""
     def past(t):
         while t.op.type in _PAST or (t.op.type in ("Sum", "Mean")
                                      and t.op.inputs[0].shape.num_elements() == 1):
@@ -245,8 +291,8 @@ def _sum_times_rows(t, sources):
     if t.op.type != "Mul" or t.shape.num_elements() != 1:
         return None
     a, b = (past(x) for x in t.op.inputs)
-    return next((loss for count, loss in ((a, b), (b, a)) if forms.counts_rows(count.op, sources)
-                 and forms.scalar_kind(loss, sources) == "sum"), None)
+    return next((x for count, x in ((a, b), (b, a)) if forms.counts_rows(count.op, sources)
+                 and x.shape.num_elements() == 1), None)
 
 
 def _a_mean(tg, ref, sources: list[str]) -> bool:

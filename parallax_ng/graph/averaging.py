@@ -27,9 +27,10 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     does not show a replica's batch size, is taken as a mean (a sum over
     `batch_size`, the usual script), and the warning says so. A sum that
     adds a term without data (a regularizer) is a sum: the replicas' sum of
-    it is exact where each adds 1/N of the term (`added_once`). A loss
-    that adds a sum over the batch to a mean is averaged, and the warning
-    says its summed part is 1/N of one device's."""
+    it is exact where each adds 1/N of the term (`added_once`); so is a sum
+    plus means over counts (`LossForm.widened`). A loss that adds a sum
+    over the batch to another mean is averaged, and the warning says its
+    summed part is 1/N of one device's."""
     wanted = (config.average_dense, config.average_sparse)
     if "auto" not in wanted:
         return (*wanted, "")
@@ -54,8 +55,9 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
         note = (f"the loss {mixed[0][0]!r} adds a sum over the batch ({mixed[0][1]!r}) to a "
                 "mean over it; the replicas' gradients are averaged, which makes the sum's "
                 "part 1/N of one device's (summed, the mean's part would be N times). Give "
-                "its terms one reduction (a Keras loss's reduction=, tf.reduce_mean or "
-                "tf.reduce_sum throughout)")
+                "its terms one reduction, or write the mean as a sum over a count "
+                "(tf.reduce_sum(x) / tf.cast(tf.size(x), x.dtype), as Keras's and "
+                "tf.compat.v1.losses' means are), which is exact")
     elif once and not summed:
         note = (f"the loss {once[0][0]!r} sums over the batch and adds a term that does not "
                 f"depend on the data ({once[0][1]!r}: a regularizer?), and other losses "

@@ -166,9 +166,14 @@ class LossForm:
     # (transforms/state_sync.py divides it among replicas whose gradients are summed)
     once: list[tuple[str, int]] = field(default_factory=list)
     # where the form is None because added terms mix sums over the batch and
-    # means: (a summed term, whether it is scaled by a number); no one rule
-    # for the replicas' gradients gives one device's
+    # means not divided by a count: (a summed term, whether it is scaled by a
+    # number); no one rule for the replicas' gradients gives one device's
     mixed: list[tuple[str, bool]] = field(default_factory=list)
+    # where a sum over the batch adds means that divide a sum by a count
+    # (Keras's and tf.compat.v1.losses' means): the divisions whose count,
+    # input 1, becomes the job's (N times a replica's) where the replicas'
+    # gradients are summed (transforms/state_sync.py)
+    widened: list[str] = field(default_factory=list)
 
 
 def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
@@ -182,7 +187,9 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     or None if it is not known (default: `constant_value`).
     Raises GraphError for a sum over the batch plus a term that does not
     depend on the data (a regularizer): each micro-batch would add it once
-    (with `strict` False, it is a sum and `once` names where the term enters)."""
+    (with `strict` False, it is a sum and `once` names where the term enters).
+    Without `strict`, a sum plus means of a sum over a count is a sum whose
+    means are `widened`."""
     sources = set(sources)
     constant = constant or constant_value
     dependent = set()
@@ -197,7 +204,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     for op in sorted(order, key=lambda o: o._id):  # noqa: SLF001 (creation order)
         if op.name in sources or any(t.op.name in dependent for t in op.inputs):
             dependent.add(op.name)
-    by_batch, by_count, once, mixed = [], [], [], []
+    by_batch, by_count, once, mixed, widened = [], [], [], [], []
 
     def data(t):
         return t.op.name in dependent
@@ -242,12 +249,17 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         if terms is not None:
             kinds = []
             for x in terms.inputs:
-                before, scaled[0] = scaled[0], False
-                kinds.append((x, form(x), scaled[0]))
+                before, scaled[0], counted = scaled[0], False, len(by_count)
+                kinds.append((x, form(x), scaled[0], by_count[counted:]))
                 scaled[0] |= before
-            forms = {kind for _, kind, _ in kinds} - {"constant"}
+            forms = {kind for _, kind, _, _ in kinds} - {"constant"}
             if forms == {"sum", "mean"}:
-                mixed.extend((x.name, s) for x, kind, s in kinds if kind == "sum")
+                means = [c for _, kind, _, c in kinds if kind == "mean"]
+                if strict or not all(means):
+                    mixed.extend((x.name, s) for x, kind, s, _ in kinds if kind == "sum")
+                    return None
+                widened.extend(op for c in means for op in c)
+                forms = {"sum"}         # each mean a sum over the job's count
             if forms == {"sum"} and any(not data(x) for x in terms.inputs):
                 if not strict:
                     once.extend((terms.name, i) for i, x in enumerate(terms.inputs)
@@ -275,7 +287,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     kind = form(loss)
     return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [],
                     scaled[0] and kind == "sum", by_count if kind == "mean" else [],
-                    once if kind == "sum" else [], mixed if kind is None else [])
+                    once if kind == "sum" else [], mixed if kind is None else [],
+                    widened if kind == "sum" else [])
 
 
 def _terms(op):
