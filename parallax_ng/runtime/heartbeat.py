@@ -16,7 +16,7 @@ an event the launcher keeps: `saved <step> <path>` once worker 0 has written
 a checkpoint of the job, `trained <step>` after a process's first training
 step (what a restarted job's launcher waits for), `exiting` when the
 interpreter ends (after the program and its other exit handlers: what
-follows, TensorFlow's teardown, writes no heartbeat). The launcher
+follows, TensorFlow's teardown, writes no heartbeat; none follows it). The launcher
 reads these lines (parallax_ng/tools/launch.py) and shows none of them. Writes
 are single `os.write`s of whole lines, so they never break a line of the
 task's own output in two unless the task left one unfinished.
@@ -35,8 +35,10 @@ VERBOSE_ENV = "PARALLAX_NG_VERBOSE"
 MARK = "\x1eparallax_ng"               # starts every line the launcher keeps to itself
 INTERVAL = 1.0                          # seconds between heartbeats
 
-_state = {"running": 0, "since": time.monotonic(), "timeout": 0.0, "started": False}
+_state = {"running": 0, "since": time.monotonic(), "timeout": 0.0, "started": False,
+          "exiting": False}
 _lock = threading.Lock()
+_told = threading.Lock()       # a heartbeat and `exiting` are written one at a time
 
 
 def start() -> None:
@@ -46,7 +48,7 @@ def start() -> None:
         return
     _state["started"] = True
     threading.Thread(target=_beat, name="parallax_ng heartbeat", daemon=True).start()
-    atexit.register(tell, "exiting", "")      # registered first: runs after the others
+    atexit.register(_exiting)                 # registered first: runs after the others
     previous = sys.excepthook
 
     def report(kind, value, tb):
@@ -108,8 +110,18 @@ def parse(text: str) -> tuple[str, str] | None:
 
 def _beat() -> None:
     while True:
-        _write(line())
+        with _told:
+            if _state["exiting"]:
+                return
+            _write(line())
         time.sleep(INTERVAL)
+
+
+def _exiting() -> None:
+    """`exiting`, the last line: no heartbeat is written after it."""
+    with _told:
+        _state["exiting"] = True
+        _write("exiting ")
 
 
 def _write(text: str) -> None:
