@@ -181,5 +181,8 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     form = forms.loss_form(loss, ["x"], None, strict=False)
     assert form.kind == "sum" and form.widened == [mean.op.name] and not form.mixed
     assert forms.loss_form(loss, ["x"], None).kind is None
+    assert forms.over_widened(mean, ["x"], {mean.op.name})          # summed where fetched
+    assert not forms.over_widened(mean, ["x"], set()) and not forms.over_widened(
+        summed, ["x"], {mean.op.name})
     form = forms.loss_form(raw, ["x"], None, strict=False)
     assert form.kind is None and form.mixed == [(summed.name, False)] and not form.widened

@@ -420,12 +420,13 @@ def regularized_graph(keras_sum, mean=False):
         h = tf.matmul(tf.reduce_sum(tf.nn.embedding_lookup(emb, ids), 1), w)[:, 0]
         data = tf.reduce_sum(tf.square(h - y))
         reg = 0.05 * tf.nn.l2_loss(w)
+        part = tf1.losses.absolute_difference(y, h) if mean else reg
         if mean:
-            data = data + 0.5 * tf1.losses.absolute_difference(y, h)
+            data = data + 0.5 * part
         loss = tf.reduce_sum(tf.stack([data, reg])) if keras_sum else data + reg
         train = tf1.train.AdamOptimizer(0.05).minimize(loss)
         init = tf1.global_variables_initializer()
-    return g, dict(ids=ids, y=y, loss=loss, train=train, init=init)
+    return g, dict(ids=ids, y=y, loss=loss, part=part, train=train, init=init)
 
 
 @pytest.mark.parametrize("keras_sum,mode,mean", [
@@ -438,8 +439,9 @@ def test_a_regularizer_beside_a_summed_loss_is_added_once(keras_sum, mode, mean)
     1/N of one device's; summed without the division, the regularizer's N
     times). A mean added to the sum (tf.compat.v1.losses': a sum over its
     count) divides by N times the count in every replica, forward and
-    gradient (averaged, the sum's part was 1/N of one device's). 5 Adam
-    steps, every variable and the fetched loss, 1e-5."""
+    gradient (averaged, the sum's part was 1/N of one device's), and the
+    mean fetched alone is the replicas' sum (it was their mean: 1/N). 5
+    Adam steps, every variable, the fetched loss and term, 1e-5."""
     import parallax_ng as pn
     from models import local
     rng = np.random.RandomState(4)
@@ -448,8 +450,8 @@ def test_a_regularizer_beside_a_summed_loss_is_added_once(keras_sum, mode, mean)
 
     def run(call, t):
         call(t["init"])
-        return [call([t["train"], t["loss"]], {t["ids"]: ids[k * 16:(k + 1) * 16],
-                                               t["y"]: ys[k * 16:(k + 1) * 16]})[1]
+        return [call([t["train"], t["loss"], t["part"]], {t["ids"]: ids[k * 16:(k + 1) * 16],
+                                                          t["y"]: ys[k * 16:(k + 1) * 16]})[1:]
                 for k in range(5)]
     g1, t1 = regularized_graph(keras_sum, mean)
     with tf1.Session(graph=g1) as sess:

@@ -45,6 +45,7 @@ import numpy as np
 
 from parallax_ng.graph import averaging, emit, forms, rules
 from parallax_ng.graph.ir import GraphIR
+from parallax_ng.pipeline.results import WidenedMeans
 
 
 @dataclass(frozen=True)
@@ -87,13 +88,13 @@ class StateSyncPass:
                         node, at, how = ref.node, delta, "sum"
                         ref = tg.ir.data_inputs(node)[delta]
                     if how == "sum" and _a_mean(tg, ref, sources) and \
-                            not _over_widened(tg, tg.tensor(ref), sources, widened):
+                            not forms.over_widened(tg.tensor(ref), sources, widened):
                         how = "mean"              # one device adds the global batch's mean
                     scope = f"parallax/state_sync/{node}/input_{at}"
                     nodes, tensors = [], [ctx.replica_tensor(k, ref)
                                           for k in range(plan.num_replicas)]
                     loss = _times_rows(tg.tensor(ref), sources) if how == "sum" else None
-                    if loss is not None and _summed(tg, loss, sources, widened):
+                    if loss is not None and _summed(loss, sources, widened):
                         tracked.append(loss)
                         nodes, tensors = _times(ctx, ir, f"{scope}/sum_times_rows", tensors,
                                                 node, tg.tensor(ref).dtype, plan.group_size)
@@ -104,6 +105,8 @@ class StateSyncPass:
                     new_nodes.extend(nodes + more)
                     for k, out in enumerate(outs):
                         rewires[(ctx.replica_name(k, node), at)] = out
+        if widened:
+            ctx.publish(WidenedMeans(frozenset(widened)))
         for count, widen in _counts(tg, sources, widened):
             dtype = tg.tensor(count).dtype
             outs = [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)]
@@ -155,19 +158,19 @@ def _counts(tg, sources, widened: dict) -> list:
     equal on every replica), one device divides by the global batch's
     count: each replica divides by the replicas' mean count instead of its
     own, so the mean of the replicas' gradients (and losses) is one
-    device's. The `widened` counts are N times that."""
+    device's. The counts of `widened` divisions are N times that."""
     out = {}
     for loss in forms.autodiff_losses(tg.graph):
         for op in forms.loss_form(loss, sources, None, strict=False).by_count:
             count = tg.ir.data_inputs(op)[1]
             if _from_values(tg, count, set(sources)):
                 out.setdefault(count, False)
-    out.update(widened)
+    out.update(dict.fromkeys(widened.values(), True))
     return list(out.items())
 
 
 def _widened(tg, sources, summing: bool) -> dict:
-    """{count: True} of the means a loss adds to a sum over the batch
+    """{division: its count} of the means a loss adds to a sum over the batch
     (forms.LossForm.widened): where the replicas' gradients are summed, or
     a graph without gradients (`evaluate`'s) has a tracker add the loss,
     each replica divides the mean by N times its count, so the replicas'
@@ -176,24 +179,16 @@ def _widened(tg, sources, summing: bool) -> dict:
     trained = tg.ir.ancestors({t.op.name for t in losses}, data_only=True) if losses else set()
     tracked = [x for op in tg.graph.get_operations() if op.type == "Mul"
                and (x := _times_rows(op.outputs[0], sources)) is not None]
-    return {tg.ir.data_inputs(op)[1]: True for loss in (losses if summing else []) + tracked
+    return {op: tg.ir.data_inputs(op)[1] for loss in (losses if summing else []) + tracked
             for op in forms.loss_form(loss, sources, None, strict=False).widened
             if summing or op not in trained}
 
 
-def _summed(tg, loss, sources, widened: dict) -> bool:
+def _summed(loss, sources, widened: dict) -> bool:
     """Whether the replicas' values of the scalar `loss` add up to one
     device's: a sum over the batch, or a mean over a widened count."""
     return forms.scalar_kind(loss, sources) == "sum" or \
-        _over_widened(tg, loss, sources, widened)
-
-
-def _over_widened(tg, t, sources, widened: dict) -> bool:
-    """Whether the scalar `t` is a mean whose count is widened (each
-    replica's is 1/N of its share of one device's)."""
-    return bool(widened) and any(
-        tg.ir.data_inputs(op)[1] in widened
-        for op in forms.loss_form(t, sources, None, strict=False).by_count)
+        forms.over_widened(loss, sources, widened)
 
 
 _SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"})

@@ -366,6 +366,14 @@ def scalar_form(t: tf.Tensor, sources) -> tuple[str | None, bool, LossForm]:
     return form.kind, False, form
 
 
+def over_widened(t: tf.Tensor, sources, widened) -> bool:
+    """Whether the scalar `t` is a mean over a count whose division is one
+    of `widened` (each replica's value then 1/N of its share of one
+    device's: the replicas' sum is one device's)."""
+    return bool(widened) and any(
+        op in widened for op in loss_form(t, sources, None, strict=False).by_count)
+
+
 def counts_rows(op, sources) -> bool:
     """Whether `op` counts a batch's rows: `tf.shape(x)[0]` or `tf.size(x)`
     of a tensor whose first dimension is the batch."""

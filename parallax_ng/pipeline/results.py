@@ -96,3 +96,12 @@ class CountedDraws:
     calls: dict
     start: tuple = ()
     replays: tuple = ()
+
+
+@dataclass(frozen=True)
+class WidenedMeans:
+    """The divisions of a mean by a count that the state-sync pass made
+    each replica take over N times the count (a mean added to a sum over the
+    batch): a scalar that is such a mean is one device's as the replicas'
+    sum, not their mean (the runtime combines a fetch of it so)."""
+    divisions: frozenset

@@ -31,6 +31,7 @@ from ..errors import FetchError
 from ..graph import accumulation, batch, forms
 from ..graph.ir import format_input, parse_input, parse_tensor
 from ..pipeline.passes import REPLICA_PREFIX
+from ..pipeline.results import WidenedMeans
 
 
 def sparse_tensors(base: str) -> list[str]:
@@ -219,8 +220,10 @@ class ReplicaFetchMap(FetchMap):
 
     def _reduction(self, name: str) -> str:
         if name not in self._reductions:         # read once per tensor, not per step
+            widened = self.ctx.result(WidenedMeans)
             self._reductions[name] = _default_reduction(
-                self.user_graph.get_tensor_by_name(name), self._sources)
+                self.user_graph.get_tensor_by_name(name), self._sources,
+                widened.divisions if widened else frozenset())
         return self._reductions[name]
 
     @cached_property
@@ -428,12 +431,14 @@ def _late_name(k: int, name: str) -> str:
     return name if k == 0 else REPLICA_PREFIX.format(k) + name
 
 
-def _default_reduction(t: tf.Tensor, sources: list[str]) -> str:
+def _default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset()) -> str:
     """A scalar is a mean over the batch (a loss: the replicas' mean is the
     global batch's) unless the graph shows it sums over the batch (a count
-    of correct examples, a summed loss: their sum is), graph/forms.py."""
+    of correct examples, a summed loss: their sum is), graph/forms.py, or
+    it is a mean whose division the state-sync pass widened (`widened`)."""
     if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
         return "first"
     if t.shape.rank == 0:
-        return "sum" if forms.scalar_kind(t, sources) == "sum" else "mean"
+        summed = forms.scalar_kind(t, sources) == "sum" or forms.over_widened(t, sources, widened)
+        return "sum" if summed else "mean"
     return "concat"
