@@ -17,6 +17,7 @@ ROWS, BATCH = 64, 16           # 4 steps an epoch
 
 
 def twins(name, dropout):
+    keras.utils.set_random_seed(0)      # seeded weights: a run is the next one
     a = ex.MODELS[name](dropout=dropout)
     b = ex.MODELS[name](dropout=dropout)
     b.set_weights(a.get_weights())
