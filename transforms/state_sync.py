@@ -64,7 +64,9 @@ class StateSyncPass:
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
         batch = forms.replica_batch(tg.graph, sources)
         summing = not plan.average_dense and not plan.average_sparse
-        widened = _widened(tg, sources, summing)
+        form = _Forms(sources)                    # each loss's form, read once
+        products = _tracker_products(tg, sources)
+        widened = _widened(tg, form, products, summing)
         for var, writers in sorted(tg.writers.items()):
             if not plan.mirrored(var) or var in tg.accumulators:    # replica-local sums
                 continue
@@ -88,13 +90,14 @@ class StateSyncPass:
                         node, at, how = ref.node, delta, "sum"
                         ref = tg.ir.data_inputs(node)[delta]
                     if how == "sum" and _a_mean(tg, ref, sources) and \
-                            not forms.over_widened(tg.tensor(ref), sources, widened):
+                            not form.over_widened(tg.tensor(ref), widened):
                         how = "mean"              # one device adds the global batch's mean
                     scope = f"parallax/state_sync/{node}/input_{at}"
                     nodes, tensors = [], [ctx.replica_tensor(k, ref)
                                           for k in range(plan.num_replicas)]
-                    loss = _times_rows(tg.tensor(ref), sources) if how == "sum" else None
-                    if loss is not None and _summed(loss, sources, widened):
+                    loss = products.get(_past(tg.tensor(ref)).op.name) if how == "sum" else None
+                    if loss is not None and (forms.scalar_kind(loss, sources) == "sum"
+                                             or form.over_widened(loss, widened)):
                         tracked.append(loss)
                         nodes, tensors = _times(ctx, ir, f"{scope}/sum_times_rows", tensors,
                                                 node, tg.tensor(ref).dtype, plan.group_size)
@@ -107,7 +110,7 @@ class StateSyncPass:
                         rewires[(ctx.replica_name(k, node), at)] = out
         if widened:
             ctx.publish(WidenedMeans(frozenset(widened)))
-        for count, widen in _counts(tg, sources, widened):
+        for count, widen in _counts(tg, sources, form, widened):
             dtype = tg.tensor(count).dtype
             outs = [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)]
             if _from_values(tg, count, set(sources)):   # a masked mean's count: the job's mean
@@ -125,12 +128,12 @@ class StateSyncPass:
                     rewires.setdefault((ctx.replica_name(k, node), at), out)
         parts = []              # a regularizer beside a summed loss: 1/N of it per replica
         if summing:
-            parts = averaging.added_once(tg.graph)
+            parts = averaging.added_once(tg.graph, form)
             if parts:
                 parts += [p for grad in tg.gradients.values()
                           for p in _data_free_parts(tg, grad, set(sources))]
         parts += [p for loss in tracked     # the loss a tracker adds (an evaluation's too)
-                  for p in forms.loss_form(loss, sources, None, strict=False).once]
+                  for p in form(loss).once]
         for node, at in dict.fromkeys(parts):
             nodes, outs = _times_replicas(ctx, ir, node, at, 1.0 / plan.group_size, "once")
             new_nodes.extend(nodes)
@@ -151,7 +154,24 @@ def _data_free_parts(tg, grad, sources: set) -> list[tuple[str, int]]:
             if not _from_values(tg, r, sources)]
 
 
-def _counts(tg, sources, widened: dict) -> list:
+class _Forms:
+    """Each loss's `forms.loss_form` (without a batch, not strict), read
+    once per pass: `form(loss)`."""
+
+    def __init__(self, sources):
+        self.sources, self.read = sources, {}
+
+    def __call__(self, loss):
+        if loss.name not in self.read:
+            self.read[loss.name] = forms.loss_form(loss, self.sources, None, strict=False)
+        return self.read[loss.name]
+
+    def over_widened(self, t, widened) -> bool:
+        """forms.over_widened, from the form read."""
+        return bool(widened) and any(op in widened for op in self(t).by_count)
+
+
+def _counts(tg, sources, form, widened: dict) -> list:
     """(count, widened) of the counts that losses divide a sum over the
     batch by. Where the count depends on the data's values (a mask's sum,
     weights' nonzero count), not only on its shape (tf.shape, tf.size:
@@ -161,7 +181,7 @@ def _counts(tg, sources, widened: dict) -> list:
     device's. The counts of `widened` divisions are N times that."""
     out = {}
     for loss in forms.autodiff_losses(tg.graph):
-        for op in forms.loss_form(loss, sources, None, strict=False).by_count:
+        for op in form(loss).by_count:
             count = tg.ir.data_inputs(op)[1]
             if _from_values(tg, count, set(sources)):
                 out.setdefault(count, False)
@@ -169,7 +189,7 @@ def _counts(tg, sources, widened: dict) -> list:
     return list(out.items())
 
 
-def _widened(tg, sources, summing: bool) -> dict:
+def _widened(tg, form, products: dict, summing: bool) -> dict:
     """{division: its count} of the means a loss adds to a sum over the batch
     (forms.LossForm.widened): where the replicas' gradients are summed, or
     a graph without gradients (`evaluate`'s) has a tracker add the loss,
@@ -177,18 +197,9 @@ def _widened(tg, sources, summing: bool) -> dict:
     sum of it is one device's mean."""
     losses = forms.autodiff_losses(tg.graph)
     trained = tg.ir.ancestors({t.op.name for t in losses}, data_only=True) if losses else set()
-    tracked = [x for op in tg.graph.get_operations() if op.type == "Mul"
-               and (x := _times_rows(op.outputs[0], sources)) is not None]
-    return {op: tg.ir.data_inputs(op)[1] for loss in (losses if summing else []) + tracked
-            for op in forms.loss_form(loss, sources, None, strict=False).widened
-            if summing or op not in trained}
-
-
-def _summed(loss, sources, widened: dict) -> bool:
-    """Whether the replicas' values of the scalar `loss` add up to one
-    device's: a sum over the batch, or a mean over a widened count."""
-    return forms.scalar_kind(loss, sources) == "sum" or \
-        forms.over_widened(loss, sources, widened)
+    return {op: tg.ir.data_inputs(op)[1]
+            for loss in (losses if summing else []) + list(products.values())
+            for op in form(loss).widened if summing or op not in trained}
 
 
 _SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"})
@@ -272,22 +283,30 @@ _PAST = frozenset({"Identity", "Snapshot", "Cast", "BroadcastTo", "Reshape", "Sq
                    "ExpandDims"})
 
 
-def _times_rows(t, sources):
-    """x when the scalar `t` is a scalar x times the replica's row count
-    (Keras's loss tracker adds `loss x batch size` to its total), else
-    None. Where x is summed (`_summed`), one device adds the global x times
-    the global count, N times the replicas' sum of theirs."""
-    def past(t):
-        while t.op.type in _PAST or (t.op.type in ("Sum", "Mean")
-                                     and t.op.inputs[0].shape.num_elements() == 1):
-            t = t.op.inputs[0]
-        return t
-    t = past(t)
-    if t.op.type != "Mul" or t.shape.num_elements() != 1:
-        return None
-    a, b = (past(x) for x in t.op.inputs)
-    return next((x for count, x in ((a, b), (b, a)) if forms.counts_rows(count.op, sources)
-                 and x.shape.num_elements() == 1), None)
+def _past(t):
+    """`t` past ops that keep its value (and sums or means of one element)."""
+    while t.op.type in _PAST or (t.op.type in ("Sum", "Mean")
+                                 and t.op.inputs[0].shape.num_elements() == 1):
+        t = t.op.inputs[0]
+    return t
+
+
+def _tracker_products(tg, sources) -> dict:
+    """{Mul op: x} of the scalars that are a scalar x times the replica's
+    row count (Keras's loss tracker adds `loss x batch size` to its
+    total). Where x is summed (a sum over the batch, or a mean over a
+    widened count), one device adds the global x times the global count,
+    N times the replicas' sum of theirs."""
+    found = {}
+    for op in tg.graph.get_operations():
+        if op.type != "Mul" or op.outputs[0].shape.num_elements() != 1:
+            continue
+        a, b = (_past(x) for x in op.inputs)
+        x = next((x for count, x in ((a, b), (b, a)) if forms.counts_rows(count.op, sources)
+                  and x.shape.num_elements() == 1), None)
+        if x is not None:
+            found[op.name] = x
+    return found
 
 
 def _a_mean(tg, ref, sources: list[str]) -> bool:

@@ -77,12 +77,14 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     return dense, sparse, note
 
 
-def added_once(graph: tf.Graph) -> list[tuple[str, int]]:
+def added_once(graph: tf.Graph, form=None) -> list[tuple[str, int]]:
     """(op, input index) where a loss the graph differentiates, a sum over
     the batch, adds a term without data (a regularizer beside a
     `tf.reduce_sum`; `compute_average_loss(..., global_batch_size=B)` plus
     `scale_regularization_loss`): one device adds it once, so replicas whose
-    gradients are summed each add 1/N of it."""
-    data = sources(graph)
-    return [where for loss in autodiff_losses(graph)
-            for where in loss_form(loss, data, None, strict=False).once]
+    gradients are summed each add 1/N of it. `form(loss)`: the loss's
+    `loss_form` without a batch, not strict, where the caller has read it."""
+    if form is None:
+        data = sources(graph)
+        form = lambda loss: loss_form(loss, data, None, strict=False)  # noqa: E731
+    return [where for loss in autodiff_losses(graph) for where in form(loss).once]
