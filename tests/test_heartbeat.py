@@ -50,14 +50,16 @@ def test_the_last_line_says_the_interpreter_ends():
     no heartbeat follows it, however often they beat (one did, in a CI run,
     with the daemon thread still beating during the interpreter's end)."""
     code = ("import atexit, sys, time, parallax_ng.runtime.heartbeat as h; h.INTERVAL = 1e-4; "
-            "sys.setswitchinterval(1e-6); "
+            "sys.setswitchinterval(1e-6); beats = []; write = h._write; "
+            "h._write = lambda text: (beats.append(text), write(text)); "
             "h.start(); atexit.register(lambda: sys.stderr.write('handler ran\\n')); "
-            "time.sleep(0.05)")
+            "end = time.monotonic() + 20\n"
+            "while len(beats) < 20 and time.monotonic() < end: pass")  # exit while it beats
     done = child(code, **{heartbeat.ENV: "worker 0"})
     assert done.returncode == 0, done.stderr
     told = [(ln, heartbeat.parse(ln)) for ln in done.stderr.split("\n")]
     kinds = [p[0] for _, p in told if p]
-    assert kinds[-1] == "exiting" and kinds.count("exiting") == 1
+    assert kinds[-1] == "exiting" and kinds.count("exiting") == 1 and len(kinds) > 20
     lines = [ln for ln, _ in told]
     assert lines.index("handler ran") < [i for i, (_, p) in enumerate(told)
                                          if p and p[0] == "exiting"][0]

@@ -366,29 +366,37 @@ def test_a_masked_mean_divides_by_the_jobs_count(weighted, mode):
     count: the loss and its gradient), so the mean of their gradients and
     losses is one device's; dividing by its own count had weighed replica
     0's tokens 4 times more. 5 steps, every variable, 1e-5."""
-    import parallax_ng as pn
-    from models import local
     rng = np.random.RandomState(1)
     ids = rng.randint(1, 20, size=(80, 4)).astype(np.int32)
     ids[:, 1:] *= (np.arange(80) % 16 >= 8)[:, None]    # rows 0-7 of 16: one real token
     ys = rng.randn(80, 4).astype(np.float32)
-
-    def run(call, t):
-        call(t["init"])
-        return [call([t["train"], t["loss"]], {t["ids"]: ids[k * 16:(k + 1) * 16],
-                                               t["y"]: ys[k * 16:(k + 1) * 16]})[1]
-                for k in range(5)]
-    g1, t1 = masked_graph(weighted)
-    with tf1.Session(graph=g1) as sess:
-        want = run(sess.run, t1)
-        want_vars = {v.op.name: sess.run(v) for v in g1.get_collection("variables")}
-    g2, t2 = masked_graph(weighted)
-    with pn.get_runner(g2, local(2), {"run_option": mode}) as runner:
-        got = run(runner.run, t2)
-        got_vars = {v.op.name: runner.run(v) for v in g2.get_collection("variables")}
+    (want, want_vars), (got, got_vars), _ = one_device_and_two_replicas(
+        lambda: masked_graph(weighted), mode, ids, ys, ["loss"])
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     for name, value in want_vars.items():
         np.testing.assert_allclose(got_vars[name], value, atol=1e-5, rtol=0, err_msg=name)
+
+
+def one_device_and_two_replicas(make, mode, ids, ys, fetched, steps=5, rows=16):
+    """Train `make()`'s graph (ids, y, train, init and the `fetched` keys)
+    `steps` steps on `rows` rows each, on one device and on 2 replicas in
+    `mode`: ((fetched values per step, variables) of each, the plan)."""
+    import parallax_ng as pn
+    from models import local
+
+    def run(call, t):
+        call(t["init"])
+        return [call([t["train"]] + [t[k] for k in fetched],
+                     {t["ids"]: ids[k * rows:(k + 1) * rows],
+                      t["y"]: ys[k * rows:(k + 1) * rows]})[1:] for k in range(steps)]
+    g1, t1 = make()
+    with tf1.Session(graph=g1) as sess:
+        one = run(sess.run, t1), {v.op.name: sess.run(v) for v in g1.get_collection("variables")}
+    g2, t2 = make()
+    with pn.get_runner(g2, local(2), {"run_option": mode}) as runner:
+        two = run(runner.run, t2), {v.op.name: runner.run(v)
+                                    for v in g2.get_collection("variables")}
+    return one, two, runner.plan
 
 
 @pytest.mark.parametrize("config", ON_SERVERS, ids=["fusion-buffers", "ps"])
@@ -442,26 +450,12 @@ def test_a_regularizer_beside_a_summed_loss_is_added_once(keras_sum, mode, mean)
     gradient (averaged, the sum's part was 1/N of one device's), and the
     mean fetched alone is the replicas' sum (it was their mean: 1/N). 5
     Adam steps, every variable, the fetched loss and term, 1e-5."""
-    import parallax_ng as pn
-    from models import local
     rng = np.random.RandomState(4)
     ids = rng.randint(0, 20, size=(80, 2)).astype(np.int32)
     ys = rng.randn(80).astype(np.float32)
-
-    def run(call, t):
-        call(t["init"])
-        return [call([t["train"], t["loss"], t["part"]], {t["ids"]: ids[k * 16:(k + 1) * 16],
-                                                          t["y"]: ys[k * 16:(k + 1) * 16]})[1:]
-                for k in range(5)]
-    g1, t1 = regularized_graph(keras_sum, mean)
-    with tf1.Session(graph=g1) as sess:
-        want = run(sess.run, t1)
-        want_vars = {v.op.name: sess.run(v) for v in g1.get_collection("variables")}
-    g2, t2 = regularized_graph(keras_sum, mean)
-    with pn.get_runner(g2, local(2), {"run_option": mode}) as runner:
-        assert not runner.plan.average_dense
-        got = run(runner.run, t2)
-        got_vars = {v.op.name: runner.run(v) for v in g2.get_collection("variables")}
+    (want, want_vars), (got, got_vars), plan = one_device_and_two_replicas(
+        lambda: regularized_graph(keras_sum, mean), mode, ids, ys, ["loss", "part"])
+    assert not plan.average_dense
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-6)
     for name, value in want_vars.items():
         np.testing.assert_allclose(got_vars[name], value, atol=1e-5, rtol=0, err_msg=name)
