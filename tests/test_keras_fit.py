@@ -262,6 +262,45 @@ def test_keras3_metrics_that_sum_equal_one_device():
     check_classifier_fit(keras, parallel, single)
 
 
+@pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
+def test_mixed_precision_equals_one_device(lib):
+    """The `mixed_float16` policy: float16 layers, the loss scaled by a
+    LossScaleOptimizer. The first batch's rows of replica 1 overflow
+    float16: every replica skips that step and halves the scale, as one
+    device does. The epochs' logs equal one device's (tf_keras's metric
+    totals are AutoCastVariables: the reset at each epoch and evaluation
+    had missed the replicas' copies, so the second epoch's loss averaged
+    both epochs), and so do `evaluate`, the loss scale and the weights,
+    to float16's rounding of the gradients' sums (1e-4)."""
+    lib = keras if lib == "keras3" else __import__("tf_keras")
+    lib.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        lib.utils.set_random_seed(0)
+        make = lambda: lib.Sequential([lib.Input((5,)), lib.layers.Dense(  # noqa: E731
+            8, activation="relu"), lib.layers.Dense(1, dtype="float32")])
+        parallel, single = make(), make()
+        single.set_weights(parallel.get_weights())
+        for m in (parallel, single):
+            m.compile(optimizer=lib.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
+        pn.parallelize(parallel, local(2))
+    finally:
+        lib.mixed_precision.set_global_policy("float32")
+    x, y = data()
+    y[8:16] *= 1000.0                    # float16 overflows in the first step's gradients
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    scale = "dynamic_scale" if lib is keras else "loss_scale"
+    scales = [float(np.array(getattr(m.optimizer, scale))) for m in (parallel, single)]
+    assert scales[0] == scales[1] < 2 ** 15          # a step was skipped
+    for w1, w2 in zip(parallel.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(np.float32(w1), np.float32(w2), atol=1e-4, rtol=0)
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(h1.history[key], h2.history[key], atol=0, rtol=1e-4)
+    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               single.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               atol=0, rtol=1e-4)
+
+
 def test_tf_keras_fit_equals_one_device():
     import tf_keras
     parallel, single = tf_keras_dense(), tf_keras_dense()

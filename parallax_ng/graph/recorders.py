@@ -59,8 +59,13 @@ def optimizer_classes() -> list:
 
 
 def tf_variable(v):
-    """The tf.Variable of a Keras 3 variable (a tf.Variable itself otherwise)."""
-    return getattr(v, "_value", v) if not isinstance(v, tf.Variable) else v
+    """The tf.Variable of a Keras 3 variable, or of tf_keras's
+    AutoCastVariable (a mixed-precision policy's weights and metric
+    totals: a tf.Variable wrapping one); a tf.Variable itself otherwise."""
+    if not isinstance(v, tf.Variable):
+        return getattr(v, "_value", v)
+    inner = getattr(v, "_variable", None)
+    return inner if isinstance(inner, tf.Variable) else v
 
 
 @contextlib.contextmanager
