@@ -281,7 +281,7 @@ def test_mixed_precision_equals_one_device(lib):
         parallel, single = make(), make()
         single.set_weights(parallel.get_weights())
         for m in (parallel, single):
-            m.compile(optimizer=lib.optimizers.SGD(0.01), loss="mse", metrics=["mae"])
+            m.compile(optimizer=lib.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
         pn.parallelize(parallel, local(2))
     finally:
         lib.mixed_precision.set_global_policy("float32")

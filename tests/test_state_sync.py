@@ -1,3 +1,5 @@
+import warnings
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -11,14 +13,14 @@ from task_env import TASK_PATH
 tf1 = tf.compat.v1
 
 
-def stats_graph():
+def stats_graph(trainable=False):
     """A running mean of the batch and a running count of examples."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 3], name="x")
         w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
         mean = tf1.get_variable("running_mean", initializer=np.zeros([3], np.float32),
-                                trainable=False)
+                                trainable=trainable)
         count = tf1.get_variable("count", initializer=np.float32(0), trainable=False)
         upd_mean = tf1.assign_sub(mean, (mean - tf.reduce_mean(x, 0)) * 0.5)
         upd_count = tf1.assign_add(count, tf.cast(tf.shape(x)[0], tf.float32))
@@ -40,6 +42,22 @@ def test_state_written_from_replica_data_is_all_reduced():
         "parallax/state_sync/AssignAddVariableOp/input_1/replica_1"
     # the optimizer's own writes get aggregated gradients, not state sync
     assert not any("ResourceApply" in n.name for n in synced)
+
+
+@pytest.mark.parametrize("trainable", [True, False])
+def test_a_trainable_variable_synced_as_state_is_named_in_a_warning(trainable):
+    """A trainable variable the step writes from each replica's data with
+    no gradient found (a trained weight the analysis missed, or state left
+    trainable) is synced as state, averaged, which is exact only where the
+    write is linear in the data: a warning names it, and only it."""
+    ctx = context(n=2, graph=stats_graph(trainable))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_passes(ctx, ReplicatePass(), AggregatePass(), StateSyncPass())
+    said = [str(w.message) for w in caught if "no gradient of them" in str(w.message)]
+    assert len(said) == int(trainable)
+    if trainable:
+        assert "['running_mean']" in said[0] and "trainable=False" in said[0]
 
 
 def test_synced_state_equals_one_device():

@@ -39,6 +39,7 @@ Initializers are left to the `init` pass.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,7 +61,7 @@ class StateSyncPass:
             return ir, {"synced": 0}
         initializers = {v.initializer for v in tg.variables.values()}
         synced = 0
-        new_nodes, rewires, tracked = [], {}, []
+        new_nodes, rewires, tracked, untrained = [], {}, [], set()
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
         batch = forms.replica_batch(tg.graph, sources)
         summing = not plan.average_dense and not plan.average_sparse
@@ -82,6 +83,9 @@ class StateSyncPass:
                     if pos == 0 or not ctx.varies(ref):
                         continue
                     how = rules.state_sync_reduction(tg.ir.node(w).op, w)
+                    if tg.variables[var].trainable and var not in tg.gradients and \
+                            tg.variables[var].dtype.is_floating:
+                        untrained.add(var)
                     node, at = w, pos
                     if how == "sum" and _reads(tg, var, ref.node):
                         how = "mean"              # a moving average written as an add
@@ -110,6 +114,14 @@ class StateSyncPass:
                         rewires[(ctx.replica_name(k, node), at)] = out
         if widened:
             ctx.publish(WidenedMeans(frozenset(widened)))
+        if untrained:
+            warnings.warn(
+                f"trainable variables {sorted(untrained)} are written by the step from each "
+                "replica's data, but no gradient of them was found (an optimizer's update "
+                "reading the autodiff's output): their writes are synced as state, the "
+                "replicas' values averaged, which equals one device only where the write "
+                "is linear in the data (plain SGD, a moving average); mark them "
+                "trainable=False if they are state", stacklevel=2)
         for count, widen in _counts(tg, sources, form, widened):
             dtype = tg.tensor(count).dtype
             outs = [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)]
