@@ -44,7 +44,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallax_ng.graph import averaging, emit, forms, rules
+from parallax_ng.errors import GraphError
+from parallax_ng.graph import averaging, branches, emit, forms, rules
 from parallax_ng.graph.ir import GraphIR
 from parallax_ng.pipeline.results import WidenedMeans
 
@@ -68,6 +69,7 @@ class StateSyncPass:
         form = _Forms(sources)                    # each loss's form, read once
         products = _tracker_products(tg, sources)
         widened = _widened(tg, form, products, summing)
+        _out_of_reach(tg, ctx)
         for var, writers in sorted(tg.writers.items()):
             if not plan.mirrored(var) or var in tg.accumulators:    # replica-local sums
                 continue
@@ -83,6 +85,7 @@ class StateSyncPass:
                     if pos == 0 or not ctx.varies(ref):
                         continue
                     how = rules.state_sync_reduction(tg.ir.node(w).op, w)
+                    _one_branch(tg, ctx, var, w)
                     if tg.variables[var].trainable and var not in tg.gradients and \
                             tg.variables[var].dtype.is_floating:
                         untrained.add(var)
@@ -164,6 +167,39 @@ def _data_free_parts(tg, grad, sources: set) -> list[tuple[str, int]]:
         return []
     return [(ref.node, at) for at, r in enumerate(tg.ir.data_inputs(ref.node))
             if not _from_values(tg, r, sources)]
+
+
+def _out_of_reach(tg, ctx) -> None:
+    """A GraphError where a functional op (a tf.cond of TF2 behavior) writes
+    a variable from values that differ between replicas: no pass reaches
+    into its function to sync the write, so the replicas' copies drift."""
+    for var, op in branches.function_writes(tg):
+        if any(ctx.varies(ref) for ref in tg.ir.data_inputs(op)):
+            raise GraphError(
+                f"variable {var!r} is written inside op {op!r} ({tg.ir.node(op).op}: a "
+                "tf.cond, tf.while_loop or tf.function call in a graph built with TF2 "
+                "behavior) from values that differ between replicas; parallax_ng cannot "
+                "reach a write inside a function to keep the replicas' copies equal. Write "
+                "the variable outside it, or build the graph after "
+                "tf.compat.v1.disable_control_flow_v2() (tf.cond then lowers to Switch/Merge, "
+                "whose writes are synced where every replica takes the same branch)")
+
+
+def _one_branch(tg, ctx, var: str, writer: str) -> None:
+    """A GraphError where a synced write sits in a branch (or loop) whose
+    predicate differs between replicas: they would take different branches,
+    and the sync would wait for replicas that never reach it."""
+    for switch in branches.switches_above(tg.ir, writer):
+        pred = tg.ir.data_inputs(switch)[1]
+        if ctx.varies(pred):
+            raise GraphError(
+                f"variable {var!r} is written by {writer!r} from each replica's data inside "
+                f"a tf.cond branch or while loop whose predicate {pred.node!r} differs "
+                "between replicas (it depends on their data): they would take different "
+                "branches, and the sync of the written value would wait for replicas that "
+                "never reach it. One device decides on the global batch; compute the "
+                "predicate from values the replicas share (aggregated gradients, a step "
+                "counter), or write the variable outside the cond")
 
 
 class _Forms:

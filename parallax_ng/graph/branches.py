@@ -1,0 +1,102 @@
+"""Writes of state inside conditionals and function calls: where the
+replicas could take different branches, or where a write is out of the
+passes' reach.
+
+Two forms. tf.cond and tf.while_loop lowered to Switch/Merge (TF1 control
+flow, `disable_v2_behavior`, and TF2 steps as graph/tracing.py captures
+them): an op inside a branch runs only where the Switch's predicate sends
+it (`switches_above`). Functional ops (If, Case, While, PartitionedCall:
+tf.cond and tf.while_loop in a graph built with TF2 behavior, a
+tf.function called in one) run a function from the graph's library, whose
+writes to a variable handle it takes no pass sees (`function_writes`).
+
+Requires: the graph's IR (graph/ir.py, with the function library).
+Guarantees: pure functions of the graph.
+"""
+from __future__ import annotations
+
+from . import rules
+
+# functional op -> its inputs before the functions' arguments (a predicate, a branch index)
+FUNCTIONAL = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1, "While": 0,
+              "StatelessWhile": 0, "PartitionedCall": 0, "StatefulPartitionedCall": 0}
+_FUNCTION_ATTRS = ("then_branch", "else_branch", "branches", "body", "cond", "f")
+_SWITCHES = ("Switch", "RefSwitch")
+_MERGES = ("Merge", "RefMerge")
+
+
+def switches_above(ir, node: str) -> list[str]:
+    """The Switch ops whose branch (or loop body) `node` runs in: those its
+    data and control inputs reach back to without passing a Merge, where
+    a branch's values leave it."""
+    found, seen, todo = [], set(), [node]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        op = ir.node(name).op
+        if op in _MERGES and name != node:
+            continue
+        if op in _SWITCHES:
+            found.append(name)
+        todo.extend(i.lstrip("^").split(":")[0] for i in ir.node(name).input)
+    return sorted(found)
+
+
+def function_writes(tg) -> list[tuple[str, str]]:
+    """(variable, functional op) where the op's function writes the
+    handle of the variable it takes (a tf.cond of TF2 behavior whose branch
+    assigns it)."""
+    library = {f.signature.name: f for f in getattr(tg.ir.library, "function", ())}
+    if not library:
+        return []
+    out = []
+    for node in tg.ir.nodes:
+        skip = FUNCTIONAL.get(node.op)
+        if skip is None:
+            continue
+        for pos, ref in enumerate(tg.ir.data_inputs(node.name)):
+            var = tg.variable_of_handle(ref) if pos >= skip else None
+            if var is not None and any(_writes(library, f, pos - skip, 0)
+                                       for f in _functions(node.attr)):
+                out.append((var, node.name))
+    return out
+
+
+def _functions(attr) -> list[str]:
+    names = []
+    for key in _FUNCTION_ATTRS:
+        if key in attr:
+            value = attr[key]
+            names += [value.func.name] if value.func.name else [f.name for f in value.list.func]
+    return names
+
+
+def _writes(library: dict, name: str, arg: int, depth: int) -> bool:
+    """Whether function `name` writes the handle it takes as argument `arg`
+    (through Identity ops and the functions it calls in turn)."""
+    f = library.get(name)
+    if f is None or arg >= len(f.signature.input_arg) or depth > 20:
+        return False
+    handles = {f.signature.input_arg[arg].name}
+    grown = True
+    while grown:            # the handle under the Identity ops that pass it on
+        grown = False
+        for nd in f.node_def:
+            if nd.op == "Identity" and nd.name not in handles and \
+                    nd.input and nd.input[0].split(":")[0] in handles:
+                handles.add(nd.name)
+                grown = True
+    for nd in f.node_def:
+        at = [k for k, i in enumerate(nd.input) if not i.startswith("^")
+              and i.split(":")[0] in handles]
+        if not at:
+            continue
+        if rules.is_writer(nd.op):
+            return True
+        skip = FUNCTIONAL.get(nd.op)
+        if skip is not None and any(_writes(library, g, k - skip, depth + 1)
+                                    for k in at if k >= skip for g in _functions(nd.attr)):
+            return True
+    return False

@@ -1,0 +1,98 @@
+"""Writes of state inside conditionals (parallax_ng/graph/branches.py) and
+what the state-sync pass makes of them: synced where every replica takes
+the same branch, a GraphError naming the variable where the replicas'
+branches could differ or the write is inside a function (a hang until the
+timeout, and silently drifting copies, before)."""
+import contextlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import local
+from parallax_ng.errors import GraphError
+from parallax_ng.graph import branches, frontend
+
+tf1 = tf.compat.v1
+
+
+@contextlib.contextmanager
+def lowered_conds():
+    """tf.cond as Switch/Merge (TF1 control flow), in this block only."""
+    tf1.disable_control_flow_v2()
+    try:
+        yield
+    finally:
+        tf1.enable_control_flow_v2()
+
+
+def counting_graph(predicate: str):
+    """A count of positive inputs added to `hits` inside a tf.cond on the
+    data's mean ("data"), or on a fed scalar every replica shares ("fed")."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        flag = tf1.placeholder(tf.bool, [], name="flag")
+        w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
+        hits = tf1.get_variable("hits", initializer=np.float32(0), trainable=False)
+        pred = tf.reduce_mean(x) > 0 if predicate == "data" else flag
+        update = tf.cond(pred, lambda: tf1.assign_add(hits, tf.reduce_sum(tf.sign(x))),
+                         lambda: tf.identity(hits.read_value()))
+        loss = tf.reduce_mean(tf.reduce_sum(x * w, 1))
+        with tf.control_dependencies([update]):
+            train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        init = tf1.global_variables_initializer()
+    return g, dict(x=x, flag=flag, hits=hits, train=train, init=init, update=update)
+
+
+def test_a_write_in_a_lowered_branch_is_below_its_switch():
+    with lowered_conds():
+        g, t = counting_graph("data")
+    tg = frontend.load(g)
+    writer = next(n.name for n in tg.ir.nodes if n.op == "AssignAddVariableOp")
+    above = branches.switches_above(tg.ir, writer)
+    assert above and all(tg.ir.node(s).op == "Switch" for s in above)
+    assert branches.switches_above(tg.ir, t["train"].name) == []    # after the cond
+    assert branches.function_writes(tg) == []
+
+
+def test_a_write_in_a_functional_cond_is_found_in_its_function():
+    g, t = counting_graph("data")                              # TF2 behavior: an If op
+    tg = frontend.load(g)
+    [(var, op)] = branches.function_writes(tg)
+    assert var == "hits" and tg.ir.node(op).op in ("If", "StatelessIf")
+    assert not any(n.op == "Switch" for n in tg.ir.nodes)
+
+
+@pytest.mark.parametrize("form", ["lowered", "functional"])
+def test_state_written_in_a_branch_the_replicas_decide_apart_is_refused(form):
+    with lowered_conds() if form == "lowered" else contextlib.nullcontext():
+        g, _ = counting_graph("data")
+    match = "predicate .* differs between replicas" if form == "lowered" else \
+        "written inside op .*If.*disable_control_flow_v2"
+    with pytest.raises(GraphError, match=f"variable 'hits' .*{match}"):
+        pn.get_runner(g, local(2))
+
+
+def test_state_written_in_a_branch_every_replica_takes_equals_one_device():
+    """The predicate is fed, the same on every replica: the write inside the
+    branch is synced there (the replicas' counts summed), as one device
+    counts the global batch. 4 steps, the flag alternating, 1e-6."""
+    data = np.random.RandomState(0).randn(4, 8, 3).astype(np.float32)
+
+    def run(call, t):
+        call(t["init"])
+        for k in range(4):
+            call(t["train"], {t["x"]: data[k], t["flag"]: k % 2 == 0})
+        return call(t["hits"])
+    with lowered_conds():
+        g1, t1 = counting_graph("fed")
+        g2, t2 = counting_graph("fed")
+    with tf1.Session(graph=g1) as sess:
+        want = run(sess.run, t1)
+    with pn.get_runner(g2, local(2)) as runner:
+        got = run(runner.run, t2)
+        per = runner.run(t2["hits"], per_replica=True)
+    assert want != 0 and per[0] == per[1]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
