@@ -65,6 +65,30 @@ def test_a_write_in_a_functional_cond_is_found_in_its_function():
     assert not any(n.op == "Switch" for n in tg.ir.nodes)
 
 
+def applied_in_a_cond():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        flag = tf1.placeholder(tf.bool, [], name="flag")
+        w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
+        loss = tf.reduce_mean(tf.square(tf.reduce_sum(x * w, 1) - 1.0))
+        opt = tf1.train.AdamOptimizer(0.1)
+        grads = opt.compute_gradients(loss)
+        tf.cond(flag, lambda: tf.group(opt.apply_gradients(grads)), tf.no_op, name="apply")
+    return g
+
+
+def test_an_update_in_a_functional_cond_is_refused_by_name():
+    """An optimizer's update under a tf.cond of TF2 behavior is out of
+    reach (its gradient cannot be aggregated there); the error names it
+    (it said only that the graph had no optimizer update)."""
+    with pytest.raises(GraphError, match="trainable variable 'w' is written inside op "
+                                         "'apply' .*disable_control_flow_v2"):
+        frontend.load(applied_in_a_cond())
+    with lowered_conds():
+        assert list(frontend.load(applied_in_a_cond()).gradients) == ["w"]
+
+
 @pytest.mark.parametrize("form", ["lowered", "functional"])
 def test_state_written_in_a_branch_the_replicas_decide_apart_is_refused(form):
     with lowered_conds() if form == "lowered" else contextlib.nullcontext():

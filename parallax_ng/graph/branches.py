@@ -10,12 +10,16 @@ tf.cond and tf.while_loop in a graph built with TF2 behavior, a
 tf.function called in one) run a function from the graph's library, whose
 writes to a variable handle it takes no pass sees (`function_writes`).
 
+`check_updates` refuses a trained variable's update where its gradient
+cannot be aggregated: in a loop, or in a function.
+
 Requires: the graph's IR (graph/ir.py, with the function library).
-Guarantees: pure functions of the graph.
+Guarantees: pure functions of the graph (check_updates raises GraphError).
 """
 from __future__ import annotations
 
-from . import rules
+from ..errors import GraphError
+from . import randomness, rules
 
 # functional op -> its inputs before the functions' arguments (a predicate, a branch index)
 FUNCTIONAL = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1, "While": 0,
@@ -23,6 +27,14 @@ FUNCTIONAL = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1, "While":
 _FUNCTION_ATTRS = ("then_branch", "else_branch", "branches", "body", "cond", "f")
 _SWITCHES = ("Switch", "RefSwitch")
 _MERGES = ("Merge", "RefMerge")
+
+
+def check_updates(tg) -> None:
+    """A GraphError where a trained variable's update sits where its
+    gradient cannot be aggregated: inside a while loop, or inside a
+    functional op's function."""
+    _updates_in_loops(tg)
+    _updates_in_functions(tg)
 
 
 def switches_above(ir, node: str) -> list[str]:
@@ -100,3 +112,35 @@ def _writes(library: dict, name: str, arg: int, depth: int) -> bool:
                                     for k in at if k >= skip for g in _functions(nd.attr)):
             return True
     return False
+
+
+def _updates_in_loops(tg) -> None:
+    """A GraphError if a trained variable is updated, or its gradient taken,
+    inside a while loop (there, it cannot be aggregated: the step would hang)."""
+    entered = any(n.op in ("Enter", "RefEnter") for n in tg.ir.nodes)
+    loops = randomness.in_loops(tg.ir) if entered else ()
+    for var in sorted(tg.trainable):
+        grad = tg.gradients.get(var)
+        for w in [*tg.writers.get(var, ()), *([grad.values.node] if grad else [])]:
+            if w in loops and tg.ir.node(w).op not in ("Exit", "RefExit"):
+                raise GraphError(
+                    f"variable {var!r} is updated, or its gradient taken, inside a loop ({w!r} "
+                    "runs in a while loop: a `for` over tf.range in a TF2 step, tf.while_loop),"
+                    " where the replicas' gradients cannot be aggregated; loop in Python (over "
+                    "`range`, unrolled in the step, summing the gradients) or outside the step")
+
+
+def _updates_in_functions(tg) -> None:
+    """A GraphError if a trainable variable is written inside a functional
+    op's function (an optimizer's update under a tf.cond built with TF2
+    behavior), where its gradient cannot be aggregated."""
+    for var, op in function_writes(tg):
+        if tg.variables[var].trainable:
+            kind = tg.ir.node(op).op
+            fix = ("loop in Python, or apply the gradients outside the loop" if "While" in kind
+                   else "apply the gradients outside it, or build the graph after "
+                   "tf.compat.v1.disable_control_flow_v2() (tf.cond then lowers to Switch/Merge)")
+            raise GraphError(
+                f"trainable variable {var!r} is written inside op {op!r} ({kind}: a tf.cond, "
+                "tf.while_loop or tf.function call in a graph built with TF2 behavior), where "
+                f"parallax_ng cannot reach its update to aggregate the gradient; {fix}")

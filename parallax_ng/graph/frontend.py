@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
-from . import accumulation, distinct, queues, randomness, rules, variance
+from . import accumulation, branches, distinct, queues, rules, variance
 from .ir import GraphIR, TensorRef
 
 SHARD_SCOPE = "parallax_shard"
@@ -230,29 +230,13 @@ def _from_graph(graph: tf.Graph) -> TrainingGraph:
                     if (g := _find_gradient(tg, v, autodiff)) is not None}
     for acc in tg.accumulators:         # replica-local state, not the trained variable's
         tg.variables[acc] = Variable(**{**tg.variables[acc].__dict__, "owner": None})
-    _updates_in_loops(tg)
+    branches.check_updates(tg)
     if not tg.gradients:
         raise GraphError(f"{NO_UPDATE}: {rules.why_no_update(ir)}")
     tg.shard_consts = _shard_consts(ir)
     tg.queue_runners = [queues.RunnerDef.of(qr) for qr in
                         graph.get_collection(tf.compat.v1.GraphKeys.QUEUE_RUNNERS)]
     return tg
-
-
-def _updates_in_loops(tg: TrainingGraph) -> None:
-    """A GraphError if a trained variable is updated, or its gradient taken,
-    inside a while loop (there, it cannot be aggregated: the step would hang)."""
-    entered = any(n.op in ("Enter", "RefEnter") for n in tg.ir.nodes)
-    loops = randomness.in_loops(tg.ir) if entered else ()
-    for var in sorted(tg.trainable):
-        grad = tg.gradients.get(var)
-        for w in [*tg.writers.get(var, ()), *([grad.values.node] if grad else [])]:
-            if w in loops and tg.ir.node(w).op not in ("Exit", "RefExit"):
-                raise GraphError(
-                    f"variable {var!r} is updated, or its gradient taken, inside a loop ({w!r} "
-                    "runs in a while loop: a `for` over tf.range in a TF2 step, tf.while_loop),"
-                    " where the replicas' gradients cannot be aggregated; loop in Python (over "
-                    "`range`, unrolled in the step, summing the gradients) or outside the step")
 
 
 def _variables(graph: tf.Graph, ir: GraphIR) -> dict[str, Variable]:
