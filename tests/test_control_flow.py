@@ -82,6 +82,7 @@ def test_an_update_inside_a_while_loop_is_refused(v1):
                 return i + 1
         tf1.while_loop(lambda i: i < 3, body, [tf.constant(0)])
     tf1.enable_control_flow_v2()
-    with pytest.raises(pn.GraphError, match="variable 'w' is updated, or its gradient taken, inside a loop" if v1
-                       else "trainable variable 'w' is written inside op 'while' .*loop in Python"):
+    said = "variable 'w' is updated, or its gradient taken, inside a loop" if v1 else \
+        "trainable variable 'w' is written inside op 'while' .*loop in Python"
+    with pytest.raises(pn.GraphError, match=said):
         pn.get_runner(g, {"hosts": [{"devices": ["cpu:0", "cpu:1"]}]})
