@@ -211,6 +211,26 @@ def test_picked_ports_are_free_distinct_and_below_the_ephemeral_range():
     assert address.startswith("127.0.0.1:") and int(address.rsplit(":", 1)[1]) < low
 
 
+def test_a_port_another_launcher_picked_is_not_picked_again(tmp_path, monkeypatch):
+    """Launchers in two processes starting jobs together each found a port
+    free and picked it for both (CI: a worker registered its graph with
+    the other job's task, `unknown device`): a pick is marked in the
+    machine's temp dir, and another process skips it until it is old."""
+    from parallax_ng.tools import launch
+    monkeypatch.setattr(launch.tempfile, "gettempdir", lambda: str(tmp_path))
+    port = 23456
+    other = subprocess.run(
+        [sys.executable, "-c", "import sys, tempfile; tempfile.tempdir = sys.argv[1]; "
+         "from parallax_ng.tools import launch; print(launch._reserve(23456))", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=TASK_PATH))
+    assert other.stdout.strip() == "True", other.stderr
+    assert not launch._reserve(port)                 # the other process's for now
+    mark = tmp_path / "parallax_ng_ports" / str(port)
+    old = mark.stat().st_mtime - launch.RESERVED_SECONDS - 1
+    os.utime(mark, (old, old))
+    assert launch._reserve(port) and not launch._reserve(port)    # old: taken, then held
+
+
 def test_a_task_slow_to_end_after_its_program_is_not_a_stalled_one(tmp_path):
     """A worker whose interpreter takes longer than the job's timeout to end
     after its program (silent: TensorFlow's teardown under load, here an

@@ -44,6 +44,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -90,6 +91,7 @@ def _with_port(address: str) -> str:
 
 
 _PICKED: set[int] = set()
+RESERVED_SECONDS = 300.0     # how long a picked port stays another launcher's to skip
 
 
 def free_port() -> int:
@@ -97,7 +99,9 @@ def free_port() -> int:
     range of ephemeral ports: a port from that range that is free now may
     be taken by any outgoing connection (the job's own, to the tasks that
     started first) before the task that is to listen on it starts. Never
-    the same twice in this process."""
+    the same twice in this process, nor one another launcher of this
+    machine picked in the last RESERVED_SECONDS (`_reserve`: two jobs
+    starting together had picked one port, still free, for both)."""
     low = _ephemeral_low()
     rng = random.Random()
     for _ in range(1000):
@@ -110,10 +114,32 @@ def free_port() -> int:
                 s.bind(("", port))       # TensorFlow's server listens on every interface
             except OSError:
                 continue
+        if not _reserve(port):
+            continue
         _PICKED.add(port)
         return port
     raise ResourceError(f"no free port below {low} on this machine; give the tasks' ports "
                         "in the resource file (address:port)")
+
+
+def _reserve(port: int) -> bool:
+    """Whether `port` is this process's to take: a file named for it, made
+    exclusively in a directory of the machine's temp dir, marks it picked
+    (for RESERVED_SECONDS, after which its task listens or never will)."""
+    folder = os.path.join(tempfile.gettempdir(), "parallax_ng_ports")
+    path = os.path.join(folder, str(port))
+    try:
+        os.makedirs(folder, exist_ok=True)
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            return True
+        except FileExistsError:
+            if time.time() - os.stat(path).st_mtime < RESERVED_SECONDS:
+                return False
+            os.utime(path)               # an old pick: this process's now
+            return True
+    except OSError:                      # no temp dir to write: the bind check alone
+        return True
 
 
 def _ephemeral_low() -> int:
