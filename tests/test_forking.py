@@ -272,5 +272,22 @@ def test_a_job_takes_its_tasks_from_the_shared_server(tmp_path):
             parents.append(int(re.search(r"\[worker 0\] parent (\d+)", done.stdout).group(1)))
         assert parents[0] == server.process.pid
         assert parents[1] != server.process.pid
+        # a server task too (it had imported TensorFlow in a process of its own)
+        script.write_text(
+            "import os\n"
+            "def ppid(pid):\n"
+            "    try:\n"
+            "        with open(f'/proc/{pid}/stat') as f:\n"
+            "            return int(f.read().rsplit(')', 1)[1].split()[1])\n"
+            "    except OSError:\n"
+            "        return -1\n"
+            "print('siblings', [int(p) for p in os.listdir('/proc') if p.isdigit() and "
+            "int(p) != os.getpid() and ppid(p) == os.getppid()], flush=True)\n")
+        resources.write_text(resources.read_text() + "ps: [127.0.0.1]\n")
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                              env=dict(ENV, PARALLAX_NG_FORK_SERVER=server.address))
+        assert done.returncode == 0, done.stderr[-2000:]
+        ps = int(re.search(r"started ps 0 \(pid (\d+)\)", done.stderr + done.stdout).group(1))
+        assert ps in eval(re.search(r"siblings (\[.*\])", done.stdout).group(1)), done.stdout
     finally:
         server.close()

@@ -247,7 +247,7 @@ def _start_tasks(job: Job, script, resources, workers, ps, base_env, args, runne
         command = [sys.executable, "-m", "parallax_ng.tools.launch", "serve"]
         tasks.append(_start(f"ps {j}", command, info, base_env,
                             resources.ssh if is_remote(address) else None,
-                            shown=not chief_only, verbose=verbose))
+                            shown=not chief_only, verbose=verbose, forker=forker))
     for i, host in enumerate(resources.hosts):
         info = ClusterInfo(tuple(workers), tuple(ps), "worker", i, host.devices)
         command = [sys.executable, *(['-m', runner] if runner else []),
