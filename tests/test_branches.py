@@ -1,8 +1,8 @@
 """Writes of state inside conditionals (parallax_ng/graph/branches.py) and
 what the state-sync pass makes of them: synced where every replica takes
 the same branch, a GraphError naming the variable where the replicas'
-branches could differ or the write is inside a function (a hang until the
-timeout, and silently drifting copies, before)."""
+branches could differ (a hang until the timeout, before), a warning naming
+it where the write is inside a function (silently drifting copies)."""
 import contextlib
 
 import numpy as np
@@ -89,14 +89,26 @@ def test_an_update_in_a_functional_cond_is_refused_by_name():
         assert list(frontend.load(applied_in_a_cond()).gradients) == ["w"]
 
 
-@pytest.mark.parametrize("form", ["lowered", "functional"])
-def test_state_written_in_a_branch_the_replicas_decide_apart_is_refused(form):
-    with lowered_conds() if form == "lowered" else contextlib.nullcontext():
+def test_state_written_in_a_branch_the_replicas_decide_apart_is_refused():
+    with lowered_conds():
         g, _ = counting_graph("data")
-    match = "predicate .* differs between replicas" if form == "lowered" else \
-        "written inside op .*If.*disable_control_flow_v2"
-    with pytest.raises(GraphError, match=f"variable 'hits' .*{match}"):
+    with pytest.raises(GraphError, match="variable 'hits' .*predicate .* differs between "
+                                         "replicas"):
         pn.get_runner(g, local(2))
+
+
+def test_state_written_inside_a_functional_cond_is_named_in_a_warning():
+    """No pass reaches a write inside an If's function: each replica keeps
+    its own count, as the warning says (it had been silent)."""
+    g, t = counting_graph("fed")
+    with pytest.warns(UserWarning, match=r"variables \['hits'\] are written inside ops "
+                                         r"\['cond'\].*disable_control_flow_v2"):
+        runner = pn.get_runner(g, local(2))
+    with runner:
+        runner.run(t["init"])
+        runner.run(t["train"], {t["x"]: np.float32([[1, 1, 1]] * 2 + [[-1, -1, -1]] * 2),
+                                t["flag"]: True})
+        assert runner.run(t["hits"], per_replica=True) == [6.0, -6.0]
 
 
 def test_state_written_in_a_branch_every_replica_takes_equals_one_device():

@@ -170,19 +170,22 @@ def _data_free_parts(tg, grad, sources: set) -> list[tuple[str, int]]:
 
 
 def _out_of_reach(tg, ctx) -> None:
-    """A GraphError where a functional op (a tf.cond of TF2 behavior) writes
-    a variable from values that differ between replicas: no pass reaches
-    into its function to sync the write, so the replicas' copies drift."""
-    for var, op in branches.function_writes(tg):
-        if any(ctx.varies(ref) for ref in tg.ir.data_inputs(op)):
-            raise GraphError(
-                f"variable {var!r} is written inside op {op!r} ({tg.ir.node(op).op}: a "
-                "tf.cond, tf.while_loop or tf.function call in a graph built with TF2 "
-                "behavior) from values that differ between replicas; parallax_ng cannot "
-                "reach a write inside a function to keep the replicas' copies equal. Write "
-                "the variable outside it, or build the graph after "
-                "tf.compat.v1.disable_control_flow_v2() (tf.cond then lowers to Switch/Merge, "
-                "whose writes are synced where every replica takes the same branch)")
+    """A warning where a functional op (a tf.cond of TF2 behavior) writes a
+    variable from values that differ between replicas: no pass reaches
+    into its function to sync the write, so each replica keeps its own."""
+    found = sorted({(var, op) for var, op in branches.function_writes(tg)
+                    if any(ctx.varies(ref) for ref in tg.ir.data_inputs(op))})
+    if found:
+        warnings.warn(
+            f"variables {[v for v, _ in found]} are written inside ops "
+            f"{sorted({op for _, op in found})} (If, While or a call: a tf.cond, "
+            "tf.while_loop or tf.function call in a graph built with TF2 behavior, as "
+            "tf.compat.v1.layers.batch_normalization with a `training` tensor writes its "
+            "moving statistics) from values that differ between replicas; no pass reaches a "
+            "write inside a function, so each replica keeps its own value (replica 0's is "
+            "the one fetched and saved). To have them synced, build the graph after "
+            "tf.compat.v1.disable_control_flow_v2() (tf.cond then lowers to Switch/Merge), "
+            "or write them outside the cond", stacklevel=2)
 
 
 def _one_branch(tg, ctx, var: str, writer: str) -> None:
