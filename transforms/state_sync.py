@@ -62,7 +62,7 @@ class StateSyncPass:
             return ir, {"synced": 0}
         initializers = {v.initializer for v in tg.variables.values()}
         synced = 0
-        new_nodes, rewires, tracked, untrained = [], {}, [], set()
+        new_nodes, rewires, tracked, untrained, branched = [], {}, [], set(), set()
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
         batch = forms.replica_batch(tg.graph, sources)
         summing = not plan.average_dense and not plan.average_sparse
@@ -85,7 +85,9 @@ class StateSyncPass:
                     if pos == 0 or not ctx.varies(ref):
                         continue
                     how = rules.state_sync_reduction(tg.ir.node(w).op, w)
-                    _one_branch(tg, ctx, var, w)
+                    if w not in branched:             # its branches, once a writer
+                        branched.add(w)
+                        _one_branch(tg, ctx, var, w)
                     if tg.variables[var].trainable and var not in tg.gradients and \
                             tg.variables[var].dtype.is_floating:
                         untrained.add(var)
@@ -173,7 +175,7 @@ def _out_of_reach(tg, ctx) -> None:
     """A warning where a functional op (a tf.cond of TF2 behavior) writes a
     variable from values that differ between replicas: no pass reaches
     into its function to sync the write, so each replica keeps its own."""
-    found = sorted({(var, op) for var, op in branches.function_writes(tg)
+    found = sorted({(var, op) for var, op in tg.function_writes
                     if any(ctx.varies(ref) for ref in tg.ir.data_inputs(op))})
     if found:
         warnings.warn(

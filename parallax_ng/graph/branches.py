@@ -134,7 +134,7 @@ def _updates_in_functions(tg) -> None:
     """A GraphError if a trainable variable is written inside a functional
     op's function (an optimizer's update under a tf.cond built with TF2
     behavior), where its gradient cannot be aggregated."""
-    for var, op in function_writes(tg):
+    for var, op in tg.function_writes:
         if tg.variables[var].trainable:
             kind = tg.ir.node(op).op
             fix = ("loop in Python, or apply the gradients outside the loop" if "While" in kind

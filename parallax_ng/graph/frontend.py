@@ -117,6 +117,12 @@ class TrainingGraph:
         return frozenset(self.ir.descendants({r.node for r in self.gradient_tensors}))
 
     @cached_property
+    def function_writes(self) -> list[tuple[str, str]]:
+        """(variable, functional op) where the op's function writes the
+        variable's handle (graph/branches.py), read once per graph."""
+        return branches.function_writes(self)
+
+    @cached_property
     def variant(self) -> frozenset[str]:
         """User nodes whose outputs differ between replicas (see analysis)."""
         return variance.replica_variant(self)
