@@ -1,7 +1,8 @@
 """Writes of state inside conditionals (parallax_ng/graph/branches.py) and
 what the state-sync pass makes of them: synced where every replica takes
 the same branch, a GraphError naming the variable where the replicas'
-branches could differ (a hang until the timeout, before), a warning naming
+branches could differ (a hang until the timeout, or copies parting silently,
+before), a warning naming
 it where the write is inside a function (silently drifting copies)."""
 import contextlib
 
@@ -27,9 +28,18 @@ def lowered_conds():
         tf1.enable_control_flow_v2()
 
 
-def counting_graph(predicate: str):
-    """A count of positive inputs added to `hits` inside a tf.cond on the
-    data's mean ("data"), or on a fed scalar every replica shares ("fed")."""
+@contextlib.contextmanager
+def conds(kind: str):
+    """tf.cond lowered by TensorFlow ("v1") or an If op ("v2", which
+    graph/lowering.py lowers)."""
+    with lowered_conds() if kind == "v1" else contextlib.nullcontext():
+        yield
+
+
+def counting_graph(predicate: str, step=None):
+    """A count of positive inputs (or `step`'s constant) added to `hits`
+    inside a tf.cond on the data's mean ("data"), or on a fed scalar every
+    replica shares ("fed")."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 3], name="x")
@@ -37,7 +47,8 @@ def counting_graph(predicate: str):
         w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
         hits = tf1.get_variable("hits", initializer=np.float32(0), trainable=False)
         pred = tf.reduce_mean(x) > 0 if predicate == "data" else flag
-        update = tf.cond(pred, lambda: tf1.assign_add(hits, tf.reduce_sum(tf.sign(x))),
+        added = tf.reduce_sum(tf.sign(x)) if step is None else tf.constant(step)
+        update = tf.cond(pred, lambda: tf1.assign_add(hits, added),
                          lambda: tf.identity(hits.read_value()))
         loss = tf.reduce_mean(tf.reduce_sum(x * w, 1))
         with tf.control_dependencies([update]):
@@ -57,12 +68,46 @@ def test_a_write_in_a_lowered_branch_is_below_its_switch():
     assert branches.function_writes(tg) == []
 
 
-def test_a_write_in_a_functional_cond_is_found_in_its_function():
-    g, t = counting_graph("data")                              # TF2 behavior: an If op
+def looping_graph(apply: bool = False):
+    """`hits` counts positive inputs inside a tf.while_loop of one turn
+    (TF2 behavior: a While op); `apply`: Adam's update of `w` in the loop."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
+        hits = tf1.get_variable("hits", initializer=np.float32(0), trainable=False)
+        loss = tf.reduce_mean(tf.square(tf.reduce_sum(x * w, 1) - 1.0))
+        opt = tf1.train.AdamOptimizer(0.1)
+        grads = opt.compute_gradients(loss)
+
+        def body(i):
+            write = opt.apply_gradients(grads) if apply else \
+                tf1.assign_add(hits, tf.reduce_sum(tf.sign(x)))
+            with tf.control_dependencies([write]):
+                return i + 1
+        done = tf1.while_loop(lambda i: i < 1, body, [tf.constant(0)], name="loop",
+                              return_same_structure=True)[0]
+        with tf.control_dependencies([done]):
+            train = tf.group(opt.apply_gradients(grads) if not apply else tf.no_op(),
+                             name="train")
+        init = tf1.global_variables_initializer()
+    return g, dict(x=x, hits=hits, train=train, init=init, loop=done)
+
+
+def test_a_write_in_a_functional_loop_is_found_in_its_function():
+    g, t = looping_graph()                              # TF2 behavior: a While op
     tg = frontend.load(g)
     [(var, op)] = branches.function_writes(tg)
-    assert var == "hits" and tg.ir.node(op).op in ("If", "StatelessIf")
-    assert not any(n.op == "Switch" for n in tg.ir.nodes)
+    assert var == "hits" and tg.ir.node(op).op in ("While", "StatelessWhile")
+
+
+def test_a_write_in_a_functional_cond_is_lowered_below_a_switch():
+    g, t = counting_graph("data")                              # TF2 behavior: an If op
+    tg = frontend.load(g)
+    assert branches.function_writes(tg) == []
+    writer = next(n.name for n in tg.ir.nodes if n.op == "AssignAddVariableOp")
+    above = branches.switches_above(tg.ir, writer)     # the predicate's and the handle's
+    assert above and {tg.ir.node(s).op for s in above} == {"Switch"}
 
 
 def applied_in_a_cond():
@@ -78,40 +123,50 @@ def applied_in_a_cond():
     return g
 
 
-def test_an_update_in_a_functional_cond_is_refused_by_name():
-    """An optimizer's update under a tf.cond of TF2 behavior is out of
-    reach (its gradient cannot be aggregated there); the error names it
-    (it said only that the graph had no optimizer update)."""
-    with pytest.raises(GraphError, match="trainable variable 'w' is written inside op "
-                                         "'apply' .*disable_control_flow_v2"):
-        frontend.load(applied_in_a_cond())
-    with lowered_conds():
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+def test_an_update_under_a_cond_is_found(kind):
+    """An optimizer's update under a tf.cond: below a Switch, its gradient
+    found (with TF2 behavior it had been refused: out of reach in the If)."""
+    with conds(kind):
         assert list(frontend.load(applied_in_a_cond()).gradients) == ["w"]
 
 
-def test_state_written_in_a_branch_the_replicas_decide_apart_is_refused():
-    with lowered_conds():
-        g, _ = counting_graph("data")
+def test_an_update_in_a_functional_loop_is_refused_by_name():
+    """Out of reach (its gradient cannot be aggregated in the While's body);
+    the error names it (it said only that the graph had no optimizer update)."""
+    g, _ = looping_graph(apply=True)
+    with pytest.raises(GraphError, match="trainable variable 'w' is written inside op "
+                                         "'loop' .*loop in Python"):
+        frontend.load(g)
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+@pytest.mark.parametrize("step", [None, 1.0], ids=["from-data", "constant"])
+def test_state_written_in_a_branch_the_replicas_decide_apart_is_refused(kind, step):
+    """From the data, the sync would hang; a constant, the replicas' counts
+    would part silently (1 and 0, where one device counts 0)."""
+    with conds(kind):
+        g, _ = counting_graph("data", step)
     with pytest.raises(GraphError, match="variable 'hits' .*predicate .* differs between "
                                          "replicas"):
         pn.get_runner(g, local(2))
 
 
-def test_state_written_inside_a_functional_cond_is_named_in_a_warning():
-    """No pass reaches a write inside an If's function: each replica keeps
-    its own count, as the warning says (it had been silent)."""
-    g, t = counting_graph("fed")
+def test_state_written_inside_a_functional_loop_is_named_in_a_warning():
+    """No pass reaches a write inside a While's function: each replica
+    keeps its own count, as the warning says (it had been silent)."""
+    g, t = looping_graph()
     with pytest.warns(UserWarning, match=r"variables \['hits'\] are written inside ops "
-                                         r"\['cond'\].*disable_control_flow_v2"):
+                                         r"\['loop'\].*disable_control_flow_v2"):
         runner = pn.get_runner(g, local(2))
     with runner:
         runner.run(t["init"])
-        runner.run(t["train"], {t["x"]: np.float32([[1, 1, 1]] * 2 + [[-1, -1, -1]] * 2),
-                                t["flag"]: True})
+        runner.run(t["train"], {t["x"]: np.float32([[1, 1, 1]] * 2 + [[-1, -1, -1]] * 2)})
         assert runner.run(t["hits"], per_replica=True) == [6.0, -6.0]
 
 
-def test_state_written_in_a_branch_every_replica_takes_equals_one_device():
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+def test_state_written_in_a_branch_every_replica_takes_equals_one_device(kind):
     """The predicate is fed, the same on every replica: the write inside the
     branch is synced there (the replicas' counts summed), as one device
     counts the global batch. 4 steps, the flag alternating, 1e-6."""
@@ -122,7 +177,7 @@ def test_state_written_in_a_branch_every_replica_takes_equals_one_device():
         for k in range(4):
             call(t["train"], {t["x"]: data[k], t["flag"]: k % 2 == 0})
         return call(t["hits"])
-    with lowered_conds():
+    with conds(kind):
         g1, t1 = counting_graph("fed")
         g2, t2 = counting_graph("fed")
     with tf1.Session(graph=g1) as sess:

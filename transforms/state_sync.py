@@ -62,7 +62,7 @@ class StateSyncPass:
             return ir, {"synced": 0}
         initializers = {v.initializer for v in tg.variables.values()}
         synced = 0
-        new_nodes, rewires, tracked, untrained, branched = [], {}, [], set(), set()
+        new_nodes, rewires, tracked, untrained, above = [], {}, [], set(), {}
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
         batch = forms.replica_batch(tg.graph, sources)
         summing = not plan.average_dense and not plan.average_sparse
@@ -76,6 +76,7 @@ class StateSyncPass:
             for w in writers:
                 if w in initializers:
                     continue
+                _one_branch(tg, ctx, var, w, above)
                 for pos, ref in enumerate(tg.ir.data_inputs(w)):
                     if pos and not ctx.varies(ref) and \
                             (rows := _rows_counted(tg, var, w, pos, batch)) is not None:
@@ -85,9 +86,6 @@ class StateSyncPass:
                     if pos == 0 or not ctx.varies(ref):
                         continue
                     how = rules.state_sync_reduction(tg.ir.node(w).op, w)
-                    if w not in branched:             # its branches, once a writer
-                        branched.add(w)
-                        _one_branch(tg, ctx, var, w)
                     if tg.variables[var].trainable and var not in tg.gradients and \
                             tg.variables[var].dtype.is_floating:
                         untrained.add(var)
@@ -172,7 +170,7 @@ def _data_free_parts(tg, grad, sources: set) -> list[tuple[str, int]]:
 
 
 def _out_of_reach(tg, ctx) -> None:
-    """A warning where a functional op (a tf.cond of TF2 behavior) writes a
+    """A warning where a functional op (a tf.while_loop of TF2 behavior) writes a
     variable from values that differ between replicas: no pass reaches
     into its function to sync the write, so each replica keeps its own."""
     found = sorted({(var, op) for var, op in tg.function_writes
@@ -180,31 +178,32 @@ def _out_of_reach(tg, ctx) -> None:
     if found:
         warnings.warn(
             f"variables {[v for v, _ in found]} are written inside ops "
-            f"{sorted({op for _, op in found})} (If, While or a call: a tf.cond, "
-            "tf.while_loop or tf.function call in a graph built with TF2 behavior, as "
-            "tf.compat.v1.layers.batch_normalization with a `training` tensor writes its "
-            "moving statistics) from values that differ between replicas; no pass reaches a "
+            f"{sorted({op for _, op in found})} (While, Case or a call: a "
+            "tf.while_loop, tf.case or tf.function call in a graph built with TF2 behavior) "
+            "from values that differ between replicas; no pass reaches a "
             "write inside a function, so each replica keeps its own value (replica 0's is "
             "the one fetched and saved). To have them synced, build the graph after "
-            "tf.compat.v1.disable_control_flow_v2() (tf.cond then lowers to Switch/Merge), "
-            "or write them outside the cond", stacklevel=2)
+            "tf.compat.v1.disable_control_flow_v2() (a loop then lowers to Enter/Exit), "
+            "or write them outside the loop or call", stacklevel=2)
 
 
-def _one_branch(tg, ctx, var: str, writer: str) -> None:
-    """A GraphError where a synced write sits in a branch (or loop) whose
-    predicate differs between replicas: they would take different branches,
-    and the sync would wait for replicas that never reach it."""
-    for switch in branches.switches_above(tg.ir, writer):
+def _one_branch(tg, ctx, var: str, writer: str, memo: dict) -> None:
+    """A GraphError where a write of a mirrored variable sits in a branch
+    (or loop) whose predicate differs between replicas: they would take
+    different branches, so their copies would part (a value the replicas
+    share, written on some only) or the sync of a written value would wait
+    for replicas that never reach it."""
+    for switch in branches.switches_above(tg.ir, writer, memo):
         pred = tg.ir.data_inputs(switch)[1]
         if ctx.varies(pred):
             raise GraphError(
-                f"variable {var!r} is written by {writer!r} from each replica's data inside "
-                f"a tf.cond branch or while loop whose predicate {pred.node!r} differs "
-                "between replicas (it depends on their data): they would take different "
-                "branches, and the sync of the written value would wait for replicas that "
-                "never reach it. One device decides on the global batch; compute the "
-                "predicate from values the replicas share (aggregated gradients, a step "
-                "counter), or write the variable outside the cond")
+                f"variable {var!r} is written by {writer!r} inside a tf.cond branch or while "
+                f"loop whose predicate {pred.node!r} differs between replicas (it depends on "
+                "their data): they would take different branches, and the replicas' copies "
+                "would part (or the sync of a value written from their data would wait for "
+                "replicas that never reach it). One device decides on the global batch; "
+                "compute the predicate from values the replicas share (aggregated gradients, "
+                "a step counter), or write the variable outside the cond")
 
 
 class _Forms:

@@ -27,6 +27,7 @@ FUNCTIONAL = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1, "While":
 _FUNCTION_ATTRS = ("then_branch", "else_branch", "branches", "body", "cond", "f")
 _SWITCHES = ("Switch", "RefSwitch")
 _MERGES = ("Merge", "RefMerge")
+_LEFT = _MERGES + ("Exit", "RefExit")        # where a branch's or a loop's values leave it
 
 
 def check_updates(tg) -> None:
@@ -37,23 +38,46 @@ def check_updates(tg) -> None:
     _updates_in_functions(tg)
 
 
-def switches_above(ir, node: str) -> list[str]:
+def switches_above(ir, node: str, memo: dict | None = None) -> list[str]:
     """The Switch ops whose branch (or loop body) `node` runs in: those its
-    data and control inputs reach back to without passing a Merge, where
-    a branch's values leave it."""
-    found, seen, todo = [], set(), [node]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        op = ir.node(name).op
-        if op in _MERGES and name != node:
-            continue
-        if op in _SWITCHES:
-            found.append(name)
-        todo.extend(i.lstrip("^").split(":")[0] for i in ir.node(name).input)
+    data and control inputs reach back to without passing a Merge or an
+    Exit, where a branch's or a loop's values leave it. `memo` (a dict kept between calls on one
+    graph) holds what each op above reaches, so asking for every writer
+    walks the graph once."""
+    memo = {} if memo is None else memo
+    found = {node} if ir.node(node).op in _SWITCHES else set()
+    for name in _inputs(ir, node):
+        found |= _above(ir, name, memo)
     return sorted(found)
+
+
+def _above(ir, start: str, memo: dict) -> frozenset:
+    """The Switch ops `start` and its inputs reach without passing a Merge
+    or an Exit (none from either; a loop's way back goes through a Merge)."""
+    stack, open_ = [start], set()
+    while stack:
+        name = stack[-1]
+        if name in memo:
+            stack.pop()
+            continue
+        op = ir.node(name).op
+        inputs = [] if op in _LEFT else _inputs(ir, name)
+        pending = [i for i in inputs if i not in memo and i not in open_]
+        if pending and name not in open_:
+            open_.add(name)
+            stack.extend(pending)
+            continue
+        found = set().union(*(memo.get(i, ()) for i in inputs))
+        if op in _SWITCHES:
+            found.add(name)
+        memo[name] = frozenset(found)
+        open_.discard(name)
+        stack.pop()
+    return memo[start]
+
+
+def _inputs(ir, name: str) -> list[str]:
+    return [i.lstrip("^").split(":")[0] for i in ir.node(name).input]
 
 
 def function_writes(tg) -> list[tuple[str, str]]:
@@ -70,13 +94,13 @@ def function_writes(tg) -> list[tuple[str, str]]:
             continue
         for pos, ref in enumerate(tg.ir.data_inputs(node.name)):
             var = tg.variable_of_handle(ref) if pos >= skip else None
-            if var is not None and any(_writes(library, f, pos - skip, 0)
-                                       for f in _functions(node.attr)):
+            if var is not None and any(writes(library, f, pos - skip, 0)
+                                       for f in functions(node.attr)):
                 out.append((var, node.name))
     return out
 
 
-def _functions(attr) -> list[str]:
+def functions(attr) -> list[str]:
     names = []
     for key in _FUNCTION_ATTRS:
         if key in attr:
@@ -85,7 +109,7 @@ def _functions(attr) -> list[str]:
     return names
 
 
-def _writes(library: dict, name: str, arg: int, depth: int) -> bool:
+def writes(library: dict, name: str, arg: int, depth: int = 0) -> bool:
     """Whether function `name` writes the handle it takes as argument `arg`
     (through Identity ops and the functions it calls in turn)."""
     f = library.get(name)
@@ -108,8 +132,8 @@ def _writes(library: dict, name: str, arg: int, depth: int) -> bool:
         if rules.is_writer(nd.op):
             return True
         skip = FUNCTIONAL.get(nd.op)
-        if skip is not None and any(_writes(library, g, k - skip, depth + 1)
-                                    for k in at if k >= skip for g in _functions(nd.attr)):
+        if skip is not None and any(writes(library, g, k - skip, depth + 1)
+                                    for k in at if k >= skip for g in functions(nd.attr)):
             return True
     return False
 
@@ -132,15 +156,16 @@ def _updates_in_loops(tg) -> None:
 
 def _updates_in_functions(tg) -> None:
     """A GraphError if a trainable variable is written inside a functional
-    op's function (an optimizer's update under a tf.cond built with TF2
-    behavior), where its gradient cannot be aggregated."""
+    op's function (an optimizer's update in a tf.while_loop or a
+    tf.function call built with TF2 behavior; graph/cond_lowering.py lowers an
+    If that writes), where its gradient cannot be aggregated."""
     for var, op in tg.function_writes:
         if tg.variables[var].trainable:
             kind = tg.ir.node(op).op
             fix = ("loop in Python, or apply the gradients outside the loop" if "While" in kind
-                   else "apply the gradients outside it, or build the graph after "
-                   "tf.compat.v1.disable_control_flow_v2() (tf.cond then lowers to Switch/Merge)")
+                   else "apply the gradients outside it")
             raise GraphError(
-                f"trainable variable {var!r} is written inside op {op!r} ({kind}: a tf.cond, "
-                "tf.while_loop or tf.function call in a graph built with TF2 behavior), where "
-                f"parallax_ng cannot reach its update to aggregate the gradient; {fix}")
+                f"trainable variable {var!r} is written inside op {op!r} ({kind}: a "
+                "tf.while_loop, tf.case or tf.function call in a graph built with TF2 "
+                f"behavior), where parallax_ng cannot reach its update to aggregate the "
+                f"gradient; {fix}")

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
-from . import accumulation, branches, distinct, queues, rules, variance
+from . import accumulation, branches, cond_lowering, distinct, queues, rules, variance
 from .ir import GraphIR, TensorRef
 
 SHARD_SCOPE = "parallax_shard"
@@ -67,6 +67,7 @@ class TrainingGraph:
     queue_runners: list = field(default_factory=list)   # queues.RunnerDef
     # variable the script accumulates gradients in -> the variable they train
     accumulators: dict[str, str] = field(default_factory=dict)
+    user_graph: tf.Graph | None = None   # the graph given, where `graph` lowers its conds
 
     # -- tensor facts -----------------------------------------------------
     def tensor(self, ref: TensorRef) -> tf.Tensor:
@@ -209,7 +210,9 @@ def load(source) -> TrainingGraph:
     if not isinstance(source, tf.Graph):
         raise GraphError(f"cannot parallelize a {type(source).__name__}; pass a tf.Graph, a "
                          "tf.compat.v1.MetaGraphDef or the path of an exported .meta file")
-    return _from_graph(source)
+    tg = _from_graph(cond_lowering.lowered(source))
+    tg.user_graph = source
+    return tg
 
 
 def _read_meta_graph(path: str):
@@ -229,7 +232,7 @@ def _read_meta_graph(path: str):
 def _from_graph(graph: tf.Graph) -> TrainingGraph:
     ir = GraphIR(graph.as_graph_def())
     variables = _variables(graph, ir)
-    tg = TrainingGraph(ir, graph, variables, {}, {}, {})
+    tg = TrainingGraph(ir, graph, variables, {}, {}, {}, user_graph=graph)
     tg.writers, tg.readers = _resource_uses(tg)
     autodiff = _autodiff(ir)
     tg.gradients = {v: g for v in tg.trainable
