@@ -303,7 +303,11 @@ def format_row(r: dict) -> str:
     rows = ", ".join(f"{v} {n['before']:.0f} -> {n['after']:.0f}" + (
         f" -> {n['prior']:.0f} first" if "prior" in n else "")
         for v, n in sorted(r.get("gradient_rows", {}).items()))
-    return (f"{r['steps_per_s']:7.2f} steps/s  sent per step: {sent}{balance}" +
+    cpu = r.get("cpu_seconds_per_step", {})
+    busy = (f"\n{'':17}CPU ms per step: " + ", ".join(
+        f"{task} {s * 1e3:.1f}" for task, s in sorted(cpu.items())) +
+        f" (all {sum(cpu.values()) * 1e3:.1f})") if cpu else ""
+    return (f"{r['steps_per_s']:7.2f} steps/s  sent per step: {sent}{balance}{busy}" +
             (f"\n{'':17}sparse: {sparse}; gradient rows per replica and step: {rows}"
              if rows else ""))
 
@@ -377,6 +381,7 @@ def worker(args) -> None:
     measure = info.task == 0
     tasks = task_pids(info) if measure else {}
     before = sent_bytes(tasks.values()) if measure else {}
+    cpu_before = cpu_seconds(tasks.values())
     emulated = measure and args.out and is_emulated(info)   # the coordinator reads NICs
     if emulated:
         handshake(args.out + ".start", args.out + ".go")
@@ -385,17 +390,20 @@ def worker(args) -> None:
         step()
     seconds = time.perf_counter() - start
     after = sent_bytes(tasks.values()) if measure else {}
+    cpu_after = cpu_seconds(tasks.values())
     if emulated:
         handshake(args.out + ".stop", args.out + ".stopped")
     model, rows = model_of(runner, fetch, info) if runner is not None else ({}, {})  # every worker
     if measure:
         per_step = {name: (after.get(pid, 0) - before.get(pid, 0)) / args.steps
                     for name, pid in tasks.items()}
+        cpu = {name: (cpu_after[pid] - cpu_before[pid]) / args.steps for name, pid in
+               tasks.items() if pid in cpu_before and pid in cpu_after}
         plan = runner.plan if runner else None
         methods = {v: vp.method for v, vp in plan.variables.items()} if plan else {}
         with open(args.out, "w") as f:
             json.dump({"steps_per_s": args.steps / seconds, "bytes_per_step": per_step,
-                       "model_bytes_per_step": model, "methods": methods,
+                       "cpu_seconds_per_step": cpu, "model_bytes_per_step": model, "methods": methods,
                        "gradient_rows": rows,
                        # the plans hybrid or auto weighed, and the network they assumed
                        "choice": [dict(vars(c)) for c in plan.choice] if plan else [],
@@ -703,6 +711,20 @@ def task_pids(info) -> dict[str, int]:
                 pid = re.search(r"pid=(\d+)", line)
                 if pid:
                     out[name] = int(pid.group(1))
+    return out
+
+
+def cpu_seconds(pids) -> dict[int, float]:
+    """CPU seconds (user and system, every thread) each pid has used."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
 

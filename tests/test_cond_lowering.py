@@ -3,7 +3,6 @@ Switch/Merge before the analysis (parallax_ng/graph/cond_lowering.py): names
 kept, the user's graph untouched, and the writes synced as those of v1
 control flow are (before, each replica kept its own copy, with a warning).
 """
-import contextlib
 import warnings
 
 import numpy as np
@@ -11,18 +10,10 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from models import local, read_name
+from test_branches import lowered_conds
 from parallax_ng.graph import cond_lowering, frontend
 
 tf1 = tf.compat.v1
-
-
-@contextlib.contextmanager
-def v1_conds():
-    tf1.disable_control_flow_v2()
-    try:
-        yield
-    finally:
-        tf1.enable_control_flow_v2()
 
 
 def bn_graph(seed=1):
@@ -108,7 +99,7 @@ def test_moving_statistics_under_a_training_tensor_are_synced_as_with_v1_conds()
     built with v1 control flow (1e-6), with no warning (each replica had
     kept its own moving statistics: 0.016 apart after 5 steps); the moving
     mean after one step is one device's with the global batch (1e-5)."""
-    with v1_conds():
+    with lowered_conds():
         g1, t1 = bn_graph()
     with pn.get_runner(g1, local(2)) as runner:
         want = train(runner.run, t1)
