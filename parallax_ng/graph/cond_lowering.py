@@ -35,8 +35,8 @@ _MOST_ROUNDS = 32           # nested conds, lowered one level per round
 
 def lowered(graph: tf.Graph) -> tf.Graph:
     """`graph`, or a copy of it with every If that writes a variable lowered."""
-    graph_def = graph.as_graph_def()
-    if not _writing_ifs(graph_def):
+    if not any(op.type in LOWERED for op in graph.get_operations()) or \
+            not _writing_ifs(graph.as_graph_def()):
         return graph
     with graph.as_default():
         meta = tf.compat.v1.train.export_meta_graph(clear_devices=False)
