@@ -26,6 +26,7 @@ included.
 from __future__ import annotations
 
 import tensorflow as tf
+from tensorflow.python.framework import function_def_to_graph
 
 from . import branches
 
@@ -81,7 +82,6 @@ def _writing_ifs(graph_def) -> list[str]:
 
 
 def _lower(graph_def, targets: list[str]) -> None:
-    from tensorflow.python.framework import function_def_to_graph
     library = {f.signature.name: f for f in graph_def.library.function}
     taken = {n.name for n in graph_def.node}
     kept, added = [], []
@@ -89,7 +89,7 @@ def _lower(graph_def, targets: list[str]) -> None:
         if node.name not in targets:
             kept.append(node)
             continue
-        added += _Lowering(node, library, taken, function_def_to_graph).nodes
+        added += _Lowering(node, library, taken).nodes
     del graph_def.node[:]
     graph_def.node.extend(kept + added)
 
@@ -97,7 +97,7 @@ def _lower(graph_def, targets: list[str]) -> None:
 class _Lowering:
     """The Switch, branch, Merge and IdentityN ops that replace one If."""
 
-    def __init__(self, node, library: dict, taken: set, converter):
+    def __init__(self, node, library: dict, taken: set):
         self.node, self.taken, self.nodes = node, taken, []
         data = [i for i in node.input if not i.startswith("^")]
         controls = [i for i in node.input if i.startswith("^")]
@@ -114,7 +114,7 @@ class _Lowering:
             pivot = self._add("Identity", f"{side}/pivot", [f"{switch}:{port}"],
                               T=tf.bool.as_datatype_enum)
             fdef = library[node.attr[key].func.name]
-            outputs[port], sinks = self._inline(fdef, converter, f"{self.base}/{side}/",
+            outputs[port], sinks = self._inline(fdef, f"{self.base}/{side}/",
                                                 [f"{s}:{port}" for s in switched], pivot)
             done[port] = self._add("Identity", f"{side}/done",
                                    [pivot] + [f"^{s}" for s in sinks], T=tf.bool.as_datatype_enum)
@@ -129,10 +129,10 @@ class _Lowering:
             last.attr["T"].list.type.extend(tout)
         self.nodes.append(last)
 
-    def _inline(self, fdef, converter, prefix: str, args: list[str], pivot: str):
+    def _inline(self, fdef, prefix: str, args: list[str], pivot: str):
         """The branch's ops under `prefix`, its arguments read from `args`:
         (its outputs, its ops nothing else in it reads)."""
-        body, flat = converter.function_def_to_graph_def(fdef)
+        body, flat = function_def_to_graph.function_def_to_graph_def(fdef)
         params = {a.name: args[k] for k, a in enumerate(fdef.signature.input_arg)}
         read = set()
         for nd in body.node:

@@ -86,7 +86,7 @@ class FetchMap:
 
     def __init__(self, graph: tf.Graph, tg, config):
         self.graph, self.tg, self.config = graph, tg, config
-        self.user_graph = tg.user_graph or tg.graph
+        self.user_graph = tg.user_graph
         self.late: dict = {}          # user op made after get_runner -> its copies
 
     def fetch(self, leaf, per_replica: bool = False) -> Fetch:

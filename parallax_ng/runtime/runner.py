@@ -414,7 +414,7 @@ class Runner:
             late = [f for f in fetched if f in self.fetches.late]
             ancestors = tg.ir.ancestors(known)
             for name in late:   # ops made after get_runner: look at what they reach
-                op = (tg.user_graph or tg.graph).get_operation_by_name(name)
+                op = tg.user_graph.get_operation_by_name(name)
                 ancestors |= tg.ir.ancestors(
                     [t.op.name for t in op.inputs] + [c.name for c in op.control_inputs])
             inits = {v.initializer for v in tg.variables.values() if v.initializer}
