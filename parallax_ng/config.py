@@ -113,8 +113,8 @@ BUCKET_MODES = ("none", "single", "threshold", "mgwfbp", "auto")
 @dataclass(frozen=True)
 class BucketsConfig:
     """All-reduce buckets: dense gradients merged into one all-reduce each."""
-    mode: str = ""                   # none: one per variable; single; threshold; mgwfbp;
-                                     # auto: thresholds tried while training (`tuning`)
+    mode: str = ""                   # threshold (the default); none: one per variable;
+                                     # single; mgwfbp; auto: thresholds tried while training
     bytes: int = 4 * 2**20           # threshold: a bucket closes once it holds this much
     a: float | None = None           # mgwfbp: seconds per all-reduce (None: measured)
     b: float | None = None           # mgwfbp: seconds per byte all-reduced (None: measured)
@@ -122,7 +122,7 @@ class BucketsConfig:
 
     def __post_init__(self):
         if not self.mode:            # the default: mgwfbp once a profile exists
-            object.__setattr__(self, "mode", "mgwfbp" if self.profile else "none")
+            object.__setattr__(self, "mode", "mgwfbp" if self.profile else "threshold")
         _check_choice("buckets.mode", self.mode, BUCKET_MODES)
         if self.profile is not None and not (isinstance(self.profile, str) and
                                              os.path.isfile(self.profile)):

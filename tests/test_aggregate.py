@@ -1,3 +1,4 @@
+from parallax_ng.config import BucketsConfig
 from passkit import HOST, context, devices, op_counts, run_passes
 from transforms.aggregate import AggregatePass
 from transforms.replicate import ReplicatePass
@@ -8,8 +9,11 @@ def aggregated(n=2, **cfg):
     return ctx, run_passes(ctx, ReplicatePass(), AggregatePass())
 
 
+PER_VARIABLE = BucketsConfig(mode="none")      # one all-reduce per variable
+
+
 def test_hybrid_allreduces_dense_and_sums_sparse_on_the_host():
-    ctx, ir = aggregated(n=3, run_option="hybrid")
+    ctx, ir = aggregated(n=3, run_option="hybrid", buckets=PER_VARIABLE)
     reduces = [n for n in ir.nodes if n.op == "CollectiveReduce"]
     assert len(reduces) == 3 * 3          # three dense variables, three replicas
     by_var = {}
@@ -27,8 +31,23 @@ def test_hybrid_allreduces_dense_and_sums_sparse_on_the_host():
     assert all(n.device == HOST for n in ir.nodes if n.name.startswith("parallax/ps/"))
 
 
+def test_the_dense_gradients_are_merged_into_one_all_reduce_by_default():
+    """Buckets of 4 MiB (the default threshold): the three small dense
+    variables go in one, packed flat on every replica, reduced once, split
+    back to every replica's update."""
+    ctx, ir = aggregated(n=3, run_option="hybrid")
+    assert [b.variables for b in ctx.plan.buckets] == [("out/v", "dense/b", "dense/w")]
+    reduces = [n for n in ir.nodes if n.op == "CollectiveReduce"]
+    assert sorted(n.name for n in reduces) == [f"parallax/bucket_0/reduce/replica_{k}"
+                                               for k in range(3)]
+    assert len({n.attr["instance_key"].i for n in reduces}) == 1
+    apply1 = ir.node("parallax/replica_1/GradientDescent/update_dense/w/"
+                     "ResourceApplyGradientDescent")
+    assert apply1.input[2] == "parallax/bucket_0/replica_1/out_2"
+
+
 def test_every_consumer_in_every_replica_reads_the_aggregate():
-    ctx, ir = aggregated(n=2, run_option="hybrid")
+    ctx, ir = aggregated(n=2, run_option="hybrid", buckets=PER_VARIABLE)
     grad = str(ctx.tg.gradients["dense/w"].values).removesuffix(":0")
     apply0 = ir.node("GradientDescent/update_dense/w/ResourceApplyGradientDescent")
     apply1 = ir.node("parallax/replica_1/GradientDescent/update_dense/w/"
@@ -57,7 +76,7 @@ def test_allreduce_mode_gathers_sparse_gradients():
     _, ir = aggregated(n=2, run_option="allreduce")
     gathers = op_counts(ir, "parallax/allgather/emb/")["CollectiveGatherV2"]
     assert gathers == 3 * 2               # sizes, values, indices per replica
-    assert op_counts(ir)["CollectiveReduce"] == 3 * 2   # dense variables x replicas
+    assert op_counts(ir)["CollectiveReduce"] == 1 * 2   # the dense variables' bucket x replicas
     assert all(n.device.endswith("CPU:1") for n in ir.nodes
                if n.name.startswith("parallax/allgather/emb/replica_1/"))
 

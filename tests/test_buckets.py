@@ -199,6 +199,52 @@ def test_bucketed_all_reduce_equals_one_device(mode):
             assert np.max(np.abs(got - single_device[name])) <= 1e-5, name
 
 
+def unknown_shape_regression(batch):
+    """Two dense layers; the first's weight made with validate_shape=False,
+    so the graph does not know its shape."""
+    from models import tf1
+    g = tf1.Graph()
+    with g.as_default():
+        rng = np.random.RandomState(3)
+        xs, ys = rng.randn(64, 4).astype(np.float32), rng.randn(64, 1).astype(np.float32)
+        ds = pn.shard(tf1.data.Dataset.from_tensor_slices((xs, ys))).batch(batch).repeat()
+        it = tf1.data.make_initializable_iterator(ds)
+        x, y = it.get_next()
+        w = tf1.get_variable("w", validate_shape=False, initializer=tf1.placeholder_with_default(
+            rng.randn(4, 8).astype(np.float32), None))
+        b = tf1.get_variable("b", initializer=np.zeros([8], np.float32))
+        v = tf1.get_variable("v", initializer=rng.randn(8, 1).astype(np.float32))
+        h = tf1.nn.relu(tf1.matmul(x, tf1.reshape(w, [4, 8])) + b)
+        loss = tf1.reduce_mean(tf1.square(tf1.matmul(h, v) - y))
+        train = tf1.train.AdamOptimizer(0.05).minimize(loss)
+        init = tf1.global_variables_initializer()
+    return g, {"init": init, "iterator_init": it.initializer, "train": train}
+
+
+@pytest.mark.parametrize("config", [{"run_option": "allreduce"},
+                                    {"run_option": "hybrid", "dense_method": "bfb"}])
+def test_a_variable_of_unknown_shape_is_not_packed_flat(config):
+    """Buckets (the default) and fusion buffers pack gradients flat by their
+    sizes: a weight whose shape the graph does not know is all-reduced alone,
+    or, for fusion buffers, aggregated whole on the server; training equals
+    one device with the global batch (Adam, 10 steps, 1e-5). Naming fusion
+    buffers for it is refused."""
+    g, _ = unknown_shape_regression(4)
+    plan = pn.transform_plan(g, local(2), config)
+    assert [b.variables for b in plan.buckets] == (
+        [("v", "b")] if config["run_option"] == "allreduce" else [])
+    assert plan.variables["w"].method == (
+        "allreduce" if config["run_option"] == "allreduce" else "ps")
+    parallel, single_device, names = train_both(unknown_shape_regression, 2, 10, local(2),
+                                                config)
+    assert "w" in names
+    for name in names:
+        for got in parallel[name]:
+            assert np.max(np.abs(got - single_device[name])) <= 1e-5, name
+    with pytest.raises(pn.ConfigError, match="variable_methods.w' is bfb.*not fully defined"):
+        pn.transform_plan(g, local(2), {**config, "variable_methods": {"w": "bfb"}})
+
+
 def test_a_bad_bucket_mode_names_the_key():
     with pytest.raises(pn.ConfigError, match="buckets.mode"):
         pn.Config.from_dict({"buckets": {"mode": "fastest"}})
@@ -312,7 +358,7 @@ def test_a_profile_file_plans_the_buckets_and_makes_mgwfbp_the_default(tmp_path)
         "allreduce": {"a": 1e-4, "b": 1e-9}}))
     config = Config.from_dict({"run_option": "allreduce", "buckets": {"profile": str(path)}})
     assert config.buckets.mode == "mgwfbp"
-    assert Config.from_dict({}).buckets.mode == "none"
+    assert Config.from_dict({}).buckets.mode == "threshold"
     g, _ = embedding_regression(4, "adam")
     plan = pn.transform_plan(g, local(2), config)
     assert [b.variables for b in plan.buckets] == [("out/v",), ("dense/b",), ("dense/w",)]

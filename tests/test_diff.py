@@ -12,7 +12,7 @@ def test_diff_reports_each_pass_and_the_traffic():
     diffs = diff.diff_pipeline(manager.graphs)
     by = {d.name: d for d in diffs}
     assert len(by["replicate"].added) == len(ctx.tg.ir) - len(ctx.unreplicated)
-    assert any(n.startswith("parallax/allreduce/") for n in by["aggregate"].added)
+    assert any(n.startswith("parallax/bucket_0/") for n in by["aggregate"].added)
     assert by["aggregate"].rewired and by["place"].replaced
     assert by["shard_inputs"].modified                      # the shard constants
     devices = diff.nodes_per_device(ir)
@@ -34,7 +34,7 @@ def test_diff_reports_each_pass_and_the_traffic():
     assert placed > 10 and f"  @ ... {placed - 10} more" in text
     assert f"== place: {placed} re-placed" in text
     dot = diff.render_dot(ir, diffs, ctx.tg)
-    assert dot.startswith("digraph") and "cluster_1" in dot and "parallax/allreduce" in dot
+    assert dot.startswith("digraph") and "cluster_1" in dot and "parallax/bucket_0" in dot
     page = diff.render_html(diffs, ir, ctx.tg)
     assert "{" not in page.split("<summary>")[1].split("</summary>")[0]   # words, not a dict
     assert page.startswith("<!doctype html>") and "parallax/ps" in page

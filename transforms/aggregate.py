@@ -68,8 +68,11 @@ class AggregatePass:
             new_nodes.extend(nodes)
             _rewire(ctx, outputs, rewires)
             counts[BFB.name] = len(outputs)
-        bucketed = {v for b in ctx.plan.buckets for v in b.variables}
-        for b, bucket_ in enumerate(ctx.plan.buckets):
+        # a bucket of one variable is its own all-reduce, not packed
+        merged = [(b, bucket_) for b, bucket_ in enumerate(ctx.plan.buckets)
+                  if len(bucket_.variables) > 1]
+        bucketed = {v for _, bucket_ in merged for v in bucket_.variables}
+        for b, bucket_ in merged:
             nodes, outputs = bucket(ctx, b, bucket_.variables)
             new_nodes.extend(nodes)
             _rewire(ctx, outputs, rewires)

@@ -35,6 +35,7 @@ class Variable:
     trainable: bool
     initializer: str | None     # op that assigns the initial value
     owner: str | None = None    # trainable variable this state belongs to
+    known: bool = True          # the shape is fully defined (its rank and every dim)
 
     @property
     def nbytes(self) -> int:
@@ -259,12 +260,13 @@ def _variables(graph: tf.Graph, ir: GraphIR) -> dict[str, Variable]:
             continue
         op = graph.get_operation_by_name(node.name)
         py = pyvars.get(node.name)
-        shape = tf.TensorShape(op.get_attr("shape"))
-        shape = tuple(shape.as_list()) if shape.rank is not None else ()
+        static = tf.TensorShape(op.get_attr("shape"))
+        shape = tuple(static.as_list()) if static.rank is not None else ()
         out[node.name] = Variable(
             name=node.name, dtype=tf.as_dtype(op.get_attr("dtype")), shape=shape,
             trainable=node.name in trainable,
-            initializer=py.initializer.name if py is not None else None)
+            initializer=py.initializer.name if py is not None else None,
+            known=static.is_fully_defined())
     for name, var in list(out.items()):
         if not var.trainable:
             owner = _owner(ir.node(name), trainable)

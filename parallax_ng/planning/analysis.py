@@ -25,6 +25,7 @@ class VariableInfo:
     alpha_source: str         # "estimate", "measured" or "dense"
     order: int                # depth where the variable first meets the batch
     factors: tuple | None = None  # (rows or None, width) of the MatMul factors (dense)
+    known: bool = True        # the shape is fully defined: it can be packed flat
 
     @property
     def weighable_factors(self) -> bool:
@@ -53,7 +54,7 @@ def analyze(tg: TrainingGraph) -> dict[str, VariableInfo]:
             name=name, shape=var.shape, dtype=var.dtype.name, nbytes=var.nbytes,
             sparse=grad.sparse, alpha=alpha,
             alpha_source="estimate" if grad.sparse else "dense",
-            order=min(reads, default=len(depth)), factors=factors(tg, grad))
+            order=min(reads, default=len(depth)), factors=factors(tg, grad), known=var.known)
     return out
 
 

@@ -128,8 +128,9 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     blocks, notes = deferral.horizontal_blocks(facts, variables, config, split)
     variables.update({v: variables[v].noted(note) for v, note in notes.items()})
     later = {v for b in blocks for v in b}
-    reduced = [v for v, vp in variables.items()      # dense: a sparse one alone
-               if method(vp.method).all_reduced and not vp.info.sparse and v not in later]
+    reduced = [v for v, vp in variables.items()      # dense, of known size: packed flat
+               if method(vp.method).all_reduced and not vp.info.sparse and vp.info.known and
+               v not in later]
     buckets = allreduce_buckets(tg, ready_order(tg, reduced, order), config.buckets, profile)
     producers = [q for q in queues.find(tg) if q.producer]
     drawn = {**randomness.random_ops(tg.ir.nodes, tg.ir.library),
@@ -211,6 +212,12 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
             how = _default_method(replace(config, sparse_method="auto"), vi, job_servers)
         if name not in config.variable_methods and method(how).factored and not vi.factors:
             how = _default_method(replace(config, dense_method="auto"), vi, job_servers)
+        if method(how).fused and not vi.known:      # a buffer packs it flat by its size
+            if name in config.variable_methods:
+                raise ConfigError(f"config key 'variable_methods.{name}' is {how}, which packs "
+                                  f"gradients flat by their sizes, but {name}'s shape is not "
+                                  "fully defined in the graph; use ps or allreduce")
+            how = "ps"
         why = method(how).refusal(name, vi.sparse, can_sum_rows(name) if vi.sparse else True,
                                   bool(vi.factors))
         if why:

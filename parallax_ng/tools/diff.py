@@ -130,8 +130,14 @@ def _tensor_bytes(ir: GraphIR, tg, ref: TensorRef, batch, depth: int = 0) -> int
             n *= d
         return n
     node = ir.node(ref.node)
-    if node.op in ("CollectiveReduce", "Identity", "Mul", "AddN") and depth < 8:
+    if depth >= 8:
+        return None
+    if node.op in ("CollectiveReduce", "Identity", "Mul", "AddN", "Reshape"):
         return _tensor_bytes(ir, tg, ir.data_inputs(node.name)[0], batch, depth + 1)
+    if node.op == "ConcatV2":            # a bucket packed flat: its parts (the axis last)
+        parts = [_tensor_bytes(ir, tg, r, batch, depth + 1)
+                 for r in ir.data_inputs(node.name)[:-1]]
+        return None if None in parts else sum(parts)
     return None
 
 
