@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from ..graph import emit
-from . import compression
+from . import compression, words
 from .keys import HOSTS_GROUP, JOB_GROUP, RANGE_KEYS, WORKERS_GROUP, InstanceKeys
 
 GROUP_KEY = JOB_GROUP
@@ -116,9 +116,11 @@ class TFCollectives:
     def all_gather(self, scope: str, values: list[str], indices: list[str], value_type,
                    index_type, value_shape, mean: bool):
         plan = self.plan
-        keys = (self.keys.take(), self.keys.take_range(), self.keys.take_range())
-        nodes, out_v, out_i = [], [], []
         wire = compression.wire_for(plan, value_type)
+        together = words.slices_layout(value_type, index_type, value_shape, wire)
+        keys = (self.keys.take(), self.keys.take_range(),
+                None if together else self.keys.take_range())
+        nodes, out_v, out_i = [], [], []
         for k, device in enumerate(plan.devices):
             made, (v, i) = emit.emit_traced(
                 lambda vals, idx: _gather_slices(vals, idx, plan, keys, mean, wire),
@@ -297,7 +299,9 @@ def _gather_slices(values, indices, plan, keys, mean: bool, wire=None):
     changes from step to step (a last short batch, coalesced rows), so the
     padded parts are gathered under the instance key of their range plus
     the longest size: every key always sees one shape. With `wire`, the
-    values travel in that dtype (compression)."""
+    values travel in that dtype (compression). Values and indices cross
+    in one gather as int32 words where their rows fill whole words
+    (`keys[2]` None), else in two."""
     n, timeout = plan.group_size, OP_TIMEOUT_SECONDS
 
     def all_gather(t, key):
@@ -313,13 +317,20 @@ def _gather_slices(values, indices, plan, keys, mean: bool, wire=None):
     padded_v = tf.pad(values, tf.concat([[[0, pad]], rest], 0))
     padded_i = tf.pad(indices, [[0, pad]])
     mask = tf.reshape(tf.sequence_mask(sizes, longest), [-1])
-    if wire is not None:
+    together = None if keys[2] is not None else \
+        words.slices_layout(values.dtype, indices.dtype, values.shape, wire)
+    if together:
+        gathered_v, gathered_i = words.moved_slices(
+            lambda t: tf.boolean_mask(all_gather(t, keys[1] + longest), mask),
+            padded_v, padded_i, together, wire)
+    elif wire is not None:
         gathered_v = compression.carried(lambda t: all_gather(t, keys[1] + longest),
                                          padded_v, wire)
     else:
         gathered_v = all_gather(padded_v, keys[1] + longest)
-    gathered_v = tf.boolean_mask(gathered_v, mask)
-    gathered_i = tf.boolean_mask(all_gather(padded_i, keys[2] + longest), mask)
+    if not together:
+        gathered_v = tf.boolean_mask(gathered_v, mask)
+        gathered_i = tf.boolean_mask(all_gather(padded_i, keys[2] + longest), mask)
     if mean:
         gathered_v = gathered_v * tf.cast(1.0 / n, values.dtype)
     return tf.identity(gathered_v, "values"), tf.identity(gathered_i, "indices")
