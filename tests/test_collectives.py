@@ -33,8 +33,12 @@ def test_all_gather_gathers_sizes_then_padded_slices():
     nodes, v, i = tf_comm.all_gather("s/g", ["v0", "v1"], ["i0", "i1"], tf.float32, tf.int32,
                                      tf.TensorShape([None, 4]), mean=True)
     gathers = [n for n in nodes if n.op == "CollectiveGatherV2"]
-    assert len(gathers) == 6          # sizes, values, indices per replica
+    assert len(gathers) == 4          # per replica sizes, then values and indices as words
     assert len(v) == len(i) == 2 and v[0].startswith("s/g/replica_0/")
+    # rows of unknown width cannot be words: values and indices apart
+    nodes, _, _ = tf_comm.all_gather("s/h", ["v0", "v1"], ["i0", "i1"], tf.float32, tf.int32,
+                                     tf.TensorShape([None, None]), mean=True)
+    assert len([n for n in nodes if n.op == "CollectiveGatherV2"]) == 6
 
 
 def test_broadcast_sends_from_worker_0_and_receives_elsewhere():

@@ -1,7 +1,6 @@
 """Rows as int32 words (parallax_ng/comm/words.py): the same bits back for
 every dtype a gradient or its indices can have; rows that do not fill
-whole words are left to cross on their own; an all-gathered sparse
-gradient crosses in one gather of words beside its sizes."""
+whole words are left to cross on their own."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -33,22 +32,6 @@ def test_rows_that_do_not_fill_whole_words_are_not_carried():
     assert words.per_row("float32", None) is None       # width unknown
     assert words.per_row("float32", 0) is None
     assert words.per_row("int8", 4) == 1
-
-
-def test_an_all_gathered_gradient_crosses_in_one_gather_of_words():
-    """allreduce's sparse variable (the embedding): per replica one gather of
-    its sizes and one of its rows and ids as int32 words; a float16 row of
-    odd width cannot be words, and goes as values and ids apart."""
-    import parallax_ng as pn
-    from models import embedding_regression, local
-    for dtype, dim, gathers in ((tf.float32, 4, 2), (tf.float16, 3, 3)):
-        g, _ = embedding_regression(4, "sgd", dtype=dtype, dim=dim)
-        ir, _, _ = pn.transform(g, local(2), {"run_option": "allreduce"})
-        mine = [n for n in ir.nodes if n.op == "CollectiveGatherV2" and
-                n.name.startswith("parallax/allgather/emb/replica_0/")]
-        assert len(mine) == gathers, (dtype, [n.name for n in mine])
-        if gathers == 2:
-            assert sorted(tf.as_dtype(n.attr["T"].type).name for n in mine) == ["int32"] * 2
 
 
 @pytest.mark.parametrize("wire", [None, tf.float16, tf.bfloat16])

@@ -77,11 +77,14 @@ class AggregatePass:
             new_nodes.extend(nodes)
             _rewire(ctx, outputs, rewires)
             counts[ALLREDUCE.name] += len(outputs)
+        made, rows = _rows_counted_together(ctx)
+        new_nodes.extend(made)
         for var, vp in sorted(ctx.plan.variables.items()):
             if METHODS[vp.method].fused or var in bucketed:
                 continue
             grad = ctx.tg.gradients[var]
-            build = {"allreduce": _allreduce, "ps": _ps, "allgather": _allgather,
+            build = {"allreduce": _allreduce, "ps": _ps,
+                     "allgather": lambda c, v, g: _allgather(c, v, g, rows.get(v)),
                      "factors": _factors,
                      "alltoall": lambda c, v, g: _alltoall(c, v, g, exchanged, gathered,
                                                            coalesced, reads)}[vp.method]
@@ -298,18 +301,38 @@ def _ps_outputs(plan, var: str, sparse: bool) -> tuple[str, str | None]:
     return _rows(plan, var, sparse), (f"{scope}/indices" if sparse else None)
 
 
-def _allgather(ctx, var, grad):
+def _rows_counted_together(ctx):
+    """(nodes, {variable: (its `_replica_rows`, its row counts)}): where the
+    backend gathers row counts apart from rows (TensorFlow's collectives)
+    and several variables are all-gathered, their row counts cross in one
+    collective, not one each."""
+    tg = ctx.tg
+    gathered = [v for v, vp in sorted(ctx.plan.variables.items())
+                if vp.method == "allgather" and v not in tg.rows_alike]
+    if len(gathered) < 2 or not hasattr(ctx.comm, "gather_counts"):
+        return [], {}
+    rows = {v: _replica_rows(ctx, v, tg.gradients[v], f"parallax/allgather/{v}")
+            for v in gathered}
+    nodes, counts = ctx.comm.gather_counts(
+        "parallax/allgather/counts", [rows[v][2] for v in gathered],
+        [tg.tensor(tg.gradients[v].indices).dtype for v in gathered])
+    return nodes, {v: (rows[v], c) for v, c in zip(gathered, counts)}
+
+
+def _allgather(ctx, var, grad, counted=None):
     """The replicas' IndexedSlices gathered; with coalescing, each replica's
     distinct rows only, and a global norm's L2Loss summed over the replicas'
-    shares (as one device squares every row)."""
+    shares (as one device squares every row). `counted`: the variable's
+    rows and their counts, gathered with other variables'."""
     plan, tg = ctx.plan, ctx.tg
     if var in tg.rows_alike:
         return _allreduce(ctx, var, grad, "allgather")
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
     scope = f"parallax/allgather/{var}"
-    nodes, values, indices, outputs = _replica_rows(ctx, var, grad, scope)
+    rows, counts = counted or (_replica_rows(ctx, var, grad, scope), None)
+    nodes, values, indices, outputs = rows
     made, v, i = ctx.comm.all_gather(scope, values, indices, vt.dtype, it.dtype, vt.shape,
-                                     plan.average_sparse)
+                                     plan.average_sparse, counts=counts)
     nodes += made
     if plan.variables[var].unique_rows:
         made, v, i = _by_id(ctx, f"{scope}/replica_{{}}/by_id", v, i, vt.dtype, it.dtype)

@@ -13,6 +13,9 @@ Guarantees, for every backend:
 - `all_gather(scope, values, indices, ...)`: an IndexedSlices per local
   replica in; per replica the concatenation of every replica's slices
   (values scaled by 1/N for a mean; in 16 bits under compression);
+  `counts`: every replica's row count, from `gather_counts` (TensorFlow's
+  collectives only: one gather of the counts of several gradients; the
+  rows and ids by parallax_ng/comm/gathers.py);
 - `columns_lookup(scope, ids, handles, part, dtype, id_type, distinct)`:
   rows of a table cut by columns over the replicas (`placement.Columns`),
   one ids tensor and one handle of the replica's part per local replica
@@ -51,8 +54,8 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from ..graph import emit
-from . import compression, words
-from .keys import HOSTS_GROUP, JOB_GROUP, RANGE_KEYS, WORKERS_GROUP, InstanceKeys
+from . import compression, gathers, words
+from .keys import HOSTS_GROUP, JOB_GROUP, WORKERS_GROUP, InstanceKeys
 
 GROUP_KEY = JOB_GROUP
 BROADCAST_GROUP_KEY = WORKERS_GROUP
@@ -113,18 +116,38 @@ class TFCollectives:
             outs.append(out)
         return nodes, outs
 
+    def gather_counts(self, scope: str, indices: list[list[str]], index_types: list):
+        """The row counts of several sparse gradients (`indices`: per
+        gradient, its indices on each local replica) gathered in one
+        collective: (nodes, per gradient the [group size] counts on each
+        local replica), for `all_gather`'s `counts`."""
+        plan, key = self.plan, self.keys.take()
+        n = plan.group_size
+        nodes, out = [], [[] for _ in indices]
+        for k, device in enumerate(plan.devices):
+            made, counts = emit.emit_traced(
+                lambda *idx: gathers.counts(idx, n, lambda t: _gather(t, n, key)),
+                [(ids[k], t, [None]) for ids, t in zip(indices, index_types)],
+                f"{scope}/replica_{k}", device)
+            nodes += made
+            for j, c in enumerate(counts):
+                out[j].append(c)
+        return nodes, out
+
     def all_gather(self, scope: str, values: list[str], indices: list[str], value_type,
-                   index_type, value_shape, mean: bool):
-        plan = self.plan
+                   index_type, value_shape, mean: bool, counts: list[str] | None = None):
+        plan, n = self.plan, self.plan.group_size
         wire = compression.wire_for(plan, value_type)
         together = words.slices_layout(value_type, index_type, value_shape, wire)
-        keys = (self.keys.take(), self.keys.take_range(),
+        keys = (None if counts else self.keys.take(), self.keys.take_range(),
                 None if together else self.keys.take_range())
         nodes, out_v, out_i = [], [], []
         for k, device in enumerate(plan.devices):
             made, (v, i) = emit.emit_traced(
-                lambda vals, idx: _gather_slices(vals, idx, plan, keys, mean, wire),
-                [(values[k], value_type, value_shape), (indices[k], index_type, [None])],
+                lambda vals, idx, *sizes: gathers.slices(vals, idx, n, keys, mean, _gather,
+                                                         wire, *sizes),
+                [(values[k], value_type, value_shape), (indices[k], index_type, [None])] +
+                ([(counts[k], tf.int32, [plan.group_size])] if counts else []),
                 f"{scope}/replica_{k}", device)
             nodes.extend(made)
             out_v.append(v)
@@ -292,50 +315,6 @@ def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float,
     return nodes, out
 
 
-def _gather_slices(values, indices, plan, keys, mean: bool, wire=None):
-    """IndexedSlices gathered from every replica: sizes first, every part
-    padded to the longest, the padding dropped after. TensorFlow fixes a
-    collective instance's shape at its first run, and the longest part
-    changes from step to step (a last short batch, coalesced rows), so the
-    padded parts are gathered under the instance key of their range plus
-    the longest size: every key always sees one shape. With `wire`, the
-    values travel in that dtype (compression). Values and indices cross
-    in one gather as int32 words where their rows fill whole words
-    (`keys[2]` None), else in two."""
-    n, timeout = plan.group_size, OP_TIMEOUT_SECONDS
-
-    def all_gather(t, key):
-        return tf.raw_ops.CollectiveGatherV2(
-            input=t, group_size=n, group_key=GROUP_KEY, instance_key=key,
-            ordering_token=[], communication_hint="auto", timeout_seconds=timeout)
-
-    size = tf.shape(indices, out_type=tf.int32)[:1]
-    sizes = all_gather(size, keys[0])
-    longest = _longest(sizes)
-    pad = longest - size[0]
-    rest = tf.zeros(tf.stack([tf.rank(values) - 1, 2]), tf.int32)
-    padded_v = tf.pad(values, tf.concat([[[0, pad]], rest], 0))
-    padded_i = tf.pad(indices, [[0, pad]])
-    mask = tf.reshape(tf.sequence_mask(sizes, longest), [-1])
-    together = None if keys[2] is not None else \
-        words.slices_layout(values.dtype, indices.dtype, values.shape, wire)
-    if together:
-        gathered_v, gathered_i = words.moved_slices(
-            lambda t: tf.boolean_mask(all_gather(t, keys[1] + longest), mask),
-            padded_v, padded_i, together, wire)
-    elif wire is not None:
-        gathered_v = compression.carried(lambda t: all_gather(t, keys[1] + longest),
-                                         padded_v, wire)
-    else:
-        gathered_v = all_gather(padded_v, keys[1] + longest)
-    if not together:
-        gathered_v = tf.boolean_mask(gathered_v, mask)
-        gathered_i = tf.boolean_mask(all_gather(padded_i, keys[2] + longest), mask)
-    if mean:
-        gathered_v = gathered_v * tf.cast(1.0 / n, values.dtype)
-    return tf.identity(gathered_v, "values"), tf.identity(gathered_i, "indices")
-
-
 def join_parts(name: str, handles: list[str], part, dtype, device: str, controls=()):
     """Nodes, the last named `name`: every part of a table cut by columns
     read on its device (after `controls`) through `handles`, and the parts
@@ -378,7 +357,7 @@ def lookup_columns(ids, handle, me: int, part, dtype, gather_sizes, gather_rows,
         flat, where = tf.unique(flat, out_idx=tf.int32)
     size = tf.shape(flat, out_type=tf.int32)[:1]
     sizes = gather_sizes(size)
-    longest = _longest(sizes)
+    longest = gathers.longest(sizes)
     every = gather_rows(tf.pad(flat, [[0, longest - size[0]]]), longest)      # [N * L]
     rows = tf.raw_ops.ResourceGather(resource=handle, indices=every, dtype=dtype)
     rows = tf.pad(rows, [[0, 0], [0, widest - widths[me]]])                   # [N * L, widest]
@@ -407,7 +386,7 @@ def gradient_columns(values, indices, me: int, part, mean: bool, gather_sizes, g
     size = tf.shape(indices, out_type=tf.int32)[:1]
     if sizes is None:
         sizes = gather_sizes(size)
-        longest = _longest(sizes)
+        longest = gathers.longest(sizes)
         every = gather_rows(tf.pad(indices, [[0, longest - size[0]]]), longest)   # [N * L]
     else:
         check = tf.debugging.assert_equal(sizes[me], size[0], message=(
@@ -429,16 +408,11 @@ def gradient_columns(values, indices, me: int, part, mean: bool, gather_sizes, g
                                                         name="indices")
 
 
-def _longest(sizes):
-    """The largest of the replicas' row counts (at least 1: a collective of
-    no elements crashes TensorFlow's CPU kernels), checked against the keys
-    a range has (one per count)."""
-    longest = tf.maximum(tf.reduce_max(sizes), 1)
-    check = tf.debugging.assert_less(longest, RANGE_KEYS, message=(
-        f"an all-gathered or exchanged tensor has more than {RANGE_KEYS} rows on a "
-        "replica"))
-    with tf.control_dependencies([check]):
-        return tf.identity(longest)
+def _gather(t, n: int, key: int):
+    """TensorFlow's all-gather of `t` over the job's `n` replicas, instance `key`."""
+    return tf.raw_ops.CollectiveGatherV2(
+        input=t, group_size=n, group_key=GROUP_KEY, instance_key=key, ordering_token=[],
+        communication_hint="auto", timeout_seconds=OP_TIMEOUT_SECONDS)
 
 
 def _shape_attr(shape):

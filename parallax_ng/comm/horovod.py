@@ -60,7 +60,9 @@ class HorovodCollectives:
     def all_reduce(self, scope, tensors, dtype, mean, gradient=False):
         return all_reduce(self.plan, scope, tensors, dtype, mean, gradient)
 
-    def all_gather(self, scope, values, indices, value_type, index_type, value_shape, mean):
+    def all_gather(self, scope, values, indices, value_type, index_type, value_shape, mean,
+                   counts=None):
+        # Horovod's allgather takes parts of any count: no counts are gathered first
         nodes, v, i = all_gather(self.plan, scope, values, indices, value_type, index_type,
                                  value_shape, mean)
         return nodes, [v] * len(values), [i] * len(values)
