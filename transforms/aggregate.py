@@ -5,13 +5,16 @@ Guarantees: for each trained variable, the autodiff output of every replica
 is combined across replicas before anything else reads it (clipping, global
 norms, summaries, update ops), by the plan's method:
 - allreduce: the backend's all-reduce (mean or sum; parallax_ng/comm/collectives.py),
-  one per variable, or one per bucket of the plan's (packed flat on each
-  replica's device, reduced, split back: transforms/flat_buffers.py); a sparse gradient as a dense one
+  one per bucket of the plan's (packed flat on each replica's device,
+  reduced, split back: transforms/flat_buffers.py), one per variable left
+  out of buckets (a bucket of one included); a sparse gradient as a dense one
   (its rows summed by index, with their counts), then the touched rows;
 - ps: sum of the worker's replicas on the variable's server (host CPU
   in-process; transforms/local_aggregation.py moves it to the worker's
   host); IndexedSlices are concatenated there, scaled by 1/N for a mean;
-- allgather: the backend's all-gather of the IndexedSlices;
+- allgather: the backend's all-gather of the IndexedSlices (with
+  TensorFlow's collectives the row counts of every all-gathered variable
+  in one gather, then each variable's rows and ids in one);
 - factors: a dense gradient MatMul(a, b, transpose_a=True) by its two
   factors: every replica's [a | b] all-gathered, the product taken on
   every replica (the sum of the replicas' products);
