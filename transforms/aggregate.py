@@ -14,7 +14,8 @@ norms, summaries, update ops), by the plan's method:
   host); IndexedSlices are concatenated there, scaled by 1/N for a mean;
 - allgather: the backend's all-gather of the IndexedSlices (with
   TensorFlow's collectives the row counts of every all-gathered variable
-  in one gather, then each variable's rows and ids in one);
+  in one gather, then each variable's rows and ids in one; a global norm's
+  shares of all of them in one all-reduce: transforms/replica_rows.py);
 - factors: a dense gradient MatMul(a, b, transpose_a=True) by its two
   factors: every replica's [a | b] all-gathered, the product taken on
   every replica (the sum of the replicas' products);
@@ -54,6 +55,7 @@ from parallax_ng.pipeline.results import CoalescedRows, ExchangedLookups, LocalA
 from parallax_ng.planning import analysis, deferral
 from transforms.columns import lookup_exchange
 from transforms.flat_buffers import bucket, concat, elements, fusion_buffers
+from transforms.replica_rows import by_id, coalesce, norm_shares, replica_rows, summed_norms
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,7 @@ class AggregatePass:
             new_nodes.extend(nodes)
             _rewire(ctx, outputs, rewires)
             counts[ALLREDUCE.name] += len(outputs)
-        made, rows = _rows_counted_together(ctx)
+        made, rows = _gathered_together(ctx)
         new_nodes.extend(made)
         for var, vp in sorted(ctx.plan.variables.items()):
             if METHODS[vp.method].fused or var in bucketed:
@@ -203,32 +205,10 @@ def _dense_rows(ctx, var, grad):
     outputs.update({grad.values: values, grad.indices: indices})
     if plan.variables[var].unique_rows:    # the touched rows are one device's rows
         return nodes, outputs
-    made, norms = _norm_shares(ctx, var, scope, [ctx.replica_tensor(k, grad.values)
+    made, norms = norm_shares(ctx, var, scope, [ctx.replica_tensor(k, grad.values)
                                                   for k in range(plan.num_replicas)])
     outputs.update(norms)
     return nodes + made, outputs
-
-
-def _norm_shares(ctx, var, scope: str, values: list[str]):
-    """(nodes, outputs): a global norm's L2Loss of `var`'s gradient rows (the
-    uses `coalescing` lists) as each replica's rows, scaled for a mean,
-    squared, and summed over the replicas, as one device squares every row."""
-    plan, tg = ctx.plan, ctx.tg
-    norms = ctx.facts.coalescing(var)
-    if not norms:
-        return [], {}
-    dtype = tg.tensor(tg.gradients[var].values).dtype
-    scale = 1.0 / plan.group_size if plan.average_sparse else 1.0
-    nodes, shares = [], []
-    for k, device in enumerate(plan.devices):
-        part = f"{scope}/replica_{k}/norm"
-        nodes += [emit.const(f"{part}/scale", scale, dtype, device),
-                  emit.node_def(f"{part}/scaled", "Mul", [values[k], f"{part}/scale"], device,
-                                T=dtype),
-                  emit.node_def(part, "L2Loss", [f"{part}/scaled"], device, T=dtype)]
-        shares.append(part)
-    made, summed = ctx.comm.all_reduce(f"{scope}/norm", shares, dtype, False)
-    return nodes + made, {TensorRef(norm, 0): summed for norm in norms}
 
 
 def _ps(ctx, var, grad):
@@ -268,21 +248,6 @@ def _ps(ctx, var, grad):
     return nodes, outputs
 
 
-def coalesce(scope: str, values: str, indices: str, dtype, idx_dtype, device: str):
-    """Each distinct row once: duplicate indices' values summed, in the order
-    the indices first appear."""
-    return [emit.node_def(f"{scope}/unique", "Unique", [indices], device, T=idx_dtype,
-                          out_idx=tf.int32),
-            emit.node_def(f"{scope}/rows", "Size", [f"{scope}/unique"], device, T=idx_dtype,
-                          out_type=tf.int32),
-            emit.node_def(f"{scope}/coalesced", "UnsortedSegmentSum",
-                          [values, f"{scope}/unique:1", f"{scope}/rows"], device, T=dtype,
-                          Tindices=tf.int32, Tnumsegments=tf.int32),
-            # what later passes re-point (the job's rows), apart from the above
-            emit.node_def(f"{scope}/distinct", "Identity", [f"{scope}/unique"], device,
-                          T=idx_dtype)]
-
-
 def _rows(plan, var: str, sparse: bool) -> str:
     """The worker's sum (dense) or concatenation (sparse) of its replicas'
     gradients of `var`, scaled by 1/group_size for a mean."""
@@ -304,21 +269,31 @@ def _ps_outputs(plan, var: str, sparse: bool) -> tuple[str, str | None]:
     return _rows(plan, var, sparse), (f"{scope}/indices" if sparse else None)
 
 
-def _rows_counted_together(ctx):
-    """(nodes, {variable: (its `_replica_rows`, its row counts)}): where the
-    backend gathers row counts apart from rows (TensorFlow's collectives)
-    and several variables are all-gathered, their row counts cross in one
-    collective, not one each."""
+def _gathered_together(ctx):
+    """(nodes, {variable: (its `replica_rows`, its row counts or None)}) of
+    several all-gathered variables: their global norm's shares summed in
+    one all-reduce (per dtype), not one each; where the backend gathers
+    row counts apart from rows (TensorFlow's collectives), their row
+    counts in one gather."""
     tg = ctx.tg
     gathered = [v for v, vp in sorted(ctx.plan.variables.items())
                 if vp.method == "allgather" and v not in tg.rows_alike]
-    if len(gathered) < 2 or not hasattr(ctx.comm, "gather_counts"):
+    if len(gathered) < 2:
         return [], {}
-    rows = {v: _replica_rows(ctx, v, tg.gradients[v], f"parallax/allgather/{v}")
+    shares, nodes = {}, []
+    rows = {v: replica_rows(ctx, v, tg.gradients[v], f"parallax/allgather/{v}", shares)
             for v in gathered}
-    nodes, counts = ctx.comm.gather_counts(
-        "parallax/allgather/counts", [rows[v][2] for v in gathered],
-        [tg.tensor(tg.gradients[v].indices).dtype for v in gathered])
+    for dtype in sorted({d.name for _, d, _ in shares.values()}):
+        made, outputs = summed_norms(ctx, f"parallax/allgather/norms_{dtype}", {
+            v: s for v, s in shares.items() if s[1].name == dtype})
+        nodes += made
+        rows[min(shares)][3].update(outputs)
+    counts = [None] * len(gathered)
+    if hasattr(ctx.comm, "gather_counts"):
+        made, counts = ctx.comm.gather_counts(
+            "parallax/allgather/counts", [rows[v][2] for v in gathered],
+            [tg.tensor(tg.gradients[v].indices).dtype for v in gathered])
+        nodes += made
     return nodes, {v: (rows[v], c) for v, c in zip(gathered, counts)}
 
 
@@ -326,56 +301,22 @@ def _allgather(ctx, var, grad, counted=None):
     """The replicas' IndexedSlices gathered; with coalescing, each replica's
     distinct rows only, and a global norm's L2Loss summed over the replicas'
     shares (as one device squares every row). `counted`: the variable's
-    rows and their counts, gathered with other variables'."""
+    rows and their counts (or None), from `_gathered_together`."""
     plan, tg = ctx.plan, ctx.tg
     if var in tg.rows_alike:
         return _allreduce(ctx, var, grad, "allgather")
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
     scope = f"parallax/allgather/{var}"
-    rows, counts = counted or (_replica_rows(ctx, var, grad, scope), None)
+    rows, counts = counted or (replica_rows(ctx, var, grad, scope), None)
     nodes, values, indices, outputs = rows
     made, v, i = ctx.comm.all_gather(scope, values, indices, vt.dtype, it.dtype, vt.shape,
                                      plan.average_sparse, counts=counts)
     nodes += made
     if plan.variables[var].unique_rows:
-        made, v, i = _by_id(ctx, f"{scope}/replica_{{}}/by_id", v, i, vt.dtype, it.dtype)
+        made, v, i = by_id(ctx, f"{scope}/replica_{{}}/by_id", v, i, vt.dtype, it.dtype)
         nodes += made
     outputs.update({grad.values: v, grad.indices: i})
     return nodes, outputs
-
-
-def _by_id(ctx, scopes: str, values: list, indices: list, dtype, idx_dtype):
-    """Each replica's rows (`values`, `indices`: one per replica) summed by
-    id, on the replica's device, under `scopes`.format(replica): (nodes,
-    values, indices)."""
-    nodes, out_values, out_indices = [], [], []
-    for k, device in enumerate(ctx.plan.devices):
-        part = scopes.format(k)
-        nodes += coalesce(part, values[k], indices[k], dtype, idx_dtype, device)
-        out_values.append(f"{part}/coalesced")
-        out_indices.append(f"{part}/distinct")
-    return nodes, out_values, out_indices
-
-
-def _replica_rows(ctx, var, grad, scope):
-    """Each replica's gradient rows as they leave it: (nodes, values,
-    indices, outputs). Coalesced when the plan says so: each distinct row
-    once, duplicates summed, and a global norm's L2Loss of the rows (the
-    outputs) the sum over the replicas of their rows' shares, squared
-    before the sum, as one device squares every row."""
-    plan, tg = ctx.plan, ctx.tg
-    vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
-    n = plan.num_replicas
-    values = [ctx.replica_tensor(k, grad.values) for k in range(n)]
-    indices = [ctx.replica_tensor(k, grad.indices) for k in range(n)]
-    nodes, outputs = [], {}
-    if not plan.variables[var].coalesce:
-        return nodes, values, indices, outputs
-    made, outputs = _norm_shares(ctx, var, scope, values)   # from the rows before the sums
-    nodes += made
-    made, values, indices = _by_id(ctx, f"{scope}/replica_{{}}/rows", values, indices,
-                                   vt.dtype, it.dtype)
-    return nodes + made, values, indices, outputs
 
 
 def _part_reads(ctx, lookup: str, made: list) -> list[str]:
@@ -404,7 +345,7 @@ def _alltoall(ctx, var, grad, exchanged: dict, ids: dict, coalesced: dict, reads
     plan, tg = ctx.plan, ctx.tg
     vt, it = tg.tensor(grad.values), tg.tensor(grad.indices)
     n, scope = plan.num_replicas, f"parallax/alltoall/{var}"
-    nodes, values, indices, outputs = _replica_rows(ctx, var, grad, scope)
+    nodes, values, indices, outputs = replica_rows(ctx, var, grad, scope)
     if plan.variables[var].coalesce:
         coalesced[var] = tuple(zip(values, indices))
     lookup = deferral.same_ids(ctx.facts, var, plan.distinct_lookups,
@@ -419,7 +360,7 @@ def _alltoall(ctx, var, grad, exchanged: dict, ids: dict, coalesced: dict, reads
                                            vt.dtype, it.dtype, plan.average_sparse, gathered)
     nodes += made
     if plan.variables[var].unique_rows:      # each replica's columns of the job's rows
-        made, v, i = _by_id(ctx, f"{scope}/replica_{{}}/by_id", v, i, vt.dtype, it.dtype)
+        made, v, i = by_id(ctx, f"{scope}/replica_{{}}/by_id", v, i, vt.dtype, it.dtype)
         nodes += made
     outputs.update({grad.values: v, grad.indices: i})
     if plan.variables[var].coalesce:

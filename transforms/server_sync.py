@@ -46,7 +46,7 @@ from parallax_ng.graph import emit
 from parallax_ng.graph.ir import GraphIR, TensorRef, copy_node
 from parallax_ng.pipeline.passes import replica_of
 from parallax_ng.pipeline.results import Barrier, LocalAggregates
-from transforms.aggregate import coalesce
+from transforms.replica_rows import coalesce
 
 SCOPE = "parallax/server_sync"
 RELEASE = f"{SCOPE}/release"
