@@ -4,6 +4,8 @@ tf.lookup.StaticHashTable) is rebuilt in the training graph with the
 entries it has at capture, and N replicas with the global batch equal one
 device, every weight and optimizer variable and every loss, 1e-5; a table
 the step changes is a GraphError naming it."""
+import warnings
+
 import keras            # Keras 3 by name, whatever TF_USE_LEGACY_KERAS says
 import numpy as np
 import pytest
@@ -144,3 +146,52 @@ def test_a_tables_users_are_found_through_identities():
             sess.run(fill)
             sess.run(fill)             # filling again is harmless (the initializer reruns)
             assert sess.run(found).tolist() == [5, -1]
+
+
+def tf1_table_regression(batch, mutable=False):
+    """A TF1 graph: ids mapped by a StaticHashTable (tables_initializer; or
+    a MutableHashTable filled by the init op) to a weight each, then a
+    dense layer; Adam."""
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        rng = np.random.RandomState(5)
+        ids = rng.choice([10, 20, 30, 40], size=48).astype(np.int64)
+        xs, ys = rng.randn(48, 3).astype(np.float32), rng.randn(48, 1).astype(np.float32)
+        ds = pn.shard(tf.data.Dataset.from_tensor_slices((ids, xs, ys))).batch(batch).repeat()
+        it = tf1.data.make_initializable_iterator(ds)
+        i, x, y = it.get_next()
+        keys, values = tf.constant([10, 20, 30], tf.int64), tf.constant([1.0, 2.0, 3.0])
+        if mutable:
+            table = tf.lookup.experimental.MutableHashTable(tf.int64, tf.float32, 0.5)
+            fill = table.insert(keys, values)
+        else:
+            table = tf.lookup.StaticHashTable(tf.lookup.KeyValueTensorInitializer(keys, values),
+                                              0.5)
+            fill = tf1.tables_initializer()
+        w = tf1.get_variable("w", initializer=rng.randn(3, 1).astype(np.float32))
+        pred = tf.matmul(x, w) * table.lookup(i)[:, None]
+        train = tf1.train.AdamOptimizer(0.05).minimize(tf.reduce_mean(tf.square(pred - y)))
+        init = tf.group(tf1.global_variables_initializer(), fill)
+    return g, {"init": init, "iterator_init": it.initializer, "train": train}
+
+
+def test_a_tf1_table_is_filled_again_when_training_moves_to_a_new_graph():
+    """`profile.replan: always` rebuilds the graph after the first step and
+    moves every variable to a new session: the table is filled there again,
+    and 6 steps equal one device (1e-5). A mutable table's entries cannot
+    move: the graph stays, with a warning that says so, and still trains
+    as one device."""
+    from models import train_both
+    config = {"run_option": "allreduce", "profile": {"replan": "always"}}
+    for mutable in (False, True):
+        seen = {}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            parallel, single, names = train_both(lambda b: tf1_table_regression(b, mutable), 2,
+                                                 6, local(2), config, seen=seen)
+        said = [str(w.message) for w in caught if "mutable tables" in str(w.message)]
+        assert bool(said) == mutable, said
+        for name in names:
+            for got in parallel[name]:
+                assert np.max(np.abs(got - single[name])) <= 1e-5, (mutable, name)

@@ -23,6 +23,13 @@ import tensorflow as tf
 from ..errors import GraphError
 
 READS = frozenset({"LookupTableFindV2", "LookupTableSizeV2", "LookupTableExportV2"})
+# ops that fill an immutable table once, in a TF1 graph (tables_initializer; a
+# StaticHashTable's KeyValueTensorInitializer imports) or by `make`
+FILLS = frozenset({"InitializeTableV2", "InitializeTableFromTextFileV2", "InitializeTable",
+                   "InitializeTableFromTextFile", "LookupTableImportV2"})
+MUTABLE = frozenset({"MutableHashTableV2", "MutableHashTable", "MutableHashTableOfTensorsV2",
+                     "MutableHashTableOfTensors", "MutableDenseHashTableV2",
+                     "MutableDenseHashTable"})
 PASS = frozenset({"Identity", "IdentityN"})
 
 

@@ -131,7 +131,8 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     reduced = [v for v, vp in variables.items()      # dense, of known size: packed flat
                if method(vp.method).all_reduced and not vp.info.sparse and vp.info.known and
                v not in later]
-    buckets = allreduce_buckets(tg, ready_order(tg, reduced, order), config.buckets, profile)
+    timed = order if config.buckets.mode == "mgwfbp" else ()   # else the graph's, as a job's
+    buckets = allreduce_buckets(tg, ready_order(tg, reduced, timed), config.buckets, profile)
     producers = [q for q in queues.find(tg) if q.producer]
     drawn = {**randomness.random_ops(tg.ir.nodes, tg.ir.library),
              **dict.fromkeys(randomness.stateless_draws(tg.ir, tg.variant))}

@@ -31,9 +31,10 @@ The first `config.profile.steps` training runs are traced and measured
 (parallax_ng/planning/profile.py); the planner then plans again with the
 measurements and, when the plan's decisions change (or with
 `profile.replan: always`), the graph is transformed again and training goes
-on in a new session holding the same state (in-process runs without queue
-input or uncounted stateful random ops in the step, transforms/counted_draws.py;
-otherwise the measured plan is kept and the graph stays). With sizes to tune
+on in a new session holding the same state, its lookup tables filled again
+(in-process runs without queue input, mutable tables or uncounted stateful
+random ops in the step, transforms/counted_draws.py; otherwise the measured
+plan is kept and the graph stays). With sizes to tune
 (parallax_ng/runtime/tuning.py), training moves likewise from graph to graph
 (in a job, every worker at the same step).
 With checkpoints, SIGTERM (a preemption) makes the job save the step every
@@ -53,7 +54,7 @@ from functools import cached_property
 
 import tensorflow as tf
 
-from ..graph import capture, randomness
+from ..graph import capture, randomness, tables
 from ..graph.rules import READ_PREFIXES
 from ..methods import method
 from ..pipeline.results import CountedDraws
@@ -185,11 +186,8 @@ class Runner:
         return runs + int(self.executor.ends_with_barrier(initialized, trained))
 
     def save(self, saver, path: str) -> str:
-        """Write replica 0's variables with the user's tf.compat.v1.train.Saver.
-
-        The checkpoint has the single-device names, so a one-device script
-        restores it unchanged.
-        """
+        """Write replica 0's variables with the user's tf.compat.v1.train.Saver,
+        by their single-device names: a one-device script restores it as is."""
         d = saver.saver_def
         return self.run(d.save_tensor_name, {d.filename_tensor_name: path})
 
@@ -312,8 +310,10 @@ class Runner:
         (`jobs`: every worker of a job moves at the same step)."""
         if (self.plan.num_workers > 1 or self.plan.servers) and not jobs:
             return "a job's servers and other workers hold state of this graph"
-        if self.ctx.tg.queue_runners:
-            return "input queues hold elements a new session would lose"
+        mutable = sorted(n.name for n in self.ctx.tg.ir.nodes if n.op in tables.MUTABLE)
+        if self.ctx.tg.queue_runners or mutable:
+            return ("input queues hold elements" if self.ctx.tg.queue_runners else
+                    f"mutable tables ({mutable[:3]}) hold entries") + " a new session would lose"
         step = self.ctx.tg.ir.ancestors(self._training_writers)
         counted = self.ctx.result(CountedDraws)      # streams a checkpoint holds
         counted = {op for _, op in counted.calls} if counted else set()
@@ -339,9 +339,9 @@ class Runner:
             try:
                 self._install(program)
                 restore = Checkpointer(self.graph, _local(self.ctx), tmp)
-                # an iterator takes a position only once it exists
+                # an iterator takes a position only once it exists; a table is filled again
                 self.session.run([op for op in self.graph.get_operations()
-                                  if op.type == "MakeIterator"])
+                                  if op.type == "MakeIterator" or op.type in tables.FILLS])
                 restore.restore(self.session, path)
                 self.executor.end_step(self.session)
             except tf.errors.OpError as e:
