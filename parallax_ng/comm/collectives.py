@@ -145,7 +145,7 @@ class TFCollectives:
         for k, device in enumerate(plan.devices):
             made, (v, i) = emit.emit_traced(
                 lambda vals, idx, *sizes: gathers.slices(vals, idx, n, keys, mean, _gather,
-                                                         wire, *sizes),
+                                                         wire, *sizes, together=together),
                 [(values[k], value_type, value_shape), (indices[k], index_type, [None])] +
                 ([(counts[k], tf.int32, [plan.group_size])] if counts else []),
                 f"{scope}/replica_{k}", device)

@@ -29,7 +29,8 @@ def counts(indices, n: int, gather) -> list:
     return [tf.identity(every[:, j], name=f"counts_{j}") for j in range(len(indices))]
 
 
-def slices(values, indices, n: int, keys, mean: bool, gather, wire=None, sizes=None):
+def slices(values, indices, n: int, keys, mean: bool, gather, wire=None, sizes=None,
+           together=None):
     """IndexedSlices gathered from every replica: sizes first, every part
     padded to the longest, the padding dropped after. TensorFlow fixes a
     collective instance's shape at its first run, and the longest part
@@ -37,8 +38,8 @@ def slices(values, indices, n: int, keys, mean: bool, gather, wire=None, sizes=N
     padded parts are gathered under the instance key of their range plus
     the longest size: every key always sees one shape. With `wire`, the
     values travel in that dtype (compression). Values and indices cross
-    in one gather as int32 words where their rows fill whole words
-    (`keys[2]` None), else in two. `sizes`: every replica's row count,
+    in one gather as int32 words laid out as `together` says (words.py
+    `slices_layout`; `keys[2]` None), else in two. `sizes`: every replica's row count,
     gathered already (`counts`; `keys[0]` None). `gather(t, n, key)`:
     the collective, under instance `key`."""
 
@@ -54,8 +55,6 @@ def slices(values, indices, n: int, keys, mean: bool, gather, wire=None, sizes=N
     padded_v = tf.pad(values, tf.concat([[[0, pad]], rest], 0))
     padded_i = tf.pad(indices, [[0, pad]])
     mask = tf.reshape(tf.sequence_mask(sizes, most), [-1])
-    together = None if keys[2] is not None else \
-        words.slices_layout(values.dtype, indices.dtype, values.shape, wire)
     if together:
         gathered_v, gathered_i = words.moved_slices(
             lambda t: tf.boolean_mask(all_gather(t, keys[1] + most), mask),
