@@ -77,6 +77,8 @@ class TuningConfig:
     warmup: int = 2                  # steps run first with each size, not timed
     drift: float = 0.0               # try again when the median step grows this much; 0: never
     window: int = 50                 # steps whose median the drift is checked on
+    margin: float = 0.05             # another size than the round's first must be this
+                                     # much faster (a move costs speed for a while)
 
     def __post_init__(self):
         for key, least in (("steps", 1), ("warmup", 0), ("window", 1)):
@@ -84,6 +86,11 @@ class TuningConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"config key 'tuning.{key}' must be a whole number >= "
                                   f"{least}, not {value!r}")
+        if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) \
+                or not 0 <= self.margin < 1:
+            raise ConfigError("config key 'tuning.margin' must be a number from 0 up to "
+                              "below 1 (0.05: another size must be 5% faster than the "
+                              f"one training has; 0: the fastest wins), not {self.margin!r}")
         if not isinstance(self.drift, (int, float)) or isinstance(self.drift, bool) \
                 or self.drift < 0:
             raise ConfigError("config key 'tuning.drift' must be a number >= 0 (0.25: try "

@@ -140,6 +140,24 @@ def test_auto_weighs_each_dense_method_with_three_ways_for_the_sparse_ones():
     assert methods(plan)["out/w"] == "allreduce"
 
 
+def test_auto_weighs_each_dense_method_also_without_factors():
+    """A kernel whose factors cost fewer bytes than its own gradient still
+    costs the step a round of collectives beside the servers (and a
+    session run of its own): auto weighs every dense method alone as well
+    as with such kernels by their factors, and on one machine, where bytes
+    are free, the plan of servers alone (two round trips) beats the same
+    plan with out/w by factors, as hybrid weighs them."""
+    config = {"run_option": "auto", "network": NET}
+    plan = pn.transform_plan(classifier(), resources(2, loopback=True), config)
+    by = {c.label: c for c in plan.choice}
+    plain = by["dense ps, sparse on the servers"]
+    mixed = by["dense ps or by factors where cheaper, sparse on the servers"]
+    assert plain.fixed_seconds == pytest.approx(4 * NET["latency"])
+    assert mixed.fixed_seconds > plain.fixed_seconds
+    hybrid = pn.transform_plan(classifier(), resources(2, loopback=True), {"network": NET})
+    assert plan.choice[0].seconds == pytest.approx(hybrid.choice[0].seconds)
+
+
 def test_dense_layers_go_by_their_factors_where_those_cost_less_with_their_product():
     """At 100 Mb/s between 2 workers, out/w (64 x 500) by its factors sends
     32 rows of 64 + 500 floats a replica, fewer bytes than the ring's

@@ -14,8 +14,10 @@ all-gather, against the same with kernels by their factors).
   fixes them); a step
   with collectives and server work runs them in two session runs at once
   (transforms/split_step.py);
-- auto weighs the same dense methods (a variable by its factors where
-  they cost less), each with the sparse variables by
+- auto weighs the same dense methods, each alone and with each variable
+  by its factors where those cost less (a collective beside the servers
+  can cost the step more than the bytes it saves), each with the sparse
+  variables by
   EmbRace's per-variable costs (costmodel.py), all on the servers, and
   all by their cheapest collective.
 Each candidate is a whole plan; `traffic.predict` gives its step's
@@ -76,6 +78,8 @@ def options(config, costs: dict, info: dict, net=None, replicas: int = 2,
                                     **config.variable_methods}), costs))
         return out
     sparse = [v for v in costs if info[v].sparse]
+    factored = any(method(f).factored for v, t in costs.items() if not info[v].sparse
+                   for f in t)
     ways = {"EmbRace's costs": lambda t: t,
             "on the servers": lambda t: {m: s for m, s in t.items() if method(m).shared} or t,
             "by collectives": lambda t: {m: s for m, s in t.items()
@@ -85,10 +89,13 @@ def options(config, costs: dict, info: dict, net=None, replicas: int = 2,
         for way, cut in ways.items():
             if not sparse and way != "EmbRace's costs":
                 continue
-            tables = {v: (cut(t) if info[v].sparse else
-                          {m: t.get(m, 0.0), **{f: t[f] for f in t if method(f).factored}})
-                      for v, t in costs.items()}
-            out.append((f"dense {m}, sparse {way}" if sparse else f"dense {m}", config, tables))
+            for factors in (False, True) if factored else (False,):
+                tables = {v: (cut(t) if info[v].sparse else
+                              {m: t.get(m, 0.0), **{f: t[f] for f in t
+                                                    if factors and method(f).factored}})
+                          for v, t in costs.items()}
+                label = f"dense {m}" + " or by factors where cheaper" * factors
+                out.append((f"{label}, sparse {way}" if sparse else label, config, tables))
     return out
 
 

@@ -12,7 +12,11 @@ the first pass's fastest; fusion buffers first, then buckets; sizes from
 the knob's whole gradient down to a 32nd of it, and one bucket per
 variable; sizes that pack the gradients alike are tried once) and goes on
 with the contender whose timed steps of both passes had the smallest
-median. Every size is the same math (exact, as
+median, if that is `tuning.margin` below the median of the size the round
+began with (the default, or the size chosen before a drift); else with
+that size. Ten steps per size tell sizes a few percent apart only by
+chance on a busy host, and a move to another graph costs speed for a
+while (docs/benchmarks.md), so a near tie keeps what training has. Every size is the same math (exact, as
 every plan), so the trials are training steps, none is lost; only the
 order in which a bucket's elements are summed changes, within float
 rounding. In a job every worker moves at the same step (the schedule
@@ -117,6 +121,7 @@ class Tuner:
         self._second: list[tuple[int, object]] = []  # the first pass's, for the second
         self._kept: list = []             # the sizes in the second pass
         self._size, self._times = None, []
+        self._first = None                # the size the round began with
         self._timed: dict = {}            # size -> its timed steps so far
         self._last = None                 # the chosen size's median step
         self._watch = None                # after the rounds: (median to keep, steps since)
@@ -175,6 +180,7 @@ class Tuner:
             self._counts.update((size, len(packing(plan, knob))) for size, plan in trial)
             if trial:       # two passes, the second backwards: a drift hits all alike
                 self._size, self._times, self._timed = _size_of(base, knob), [], {}
+                self._first = self._size
                 self._began = time.monotonic()
                 self._knob = knob
                 self._trial, self._second = list(trial), [(self._size, now)] + trial
@@ -188,15 +194,23 @@ class Tuner:
         """Worker 0's fastest size, for every worker; the Program to move to
         unless the graph has it already."""
         knob, tried = self._knob, {s: statistics.median(t) for s, t in self._timed.items()}
-        mine = min(self._kept, key=lambda s: tried[s]) if self._worker == 0 else None
+        mine = None
+        if self._worker == 0:
+            mine = min(self._kept, key=lambda s: tried[s])
+            if tried[mine] > tried[self._first] * (1 - self.settings.margin):
+                mine = self._first          # within the margin: keep what training began with
         best = self._decide(mine)
         self._fixed[knob], self._last = best, tried.get(best)
         self.tuned[knob] = {"chosen": best, "tried": dict(tried)}
         if self._worker == 0:
             listed = ", ".join(f"{named(knob, s, self._counts.get(s, 0))}: {t * 1e3:.1f} ms"
                                for s, t in tried.items())
+            fastest = min(tried, key=tried.get)
+            kept = "" if fastest == best else (
+                f"; kept, as {named(knob, fastest, self._counts.get(fastest, 0))} was not "
+                f"{self.settings.margin:.0%} faster")
             print(f"parallax_ng: tuned {knob} = {named(knob, best, self._counts.get(best, 0))}"
-                  f" (median step {tried[best] * 1e3:.1f} ms; tried {listed}; in "
+                  f" (median step {tried[best] * 1e3:.1f} ms{kept}; tried {listed}; in "
                   f"{time.monotonic() - self._began:.1f} s)", file=sys.stderr, flush=True)
         moved = None
         if best != self._size:
