@@ -161,3 +161,23 @@ def test_predict_takes_the_busiest_link_and_the_rounds_of_messages():
     unmeasured = Network(1e6, 1e-4)
     assert traffic.predict(ring, layout, unmeasured).fixed_seconds == pytest.approx(
         2 * 2 * (2 - 1) * 1e-4)
+
+
+def test_on_one_host_a_round_trip_to_s_servers_costs_s_times_the_measured_one():
+    """The round trip r is measured with one server; on one host the
+    servers' messages share its cores, so a plan that gives 4 servers work
+    pays 4 r per round trip there, and r where they have hosts of their
+    own. A plan that gives the servers nothing pays no round trip."""
+    net = Network(1e6, 1e-4, collective=2e-3, round_trip=3e-3, session_run=5e-3,
+                  loopback=1e7)
+    fused, apart = plan_of(4, "per_host", dense_method="bfb")
+    one = Layout.local(4, 4)
+    assert {d for _, d, _, _ in traffic.flows(fused)} >= {f"ps {j}" for j in range(4)}
+    assert traffic.predict(fused, apart, net).fixed_seconds == pytest.approx(2 * 3e-3)
+    assert traffic.predict(fused, one, net).fixed_seconds == pytest.approx(2 * 4 * 3e-3)
+    ring, _ = plan_of(4, "per_host", dense_method="allreduce", sparse_method="allgather")
+    assert traffic.predict(ring, one, net).fixed_seconds == pytest.approx(
+        traffic.predict(ring, apart, net).fixed_seconds)
+    single, layout = plan_of(4, dense_method="bfb")
+    assert traffic.predict(single, Layout.local(4, 1), net).fixed_seconds == pytest.approx(
+        traffic.predict(single, layout, net).fixed_seconds)

@@ -43,7 +43,11 @@ fixed time a; a round trip to the servers (the forward's reads of server
 variables: 1; the push, the chief's update and the barrier: 1) costs r;
 a step with both runs its collectives in a session run of its own beside
 the server work's (transforms/split_step.py): that run's cost s, and one
-round trip more for the hand-over between the two. A variable by its
+round trip more for the hand-over between the two. On one host a round
+trip to the S servers a plan gives work costs S r: r is measured with
+one server, and the S servers' messages share the host's cores, where
+on hosts of their own they run side by side (measured: 4 workers and 4
+servers on 2 cores ran lm 0.50x the ring without servers). A variable by its
 factors adds its product of the gathered factors at the replica's
 measured MatMul rate (work the other methods do not add, on the path).
 a, r and s are measured on the job (parallax_ng/planning/costfit.py) or follow
@@ -247,12 +251,16 @@ def predict(plan, layout: Layout, network, index_bytes: dict | None = None) -> P
     """The step's communication time: the busiest end's bytes over its rate
     (the link's bandwidth, or the host's loopback rate), plus its rounds of
     collectives and round trips to servers."""
-    load = links(flows(plan, index_bytes), layout)
+    flow_list = flows(plan, index_bytes)
+    load = links(flow_list, layout)
     end, nbytes, link, inside = load.busiest(network.bandwidth, network.loopback)
     collective, trips = rounds(plan)
     split = collective > 0 and trips > 0
+    trip = network.server_round_trip()
+    if len({layout.end(t) for t in layout.tasks()}) == 1:   # one host: S servers' messages
+        trip *= max(1, len({d for _, d, _, _ in flow_list if d.startswith("ps ")}))
     fixed = (collective * network.collective_round(plan.group_size) +
-             (trips + split) * network.server_round_trip() + split * network.extra_run() +
+             (trips + split) * trip + split * network.extra_run() +
              product_seconds(plan, network))
     return Prediction(load, end, nbytes, link, fixed, link + fixed, inside)
 
