@@ -16,12 +16,12 @@ median, if that is `tuning.margin` below the median of the size the round
 began with (the default, or the size chosen before a drift); else with
 that size. Ten steps per size tell sizes a few percent apart only by
 chance on a busy host, and a move to another graph costs speed for a
-while (docs/benchmarks.md), so a near tie keeps what training has. Every size is the same math (exact, as
-every plan), so the trials are training steps, none is lost; only the
-order in which a bucket's elements are summed changes, within float
-rounding. In a job every worker moves at the same step (the schedule
-counts training steps) and takes worker 0's choice (`decide`:
-runtime/serving.py share). With `tuning.drift` > 0, the median of each
+while (docs/benchmarks.md), so a near tie keeps what training has. Every
+size is the same math (exact, as every plan), so the trials are training
+steps, none is lost; only the order in which a bucket's elements are
+summed changes, within float rounding. In a job every worker moves at
+the same step (the schedule counts training steps) and takes worker 0's
+choice (`decide`: runtime/serving.py share). With `tuning.drift` > 0, the median of each
 `tuning.window` steps after the choice is compared with the chosen size's
 (worker 0's, given to all) and, once it is that fraction slower, the
 sizes are tried again. What was tried and chosen is printed once per
@@ -121,7 +121,6 @@ class Tuner:
         self._second: list[tuple[int, object]] = []  # the first pass's, for the second
         self._kept: list = []             # the sizes in the second pass
         self._size, self._times = None, []
-        self._first = None                # the size the round began with
         self._timed: dict = {}            # size -> its timed steps so far
         self._last = None                 # the chosen size's median step
         self._watch = None                # after the rounds: (median to keep, steps since)
@@ -180,7 +179,6 @@ class Tuner:
             self._counts.update((size, len(packing(plan, knob))) for size, plan in trial)
             if trial:       # two passes, the second backwards: a drift hits all alike
                 self._size, self._times, self._timed = _size_of(base, knob), [], {}
-                self._first = self._size
                 self._began = time.monotonic()
                 self._knob = knob
                 self._trial, self._second = list(trial), [(self._size, now)] + trial
@@ -196,9 +194,9 @@ class Tuner:
         knob, tried = self._knob, {s: statistics.median(t) for s, t in self._timed.items()}
         mine = None
         if self._worker == 0:
-            mine = min(self._kept, key=lambda s: tried[s])
-            if tried[mine] > tried[self._first] * (1 - self.settings.margin):
-                mine = self._first          # within the margin: keep what training began with
+            mine, first = min(self._kept, key=lambda s: tried[s]), _size_of(self._base(), knob)
+            if tried[mine] > tried[first] * (1 - self.settings.margin):
+                mine = first          # within the margin: keep what training began with
         best = self._decide(mine)
         self._fixed[knob], self._last = best, tried.get(best)
         self.tuned[knob] = {"chosen": best, "tried": dict(tried)}
