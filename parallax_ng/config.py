@@ -90,7 +90,8 @@ class TuningConfig:
                 or not 0 <= self.margin < 1:
             raise ConfigError("config key 'tuning.margin' must be a number from 0 up to "
                               "below 1 (0.05: another size must be 5% faster than the "
-                              f"one training has; 0: the fastest wins), not {self.margin!r}")
+                              "one training has, in both passes; 0: the fastest wins if "
+                              f"no pass found it slower), not {self.margin!r}")
         if not isinstance(self.drift, (int, float)) or isinstance(self.drift, bool) \
                 or self.drift < 0:
             raise ConfigError("config key 'tuning.drift' must be a number >= 0 (0.25: try "

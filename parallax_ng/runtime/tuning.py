@@ -8,13 +8,14 @@ Guarantees: once the profiled steps are done, the Runner trains
 `tuning.warmup` + `tuning.steps` steps with each candidate size in turn,
 in two passes (the second backwards, so a drift in the machine's speed
 weighs on every size alike, and only over the sizes within CONTENDERS of
-the first pass's fastest; fusion buffers first, then buckets; sizes from
-the knob's whole gradient down to a 32nd of it, and one bucket per
-variable; sizes that pack the gradients alike are tried once) and goes on
-with the contender whose timed steps of both passes had the smallest
-median, if that is `tuning.margin` below the median of the size the round
-began with (the default, or the size chosen before a drift); else with
-that size. Ten steps per size tell sizes a few percent apart only by
+the first pass's fastest and the size the round began with; fusion
+buffers first, then buckets; sizes from the knob's whole gradient down
+to a 32nd of it, and one bucket per variable; sizes that pack the
+gradients alike are tried once) and goes on with the contender whose
+timed steps of both passes had the smallest median, if that is
+`tuning.margin` below the median of the size the round began with (the
+default, or the size chosen before a drift) over both passes and in
+each; else with that size. Ten steps per size tell sizes a few percent apart only by
 chance on a busy host, and a move to another graph costs speed for a
 while (docs/benchmarks.md), so a near tie keeps what training has. Every
 size is the same math (exact, as every plan), so the trials are training
@@ -121,7 +122,7 @@ class Tuner:
         self._second: list[tuple[int, object]] = []  # the first pass's, for the second
         self._kept: list = []             # the sizes in the second pass
         self._size, self._times = None, []
-        self._timed: dict = {}            # size -> its timed steps so far
+        self._timed: dict = {}            # size -> its timed steps, a list per pass
         self._last = None                 # the chosen size's median step
         self._watch = None                # after the rounds: (median to keep, steps since)
         self._graphs = 0                  # graphs built
@@ -137,7 +138,7 @@ class Tuner:
         self._times.append(seconds)
         if len(self._times) < self.settings.warmup + self.settings.steps:
             return None
-        self._timed.setdefault(self._size, []).extend(self._times[self.settings.warmup:])
+        self._timed.setdefault(self._size, []).append(self._times[self.settings.warmup:])
         self._times = []
         if not self._trial and self._second:
             self._trial, self._second = self._contenders(self._second), []
@@ -148,10 +149,12 @@ class Tuner:
 
     def _contenders(self, tried):
         """The second pass: the first pass's sizes, backwards, whose median
-        was within CONTENDERS of the fastest's (worker 0's, for every worker)."""
-        medians = {s: statistics.median(t) for s, t in self._timed.items()}
-        mine = [s for s, _ in tried if medians[s] <= CONTENDERS * min(medians.values())] \
-            if self._worker == 0 else None
+        was within CONTENDERS of the fastest's, and the size the round began
+        with, which the margin compares with in each pass (worker 0's, for
+        every worker)."""
+        medians, first = _medians(self._timed), tried[0][0]
+        mine = [s for s, _ in tried if s == first or
+                medians[s] <= CONTENDERS * min(medians.values())] if self._worker == 0 else None
         self._kept = self._decide(mine)
         return [(s, plan) for s, plan in reversed(tried) if s in self._kept]
 
@@ -191,11 +194,11 @@ class Tuner:
     def _choose(self, profile):
         """Worker 0's fastest size, for every worker; the Program to move to
         unless the graph has it already."""
-        knob, tried = self._knob, {s: statistics.median(t) for s, t in self._timed.items()}
+        knob, tried = self._knob, _medians(self._timed)
         mine = None
         if self._worker == 0:
             mine, first = min(self._kept, key=lambda s: tried[s]), _size_of(self._base(), knob)
-            if tried[mine] > tried[first] * (1 - self.settings.margin):
+            if not self._faster(mine, first):
                 mine = first          # within the margin: keep what training began with
         best = self._decide(mine)
         self._fixed[knob], self._last = best, tried.get(best)
@@ -216,6 +219,15 @@ class Tuner:
         self._knob = None
         self._start(profile)
         return moved
+
+    def _faster(self, size, first) -> bool:
+        """Whether `size` beat `first` by the margin over all its timed steps
+        and in each pass that timed both: noise that slows one stretch of
+        the round (one pass's trial of `first`) does not move training."""
+        keep = 1 - self.settings.margin
+        pooled, passes = _medians(self._timed), zip(self._timed[size], self._timed[first])
+        return pooled[size] <= pooled[first] * keep and all(
+            statistics.median(a) <= statistics.median(b) * keep for a, b in passes)
 
     def _drifted(self, seconds: float, profile):
         """After the rounds: every `window` steps, whether their median grew
@@ -239,6 +251,12 @@ class Tuner:
                   "the sizes again", file=sys.stderr, flush=True)
         self._rounds, self._watch = list(self._fixed), None
         return self._start(profile)
+
+
+def _medians(timed: dict) -> dict:
+    """size -> the median of its timed steps over every pass."""
+    return {s: statistics.median([t for one in passes for t in one])
+            for s, passes in timed.items()}
 
 
 def _size_of(config, knob: str):
