@@ -73,7 +73,7 @@ class FusionConfig:
 class TuningConfig:
     """How `buckets.mode: auto` and `fusion.buffer_bytes: auto` try sizes
     while training (parallax_ng/runtime/tuning.py)."""
-    steps: int = 10                  # steps timed with each size in each of two passes
+    steps: int = 30                  # steps timed with each size in each of two passes
     warmup: int = 2                  # steps run first with each size, not timed
     drift: float = 0.0               # try again when the median step grows this much; 0: never
     window: int = 50                 # steps whose median the drift is checked on

@@ -34,9 +34,8 @@ measurements and, when the plan's decisions change (or with
 on in a new session holding the same state, its lookup tables filled again
 (in-process runs without queue input, mutable tables or uncounted stateful
 random ops in the step, transforms/counted_draws.py; otherwise the measured
-plan is kept and the graph stays). With sizes to tune
-(parallax_ng/runtime/tuning.py), training moves likewise from graph to graph
-(in a job, every worker at the same step).
+plan is kept and the graph stays); the old graph is freed then. Tuned sizes
+(runtime/tuning.py) move training likewise (in a job, every worker at once).
 With checkpoints, SIGTERM (a preemption) makes the job save the step every
 worker stops at and end each worker's process with SystemExit(143)
 (parallax_ng/runtime/preemption.py).
@@ -44,6 +43,7 @@ worker stops at and end each worker's process with SystemExit(143)
 from __future__ import annotations
 
 import atexit
+import gc
 import sys
 import tempfile
 import time
@@ -80,9 +80,8 @@ class Runner:
         self.server = server     # this worker's gRPC server in cluster mode
         self._session_config = session_config
         self._replan, self._rebuild = replan, rebuild
-        self._restored, self._steps = False, 0
+        self._restored, self._steps, self._closed = False, 0, False
         self._saved, self._failed = None, False   # the step last saved; a run raised
-        self._closed = False
         self._told_trained = False    # the launcher heard of this process's first step
         self.profile: Profile | None = None
         self.replans = 0
@@ -360,6 +359,7 @@ class Runner:
             self._done = weakref.finalize(self, serving.run_done, self.session, program.done)
         self._restored = True
         self.replans += what is None
+        gc.collect()        # the old graph's cycles, else held until a full collection
 
     # -- checkpoints and barriers ---------------------------------------------
     def _after_run(self, fetched: tuple) -> None:
