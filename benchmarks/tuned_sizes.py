@@ -5,7 +5,9 @@ For each model (`lm`: lm_small, 330 KB of dense weights; `classifier`: the
 dense-heavy one, about 2 MB) and knob (`buckets`: allreduce, all-reduce
 buckets by a byte threshold, and one per variable; `fusion`: hybrid with
 dense variables by balanced fusion buffers on one server), one 2-worker job
-per fixed size, then one with the size `auto` (parallax_ng/runtime/tuning.py).
+per fixed size (and, for fusion buffers, the default size, four buffers
+from the model and cluster), then one with the size `auto`
+(parallax_ng/runtime/tuning.py).
 Every job runs --warmup steps first and worker 0 times --steps more; the
 tuned job runs --tuning more steps first, in which it tries its sizes (so
 its timed window starts well after its last graph was built: a job's
@@ -15,7 +17,7 @@ were 4-9% slower for about 500 steps, see docs/benchmarks.md). Each row is the m
 fixed size's, with the size it chose.
 
     python benchmarks/tuned_sizes.py [--models lm,classifier] [--knobs buckets,fusion]
-        [--steps 200] [--warmup 100] [--tuning 400] [--repeats 1] [--netlab 1gbit]
+        [--steps 200] [--warmup 100] [--tuning 600] [--repeats 1] [--netlab 1gbit]
         [--sizes 16,64,256,1024,4096]
 """
 import argparse
@@ -41,7 +43,8 @@ def knobs(sizes: list[int]) -> dict:
                         for s in sizes}},
                     {"buckets": {"mode": "auto"}}),
         "fusion": ("hybrid-bfb",
-                   {f"{s // 1024} KB": {"fusion": {"buffer_bytes": s}} for s in sizes},
+                   {"the default": {"fusion": {"buffer_bytes": 0}},
+                    **{f"{s // 1024} KB": {"fusion": {"buffer_bytes": s}} for s in sizes}},
                    {"fusion": {"buffer_bytes": "auto"}}),
     }
 
@@ -63,7 +66,7 @@ def main():
     parser.add_argument("--knobs", default="buckets,fusion")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--tuning", type=int, default=400,
+    parser.add_argument("--tuning", type=int, default=600,
                         help="steps the tuned job runs before the others' warm-up")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--sizes", default=SIZES, help="the fixed sizes swept, KB")
