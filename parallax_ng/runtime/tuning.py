@@ -22,8 +22,8 @@ size is the same math (exact, as every plan), so the trials are training
 steps, none is lost; only the order in which a bucket's elements are
 summed changes, within float rounding. In a job every worker moves at
 the same step (the schedule counts training steps) and takes worker 0's
-choice (`decide`: runtime/serving.py share). With `tuning.drift` > 0, the median of each
-`tuning.window` steps after the choice is compared with the chosen size's
+choice (`decide`: runtime/serving.py share). With `tuning.drift` > 0, the
+median of each `tuning.window` steps after the choice is compared with the chosen size's
 (worker 0's, given to all) and, once it is that fraction slower, the
 sizes are tried again. What was tried and chosen is printed once per
 round by worker 0 and kept in `tuned`.
@@ -152,7 +152,7 @@ class Tuner:
         was within CONTENDERS of the fastest's, and the size the round began
         with, which the margin compares with in each pass (worker 0's, for
         every worker)."""
-        medians, first = _medians(self._timed), tried[0][0]
+        medians, first = _medians(self._timed), _size_of(self._base(), self._knob)
         mine = [s for s, _ in tried if s == first or
                 medians[s] <= CONTENDERS * min(medians.values())] if self._worker == 0 else None
         self._kept = self._decide(mine)
@@ -198,7 +198,7 @@ class Tuner:
         mine = None
         if self._worker == 0:
             mine, first = min(self._kept, key=lambda s: tried[s]), _size_of(self._base(), knob)
-            if not self._faster(mine, first):
+            if not self._faster(mine, first, tried):
                 mine = first          # within the margin: keep what training began with
         best = self._decide(mine)
         self._fixed[knob], self._last = best, tried.get(best)
@@ -220,12 +220,12 @@ class Tuner:
         self._start(profile)
         return moved
 
-    def _faster(self, size, first) -> bool:
+    def _faster(self, size, first, pooled: dict) -> bool:
         """Whether `size` beat `first` by the margin over all its timed steps
-        and in each pass that timed both: noise that slows one stretch of
-        the round (one pass's trial of `first`) does not move training."""
-        keep = 1 - self.settings.margin
-        pooled, passes = _medians(self._timed), zip(self._timed[size], self._timed[first])
+        (`pooled`: size -> median) and in each pass that timed both: noise
+        that slows one stretch of the round (one pass's trial of `first`)
+        does not move training."""
+        keep, passes = 1 - self.settings.margin, zip(self._timed[size], self._timed[first])
         return pooled[size] <= pooled[first] * keep and all(
             statistics.median(a) <= statistics.median(b) * keep for a, b in passes)
 
