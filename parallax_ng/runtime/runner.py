@@ -33,7 +33,7 @@ measurements and, when the plan's decisions change (or with
 `profile.replan: always`), the graph is transformed again and training goes
 on in a new session holding the same state, its lookup tables filled again
 (in-process runs without queue input, mutable tables or uncounted stateful
-random ops in the step, transforms/counted_draws.py; otherwise the measured
+random ops in the step: runtime/moves.py; otherwise the measured
 plan is kept and the graph stays); the old graph is freed then. Tuned sizes
 (runtime/tuning.py) move training likewise (in a job, every worker at once).
 With checkpoints, SIGTERM (a preemption) makes the job save the step every
@@ -54,14 +54,13 @@ from functools import cached_property
 
 import tensorflow as tf
 
-from ..graph import capture, randomness, tables
+from ..graph import capture, tables
 from ..graph.rules import READ_PREFIXES
 from ..methods import method
-from ..pipeline.results import CountedDraws
 from ..planning.analysis import unknown_rows
 from ..planning.profile import Profile, measure
-from . import heartbeat, preemption, serving, tuning
-from .checkpoint import Checkpointer, Layout
+from . import heartbeat, moves, preemption, serving, tuning
+from .checkpoint import Checkpointer
 from .fetches import combine
 from .preemption import Preemption
 from .program import Program, bounded, traced
@@ -305,25 +304,7 @@ class Runner:
         return plan
 
     def _cannot_move_state(self, jobs: bool = False) -> str | None:
-        """Why training cannot go on in a new session with the same state
-        (`jobs`: every worker of a job moves at the same step)."""
-        if (self.plan.num_workers > 1 or self.plan.servers) and not jobs:
-            return "a job's servers and other workers hold state of this graph"
-        mutable = sorted(n.name for n in self.ctx.tg.ir.nodes if n.op in tables.MUTABLE)
-        if self.ctx.tg.queue_runners or mutable:
-            return ("input queues hold elements" if self.ctx.tg.queue_runners else
-                    f"mutable tables ({mutable[:3]}) hold entries") + " a new session would lose"
-        step = self.ctx.tg.ir.ancestors(self._training_writers)
-        counted = self.ctx.result(CountedDraws)      # streams a checkpoint holds
-        counted = {op for _, op in counted.calls} if counted else set()
-        nodes = self.ctx.tg.ir                       # stateless ones keep no stream;
-        drawn = [op for op, mode in self.plan.random.items()   # unseeded ones draw afresh
-                 if op in step and op not in counted and randomness.is_random(nodes.node(op))
-                 and randomness.repeatable(nodes.node(op), mode)]
-        if drawn:
-            return (f"random ops in the step ({drawn[:3]}) would start their streams "
-                    "again in a new session")
-        return None
+        return moves.why_not(self.ctx, self.plan, jobs)
 
     def _move_to(self, program: Program, what: str | None = None) -> None:
         """Go on in a session of the new graph: every variable and input
@@ -334,10 +315,10 @@ class Runner:
         self._apply_pending()
         before = dict(self.__dict__)
         with tempfile.TemporaryDirectory() as tmp:
-            path = Checkpointer(self.graph, _local(self.ctx), tmp).save(self.session, 0)
+            path = Checkpointer(self.graph, moves.layout(self.ctx), tmp).save(self.session, 0)
             try:
                 self._install(program)
-                restore = Checkpointer(self.graph, _local(self.ctx), tmp)
+                restore = Checkpointer(self.graph, moves.layout(self.ctx), tmp)
                 # an iterator takes a position only once it exists; a table is filled again
                 self.session.run([op for op in self.graph.get_operations()
                                   if op.type == "MakeIterator" or op.type in tables.FILLS])
@@ -425,20 +406,10 @@ class Runner:
 
     @cached_property
     def _training_writers(self) -> frozenset[str]:
-        """Writers of trained variables that the gradients feed (not initializers
-        or restores)."""
-        tg = self.program.tg
-        return frozenset(w for v in tg.gradients for s in tg.owned(v)
-                         for w in tg.writers.get(s, ()) if w in tg.after_gradients)
+        return moves.training_writers(self.program.tg)
 
     def _global_step(self) -> int | None:
         return self._checkpoints.global_step(self.session)
-
-
-def _local(ctx) -> Layout:
-    """This worker's state, all of it in one local file (a move to another
-    graph: every worker of a job moves at the same step)."""
-    return replace(Layout.of(ctx), workers=1)
 
 
 def _measured_plan(plan, profile: Profile, tg):
