@@ -11,10 +11,13 @@ from the model and cluster), then one with the size `auto`
 Every job runs --warmup steps first and worker 0 times --steps more; the
 tuned job runs --tuning more steps first, in which it tries its sizes (so
 its timed window starts well after its last graph was built: a job's
-first steps are slower, and after six moves the classifier's steps
-were 4-9% slower for about 500 steps, see docs/benchmarks.md). Each row is the median of --repeats jobs
-(sizes interleaved). The tuned job's steps/s is printed against the best
-fixed size's, with the size it chose.
+first steps are slower). Each row is the median of --repeats jobs
+(sizes interleaved), every job's steps/s beside it. The tuned job's
+steps/s is printed against the best fixed size's, with the size it
+chose (and each tuned job's choice and trials); with 4 repeats or more,
+also held out: the best fixed size picked on the even repeats, compared
+with auto on the odd ones (the fastest of several noisy rows is partly
+the luckiest).
 
     python benchmarks/tuned_sizes.py [--models lm,classifier] [--knobs buckets,fusion]
         [--steps 200] [--warmup 100] [--tuning 600] [--repeats 1] [--netlab 1gbit]
@@ -60,6 +63,21 @@ def run(mode: str, config: dict, args, tmp: str, repeat: int, model: str) -> dic
     return job(mode, opts, tmp, repeat)
 
 
+def median(values: list) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def held_out(runs: dict, fixed: dict) -> None:
+    """The best of several noisy medians is biased up (the fastest row
+    is partly the luckiest): pick the best fixed size on the even repeats
+    and compare it with auto on the odd ones, which did not pick it."""
+    pick, judge = ({row: [x["steps_per_s"] for x in rs[k::2]] for row, rs in runs.items()}
+                   for k in (0, 1))
+    best = max(fixed, key=lambda r: median(pick[r]))
+    print(f"  held out: best fixed on even repeats {best}; on odd repeats auto / it "
+          f"{median(judge['auto']) / median(judge[best]):.3f}x")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="lm,classifier")
@@ -91,15 +109,20 @@ def main():
                     print(f"\n{model}, {knob} ({mode}, "
                           f"{args.netlab or 'loopback'}): steps/s")
                     for row, result in medians.items():
-                        print(f"  {row:18} {result['steps_per_s']:8.2f}")
+                        every = sorted(round(x["steps_per_s"], 1) for x in runs[row])
+                        print(f"  {row:18} {result['steps_per_s']:8.2f}  (jobs: {every})")
                     best = max((r for r in fixed), key=lambda r: medians[r]["steps_per_s"])
                     ratio = medians["auto"]["steps_per_s"] / medians[best]["steps_per_s"]
                     chosen = {k: v["chosen"] for k, v in medians["auto"]["tuned"].items()}
                     print(f"  auto / best fixed ({best}): {ratio:.3f}x; chose {chosen}")
+                    if args.repeats >= 4:
+                        held_out(runs, fixed)
                     for r in runs["auto"]:
-                        print("  a tuned job tried (ms a step): " + ", ".join(
-                            f"{size}: {t * 1e3:.1f}" for v in r["tuned"].values()
-                            for size, t in v["tried"].items()))
+                        print(f"  a tuned job ({r['steps_per_s']:.2f} steps/s) chose "
+                              f"{[v['chosen'] for v in r['tuned'].values()]}, tried (ms a "
+                              "step): " + ", ".join(f"{size}: {t * 1e3:.1f}"
+                                                    for v in r["tuned"].values()
+                                                    for size, t in v["tried"].items()))
                     summary.append((model, knob, ratio, best, chosen))
     finally:
         if args.netlab:

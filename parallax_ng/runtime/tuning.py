@@ -16,8 +16,8 @@ timed steps of both passes had the smallest median, if that is
 `tuning.margin` below the median of the size the round began with (the
 default, or the size chosen before a drift) over both passes and in
 each; else with that size. Steps of one size swing by 10-30% on a busy
-host, and a move to another graph costs speed for a while
-(docs/benchmarks.md), so a near tie keeps what training has. Every
+host, and a move costs a second or two (a graph built, the state
+carried; docs/benchmarks.md), so a near tie keeps what training has. Every
 size is the same math (exact, as every plan), so the trials are training
 steps, none is lost; only the order in which a bucket's elements are
 summed changes, within float rounding. In a job every worker moves at
