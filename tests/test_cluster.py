@@ -389,26 +389,34 @@ def test_an_embedding_split_by_rows_over_two_servers(tmp_path, run_option):
 def test_a_server_task_ends_when_its_workers_are_done(tmp_path):
     """As under an orchestrator: every task runs the script with TF_CONFIG;
     the server task's get_runner serves until both workers are done, then
-    its process ends with 0 by itself."""
+    its process ends with 0 by itself. (Each task's stderr goes to a file:
+    a pipe nobody reads while the test waits would block a task that logs
+    much, and the test would hang instead of failing.)"""
     ports = [launch._with_port("127.0.0.1") for _ in range(3)]
     cluster_spec = {"worker": ports[:2], "ps": ports[2:]}
     tasks = [("worker", 0), ("worker", 1), ("ps", 0)]
-    procs = []
+    procs, logs = [], [tmp_path / f"{kind}{index}.log" for kind, index in tasks]
     env = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop(cluster.ENV, None)
+    codes = None
     try:
-        for kind, index in tasks:
+        for (kind, index), log in zip(tasks, logs):
             task_env = dict(env, TF_CONFIG=json.dumps({"cluster": cluster_spec,
                                                        "task": {"type": kind, "index": index}}))
-            procs.append(subprocess.Popen(
-                [sys.executable, SCRIPT, str(tmp_path / "vars"), "5", "--run-option", "hybrid"],
-                env=task_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-        codes = [p.wait(timeout=180) for p in procs]
+            with open(log, "w") as err:
+                procs.append(subprocess.Popen(
+                    [sys.executable, SCRIPT, str(tmp_path / "vars"), "5", "--run-option",
+                     "hybrid"], env=task_env, stdout=subprocess.DEVNULL, stderr=err, text=True))
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.2)
+        codes = [p.poll() for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert codes == [0, 0, 0], [p.stderr.read()[-2000:] for p in procs]
+                p.wait(timeout=30)
+    assert codes == [0, 0, 0], (codes, ports, [log.read_text()[-2000:] for log in logs])
 
 
 def test_a_waiting_server_logs_nothing_with_tensorflow_s_default_logging(tmp_path):
