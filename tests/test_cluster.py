@@ -398,7 +398,6 @@ def test_a_server_task_ends_when_its_workers_are_done(tmp_path):
     procs, logs = [], [tmp_path / f"{kind}{index}.log" for kind, index in tasks]
     env = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
     env.pop(cluster.ENV, None)
-    codes = None
     try:
         for (kind, index), log in zip(tasks, logs):
             task_env = dict(env, TF_CONFIG=json.dumps({"cluster": cluster_spec,
@@ -408,8 +407,11 @@ def test_a_server_task_ends_when_its_workers_are_done(tmp_path):
                     [sys.executable, SCRIPT, str(tmp_path / "vars"), "5", "--run-option",
                      "hybrid"], env=task_env, stdout=subprocess.DEVNULL, stderr=err, text=True))
         deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-            time.sleep(0.2)
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
         codes = [p.poll() for p in procs]
     finally:
         for p in procs:
