@@ -21,7 +21,7 @@ the luckiest).
 
     python benchmarks/tuned_sizes.py [--models lm,classifier] [--knobs buckets,fusion]
         [--steps 200] [--warmup 100] [--tuning 600] [--repeats 1] [--netlab 1gbit]
-        [--sizes 16,64,256,1024,4096]
+        [--sizes 16,64,256,1024,4096] [--margins 0.05,0.03]
 """
 import argparse
 import json
@@ -67,15 +67,15 @@ def median(values: list) -> float:
     return sorted(values)[len(values) // 2]
 
 
-def held_out(runs: dict, fixed: dict) -> None:
+def held_out(runs: dict, fixed: dict, auto: str) -> None:
     """The best of several noisy medians is biased up (the fastest row
     is partly the luckiest): pick the best fixed size on the even repeats
-    and compare it with auto on the odd ones, which did not pick it."""
+    and compare the `auto` row with it on the odd ones, which did not pick it."""
     pick, judge = ({row: [x["steps_per_s"] for x in rs[k::2]] for row, rs in runs.items()}
                    for k in (0, 1))
     best = max(fixed, key=lambda r: median(pick[r]))
-    print(f"  held out: best fixed on even repeats {best}; on odd repeats auto / it "
-          f"{median(judge['auto']) / median(judge[best]):.3f}x")
+    print(f"  held out: best fixed on even repeats {best}; on odd repeats {auto} / it "
+          f"{median(judge[auto]) / median(judge[best]):.3f}x")
 
 
 def main():
@@ -89,6 +89,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--sizes", default=SIZES, help="the fixed sizes swept, KB")
     parser.add_argument("--netlab", metavar="RATE", help="emulated hosts, NICs at RATE")
+    parser.add_argument("--margins", default="",
+                        help="tuning.margin of each tuned row (e.g. 0.05,0.03); the "
+                             "default: one row with the config's default")
     args = parser.parse_args()
     if args.netlab:
         subprocess.run([NETLAB, "up", "3", args.netlab], check=True, capture_output=True)
@@ -99,7 +102,9 @@ def main():
                 for knob in args.knobs.split(","):
                     mode, fixed, auto = knobs([int(k) * 1024 for k in
                                                args.sizes.split(",")])[knob]
-                    rows = {**fixed, "auto": auto}
+                    tuned = {f"auto, margin {m}": {**auto, "tuning": {"margin": float(m)}}
+                             for m in args.margins.split(",") if m} or {"auto": auto}
+                    rows = {**fixed, **tuned}
                     runs = {row: [] for row in rows}
                     for r in range(args.repeats):
                         for row, config in rows.items():
@@ -112,24 +117,25 @@ def main():
                         every = sorted(round(x["steps_per_s"], 1) for x in runs[row])
                         print(f"  {row:18} {result['steps_per_s']:8.2f}  (jobs: {every})")
                     best = max((r for r in fixed), key=lambda r: medians[r]["steps_per_s"])
-                    ratio = medians["auto"]["steps_per_s"] / medians[best]["steps_per_s"]
-                    chosen = {k: v["chosen"] for k, v in medians["auto"]["tuned"].items()}
-                    print(f"  auto / best fixed ({best}): {ratio:.3f}x; chose {chosen}")
-                    if args.repeats >= 4:
-                        held_out(runs, fixed)
-                    for r in runs["auto"]:
-                        print(f"  a tuned job ({r['steps_per_s']:.2f} steps/s) chose "
-                              f"{[v['chosen'] for v in r['tuned'].values()]}, tried (ms a "
-                              "step): " + ", ".join(f"{size}: {t * 1e3:.1f}"
-                                                    for v in r["tuned"].values()
-                                                    for size, t in v["tried"].items()))
-                    summary.append((model, knob, ratio, best, chosen))
+                    for row in tuned:
+                        ratio = medians[row]["steps_per_s"] / medians[best]["steps_per_s"]
+                        chosen = {k: v["chosen"] for k, v in medians[row]["tuned"].items()}
+                        print(f"  {row} / best fixed ({best}): {ratio:.3f}x; chose {chosen}")
+                        if args.repeats >= 4:
+                            held_out(runs, fixed, row)
+                        for r in runs[row]:
+                            print(f"  a tuned job ({r['steps_per_s']:.2f} steps/s) chose "
+                                  f"{[v['chosen'] for v in r['tuned'].values()]}, tried (ms a "
+                                  "step): " + ", ".join(f"{size}: {t * 1e3:.1f}"
+                                                        for v in r["tuned"].values()
+                                                        for size, t in v["tried"].items()))
+                        summary.append((model, f"{knob} {row}", ratio, best, chosen))
     finally:
         if args.netlab:
             subprocess.run([NETLAB, "down"], capture_output=True)
-    print("\nmodel       knob     auto / best fixed")
+    print("\nmodel       knob, row                 tuned / best fixed")
     for model, knob, ratio, best, chosen in summary:
-        print(f"{model:11} {knob:8} {ratio:8.3f}x  (best fixed {best}; auto chose {chosen})")
+        print(f"{model:11} {knob:25} {ratio:8.3f}x  (best fixed {best}; chose {chosen})")
 
 
 if __name__ == "__main__":
