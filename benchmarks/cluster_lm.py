@@ -110,6 +110,9 @@ CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
                    "horizontal_scheduling": True}, None),
            "auto": ({"run_option": "auto"}, None),
            "auto-ps": ({"run_option": "auto"}, "[127.0.0.1]"),   # servers to weigh too
+           # the planner's three fastest predictions timed while training (a
+           # warm-up of 300 steps or more covers the trials)
+           "hybrid-plans": ({"run_option": "hybrid", "tuning": {"plans": 3}}, "[127.0.0.1]"),
            "ps": ({"run_option": "ps"}, "[127.0.0.1]"),
            "mwms": (None, None),
            "keras3": ({"run_option": "hybrid"}, "[127.0.0.1]"),

@@ -289,9 +289,9 @@ def _tuner(build: Build, server, rebuild):
         return None
     if build.job.horovod and build.job.horovod[1] > 1:
         if build.job.horovod[0] == 0:
-            warnings.warn(f"{' and '.join(tuning.knobs(config))} auto: sizes are not tried "
-                          "under Horovod (each rank builds its own graph); the default sizes "
-                          "train", stacklevel=4)
+            warnings.warn(f"{tuning.asked(config)}: plans and sizes are not tried under "
+                          "Horovod (each rank builds its own graph); the predicted plan and "
+                          "default sizes train", stacklevel=4)
         return None
 
     def plan_of(config, profile):

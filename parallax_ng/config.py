@@ -78,10 +78,12 @@ class TuningConfig:
     drift: float = 0.0               # try again when the median step grows this much; 0: never
     window: int = 50                 # steps whose median the drift is checked on
     margin: float = 0.05             # another size than the round's first must be this
-                                     # much faster (a move costs speed for a while)
+                                     # much faster (trials are noisy)
+    plans: int = 1                   # the planner's fastest predicted plans timed while
+                                     # training (hybrid, auto); 1: its prediction trains
 
     def __post_init__(self):
-        for key, least in (("steps", 1), ("warmup", 0), ("window", 1)):
+        for key, least in (("steps", 1), ("warmup", 0), ("window", 1), ("plans", 1)):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"config key 'tuning.{key}' must be a whole number >= "

@@ -182,3 +182,23 @@ def test_a_read_after_a_shared_writer_sees_the_jobs_rows_on_the_chief():
     for n in rows:
         assert any(i.startswith("^parallax/server_sync/step_") for i in n.input), n.input
         assert n.input[1].endswith("/indices/job"), n.input
+
+
+@pytest.mark.parametrize("dense_method", ["bfb", "ps"])
+def test_a_later_graph_of_the_process_queues_under_names_of_its_own(dense_method):
+    """A server keeps its queues for as long as it runs; a tuned plan's
+    graph may push other components than the first graph's (ps against
+    fusion buffers), so each graph a process builds after its first takes
+    its own shared names (the first keeps the fixed ones)."""
+    from test_choice import resources
+
+    from parallax_ng.build import Build, resolve
+    from parallax_ng.graph import frontend
+    g, _ = embedding_regression(4, "adam", clip=True)
+    build = Build(frontend.load(g), resolve(resources(2), {"dense_method": dense_method},
+                                            planned=True))
+    plan = build.plan()
+    names = [{n.attr["shared_name"].s.decode() for n in build.rewrite(plan, graph=k)[0].nodes
+              if n.op == "FIFOQueueV2" and "/job:ps/" in n.device} for k in (0, 3)]
+    assert "parallax_ng/grads/0/1" in names[0] and "parallax_ng/done/1" in names[0]
+    assert names[1] == {f"{n}@graph3" for n in names[0]}

@@ -73,6 +73,46 @@ def test_the_fastest_size_wins_and_each_packing_is_tried_once(capsys):
                      r"5.0 ms; tried 4,194,304 bytes \(1 bucket\): 5.6 ms, ", said), said
 
 
+def test_plans_timed_while_training_keep_the_fastest_measured(capsys):
+    """`tuning.plans: 3` on a 4-worker job with one server apart (100
+    Mb/s): the planner's three fastest predictions are timed in two passes
+    and training goes on with the fastest measured, here the third
+    predicted (its plan: every variable's method as the candidate's), then
+    the sizes are tuned within it; `parallax-ng plan` lists the plans."""
+    from test_choice import NET, resources
+    from test_traffic import classifier
+    config = {"network": NET, "fusion": {"buffer_bytes": "auto"},
+              "tuning": {"plans": 3, "steps": 2, "warmup": 0}}
+    build = Build(frontend.load(classifier()), resolve(resources(4), config, planned=True))
+    first = build.plan()
+    top = tuning.ranked(first, 3)
+    assert top[0].chosen and [c.seconds for c in top] == sorted(c.seconds for c in top)
+    by_methods = {c.methods: c.label for c in top}
+    built = []
+    tuner = tuning.Tuner(build.job.config, lambda c, p: build.configured(c).plan(p),
+                         lambda plan, n: built.append(plan) or plan, lambda mine: mine, 0)
+    times = {top[0].label: 0.010, top[1].label: 0.012, top[2].label: 0.008}
+    graph, labels = first, []
+    for _ in range(1 + 2 * 5):
+        label = by_methods.get(tuning.packing(graph, "plan"))
+        labels.append(label)
+        graph = tuner.trained(times[label], None) or graph
+    assert labels[:7] == [top[0].label] * 3 + [top[1].label] * 2 + [top[2].label] * 2
+    assert tuner.tuned["plan"]["chosen"] == top[2].label
+    assert tuning.packing(graph, "plan") == top[2].methods
+    assert graph.choice == () and graph.run_option == first.run_option
+    said = capsys.readouterr().err
+    assert f"tuned plan = '{top[2].label}' (median step 8.0 ms; tried '{top[0].label}'" in said
+    assert tuning.candidates(lambda c: build.configured(c).plan(), build.job.config)[
+        "plan"] == [(c.label, 1) for c in top]
+
+
+def test_one_plan_is_not_tuned_and_a_plan_count_below_one_names_the_key():
+    assert tuning.knobs(pn.config.load_config({"tuning": {"plans": 1}})) == []
+    with pytest.raises(pn.ConfigError, match=r"'tuning.plans' must be a whole number >= 1"):
+        pn.config.load_config({"tuning": {"plans": 0}})
+
+
 @pytest.mark.parametrize("margin,lands", [(0.05, 1), (0.0, 2)])
 def test_a_size_barely_faster_than_the_first_does_not_displace_it(capsys, margin, lands):
     """Two buckets 3% faster than the default one: under the default margin
@@ -265,6 +305,26 @@ def test_a_tuned_job_equals_one_device(tmp_path, servers, args):
     assert_matches_one_device(out, 2, 2, steps=24)
 
 
+def test_a_job_timing_plans_equals_one_device(tmp_path):
+    """2 workers x 2 devices and a server, hybrid with `tuning.plans: 6`:
+    training moves between plans whose variables live on the server, in
+    fusion buffers and on every worker (the checkpoint a move carries
+    holds them all), every worker at the same steps; 30 steps equal one
+    device (Adam, clipping, moving averages)."""
+    import json
+
+    from test_cluster import assert_matches_one_device, run_job
+    config = {"tuning": {"plans": 6, "steps": 1, "warmup": 0}}
+    done, out, _ = run_job(tmp_path, 2, 2, "30", "--run-option", "hybrid", "--config",
+                           json.dumps(config), servers=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = re.findall(r"\[worker (\d)\] parallax_ng: tuned plan = '([^']+)' .*tried (.*) in",
+                      done.stderr)
+    assert len(said) == 1 and said[0][0] == "0", done.stderr[-3000:]
+    assert said[0][2].count(" ms") >= 4, said      # ps, bfb and the ring, each beside ps
+    assert_matches_one_device(out, 2, 2, steps=30)
+
+
 def test_a_step_that_cannot_move_trains_with_the_default_sizes():
     """A seeded RandomShuffle in the step (no stateless twin, no fixed
     reservation per call) would start its stream again in another graph:
@@ -277,8 +337,8 @@ def test_a_step_that_cannot_move_trains_with_the_default_sizes():
         loss = tf.reduce_mean(tf.matmul(tf.gather(x, order, axis=1), w))
         train_op = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
         init = tf1.global_variables_initializer()
-    with pytest.warns(UserWarning, match=r"buckets.bytes auto: sizes are not tried while "
-                                         r"training \(random ops in the step"):
+    with pytest.warns(UserWarning, match=r"buckets.mode auto: plans and sizes are not tried "
+                                         r"while training \(random ops in the step"):
         runner = pn.get_runner(g, local(2), {"run_option": "allreduce",
                                              "buckets": {"mode": "auto"}})
     with runner:

@@ -30,8 +30,9 @@ Guarantees (the synchronous parameter-server protocol of the Parallax paper):
   writer, the others' silenced writers take it. (A step whose collectives
   run beside it, transforms/split_step.py, takes the tokens in its server
   run while the collective run goes on, so no worker waits for itself.)
-Queues live on the servers under fixed shared names, so a job needs fresh
-server processes (the launcher starts them).
+Queues live on the servers under fixed shared names (a process's later
+graph, a tuned size's or plan's, under its own: InstanceKeys.shared), so a
+job needs fresh server processes (the launcher starts them).
 """
 from __future__ import annotations
 
@@ -85,13 +86,13 @@ class ServerSyncPass:
                                                           if back else [])
                 added += _push(ctx, ir, j, server, parts, reads, _wires(ctx, parts))
                 added += _take_back(ctx, ir, j, server, back, rewires)
-        added += _barrier(plan)
+        added += _barrier(ctx)
         step = _step_writers(ctx)
         folded = step is not None
         ctx.publish(Barrier(release=RELEASE, folded=folded) if plan.worker == 0 else
                     Barrier(wait=WAIT, folded=folded))
         if plan.worker > 0:
-            waits = _step_waits(plan, step or [], pushes)
+            waits = _step_waits(ctx, step or [], pushes)
             added += waits
             changed = _silence_writers(ctx, ir, pushes, {w: f"^{n.name}" for w, n in
                                                          zip(step or [], waits[1::2])})
@@ -127,8 +128,9 @@ def _components(ctx, variables: list[str]) -> list[tuple[str, tf.DType, bool]]:
     return out
 
 
-def _queue(name: str, shared_name: str, dtypes, device: str):
-    return emit.fifo_queue(name, shared_name, dtypes, device)
+def _queue(ctx, name: str, shared_name: str, dtypes, device: str):
+    """A queue on a server under `shared_name` (this graph's: InstanceKeys.shared)."""
+    return emit.fifo_queue(name, ctx.instance_keys.shared(shared_name), dtypes, device)
 
 
 def _wires(ctx, parts) -> list:
@@ -153,7 +155,7 @@ def _push(ctx, ir: GraphIR, j: int, server: str, parts, reads: list[str], wires:
                                ir.node(t.split(":")[0]).device))
             t = nodes[-1].name
         pushed.append(t)
-    return nodes + [_queue(q, f"parallax_ng/grads/{j}/{plan.worker}", wires, server),
+    return nodes + [_queue(ctx, q, f"parallax_ng/grads/{j}/{plan.worker}", wires, server),
                     emit.node_def(f"{SCOPE}/push_{j}", "QueueEnqueueV2",
                                   [q] + pushed + ["^" + r for r in reads], server,
                                   Tcomponents=wires, timeout_ms=-1)]
@@ -171,7 +173,7 @@ def _take(ctx, ir: GraphIR, j: int, server: str, parts, rewires: dict, wires: li
              if vp.unique_rows and local.of.get(v, (None,))[0] in tensors}
     for w in range(1, plan.num_workers):
         q, deq = f"{SCOPE}/queue_{j}_{w}", f"{SCOPE}/take_{j}_{w}"
-        nodes += [_queue(q, f"parallax_ng/grads/{j}/{w}", wires, server),
+        nodes += [_queue(ctx, q, f"parallax_ng/grads/{j}/{w}", wires, server),
                   emit.node_def(deq, "QueueDequeueV2", [q], server,
                                 component_types=wires, timeout_ms=-1)]
         taken.append(deq)
@@ -260,7 +262,7 @@ def _give_back(ctx, ir: GraphIR, j: int, server: str, back, rewires: dict):
     nodes, puts = [], []
     for w in range(1, plan.num_workers):
         q = f"{SCOPE}/result_{j}_{w}"
-        nodes += [_queue(q, f"parallax_ng/result/{j}/{w}", dtypes, server),
+        nodes += [_queue(ctx, q, f"parallax_ng/result/{j}/{w}", dtypes, server),
                   emit.node_def(f"{q}/put", "QueueEnqueueV2",
                                 [q] + [f"{t}/job" for t, _, _ in back], server,
                                 Tcomponents=dtypes, timeout_ms=-1)]
@@ -280,7 +282,7 @@ def _take_back(ctx, ir: GraphIR, j: int, server: str, back, rewires: dict):
         return []
     plan, dtypes = ctx.plan, [d for _, d, _ in back]
     q, deq = f"{SCOPE}/result_{j}", f"{SCOPE}/result_{j}/take"
-    nodes = [_queue(q, f"parallax_ng/result/{j}/{plan.worker}", dtypes, server),
+    nodes = [_queue(ctx, q, f"parallax_ng/result/{j}/{plan.worker}", dtypes, server),
              emit.node_def(deq, "QueueDequeueV2", [q, f"^{SCOPE}/push_{j}"], server,
                            component_types=dtypes, timeout_ms=-1)]
     for c, (tensor, _, _) in enumerate(back):
@@ -289,14 +291,15 @@ def _take_back(ctx, ir: GraphIR, j: int, server: str, back, rewires: dict):
     return nodes
 
 
-def _barrier(plan):
+def _barrier(ctx):
     """Release (chief) or wait (other workers) tokens on the first server."""
+    plan = ctx.plan
     device, nodes = plan.servers[0], []
     if plan.worker == 0:
         deps = []
         for w in range(1, plan.num_workers):
             q = f"{SCOPE}/done_{w}"
-            nodes += [_queue(q, f"parallax_ng/done/{w}", [tf.int32], device),
+            nodes += [_queue(ctx, q, f"parallax_ng/done/{w}", [tf.int32], device),
                       emit.const(f"{q}/token", 0, tf.int32, device),
                       emit.node_def(f"{q}/put", "QueueEnqueueV2", [q, f"{q}/token"], device,
                                     Tcomponents=[tf.int32], timeout_ms=-1)]
@@ -304,7 +307,7 @@ def _barrier(plan):
         nodes.append(emit.node_def(RELEASE, "NoOp", deps, device))
     else:
         q = f"{SCOPE}/done"
-        nodes += [_queue(q, f"parallax_ng/done/{plan.worker}", [tf.int32], device),
+        nodes += [_queue(ctx, q, f"parallax_ng/done/{plan.worker}", [tf.int32], device),
                   emit.node_def(WAIT, "QueueDequeueV2", [q], device,
                                 component_types=[tf.int32], timeout_ms=-1)]
     return nodes
@@ -332,7 +335,7 @@ def _step_releases(ctx, ir: GraphIR, writers: list[str]):
     for i, writer in enumerate(writers):
         for w in range(1, plan.num_workers):
             q = f"{SCOPE}/step_{i}_{w}"
-            nodes += [_queue(q, f"parallax_ng/step/{i}/{w}", [tf.int32], device),
+            nodes += [_queue(ctx, q, f"parallax_ng/step/{i}/{w}", [tf.int32], device),
                       emit.const(f"{q}/token", 0, tf.int32, device),
                       emit.node_def(f"{q}/put", "QueueEnqueueV2",
                                     [q, f"{q}/token", f"^{writer}"], device,
@@ -344,15 +347,16 @@ def _step_releases(ctx, ir: GraphIR, writers: list[str]):
     return nodes, changed
 
 
-def _step_waits(plan, writers: list[str], pushes: dict) -> list:
+def _step_waits(ctx, writers: list[str], pushes: dict) -> list:
     """The barrier inside the training run, another worker's side: each
     silenced training writer takes the chief's token for it (after this
     worker's pushes), so the run ends once the chief has written."""
+    plan = ctx.plan
     device, nodes = plan.servers[0], []
     after = ["^" + p for ps in pushes.values() for p in ps]
     for i, _ in enumerate(writers):
         q = f"{SCOPE}/step_{i}"
-        nodes += [_queue(q, f"parallax_ng/step/{i}/{plan.worker}", [tf.int32], device),
+        nodes += [_queue(ctx, q, f"parallax_ng/step/{i}/{plan.worker}", [tf.int32], device),
                   emit.node_def(f"{q}/take", "QueueDequeueV2", [q] + after, device,
                                 component_types=[tf.int32], timeout_ms=-1)]
     return nodes

@@ -156,7 +156,8 @@ class TFCollectives:
 
     def server_sum(self, scope: str, tensor: str, dtype, server: str, scale: float,
                    gradient: bool = False):
-        return server_sum(self.plan, scope, tensor, dtype, server, scale, gradient)
+        return server_sum(self.plan, scope, tensor, dtype, server, scale, gradient,
+                          self.keys.shared)
 
     def _exchange_ops(self):
         """(gather of one int32 per replica, gather of padded rows, all-to-all
@@ -243,7 +244,7 @@ class HostCollectives:
 
 
 def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float,
-               gradient: bool = False):
+               gradient: bool = False, shared=lambda name: name):
     """A parameter-server all-reduce of one tensor per worker (on its host),
     through FIFO queues on `server` (one per worker and direction, so sums
     are added in worker order and every worker gets the same bits). Worker
@@ -253,7 +254,7 @@ def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float,
     result. Each queue moves one element per step, so steps cannot mix. A
     `gradient` under compression travels in 16 bits both ways and is added
     in float32 on the server. Returns (nodes, the name of this worker's
-    result)."""
+    result). `shared`: the queues' shared names (InstanceKeys.shared)."""
     out, host = f"{scope}/sum", plan.host
     wire = compression.wire_for(plan, dtype) if gradient else None
     sent = wire or dtype
@@ -274,7 +275,7 @@ def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float,
         taken = []
         for w in range(1, plan.num_workers):
             q = f"{scope}/from_{w}"
-            nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/{w}", [sent], server),
+            nodes += [emit.fifo_queue(q, shared(f"parallax_ng/sum/{scope}/{w}"), [sent], server),
                       emit.node_def(f"{q}/take", "QueueDequeueV2", [q], server,
                                     component_types=[sent], timeout_ms=-1)]
             taken.append(widened(f"{q}/wide", f"{q}/take", server))
@@ -295,7 +296,8 @@ def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float,
         puts = []
         for w in range(1, plan.num_workers):
             q = f"{scope}/to_{w}"
-            nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/result/{w}", [sent], server),
+            nodes += [emit.fifo_queue(q, shared(f"parallax_ng/sum/{scope}/result/{w}"), [sent],
+                                      server),
                       emit.node_def(f"{q}/put", "QueueEnqueueV2", [q, total], server,
                                     Tcomponents=[sent], timeout_ms=-1)]
             puts.append(f"^{q}/put")
@@ -305,10 +307,11 @@ def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float,
         w = plan.worker
         q, back = f"{scope}/to_server", f"{scope}/from_server"
         done = f"{scope}/back" if wire is not None else out
-        nodes += [emit.fifo_queue(q, f"parallax_ng/sum/{scope}/{w}", [sent], server),
+        nodes += [emit.fifo_queue(q, shared(f"parallax_ng/sum/{scope}/{w}"), [sent], server),
                   emit.node_def(f"{q}/put", "QueueEnqueueV2", [q, tensor], server,
                                 Tcomponents=[sent], timeout_ms=-1),
-                  emit.fifo_queue(back, f"parallax_ng/sum/{scope}/result/{w}", [sent], server),
+                  emit.fifo_queue(back, shared(f"parallax_ng/sum/{scope}/result/{w}"), [sent],
+                                  server),
                   emit.node_def(done, "QueueDequeueV2", [back, f"^{q}/put"], server,
                                 component_types=[sent], timeout_ms=-1)]
     widened(out, done, host)

@@ -30,9 +30,17 @@ class InstanceKeys:
     keys, and ranges of RANGE_KEYS keys for a collective whose shape changes
     from step to step (its key is the range's first plus its size)."""
 
-    def __init__(self, start: int = 1):
+    def __init__(self, start: int = 1, graph: int = 0):
         self._next = start
         self._ranges = 0
+        self.graph = graph
+
+    def shared(self, name: str) -> str:
+        """The shared name of a queue on a server in this graph: a process's
+        later graphs (a tuned size's or plan's) take their own, since the
+        server keeps a queue for as long as it runs and another graph's may
+        carry other components."""
+        return f"{name}@graph{self.graph}" if self.graph else name
 
     def take(self) -> int:
         self._next += 1
@@ -51,4 +59,4 @@ def graph_keys(graph: int) -> InstanceKeys:
     """The InstanceKeys of a process's graph built after `graph` others (a
     tuned size's, parallax_ng/runtime/tuning.py). A range's keys stay the
     same (one per shape)."""
-    return InstanceKeys(1 + graph % (RANGES_START // GRAPH_KEYS) * GRAPH_KEYS)
+    return InstanceKeys(1 + graph % (RANGES_START // GRAPH_KEYS) * GRAPH_KEYS, graph)

@@ -126,15 +126,15 @@ def best(candidates: list[tuple[str, object]], layout: traffic.Layout, network,
         seen[key] = label
         p = traffic.predict(plan, layout, network, index_bytes)
         total = sum(p.links.sent.values()) + sum(p.links.local.values())
-        weighed.append((p.seconds, total, len(weighed), label, plan, p))
+        weighed.append((p.seconds, total, len(weighed), label, plan, p, key))
     weighed.sort(key=lambda w: w[:3])
     winner = weighed[0]
     choice = tuple(Candidate(label, _end(layout, p),
                              *((p.nbytes, p.nbytes) if p.inside else
                                (p.links.sent.get(p.end, 0.0), p.links.received.get(p.end, 0.0))),
                              total, p.link_seconds, p.fixed_seconds, seconds,
-                             label == winner[3])
-                   for seconds, total, _, label, _, p in weighed)
+                             label == winner[3], key)
+                   for seconds, total, _, label, _, p, key in weighed)
     return replace(winner[4], choice=choice, network=network.describe())
 
 

@@ -86,7 +86,8 @@ class Candidate:
     """A plan the planner weighed by its links (parallax_ng/planning/choice.py): its
     busiest link's end and bytes per step each way, the bytes over all
     links, the seconds those bytes take and those of its rounds of
-    messages (parallax_ng/planning/traffic.py), and their sum."""
+    messages (parallax_ng/planning/traffic.py), and their sum; `methods`:
+    every variable's method, (variable, method) sorted."""
     label: str
     end: str
     sent: float
@@ -96,6 +97,7 @@ class Candidate:
     fixed_seconds: float
     seconds: float
     chosen: bool = False
+    methods: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -35,27 +35,57 @@ import sys
 import time
 from dataclasses import replace
 
-KNOBS = ("fusion.buffer_bytes", "buckets.bytes")
+from ..planning.choice import DENSE
+
+KNOBS = ("plan", "fusion.buffer_bytes", "buckets.bytes")
 FRACTIONS = (1, 2, 4, 8, 16, 32)      # sizes tried: the knob's whole gradient over these
 CONTENDERS = 1.15     # the second pass tries the sizes within this of the first's fastest
 
 
 def knobs(config) -> list[str]:
-    """The sizes `config` asks to tune."""
-    return [k for k, auto in zip(KNOBS, (config.fusion.buffer_bytes == "auto",
+    """What `config` asks to tune: the plan (`tuning.plans` > 1), then sizes."""
+    return [k for k, auto in zip(KNOBS, (config.tuning.plans > 1,
+                                         config.fusion.buffer_bytes == "auto",
                                          config.buckets.mode == "auto")) if auto]
 
 
-def configured(config, knob: str, size: int):
-    """`config` with `knob` fixed at `size` bytes."""
+def asked(config) -> str:
+    """The config keys that ask for tuning, as the user wrote them."""
+    return " and ".join({"plan": f"tuning.plans {config.tuning.plans}",
+                         "fusion.buffer_bytes": "fusion.buffer_bytes auto",
+                         "buckets.bytes": "buckets.mode auto"}[k] for k in knobs(config))
+
+
+def configured(config, knob: str, size):
+    """`config` with `knob` fixed at `size` bytes, or (knob "plan") at the
+    methods of a candidate plan, `size` a Candidate."""
+    if knob == "plan":
+        return forced(config, dict(size.methods))
     if knob == "buckets.bytes":
         return replace(config, buckets=replace(config.buckets, mode="threshold", bytes=size))
     return replace(config, fusion=replace(config.fusion, buffer_bytes=size))
 
 
+def forced(config, methods: dict):
+    """`config` naming every variable's method as `methods` has it, so the
+    planner builds that plan without weighing others (its dense method the
+    one most dense variables take: the planner reads it only in messages)."""
+    dense = [m for m in methods.values() if m in DENSE]
+    return replace(config, variable_methods={**methods, **config.variable_methods},
+                   dense_method=max(DENSE, key=dense.count) if dense else "allreduce")
+
+
+def ranked(plan, count: int) -> list:
+    """The `count` candidates of `plan`'s choice (choice.py) predicted
+    fastest, the chosen first."""
+    return sorted(plan.choice, key=lambda c: (not c.chosen, c.seconds))[:count]
+
+
 def packing(plan, knob: str) -> tuple:
     """What `knob` decides in `plan`: its buckets' variables, or its buffers'
-    segments."""
+    segments; a plan's, every variable's method."""
+    if knob == "plan":
+        return tuple(sorted((v, vp.method) for v, vp in plan.variables.items()))
     if knob == "buckets.bytes":
         return tuple(b.variables for b in plan.buckets)
     return tuple(b.segments for b in plan.buffers)
@@ -90,16 +120,22 @@ def trials(plan_of, base, now, knob: str) -> list[tuple[int, object]]:
 def candidates(plan_of, config) -> dict[str, list[tuple[int, int]]]:
     """For `parallax-ng plan`: {knob: [(size, buckets or buffers it makes)]}
     for each knob `config` tunes, the sizes training will try (the first
-    the graph's to begin with)."""
+    the graph's to begin with); for the plan, [(label, 1)]."""
     out, now = {}, plan_of(config)
     for knob in knobs(config):
+        if knob == "plan":
+            out[knob] = [(c.label, 1) for c in ranked(now, config.tuning.plans)]
+            continue
         tried = [(_size_of(config, knob), now)] + trials(plan_of, config, now, knob)
         out[knob] = [(size, len(packing(plan, knob))) for size, plan in tried]
     return out
 
 
 def named(knob: str, size, count: int) -> str:
-    """`size` of `knob` as printed: its bytes (or the default) and what it makes."""
+    """`size` of `knob` as printed: its bytes (or the default) and what it
+    makes; a plan, its label."""
+    if knob == "plan":
+        return f"'{size}'"
     what = "bucket" if knob == "buckets.bytes" else "buffer"
     return ("the default" if size in ("auto", 0) else f"{size:,} bytes") + \
         f" ({count} {what}{'s' * (count != 1)})"
@@ -128,6 +164,8 @@ class Tuner:
         self._graphs = 0                  # graphs built
         self._began = 0.0                 # when the round began
         self._counts: dict = {}           # size -> buckets or buffers it makes
+        self._first = None                # the size (plan label) the round began with
+        self._plans: dict = {}            # plan label -> its Candidate
 
     def trained(self, seconds: float, profile):
         """After a training run of `seconds`: the Program of the size to
@@ -152,7 +190,7 @@ class Tuner:
         was within CONTENDERS of the fastest's, and the size the round began
         with, which the margin compares with in each pass (worker 0's, for
         every worker)."""
-        medians, first = _medians(self._timed), _size_of(self._base(), self._knob)
+        medians, first = _medians(self._timed), self._first
         mine = [s for s, _ in tried if s == first or
                 medians[s] <= CONTENDERS * min(medians.values())] if self._worker == 0 else None
         self._kept = self._decide(mine)
@@ -164,28 +202,44 @@ class Tuner:
         self._graphs += 1
         return self._program_of(plan, self._graphs)
 
-    def _base(self):
-        """The config with the sizes chosen so far."""
+    def _base(self, but: str | None = None):
+        """The config with the plan and sizes chosen so far (`but` that knob's)."""
         config = self.config
         for knob, size in self._fixed.items():
-            config = configured(config, knob, size)
+            if knob != but:
+                config = configured(config, knob, self._plans[size] if knob == "plan" else size)
         return config
+
+    def _round(self, knob: str, profile):
+        """(the size or plan label training has, its plan, the others to try
+        with their plans)."""
+        base = self._base()
+        now = self._plan_of(base, profile)
+        if knob != "plan":
+            return _size_of(base, knob), now, trials(
+                lambda c: self._plan_of(c, profile), base, now, knob)
+        free = self._base(but="plan")
+        weighed = now if "plan" not in self._fixed else self._plan_of(free, profile)
+        tried = ranked(weighed, self.settings.plans)
+        self._plans.update((c.label, c) for c in tried)
+        first = self._fixed.get("plan", tried[0].label if tried else None)
+        return first, now, [(c.label, self._plan_of(configured(free, knob, c), profile))
+                            for c in tried if c.label != first]
 
     def _start(self, profile):
         """Begin the next knob's round; its first candidate is the size the
         graph has now (no move). After the last, watch for drift."""
         while self._rounds:
             knob = self._rounds.pop(0)
-            base = self._base()
-            now = self._plan_of(base, profile)
-            trial = trials(lambda c: self._plan_of(c, profile), base, now, knob)
-            self._counts.update((size, len(packing(plan, knob))) for size, plan in trial)
+            first, now, trial = self._round(knob, profile)
             if trial:       # two passes, the second backwards: a drift hits all alike
-                self._size, self._times, self._timed = _size_of(base, knob), [], {}
+                self._size = self._first = first
+                self._times, self._timed = [], {}
                 self._began = time.monotonic()
                 self._knob = knob
                 self._trial, self._second = list(trial), [(self._size, now)] + trial
-                self._counts[self._size] = len(packing(now, knob))
+                self._counts.update((size, len(packing(plan, knob)))
+                                    for size, plan in [(first, now)] + trial)
                 return None
         drift = self.settings.drift > 0 and self._last is not None
         self._watch = (self._last if drift else None, [])
@@ -197,7 +251,7 @@ class Tuner:
         knob, tried = self._knob, _medians(self._timed)
         mine = None
         if self._worker == 0:
-            mine, first = min(self._kept, key=lambda s: tried[s]), _size_of(self._base(), knob)
+            mine, first = min(self._kept, key=lambda s: tried[s]), self._first
             if not self._faster(mine, first, tried):
                 mine = first          # within the margin: keep what training began with
         best = self._decide(mine)
@@ -276,6 +330,7 @@ def usable(tuner: Tuner | None, why_not, worker: int) -> Tuner | None:
         return tuner
     if worker == 0:
         import warnings
-        warnings.warn(f"{' and '.join(knobs(tuner.config))} auto: sizes are not tried while "
-                      f"training ({why}); the default sizes train", stacklevel=4)
+        warnings.warn(f"{asked(tuner.config)}: plans and sizes are not tried while "
+                      f"training ({why}); the predicted plan and default sizes train",
+                      stacklevel=4)
     return None

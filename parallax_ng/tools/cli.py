@@ -193,8 +193,9 @@ def _plan(opts, graph, resources, config) -> int:
         print(json.dumps({**plan.to_dict(), "tuning": tried}, indent=1))
         return 0
     print(plan.format())
-    for knob, sizes in tried.items():  # buckets.mode / fusion.buffer_bytes auto
-        print(f"{knob} auto: sizes tried while training: " + ", ".join(
+    for knob, sizes in tried.items():  # tuning.plans, buckets.mode / fusion.buffer_bytes auto
+        print(("plans timed while training (tuning.plans): " if knob == "plan" else
+               f"{knob} auto: sizes tried while training: ") + ", ".join(
             tuning.named(knob, size, count) for size, count in sizes))
     return 0
 
