@@ -279,9 +279,10 @@ def _runner(build: Build, sessions, server):
 
 
 def _tuner(build: Build, server, rebuild):
-    """The Tuner of `buckets.mode: auto` and `fusion.buffer_bytes: auto`
-    (parallax_ng/runtime/tuning.py), or None. A job's workers plan each size
-    without their own profile (so alike) and take worker 0's choice."""
+    """The Tuner of `tuning.plans`, `buckets.mode: auto` and
+    `fusion.buffer_bytes: auto` (parallax_ng/runtime/tuning.py), or None. A
+    job's workers plan each plan and size without their own profile (so
+    alike) and take worker 0's choice."""
     from .runtime import serving, tuning
 
     config, info = build.job.config, build.job.cluster

@@ -91,11 +91,7 @@ class Runner:
         self._done = None   # in a job with servers: tell them this worker is done, once
         if program.done is not None:
             self._done = weakref.finalize(self, serving.run_done, self.session, program.done)
-            if program.servers_idle:     # idle servers would only share the CPUs
-                self._done()
-                if program.worker == 0:
-                    print("parallax_ng: the plan puts nothing on the parameter servers; "
-                          "they stop", file=sys.stderr, flush=True)
+            self._stop_idle_servers()
         self._preemption = None
         if config.checkpoint.dir:   # the last steps saved when the process ends, before
             ref = weakref.ref(self)  # the servers hear this worker is done (atexit: LIFO)
@@ -162,6 +158,7 @@ class Runner:
             moved = self._tuner.trained(time.time() - start, self.profile)
             if moved is not None:
                 self._move_to(moved, "a tuned size's graph")
+            self._stop_idle_servers()
         out, i = [], 0
         for f in wanted:
             out.append(combine(values[i:i + len(f.names)], f))
@@ -212,6 +209,18 @@ class Runner:
         if self.program.worker == 0:
             print(f"parallax_ng: saved step {step} to {path}", file=sys.stderr, flush=True)
             heartbeat.tell("saved", f"{step} {path}")
+
+    def _stop_idle_servers(self) -> None:
+        """Tell the servers this worker is done once the plan puts nothing
+        on them (idle servers would only share the CPUs) and tuning will not
+        move to a plan that does."""
+        if not (self.program.servers_idle and self._done is not None and self._done.alive) or \
+                self._tuner is not None and self._tuner.may_move_plan():
+            return
+        self._done()
+        if self.program.worker == 0:
+            print("parallax_ng: the plan puts nothing on the parameter servers; they stop",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self._timeline is not None:

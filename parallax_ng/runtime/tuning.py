@@ -1,5 +1,7 @@
-"""Tuning: all-reduce bucket and fusion-buffer sizes chosen by timing
-training steps (`buckets.mode: auto`, `fusion.buffer_bytes: auto`).
+"""Tuning: the plan (`tuning.plans`: among the planner's fastest
+predictions, planning/choice.py), all-reduce bucket and fusion-buffer sizes
+chosen by timing training steps (`buckets.mode: auto`,
+`fusion.buffer_bytes: auto`).
 
 Requires: `plan_of(config, profile)` and `program_of(plan)`, which build
 the plan and Program of a config (parallax_ng/build.py), and a Runner that
@@ -11,7 +13,9 @@ weighs on every size alike, and only over the sizes within CONTENDERS of
 the first pass's fastest and the size the round began with; fusion
 buffers first, then buckets; sizes from the knob's whole gradient down
 to a 32nd of it, and one bucket per variable; sizes that pack the
-gradients alike are tried once) and goes on with the contender whose
+gradients alike are tried once; the plan first, its candidates the
+`tuning.plans` predicted fastest, each built from a config naming every
+variable's method) and goes on with the contender whose
 timed steps of both passes had the smallest median, if that is
 `tuning.margin` below the median of the size the round began with (the
 default, or the size chosen before a drift) over both passes and in
@@ -184,6 +188,13 @@ class Tuner:
             self._size, plan = self._trial.pop(0)          # trial starts alike
             return self._build(plan)
         return self._choose(profile)
+
+    def may_move_plan(self) -> bool:
+        """Whether training may still move to another plan (one that puts
+        work on the servers, say): a plan round is due or under way, or
+        drift may start one again."""
+        return "plan" in self._rounds or self._knob == "plan" or (
+            "plan" in self._fixed and self.settings.drift > 0)
 
     def _contenders(self, tried):
         """The second pass: the first pass's sizes, backwards, whose median
