@@ -158,7 +158,6 @@ class Runner:
             moved = self._tuner.trained(time.time() - start, self.profile)
             if moved is not None:
                 self._move_to(moved, "a tuned size's graph")
-            self._stop_idle_servers()
         out, i = [], 0
         for f in wanted:
             out.append(combine(values[i:i + len(f.names)], f))
@@ -211,9 +210,11 @@ class Runner:
             heartbeat.tell("saved", f"{step} {path}")
 
     def _stop_idle_servers(self) -> None:
-        """Tell the servers this worker is done once the plan puts nothing
+        """Tell the servers this worker is done when the plan puts nothing
         on them (idle servers would only share the CPUs) and tuning will not
-        move to a plan that does."""
+        move to a plan that does. Only before the first step: where a tuned
+        plan leaves them idle they stay, as stopping servers this worker's
+        sessions have reached slowed its steps (docs/benchmarks.md)."""
         if not (self.program.servers_idle and self._done is not None and self._done.alive) or \
                 self._tuner is not None and self._tuner.may_move_plan():
             return
