@@ -143,6 +143,7 @@ class Build:
         from .planning.facts import Facts
         self.tg, self.job = tg, job
         self.info, self.facts = analyze(tg), Facts(tg)
+        self._ranges: dict = {}    # the collective key ranges its graphs took (comm/keys.py)
         self.share(shared)
 
     def share(self, shared: dict | None) -> None:
@@ -206,7 +207,8 @@ class Build:
         from .pipeline.passes import PassContext, PassManager
 
         config = self.job.config
-        ctx = PassContext(self.tg, plan, facts=self.facts, instance_keys=graph_keys(graph))
+        ctx = PassContext(self.tg, plan, facts=self.facts,
+                          instance_keys=graph_keys(graph, self._ranges))
         manager = PassManager(transforms.pipeline_for(plan), config.verify, config.dump_dir,
                               keep_graphs)
         return manager.run(self.tg.ir, ctx), ctx, manager

@@ -123,9 +123,9 @@ def test_columns_exchange_with_uneven_rows_and_widths():
                      for k, i in enumerate(distinct_ids)]
     g = tf.Graph()
     with g.as_default():
-        lookup_ops, grad_ops = tf_comm._exchange_ops(), tf_comm._exchange_ops()
-        distinct_ops = tf_comm._exchange_ops()     # one set of keys per collective
-        reuse_ops = tf_comm._exchange_ops()
+        lookup_ops, grad_ops = tf_comm._exchange_ops("lookup"), tf_comm._exchange_ops("grad")
+        distinct_ops = tf_comm._exchange_ops("distinct")     # keys of its own per collective
+        reuse_ops = tf_comm._exchange_ops("reuse")
         rows, got_v, got_i, reused_v, reused_i = [], [], [], [], []
         for k, s in enumerate(part.shards):
             with tf.device(s.device):
@@ -180,3 +180,24 @@ def test_the_hosts_collectives_take_their_own_group_and_keys_in_call_order():
     assert {op.get_attr("group_key") for op in ops} == {keys.HOSTS_GROUP}
     assert [op.get_attr("instance_key") for op in ops] == [1, 2, 1, 2]
     assert {op.get_attr("group_size") for op in ops} == {2}
+
+
+def test_a_later_graph_gives_the_same_collective_its_range_and_another_another():
+    """Key ranges (a collective whose shape changes: its key is the range's
+    first plus its size) are taken for what the collective is, across the
+    graphs of one process: TensorFlow keeps a key's shape for as long as
+    the process runs, so a tuned plan's factors must not meet the first
+    graph's all-gather under one key."""
+    from parallax_ng.comm.keys import RANGE_KEYS, RANGES_START, graph_keys
+    ranges = {}
+    first, later = graph_keys(0, ranges), graph_keys(1, ranges)
+    rows = first.take_range("all_gather emb")
+    assert rows == RANGES_START and first.take_range("all_gather emb indices") == \
+        RANGES_START + RANGE_KEYS
+    assert later.take_range("all_gather hidden/w factors") == RANGES_START + 2 * RANGE_KEYS
+    assert later.take_range("all_gather emb") == rows           # the same collective
+    assert first.take_range("all_gather emb") not in (rows, RANGES_START + RANGE_KEYS,
+                                                      RANGES_START + 2 * RANGE_KEYS)
+    assert later.take() == 1 + (1 << 20) and first.take() == 1  # single keys apart
+    assert later.shared("parallax_ng/grads/0/1") == "parallax_ng/grads/0/1@graph1"
+    assert first.shared("parallax_ng/grads/0/1") == "parallax_ng/grads/0/1"

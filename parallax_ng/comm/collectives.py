@@ -139,8 +139,9 @@ class TFCollectives:
         plan, n = self.plan, self.plan.group_size
         wire = compression.wire_for(plan, value_type)
         together = words.slices_layout(value_type, index_type, value_shape, wire)
-        keys = (None if counts else self.keys.take(), self.keys.take_range(),
-                None if together else self.keys.take_range())
+        what = f"all_gather {scope} {value_type} {value_shape} {index_type} {wire} {together}"
+        keys = (None if counts else self.keys.take(), self.keys.take_range(what),
+                None if together else self.keys.take_range(what + " indices"))
         nodes, out_v, out_i = [], [], []
         for k, device in enumerate(plan.devices):
             made, (v, i) = emit.emit_traced(
@@ -159,13 +160,14 @@ class TFCollectives:
         return server_sum(self.plan, scope, tensor, dtype, server, scale, gradient,
                           self.keys.shared)
 
-    def _exchange_ops(self):
+    def _exchange_ops(self, what: str):
         """(gather of one int32 per replica, gather of padded rows, all-to-all
         of [N, ...] blocks): collective ops under fresh keys; the shapes of
         the last two change with the longest part L, so their key is their
         range's first plus L."""
         n = self.plan.group_size
-        keys = (self.keys.take(), self.keys.take_range(), self.keys.take_range())
+        keys = (self.keys.take(), self.keys.take_range(what + " ids"),
+                self.keys.take_range(what + " exchange"))
         common = dict(group_size=n, group_key=GROUP_KEY, ordering_token=[],
                       communication_hint="auto", timeout_seconds=OP_TIMEOUT_SECONDS)
         return (lambda t: tf.raw_ops.CollectiveGatherV2(input=t, instance_key=keys[0],
@@ -176,7 +178,8 @@ class TFCollectives:
                     input=t, instance_key=keys[2] + longest, **common))
 
     def columns_lookup(self, scope, ids, handles, part, dtype, id_type, distinct=False):
-        ops, plan = self._exchange_ops(), self.plan
+        ops, plan = self._exchange_ops(f"lookup {scope} {part} {dtype} {id_type} {distinct}"), \
+            self.plan
         nodes, rows, sizes, every = _per_replica(plan, scope, [
             (lambda i, h, me=plan.replica_offset + k: lookup_columns(i, h, me, part, dtype,
                                                                      *ops, distinct),
@@ -190,8 +193,9 @@ class TFCollectives:
 
     def columns_gradient(self, scope, values, indices, part, value_type, index_type, mean,
                          gathered=None):
-        ops, plan = self._exchange_ops(), self.plan
-        wire = compression.wire_for(plan, value_type)
+        wire = compression.wire_for(self.plan, value_type)
+        ops, plan = self._exchange_ops(f"gradient {scope} {part} {value_type} {index_type} "
+                                       f"{wire} {bool(gathered)}"), self.plan
         return _per_replica(plan, scope, [
             (lambda v, i, *g, me=plan.replica_offset + k: gradient_columns(
                 v, i, me, part, mean, *ops, *g, wire=wire),

@@ -71,7 +71,7 @@ class HorovodCollectives:
         # the planner gives Horovod jobs no servers; one process sums alone
         return server_sum(self.plan, scope, tensor, dtype, server, scale, gradient)
 
-    def _exchange_ops(self):
+    def _exchange_ops(self, what: str = ""):
         hvd = _hvd()
         return (lambda t: hvd.allgather(t, name="sizes"),
                 lambda t, longest: hvd.allgather(t, name="ids"),

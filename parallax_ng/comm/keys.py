@@ -28,11 +28,17 @@ GRAPH_KEYS = 1 << 20        # single keys of one graph of a process, in turn
 class InstanceKeys:
     """Collective instance keys, unique within one transformed graph: single
     keys, and ranges of RANGE_KEYS keys for a collective whose shape changes
-    from step to step (its key is the range's first plus its size)."""
+    from step to step (its key is the range's first plus its size). A
+    range is taken for `what` the collective is (its scope and what fixes
+    its shape but the size): `ranges`, shared by the graphs of one process
+    (graph_keys), gives the same collective in a later graph the same range
+    and another collective another (TensorFlow keeps a key's shape for as
+    long as the process runs)."""
 
-    def __init__(self, start: int = 1, graph: int = 0):
+    def __init__(self, start: int = 1, graph: int = 0, ranges: dict | None = None):
         self._next = start
-        self._ranges = 0
+        self._ranges = {} if ranges is None else ranges     # what -> range index
+        self._taken: set[str] = set()                     # this graph's
         self.graph = graph
 
     def shared(self, name: str) -> str:
@@ -46,17 +52,23 @@ class InstanceKeys:
         self._next += 1
         return self._next - 1
 
-    def take_range(self) -> int:
-        first = RANGES_START + self._ranges * RANGE_KEYS
+    def take_range(self, what: str) -> int:
+        """The first key of `what`'s range (a collective this graph has
+        not taken one for)."""
+        while what in self._taken:       # two alike in one graph: each its own
+            what += "'"
+        self._taken.add(what)
+        index = self._ranges.setdefault(what, len(self._ranges))
+        first = RANGES_START + index * RANGE_KEYS
         if first + RANGE_KEYS > 2**31:
             raise GraphError(f"more than {(2**31 - RANGES_START) // RANGE_KEYS} collectives "
-                             "of changing shape (all-gathered sparse gradients) in one graph")
-        self._ranges += 1
+                             "of changing shape (all-gathered sparse gradients) in the graphs "
+                             "of one process")
         return first
 
 
-def graph_keys(graph: int) -> InstanceKeys:
+def graph_keys(graph: int, ranges: dict | None = None) -> InstanceKeys:
     """The InstanceKeys of a process's graph built after `graph` others (a
-    tuned size's, parallax_ng/runtime/tuning.py). A range's keys stay the
-    same (one per shape)."""
-    return InstanceKeys(1 + graph % (RANGES_START // GRAPH_KEYS) * GRAPH_KEYS, graph)
+    tuned size's or plan's, parallax_ng/runtime/tuning.py); `ranges`: the
+    ranges the process's graphs took (what -> index), shared."""
+    return InstanceKeys(1 + graph % (RANGES_START // GRAPH_KEYS) * GRAPH_KEYS, graph, ranges)
