@@ -181,8 +181,11 @@ def main():
                 for mode in modes:
                     every[mode].append(job(mode, args, tmp, r))
                     if args.repeats > 1:
+                        tuned = every[mode][-1].get("tuned") or {}
                         print(f"{mode:16} run {r + 1}: "
-                              f"{every[mode][-1]['steps_per_s']:.2f} steps/s", flush=True)
+                              f"{every[mode][-1]['steps_per_s']:.2f} steps/s" + "".join(
+                                  f"; tuned {k} = {v['chosen']}" for k, v in tuned.items()),
+                              flush=True)
             for mode, runs in every.items():
                 results[mode] = sorted(runs, key=lambda r: r["steps_per_s"])[len(runs) // 2]
                 print(f"{mode:16} {format_row(results[mode])}", flush=True)
