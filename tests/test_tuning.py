@@ -107,6 +107,27 @@ def test_plans_timed_while_training_keep_the_fastest_measured(capsys):
         "plan"] == [(c.label, 1) for c in top]
 
 
+def test_plan_lists_the_plans_training_will_time(tmp_path, capsys):
+    """`parallax-ng plan` with `tuning.plans: 3` on a 4-worker job prints
+    the three plans training times, the predicted fastest first."""
+    import yaml
+    from test_choice import NET, resources
+    from test_traffic import classifier
+
+    from parallax_ng.tools import cli
+    meta, cfg, res = (str(tmp_path / n) for n in ("m.meta", "c.yaml", "r.yaml"))
+    with classifier().as_default():
+        tf1.train.export_meta_graph(filename=meta)
+    config = {"network": NET, "tuning": {"plans": 3}}
+    yaml.safe_dump(config, open(cfg, "w"))
+    yaml.safe_dump(resources(4), open(res, "w"))
+    assert cli.main(["plan", meta, "-c", cfg, "-r", res]) == 0
+    line, = [x for x in capsys.readouterr().out.splitlines() if x.startswith("plans timed")]
+    top = tuning.ranked(pn.transform_plan(classifier(), resources(4), config), 3)
+    assert line == "plans timed while training (tuning.plans): " + ", ".join(
+        f"'{c.label}'" for c in top)
+
+
 def test_one_plan_is_not_tuned_and_a_plan_count_below_one_names_the_key():
     assert tuning.knobs(pn.config.load_config({"tuning": {"plans": 1}})) == []
     with pytest.raises(pn.ConfigError, match=r"'tuning.plans' must be a whole number >= 1"):
