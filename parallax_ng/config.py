@@ -77,7 +77,7 @@ class TuningConfig:
     warmup: int = 2                  # steps run first with each size, not timed
     drift: float = 0.0               # try again when the median step grows this much; 0: never
     window: int = 50                 # steps whose median the drift is checked on
-    margin: float = 0.05             # another size than the round's first must be this
+    margin: float = 0.03             # another size than the round's first must be this
                                      # much faster (trials are noisy)
     plans: int = 1                   # the planner's fastest predicted plans timed while
                                      # training (hybrid, auto); 1: its prediction trains
@@ -91,7 +91,7 @@ class TuningConfig:
         if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) \
                 or not 0 <= self.margin < 1:
             raise ConfigError("config key 'tuning.margin' must be a number from 0 up to "
-                              "below 1 (0.05: another size must be 5% faster than the "
+                              "below 1 (0.03: another size must be 3% faster than the "
                               "one training has, in both passes; 0: the fastest wins if "
                               f"no pass found it slower), not {self.margin!r}")
         if not isinstance(self.drift, (int, float)) or isinstance(self.drift, bool) \
