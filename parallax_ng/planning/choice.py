@@ -120,7 +120,7 @@ def best(candidates: list[tuple[str, object]], layout: traffic.Layout, network,
     """The fastest of `candidates` (label, Plan), carrying the predictions."""
     seen, weighed = {}, []
     for label, plan in candidates:
-        key = tuple(sorted((v, vp.method) for v, vp in plan.variables.items()))
+        key = plan.methods()
         if key in seen:       # the same methods by another road
             continue
         seen[key] = label

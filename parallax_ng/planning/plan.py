@@ -227,6 +227,11 @@ class Plan:
                 load[s.device] = load.get(s.device, 0.0) + s.size * per
         return load
 
+    def methods(self) -> tuple:
+        """Every variable's method, (variable, method) sorted: what tells
+        the plans the planner weighs apart (Candidate.methods)."""
+        return tuple(sorted((v, vp.method) for v, vp in self.variables.items()))
+
     def decisions(self) -> "Plan":
         """The plan without its measurements (sparsity, factors' rows,
         gradient order): two plans with equal decisions transform a graph

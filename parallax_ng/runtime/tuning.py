@@ -89,7 +89,7 @@ def packing(plan, knob: str) -> tuple:
     """What `knob` decides in `plan`: its buckets' variables, or its buffers'
     segments; a plan's, every variable's method."""
     if knob == "plan":
-        return tuple(sorted((v, vp.method) for v, vp in plan.variables.items()))
+        return plan.methods()
     if knob == "buckets.bytes":
         return tuple(b.variables for b in plan.buckets)
     return tuple(b.segments for b in plan.buffers)
