@@ -69,6 +69,7 @@ OFF = {"local_aggregation": False, "colocate_updates": False, "lookups_on_server
 # parameter server, then hybrid (dense by all-reduce), local aggregation,
 # the other placement rewrites, balanced fusion buffers, coalesced rows,
 # distinct lookups (the last row is hybrid's default)
+PREDICTED = {"tuning": {"plans": 1}}    # the planner's prediction trains, none timed
 ABLATION = {
     "ps-plain": {"run_option": "ps", "placement_rewrites": OFF, "coalesce_rows": False,
                  "distinct_lookups": False},
@@ -80,13 +81,13 @@ ABLATION = {
     "+placement": {"run_option": "hybrid", "dense_method": "allreduce",
                    "coalesce_rows": False, "distinct_lookups": False},
     "+fusion-buffers": {"run_option": "hybrid", "coalesce_rows": False,
-                        "distinct_lookups": False},
-    "+coalesced-rows": {"run_option": "hybrid", "distinct_lookups": False},
-    "+distinct-lookups": {"run_option": "hybrid"},
+                        "distinct_lookups": False, **PREDICTED},
+    "+coalesced-rows": {"run_option": "hybrid", "distinct_lookups": False, **PREDICTED},
+    "+distinct-lookups": {"run_option": "hybrid", **PREDICTED},
 }
 # mode -> (parallax_ng config, the resource file's `ps:`). hybrid: the
-# default (dense variables by the method the link model finds fastest), one
-# server; -allreduce: dense by all-reduce (collectives in a session run
+# default (dense variables by the method the link model finds fastest, the
+# three fastest predictions timed while training), one server; -allreduce: dense by all-reduce (collectives in a session run
 # beside the servers'); -bfb: dense by balanced fusion buffers; -per-host:
 # a server beside each worker; -no-server: none (the ring, kernels by
 # their factors where faster, sparse by all-gather). `--layout per_host` gives every mode with a
@@ -110,9 +111,11 @@ CONFIGS = {"hybrid": ({"run_option": "hybrid"}, "[127.0.0.1]"),
                    "horizontal_scheduling": True}, None),
            "auto": ({"run_option": "auto"}, None),
            "auto-ps": ({"run_option": "auto"}, "[127.0.0.1]"),   # servers to weigh too
-           # the planner's three fastest predictions timed while training (a
-           # warm-up of 300 steps or more covers the trials)
+           # the planner's three fastest predictions timed while training (the
+           # default, `tuning.plans: auto`; a warm-up of 300 steps or more
+           # covers the trials), or its prediction alone
            "hybrid-plans": ({"run_option": "hybrid", "tuning": {"plans": 3}}, "[127.0.0.1]"),
+           "hybrid-predicted": ({"run_option": "hybrid", **PREDICTED}, "[127.0.0.1]"),
            "ps": ({"run_option": "ps"}, "[127.0.0.1]"),
            "mwms": (None, None),
            "keras3": ({"run_option": "hybrid"}, "[127.0.0.1]"),

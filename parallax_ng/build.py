@@ -277,22 +277,25 @@ def _runner(build: Build, sessions, server):
         for line in program.plan.unmet():
             print(f"parallax_ng: {line}", file=sys.stderr, flush=True)
     return Runner(program, build.job.config, sessions, server=server,
-                  replan=build.plan, rebuild=rebuild, tuner=_tuner(build, server, rebuild))
+                  replan=build.plan, rebuild=rebuild,
+                  tuner=_tuner(build, server, rebuild, program.plan))
 
 
-def _tuner(build: Build, server, rebuild):
+def _tuner(build: Build, server, rebuild, plan):
     """The Tuner of `tuning.plans`, `buckets.mode: auto` and
     `fusion.buffer_bytes: auto` (parallax_ng/runtime/tuning.py), or None. A
     job's workers plan each plan and size without their own profile (so
-    alike) and take worker 0's choice."""
+    alike) and take worker 0's choice. `plan`: the one training begins
+    with (auto plans are timed where its planner weighed several)."""
     from .runtime import serving, tuning
 
-    config, info = build.job.config, build.job.cluster
+    info, asked = build.job.cluster, tuning.asked(build.job.config)
+    config = tuning.settled(build.job.config, plan)
     if not tuning.knobs(config):
         return None
     if build.job.horovod and build.job.horovod[1] > 1:
-        if build.job.horovod[0] == 0:
-            warnings.warn(f"{tuning.asked(config)}: plans and sizes are not tried under "
+        if build.job.horovod[0] == 0 and asked:
+            warnings.warn(f"{asked}: plans and sizes are not tried under "
                           "Horovod (each rank builds its own graph); the predicted plan and "
                           "default sizes train", stacklevel=4)
         return None
@@ -305,7 +308,7 @@ def _tuner(build: Build, server, rebuild):
             return mine
         return serving.share(info, server, mine, config.communication.timeout_seconds)
 
-    return tuning.Tuner(config, plan_of, rebuild, decide, info.task if info else 0)
+    return tuning.Tuner(config, plan_of, rebuild, decide, info.task if info else 0, asked)
 
 
 def measure_job(build: Build, server, profile_steps: int = 0,

@@ -79,15 +79,18 @@ class TuningConfig:
     window: int = 50                 # steps whose median the drift is checked on
     margin: float = 0.03             # another size than the round's first must be this
                                      # much faster (trials are noisy)
-    plans: int = 1                   # the planner's fastest predicted plans timed while
-                                     # training (hybrid, auto); 1: its prediction trains
+    plans: int | str = "auto"        # the planner's fastest predicted plans timed while
+                                     # training (hybrid, auto); 1: its prediction trains;
+                                     # auto: 3 where a job can move its state, else 1
 
     def __post_init__(self):
         for key, least in (("steps", 1), ("warmup", 0), ("window", 1), ("plans", 1)):
             value = getattr(self, key)
+            if key == "plans" and value == "auto":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ConfigError(f"config key 'tuning.{key}' must be a whole number >= "
-                                  f"{least}, not {value!r}")
+                                  f"{least}{' or auto' * (key == 'plans')}, not {value!r}")
         if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) \
                 or not 0 <= self.margin < 1:
             raise ConfigError("config key 'tuning.margin' must be a number from 0 up to "

@@ -128,10 +128,68 @@ def test_plan_lists_the_plans_training_will_time(tmp_path, capsys):
         f"'{c.label}'" for c in top)
 
 
+def test_plan_lists_the_plans_auto_times_by_default(tmp_path, capsys):
+    """With no `tuning.plans`, a job whose plans the planner weighs times
+    the three fastest predicted; one it does not weigh (no servers, no
+    kernels by factors) lists none."""
+    import yaml
+    from test_choice import NET, resources
+    from test_traffic import classifier
+
+    from parallax_ng.tools import cli
+    meta, cfg, res = (str(tmp_path / n) for n in ("m.meta", "c.yaml", "r.yaml"))
+    with classifier().as_default():
+        tf1.train.export_meta_graph(filename=meta)
+    yaml.safe_dump({"network": NET}, open(cfg, "w"))
+    yaml.safe_dump(resources(4), open(res, "w"))
+    assert cli.main(["plan", meta, "-c", cfg, "-r", res]) == 0
+    line, = [x for x in capsys.readouterr().out.splitlines() if x.startswith("plans timed")]
+    top = tuning.ranked(pn.transform_plan(classifier(), resources(4), {"network": NET}), 3)
+    assert len(top) == tuning.AUTO_PLANS
+    assert line == "plans timed while training (tuning.plans auto): " + ", ".join(
+        f"'{c.label}'" for c in top)
+    yaml.safe_dump({"run_option": "allreduce"}, open(cfg, "w"))
+    assert cli.main(["plan", meta, "-c", cfg, "-r", res]) == 0
+    assert "plans timed" not in capsys.readouterr().out
+
+
+def test_auto_plans_are_three_where_the_planner_weighed_several_and_never_asked_for():
+    """`tuning.plans: auto` (the default) settles on AUTO_PLANS for a job
+    whose planner weighed plans, on 1 (no plan tuning) where it weighed
+    none; a number the user set stays. Auto is not something the user
+    asked for: a step that cannot move trains its prediction silently."""
+    import warnings
+
+    from test_choice import NET, resources
+    from test_traffic import classifier
+    config = pn.config.load_config({"network": NET})
+    assert config.tuning.plans == "auto" and tuning.knobs(config) == []
+    assert tuning.asked(config) == ""
+    weighed = pn.transform_plan(classifier(), resources(4), {"network": NET})
+    assert len(weighed.choice) > 1
+    assert tuning.settled(config, weighed).tuning.plans == tuning.AUTO_PLANS
+    assert tuning.knobs(tuning.settled(config, weighed)) == ["plan"]
+    alone = pn.transform_plan(classifier(), local(2))
+    assert alone.choice == () and tuning.settled(config, alone).tuning.plans == 1
+    two = pn.config.load_config({"tuning": {"plans": 2}})
+    assert tuning.settled(two, weighed).tuning.plans == 2
+    assert tuning.asked(two) == "tuning.plans 2"
+    tuner = tuning.Tuner(tuning.settled(config, weighed), None, None, None, 0, asked="")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert tuning.usable(tuner, lambda jobs: "random ops in the step", 0) is None
+    tuner.asked = "tuning.plans 3"
+    with pytest.warns(UserWarning, match=r"tuning.plans 3: plans and sizes are not tried"):
+        assert tuning.usable(tuner, lambda jobs: "random ops in the step", 0) is None
+
+
 def test_one_plan_is_not_tuned_and_a_plan_count_below_one_names_the_key():
     assert tuning.knobs(pn.config.load_config({"tuning": {"plans": 1}})) == []
-    with pytest.raises(pn.ConfigError, match=r"'tuning.plans' must be a whole number >= 1"):
+    with pytest.raises(pn.ConfigError, match=r"'tuning.plans' must be a whole number >= 1 "
+                                             r"or auto, not 0"):
         pn.config.load_config({"tuning": {"plans": 0}})
+    with pytest.raises(pn.ConfigError, match=r"'tuning.plans' .* or auto, not 'many'"):
+        pn.config.load_config({"tuning": {"plans": "many"}})
 
 
 @pytest.mark.parametrize("margin,lands", [(0.05, 1), (0.0, 2)])
@@ -326,9 +384,10 @@ def test_a_tuned_job_equals_one_device(tmp_path, servers, args):
     assert_matches_one_device(out, 2, 2, steps=24)
 
 
-def test_a_job_timing_plans_equals_one_device(tmp_path):
-    """2 workers and a server, hybrid with `tuning.plans: 6`:
-    training moves between plans whose variables live on the server, in
+@pytest.mark.parametrize("plans,tried", [(6, 4), ("auto", tuning.AUTO_PLANS)])
+def test_a_job_timing_plans_equals_one_device(tmp_path, plans, tried):
+    """2 workers and a server, hybrid with `tuning.plans: 6` (or auto, the
+    default: the three fastest predicted): training moves between plans whose variables live on the server, in
     fusion buffers and on every worker (the checkpoint a move carries
     holds them all), every worker at the same steps; 30 steps equal one
     device (Adam, clipping, moving averages). The configured network makes
@@ -338,7 +397,7 @@ def test_a_job_timing_plans_equals_one_device(tmp_path):
 
     from test_choice import NET
     from test_cluster import assert_matches_one_device, run_job
-    config = {"network": NET, "tuning": {"plans": 6, "steps": 1, "warmup": 0}}
+    config = {"network": NET, "tuning": {"plans": plans, "steps": 1, "warmup": 0}}
     done, out, _ = run_job(tmp_path, 2, 1, "30", "--run-option", "hybrid", "--config",
                            json.dumps(config), servers=1)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -346,7 +405,7 @@ def test_a_job_timing_plans_equals_one_device(tmp_path):
                       done.stderr)
     assert len(said) == 1 and said[0][0] == "0", done.stderr[-3000:]
     assert said[0][2].startswith("'dense allreduce, sparse allgather': ")
-    assert said[0][2].count(" ms") >= 4, said      # ps, bfb and the ring, each beside ps
+    assert said[0][2].count(" ms") >= tried, said      # ps, bfb and the ring, each beside ps
     assert_matches_one_device(out, 2, 1, steps=30)
 
 

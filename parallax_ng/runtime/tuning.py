@@ -14,8 +14,9 @@ the first pass's fastest and the size the round began with; fusion
 buffers first, then buckets; sizes from the knob's whole gradient down
 to a 32nd of it, and one bucket per variable; sizes that pack the
 gradients alike are tried once; the plan first, its candidates the
-`tuning.plans` predicted fastest, each built from a config naming every
-variable's method) and goes on with the contender whose
+`tuning.plans` predicted fastest (auto, the default: AUTO_PLANS where the
+planner weighed several, `settled`), each built from a config naming
+every variable's method) and goes on with the contender whose
 timed steps of both passes had the smallest median, if that is
 `tuning.margin` below the median of the size the round began with (the
 default, or the size chosen before a drift) over both passes and in
@@ -46,15 +47,32 @@ FRACTIONS = (1, 2, 4, 8, 16, 32)      # sizes tried: the knob's whole gradient o
 CONTENDERS = 1.15     # the second pass tries the sizes within this of the first's fastest
 
 
+AUTO_PLANS = 3     # plans timed where `tuning.plans` is auto and the planner weighed more
+
+
 def knobs(config) -> list[str]:
-    """What `config` asks to tune: the plan (`tuning.plans` > 1), then sizes."""
-    return [k for k, auto in zip(KNOBS, (config.tuning.plans > 1,
+    """What `config` asks to tune: the plan (`tuning.plans` > 1; auto is
+    `settled` first), then sizes."""
+    plans = config.tuning.plans
+    return [k for k, auto in zip(KNOBS, (plans != "auto" and plans > 1,
                                          config.fusion.buffer_bytes == "auto",
                                          config.buckets.mode == "auto")) if auto]
 
 
+def settled(config, plan):
+    """`config` with `tuning.plans` a number: auto times AUTO_PLANS of the
+    plans `plan`'s planner weighed (a job's hybrid or auto, with servers or
+    kernels by their factors: planning/choice.py), or none but the
+    prediction where it weighed one."""
+    if config.tuning.plans != "auto":
+        return config
+    plans = AUTO_PLANS if len(plan.choice) > 1 else 1
+    return replace(config, tuning=replace(config.tuning, plans=plans))
+
+
 def asked(config) -> str:
-    """The config keys that ask for tuning, as the user wrote them."""
+    """The config keys that ask for tuning, as the user wrote them (auto
+    plans are not asked for)."""
     return " and ".join({"plan": f"tuning.plans {config.tuning.plans}",
                          "fusion.buffer_bytes": "fusion.buffer_bytes auto",
                          "buckets.bytes": "buckets.mode auto"}[k] for k in knobs(config))
@@ -150,8 +168,9 @@ class Tuner:
     `trained(seconds, profile)` after each training run returns the
     Program to move to, or None."""
 
-    def __init__(self, config, plan_of, program_of, decide, worker: int):
+    def __init__(self, config, plan_of, program_of, decide, worker: int, asked: str = ""):
         self.config, self.settings = config, config.tuning
+        self.asked = asked                # what the user asked for ("": tuning.plans auto)
         self._plan_of, self._program_of = plan_of, program_of
         self._decide, self._worker = decide, worker
         self.tuned: dict[str, dict] = {}
@@ -339,9 +358,9 @@ def usable(tuner: Tuner | None, why_not, worker: int) -> Tuner | None:
     why = why_not(jobs=True)
     if why is None:
         return tuner
-    if worker == 0:
+    if worker == 0 and tuner.asked:        # auto plans: the prediction trains, silently
         import warnings
-        warnings.warn(f"{asked(tuner.config)}: plans and sizes are not tried while "
+        warnings.warn(f"{tuner.asked}: plans and sizes are not tried while "
                       f"training ({why}); the predicted plan and default sizes train",
                       stacklevel=4)
     return None

@@ -182,19 +182,22 @@ def _plan(opts, graph, resources, config) -> int:
     from .. import build, transform_plan
     from ..runtime import tuning
     job = build.resolve(resources, config, planned=True)
-    if job.config.l2l.enabled or not tuning.knobs(job.config):
+    if job.config.l2l.enabled:
         plan, tried = transform_plan(graph, resources, config), {}
     else:                              # one Build planned with each size tuning tries
         from ..graph import frontend
         made = build.Build(frontend.load(graph), job)
         plan = made.plan()
-        tried = tuning.candidates(lambda c: made.configured(c).plan(), job.config)
+        config = tuning.settled(job.config, plan)
+        tried = tuning.candidates(lambda c: made.configured(c).plan(), config) \
+            if tuning.knobs(config) else {}
     if opts.json:
         print(json.dumps({**plan.to_dict(), "tuning": tried}, indent=1))
         return 0
     print(plan.format())
+    auto = " auto" if job.config.tuning.plans == "auto" else ""
     for knob, sizes in tried.items():  # tuning.plans, buckets.mode / fusion.buffer_bytes auto
-        print(("plans timed while training (tuning.plans): " if knob == "plan" else
+        print((f"plans timed while training (tuning.plans{auto}): " if knob == "plan" else
                f"{knob} auto: sizes tried while training: ") + ", ".join(
             tuning.named(knob, size, count) for size, count in sizes))
     return 0
