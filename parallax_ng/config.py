@@ -81,7 +81,8 @@ class TuningConfig:
                                      # much faster (trials are noisy)
     plans: int | str = "auto"        # the planner's fastest predicted plans timed while
                                      # training (hybrid, auto); 1: its prediction trains;
-                                     # auto: 3 where a job can move its state, else 1
+                                     # auto: 3 where the planner weighed several plans
+                                     # (runtime/tuning.py settled), else 1
 
     def __post_init__(self):
         for key, least in (("steps", 1), ("warmup", 0), ("window", 1), ("plans", 1)):
