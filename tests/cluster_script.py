@@ -32,11 +32,26 @@ parser.add_argument("--lookup", default="gather", help="gather | sparse (models.
 parser.add_argument("--static-batch", action="store_true", help="batches of a known size")
 parser.add_argument("--buffer-bytes", type=int, default=0, help="fusion buffer size")
 parser.add_argument("--config", default="{}", help="more config keys, as JSON")
+parser.add_argument("--slow-writes", type=float, default=0.0,
+                    help="worker 1 waits this many seconds for its learning rate (Adam) "
+                         "each step, so its writes land well after worker 0's run ends")
 parser.add_argument("--saver", help="a Saver in the graph: save to this path (worker 0) after "
                                     "the steps, train 2 more, restore")
 args = parser.parse_args()
 if args.v1:
     tf.compat.v1.disable_v2_behavior()
+
+SLOW = []      # worker 1's wait, once the plan says which worker this is
+
+
+def slow_adam():
+    def rate():
+        time.sleep(SLOW[0] if SLOW else 0.0)
+        return np.float32(0.01)
+    lr = tf.compat.v1.py_func(rate, [], tf.float32, stateful=True, name="slow_rate")
+    lr.set_shape([])
+    return tf.compat.v1.train.AdamOptimizer(lr)
+
 
 if args.random_init:
     g = tf.Graph()
@@ -47,7 +62,7 @@ if args.random_init:
         h = {"init": tf.compat.v1.global_variables_initializer(), "iterator_init": None,
              "train": None}
 else:
-    g, h = embedding_regression(4, args.optimizer, clip=not args.no_clip, ema=not args.no_ema,
+    g, h = embedding_regression(4, slow_adam if args.slow_writes else args.optimizer, clip=not args.no_clip, ema=not args.no_ema,
                                 partitions=args.partitions, static_batch=args.static_batch,
                                 lookup=args.lookup)
 saver = None
@@ -59,6 +74,8 @@ runner = pn.get_runner(g, None, {"run_option": args.run_option,
                                  "fusion": {"buffer_bytes": args.buffer_bytes},
                                  "communication": {"timeout_seconds": 120},
                                  **json.loads(args.config)})
+if args.slow_writes and runner.plan.worker == 1:
+    SLOW.append(args.slow_writes)
 if h["train"] is not None:
     runs = runner.session_runs(h["train"])
     print(f"worker {runner.plan.worker}: {runs} session run(s) "
@@ -94,11 +111,6 @@ if saver is not None:
     runner.run(h["train"])     # every worker: a step of the job
     runner.run(h["train"])
     runner.restore(saver, args.saver)
-    # every worker restored before any reads the others' parts of a cut table
-    open(f"{args.out}.restored.{runner.plan.worker}", "w").close()
-    while not all(os.path.exists(f"{args.out}.restored.{w}")
-                  for w in range(runner.plan.num_workers)):
-        time.sleep(0.05)
     print(f"worker {runner.plan.worker}: methods "
           f"{ {v: vp.method for v, vp in sorted(runner.plan.variables.items())} }", flush=True)
 names = variable_names(g)

@@ -14,6 +14,7 @@ from transforms.horizontal import HorizontalPass
 from transforms.initial_values import InitPass
 from transforms.local_aggregation import LocalAggregationPass
 from transforms.lookups import DistinctLookupsPass, LookupsOnServersPass
+from transforms.part_writes import PartWritesPass
 from transforms.place import PlacePass
 from transforms.prefetch import PrefetchPass
 from transforms.replicate import ReplicatePass
@@ -32,7 +33,8 @@ def pipeline_for(plan) -> list:
     distinct lookups of rows on servers, sharded variables and the step's
     split into a collective run and a server run; a table cut by columns over the replicas gets its parts after
     init, then its update split over steps where the plan prefetches it, and
-    dense updates a step later by block where it schedules them so.
+    dense updates a step later by block where it schedules them so; in a
+    job, a write of such a table's parts ends its run on every worker.
     Passes with nothing to do for this plan are left out (one replica
     needs no input sharding, state sync or initial-value copies)."""
     several, servers, rewrites = plan.group_size > 1, bool(plan.servers), plan.rewrites
@@ -47,6 +49,7 @@ def pipeline_for(plan) -> list:
               (ColumnsPass(), bool(plan.columns())),
               (PrefetchPass(), any(vp.prefetch for vp in plan.variables.values())),
               (HorizontalPass(), bool(plan.blocks)),
+              (PartWritesPass(), bool(plan.columns()) and plan.num_workers > 1),
               (ServerSyncPass(), plan.cross_worker_servers),
               (DistinctLookupsPass(), plan.distinct_lookups and bool(plan.servers)),
               (ShardVariablesPass(), bool(plan.sharded())),
@@ -57,7 +60,8 @@ def pipeline_for(plan) -> list:
 __all__ = ["AggregatePass", "ColocateUpdatesPass", "ColumnsPass", "CountedDrawsPass",
            "DistinctLookupsPass",
            "HorizontalPass",
-           "InitPass", "LocalAggregationPass", "LookupsOnServersPass", "PlacePass", "PrefetchPass",
+           "InitPass", "LocalAggregationPass", "LookupsOnServersPass", "PartWritesPass", "PlacePass",
+           "PrefetchPass",
            "ReplicatePass",
            "ServerSyncPass", "ShardInputsPass", "ShardVariablesPass", "SplitStepPass",
            "StateSyncPass", "pipeline_for"]

@@ -56,7 +56,7 @@ class SplitStepPass:
     name: str = "split_step"
     requires: tuple = ("place",)
     after: tuple = ("shard_inputs", "aggregate", "state_sync", "init", "server_sync",
-                    "shard_variables")
+                    "shard_variables", "part_writes")
 
     def run(self, ir: GraphIR, ctx):
         if not ctx.plan.schedule.split:

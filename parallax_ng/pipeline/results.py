@@ -47,9 +47,13 @@ class ColumnParts:
     worker's graph (made by `columns`; the checkpoint reads and writes
     through them). With `gather`, the backend reaches other processes by
     collectives only: `handles` are this process's parts, and the whole
-    value is their all-gather (parallax_ng/comm/horovod.py `join_columns`)."""
+    value is their all-gather (parallax_ng/comm/horovod.py `join_columns`).
+    `meet`, in a job that reads other workers' parts directly: the op every
+    worker runs after writing its parts outside the graph (a restore), so
+    none reads another's part before it is written (transforms/part_writes.py)."""
     handles: dict
     gather: bool = False
+    meet: str | None = None
 
 
 @dataclass(frozen=True)

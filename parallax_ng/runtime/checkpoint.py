@@ -21,7 +21,8 @@ into every replica's copy, every iterator and random stream (a candidate
 sampler's by calling it again as often as its counter says) (parameter-server variables
 of a multi-worker job: by the chief only). A table cut by columns over the
 replicas is saved whole (every part read, other workers' too) and each
-replica restores its own columns. A job killed after step k and started
+replica restores its own columns; then the job's workers meet
+(`ColumnParts.meet`), so no worker reads a part another has not restored. A job killed after step k and started
 again continues from the last checkpoint and ends with the variables of an
 uninterrupted run. The variable part is a plain checkpoint a single-device
 `tf.compat.v1.train.Saver` restores.
@@ -157,6 +158,9 @@ class Checkpointer:
                                           own[i * lay.copies + k]) for k in range(lay.copies)]
             restores += [graph.get_operation_by_name(c) for c in lay.clear]
             self.restore_op = tf.group(*restores, name="restore")
+            # a job's workers meet after restoring their parts of cut tables
+            self.meet = graph.get_operation_by_name(parts.meet) \
+                if parts is not None and parts.meet else None
             self._replays = [(tf.raw_ops.ReadVariableOp(
                 resource=graph.get_tensor_by_name(handle + ":0"), dtype=tf.int64),
                 graph.get_tensor_by_name(sampler + ":0"), graph.get_tensor_by_name(classes))
@@ -243,6 +247,9 @@ class Checkpointer:
         step = _step_of(path)
         mine = os.path.join(self.inputs, f"model.ckpt-{step}")
         session.run(self.restore_op, {self.prefix: path, self.input_prefix: mine})
+        if self.meet is not None:
+            session.run(self.meet, options=tf.compat.v1.RunOptions(
+                timeout_in_ms=int(self.timeout * 1000)))
         for calls, sampler, classes in self._replays:   # its stream where it was
             shape = classes.shape.as_list() if classes.shape.rank is not None else \
                 [1, sampler.op.get_attr("num_true")]
