@@ -1,47 +1,51 @@
-"""Part writes: in a job, a run that writes a table cut by columns ends
-only once every worker has made that write.
+"""Part writes: in a job, every replica counts its writes to its parts of
+tables cut by columns, so a worker can wait for the others' before it
+reads their parts.
 
 Requires: `columns` (every replica's part of such a table), after every
 pass that adds writers of the parts (`prefetch`); a multi-worker job whose
 backend reads other workers' parts directly (`reaches_parts`: TensorFlow's
 collectives; Horovod's backend all-gathers the parts in every worker's run
 instead, which orders itself).
-Why: each worker writes its own replicas' parts, and a worker's run
-otherwise ends when its own writes are done. A worker that finished first
-could then read another worker's part before that worker's write landed: a
-fetch of the whole table, a checkpoint worker 0 writes alone, the next
-step's read of the whole table (a tied layer) would see the part one
-step old, or uninitialized after the initializer's run.
+Why: each worker writes its own replicas' parts, and a worker's run ends
+when its own writes are done. A worker that finished first could then read
+another worker's part before that worker's write landed: a fetch of the
+whole table or a checkpoint worker 0 writes alone would see the part one
+step old (or uninitialized after the initializers' run). A training step
+needs no wait: it reads only its replicas' own parts, and no worker writes
+a part before every worker has entered the step (`columns`).
 Guarantees, on every local replica, for each write to the replica's parts
 that no other write to them follows (a step's last one: the update of the
 table after its slots; each initializer; a restore of a user Saver): the
-write is renamed `<name>/write`, and `<name>` becomes a NoOp that waits
-for it and for a scalar all-reduce over the job's replicas that waits for
-it too (`parallax/part_writes/<i>/replica_<k>`). Whatever ran `<name>` (the
-user's train op, the initializer's group) has then waited for that write
-on every worker; the write itself waits for nothing more. Each write's
-all-reduce has its own instance key, taken in the order of the writes'
-names with the replica left out, so every worker's graph pairs the same
-writes (every worker runs the same runs, as a synchronous job must).
-Writes made outside the graph (the runner's checkpoint restore) meet at
-`ColumnParts.meet`: an all-reduce every worker runs, as a run of its own,
-after them.
+write is renamed `<name>/write`, and `<name>` becomes a NoOp that waits for
+it and for `<name>/counted`, which adds 1 to the replica's count (an int64
+variable on its device, `parallax/part_writes/count_<job replica>`, under
+a shared name of this graph's, so other workers' graphs read it). Whatever
+ran `<name>` has counted the write; the write waits for nothing more, so
+a step costs one local add per such write. The pass publishes
+`PartsWritten` (every job replica's count, read on its device, and the
+user's ops that read a table whole); the runtime waits on them
+(parallax_ng/runtime/executor.py). Writes made outside the graph (the
+checkpoint's restore) meet at `PartsWritten.meet`: an all-reduce every
+worker runs, as a run of its own, after them.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import tensorflow as tf
 
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit, rules
 from parallax_ng.graph.ir import GraphIR, copy_node
+from parallax_ng.methods import method
 from parallax_ng.pipeline.passes import replica_of
-from parallax_ng.pipeline.results import ColumnParts
+from parallax_ng.pipeline.results import ColumnParts, PartsWritten
 
 SCOPE = "parallax/part_writes"
 MEET = f"{SCOPE}/meet"
+START = f"{SCOPE}/start"
 _REPLICA = re.compile(r"(?<=/)replica_\d+(?=/)")
 
 
@@ -52,15 +56,33 @@ class PartWritesPass:
     after: tuple = ("prefetch", "horizontal")
 
     def run(self, ir: GraphIR, ctx):
-        parts = ctx.result(ColumnParts)
-        if ctx.plan.num_workers < 2 or parts is None or parts.gather:
-            return ir, {"writes_met": 0}
-        changed, added = {}, []
-        for i, (what, writes) in enumerate(sorted(last_writes(ir, ctx, parts).items())):
-            scope = f"{SCOPE}/{i}"
-            made, met = _all_reduce(ctx, scope, [[f"^{w}/write"] for w in writes])
-            added += made
-            for w, done in zip(writes, met):
+        plan, parts = ctx.plan, ctx.result(ColumnParts)
+        if plan.num_workers < 2 or parts is None or parts.gather:
+            return ir, {"writes_counted": 0}
+        devices = [s.device for s in next(iter(plan.columns().values())).shards]
+        added, counts = [], []
+        for j, device in enumerate(devices):
+            handle = emit.node_def(f"{SCOPE}/count_{j}", "VarHandleOp", [], device,
+                                   dtype=tf.int64, container="",
+                                   shared_name=ctx.instance_keys.shared(f"{SCOPE}/count_{j}"))
+            handle.attr["shape"].shape.CopyFrom(tf.TensorShape([]).as_proto())
+            read = emit.node_def(f"{SCOPE}/read_{j}", "ReadVariableOp", [handle.name], device,
+                                 dtype=tf.int64)
+            added += [handle, read]
+            counts.append(read.name)
+        mine = plan.replica_offset
+        starts = []
+        for k in range(plan.num_replicas):
+            zero = emit.const(f"{SCOPE}/zero_{k}", 0, tf.int64, plan.devices[k])
+            added += [zero, emit.node_def(f"{SCOPE}/start_{k}", "AssignVariableOp",
+                                          [f"{SCOPE}/count_{mine + k}", zero.name],
+                                          plan.devices[k], dtype=tf.int64),
+                      emit.const(f"{SCOPE}/one_{k}", 1, tf.int64, plan.devices[k])]
+            starts.append(f"^{SCOPE}/start_{k}")
+        added.append(emit.node_def(START, "NoOp", starts, plan.devices[0]))
+        changed = {}
+        for what, writes in sorted(last_writes(ir, ctx, parts).items()):
+            for k, w in enumerate(writes):
                 old = ir.node(w)
                 if any(not x.startswith("^") and x.split(":")[0] == w
                        for c in ir.node_consumers.get(w, ()) for x in ir.node(c).input):
@@ -68,14 +90,21 @@ class PartWritesPass:
                                      "its output is read; use ps or allgather for the table")
                 write = copy_node(old)
                 write.name = f"{w}/write"
-                added.append(write)
-                changed[w] = emit.node_def(w, "NoOp", [f"^{write.name}", f"^{done}"],
+                counted = emit.node_def(f"{w}/counted", "AssignAddVariableOp",
+                                        [f"{SCOPE}/count_{mine + k}", f"{SCOPE}/one_{k}",
+                                         f"^{write.name}"], old.device, dtype=tf.int64)
+                added += [write, counted]
+                changed[w] = emit.node_def(w, "NoOp", [f"^{write.name}", f"^{counted.name}"],
                                            old.device)
-        made, met = _all_reduce(ctx, MEET, [[] for _ in range(ctx.plan.num_replicas)])
-        added += made + [emit.node_def(MEET, "NoOp", [f"^{m}" for m in met],
-                                       ctx.plan.devices[0])]
-        ctx.publish(replace(parts, meet=MEET))
-        return ir.replace(changed, added), {"writes_met": len(changed)}
+        ones = [emit.const(f"{MEET}/one_{k}", 1.0, tf.float32, d)
+                for k, d in enumerate(plan.devices)]
+        made, met = ctx.comm.all_reduce(MEET, [o.name for o in ones], tf.float32, mean=False)
+        added += ones + made + [emit.node_def(MEET, "NoOp", [f"^{m}" for m in met],
+                                              plan.devices[0])]
+        cut = [v for v, vp in plan.variables.items() if method(vp.method).columns]
+        reads = frozenset(op for v in cut for op in ctx.facts.column_uses(v).whole_reads)
+        ctx.publish(PartsWritten(tuple(counts), mine, START, reads, MEET))
+        return ir.replace(changed, added), {"writes_counted": len(changed)}
 
 
 def last_writes(ir: GraphIR, ctx, parts: ColumnParts) -> dict[str, list[str]]:
@@ -96,15 +125,3 @@ def last_writes(ir: GraphIR, ctx, parts: ColumnParts) -> dict[str, list[str]]:
         raise GraphError(f"the replicas write parts of tables cut by columns unlike each "
                          f"other: {uneven[:3]} is not on every replica")
     return out
-
-
-def _all_reduce(ctx, scope: str, controls: list[list[str]]):
-    """(nodes, one name per local replica): a scalar all-reduce over the
-    job's replicas, replica k's input waiting for `controls[k]`."""
-    ones = []
-    for k, (before, device) in enumerate(zip(controls, ctx.plan.devices)):
-        one = emit.const(f"{scope}/one_{k}", 1.0, tf.float32, device)
-        one.input.extend(before)
-        ones.append(one)
-    made, met = ctx.comm.all_reduce(scope, [o.name for o in ones], tf.float32, mean=False)
-    return ones + made, met

@@ -47,13 +47,28 @@ class ColumnParts:
     worker's graph (made by `columns`; the checkpoint reads and writes
     through them). With `gather`, the backend reaches other processes by
     collectives only: `handles` are this process's parts, and the whole
-    value is their all-gather (parallax_ng/comm/horovod.py `join_columns`).
-    `meet`, in a job that reads other workers' parts directly: the op every
-    worker runs after writing its parts outside the graph (a restore), so
-    none reads another's part before it is written (transforms/part_writes.py)."""
+    value is their all-gather (parallax_ng/comm/horovod.py `join_columns`)."""
     handles: dict
     gather: bool = False
-    meet: str | None = None
+
+
+@dataclass(frozen=True)
+class PartsWritten:
+    """In a job that reads other workers' parts of tables cut by columns
+    directly (made by `part_writes`): every replica counts its writes to
+    its parts. `counts`: an op reading each job replica's count, in job
+    order (this worker's first at `mine`); `start`: sets this worker's
+    counts to 0, once per session; `reads`: the user's ops that read such a
+    table whole, from every part. Before a run that reads them (and
+    before a checkpoint), a worker waits until no count is below its own:
+    every worker has then made the writes it made. `meet`: an all-reduce
+    every worker runs after writing its parts outside the graph (the
+    checkpoint's restore)."""
+    counts: tuple
+    mine: int
+    start: str
+    reads: frozenset
+    meet: str
 
 
 @dataclass(frozen=True)

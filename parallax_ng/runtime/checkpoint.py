@@ -22,7 +22,7 @@ sampler's by calling it again as often as its counter says) (parameter-server va
 of a multi-worker job: by the chief only). A table cut by columns over the
 replicas is saved whole (every part read, other workers' too) and each
 replica restores its own columns; then the job's workers meet
-(`ColumnParts.meet`), so no worker reads a part another has not restored. A job killed after step k and started
+(`PartsWritten.meet`), so no worker reads a part another has not restored. A job killed after step k and started
 again continues from the last checkpoint and ends with the variables of an
 uninterrupted run. The variable part is a plain checkpoint a single-device
 `tf.compat.v1.train.Saver` restores.
@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from ..compat import is_ref_dtype
 from ..errors import ParallaxError
-from ..pipeline.results import ColumnParts, CountedDraws, Deferred
+from ..pipeline.results import ColumnParts, CountedDraws, Deferred, PartsWritten
 from ..planning.placement import Columns, Sharded, part_name
 
 ITERATOR_OPS = ("IteratorV2", "OneShotIterator", "Iterator")
@@ -69,17 +69,20 @@ class Layout:
     clear: tuple = ()               # ops that drop a restored table's pending rows
     draws: tuple = ()               # (job replica, random op, its call counter's handle)
     replays: tuple = ()             # (counter's handle, sampler, classes): called again
+    meet: str | None = None         # every worker runs it after restoring its parts
 
     @classmethod
     def of(cls, ctx) -> "Layout":
         """The layout of the graph the passes made with `ctx`."""
         plan, deferred, counted = ctx.plan, ctx.result(Deferred), ctx.result(CountedDraws)
+        written = ctx.result(PartsWritten)
         return cls(ctx.tg, plan.host, plan.worker, plan.num_workers, plan.num_replicas,
                    plan.replica_offset, dict(plan.placement), frozenset(plan.shared_state()),
                    ctx.replica_name, ctx.result(ColumnParts),
                    tuple(deferred.clear) if deferred else (),
                    tuple((r, op, h) for (r, op), h in sorted(counted.calls.items()))
-                   if counted else (), tuple(counted.replays) if counted else ())
+                   if counted else (), tuple(counted.replays) if counted else (),
+                   written.meet if written else None)
 
 
 class Checkpointer:
@@ -159,8 +162,7 @@ class Checkpointer:
             restores += [graph.get_operation_by_name(c) for c in lay.clear]
             self.restore_op = tf.group(*restores, name="restore")
             # a job's workers meet after restoring their parts of cut tables
-            self.meet = graph.get_operation_by_name(parts.meet) \
-                if parts is not None and parts.meet else None
+            self.meet = graph.get_operation_by_name(lay.meet) if lay.meet else None
             self._replays = [(tf.raw_ops.ReadVariableOp(
                 resource=graph.get_tensor_by_name(handle + ":0"), dtype=tf.int64),
                 graph.get_tensor_by_name(sampler + ":0"), graph.get_tensor_by_name(classes))

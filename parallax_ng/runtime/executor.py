@@ -16,16 +16,20 @@ or trained when the training run does not hold the barrier itself
 (`ends_with_barrier`). Layer-to-layer execution's step is one run; its
 barrier is the collective that gives every worker worker 0's initial
 values (parallax_ng/l2l/runner.py). A micro-batch loop is a different list
-of session runs built on the same two calls.
+of session runs built on the same two calls. `wait_for_parts(session)`,
+in a job that reads other workers' parts of tables cut by columns
+(`PartsWritten`), returns once every replica has written its parts as
+often as this worker's (polling their counts; bounded by the run timeout).
 """
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import tensorflow as tf
 
-from ..pipeline.results import Barrier
+from ..pipeline.results import Barrier, PartsWritten
 from ..pipeline.step_parts import StepParts
 
 
@@ -39,15 +43,18 @@ class SessionRun:
 
 class Executor:
     def __init__(self, graph: tf.Graph, options=None, parts: StepParts | None = None,
-                 barrier: Barrier | None = None, worker: int = 0):
+                 barrier: Barrier | None = None, worker: int = 0,
+                 written: PartsWritten | None = None):
         self.graph = graph
         self.parts, self.barrier, self.worker = parts, barrier, worker
+        self.written = written
         self.options = options          # every run gives up after the timeout
 
     @classmethod
     def of(cls, graph: tf.Graph, ctx, options=None) -> "Executor":
         """The executor of a graph the passes made (their StepParts and Barrier)."""
-        return cls(graph, options, ctx.result(StepParts), ctx.result(Barrier), ctx.plan.worker)
+        return cls(graph, options, ctx.result(StepParts), ctx.result(Barrier), ctx.plan.worker,
+                   ctx.result(PartsWritten))
 
     def runs(self, names: list) -> list[SessionRun]:
         if self.parts is None:
@@ -125,6 +132,44 @@ class Executor:
         if self.barrier is not None:
             op = self.graph.get_operation_by_name(self.barrier.op(self.worker))
             session.run(op, options=self.options)
+
+    def wait_for_parts(self, session) -> None:
+        """Until no replica of the job has written its parts fewer times
+        than this worker's (a count not yet made is 0). Between this
+        worker's runs no other worker can write ahead: its next step's
+        writes wait for this worker's collectives."""
+        if self.written is None:
+            return
+        timeout = self.options.timeout_in_ms / 1000 if self.options is not None and \
+            self.options.timeout_in_ms else 300.0
+        deadline, pause = time.monotonic() + timeout, 0.0005
+        while True:
+            counts = self._counts(session)
+            mine = counts[self.written.mine]
+            behind = [j for j, c in enumerate(counts) if c < mine]
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise tf.errors.DeadlineExceededError(
+                    None, None, f"worker {self.worker} waited {timeout:g} s for replica "
+                    f"{behind[0]} of the job to write its part of a table cut by columns "
+                    f"({counts[behind[0]]} writes against this worker's {mine}); is that "
+                    "worker running the same runs?")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+
+    def _counts(self, session) -> list[int]:
+        reads = [self.graph.get_tensor_by_name(f"{r}:0") for r in self.written.counts]
+        try:
+            return [int(c) for c in session.run(reads, options=self.options)]
+        except tf.errors.FailedPreconditionError:   # a worker's session is not up yet
+            out = []
+            for r in reads:
+                try:
+                    out.append(int(session.run(r, options=self.options)))
+                except tf.errors.FailedPreconditionError:
+                    out.append(0)
+            return out
 
 
 def _node(name) -> str:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import tensorflow as tf
 
 from ..graph.queues import QueueThreads
-from ..pipeline.results import CountedDraws, Deferred
+from ..pipeline.results import CountedDraws, Deferred, PartsWritten
 from .checkpoint import Checkpointer, Layout
 from .executor import Executor
 from .fetches import FetchMap, ReplicaFetchMap
@@ -91,6 +91,7 @@ def transformed(ir, ctx, config, records=(), server: bool = False) -> Program:
                               [ctx.replica_name(k, "").rstrip("/")
                                for k in range(plan.num_replicas)])
     deferred, counted = ctx.result(Deferred), ctx.result(CountedDraws)
+    written = ctx.result(PartsWritten)
     done = None
     if server and plan.servers:
         done = done_ops(graph, list(plan.servers), plan.num_workers, plan.worker)
@@ -98,4 +99,5 @@ def transformed(ir, ctx, config, records=(), server: bool = False) -> Program:
                    Executor.of(graph, ctx, options), options, checkpoints, plan.worker,
                    queues, list(deferred.flush) if deferred else [], done,
                    done is not None and not plan.uses_servers, ctx, list(records),
-                   list(counted.start) if counted else [])
+                   (list(counted.start) if counted else []) +
+                   ([written.start] if written else []))

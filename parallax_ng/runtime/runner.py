@@ -124,9 +124,11 @@ class Runner:
         names = [n for f in wanted for n in f.names]
         feeds = self.fetches.feeds(feed_dict)
         fetched = tuple(f.user for f in wanted)
-        _, trained, reads_queue = self._kind(fetched)
+        _, trained, reads_queue, reads_parts = self._kind(fetched)
         if not trained:
             self._apply_pending()
+            if reads_parts:
+                self.executor.wait_for_parts(self.session)
         profiling = trained and self.ctx is not None and \
             self._profiled < self.config.profile.steps
         probe = self._probe() if profiling else {}
@@ -175,7 +177,7 @@ class Runner:
         (a job step's collectives beside its server work), and the job's
         barrier where it is a run of its own."""
         wanted = [self.fetches.fetch(leaf, False) for leaf in tf.nest.flatten(fetches)]
-        initialized, trained, _ = self._kind(tuple(f.user for f in wanted))
+        initialized, trained, *_ = self._kind(tuple(f.user for f in wanted))
         runs = len(self.executor.runs([n for f in wanted for n in f.names]))
         return runs + int(self.executor.ends_with_barrier(initialized, trained))
 
@@ -203,6 +205,7 @@ class Runner:
 
     def _save(self, step: int) -> None:
         self._apply_pending()
+        self.executor.wait_for_parts(self.session)
         path = self._checkpoints.save(self.session, step)
         self._saved = step
         if self.program.worker == 0:
@@ -323,6 +326,7 @@ class Runner:
         they are). If that fails, training goes on where it was (with the
         measured plan; `what` the tuner's graph: no more tuning)."""
         self._apply_pending()
+        self.executor.wait_for_parts(self.session)
         before = dict(self.__dict__)
         with tempfile.TemporaryDirectory() as tmp:
             path = Checkpointer(self.graph, moves.layout(self.ctx), tmp).save(self.session, 0)
@@ -359,7 +363,7 @@ class Runner:
         (multi-worker jobs with parameter servers); save every
         `checkpoint.every_steps` training steps (the global step if the graph
         has one, else runs that trained)."""
-        initialized, trained, _ = self._kind(fetched)
+        initialized, trained, *_ = self._kind(fetched)
         if initialized and not self._restored and self._checkpoints is not None:
             self._restored = True
             latest = self._checkpoints.latest()
@@ -396,9 +400,9 @@ class Runner:
               file=sys.stderr, flush=True)
         preemption.end()
 
-    def _kind(self, fetched: tuple) -> tuple[bool, bool, bool]:
-        """(initializes variables, trains, reads an input queue) for a run of
-        the user ops `fetched`."""
+    def _kind(self, fetched: tuple) -> tuple[bool, bool, bool, bool]:
+        """(initializes variables, trains, reads an input queue, reads a
+        table cut by columns whole) for a run of the user ops `fetched`."""
         if fetched not in self._kinds:
             tg = self.program.tg
             known = [f for f in fetched if f in tg.ir]
@@ -410,8 +414,10 @@ class Runner:
                     [t.op.name for t in op.inputs] + [c.name for c in op.control_inputs])
             inits = {v.initializer for v in tg.variables.values() if v.initializer}
             reads_queue = any(tg.ir.node(a).op.startswith(READ_PREFIXES) for a in ancestors)
+            written = self.executor.written
             self._kinds[fetched] = (bool(ancestors & inits),
-                                    bool(ancestors & self._training_writers), reads_queue)
+                                    bool(ancestors & self._training_writers), reads_queue,
+                                    written is not None and bool(ancestors & written.reads))
         return self._kinds[fetched]
 
     @cached_property
