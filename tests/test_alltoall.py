@@ -125,12 +125,14 @@ def test_a_saver_in_the_graph_keeps_alltoall_and_round_trips():
 
 def test_a_saver_in_a_two_worker_job_keeps_alltoall(tmp_path):
     """Worker 0 saves after 10 steps (the other workers' columns read from
-    them, no collectives in that run), both train 2 more and restore: every
+    them, no collectives in that run; worker 1's writes land 0.2 s late, so
+    the save waits for them), both train 2 more and restore: every
     replica's variables equal one device after 10 steps."""
     import tensorflow as tf
     path = str(tmp_path / "model")
     done, out, _ = run_job(tmp_path, 2, 1, "10", "--run-option", "allreduce", "--config",
-                           '{"sparse_method": "alltoall"}', "--saver", path)
+                           '{"sparse_method": "alltoall"}', "--saver", path,
+                           "--slow-writes", "0.2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("'emb': 'alltoall'") == 2, done.stdout
     assert_matches_one_device(out, 2, 1)

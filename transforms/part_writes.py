@@ -5,7 +5,8 @@ reads their parts.
 Requires: `columns` (every replica's part of such a table), after every
 pass that adds writers of the parts (`prefetch`); a multi-worker job whose
 backend reads other workers' parts directly (`reaches_parts`: TensorFlow's
-collectives; Horovod's backend all-gathers the parts in every worker's run
+collectives; a backend that reaches other processes only by collectives
+all-gathers the parts in every worker's run
 instead, which orders itself).
 Why: each worker writes its own replicas' parts, and a worker's run ends
 when its own writes are done. A worker that finished first could then read
@@ -24,7 +25,7 @@ a shared name of this graph's, so other workers' graphs read it). Whatever
 ran `<name>` has counted the write; the write waits for nothing more, so
 a step costs one local add per such write. The pass publishes
 `PartsWritten` (every job replica's count, read on its device, and the
-user's ops that read a table whole); the runtime waits on them
+variables cut so); the runtime waits on them
 (parallax_ng/runtime/executor.py). Writes made outside the graph (the
 checkpoint's restore) meet at `PartsWritten.meet`: an all-reduce every
 worker runs, as a run of its own, after them.
@@ -39,7 +40,6 @@ import tensorflow as tf
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit, rules
 from parallax_ng.graph.ir import GraphIR, copy_node
-from parallax_ng.methods import method
 from parallax_ng.pipeline.passes import replica_of
 from parallax_ng.pipeline.results import ColumnParts, PartsWritten
 
@@ -101,9 +101,7 @@ class PartWritesPass:
         made, met = ctx.comm.all_reduce(MEET, [o.name for o in ones], tf.float32, mean=False)
         added += ones + made + [emit.node_def(MEET, "NoOp", [f"^{m}" for m in met],
                                               plan.devices[0])]
-        cut = [v for v, vp in plan.variables.items() if method(vp.method).columns]
-        reads = frozenset(op for v in cut for op in ctx.facts.column_uses(v).whole_reads)
-        ctx.publish(PartsWritten(tuple(counts), mine, START, reads, MEET))
+        ctx.publish(PartsWritten(tuple(counts), mine, START, frozenset(parts.handles), MEET))
         return ir.replace(changed, added), {"writes_counted": len(changed)}
 
 

@@ -58,9 +58,9 @@ class PartsWritten:
     directly (made by `part_writes`): every replica counts its writes to
     its parts. `counts`: an op reading each job replica's count, in job
     order (this worker's first at `mine`); `start`: sets this worker's
-    counts to 0, once per session; `reads`: the user's ops that read such a
-    table whole, from every part. Before a run that reads them (and
-    before a checkpoint), a worker waits until no count is below its own:
+    counts to 0, once per session; `reads`: the variables (and slots) cut
+    so. Before a run other than a training step that reaches one (a
+    fetch, a Saver; and before a checkpoint), a worker waits until no count is below its own:
     every worker has then made the writes it made. `meet`: an all-reduce
     every worker runs after writing its parts outside the graph (the
     checkpoint's restore)."""

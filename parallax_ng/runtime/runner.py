@@ -401,8 +401,8 @@ class Runner:
         preemption.end()
 
     def _kind(self, fetched: tuple) -> tuple[bool, bool, bool, bool]:
-        """(initializes variables, trains, reads an input queue, reads a
-        table cut by columns whole) for a run of the user ops `fetched`."""
+        """(initializes variables, trains, reads an input queue, reaches a
+        variable cut by columns) for a run of the user ops `fetched`."""
         if fetched not in self._kinds:
             tg = self.program.tg
             known = [f for f in fetched if f in tg.ir]
