@@ -3,6 +3,7 @@ collectives across processes, started and stopped by `parallax-ng run`."""
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -389,14 +390,17 @@ def test_an_embedding_split_by_rows_over_two_servers(tmp_path, run_option):
 def test_a_server_task_ends_when_its_workers_are_done(tmp_path):
     """As under an orchestrator: every task runs the script with TF_CONFIG;
     the server task's get_runner serves until both workers are done, then
-    its process ends with 0 by itself. (Each task's stderr goes to a file:
+    its process ends with 0 by itself. (Each task's output goes to a file:
     a pipe nobody reads while the test waits would block a task that logs
-    much, and the test would hang instead of failing.)"""
+    much, and the test would hang instead of failing. A task still running
+    at the deadline gets SIGABRT first, so its log ends with every
+    thread's Python stack: where it hung.)"""
     ports = [launch._with_port("127.0.0.1") for _ in range(3)]
     cluster_spec = {"worker": ports[:2], "ps": ports[2:]}
     tasks = [("worker", 0), ("worker", 1), ("ps", 0)]
     procs, logs = [], [tmp_path / f"{kind}{index}.log" for kind, index in tasks]
-    env = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2")
+    env = dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONFAULTHANDLER="1")
     env.pop(cluster.ENV, None)
     try:
         for (kind, index), log in zip(tasks, logs):
@@ -405,7 +409,7 @@ def test_a_server_task_ends_when_its_workers_are_done(tmp_path):
             with open(log, "w") as err:
                 procs.append(subprocess.Popen(
                     [sys.executable, SCRIPT, str(tmp_path / "vars"), "5", "--run-option",
-                     "hybrid"], env=task_env, stdout=subprocess.DEVNULL, stderr=err, text=True))
+                     "hybrid"], env=task_env, stdout=err, stderr=err, text=True))
         deadline = time.monotonic() + 180
         for p in procs:
             try:
@@ -416,9 +420,13 @@ def test_a_server_task_ends_when_its_workers_are_done(tmp_path):
     finally:
         for p in procs:
             if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-    assert codes == [0, 0, 0], (codes, ports, [log.read_text()[-2000:] for log in logs])
+                p.send_signal(signal.SIGABRT)
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=30)
+    assert codes == [0, 0, 0], (codes, ports, [log.read_text()[-4000:] for log in logs])
 
 
 def test_a_waiting_server_logs_nothing_with_tensorflow_s_default_logging(tmp_path):
