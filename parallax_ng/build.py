@@ -314,11 +314,13 @@ def _tuner(build: Build, server, rebuild, plan):
 def measure_job(build: Build, server, profile_steps: int = 0,
                 sample: Sample | None = None) -> dict | None:
     """In a job whose dense gradients go through fusion buffers or mgwfbp
-    buckets, or whose plans hybrid or auto weigh (by the rows a step
-    touches and the network, planning/choice.py): what worker 0's first
+    buckets, whose plans hybrid or auto weigh (by the rows a step
+    touches and the network, planning/choice.py), or that cuts a table
+    into row ranges (cut where the rows a step touches split evenly,
+    planner.balance): what worker 0's first
     step measured before the graph is built (planning/profile.py
     first_step_profile: the order and times the gradients became ready,
-    the rows they touched), and, when mgwfbp has no a and b or the plans
+    how many rows they touched and which), and, when mgwfbp has no a and b or the plans
     are weighed without a configured network, the all-reduce benchmark and
     the server round trip every worker runs together
     (planning/costfit.py); worker 0's results are given once to every
@@ -341,7 +343,8 @@ def measure_job(build: Build, server, profile_steps: int = 0,
         method(vp.method).all_reduced for vp in plan.variables.values())
     weighs = config.run_option == "auto" or \
         choice.weighs(config, len(info.workers), info.ps, build.info)
-    if not plan.buffers and not mgwfbp and not weighs and not profile_steps:
+    cut = any(p.axis == 0 for p in plan.sharded().values())   # row ranges: by rows touched
+    if not plan.buffers and not mgwfbp and not weighs and not cut and not profile_steps:
         return None
     timeout = config.communication.timeout_seconds
     fit = None
@@ -361,8 +364,8 @@ def measure_job(build: Build, server, profile_steps: int = 0,
     feeds = {}
     if sample is not None:
         feeds = {**first_part(sample.batch, plan.group_size), **sample.fixed}
-    profile, why = first_step_profile(tg, timeout, steps, feeds) if steps else (
-        None, "profile.steps is 0")
+    profile, why = first_step_profile(tg, timeout, steps, feeds, len(plan.devices)) \
+        if steps else (None, "profile.steps is 0")
     mine = None
     if info.task == 0:
         mine = {"order": list(profile.order) if profile else [],
@@ -372,6 +375,7 @@ def measure_job(build: Build, server, profile_steps: int = 0,
                 "session_run": trip[1],
                 "rows": dict(profile.rows) if profile else {},
                 "factor_rows": dict(profile.factor_rows) if profile else {}, "flops": flops,
+                "touched": {v: list(t) for v, t in profile.touched.items()} if profile else {},
                 "source": "measured in worker 0's first step" if profile else
                           f"the graph's order: not measured, {why}"}
     return serving.share(info, server, mine, timeout)
@@ -387,4 +391,5 @@ def job_profile(shared: dict):
     return Profile(1, dict(shared.get("rows", {})), dict(shared.get("ready", {})),
                    shared.get("forward_time", 0.0), Fit.from_dict(fit) if fit else None,
                    shared.get("round_trip"), shared.get("session_run"),
-                   dict(shared.get("factor_rows", {})), shared.get("flops"))
+                   dict(shared.get("factor_rows", {})), shared.get("flops"),
+                   {v: tuple(t) for v, t in shared.get("touched", {}).items()})

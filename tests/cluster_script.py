@@ -90,6 +90,9 @@ if runner.plan.buffers:
 if runner.plan.blocks:
     print(f"worker {runner.plan.worker}: blocks {[list(b) for b in runner.plan.blocks]}",
           flush=True)
+cut = runner.plan.sharded().get("emb")
+if cut is not None and cut.axis == 0:
+    print(f"worker {runner.plan.worker}: emb cut {cut.describe()}", flush=True)
 ahead = sorted(v for v, vp in runner.plan.variables.items() if vp.prefetch)
 if ahead:
     print(f"worker {runner.plan.worker}: prefetch {ahead}", flush=True)

@@ -226,6 +226,11 @@ def test_the_first_step_is_measured_in_a_session_of_its_own():
     assert why == "" and sorted(order) == sorted(tg.gradients)
     assert order.index("out/v") < order.index("dense/w")   # backward: output layer first
     assert 0 < profile.forward_time <= min(profile.ready.values())
+    # which rows a worker's steps touch: 8 steps of 2 replicas, each step's distinct rows
+    touched = first_step_profile(tg, 60, replicas=2)[0].touched
+    assert set(touched) == {"emb"} and list(touched["emb"]) == sorted(touched["emb"])
+    assert 2 * 4 * 3 < len(touched["emb"]) <= 8 * 2 * 4 * 3     # 4 examples x 3 ids a run
+    assert all(0 <= i < 40 for i in touched["emb"])
     profile, why = first_step_profile(frontend.load(tiny_graph()), 60)
     assert profile is None and "fed placeholders (x)" in why
 

@@ -43,6 +43,18 @@ def test_the_embedding_and_its_slots_are_cut_into_one_range_per_server():
     tf.graph_util.import_graph_def(ir.graph_def, name="")   # TensorFlow accepts it
 
 
+def test_a_measured_sample_of_rows_touched_cuts_the_ranges_where_it_splits_evenly():
+    """What worker 0's first steps touched (planning/profile.py) sets the
+    cut: rows 0..9 touched three times as often as the rest."""
+    from parallax_ng.planning.planner import balance
+    tg = frontend.load(embedding_regression(4, "adam")[0])
+    touched = sorted([r for r in range(10) for _ in range(3)] + list(range(10, 40)))
+    placement = balance(tg, ["emb", "dense/w"], PS, ["emb"], {"emb": touched})
+    assert placement["emb"] == Sharded(0, (Shard(PS[0], 0, 10), Shard(PS[1], 10, 30)))
+    assert placement["emb/Adam"] == placement["emb"]
+    assert balance(tg, ["emb"], PS, ["emb"])["emb"] == Sharded.even(0, 40, PS)
+
+
 def test_small_variables_and_single_servers_stay_whole():
     g, _ = embedding_regression(4, "adam", clip=True)
     _, ctx = cluster_transform(g, worker=0, servers=1)

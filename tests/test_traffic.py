@@ -181,3 +181,24 @@ def test_on_one_host_a_round_trip_to_s_servers_costs_s_times_the_measured_one():
     single, layout = plan_of(4, dense_method="bfb")
     assert traffic.predict(single, Layout.local(4, 1), net).fixed_seconds == pytest.approx(
         traffic.predict(single, layout, net).fixed_seconds)
+
+
+def test_row_ranges_carry_the_share_of_the_rows_a_step_touched():
+    """A server per host: the embedding cut into two row ranges. Without a
+    measured sample each range carries half the rows; with one (every
+    touched row in the first range) the first server carries them all."""
+    from dataclasses import replace
+
+    from parallax_ng.planning.placement import Sharded
+    plan, _ = plan_of(2, "per_host", dense_method="bfb", sparse_method="ps")
+    assert isinstance(plan.placement["emb"], Sharded)
+    rows, row, idx = {"emb": 100.0}, WIDTH * 4, 4
+
+    def to_servers(p):
+        return [sum(b for s, d, b, what in traffic.flows(p, {"emb": idx}, rows)
+                    if (s, d, what) == ("worker 0", f"ps {j}", "emb")) for j in (0, 1)]
+    assert to_servers(plan) == pytest.approx([50 * (row + 2 * idx)] * 2)
+    vp = plan.variables["emb"]
+    head = replace(plan, variables={**plan.variables, "emb": replace(
+        vp, info=replace(vp.info, touched=tuple(range(100))))})
+    assert to_servers(head) == pytest.approx([100 * (row + 2 * idx), 0.0])

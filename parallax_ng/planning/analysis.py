@@ -3,7 +3,7 @@
 Requires: a TrainingGraph. Guarantees: shape, dtype, bytes, dense/sparse
 (sparse when the gradient is an IndexedSlices), the fraction of rows touched
 per step (alpha: estimated from static shapes, replaced by a measurement when
-the runner has seen a step), and the variable's position in the forward pass
+the runner has seen a step; then also which rows, `touched`), and the variable's position in the forward pass
 (layer order, used for fusion order later).
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ class VariableInfo:
     order: int                # depth where the variable first meets the batch
     factors: tuple | None = None  # (rows or None, width) of the MatMul factors (dense)
     known: bool = True        # the shape is fully defined: it can be packed flat
+    touched: tuple = ()       # sorted sample of the distinct rows a worker's step touched
 
     @property
     def weighable_factors(self) -> bool:

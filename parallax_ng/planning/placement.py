@@ -77,6 +77,59 @@ class Sharded:
         return cls(axis, tuple(Shard(d, bounds[k], bounds[k + 1] - bounds[k])
                                for k, d in enumerate(devices) if bounds[k + 1] > bounds[k]))
 
+    @classmethod
+    def by_rows_touched(cls, length: int, devices, touched, widest: float = 3.0
+                        ) -> "Sharded":
+        """`length` rows cut into one range per device so that the busiest
+        range holds as few of `touched` (a sorted sample of the rows steps
+        touch, a row as often as steps touched it) as it can, no range
+        holding more than `widest` times an even share of the rows (a
+        server's memory); even when `touched` is empty or that cannot help.
+        Binary search over the busiest range's count, each range taken as
+        long as the count and the width allow, left to right. (Zipf ids
+        crowd the first rows: even ranges would send most of a step's rows
+        to the first server.)"""
+        import bisect
+
+        n = len(devices)
+        ids = [i for i in touched if 0 <= i < length]
+        cap = max(1, int(widest * length / n))
+        if n < 2 or not ids or cap * n < length:
+            return cls.even(0, length, devices)
+
+        def cut(most: int) -> list[int] | None:
+            bounds = [0]
+            for _ in range(n - 1):
+                start = bounds[-1]
+                first = bisect.bisect_left(ids, start)
+                end = ids[first + most] if first + most < len(ids) else length
+                end = min(end, start + cap, length - (n - len(bounds)))
+                if end <= start:
+                    return None
+                bounds.append(end)
+            return bounds + [length] if length - bounds[-1] <= cap and \
+                len(ids) - bisect.bisect_left(ids, bounds[-1]) <= most else None
+
+        low, high = 1, len(ids)          # the fewest touched rows the busiest range can hold
+        while low < high:
+            mid = (low + high) // 2
+            low, high = (low, mid) if cut(mid) else (mid + 1, high)
+        bounds = cut(low)
+        if bounds is None:
+            return cls.even(0, length, devices)
+        return cls(0, tuple(Shard(d, bounds[k], bounds[k + 1] - bounds[k])
+                            for k, d in enumerate(devices)))
+
+    def shares(self, touched=()) -> list[float]:
+        """Each shard's share of a step's rows: of the sorted sample
+        `touched` when given (the rows it holds), else of the variable's."""
+        import bisect
+        ids = list(touched)
+        if self.axis != 0 or not ids:
+            return [s.size / self.length for s in self.shards]
+        return [(bisect.bisect_left(ids, s.start + s.size) - bisect.bisect_left(ids, s.start))
+                / len(ids) for s in self.shards]
+
 
 @dataclass(frozen=True)
 class Columns:

@@ -117,7 +117,7 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
                  for name, vp in variables.items()}
     _check_servers(tg, roots + fused, config, num_workers, servers)
     placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
-                            config.ps_placement)
+                            config.ps_placement, {v: vi.touched for v, vi in info.items()})
     placement.update(by_columns(facts, [v for v, vp in variables.items()
                                      if method(vp.method).columns],
                                 job_devices(devices, num_workers, worker), num_workers,
@@ -301,15 +301,16 @@ def _check_servers(tg, roots, config, num_workers, servers) -> None:
 
 # -- 3. device map ------------------------------------------------------------------
 def map_devices(tg: TrainingGraph, roots: list[str], host: str, servers=(),
-                how: str = "greedy") -> dict:
+                how: str = "greedy", touched: dict | None = None) -> dict:
     """A Placement for every variable: the state of `roots` on the host, or
-    over `servers` (`how`: greedy by bytes, or round_robin); the rest mirrored."""
+    over `servers` (`how`: greedy by bytes, or round_robin; `touched`, see
+    `balance`); the rest mirrored."""
     placement = {name: MIRRORED for name in tg.variables}
     if servers and how == "round_robin":
         placement.update(round_robin(tg, roots, list(servers)))
     elif servers:
         sparse = [v for v in roots if v in tg.gradients and tg.gradients[v].sparse]
-        placement.update(balance(tg, roots, list(servers), sparse))
+        placement.update(balance(tg, roots, list(servers), sparse, touched or {}))
     else:
         placement.update({s: Shared(host) for r in roots for s in tg.owned(r)})
     return placement
@@ -339,7 +340,8 @@ def by_columns(facts: Facts, cut: list[str], devices: list[str],
     TensorFlow's runtime, a Saver's save: a run of its own that reads the
     other workers' parts without collectives) is fine."""
     tg, out = facts.tg, {}
-    alone = _saves(tg) if backend == "tf" else set()
+    alone = {n.name for n in tg.ir.nodes if n.op in rules.EXTERNAL_EFFECT_OPS and
+             n.op.startswith("Save")} if backend == "tf" else set()   # a Saver's SaveV2
     for var in sorted(cut):
         if var in tg.rows_alike:
             raise ConfigError(f"the gradient of {var!r} has the same rows on every replica "
@@ -365,14 +367,8 @@ def by_columns(facts: Facts, cut: list[str], devices: list[str],
     return out
 
 
-def _saves(tg: TrainingGraph) -> set[str]:
-    """The graph's checkpoint writers (a Saver's SaveV2)."""
-    return {n.name for n in tg.ir.nodes if n.op in rules.EXTERNAL_EFFECT_OPS and
-            n.op.startswith("Save")}
-
-
 def balance(tg: TrainingGraph, shared: list[str], servers: list[str],
-            sparse: list[str] = ()) -> dict:
+            sparse: list[str] = (), touched: dict | None = None) -> dict:
     """Each shared variable (with the state it owns) on one server, spread
     evenly by bytes: largest first, each to the least-loaded server; ties go
     to the lower index, so every worker computes the same map.
@@ -380,7 +376,10 @@ def balance(tg: TrainingGraph, shared: list[str], servers: list[str],
     A sparse variable bigger than a server's fair share (total / servers),
     whose every use can be cut by rows (`shardable`), is sharded into one
     row range per server first, with each of its same-shape slots; its other
-    state and its gradient's aggregation stay with the first range.
+    state and its gradient's aggregation stay with the first range. Its
+    ranges hold equal shares of the rows a step touched (`touched`, as
+    measured: Sharded.by_rows_touched), else of its rows; a server's load
+    counts its range's share of the traffic.
     """
     size = {v: sum(tg.variables[s].nbytes for s in tg.owned(v)) for v in shared}
     load = [0] * len(servers)
@@ -390,12 +389,12 @@ def balance(tg: TrainingGraph, shared: list[str], servers: list[str],
         state = shardable(tg, var, 0) if len(servers) > 1 and size[var] > fair else None
         if not state:
             continue
-        rows = tg.variables[var].shape[0]
-        sharded = Sharded.even(0, rows, servers)
+        sample = (touched or {}).get(var, ())
+        sharded = Sharded.by_rows_touched(tg.variables[var].shape[0], servers, sample)
         for s in tg.owned(var):
             out[s] = sharded if s in state else Shared(sharded.home)
-        for k, shard in enumerate(sharded.shards):
-            load[k] += size[var] * shard.size // rows
+        for k, share in enumerate(sharded.shares(sample)):
+            load[k] += size[var] * share
     for var in sorted(shared, key=lambda v: (-size[v], v)):
         if var in out:
             continue

@@ -3,7 +3,8 @@
 Requires: the runner's first training runs, traced (RunOptions FULL_TRACE),
 with replica 0's sparse gradient indices fetched along.
 Guarantees: a `Profile` per run and merged over runs: per trained variable
-the distinct rows its gradient touched (sparse variables) and when its
+the distinct rows its gradient touched (sparse variables: how many, and a
+sorted sample of which a worker's steps touch, `touched`) and when its
 gradient became ready (seconds from the step's first op, replica 0); the
 forward time (until the first autodiff op started); and layers: variables
 whose gradients became ready within `TOGETHER` of each other, in backward
@@ -24,6 +25,18 @@ from .analysis import analyze, forward_depths, unknown_rows
 from .costfit import Fit
 
 TOGETHER = 1e-4      # seconds: gradients ready this close belong to one layer
+SAMPLE = 1024        # rows touched kept per variable (evenly spaced in sorted order)
+TOUCH_STEPS = 8      # worker steps whose distinct rows make the sample
+
+
+def sample(ids) -> tuple:
+    """At most SAMPLE of `ids` (several steps' distinct rows put together,
+    so a row touched in every step counts that often), sorted, evenly
+    spaced in order: how densely a step touches each range of rows."""
+    ids = np.sort(np.asarray(ids, np.int64))
+    if len(ids) > SAMPLE:
+        ids = ids[np.linspace(0, len(ids) - 1, SAMPLE).round().astype(np.int64)]
+    return tuple(int(i) for i in ids)
 
 
 @dataclass(frozen=True)
@@ -43,6 +56,7 @@ class Profile:
     session_run: float | None = None               # seconds of a session run of one local op
     factor_rows: dict = field(default_factory=dict)  # dense variable -> its factors' rows
     flops: float | None = None                     # a replica's MatMul rate, if measured
+    touched: dict = field(default_factory=dict)    # sparse variable -> sample of rows touched
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -71,7 +85,8 @@ class Profile:
                        forward_time=self.forward_time * factor)
 
     def merge(self, other: "Profile") -> "Profile":
-        """Two profiles as one: rows and times averaged over their steps."""
+        """Two profiles as one: rows and times averaged over their steps
+        (the sample of rows touched: the first's)."""
         n = self.steps + other.steps
         mean = lambda a, b: (a * self.steps + b * other.steps) / n   # noqa: E731
         return Profile(
@@ -81,7 +96,8 @@ class Profile:
             self.round_trip if self.round_trip is not None else other.round_trip,
             self.session_run if self.session_run is not None else other.session_run,
             {**other.factor_rows, **self.factor_rows},
-            self.flops if self.flops is not None else other.flops)
+            self.flops if self.flops is not None else other.flops,
+            {**other.touched, **self.touched})
 
     def apply(self, info: dict, tg) -> dict:
         """The analysis with measured sparsity: rows touched / rows."""
@@ -89,7 +105,8 @@ class Profile:
         for var, rows in self.rows.items():
             total = tg.variables[var].shape[0]
             if total:
-                out[var] = replace(info[var], alpha=rows / total, alpha_source="measured")
+                out[var] = replace(info[var], alpha=rows / total, alpha_source="measured",
+                                   touched=tuple(self.touched.get(var, ())))
         for var, rows in self.factor_rows.items():
             if out[var].factors and out[var].factors[0] is None:
                 out[var] = replace(out[var], factors=(rows, out[var].factors[1]))
@@ -246,8 +263,8 @@ def _loss(tg) -> str | None:
     return max(read, key=lambda n: (depth.get(n, -1), n), default=None)
 
 
-def first_step_profile(tg, timeout_seconds: float, steps: int = 1, feeds: dict | None = None
-                       ) -> tuple[Profile | None, str]:
+def first_step_profile(tg, timeout_seconds: float, steps: int = 1, feeds: dict | None = None,
+                       replicas: int = 1) -> tuple[Profile | None, str]:
     """(profile, why not measured): when each trained variable's gradient
     became ready, the forward time and the distinct rows of sparse
     gradients, over `steps` traced steps (after one untraced; the times
@@ -258,7 +275,10 @@ def first_step_profile(tg, timeout_seconds: float, steps: int = 1, feeds: dict |
     a job's state is touched). Empty, with the reason, when that step would
     need feeds or queue input, or when it fails: None with the reason.
     `feeds`: placeholder tensor name -> one replica's value (a TF2 step's
-    first batch, parallax_ng/tf2.py), fed to every run."""
+    first batch, parallax_ng/tf2.py), fed to every run. `touched`: which
+    rows TOUCH_STEPS steps of a worker of `replicas` replicas touch, each
+    step the union of that many runs of the sparse gradients' indices
+    alone (untraced)."""
     import statistics
     import time
 
@@ -306,6 +326,15 @@ def first_step_profile(tg, timeout_seconds: float, steps: int = 1, feeds: dict |
                             run_metadata=metadata)
                 step = measure(tg, metadata, dict(zip(probe, got[1])))
                 profile = step if profile is None else profile.merge(step)
+            sparse = [v for v in probe if tg.gradients[v].sparse]
+            steps_rows = {v: [] for v in sparse}
+            for _ in range(TOUCH_STEPS if sparse else 0):
+                runs = [session.run([probe[v] for v in sparse], feeds, options=plain)
+                        for _ in range(replicas)]
+                for k, v in enumerate(sparse):
+                    steps_rows[v].append(np.unique(np.concatenate([r[k] for r in runs])))
+            profile = replace(profile, touched={v: sample(np.concatenate(parts))
+                                                for v, parts in steps_rows.items()})
         # tracing slows every op: times as a step without it would take
         profile = profile.scaled(min(1.0, statistics.median(walls["plain"]) /
                                      statistics.median(walls["traced"])))

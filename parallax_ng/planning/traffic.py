@@ -13,7 +13,8 @@ workers of R replicas each (G = N R replicas), flows between tasks:
   value back for its forward pass;
 - ps, sparse: every worker sends its r distinct rows with their indices and
   the r distinct ids its lookups ask for, and receives r rows (row ranges
-  on several servers take their share);
+  on several servers take their share: of the rows a measured step
+  touched, else of the rows);
 - allgather: a ring over the G replicas carrying every replica's rows and
   indices to all others, (G-1) replicas' rows over each worker's link;
 - alltoall (EmbRace): each replica's distinct ids and gradient rows to
@@ -286,8 +287,10 @@ def _home(plan, var: str) -> int:
 
 
 def _shares(plan, var: str) -> list[tuple[int, float]]:
-    """(server index, share of the rows) for a variable on servers."""
+    """(server index, share of the rows) for a variable on servers: of the
+    rows a measured step touched, else of the variable's rows."""
     p = plan.placement[var]
     if isinstance(p, Sharded):
-        return [(server_index(s.device), s.size / p.length) for s in p.shards]
+        shares = p.shares(plan.variables[var].info.touched)
+        return [(server_index(s.device), share) for s, share in zip(p.shards, shares)]
     return [(_home(plan, var), 1.0)]
