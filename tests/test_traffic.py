@@ -184,9 +184,11 @@ def test_on_one_host_a_round_trip_to_s_servers_costs_s_times_the_measured_one():
 
 
 def test_row_ranges_carry_the_share_of_the_rows_a_step_touched():
-    """A server per host: the embedding cut into two row ranges. Without a
-    measured sample each range carries half the rows; with one (every
-    touched row in the first range) the first server carries them all."""
+    """A server per host: the embedding cut into two row ranges. Each range
+    answers its share of the lookups; the gradient's rows all go to the
+    first range's server, which sends the second range its share of both
+    workers' rows. Without a measured sample each range's share is half;
+    with one (every touched row in the first range) the first has all."""
     from dataclasses import replace
 
     from parallax_ng.planning.placement import Sharded
@@ -195,10 +197,12 @@ def test_row_ranges_carry_the_share_of_the_rows_a_step_touched():
     rows, row, idx = {"emb": 100.0}, WIDTH * 4, 4
 
     def to_servers(p):
-        return [sum(b for s, d, b, what in traffic.flows(p, {"emb": idx}, rows)
-                    if (s, d, what) == ("worker 0", f"ps {j}", "emb")) for j in (0, 1)]
-    assert to_servers(plan) == pytest.approx([50 * (row + 2 * idx)] * 2)
+        flows = traffic.flows(p, {"emb": idx}, rows)
+        return [sum(b for s, d, b, what in flows if (s, d, what) == (src, dst, "emb"))
+                for src, dst in [("worker 0", "ps 0"), ("worker 0", "ps 1"), ("ps 0", "ps 1")]]
+    assert to_servers(plan) == pytest.approx(
+        [50 * idx + 100 * (row + idx), 50 * idx, 0.5 * 2 * 100 * (row + idx)])
     vp = plan.variables["emb"]
     head = replace(plan, variables={**plan.variables, "emb": replace(
         vp, info=replace(vp.info, touched=tuple(range(100))))})
-    assert to_servers(head) == pytest.approx([100 * (row + 2 * idx), 0.0])
+    assert to_servers(head) == pytest.approx([100 * idx + 100 * (row + idx), 0.0, 0.0])

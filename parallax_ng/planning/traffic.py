@@ -12,9 +12,12 @@ workers of R replicas each (G = N R replicas), flows between tasks:
 - ps, dense: every worker sends the server its local sum and reads the
   value back for its forward pass;
 - ps, sparse: every worker sends its r distinct rows with their indices and
-  the r distinct ids its lookups ask for, and receives r rows (row ranges
-  on several servers take their share: of the rows a measured step
-  touched, else of the rows);
+  the r distinct ids its lookups ask for, and receives r rows. Row ranges
+  on several servers take their share of the lookups (of the rows a
+  measured step touched, else of the rows); the gradient's rows all go to
+  the first range's server, where the chief sums the job's, and it sends
+  each other range its share of the N workers' rows (with their indices)
+  for the update;
 - allgather: a ring over the G replicas carrying every replica's rows and
   indices to all others, (G-1) replicas' rows over each worker's link;
 - alltoall (EmbRace): each replica's distinct ids and gradient rows to
@@ -183,13 +186,17 @@ def flows(plan, index_bytes: dict | None = None, rows: dict | None = None,
                 out += [(worker(i), worker(k), each, var) for k in range(n) if k != i]
         elif not how.shared:     # every replica's rows to every replica
             ring((g - 1) * per_replica * (sent + idx), var)
-        else:                    # ps: rows and ids out, rows back
-            asked = looked_up.get(var, per_worker)
+        else:                    # ps: ids out and rows back per range, the gradient's rows
+            asked = looked_up.get(var, per_worker)      # to the home server, which sends
+            home = _home(plan, var)                     # each range its part of the sum
             for j, share in _shares(plan, var):
                 for i in range(n):
-                    out += [(worker(i), server(j),
-                             share * (per_worker * (sent + idx) + asked * idx), var),
+                    out += [(worker(i), server(j), share * asked * idx, var),
                             (server(j), worker(i), share * asked * row, var)]
+                if j != home:
+                    out.append((server(home), server(j), share * n * per_worker * (row + idx),
+                                var))
+            out += [(worker(i), server(home), per_worker * (sent + idx), var) for i in range(n)]
     for k, buffer in enumerate(plan.buffers):
         size = plan.bytes_of(buffer) * _wire(plan, plan.variables[buffer.segments[0].var].info)
         for s in buffer.placement.shards:
