@@ -316,8 +316,8 @@ def measure_job(build: Build, server, profile_steps: int = 0,
     """In a job whose dense gradients go through fusion buffers or mgwfbp
     buckets, whose plans hybrid or auto weigh (by the rows a step
     touches and the network, planning/choice.py), or that cuts a table
-    into row ranges (cut where the rows a step touches split evenly,
-    planner.balance): what worker 0's first
+    into row ranges where the rows a step touches split evenly
+    (ps_placement rows_touched, planner.balance): what worker 0's first
     step measured before the graph is built (planning/profile.py
     first_step_profile: the order and times the gradients became ready,
     how many rows they touched and which), and, when mgwfbp has no a and b or the plans
@@ -343,7 +343,8 @@ def measure_job(build: Build, server, profile_steps: int = 0,
         method(vp.method).all_reduced for vp in plan.variables.values())
     weighs = config.run_option == "auto" or \
         choice.weighs(config, len(info.workers), info.ps, build.info)
-    cut = any(p.axis == 0 for p in plan.sharded().values())   # row ranges: by rows touched
+    cut = config.ps_placement == "rows_touched" and any(
+        p.axis == 0 for p in plan.sharded().values())       # row ranges by the rows touched
     if not plan.buffers and not mgwfbp and not weighs and not cut and not profile_steps:
         return None
     timeout = config.communication.timeout_seconds

@@ -374,11 +374,14 @@ def test_a_partitioned_embedding_trains_on_two_servers(tmp_path):
 @pytest.mark.parametrize("run_option", ["hybrid", "ps"])
 def test_an_embedding_split_by_rows_over_two_servers(tmp_path, run_option):
     """The plan cuts the embedding (and its Adam slots) into one row range per
-    server, where the rows worker 0's first steps touched split evenly, the
-    same cut on both workers; 2 workers x 2 devices still equal one device."""
+    server (under ps, with ps_placement rows_touched, where the rows worker
+    0's first steps touched split evenly), the same cut on both workers;
+    2 workers x 2 devices still equal one device."""
+    by_rows = ["--config", json.dumps({"ps_placement": "rows_touched"})] \
+        if run_option == "ps" else []
     done, out, _ = run_job(tmp_path, 2, 2, "10", "--run-option", run_option, "--no-ema",
                            "--dense-method", "bfb" if run_option == "hybrid" else "auto",
-                           servers=2)
+                           *by_rows, servers=2)
     assert done.returncode == 0, done.stderr[-3000:]
     cuts = [line.split("emb cut ", 1)[1] for line in done.stdout.splitlines()
             if "emb cut " in line]

@@ -55,6 +55,28 @@ def test_a_measured_sample_of_rows_touched_cuts_the_ranges_where_it_splits_evenl
     assert balance(tg, ["emb"], PS, ["emb"])["emb"] == Sharded.even(0, 40, PS)
 
 
+def test_the_plan_cuts_by_the_rows_touched_only_when_the_config_asks():
+    """The same measured sample: even ranges by default (the gradient goes
+    through the first range's server either way), the measured cut under
+    ps_placement rows_touched."""
+    from dataclasses import replace
+
+    from parallax_ng.config import load_config
+    from parallax_ng.planning.analysis import analyze
+    from parallax_ng.planning.planner import make_plan
+    tg = frontend.load(embedding_regression(4, "adam")[0])
+    info = analyze(tg)
+    info["emb"] = replace(info["emb"], touched=tuple(
+        sorted([r for r in range(10) for _ in range(3)] + list(range(10, 40)))))
+    cuts = {}
+    for how in ("greedy", "rows_touched"):
+        plan = make_plan(tg, info, load_config({"run_option": "ps", "ps_placement": how}),
+                         ["/job:worker/replica:0/task:0/device:CPU:0"], "/job:worker/task:0",
+                         num_workers=2, servers=PS)
+        cuts[how] = [(s.start, s.size) for s in plan.sharded()["emb"].shards]
+    assert cuts == {"greedy": [(0, 20), (20, 20)], "rows_touched": [(0, 10), (10, 30)]}
+
+
 def test_small_variables_and_single_servers_stay_whole():
     g, _ = embedding_regression(4, "adam", clip=True)
     _, ctx = cluster_transform(g, worker=0, servers=1)

@@ -117,7 +117,9 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
                  for name, vp in variables.items()}
     _check_servers(tg, roots + fused, config, num_workers, servers)
     placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
-                            config.ps_placement, {v: vi.touched for v, vi in info.items()})
+                            config.ps_placement,
+                            {v: vi.touched for v, vi in info.items()}
+                            if config.ps_placement == "rows_touched" else None)
     placement.update(by_columns(facts, [v for v, vp in variables.items()
                                      if method(vp.method).columns],
                                 job_devices(devices, num_workers, worker), num_workers,
@@ -303,8 +305,8 @@ def _check_servers(tg, roots, config, num_workers, servers) -> None:
 def map_devices(tg: TrainingGraph, roots: list[str], host: str, servers=(),
                 how: str = "greedy", touched: dict | None = None) -> dict:
     """A Placement for every variable: the state of `roots` on the host, or
-    over `servers` (`how`: greedy by bytes, or round_robin; `touched`, see
-    `balance`); the rest mirrored."""
+    over `servers` (`how`: greedy by bytes, by rows_touched (greedy, with
+    `touched`: see `balance`), or round_robin); the rest mirrored."""
     placement = {name: MIRRORED for name in tg.variables}
     if servers and how == "round_robin":
         placement.update(round_robin(tg, roots, list(servers)))
@@ -377,9 +379,9 @@ def balance(tg: TrainingGraph, shared: list[str], servers: list[str],
     whose every use can be cut by rows (`shardable`), is sharded into one
     row range per server first, with each of its same-shape slots; its other
     state and its gradient's aggregation stay with the first range. Its
-    ranges hold equal shares of the rows a step touched (`touched`, as
-    measured: Sharded.by_rows_touched), else of its rows; a server's load
-    counts its range's share of the traffic.
+    ranges hold equal numbers of rows, or, given `touched` (config
+    ps_placement rows_touched), equal shares of the rows a step touched
+    (Sharded.by_rows_touched); a server's load counts its range's share.
     """
     size = {v: sum(tg.variables[s].nbytes for s in tg.owned(v)) for v in shared}
     load = [0] * len(servers)
