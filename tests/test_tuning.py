@@ -128,6 +128,36 @@ def test_plan_lists_the_plans_training_will_time(tmp_path, capsys):
         f"'{c.label}'" for c in top)
 
 
+def test_the_plans_timed_hold_one_without_server_work_and_one_with():
+    """Where the fastest predictions all give the servers work, the last
+    timed is the fastest without (and the other way round): the model
+    leaves out the servers' CPU, so the trials compare both kinds."""
+    from dataclasses import replace
+
+    from passkit import tiny_graph
+
+    from parallax_ng.planning.plan import Candidate
+
+    def candidate(label, seconds, dense, sparse, chosen=False):
+        return Candidate(label, "", 0, 0, 0, 0, 0, seconds, chosen,
+                         (("emb", sparse), ("w", dense)))
+    served = [candidate("bfb/ps", 0.008, "bfb", "ps", True), candidate("ps/ps", 0.0116, "ps", "ps"),
+              candidate("allreduce/ps", 0.0121, "allreduce", "ps"),
+              candidate("allreduce/allgather", 0.0123, "allreduce", "allgather"),
+              candidate("ps/allgather", 0.013, "ps", "allgather")]
+    plan = replace(pn.transform_plan(tiny_graph(), None, {}), choice=tuple(served))
+    assert [c.label for c in tuning.ranked(plan, 3)] == ["bfb/ps", "ps/ps",
+                                                          "allreduce/allgather"]
+    assert [c.label for c in tuning.ranked(plan, 1)] == ["bfb/ps"]
+    assert [tuning.serves(c) for c in served] == [True, True, True, False, True]
+    ring = [replace(c, chosen=c.label == "allreduce/allgather") for c in served]
+    plan = replace(plan, choice=tuple(ring))        # both kinds among the fastest already
+    assert [c.label for c in tuning.ranked(plan, 3)] == ["allreduce/allgather", "bfb/ps",
+                                                          "ps/ps"]
+    alike = replace(plan, choice=tuple(c for c in served if tuning.serves(c)))
+    assert [c.label for c in tuning.ranked(alike, 3)] == ["bfb/ps", "ps/ps", "allreduce/ps"]
+
+
 def test_plan_lists_the_plans_auto_times_by_default(tmp_path, capsys):
     """With no `tuning.plans`, a job whose plans the planner weighs times
     the three fastest predicted; one it does not weigh (no servers, no

@@ -14,7 +14,8 @@ the first pass's fastest and the size the round began with; fusion
 buffers first, then buckets; sizes from the knob's whole gradient down
 to a 32nd of it, and one bucket per variable; sizes that pack the
 gradients alike are tried once; the plan first, its candidates the
-`tuning.plans` predicted fastest (auto, the default: AUTO_PLANS where the
+`tuning.plans` predicted fastest, both with and without the servers'
+work (`ranked`; auto, the default: AUTO_PLANS where the
 planner weighed several, `settled`), each built from a config naming
 every variable's method) and goes on with the contender whose
 timed steps of both passes had the smallest median, if that is
@@ -40,6 +41,7 @@ import sys
 import time
 from dataclasses import replace
 
+from ..methods import method
 from ..planning.choice import DENSE
 
 KNOBS = ("plan", "fusion.buffer_bytes", "buckets.bytes")
@@ -99,8 +101,23 @@ def forced(config, methods: dict):
 
 def ranked(plan, count: int) -> list:
     """The `count` candidates of `plan`'s choice (choice.py) predicted
-    fastest, the chosen first."""
-    return sorted(plan.choice, key=lambda c: (not c.chosen, c.seconds))[:count]
+    fastest, the chosen first; where those all give the servers work, or
+    none does, the last of them is the fastest of the other kind instead.
+    (The links' model leaves out the servers' CPU: where tasks share
+    cores it measured plans with servers 2-4x their predicted time and the
+    ring without them 1.6x, docs/benchmarks.md, so both kinds are timed.)"""
+    order = sorted(plan.choice, key=lambda c: (not c.chosen, c.seconds))
+    top = order[:count]
+    kinds = {serves(c) for c in top}
+    other = [c for c in order[count:] if serves(c) not in kinds]
+    if count > 1 and len(kinds) == 1 and other:
+        top = top[:-1] + other[:1]
+    return top
+
+
+def serves(candidate) -> bool:
+    """Whether a candidate's plan gives the parameter servers work."""
+    return any(method(m).shared or method(m).servers for _, m in candidate.methods)
 
 
 def packing(plan, knob: str) -> tuple:
