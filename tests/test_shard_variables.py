@@ -69,12 +69,21 @@ def test_the_plan_cuts_by_the_rows_touched_only_when_the_config_asks():
     info["emb"] = replace(info["emb"], touched=tuple(
         sorted([r for r in range(10) for _ in range(3)] + list(range(10, 40)))))
     cuts = {}
-    for how in ("greedy", "rows_touched"):
-        plan = make_plan(tg, info, load_config({"run_option": "ps", "ps_placement": how}),
+
+    def plan_of(how, info):
+        return make_plan(tg, info, load_config({"run_option": "ps", "ps_placement": how}),
                          ["/job:worker/replica:0/task:0/device:CPU:0"], "/job:worker/task:0",
                          num_workers=2, servers=PS)
+    for how in ("greedy", "rows_touched"):
+        plan = plan_of(how, info)
         cuts[how] = [(s.start, s.size) for s in plan.sharded()["emb"].shards]
+        assert "rows_touched" not in " ".join(plan.unmet())
     assert cuts == {"greedy": [(0, 20), (20, 20)], "rows_touched": [(0, 10), (10, 30)]}
+    # asked for, but nothing measured (fed placeholders, profile.steps 0): said so
+    unmeasured = plan_of("rows_touched", analyze(tg))
+    assert unmeasured.sharded()["emb"] == Sharded.even(0, 40, PS)
+    assert "emb: ps_placement rows_touched: even row ranges, no step measured" in \
+        unmeasured.unmet()
 
 
 def test_small_variables_and_single_servers_stay_whole():

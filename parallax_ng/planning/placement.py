@@ -15,6 +15,7 @@ are sharded alike). Pure data: printable and comparable.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 
@@ -89,8 +90,6 @@ class Sharded:
         long as the count and the width allow, left to right. (Zipf ids
         crowd the first rows: even ranges would send most of a step's rows
         to the first server.)"""
-        import bisect
-
         n = len(devices)
         ids = [i for i in touched if 0 <= i < length]
         cap = max(1, int(widest * length / n))
@@ -123,7 +122,6 @@ class Sharded:
     def shares(self, touched=()) -> list[float]:
         """Each shard's share of a step's rows: of the sorted sample
         `touched` when given (the rows it holds), else of the variable's."""
-        import bisect
         ids = list(touched)
         if self.axis != 0 or not ids:
             return [s.size / self.length for s in self.shards]

@@ -45,10 +45,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     (parallax_ng/planning/profile.py), whose ready times the mgwfbp buckets
     use; `bucket_profile`: the file `buckets.profile` names, read, which
     stands for it there. `facts`: the graph's shared analyses (made here
-    when not given).
-    `layout`: the hosts of a job's tasks, whose links weigh the candidate
-    plans of hybrid and auto (parallax_ng/planning/choice.py); None: every task on
-    this machine."""
+    when not given). `layout`: the hosts of a job's tasks, whose links weigh
+    hybrid's and auto's plans (planning/choice.py); None: all on this one."""
     dense, sparse, note = averaging.averages(config, tg.graph)
     config = replace(config, average_dense=dense, average_sparse=sparse)
     notes = (note,) if note else ()
@@ -116,10 +114,13 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     variables = {name: deferral.prefetch(facts, vp, config, split)
                  for name, vp in variables.items()}
     _check_servers(tg, roots + fused, config, num_workers, servers)
+    by_rows = config.ps_placement == "rows_touched"
     placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
-                            config.ps_placement,
-                            {v: vi.touched for v, vi in info.items()}
-                            if config.ps_placement == "rows_touched" else None)
+                            config.ps_placement, {v: i.touched for v, i in info.items()}
+                            if by_rows else None)
+    variables.update({v: variables[v].noted("ps_placement rows_touched: even row ranges, no "
+                      "step measured") for v, p in placement.items() if by_rows and
+                      v in variables and isinstance(p, Sharded) and not info[v].touched})
     placement.update(by_columns(facts, [v for v, vp in variables.items()
                                      if method(vp.method).columns],
                                 job_devices(devices, num_workers, worker), num_workers,
@@ -305,8 +306,7 @@ def _check_servers(tg, roots, config, num_workers, servers) -> None:
 def map_devices(tg: TrainingGraph, roots: list[str], host: str, servers=(),
                 how: str = "greedy", touched: dict | None = None) -> dict:
     """A Placement for every variable: the state of `roots` on the host, or
-    over `servers` (`how`: greedy by bytes, by rows_touched (greedy, with
-    `touched`: see `balance`), or round_robin); the rest mirrored."""
+    over `servers` (`how`: greedy or rows_touched, `balance`; round_robin)."""
     placement = {name: MIRRORED for name in tg.variables}
     if servers and how == "round_robin":
         placement.update(round_robin(tg, roots, list(servers)))
@@ -378,10 +378,10 @@ def balance(tg: TrainingGraph, shared: list[str], servers: list[str],
     A sparse variable bigger than a server's fair share (total / servers),
     whose every use can be cut by rows (`shardable`), is sharded into one
     row range per server first, with each of its same-shape slots; its other
-    state and its gradient's aggregation stay with the first range. Its
-    ranges hold equal numbers of rows, or, given `touched` (config
-    ps_placement rows_touched), equal shares of the rows a step touched
-    (Sharded.by_rows_touched); a server's load counts its range's share.
+    state and its gradient's aggregation stay with the first range. Its ranges
+    hold equal numbers of rows, or equal shares of the sampled rows a step
+    touched (`touched`: ps_placement rows_touched, Sharded.by_rows_touched);
+    a server's load counts its range's share.
     """
     size = {v: sum(tg.variables[s].nbytes for s in tg.owned(v)) for v in shared}
     load = [0] * len(servers)
