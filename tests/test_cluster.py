@@ -394,6 +394,23 @@ def test_an_embedding_split_by_rows_over_two_servers(tmp_path, run_option):
             assert np.max(np.abs(got - single[name])) <= 1e-5, name
 
 
+@pytest.mark.parametrize("devices", [1, 2])
+def test_a_table_by_alltoall_beside_dense_variables_on_a_server(tmp_path, devices):
+    """The table's columns by alltoall, every dense variable on the server
+    (Adam, clipping by the global norm, EMA), as `auto` may plan it: each
+    worker clips its columns' update by the job's norm, so it takes the
+    job's dense gradients back from the server; and the table's
+    initializer, a cond whose branches read the table or take worker 0's
+    broadcast, runs whole in the collective run (a branch not taken is
+    dead and would leave the other run waiting). Equals one device, 1e-5."""
+    config = {"variable_methods": {"emb": "alltoall"},
+              "communication": {"timeout_seconds": 60}}
+    done, out, _ = run_job(tmp_path, 2, devices, "10", "--run-option", "hybrid",
+                           "--dense-method", "ps", "--config", json.dumps(config), servers=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_matches_one_device(out, 2, devices)
+
+
 def test_a_server_task_ends_when_its_workers_are_done(tmp_path):
     """As under an orchestrator: every task runs the script with TF_CONFIG;
     the server task's get_runner serves until both workers are done, then

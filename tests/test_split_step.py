@@ -154,6 +154,41 @@ def test_a_loop_with_collectives_and_server_ops_is_refused():
         _number(ir, {"x"})
 
 
+def _cond_graph(then_device: str):
+    """A worker's cond: if `inited`, the then branch reads `v` (an op on
+    `then_device`), else it takes an all-reduce; the Merge after it."""
+    worker = "/job:worker/replica:0/task:0/device:CPU:0"
+    f32 = tf.float32
+    nodes = [emit.node_def("v", "VarHandleOp", [], worker, dtype=f32, shape=tf1.AttrValue(
+                 shape=tf.TensorShape([]).as_proto()), shared_name="v"),
+             emit.node_def("inited", "VarIsInitializedOp", ["v"], worker),
+             emit.const("x", 1.0, f32, worker),
+             emit.collective_reduce("sum", "x", f32, worker, group_size=2, group_key=1,
+                                    instance_key=1, mean=False, timeout=10.0),
+             emit.node_def("then/switch", "Switch", ["v", "inited"], worker, T=tf.resource),
+             emit.node_def("then/read", "ReadVariableOp", ["then/switch:1"], then_device,
+                           dtype=f32),
+             emit.node_def("else/switch", "Switch", ["sum", "inited"], worker, T=f32),
+             emit.node_def("merge", "Merge", ["else/switch", "then/read"], worker, T=f32, N=2),
+             emit.node_def("after", "Identity", ["merge"], worker, T=f32)]
+    return GraphIR(nodes=nodes, versions=tf1.GraphDef().versions)
+
+
+def test_a_conditional_branch_runs_whole_in_one_run():
+    """A branch not taken is dead: a queue it would fill stays empty, and the
+    other run would wait at it for good (the init of a table cut by columns
+    in a job with servers hung so). The branch's ops follow its Merge into
+    the collective run; what it reads before the Switch crosses, live."""
+    ir = _cond_graph("/job:worker/replica:0/task:0/device:CPU:0")
+    stage = _number(ir, {"v", "x"})
+    assert {stage[n] % 2 for n in ("then/switch", "then/read", "merge")} == {COLLECTIVES}
+    assert stage["inited"] % 2 == SERVERS
+    ps_read = _cond_graph("/job:ps/replica:0/task:0/device:CPU:0")
+    with pytest.raises(GraphError, match="conditional branch .* both collective ops and "
+                                         "parameter-server ops"):
+        _number(ps_read, {"v", "x"})
+
+
 def test_only_the_inputs_of_an_identityn_s_outputs_read_are_needed():
     """TensorFlow prunes an IdentityN's inputs whose outputs nothing in the
     run reads (Keras's clipped gradients: one IdentityN of them all, whose

@@ -230,11 +230,13 @@ def _reduce_on_server(ir: GraphIR, rewires: dict):
 
 def _needed_by_every_worker(ctx) -> set[str]:
     """Local aggregates (tensor names) whose job-wide value a non-chief worker
-    needs: those that feed writers of mirrored state, e.g. through a global
-    norm used to clip every gradient."""
+    needs: those that feed writers of state every worker writes itself
+    (mirrored, or its replicas' columns of a table cut by columns), e.g.
+    through a global norm used to clip every gradient."""
     tg, plan = ctx.tg, ctx.plan
     local = ctx.result(LocalAggregates)
-    mirrored_writers = [w for v in plan.placement if plan.mirrored(v)
+    shared = plan.shared_state()
+    mirrored_writers = [w for v in plan.placement if v not in shared
                         for w in tg.writers.get(v, ())]
     # the user's L2Loss of coalesced values is replaced by the summed norms
     replaced = {n for v in local.norms for n in ctx.facts.coalescing(v)}

@@ -89,6 +89,7 @@ def _number(ir: GraphIR, floating: set[str]) -> dict[str, int]:
         elif on_server(node.device):
             s += s % 2
         stage[name] = s
+    _keep_branches_whole(ir, stage)
     for node in (n for n in ir.nodes if n.op == "NextIteration"):
         for merge in ir.node_consumers.get(node.name, ()):
             if stage.get(merge) != stage[node.name]:
@@ -104,6 +105,40 @@ def _number(ir: GraphIR, floating: set[str]) -> dict[str, int]:
                     raise GraphError(f"{name!r} runs with collectives but reads {src!r} "
                                      "on a parameter server")
     return stage
+
+
+SWITCHES = frozenset({"Switch", "RefSwitch"})
+LIVE = frozenset({"Merge", "RefMerge", "Exit", "RefExit"})   # live if one input is
+
+
+def _keep_branches_whole(ir: GraphIR, stage: dict[str, int]) -> None:
+    """A conditional branch's ops (after a Switch, before its Merge) may be
+    dead: a dead op runs nothing, so a queue it would fill stays empty and
+    the other run waits at it for good. Such an op that is neither a
+    collective nor server work moves to its consumers' stage (later ops
+    first, so a branch moves whole); one whose consumers are in both runs,
+    or that must stay where it is, is refused."""
+    dead = set()
+    for name in ir.topo_order:
+        if name in stage and (ir.node(name).op in SWITCHES or ir.node(name).op not in LIVE
+                              and any(src in dead for src, _, _ in
+                                      ir.parsed_inputs(ir.node(name)))):
+            dead.add(name)
+    for name in reversed(ir.topo_order):
+        node = ir.node(name) if name in dead else None
+        if node is None or node.op in COLLECTIVE_OPS or on_server(node.device):
+            continue
+        later = {stage[c] for c in ir.node_consumers.get(name, ()) if c in stage}
+        if later and len({s % 2 for s in later}) == 1 and min(later) % 2 != stage[name] % 2:
+            stage[name] = min(later)
+    for name in dead:
+        for c in ir.node_consumers.get(name, ()):
+            if c in stage and stage[c] % 2 != stage[name] % 2:
+                raise GraphError(
+                    f"{c!r} and {name!r} are in a conditional branch (tf.cond) that has "
+                    "both collective ops and parameter-server ops, which a multi-worker "
+                    "job runs in separate session runs. Use run_option allreduce, or keep "
+                    "the branch free of variables on parameter servers")
 
 
 def _cut(ir: GraphIR, part: dict[str, int], floating: set[str], host: str):
