@@ -200,7 +200,9 @@ def main():
                                             "vocab": args.vocab, "steps": args.steps,
                                             "clip": not args.no_clip,
                                             "optimizer": args.optimizer,
-                                            "mode": mode, "runs": runs}) + "\n")
+                                            "mode": mode, "commit": commit(),
+                                            "date": time.strftime("%Y-%m-%d"),
+                                            "runs": runs}) + "\n")
     finally:
         if args.netlab:
             subprocess.run([NETLAB, "down"], capture_output=True)
@@ -209,6 +211,13 @@ def main():
 
 NETLAB = os.environ.get("NETLAB", os.path.join(os.path.dirname(ROOT), "shared", "tools", "netlab"))
 _ports = iter(range(31000, 40000, 10))
+
+
+def commit() -> str | None:
+    """The commit of the tree this benchmark runs from, if it is a clone."""
+    out = subprocess.run(["git", "-C", os.path.dirname(os.path.abspath(__file__)),
+                          "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or None
 
 
 def config_of(mode: str) -> tuple:
@@ -264,7 +273,11 @@ def job(mode: str, args, tmp: str, repeat: int) -> dict:
         nic = nic_window(out, proc) if args.netlab else None
         if proc.wait(timeout=1800) != 0:
             log.seek(0)
-            raise SystemExit(f"{mode} job failed:\n{log.read()[-3000:]}")
+            text = log.read()
+            kept = os.path.join(tempfile.gettempdir(), f"cluster_lm-{mode}-{repeat}.log")
+            with open(kept, "w") as f:
+                f.write(text)
+            raise SystemExit(f"{mode} job failed (its whole log: {kept}):\n{text[-3000:]}")
     with open(out) as f:
         result = json.load(f)
     if nic is not None:     # the hosts' NICs over the timed window

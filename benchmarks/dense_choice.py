@@ -12,6 +12,7 @@ MultiWorkerMirroredStrategy), each a `cluster_lm.py` job, medians of
                                           [--networks loopback,1gbit,100mbit]
                                           [--layouts one,per_host] [--modes ...]
     python benchmarks/dense_choice.py report FILE.jsonl [FILE.jsonl ...] [--markdown]
+    python benchmarks/dense_choice.py grid [FILE.jsonl ...]
 
 `run` appends each mode's jobs to FILE as a JSON line (cluster_lm.py
 --json); `report` prints, per setting, steps/s and ratios to the fastest
@@ -21,7 +22,14 @@ that mode and setting, so a mode can be run again alone). `--markdown`
 prints the tables of docs/benchmarks.md: steps/s per mode and setting, and
 for the plans hybrid weighed that a fixed mode also ran, the predicted step
 time against the fixed mode's measured one (and where the measured fastest
-was not the plan chosen). Modes without a server (allreduce, mwms) are the same in
+was not the plan chosen). `grid` reads the stored runs
+(benchmarks/results/dense_choice-*.jsonl, oldest first, unless FILEs are
+given) and prints issue 22's acceptance grid, 3 networks x 2 models x 2
+and 4 workers x one server or a server per host: per setting, whether it
+holds (hybrid and auto at least 0.97x the fastest fixed mode, no mode
+below MultiWorkerMirroredStrategy, the chosen plan's bytes within 1.05x
+of its model, every mode a median of 3 jobs), else what is short or
+missing, and the `run` lines that would fill the gaps. Modes without a server (allreduce, mwms) are the same in
 both layouts and run once, under `one`.
 """
 from __future__ import annotations
@@ -203,6 +211,75 @@ def markdown(paths) -> None:
                   f"{measured[m] / predicted[m]:.2f} | {mark} |")
 
 
+NETWORKS, MODELS, WORKERS, LAYOUTS = ("loopback", "1gbit", "100mbit"), ("lm", "classifier"), \
+    (2, 4), ("one", "per_host")
+RESULTS = os.path.join(HERE, "results")
+
+
+def verdict(modes: dict, layout: str) -> tuple[str, list[str]]:
+    """(a line of figures, what falls short) for one setting's modes."""
+    wanted = [m for m in MODES if m != "hybrid-predicted"]
+    missing = [m for m in wanted if m not in modes]
+    few = [m for m in wanted if m in modes and len(modes[m]) < 3]
+    speed = {m: median(j) for m, j in modes.items()}
+    best = max((speed[m] for m in FIXED if m in speed), default=None)
+    short = ([f"missing {','.join(missing)}"] if missing else []) + (
+        [f"under 3 jobs: {','.join(few)}"] if few else [])
+    figures = []
+    for mode in ("hybrid", "auto-ps"):
+        if mode in speed and best:
+            ratio = speed[mode] / best
+            figures.append(f"{mode} {ratio:.3f}x")
+            if ratio < 0.97:
+                short.append(f"{mode} {ratio:.3f}x the best fixed mode")
+            worst = worst_bytes(middle(modes[mode]))
+            if worst and worst > 1.05:
+                short.append(f"{mode}'s bytes {worst:.3f}x its model")
+    if "mwms" in speed:
+        slower = [f"{m} {speed[m] / speed['mwms']:.2f}x" for m in speed
+                  if m != "mwms" and speed[m] < speed["mwms"]]
+        if slower:
+            short.append("below MWMS: " + ", ".join(slower))
+    if best:
+        fastest = max((m for m in FIXED if m in speed), key=speed.get)
+        figures.append(f"best {fastest} {best:.2f} steps/s")
+    return "; ".join(figures), short
+
+
+def grid(paths) -> None:
+    if not paths:
+        paths = sorted(os.path.join(RESULTS, f) for f in os.listdir(RESULTS)
+                       if f.startswith("dense_choice-") and f.endswith(".jsonl"))
+    data = load(paths)
+    todo: dict = {}
+    held = 0
+    for network in NETWORKS:
+        for model in MODELS:
+            for workers in WORKERS:
+                for layout in LAYOUTS:
+                    key = (network, model, workers, layout)
+                    modes = with_serverless(data, key) if key in data else {
+                        m: j for m, j in data.get(key[:3] + ("one",), {}).items()
+                        if m in SERVERLESS and layout == "per_host"}
+                    figures, short = verdict(modes, layout)
+                    held += not short
+                    print(f"{network:8} {model:10} {workers}w {layout:8} "
+                          f"{'holds' if not short else 'SHORT'}  {figures}")
+                    for s in short:
+                        print(f"    {s}")
+                    rerun = [m for m in MODES if m != "hybrid-predicted" and (
+                        len(modes.get(m, ())) < 3 or short and m in ("hybrid", "auto-ps"))
+                        and (layout == "one" or m not in SERVERLESS)]
+                    if rerun:
+                        todo.setdefault((network, tuple(rerun)), []).append(key)
+    print(f"\n{held} of {len(NETWORKS) * len(MODELS) * len(WORKERS) * len(LAYOUTS)} "
+          "settings hold. To fill the gaps:")
+    for (network, rerun), keys in sorted(todo.items()):
+        for key in keys:
+            print(f"  dense_choice.py run --networks {network} --models {key[1]} "
+                  f"--workers {key[2]} --layouts {key[3]} --modes {','.join(rerun)}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -217,9 +294,13 @@ def main():
     p = sub.add_parser("report")
     p.add_argument("paths", nargs="+")
     p.add_argument("--markdown", action="store_true")
+    g = sub.add_parser("grid")
+    g.add_argument("paths", nargs="*")
     args = parser.parse_args()
     if args.command == "run":
         run(args)
+    elif args.command == "grid":
+        grid(args.paths)
     elif args.markdown:
         markdown(args.paths)
     else:
