@@ -66,6 +66,33 @@ def test_lm_small_with_a_server_as_the_readme_runs_it():
     assert "servers: /job:ps/replica:0/task:0/device:CPU:0" in done.stdout
 
 
+def test_lm_small_with_its_table_by_alltoall_beside_a_server(tmp_path):
+    """A plan `auto` may try: the embedding by alltoall, the softmax's rows
+    on the server, the dense layers by the ring, so every step is two
+    session runs at once. The alltoall lookup's row shape crosses from the
+    server run; TensorFlow's rewrites fold the Reshape that reads it into
+    the model's own, and the element stayed queued: step 2 waited for good
+    until dequeues became targets of their run (step_parts.py)."""
+    config = tmp_path / "config.yaml"
+    config.write_text("run_option: auto\nvariable_methods: {embedding: alltoall, "
+                      "softmax/w: ps, softmax/b: ps, hidden/w: allreduce, hidden/b: allreduce, "
+                      "project/w: allreduce, project/b: allreduce}\n"
+                      "communication: {timeout_seconds: 60}\n")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=TASK_PATH)
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax_ng", "run", os.path.join(ROOT, "examples",
+                                                                      "lm_small.py"),
+         "-r", os.path.join(ROOT, "configs", "resources_2workers_1ps.yaml"), "--steps", "20",
+         "--log-every", "10", "--vocab", "2000", "--words", "20000", "--batch", "32",
+         "--config", str(config)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[worker 1] schedule: a step with collectives runs them in a session run of " \
+        "their own" in done.stdout
+    losses = [float(x) for x in
+              re.findall(r"\[worker 0\] step +\d+ +loss (\d+\.\d+)", done.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0], done.stdout
+
+
 def test_lm_small_repeats_itself():
     args = ["--steps", "20", "--log-every", "10", "--vocab", "2000", "--words", "20000",
             "--batch", "32", "--resources", os.path.join(ROOT, "configs", "resources_2cpu.yaml")]

@@ -80,7 +80,7 @@ def test_two_runs_at_once_meet_at_their_queue():
     with tf.compat.v1.Session(graph=g) as session:
         session.run([it.initializer, "count/Assign"])
         runs = ex.runs(["out:0", "count_step"])
-        assert [r.targets for r in runs] == [("enqueue",), ("count_step", "out")]
+        assert [r.targets for r in runs] == [("enqueue",), ("count_step", "dequeue", "out")]
         got = [ex.run(session, ["out:0"], {}) for _ in range(3)]
         assert got == [[1.0], [3.0], [5.0]]
         meta = tf.compat.v1.RunMetadata()

@@ -1,6 +1,8 @@
 """Split step: a job step's collectives and its parameter-server work in two
 session runs at once, joined by this worker's queues
 (transforms/split_step.py, parallax_ng/pipeline/step_parts.py)."""
+import threading
+
 import pytest
 import tensorflow as tf
 
@@ -189,6 +191,40 @@ def test_a_conditional_branch_runs_whole_in_one_run():
         _number(ps_read, {"v", "x"})
 
 
+def test_a_dequeue_runs_even_where_tensorflow_rewrites_its_reader_away():
+    """A shape that crosses runs feeds a Reshape that TensorFlow's graph
+    rewrites may fold into the Reshape after it (an alltoall lookup's rows,
+    then the model's own reshape): the folded Reshape no longer reads the
+    dequeue, and the run would not take the element the other run put,
+    so the next step's put waited for good (lm_small's job in
+    test_examples.py hung so at step 2). Dequeues are targets of their
+    run, so they run whatever reads them; two steps in a row end empty."""
+    g = tf.Graph()
+    with g.as_default():
+        q = tf.queue.FIFOQueue(1, [tf.int32], name="q")
+        shape = tf.constant([4, 2], name="shape")
+        q.enqueue([shape], name="enq")
+        rows = tf.reshape(tf.range(8.0, name="x"), q.dequeue(name="deq"), name="inner")
+        tf.reshape(tf.identity(rows, name="rows"), [2, 4], name="outer")
+    parts = StepParts({"shape": SERVERS, "enq": SERVERS, "deq": COLLECTIVES,
+                       "x": COLLECTIVES, "inner": COLLECTIVES, "rows": COLLECTIVES,
+                       "outer": COLLECTIVES}, frozenset({"q"}), {"deq": "enq"})
+    runs = dict(parts.split(g, ("outer",)))
+    assert "deq" in runs[COLLECTIVES] and runs[SERVERS] == ["enq"]
+    bounded = tf1.RunOptions(timeout_in_ms=10000)
+    with tf1.Session(graph=g) as sess:
+        for _ in range(2):
+            put = threading.Thread(target=sess.run, args=(runs[SERVERS],),
+                                   kwargs={"options": bounded})
+            put.start()
+            got = sess.run(["outer:0"] + [t for t in runs[COLLECTIVES] if t != "outer"],
+                           options=bounded)[0]
+            put.join(timeout=20)
+            assert not put.is_alive()
+            assert got.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert sess.run(q.size()) == 0
+
+
 def test_only_the_inputs_of_an_identityn_s_outputs_read_are_needed():
     """TensorFlow prunes an IdentityN's inputs whose outputs nothing in the
     run reads (Keras's clipped gradients: one IdentityN of them all, whose
@@ -209,5 +245,5 @@ def test_only_the_inputs_of_an_identityn_s_outputs_read_are_needed():
                        "kept": COLLECTIVES, "clipped": COLLECTIVES, "first": COLLECTIVES,
                        "second": COLLECTIVES}, frozenset({"q"}), {"deq": "enq"})
     assert parts.split(g, ("first",)) == [(COLLECTIVES, ["first"])]
-    assert parts.split(g, ("second",)) == [(SERVERS, ["enq"]), (COLLECTIVES, ["second"])]
-    assert parts.split(g, ("clipped",)) == [(SERVERS, ["enq"]), (COLLECTIVES, ["clipped"])]
+    assert parts.split(g, ("second",)) == [(SERVERS, ["enq"]), (COLLECTIVES, ["deq", "second"])]
+    assert parts.split(g, ("clipped",)) == [(SERVERS, ["enq"]), (COLLECTIVES, ["clipped", "deq"])]

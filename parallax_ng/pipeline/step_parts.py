@@ -68,8 +68,9 @@ class StepParts:
             seen.add(name)
             todo.extend((t.op.name, False, t.value_index) for t in op.inputs)
             todo.extend((c.name, False, None) for c in op.control_inputs)
-            if name in self.enqueue_of:
-                todo.append((self.enqueue_of[name], True, None))
+            if name in self.enqueue_of:     # both ends run, whatever TensorFlow's graph
+                targets.setdefault(part, set()).add(name)    # rewrites drop: a Reshape to
+                todo.append((self.enqueue_of[name], True, None))   # a shape it knows
         out = [(p, sorted(targets[p])) for p in sorted(targets)]
         self._cache[fetch_ops] = out
         return out
