@@ -263,17 +263,18 @@ def grid(paths) -> None:
                         if m in SERVERLESS and layout == "per_host"}
                     figures, short = verdict(modes, layout)
                     held += not short
-                    print(f"{network:8} {model:10} {workers}w {layout:8} "
-                          f"{'holds' if not short else 'SHORT'}  {figures}")
-                    for s in short:
+                    rerun = [m for m in MODES if m != "hybrid-predicted" and
+                             len(modes.get(m, ())) < 3 and (layout == "one" or
+                                                            m not in SERVERLESS)]
+                    print(f"{network:8} {model:10} {workers}w {layout:8} " + (
+                        "holds" if not short else "not run" if not figures else "SHORT") +
+                        f"  {figures}")
+                    for s in short if figures else ():
                         print(f"    {s}")
-                    rerun = [m for m in MODES if m != "hybrid-predicted" and (
-                        len(modes.get(m, ())) < 3 or short and m in ("hybrid", "auto-ps"))
-                        and (layout == "one" or m not in SERVERLESS)]
                     if rerun:
                         todo.setdefault((network, tuple(rerun)), []).append(key)
     print(f"\n{held} of {len(NETWORKS) * len(MODELS) * len(WORKERS) * len(LAYOUTS)} "
-          "settings hold. To fill the gaps:")
+          "settings hold. To run the modes with fewer than 3 jobs:")
     for (network, rerun), keys in sorted(todo.items()):
         for key in keys:
             print(f"  dense_choice.py run --networks {network} --models {key[1]} "
