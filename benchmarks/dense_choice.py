@@ -87,7 +87,7 @@ def load(paths) -> dict:
 
 def with_serverless(data: dict, key: tuple) -> dict:
     """A setting's modes; per_host takes the serverless modes of `one`."""
-    modes = data[key]
+    modes = data.get(key, {})
     if key[3] == "per_host":
         modes = {**{m: j for m, j in data.get(key[:3] + ("one",), {}).items()
                     if m in SERVERLESS}, **modes}
@@ -216,7 +216,7 @@ NETWORKS, MODELS, WORKERS, LAYOUTS = ("loopback", "1gbit", "100mbit"), ("lm", "c
 RESULTS = os.path.join(HERE, "results")
 
 
-def verdict(modes: dict, layout: str) -> tuple[str, list[str]]:
+def verdict(modes: dict) -> tuple[str, list[str]]:
     """(a line of figures, what falls short) for one setting's modes."""
     wanted = [m for m in MODES if m != "hybrid-predicted"]
     missing = [m for m in wanted if m not in modes]
@@ -258,10 +258,8 @@ def grid(paths) -> None:
             for workers in WORKERS:
                 for layout in LAYOUTS:
                     key = (network, model, workers, layout)
-                    modes = with_serverless(data, key) if key in data else {
-                        m: j for m, j in data.get(key[:3] + ("one",), {}).items()
-                        if m in SERVERLESS and layout == "per_host"}
-                    figures, short = verdict(modes, layout)
+                    modes = with_serverless(data, key)
+                    figures, short = verdict(modes)
                     held += not short
                     rerun = [m for m in MODES if m != "hybrid-predicted" and
                              len(modes.get(m, ())) < 3 and (layout == "one" or

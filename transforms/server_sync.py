@@ -236,11 +236,11 @@ def _needed_by_every_worker(ctx) -> set[str]:
     tg, plan = ctx.tg, ctx.plan
     local = ctx.result(LocalAggregates)
     shared = plan.shared_state()
-    mirrored_writers = [w for v in plan.placement if v not in shared
-                        for w in tg.writers.get(v, ())]
+    own_writers = [w for v in plan.placement if v not in shared
+                   for w in tg.writers.get(v, ())]
     # the user's L2Loss of coalesced values is replaced by the summed norms
     replaced = {n for v in local.norms for n in ctx.facts.coalescing(v)}
-    feeding = tg.ir.ancestors(mirrored_writers, stop=replaced.__contains__, data_only=True)
+    feeding = tg.ir.ancestors(own_writers, stop=replaced.__contains__, data_only=True)
     out = set()
     for var, vp in plan.variables.items():
         grad = tg.gradients[var]

@@ -135,10 +135,11 @@ def _keep_branches_whole(ir: GraphIR, stage: dict[str, int]) -> None:
         for c in ir.node_consumers.get(name, ()):
             if c in stage and stage[c] % 2 != stage[name] % 2:
                 raise GraphError(
-                    f"{c!r} and {name!r} are in a conditional branch (tf.cond) that has "
-                    "both collective ops and parameter-server ops, which a multi-worker "
-                    "job runs in separate session runs. Use run_option allreduce, or keep "
-                    "the branch free of variables on parameter servers")
+                    f"{c!r} and {name!r} are in a conditional branch or loop body "
+                    "(control flow v1) that has both collective ops and parameter-server "
+                    "ops, which a multi-worker job runs in separate session runs. Use "
+                    "run_option allreduce, or keep the branch free of variables on "
+                    "parameter servers")
 
 
 def _cut(ir: GraphIR, part: dict[str, int], floating: set[str], host: str):

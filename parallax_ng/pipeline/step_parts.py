@@ -68,9 +68,11 @@ class StepParts:
             seen.add(name)
             todo.extend((t.op.name, False, t.value_index) for t in op.inputs)
             todo.extend((c.name, False, None) for c in op.control_inputs)
-            if name in self.enqueue_of:     # both ends run, whatever TensorFlow's graph
-                targets.setdefault(part, set()).add(name)    # rewrites drop: a Reshape to
-                todo.append((self.enqueue_of[name], True, None))   # a shape it knows
+            if name in self.enqueue_of:
+                # both ends are targets: TensorFlow's rewrites may drop the
+                # dequeue's reader (a Reshape folded into the next one)
+                targets.setdefault(part, set()).add(name)
+                todo.append((self.enqueue_of[name], True, None))
         out = [(p, sorted(targets[p])) for p in sorted(targets)]
         self._cache[fetch_ops] = out
         return out
