@@ -29,7 +29,9 @@ and 4 workers x one server or a server per host: per setting, whether it
 holds (hybrid and auto at least 0.97x the fastest fixed mode, no mode
 below MultiWorkerMirroredStrategy, the chosen plan's bytes within 1.05x
 of its model, every mode a median of 3 jobs), else what is short or
-missing, and the `run` lines that would fill the gaps. Modes without a server (allreduce, mwms) are the same in
+missing (a mode below MultiWorkerMirroredStrategy is marked NIC-bound
+where the bytes its busiest host sent a step, at the NIC's rate, allow
+fewer steps/s than MultiWorkerMirroredStrategy ran), and the `run` lines that would fill the gaps. Modes without a server (allreduce, mwms) are the same in
 both layouts and run once, under `one`.
 """
 from __future__ import annotations
@@ -214,10 +216,22 @@ def markdown(paths) -> None:
 NETWORKS, MODELS, WORKERS, LAYOUTS = ("loopback", "1gbit", "100mbit"), ("lm", "classifier"), \
     (2, 4), ("one", "per_host")
 RESULTS = os.path.join(HERE, "results")
+RATES = {"1gbit": 1e9 / 8, "100mbit": 1e8 / 8}     # a netlab NIC's bytes/s each way
 
 
-def verdict(modes: dict) -> tuple[str, list[str]]:
-    """(a line of figures, what falls short) for one setting's modes."""
+def nic_bound(network: str, job: dict) -> float | None:
+    """The steps/s a job's busiest host's NIC allows at `network`'s rate
+    (the bytes it sent a step, measured), or None on loopback."""
+    rate = RATES.get(network)
+    busiest = max(job.get("bytes_per_step", {}).values(), default=0)
+    return rate / busiest if rate and busiest else None
+
+
+def verdict(modes: dict, network: str = "loopback") -> tuple[str, list[str]]:
+    """(a line of figures, what falls short) for one setting's modes; a
+    mode below MultiWorkerMirroredStrategy is marked NIC-bound where its
+    busiest host's bytes at the NIC's rate allow fewer steps/s than
+    MultiWorkerMirroredStrategy ran."""
     wanted = [m for m in MODES if m != "hybrid-predicted"]
     missing = [m for m in wanted if m not in modes]
     few = [m for m in wanted if m in modes and len(modes[m]) < 3]
@@ -236,8 +250,12 @@ def verdict(modes: dict) -> tuple[str, list[str]]:
             if worst and worst > 1.05:
                 short.append(f"{mode}'s bytes {worst:.3f}x its model")
     if "mwms" in speed:
-        slower = [f"{m} {speed[m] / speed['mwms']:.2f}x" for m in speed
-                  if m != "mwms" and speed[m] < speed["mwms"]]
+        slower = []
+        for m in (m for m in speed if m != "mwms" and speed[m] < speed["mwms"]):
+            bound = nic_bound(network, middle(modes[m]))
+            slower.append(f"{m} {speed[m] / speed['mwms']:.2f}x" + (
+                f" (NIC-bound: its busiest host's bytes allow {bound:.2f} steps/s)"
+                if bound and bound < speed["mwms"] else ""))
         if slower:
             short.append("below MWMS: " + ", ".join(slower))
     if best:
@@ -259,7 +277,7 @@ def grid(paths) -> None:
                 for layout in LAYOUTS:
                     key = (network, model, workers, layout)
                     modes = with_serverless(data, key)
-                    figures, short = verdict(modes)
+                    figures, short = verdict(modes, network)
                     held += not short
                     rerun = [m for m in MODES if m != "hybrid-predicted" and
                              len(modes.get(m, ())) < 3 and (layout == "one" or
