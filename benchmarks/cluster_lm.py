@@ -202,6 +202,7 @@ def main():
                                             "optimizer": args.optimizer,
                                             "mode": mode, "commit": commit(),
                                             "date": time.strftime("%Y-%m-%d"),
+                                            "cores": os.cpu_count(),
                                             "runs": runs}) + "\n")
     finally:
         if args.netlab:

@@ -73,7 +73,8 @@ def run(args) -> None:
 
 def load(paths) -> dict:
     """(network, model, workers, layout) -> mode -> [jobs]; a later file's
-    jobs of a mode and setting replace an earlier file's."""
+    jobs of a mode and setting replace an earlier file's. Each job takes
+    its line's `cores` (the machine's, where the line records it)."""
     out: dict = {}
     for path in [paths] if isinstance(paths, str) else paths:
         mine: dict = {}
@@ -81,7 +82,8 @@ def load(paths) -> dict:
             for line in f:
                 r = json.loads(line)
                 key = (r["network"], r["model"], r["workers"], r["layout"])
-                mine.setdefault(key, {}).setdefault(r["mode"], []).extend(r["runs"])
+                mine.setdefault(key, {}).setdefault(r["mode"], []).extend(
+                    {**job, "cores": r["cores"]} if "cores" in r else job for job in r["runs"])
         for key, modes in mine.items():
             out.setdefault(key, {}).update(modes)
     return out
@@ -216,6 +218,7 @@ def markdown(paths) -> None:
 NETWORKS, MODELS, WORKERS, LAYOUTS = ("loopback", "1gbit", "100mbit"), ("lm", "classifier"), \
     (2, 4), ("one", "per_host")
 RESULTS = os.path.join(HERE, "results")
+CPU_BOUND = 0.85    # the share of the cores busy that makes a setting CPU-bound
 RATES = {"1gbit": 1e9 / 8, "100mbit": 1e8 / 8}     # a netlab NIC's bytes/s each way
 
 
@@ -227,11 +230,23 @@ def nic_bound(network: str, job: dict) -> float | None:
     return rate / busiest if rate and busiest else None
 
 
-def verdict(modes: dict, network: str = "loopback") -> tuple[str, list[str]]:
+def busy_cores(job: dict, workers: int) -> float | None:
+    """The cores a job's workers kept busy: worker 0's CPU seconds a step
+    (every process on its host but the servers, measured in the window)
+    times the workers and the steps/s; servers not counted."""
+    cpu = job.get("cpu_seconds_per_step", {}).get("worker 0")
+    return cpu * workers * job["steps_per_s"] if cpu else None
+
+
+def verdict(modes: dict, network: str = "loopback",
+            workers: int = 0) -> tuple[str, list[str]]:
     """(a line of figures, what falls short) for one setting's modes; a
     mode below MultiWorkerMirroredStrategy is marked NIC-bound where its
     busiest host's bytes at the NIC's rate allow fewer steps/s than
-    MultiWorkerMirroredStrategy ran."""
+    MultiWorkerMirroredStrategy ran, and hybrid or auto short of the
+    fastest fixed mode as CPU-bound where that mode's workers kept
+    CPU_BOUND of the machine's cores busy (the jobs' record, else this
+    machine's count)."""
     wanted = [m for m in MODES if m != "hybrid-predicted"]
     missing = [m for m in wanted if m not in modes]
     few = [m for m in wanted if m in modes and len(modes[m]) < 3]
@@ -245,7 +260,11 @@ def verdict(modes: dict, network: str = "loopback") -> tuple[str, list[str]]:
             ratio = speed[mode] / best
             figures.append(f"{mode} {ratio:.3f}x")
             if ratio < 0.97:
-                short.append(f"{mode} {ratio:.3f}x the best fixed mode")
+                fastest = middle(modes[max((m for m in FIXED if m in speed), key=speed.get)])
+                busy, cores = busy_cores(fastest, workers), fastest.get("cores", os.cpu_count())
+                short.append(f"{mode} {ratio:.3f}x the best fixed mode" + (
+                    f" (CPU-bound: its workers kept {busy:.2f} of {cores} cores busy)"
+                    if busy and busy >= CPU_BOUND * cores else ""))
             worst = worst_bytes(middle(modes[mode]))
             if worst and worst > 1.05:
                 short.append(f"{mode}'s bytes {worst:.3f}x its model")
@@ -277,7 +296,7 @@ def grid(paths) -> None:
                 for layout in LAYOUTS:
                     key = (network, model, workers, layout)
                     modes = with_serverless(data, key)
-                    figures, short = verdict(modes, network)
+                    figures, short = verdict(modes, network, workers)
                     held += not short
                     rerun = [m for m in MODES if m != "hybrid-predicted" and
                              len(modes.get(m, ())) < 3 and (layout == "one" or
