@@ -3,11 +3,14 @@ and auto in a job with servers weigh whole plans; a dense-heavy model with
 one server apart goes to the ring, a small one on one machine to the
 servers; every worker chooses alike."""
 import pytest
+import tensorflow as tf
 
 import parallax_ng as pn
 from parallax_ng.cluster import ClusterInfo
 from parallax_ng.planning.plan import Candidate
-from test_traffic import classifier
+from test_traffic import BATCH, CLASSES, ROWS, WIDTH, classifier
+
+tf1 = tf.compat.v1
 
 NET = {"bandwidth": 1.25e7, "latency": 1e-4}      # 100 Mb/s
 
@@ -131,13 +134,54 @@ def test_a_method_the_config_sets_is_not_weighed():
     assert isinstance(plan.choice[0], Candidate)
 
 
-def test_auto_weighs_each_dense_method_with_three_ways_for_the_sparse_ones():
+def test_auto_weighs_each_dense_method_with_four_ways_for_the_sparse_ones():
     plan = pn.transform_plan(classifier(), resources(4), {"run_option": "auto",
                                                           "network": NET})
     ways = {c.label.split(", sparse ")[1] for c in plan.choice}
-    assert ways <= {"EmbRace's costs", "on the servers", "by collectives"}
+    assert ways <= {"EmbRace's costs", "on the servers", "by collectives", "by all-gather"}
     assert "on the servers" in ways and len(plan.choice) >= 6
     assert methods(plan)["out/w"] == "allreduce"
+
+
+def with_bias():
+    """An embedding and a [ROWS] bias read by the same ids (as a sampled
+    softmax's weights and bias are), then a dense layer."""
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.placeholder(tf.int32, [BATCH, 8], name="ids")
+        label = tf1.placeholder(tf.int64, [BATCH], name="label")
+        h = tf.reduce_mean(tf.nn.embedding_lookup(tf1.get_variable("emb", [ROWS, WIDTH]), ids),
+                           axis=1)
+        shift = tf.reduce_mean(tf.gather(tf1.get_variable("bias", [ROWS]), ids), axis=1,
+                               keepdims=True)
+        logits = tf.matmul(h, tf1.get_variable("out/w", [WIDTH, CLASSES])) + shift
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=label, logits=logits))
+        tf1.train.AdagradOptimizer(0.1).minimize(loss)
+    return g
+
+
+def test_auto_weighs_every_table_by_all_gather_beside_embraces_costs():
+    """EmbRace's per-variable costs price each table alone: at 1 Gb/s with
+    2 replicas the embedding's rows go by all-gather, but the small bias
+    costs a dense all-reduce fewer messages (2 against 3) and goes whole.
+    Beside the embedding's all-gather those messages cost the step
+    nothing more (its rounds are the all-gather's), and the whole bias is
+    more bytes than its rows: the plan with every table by all-gather is
+    weighed too, and ranks ahead."""
+    gbit = {"bandwidth": 1.25e8, "latency": 1e-4}
+    plan = pn.transform_plan(with_bias(), resources(2), {"run_option": "auto",
+                                                         "network": gbit})
+    by = {c.label: c for c in plan.choice}
+    embrace = by["dense allreduce, sparse EmbRace's costs"]
+    gathered = by["dense allreduce, sparse by all-gather"]
+    assert dict(embrace.methods)["emb"] == "allgather"
+    assert dict(embrace.methods)["bias"] == "allreduce"
+    assert dict(gathered.methods)["bias"] == "allgather"
+    assert gathered.fixed_seconds == pytest.approx(embrace.fixed_seconds)
+    assert gathered.total < embrace.total and gathered.seconds < embrace.seconds
+    labels = [c.label for c in plan.choice]
+    assert labels.index(gathered.label) < labels.index(embrace.label)
 
 
 def test_auto_weighs_each_dense_method_also_without_factors():

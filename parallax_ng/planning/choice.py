@@ -18,8 +18,13 @@ all-gather, against the same with kernels by their factors).
   by its factors where those cost less (a collective beside the servers
   can cost the step more than the bytes it saves), each with the sparse
   variables by
-  EmbRace's per-variable costs (costmodel.py), all on the servers, and
-  all by their cheapest collective.
+  EmbRace's per-variable costs (costmodel.py), all on the servers, all by
+  their cheapest collective, and all by all-gather (hybrid's way: the
+  per-variable costs price each variable alone, so a small table such as
+  a softmax bias can come out cheaper by a dense all-reduce through its
+  fewer messages, while it sends its whole gradient and costs the step
+  more than its rows beside the other tables' all-gathers; the whole-plan
+  prediction then weighs both).
 Each candidate is a whole plan; `traffic.predict` gives its step's
 communication time on the job's links, the busiest one deciding. The
 fastest wins; ties go to the candidate with the fewer bytes over all
@@ -83,7 +88,8 @@ def options(config, costs: dict, info: dict, net=None, replicas: int = 2,
     ways = {"EmbRace's costs": lambda t: t,
             "on the servers": lambda t: {m: s for m, s in t.items() if method(m).shared} or t,
             "by collectives": lambda t: {m: s for m, s in t.items()
-                                         if not method(m).servers} or t}
+                                         if not method(m).servers} or t,
+            "by all-gather": lambda t: {m: s for m, s in t.items() if m == "allgather"} or t}
     out = []
     for m in DENSE:
         for way, cut in ways.items():
