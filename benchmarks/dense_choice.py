@@ -251,7 +251,8 @@ def verdict(modes: dict, network: str = "loopback",
     missing = [m for m in wanted if m not in modes]
     few = [m for m in wanted if m in modes and len(modes[m]) < 3]
     speed = {m: median(j) for m, j in modes.items()}
-    best = max((speed[m] for m in FIXED if m in speed), default=None)
+    fastest = max((m for m in FIXED if m in speed), key=speed.get, default=None)
+    best = speed[fastest] if fastest else None
     short = ([f"missing {','.join(missing)}"] if missing else []) + (
         [f"under 3 jobs: {','.join(few)}"] if few else [])
     figures = []
@@ -260,8 +261,8 @@ def verdict(modes: dict, network: str = "loopback",
             ratio = speed[mode] / best
             figures.append(f"{mode} {ratio:.3f}x")
             if ratio < 0.97:
-                fastest = middle(modes[max((m for m in FIXED if m in speed), key=speed.get)])
-                busy, cores = busy_cores(fastest, workers), fastest.get("cores", os.cpu_count())
+                job = middle(modes[fastest])
+                busy, cores = busy_cores(job, workers), job.get("cores", os.cpu_count())
                 short.append(f"{mode} {ratio:.3f}x the best fixed mode" + (
                     f" (CPU-bound: its workers kept {busy:.2f} of {cores} cores busy)"
                     if busy and busy >= CPU_BOUND * cores else ""))
@@ -278,7 +279,6 @@ def verdict(modes: dict, network: str = "loopback",
         if slower:
             short.append("below MWMS: " + ", ".join(slower))
     if best:
-        fastest = max((m for m in FIXED if m in speed), key=speed.get)
         figures.append(f"best {fastest} {best:.2f} steps/s")
     return "; ".join(figures), short
 
