@@ -30,7 +30,9 @@ does not run under it), beside the TF1 graph's `hybrid` and `allreduce`.
 Each mode is one `parallax-ng run` job. Worker 0 times a window of --steps
 steps after --warmup steps, and counts the bytes every process of the job
 sent in that window at its TCP sockets (`ss -tinp`, bytes_sent summed over
-the sockets the process owns). Prints steps/s and bytes sent per step per
+the sockets the process owns; under `--netlab`, over every socket of each
+emulated host, beside the bytes its NIC carried: those add the TCP/IP
+headers and the acknowledgements of what the host received). Prints steps/s and bytes sent per step per
 process, and both as ratios to MultiWorkerMirroredStrategy; for parallax_ng
 modes also the Parallax traffic model's bytes per process beside them.
 """
@@ -160,7 +162,7 @@ def main():
     parser.add_argument("--netlab", metavar="RATE",
                         help="run every task on its own emulated host with a NIC of RATE "
                              "(e.g. 100mbit, 1gbit; ../shared/tools/netlab); bytes are then "
-                             "read at each host's NIC")
+                             "read at each host's sockets and NIC")
     parser.add_argument("--mode", help=argparse.SUPPRESS)      # inside a job
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -281,18 +283,22 @@ def job(mode: str, args, tmp: str, repeat: int) -> dict:
             raise SystemExit(f"{mode} job failed (its whole log: {kept}):\n{text[-3000:]}")
     with open(out) as f:
         result = json.load(f)
-    if nic is not None:     # the hosts' NICs over the timed window
+    if nic is not None:     # the hosts' sockets and NICs over the timed window
         names = [f"host of worker {i}" for i in range(args.workers)] + ["server host"]
+        sockets, wire = nic
         result["bytes_per_step"] = {names[int(host.split()[1])]: b / args.steps
-                                    for host, b in nic.items()}
+                                    for host, b in sockets.items()}
+        result["nic_bytes_per_step"] = {names[int(host.split()[1])]: b / args.steps
+                                        for host, b in wire.items()}
     return result
 
 
-def nic_window(out: str, proc) -> dict | None:
-    """Bytes each emulated host sent between worker 0's window marks: it
-    writes OUT.start and waits for OUT.go, and after its timed steps writes
-    OUT.stop and waits for OUT.stopped (the steps that count rows for the
-    model come after)."""
+def nic_window(out: str, proc) -> tuple[dict, dict] | None:
+    """Bytes each emulated host sent between worker 0's window marks, at
+    its TCP sockets and at its NIC: worker 0 writes OUT.start and waits
+    for OUT.go, and after its timed steps writes OUT.stop and waits for
+    OUT.stopped (the steps that count rows for the model come after), so
+    both are read while the job waits."""
     before = None
     deadline = time.monotonic() + 1800
     while time.monotonic() < deadline and proc.poll() is None:
@@ -302,15 +308,23 @@ def nic_window(out: str, proc) -> dict | None:
         if before is not None and os.path.exists(out + ".stop"):
             after = netlab_bytes()
             open(out + ".stopped", "w").close()
-            return {h: after[h] - before[h] for h in after}
+            return tuple({h: a[h] - b.get(h, 0) for h in a} for a, b in zip(after, before))
         time.sleep(0.005)
     return None
 
 
-def netlab_bytes() -> dict[str, int]:
+def netlab_bytes() -> tuple[dict[str, int], dict[str, int]]:
+    """What each emulated host has sent: bytes_sent over its TCP sockets
+    (what the traffic model counts), and its NIC's bytes."""
     text = subprocess.run([NETLAB, "bytes"], capture_output=True, text=True).stdout
-    return {f"host {m.group(1)}": int(m.group(2))
-            for m in re.finditer(r"host (\d+) \S+ sent (\d+)", text)}
+    hosts = {f"host {m.group(1)}": (m.group(2), int(m.group(3)))
+             for m in re.finditer(r"host (\d+) (\S+) sent (\d+)", text)}
+    sockets = {}
+    for host, (address, _) in hosts.items():
+        listed = subprocess.run([NETLAB, "ssh", address, "ss -tin"], capture_output=True,
+                                text=True).stdout
+        sockets[host] = sum(int(b) for b in re.findall(r"bytes_sent:(\d+)", listed))
+    return sockets, {host: sent for host, (_, sent) in hosts.items()}
 
 
 def format_row(r: dict) -> str:
@@ -318,6 +332,10 @@ def format_row(r: dict) -> str:
     sent = ", ".join(f"{task} {b / 1e6:.3f} MB" + (
         f" (model {model[task] / 1e6:.3f}, {b / model[task]:.3f}x)" if model.get(task) else "")
         for task, b in sorted(r["bytes_per_step"].items()))
+    wire = r.get("nic_bytes_per_step", {})
+    if wire:
+        sent += "; at the NICs: " + ", ".join(f"{host} {b / 1e6:.3f} MB"
+                                              for host, b in sorted(wire.items()))
     servers = [b for task, b in r["bytes_per_step"].items() if task.startswith("ps ")]
     balance = (f"  servers max/mean {max(servers) * len(servers) / sum(servers):.3f}"
                if len(servers) > 1 and sum(servers) else "")

@@ -125,10 +125,7 @@ def report(path: str) -> None:
             jobs = modes[mode]
             speed = median(jobs)
             mid = sorted(jobs, key=lambda j: j["steps_per_s"])[len(jobs) // 2]
-            model = mid.get("model_bytes_per_step", {})
-            sent = mid.get("bytes_per_step", {})
-            worst = max((sent[t] / model[t] for t in model if model[t] and t in sent),
-                        default=None)
+            worst = worst_bytes(mid)
             print(f"{key[0]:9} {key[1]:10} {key[2]:2d} {key[3]:8} {mode:17} {speed:8.2f} "
                   f"{speed / best if best else 0:8.3f} "
                   f"{chose(mid) if mode != 'mwms' else '':22} "
@@ -146,7 +143,10 @@ SHORT = {"allreduce/allgather": "ring+gather", "ps/ps": "servers", "bfb/ps": "bf
 
 
 def worst_bytes(job: dict) -> float | None:
-    """The largest measured / model bytes over a job's tasks (or hosts)."""
+    """The largest measured / model bytes over a job's tasks (or hosts: a
+    netlab job holds its hosts' socket bytes there and their NIC bytes in
+    `nic_bytes_per_step`; one stored before the sockets were read there
+    has only the NIC bytes, TCP/IP headers and acknowledgements included)."""
     model, sent = job.get("model_bytes_per_step", {}), job.get("bytes_per_step", {})
     return max((sent[t] / model[t] for t in model if model[t] and t in sent), default=None)
 
@@ -224,9 +224,11 @@ RATES = {"1gbit": 1e9 / 8, "100mbit": 1e8 / 8}     # a netlab NIC's bytes/s each
 
 def nic_bound(network: str, job: dict) -> float | None:
     """The steps/s a job's busiest host's NIC allows at `network`'s rate
-    (the bytes it sent a step, measured), or None on loopback."""
+    (the bytes it sent a step, measured at the NIC where the job has them),
+    or None on loopback."""
     rate = RATES.get(network)
-    busiest = max(job.get("bytes_per_step", {}).values(), default=0)
+    busiest = max(job.get("nic_bytes_per_step", job.get("bytes_per_step", {})).values(),
+                  default=0)
     return rate / busiest if rate and busiest else None
 
 
