@@ -260,10 +260,47 @@ def resource_file(mode: str, args, path: str) -> None:
         f.write(f"ssh: {NETLAB} ssh\n")
 
 
+class JobFailed(Exception):
+    """A job that ended with an error; its whole log is kept in `kept`."""
+
+    def __init__(self, kept: str, text: str):
+        super().__init__(text)
+        self.kept = kept
+
+
 def job(mode: str, args, tmp: str, repeat: int) -> dict:
+    """One job's result. A job that fails is run once more, and the
+    result says why the first try failed (`failed_try`): one transient
+    fault of TensorFlow's runtime (a RunGraph request a server took for a
+    duplicate, say) would otherwise end the setting's every remaining job."""
+    try:
+        return _job(mode, args, tmp, repeat, 0)
+    except JobFailed as first:
+        why = last_error(str(first))
+        print(f"{mode} job failed ({why}; its whole log: {first.kept}); once more",
+              flush=True)
+        try:
+            result = _job(mode, args, tmp, repeat, 1)
+        except JobFailed as again:
+            raise SystemExit(f"{mode} job failed twice (its whole log: {again.kept}):\n"
+                             f"{str(again)[-3000:]}")
+        result["failed_try"] = why
+        return result
+
+
+def last_error(text: str) -> str:
+    """The last lines of a job's log (the error TensorFlow reported, and
+    the launcher's line), without its tasks' prefixes and tracebacks."""
+    lines = [re.sub(r"^\[[a-z]+ \d+\] ", "", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line and not line.startswith(("File ", "^", "Traceback"))
+             and "^^^" not in line]
+    return " / ".join(lines[-3:])[-400:] if lines else "an empty log"
+
+
+def _job(mode: str, args, tmp: str, repeat: int, attempt: int) -> dict:
     res = os.path.join(tmp, f"{mode}.yaml")
     resource_file(mode, args, res)
-    out = os.path.join(tmp, f"{mode}-{repeat}.json")
+    out = os.path.join(tmp, f"{mode}-{repeat}-{attempt}.json")   # a try's own window marks
     cmd = [sys.executable, "-m", "parallax_ng", "run", os.path.abspath(__file__),
            "-r", res, "--", "--mode", mode, "--out", out, "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--devices", str(args.devices),
@@ -277,10 +314,11 @@ def job(mode: str, args, tmp: str, repeat: int) -> dict:
         if proc.wait(timeout=1800) != 0:
             log.seek(0)
             text = log.read()
-            kept = os.path.join(tempfile.gettempdir(), f"cluster_lm-{mode}-{repeat}.log")
+            kept = os.path.join(tempfile.gettempdir(),
+                                f"cluster_lm-{mode}-{repeat}-{attempt}.log")
             with open(kept, "w") as f:
                 f.write(text)
-            raise SystemExit(f"{mode} job failed (its whole log: {kept}):\n{text[-3000:]}")
+            raise JobFailed(kept, text)
     with open(out) as f:
         result = json.load(f)
     if nic is not None:     # the hosts' sockets and NICs over the timed window
