@@ -22,3 +22,24 @@ class FetchError(ParallaxError, KeyError):
 
     def __str__(self):  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+REFUSED = "request was received twice"     # TensorFlow's words for a refused RunGraph
+REFUSED_WHY = (
+    "a parameter server refused this run as a repeat of an earlier request, which "
+    "TensorFlow's runtime does now and then in a long job with servers: its request ids "
+    "take about 2**32 values and a server refuses any of the last 100,000 it took, so "
+    "about one run in 43,000 once it holds them (docs/limits.md); the refused part did "
+    "nothing on the server. Train such jobs with a checkpoint.dir and `parallax-ng run "
+    "--restarts N`, which resume from the last checkpoint. TensorFlow said: ")
+
+
+def explained(error: BaseException) -> BaseException:
+    """`error` with what it means and what to do first where TensorFlow's
+    message alone would not say (a run a server refused as a repeated
+    request: a new AbortedError, still one the launcher restarts a job
+    for); any other error as it is."""
+    import tensorflow as tf
+    if not isinstance(error, tf.errors.AbortedError) or REFUSED not in error.message:
+        return error
+    return tf.errors.AbortedError(error.node_def, error.op, REFUSED_WHY + error.message)

@@ -54,6 +54,7 @@ from functools import cached_property
 
 import tensorflow as tf
 
+from ..errors import explained
 from ..graph import capture, tables
 from ..graph.rules import READ_PREFIXES
 from ..methods import method
@@ -147,9 +148,12 @@ class Runner:
             if self._queues is not None:
                 self._queues.raise_failure()   # a queue runner's error closed its queue
             raise
-        except BaseException:
+        except BaseException as e:
             self._failed = trained
-            raise
+            told = explained(e)
+            if told is e:
+                raise
+            raise told from e
         self._pending = self._pending or (trained and bool(self._flush))
         if trained and self._timeline is not None:
             self._timeline.record(run_metadata if tracing else None, start, time.time())
