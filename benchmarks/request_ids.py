@@ -17,10 +17,12 @@ This starts a server task (a process of its own, on 127.0.0.1) and, in
 this process, a worker whose session runs an op on the server as fast as
 it can, counts the refusals, and prints them against that model.
 
-    python benchmarks/request_ids.py [--runs 150000] [--via run|callable]
+    python benchmarks/request_ids.py [--runs 150000] [--via run|callable] [--on ps|worker]
 
 (`--via callable`: the runs through `Session.make_callable`, which
-TensorFlow's master runs as RunCallable.)
+TensorFlow's master runs as RunCallable; `--on worker`: the variable on
+the worker's own task, whose worker service the master asks the same way,
+the server task idle.)
 """
 import argparse
 import os
@@ -50,6 +52,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=150_000)
     parser.add_argument("--via", choices=("run", "callable"), default="run")
+    parser.add_argument("--on", choices=("ps", "worker"), default="ps")
     args = parser.parse_args()
     import tensorflow as tf
 
@@ -62,7 +65,7 @@ def main():
         mine = tf.distribute.Server(spec, job_name="worker", task_index=0, start=True)
         graph = tf.Graph()
         with graph.as_default():
-            with tf.device("/job:ps/task:0/device:CPU:0"):
+            with tf.device(f"/job:{args.on}/task:0/device:CPU:0"):
                 count = tf.compat.v1.get_variable("count", [], tf.int64,
                                                   tf.compat.v1.zeros_initializer())
                 step = count.assign_add(1)
@@ -80,11 +83,13 @@ def main():
                     if "received twice" not in e.message:
                         raise
                     refused.append(i + 1)
-                    print(f"run {i + 1}: refused as a duplicate request", flush=True)
+                    said = e.message.split("goo.gle")[0].strip().splitlines()[-1]
+                    print(f"run {i + 1}: refused: {said}", flush=True)
             applied = session.run(count, options=options)
         seconds = time.monotonic() - start
-        print(f"{args.via}: {args.runs} runs in {seconds:.1f} s ({args.runs / seconds:.0f} runs/s): "
-              f"{len(refused)} refused (expected {expected(args.runs):.2f}); the server "
+        print(f"{args.via}, on the {args.on} task: {args.runs} runs in {seconds:.1f} s "
+              f"({args.runs / seconds:.0f} runs/s): {len(refused)} refused "
+              f"(expected {expected(args.runs):.2f}); the task "
               f"applied {applied} (runs less refusals: {args.runs - len(refused)})")
     finally:
         server.kill()

@@ -26,12 +26,12 @@ class FetchError(ParallaxError, KeyError):
 
 REFUSED = "request was received twice"     # TensorFlow's words for a refused RunGraph
 REFUSED_WHY = (
-    "a parameter server refused this run as a repeat of an earlier request, which "
-    "TensorFlow's runtime does now and then in a long job with servers: its request ids "
-    "take about 2**32 values and a server refuses any of the last 100,000 it took, so "
-    "about one run in 43,000 once it holds them (docs/limits.md); the refused part did "
-    "nothing on the server. Train such jobs with a checkpoint.dir and `parallax-ng run "
-    "--restarts N`, which resume from the last checkpoint. TensorFlow said: ")
+    "a task of the job refused this run as a repeat of an earlier request, which "
+    "TensorFlow's distributed runtime does now and then in a long job: its request ids "
+    "take about 2**32 values and a task refuses any of the last 100,000 it took, so "
+    "about one run in 43,000 once it holds them (docs/limits.md). Train such jobs with a "
+    "checkpoint.dir and `parallax-ng run --restarts N`, which resume from the last "
+    "checkpoint. TensorFlow said: ")
 
 
 def explained(error: BaseException) -> BaseException:
