@@ -25,8 +25,9 @@ class FetchError(ParallaxError, KeyError):
 
 
 REFUSED = "request was received twice"     # TensorFlow's words for a refused RunGraph
+REFUSED_SAID = "refused this run as a repeat of an earlier request"    # parallax_ng's words
 REFUSED_WHY = (
-    "a task of the job refused this run as a repeat of an earlier request, which "
+    f"a task of the job {REFUSED_SAID}, which "
     "TensorFlow's distributed runtime does now and then in a long job: its request ids "
     "take about 2**32 values and a task refuses any of the last 100,000 it took, so "
     "about one run in 43,000 once it holds them (docs/limits.md). Train such jobs with a "

@@ -2,7 +2,7 @@
 
     python resume_script.py CKPT_DIR OUT STEPS [--die-at STEP] [--config JSON]
         [--every N] [--print-steps] [--die-on-host ADDRESS] [--once] [--dropout RATE]
-        [--hold-at STEP --hold-file PATH]
+        [--hold-at STEP --hold-file PATH] [--die-as exit|refused]
 
 CKPT_DIR "-": the config names no checkpoint.dir (a launcher with
 --restarts gives one).
@@ -18,6 +18,7 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parallax_ng as pn  # noqa: E402
+from parallax_ng.errors import REFUSED, explained  # noqa: E402
 from models import embedding_regression, local, read_name, variable_names  # noqa: E402
 
 parser = argparse.ArgumentParser()
@@ -34,6 +35,9 @@ parser.add_argument("--every", type=int, default=5, help="checkpoint.every_steps
 parser.add_argument("--print-steps", action="store_true", help="say each step trained")
 parser.add_argument("--die-on-host", help="--die-at only in a worker at this address")
 parser.add_argument("--once", action="store_true", help="--die-at only in a run from step 0")
+parser.add_argument("--die-as", choices=("exit", "refused"), default="exit",
+                    help="--die-at: exit with code 9, or end with the error a run TensorFlow's "
+                         "runtime refused as a repeated request raises (parallax_ng/errors.py)")
 parser.add_argument("--dropout", type=float, default=0.0, help="seeded dropout at this rate")
 parser.add_argument("--hold-at", type=int, default=-1,
                     help="in a run from step 0, wait after this step until --hold-file exists "
@@ -66,6 +70,9 @@ while runner.run(step) < args.steps:
         print(f"step {done}", flush=True)
     if done == args.die_at and (args.die_on_host is None or args.die_on_host == my_host()) \
             and not (args.once and start > 0):
+        if args.die_as == "refused":
+            raise explained(tf.errors.AbortedError(None, None, "From /job:ps/replica:0/task:0:\n"
+                                                   f"The same RunGraph (Worker) {REFUSED}."))
         os._exit(9)
     if done == args.hold_at and start == 0:
         deadline = time.monotonic() + 120

@@ -291,3 +291,25 @@ def test_a_host_that_fails_twice_is_replaced_by_a_spare(tmp_path):
     assert set(got) == set(expected)
     for key, value in expected.items():
         np.testing.assert_array_equal(got[key], value, err_msg=key)
+
+
+def test_runs_tensorflow_refused_as_repeats_do_not_replace_a_host(tmp_path):
+    """Worker 1 on 127.0.0.2 ends at step 11 of every start with the error
+    of a run TensorFlow's runtime refused as a repeated request (which any
+    host meets by chance): the launcher restarts the job, but its host is
+    not counted as failing, so no spare takes its place."""
+    res = tmp_path / "r.yaml"
+    res.write_text("hosts:\n  - address: 127.0.0.1\n    devices: [cpu:0]\n"
+                   "  - address: 127.0.0.2\n    devices: [cpu:0]\n"
+                   "spares:\n  - address: 127.0.0.3\n    devices: [cpu:0]\n")
+    job = Launched(["-r", str(res), "--restarts", "2", "--run-dir", str(tmp_path / "run"),
+                    SCRIPT, "--", "-", str(tmp_path / "out"), "15", "--run-option",
+                    "allreduce", "--every", "5", "--die-at", "11", "--die-on-host",
+                    "127.0.0.2", "--die-as", "refused"])
+    code = job.finish()
+    text = job.text()
+    assert code == 1, text[-4000:]
+    assert "refused this run as a repeat of an earlier request" in text
+    assert "restart 1 of 2: worker 1 failed" in text and "restart 2 of 2: worker 1 failed" in text
+    assert "takes its place" not in text
+    assert not re.search(r"started worker 1 \(pid \d+\) at 127\.0\.0\.3", text)

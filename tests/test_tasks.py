@@ -45,6 +45,13 @@ def test_a_host_that_failed_twice_takes_the_next_spare():
     assert job.resources.hosts[0].address == "10.0.0.1"
 
 
+def test_a_run_tensorflow_refused_as_a_repeat_is_not_a_hosts_failure():
+    job = Job(resources=load_resources(RESOURCES))
+    for count in (1, 2):
+        job.restart(Outcome(1, "worker 1", True, hosts_fault=False), count, 5)
+    assert job.failures == {} and job.resources.hosts[1].address == "10.0.0.2"
+
+
 def test_a_preemption_is_not_a_hosts_failure():
     job = Job(resources=load_resources(RESOURCES))
     for count in (1, 2):

@@ -49,7 +49,7 @@ import threading
 import time
 
 from ..cluster import CHECKPOINT_ENV, CONFIG_ENV, ENV, ClusterInfo
-from ..errors import ResourceError
+from ..errors import REFUSED_SAID, ResourceError
 from ..resources import ResourceInfo, load_resources
 from ..runtime import heartbeat, timeline
 from ..runtime.preemption import EXIT_CODE as PREEMPTED
@@ -361,7 +361,8 @@ def _watch(job: Job, poll: float) -> Outcome:
             job.preempted_by = ""
             if held_by is not None:
                 return Outcome(1, held_by.name, True)
-            return Outcome(code, t.name, not mistake and not job.signalled)
+            return Outcome(code, t.name, not mistake and not job.signalled,
+                           hosts_fault=REFUSED_SAID not in (t.error or ""))
         limit = _limit(tasks, workers)
         for t in tasks:
             if t.process.poll() is None and t.silent(now) > (

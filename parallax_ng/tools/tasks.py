@@ -150,11 +150,14 @@ class Task:
 @dataclass
 class Outcome:
     """How one start of the job ended: its exit code, the task that ended
-    it, and whether a restart may help (not a user's mistake, not a
-    SIGTERM to the launcher)."""
+    it, whether a restart may help (not a user's mistake, not a SIGTERM to
+    the launcher), and whether the task's host is to blame (not a run
+    TensorFlow's runtime refused as a repeated request, which any host
+    meets by chance: parallax_ng/errors.py)."""
     code: int
     task: str = ""
     retry: bool = False
+    hosts_fault: bool = True
 
 
 @dataclass
@@ -181,7 +184,7 @@ class Job:
 
     def restart(self, outcome: Outcome, count: int, limit: int) -> None:
         self.failed_at, self.stopping = time.monotonic(), None
-        if not self.preempted_by:      # a failure, not a preemption
+        if not self.preempted_by and outcome.hosts_fault:   # a failure of its host
             self._replace(outcome.task)
         where = (f"resumes from step {self.saved[0]} ({self.saved[1]})" if self.saved else
                  "starts from its last checkpoint if it has one (none was reported)")
