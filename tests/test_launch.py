@@ -246,3 +246,20 @@ def test_a_task_slow_to_end_after_its_program_is_not_a_stalled_one(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("done") == 2 and "stopped making progress" not in done.stderr
+
+
+def test_the_tasks_of_one_machine_share_its_cores(tmp_path):
+    """Each task of a job on this machine sizes TensorFlow's thread pools to
+    its share of the cores (two workers here), unless the launcher's own
+    environment sizes them."""
+    script = tmp_path / "pools.py"
+    script.write_text("import os\nprint('pools', os.environ.get('TF_NUM_INTEROP_THREADS'), "
+                      "os.environ.get('TF_NUM_INTRAOP_THREADS'), flush=True)\n")
+    share = max(1, (os.cpu_count() or 1) // 2)
+    for given, said in (({}, f"pools {share} {share}"), ({"TF_NUM_INTEROP_THREADS": "3"},
+                                                          "pools 3 None")):
+        done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
+                               resources(tmp_path)], capture_output=True, text=True,
+                              env={**ENV, **given}, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.count(said) == 2, done.stdout

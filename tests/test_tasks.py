@@ -6,7 +6,7 @@ import sys
 
 from parallax_ng.resources import load_resources
 from parallax_ng.runtime.heartbeat import MARK
-from parallax_ng.tools.tasks import Job, Outcome, Task
+from parallax_ng.tools.tasks import THREADS, Job, Outcome, Task, thread_share
 
 
 def test_a_tasks_events_are_kept():
@@ -58,3 +58,10 @@ def test_a_preemption_is_not_a_hosts_failure():
         job.preempted_by = "worker 1"
         job.restart(Outcome(143, "worker 1", True), count, 5)
     assert job.failures == {} and job.resources.hosts[1].address == "10.0.0.2"
+
+
+def test_tasks_on_one_machine_share_its_cores_for_tensorflows_pools():
+    assert thread_share(3, {}, cores=2) == dict.fromkeys(THREADS, "1")
+    assert thread_share(4, {}, cores=64) == dict.fromkeys(THREADS, "16")
+    assert thread_share(1, {}, cores=2) == {}                        # a task alone: as it is
+    assert thread_share(3, {"TF_NUM_INTRAOP_THREADS": "2"}, cores=2) == {}   # the user's

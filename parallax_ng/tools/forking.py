@@ -60,13 +60,17 @@ MESSAGE = 1 << 20         # largest request (argv and environment) in bytes
 SHARED_ENV = "PARALLAX_NG_FORK_SERVER"     # a shared server's address
 
 
+TASK_READS = ("TF_USE_LEGACY_KERAS", "TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")
+
+
 def import_env(env: dict) -> dict:
     """The variables of `env` that an interpreter's start or TensorFlow's
     import read, which a task forked from a server takes from the server's
     environment (tf.keras resolves in the task: TF_USE_LEGACY_KERAS is not
-    among them)."""
+    among them; nor the thread pools' sizes, read when a session makes
+    them)."""
     return {k: v for k, v in env.items() if k.startswith(("PYTHON", "TF_"))
-            and k != "TF_USE_LEGACY_KERAS"}
+            and k not in TASK_READS}
 
 
 class Forked:

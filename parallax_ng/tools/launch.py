@@ -55,7 +55,7 @@ from ..runtime import heartbeat, timeline
 from ..runtime.preemption import EXIT_CODE as PREEMPTED
 from ..runtime.preemption import GRACE_ENV, RUN_ENV
 from .forking import Forker
-from .tasks import Job, Outcome, Task, Terminated, say, stop
+from .tasks import Job, Outcome, Task, Terminated, say, stop, thread_share
 
 LOCAL = ("127.", "localhost", "::1")
 
@@ -200,6 +200,7 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
     local = [h for h in resources.hosts if not is_remote(h.address, h.launch)] + [
         p for p in resources.ps if not is_remote(p)]
     forker = (Forker.shared(base_env) or Forker(base_env)) if fork and local else None
+    shares = thread_share(len(local), base_env)     # for the tasks on this machine
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, job.terminated)
@@ -212,7 +213,7 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
             base_env[GRACE_ENV] = f"{grace_seconds:g}"
             job.tasks = []
             _start_tasks(job, script, job.resources, workers, ps, base_env, args, runner,
-                         chief_only, verbose, forker)
+                         chief_only, verbose, forker, shares)
             outcome = _watch(job, poll)
             job.heard()
             if outcome.code == 0 or not outcome.retry or attempt == restarts:
@@ -239,22 +240,27 @@ def launch(script: str, resource_info, config: str | None = None, args=(),
 
 
 def _start_tasks(job: Job, script, resources, workers, ps, base_env, args, runner,
-                 chief_only, verbose, forker=None) -> None:
-    """Every task of one start of the job, into `job.tasks` as each starts."""
+                 chief_only, verbose, forker=None, shares=None) -> None:
+    """Every task of one start of the job, into `job.tasks` as each starts
+    (those of this machine with `shares` in their environment)."""
     tasks = job.tasks
     for j, address in enumerate(resources.ps):
         info = ClusterInfo(tuple(workers), tuple(ps), "ps", j, (("CPU", 0),))
         command = [sys.executable, "-m", "parallax_ng.tools.launch", "serve"]
-        tasks.append(_start(f"ps {j}", command, info, base_env,
-                            resources.ssh if is_remote(address) else None,
+        remote = is_remote(address)
+        tasks.append(_start(f"ps {j}", command, info,
+                            base_env if remote else {**base_env, **(shares or {})},
+                            resources.ssh if remote else None,
                             shown=not chief_only, verbose=verbose, forker=forker))
     for i, host in enumerate(resources.hosts):
         info = ClusterInfo(tuple(workers), tuple(ps), "worker", i, host.devices)
         command = [sys.executable, *(['-m', runner] if runner else []),
                    os.path.abspath(script), *args]
-        tasks.append(_start(f"worker {i}", command, info, base_env,
-                            resources.ssh if is_remote(host.address, host.launch)
-                            else None, shown=i == 0 or not chief_only, verbose=verbose,
+        remote = is_remote(host.address, host.launch)
+        tasks.append(_start(f"worker {i}", command, info,
+                            base_env if remote else {**base_env, **(shares or {})},
+                            resources.ssh if remote else None,
+                            shown=i == 0 or not chief_only, verbose=verbose,
                             forker=forker))
     for t in tasks:
         t.job = job

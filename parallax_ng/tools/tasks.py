@@ -12,6 +12,8 @@ failed twice), the last checkpoint, when the last failure came (to say how
 long the job took to train again), and a preemption under way (SIGTERM
 passed on to every worker once, its deadline). `stop` kills every live
 task's process group; `say` prints one line of the launcher's.
+`thread_share` gives each of the tasks a machine runs its share of the
+cores for TensorFlow's thread pools.
 """
 from __future__ import annotations
 
@@ -294,3 +296,18 @@ def send(process: subprocess.Popen, sig) -> None:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
         pass
+
+
+THREADS = ("TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")   # read as TensorFlow makes its pools
+
+
+def thread_share(tasks: int, env: dict, cores: int | None = None) -> dict:
+    """The environment that sizes TensorFlow's two thread pools in each of
+    `tasks` processes on one machine to its share of the cores (at least
+    one), where the tasks are more than one and `env` sizes neither pool.
+    Each process would otherwise make pools of every core: two workers (and
+    a server) on 2 cores ran 1.15x-1.18x slower (docs/benchmarks.md)."""
+    cores = cores or os.cpu_count() or 1
+    if tasks <= 1 or any(k in env for k in THREADS):
+        return {}
+    return dict.fromkeys(THREADS, str(max(1, cores // tasks)))
