@@ -32,9 +32,10 @@ steps after --warmup steps, and counts the bytes every process of the job
 sent in that window at its TCP sockets (`ss -tinp`, bytes_sent summed over
 the sockets the process owns; under `--netlab`, over every socket of each
 emulated host, beside the bytes its NIC carried: those add the TCP/IP
-headers and the acknowledgements of what the host received). Prints steps/s and bytes sent per step per
-process, and both as ratios to MultiWorkerMirroredStrategy; for parallax_ng
-modes also the Parallax traffic model's bytes per process beside them.
+headers and the acknowledgements of what the host received). Prints
+steps/s and bytes sent per step per process, and both as ratios to
+MultiWorkerMirroredStrategy; for parallax_ng modes also the Parallax
+traffic model's bytes per process beside them.
 """
 from __future__ import annotations
 

@@ -243,13 +243,12 @@ def _start_tasks(job: Job, script, resources, workers, ps, base_env, args, runne
                  chief_only, verbose, forker=None, shares=None) -> None:
     """Every task of one start of the job, into `job.tasks` as each starts
     (those of this machine with `shares` in their environment)."""
-    tasks = job.tasks
+    tasks, here = job.tasks, {**base_env, **(shares or {})}
     for j, address in enumerate(resources.ps):
         info = ClusterInfo(tuple(workers), tuple(ps), "ps", j, (("CPU", 0),))
         command = [sys.executable, "-m", "parallax_ng.tools.launch", "serve"]
         remote = is_remote(address)
-        tasks.append(_start(f"ps {j}", command, info,
-                            base_env if remote else {**base_env, **(shares or {})},
+        tasks.append(_start(f"ps {j}", command, info, base_env if remote else here,
                             resources.ssh if remote else None,
                             shown=not chief_only, verbose=verbose, forker=forker))
     for i, host in enumerate(resources.hosts):
@@ -257,8 +256,7 @@ def _start_tasks(job: Job, script, resources, workers, ps, base_env, args, runne
         command = [sys.executable, *(['-m', runner] if runner else []),
                    os.path.abspath(script), *args]
         remote = is_remote(host.address, host.launch)
-        tasks.append(_start(f"worker {i}", command, info,
-                            base_env if remote else {**base_env, **(shares or {})},
+        tasks.append(_start(f"worker {i}", command, info, base_env if remote else here,
                             resources.ssh if remote else None,
                             shown=i == 0 or not chief_only, verbose=verbose,
                             forker=forker))

@@ -298,7 +298,7 @@ def send(process: subprocess.Popen, sig) -> None:
         pass
 
 
-THREADS = ("TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")   # read as TensorFlow makes its pools
+THREADS = ("TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")   # read when a session makes pools
 
 
 def thread_share(tasks: int, env: dict, cores: int | None = None) -> dict:
