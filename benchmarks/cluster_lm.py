@@ -735,12 +735,14 @@ def fit_worker(args, info, a) -> None:
             if batch == args.warmup - 1:
                 tasks.update(task_pids(info))
                 window["before"] = sent_bytes(tasks.values())
+                window["cpu_before"] = cpu_seconds(tasks.values())
                 if emulated:
                     handshake(args.out + ".start", args.out + ".go")
                 window["start"] = time.perf_counter()
                 return
             window["seconds"] = time.perf_counter() - window["start"]
             window["after"] = sent_bytes(tasks.values())
+            window["cpu_after"] = cpu_seconds(tasks.values())
             if emulated:
                 handshake(args.out + ".stop", args.out + ".stopped")
     ds = tf.data.Dataset.from_tensor_slices((contexts, targets % a.classes))
@@ -751,10 +753,14 @@ def fit_worker(args, info, a) -> None:
         methods = {v: vp.method for v, vp in runner.plan.variables.items()} if runner else {}
         per_step = {name: (window["after"].get(pid, 0) - window["before"].get(pid, 0))
                     / args.steps for name, pid in tasks.items()}
+        before, after = window["cpu_before"], window["cpu_after"]
+        cpu = {name: (after[pid] - before[pid]) / args.steps for name, pid in tasks.items()
+               if pid in before and pid in after}
         plan = runner.plan if runner else None
         with open(args.out, "w") as f:
             json.dump({"steps_per_s": args.steps / window["seconds"],
-                       "bytes_per_step": per_step, "methods": methods,
+                       "bytes_per_step": per_step, "cpu_seconds_per_step": cpu,
+                       "methods": methods,
                        "choice": [dict(vars(c)) for c in plan.choice] if plan else [],
                        "network": plan.network if plan else "",
                        "tuned": runner.tuned if runner else {}}, f)
