@@ -75,6 +75,70 @@ def test_synced_state_equals_one_device():
     assert count == [8.0, 8.0]
 
 
+def totals_graph(chained=False, apart=False):
+    """A metric's total and count, both added from the replica's batch;
+    `chained`: the count's increment is computed after the total's write;
+    `apart`: the count counts the rows of another fed tensor."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
+        total = tf1.get_variable("total", initializer=np.zeros([3], np.float32),
+                                 trainable=False)
+        count = tf1.get_variable("count", initializer=np.float32(0), trainable=False)
+        add_total = tf1.assign_add(total, tf.reduce_sum(x, 0))
+        y = tf1.placeholder(tf.float32, [None], name="y")
+        rows = tf.cast(tf.shape(y if apart else x)[0], tf.float32)
+        with tf.control_dependencies([add_total] if chained else []):
+            add_count = tf1.assign_add(count, tf.identity(rows))
+        loss = tf.reduce_mean(tf.reduce_sum(x * w, 1))
+        with tf.control_dependencies([add_total, add_count]):
+            tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("chained,apart", [(False, False), (True, False), (False, True)],
+                         ids=["together", "chained", "other-feed"])
+def test_states_of_one_kind_are_reduced_as_one_tensor(chained, apart):
+    """A step's sums of one dtype (a [3] total and a scalar count) go as one
+    vector per replica, one exchange instead of two, and are cut back into
+    their shapes; a state whose increment comes after what another's sum
+    feeds stays alone (together they would wait for each other), and so do
+    states computed from other feeds (a run may feed one only). Either way
+    both equal one device's with the global batch."""
+    import parallax_ng as pn
+    from models import local
+    ctx = context(n=2, graph=totals_graph(chained, apart))
+    ir = run_passes(ctx, ReplicatePass(), AggregatePass(), StateSyncPass())
+    reduces = [n.name for n in ir.nodes if n.name.startswith("parallax/state_sync/")
+               and n.op == "CollectiveReduce"]
+    alone = chained or apart
+    assert len(reduces) == (4 if alone else 2)
+    assert all(("/together_" in n) != alone for n in reduces)
+    g = totals_graph(chained, apart)
+    data = np.arange(24, dtype=np.float32).reshape(8, 3)
+    with pn.get_runner(g, local(2)) as runner:
+        runner.run([v.initializer.name for v in g.get_collection("variables")])
+        for _ in range(2):
+            runner.run("train", {"x:0": data, "y:0": data[:, 0]})
+        total, count = runner.run(["total/Read/ReadVariableOp:0",
+                                   "count/Read/ReadVariableOp:0"], per_replica=True)
+    np.testing.assert_array_equal(total[0], 2 * data.sum(0))
+    np.testing.assert_array_equal(total[0], total[1])
+    assert count == [16.0, 16.0]
+
+
+def test_states_of_one_kind_go_through_a_server_as_one_tensor():
+    """In a job that sums on the servers, the total and count of a step
+    take one server sum (one queue element per worker each way)."""
+    from passkit import cluster_transform
+    ir, ctx = cluster_transform(totals_graph(), worker=0, servers=2, run_option="ps")
+    step = ir.ancestors(["train"])
+    totals = [n for n in step if n.startswith("parallax/state_sync/") and n.endswith("/total")]
+    assert len(totals) == 1 and "/together_" in totals[0]
+    assert ir.node(totals[0]).device.startswith("/job:ps/")
+
+
 def test_golden_tiny_counter():
     """A counter of every replica's rows: its AssignAdd input is summed over
     the replicas (one CollectiveReduce each, final op Id)."""

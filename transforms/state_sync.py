@@ -4,8 +4,9 @@ Requires: replicas made by `replicate`.
 Guarantees: when a mirrored variable is written with a value computed from a
 replica's own batch (batch-norm moving statistics, streaming metric totals),
 that value is all-reduced across replicas first, by the rule table in
-`parallax_ng.rules` (AssignAdd: sum; AssignSub and Assign: mean), so every
-replica writes the same value and the replicas never drift apart. Two
+`parallax_ng.rules` (AssignAdd: sum; AssignSub and Assign: mean; those of
+one dtype and rule with static shapes as one tensor: one exchange a step
+for a metric's total and count), so the replicas never drift apart. Two
 forms are told apart from what the value computes: an Assign of
 `var + increment` whose increment does not read `var` is an accumulation
 (Keras 3's metrics: totals and counts), so the replicas' increments are
@@ -63,6 +64,7 @@ class StateSyncPass:
         initializers = {v.initializer for v in tg.variables.values()}
         synced = 0
         new_nodes, rewires, tracked, untrained, above = [], {}, [], set(), {}
+        syncs = []                              # (scope, tensors, tensor, mean, node, at)
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
         batch = forms.replica_batch(tg.graph, sources)
         summing = not plan.average_dense and not plan.average_sparse
@@ -108,13 +110,16 @@ class StateSyncPass:
                         tracked.append(loss)
                         nodes, tensors = _times(ctx, ir, f"{scope}/sum_times_rows", tensors,
                                                 node, tg.tensor(ref).dtype, plan.group_size)
-                    reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
-                    more, outs = reduce(ctx, scope, tensors, tg.tensor(ref).dtype,
-                                        how == "mean", synced)
-                    synced += 1
-                    new_nodes.extend(nodes + more)
-                    for k, out in enumerate(outs):
-                        rewires[(ctx.replica_name(k, node), at)] = out
+                    new_nodes.extend(nodes)
+                    syncs.append((scope, tensors, tg.tensor(ref), how == "mean", node, at))
+        reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
+        for together in _together(ir, ctx, syncs, set(sources), above):
+            nodes, outs = _reduced(ctx, reduce, together, synced)
+            synced += len(together)
+            new_nodes.extend(nodes)
+            for (*_, node, at), mine in zip(together, outs):
+                for k, out in enumerate(mine):
+                    rewires[(ctx.replica_name(k, node), at)] = out
         if widened:
             ctx.publish(WidenedMeans(frozenset(widened)))
         if untrained:
@@ -387,6 +392,45 @@ def _reads(tg, var: str, name: str) -> bool:
     """True if node `name` depends on `var`'s value (data edges)."""
     readers = set(tg.readers.get(var, ()))
     return bool(readers & tg.ir.ancestors({name}, data_only=True))
+
+
+def _together(ir, ctx, syncs: list, sources: set, above: dict) -> list[list]:
+    """Syncs in groups reduced as one tensor (each exchange costs a message
+    per worker): those of one dtype, sum or mean, static shape and data
+    sources (a run that needs one can compute all), outside branches and
+    loops, none reading what another's sum feeds (a cycle); others alone."""
+    groups: dict = {}
+    for sync in syncs:
+        t, tg = sync[2], ctx.tg
+        alone = not t.shape.is_fully_defined() or branches.switches_above(tg.ir, sync[4], above)
+        groups.setdefault(id(sync) if alone else (t.dtype, sync[3], frozenset(
+            sources & tg.ir.ancestors([t.op.name]))), []).append(sync)
+    out = []
+    for group in groups.values():
+        fed = {ctx.replica_name(0, node) for *_, node, _ in group}
+        free = [s for s in group if len(group) > 1 and not fed & ir.ancestors(
+            [ctx.replica_name(0, s[2].op.name)])]
+        out += ([free] if free else []) + [[s] for s in group if all(s is not f for f in free)]
+    return out
+
+
+def _reduced(ctx, reduce, together: list, index: int) -> tuple[list, list[list[str]]]:
+    """(nodes, each sync's reduced tensors per replica): several as one vector."""
+    if len(together) == 1:
+        scope, tensors, t, mean, *_ = together[0]
+        nodes, outs = reduce(ctx, scope, tensors, t.dtype, mean, index)
+        return nodes, [outs]
+    (_, _, t, mean, *_), shapes = together[0], [s[2].shape.as_list() for s in together]
+    scope, nodes, packed, mine = f"parallax/state_sync/together_{index}", [], [], []
+    for k, device in enumerate(ctx.plan.devices[:len(together[0][1])]):
+        made, out = emit.flattened(f"{scope}/pack_{k}", [s[1][k] for s in together], t.dtype,
+                                   shapes, device)
+        nodes, packed = nodes + made, packed + [out]
+    more, sums = reduce(ctx, scope, packed, t.dtype, mean, index)
+    for k, (device, total) in enumerate(zip(ctx.plan.devices, sums)):
+        made, outs = emit.unflattened(f"{scope}/unpack_{k}", total, t.dtype, shapes, device)
+        nodes, mine = nodes + made, mine + [outs]
+    return nodes + more, [list(each) for each in zip(*mine)]
 
 
 def _all_reduce(ctx, scope, tensors, dtype, mean: bool, _):

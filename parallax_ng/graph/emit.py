@@ -8,6 +8,7 @@ what TensorFlow itself would write.
 """
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from .ir import parse_input
@@ -110,3 +111,20 @@ def emit_traced(fn, inputs: list[tuple[str, tf.DType, object]], scope: str,
             nd.device = device
         nodes.append(nd)
     return nodes, [t.name for t in outs]
+
+
+def flattened(scope: str, tensors: list[str], dtype: tf.DType, shapes: list, device: str):
+    """(nodes, name): `tensors`, of static `shapes`, flattened and joined
+    into one vector (for one exchange in place of one each)."""
+    nodes, (out,) = emit_traced(lambda *xs: tf.concat([tf.reshape(x, [-1]) for x in xs], 0),
+                                [(t, dtype, shape) for t, shape in zip(tensors, shapes)],
+                                scope, device)
+    return nodes, out
+
+
+def unflattened(scope: str, vector: str, dtype: tf.DType, shapes: list, device: str):
+    """(nodes, names): what `flattened` joined, cut back into `shapes`."""
+    sizes = [int(np.prod(shape, dtype=np.int64)) for shape in shapes]
+    return emit_traced(lambda y: [tf.reshape(p, shape) for p, shape in
+                                  zip(tf.split(y, sizes), shapes)],
+                       [(vector, dtype, [sum(sizes)])], scope, device)
