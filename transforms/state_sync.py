@@ -134,7 +134,6 @@ class StateSyncPass:
             dtype = tg.tensor(count).dtype
             outs = [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)]
             if _from_values(tg, count, set(sources)):   # a masked mean's count: the job's mean
-                reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
                 nodes, outs = reduce(ctx, f"parallax/state_sync/{count.node}/count", outs,
                                      dtype, True, synced)
                 synced += 1
@@ -400,16 +399,17 @@ def _together(ir, ctx, syncs: list, sources: set, above: dict) -> list[list]:
     sources (a run that needs one can compute all), outside branches and
     loops, none reading what another's sum feeds (a cycle); others alone."""
     groups: dict = {}
+    tg = ctx.tg
     for sync in syncs:
-        t, tg = sync[2], ctx.tg
-        alone = not t.shape.is_fully_defined() or branches.switches_above(tg.ir, sync[4], above)
-        groups.setdefault(id(sync) if alone else (t.dtype, sync[3], frozenset(
+        _, _, t, mean, node, _ = sync
+        alone = not t.shape.is_fully_defined() or branches.switches_above(tg.ir, node, above)
+        groups.setdefault(id(sync) if alone else (t.dtype, mean, frozenset(
             sources & tg.ir.ancestors([t.op.name]))), []).append(sync)
     out = []
     for group in groups.values():
         fed = {ctx.replica_name(0, node) for *_, node, _ in group}
         free = [s for s in group if len(group) > 1 and not fed & ir.ancestors(
-            [ctx.replica_name(0, s[2].op.name)])]
+            [ctx.replica_name(0, s[2].op.name)])]       # s[2]: the synced tensor
         out += ([free] if free else []) + [[s] for s in group if all(s is not f for f in free)]
     return out
 
