@@ -141,6 +141,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--fixed-warmup", type=int, default=None,
+                        help="warm-up steps for modes that time no plans while training "
+                             "(default: --warmup); a job that did time some fails")
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode (median)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help=f"any of {', '.join(CONFIGS)}; 'ablation' for its rows")
@@ -298,13 +301,26 @@ def last_error(text: str) -> str:
     return " / ".join(lines[-3:])[-400:] if lines else "an empty log"
 
 
+def times_plans(mode: str) -> bool:
+    """Whether a mode's plan may be timed while it trains (hybrid and auto
+    with the dense method left to them, `tuning.plans` not 1): its warm-up
+    must hold the trials."""
+    config = config_of(mode)[0]
+    return bool(config) and config.get("run_option") in ("hybrid", "auto") and (
+        "dense_method" not in config) and config.get("tuning", {}).get("plans") != 1
+
+
+def warmup_of(mode: str, args) -> int:
+    return args.warmup if args.fixed_warmup is None or times_plans(mode) else args.fixed_warmup
+
+
 def _job(mode: str, args, tmp: str, repeat: int, attempt: int) -> dict:
     res = os.path.join(tmp, f"{mode}.yaml")
     resource_file(mode, args, res)
     out = os.path.join(tmp, f"{mode}-{repeat}-{attempt}.json")   # a try's own window marks
     cmd = [sys.executable, "-m", "parallax_ng", "run", os.path.abspath(__file__),
            "-r", res, "--", "--mode", mode, "--out", out, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--devices", str(args.devices),
+           "--warmup", str(warmup_of(mode, args)), "--devices", str(args.devices),
            "--model", args.model, "--config", args.config] + (
                ["--no-clip"] if args.no_clip else []) + ["--optimizer", args.optimizer] + (
                ["--vocab", str(args.vocab)] if args.vocab else [])
@@ -322,6 +338,10 @@ def _job(mode: str, args, tmp: str, repeat: int, attempt: int) -> dict:
             raise JobFailed(kept, text)
     with open(out) as f:
         result = json.load(f)
+    result["warmup"] = warmup_of(mode, args)
+    if result.get("tuned") and result["warmup"] != args.warmup:
+        raise SystemExit(f"{mode} timed {sorted(result['tuned'])} in its short warm-up "
+                         f"(--fixed-warmup {args.fixed_warmup}): run it with --warmup")
     if nic is not None:     # the hosts' sockets and NICs over the timed window
         names = [f"host of worker {i}" for i in range(args.workers)] + ["server host"]
         sockets, wire = nic

@@ -48,14 +48,15 @@ MODES = ("hybrid", "hybrid-predicted", "auto-ps", "hybrid-allreduce", "hybrid-bf
 SERVERLESS = ("allreduce", "mwms")
 FIXED = ("hybrid-allreduce", "hybrid-bfb", "ps", "allreduce")
 # steps timed and warm-up steps per network: enough for a few seconds'
-# window, and a warm-up that holds the trials of the plans hybrid and auto
-# time by default (`tuning.plans: auto`: three plans, about 200 steps)
-STEPS = {"loopback": (300, 300), "1gbit": (200, 260), "100mbit": (60, 230)}
+# window, a warm-up that holds the trials of the plans hybrid and auto
+# time by default (`tuning.plans: auto`: three plans, about 200 steps), and
+# a shorter one for the modes that time none (cluster_lm.py --fixed-warmup)
+STEPS = {"loopback": (300, 300, 100), "1gbit": (200, 260, 60), "100mbit": (60, 230, 30)}
 
 
 def run(args) -> None:
     for network in args.networks.split(","):
-        steps, warmup = STEPS[network]
+        steps, warmup, fixed_warmup = STEPS[network]
         for model in args.models.split(","):
             for workers in map(int, args.workers.split(",")):
                 for layout in args.layouts.split(","):
@@ -64,6 +65,7 @@ def run(args) -> None:
                     cmd = [sys.executable, os.path.join(HERE, "cluster_lm.py"),
                            "--model", model, "--workers", str(workers), "--layout", layout,
                            "--steps", str(steps), "--warmup", str(warmup),
+                           "--fixed-warmup", str(fixed_warmup),
                            "--repeats", str(args.repeats), "--modes", ",".join(modes),
                            "--json", args.out] + (
                                ["--netlab", network] if network != "loopback" else [])
