@@ -315,12 +315,12 @@ def warmup_of(mode: str, args) -> int:
 
 
 def _job(mode: str, args, tmp: str, repeat: int, attempt: int) -> dict:
-    res = os.path.join(tmp, f"{mode}.yaml")
+    res, warmup = os.path.join(tmp, f"{mode}.yaml"), warmup_of(mode, args)
     resource_file(mode, args, res)
     out = os.path.join(tmp, f"{mode}-{repeat}-{attempt}.json")   # a try's own window marks
     cmd = [sys.executable, "-m", "parallax_ng", "run", os.path.abspath(__file__),
            "-r", res, "--", "--mode", mode, "--out", out, "--steps", str(args.steps),
-           "--warmup", str(warmup_of(mode, args)), "--devices", str(args.devices),
+           "--warmup", str(warmup), "--devices", str(args.devices),
            "--model", args.model, "--config", args.config] + (
                ["--no-clip"] if args.no_clip else []) + ["--optimizer", args.optimizer] + (
                ["--vocab", str(args.vocab)] if args.vocab else [])
@@ -338,8 +338,8 @@ def _job(mode: str, args, tmp: str, repeat: int, attempt: int) -> dict:
             raise JobFailed(kept, text)
     with open(out) as f:
         result = json.load(f)
-    result["warmup"] = warmup_of(mode, args)
-    if result.get("tuned") and result["warmup"] != args.warmup:
+    result["warmup"] = warmup
+    if result.get("tuned") and warmup != args.warmup:
         raise SystemExit(f"{mode} timed {sorted(result['tuned'])} in its short warm-up "
                          f"(--fixed-warmup {args.fixed_warmup}): run it with --warmup")
     if nic is not None:     # the hosts' sockets and NICs over the timed window
