@@ -51,3 +51,32 @@ def test_one_bucket_is_one_packed_all_reduce_per_replica():
               n.op == "ConcatV2"]
     assert all(len(n.input) == len(variables) + 1 for n in packed)
     assert sum(elements(ctx.tg, v) for v in variables) > len(variables)
+
+
+def test_gradients_computed_after_an_update_pack_apart():
+    """A step that updates a variable and then computes another gradient
+    from its new value (a GAN's two optimizers in one step): the second
+    gradient is of a later stage, and neither buckets nor fusion buffers
+    pack gradients of two stages together (one would wait for the other's
+    update, which waits for it)."""
+    from parallax_ng.graph import frontend
+    from parallax_ng.planning import packing
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.constant(np.ones((2, 3), np.float32))
+        d = tf1.get_variable("d", initializer=np.ones((3, 1), np.float32))
+        gen = tf1.get_variable("gen", initializer=np.ones((3, 3), np.float32))
+        d_loss = tf.reduce_mean(tf.matmul(tf.matmul(x, gen), d))
+        d_train = tf1.train.GradientDescentOptimizer(0.1).minimize(d_loss, var_list=[d])
+        with tf.control_dependencies([d_train]):
+            g_loss = tf.reduce_mean(tf.matmul(tf.matmul(x, gen), d.read_value()))
+        train = tf1.train.GradientDescentOptimizer(0.1).minimize(g_loss, var_list=[gen])
+        tf1.add_to_collection(tf1.GraphKeys.TRAIN_OP, train)
+    tg = frontend.load(g)
+    assert packing.stages(tg) == {"d": 0, "gen": 1}
+    order = packing.ready_order(tg, ["d", "gen"])
+    one = BucketsConfig(mode="single")
+    assert [b.variables for b in packing.allreduce_buckets(tg, order, one)] == [("d",), ("gen",)]
+    buffers = packing.fusion_buffers(tg, order, ["/job:ps/task:0"], 1 << 20)
+    assert [[s.var for s in b.segments] for b in buffers] == [["d"], ["gen"]]

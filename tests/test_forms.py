@@ -186,3 +186,29 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
         summed, ["x"], {mean.op.name})
     form = forms.loss_form(raw, ["x"], None, strict=False)
     assert form.kind is None and form.mixed == [(summed.name, False)] and not form.widened
+
+
+def test_rows_made_with_the_batch_and_concatenated_along_it_are_the_batchs():
+    """Keras's GAN example: labels of `ops.ones((batch_size, 1))` and
+    zeros, random latents of that shape and a concatenation of generated
+    and real rows along the rows all have the batch's rows, so a mean of
+    the loss over them (a sum over a count of its elements) is a mean; a
+    concatenation with rows that are not the batch's, or of a fixed
+    shape, is not."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        b = tf.shape(x)[0]
+        ones, zeros = tf.ones(tf.stack([b, 1])), tf.zeros_like(x[:, :1])
+        latents = tf.random.normal(tf.stack([b, 4]))
+        fake = tf.matmul(latents, tf1.get_variable("g", [4, 4]))
+        both = tf.concat([fake, x], 0)
+        labels = tf.concat([ones, zeros], 0)
+        values = tf.square(tf.matmul(both, tf1.get_variable("d", [4, 1])) - labels)
+        loss = tf.reduce_sum(values) / tf.cast(tf.size(values), tf.float32)
+        padded = tf.concat([x, tf.zeros([2, 4])], 0)
+        fixed = tf.ones([3, 1])
+    for t in (ones, zeros, latents, fake, both, labels, values):
+        assert forms.batch_rows(t, ["x"]), t.name
+    assert not forms.batch_rows(padded, ["x"]) and not forms.batch_rows(fixed, ["x"])
+    assert forms.loss_form(loss, ["x"], None).kind == "mean"

@@ -79,15 +79,23 @@ _ROW_WISE = {"Identity", "Snapshot", "Neg", "Square", "Sqrt", "Rsqrt", "Exp", "L
              "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
              "Pow", "SquaredDifference", "Select", "SelectV2", "Equal", "NotEqual", "Less",
              "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "FloorDiv",
-             "FloorMod"}
+             "FloorMod", "ZerosLike", "OnesLike"}
 _REDUCTIONS = ("Sum", "Mean")
+# ops that make a tensor of the shape their first input gives (ones, zeros,
+# random draws): it has the batch's rows where that shape's first entry counts them
+_SHAPED = {"Fill", "RandomStandardNormal", "RandomUniform", "RandomUniformInt",
+           "TruncatedNormal", "StatelessRandomNormal", "StatelessRandomUniform",
+           "StatelessTruncatedNormal", "StatelessRandomNormalV2", "StatelessRandomUniformV2",
+           "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2"}
 
 
 def batch_rows(t: tf.Tensor, sources) -> bool:
     """Whether t's first dimension is the batch: it comes from a data
     source's first dimension through ops that keep rows (element-wise ops,
     matrix products, losses per example, reductions and reshapes that leave
-    the first dimension alone, gathers by such indices)."""
+    the first dimension alone, gathers by such indices, concatenations of
+    such tensors, ones, zeros and random draws of a shape whose first entry
+    counts the batch's rows, as `ops.ones((batch_size, 1))` makes them)."""
     seen = {}
 
     def rows(t):
@@ -129,10 +137,15 @@ def batch_rows(t: tf.Tensor, sources) -> bool:
         elif op.type == "Transpose":
             perm = tf.get_static_value(op.inputs[1])
             out = perm is not None and len(perm) > 0 and perm[0] == 0 and rows(op.inputs[0])
-        elif op.type == "ConcatV2":
+        elif op.type == "ConcatV2":     # along another axis: some rows; along the rows: all
             axis = tf.get_static_value(op.inputs[-1])
-            out = axis is not None and t.shape.rank and int(axis) % t.shape.rank != 0 and any(
+            along = axis is not None and t.shape.rank and int(axis) % t.shape.rank == 0
+            out = axis is not None and bool(t.shape.rank) and (all if along else any)(
                 rows(x) for x in op.inputs[:-1])
+        elif op.type in _SHAPED:
+            shape = op.inputs[0]
+            out = shape.op.type == "Shape" and rows(shape.op.inputs[0]) or \
+                shape.op.type == "Pack" and counts_rows(shape.op.inputs[0].op, sources)
         elif op.type == "StridedSlice":     # x[:, ...]: every row, none added or dropped
             strides = tf.get_static_value(op.inputs[3])
             whole = op.get_attr("begin_mask") & op.get_attr("end_mask") & 1

@@ -8,12 +8,19 @@
   `buckets.mode` says (parallax_ng/planning/buckets.py: one, by a byte
   threshold, or MG-WFBP's merges from measured ready times).
 
+Gradients of different `stages` never travel together: a step that
+updates some variables and then computes other gradients from their new
+values (a GAN's train_step: the discriminator's update, then the
+generator's gradient through the updated discriminator) aggregates the
+first before the second exists.
+
 Requires: a TrainingGraph and the order its gradients become ready
 (`ready_order`: measured, else the graph's). Guarantees: the same inputs
 give the same packing on every worker.
 """
 from __future__ import annotations
 
+from ..errors import ConfigError
 from ..graph.frontend import TrainingGraph
 from . import buckets as bucketing
 from .buckets import fusion_buffer_size
@@ -31,10 +38,47 @@ def ready_order(tg: TrainingGraph, variables: list[str], measured=()) -> list[st
     return seen + [v for v in static if v not in set(seen)]
 
 
+def stages(tg: TrainingGraph) -> dict[str, int]:
+    """Each gradient's stage: 0 for a gradient computed from no other
+    gradient, else one more than the highest stage among the gradients it
+    is computed from (through data or control edges: through their
+    aggregation and the updates that read it, once the step is rewritten)."""
+    owners: dict[str, list[str]] = {}
+    for var, g in tg.gradients.items():
+        for ref in (g.values, g.indices):
+            if ref is not None:
+                owners.setdefault(ref.node, []).append(var)
+    level: dict[str, int] = {}
+    out: dict[str, int] = {}
+    for name in tg.ir.topo_order:
+        here = max((level.get(src, 0) for src, _, _ in tg.ir.parsed_inputs(tg.ir.node(name))),
+                   default=0)
+        for var in owners.get(name, ()):
+            out[var] = max(out.get(var, 0), here)
+        level[name] = max([out[v] + 1 for v in owners.get(name, ())], default=here)
+    return out
+
+
+def check_stages(tg: TrainingGraph, shared: list[str], num_workers: int) -> None:
+    """Refuses variables kept once on parameter servers (`shared`) in a job
+    of several workers whose step computes gradients from variables it
+    updated earlier in the step: each worker pushes its gradients once per
+    server and step, after its every read of the servers' variables."""
+    stage = stages(tg) if shared and num_workers > 1 else {}
+    later = sorted(v for v, s in stage.items() if s > 0)
+    if later:
+        raise ConfigError(
+            f"the step computes the gradients of {later[:4]} from variables it updated "
+            f"earlier in the same step (those of {sorted(set(stage) - set(later))[:4]}; a "
+            f"GAN's train_step does), and the plan keeps {shared[:4]} on parameter servers, "
+            "which a job of several workers updates once per step; use run_option "
+            "allreduce, or hybrid with dense_method bfb or allreduce")
+
+
 def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
                       profile=None) -> tuple[Bucket, ...]:
     """The all-reduced variables in `order` (backward) merged into buckets
-    as `config.mode` says (parallax_ng/planning/buckets.py), one dtype per bucket
+    as `config.mode` says (parallax_ng/planning/buckets.py), one dtype and one stage per bucket
     (auto: by `config.bytes` until parallax_ng/runtime/tuning.py tries others);
     none for mode `none` (one all-reduce per variable). mgwfbp takes each
     variable's backward time from `profile` (the time since the variable
@@ -48,9 +92,10 @@ def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
         return ()
     ready = profile.ready if profile is not None else {}
     start = profile.forward_time if profile is not None else 0.0
-    out = []
-    for dtype in sorted({tg.variables[v].dtype.base_dtype.name for v in order}):
-        same = [v for v in order if tg.variables[v].dtype.base_dtype.name == dtype]
+    out, stage = [], stages(tg)
+    kind = {v: (stage.get(v, 0), tg.variables[v].dtype.base_dtype.name) for v in order}
+    for group in sorted(set(kind.values())):
+        same = [v for v in order if kind[v] == group]
         times, previous = [], start
         for v in same:
             at = max(ready.get(v, previous), previous)
@@ -72,13 +117,15 @@ def fusion_buffers(tg: TrainingGraph, order: list[str], servers: list[str],
                    size_bytes: int = 0) -> tuple[Buffer, ...]:
     """Gradients of `order` packed flat, in that order, into buffers of
     `size_bytes` (0: `fusion_buffer_size`), one dtype per run of buffers; a
-    variable may span two buffers, the last buffer may be smaller. Every
-    buffer is sharded evenly over `servers` at element offsets."""
-    by_dtype: dict = {}
+    variable may span two buffers, the last buffer may be smaller; gradients
+    of different `stages` in buffers of their own. Every buffer is sharded
+    evenly over `servers` at element offsets."""
+    by_kind: dict = {}
+    stage = stages(tg)
     for var in order:
-        by_dtype.setdefault(tg.variables[var].dtype, []).append(var)
+        by_kind.setdefault((stage.get(var, 0), tg.variables[var].dtype), []).append(var)
     out = []
-    for dtype, variables in by_dtype.items():
+    for (_, dtype), variables in sorted(by_kind.items(), key=lambda kv: kv[0][0]):
         sizes = {v: tg.variables[v].nbytes // dtype.size for v in variables}
         total = sum(sizes.values())
         per = max(1, (size_bytes or fusion_buffer_size(total * dtype.size, len(servers)))

@@ -9,8 +9,7 @@
    bytes (`balance`, greedy; or `round_robin`), a large sparse variable cut
    into row ranges; a variable aggregated by AlltoAll (method alltoall) and
    its slots cut by columns over every replica of the job (`by_columns`,
-   EmbRace 4.1); and the packing of gradients (parallax_ng/planning/
-   packing.py): fusion buffers for method bfb, all-reduce buckets.
+   EmbRace 4.1); and the packing of gradients (planning/packing.py).
 
 `make_plan` composes them with the random streams, input producers and
 the step schedule. Requires: a TrainingGraph, its analysis, a Config and
@@ -28,7 +27,7 @@ from ..methods import METHODS, method
 from . import choice, costmodel, deferral, traffic
 from .analysis import VariableInfo
 from .facts import Facts
-from .packing import allreduce_buckets, fusion_buffers, ready_order
+from .packing import allreduce_buckets, check_stages, fusion_buffers, ready_order
 from .placement import MIRRORED, Columns, Sharded, Shared
 from .plan import Plan, Rewrites, Schedule, VariablePlan, job_devices
 
@@ -114,6 +113,7 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     variables = {name: deferral.prefetch(facts, vp, config, split)
                  for name, vp in variables.items()}
     _check_servers(tg, roots + fused, config, num_workers, servers)
+    check_stages(tg, roots, num_workers)
     by_rows = config.ps_placement == "rows_touched"
     placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
                             config.ps_placement, {v: i.touched for v, i in info.items()}

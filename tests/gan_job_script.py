@@ -1,0 +1,39 @@
+"""Keras's GAN example (tests/test_keras_train_steps.py `GAN`, latents
+from the batch) as one worker of a job: `pn.parallelize` and `model.fit`
+on STEPS global batches of 8; saves the starting weights (seeded apart on
+each worker: models.worker_seed; worker 0's are broadcast), the weights,
+both optimizers' variables and the history to OUT.<worker>.npz.
+
+    python gan_job_script.py OUT STEPS CONFIG_JSON
+"""
+import json
+import os
+import sys
+
+os.environ["TF_USE_LEGACY_KERAS"] = "0"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import parallax_ng as pn  # noqa: E402
+from models import worker_seed  # noqa: E402
+from test_keras_train_steps import GAN, compile_gan, gan_data  # noqa: E402
+
+out, steps, config = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+keras.utils.set_random_seed(worker_seed(5))
+model = GAN()
+compile_gan(model)
+start = model.get_weights()
+pn.parallelize(model, None, config)
+real, noise = gan_data()
+history = model.fit(real[:8 * steps], noise[:8 * steps], batch_size=8, epochs=1,
+                    shuffle=False, verbose=0)
+runner = model._parallax_ng.step.runner
+optimizers = model.d_optimizer.variables + model.g_optimizer.variables
+np.savez(f"{out}.{runner.plan.worker}.npz",
+         methods=np.array(json.dumps({v: vp.method for v, vp in runner.plan.variables.items()})),
+         history=np.array(json.dumps(history.history)),
+         **{f"start{i}": w for i, w in enumerate(start)},
+         **{f"w{i}": np.asarray(w) for i, w in enumerate(model.weights)},
+         **{f"o{i}": np.asarray(v) for i, v in enumerate(optimizers)})
+print(f"worker {runner.plan.worker}: done", flush=True)

@@ -1,0 +1,172 @@
+"""Training programs as tf.compat.v1 scripts write them, beyond one
+`minimize` run per step: a GAN (two optimizers over disjoint var_lists,
+their train ops run in turn, each run taking its own batch), wide & deep
+(FTRL for the wide part and Adagrad for the deep part, grouped into one
+train op), fine-tuning (a frozen layer left out of var_list, a
+`trainable=False` table, a `stop_gradient`), and evaluation runs of the
+loss alone between training steps. 2 replicas against one device with the
+global batch: every variable and slot within 1e-5 after the schedule, and
+every fetched loss (averaged over the replicas) within 1e-5 of one
+device's, in each run option."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import load_values, local, read_name, variable_names
+
+tf1 = tf.compat.v1
+TOL = 1e-5
+N_EX = 384
+REPLICAS = 2
+
+
+def dataset(batch):
+    rng = np.random.RandomState(11)
+    real = (rng.randn(N_EX, 4) * [1.0, 0.5, 2.0, 0.3] + [0.5, -1.0, 0.0, 2.0]).astype(np.float32)
+    noise = rng.randn(N_EX, 3).astype(np.float32)
+    ids = rng.randint(0, 40, size=(N_EX, 3)).astype(np.int64)
+    label = (rng.rand(N_EX) > 0.5).astype(np.float32)
+    ds = pn.shard(tf.data.Dataset.from_tensor_slices((real, noise, ids, label)))
+    return tf1.data.make_one_shot_iterator(ds.batch(batch).repeat()).get_next()
+
+
+def dense(x, units, name, act=None, seed=0, trainable=True):
+    rng = np.random.RandomState(seed)
+    k = rng.randn(int(x.shape[-1]), units).astype(np.float32) * 0.4
+    with tf1.variable_scope(name):
+        kernel = tf1.get_variable("kernel", initializer=k, trainable=trainable)
+        bias = tf1.get_variable("bias", initializer=np.zeros(units, np.float32),
+                                trainable=trainable)
+    y = tf.matmul(x, kernel) + bias
+    return act(y) if act else y
+
+
+def gan(batch):
+    """A GAN: the discriminator's and the generator's Adam (beta1 0.5)
+    over their own scopes' variables; a step runs `d_train`, then
+    `g_train` (which counts the global step)."""
+    g = tf.Graph()
+    with g.as_default():
+        real, noise, _, _ = dataset(batch)
+
+        def generator(z):
+            with tf1.variable_scope("gen", reuse=tf1.AUTO_REUSE):
+                return dense(dense(z, 8, "h", tf.nn.relu, 1), 4, "out", seed=2)
+
+        def discriminator(x):
+            with tf1.variable_scope("disc", reuse=tf1.AUTO_REUSE):
+                return dense(dense(x, 8, "h", tf.nn.leaky_relu, 3), 1, "out", seed=4)
+
+        fake = generator(noise)
+        d_real, d_fake = discriminator(real), discriminator(fake)
+        bce = tf1.losses.sigmoid_cross_entropy
+        d_loss = bce(tf.ones_like(d_real), d_real) + bce(tf.zeros_like(d_fake), d_fake)
+        g_loss = bce(tf.ones_like(d_fake), d_fake)
+        step = tf1.train.get_or_create_global_step()
+        d_vars = tf1.get_collection(tf1.GraphKeys.TRAINABLE_VARIABLES, "disc")
+        g_vars = tf1.get_collection(tf1.GraphKeys.TRAINABLE_VARIABLES, "gen")
+        d_train = tf1.train.AdamOptimizer(0.02, beta1=0.5).minimize(d_loss, var_list=d_vars)
+        g_train = tf1.train.AdamOptimizer(0.02, beta1=0.5).minimize(
+            g_loss, var_list=g_vars, global_step=step)
+        init = tf1.global_variables_initializer()
+    schedule = [[("d_train", "d_loss")], [("g_train", "g_loss")]]
+    return g, dict(d_train=d_train, g_train=g_train, d_loss=d_loss, g_loss=g_loss,
+                   init=init), schedule
+
+
+def wide_deep(batch):
+    """Wide & deep: a linear weight per id (FTRL, sparse) beside an
+    embedding and two dense layers (Adagrad), one train op grouping both
+    updates and the global step's increment."""
+    g = tf.Graph()
+    with g.as_default():
+        real, _, ids, label = dataset(batch)
+        rng = np.random.RandomState(6)
+        wide_w = tf1.get_variable("wide/w", initializer=np.zeros((40, 1), np.float32))
+        wide = tf.reduce_sum(tf1.nn.embedding_lookup(wide_w, ids), [1, 2])
+        emb = tf1.get_variable("deep/emb", initializer=rng.randn(40, 5).astype(np.float32))
+        rows = tf.reduce_mean(tf1.nn.embedding_lookup(emb, ids), 1)
+        with tf1.variable_scope("deep"):
+            h = dense(tf.concat([rows, real], 1), 6, "h", tf.nn.relu, 7)
+            deep = tf.squeeze(dense(h, 1, "out", seed=8), 1)
+        loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=label,
+                                                                      logits=wide + deep))
+        step = tf1.train.get_or_create_global_step()
+        wide_vars = [wide_w]
+        deep_vars = tf1.get_collection(tf1.GraphKeys.TRAINABLE_VARIABLES, "deep")
+        grads = tf.gradients(loss, wide_vars + deep_vars)
+        ftrl = tf1.train.FtrlOptimizer(0.1, l1_regularization_strength=0.001)
+        adagrad = tf1.train.AdagradOptimizer(0.05)
+        train = tf.group(ftrl.apply_gradients(zip(grads[:1], wide_vars)),
+                         adagrad.apply_gradients(zip(grads[1:], deep_vars)),
+                         tf1.assign_add(step, 1))
+        init = tf1.global_variables_initializer()
+    return g, dict(train=train, loss=loss, init=init), [[("train", "loss")]]
+
+
+def fine_tune(batch):
+    """Fine-tuning: a pretrained table that does not train (trainable=False),
+    a first layer left out of var_list, a second layer read through
+    stop_gradient on one path; momentum for what trains. Every third
+    step, an evaluation run of the loss alone (it takes a batch, as one
+    device's would)."""
+    g = tf.Graph()
+    with g.as_default():
+        real, _, ids, label = dataset(batch)
+        rng = np.random.RandomState(9)
+        table = tf1.get_variable("pretrained", initializer=rng.randn(40, 4).astype(np.float32),
+                                 trainable=False)
+        rows = tf.reduce_mean(tf1.nn.embedding_lookup(table, ids), 1)
+        frozen = dense(tf.concat([rows, real], 1), 6, "frozen", tf.nn.tanh, 10)
+        head = dense(frozen, 6, "head", tf.nn.relu, 11)
+        out = dense(head + tf.stop_gradient(head) * 0.5, 1, "out", seed=12)
+        loss = tf.reduce_mean(tf.square(tf.squeeze(out, 1) - label))
+        var_list = [v for v in tf1.trainable_variables() if not v.op.name.startswith("frozen")]
+        train = tf1.train.MomentumOptimizer(0.05, 0.9).minimize(
+            loss, var_list=var_list, global_step=tf1.train.get_or_create_global_step())
+        init = tf1.global_variables_initializer()
+    schedule = [[("train", "loss")], [("train", "loss")], [(None, "loss")]]
+    return g, dict(train=train, loss=loss, init=init), schedule
+
+
+def run_schedule(run, h, schedule, rounds):
+    """`rounds` times over the schedule: each entry one run of its train op
+    (or none) with its loss; returns the losses fetched."""
+    losses = []
+    for _ in range(rounds):
+        for entry in schedule:
+            for train, loss in entry:
+                fetches = [h[loss]] + ([h[train]] if train else [])
+                losses.append(float(run(fetches)[0]))
+    return losses
+
+
+PROGRAMS = {"gan": gan, "wide-deep": wide_deep, "fine-tune": fine_tune}
+CASES = [(p, r) for p in PROGRAMS for r in ("hybrid", "allreduce", "ps")]
+
+
+@pytest.mark.parametrize("program,run_option", CASES, ids=["-".join(c) for c in CASES])
+def test_replicas_equal_one_device(program, run_option):
+    build, rounds = PROGRAMS[program], 4
+    g, h, schedule = build(4)
+    names = variable_names(g)
+    reads = [read_name(v, g) for v in names]
+    with pn.get_runner(g, local(REPLICAS), {"run_option": run_option}) as runner:
+        runner.run(h["init"])
+        start = runner.run(reads)
+        losses = run_schedule(runner.run, h, schedule, rounds)
+        parallel = dict(zip(names, runner.run(reads, per_replica=True)))
+    g1, h1, _ = build(4 * REPLICAS)
+    with tf1.Session(graph=g1) as sess:
+        sess.run(h1["init"])
+        load_values(sess, g1, dict(zip(names, start)))
+        single_losses = run_schedule(sess.run, h1, schedule, rounds)
+        single = dict(zip(names, sess.run(reads)))
+    np.testing.assert_allclose(losses, single_losses, rtol=0, atol=TOL)
+    worst = sorted(((float(np.max(np.abs(np.asarray(got) - single[n]))), n, k)
+                    for n in names for k, got in enumerate(parallel[n])), reverse=True)
+    assert worst[0][0] <= TOL, worst[:4]
+    if program == "fine-tune":     # what does not train kept its starting value
+        for n in ("pretrained", "frozen/kernel"):
+            np.testing.assert_array_equal(single[n], start[names.index(n)])
