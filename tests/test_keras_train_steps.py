@@ -284,3 +284,166 @@ def test_a_gan_job_refuses_variables_on_servers_naming_them(tmp_path):
     assert "from variables it updated earlier in the same step" in done.stderr, \
         done.stderr[-3000:]
     assert "use run_option allreduce" in done.stderr
+
+
+D_STEPS = 3
+
+
+class WGAN(keras.Model):
+    """Keras's WGAN-GP example: the critic trained `d_steps` times a step
+    (the example's 3; each time through the generator), with a gradient
+    penalty (the norm of the critic's gradient at points between real and
+    generated rows, from a tape inside the tape), then the generator; `bn`:
+    the generator with BatchNormalization, as in the example, whose moving
+    statistics every pass through it writes. The latents and the penalty's
+    mixing weights come with the batch (fit's `y`), so that a step is
+    deterministic."""
+
+    def __init__(self, bn=False, d_steps=1):
+        super().__init__()
+        self.d_steps = d_steps
+        self.discriminator = keras.Sequential([keras.Input((4,)), layers.Dense(8),
+                                               layers.LeakyReLU(0.2), layers.Dense(1)])
+        self.generator = keras.Sequential(
+            [keras.Input((LATENT,)), layers.Dense(8)] +
+            ([layers.BatchNormalization()] if bn else []) +
+            [layers.LeakyReLU(0.2), layers.Dense(4)])
+
+    def compile(self, d_optimizer, g_optimizer):
+        super().compile()
+        self.d_optimizer, self.g_optimizer = d_optimizer, g_optimizer
+
+    def gradient_penalty(self, real, fake, alpha):
+        interpolated = real + alpha * (fake - real)
+        with tf.GradientTape() as gp_tape:
+            gp_tape.watch(interpolated)
+            pred = self.discriminator(interpolated, training=True)
+        grads = gp_tape.gradient(pred, [interpolated])[0]
+        norm = tf.sqrt(tf.reduce_sum(tf.square(grads), axis=[1]) + 1e-12)
+        return tf.reduce_mean((norm - 1.0) ** 2)
+
+    def train_step(self, data):
+        real, extra = data
+        for i in range(self.d_steps):
+            latents = extra[:, i * LATENT:(i + 1) * LATENT]
+            alpha = extra[:, -D_STEPS + i:][:, :1]
+            with tf.GradientTape() as tape:
+                fake = self.generator(latents, training=True)
+                d_cost = tf.reduce_mean(self.discriminator(fake, training=True)) - \
+                    tf.reduce_mean(self.discriminator(real, training=True))
+                d_loss = d_cost + 10.0 * self.gradient_penalty(real, fake, alpha)
+            grads = tape.gradient(d_loss, self.discriminator.trainable_variables)
+            self.d_optimizer.apply_gradients(zip(grads, self.discriminator.trainable_variables))
+        latents = extra[:, D_STEPS * LATENT:(D_STEPS + 1) * LATENT]
+        with tf.GradientTape() as tape:
+            g_loss = -tf.reduce_mean(self.discriminator(self.generator(latents, training=True),
+                                                        training=True))
+        grads = tape.gradient(g_loss, self.generator.trainable_variables)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_variables))
+        return {"d_loss": d_loss, "g_loss": g_loss}
+
+
+def wgan_data(seed=0):
+    rng = np.random.default_rng(seed)
+    real = (rng.normal(size=(SAMPLES, 4)) * 0.5 + 1.0).astype(np.float32)
+    extra = np.concatenate([rng.normal(size=(SAMPLES, (D_STEPS + 1) * LATENT)),
+                            rng.uniform(size=(SAMPLES, D_STEPS))], 1).astype(np.float32)
+    return real, extra
+
+
+def compile_wgan(model):
+    model.compile(d_optimizer=keras.optimizers.Adam(0.002, beta_1=0.5, beta_2=0.9),
+                  g_optimizer=keras.optimizers.Adam(0.002, beta_1=0.5, beta_2=0.9))
+
+
+@pytest.mark.parametrize("config", [None, {"run_option": "allreduce"}, {"run_option": "ps"}],
+                         ids=["hybrid", "allreduce", "ps"])
+def test_a_wgan_with_a_gradient_penalty_equals_one_device(config):
+    """The critic once a step, its loss with the gradient penalty (a
+    second derivative: the gradient of the norm of a gradient)."""
+    keras.utils.set_random_seed(0)
+    parallel, single = WGAN(), WGAN()
+    single.set_weights(parallel.get_weights())
+    for m in (parallel, single):
+        compile_wgan(m)
+    pn.parallelize(parallel, local(2), config)
+    real, extra = wgan_data()
+    h1 = parallel.fit(real, extra, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    h2 = single.fit(real, extra, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_history(h1, h2)
+    assert_equal_values(parallel.weights, single.weights, "weights")
+    for name in ("d_optimizer", "g_optimizer"):
+        assert_equal_values(getattr(parallel, name).variables, getattr(single, name).variables,
+                            name)
+
+
+def test_a_critic_trained_several_times_a_step_is_refused_naming_it():
+    """The example's 3 critic updates a step: a step aggregates one
+    gradient per variable, so the error names the variable, how many times
+    the step updates it, and what to do instead."""
+    model = WGAN(d_steps=D_STEPS)
+    compile_wgan(model)
+    pn.parallelize(model, local(2))
+    real, extra = wgan_data()
+    with pytest.raises(pn.errors.GraphError) as caught:
+        model.fit(real, extra, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    text = str(caught.value)
+    kernel = model.discriminator.layers[0].kernel.path
+    assert f"graph updates variable '{kernel}' {D_STEPS} times" in text, text
+    assert "a critic trained several times a step" in text
+    assert "run one step per update" in text
+
+
+def test_a_wgan_whose_generator_has_batchnorm_trains():
+    """Each pass through the generator writes its moving statistics (twice
+    a step: in the critic's pass and in the generator's), each synced
+    across the replicas where it is written: the step builds (one sync of
+    both would wait for the generator's pass, which waits for the critic's
+    update, which waits for the first pass's sync) and trains."""
+    keras.utils.set_random_seed(0)
+    model = WGAN(bn=True)
+    compile_wgan(model)
+    pn.parallelize(model, local(2))
+    real, extra = wgan_data()
+    before = {v.path: np.asarray(v).copy() for v in model.generator.weights}
+    history = model.fit(real, extra, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert all(np.all(np.isfinite(history.history[k])) for k in ("d_loss", "g_loss"))
+    moved = {v.path: float(np.max(np.abs(np.asarray(v) - before[v.path])))
+             for v in model.generator.weights}
+    assert len(moved) == 8 and min(moved.values()) > 0, moved
+
+
+def test_a_tf_keras_train_step_as_its_guide_writes_it_equals_one_device():
+    """tf_keras (Keras 2): the guide's overridden `train_step` with
+    `compiled_loss` (and the layers' regularization losses),
+    `optimizer.minimize(..., tape=tape)` and `compiled_metrics`."""
+    import tf_keras
+
+    class Guide(tf_keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                y_pred = self(x, training=True)
+                loss = self.compiled_loss(y, y_pred, regularization_losses=self.losses)
+            self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
+            self.compiled_metrics.update_state(y, y_pred)
+            return {m.name: m.result() for m in self.metrics}
+
+    def make():
+        inputs = tf_keras.Input((5,))
+        hidden = tf_keras.layers.Dense(8, activation="relu",
+                                       kernel_regularizer=tf_keras.regularizers.l2(0.01))(inputs)
+        return Guide(inputs, tf_keras.layers.Dense(1)(hidden))
+
+    tf_keras.utils.set_random_seed(0)
+    parallel, single = make(), make()
+    single.set_weights(parallel.get_weights())
+    for m in (parallel, single):
+        m.compile(optimizer=tf_keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
+    pn.parallelize(parallel, local(2))
+    x, y = data()
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_history(h1, h2)
+    assert_equal_values(parallel.weights, single.weights, "weights")
+    assert_equal_values(parallel.optimizer.variables, single.optimizer.variables, "optimizer")

@@ -342,16 +342,13 @@ def _autodiff(ir: GraphIR) -> frozenset[str]:
 
 def _find_gradient(tg: TrainingGraph, var: str, autodiff: frozenset[str]) -> Gradient | None:
     """Walk back from the writers of `var` and its state to the autodiff output
-    (`autodiff`: the autodiff's ops, `_autodiff`). When `var`'s own writers
-    reach the autodiff only through reads of variables the script
-    accumulates the gradient in (graph/accumulation.py), such a read is the
-    gradient (each replica's accumulator, aggregated when the update reads it).
-
-    The walk follows only tensors that can carry this variable's gradient:
-    float tensors shaped like the variable (or like its rows, for
-    IndexedSlices values) and rank-1 integer tensors (IndexedSlices indices).
-    The nearest autodiff tensors of each kind win; ties are an error.
-    """
+    (`autodiff`: `_autodiff`'s ops). Where `var`'s writers reach it only
+    through reads of variables the script accumulates the gradient in
+    (graph/accumulation.py), such a read is the gradient (aggregated when
+    the update reads it). The walk follows only tensors that can carry the
+    gradient: float tensors shaped like the variable (or its rows) and
+    rank-1 integer tensors (IndexedSlices indices). The nearest autodiff
+    tensors of each kind win; ties, and several updates a step, are errors."""
     v = tg.variables[var]
     own = [ref for w in tg.writers.get(var, ()) for ref in tg.ir.data_inputs(w)]
     reads = accumulation.reader(tg, var, lambda refs: _walk(tg, refs, v, autodiff)["values"])
@@ -360,11 +357,18 @@ def _find_gradient(tg: TrainingGraph, var: str, autodiff: frozenset[str]) -> Gra
         values = _nearest(found, var, "accumulated gradient")
         tg.accumulators[accumulation.read_variable(tg, values)] = var
         return Gradient(var, values)
-    starts = []
-    for state in tg.owned(var):
-        for w in tg.writers.get(state, ()):
-            starts.extend(tg.ir.data_inputs(w))
+    starts = [ref for state in tg.owned(var) for w in tg.writers.get(state, ())
+              for ref in tg.ir.data_inputs(w)]
     found = _walk(tg, starts, v, autodiff)
+    updates = [w for w in tg.writers.get(var, ()) if len(found["values"]) > 1 and
+               autodiff & tg.ir.ancestors([w])]
+    if len(updates) > 1:
+        raise GraphError(f"the graph updates variable {var!r} {len(updates)} times "
+                         f"({updates[:3]}), each by a gradient of its own (an optimizer applied "
+                         "several times in a step, as a critic trained several times a step, "
+                         "or two train ops that both train it); the replicas aggregate one "
+                         "gradient per variable and step: run one step per update, or sum "
+                         "the gradients into one update")
     if len(found["values"]) > 1:
         raise GraphError(f"the update of variable {var!r} combines gradients computed apart, "
                          f"{sorted(map(str, found['values']))}, other than by a sum: add them "
