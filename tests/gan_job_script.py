@@ -1,10 +1,12 @@
 """Keras's GAN example (tests/test_keras_train_steps.py `GAN`, latents
-from the batch) as one worker of a job: `pn.parallelize` and `model.fit`
-on STEPS global batches of 8; saves the starting weights (seeded apart on
-each worker: models.worker_seed; worker 0's are broadcast), the weights,
-both optimizers' variables and the history to OUT.<worker>.npz.
+from the batch; with --wgan its `WGAN`, the gradient penalty's WGAN-GP
+with the critic once a step) as one worker of a job: `pn.parallelize` and
+`model.fit` on STEPS global batches of 8; saves the starting weights
+(seeded apart on each worker: models.worker_seed; worker 0's are
+broadcast), the weights, both optimizers' variables and the history to
+OUT.<worker>.npz.
 
-    python gan_job_script.py OUT STEPS CONFIG_JSON
+    python gan_job_script.py OUT STEPS CONFIG_JSON [--wgan]
 """
 import json
 import os
@@ -17,15 +19,17 @@ import numpy as np  # noqa: E402
 
 import parallax_ng as pn  # noqa: E402
 from models import worker_seed  # noqa: E402
-from test_keras_train_steps import GAN, compile_gan, gan_data  # noqa: E402
+from test_keras_train_steps import (GAN, WGAN, compile_gan, compile_wgan,  # noqa: E402
+                                    gan_data, wgan_data)
 
 out, steps, config = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 keras.utils.set_random_seed(worker_seed(5))
-model = GAN()
-compile_gan(model)
+wgan = "--wgan" in sys.argv
+model = WGAN() if wgan else GAN()
+(compile_wgan if wgan else compile_gan)(model)
 start = model.get_weights()
 pn.parallelize(model, None, config)
-real, noise = gan_data()
+real, noise = wgan_data() if wgan else gan_data()
 history = model.fit(real[:8 * steps], noise[:8 * steps], batch_size=8, epochs=1,
                     shuffle=False, verbose=0)
 runner = model._parallax_ng.step.runner

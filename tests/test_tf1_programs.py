@@ -1,6 +1,7 @@
 """Training programs as tf.compat.v1 scripts write them, beyond one
 `minimize` run per step: a GAN (two optimizers over disjoint var_lists,
-their train ops run in turn, each run taking its own batch), wide & deep
+their train ops run in turn, each run taking its own batch; or one train
+op, the generator's loss read after the discriminator's update), wide & deep
 (FTRL for the wide part and Adagrad for the deep part, grouped into one
 train op), fine-tuning (a frozen layer left out of var_list, a
 `trainable=False` table, a `stop_gradient`), and evaluation runs of the
@@ -75,6 +76,37 @@ def gan(batch):
                    init=init), schedule
 
 
+def gan_one_op(batch):
+    """The GAN in one train op: the generator's loss built under a control
+    dependency on the discriminator's update, so it reads the updated
+    discriminator (the second stage of the step)."""
+    g = tf.Graph()
+    with g.as_default():
+        real, noise, _, _ = dataset(batch)
+
+        def generator(z):
+            with tf1.variable_scope("gen", reuse=tf1.AUTO_REUSE):
+                return dense(dense(z, 8, "h", tf.nn.relu, 1), 4, "out", seed=2)
+
+        def discriminator(x):
+            with tf1.variable_scope("disc", reuse=tf1.AUTO_REUSE):
+                return dense(dense(x, 8, "h", tf.nn.leaky_relu, 3), 1, "out", seed=4)
+
+        bce = tf1.losses.sigmoid_cross_entropy
+        d_real, d_fake = discriminator(real), discriminator(generator(noise))
+        d_loss = bce(tf.ones_like(d_real), d_real) + bce(tf.zeros_like(d_fake), d_fake)
+        d_vars = tf1.get_collection(tf1.GraphKeys.TRAINABLE_VARIABLES, "disc")
+        g_vars = tf1.get_collection(tf1.GraphKeys.TRAINABLE_VARIABLES, "gen")
+        d_train = tf1.train.MomentumOptimizer(0.05, 0.5).minimize(d_loss, var_list=d_vars)
+        with tf.control_dependencies([d_train]):
+            d_after = discriminator(generator(noise))
+            g_loss = bce(tf.ones_like(d_after), d_after)
+        g_train = tf1.train.MomentumOptimizer(0.05, 0.5).minimize(
+            g_loss, var_list=g_vars, global_step=tf1.train.get_or_create_global_step())
+        init = tf1.global_variables_initializer()
+    return g, dict(train=g_train, loss=g_loss, init=init), [[("train", "loss")]]
+
+
 def wide_deep(batch):
     """Wide & deep: a linear weight per id (FTRL, sparse) beside an
     embedding and two dense layers (Adagrad), one train op grouping both
@@ -142,7 +174,8 @@ def run_schedule(run, h, schedule, rounds):
     return losses
 
 
-PROGRAMS = {"gan": gan, "wide-deep": wide_deep, "fine-tune": fine_tune}
+PROGRAMS = {"gan": gan, "gan-one-op": gan_one_op, "wide-deep": wide_deep,
+            "fine-tune": fine_tune}
 CASES = [(p, r) for p in PROGRAMS for r in ("hybrid", "allreduce", "ps")]
 
 
@@ -170,3 +203,21 @@ def test_replicas_equal_one_device(program, run_option):
     if program == "fine-tune":     # what does not train kept its starting value
         for n in ("pretrained", "frozen/kernel"):
             np.testing.assert_array_equal(single[n], start[names.index(n)])
+
+
+def test_two_train_ops_that_train_one_variable_are_refused_naming_it():
+    """Multi-task training that runs two train ops in turn over a shared
+    layer: the replicas aggregate one gradient per variable, so the build
+    refuses it, naming the shared variable and its two updates."""
+    g = tf.Graph()
+    with g.as_default():
+        real, _, _, label = dataset(4)
+        shared = dense(real, 6, "shared", tf.nn.relu, 13)
+        loss_a = tf.reduce_mean(tf.square(dense(shared, 1, "a", seed=14)[:, 0] - label))
+        loss_b = tf.reduce_mean(tf.square(dense(shared, 1, "b", seed=15)[:, 0] - 1.0))
+        tf1.train.AdamOptimizer(0.01).minimize(loss_a)
+        tf1.train.AdamOptimizer(0.01).minimize(loss_b)
+    with pytest.raises(pn.GraphError) as caught:
+        pn.get_runner(g, local(REPLICAS), {"run_option": "allreduce"})
+    assert "updates variable 'shared/kernel' 2 times" in str(caught.value), caught.value
+    assert "two train ops that both train it" in str(caught.value)
