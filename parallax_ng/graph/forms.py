@@ -298,6 +298,11 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     return "mean" if op.type == "Mean" else "sum"
         return None
     kind = form(loss)
+    if kind == "mean":      # Keras's masked mean: each kept element weighs count / kept
+        by_count += [op.name for op in order if op.type in ("RealDiv", "Div", "DivNoNan") and
+                     op.name not in by_count and _counts_elements(op.inputs[0], sources) and
+                     op.inputs[1].shape.rank == 0 and data(op.inputs[1]) and
+                     form(op.inputs[1]) == "sum"]
     return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [],
                     scaled[0] and kind == "sum", by_count if kind == "mean" else [],
                     once if kind == "sum" else [], mixed if kind is None else [],
@@ -385,6 +390,21 @@ def over_widened(t: tf.Tensor, sources, widened) -> bool:
     device's: the replicas' sum is one device's)."""
     return bool(widened) and any(
         op in widened for op in loss_form(t, sources, None, strict=False).by_count)
+
+
+def _counts_elements(t: tf.Tensor, sources) -> bool:
+    """Whether the scalar `t` counts the elements of a tensor of the
+    batch's rows (the product of its shape, or its size), maybe cast."""
+    op = t.op
+    while op.type == "Cast":
+        op = op.inputs[0].op
+    shape = op.inputs[0].op if op.type == "Prod" else None
+    if shape is not None and shape.type == "Shape":
+        return batch_rows(shape.inputs[0], sources)
+    if shape is not None and shape.type == "Pack":     # (rows, constant dims ...)
+        return counts_rows(shape.inputs[0].op, sources) and all(
+            tf.get_static_value(x) is not None for x in shape.inputs[1:])
+    return counts_rows(op, sources)
 
 
 def counts_rows(op, sources) -> bool:
