@@ -151,6 +151,18 @@ def assert_equal_values(parallel, single, what):
                                    err_msg=f"{what}: {name}")
 
 
+def fit_both(parallel, single, x, y, optimizers=("d_optimizer", "g_optimizer")):
+    """Two epochs of each: equal history, weights and `optimizers`'
+    variables."""
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert_history(h1, h2)
+    assert_equal_values(parallel.weights, single.weights, "weights")
+    for name in optimizers:
+        assert_equal_values(getattr(parallel, name).variables, getattr(single, name).variables,
+                            name)
+
+
 def assert_history(h1, h2):
     assert set(h1.history) == set(h2.history)
     for key in h2.history:
@@ -171,12 +183,7 @@ def test_an_overridden_train_step_equals_one_device(cls, config):
         else:
             m.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
     pn.parallelize(parallel, local(2), config)
-    x, y = data()
-    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    assert_history(h1, h2)
-    assert_equal_values(parallel.weights, single.weights, "weights")
-    assert_equal_values(parallel.optimizer.variables, single.optimizer.variables, "optimizer")
+    fit_both(parallel, single, *data(), optimizers=("optimizer",))
 
 
 @pytest.mark.parametrize("config", [None, {"run_option": "allreduce"}, {"run_option": "ps"},
@@ -193,13 +200,7 @@ def test_a_gan_with_two_optimizers_equals_one_device(config):
     for m in (parallel, single):
         compile_gan(m)
     pn.parallelize(parallel, local(2), config)
-    h1 = parallel.fit(real, noise, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    h2 = single.fit(real, noise, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    assert_history(h1, h2)
-    assert_equal_values(parallel.weights, single.weights, "weights")
-    for name in ("d_optimizer", "g_optimizer"):
-        assert_equal_values(getattr(parallel, name).variables, getattr(single, name).variables,
-                            name)
+    fit_both(parallel, single, real, noise)
 
 
 def test_a_gan_with_random_latents_trains():
@@ -372,14 +373,7 @@ def test_a_wgan_with_a_gradient_penalty_equals_one_device(config):
     for m in (parallel, single):
         compile_wgan(m)
     pn.parallelize(parallel, local(2), config)
-    real, extra = wgan_data()
-    h1 = parallel.fit(real, extra, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    h2 = single.fit(real, extra, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    assert_history(h1, h2)
-    assert_equal_values(parallel.weights, single.weights, "weights")
-    for name in ("d_optimizer", "g_optimizer"):
-        assert_equal_values(getattr(parallel, name).variables, getattr(single, name).variables,
-                            name)
+    fit_both(parallel, single, *wgan_data())
 
 
 def test_a_critic_trained_several_times_a_step_is_refused_naming_it():
@@ -446,12 +440,7 @@ def test_a_tf_keras_train_step_as_its_guide_writes_it_equals_one_device():
     for m in (parallel, single):
         m.compile(optimizer=tf_keras.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
     pn.parallelize(parallel, local(2))
-    x, y = data()
-    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    h2 = single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-    assert_history(h1, h2)
-    assert_equal_values(parallel.weights, single.weights, "weights")
-    assert_equal_values(parallel.optimizer.variables, single.optimizer.variables, "optimizer")
+    fit_both(parallel, single, *data(), optimizers=("optimizer",))
 
 
 def test_a_gan_as_a_custom_loop_step_equals_one_device():

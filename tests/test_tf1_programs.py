@@ -43,6 +43,16 @@ def dense(x, units, name, act=None, seed=0, trainable=True):
     return act(y) if act else y
 
 
+def generator(z):
+    with tf1.variable_scope("gen", reuse=tf1.AUTO_REUSE):
+        return dense(dense(z, 8, "h", tf.nn.relu, 1), 4, "out", seed=2)
+
+
+def discriminator(x):
+    with tf1.variable_scope("disc", reuse=tf1.AUTO_REUSE):
+        return dense(dense(x, 8, "h", tf.nn.leaky_relu, 3), 1, "out", seed=4)
+
+
 def gan(batch):
     """A GAN: the discriminator's and the generator's Adam (beta1 0.5)
     over their own scopes' variables; a step runs `d_train`, then
@@ -50,14 +60,6 @@ def gan(batch):
     g = tf.Graph()
     with g.as_default():
         real, noise, _, _ = dataset(batch)
-
-        def generator(z):
-            with tf1.variable_scope("gen", reuse=tf1.AUTO_REUSE):
-                return dense(dense(z, 8, "h", tf.nn.relu, 1), 4, "out", seed=2)
-
-        def discriminator(x):
-            with tf1.variable_scope("disc", reuse=tf1.AUTO_REUSE):
-                return dense(dense(x, 8, "h", tf.nn.leaky_relu, 3), 1, "out", seed=4)
 
         fake = generator(noise)
         d_real, d_fake = discriminator(real), discriminator(fake)
@@ -83,14 +85,6 @@ def gan_one_op(batch):
     g = tf.Graph()
     with g.as_default():
         real, noise, _, _ = dataset(batch)
-
-        def generator(z):
-            with tf1.variable_scope("gen", reuse=tf1.AUTO_REUSE):
-                return dense(dense(z, 8, "h", tf.nn.relu, 1), 4, "out", seed=2)
-
-        def discriminator(x):
-            with tf1.variable_scope("disc", reuse=tf1.AUTO_REUSE):
-                return dense(dense(x, 8, "h", tf.nn.leaky_relu, 3), 1, "out", seed=4)
 
         bce = tf1.losses.sigmoid_cross_entropy
         d_real, d_fake = discriminator(real), discriminator(generator(noise))
