@@ -6,7 +6,9 @@ both ask for, each computed once per variable.
 - `deferral(var)`, `dense_deferral(var)`: a table's (a dense variable's)
   update math, for applying it a step later (deferral.py);
 - `coalescing(var)`: whether a sparse gradient may leave a worker with its
-  rows summed (coalescing.py).
+  rows summed (coalescing.py);
+- `stages()`: each gradient's stage in the step (packing.py), for every
+  candidate plan's packing.
 A ConfigError is remembered too: every later ask raises it again.
 
 Requires: a TrainingGraph. Guarantees: one Facts per graph is made by the
@@ -16,7 +18,7 @@ build (parallax_ng/build.py) and given to the planner and to the passes
 from __future__ import annotations
 
 from ..errors import ConfigError
-from . import coalescing, column_cut, deferral
+from . import coalescing, column_cut, deferral, packing
 
 
 class Facts:
@@ -44,6 +46,9 @@ class Facts:
 
     def dense_deferral(self, var: str) -> deferral.Deferral:
         return self._once("dense deferral", var, lambda: deferral.analyse_dense(self.tg, var))
+
+    def stages(self) -> dict[str, int]:
+        return self._once("stages", "", lambda: packing.stages(self.tg))
 
     def coalescing(self, var: str) -> tuple[str, ...] | None:
         return self._once("coalescing", var, lambda: coalescing.coalescing(self.tg, var))

@@ -59,12 +59,13 @@ def stages(tg: TrainingGraph) -> dict[str, int]:
     return out
 
 
-def check_stages(tg: TrainingGraph, shared: list[str], num_workers: int) -> None:
+def check_stages(stage: dict[str, int], shared: list[str], num_workers: int) -> None:
     """Refuses variables kept once on parameter servers (`shared`) in a job
     of several workers whose step computes gradients from variables it
-    updated earlier in the step: each worker pushes its gradients once per
-    server and step, after its every read of the servers' variables."""
-    stage = stages(tg) if shared and num_workers > 1 else {}
+    updated earlier in the step (`stage`: `stages`): each worker pushes its
+    gradients once per server and step, after its every read of the
+    servers' variables."""
+    stage = stage if shared and num_workers > 1 else {}
     later = sorted(v for v, s in stage.items() if s > 0)
     if later:
         raise ConfigError(
@@ -75,8 +76,8 @@ def check_stages(tg: TrainingGraph, shared: list[str], num_workers: int) -> None
             "allreduce, or hybrid with dense_method bfb or allreduce")
 
 
-def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
-                      profile=None) -> tuple[Bucket, ...]:
+def allreduce_buckets(tg: TrainingGraph, order: list[str], config, profile=None,
+                      stage: dict | None = None) -> tuple[Bucket, ...]:
     """The all-reduced variables in `order` (backward) merged into buckets
     as `config.mode` says (parallax_ng/planning/buckets.py), one dtype and one stage per bucket
     (auto: by `config.bytes` until parallax_ng/runtime/tuning.py tries others);
@@ -92,7 +93,7 @@ def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
         return ()
     ready = profile.ready if profile is not None else {}
     start = profile.forward_time if profile is not None else 0.0
-    out, stage = [], stages(tg)
+    out, stage = [], stages(tg) if stage is None else stage
     kind = {v: (stage.get(v, 0), tg.variables[v].dtype.base_dtype.name) for v in order}
     for group in sorted(set(kind.values())):
         same = [v for v in order if kind[v] == group]
@@ -114,14 +115,14 @@ def allreduce_buckets(tg: TrainingGraph, order: list[str], config,
 
 
 def fusion_buffers(tg: TrainingGraph, order: list[str], servers: list[str],
-                   size_bytes: int = 0) -> tuple[Buffer, ...]:
+                   size_bytes: int = 0, stage: dict | None = None) -> tuple[Buffer, ...]:
     """Gradients of `order` packed flat, in that order, into buffers of
     `size_bytes` (0: `fusion_buffer_size`), one dtype per run of buffers; a
     variable may span two buffers, the last buffer may be smaller; gradients
     of different `stages` in buffers of their own. Every buffer is sharded
     evenly over `servers` at element offsets."""
     by_kind: dict = {}
-    stage = stages(tg)
+    stage = stages(tg) if stage is None else stage
     for var in order:
         by_kind.setdefault((stage.get(var, 0), tg.variables[var].dtype), []).append(var)
     out = []

@@ -113,7 +113,7 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
     variables = {name: deferral.prefetch(facts, vp, config, split)
                  for name, vp in variables.items()}
     _check_servers(tg, roots + fused, config, num_workers, servers)
-    check_stages(tg, roots, num_workers)
+    check_stages(facts.stages(), roots, num_workers)
     by_rows = config.ps_placement == "rows_touched"
     placement = map_devices(tg, roots, host, servers if num_workers > 1 or servers else (),
                             config.ps_placement, {v: i.touched for v, i in info.items()}
@@ -126,16 +126,16 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
                                 job_devices(devices, num_workers, worker), num_workers,
                                 config.communication.backend))
     size = config.fusion.buffer_bytes       # auto: the default until tuning tries others
-    buffers = fusion_buffers(tg, ready_order(tg, fused, order),
-                             list(servers) or [host], 0 if size == "auto" else size)
+    buffers = fusion_buffers(tg, ready_order(tg, fused, order), list(servers) or [host],
+                             0 if size == "auto" else size, facts.stages())
     blocks, notes = deferral.horizontal_blocks(facts, variables, config, split)
     variables.update({v: variables[v].noted(note) for v, note in notes.items()})
     later = {v for b in blocks for v in b}
-    reduced = [v for v, vp in variables.items()      # dense, of known size: packed flat
-               if method(vp.method).all_reduced and not vp.info.sparse and vp.info.known and
-               v not in later]
+    reduced = [v for v, vp in variables.items() if v not in later and   # dense, known size
+               method(vp.method).all_reduced and not vp.info.sparse and vp.info.known]
     timed = order if config.buckets.mode == "mgwfbp" else ()   # else the graph's, as a job's
-    buckets = allreduce_buckets(tg, ready_order(tg, reduced, timed), config.buckets, profile)
+    buckets = allreduce_buckets(tg, ready_order(tg, reduced, timed), config.buckets, profile,
+                                facts.stages())
     producers = [q for q in queues.find(tg) if q.producer]
     drawn = {**randomness.random_ops(tg.ir.nodes, tg.ir.library),
              **dict.fromkeys(randomness.stateless_draws(tg.ir, tg.variant))}
