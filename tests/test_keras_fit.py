@@ -609,15 +609,16 @@ def test_a_test_step_that_cannot_be_traced_runs_on_the_model():
     check(parallel, single)
 
 
-def test_a_masked_sequence_loss_equals_one_device():
+@pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
+def test_a_masked_sequence_loss_equals_one_device(lib):
     """Embedding(mask_zero=True) and padded sequences of different lengths:
     Keras weighs each kept token by (tokens / kept tokens) of the batch, a
     count that differs between the replicas' parts; each replica divides
     by the replicas' mean count (were its own: the weights 0.02 off after
-    8 steps, the logs too). A bidirectional GRU and TimeDistributed. (Keras
-    3; tf_keras's GRU is a function call whose rows the analysis does not
-    follow: docs/limits.md.)"""
-    k = keras
+    8 steps, the logs too). A bidirectional GRU (tf_keras's runs its loop
+    time-major: the loss's rows are read through it, graph/rows.py) and
+    TimeDistributed."""
+    k = keras if lib == "keras3" else __import__("tf_keras")
 
     def make():
         inp = k.Input((7,), dtype="int32")

@@ -4,8 +4,10 @@ their train ops run in turn, each run taking its own batch; or one train
 op, the generator's loss read after the discriminator's update), wide & deep
 (FTRL for the wide part and Adagrad for the deep part, grouped into one
 train op), fine-tuning (a frozen layer left out of var_list, a
-`trainable=False` table, a `stop_gradient`), and evaluation runs of the
-loss alone between training steps. 2 replicas against one device with the
+`trainable=False` table, a `stop_gradient`), evaluation runs of the
+loss alone between training steps, and a recurrent layer written as a loop
+over time with a loss summed over the batch (its loop in both of TF1's
+forms). 2 replicas against one device with the
 global batch: every variable and slot within 1e-5 after the schedule, and
 every fetched loss (averaged over the replicas) within 1e-5 of one
 device's, in each run option."""
@@ -156,6 +158,44 @@ def fine_tune(batch):
     return g, dict(train=train, loss=loss, init=init), schedule
 
 
+def rnn_sum(batch, frames=False):
+    """A recurrent layer written as dynamic_rnn writes it (time-major: a
+    while loop reads each step's rows from a TensorArray and writes the
+    state to another, stacked and transposed back) over an embedding, a
+    projection by tensordot, and a loss summed over the batch and time
+    (the replicas' gradients are summed). `frames`: the loop built with
+    v1 control flow (Enter/Merge/Switch/Exit, as under
+    `disable_v2_behavior`), else a functional While."""
+    if frames:
+        tf1.disable_control_flow_v2()
+    try:
+        g = tf.Graph()
+        with g.as_default():
+            _, _, ids, _ = dataset(batch)
+            rng = np.random.RandomState(5)
+            table = tf1.get_variable("emb", initializer=rng.randn(40, 4).astype(np.float32))
+            w, u, out_w = (tf1.get_variable(n, initializer=rng.randn(*s).astype(np.float32)
+                                            * 0.4) for n, s in (("w", (4, 6)), ("u", (6, 6)),
+                                                                ("out", (6, 5))))
+            x = tf.nn.embedding_lookup(table, ids)                # (batch, 3, 4)
+            steps = tf.TensorArray(tf.float32, size=3).unstack(tf.transpose(x, [1, 0, 2]))
+
+            def body(t, h, out):
+                h = tf.tanh(tf.matmul(steps.read(t), w) + tf.matmul(h, u))
+                return t + 1, h, out.write(t, h)
+            _, _, out = tf1.while_loop(lambda t, *_: t < 3, body, [
+                tf.constant(0), tf.zeros([tf.shape(x)[0], 6]), tf.TensorArray(tf.float32, 3)])
+            logits = tf.tensordot(tf.transpose(out.stack(), [1, 0, 2]), out_w, 1)
+            loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=ids % 5, logits=logits))
+            train = tf1.train.AdagradOptimizer(0.05).minimize(loss)
+            init = tf1.global_variables_initializer()
+    finally:
+        if frames:
+            tf1.enable_control_flow_v2()
+    return g, dict(train=train, loss=loss, init=init), [[("train", "loss")]]
+
+
 def run_schedule(run, h, schedule, rounds):
     """`rounds` times over the schedule: each entry one run of its train op
     (or none) with its loss; returns the losses fetched."""
@@ -169,7 +209,8 @@ def run_schedule(run, h, schedule, rounds):
 
 
 PROGRAMS = {"gan": gan, "gan-one-op": gan_one_op, "wide-deep": wide_deep,
-            "fine-tune": fine_tune}
+            "fine-tune": fine_tune, "rnn-sum": rnn_sum,
+            "rnn-sum-frames": lambda batch: rnn_sum(batch, frames=True)}
 CASES = [(p, r) for p in PROGRAMS for r in ("hybrid", "allreduce", "ps")]
 
 

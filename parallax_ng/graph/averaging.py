@@ -30,13 +30,14 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     it is exact where each adds 1/N of the term (`added_once`); so is a sum
     plus means over counts (`LossForm.widened`). A loss that adds a sum
     over the batch to another mean is averaged, and the warning says its
-    summed part is 1/N of one device's."""
+    summed part is 1/N of one device's; so is a loss whose form the graph
+    does not show, and the warning names it."""
     wanted = (config.average_dense, config.average_sparse)
     if "auto" not in wanted:
         return (*wanted, "")
     losses = autodiff_losses(graph)
     data = sources(graph)
-    sums, unsure, once, mixed = [], [], [], []
+    sums, unsure, once, mixed, unread = [], [], [], [], []
     for loss in losses:
         if loss.shape.rank and batch_rows(loss, data):
             sums.append(loss.name)      # a value per example: the autodiff sums them
@@ -49,6 +50,8 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
             once.extend((loss.name, op) for op, _ in form.once)
         elif form.mixed:
             mixed.append((loss.name, form.mixed[0][0]))
+        elif kind is None:
+            unread.append(loss.name)
     summed = bool(losses) and len(sums) == len(losses)
     note = ""
     if mixed:
@@ -73,6 +76,11 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     elif sums and not summed:
         note = (f"the losses {sums} sum over the batch and others average; the replicas' "
                 "gradients are averaged (set average_dense/average_sparse to choose)")
+    elif unread:
+        note = (f"the graph does not show whether the loss {unread[0]!r} is a mean or a sum "
+                "over the batch (an op between it and the data hides the batch's rows); the "
+                "replicas' gradients are averaged, which equals one device for a mean. For a "
+                "sum, set config average_dense and average_sparse: false (summed)")
     dense, sparse = (not summed if w == "auto" else w for w in wanted)
     return dense, sparse, note
 

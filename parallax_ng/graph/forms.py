@@ -1,5 +1,5 @@
 """Forms of a tensor over the batch: whether its first dimension is the
-batch's rows (`batch_rows`), and whether a scalar computed from the data
+batch's rows (`batch_rows`, graph/rows.py), and whether a scalar computed from the data
 is a mean over the batch or a sum over it (`loss_form`), and the losses a
 graph differentiates (`autodiff_losses`); graph/averaging.py reads from
 them whether the replicas' gradients are averaged or summed.
@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
+from .rows import batch_rows, counts_rows
 
 # ops that give data: an input pipeline's, a queue's, a fed placeholder's (a
 # SparseTensor's shape is a PlaceholderWithDefault)
@@ -71,97 +72,7 @@ def sources(graph: tf.Graph) -> list[str]:
     return [op.name for op in graph.get_operations() if op.type in SOURCE_TYPES]
 
 
-_ROW_WISE = {"Identity", "Snapshot", "Neg", "Square", "Sqrt", "Rsqrt", "Exp", "Log", "Log1p",
-             "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Softplus", "Abs", "Cast",
-             "Softmax", "LogSoftmax", "BiasAdd", "MatMul", "BatchMatMulV2", "BatchMatMul",
-             "StopGradient", "Erf", "Sign", "Floor", "Round", "Reciprocal", "LeakyRelu",
-             "Softsign", "Sin", "Cos", "LogicalNot", "ClipByValue", "OneHot",
-             "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum",
-             "Pow", "SquaredDifference", "Select", "SelectV2", "Equal", "NotEqual", "Less",
-             "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr", "FloorDiv",
-             "FloorMod", "ZerosLike", "OnesLike"}
 _REDUCTIONS = ("Sum", "Mean")
-# ops that make a tensor of the shape their first input gives (ones, zeros,
-# random draws): it has the batch's rows where that shape's first entry counts them
-_SHAPED = {"Fill", "RandomStandardNormal", "RandomUniform", "RandomUniformInt",
-           "TruncatedNormal", "StatelessRandomNormal", "StatelessRandomUniform",
-           "StatelessTruncatedNormal", "StatelessRandomNormalV2", "StatelessRandomUniformV2",
-           "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2"}
-
-
-def batch_rows(t: tf.Tensor, sources) -> bool:
-    """Whether t's first dimension is the batch: it comes from a data
-    source's first dimension through ops that keep rows (element-wise ops,
-    matrix products, losses per example, reductions and reshapes that leave
-    the first dimension alone, gathers by such indices, concatenations of
-    such tensors, ones, zeros and random draws of a shape whose first entry
-    counts the batch's rows, as `ops.ones((batch_size, 1))` makes them)."""
-    seen = {}
-
-    def rows(t):
-        key = t.name
-        if key in seen:
-            return seen[key]
-        seen[key] = False
-        op = t.op
-        if op.name in sources:
-            out = True
-        elif t.shape.rank == 0:
-            out = False
-        elif op.type in ("SparseSoftmaxCrossEntropyWithLogits",
-                         "SoftmaxCrossEntropyWithLogits"):
-            out = rows(op.inputs[0])            # a loss per example: the logits' rows
-        elif op.type in _ROW_WISE and not (op.type == "MatMul" and op.get_attr("transpose_a")):
-            out = any(rows(x) and x.shape.rank == t.shape.rank for x in op.inputs
-                      if x.dtype != tf.resource)
-        elif op.type in _REDUCTIONS + ("Max", "Min", "Prod"):
-            axes = tf.get_static_value(op.inputs[1])
-            out = axes is not None and 0 not in set(
-                int(a) % op.inputs[0].shape.rank for a in np.atleast_1d(axes)) \
-                if op.inputs[0].shape.rank else False
-            out = out and rows(op.inputs[0])
-        elif op.type in ("GatherV2", "ResourceGather", "Gather"):
-            out = rows(op.inputs[1])
-        elif op.type in ("InTopK", "InTopKV2"):     # a row's target among its top k
-            out = rows(op.inputs[0]) or rows(op.inputs[1])
-        elif op.type in ("ArgMax", "ArgMin"):       # over an axis other than the rows'
-            axis = tf.get_static_value(op.inputs[1])
-            rank = op.inputs[0].shape.rank
-            out = bool(rank) and axis is not None and int(axis) % rank != 0 and \
-                rows(op.inputs[0])
-        elif op.type == "Einsum":       # "bsd,de->bse": the output's first index is an input's
-            spec = op.get_attr("equation").decode().replace(" ", "")
-            ins, _, result = spec.partition("->")
-            out = bool(result) and result[0].isalpha() and any(
-                term[:1] == result[0] and rows(x) for term, x in zip(ins.split(","), op.inputs))
-        elif op.type == "Transpose":
-            perm = tf.get_static_value(op.inputs[1])
-            out = perm is not None and len(perm) > 0 and perm[0] == 0 and rows(op.inputs[0])
-        elif op.type == "ConcatV2":     # along another axis: some rows; along the rows: all
-            axis = tf.get_static_value(op.inputs[-1])
-            along = axis is not None and t.shape.rank and int(axis) % t.shape.rank == 0
-            out = axis is not None and bool(t.shape.rank) and (all if along else any)(
-                rows(x) for x in op.inputs[:-1])
-        elif op.type in _SHAPED:
-            shape = op.inputs[0]
-            out = shape.op.type == "Shape" and rows(shape.op.inputs[0]) or \
-                shape.op.type == "Pack" and counts_rows(shape.op.inputs[0].op, sources)
-        elif op.type == "StridedSlice":     # x[:, ...]: every row, none added or dropped
-            strides = tf.get_static_value(op.inputs[3])
-            whole = op.get_attr("begin_mask") & op.get_attr("end_mask") & 1
-            moved = (op.get_attr("ellipsis_mask") | op.get_attr("new_axis_mask")
-                     | op.get_attr("shrink_axis_mask")) & 1
-            out = bool(whole and not moved and strides is not None and len(strides)
-                       and strides[0] == 1) and rows(op.inputs[0])
-        elif op.type in ("Reshape", "ExpandDims", "Squeeze"):
-            before, after = op.inputs[0].shape, t.shape
-            out = bool(before.rank and after.rank) and compat.dim(before, 0) == compat.dim(
-                after, 0) is not None and rows(op.inputs[0])
-        else:
-            out = False
-        seen[key] = out
-        return out
-    return rows(t)
 
 
 @dataclass
@@ -380,7 +291,10 @@ def scalar_form(t: tf.Tensor, sources) -> tuple[str | None, bool, LossForm]:
     if not traced and batch is None:        # a scaled TF1 sum is taken as a mean
         if form.kind == "sum" and form.scaled:
             return "mean", True, form
-        form = replace(form, mixed=[(term, s) for term, s in form.mixed if not s])
+        kept = [(term, s) for term, s in form.mixed if not s]
+        if form.mixed and not kept:         # the sums added to means all scaled: means
+            return "mean", True, replace(form, mixed=[])
+        form = replace(form, mixed=kept)
     return form.kind, False, form
 
 
@@ -405,19 +319,6 @@ def _counts_elements(t: tf.Tensor, sources) -> bool:
         return counts_rows(shape.inputs[0].op, sources) and all(
             tf.get_static_value(x) is not None for x in shape.inputs[1:])
     return counts_rows(op, sources)
-
-
-def counts_rows(op, sources) -> bool:
-    """Whether `op` counts a batch's rows: `tf.shape(x)[0]` or `tf.size(x)`
-    of a tensor whose first dimension is the batch."""
-    if op.type == "Size":
-        return batch_rows(op.inputs[0], sources)
-    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape":
-        return False
-    begin, strides = (tf.get_static_value(op.inputs[i]) for i in (1, 3))
-    return (begin is not None and strides is not None and list(begin) == [0]
-            and list(strides) == [1] and op.get_attr("shrink_axis_mask") == 1
-            and batch_rows(op.inputs[0].op.inputs[0], sources))
 
 
 def replica_batch(graph: tf.Graph, data) -> int | None:

@@ -1,0 +1,397 @@
+"""The batch's axis of a tensor: which of its dimensions, if any, holds the
+batch's examples (`batch_axis`), and whether it is the first (`batch_rows`),
+read through the ops a step is made of. Recurrent layers run time-major: a
+loop writes each time step's rows into a TensorArray or TensorList, stacks
+them (time first, the batch second) and transposes back. So the axis is
+followed through transposes, stacks and unstacks, the lists' elements, and
+while loops in the three forms TensorFlow gives them (v1 frames of
+Enter/Merge/Switch/Exit, the same lowered in a traced function, and a
+functional While whose body is a function), and into called functions.
+
+Requires: tf.Tensors of a graph and the names of its data sources (the ops
+whose first dimension is the batch). Guarantees: reads the graph only (a
+functional op's body is read as the graph of its function). Where the ops
+do not show the axis the answer is None, never a guess; a reshape that
+keeps its first dimension free (-1, or a count of rows) keeps the batch
+there. graph/forms.py reads the forms of losses with it.
+"""
+from __future__ import annotations
+
+import sys
+import weakref
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import function_def_to_graph
+
+from .. import compat
+
+
+def batch_rows(t: tf.Tensor, sources) -> bool:
+    """Whether t's first dimension is the batch: it comes from a data
+    source's first dimension through ops that keep rows (element-wise ops,
+    matrix products, losses per example, reductions and reshapes that leave
+    the batch alone, gathers by such indices, concatenations and stacks of
+    such tensors, time-major loops transposed back, ones, zeros and random
+    draws of a shape whose first entry counts the batch's rows)."""
+    return batch_axis(t, sources) == 0
+
+
+def batch_axis(t: tf.Tensor, sources) -> int | None:
+    """The dimension of t that holds the batch's examples, or None."""
+    return _Axes(sources, t.graph).read(t)
+
+
+def counts_rows(op, sources) -> bool:
+    """Whether `op` counts a batch's rows: `tf.shape(x)[0]` or `tf.size(x)`
+    of a tensor whose first dimension is the batch."""
+    return _Axes(sources, op.graph).counts_rows(op)
+
+
+# ops whose output is their input (the forms of loops and control flow included)
+_PASS = {"Identity", "Snapshot", "Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
+         "RefNextIteration", "Switch", "RefSwitch", "EnsureShape", "CheckNumerics",
+         "StopGradient", "PreventGradient", "IdentityN"}
+_ROW_WISE = {"Neg", "Square", "Sqrt", "Rsqrt", "Exp", "Log", "Log1p", "Tanh", "Sigmoid", "Relu",
+             "Relu6", "Elu", "Selu", "Softplus", "Abs", "Cast", "BiasAdd", "Erf", "Sign", "Floor",
+             "Round", "Reciprocal", "LeakyRelu", "Softsign", "Sin", "Cos", "LogicalNot",
+             "ClipByValue", "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum",
+             "Minimum", "Pow", "SquaredDifference", "Select", "SelectV2", "Equal", "NotEqual",
+             "Less", "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr",
+             "FloorDiv", "FloorMod", "ZerosLike", "OnesLike", "AddN"}
+_LAST_AXIS = {"Softmax", "LogSoftmax"}      # mix their last axis
+_REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any"}
+# ops that make a tensor of the shape their first input gives (ones, zeros,
+# random draws): it has the batch's rows where that shape's first entry counts them
+_SHAPED = {"Fill", "RandomStandardNormal", "RandomUniform", "RandomUniformInt",
+           "TruncatedNormal", "StatelessRandomNormal", "StatelessRandomUniform",
+           "StatelessTruncatedNormal", "StatelessRandomNormalV2", "StatelessRandomUniformV2",
+           "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2"}
+_CALLS = {"While": "body", "StatelessWhile": "body", "PartitionedCall": "f",
+          "StatefulPartitionedCall": "f"}
+_BRANCHES = {"If", "StatelessIf"}
+_DEPTH = 20000      # recursion enough for a deep model's chain of ops
+
+# a graph's function bodies read as graphs, once per graph and function
+_BODIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _body(graph: tf.Graph, name: str):
+    """The graph of the function `name` of `graph`'s library (searched out
+    through the graphs a function's graph is nested in), or None."""
+    bodies = _BODIES.setdefault(graph, {})
+    if name not in bodies:
+        body, g = None, graph
+        while body is None and g is not None:
+            fn = g._get_function(name)      # noqa: SLF001 (the library's functions)
+            if fn is not None:
+                body = getattr(fn, "graph", None) or getattr(fn, "_cached_graph", None)
+                if body is None:
+                    body = function_def_to_graph.function_def_to_graph(fn.cached_definition)
+            g = getattr(g, "outer_graph", None)
+        bodies[name] = body
+    return bodies[name]
+
+
+class _Axes:
+    """One reading of a graph (or of a function's body, its inputs `bound`
+    to the caller's tensors): the batch's axis of tensors, and of the
+    elements of lists and arrays, memoized; a cycle (a loop) reads None
+    where it meets itself."""
+
+    def __init__(self, sources, graph, bound=None, root=None):
+        self.sources, self.graph, self.root = set(sources), graph, root or graph
+        self.bound = bound or {}            # body input name -> (caller's _Axes, tensor)
+        self.memo: dict = {}
+
+    def read(self, t) -> int | None:
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, _DEPTH))
+        try:
+            return self.axis(t)
+        except RecursionError:
+            return None
+        finally:
+            sys.setrecursionlimit(limit)
+
+    def rows(self, t) -> bool:
+        return self.axis(t) == 0
+
+    def axis(self, t) -> int | None:
+        return self._memo(("axis", t.name), self._axis, t)
+
+    def elements(self, t) -> int | None:
+        """The batch's axis in each element of the list or array `t`
+        (a TensorList's variant, a TensorArray's handle)."""
+        return self._memo(("elements", t.name), self._elements, t)
+
+    def _memo(self, key, read, t):
+        if key not in self.memo:
+            self.memo[key] = None
+            self.memo[key] = read(t)
+        return self.memo[key]
+
+    def _axis(self, t):
+        op, kind = t.op, t.op.type
+        if op.name in self.sources:
+            return 0
+        if op.name in self.bound:
+            caller, outer = self.bound[op.name]
+            return caller.axis(outer)
+        rank = t.shape.rank
+        if rank == 0 or t.dtype in (tf.resource, tf.variant):
+            return None
+        if kind in ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"):
+            return 0 if self.rows(op.inputs[0]) else None      # a loss per example
+        if kind in _PASS:
+            return self.axis(op.inputs[t.value_index if kind == "IdentityN" else 0])
+        if kind in ("Merge", "RefMerge"):
+            return None if t.value_index else self._first(self.axis, op.inputs)
+        if kind in _ROW_WISE or kind in _LAST_AXIS:
+            a = self._first(self.axis, [x for x in op.inputs if None in (x.shape.rank, rank)
+                                        or x.shape.rank == rank])
+            return None if kind in _LAST_AXIS and a == rank - 1 else a
+        if kind == "MatMul":
+            return 0 if not op.get_attr("transpose_a") and self.rows(op.inputs[0]) else None
+        if kind in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+            a = self._first(self.axis, op.inputs)
+            return a if a is not None and rank and a < rank - 2 else None
+        if kind == "OneHot":
+            a = self.axis(op.inputs[0])
+            at = op.get_attr("axis")
+            return None if a is None else a + 1 if 0 <= at <= a else a
+        if kind in _REDUCTIONS or kind in ("ArgMax", "ArgMin"):
+            return self._reduced(op, t, keep=kind in _REDUCTIONS and op.get_attr("keep_dims"))
+        if kind in ("GatherV2", "ResourceGather", "Gather"):
+            return self._gathered(op)
+        if kind in ("InTopK", "InTopKV2"):     # a row's target among its top k
+            return 0 if self.rows(op.inputs[0]) or self.rows(op.inputs[1]) else None
+        if kind == "Einsum":
+            return self._einsum(op)
+        if kind == "Transpose":
+            perm, a = tf.get_static_value(op.inputs[1]), self.axis(op.inputs[0])
+            return list(perm).index(a) if perm is not None and a in list(perm) else None
+        if kind == "ConcatV2":
+            return self._concatenated(op, t)
+        if kind == "Pack":
+            a = self._first(self.axis, op.inputs)
+            at = op.get_attr("axis") % rank if rank else None
+            return None if a is None or at is None else a + 1 if at <= a else a
+        if kind == "Unpack":
+            a, x = self.axis(op.inputs[0]), op.inputs[0]
+            at = op.get_attr("axis") % x.shape.rank if x.shape.rank else None
+            return None if a is None or at is None or a == at else a - 1 if a > at else a
+        if kind in _SHAPED:
+            return 0 if self._first_counts(op.inputs[0]) else None
+        if kind == "StridedSlice":
+            return self._sliced(op)
+        if kind in ("Reshape", "ExpandDims", "Squeeze"):
+            return self._reshaped(op, t)
+        if kind in ("TensorListStack", "TensorListGather", "TensorArrayGatherV3"):
+            e = self.elements(op.inputs[0])
+            return None if e is None else e + 1
+        if kind in ("TensorListGetItem", "TensorArrayReadV3", "TensorListPopBack"):
+            return self.elements(op.inputs[0])
+        return self._called(op, t, "axis")
+
+    def _elements(self, t):
+        op, kind = t.op, t.op.type
+        if op.name in self.bound:
+            caller, outer = self.bound[op.name]
+            return caller.elements(outer)
+        if kind in _PASS:
+            return self.elements(op.inputs[t.value_index if kind == "IdentityN" else 0])
+        if kind in ("Merge", "RefMerge"):
+            return self._first(self.elements, op.inputs)
+        if kind in ("TensorListSetItem", "TensorListPushBack"):
+            a = self.axis(op.inputs[2 if kind == "TensorListSetItem" else 1])
+            return a if a is not None else self.elements(op.inputs[0])
+        if kind in ("TensorListFromTensor", "TensorListScatter", "TensorListScatterV2",
+                    "TensorListScatterIntoExistingList"):
+            a = self.axis(op.inputs[1 if kind == "TensorListScatterIntoExistingList" else 0])
+            return a - 1 if a else None
+        if kind == "TensorArrayV3":
+            return self._written(t)
+        return self._called(op, t, "elements")
+
+    def _written(self, handle):
+        """The axis of the elements a TensorArray's writes and scatters give
+        it, wherever they are (a loop's body reaches the handle through Enter)."""
+        stack, seen = [handle], set()
+        while stack:
+            h = stack.pop()
+            for op in h.consumers():
+                if op.name in seen:
+                    continue
+                seen.add(op.name)
+                if op.type in ("Enter", "RefEnter", "Identity", "Switch", "RefSwitch"):
+                    stack.extend(op.outputs)
+                elif op.type == "TensorArrayWriteV3" and self.axis(op.inputs[2]) is not None:
+                    return self.axis(op.inputs[2])
+                elif op.type == "TensorArrayScatterV3" and self.axis(op.inputs[2]):
+                    return self.axis(op.inputs[2]) - 1
+        return None
+
+    def _called(self, op, t, read: str):
+        """`read` ("axis" or "elements") of output `t` of a functional op: a
+        While's loop variable, a call's result, an If whose branches agree."""
+        kind = op.type
+        if kind in _BRANCHES:
+            answers = {self._in_body(op, op.get_attr(b).name, op.inputs[1:], t, read)
+                       for b in ("then_branch", "else_branch")}
+            return answers.pop() if len(answers) == 1 else None
+        if kind in _CALLS:
+            return self._in_body(op, op.get_attr(_CALLS[kind]).name, op.inputs, t, read)
+        if self.graph._is_function(kind):   # noqa: SLF001 (a function called by its name)
+            return self._in_body(op, kind, op.inputs, t, read)
+        return None
+
+    def _in_body(self, op, name, inputs, t, read):
+        body = _body(self.graph, name) or _body(self.root, name)
+        if body is None or len(body.inputs) != len(inputs) or \
+                t.value_index >= len(body.outputs):
+            return None
+        key = ("body", op.name, name)
+        if key not in self.memo:
+            self.memo[key] = _Axes((), body, {p.op.name: (self, x) for p, x in
+                                              zip(body.inputs, inputs)}, self.root)
+        return getattr(self.memo[key], read)(body.outputs[t.value_index])
+
+    def counts_rows(self, op) -> bool:
+        """Whether the scalar `op` gives counts the batch's examples: the
+        size of a tensor that has them, its dimension that holds them, or a
+        product of its dimensions with that one (as tf.tensordot merges them)."""
+        while op.type in ("Cast", "Identity"):
+            op = op.inputs[0].op
+        if op.type == "Size":
+            return self.axis(op.inputs[0]) is not None
+        if op.type == "Prod":
+            return self._first_counts(op.inputs[0])
+        if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape":
+            return False
+        begin, strides = (tf.get_static_value(op.inputs[i]) for i in (1, 3))
+        return (begin is not None and strides is not None and len(begin) == 1
+                and list(strides) == [1] and op.get_attr("shrink_axis_mask") == 1
+                and self.axis(op.inputs[0].op.inputs[0]) == int(begin[0]))
+
+    def _first_counts(self, shape) -> bool:
+        """Whether the first entry of the shape vector `shape` counts the
+        batch's examples (`counts_rows`)."""
+        op = shape.op
+        if op.type in ("Cast", "Identity"):
+            return self._first_counts(op.inputs[0])
+        if op.type == "Shape":
+            return self.rows(op.inputs[0])
+        if op.type in ("Pack", "ExpandDims"):
+            return bool(op.inputs) and self.counts_rows(op.inputs[0].op)
+        if op.type == "ConcatV2" and len(op.inputs) > 1:
+            return self._first_counts(op.inputs[0])
+        if op.type in ("GatherV2", "StridedSlice") and op.inputs[0].op.type == "Shape":
+            first = tf.get_static_value(op.inputs[1])
+            if op.type == "StridedSlice" and (op.get_attr("shrink_axis_mask") or
+                                              op.get_attr("begin_mask") & 1):
+                first = None if op.get_attr("shrink_axis_mask") else [0]
+            return first is not None and np.ndim(first) == 1 and len(first) > 0 and \
+                self.axis(op.inputs[0].op.inputs[0]) == int(first[0])
+        return False
+
+    @staticmethod
+    def _first(read, tensors):
+        for x in tensors:
+            a = read(x)
+            if a is not None:
+                return a
+        return None
+
+    def _reduced(self, op, t, keep):
+        x = op.inputs[0]
+        rank, a = x.shape.rank, self.axis(x)
+        axes = tf.get_static_value(op.inputs[1])
+        if a is None or axes is None or not rank:
+            return None
+        axes = {int(v) % rank for v in np.atleast_1d(axes)}
+        return None if a in axes else a if keep else a - sum(v < a for v in axes)
+
+    def _gathered(self, op):
+        if op.type != "GatherV2":
+            return self.axis(op.inputs[1])
+        at = tf.get_static_value(op.inputs[2])
+        rank = op.inputs[0].shape.rank
+        if at is None or (at < 0 and not rank):
+            return None
+        at = int(at) % rank if rank else int(at)
+        a = self.axis(op.inputs[0])
+        if a is not None and a < at:
+            return a            # gathered along a later axis: the rows stay
+        i = self.axis(op.inputs[1])
+        return at + i if i is not None and op.get_attr("batch_dims") == 0 else None
+
+    def _einsum(self, op):      # "bsd,de->bse": the batch's letter where the output has it
+        spec = op.get_attr("equation").decode().replace(" ", "")
+        ins, _, result = spec.partition("->")
+        for term, x in zip(ins.split(","), op.inputs):
+            a = self.axis(x)
+            if "." in term and a != 0:
+                continue
+            if a is not None and a < len(term) and term[a].isalpha() and term[a] in result:
+                return result.index(term[a])
+        return None
+
+    def _concatenated(self, op, t):     # along the batch's axis all must have it
+        at = tf.get_static_value(op.inputs[-1])
+        axes = [self.axis(x) for x in op.inputs[:-1]]
+        known = [a for a in axes if a is not None]
+        if at is None or not t.shape.rank or not known:
+            return None
+        along = int(at) % t.shape.rank == known[0]
+        return known[0] if not along or len(known) == len(axes) else None
+
+    def _sliced(self, op):
+        strides = tf.get_static_value(op.inputs[3])
+        a = self.axis(op.inputs[0])
+        if a is None or strides is None:
+            return None
+        whole = op.get_attr("begin_mask") & op.get_attr("end_mask")
+        shrink = op.get_attr("shrink_axis_mask")
+        if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
+            moved = (op.get_attr("ellipsis_mask") | op.get_attr("new_axis_mask") | shrink) & 1
+            return 0 if a == 0 and whole & 1 and not moved and len(strides) and \
+                strides[0] == 1 else None           # x[:, ...]: every row kept
+        if a < len(strides) and (shrink >> a & 1 or not whole >> a & 1 or strides[a] != 1):
+            return None
+        return a - sum(shrink >> i & 1 for i in range(min(a, len(strides))))
+
+    def _reshaped(self, op, t):
+        x = op.inputs[0]
+        a = self.axis(x)
+        before, after = x.shape, t.shape
+        if a is None or not after.rank:
+            return None
+        if op.type == "ExpandDims" and before.rank is not None:
+            at = tf.get_static_value(op.inputs[1])
+            return None if at is None else a + 1 if int(at) % after.rank <= a else a
+        if op.type == "Squeeze" and before.rank is not None:
+            dims = [d % before.rank for d in op.get_attr("squeeze_dims")] or \
+                [i for i in range(before.rank) if compat.dim(before, i) == 1]
+            return None if a in dims else a - sum(d < a for d in dims)
+        if a != 0:
+            return None
+        if before.rank and compat.dim(before, 0) == compat.dim(after, 0) is not None:
+            return 0
+        shape = op.inputs[1]
+        if shape.op.type == "Shape" and self.rows(shape.op.inputs[0]):
+            return 0            # to the shape of a tensor of the batch's rows
+        free = compat.dim(after, 0) is None and (not before.rank or compat.dim(before, 0) is None)
+        return 0 if free and self._free_first(shape) else None
+
+    def _free_first(self, shape) -> bool:
+        """Whether a shape's first entry is -1 or counts the batch's rows."""
+        value = tf.get_static_value(shape)
+        if value is not None:
+            return np.ndim(value) == 1 and len(value) > 0 and int(value[0]) == -1
+        op = shape.op
+        if op.type in ("Pack", "ConcatV2") and len(op.inputs) > 1:
+            first = tf.get_static_value(op.inputs[0])
+            if first is not None:
+                return np.size(first) > 0 and int(np.ravel(first)[0]) == -1
+        return self._first_counts(shape)

@@ -1,0 +1,132 @@
+"""The batch's axis of a tensor (parallax_ng/graph/rows.py): through
+transposes, stacks, slices, reshapes, tensordot and gathers; through loops
+over time in TF1's two forms of control flow (v1 frames and functional
+While ops), tf.scan, and a tf_keras GRU called in a tf.compat.v1 graph (a
+function call holding a While); and the losses read through them."""
+import pytest
+import tensorflow as tf
+
+from parallax_ng.graph import forms
+from parallax_ng.graph.rows import batch_axis, batch_rows, counts_rows
+
+tf1 = tf.compat.v1
+DATA = ["x", "y"]
+
+
+def inputs():
+    return (tf1.placeholder(tf.float32, (None, 7, 4), name="x"),
+            tf1.placeholder(tf.int32, (None, 7), name="y"))
+
+
+def axis(t):
+    return batch_axis(t, DATA)
+
+
+def test_axes_through_array_ops():
+    with tf.Graph().as_default():
+        x, y = inputs()
+        time_major = tf.transpose(x, [1, 0, 2])
+        flat = tf.reshape(x, [-1, 4])
+        per_row = tf.reshape(x, [tf.shape(x)[0], -1])
+        shaped = tf.reshape(tf.reshape(tf.cast(y, tf.float32), [-1]), tf.shape(y))
+        cases = {
+            time_major: 1, time_major[-1]: 0, time_major[2:]: 1, time_major[:, 2:]: None,
+            x[:, -1]: 0,
+            x[..., 0]: None,        # an ellipsis first: not followed (no guess)
+            tf.unstack(x, axis=1)[0]: 0, tf.unstack(time_major)[3]: 0,
+            tf.stack([x, x], axis=1): 0, tf.stack([x, x]): 1,
+            flat: 0, per_row: 0, shaped: 0, tf.reshape(x, [7, -1]): None,
+            tf.expand_dims(time_major, 0): 2, tf.squeeze(x[:, :1], 1): 0,
+            tf.reduce_sum(time_major, 0): 0, tf.reduce_sum(x, 0): None,
+            tf.reduce_mean(time_major, 2, keepdims=True): 1,
+            tf.tensordot(x, tf.ones((4, 3)), 1): 0,
+            tf.einsum("btd->tbd", x): 1, tf.einsum("tbd,de->bte", time_major, tf.ones((4, 2))): 0,
+            tf.gather(x, [0, 1], axis=1): 0, tf.gather(tf.ones((9, 3)), y): 0,
+            tf.one_hot(y, 5): 0, tf.one_hot(y, 5, axis=0): 1,
+            tf.concat([time_major, time_major], 0): 1, tf.concat([x, x], 0): 0,
+            tf.nn.softmax(time_major): 1, tf.nn.softmax(tf.transpose(x[:, 0])): None,
+            tf.zeros([tf.shape(time_major)[1], 5]): 0, tf.matmul(x[:, 0], tf.ones((4, 2))): 0,
+            tf.matmul(x[:, 0], tf.ones((9, 4)), transpose_a=True): None,
+        }
+        for t, want in cases.items():
+            assert axis(t) == want, (t.name, axis(t), want)
+        assert batch_rows(flat, DATA) and not batch_rows(time_major, DATA)
+        assert counts_rows(tf.shape(time_major)[1].op, DATA)
+        assert not counts_rows(tf.shape(time_major)[0].op, DATA)
+
+
+def recurrent(x, form):
+    """A recurrent layer over x (batch, time, features), time-major inside as
+    dynamic_rnn runs it; its output (batch, time, 5)."""
+    w, u = tf.ones((4, 5)) * 0.1, tf.ones((5, 5)) * 0.1
+    steps = tf.transpose(x, [1, 0, 2])
+    h0 = tf.zeros([tf.shape(x)[0], 5])
+    if form == "scan":
+        out = tf.scan(lambda h, xt: tf.tanh(tf.matmul(xt, w) + tf.matmul(h, u)), steps, h0)
+        return tf.transpose(out, [1, 0, 2])
+    ta = tf.TensorArray(tf.float32, size=7).unstack(steps)
+
+    def body(t, h, out):
+        h = tf.tanh(tf.matmul(ta.read(t), w) + tf.matmul(h, u))
+        return t + 1, h, out.write(t, h)
+    _, _, out = tf1.while_loop(lambda t, *_: t < 7, body,
+                               [tf.constant(0), h0, tf.TensorArray(tf.float32, 7)])
+    return tf.transpose(out.stack(), [1, 0, 2])
+
+
+@pytest.fixture(params=["functional", "frames", "scan"])
+def loop_form(request):
+    if request.param == "frames":
+        tf1.disable_control_flow_v2()
+    yield request.param
+    tf1.enable_control_flow_v2()
+
+
+def test_a_loop_over_time_keeps_the_batch_and_its_losses_read(loop_form):
+    with tf.Graph().as_default() as g:
+        x, y = inputs()
+        out = recurrent(x, loop_form)
+        kinds = {op.type for op in g.get_operations()}
+        assert ("Enter" in kinds) == (loop_form == "frames")
+        assert ("While" in kinds or "StatelessWhile" in kinds) == (loop_form != "frames")
+        logits = tf.tensordot(out, tf.ones((5, 3)), 1)
+        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        assert axis(out) == 0 and axis(logits) == 0 and axis(ce) == 0
+        assert axis(out[:, -1]) == 0 and axis(tf.reduce_sum(out, 1)) == 0
+        assert forms.loss_form(tf.reduce_sum(ce), DATA, None).kind == "sum"
+        assert forms.loss_form(tf1.losses.sparse_softmax_cross_entropy(y, logits), DATA,
+                               None).kind == "mean"
+        # a loop that adds the batch's rows up is not read as keeping them
+        total = tf1.while_loop(lambda i, s: i < 3, lambda i, s: (i + 1, s + tf.reduce_sum(
+            x[:, i], 0)), [tf.constant(0), tf.zeros(4)])[1]
+        assert axis(total) is None
+
+
+def test_a_tf_keras_gru_and_a_function_called_in_a_graph():
+    """tf_keras's GRU in a tf.compat.v1 graph (a functional While over a
+    TensorList), and a tf.function called there (a call whose body is read
+    with the caller's tensors); the outputs and losses over them are read."""
+    import tf_keras
+    with tf.Graph().as_default() as g:
+        x, y = inputs()
+        out = tf_keras.layers.GRU(5, return_sequences=True)(x)
+        last = tf_keras.layers.GRU(5)(x)
+        assert "While" in {op.type for op in g.get_operations()}
+        assert axis(out) == 0 and axis(last) == 0
+        called = tf.function(lambda a, b: (tf.transpose(tf.tanh(a), [1, 0, 2]), b * 2.0))(
+            x, tf.ones((3,)))
+        assert called[0].op.type.endswith("PartitionedCall")
+        assert axis(called[0]) == 1 and axis(called[1]) is None
+        assert forms.loss_form(tf.reduce_sum(tf.square(out)), DATA, None).kind == "sum"
+        assert forms.loss_form(tf.reduce_mean(last), DATA, None).kind == "mean"
+
+
+def test_the_recursion_of_a_deep_chain_is_bounded():
+    """A chain deeper than Python's default recursion limit is still read."""
+    with tf.Graph().as_default():
+        x, _ = inputs()
+        h = x[:, 0]
+        for _ in range(1500):
+            h = h + 1.0
+        assert batch_rows(h, DATA)
+        assert axis(tf.transpose(tf.stack([h] * 2))) == 1
