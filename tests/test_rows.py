@@ -1,5 +1,6 @@
 """The batch's axis of a tensor (parallax_ng/graph/rows.py): through
-transposes, stacks, slices, reshapes, tensordot and gathers; through loops
+transposes, stacks, slices, reshapes, tensordot, gathers, convolutions,
+pools, paddings and scans; through loops
 over time in TF1's two forms of control flow (v1 frames and functional
 While ops), tf.scan, and a tf_keras GRU called in a tf.compat.v1 graph (a
 function call holding a While); and the losses read through them."""
@@ -48,6 +49,16 @@ def test_axes_through_array_ops():
             tf.zeros([tf.shape(time_major)[1], 5]): 0, tf.matmul(x[:, 0], tf.ones((4, 2))): 0,
             tf.matmul(x[:, 0], tf.ones((9, 4)), transpose_a=True): None,
         }
+        img = tf.reshape(x, [-1, 7, 4, 1])
+        normed, mean, _ = tf1.nn.fused_batch_norm(img, tf.ones(1), tf.zeros(1))
+        cases.update({
+            tf.nn.conv2d(img, tf.ones((2, 2, 1, 3)), 1, "SAME"): 0,
+            tf.nn.max_pool2d(img, 2, 1, "SAME"): 0, normed: 0, mean: None,
+            tf.pad(x, [[0, 0], [1, 1], [0, 0]]): 0, tf.pad(x, [[1, 0], [0, 0], [0, 0]]): None,
+            tf.cumsum(x, 1): 0, tf.cumsum(x, 0): None, tf.reverse(time_major, [0]): 1,
+            tf.math.top_k(x, 2)[1]: 0,
+            tf.nn.softmax_cross_entropy_with_logits(tf.ones((1, 4)), x[:, 0]): 0,
+        })
         for t, want in cases.items():
             assert axis(t) == want, (t.name, axis(t), want)
         assert batch_rows(flat, DATA) and not batch_rows(time_major, DATA)

@@ -5,9 +5,9 @@ op, the generator's loss read after the discriminator's update), wide & deep
 (FTRL for the wide part and Adagrad for the deep part, grouped into one
 train op), fine-tuning (a frozen layer left out of var_list, a
 `trainable=False` table, a `stop_gradient`), evaluation runs of the
-loss alone between training steps, and a recurrent layer written as a loop
-over time with a loss summed over the batch (its loop in both of TF1's
-forms). 2 replicas against one device with the
+loss alone between training steps, a recurrent layer written as a loop
+over time and a convnet, each with a loss summed over the batch (the
+loop in both of TF1's forms). 2 replicas against one device with the
 global batch: every variable and slot within 1e-5 after the schedule, and
 every fetched loss (averaged over the replicas) within 1e-5 of one
 device's, in each run option."""
@@ -196,6 +196,24 @@ def rnn_sum(batch, frames=False):
     return g, dict(train=train, loss=loss, init=init), [[("train", "loss")]]
 
 
+def cnn_sum(batch):
+    """A small convnet (conv2d, max-pool, flattened, a dense head) whose
+    loss sums over the batch (the replicas' gradients are summed), trained
+    with momentum."""
+    g = tf.Graph()
+    with g.as_default():
+        real, _, _, label = dataset(batch)
+        rng = np.random.RandomState(6)
+        kernel = tf1.get_variable("conv", initializer=rng.randn(2, 2, 1, 3).astype(np.float32))
+        img = tf.nn.relu(tf.nn.conv2d(tf.reshape(real, [-1, 2, 2, 1]), kernel, 1, "SAME"))
+        flat = tf.reshape(tf.nn.max_pool2d(img, 2, 1, "SAME"), [-1, 12])
+        loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.cast(label, tf.int32), logits=dense(flat, 2, "head", seed=7)))
+        train = tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
+        init = tf1.global_variables_initializer()
+    return g, dict(train=train, loss=loss, init=init), [[("train", "loss")]]
+
+
 def run_schedule(run, h, schedule, rounds):
     """`rounds` times over the schedule: each entry one run of its train op
     (or none) with its loss; returns the losses fetched."""
@@ -210,7 +228,7 @@ def run_schedule(run, h, schedule, rounds):
 
 PROGRAMS = {"gan": gan, "gan-one-op": gan_one_op, "wide-deep": wide_deep,
             "fine-tune": fine_tune, "rnn-sum": rnn_sum,
-            "rnn-sum-frames": lambda batch: rnn_sum(batch, frames=True)}
+            "rnn-sum-frames": lambda batch: rnn_sum(batch, frames=True), "cnn-sum": cnn_sum}
 CASES = [(p, r) for p in PROGRAMS for r in ("hybrid", "allreduce", "ps")]
 
 

@@ -25,6 +25,7 @@ import tensorflow as tf
 from tensorflow.python.framework import function_def_to_graph
 
 from .. import compat
+from .rules import ELEMENTWISE, FIRST, LOSSES, REDUCTIONS
 
 
 def batch_rows(t: tf.Tensor, sources) -> bool:
@@ -52,15 +53,12 @@ def counts_rows(op, sources) -> bool:
 _PASS = {"Identity", "Snapshot", "Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
          "RefNextIteration", "Switch", "RefSwitch", "EnsureShape", "CheckNumerics",
          "StopGradient", "PreventGradient", "IdentityN"}
-_ROW_WISE = {"Neg", "Square", "Sqrt", "Rsqrt", "Exp", "Log", "Log1p", "Tanh", "Sigmoid", "Relu",
-             "Relu6", "Elu", "Selu", "Softplus", "Abs", "Cast", "BiasAdd", "Erf", "Sign", "Floor",
-             "Round", "Reciprocal", "LeakyRelu", "Softsign", "Sin", "Cos", "LogicalNot",
-             "ClipByValue", "Add", "AddV2", "Sub", "Mul", "RealDiv", "Div", "DivNoNan", "Maximum",
-             "Minimum", "Pow", "SquaredDifference", "Select", "SelectV2", "Equal", "NotEqual",
-             "Less", "LessEqual", "Greater", "GreaterEqual", "LogicalAnd", "LogicalOr",
-             "FloorDiv", "FloorMod", "ZerosLike", "OnesLike", "AddN"}
 _LAST_AXIS = {"Softmax", "LogSoftmax"}      # mix their last axis
-_REDUCTIONS = {"Sum", "Mean", "Max", "Min", "Prod", "All", "Any"}
+_ROW_WISE = ELEMENTWISE - _PASS - _LAST_AXIS - {"Merge"}
+# ops that keep input 0's rows and change the rest (convolutions, pools, norms, top k)
+_KEEP_FIRST = FIRST - {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "ArgMax",
+                       "ArgMin", "InTopKV2", "Cumsum", "Cumprod", "Pad", "PadV2", "MirrorPad",
+                       "ReverseV2"}
 # ops that make a tensor of the shape their first input gives (ones, zeros,
 # random draws): it has the batch's rows where that shape's first entry counts them
 _SHAPED = {"Fill", "RandomStandardNormal", "RandomUniform", "RandomUniformInt",
@@ -141,8 +139,8 @@ class _Axes:
         rank = t.shape.rank
         if rank == 0 or t.dtype in (tf.resource, tf.variant):
             return None
-        if kind in ("SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"):
-            return 0 if self.rows(op.inputs[0]) else None      # a loss per example
+        if kind in LOSSES or kind in _KEEP_FIRST and (t.value_index == 0 or kind == "TopKV2"):
+            return 0 if self.rows(op.inputs[0]) else None   # a loss per example, a convolution
         if kind in _PASS:
             return self.axis(op.inputs[t.value_index if kind == "IdentityN" else 0])
         if kind in ("Merge", "RefMerge"):
@@ -160,8 +158,10 @@ class _Axes:
             a = self.axis(op.inputs[0])
             at = op.get_attr("axis")
             return None if a is None else a + 1 if 0 <= at <= a else a
-        if kind in _REDUCTIONS or kind in ("ArgMax", "ArgMin"):
-            return self._reduced(op, t, keep=kind in _REDUCTIONS and op.get_attr("keep_dims"))
+        if kind in REDUCTIONS or kind in ("ArgMax", "ArgMin"):
+            return self._reduced(op, t, keep=kind in REDUCTIONS and op.get_attr("keep_dims"))
+        if kind in ("Cumsum", "Cumprod", "ReverseV2", "Pad", "PadV2", "MirrorPad"):
+            return self._along(op)
         if kind in ("GatherV2", "ResourceGather", "Gather"):
             return self._gathered(op)
         if kind in ("InTopK", "InTopKV2"):     # a row's target among its top k
@@ -286,7 +286,7 @@ class _Axes:
             return bool(op.inputs) and self.counts_rows(op.inputs[0].op)
         if op.type == "ConcatV2" and len(op.inputs) > 1:
             return self._first_counts(op.inputs[0])
-        if op.type in ("GatherV2", "StridedSlice") and op.inputs[0].op.type == "Shape":
+        if op.type in ("GatherV2", "StridedSlice", "Slice") and op.inputs[0].op.type == "Shape":
             first = tf.get_static_value(op.inputs[1])
             if op.type == "StridedSlice" and (op.get_attr("shrink_axis_mask") or
                                               op.get_attr("begin_mask") & 1):
@@ -311,6 +311,19 @@ class _Axes:
             return None
         axes = {int(v) % rank for v in np.atleast_1d(axes)}
         return None if a in axes else a if keep else a - sum(v < a for v in axes)
+
+    def _along(self, op):
+        """A scan or a reversal along other axes than the batch's, a padding
+        that adds none of its rows: the batch's axis stays."""
+        a, at = self.axis(op.inputs[0]), tf.get_static_value(op.inputs[1])
+        rank = op.inputs[0].shape.rank
+        if a is None or at is None or not rank:
+            return None
+        if op.type.startswith("Cum"):
+            return None if int(at) % rank == a else a
+        if op.type == "ReverseV2":
+            return a            # reversed rows are the same rows
+        return a if np.shape(at) == (rank, 2) and not np.any(at[a]) else None
 
     def _gathered(self, op):
         if op.type != "GatherV2":

@@ -184,3 +184,30 @@ def state_sync_reduction(op_type: str, node_name: str) -> str:
             f"op {node_name!r} of type {op_type} writes a value computed from "
             "one replica's batch into non-trainable state; parallax_ng combines "
             f"such values only for {', '.join(sorted(STATE_SYNC_REDUCTION))}") from None
+
+
+# The first dimension of ops' outputs (graph/batch.py, graph/rows.py):
+# outputs take the first dimension of their inputs of the output's rank, all joined
+ELEMENTWISE = frozenset({
+    "Identity", "Snapshot", "StopGradient", "PreventGradient", "Neg", "Abs", "Sign",
+    "Sqrt", "Rsqrt", "Square", "Exp", "Log", "Log1p", "Expm1", "Reciprocal", "Inv", "Cast",
+    "Floor", "Ceil", "Round", "Tanh", "Sigmoid", "Relu", "Relu6", "Elu", "Selu", "Softplus",
+    "Softsign", "LeakyRelu", "Erf", "Sin", "Cos", "ZerosLike", "OnesLike", "Add", "AddV2",
+    "AddN", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "FloorDiv", "FloorMod",
+    "TruncateDiv", "Maximum", "Minimum", "Pow", "SquaredDifference", "ClipByValue",
+    "Select", "SelectV2", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal",
+    "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot", "IsFinite", "IsNan", "BiasAdd",
+    "Softmax", "LogSoftmax", "Enter", "Exit", "Merge", "Switch", "NextIteration",
+    "CheckNumerics", "EnsureShape",
+})
+# outputs take input 0's first dimension
+FIRST = frozenset({
+    "MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Conv1D", "Conv2D", "Conv3D",
+    "DepthwiseConv2dNative", "MaxPool", "MaxPoolV2", "AvgPool", "MaxPool3D", "AvgPool3D",
+    "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "LRN",
+    "ResizeBilinear", "ResizeNearestNeighbor", "Pad", "PadV2", "MirrorPad", "ArgMax", "ArgMin",
+    "TopKV2", "InTopKV2", "Cumsum", "Cumprod", "ReverseV2",
+})
+# the loss ops that line up logits (input 0) and labels (input 1)
+LOSSES = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
+REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"})
