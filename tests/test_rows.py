@@ -1,6 +1,6 @@
 """The batch's axis of a tensor (parallax_ng/graph/rows.py): through
 transposes, stacks, slices, reshapes, tensordot, gathers, convolutions,
-pools, paddings and scans; through loops
+transposed convolutions, pools, paddings, tilings, splits and scans; through loops
 over time in TF1's two forms of control flow (v1 frames and functional
 While ops), tf.scan, and a tf_keras GRU called in a tf.compat.v1 graph (a
 function call holding a While); and the losses read through them."""
@@ -56,7 +56,12 @@ def test_axes_through_array_ops():
             tf.nn.max_pool2d(img, 2, 1, "SAME"): 0, normed: 0, mean: None,
             tf.pad(x, [[0, 0], [1, 1], [0, 0]]): 0, tf.pad(x, [[1, 0], [0, 0], [0, 0]]): None,
             tf.cumsum(x, 1): 0, tf.cumsum(x, 0): None, tf.reverse(time_major, [0]): 1,
-            tf.math.top_k(x, 2)[1]: 0,
+            tf.math.top_k(x, 2)[1]: 0, tf.split(x, 2, axis=2)[1]: 0, tf.split(x, [3, 4], 1)[0]: 0,
+            tf.split(time_major, 7)[0]: 1, tf.split(x, 2)[0]: None,
+            tf.tile(x, [1, 2, 1]): 0, tf.tile(x, [2, 1, 1]): None,
+            tf.slice(x, [0, 1, 0], [-1, 2, 4]): 0, tf.slice(x, [1, 0, 0], [-1, 7, 4]): None,
+            tf.nn.conv2d_transpose(img, tf.ones((2, 2, 3, 1)), tf.stack(
+                [tf.shape(img)[0], 14, 8, 3]), 2): 0,
             tf.nn.softmax_cross_entropy_with_logits(tf.ones((1, 4)), x[:, 0]): 0,
         })
         for t, want in cases.items():

@@ -98,29 +98,44 @@ LOSSES = {
 }
 
 
+def keras3_gru():
+    return keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(10, 4),
+                             keras.layers.GRU(5), keras.layers.Dense(4)])
+
+
+@pytest.mark.parametrize("model_kind", ["dense", "gru"])
 @pytest.mark.parametrize("loss", sorted(LOSSES))
-def test_a_loss_that_sums_over_the_batch_sums_the_replicas_gradients(loss):
+def test_a_loss_that_sums_over_the_batch_sums_the_replicas_gradients(loss, model_kind):
     """One device's gradient of a sum over its batch (tf.reduce_sum, or a
     sum over the global batch size as tf.distribute scripts write it) is the
     sum of the replicas' (average_dense/average_sparse auto: the tapes'
     targets say which loss; before, they were averaged: steps half as
-    long). The step checks its input and prints (tf.debugging, tf.print:
-    string constants, which traced twice are the same)."""
+    long), through dense layers and through a GRU's loop over time to a
+    sparse cross-entropy (read by graph/rows.py; before, such a loss was
+    averaged, its fetched loss half one device's). The step checks its input and prints
+    (tf.debugging, tf.print: string constants, which traced twice are the
+    same)."""
     def step_of(model, optimizer):
         def train_step(x, y):
-            tf.debugging.assert_all_finite(x, "the batch holds a NaN")
+            tf.debugging.assert_all_finite(tf.cast(x, tf.float32), "the batch holds a NaN")
             with tf.GradientTape() as tape:
-                per = tf.reduce_sum(tf.square(model(x, training=True) - y), axis=1)
+                out = model(x, training=True)
+                per = keras.losses.sparse_categorical_crossentropy(   # labels by class id
+                    y, out, from_logits=True) if model_kind == "gru" else \
+                    tf.reduce_sum(tf.square(out - y), axis=1)
                 value = LOSSES[loss](per)
             grads = tape.gradient(value, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             tf.print("loss", value, output_stream="file:///dev/null")
             return value
         return train_step
-    parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.01, momentum=0.9))
+    parallel, single = twins(keras3_gru if model_kind == "gru" else keras3_dense,
+                             lambda: keras.optimizers.SGD(0.01, momentum=0.9))
     step = pn.function(step_of(*parallel), local(2))
     ref = tf.function(step_of(*single))
-    x, y = data()
+    x, y = data(vocab=10 if model_kind == "gru" else None)
+    if model_kind == "gru":
+        y = np.random.default_rng(1).integers(0, 4, size=(STEPS, BATCH)).astype(np.int32)
     for k in range(STEPS):
         np.testing.assert_allclose(step(x[k], y[k]), ref(x[k], y[k]).numpy(), atol=1e-5,
                                    rtol=1e-6)

@@ -65,6 +65,8 @@ _SHAPED = {"Fill", "RandomStandardNormal", "RandomUniform", "RandomUniformInt",
            "TruncatedNormal", "StatelessRandomNormal", "StatelessRandomUniform",
            "StatelessTruncatedNormal", "StatelessRandomNormalV2", "StatelessRandomUniformV2",
            "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2"}
+_TRANSPOSED_CONVOLUTIONS = {"Conv2DBackpropInput", "Conv3DBackpropInputV2",
+                            "DepthwiseConv2dNativeBackpropInput"}
 _CALLS = {"While": "body", "StatelessWhile": "body", "PartitionedCall": "f",
           "StatefulPartitionedCall": "f"}
 _BRANCHES = {"If", "StatelessIf"}
@@ -160,8 +162,11 @@ class _Axes:
             return None if a is None else a + 1 if 0 <= at <= a else a
         if kind in REDUCTIONS or kind in ("ArgMax", "ArgMin"):
             return self._reduced(op, t, keep=kind in REDUCTIONS and op.get_attr("keep_dims"))
-        if kind in ("Cumsum", "Cumprod", "ReverseV2", "Pad", "PadV2", "MirrorPad"):
+        if kind in ("Cumsum", "Cumprod", "ReverseV2", "Pad", "PadV2", "MirrorPad", "Tile",
+                    "Split", "SplitV", "Slice"):
             return self._along(op)
+        if kind in _TRANSPOSED_CONVOLUTIONS:         # input 2 is the data, 0 the shape
+            return 0 if self.rows(op.inputs[2]) else None
         if kind in ("GatherV2", "ResourceGather", "Gather"):
             return self._gathered(op)
         if kind in ("InTopK", "InTopKV2"):     # a row's target among its top k
@@ -313,16 +318,24 @@ class _Axes:
         return None if a in axes else a if keep else a - sum(v < a for v in axes)
 
     def _along(self, op):
-        """A scan or a reversal along other axes than the batch's, a padding
-        that adds none of its rows: the batch's axis stays."""
-        a, at = self.axis(op.inputs[0]), tf.get_static_value(op.inputs[1])
-        rank = op.inputs[0].shape.rank
+        """A scan, a split or a reversal along other axes than the batch's, a
+        padding that adds none of its rows, a tiling that repeats none, a
+        slice that keeps all: the batch's axis stays."""
+        data, at = (1, 0) if op.type == "Split" else (0, 2 if op.type == "SplitV" else 1)
+        x = op.inputs[data]
+        a, at = self.axis(x), tf.get_static_value(op.inputs[at])
+        rank = x.shape.rank
         if a is None or at is None or not rank:
             return None
-        if op.type.startswith("Cum"):
+        if op.type.startswith("Cum") or op.type.startswith("Split"):
             return None if int(at) % rank == a else a
         if op.type == "ReverseV2":
             return a            # reversed rows are the same rows
+        if op.type == "Tile":
+            return a if np.shape(at) == (rank,) and at[a] == 1 else None
+        if op.type == "Slice":
+            size = tf.get_static_value(op.inputs[2])
+            return a if size is not None and at[a] == 0 and size[a] == -1 else None
         return a if np.shape(at) == (rank, 2) and not np.any(at[a]) else None
 
     def _gathered(self, op):
