@@ -1,6 +1,7 @@
 """Fetch and feed mapping: how each kind of fetch is run and combined."""
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import parallax_ng as pn
 from models import embedding_regression, local
@@ -50,3 +51,29 @@ def test_a_sparse_batch_s_rows_and_a_batch_s_first_part():
     assert half["x:0"].tolist() == [[0, 1], [2, 3]] and half["lr:0"] == np.float32(0.1)
     assert half["ids/indices:0"].tolist() == [[0, 0], [1, 0], [1, 2]]
     assert half["ids/values:0"].tolist() == [5, 6, 7] and half["ids/shape:0"].tolist() == [2, 3]
+
+
+def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
+    """A time-major tensor joins the replicas' parts along its second axis;
+    a tensor summed over the batch (per feature) is the replicas' sum, one
+    averaged over it their mean; each equals one device's value."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, (None, 3, 2), name="x")
+        w = tf.compat.v1.get_variable("w", initializer=np.eye(2, dtype=np.float32) * 2)
+        h = tf.tensordot(x, w, 1)
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(h)))
+        fetches = [tf.transpose(h, [1, 0, 2], name="time_major"),
+                   tf.reduce_sum(h, [0, 1], name="sums"), tf.reduce_mean(h, 0, name="means")]
+        init = tf.compat.v1.global_variables_initializer()
+    batch = np.random.default_rng(0).normal(size=(4, 3, 2)).astype(np.float32)
+    with tf.compat.v1.Session(graph=g) as sess:
+        sess.run(init)
+        want = sess.run(fetches, {x: batch})
+    with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
+        runner.run(init)
+        got = runner.run([f.name for f in fetches], {"x:0": batch})
+        kinds = [runner.fetches.fetch(f.name) for f in fetches]
+    assert [(f.how, f.axis) for f in kinds] == [("concat", 1), ("sum", 0), ("mean", 0)]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -42,6 +42,25 @@ def test_variables_global_step_and_reductions():
         assert not np.array_equal(r.run(emb), before)
 
 
+def test_a_sum_over_the_micro_batches_is_fetched_as_one_devices_sum():
+    """The loss's sum of the examples' cross-entropies (a sum over the
+    batch: each micro-batch's is part of it) is the micro-batches' sum, the
+    cross-entropies themselves joined in order; both equal one device's
+    (were averaged: half the sum)."""
+    g, h = stack(4, "sgd", loss="sum/batch")
+    total = g.get_tensor_by_name("loss:0").op.inputs[0].op.inputs[0]
+    xent = total.op.inputs[0]
+    assert total.op.type == "Sum" and xent.shape.rank == 1
+    with tf1.Session(graph=g) as sess:          # the variables seeded alike
+        sess.run(h["init"])
+        want = sess.run([total, xent, h["loss"]])
+    with pn.get_runner(g, ONE, {"l2l": {"layers": LAYERS, "micro_batches": 2}}) as r:
+        r.run(h["init"])
+        got = r.run([total, xent, h["loss"]])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_ops_made_after_get_runner_run_on_the_host(tmp_path):
     """A late initializer and a late read of the variables are copied in;
     the late initializer counts as initializing: the checkpoint is restored

@@ -93,6 +93,11 @@ def _body(graph: tf.Graph, name: str):
     return bodies[name]
 
 
+def _int(value) -> int:
+    """A constant axis as an int (TensorFlow folds some to arrays of one)."""
+    return int(np.ravel(value)[0])
+
+
 class _Axes:
     """One reading of a graph (or of a function's body, its inputs `bound`
     to the caller's tensors): the batch's axis of tensors, and of the
@@ -328,7 +333,7 @@ class _Axes:
         if a is None or at is None or not rank:
             return None
         if op.type.startswith("Cum") or op.type.startswith("Split"):
-            return None if int(at) % rank == a else a
+            return None if _int(at) % rank == a else a
         if op.type == "ReverseV2":
             return a            # reversed rows are the same rows
         if op.type == "Tile":
@@ -345,7 +350,7 @@ class _Axes:
         rank = op.inputs[0].shape.rank
         if at is None or (at < 0 and not rank):
             return None
-        at = int(at) % rank if rank else int(at)
+        at = _int(at) % rank if rank else _int(at)
         a = self.axis(op.inputs[0])
         if a is not None and a < at:
             return a            # gathered along a later axis: the rows stay
@@ -369,7 +374,7 @@ class _Axes:
         known = [a for a in axes if a is not None]
         if at is None or not t.shape.rank or not known:
             return None
-        along = int(at) % t.shape.rank == known[0]
+        along = _int(at) % t.shape.rank == known[0]
         return known[0] if not along or len(known) == len(axes) else None
 
     def _sliced(self, op):
@@ -395,7 +400,7 @@ class _Axes:
             return None
         if op.type == "ExpandDims" and before.rank is not None:
             at = tf.get_static_value(op.inputs[1])
-            return None if at is None else a + 1 if int(at) % after.rank <= a else a
+            return None if at is None else a + 1 if _int(at) % after.rank <= a else a
         if op.type == "Squeeze" and before.rank is not None:
             dims = [d % before.rank for d in op.get_attr("squeeze_dims")] or \
                 [i for i in range(before.rank) if compat.dim(before, i) == 1]

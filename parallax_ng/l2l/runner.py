@@ -37,13 +37,13 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import ConfigError, FetchError
-from ..graph import averaging
+from ..graph import averaging, forms
 from ..graph.ir import parse_input
 from ..pipeline.results import Barrier
 from ..resources import check_devices, session_config
 from ..runtime.checkpoint import Checkpointer, Layout
 from ..runtime.executor import Executor
-from ..runtime.fetches import Fetch, FetchMap, sparse_placeholders
+from ..runtime.fetches import Fetch, FetchMap, default_reduction, sparse_placeholders
 from ..runtime.program import Program, run_options
 from ..runtime.runner import Runner
 from . import builder as l2l
@@ -191,10 +191,12 @@ class L2LFetchMap(FetchMap):
             return Fetch((name,), "none", node)
         if name == self.layering.loss or _identity_of(element) == self.layering.loss:
             return Fetch((self.built.loss.name,), "first", node)
-        if name in self.built.clones:
+        if name in self.built.clones:       # a value of each micro-batch, combined as replicas'
+            how, axis = default_reduction(element, forms.sources(self.user_graph))
             how = self.config.fetch_reduction.get(name) or self.config.fetch_reduction.get(
-                node) or _reduction(element)
-            return Fetch(tuple(self.built.clones[name]), how, node)
+                node) or how
+            return Fetch(tuple(self.built.clones[name]), how, node, (),
+                         axis if how == "concat" else 0)
         if node in self.layering.segment_of:
             raise FetchError(f"{name!r} is a read of a variable in the forward pass; fetch "
                              "the variable")
@@ -290,8 +292,3 @@ def _identity_of(t: tf.Tensor) -> str:
         t = t.op.inputs[0]
     return t.name
 
-
-def _reduction(t: tf.Tensor) -> str:
-    if not (t.dtype.is_floating or t.dtype.is_integer):
-        return "first"
-    return "mean" if t.shape.rank == 0 else "concat"

@@ -30,6 +30,7 @@ from .. import compat
 from ..errors import FetchError
 from ..graph import accumulation, batch, forms
 from ..graph.ir import format_input, parse_input, parse_tensor
+from ..graph.rows import batch_axis
 from ..pipeline.passes import REPLICA_PREFIX
 from ..pipeline.results import WidenedMeans
 
@@ -76,6 +77,7 @@ class Fetch:
     how: str                # none | first | list | mean | sum | concat
     user: str               # the user's node
     replicas: tuple = ()    # for "list": index into `names` of each replica's value
+    axis: int = 0           # for "concat": the axis that holds the batch's examples
 
 
 class FetchMap:
@@ -192,11 +194,13 @@ class ReplicaFetchMap(FetchMap):
                 return Fetch((name,), "first", ref.node)
             how = "first"      # equal on every replica once synced: every copy runs
         else:
-            how = self.config.fetch_reduction.get(name) or self._reduction(name)
+            how, axis = self._reduction(name)
+            how = self.config.fetch_reduction.get(name) or how
         copies = [f"{self.copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
         names = tuple(dict.fromkeys(copies))
         # a node that exists once (a shared variable) is every replica's value
-        return Fetch(names, how, ref.node, tuple(names.index(c) for c in copies))
+        return Fetch(names, how, ref.node, tuple(names.index(c) for c in copies),
+                     axis if how == "concat" and self.varies(ref.node) else 0)
 
     def varies(self, node: str) -> bool:
         return node in self.ctx.variant or node in self.late_variant
@@ -218,10 +222,10 @@ class ReplicaFetchMap(FetchMap):
             self._synced[node] = bool(self.tg.ir.ancestors({node}) & self.ctx.variant)
         return self._synced[node]
 
-    def _reduction(self, name: str) -> str:
+    def _reduction(self, name: str) -> tuple[str, int]:
         if name not in self._reductions:         # read once per tensor, not per step
             widened = self.ctx.result(WidenedMeans)
-            self._reductions[name] = _default_reduction(
+            self._reductions[name] = default_reduction(
                 self.user_graph.get_tensor_by_name(name), self._sources,
                 widened.divisions if widened else frozenset())
         return self._reductions[name]
@@ -424,21 +428,23 @@ def combine(values: list, f: Fetch):
         return np.mean(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
     if f.how == "sum":               # in the fetch's own type, as one device gives it
         return np.sum(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
-    return np.concatenate([np.atleast_1d(v) for v in values], axis=0)
+    return np.concatenate([np.atleast_1d(v) for v in values], axis=f.axis)
 
 
 def _late_name(k: int, name: str) -> str:
     return name if k == 0 else REPLICA_PREFIX.format(k) + name
 
 
-def _default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset()) -> str:
-    """A scalar is a mean over the batch (a loss: the replicas' mean is the
-    global batch's) unless the graph shows it sums over the batch (a count
-    of correct examples, a summed loss: their sum is), graph/forms.py, or
-    it is a mean whose division the state-sync pass widened (`widened`)."""
+def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset()) -> tuple:
+    """(how, axis): the replicas' parts joined along the batch's axis (a
+    time-major output's second); a scalar or a tensor reduced over the batch
+    is a mean (a loss) unless graph/forms.py shows a sum (correct examples
+    counted, a summed loss) or the state-sync pass widened its division."""
     if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
-        return "first"
-    if t.shape.rank == 0:
-        summed = forms.scalar_kind(t, sources) == "sum" or forms.over_widened(t, sources, widened)
-        return "sum" if summed else "mean"
-    return "concat"
+        return "first", 0
+    axis = batch_axis(t, sources) if t.shape.rank != 0 else None
+    kind = forms.scalar_kind(t, sources) if axis is None else None
+    if axis is not None or t.shape.rank != 0 and kind is None:
+        return "concat", axis or 0
+    summed = kind == "sum" or forms.over_widened(t, sources, widened)
+    return ("sum" if summed else "mean"), 0
