@@ -116,6 +116,11 @@ def test_a_loop_over_time_keeps_the_batch_and_its_losses_read(loop_form):
         total = tf1.while_loop(lambda i, s: i < 3, lambda i, s: (i + 1, s + tf.reduce_sum(
             x[:, i], 0)), [tf.constant(0), tf.zeros(4)])[1]
         assert axis(total) is None
+        # nor one whose body moves the batch's axis (each step transposes)
+        square = tf.zeros([tf.shape(x)[0], tf.shape(x)[0]])
+        swapped = tf1.while_loop(lambda i, s: i < 2, lambda i, s: (i + 1, tf.transpose(s)),
+                                 [tf.constant(0), square])[1]
+        assert axis(square) == 0 and axis(swapped) is None
 
 
 def test_a_tf_keras_gru_and_a_function_called_in_a_graph():

@@ -2,18 +2,16 @@
 batch's examples (`batch_axis`), and whether it is the first (`batch_rows`),
 read through the ops a step is made of. Recurrent layers run time-major: a
 loop writes each time step's rows into a TensorArray or TensorList, stacks
-them (time first, the batch second) and transposes back. So the axis is
-followed through transposes, stacks and unstacks, the lists' elements, and
-while loops in the three forms TensorFlow gives them (v1 frames of
-Enter/Merge/Switch/Exit, the same lowered in a traced function, and a
-functional While whose body is a function), and into called functions.
+them (time first) and transposes back. So the axis is followed through
+transposes, stacks, the lists' elements, while loops in TensorFlow's three
+forms (v1 frames, the same lowered in a traced function, a functional
+While), and into called functions.
 
 Requires: tf.Tensors of a graph and the names of its data sources (the ops
-whose first dimension is the batch). Guarantees: reads the graph only (a
-functional op's body is read as the graph of its function). Where the ops
-do not show the axis the answer is None, never a guess; a reshape that
-keeps its first dimension free (-1, or a count of rows) keeps the batch
-there. graph/forms.py reads the forms of losses with it.
+whose first dimension is the batch). Guarantees: reads the graph only.
+Where the ops do not show the axis the answer is None, never a guess; a
+reshape that keeps its first dimension free (-1, or a count of rows) keeps
+the batch there. graph/forms.py reads the forms of losses with it.
 """
 from __future__ import annotations
 
@@ -150,8 +148,8 @@ class _Axes:
             return 0 if self.rows(op.inputs[0]) else None   # a loss per example, a convolution
         if kind in _PASS:
             return self.axis(op.inputs[t.value_index if kind == "IdentityN" else 0])
-        if kind in ("Merge", "RefMerge"):
-            return None if t.value_index else self._first(self.axis, op.inputs)
+        if kind in ("Merge", "RefMerge"):     # a loop's variable, a cond's result
+            return None if t.value_index else self._merged(t, "axis")
         if kind in _ROW_WISE or kind in _LAST_AXIS:
             a = self._first(self.axis, [x for x in op.inputs if None in (x.shape.rank, rank)
                                         or x.shape.rank == rank])
@@ -212,7 +210,7 @@ class _Axes:
         if kind in _PASS:
             return self.elements(op.inputs[t.value_index if kind == "IdentityN" else 0])
         if kind in ("Merge", "RefMerge"):
-            return self._first(self.elements, op.inputs)
+            return self._merged(t, "elements")
         if kind in ("TensorListSetItem", "TensorListPushBack"):
             a = self.axis(op.inputs[2 if kind == "TensorListSetItem" else 1])
             return a if a is not None else self.elements(op.inputs[0])
@@ -251,7 +249,11 @@ class _Axes:
                        for b in ("then_branch", "else_branch")}
             return answers.pop() if len(answers) == 1 else None
         if kind in _CALLS:
-            return self._in_body(op, op.get_attr(_CALLS[kind]).name, op.inputs, t, read)
+            inner = self._in_body(op, op.get_attr(_CALLS[kind]).name, op.inputs, t, read)
+            if not kind.endswith("While"):
+                return inner
+            known = {inner, getattr(self, read)(op.inputs[t.value_index])} - {None}
+            return known.pop() if len(known) == 1 else None     # the body keeps it
         if self.graph._is_function(kind):   # noqa: SLF001 (a function called by its name)
             return self._in_body(op, kind, op.inputs, t, read)
         return None
@@ -305,13 +307,33 @@ class _Axes:
                 self.axis(op.inputs[0].op.inputs[0]) == int(first[0])
         return False
 
+    def _merged(self, t, read: str):
+        """`read` of a Merge: a cond's result (its branches must agree) or a
+        loop's variable. The value entering the loop gives the answer,
+        assumed while the body is read; the value the body passes back must
+        keep it, else there is none (and what was read under the assumption
+        is read again). A list entering empty takes the body's answer."""
+        fn, key = getattr(self, read), (read, t.name)
+        ins = list(t.op.inputs)
+        back = [x for x in ins if x.op.type in ("NextIteration", "RefNextIteration")]
+        known = {fn(x) for x in ins if x.op.type not in ("NextIteration", "RefNextIteration")}
+        known -= {None}
+        if len(known) > 1:
+            return None
+        guess = known.pop() if known else None
+        before, self.memo[key] = set(self.memo), guess
+        passed = set(map(fn, back)) - {None}
+        if guess is None:
+            return passed.pop() if len(passed) == 1 else None
+        if passed <= {guess}:
+            return guess
+        for stale in set(self.memo) - before:
+            del self.memo[stale]
+        return None
+
     @staticmethod
     def _first(read, tensors):
-        for x in tensors:
-            a = read(x)
-            if a is not None:
-                return a
-        return None
+        return next((a for a in map(read, tensors) if a is not None), None)
 
     def _reduced(self, op, t, keep):
         x = op.inputs[0]
@@ -346,9 +368,8 @@ class _Axes:
     def _gathered(self, op):
         if op.type != "GatherV2":
             return self.axis(op.inputs[1])
-        at = tf.get_static_value(op.inputs[2])
-        rank = op.inputs[0].shape.rank
-        if at is None or (at < 0 and not rank):
+        at, rank = tf.get_static_value(op.inputs[2]), op.inputs[0].shape.rank
+        if at is None or (_int(at) < 0 and not rank):
             return None
         at = _int(at) % rank if rank else _int(at)
         a = self.axis(op.inputs[0])
