@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
-from .rows import batch_rows, counts_rows
+from .rows import batch_rows, counts_rows, reading
 
 # ops that give data: an input pipeline's, a queue's, a fed placeholder's (a
 # SparseTensor's shape is a PlaceholderWithDefault)
@@ -115,6 +115,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     Without `strict`, a sum plus means of a sum over a count is a sum whose
     means are `widened`."""
     sources = set(sources)
+    rows = reading(sources, loss.graph)     # one reading for every question below
     constant = constant or constant_value
     dependent = set()
     stack, order, visited = [loss.op], [], set()
@@ -148,7 +149,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return "constant"
         if op.type in ("Identity", "Snapshot", "Neg", "Cast"):
             return through(t, op.inputs[0])
-        if counts_rows(op, sources):
+        if counts_rows(op, rows):
             return "sum"        # the batch's rows (or elements) counted: a sum of ones
         if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
                 op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum":
@@ -198,7 +199,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return forms.pop() if len(forms) == 1 else None
         if op.type in _REDUCTIONS and op.inputs[0].shape.rank == 0:
             return through(t, op.inputs[0])          # a sum of one number
-        if op.type in _REDUCTIONS and batch_rows(op.inputs[0], sources):
+        if op.type in _REDUCTIONS and batch_rows(op.inputs[0], rows):
             axes = constant(op.inputs[1])
             shape = op.inputs[0].shape
             if axes is not None and shape.rank:
@@ -211,7 +212,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     kind = form(loss)
     if kind == "mean":      # Keras's masked mean: each kept element weighs count / kept
         by_count += [op.name for op in order if op.type in ("RealDiv", "Div", "DivNoNan") and
-                     op.name not in by_count and _counts_elements(op.inputs[0], sources) and
+                     op.name not in by_count and _counts_elements(op.inputs[0], rows) and
                      op.inputs[1].shape.rank == 0 and data(op.inputs[1]) and
                      form(op.inputs[1]) == "sum"]
     return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [],

@@ -27,24 +27,25 @@ from .rules import ELEMENTWISE, FIRST, LOSSES, REDUCTIONS
 
 
 def batch_rows(t: tf.Tensor, sources) -> bool:
-    """Whether t's first dimension is the batch: it comes from a data
-    source's first dimension through ops that keep rows (element-wise ops,
-    matrix products, losses per example, reductions and reshapes that leave
-    the batch alone, gathers by such indices, concatenations and stacks of
-    such tensors, time-major loops transposed back, ones, zeros and random
-    draws of a shape whose first entry counts the batch's rows)."""
+    """Whether t's first dimension is the batch (`batch_axis` 0). `sources`:
+    the data sources' names, or a `reading` that answers several questions."""
     return batch_axis(t, sources) == 0
 
 
 def batch_axis(t: tf.Tensor, sources) -> int | None:
     """The dimension of t that holds the batch's examples, or None."""
-    return _Axes(sources, t.graph).read(t)
+    return reading(sources, t.graph).guarded(lambda r: r.axis(t))
 
 
 def counts_rows(op, sources) -> bool:
     """Whether `op` counts a batch's rows: `tf.shape(x)[0]` or `tf.size(x)`
     of a tensor whose first dimension is the batch."""
-    return _Axes(sources, op.graph).counts_rows(op)
+    return bool(reading(sources, op.graph).guarded(lambda r: r.counts_rows(op)))
+
+
+def reading(sources, graph: tf.Graph) -> _Axes:
+    """A reading of `graph` for the data sources (`sources`, if already one)."""
+    return sources if isinstance(sources, _Axes) else _Axes(sources, graph)
 
 
 # ops whose output is their input (the forms of loops and control flow included)
@@ -107,11 +108,12 @@ class _Axes:
         self.bound = bound or {}            # body input name -> (caller's _Axes, tensor)
         self.memo: dict = {}
 
-    def read(self, t) -> int | None:
+    def guarded(self, ask):
+        """`ask(self)`, with recursion for a deep model; None past it."""
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(max(limit, _DEPTH))
         try:
-            return self.axis(t)
+            return ask(self)
         except RecursionError:
             return None
         finally:
@@ -345,9 +347,8 @@ class _Axes:
         return None if a in axes else a if keep else a - sum(v < a for v in axes)
 
     def _along(self, op):
-        """A scan, a split or a reversal along other axes than the batch's, a
-        padding that adds none of its rows, a tiling that repeats none, a
-        slice that keeps all: the batch's axis stays."""
+        """The batch's axis stays through a scan, split or reversal along other
+        axes, and a padding, tiling or slice that adds or drops none of its rows."""
         data, at = (1, 0) if op.type == "Split" else (0, 2 if op.type == "SplitV" else 1)
         x = op.inputs[data]
         a, at = self.axis(x), tf.get_static_value(op.inputs[at])
