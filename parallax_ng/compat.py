@@ -5,6 +5,7 @@ upgrade that moves an internal breaks here and nowhere else.
 """
 from __future__ import annotations
 
+import weakref
 from functools import lru_cache
 
 import tensorflow as tf
@@ -81,3 +82,25 @@ def output_dtypes(node_def, library=None) -> list[tuple[tf.DType, bool]] | None:
             types = [one] * (attr(arg.number_attr).i if arg.number_attr else 1)
         out.extend((tf.as_dtype(t), arg.is_ref) for t in types)
     return out
+
+
+# a graph's function bodies read as graphs, once per graph and function
+_BODIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def function_graph(graph: tf.Graph, name: str):
+    """The graph of the function `name` of `graph`'s library (searched out
+    through the graphs a function's graph is nested in), or None."""
+    from tensorflow.python.framework import function_def_to_graph
+    bodies = _BODIES.setdefault(graph, {})
+    if name not in bodies:
+        body, g = None, graph
+        while body is None and g is not None:
+            fn = g._get_function(name)      # noqa: SLF001 (the library's functions)
+            if fn is not None:
+                body = getattr(fn, "graph", None) or getattr(fn, "_cached_graph", None)
+                if body is None:
+                    body = function_def_to_graph.function_def_to_graph(fn.cached_definition)
+            g = getattr(g, "outer_graph", None)
+        bodies[name] = body
+    return bodies[name]

@@ -26,6 +26,8 @@ class _Asked:
     ("sum/8+mean", None, True, "scales the sum by a number"),  # taken as a mean, as alone
     ("sum/16+mean", 8, True, "adds a sum over the batch"),     # shown not to be one
     ("hidden", None, True, "does not show whether the loss"),  # by an op it cannot read
+    ("hardest half", None, True, "mixes the batch's examples ('TopKV2'"),
+    ("per time step", None, False, ""),     # a [batch, 1] loss's columns summed one by one
 ])
 def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
     g = tf.Graph()
@@ -42,7 +44,9 @@ def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
                  "sum+losses": tf.reduce_sum(e) + tf1.losses.absolute_difference(e, e * e),
                  "sum/8+mean": tf.reduce_sum(e) / 8.0 + tf.reduce_mean(e),
                  "sum/16+mean": tf.reduce_sum(e) / 16.0 + 2.0 * tf.reduce_mean(e),
-                 "hidden": tf.reduce_sum(tf.py_function(tf.identity, [e], tf.float32))}[loss]
+                 "hidden": tf.reduce_sum(tf.py_function(tf.identity, [e], tf.float32)),
+                 "hardest half": tf.reduce_mean(tf.math.top_k(e[:, 0], tf.shape(e)[0] // 2)[0]),
+                 "per time step": tf.reduce_mean(tf.reduce_sum(e, 0))}[loss]
         tf1.train.GradientDescentOptimizer(0.1).minimize(value)
     dense, sparse, said = averaging.averages(_Asked(), g)
     assert dense is sparse is want

@@ -60,6 +60,26 @@ def test_a_lone_input_averaged_by_the_loss_is_a_batch():
     assert kinds(g) == {"x": "batch"}
 
 
+def test_the_mnist_tutorial_s_placeholders_are_batches():
+    """mnist_deep ported the usual way: images reshaped to [-1, 28, 28, 1],
+    a convolution, dropout by a keep probability fed without a shape (its
+    rank unknown), and the softmax loss, which flattens its logits and
+    labels by a computed shape ([-1] and the last dimension)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 16], name="x")
+        y = tf1.placeholder(tf.float32, [None, 3], name="y")
+        keep = tf1.placeholder(tf.float32, name="keep_prob")
+        img = tf.reshape(x, [-1, 4, 4, 1])
+        h = tf.nn.max_pool2d(tf.nn.relu(tf.nn.conv2d(img, tf1.get_variable("k", [2, 2, 1, 2]),
+                                                     1, "SAME")), 2, 2, "SAME")
+        h = tf1.nn.dropout(tf.reshape(h, [-1, 8]), keep)
+        logits = tf.matmul(h, tf1.get_variable("w", [8, 3]))
+        loss = tf.reduce_mean(tf.nn.softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    assert kinds(g) == {"x": "batch", "y": "batch"}
+
+
 def test_arrays_that_fill_an_input_pipeline_are_whole():
     """The placeholders of Dataset.from_tensor_slices that an initializable
     iterator is fed with hold the whole data set: the pipeline (pn.shard)

@@ -31,8 +31,16 @@ LOSS_FORMS = {
             labels=tf.ones_like(e), logits=e)) / 32.0, "mean"),
     "sum of kept columns over the batch size": (lambda e, x: tf.reduce_sum(e[:, 1:]) / 24.0,
                                                 "mean"),
-    "sum over the batch's columns only": (lambda e, x: tf.reduce_sum(e[:, 0]) * 0.0 +
-                                          tf.reduce_sum(tf.reduce_sum(e, 0)), None),
+    "sum of the per-column sums": (lambda e, x: tf.reduce_sum(e[:, 0]) * 0.0 +
+                                   tf.reduce_sum(tf.reduce_sum(e, 0)), "sum"),
+    # a sequence loss as the ptb tutorial takes it: the batch's mean per time step, summed
+    "per-column means summed": (lambda e, x: tf.reduce_sum(tf.reduce_mean(e, 0)), "mean"),
+    "per-column sums averaged": (lambda e, x: tf.reduce_mean(tf.reduce_sum(e, 0)), "sum"),
+    "per-column sums over the batch's elements": (
+        lambda e, x: tf.reduce_sum(tf.reduce_sum(e, 0)) / 32.0, "mean"),
+    "mean of a column-major copy": (lambda e, x: tf.reduce_mean(tf.transpose(e)), "mean"),
+    "sum of a column-major copy": (lambda e, x: tf.reduce_sum(tf.transpose(e), [1, 0]), "sum"),
+    "max over the batch, summed": (lambda e, x: tf.reduce_sum(tf.reduce_max(e, 0)), None),
 }
 
 
@@ -57,7 +65,8 @@ def test_how_the_loss_depends_on_the_batch(name):
     assert form.kind == want
     if name in ("sum over the batch size", "tf.compat.v1.losses",
                 "binary cross-entropy summed over the batch size",
-                "sum of kept columns over the batch size"):
+                "sum of kept columns over the batch size",
+                "per-column sums over the batch's elements"):
         assert len(form.by_batch) == 1          # the divisor a micro-batch replaces
 
 

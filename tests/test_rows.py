@@ -63,6 +63,12 @@ def test_axes_through_array_ops():
             tf.nn.conv2d_transpose(img, tf.ones((2, 2, 3, 1)), tf.stack(
                 [tf.shape(img)[0], 14, 8, 3]), 2): 0,
             tf.nn.softmax_cross_entropy_with_logits(tf.ones((1, 4)), x[:, 0]): 0,
+            # softmax losses over more dimensions flatten to rows and go back
+            tf.nn.sparse_softmax_cross_entropy_with_logits(tf.transpose(y), time_major): 1,
+            tf.nn.softmax_cross_entropy_with_logits(tf.nn.softmax(time_major), time_major): 1,
+            tf.nn.sparse_softmax_cross_entropy_with_logits(y, x): 0,
+            # the top k of a vector of the batch's values are k of its examples, not its rows
+            tf.math.top_k(x[:, 0, 0], 2)[0]: None,
         })
         for t, want in cases.items():
             assert axis(t) == want, (t.name, axis(t), want)

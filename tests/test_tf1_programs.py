@@ -158,14 +158,17 @@ def fine_tune(batch):
     return g, dict(train=train, loss=loss, init=init), schedule
 
 
-def rnn_sum(batch, frames=False):
+def rnn_sum(batch, frames=False, time_major=False):
     """A recurrent layer written as dynamic_rnn writes it (time-major: a
     while loop reads each step's rows from a TensorArray and writes the
     state to another, stacked and transposed back) over an embedding, a
     projection by tensordot, and a loss summed over the batch and time
     (the replicas' gradients are summed). `frames`: the loop built with
     v1 control flow (Enter/Merge/Switch/Exit, as under
-    `disable_v2_behavior`), else a functional While."""
+    `disable_v2_behavior`), else a functional While. `time_major`: the
+    outputs stay time-major ([time, batch]) and the loss sums each time
+    step's losses over the batch, then averages over time (still a sum
+    over the batch)."""
     if frames:
         tf1.disable_control_flow_v2()
     try:
@@ -185,9 +188,14 @@ def rnn_sum(batch, frames=False):
                 return t + 1, h, out.write(t, h)
             _, _, out = tf1.while_loop(lambda t, *_: t < 3, body, [
                 tf.constant(0), tf.zeros([tf.shape(x)[0], 6]), tf.TensorArray(tf.float32, 3)])
-            logits = tf.tensordot(tf.transpose(out.stack(), [1, 0, 2]), out_w, 1)
-            loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=ids % 5, logits=logits))
+            if time_major:
+                loss = tf.reduce_mean(tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels=tf.transpose(ids % 5), logits=tf.tensordot(out.stack(), out_w, 1)),
+                    1))
+            else:
+                logits = tf.tensordot(tf.transpose(out.stack(), [1, 0, 2]), out_w, 1)
+                loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels=ids % 5, logits=logits))
             train = tf1.train.AdagradOptimizer(0.05).minimize(loss)
             init = tf1.global_variables_initializer()
     finally:
@@ -228,7 +236,9 @@ def run_schedule(run, h, schedule, rounds):
 
 PROGRAMS = {"gan": gan, "gan-one-op": gan_one_op, "wide-deep": wide_deep,
             "fine-tune": fine_tune, "rnn-sum": rnn_sum,
-            "rnn-sum-frames": lambda batch: rnn_sum(batch, frames=True), "cnn-sum": cnn_sum}
+            "rnn-sum-frames": lambda batch: rnn_sum(batch, frames=True),
+            "rnn-sum-time-major": lambda batch: rnn_sum(batch, time_major=True),
+            "cnn-sum": cnn_sum}
 CASES = [(p, r) for p in PROGRAMS for r in ("hybrid", "allreduce", "ps")]
 
 

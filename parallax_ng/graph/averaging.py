@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .forms import autodiff_losses, batch_rows, loss_form, scalar_form, sources
+from .forms import autodiff_losses, loss_form, scalar_form, sources
+from .mixing import mixing
+from .rows import batch_axis
 
 
 def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
@@ -31,15 +33,18 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     plus means over counts (`LossForm.widened`). A loss that adds a sum
     over the batch to another mean is averaged, and the warning says its
     summed part is 1/N of one device's; so is a loss whose form the graph
-    does not show, and the warning names it."""
+    does not show, and the warning names it. A loss that mixes the batch's
+    examples (graph/mixing.py) is warned about first: no combination of the
+    replicas' gradients equals one device there."""
     wanted = (config.average_dense, config.average_sparse)
     if "auto" not in wanted:
         return (*wanted, "")
     losses = autodiff_losses(graph)
     data = sources(graph)
     sums, unsure, once, mixed, unread = [], [], [], [], []
+    pairs = next(((loss.name, *m) for loss in losses for m in [mixing(loss, data)] if m), None)
     for loss in losses:
-        if loss.shape.rank and batch_rows(loss, data):
+        if loss.shape.rank and batch_axis(loss, data) is not None:
             sums.append(loss.name)      # a value per example: the autodiff sums them
             continue
         kind, guessed, form = scalar_form(loss, data)
@@ -54,7 +59,13 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
             unread.append(loss.name)
     summed = bool(losses) and len(sums) == len(losses)
     note = ""
-    if mixed:
+    if pairs:
+        note = (f"the loss {pairs[0]!r} mixes the batch's examples ({pairs[1]!r}: {pairs[2]}); "
+                "each replica computes it over its own rows, so the step differs from one "
+                "device with the global batch, as batch normalization's statistics do. A loss "
+                "that reduces over the batch only at its end (per-example terms, summed or "
+                "averaged) equals one device")
+    elif mixed:
         note = (f"the loss {mixed[0][0]!r} adds a sum over the batch ({mixed[0][1]!r}) to a "
                 "mean over it; the replicas' gradients are averaged, which makes the sum's "
                 "part 1/N of one device's (summed, the mean's part would be N times). Give "

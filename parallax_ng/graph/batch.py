@@ -256,8 +256,7 @@ def _moves(tg, node, ins, outs, first, dims) -> None:
     kind, data = node.op, ins[0][1]
     keep = False
     if kind == "Reshape":
-        shape = _const(tg, ins[1][0])
-        keep = isinstance(shape, list) and bool(shape) and shape[0] == -1
+        keep = _leading(tg, ins[1][0]) == -1
     elif kind == "ExpandDims":
         axis = _const(tg, ins[1][0])
         keep = axis is not None and axis != 0 and axis != -(_rank(tg, outs[0]) or 0)
@@ -280,6 +279,18 @@ def _moves(tg, node, ins, outs, first, dims) -> None:
         first[out] = data
 
 
+def _leading(tg, ref: TensorRef):
+    """The first entry of a shape vector: of a constant, or of the constant
+    a concatenation or stack starts with ([-1] and the last dimension, as
+    the softmax losses flatten their logits); else None."""
+    value, parts = _const(tg, ref), tg.ir.data_inputs(ref.node)
+    if value is None and tg.ir.node(ref.node).op in ("ConcatV2", "Pack") and parts:
+        value = _const(tg, parts[0])     # a stack's first scalar, a concatenation's first vector
+    if isinstance(value, list):
+        return value[0] if value else None
+    return value
+
+
 def _unknown(ins, dims) -> None:
     for _, d in ins:
         dims.note(d, "unknown")
@@ -292,9 +303,11 @@ def _rank(tg, ref: TensorRef) -> int | None:
 
 def _lines_up(tg, ref: TensorRef, rank: int | None) -> bool:
     """Whether input `ref` of an element-wise op lines its first dimension
-    up with the output's (equal rank, and not a broadcast 1)."""
+    up with the output's (equal rank, and not a broadcast 1). Where a rank
+    is unknown (an operand fed without a shape, as tutorials feed a keep
+    probability), the operand is taken to line up, as graph/rows.py reads it."""
     shape = tg.tensor(ref).shape
-    return rank is not None and shape.rank == rank and compat.dim(shape, 0) != 1
+    return (None in (rank, shape.rank) or shape.rank == rank) and compat.dim(shape, 0) != 1
 
 
 def _const(tg, ref: TensorRef):

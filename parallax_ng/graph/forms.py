@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
-from .rows import batch_rows, counts_rows, reading
+from .rows import batch_axis, batch_rows, counts_rows, reading
 
 # ops that give data: an input pipeline's, a queue's, a fed placeholder's (a
 # SparseTensor's shape is a PlaceholderWithDefault)
@@ -199,15 +199,34 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return forms.pop() if len(forms) == 1 else None
         if op.type in _REDUCTIONS and op.inputs[0].shape.rank == 0:
             return through(t, op.inputs[0])          # a sum of one number
-        if op.type in _REDUCTIONS and batch_rows(op.inputs[0], rows):
-            axes = constant(op.inputs[1])
-            shape = op.inputs[0].shape
-            if axes is not None and shape.rank:
-                axes = {int(a) % shape.rank for a in np.atleast_1d(axes)}
-                if 0 in axes:
-                    if len(axes) == shape.rank and shape[1:].is_fully_defined():
-                        per_row[t.name] = int(np.prod(shape[1:].as_list(), dtype=np.int64))
-                    return "mean" if op.type == "Mean" else "sum"
+        if op.type in _REDUCTIONS:
+            return reduced(t, op.inputs[0], constant(op.inputs[1]))
+        return None
+
+    def reduced(t, x, axes):
+        """A Sum or Mean over `axes` of x: over the batch's axis (wherever x
+        has it), or over a tensor already reduced over the batch (the
+        per-time means of a sequence loss, summed over time), its form."""
+        shape, a = x.shape, batch_axis(x, rows)
+        if axes is None or not shape.rank:
+            return None
+        axes = {int(v) % shape.rank for v in np.atleast_1d(axes)}
+        dims = shape.as_list()
+        rest = [d for i, d in enumerate(dims) if i != a and i in axes]
+        if a is not None and a in axes:
+            if len(axes) == shape.rank and None not in rest:
+                per_row[t.name] = int(np.prod(rest, dtype=np.int64))
+            return "mean" if t.op.type == "Mean" else "sum"
+        if a is not None:
+            return None
+        inner = form(x)
+        if inner in ("sum", "mean"):
+            added = int(np.prod(rest, dtype=np.int64)) if None not in rest else None
+            if t.op.type == "Sum" and added is not None and (inner == "sum" or x.name in per_row):
+                per_row[t.name] = per_row.get(x.name, 1) * added
+            elif x.name in per_row:
+                per_row[t.name] = per_row[x.name]
+            return inner
         return None
     kind = form(loss)
     if kind == "mean":      # Keras's masked mean: each kept element weighs count / kept

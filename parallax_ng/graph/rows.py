@@ -16,11 +16,9 @@ the batch there. graph/forms.py reads the forms of losses with it.
 from __future__ import annotations
 
 import sys
-import weakref
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import function_def_to_graph
 
 from .. import compat
 from .rules import ELEMENTWISE, FIRST, LOSSES, REDUCTIONS
@@ -70,27 +68,6 @@ _CALLS = {"While": "body", "StatelessWhile": "body", "PartitionedCall": "f",
           "StatefulPartitionedCall": "f"}
 _BRANCHES = {"If", "StatelessIf"}
 _DEPTH = 20000      # recursion enough for a deep model's chain of ops
-
-# a graph's function bodies read as graphs, once per graph and function
-_BODIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _body(graph: tf.Graph, name: str):
-    """The graph of the function `name` of `graph`'s library (searched out
-    through the graphs a function's graph is nested in), or None."""
-    bodies = _BODIES.setdefault(graph, {})
-    if name not in bodies:
-        body, g = None, graph
-        while body is None and g is not None:
-            fn = g._get_function(name)      # noqa: SLF001 (the library's functions)
-            if fn is not None:
-                body = getattr(fn, "graph", None) or getattr(fn, "_cached_graph", None)
-                if body is None:
-                    body = function_def_to_graph.function_def_to_graph(fn.cached_definition)
-            g = getattr(g, "outer_graph", None)
-        bodies[name] = body
-    return bodies[name]
-
 
 def _int(value) -> int:
     """A constant axis as an int (TensorFlow folds some to arrays of one)."""
@@ -143,11 +120,11 @@ class _Axes:
         if op.name in self.bound:
             caller, outer = self.bound[op.name]
             return caller.axis(outer)
-        rank = t.shape.rank
-        if rank == 0 or t.dtype in (tf.resource, tf.variant):
+        if (rank := t.shape.rank) == 0 or t.dtype in (tf.resource, tf.variant):
             return None
         if kind in LOSSES or kind in _KEEP_FIRST and (t.value_index == 0 or kind == "TopKV2"):
-            return 0 if self.rows(op.inputs[0]) else None   # a loss per example, a convolution
+            top = kind == "TopKV2" and op.inputs[0].shape.rank in (None, 1)   # k of the batch
+            return 0 if self.rows(op.inputs[0]) and not top else None   # a loss per example
         if kind in _PASS:
             return self.axis(op.inputs[t.value_index if kind == "IdentityN" else 0])
         if kind in ("Merge", "RefMerge"):     # a loop's variable, a cond's result
@@ -261,7 +238,7 @@ class _Axes:
         return None
 
     def _in_body(self, op, name, inputs, t, read):
-        body = _body(self.graph, name) or _body(self.root, name)
+        body = compat.function_graph(self.graph, name) or compat.function_graph(self.root, name)
         if body is None or len(body.inputs) != len(inputs) or \
                 t.value_index >= len(body.outputs):
             return None
@@ -418,6 +395,8 @@ class _Axes:
         x = op.inputs[0]
         a = self.axis(x)
         before, after = x.shape, t.shape
+        if a is None and op.type == "Reshape" and x.op.type in LOSSES:
+            return self._unflattened(x.op, op.inputs[1], after.rank)
         if a is None or not after.rank:
             return None
         if op.type == "ExpandDims" and before.rank is not None:
@@ -436,6 +415,19 @@ class _Axes:
             return 0            # to the shape of a tensor of the batch's rows
         free = compat.dim(after, 0) is None and (not before.rank or compat.dim(before, 0) is None)
         return 0 if free and self._free_first(shape) else None
+
+    def _unflattened(self, loss, shape, rank):
+        """A softmax loss over more than two dimensions flattens its logits
+        and labels (z) to rows, and its losses go back to z's shape, or to
+        z's shape without its last dimension: z's batch axis."""
+        whole = shape.op.type == "Shape"
+        if shape.op.type == "Slice" and shape.op.inputs[0].op.type == "Shape":
+            begin = tf.get_static_value(shape.op.inputs[1])
+            whole, shape = begin is not None and not np.any(begin), shape.op.inputs[0]
+        z = shape.op.inputs[0] if whole else None
+        flat = [x.op.inputs[0].name for x in loss.inputs if x.op.type == "Reshape"]
+        a = self.axis(z) if z is not None and z.name in flat else None
+        return a if a is not None and rank and a < rank else None
 
     def _free_first(self, shape) -> bool:
         """Whether a shape's first entry is -1 or counts the batch's rows."""

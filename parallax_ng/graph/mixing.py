@@ -1,0 +1,96 @@
+"""Ops that mix the batch's examples: a loss that compares its examples with
+each other (the hardest k of the batch, a softmax or a running sum along
+the batch's axis, every example scored against every other as in-batch
+negatives are) is computed by each replica over its own rows, and no rule
+for combining the replicas' gradients makes that one device's over the
+global batch. `mixing` finds the first such op between the data and a
+loss, for the warning graph/averaging.py gives. (Batch normalization's
+statistics, computed over each replica's rows, are the known case that
+docs/limits.md states; they are not flagged here.)
+
+Requires: a tf.Tensor of a graph and the names of its data sources.
+Guarantees: reads the graph only, through graph/rows.py's batch axes; None
+where no op it knows mixes examples, never a guess.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from .rows import reading
+
+_MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+
+
+def mixing(loss: tf.Tensor, sources) -> tuple[str, str] | None:
+    """(op name, what it does) of the first op, in the graph's order, between
+    the data and `loss` that mixes the batch's examples; None if none does."""
+    return reading(sources, loss.graph).guarded(lambda r: _first(loss, r))
+
+
+def _first(loss, rows):
+    found, seen, stack = [], set(), [loss.op]
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        what = _mixes(op, rows)
+        if what:
+            found.append((op._id, op.name, what))    # noqa: SLF001 (creation order)
+        stack.extend(x.op for x in op.inputs)
+    return min(found)[1:] if found else None
+
+
+def _mixes(op, rows) -> str | None:
+    kind = op.type
+    if not op.inputs:
+        return None
+    x = op.inputs[0]
+    rank, a = x.shape.rank, None
+    if kind in ("TopKV2", "Softmax", "LogSoftmax", "Cumsum", "Cumprod"):
+        a = rows.axis(x)
+        if a is None or not rank:
+            return None
+    if kind == "TopKV2" and a == rank - 1:
+        return "the top k along the batch's axis"
+    if kind in ("Softmax", "LogSoftmax") and a == rank - 1:
+        return "a softmax across the batch's examples"
+    if kind in ("Cumsum", "Cumprod"):
+        at = tf.get_static_value(op.inputs[1])
+        if at is not None and int(at) % rank == a:
+            return "a running total along the batch's axis"
+    if kind == "MatMul" or kind in _MATMULS:
+        return _pairs(op, rows)
+    if kind == "Einsum":
+        return _einsum_pairs(op, rows)
+    return None
+
+
+def _pairs(op, rows) -> str | None:
+    """A product whose two operands each keep their batch's axis in the
+    result: every example of one against every example of the other."""
+    left, right = op.inputs[0], op.inputs[1]
+    if left.shape.rank is None or right.shape.rank is None:
+        return None
+    if op.type == "MatMul":
+        flip = op.get_attr("transpose_a"), op.get_attr("transpose_b")
+    else:
+        flip = op.get_attr("adj_x"), op.get_attr("adj_y")
+    kept_left = left.shape.rank - (1 if flip[0] else 2)      # the rows of the product
+    kept_right = right.shape.rank - (2 if flip[1] else 1)    # its columns
+    if rows.axis(left) == kept_left and rows.axis(right) == kept_right:
+        return "every example scored against every other (in-batch pairs)"
+    return None
+
+
+def _einsum_pairs(op, rows) -> str | None:
+    spec = op.get_attr("equation").decode().replace(" ", "")
+    terms, _, result = spec.partition("->")
+    letters = set()
+    for term, x in zip(terms.split(","), op.inputs):
+        a = rows.axis(x)
+        if "." not in term and a is not None and a < len(term) and term[a] in result:
+            letters.add(term[a])
+    if len(letters) > 1:
+        return f"every example scored against every other (einsum {spec!r})"
+    return None

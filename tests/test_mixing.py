@@ -1,0 +1,61 @@
+"""Ops that mix the batch's examples (parallax_ng/graph/mixing.py): found
+between the data and a loss where the loss compares examples with each
+other, and not in the usual layers (dense, attention within an example,
+softmax over classes, a scan over time)."""
+import pytest
+import tensorflow as tf
+
+from parallax_ng.graph.mixing import mixing
+
+tf1 = tf.compat.v1
+
+
+def per_example(x):
+    return tf.reduce_sum(tf.square(tf.matmul(x[:, 0], tf.ones((4, 4)))), 1)     # [batch]
+
+
+MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
+    "hardest k": (lambda x: tf.reduce_mean(tf.math.top_k(per_example(x), 3)[0]), "top k"),
+    "sorted": (lambda x: tf.reduce_sum(tf.sort(per_example(x))[:2]), "top k"),
+    "softmax over the batch": (lambda x: -tf.reduce_sum(tf.nn.log_softmax(per_example(x))),
+                               "softmax"),
+    "running total": (lambda x: tf.reduce_sum(tf.cumsum(per_example(x))), "running total"),
+    "in-batch negatives": (
+        lambda x: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            tf.range(tf.shape(x)[0]), tf.matmul(x[:, 0], x[:, 1], transpose_b=True))),
+        "every example scored against every other"),
+    "einsum pairs": (lambda x: tf.reduce_sum(tf.einsum("id,jd->ij", x[:, 0], x[:, 1])),
+                     "einsum"),
+}
+SEPARATE = {
+    "dense classifier": lambda x: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        tf.zeros([tf.shape(x)[0]], tf.int32), tf.matmul(x[:, 0], tf.ones((4, 3))))),
+    "attention within an example": lambda x: tf.reduce_sum(tf.matmul(tf.nn.softmax(tf.matmul(
+        x, x, transpose_b=True)), x)),
+    "attention by einsum": lambda x: tf.reduce_sum(tf.einsum("bts,bsd->btd", tf.nn.softmax(
+        tf.einsum("btd,bsd->bts", x, x)), x)),
+    "top k of classes": lambda x: tf.reduce_sum(tf.math.top_k(x[:, 0], 2)[0]),
+    "scan over time": lambda x: tf.reduce_mean(tf.cumsum(x, 1)),
+    "gram matrix of the batch": lambda x: tf.reduce_sum(tf.matmul(x[:, 0], x[:, 0],
+                                                                  transpose_a=True)),
+}
+
+
+def loss_of(build):
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, (None, 5, 4), name="x")
+        loss = build(x)
+    return loss
+
+
+@pytest.mark.parametrize("name", sorted(MIXING))
+def test_a_loss_that_compares_examples_is_found(name):
+    build, what = MIXING[name]
+    found = mixing(loss_of(build), ["x"])
+    assert found is not None and what in found[1], found
+
+
+@pytest.mark.parametrize("name", sorted(SEPARATE))
+def test_per_example_layers_do_not_mix(name):
+    assert mixing(loss_of(SEPARATE[name]), ["x"]) is None
