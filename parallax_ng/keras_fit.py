@@ -13,10 +13,11 @@ A batch those cannot take (one the replica count does not divide, other
 leaves than the first batch's), and `predict` in a job of several workers
 (each worker holds only its replicas' rows), run on the model itself, with
 the runner's values written into it first. The model holds the runner's
-values at every epoch's end, after `evaluate`, and after every batch while
-a callback that reads weights there is in the fit (`reads_weights_per_batch`;
-config `batch_sync`); weights the program sets on the model between calls
-are taken in when the next `fit`, `evaluate` or `predict` starts.
+values at every epoch's end, after `evaluate`, after every `train_on_batch`,
+and after every batch while a callback that reads weights there is in the
+fit (`reads_weights_per_batch`; config `batch_sync`); weights the program
+sets on the model between calls are taken in when the next `fit`,
+`train_on_batch`, `evaluate` or `predict` starts.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class KerasFit:
         self.step = StepFunction(model.train_step, resource_info, config, self._parts)
         self.step.built.append(self._metrics_reset)   # not a checkpoint's totals
         self._rate = None
-        self.callbacks_read = False
+        self.callbacks_read = self.in_fit = False
         self.behind = False
         self._own = {}                 # kind -> the model's own tf.function of its step
         self.on_model = Counter()      # kind -> batches run on the model itself
@@ -58,10 +59,11 @@ class KerasFit:
         import inspect
         given = inspect.signature(fit).bind_partial(*args, **kwargs).arguments
         self.callbacks_read = any(reads_weights_per_batch(c) for c in given.get("callbacks") or ())
+        self.in_fit = True
         try:
             return fit(*args, **kwargs)
         finally:
-            self.callbacks_read = False
+            self.callbacks_read = self.in_fit = False
 
     def make_train_function(self, force: bool = False):
         """Keras 3 calls it and reads `train_function`; tf_keras uses what it returns."""
@@ -150,9 +152,9 @@ class KerasFit:
             self._push_rate()
             logs = self.step(data)
             self.behind = True
-        mode = self.step.runner.config.batch_sync
-        if mode == "always" or mode == "auto" and self.callbacks_read:   # a callback reads them
-            self.sync()
+        mode = self.step.runner.config.batch_sync      # a callback reads them, or the
+        if mode == "always" or mode == "auto" and (self.callbacks_read or not self.in_fit):
+            self.sync()                                 # program after train_on_batch
         return logs
 
     def _steps_per_call(self) -> int:

@@ -32,6 +32,7 @@ import tensorflow as tf
 from .errors import ConfigError, FetchError, GraphError
 from .graph.frontend import NO_UPDATE
 from .graph.recorders import tf_variable
+from .graph.tracing import tensor_leaves
 from .runtime.fetches import sparse_rows, sparse_tensors
 
 
@@ -54,7 +55,7 @@ class StepFunction:
         if self.runner is None:
             self._build(args)
         cap = self._captured
-        leaves = tf.nest.flatten(args)
+        leaves = tensor_leaves(args)
         if len(leaves) != len(cap.inputs):
             raise ConfigError(f"the step was traced with {len(cap.inputs)} batch tensors and "
                               f"is called with {len(leaves)}; call it as it was first called")
@@ -76,7 +77,7 @@ class StepFunction:
         if self.runner is None or name not in self._captured.parts:
             return False
         graph, inputs = self._captured.graph, self._captured.parts[name].inputs
-        leaves = [_leaf(leaf) for leaf in tf.nest.flatten(args)]
+        leaves = [_leaf(leaf) for leaf in tensor_leaves(args)]
         if len(leaves) != len(inputs):
             return False
         for placeholder, leaf in zip(inputs, leaves):
@@ -100,7 +101,7 @@ class StepFunction:
         """Part `name` on the replicas, each on its part of the global batch
         `args` (`fits` says whether it can)."""
         part = self._captured.parts[name]
-        return self._run(part.run, part.inputs, part.outputs, tf.nest.flatten(args),
+        return self._run(part.run, part.inputs, part.outputs, tensor_leaves(args),
                          per_replica)
 
     def _feeds(self, i: int, name: str, leaf) -> dict:
@@ -179,7 +180,7 @@ class StepFunction:
                                        self._parts(args) if self._parts else None)
         try:
             batch = {}
-            for name, leaf in zip(cap.inputs, tf.nest.flatten(args)):
+            for name, leaf in zip(cap.inputs, tensor_leaves(args)):
                 batch.update(_fed(name, _leaf(leaf)))
             sample = Sample(batch, cap.init_feeds)
             self.runner = get_runner(cap.graph, self._resources, self._config, sample)

@@ -680,3 +680,40 @@ def test_a_summed_loss_through_conv_and_recurrent_layers_equals_one_device(lib, 
     h2 = single.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], rtol=1e-5)
     check(parallel, single)
+
+
+@pytest.mark.parametrize("lib", ["keras", "tf_keras"])
+def test_train_on_batch_leaves_the_model_trained_after_each_call(lib):
+    """A loop of `train_on_batch` (GAN scripts train so; Keras passes
+    (x, y, None) where no sample weight is given): after each call the
+    model holds the step's weights and optimizer state, as one device's;
+    `test_on_batch` and `predict_on_batch` equal one device, 1e-5."""
+    import importlib
+    k = importlib.import_module(lib)
+
+    def make():
+        k.utils.set_random_seed(2)
+        model = k.Sequential([k.Input((5,)), k.layers.Dense(8, activation="relu"),
+                              k.layers.Dense(1)])
+        model.compile(optimizer=k.optimizers.SGD(0.05, momentum=0.9), loss="mse",
+                      metrics=["mae"])
+        return model
+    parallel, single = make(), make()
+    pn.parallelize(parallel, local(2))
+    x, y = data(5)
+    for step in range(3):
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        got, want = (m.train_on_batch(x[rows], y[rows], return_dict=True)
+                     for m in (parallel, single))
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], atol=1e-5, rtol=0, err_msg=key)
+        check(parallel, single)            # read right after the call
+    weights = [np.asarray(w) * 0.5 for w in single.get_weights()]
+    for m in (parallel, single):           # weights set between calls are taken in
+        m.set_weights(weights)
+        m.train_on_batch(x[:BATCH], y[:BATCH])
+    check(parallel, single)
+    np.testing.assert_allclose(parallel.test_on_batch(x[:BATCH], y[:BATCH]),
+                               single.test_on_batch(x[:BATCH], y[:BATCH]), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(parallel.predict_on_batch(x[:BATCH]),
+                               single.predict_on_batch(x[:BATCH]), atol=1e-5, rtol=0)

@@ -81,7 +81,7 @@ def capture(fn, args: tuple, parts: dict | None = None) -> Captured:
     parts = dict(parts or {})
     with recorders.slots_recorded() as owners, recorders.tape_targets() as targets:
         pieces = [_piece(_trace(fn, args, 0, "the step"), targets)]
-    first, traced, failed = len(tf.nest.flatten(args)), [], {}
+    first, traced, failed = len(tensor_leaves(args)), [], {}
     for name, (part, part_args) in parts.items():
         try:
             pieces.append(_piece(_trace(part, part_args, first, f"its {name} function")))
@@ -89,7 +89,7 @@ def capture(fn, args: tuple, parts: dict | None = None) -> Captured:
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             continue
         traced.append(name)
-        first += len(tf.nest.flatten(part_args))
+        first += len(tensor_leaves(part_args))
     captured = _rebuild(pieces, owners, traced)
     for name in targets:            # what the step's tapes differentiated (graph/forms.py)
         captured.graph.add_to_collection(forms.TAPE_TARGETS, name)
@@ -103,11 +103,16 @@ def _trace(fn, args: tuple, first: int, what: str):
     `first`), traced twice: a trace that makes variables, or a second one
     that differs from the first, is a GraphError."""
     python = getattr(fn, "python_function", fn)
-    specs = [_spec(a, first + i) for i, a in enumerate(tf.nest.flatten(args))]
+    flat = tf.nest.flatten(args)
+    present = [i for i, a in enumerate(flat) if a is not None]
+    specs = [_spec(flat[i], first + k) for k, i in enumerate(present)]
     structure = args
 
     def step(*leaves):     # an output besides fn's, which holds every stateful op
-        return python(*tf.nest.pack_sequence_as(structure, list(leaves))), tf.constant(0)
+        full = [None] * len(flat)
+        for i, leaf in zip(present, leaves):
+            full[i] = leaf
+        return python(*tf.nest.pack_sequence_as(structure, full)), tf.constant(0)
 
     made = []
 
@@ -137,6 +142,13 @@ def _trace(fn, args: tuple, first: int, what: str):
             "is traced once and that graph runs on every call: keep such state in a "
             "tf.Variable, or out of the step")
     return concrete
+
+
+def tensor_leaves(args) -> list:
+    """The leaves of a step's arguments that are batches: every leaf but
+    None, which the step gets as it is (Keras's `train_on_batch` passes
+    (x, y, None) where no sample weights are given)."""
+    return [a for a in tf.nest.flatten(args) if a is not None]
 
 
 def _differences(a, b) -> str:
