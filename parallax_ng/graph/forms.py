@@ -334,7 +334,7 @@ def _counts_elements(t: tf.Tensor, sources) -> bool:
         op = op.inputs[0].op
     shape = op.inputs[0].op if op.type == "Prod" else None
     if shape is not None and shape.type == "Shape":
-        return batch_rows(shape.inputs[0], sources)
+        return batch_axis(shape.inputs[0], sources) is not None
     if shape is not None and shape.type == "Pack":     # (rows, constant dims ...)
         return counts_rows(shape.inputs[0].op, sources) and all(
             tf.get_static_value(x) is not None for x in shape.inputs[1:])
