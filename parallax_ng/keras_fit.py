@@ -27,7 +27,7 @@ from collections import Counter
 import tensorflow as tf
 
 from .errors import ConfigError
-from .tf2 import StepFunction, _array
+from .tf2 import StepFunction, _array, needs_eager
 
 
 class KerasFit:
@@ -224,6 +224,7 @@ def parallelize(model, resource_info=None, config=None):
     """`model.fit`, `evaluate` and `predict` data-parallel (after
     `model.compile(...)`): their batches are global batches, each replica
     takes its part. Returns the model."""
+    needs_eager("pn.parallelize")
     if not getattr(model, "compiled", getattr(model, "_is_compiled", False)) or \
             getattr(model, "optimizer", None) is None:
         raise ConfigError("pn.parallelize takes a compiled model: call model.compile("

@@ -44,6 +44,7 @@ class StepFunction:
         if not callable(fn):
             raise ConfigError(f"pn.function takes the training step function, not a "
                               f"{type(fn).__name__}")
+        needs_eager("pn.function")
         self._fn, self._resources, self._config = fn, resource_info, config
         self._parts = parts
         self.runner = None
@@ -229,6 +230,21 @@ def _check_sparse_updates(classes, tg) -> None:
 def function(fn, resource_info=None, config=None) -> StepFunction:
     """`fn` as a data-parallel training step (module docstring)."""
     return StepFunction(fn, resource_info, config)
+
+
+def needs_eager(what: str) -> None:
+    """A ConfigError where TF2 behavior is off (tf.compat.v1.disable_v2_behavior()
+    or disable_eager_execution() was called): TF2 entries trace and feed
+    eager values, and tf_keras's v1 `fit` loop never reaches them."""
+    if not tf.executing_eagerly():
+        raise ConfigError(
+            f"{what} needs TF2 behavior (eager execution), which is off here: the "
+            "program called tf.compat.v1.disable_v2_behavior() or "
+            "disable_eager_execution() (a Keras model then trains by TensorFlow 1's graph "
+            "loop, which it does not reach), or it runs inside a graph's as_default(). "
+            "Remove that, or write the step as a TF1 graph (the model called on the "
+            "input tensors, a loss, a tf.compat.v1 optimizer's minimize) and give the "
+            "graph to pn.get_runner")
 
 
 def _array(leaf):

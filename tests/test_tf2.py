@@ -763,3 +763,38 @@ def test_model_fit_on_sparse_inputs_equals_one_device():
     want = single.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
     np.testing.assert_allclose(got.history["loss"], want.history["loss"], atol=1e-5, rtol=0)
     check_equal((parallel, parallel.optimizer), (single, single.optimizer))
+
+
+V1_SCRIPT = """
+import tensorflow as tf
+tf.compat.v1.disable_v2_behavior()
+import tf_keras
+import parallax_ng as pn
+model = tf_keras.Sequential([tf_keras.layers.Dense(1, input_shape=(3,))])
+model.compile(optimizer=tf_keras.optimizers.legacy.SGD(0.1), loss="mse")
+for call in (lambda: pn.parallelize(model, {resources}), lambda: pn.function(lambda x: x)):
+    try:
+        call()
+    except pn.ConfigError as e:
+        print("refused:", e)
+"""
+
+
+def test_tf2_entries_refuse_a_program_without_tf2_behavior(tmp_path):
+    """Under tf.compat.v1.disable_v2_behavior() tf_keras's `fit` runs its v1
+    graph loop, which pn.parallelize would never reach (it had trained on
+    one device, silently): both TF2 entries say so and point to the TF1
+    path. Inside a graph's as_default() likewise."""
+    import sys
+
+    import forked
+    script = tmp_path / "v1.py"
+    script.write_text(V1_SCRIPT.format(resources=local(2)))
+    done = forked.run([sys.executable, str(script)], env=dict(
+        forked.ENV, TF_USE_LEGACY_KERAS="1"), timeout=300)
+    refused = [line for line in done.stdout.splitlines() if line.startswith("refused:")]
+    assert done.returncode == 0 and len(refused) == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert all("needs TF2 behavior" in line and "pn.get_runner" in line for line in refused)
+    with tf.Graph().as_default():
+        with pytest.raises(pn.ConfigError, match="pn.function needs TF2 behavior.*as_default"):
+            pn.function(step_of(keras3_dense(), keras.optimizers.SGD(0.1)), local(2))
