@@ -38,13 +38,40 @@ class KerasFit:
 
     def __init__(self, model, resource_info, config):
         self.model = model
-        self.step = StepFunction(model.train_step, resource_info, config, self._parts)
+        self._asked = (resource_info, config)
+        self.callbacks_read = self.in_fit = False
+        self.on_model = Counter()      # kind -> batches run on the model itself
+        self._new_step()
+
+    def _new_step(self) -> None:
+        """A step to trace at the next call: the model's train step with its
+        optimizer, loss and trainable variables as compiled now."""
+        self.step = StepFunction(self.model.train_step, *self._asked, self._parts)
         self.step.built.append(self._metrics_reset)   # not a checkpoint's totals
         self._rate = None
-        self.callbacks_read = self.in_fit = False
         self.behind = False
         self._own = {}                 # kind -> the model's own tf.function of its step
-        self.on_model = Counter()      # kind -> batches run on the model itself
+
+    def compile(self, compile, *args, **kwargs):
+        """`model.compile` again (fine-tuning: layers unfrozen, a new
+        optimizer): the model gets the trained values, and the next call
+        traces the step anew and starts a runner from the model's values.
+        In a job of several tasks, once a runner is running, a ConfigError."""
+        from .cluster import from_env
+        if self.step.runner is not None:
+            if from_env() is not None:
+                raise ConfigError(
+                    "model.compile after training began in a job of several tasks: the job's "
+                    "step was built for the first compile's optimizer, loss and trainable "
+                    "layers, and its tasks cannot start another together. Compile before "
+                    "pn.parallelize, or train each phase as a job of its own (the second "
+                    "loading the first one's saved weights)")
+            if self.behind:
+                self.sync()
+            self.step.runner.close()
+        out = compile(*args, **kwargs)
+        self._new_step()
+        return out
 
     def _parts(self, args) -> dict:
         data = args[0]
@@ -231,6 +258,7 @@ def parallelize(model, resource_info=None, config=None):
                           "optimizer=..., loss=...) first")
     fit = KerasFit(model, resource_info, config)
     model.fit = functools.partial(fit.fit, type(model).fit.__get__(model))
+    model.compile = functools.partial(fit.compile, type(model).compile.__get__(model))
     model.make_train_function = fit.make_train_function
     model.make_test_function = fit.make_test_function
     model.make_predict_function = fit.make_predict_function

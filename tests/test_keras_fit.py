@@ -717,3 +717,33 @@ def test_train_on_batch_leaves_the_model_trained_after_each_call(lib):
                                single.test_on_batch(x[:BATCH], y[:BATCH]), atol=1e-5, rtol=0)
     np.testing.assert_allclose(parallel.predict_on_batch(x[:BATCH]),
                                single.predict_on_batch(x[:BATCH]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("lib", ["keras", "tf_keras"])
+def test_fine_tuning_compiled_again_equals_one_device(lib):
+    """Keras's fine-tuning recipe: train a head over a frozen base, unfreeze
+    it and `compile` again with a new optimizer, train on. The second fit
+    traces the step anew (it had kept the first optimizer and trainable
+    set: 0.036 off); both phases equal one device, 1e-5."""
+    import importlib
+    k = importlib.import_module(lib)
+
+    def run(parallel):
+        k.utils.set_random_seed(3)
+        base = k.Sequential([k.Input((5,)), k.layers.Dense(8, activation="relu")])
+        model = k.Sequential([base, k.layers.Dense(1)])
+        model.build((None, 5))
+        base.trainable = False
+        model.compile(optimizer=k.optimizers.Adam(0.01), loss="mse")
+        if parallel:
+            pn.parallelize(model, local(2))
+        x, y = data(6)
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        frozen = [np.asarray(w) for w in base.weights]
+        base.trainable = True
+        model.compile(optimizer=k.optimizers.SGD(0.01, momentum=0.5), loss="mse")
+        model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        return model, frozen
+    (parallel, frozen), (single, _) = run(True), run(False)
+    check(parallel, single)
+    assert any(np.abs(np.asarray(w) - f).max() > 1e-3 for w, f in zip(single.weights, frozen))

@@ -352,7 +352,7 @@ def test_a_two_worker_job_equals_one_device(tmp_path, how):
     after 5 steps, every weight and optimizer variable, 1e-5. After `fit`,
     `evaluate` (on the replicas but its last batch, which 2 do not divide)
     and `predict` (on the model: each worker holds only its rows) equal
-    one device's."""
+    one device's; a second `model.compile` is refused."""
     out, done = run_job(tmp_path, *(["--fit"] if how == "fit" else []))
     assert "worker 1 of 2: done" in done.stdout
     check_job(out, how)
@@ -402,6 +402,7 @@ def check_job(out, how):
             np.testing.assert_allclose(w["evaluated"], want, atol=1e-5, rtol=0)
             np.testing.assert_allclose(w["predicted"], predicted, atol=1e-5, rtol=0)
             assert json.loads(str(w["on_model"])) == {"test": 1, "predict": 6}
+            assert "model.compile after training began in a job" in str(w["recompiled"])
 
 
 def test_slots_made_before_the_capture_still_belong_to_their_variables():
