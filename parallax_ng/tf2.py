@@ -22,7 +22,10 @@ job (`parallax-ng run`) every worker calls the step with the same global
 batch and feeds its own rows (worker w of W: the w-th of W equal parts).
 `sync()` writes the variables' trained values (optimizer slots too) into
 the program's variables, so the model, `model.save` and eager code see
-them. `runner` is the Runner (its `plan`, `save`, checkpoints).
+them. A variable the step does not train that the program sets between
+calls (a learning rate, a metric reset after a `sync`) is taken in at the
+next call; trained weights the program sets go in by `push(variables)`.
+`runner` is the Runner (its `plan`, `save`, checkpoints).
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ class StepFunction:
         self.runner = None
         self._captured = None
         self._pushes: dict = {}          # graph variable -> (placeholder, assign op)
+        self._known: dict = {}           # watched graph variable -> the program's last value
         self.built: list = []            # called once the runner holds the variables
 
     def __call__(self, *args, per_replica: bool = False):
@@ -63,6 +67,7 @@ class StepFunction:
         return self._run(cap.train, cap.inputs, cap.outputs, leaves, per_replica)
 
     def _run(self, op, inputs, outputs, leaves, per_replica):
+        self._push_changed()
         feeds = {}
         for i, (name, leaf) in enumerate(zip(inputs, leaves)):
             feeds.update(self._feeds(i, name, _leaf(leaf)))
@@ -142,6 +147,30 @@ class StepFunction:
         got = self.runner.run([cap.reads[n] for n in names])
         for name, value in zip(names, got):
             cap.variables[name].assign(value)
+            if name in self._known:
+                self._known[name] = np.array(value, copy=True)
+
+    def _watch(self) -> None:
+        """The variables the step does not train (a learning rate, a scale,
+        a target network, metrics' totals, counters): what the program last
+        had of each, so a value it sets between calls is seen. Trained
+        weights and their slots are left out (reading them every call would
+        cost a copy of the model): `push` them after setting them."""
+        tg = self.runner.ctx.tg
+        trained = {n for var in tg.gradients for n in tg.owned(var)}
+        self._known = {name: np.array(_array(v), copy=True)
+                       for name, v in self._captured.variables.items() if name not in trained}
+
+    def _push_changed(self) -> None:
+        """Watched variables whose program value differs from what it last
+        had (set between calls: `optimizer.learning_rate = ...`,
+        `v.assign(...)`, a metric's `reset_state()` after a `sync`) into the
+        runner."""
+        variables = self._captured.variables
+        changed = [variables[name] for name, known in self._known.items()
+                   if not np.array_equal(_array(variables[name]), known)]
+        if changed:
+            self.push(changed)
 
     def push(self, variables) -> None:
         """The program's values of `variables` (tf.Variables or Keras
@@ -166,6 +195,8 @@ class StepFunction:
             value, op = self._pushes[name]
             ops.append(op)
             feeds[value] = _array(cap.variables[name])
+            if name in self._known:
+                self._known[name] = np.array(feeds[value], copy=True)
         if ops:
             self.runner.run(ops, feeds)
 
@@ -201,6 +232,7 @@ class StepFunction:
             self.runner = None
             raise
         self.runner.run(cap.init, cap.init_feeds)     # and restores `checkpoint.dir`'s latest
+        self._watch()
         for hook in self.built:
             hook()
 

@@ -799,3 +799,47 @@ def test_tf2_entries_refuse_a_program_without_tf2_behavior(tmp_path):
     with tf.Graph().as_default():
         with pytest.raises(pn.ConfigError, match="pn.function needs TF2 behavior.*as_default"):
             pn.function(step_of(keras3_dense(), keras.optimizers.SGD(0.1)), local(2))
+
+
+def test_values_the_program_sets_between_calls_are_taken_in():
+    """A custom loop that sets its learning rate per epoch
+    (`optimizer.learning_rate = ...`), a variable the step reads, and resets a
+    metric after reading it (`sync`, then `reset_state`): each call sees them,
+    as one device does (they had been ignored: 0.011 off); weights the
+    program sets go in by `push`. Weights, optimizer and metric equal one
+    device's, 1e-5."""
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.1, momentum=0.5))
+    x, y = data(7)
+    seen = []
+    for (model, optimizer), make in ((parallel, lambda f: pn.function(f, local(2))),
+                                     (single, tf.function)):
+        scale, mae = tf.Variable(1.0, trainable=False), keras.metrics.MeanAbsoluteError()
+
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                pred = model(x, training=True)
+                loss = scale * tf.reduce_mean(tf.square(pred - y))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            mae.update_state(y, pred)
+            return loss
+        step = make(train_step)
+        results = []
+        for epoch in range(3):
+            optimizer.learning_rate = 0.1 * 0.5 ** epoch
+            scale.assign(1.0 + epoch)
+            for k in range(3):
+                step(x[3 * epoch + k], y[3 * epoch + k])
+            if hasattr(step, "sync"):
+                step.sync()
+            results.append(float(mae.result()))
+            mae.reset_state()
+        model.set_weights([np.asarray(w) * 0.9 for w in model.weights])
+        if hasattr(step, "push"):
+            step.push(model.weights)
+        step(x[9], y[9])
+        if hasattr(step, "sync"):
+            step.sync()
+        seen.append(results + [float(mae.result())])
+    check_equal(parallel, single)
+    np.testing.assert_allclose(seen[0], seen[1], atol=1e-5, rtol=0)
