@@ -56,10 +56,11 @@ class KerasFit:
         """`model.compile` again (fine-tuning: layers unfrozen, a new
         optimizer): the model gets the trained values, and the next call
         traces the step anew and starts a runner from the model's values.
-        In a job of several tasks, once a runner is running, a ConfigError."""
+        In a job of several tasks (`parallax-ng run`, or Horovod's ranks),
+        once a runner is running, a ConfigError."""
         from .cluster import from_env
         if self.step.runner is not None:
-            if from_env() is not None:
+            if from_env() is not None or getattr(self.step.runner.plan, "num_workers", 1) > 1:
                 raise ConfigError(
                     "model.compile after training began in a job of several tasks: the job's "
                     "step was built for the first compile's optimizer, loss and trainable "
