@@ -10,6 +10,10 @@ from parallax_ng.graph.mixing import mixing
 tf1 = tf.compat.v1
 
 
+def scores(x):
+    return tf.sigmoid(tf.matmul(x[:, 0], tf.Variable(tf.ones((4, 4)))))
+
+
 def per_example(x):
     return tf.reduce_sum(tf.square(tf.matmul(x[:, 0], tf.ones((4, 4)))), 1)     # [batch]
 
@@ -26,6 +30,8 @@ MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
         "every example scored against every other"),
     "einsum pairs": (lambda x: tf.reduce_sum(tf.einsum("id,jd->ij", x[:, 0], x[:, 1])),
                      "einsum"),
+    "dice": (lambda x: 1.0 - 2.0 * tf.reduce_sum(x[:, 0] * scores(x)) / (
+        tf.reduce_sum(x[:, 0]) + tf.reduce_sum(scores(x)) + 1e-7), "Dice"),
 }
 SEPARATE = {
     "dense classifier": lambda x: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
@@ -38,6 +44,16 @@ SEPARATE = {
     "scan over time": lambda x: tf.reduce_mean(tf.cumsum(x, 1)),
     "gram matrix of the batch": lambda x: tf.reduce_sum(tf.matmul(x[:, 0], x[:, 0],
                                                                   transpose_a=True)),
+    "masked mean": lambda x: tf.reduce_sum(scores(x) * tf.cast(x[:, 0] > 0, tf.float32)) / (
+        tf.reduce_sum(tf.cast(x[:, 0] > 0, tf.float32)) + 1.0),
+    "mean over a count": lambda x: tf.reduce_sum(scores(x)) / tf.cast(tf.size(x), tf.float32),
+    # TF1's losses divide by a count of `ones_like(losses)`: the model's
+    # outputs' shape, not their values
+    "tf1 log loss": lambda x: tf1.losses.log_loss(x[:, 0], scores(x)),
+    "tf1 weighted squared error": lambda x: tf1.losses.mean_squared_error(
+        x[:, 0], scores(x), weights=tf.cast(x[:, 0] > 0.5, tf.float32)),
+    "tf1 softmax cross entropy": lambda x: tf1.losses.sparse_softmax_cross_entropy(
+        tf.zeros([tf.shape(x)[0]], tf.int32), scores(x)),
 }
 
 

@@ -1,7 +1,8 @@
 """Ops that mix the batch's examples: a loss that compares its examples with
 each other (the hardest k of the batch, a softmax or a running sum along
 the batch's axis, every example scored against every other as in-batch
-negatives are) is computed by each replica over its own rows, and no rule
+negatives are, a division by a sum of the model's outputs over the batch
+as Dice losses divide) is computed by each replica over its own rows, and no rule
 for combining the replicas' gradients makes that one device's over the
 global batch. `mixing` finds the first such op between the data and a
 loss, for the warning graph/averaging.py gives. (Batch normalization's
@@ -14,11 +15,17 @@ where no op it knows mixes examples, never a guess.
 """
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from .rows import reading
 
 _MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+_MOST_OPS = 4096        # ops read back from a divisor
+# ops whose output carries only their input's shape, not its values: a
+# count built from `ones_like(losses)` (TF1 losses' weights) reads no value
+_SHAPE_ONLY = ("OnesLike", "ZerosLike", "Shape", "ShapeN", "Size", "Rank",
+               "BroadcastArgs", "BroadcastGradientArgs")
 
 
 def mixing(loss: tf.Tensor, sources) -> tuple[str, str] | None:
@@ -63,6 +70,30 @@ def _mixes(op, rows) -> str | None:
         return _pairs(op, rows)
     if kind == "Einsum":
         return _einsum_pairs(op, rows)
+    if kind in ("RealDiv", "Div", "DivNoNan") and len(op.inputs) == 2:
+        return _ratio(op.inputs[1], rows)
+    return None
+
+
+def _ratio(divisor, rows) -> str | None:
+    """A division by a sum over the batch of what the model computes (Dice,
+    IoU and F1 losses; a count of examples or of a mask's entries, which
+    reads no variable's value, is a mean's divisor, not this)."""
+    summed, reads, seen, stack = False, False, set(), [divisor.op]
+    while stack and len(seen) < _MOST_OPS and not (summed and reads):
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        reads |= op.type in ("ReadVariableOp", "VariableV2", "ResourceGather")
+        if op.type in ("Sum", "Mean") and op.inputs[0].shape.rank:
+            axes, a = tf.get_static_value(op.inputs[1]), rows.axis(op.inputs[0])
+            rank = op.inputs[0].shape.rank
+            summed |= a is not None and axes is not None and \
+                a in {int(v) % rank for v in np.atleast_1d(axes)}
+        stack.extend(x.op for x in op.inputs if x.op.type not in _SHAPE_ONLY)
+    if summed and reads:
+        return "a division by a sum over the batch of the model's outputs (a Dice or IoU loss)"
     return None
 
 
