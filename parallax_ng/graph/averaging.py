@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from .forms import autodiff_losses, loss_form, scalar_form, sources
 from .mixing import mixing
-from .rows import batch_axis
+from .rows import batch_axis, reading
 
 
 def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
@@ -40,7 +40,7 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     if "auto" not in wanted:
         return (*wanted, "")
     losses = autodiff_losses(graph)
-    data = sources(graph)
+    data = reading(sources(graph), graph)   # one reading of the batch's axes for every loss
     sums, unsure, once, mixed, unread = [], [], [], [], []
     pairs = next(((loss.name, *m) for loss in losses for m in [mixing(loss, data)] if m), None)
     for loss in losses:

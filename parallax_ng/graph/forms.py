@@ -5,7 +5,8 @@ graph differentiates (`autodiff_losses`); graph/averaging.py reads from
 them whether the replicas' gradients are averaged or summed.
 
 Requires: tf.Tensors of a graph and the names of its data sources (the
-placeholders and iterators that give the batch). Guarantees: both read the
+placeholders and iterators that give the batch), or a graph/rows.py
+reading of them that several questions share. Guarantees: both read the
 graph only. `loss_form` names the divisors that make a sum a mean (a
 layer-by-layer step divides by a micro-batch's size instead,
 parallax_ng/l2l/); a value it cannot read is None, never a guess. Used by
@@ -114,8 +115,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     (with `strict` False, it is a sum and `once` names where the term enters).
     Without `strict`, a sum plus means of a sum over a count is a sum whose
     means are `widened`."""
-    sources = set(sources)
     rows = reading(sources, loss.graph)     # one reading for every question below
+    sources = rows.sources                  # (the caller's, if it passes one)
     constant = constant or constant_value
     dependent = set()
     stack, order, visited = [loss.op], [], set()
@@ -305,9 +306,9 @@ def scalar_kind(t: tf.Tensor, sources) -> str | None:
 def scalar_form(t: tf.Tensor, sources) -> tuple[str | None, bool, LossForm]:
     """`scalar_kind`'s answer, whether it is the guess that a scaled TF1
     sum is a mean, and the form read (graph/averaging.py reads the losses so)."""
-    traced = bool(t.graph.get_collection(TAPE_TARGETS))
-    batch = None if traced else replica_batch(t.graph, sources)
-    form = loss_form(t, sources, batch, strict=False)
+    traced, rows = bool(t.graph.get_collection(TAPE_TARGETS)), reading(sources, t.graph)
+    batch = None if traced else replica_batch(t.graph, rows.sources)
+    form = loss_form(t, rows, batch, strict=False)
     if not traced and batch is None:        # a scaled TF1 sum is taken as a mean
         if form.kind == "sum" and form.scaled:
             return "mean", True, form
