@@ -333,7 +333,7 @@ def measure_job(build: Build, server, profile_steps: int = 0,
     from .planning import choice, costfit
     from .planning.profile import first_step_profile
     from .runtime import serving
-    from .runtime.fetches import first_part
+    from .runtime.batch_parts import first_part
 
     tg, info, config = build.tg, build.job.cluster, build.job.config
     if info is None or server is None or (len(info.workers) < 2 and not profile_steps):

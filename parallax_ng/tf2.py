@@ -36,7 +36,7 @@ from .errors import ConfigError, FetchError, GraphError
 from .graph.frontend import NO_UPDATE
 from .graph.recorders import tf_variable
 from .graph.tracing import tensor_leaves
-from .runtime.fetches import sparse_rows, sparse_tensors
+from .runtime.batch_parts import sparse_rows, sparse_tensors
 
 
 class StepFunction:

@@ -41,9 +41,10 @@ from ..graph import averaging, forms
 from ..graph.ir import parse_input
 from ..pipeline.results import Barrier
 from ..resources import check_devices, session_config
+from ..runtime.batch_parts import sparse_placeholders
 from ..runtime.checkpoint import Checkpointer, Layout
 from ..runtime.executor import Executor
-from ..runtime.fetches import Fetch, FetchMap, default_reduction, sparse_placeholders
+from ..runtime.fetches import Fetch, FetchMap, default_reduction
 from ..runtime.program import Program, run_options
 from ..runtime.runner import Runner
 from . import builder as l2l

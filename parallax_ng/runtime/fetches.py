@@ -33,51 +33,18 @@ from ..graph.ir import format_input, parse_input, parse_tensor
 from ..graph.rows import batch_axis
 from ..pipeline.passes import REPLICA_PREFIX
 from ..pipeline.results import WidenedMeans
-
-
-def sparse_tensors(base: str) -> list[str]:
-    """The three tensors of sparse placeholder `base` (`sparse_placeholder`'s
-    name scope), in SparseTensor order: indices, values, dense shape."""
-    return [f"{base}/{part}:0" for part in ("indices", "values", "shape")]
-
-
-def sparse_placeholders(names: set) -> list[str]:
-    """The sparse placeholders whose three tensors (`sparse_tensors`) are
-    all among tensor `names`."""
-    bases = (n[:-len("/indices:0")] for n in names if n.endswith("/indices:0"))
-    return sorted(b for b in bases if set(sparse_tensors(b)) <= names)
-
-
-def sparse_rows(indices, values, shape, first: int, count: int) -> tuple:
-    """A sparse batch's rows first .. first + count - 1 as a sparse batch of
-    `count` rows (numbered from 0): (indices, values, dense_shape) arrays."""
-    indices, values, shape = np.asarray(indices), np.asarray(values), np.asarray(shape)
-    mine = (indices[:, 0] >= first) & (indices[:, 0] < first + count)
-    part = indices[mine].copy()
-    part[:, 0] -= first
-    return part, values[mine], np.concatenate([[count], shape[1:]]).astype(shape.dtype)
-
-
-def first_part(batch: dict, parts: int) -> dict:
-    """The first of `parts` equal parts of a global batch's feeds (tensor
-    name -> value): a dense value's rows, a sparse placeholder's rows
-    (its three tensors, `sparse_placeholders`); scalars whole."""
-    out = {name: value[:len(value) // parts] if getattr(value, "ndim", 0) else value
-           for name, value in batch.items()}
-    for base in sparse_placeholders(set(batch)):
-        names = sparse_tensors(base)
-        triple = [batch[n] for n in names]
-        out.update(zip(names, sparse_rows(*triple, 0, int(triple[2][0]) // parts)))
-    return out
+from . import summaries
+from .batch_parts import sparse_placeholders, sparse_rows, sparse_tensors
 
 
 @dataclass(frozen=True)
 class Fetch:
     names: tuple            # tensor names or tf.Operations to run
-    how: str                # none | first | list | mean | sum | concat
+    how: str                # none | first | list | mean | sum | concat | summary
     user: str               # the user's node
     replicas: tuple = ()    # for "list": index into `names` of each replica's value
     axis: int = 0           # for "concat": the axis that holds the batch's examples
+    parts: tuple = ()       # for "summary": (tag, how) (parallax_ng/runtime/summaries.py)
 
 
 class FetchMap:
@@ -196,11 +163,20 @@ class ReplicaFetchMap(FetchMap):
         else:
             how, axis = self._reduction(name)
             how = self.config.fetch_reduction.get(name) or how
+        user = self.user_graph.get_tensor_by_name(name)
+        parts = summaries.parts(user, self._how) if how == "first" and \
+            summaries.is_summary(user) and name not in self.config.fetch_reduction else ()
         copies = [f"{self.copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
         names = tuple(dict.fromkeys(copies))
         # a node that exists once (a shared variable) is every replica's value
-        return Fetch(names, how, ref.node, tuple(names.index(c) for c in copies),
-                     axis if how == "concat" and self.varies(ref.node) else 0)
+        return Fetch(names, "summary" if parts else how, ref.node,
+                     tuple(names.index(c) for c in copies),
+                     axis if how == "concat" and self.varies(ref.node) else 0, parts)
+
+    def _how(self, t: tf.Tensor) -> str:
+        """How the replicas' values of user tensor t combine, as a fetch of it."""
+        return "first" if not self.varies(t.op.name) else \
+            self.config.fetch_reduction.get(t.name) or self._reduction(t.name)[0]
 
     def varies(self, node: str) -> bool:
         return node in self.ctx.variant or node in self.late_variant
@@ -424,6 +400,8 @@ def combine(values: list, f: Fetch):
         return values[0]
     if f.how == "list":
         return [values[i] for i in f.replicas]
+    if f.how == "summary":
+        return summaries.merge([values[i] for i in f.replicas], f.parts)
     if f.how == "mean":
         return np.mean(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
     if f.how == "sum":               # in the fetch's own type, as one device gives it

@@ -11,8 +11,8 @@ returns what one device would return for the global batch:
   gradients) comes from replica 0;
 - a tensor computed from a replica's own data is combined: scalars by mean,
   tensors with a batch dimension by concatenation along axis 0, strings and
-  booleans from replica 0; `config.fetch_reduction` overrides per tensor
-  (mean, sum, concat, first);
+  booleans from replica 0, a TF1 summary tag by tag (runtime/summaries.py);
+  `config.fetch_reduction` overrides per tensor (mean, sum, concat, first);
 - `run(..., per_replica=True)` returns a list with every replica's value instead.
 Feeds of placeholders with an unknown leading dimension are split evenly
 across replicas (the global batch must divide by the replica count), and so

@@ -1,0 +1,50 @@
+"""A global batch's parts: the rows a replica gets of a dense or a sparse
+batch. A sparse batch is fed as a `sparse_placeholder`'s three tensors
+(indices, values, dense shape); a replica's part is its rows' entries,
+numbered from 0, under a dense shape of its rows, as one device would see
+that part of the batch.
+
+Requires: numpy values (a sparse batch's indices with the row first).
+Guarantees: pure functions of their arguments; used by the fetch map's
+feeds (parallax_ng/runtime/fetches.py), a TF2 step's batches
+(parallax_ng/tf2.py) and the first step's sample (parallax_ng/build.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def sparse_tensors(base: str) -> list[str]:
+    """The three tensors of sparse placeholder `base` (`sparse_placeholder`'s
+    name scope), in SparseTensor order: indices, values, dense shape."""
+    return [f"{base}/{part}:0" for part in ("indices", "values", "shape")]
+
+
+def sparse_placeholders(names: set) -> list[str]:
+    """The sparse placeholders whose three tensors (`sparse_tensors`) are
+    all among tensor `names`."""
+    bases = (n[:-len("/indices:0")] for n in names if n.endswith("/indices:0"))
+    return sorted(b for b in bases if set(sparse_tensors(b)) <= names)
+
+
+def sparse_rows(indices, values, shape, first: int, count: int) -> tuple:
+    """A sparse batch's rows first .. first + count - 1 as a sparse batch of
+    `count` rows (numbered from 0): (indices, values, dense_shape) arrays."""
+    indices, values, shape = np.asarray(indices), np.asarray(values), np.asarray(shape)
+    mine = (indices[:, 0] >= first) & (indices[:, 0] < first + count)
+    part = indices[mine].copy()
+    part[:, 0] -= first
+    return part, values[mine], np.concatenate([[count], shape[1:]]).astype(shape.dtype)
+
+
+def first_part(batch: dict, parts: int) -> dict:
+    """The first of `parts` equal parts of a global batch's feeds (tensor
+    name -> value): a dense value's rows, a sparse placeholder's rows
+    (its three tensors, `sparse_placeholders`); scalars whole."""
+    out = {name: value[:len(value) // parts] if getattr(value, "ndim", 0) else value
+           for name, value in batch.items()}
+    for base in sparse_placeholders(set(batch)):
+        names = sparse_tensors(base)
+        triple = [batch[n] for n in names]
+        out.update(zip(names, sparse_rows(*triple, 0, int(triple[2][0]) // parts)))
+    return out
