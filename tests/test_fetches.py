@@ -37,7 +37,10 @@ def test_combining_values():
 def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
     """A time-major tensor joins the replicas' parts along its second axis;
     a tensor summed over the batch (per feature) is the replicas' sum, one
-    averaged over it their mean; each equals one device's value."""
+    averaged over it their mean; per-example booleans and strings join
+    too (a prediction's correctness, its class name), a boolean reduced
+    by any or all is the replicas' any or all; each equals one device's
+    value."""
     g = tf.Graph()
     with g.as_default():
         x = tf.compat.v1.placeholder(tf.float32, (None, 3, 2), name="x")
@@ -45,7 +48,11 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
         h = tf.tensordot(x, w, 1)
         tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(h)))
         fetches = [tf.transpose(h, [1, 0, 2], name="time_major"),
-                   tf.reduce_sum(h, [0, 1], name="sums"), tf.reduce_mean(h, 0, name="means")]
+                   tf.reduce_sum(h, [0, 1], name="sums"), tf.reduce_mean(h, 0, name="means"),
+                   tf.greater(h[:, 0, 0], 0.0, name="positive"),
+                   tf.gather(tf.constant(["no", "yes"]), tf.cast(h[:, 0, 0] > 0, tf.int32),
+                             name="answer"),
+                   tf.reduce_any(h > 2.65, name="any"), tf.reduce_all(h > -3.0, name="all")]
         init = tf.compat.v1.global_variables_initializer()
     batch = np.random.default_rng(0).normal(size=(4, 3, 2)).astype(np.float32)
     with tf.compat.v1.Session(graph=g) as sess:
@@ -55,6 +62,13 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
         runner.run(init)
         got = runner.run([f.name for f in fetches], {"x:0": batch})
         kinds = [runner.fetches.fetch(f.name) for f in fetches]
-    assert [(f.how, f.axis) for f in kinds] == [("concat", 1), ("sum", 0), ("mean", 0)]
+    assert [(f.how, f.axis) for f in kinds] == [("concat", 1), ("sum", 0), ("mean", 0),
+                                                ("concat", 0), ("concat", 0), ("any", 0),
+                                                ("all", 0)]
+    # replica 0 alone would give the answers opposite to these
+    assert want[5] and not want[6]
     for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+        if b.dtype.kind in "bOS":
+            assert np.asarray(a).tolist() == b.tolist()
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -10,8 +10,9 @@ returns what one device would return for the global batch:
 - a tensor that is equal on all replicas (variables, global step, aggregated
   gradients) comes from replica 0;
 - a tensor computed from a replica's own data is combined: scalars by mean,
-  tensors with a batch dimension by concatenation along axis 0, strings and
-  booleans from replica 0, a TF1 summary tag by tag (runtime/summaries.py);
+  tensors with a batch dimension (of any type) by concatenation along its
+  axis, a reduce_any/reduce_all by any/all, a TF1 summary tag by tag
+  (runtime/summaries.py), other strings and booleans from replica 0;
   `config.fetch_reduction` overrides per tensor (mean, sum, concat, first);
 - `run(..., per_replica=True)` returns a list with every replica's value instead.
 Feeds of placeholders with an unknown leading dimension are split evenly
