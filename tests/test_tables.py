@@ -126,6 +126,19 @@ def test_a_table_the_step_changes_is_refused_by_name():
         pn.function(step, local(2))(np.array([1, 2], np.int64))
 
 
+def test_summaries_written_inside_the_step_are_refused_saying_where_to_write_them(tmp_path):
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    w = tf.Variable(1.0)
+
+    def step(x):
+        w.assign_add(tf.reduce_mean(x))
+        with writer.as_default():
+            tf.summary.write("w", w.read_value(), step=1)     # what tf.summary.scalar writes
+        return w
+    with pytest.raises(pn.GraphError, match=r"writes summaries through .*outside the step"):
+        pn.function(step, local(2))(np.array([1.0, 2.0], np.float32))
+
+
 def test_a_tables_users_are_found_through_identities():
     g = tf.Graph()
     with g.as_default():

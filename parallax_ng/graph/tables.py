@@ -8,7 +8,8 @@ table's keys and values as they are at capture (read with
 LookupTableExportV2) when the step only reads it (finds, sizes, exports;
 through Identity ops); a table the step changes (inserts, removes,
 imports) or that cannot be exported is a GraphError naming it and what is
-accepted. `make` builds, in the current graph, a hash table of those
+accepted (a tf.summary file writer that the step writes through, one
+saying to write outside the step). `make` builds, in the current graph, a hash table of those
 entries and the op that fills it, which runs with the variables'
 initializer (filling it again is harmless): each replica's copy of the
 step finds in its own copy of the table what the program's finds.
@@ -31,6 +32,10 @@ MUTABLE = frozenset({"MutableHashTableV2", "MutableHashTable", "MutableHashTable
                      "MutableHashTableOfTensors", "MutableDenseHashTableV2",
                      "MutableDenseHashTable"})
 PASS = frozenset({"Identity", "IdentityN"})
+# ops that write through a tf.summary file writer
+_WRITES = frozenset({"WriteSummary", "WriteScalarSummary", "WriteHistogramSummary",
+                     "WriteImageSummary", "WriteAudioSummary", "WriteRawProtoSummary",
+                     "WriteGraphSummary", "FlushSummaryWriter"})
 
 
 @dataclass
@@ -47,6 +52,14 @@ def contents(handle, name: str, graph_def) -> Table:
     users = _users(graph_def, name)
     finds = [n for n in users if n.op == "LookupTableFindV2"]
     changes = sorted({n.op for n in users} - READS)
+    if {n.op for n in users} & _WRITES:
+        raise GraphError(f"the step writes summaries through {name!r} (tf.summary.scalar "
+                         "and the like under a file writer, inside the step): each replica "
+                         "would write its own part's values. Write them outside the step "
+                         "from what it returns, which is one device's over the global batch "
+                         "(`loss = step(x, y)`, then `with writer.as_default(): "
+                         "tf.summary.scalar('loss', loss, step=...)`), or from a Keras "
+                         "metric the step updates")
     if changes or not finds:
         what = (f"changes it ({', '.join(changes)})" if changes else
                 "does not look keys up in it")
