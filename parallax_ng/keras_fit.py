@@ -12,7 +12,9 @@ replica on its part of every batch, with the trained values in place.
 A batch those cannot take (one the replica count does not divide, other
 leaves than the first batch's), and `predict` in a job of several workers
 (each worker holds only its replicas' rows), run on the model itself, with
-the runner's values written into it first. The model holds the runner's
+the runner's values written into it first; so does a training batch the
+replica count does not divide (a dataset's last) in a run of one process,
+its trained values then written back into the runner. The model holds the runner's
 values at every epoch's end, after `evaluate`, after every `train_on_batch`,
 and after every batch while a callback that reads weights there is in the
 fit (`reads_weights_per_batch`; config `batch_sync`); weights the program
@@ -33,8 +35,8 @@ from .tf2 import StepFunction, _array, needs_eager
 class KerasFit:
     """The model's train, test and predict functions on one runner (module
     docstring). `behind`: steps ran since the model last got the runner's
-    values; `on_model`: how many test and predict batches ran on the model
-    itself."""
+    values; `on_model`: how many train, test and predict batches ran on the
+    model itself."""
 
     def __init__(self, model, resource_info, config):
         self.model = model
@@ -58,9 +60,8 @@ class KerasFit:
         traces the step anew and starts a runner from the model's values.
         In a job of several tasks (`parallax-ng run`, or Horovod's ranks),
         once a runner is running, a ConfigError."""
-        from .cluster import from_env
         if self.step.runner is not None:
-            if from_env() is not None or getattr(self.step.runner.plan, "num_workers", 1) > 1:
+            if not self._one_task():
                 raise ConfigError(
                     "model.compile after training began in a job of several tasks: the job's "
                     "step was built for the first compile's optimizer, loss and trainable "
@@ -73,6 +74,11 @@ class KerasFit:
         out = compile(*args, **kwargs)
         self._new_step()
         return out
+
+    def _one_task(self) -> bool:
+        """Whether the runner is this process's alone (not a job's task)."""
+        from .cluster import from_env
+        return from_env() is None and getattr(self.step.runner.plan, "num_workers", 1) == 1
 
     def _parts(self, args) -> dict:
         data = args[0]
@@ -178,12 +184,30 @@ class KerasFit:
                     raise StopIteration from None
                 break
             self._push_rate()
+            if self.step.runner is not None and not self.step.splits((data,)) and \
+                    self._one_task():
+                logs = self._train_on_model(data)
+                continue
             logs = self.step(data)
             self.behind = True
         mode = self.step.runner.config.batch_sync      # a callback reads them, or the
         if mode == "always" or mode == "auto" and (self.callbacks_read or not self.in_fit):
             self.sync()                                 # program after train_on_batch
         return logs
+
+    def _train_on_model(self, data):
+        """A batch the replicas cannot split evenly (a dataset's last,
+        smaller batch): the model's own train step on it, one device's,
+        with the runner's values, which then go back into the runner."""
+        if self.behind:
+            self.sync()
+        self.on_model["train"] += 1
+        if "train" not in self._own:
+            self._own["train"] = tf.function(self.model.train_step)
+        logs = self._own["train"](data)
+        self.step.push(self.model.variables + self._optimizer_variables() +
+                       [v for m in self.model.metrics for v in m.variables])
+        return tf.nest.map_structure(_array, logs)
 
     def _steps_per_call(self) -> int:
         """Batches Keras expects one call to take (`steps_per_execution`)."""

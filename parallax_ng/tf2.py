@@ -103,6 +103,11 @@ class StepFunction:
                 return False
         return True
 
+    def splits(self, args) -> bool:
+        """Whether every replica gets an equal part of the global batch `args`."""
+        n = self.runner.plan.group_size
+        return all(np.ndim(leaf) and _rows(_leaf(leaf)) % n == 0 for leaf in tensor_leaves(args))
+
     def run_part(self, name: str, args, per_replica: bool = False):
         """Part `name` on the replicas, each on its part of the global batch
         `args` (`fits` says whether it can)."""
@@ -129,8 +134,9 @@ class StepFunction:
             raise FetchError(
                 f"argument leaf {i} of the step holds a global batch of {rows} rows, which "
                 f"does not split evenly over the job's {plan.group_size} replicas: use a "
-                f"batch size that {plan.group_size} divides (with model.fit, the last batch "
-                "too: a dataset size it divides, drop_remainder=True or steps_per_epoch)")
+                f"batch size that {plan.group_size} divides (with model.fit in a job of several "
+                "workers, the last batch too: a dataset size it divides, "
+                "drop_remainder=True or steps_per_epoch)")
         if workers == 1:
             return batch
         part = rows // workers

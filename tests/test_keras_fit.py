@@ -747,3 +747,29 @@ def test_fine_tuning_compiled_again_equals_one_device(lib):
     (parallel, frozen), (single, _) = run(True), run(False)
     check(parallel, single)
     assert any(np.abs(np.asarray(w) - f).max() > 1e-3 for w, f in zip(single.weights, frozen))
+
+
+@pytest.mark.parametrize("lib", ["keras", "tf_keras"])
+def test_a_last_batch_the_replicas_cannot_split_trains_as_one_device(lib):
+    """77 rows in batches of 16 end each epoch with 13, which 2 replicas
+    cannot split: that batch trains on the model itself with the runner's
+    values, which then go back to the runner; weights, optimizer state and
+    the epochs' logs equal one device's, 1e-5."""
+    import importlib
+    k = importlib.import_module(lib)
+
+    def make():
+        k.utils.set_random_seed(3)
+        model = k.Sequential([k.Input((5,)), k.layers.Dense(8, activation="relu"),
+                              k.layers.Dense(1)])
+        model.compile(optimizer=k.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
+        return model
+    parallel, single = make(), make()
+    pn.parallelize(parallel, local(2))
+    x, y = data(6)
+    h1, h2 = (m.fit(x[:77], y[:77], batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+              for m in (parallel, single))
+    check(parallel, single)
+    for key in ("loss", "mae"):
+        np.testing.assert_allclose(h1.history[key], h2.history[key], atol=1e-5, rtol=0)
+    assert parallel._parallax_ng.on_model["train"] == 2
