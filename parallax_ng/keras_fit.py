@@ -61,7 +61,7 @@ class KerasFit:
         In a job of several tasks (`parallax-ng run`, or Horovod's ranks),
         once a runner is running, a ConfigError."""
         if self.step.runner is not None:
-            if not self._one_task():
+            if not self.step.alone():
                 raise ConfigError(
                     "model.compile after training began in a job of several tasks: the job's "
                     "step was built for the first compile's optimizer, loss and trainable "
@@ -74,11 +74,6 @@ class KerasFit:
         out = compile(*args, **kwargs)
         self._new_step()
         return out
-
-    def _one_task(self) -> bool:
-        """Whether the runner is this process's alone (not a job's task)."""
-        from .cluster import from_env
-        return from_env() is None and getattr(self.step.runner.plan, "num_workers", 1) == 1
 
     def _parts(self, args) -> dict:
         data = args[0]
@@ -184,30 +179,14 @@ class KerasFit:
                     raise StopIteration from None
                 break
             self._push_rate()
-            if self.step.runner is not None and not self.step.splits((data,)) and \
-                    self._one_task():
-                logs = self._train_on_model(data)
-                continue
-            logs = self.step(data)
-            self.behind = True
+            before = self.step.on_program
+            logs = self.step(data)      # a batch the replicas cannot split: on the model
+            self.behind = self.step.on_program == before
+            self.on_model["train"] += not self.behind
         mode = self.step.runner.config.batch_sync      # a callback reads them, or the
         if mode == "always" or mode == "auto" and (self.callbacks_read or not self.in_fit):
             self.sync()                                 # program after train_on_batch
         return logs
-
-    def _train_on_model(self, data):
-        """A batch the replicas cannot split evenly (a dataset's last,
-        smaller batch): the model's own train step on it, one device's,
-        with the runner's values, which then go back into the runner."""
-        if self.behind:
-            self.sync()
-        self.on_model["train"] += 1
-        if "train" not in self._own:
-            self._own["train"] = tf.function(self.model.train_step)
-        logs = self._own["train"](data)
-        self.step.push(self.model.variables + self._optimizer_variables() +
-                       [v for m in self.model.metrics for v in m.variables])
-        return tf.nest.map_structure(_array, logs)
 
     def _steps_per_call(self) -> int:
         """Batches Keras expects one call to take (`steps_per_execution`)."""

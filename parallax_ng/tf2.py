@@ -15,7 +15,10 @@ dimension left open) and rebuilds it as a training graph
 (build.py: the plan the config asks for, the passes, one Runner); the
 variables start from the program's values. A call with a global batch runs
 one step on every replica (each takes its part of every argument, as a
-feed is split: the batch must divide by the replica count) and returns
+feed is split; a batch the replica count does not divide, such as a
+dataset's last, runs `fn` itself on the program's variables with the
+runner's values, which then go back to the runner, in a run of one
+process, and is an error in a job) and returns
 `fn`'s outputs combined as `runner.run` combines fetches (a scalar's mean,
 batch rows concatenated), or every replica's with `per_replica=True`. In a
 job (`parallax-ng run`) every worker calls the step with the same global
@@ -55,6 +58,7 @@ class StepFunction:
         self._pushes: dict = {}          # graph variable -> (placeholder, assign op)
         self._known: dict = {}           # watched graph variable -> the program's last value
         self.built: list = []            # called once the runner holds the variables
+        self.on_program = 0              # batches that ran on the program's variables
 
     def __call__(self, *args, per_replica: bool = False):
         if self.runner is None:
@@ -64,7 +68,26 @@ class StepFunction:
         if len(leaves) != len(cap.inputs):
             raise ConfigError(f"the step was traced with {len(cap.inputs)} batch tensors and "
                               f"is called with {len(leaves)}; call it as it was first called")
+        if not per_replica and self.alone() and not self.splits(args):
+            return self._on_program(args)
         return self._run(cap.train, cap.inputs, cap.outputs, leaves, per_replica)
+
+    def alone(self) -> bool:
+        """Whether the runner is this process's alone, not a job's task."""
+        from .cluster import from_env
+        return from_env() is None and getattr(self.runner.plan, "num_workers", 1) == 1
+
+    def _on_program(self, args):
+        """A batch the replicas cannot split evenly (a dataset's last,
+        smaller batch), in a run of one process: the step itself, one
+        device's, on the program's variables holding the runner's values,
+        which then go back into the runner."""
+        self._push_changed()
+        self.sync()
+        self.on_program += 1
+        out = self._fn(*args)
+        self.push(list(self._captured.variables.values()))
+        return None if out is None else tf.nest.map_structure(_array, out)
 
     def _run(self, op, inputs, outputs, leaves, per_replica):
         self._push_changed()

@@ -323,6 +323,30 @@ def test_a_step_that_leaves_an_argument_and_captures_unread_equals_one_device():
     check_equal(parallel, single)
 
 
+def test_a_last_batch_the_replicas_cannot_split_runs_the_step_as_one_device():
+    """A loop over 77 rows in batches of 16 ends with 13, which 2 replicas
+    cannot split: the step runs on the program's variables with the
+    runner's values, which go back to the runner; a learning rate set
+    before that call is taken in; the next epoch goes on from there.
+    Weights and Adam's slots equal one device's, 1e-5."""
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.Adam(0.02))
+    step = pn.function(step_of(*parallel), local(2))
+    ref = tf.function(step_of(*single))
+    rng = np.random.default_rng(8)
+    x, y = rng.normal(size=(77, 5)).astype(np.float32), rng.normal(size=(77, 1)).astype(np.float32)
+    for epoch in range(2):
+        for start in range(0, 77, 16):
+            if start == 64:
+                for opt in (parallel[1], single[1]):
+                    opt.learning_rate = 0.01 * (epoch + 1)
+            rows = slice(start, start + 16)
+            np.testing.assert_allclose(step(x[rows], y[rows]), ref(x[rows], y[rows]).numpy(),
+                                       atol=1e-5, rtol=0)
+    assert step.on_program == 2
+    step.sync()
+    check_equal(parallel, single)
+
+
 def test_per_replica_outputs_and_bad_calls():
     parallel, _ = twins(keras3_dense, lambda: keras.optimizers.Adam(0.01))
     step = pn.function(step_of(*parallel), local(2))
@@ -330,7 +354,7 @@ def test_per_replica_outputs_and_bad_calls():
     losses = step(x[0], y[0], per_replica=True)
     assert len(losses) == 2
     with pytest.raises(pn.FetchError, match="does not split evenly over the job.s 2 replicas"):
-        step(x[1][:3], y[1][:3])
+        step(x[1][:3], y[1][:3], per_replica=True)     # a batch they cannot split
     with pytest.raises(pn.ConfigError, match="traced with 2 batch tensors"):
         step(x[1])
     with pytest.raises(pn.ConfigError, match="not a int"):
