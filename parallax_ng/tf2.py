@@ -254,38 +254,10 @@ class StepFunction:
                 "under tf.GradientTape and apply the tape's gradients with an optimizer "
                 "(optimizer.apply_gradients(zip(grads, variables))) in the step; parallax_ng "
                 "finds the loss and the gradients from that update") from None
-        try:
-            _check_sparse_updates(cap.optimizers, self.runner.ctx.tg)
-        except ConfigError:
-            self.runner.close()
-            self.runner = None
-            raise
         self.runner.run(cap.init, cap.init_feeds)     # and restores `checkpoint.dir`'s latest
         self._watch()
         for hook in self.built:
             hook()
-
-
-# Keras 3 optimizers whose update of a sparse (embedding) gradient equals one
-# device's under parallax_ng's methods (tests/test_tf2.py). Others may make
-# math of the rows that the replicas' rows do not reproduce (Adafactor's
-# factored moments do not); tf_keras's sum duplicate rows first, as TF1's do.
-SPARSE_KNOWN = ("SGD", "Adam", "AdamW", "Adagrad", "RMSprop", "Nadam", "Adamax", "Lion",
-                "Ftrl", "Lamb", "Adadelta")
-
-
-def _check_sparse_updates(classes, tg) -> None:
-    """Refuse a Keras 3 optimizer not in SPARSE_KNOWN on a sparse gradient."""
-    sparse = sorted(v for v, g in tg.gradients.items() if g.sparse)
-    unknown = sorted({c.__name__ for c in classes if c.__module__.startswith("keras.")
-                      and c.__name__ not in SPARSE_KNOWN})
-    if sparse and unknown:
-        raise ConfigError(
-            f"Keras 3 optimizer {unknown[0]} updates the sparse gradient of {sparse[:3]} "
-            "(an embedding's rows) with math parallax_ng does not know to give one "
-            f"device's result from the replicas' rows; it knows {', '.join(SPARSE_KNOWN)} "
-            "(and tf_keras's optimizers) there. Use one of those, or give the table a "
-            "dense gradient")
 
 
 def function(fn, resource_info=None, config=None) -> StepFunction:

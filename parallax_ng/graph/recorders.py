@@ -1,6 +1,6 @@
 """What a step's Python code does while it is traced (graph/tracing.py):
-the slots Keras optimizers make, for which variable and by which optimizer
-class, and the tensors its tapes differentiate.
+the slots Keras optimizers make, for which variable, and the tensors its
+tapes differentiate.
 
 Requires: Keras 3 or tf_keras optimizers (either may be missing), and
 tf.GradientTape. Guarantees: each recorder patches a class method only
@@ -13,17 +13,13 @@ import contextlib
 import tensorflow as tf
 
 OWNERS: dict = {}      # slot's tf.Variable .ref() -> its variable, every slot seen being made
-MAKERS: set = set()    # optimizer classes that made slots in the latest capture
 
 
 @contextlib.contextmanager
 def slots_recorded():
     """Record (slot -> variable) as Keras optimizers make slots (kept for
-    later captures of the same program), and the optimizers' classes
-    (`MAKERS`)."""
+    later captures of the same program)."""
     owners = OWNERS
-    makers = MAKERS
-    makers.clear()
     patched = []
     for cls in optimizer_classes():
         original = cls.add_variable_from_reference
@@ -31,7 +27,6 @@ def slots_recorded():
         def recording(self, reference_variable, *a, _original=original, **kw):
             slot = _original(self, reference_variable, *a, **kw)
             owners[tf_variable(slot).ref()] = tf_variable(reference_variable)
-            makers.add(type(self))
             return slot
 
         cls.add_variable_from_reference = recording

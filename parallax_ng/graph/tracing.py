@@ -72,7 +72,6 @@ class Captured:
     reads: dict                        # graph variable name -> a tensor reading it
     init: str                          # op that initializes every variable
     init_feeds: dict = field(default_factory=dict)   # placeholder name -> value
-    optimizers: set = field(default_factory=set)     # classes that made slots in the trace
     parts: dict = field(default_factory=dict)        # name -> Part
     failed: dict = field(default_factory=dict)       # part that could not be traced -> why
 
@@ -93,7 +92,6 @@ def capture(fn, args: tuple, parts: dict | None = None) -> Captured:
     captured = _rebuild(pieces, owners, traced)
     for name in targets:            # what the step's tapes differentiated (graph/forms.py)
         captured.graph.add_to_collection(forms.TAPE_TARGETS, name)
-    captured.optimizers = set(recorders.MAKERS)
     captured.failed = failed
     return captured
 
