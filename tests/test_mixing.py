@@ -54,6 +54,11 @@ SEPARATE = {
         x[:, 0], scores(x), weights=tf.cast(x[:, 0] > 0.5, tf.float32)),
     "tf1 softmax cross entropy": lambda x: tf1.losses.sparse_softmax_cross_entropy(
         tf.zeros([tf.shape(x)[0]], tf.int32), scores(x)),
+    # weights from the model's outputs (a focal weighting): TF1 divides by
+    # the count of nonzero weights, a count of a condition
+    "tf1 loss weighted by the model": lambda x: tf1.losses.mean_squared_error(
+        x[:, 0], scores(x), weights=tf.square(1.0 - scores(x)),
+        reduction=tf1.losses.Reduction.SUM_BY_NONZERO_WEIGHTS),
 }
 
 

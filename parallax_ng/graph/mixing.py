@@ -91,7 +91,8 @@ def _ratio(divisor, rows) -> str | None:
             rank = op.inputs[0].shape.rank
             summed |= a is not None and axes is not None and \
                 a in {int(v) % rank for v in np.atleast_1d(axes)}
-        stack.extend(x.op for x in op.inputs if x.op.type not in _SHAPE_ONLY)
+        stack.extend(x.op for x in op.inputs if x.op.type not in _SHAPE_ONLY and
+                     x.dtype != tf.bool)        # a count of a condition counts, not sums
     if summed and reads:
         return "a division by a sum over the batch of the model's outputs (a Dice or IoU loss)"
     return None
