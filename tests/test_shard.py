@@ -59,6 +59,38 @@ def test_a_batched_dataset_is_sharded_by_its_rows(how):
     assert per[0][0].tolist() == [0, 2, 4] and per[3][1].tolist() == [19, 21]
 
 
+@pytest.mark.parametrize("iterator", ["initializable", "one-shot"])
+@pytest.mark.parametrize("how", ["rows", "batches", "files-then-rows"])
+def test_a_shuffle_without_seeds_before_the_shard_keeps_the_parts_disjoint(how, iterator):
+    """An unseeded shuffle draws a new order per iterator: each replica's
+    copy shuffled its own way, and their shards overlapped (49 distinct of
+    64 elements read). It now shuffles alike on every replica, by seeds of
+    its name: every element once an epoch, as on one device; the next
+    epoch's order is another."""
+    def make():
+        rows = tf.data.Dataset.range(32)
+        return {"rows": lambda: pn.shard(rows.shuffle(32)).batch(4),
+                "batches": lambda: pn.shard(rows.shuffle(32).batch(4)),
+                "files-then-rows": lambda: pn.shard(rows.shuffle(8).shuffle(32)).batch(4),
+                }[how]().repeat(2)
+    g = tf.Graph()
+    with g.as_default():
+        it = tf1.data.make_initializable_iterator(make()) if iterator == "initializable" \
+            else tf1.data.make_one_shot_iterator(make())
+        x = tf.identity(it.get_next(), name="x")
+        w = tf1.get_variable("w", initializer=np.float32(1.0))
+        tf1.train.GradientDescentOptimizer(0.0).minimize(
+            tf.reduce_mean(tf.cast(x, tf.float32) * w), name="train")
+        tf1.global_variables_initializer()
+        inits = ["init"] + ([it.initializer.name] if iterator == "initializable" else [])
+    with pn.get_runner(g, local(2)) as runner:
+        runner.run(inits)
+        epochs = [np.concatenate([runner.run("x:0") for _ in range(4)]) for _ in range(2)]
+    for seen in epochs:
+        assert sorted(seen.tolist()) == list(range(32))
+    assert epochs[0].tolist() != epochs[1].tolist() != list(range(32))
+
+
 def test_file_list_dataset_replicas_read_disjoint_files(tmp_path):
     files = []
     for i in range(4):

@@ -6,7 +6,9 @@ that `parallax_ng.shard` put in the graph, either as graph nodes or inside a
 one-shot iterator's dataset function; the plan's producer queues
 (parallax_ng/graph/queues.py).
 Guarantees: replica r of N reads shard (N, r + offset), where offset is this
-worker's first replica in the job (0 in-process). One-shot iterators of
+worker's first replica in the job (0 in-process); a dataset shuffle without
+seeds gets seeds of its name (graph/data.py `seeded_shuffles`), so every
+replica shuffles alike and the shards are disjoint. One-shot iterators of
 replica r get a private copy of their dataset function with those values.
 Each enqueue_many of a producer queue enqueues, in replica r, the elements
 r + offset, r + offset + N, ... of what it enqueued on one device (a
@@ -21,7 +23,7 @@ import tensorflow as tf
 from parallax_ng import compat
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit
-from parallax_ng.graph.data import set_shard, shard_constant
+from parallax_ng.graph.data import seeded_shuffles, set_shard, shard_constant
 from parallax_ng.graph.ir import GraphIR, copy_node
 from parallax_ng.pipeline.passes import replica_of
 from transforms.place import host_cpu_of
@@ -46,6 +48,9 @@ class ShardInputsPass:
                     nd = copy_node(ir.node(ctx.replica_name(k, name)))
                     set_shard(nd, total, offset + k)
                     changed[nd.name] = nd
+        if ctx.tg.shard_consts:         # the replicas' copies of an unseeded shuffle
+            nodes = {n.name: changed.get(n.name, n) for n in ir.nodes}
+            changed.update(seeded_shuffles(nodes, lambda name: replica_of(name)[1]))
         library = ir.library
         functions = _shard_functions(library) if library is not None else set()
         copies = 0
@@ -78,6 +83,10 @@ class ShardInputsPass:
             f.signature.name = f"{fname}_parallax_shard_{offset + k}_of_{total}"
             for body in f.node_def:
                 set_shard(body, total, offset + k)
+            seeds = seeded_shuffles({body.name: body for body in f.node_def})
+            for body in f.node_def:
+                if body.name in seeds:
+                    body.CopyFrom(seeds[body.name])
             library.function.append(f)
             nd = copy_node(node)
             nd.attr["dataset_factory"].func.name = f.signature.name

@@ -13,10 +13,18 @@ file list), and the N replicas together read what one device reads.
 NodeDef of the graph or of a dataset function's body) to its value for a
 shard; it is how every part of the project that splits inputs (the
 shard_inputs pass, layer-to-layer's workers) recognizes and sets them.
+`seeded_shuffles(nodes)` gives a dataset shuffle without seeds (seed and
+seed2 both 0: a new order per iterator) seeds of its own name, so every
+replica's copy (and every worker's) shuffles alike and the shards stay
+disjoint; one device's order was random anyway.
 """
 from __future__ import annotations
 
+import zlib
+
+import numpy as np
 import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
 
 from .frontend import SHARD_SCOPE
 
@@ -87,3 +95,37 @@ def set_shard(node, num_shards: int, index: int) -> bool:
     value = num_shards if which == "num_shards" else index
     node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=dtype))
     return True
+
+
+# dataset ops that shuffle, or make a shuffle's seeds, from `seed` and `seed2` inputs
+SHUFFLES = ("ShuffleDataset", "ShuffleDatasetV3", "ShuffleAndRepeatDataset",
+            "ShuffleAndRepeatDatasetV2", "AnonymousSeedGenerator",
+            "AnonymousRandomSeedGenerator")
+
+
+def seeded_shuffles(nodes: dict, user_name=lambda name: name) -> dict:
+    """New Const NodeDefs (by name) for the seed inputs of every shuffle
+    among `nodes` (name -> NodeDef, of the graph or of a function's body)
+    whose seed and seed2 are constants 0: crc32 of the shuffle's user name
+    (`user_name(node name)`, alike for every replica's copy), and of it
+    with "/2"."""
+    out = {}
+    for node in nodes.values():
+        if node.op not in SHUFFLES:
+            continue
+        args = [a.name for a in op_def_registry.get(node.op).input_arg]
+        if "seed" not in args or "seed2" not in args:
+            continue
+        consts = [nodes.get(node.input[args.index(a)].lstrip("^").split(":")[0])
+                  for a in ("seed", "seed2")]
+        if any(c is None or c.op != "Const" or tf.make_ndarray(c.attr["value"].tensor) != 0
+               for c in consts):
+            continue
+        base = user_name(node.name)
+        for const, key in zip(consts, (base, base + "/2")):
+            new = type(const)()
+            new.CopyFrom(const)
+            value = np.int64(zlib.crc32(key.encode()) or 1)
+            new.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=tf.int64))
+            out[new.name] = new
+    return out

@@ -32,7 +32,7 @@ import tensorflow as tf
 
 from ..comm.collectives import HostCollectives
 from ..errors import GraphError
-from ..graph.data import set_shard
+from ..graph.data import seeded_shuffles, set_shard
 
 
 class Workers:
@@ -166,18 +166,23 @@ def check_updates(graph, tg, segments) -> None:
 
 def shard_inputs(nodes: dict, library, shard_consts, workers: int, worker: int):
     """(nodes, library) with pn.shard()'s constants set to this worker's
-    shard; `nodes` (name -> NodeDef) and `library` are not changed."""
+    shard, a shuffle without seeds seeded by its name; `nodes` (name ->
+    NodeDef) and `library` are not changed."""
     nodes = dict(nodes)
     for name in (n for pair in shard_consts for n in pair):
         node = type(nodes[name])()
         node.CopyFrom(nodes[name])
         set_shard(node, workers, worker)
         nodes[name] = node
+    nodes.update(seeded_shuffles(nodes))        # every worker shuffles alike
     out = type(library)()
     out.CopyFrom(library)
     for f in out.function:
+        seeds = seeded_shuffles({body.name: body for body in f.node_def})
         for body in f.node_def:
             set_shard(body, workers, worker)
+            if body.name in seeds:
+                body.CopyFrom(seeds[body.name])
     return nodes, out
 
 
