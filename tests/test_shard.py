@@ -4,6 +4,7 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
+from parallax_ng.graph import data
 from models import local
 
 tf1 = tf.compat.v1
@@ -60,18 +61,21 @@ def test_a_batched_dataset_is_sharded_by_its_rows(how):
 
 
 @pytest.mark.parametrize("iterator", ["initializable", "one-shot"])
-@pytest.mark.parametrize("how", ["rows", "batches", "files-then-rows"])
+@pytest.mark.parametrize("how", ["rows", "batches", "files-then-rows", "sampled"])
 def test_a_shuffle_without_seeds_before_the_shard_keeps_the_parts_disjoint(how, iterator):
     """An unseeded shuffle draws a new order per iterator: each replica's
     copy shuffled its own way, and their shards overlapped (49 distinct of
     64 elements read). It now shuffles alike on every replica, by seeds of
-    its name: every element once an epoch, as on one device; the next
-    epoch's order is another."""
+    its name: every element once an epoch, as on one device; a shuffle's
+    next epoch is another order. `sample_from_datasets` draws its choices
+    so too."""
     def make():
         rows = tf.data.Dataset.range(32)
         return {"rows": lambda: pn.shard(rows.shuffle(32)).batch(4),
                 "batches": lambda: pn.shard(rows.shuffle(32).batch(4)),
                 "files-then-rows": lambda: pn.shard(rows.shuffle(8).shuffle(32)).batch(4),
+                "sampled": lambda: pn.shard(tf.data.Dataset.sample_from_datasets(
+                    [tf.data.Dataset.range(16), tf.data.Dataset.range(16, 32)])).batch(4),
                 }[how]().repeat(2)
     g = tf.Graph()
     with g.as_default():
@@ -88,7 +92,25 @@ def test_a_shuffle_without_seeds_before_the_shard_keeps_the_parts_disjoint(how, 
         epochs = [np.concatenate([runner.run("x:0") for _ in range(4)]) for _ in range(2)]
     for seen in epochs:
         assert sorted(seen.tolist()) == list(range(32))
-    assert epochs[0].tolist() != epochs[1].tolist() != list(range(32))
+    assert epochs[0].tolist() != list(range(32))
+    if how != "sampled":        # a shuffle's next epoch is another order
+        assert epochs[0].tolist() != epochs[1].tolist()
+
+
+def test_a_parallel_map_before_the_shard_keeps_its_order():
+    """`deterministic=False` lets a parallel map or interleave hand out
+    elements as they finish, in another order in every copy; before a
+    shard, its copies then overlap. It keeps the order there (after the
+    shard it may reorder a replica's own elements)."""
+    g = tf.Graph()
+    with g.as_default():
+        rows = tf.data.Dataset.range(8).map(lambda x: x, num_parallel_calls=2,
+                                            deterministic=False)
+        pn.shard(rows).map(lambda x: x, num_parallel_calls=2, deterministic=False)
+    nodes = {n.name: n for n in g.as_graph_def().node}
+    changed = data.seeded_shuffles(nodes)
+    maps = sorted(n for n in nodes if nodes[n].op == "ParallelMapDatasetV2")
+    assert list(changed) == [maps[0]] and changed[maps[0]].attr["deterministic"].s == b"true"
 
 
 def test_file_list_dataset_replicas_read_disjoint_files(tmp_path):

@@ -97,19 +97,28 @@ def set_shard(node, num_shards: int, index: int) -> bool:
     return True
 
 
-# dataset ops that shuffle, or make a shuffle's seeds, from `seed` and `seed2` inputs
+# dataset ops that draw from `seed` and `seed2` inputs: shuffles, their seed
+# makers, and the random choice of sample_from_datasets
 SHUFFLES = ("ShuffleDataset", "ShuffleDatasetV3", "ShuffleAndRepeatDataset",
             "ShuffleAndRepeatDatasetV2", "AnonymousSeedGenerator",
-            "AnonymousRandomSeedGenerator")
+            "AnonymousRandomSeedGenerator", "RandomDataset", "RandomDatasetV2")
 
 
 def seeded_shuffles(nodes: dict, user_name=lambda name: name) -> dict:
-    """New Const NodeDefs (by name) for the seed inputs of every shuffle
-    among `nodes` (name -> NodeDef, of the graph or of a function's body)
-    whose seed and seed2 are constants 0: crc32 of the shuffle's user name
-    (`user_name(node name)`, alike for every replica's copy), and of it
-    with "/2"."""
+    """New NodeDefs (by name) that make every copy of `nodes` (name ->
+    NodeDef, of the graph or of a function's body) read its dataset in one
+    order: the seed inputs of every shuffle (SHUFFLES) whose seed and seed2
+    are constants 0 become crc32 of the shuffle's user name (`user_name(node
+    name)`, alike for every replica's copy) and of it with "/2"; a parallel
+    map or interleave before a shard that may reorder its elements
+    (`deterministic="false"`) keeps their order."""
     out = {}
+    for node in _before_shards(nodes):
+        if "deterministic" in node.attr and node.attr["deterministic"].s == b"false":
+            new = type(node)()
+            new.CopyFrom(node)
+            new.attr["deterministic"].s = b"true"
+            out[new.name] = new
     for node in nodes.values():
         if node.op not in SHUFFLES:
             continue
@@ -129,3 +138,20 @@ def seeded_shuffles(nodes: dict, user_name=lambda name: name) -> dict:
             new.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(value, dtype=tf.int64))
             out[new.name] = new
     return out
+
+
+def _before_shards(nodes: dict) -> list:
+    """The nodes a ShardDataset with `shard`'s marked constants reads, directly
+    or not."""
+    def name(text):
+        return text.lstrip("^").split(":")[0]
+    stack = [name(n.input[0]) for n in nodes.values() if n.op == "ShardDataset" and
+             len(n.input) > 1 and shard_constant(name(n.input[1])) == "num_shards"]
+    seen = {}
+    while stack:
+        node = nodes.get(stack.pop())
+        if node is None or node.name in seen:
+            continue
+        seen[node.name] = node
+        stack.extend(name(x) for x in node.input)
+    return list(seen.values())
