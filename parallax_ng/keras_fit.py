@@ -182,7 +182,8 @@ class KerasFit:
             before = self.step.on_program
             logs = self.step(data)      # a batch the replicas cannot split: on the model
             self.behind = self.step.on_program == before
-            self.on_model["train"] += not self.behind
+            if not self.behind:
+                self.on_model["train"] += 1
         mode = self.step.runner.config.batch_sync      # a callback reads them, or the
         if mode == "always" or mode == "auto" and (self.callbacks_read or not self.in_fit):
             self.sync()                                 # program after train_on_batch

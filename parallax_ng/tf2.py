@@ -129,7 +129,9 @@ class StepFunction:
     def splits(self, args) -> bool:
         """Whether every replica gets an equal part of the global batch `args`."""
         n = self.runner.plan.group_size
-        return all(np.ndim(leaf) and _rows(_leaf(leaf)) % n == 0 for leaf in tensor_leaves(args))
+        leaves = [_leaf(leaf) for leaf in tensor_leaves(args)]
+        return all(_rows(leaf) % n == 0 for leaf in leaves      # (a scalar: not a batch,
+                   if isinstance(leaf, SparseValue) or np.ndim(leaf))  # the feeds' error)
 
     def run_part(self, name: str, args, per_replica: bool = False):
         """Part `name` on the replicas, each on its part of the global batch

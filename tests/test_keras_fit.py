@@ -50,6 +50,7 @@ def test_fit_equals_one_device_with_the_global_batch():
     for key in ("loss", "mae"):
         np.testing.assert_allclose(h1.history[key], h2.history[key], atol=1e-5, rtol=0)
     assert parallel._parallax_ng.step.runner.plan.num_replicas == 2
+    assert not parallel._parallax_ng.on_model      # every batch on the replicas
     np.testing.assert_allclose(parallel.predict(x, verbose=0), single.predict(x, verbose=0),
                                atol=1e-5)
 

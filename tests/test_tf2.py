@@ -87,7 +87,7 @@ def test_keras3_custom_loop_equals_one_device(make_optimizer):
         np.testing.assert_allclose(losses[-1], want.numpy(), atol=1e-5, rtol=0)
     step.sync()
     check_equal(parallel, single)
-    assert step.runner.plan.num_replicas == 2
+    assert step.runner.plan.num_replicas == 2 and step.on_program == 0    # all on the replicas
 
 
 LOSSES = {
@@ -768,8 +768,13 @@ def test_a_sparse_tensor_argument_is_split_by_its_rows():
                                    err_msg=getattr(got, "path", got.name))
     with pytest.raises(pn.ConfigError, match="leaf 0 of the step was traced as a SparseTensor"):
         step(np.zeros((BATCH, 3), np.int64), y)
+    bags, y = sparse_bags(0, vocab, rows=7)        # rows the replicas cannot split:
+    np.testing.assert_allclose(step(bags, y), ref(bags, y).numpy(), atol=1e-5, rtol=0)
+    assert step.on_program == 1                     # the step ran on the program's variables
+    step.sync()
+    np.testing.assert_allclose(table.numpy(), ref_table.numpy(), atol=1e-5, rtol=0)
     with pytest.raises(pn.FetchError, match="leaf 0 .* 7 rows"):
-        step(*sparse_bags(0, vocab, rows=7))
+        step(bags, y, per_replica=True)
 
 
 def test_a_sparse_tensor_argument_in_a_two_worker_job(tmp_path):
