@@ -40,6 +40,24 @@ def check(parallel, single):
     check_equal((parallel, parallel.optimizer), (single, single.optimizer))
 
 
+def lib_twins(lib, seed, optimizer):
+    """Two equal seeded Dense models of `lib` ("keras" or "tf_keras"), each
+    compiled with `optimizer(lib's optimizers module)`, mse and mae; the
+    first parallelized on 2 replicas."""
+    import importlib
+    k = importlib.import_module(lib)
+
+    def make():
+        k.utils.set_random_seed(seed)
+        model = k.Sequential([k.Input((5,)), k.layers.Dense(8, activation="relu"),
+                              k.layers.Dense(1)])
+        model.compile(optimizer=optimizer(k.optimizers), loss="mse", metrics=["mae"])
+        return model
+    parallel, single = make(), make()
+    pn.parallelize(parallel, local(2))
+    return parallel, single
+
+
 def test_fit_equals_one_device_with_the_global_batch():
     parallel, single = twins()
     assert pn.parallelize(parallel, local(2)) is parallel
@@ -534,17 +552,7 @@ def test_evaluate_and_predict_run_on_the_replicas_and_equal_one_device(lib):
     fit, after one, after `set_weights`; a last batch the 2 replicas do not
     divide runs on the model itself; a dataset of unknown length runs to
     its end. Losses, metrics and predictions equal one device's, 1e-5."""
-    import importlib
-    k = importlib.import_module(lib)
-
-    def make():
-        k.utils.set_random_seed(1)
-        model = k.Sequential([k.Input((5,)), k.layers.Dense(8, activation="relu"),
-                              k.layers.Dense(1)])
-        model.compile(optimizer=k.optimizers.Adam(0.01), loss="mse", metrics=["mae"])
-        return model
-    parallel, single = make(), make()
-    pn.parallelize(parallel, local(2))
+    parallel, single = lib_twins(lib, 1, lambda optimizers: optimizers.Adam(0.01))
     fit = parallel._parallax_ng
     x, y = data(4)
 
@@ -689,18 +697,7 @@ def test_train_on_batch_leaves_the_model_trained_after_each_call(lib):
     (x, y, None) where no sample weight is given): after each call the
     model holds the step's weights and optimizer state, as one device's;
     `test_on_batch` and `predict_on_batch` equal one device, 1e-5."""
-    import importlib
-    k = importlib.import_module(lib)
-
-    def make():
-        k.utils.set_random_seed(2)
-        model = k.Sequential([k.Input((5,)), k.layers.Dense(8, activation="relu"),
-                              k.layers.Dense(1)])
-        model.compile(optimizer=k.optimizers.SGD(0.05, momentum=0.9), loss="mse",
-                      metrics=["mae"])
-        return model
-    parallel, single = make(), make()
-    pn.parallelize(parallel, local(2))
+    parallel, single = lib_twins(lib, 2, lambda optimizers: optimizers.SGD(0.05, momentum=0.9))
     x, y = data(5)
     for step in range(3):
         rows = slice(step * BATCH, (step + 1) * BATCH)
@@ -756,17 +753,7 @@ def test_a_last_batch_the_replicas_cannot_split_trains_as_one_device(lib):
     cannot split: that batch trains on the model itself with the runner's
     values, which then go back to the runner; weights, optimizer state and
     the epochs' logs equal one device's, 1e-5."""
-    import importlib
-    k = importlib.import_module(lib)
-
-    def make():
-        k.utils.set_random_seed(3)
-        model = k.Sequential([k.Input((5,)), k.layers.Dense(8, activation="relu"),
-                              k.layers.Dense(1)])
-        model.compile(optimizer=k.optimizers.Adam(0.02), loss="mse", metrics=["mae"])
-        return model
-    parallel, single = make(), make()
-    pn.parallelize(parallel, local(2))
+    parallel, single = lib_twins(lib, 3, lambda optimizers: optimizers.Adam(0.02))
     x, y = data(6)
     h1, h2 = (m.fit(x[:77], y[:77], batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
               for m in (parallel, single))
