@@ -125,8 +125,7 @@ def seeded_shuffles(nodes: dict, user_name=lambda name: name) -> dict:
         args = [a.name for a in op_def_registry.get(node.op).input_arg]
         if "seed" not in args or "seed2" not in args:
             continue
-        consts = [nodes.get(node.input[args.index(a)].lstrip("^").split(":")[0])
-                  for a in ("seed", "seed2")]
+        consts = [nodes.get(_source(node.input[args.index(a)])) for a in ("seed", "seed2")]
         if any(c is None or c.op != "Const" or tf.make_ndarray(c.attr["value"].tensor) != 0
                for c in consts):
             continue
@@ -143,15 +142,19 @@ def seeded_shuffles(nodes: dict, user_name=lambda name: name) -> dict:
 def _before_shards(nodes: dict) -> list:
     """The nodes a ShardDataset with `shard`'s marked constants reads, directly
     or not."""
-    def name(text):
-        return text.lstrip("^").split(":")[0]
-    stack = [name(n.input[0]) for n in nodes.values() if n.op == "ShardDataset" and
-             len(n.input) > 1 and shard_constant(name(n.input[1])) == "num_shards"]
+    stack = [_source(n.input[0]) for n in nodes.values() if n.op == "ShardDataset" and
+             len(n.input) > 1 and shard_constant(_source(n.input[1])) == "num_shards"]
     seen = {}
     while stack:
         node = nodes.get(stack.pop())
         if node is None or node.name in seen:
             continue
         seen[node.name] = node
-        stack.extend(name(x) for x in node.input)
+        stack.extend(_source(x) for x in node.input)
     return list(seen.values())
+
+
+def _source(text: str) -> str:
+    """The node an input names, in a graph's form (`x:1`, `^x`) or a
+    function body's (`x:handle:0`)."""
+    return text.lstrip("^").split(":")[0]

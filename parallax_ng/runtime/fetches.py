@@ -141,6 +141,7 @@ class ReplicaFetchMap(FetchMap):
         self._warned: set[str] = set()          # fed tensors already warned about
         self._imports = itertools.count()
         self._reductions: dict[str, str] = {}    # fetched tensor -> its default reduction
+        self._parts: dict[str, tuple] = {}       # fetched tensor -> its summary's parts
         self._synced: dict[str, bool] = {}        # node -> computed from the replicas' data
 
     # -- fetches --------------------------------------------------------------
@@ -163,15 +164,22 @@ class ReplicaFetchMap(FetchMap):
         else:
             how, axis = self._reduction(name)
             how = self.config.fetch_reduction.get(name) or how
-        user = self.user_graph.get_tensor_by_name(name)
-        parts = summaries.parts(user, self._how) if how == "first" and \
-            summaries.is_summary(user) and name not in self.config.fetch_reduction else ()
+        parts = self._summary_parts(name) if how == "first" else ()
         copies = [f"{self.copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
         names = tuple(dict.fromkeys(copies))
         # a node that exists once (a shared variable) is every replica's value
         return Fetch(names, "summary" if parts else how, ref.node,
                      tuple(names.index(c) for c in copies),
                      axis if how == "concat" and self.varies(ref.node) else 0, parts)
+
+    def _summary_parts(self, name: str) -> tuple:
+        """A TF1 summary's tags and how each combines (read once per tensor,
+        not per step); () for any other tensor or one `fetch_reduction` names."""
+        if name not in self._parts:
+            user = self.user_graph.get_tensor_by_name(name)
+            self._parts[name] = summaries.parts(user, self._how) if summaries.is_summary(
+                user) and name not in self.config.fetch_reduction else ()
+        return self._parts[name]
 
     def _how(self, t: tf.Tensor) -> str:
         """How the replicas' values of user tensor t combine, as a fetch of it."""
