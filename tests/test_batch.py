@@ -80,6 +80,70 @@ def test_the_mnist_tutorial_s_placeholders_are_batches():
     assert kinds(g) == {"x": "batch", "y": "batch"}
 
 
+def ptb_like(state_rows=None):
+    """PTB's language model ported the usual way: ids [None, T] through an
+    embedding and an RNN built as a while loop (time-major inside), its state
+    fed and fetched, labels [None, T] against logits [None, T, V] by the
+    sparse softmax loss (which flattens both and gives back the labels'
+    shape), averaged over examples and summed over time; also a flatten by
+    `[tf.shape(x)[0], -1]`."""
+    import tf_keras  # noqa: F401  tf.compat.v1.nn.rnn_cell lives there under Keras 3
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.int32, [None, 3], name="x")
+        y = tf1.placeholder(tf.int32, [None, 3], name="y")
+        flat = tf1.placeholder(tf.float32, [None, 2, 2], name="flat")
+        cell = tf1.nn.rnn_cell.BasicRNNCell(4)
+        state = cell.zero_state(tf.shape(x)[0], tf.float32)
+        inputs = tf.nn.embedding_lookup(tf1.get_variable("emb", [10, 4]), x)
+        out, final = tf1.nn.dynamic_rnn(cell, inputs, initial_state=state)
+        logits = tf.reshape(tf.matmul(tf.reshape(out, [-1, 4]), tf1.get_variable("w", [4, 10])),
+                            [-1, 3, 10])
+        xent = tf1.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        side = tf.matmul(tf.reshape(flat, [tf.shape(flat)[0], -1]), tf1.get_variable("v", [4, 1]))
+        loss = tf.reduce_sum(tf.reduce_mean(xent, 0)) + tf.reduce_mean(side)
+        train = tf1.train.GradientDescentOptimizer(0.5).minimize(loss)
+        init = tf1.global_variables_initializer()
+    return g, {"x": x, "y": y, "flat": flat, "state": state, "final": final, "loss": loss,
+               "train": train, "init": init}
+
+
+def test_ptbs_labels_and_a_flatten_by_the_batchs_size_are_batches():
+    """Before, the labels were unknown: the loss's values came back in the
+    labels' shape through tf.shape(labels), which the table did not follow."""
+    g, _ = ptb_like()
+    got = kinds(g)
+    assert got["y"] == got["flat"] == "batch"
+    assert got["x"] == "unknown"          # lost in the loop's time-major frames
+
+
+def test_a_fed_rnn_state_beside_a_batch_of_as_many_rows_is_split_silently(capsys):
+    """The state PTB fetches and feeds back is a tensor (zero_state's Fill),
+    not a placeholder: beside the labels' batch of as many rows it is split
+    without a word; fed alone it is split with a line naming it as a fed
+    tensor; the ids, which the graph does not show, still get their line."""
+    g, h = ptb_like()
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, 10, (4, 3)).astype(np.int32)
+    with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
+        runner.run(h["init"])
+        state = runner.run(h["final"], {h["x"]: ids})
+        assert capsys.readouterr().err.count("parallax_ng: placeholder 'x'") == 1
+        feed = {h["x"]: ids, h["y"]: ids, h["flat"]: np.ones((4, 2, 2), np.float32),
+                h["state"]: state}
+        runner.run(h["train"], feed)
+        assert "parallax_ng" not in capsys.readouterr().err
+        parts = runner.run(h["final"], feed, per_replica=True)
+        assert [p.shape for p in parts] == [(2, 4), (2, 4)]
+    g, h = ptb_like()
+    with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
+        runner.run(h["init"])
+        runner.run(h["final"], {h["x"]: ids, h["state"]: state})
+        err = capsys.readouterr().err
+    assert "fed tensor (Fill) 'BasicRNNCellZeroState/zeros'" in err, err
+    assert "only placeholders are read for batches" in err
+
+
 def test_arrays_that_fill_an_input_pipeline_are_whole():
     """The placeholders of Dataset.from_tensor_slices that an initializable
     iterator is fed with hold the whole data set: the pipeline (pn.shard)

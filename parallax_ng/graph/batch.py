@@ -157,6 +157,9 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
     if kind in ELEMENTWISE or kind in LOSSES:
         rank = _rank(tg, outs[0]) if outs else None
         lined = [d for ref, d in carried if kind in LOSSES or _lines_up(tg, ref, rank)]
+        if kind in LOSSES:          # labels lined up with the model's predictions
+            for d in lined:
+                dims.note(d, "modeled")
         if kind in ("Select",) and len(ins) == 3 and _rank(tg, ins[0][0]) == 1:
             lined = [d for _, d in carried]        # a condition per row
         joined = dims.join(lined)
@@ -256,6 +259,12 @@ def _moves(tg, node, ins, outs, first, dims) -> None:
     kind, data = node.op, ins[0][1]
     keep = False
     if kind == "Reshape":
+        shaped, rows = _shape_of(tg, ins[1][0], first)
+        if shaped is not None:   # to a batch tensor's shape (a loss's values, as labels
+            dims.note(data, "kept")          # were), or to its rows by -1
+            for out in outs:
+                first[out] = dims.join([data, shaped]) if rows else shaped
+            return
         keep = _leading(tg, ins[1][0]) == -1
     elif kind == "ExpandDims":
         axis = _const(tg, ins[1][0])
@@ -289,6 +298,21 @@ def _leading(tg, ref: TensorRef):
     if isinstance(value, list):
         return value[0] if value else None
     return value
+
+
+def _shape_of(tg, ref: TensorRef, first: dict) -> tuple:
+    """(t's first dimension, whether the shape keeps the reshaped tensor's
+    rows) where shape vector `ref` is tf.shape(t), or a stack that starts
+    with tf.shape(t)[0] (`[tf.shape(x)[0], -1]`); else (None, False)."""
+    node, parts = tg.ir.node(ref.node), tg.ir.data_inputs(ref.node)
+    if node.op == "Shape" and parts:
+        return first.get(parts[0]), False
+    if node.op == "Pack" and parts and tg.ir.node(parts[0].node).op == "StridedSlice":
+        sliced = tg.ir.data_inputs(parts[0].node)
+        if tg.ir.node(sliced[0].node).op == "Shape" and \
+                [_const(tg, r) for r in sliced[1:4]] == [[0], [1], [1]]:
+            return first.get(tg.ir.data_inputs(sliced[0].node)[0]), True
+    return None, False
 
 
 def _unknown(ins, dims) -> None:

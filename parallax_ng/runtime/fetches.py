@@ -17,7 +17,6 @@ parallax_ng/l2l/runner.py's.
 from __future__ import annotations
 
 import difflib
-import itertools
 import sys
 import warnings
 from dataclasses import dataclass
@@ -29,11 +28,10 @@ import tensorflow as tf
 from .. import compat
 from ..errors import FetchError
 from ..graph import accumulation, batch, forms
-from ..graph.ir import format_input, parse_input, parse_tensor
+from ..graph.ir import parse_tensor
 from ..graph.rows import batch_axis
-from ..pipeline.passes import REPLICA_PREFIX
 from ..pipeline.results import WidenedMeans
-from . import summaries
+from . import copies, summaries
 from .batch_parts import sparse_placeholders, sparse_rows, sparse_tensors
 
 
@@ -139,10 +137,9 @@ class ReplicaFetchMap(FetchMap):
         self.ctx, self.plan = ctx, ctx.plan
         self.late_variant: set[str] = set()
         self._warned: set[str] = set()          # fed tensors already warned about
-        self._imports = itertools.count()
         self._reductions: dict[str, str] = {}    # fetched tensor -> its default reduction
         self._parts: dict[str, tuple] = {}       # fetched tensor -> its summary's parts
-        self._synced: dict[str, bool] = {}        # node -> computed from the replicas' data
+        self._everywhere: dict[str, bool] = {}    # node -> every replica's copy runs
 
     # -- fetches --------------------------------------------------------------
     def fetch(self, leaf, per_replica: bool = False) -> Fetch:
@@ -158,9 +155,9 @@ class ReplicaFetchMap(FetchMap):
         elif self._accumulated(ref):
             how = "mean"    # each replica's sum of its gradients: their mean is one device's
         elif not self.varies(ref.node):
-            if not self._from_replicas(ref.node):
-                return Fetch((name,), "first", ref.node)
-            how = "first"      # equal on every replica once synced: every copy runs
+            if not self._runs_everywhere(ref.node):
+                return Fetch((f"{self.copy_name(0, ref.node)}:{ref.index}",), "first", ref.node)
+            how = "first"      # equal on every replica: every copy runs
         else:
             how, axis = self._reduction(name)
             how = self.config.fetch_reduction.get(name) or how
@@ -197,14 +194,18 @@ class ReplicaFetchMap(FetchMap):
         return ref.node in self.tg.accumulators or \
             accumulation.read_variable(self.tg, ref) in self.tg.accumulators
 
-    def _from_replicas(self, node: str) -> bool:
-        """Whether an equal-on-every-replica node is computed from the
-        replicas' own data (a metric's update, its total synced across the
-        replicas): each replica's copy must run, or replica 0's would wait
-        for the others in the sync (and their state would fall behind)."""
-        if node not in self._synced:
-            self._synced[node] = bool(self.tg.ir.ancestors({node}) & self.ctx.variant)
-        return self._synced[node]
+    def _runs_everywhere(self, node: str) -> bool:
+        """Whether every replica's copy of an equal-on-every-replica node must
+        run: it is computed from the replicas' own data (a metric's update,
+        its total synced across the replicas: replica 0's would wait for the
+        others in the sync, and their state would fall behind), or it writes
+        state each replica holds (an assign to a learning-rate variable:
+        parallax_ng/runtime/copies.py)."""
+        if node not in self._everywhere:
+            self._everywhere[node] = node in self.tg.ir and bool(
+                self.tg.ir.ancestors({node}) & self.ctx.variant) or \
+                copies.writes_apart(self, node)
+        return self._everywhere[node]
 
     def _reduction(self, name: str) -> tuple[str, int]:
         if name not in self._reductions:         # read once per tensor, not per step
@@ -228,49 +229,21 @@ class ReplicaFetchMap(FetchMap):
 
     def _adopt(self, node: str) -> bool:
         """Copy user ops made after get_runner (e.g. a later
-        global_variables_initializer()) into every replica."""
+        global_variables_initializer()) into the step graph
+        (parallax_ng/runtime/copies.py)."""
         new = self._new_ops(node)
         if new is None:
             return False
-        order = [o for o in self.user_graph.get_operations() if o.name in new]
-        for o in order:
-            if any(self.varies(t.op.name) for t in o.inputs):
-                self.late_variant.add(o.name)
-        for k, device in enumerate(self.plan.devices):
-            self._import_copy(order, new, k, device)
+        made, variant = copies.adopt(self, new)
+        self.late.update(made)
+        self.late_variant |= variant
         return True
-
-    def _import_copy(self, order, new, k: int, device: str) -> None:
-        scope = f"parallax/late_{next(self._imports)}"
-        gd, input_map, controls = tf.compat.v1.GraphDef(), {}, {}
-        for o in order:
-            nd = gd.node.add()
-            nd.CopyFrom(o.node_def)
-            nd.name = _late_name(k, o.name)
-            nd.device = device
-            del nd.input[:]
-            for text in o.node_def.input:
-                src, idx, control = parse_input(text)
-                if src in new:
-                    nd.input.append(format_input(_late_name(k, src), idx))
-                elif control:
-                    controls.setdefault(nd.name, []).append(self.copy_name(k, src))
-                else:
-                    there = self.copy_name(k, src)
-                    input_map[f"{src}:{idx}"] = self.graph.get_tensor_by_name(f"{there}:{idx}")
-                    nd.input.append(f"{src}:{idx}")
-        with self.graph.as_default():
-            tf.graph_util.import_graph_def(gd, input_map=input_map, name=scope)
-        for name, deps in controls.items():
-            compat.add_control_inputs(self.graph.get_operation_by_name(f"{scope}/{name}"),
-                                      [self.graph.get_operation_by_name(d) for d in deps])
-        for o in order:
-            self.late.setdefault(o.name, []).append(f"{scope}/{_late_name(k, o.name)}")
 
     # -- feeds ----------------------------------------------------------------
     def feeds(self, feed_dict) -> dict:
         n = self.plan.num_replicas
         feed_dict, out = self._sparse_feeds(dict(feed_dict or {}), n)
+        unsure, batches = {}, set()       # split without the graph's word; a batch's rows
         for key, value in feed_dict.items():
             name = self.user_name(key)
             if ":" not in name:
@@ -289,7 +262,9 @@ class ReplicaFetchMap(FetchMap):
                         out[c] = value
                     continue
                 if kind == batch.UNKNOWN:
-                    self._unsure(ref.node, len(value))
+                    unsure[ref.node] = (len(value), user_tensor.op.type)
+                elif rows is None:
+                    batches.add(len(value))
                 if rows is None and len(value) % n:
                     raise FetchError(
                         f"feed {name!r} has {len(value)} rows, which do not split "
@@ -304,6 +279,9 @@ class ReplicaFetchMap(FetchMap):
                     self._warn_whole_feed(name, user_tensor, rows)
             for c in dict.fromkeys(copies):
                 out[c] = value
+        for node, (rows, op) in unsure.items():
+            if op in PLACEHOLDERS or rows not in batches:    # a tensor fed beside a batch
+                self._unsure(node, rows, op)       # of as many rows (an RNN's state) is one
         return out
 
     def _sparse_feeds(self, feed_dict: dict, n: int) -> tuple[dict, dict]:
@@ -361,7 +339,7 @@ class ReplicaFetchMap(FetchMap):
             return batch.BATCH if self.config.batch_feeds[node] else batch.WHOLE
         return self._kinds.get(node, (batch.UNKNOWN, ""))[0]
 
-    def _unsure(self, node: str, rows: int) -> None:
+    def _unsure(self, node: str, rows: int, op: str) -> None:
         """Once per placeholder the graph does not show to be a batch: it is
         split as one (what a `[None, ...]` feed almost always is; given whole,
         a batch would be counted N times by any state it updates, and would
@@ -369,8 +347,10 @@ class ReplicaFetchMap(FetchMap):
         if node in self._warned:
             return
         self._warned.add(node)
-        why = self._kinds.get(node, (0, "it is not in the analysed graph"))[1]
-        print(f"parallax_ng: placeholder {node!r}: {why}; its feed ({rows} rows) is split "
+        what, why = ("placeholder", "it is not in the analysed graph") if op in PLACEHOLDERS \
+            else (f"fed tensor ({op})", "only placeholders are read for batches")
+        why = self._kinds.get(node, (0, why))[1]
+        print(f"parallax_ng: {what} {node!r}: {why}; its feed ({rows} rows) is split "
               f"over the replicas as a batch. If every replica needs it whole, set config "
               f"`batch_feeds: {{{node}: false}}` (true: split, silently)",
               file=sys.stderr, flush=True)
@@ -400,6 +380,9 @@ class ReplicaFetchMap(FetchMap):
         return tg.ir.ancestors({r.node for r in tg.gradient_tensors}, data_only=True)
 
 
+PLACEHOLDERS = ("Placeholder", "PlaceholderWithDefault")
+
+
 def combine(values: list, f: Fetch):
     """One value from the values of a fetch's names."""
     if f.how == "none":
@@ -417,10 +400,6 @@ def combine(values: list, f: Fetch):
     if f.how in ("any", "all"):     # a boolean reduced over the batch
         return getattr(np, f.how)(np.stack(values), axis=0)
     return np.concatenate([np.atleast_1d(v) for v in values], axis=f.axis)
-
-
-def _late_name(k: int, name: str) -> str:
-    return name if k == 0 else REPLICA_PREFIX.format(k) + name
 
 
 def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset()) -> tuple:

@@ -1,0 +1,144 @@
+"""Which replicas' copies of a user op a run must run, and the copies of ops
+the user makes after get_runner.
+
+A fetch whose value is the same on every replica is read from replica 0's
+copy, except where running it writes state the replicas hold apart: an
+assign to a learning-rate variable each replica keeps (PTB's
+`sess.run(lr_update, {new_lr: v})`), a counter's `assign_add`. Then every
+replica's copy runs, or the others would train on with the old value,
+silently.
+
+Requires: the ReplicaFetchMap (parallax_ng/runtime/fetches.py): the user's
+graph, the step graph and `copy_name(k, node)`, replica k's copy of a user
+node.
+Guarantees: `writes_apart(fmap, node)` says whether running user node
+`node` writes a variable (resource or reference) through an op that has
+a copy per replica. `adopt(fmap, new)` copies the new user ops `new` (made
+after get_runner: a later initializer, a `tf.assign(lr, ...)` built in the
+training loop) into the step graph: once per replica where an op reads
+something the replicas hold apart (their placeholders, replicated
+variables, per-replica values), else once, so that an op on state that
+exists once (a variable on a server) runs once; an op colocated with a
+variable goes to the device of that variable's copy. It returns each new
+op's copies by replica, and the new ops whose values differ across the
+replicas.
+"""
+from __future__ import annotations
+
+import itertools
+
+import tensorflow as tf
+
+from .. import compat
+from ..graph import rules
+from ..graph.ir import format_input, parse_input
+from ..pipeline.passes import REPLICA_PREFIX
+
+_IMPORTS = itertools.count()
+
+
+def apart(fmap, node: str) -> bool:
+    """Whether the replicas run copies of user node `node` of their own."""
+    n = fmap.plan.num_replicas
+    return len({fmap.copy_name(k, node) for k in range(n)}) > 1
+
+
+def writes(op: tf.Operation) -> bool:
+    """Whether op writes a variable: a resource writer, or an op that takes
+    a reference variable by reference (not one that passes it on)."""
+    if rules.is_writer(op.type):
+        return True
+    if op.type in rules.REF_PASSTHROUGH or op.type in rules.REF_READERS:
+        return False
+    return any(compat.ref_input_positions(op.type) or ())
+
+
+def writes_apart(fmap, node: str) -> bool:
+    """Whether running user node `node` runs a write (it, or an op it needs)
+    that has a copy on each replica."""
+    seen, todo = set(), [fmap.user_graph.get_operation_by_name(node)]
+    while todo:
+        op = todo.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if writes(op) and apart(fmap, op.name):
+            return True
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return False
+
+
+def adopt(fmap, new: dict) -> tuple[dict, set]:
+    """Copy the new user ops `new` (name -> op) into fmap's step graph:
+    ({name: its copies, one per replica}, names whose values vary)."""
+    order = [o for o in fmap.user_graph.get_operations() if o.name in new]
+    own, variant = set(), set()       # new ops copied per replica; varying ones
+    for o in order:
+        ins = [t.op.name for t in o.inputs]
+        if any(i in variant if i in new else fmap.varies(i) for i in ins):
+            variant.add(o.name)
+        if any(i in own if i in new else apart(fmap, i)
+               for i in ins + [c.name for c in o.control_inputs]):
+            own.add(o.name)
+    copies: dict[str, list[str]] = {}
+    for k, device in enumerate(fmap.plan.devices):
+        _import(fmap, order if k == 0 else [o for o in order if o.name in own],
+                new, copies, k, device)
+    n = fmap.plan.num_replicas
+    return {name: names * n if len(names) == 1 else names
+            for name, names in copies.items()}, variant
+
+
+def _import(fmap, ops: list, new: dict, copies: dict, k: int, device: str) -> None:
+    """Replica k's copies of `ops` (in the order they were made); a new op
+    not among them is read from the copy made for replica 0."""
+    scope = f"parallax/late_{next(_IMPORTS)}"
+    here = {o.name for o in ops}
+    gd, input_map, controls = tf.compat.v1.GraphDef(), {}, {}
+
+    def there(src: str) -> str:      # an op's copy the import reads, by its step-graph name
+        return copies[src][0] if src in new else fmap.copy_name(k, src)
+
+    for o in ops:
+        nd = gd.node.add()
+        nd.CopyFrom(o.node_def)
+        nd.name = _late_name(k, o.name)
+        nd.device = _device(fmap, o, k, device, new)
+        if "_class" in nd.attr:     # colocation: kept by the device above
+            del nd.attr["_class"]
+        del nd.input[:]
+        for text in o.node_def.input:
+            src, idx, control = parse_input(text)
+            if src in here:
+                nd.input.append(format_input(_late_name(k, src), idx))
+            elif control:
+                controls.setdefault(nd.name, []).append(there(src))
+            else:
+                input_map[f"{src}:{idx}"] = fmap.graph.get_tensor_by_name(
+                    f"{there(src)}:{idx}")
+                nd.input.append(f"{src}:{idx}")
+    with fmap.graph.as_default():
+        tf.graph_util.import_graph_def(gd, input_map=input_map, name=scope)
+    for name, deps in controls.items():
+        compat.add_control_inputs(fmap.graph.get_operation_by_name(f"{scope}/{name}"),
+                                  [fmap.graph.get_operation_by_name(d) for d in deps])
+    for o in ops:
+        copies.setdefault(o.name, []).append(f"{scope}/{_late_name(k, o.name)}")
+
+
+def _device(fmap, op: tf.Operation, k: int, device: str, new: dict) -> str:
+    """Replica k's device, or that of the variable copy `op` is colocated
+    with (an assign to a variable on a server runs there)."""
+    for loc in op.colocation_groups():
+        target = loc.decode().removeprefix("loc:@")
+        if target not in new and target != op.name:
+            try:
+                return fmap.graph.get_operation_by_name(fmap.copy_name(k, target)).device
+            except KeyError:
+                break
+    return device
+
+
+def _late_name(k: int, name: str) -> str:
+    return name if k == 0 else REPLICA_PREFIX.format(k) + name

@@ -1,0 +1,105 @@
+"""Which replicas' copies a run runs (parallax_ng/runtime/copies.py): a fetched
+assign to state every replica holds writes every copy (PTB's learning-rate
+update), made before or after get_runner; a write to state that exists once
+runs once."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import local
+from parallax_ng.runtime import copies
+
+tf1 = tf.compat.v1
+RNG = np.random.RandomState(0)
+X = RNG.randn(64, 4).astype(np.float32)
+Y = RNG.randn(64, 1).astype(np.float32)
+
+
+def lr_model(use_resource):
+    """A linear model whose learning rate is a variable the script assigns
+    (PTB's `lr_update`) and a step counter bumped beside the training op."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        w = tf1.get_variable("w", initializer=np.full((4, 1), 0.1, np.float32),
+                             use_resource=use_resource)
+        lr = tf1.get_variable("lr", initializer=1.0, trainable=False, use_resource=use_resource)
+        count = tf1.get_variable("count", initializer=0.0, trainable=False,
+                                 use_resource=use_resource)
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+        train = tf1.train.GradientDescentOptimizer(lr).minimize(loss)
+        new_lr = tf1.placeholder(tf.float32, [], name="new_lr")
+        h = {"loss": loss, "train": train, "w": w, "lr": lr, "count": count, "x": x, "y": y,
+             "new_lr": new_lr, "lr_update": tf1.assign(lr, new_lr),
+             "bump": tf1.assign_add(count, 1.0), "init": tf1.global_variables_initializer()}
+    return g, h
+
+
+def lr_schedule(sess, g, h):
+    """Set the rate, train 4 steps, halving it midway with an assign made
+    after the session (a runner: after get_runner); every value seen."""
+    with g.as_default():
+        halve = tf1.assign(h["lr"], h["lr"] * 0.5)
+    sess.run(h["init"])
+    seen = [sess.run(h["lr_update"], {h["new_lr"]: 0.3})]
+    for i in range(4):
+        feed = {h["x"]: X[i * 16:(i + 1) * 16], h["y"]: Y[i * 16:(i + 1) * 16]}
+        seen += sess.run([h["loss"], h["train"], h["bump"]], feed)[::2]
+        if i == 1:
+            seen.append(sess.run(halve))
+    return seen + sess.run([h["w"], h["lr"], h["count"]])
+
+
+@pytest.mark.parametrize("use_resource", [False, True], ids=["ref", "resource"])
+@pytest.mark.parametrize("run_option", ["allreduce", "ps"])
+def test_a_fetched_assign_writes_every_replicas_copy(use_resource, run_option):
+    """Before, only replica 0's learning rate changed: the other replica kept
+    training at 1.0 (PTB's loss 0.07 off one device's after 12 steps), and
+    an assign made after get_runner could not be fetched at all."""
+    g, h = lr_model(use_resource)
+    with tf1.Session(graph=g) as sess:
+        want = lr_schedule(sess, g, h)
+    g, h = lr_model(use_resource)
+    with pn.get_runner(g, local(2), {"run_option": run_option}) as runner:
+        got = lr_schedule(runner, g, h)
+        rates = runner.run(h["lr"], per_replica=True)
+        counts = runner.run(h["count"], per_replica=True)
+    assert [float(r) for r in rates] == [np.float32(0.15)] * 2
+    assert [float(c) for c in counts] == [4.0, 4.0]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("use_resource", [False, True], ids=["ref", "resource"])
+def test_a_late_write_to_a_variable_that_exists_once_runs_once(use_resource):
+    """With parameter servers the weights exist once: an assign_add made
+    after get_runner, run as an op and fetched as a tensor, adds once each
+    (every replica's copy of it would add it twice), on the server that
+    holds the variable."""
+    g, h = lr_model(use_resource)
+    with pn.get_runner(g, local(2), {"run_option": "ps"}) as runner:
+        with g.as_default():
+            add = tf1.assign_add(h["w"], tf.ones([4, 1]))
+        runner.run(h["init"])
+        runner.run(add.op)
+        runner.run(add)
+        np.testing.assert_allclose(runner.run(h["w"]), np.full((4, 1), 2.1, np.float32))
+        copied = [runner.session.graph.get_operation_by_name(c)
+                  for c in dict.fromkeys(runner.fetches.late[add.op.name])]
+        held = runner.session.graph.get_operation_by_name(h["w"].op.name)
+    assert len(copied) == 1 and copied[0].device == held.device
+
+
+def test_only_writes_through_a_variable_count():
+    g, h = lr_model(False)
+    ops = {op.type: op for op in g.get_operations()}
+    assert copies.writes(ops["Assign"]) and copies.writes(ops["AssignAdd"])
+    assert copies.writes(ops["ApplyGradientDescent"])
+    assert not copies.writes(ops["Identity"]) and not copies.writes(ops["MatMul"])
+    g, h = lr_model(True)
+    ops = {op.type: op for op in g.get_operations()}
+    assert copies.writes(ops["AssignVariableOp"])
+    assert copies.writes(ops["ResourceApplyGradientDescent"])
+    assert not copies.writes(ops["ReadVariableOp"]) and not copies.writes(ops["VarHandleOp"])
