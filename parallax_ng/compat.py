@@ -88,6 +88,18 @@ def output_dtypes(node_def, library=None) -> list[tuple[tf.DType, bool]] | None:
 _BODIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def _definition(graph: tf.Graph, fn, name: str):
+    """A library function's FunctionDef. `cached_definition` registers it
+    with the eager context, which refuses a second, different definition of
+    the name (a graph's copy whose function a pass rewrote): read that one
+    from the graph's library instead."""
+    try:
+        return fn.cached_definition
+    except tf.errors.InvalidArgumentError:
+        return next(f for f in graph.as_graph_def().library.function
+                    if f.signature.name == name)
+
+
 def function_graph(graph: tf.Graph, name: str):
     """The graph of the function `name` of `graph`'s library (searched out
     through the graphs a function's graph is nested in), or None."""
@@ -100,7 +112,7 @@ def function_graph(graph: tf.Graph, name: str):
             if fn is not None:
                 body = getattr(fn, "graph", None) or getattr(fn, "_cached_graph", None)
                 if body is None:
-                    body = function_def_to_graph.function_def_to_graph(fn.cached_definition)
+                    body = function_def_to_graph.function_def_to_graph(_definition(g, fn, name))
             g = getattr(g, "outer_graph", None)
         bodies[name] = body
     return bodies[name]

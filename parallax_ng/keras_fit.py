@@ -261,6 +261,15 @@ def parallelize(model, resource_info=None, config=None):
             getattr(model, "optimizer", None) is None:
         raise ConfigError("pn.parallelize takes a compiled model: call model.compile("
                           "optimizer=..., loss=...) first")
+    stateful = [layer.name for layer in model._flatten_layers(include_self=False)
+                if getattr(layer, "stateful", False) is True]
+    if stateful:
+        raise ConfigError(
+            f"layers {stateful} are stateful: each keeps a state row per example of a "
+            "fixed batch from batch to batch, and data parallelism gives each replica a "
+            "part of every batch, which the model's state variables cannot follow. Build "
+            "them with stateful=False (pass the state between batches as an input and an "
+            "output), or train this model on one device")
     fit = KerasFit(model, resource_info, config)
     model.fit = functools.partial(fit.fit, type(model).fit.__get__(model))
     model.compile = functools.partial(fit.compile, type(model).compile.__get__(model))

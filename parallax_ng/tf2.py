@@ -256,10 +256,27 @@ class StepFunction:
                 "under tf.GradientTape and apply the tape's gradients with an optimizer "
                 "(optimizer.apply_gradients(zip(grads, variables))) in the step; parallax_ng "
                 "finds the loss and the gradients from that update") from None
+        _no_per_example_state(self.runner)
         self.runner.run(cap.init, cap.init_feeds)     # and restores `checkpoint.dir`'s latest
         self._watch()
         for hook in self.built:
             hook()
+
+
+def _no_per_example_state(runner) -> None:
+    """A ConfigError where the step keeps rows of its batch's examples in
+    variables from batch to batch (a stateful RNN): each replica would keep
+    the rows of its part, which the program's variables cannot hold."""
+    from .pipeline.results import PerExampleState
+    state = runner.ctx.result(PerExampleState) if hasattr(runner, "ctx") else None
+    if state is not None:
+        names = sorted(v for v, _ in state.axes)
+        raise ConfigError(
+            f"the step writes variables {names} with rows of its batch's examples (a "
+            "stateful RNN's state, kept from batch to batch): data parallelism gives each "
+            "replica a part of every batch, and the model's variables cannot hold every "
+            "replica's rows. Build the layer with stateful=False (pass the state between "
+            "batches as an input and an output), or train this model on one device")
 
 
 def function(fn, resource_info=None, config=None) -> StepFunction:

@@ -351,6 +351,20 @@ def test_a_model_that_is_not_compiled_is_refused():
         pn.parallelize(make(), local(2))
 
 
+@pytest.mark.parametrize("lib", ["keras", "tf_keras"])
+def test_a_stateful_layer_is_refused_naming_it(lib):
+    """A stateful RNN keeps a state row per example of a fixed batch from
+    batch to batch; fit had failed inside the step (incompatible shapes
+    [4,1] and [8,1])."""
+    import tf_keras
+    k = keras if lib == "keras" else tf_keras
+    inp = k.Input(batch_shape=(8, 5, 3))
+    model = k.Model(inp, k.layers.Dense(1)(k.layers.LSTM(4, stateful=True, name="memory")(inp)))
+    model.compile(optimizer=k.optimizers.SGD(0.1), loss="mse")
+    with pytest.raises(pn.ConfigError, match=r"layers \['memory'\] are stateful"):
+        pn.parallelize(model, local(2))
+
+
 def test_fit_stopped_and_started_again_from_its_checkpoint_equals_one_run(tmp_path):
     """`checkpoint.dir`: a program that fits 2 epochs and ends, then is run
     again with `initial_epoch=2` to 4 epochs, restores the step-10

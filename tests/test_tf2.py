@@ -645,6 +645,21 @@ def test_a_programs_own_optimizer_on_an_embeddings_rows_equals_one_device(config
         np.testing.assert_allclose(np.asarray(w1), np.asarray(w2), atol=1e-5, rtol=0)
 
 
+def test_a_step_that_keeps_rows_of_its_examples_in_variables_is_refused():
+    """A tf_keras stateful LSTM keeps a state row per example of a fixed
+    batch; the replicas would each keep their part, which the model's
+    variables cannot hold: refused by name, not a shape error in the step."""
+    import tf_keras
+    x = np.ones((8, 5, 3), np.float32)
+    y = np.ones((8, 1), np.float32)
+    inp = tf_keras.Input(batch_shape=(4, 5, 3))
+    model = tf_keras.Model(inp, tf_keras.layers.Dense(1)(
+        tf_keras.layers.LSTM(4, stateful=True, name="memory")(inp)))
+    with pytest.raises(pn.ConfigError, match=r"writes variables \['memory/Variable', "
+                                             r"'memory/Variable_1'\] with rows of its batch"):
+        pn.function(step_of(model, tf_keras.optimizers.SGD(0.1)), local(2))(x, y)
+
+
 def test_bad_steps_are_refused_naming_the_problem():
     x, y = data()
     model, optimizer = keras3_dense(), keras.optimizers.SGD(0.1)

@@ -36,6 +36,10 @@ times, so totals and logs are one device's. In a job
 that sums dense gradients on the servers (fusion buffers) these sums go
 there too (the worker's sum, then `server_sum` on the servers in turn), so
 the step keeps no collective op.
+A write whose value holds rows of the replica's examples (an RNN's state
+kept in a variable from step to step) is not synced: each replica keeps
+its own examples' rows, as one device's variable holds them for the
+global batch (`PerExampleState`: a fetch joins them).
 Initializers are left to the `init` pass.
 """
 from __future__ import annotations
@@ -45,10 +49,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallax_ng.errors import GraphError
 from parallax_ng.graph import averaging, branches, emit, forms, rules
 from parallax_ng.graph.ir import GraphIR
-from parallax_ng.pipeline.results import WidenedMeans
+from parallax_ng.graph.rows import reading as read_rows
+from parallax_ng.pipeline.results import PerExampleState, WidenedMeans
 
 
 @dataclass(frozen=True)
@@ -71,14 +75,15 @@ class StateSyncPass:
         form = _Forms(sources)                    # each loss's form, read once
         products = _tracker_products(tg, sources)
         widened = _widened(tg, form, products, summing)
-        _out_of_reach(tg, ctx)
+        examples, per_example = read_rows(sources, tg.graph), {}
+        branches.warn_out_of_reach(tg, ctx.varies)
         for var, writers in sorted(tg.writers.items()):
             if not plan.mirrored(var) or var in tg.accumulators:    # replica-local sums
                 continue
             for w in writers:
                 if w in initializers:
                     continue
-                _one_branch(tg, ctx, var, w, above)
+                branches.check_one_branch(tg, ctx.varies, var, w, above)
                 for pos, ref in enumerate(tg.ir.data_inputs(w)):
                     if pos and not ctx.varies(ref) and \
                             (rows := _rows_counted(tg, var, w, pos, batch)) is not None:
@@ -86,6 +91,10 @@ class StateSyncPass:
                         new_nodes.extend(nodes)
                         rewires.update(outs)
                     if pos == 0 or not ctx.varies(ref):
+                        continue
+                    if tg.ir.node(w).op in _WHOLE_WRITES and \
+                            (axis := examples.axis(tg.tensor(ref))) is not None:
+                        per_example[var] = axis   # rows of examples: each replica its own
                         continue
                     how = rules.state_sync_reduction(tg.ir.node(w).op, w)
                     if tg.variables[var].trainable and var not in tg.gradients and \
@@ -122,6 +131,8 @@ class StateSyncPass:
                     rewires[(ctx.replica_name(k, node), at)] = out
         if widened:
             ctx.publish(WidenedMeans(frozenset(widened)))
+        if per_example:
+            ctx.publish(PerExampleState(tuple(sorted(per_example.items()))))
         if untrained:
             warnings.warn(
                 f"trainable variables {sorted(untrained)} are written by the step from each "
@@ -171,43 +182,6 @@ def _data_free_parts(tg, grad, sources: set) -> list[tuple[str, int]]:
         return []
     return [(ref.node, at) for at, r in enumerate(tg.ir.data_inputs(ref.node))
             if not _from_values(tg, r, sources)]
-
-
-def _out_of_reach(tg, ctx) -> None:
-    """A warning where a functional op (a tf.while_loop of TF2 behavior) writes a
-    variable from values that differ between replicas: no pass reaches
-    into its function to sync the write, so each replica keeps its own."""
-    found = sorted({(var, op) for var, op in tg.function_writes
-                    if any(ctx.varies(ref) for ref in tg.ir.data_inputs(op))})
-    if found:
-        warnings.warn(
-            f"variables {[v for v, _ in found]} are written inside ops "
-            f"{sorted({op for _, op in found})} (While, Case or a call: a "
-            "tf.while_loop, tf.case or tf.function call in a graph built with TF2 behavior) "
-            "from values that differ between replicas; no pass reaches a "
-            "write inside a function, so each replica keeps its own value (replica 0's is "
-            "the one fetched and saved). To have them synced, build the graph after "
-            "tf.compat.v1.disable_control_flow_v2() (a loop then lowers to Enter/Exit), "
-            "or write them outside the loop or call", stacklevel=2)
-
-
-def _one_branch(tg, ctx, var: str, writer: str, memo: dict) -> None:
-    """A GraphError where a write of a mirrored variable sits in a branch
-    (or loop) whose predicate differs between replicas: they would take
-    different branches, so their copies would part (a value the replicas
-    share, written on some only) or the sync of a written value would wait
-    for replicas that never reach it."""
-    for switch in branches.switches_above(tg.ir, writer, memo):
-        pred = tg.ir.data_inputs(switch)[1]
-        if ctx.varies(pred):
-            raise GraphError(
-                f"variable {var!r} is written by {writer!r} inside a tf.cond branch or while "
-                f"loop whose predicate {pred.node!r} differs between replicas (it depends on "
-                "their data): they would take different branches, and the replicas' copies "
-                "would part (or the sync of a value written from their data would wait for "
-                "replicas that never reach it). One device decides on the global batch; "
-                "compute the predicate from values the replicas share (aggregated gradients, "
-                "a step counter), or write the variable outside the cond")
 
 
 class _Forms:
@@ -276,6 +250,7 @@ def _uses(tg, ref) -> list[tuple[str, int]]:
 
 
 _ASSIGNS = frozenset({"AssignVariableOp", "Assign"})
+_WHOLE_WRITES = _ASSIGNS | {"AssignAdd", "AssignAddVariableOp", "AssignSub", "AssignSubVariableOp"}
 
 
 def _accumulated(tg, var: str, ref) -> int | None:

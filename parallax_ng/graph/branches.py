@@ -11,12 +11,18 @@ tf.function called in one) run a function from the graph's library, whose
 writes to a variable handle it takes no pass sees (`function_writes`).
 
 `check_updates` refuses a trained variable's update where its gradient
-cannot be aggregated: in a loop, or in a function.
+cannot be aggregated: in a loop, or in a function. For the state sync
+(transforms/state_sync.py), given which tensors differ between replicas:
+`check_one_branch` refuses a write of mirrored state under a predicate
+that differs, `warn_out_of_reach` warns of writes inside functions from
+such values.
 
 Requires: the graph's IR (graph/ir.py, with the function library).
 Guarantees: pure functions of the graph (check_updates raises GraphError).
 """
 from __future__ import annotations
+
+import warnings
 
 from ..errors import GraphError
 from . import randomness, rules
@@ -36,6 +42,43 @@ def check_updates(tg) -> None:
     functional op's function."""
     _updates_in_loops(tg)
     _updates_in_functions(tg)
+
+
+def warn_out_of_reach(tg, varies) -> None:
+    """A warning where a functional op (a tf.while_loop of TF2 behavior) writes a
+    variable from values that differ between replicas: no pass reaches
+    into its function to sync the write, so each replica keeps its own."""
+    found = sorted({(var, op) for var, op in tg.function_writes
+                    if any(varies(ref) for ref in tg.ir.data_inputs(op))})
+    if found:
+        warnings.warn(
+            f"variables {[v for v, _ in found]} are written inside ops "
+            f"{sorted({op for _, op in found})} (While, Case or a call: a "
+            "tf.while_loop, tf.case or tf.function call in a graph built with TF2 behavior) "
+            "from values that differ between replicas; no pass reaches a "
+            "write inside a function, so each replica keeps its own value (replica 0's is "
+            "the one fetched and saved). To have them synced, build the graph after "
+            "tf.compat.v1.disable_control_flow_v2() (a loop then lowers to Enter/Exit), "
+            "or write them outside the loop or call", stacklevel=3)
+
+
+def check_one_branch(tg, varies, var: str, writer: str, memo: dict) -> None:
+    """A GraphError where a write of a mirrored variable sits in a branch
+    (or loop) whose predicate differs between replicas: they would take
+    different branches, so their copies would part (a value the replicas
+    share, written on some only) or the sync of a written value would wait
+    for replicas that never reach it."""
+    for switch in switches_above(tg.ir, writer, memo):
+        pred = tg.ir.data_inputs(switch)[1]
+        if varies(pred):
+            raise GraphError(
+                f"variable {var!r} is written by {writer!r} inside a tf.cond branch or while "
+                f"loop whose predicate {pred.node!r} differs between replicas (it depends on "
+                "their data): they would take different branches, and the replicas' copies "
+                "would part (or the sync of a value written from their data would wait for "
+                "replicas that never reach it). One device decides on the global batch; "
+                "compute the predicate from values the replicas share (aggregated gradients, "
+                "a step counter), or write the variable outside the cond")
 
 
 def switches_above(ir, node: str, memo: dict | None = None) -> list[str]:

@@ -124,3 +124,15 @@ class WidenedMeans:
     batch): a scalar that is such a mean is one device's as the replicas'
     sum, not their mean (the runtime combines a fetch of it so)."""
     divisions: frozenset
+
+
+@dataclass(frozen=True)
+class PerExampleState:
+    """Mirrored variables the step writes with rows of its batch's examples
+    (an RNN's state kept in a variable across steps), by the axis that holds
+    them: each replica keeps the rows of its own examples, never synced
+    (their mean would mix examples), and a fetch of one joins the
+    replicas' rows along that axis, as one device with the global batch
+    holds them."""
+    axes: tuple          # ((variable, axis), ...)
+

@@ -30,7 +30,7 @@ from ..errors import FetchError
 from ..graph import accumulation, batch, forms
 from ..graph.ir import parse_tensor
 from ..graph.rows import batch_axis
-from ..pipeline.results import WidenedMeans
+from ..pipeline.results import PerExampleState, WidenedMeans
 from . import copies, summaries
 from .batch_parts import sparse_placeholders, sparse_rows, sparse_tensors
 
@@ -152,6 +152,8 @@ class ReplicaFetchMap(FetchMap):
         ref = parse_tensor(name)
         if per_replica:
             how = "list"
+        elif (rows := self._per_example(ref)) is not None:
+            how, axis = "concat", rows       # each replica's rows of per-example state
         elif self._accumulated(ref):
             how = "mean"    # each replica's sum of its gradients: their mean is one device's
         elif not self.varies(ref.node):
@@ -166,8 +168,8 @@ class ReplicaFetchMap(FetchMap):
         names = tuple(dict.fromkeys(copies))
         # a node that exists once (a shared variable) is every replica's value
         return Fetch(names, "summary" if parts else how, ref.node,
-                     tuple(names.index(c) for c in copies),
-                     axis if how == "concat" and self.varies(ref.node) else 0, parts)
+                     tuple(names.index(c) for c in copies), axis if how == "concat" else 0,
+                     parts)
 
     def _summary_parts(self, name: str) -> tuple:
         """A TF1 summary's tags and how each combines (read once per tensor,
@@ -185,6 +187,15 @@ class ReplicaFetchMap(FetchMap):
 
     def varies(self, node: str) -> bool:
         return node in self.ctx.variant or node in self.late_variant
+
+    def _per_example(self, ref) -> int | None:
+        """The axis of its examples' rows where `ref` is a variable the step
+        writes with rows of its batch (transforms/state_sync.py), else None."""
+        state = self.ctx.result(PerExampleState)
+        if state is None or ref.node not in self.tg.ir:
+            return None
+        axes = dict(state.axes)
+        return axes.get(ref.node, axes.get(accumulation.read_variable(self.tg, ref)))
 
     def _accumulated(self, ref) -> bool:
         """Whether `ref` is the value of a variable the script accumulates
