@@ -31,8 +31,9 @@ from ..graph import accumulation, batch, forms
 from ..graph.ir import parse_tensor
 from ..graph.rows import batch_axis
 from ..pipeline.results import PerExampleState, WidenedMeans
-from . import copies, summaries
+from . import summaries
 from .batch_parts import sparse_placeholders, sparse_rows, sparse_tensors
+from .copies import adopt, writes_apart
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ class ReplicaFetchMap(FetchMap):
         if node not in self._everywhere:
             self._everywhere[node] = node in self.tg.ir and bool(
                 self.tg.ir.ancestors({node}) & self.ctx.variant) or \
-                copies.writes_apart(self, node)
+                writes_apart(self, node)
         return self._everywhere[node]
 
     def _reduction(self, name: str) -> tuple[str, int]:
@@ -245,7 +246,7 @@ class ReplicaFetchMap(FetchMap):
         new = self._new_ops(node)
         if new is None:
             return False
-        made, variant = copies.adopt(self, new)
+        made, variant = adopt(self, new)
         self.late.update(made)
         self.late_variant |= variant
         return True
