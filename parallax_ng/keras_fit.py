@@ -267,9 +267,10 @@ def parallelize(model, resource_info=None, config=None):
         raise ConfigError(
             f"layers {stateful} are stateful: each keeps a state row per example of a "
             "fixed batch from batch to batch, and data parallelism gives each replica a "
-            "part of every batch, which the model's state variables cannot follow. Build "
-            "them with stateful=False (pass the state between batches as an input and an "
-            "output), or train this model on one device")
+            "part of every batch, which fit's model cannot follow. Build them with "
+            "stateful=False (pass the state between batches as an input and an output), "
+            "or train with a custom loop (pn.function) on a model built for one "
+            "replica's part of the global batch")
     fit = KerasFit(model, resource_info, config)
     model.fit = functools.partial(fit.fit, type(model).fit.__get__(model))
     model.compile = functools.partial(fit.compile, type(model).compile.__get__(model))

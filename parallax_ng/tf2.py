@@ -59,6 +59,7 @@ class StepFunction:
         self._known: dict = {}           # watched graph variable -> the program's last value
         self.built: list = []            # called once the runner holds the variables
         self.on_program = 0              # batches that ran on the program's variables
+        self._kept = frozenset()         # variables of per-example state (_kept_rows)
 
     def __call__(self, *args, per_replica: bool = False):
         if self.runner is None:
@@ -176,6 +177,9 @@ class StepFunction:
         cap = self._captured
         names = list(cap.variables)
         got = self.runner.run([cap.reads[n] for n in names])
+        for i, name in enumerate(names):     # a replica's rows of per-example state
+            if name in self._kept:
+                got[i] = self.runner.run(cap.reads[name], per_replica=True)[0]
         for name, value in zip(names, got):
             cap.variables[name].assign(value)
             if name in self._known:
@@ -256,27 +260,36 @@ class StepFunction:
                 "under tf.GradientTape and apply the tape's gradients with an optimizer "
                 "(optimizer.apply_gradients(zip(grads, variables))) in the step; parallax_ng "
                 "finds the loss and the gradients from that update") from None
-        _no_per_example_state(self.runner)
+        self._kept = _kept_rows(self.runner, args)
         self.runner.run(cap.init, cap.init_feeds)     # and restores `checkpoint.dir`'s latest
         self._watch()
         for hook in self.built:
             hook()
 
 
-def _no_per_example_state(runner) -> None:
-    """A ConfigError where the step keeps rows of its batch's examples in
-    variables from batch to batch (a stateful RNN): each replica would keep
-    the rows of its part, which the program's variables cannot hold."""
+def _kept_rows(runner, args) -> frozenset:
+    """The variables the step writes with rows of its batch's examples (a
+    stateful RNN's state, kept from batch to batch): each replica keeps its
+    own examples' rows, which is one device's state where the model is
+    built for a replica's part of the global batch; a ConfigError where
+    they hold another number of rows."""
     from .pipeline.results import PerExampleState
     state = runner.ctx.result(PerExampleState) if hasattr(runner, "ctx") else None
-    if state is not None:
-        names = sorted(v for v, _ in state.axes)
-        raise ConfigError(
-            f"the step writes variables {names} with rows of its batch's examples (a "
-            "stateful RNN's state, kept from batch to batch): data parallelism gives each "
-            "replica a part of every batch, and the model's variables cannot hold every "
-            "replica's rows. Build the layer with stateful=False (pass the state between "
-            "batches as an input and an output), or train this model on one device")
+    if state is None:
+        return frozenset()
+    leaves = [_leaf(leaf) for leaf in tensor_leaves(args)]
+    n = runner.plan.group_size
+    part = _rows(leaves[0]) // n if leaves else None
+    for var, axis in state.axes:
+        shape = tf.TensorShape(runner.ctx.tg.ir.node(var).attr["shape"].shape)
+        if shape.rank is None or shape[axis] != part:
+            raise ConfigError(
+                f"variable {var!r} keeps a row per example of a batch of {shape[axis]} from "
+                f"batch to batch (a stateful RNN's state), and each of the {n} replicas "
+                f"takes {part} rows of the global batch: build the model for {part} rows "
+                f"(keras.Input(batch_shape=({part}, ...))), so that each replica keeps its "
+                "own examples' state, or build the layer with stateful=False")
+    return frozenset(var for var, _ in state.axes)
 
 
 def function(fn, resource_info=None, config=None) -> StepFunction:

@@ -103,3 +103,32 @@ def test_only_writes_through_a_variable_count():
     assert copies.writes(ops["AssignVariableOp"])
     assert copies.writes(ops["ResourceApplyGradientDescent"])
     assert not copies.writes(ops["ReadVariableOp"]) and not copies.writes(ops["VarHandleOp"])
+
+
+def test_a_saver_made_after_get_runner_saves_once_and_restores_every_copy(tmp_path):
+    """A Saver built after get_runner (its ops copied in then): its save op is
+    copied once (replica 0's values, one file), its restore writes every
+    replica's copy, and one device reads the file as its own."""
+    g, h = lr_model(False)
+    with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
+        with g.as_default():
+            saver = tf1.train.Saver()
+            variables = g.get_collection("variables")
+        runner.run(h["init"])
+        for i in range(2):
+            runner.run([h["train"], h["bump"]], {h["x"]: X[i * 16:(i + 1) * 16],
+                                                  h["y"]: Y[i * 16:(i + 1) * 16]})
+        want = [np.array(v, copy=True) for v in runner.run(variables)]
+        runner.save(saver, str(tmp_path / "ckpt"))
+        saves = list(dict.fromkeys(runner.fetches.late["save/SaveV2"]))
+        runner.run(h["init"])
+        runner.restore(saver, str(tmp_path / "ckpt"))
+        got = runner.run(variables, per_replica=True)
+    assert len(saves) == 1
+    for per, value in zip(got, want):
+        for copy in per:
+            np.testing.assert_array_equal(copy, value)
+    with tf1.Session(graph=g) as sess:
+        saver.restore(sess, str(tmp_path / "ckpt"))
+        for v, value in zip(variables, want):
+            np.testing.assert_array_equal(sess.run(v), value)

@@ -645,19 +645,54 @@ def test_a_programs_own_optimizer_on_an_embeddings_rows_equals_one_device(config
         np.testing.assert_allclose(np.asarray(w1), np.asarray(w2), atol=1e-5, rtol=0)
 
 
-def test_a_step_that_keeps_rows_of_its_examples_in_variables_is_refused():
-    """A tf_keras stateful LSTM keeps a state row per example of a fixed
-    batch; the replicas would each keep their part, which the model's
-    variables cannot hold: refused by name, not a shape error in the step."""
+@pytest.mark.parametrize("lib", ["keras", "tf_keras"])
+def test_a_stateful_rnn_built_for_a_replicas_rows_equals_one_device(lib):
+    """A stateful LSTM keeps a state row per example from batch to batch:
+    built for one replica's part of the global batch (4 of 8 rows), each
+    replica keeps its own examples' state, and 4 steps equal one device's
+    model built for 8 rows (1e-5); sync() gives the model replica 0's rows.
+    Before, tf_keras's state was averaged across the replicas, silently."""
     import tf_keras
-    x = np.ones((8, 5, 3), np.float32)
-    y = np.ones((8, 1), np.float32)
-    inp = tf_keras.Input(batch_shape=(4, 5, 3))
+    k = keras if lib == "keras" else tf_keras
+    rng = np.random.default_rng(3)
+    xs = rng.normal(size=(4, 8, 5, 3)).astype(np.float32)
+    ys = rng.normal(size=(4, 8, 1)).astype(np.float32)
+    weights = None
+    models = []
+    for rows in (4, 8):
+        inp = k.Input(batch_shape=(rows, 5, 3))
+        model = k.Model(inp, k.layers.Dense(1)(k.layers.LSTM(4, stateful=True)(inp)))
+        if weights is None:
+            weights = model.get_weights()
+        model.set_weights(weights)
+        step = step_of(model, k.optimizers.SGD(0.1))
+        step = pn.function(step, local(2)) if rows == 4 else tf.function(step)
+        losses = [float(step(x, y)) for x, y in zip(xs, ys)]
+        if rows == 4:
+            step.sync()
+        models.append((model, losses))
+    (parallel, got), (single, want) = models
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    for a, b in zip(parallel.trainable_weights, single.trainable_weights):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+    states = [(np.asarray(a), np.asarray(b))
+              for a, b in zip(parallel.layers[1].states, single.layers[1].states)]
+    assert len(states) == 2
+    for a, b in states:        # replica 0 took the first 4 rows of every batch
+        np.testing.assert_allclose(a, b[:4], rtol=0, atol=1e-5)
+
+
+def test_a_stateful_rnn_built_for_the_global_batch_is_refused_naming_its_state():
+    """tf_keras's LSTM built for the global batch (8 rows) while each
+    replica takes 4: a shape error inside the step before."""
+    import tf_keras
+    inp = tf_keras.Input(batch_shape=(8, 5, 3))
     model = tf_keras.Model(inp, tf_keras.layers.Dense(1)(
         tf_keras.layers.LSTM(4, stateful=True, name="memory")(inp)))
-    with pytest.raises(pn.ConfigError, match=r"writes variables \['memory/Variable', "
-                                             r"'memory/Variable_1'\] with rows of its batch"):
-        pn.function(step_of(model, tf_keras.optimizers.SGD(0.1)), local(2))(x, y)
+    with pytest.raises(pn.ConfigError, match=r"'memory/Variable(_1)?' keeps a row per example "
+                                             r"of a batch of 8.*build the model for 4 rows"):
+        pn.function(step_of(model, tf_keras.optimizers.SGD(0.1)), local(2))(
+            np.ones((8, 5, 3), np.float32), np.ones((8, 1), np.float32))
 
 
 def test_bad_steps_are_refused_naming_the_problem():

@@ -18,7 +18,8 @@ after get_runner: a later initializer, a `tf.assign(lr, ...)` built in the
 training loop) into the step graph: once per replica where an op reads
 something the replicas hold apart (their placeholders, replicated
 variables, per-replica values), else once, so that an op on state that
-exists once (a variable on a server) runs once; an op colocated with a
+exists once (a variable on a server) runs once, and so does an op that
+writes a file (a Saver made late saves replica 0's); an op colocated with a
 variable goes to the device of that variable's copy. It returns each new
 op's copies by replica, and the new ops whose values differ across the
 replicas.
@@ -78,9 +79,10 @@ def adopt(fmap, new: dict) -> tuple[dict, set]:
         ins = [t.op.name for t in o.inputs]
         if any(i in variant if i in new else fmap.varies(i) for i in ins):
             variant.add(o.name)
-        if any(i in own if i in new else apart(fmap, i)
-               for i in ins + [c.name for c in o.control_inputs]):
-            own.add(o.name)
+        if o.type not in rules.EXTERNAL_EFFECT_OPS and \
+                any(i in own if i in new else apart(fmap, i)
+                    for i in ins + [c.name for c in o.control_inputs]):
+            own.add(o.name)          # (a file written, as a Saver's, is written once)
     copies: dict[str, list[str]] = {}
     for k, device in enumerate(fmap.plan.devices):
         _import(fmap, order if k == 0 else [o for o in order if o.name in own],
