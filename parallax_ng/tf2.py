@@ -282,9 +282,10 @@ def _kept_rows(runner, args) -> frozenset:
     part = _rows(leaves[0]) // n if leaves else None
     for var, axis in state.axes:
         shape = tf.TensorShape(runner.ctx.tg.ir.node(var).attr["shape"].shape)
-        if shape.rank is None or shape[axis] != part:
+        held = shape[axis] if shape.rank else None
+        if held != part:
             raise ConfigError(
-                f"variable {var!r} keeps a row per example of a batch of {shape[axis]} from "
+                f"variable {var!r} keeps a row per example of a batch of {held} from "
                 f"batch to batch (a stateful RNN's state), and each of the {n} replicas "
                 f"takes {part} rows of the global batch: build the model for {part} rows "
                 f"(keras.Input(batch_shape=({part}, ...))), so that each replica keeps its "

@@ -5,7 +5,9 @@ Requires: a TrainingGraph (duck-typed: its IR, gradient tensors and graph).
 Guarantees: `replica_variant` is every node downstream of a per-replica
 source (input pipelines, queue reads, split placeholders, random ops,
 stateless ones included) along
-data edges, gradients aside (the transformation aggregates them);
+data edges, a loop's back edges included (a value a while loop carries
+from the data: an RNN's outputs), gradients aside (the transformation
+aggregates them);
 `is_input_source` says which ops give each replica its own data.
 """
 from __future__ import annotations
@@ -24,16 +26,16 @@ def replica_variant(tg, identical: frozenset[str] = frozenset()
     data edges, except out of gradients, which the transformation aggregates.
     """
     grads = tg.gradient_tensors
-    variant: set[str] = set()
-    for name in tg.ir.topo_order:
-        node = tg.ir.node(name)
-        if _is_source(tg, node) and name not in identical:
-            variant.add(name)
-            continue
-        for ref in tg.ir.data_inputs(name):
-            if ref.node in variant and ref not in grads:
-                variant.add(name)
-                break
+    variant = {node.name for node in tg.ir.nodes
+               if node.name not in identical and _is_source(tg, node)}
+    todo = list(variant)
+    while todo:           # along data edges, a loop's back edges too (NextIteration
+        name = todo.pop()          # into its Merge: what a loop carries from the data)
+        for user in tg.ir.node_consumers.get(name, ()):
+            if user not in variant and any(ref.node == name and ref not in grads
+                                           for ref in tg.ir.data_inputs(user)):
+                variant.add(user)
+                todo.append(user)
     return frozenset(variant)
 
 
