@@ -282,7 +282,7 @@ def _kept_rows(runner, args) -> frozenset:
     part = _rows(leaves[0]) // n if leaves else None
     for var, axis in state.axes:
         shape = tf.TensorShape(runner.ctx.tg.ir.node(var).attr["shape"].shape)
-        held = shape[axis] if shape.rank else None
+        held = tf.compat.dimension_value(shape[axis]) if shape.rank else None
         if held != part:
             raise ConfigError(
                 f"variable {var!r} keeps a row per example of a batch of {held} from "

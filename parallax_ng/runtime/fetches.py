@@ -192,11 +192,16 @@ class ReplicaFetchMap(FetchMap):
     def _per_example(self, ref) -> int | None:
         """The axis of its examples' rows where `ref` is a variable the step
         writes with rows of its batch (transforms/state_sync.py), else None."""
-        state = self.ctx.result(PerExampleState)
-        if state is None or ref.node not in self.tg.ir:
+        axes = self._example_axes
+        if not axes or ref.node not in self.tg.ir:
             return None
-        axes = dict(state.axes)
         return axes.get(ref.node, axes.get(accumulation.read_variable(self.tg, ref)))
+
+    @cached_property
+    def _example_axes(self) -> dict:
+        """{variable: axis} of PerExampleState, read once (fetch runs every run)."""
+        state = self.ctx.result(PerExampleState)
+        return dict(state.axes) if state else {}
 
     def _accumulated(self, ref) -> bool:
         """Whether `ref` is the value of a variable the script accumulates
