@@ -27,6 +27,8 @@ def test_combining_values():
     assert combine([a, b], Fetch(("x", "y"), "mean", "x")).tolist() == [2.0, 3.0]
     assert combine([a, b], Fetch(("x", "y"), "sum", "x")).tolist() == [4.0, 6.0]
     assert combine([a, b], Fetch(("x", "y"), "concat", "x")).tolist() == [1, 2, 3, 4]
+    assert combine([a, b], Fetch(("x", "y"), "max", "x")).tolist() == [3.0, 4.0]
+    assert combine([a, b], Fetch(("x", "y"), "min", "x")).tolist() == [1.0, 2.0]
     assert combine([a], Fetch(("x",), "list", "x", (0, 0)))[1] is a
     assert combine([a, b], Fetch(("x", "y"), "first", "x")) is a
     assert combine([None], Fetch(("x",), "none", "x")) is None
@@ -39,8 +41,8 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
     a tensor summed over the batch (per feature) is the replicas' sum, one
     averaged over it their mean; per-example booleans and strings join
     too (a prediction's correctness, its class name), a boolean reduced
-    by any or all is the replicas' any or all; each equals one device's
-    value."""
+    by any or all is the replicas' any or all, a largest or smallest value
+    over the batch their max or min; each equals one device's value."""
     g = tf.Graph()
     with g.as_default():
         x = tf.compat.v1.placeholder(tf.float32, (None, 3, 2), name="x")
@@ -52,7 +54,9 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
                    tf.greater(h[:, 0, 0], 0.0, name="positive"),
                    tf.gather(tf.constant(["no", "yes"]), tf.cast(h[:, 0, 0] > 0, tf.int32),
                              name="answer"),
-                   tf.reduce_any(h > 2.65, name="any"), tf.reduce_all(h > -3.0, name="all")]
+                   tf.reduce_any(h > 2.65, name="any"), tf.reduce_all(h > -3.0, name="all"),
+                   tf.reduce_max(h, name="largest"), tf.reduce_min(h, [0, 1], name="smallest"),
+                   tf.reduce_max(tf.reduce_max(h, 2), 0, name="largest_per_step")]
         init = tf.compat.v1.global_variables_initializer()
     batch = np.random.default_rng(0).normal(size=(4, 3, 2)).astype(np.float32)
     with tf.compat.v1.Session(graph=g) as sess:
@@ -64,9 +68,11 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
         kinds = [runner.fetches.fetch(f.name) for f in fetches]
     assert [(f.how, f.axis) for f in kinds] == [("concat", 1), ("sum", 0), ("mean", 0),
                                                 ("concat", 0), ("concat", 0), ("any", 0),
-                                                ("all", 0)]
-    # replica 0 alone would give the answers opposite to these
+                                                ("all", 0), ("max", 0), ("min", 0), ("max", 0)]
+    # replica 0 alone would give the answers opposite to these; the replicas'
+    # mean (the rule before max and min) is not the batch's largest value
     assert want[5] and not want[6]
+    assert abs(np.mean([2 * batch[:2].max(), 2 * batch[2:].max()]) - want[7]) > 0.05
     for a, b in zip(got, want):
         if b.dtype.kind in "bOS":
             assert np.asarray(a).tolist() == b.tolist()

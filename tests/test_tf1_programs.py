@@ -20,6 +20,9 @@ from models import load_values, local, read_name, variable_names
 
 tf1 = tf.compat.v1
 TOL = 1e-5
+# and relative to the value: an Adagrad accumulator of a summed loss reaches
+# 32, where float32's spacing is 3.8e-6 and the CPU's matmul order differs
+RTOL = 1e-6
 N_EX = 384
 REPLICAS = 2
 
@@ -260,8 +263,8 @@ def test_replicas_equal_one_device(program, run_option):
         single_losses = run_schedule(sess.run, h1, schedule, rounds)
         single = dict(zip(names, sess.run(reads)))
     np.testing.assert_allclose(losses, single_losses, rtol=0, atol=TOL)
-    worst = sorted(((float(np.max(np.abs(np.asarray(got) - single[n]))), n, k)
-                    for n in names for k, got in enumerate(parallel[n])), reverse=True)
+    worst = sorted(((float(np.max(np.abs(np.asarray(got) - single[n]) - RTOL * np.abs(single[n]))),
+                     n, k) for n in names for k, got in enumerate(parallel[n])), reverse=True)
     assert worst[0][0] <= TOL, worst[:4]
     if program == "fine-tune":     # what does not train kept its starting value
         for n in ("pretrained", "frozen/kernel"):

@@ -127,9 +127,15 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         visited.add(op.name)
         order.append(op)
         stack.extend(t.op for t in op.inputs)
-    for op in sorted(order, key=lambda o: o._id):  # noqa: SLF001 (creation order)
-        if op.name in sources or any(t.op.name in dependent for t in op.inputs):
-            dependent.add(op.name)
+    order.sort(key=lambda o: o._id)           # noqa: SLF001 (creation order)
+    grown = True
+    while grown:        # to a fixed point: a loop's back edge reaches an op made before it
+        grown = False
+        for op in order:
+            if op.name not in dependent and (op.name in sources or any(
+                    t.op.name in dependent for t in op.inputs)):
+                dependent.add(op.name)
+                grown = True
     by_batch, by_count, once, mixed, widened = [], [], [], [], []
 
     def data(t):
@@ -253,6 +259,25 @@ def _terms(op):
         if axes is not None and set(np.atleast_1d(axes).tolist()) <= {0, -1}:
             return op.inputs[0].op
     return None
+
+
+def extreme(t: tf.Tensor, sources) -> str | None:
+    """"max" or "min" where `t` is a largest or smallest value over the
+    batch (tf.reduce_max of predictions, over every axis or the batch's):
+    the replicas' values combine so; None otherwise."""
+    op = t.op
+    while op.type in ("Identity", "Snapshot", "Cast"):
+        op = op.inputs[0].op
+    if op.type not in ("Max", "Min"):
+        return None
+    x, axes = op.inputs[0], tf.get_static_value(op.inputs[1])
+    if axes is None or not x.shape.rank:
+        return None
+    a = batch_axis(x, sources)
+    if a is None:           # a largest of largest values over the batch
+        return op.type.lower() if extreme(x, sources) == op.type.lower() else None
+    return op.type.lower() if a in {int(v) % x.shape.rank for v in np.atleast_1d(axes)} \
+        else None
 
 
 def constant_value(t: tf.Tensor):

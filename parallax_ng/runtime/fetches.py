@@ -39,7 +39,7 @@ from .copies import adopt, writes_apart
 @dataclass(frozen=True)
 class Fetch:
     names: tuple            # tensor names or tf.Operations to run
-    how: str                # none | first | list | mean | sum | concat | any | all | summary
+    how: str    # none | first | list | mean | sum | concat | any | all | max | min | summary
     user: str               # the user's node
     replicas: tuple = ()    # for "list": index into `names` of each replica's value
     axis: int = 0           # for "concat": the axis that holds the batch's examples
@@ -414,7 +414,7 @@ def combine(values: list, f: Fetch):
         return np.mean(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
     if f.how == "sum":               # in the fetch's own type, as one device gives it
         return np.sum(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
-    if f.how in ("any", "all"):     # a boolean reduced over the batch
+    if f.how in ("any", "all", "max", "min"):    # a boolean or an extreme over the batch
         return getattr(np, f.how)(np.stack(values), axis=0)
     return np.concatenate([np.atleast_1d(v) for v in values], axis=f.axis)
 
@@ -425,13 +425,16 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset()) -> 
     tensor reduced over the batch is a mean (a loss) unless graph/forms.py
     shows a sum (correct examples counted, a summed loss) or the state-sync
     pass widened its division; a boolean reduced by tf.reduce_any or
-    reduce_all is the replicas' any or all; other booleans and strings
+    reduce_all is the replicas' any or all, a largest or smallest value
+    over the batch (tf.reduce_max) their max or min; other booleans and strings
     are replica 0's."""
     axis = batch_axis(t, sources) if t.shape.rank != 0 else None
     if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
         if axis is not None:        # per-example booleans or strings
             return "concat", axis
         return ({"Any": "any", "All": "all"}.get(t.op.type, "first")), 0
+    if axis is None and (largest := forms.extreme(t, sources)):
+        return largest, 0
     kind = forms.scalar_kind(t, sources) if axis is None else None
     if axis is not None or t.shape.rank != 0 and kind is None:
         return "concat", axis or 0

@@ -33,8 +33,8 @@ def is_summary(t: tf.Tensor) -> bool:
 
 
 def parts(t: tf.Tensor, how_of) -> tuple:
-    """((tag, how), ...) for the summary tensor t: how is "mean" or "sum"
-    for a scalar the replicas combine so, "histogram" for a histogram of
+    """((tag, how), ...) for the summary tensor t: how is "mean", "sum",
+    "max" or "min" for a scalar the replicas combine so, "histogram" for a histogram of
     the batch's rows, "first" for the rest. `how_of(tensor)`: the
     runner's combination of a user-graph tensor."""
     out, stack = [], [t.op]
@@ -50,7 +50,7 @@ def parts(t: tf.Tensor, how_of) -> tuple:
         how = how_of(op.inputs[1])
         if op.type == "HistogramSummary":
             how = "histogram" if how == "concat" else "first"
-        elif how not in ("mean", "sum"):
+        elif how not in ("mean", "sum", "max", "min"):
             how = "first"
         out.extend((_text(tag), how) for tag in np.atleast_1d(tags))
     return tuple(out)
@@ -70,8 +70,9 @@ def merge(values: list, how: tuple) -> bytes:
         if rule == "histogram":
             value.histo.CopyFrom(_added([v.histo for v in same]))
         else:
-            total = sum(v.simple_value for v in same)
-            value.simple_value = total / len(same) if rule == "mean" else total
+            numbers = [v.simple_value for v in same]
+            value.simple_value = {"mean": np.mean, "sum": np.sum, "max": np.max,
+                                  "min": np.min}[rule](numbers)
     return out.SerializeToString()
 
 
