@@ -24,7 +24,7 @@ def test_defaults_and_yaml(tmp_path):
     ({"communication": {"timeout_seconds": -1}}, ["timeout_seconds", "positive"]),
     ({"communication": {"backend": "nccl"}}, ["communication.backend", "tf, horovod"]),
     ({"variable_methods": {"emb": "rdma"}}, ["variable_methods.emb", "allgather"]),
-    ({"fetch_reduction": {"loss:0": "max"}}, ["fetch_reduction.loss:0", "concat"]),
+    ({"fetch_reduction": {"loss:0": "median"}}, ["fetch_reduction.loss:0", "concat"]),
     ({"verify": "all"}, ["verify", "structure"]),
 ])
 def test_bad_config_names_key_and_allowed(data, words):
