@@ -1,11 +1,9 @@
 """Fetch and feed mapping: how each kind of fetch is run and combined."""
 import numpy as np
-import pytest
 import tensorflow as tf
 from models import embedding_regression, local
 
 import parallax_ng as pn
-from parallax_ng.runtime.fetches import Fetch, combine
 
 
 def test_each_kind_of_fetch():
@@ -20,20 +18,6 @@ def test_each_kind_of_fetch():
         assert fm.fetch(h["pred"]).how == "concat"
         shared = fm.fetch("emb/Read/ReadVariableOp:0", per_replica=True)
         assert shared.how == "list" and len(shared.replicas) == 2
-
-
-def test_combining_values():
-    a, b = np.array([1.0, 2.0]), np.array([3.0, 4.0])
-    assert combine([a, b], Fetch(("x", "y"), "mean", "x")).tolist() == [2.0, 3.0]
-    assert combine([a, b], Fetch(("x", "y"), "sum", "x")).tolist() == [4.0, 6.0]
-    assert combine([a, b], Fetch(("x", "y"), "concat", "x")).tolist() == [1, 2, 3, 4]
-    assert combine([a, b], Fetch(("x", "y"), "max", "x")).tolist() == [3.0, 4.0]
-    assert combine([a, b], Fetch(("x", "y"), "min", "x")).tolist() == [1.0, 2.0]
-    assert combine([a], Fetch(("x",), "list", "x", (0, 0)))[1] is a
-    assert combine([a, b], Fetch(("x", "y"), "first", "x")) is a
-    assert combine([None], Fetch(("x",), "none", "x")) is None
-    with pytest.raises(ValueError):
-        combine([a, np.array(5.0)], Fetch(("x", "y"), "mean", "x"))   # shapes disagree
 
 
 def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
@@ -78,3 +62,56 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
             assert np.asarray(a).tolist() == b.tolist()
         else:
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def ctc_model():
+    """A speech model in the usual CTC tutorials' shape: features, sequence
+    lengths, a sparse_placeholder of labels, a time-major projection,
+    tf.compat.v1.nn.ctc_loss, greedy decoding and its label error rate."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6, 3], name="x")
+        lengths = tf.compat.v1.placeholder(tf.int32, [None], name="lengths")
+        labels = tf.compat.v1.sparse_placeholder(tf.int32, name="labels")
+        w = tf.compat.v1.get_variable(
+            "w", initializer=np.random.RandomState(3).randn(3, 5).astype(np.float32) * 1.5)
+        logits = tf.transpose(tf.tensordot(x, w, 1), (1, 0, 2))
+        cost = tf.reduce_mean(tf.compat.v1.nn.ctc_loss(labels, logits, lengths))
+        train = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(cost)
+        decoded, _ = tf.compat.v1.nn.ctc_greedy_decoder(logits, lengths)
+        errors = tf.reduce_mean(tf.edit_distance(tf.cast(decoded[0], tf.int32), labels))
+        init = tf.compat.v1.global_variables_initializer()
+    return g, dict(x=x, lengths=lengths, labels=labels, cost=cost, train=train,
+                   decoded=decoded[0], errors=errors, init=init, w=w)
+
+
+def test_a_ctc_models_loss_and_sparse_decoding_equal_one_device(capsys):
+    """CTC's loss per sequence is a batch's (its mean is a mean: no warning),
+    and the greedy decoder's SparseTensor, fetched as TF1 scripts print it,
+    joins the replicas' rows as one device's batch (it could not be
+    fetched before); 3 Momentum steps equal one device's, 1e-6."""
+    rng = np.random.RandomState(0)
+    steps = []
+    for _ in range(3):
+        rows = [(i, j) for i in range(4) for j in range(rng.randint(1, 3))]
+        steps.append((rng.randn(4, 6, 3).astype(np.float32), np.array([6, 4, 5, 6], np.int32),
+                      tf.compat.v1.SparseTensorValue(np.array(rows, np.int64),
+                                                     rng.randint(0, 4, len(rows)).astype(np.int32),
+                                                     np.array([4, 2], np.int64))))
+    results = []
+    for parallel in (False, True):
+        g, h = ctc_model()
+        with (pn.get_runner(g, local(2)) if parallel else tf.compat.v1.Session(graph=g)) as run:
+            run.run(h["init"])
+            fetch = [h["cost"], h["errors"], h["decoded"]]
+            results.append([run.run(fetch if k < 2 else fetch + [h["train"]],
+                                    {h["x"]: x, h["lengths"]: n, h["labels"]: y})
+                            for k, (x, n, y) in enumerate(steps)] + [run.run(h["w"])])
+    assert "parallax_ng" not in capsys.readouterr().err
+    (*one, w1), (*two, w2) = results
+    for a, b in zip(one, two):
+        np.testing.assert_allclose(a[:2], b[:2], rtol=0, atol=1e-6)
+        assert isinstance(b[2], tf.compat.v1.SparseTensorValue) and len(b[2].values)
+        for part in range(3):
+            np.testing.assert_array_equal(a[2][part], b[2][part])
+    np.testing.assert_allclose(w1, w2, rtol=0, atol=1e-6)

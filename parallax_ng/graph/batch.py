@@ -35,7 +35,7 @@ import tensorflow as tf
 from .. import compat
 from . import rules
 from .ir import TensorRef
-from .rules import ELEMENTWISE, FIRST, LOSSES, REDUCTIONS
+from .rules import CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS
 from .tracing import INPUT
 
 BATCH, WHOLE, UNKNOWN = "batch", "whole", "unknown"
@@ -147,13 +147,18 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
     carried = [(ref, d) for ref, d in ins if d is not None]
     op = tg.graph.get_operation_by_name(name)
     outs = [TensorRef(name, k) for k in range(len(op.outputs))]
-    if not carried or node.op in SHAPE_ONLY:
+    if not carried and node.op != "Reshape" or node.op in SHAPE_ONLY:   # (to a shape of t)
         return
     if any(t.dtype == tf.variant for t in op.outputs):   # a tf.data dataset made of it
         for _, d in carried:
             dims.note(d, "dataset")
         return
     kind = node.op
+    if kind in CTC and len(ins) > CTC[kind][0]:    # a row per sequence, its length's
+        rows = [ins[CTC[kind][0]][1], _untransposed(tg, ins[0][0], first)]
+        dims.note(rows[0], "modeled")
+        first[outs[CTC[kind][1]]] = dims.join(rows)
+        return
     if kind in ELEMENTWISE or kind in LOSSES:
         rank = _rank(tg, outs[0]) if outs else None
         lined = [d for ref, d in carried if kind in LOSSES or _lines_up(tg, ref, rank)]
@@ -303,7 +308,8 @@ def _leading(tg, ref: TensorRef):
 def _shape_of(tg, ref: TensorRef, first: dict) -> tuple:
     """(t's first dimension, whether the shape keeps the reshaped tensor's
     rows) where shape vector `ref` is tf.shape(t), or a stack that starts
-    with tf.shape(t)[0] (`[tf.shape(x)[0], -1]`); else (None, False)."""
+    with tf.shape(t)[0] (`[tf.shape(x)[0], -1]`), or t's dimensions from
+    its first on (tf.tensordot's result); else (None, False)."""
     node, parts = tg.ir.node(ref.node), tg.ir.data_inputs(ref.node)
     if node.op == "Shape" and parts:
         return first.get(parts[0]), False
@@ -312,6 +318,12 @@ def _shape_of(tg, ref: TensorRef, first: dict) -> tuple:
         if tg.ir.node(sliced[0].node).op == "Shape" and \
                 [_const(tg, r) for r in sliced[1:4]] == [[0], [1], [1]]:
             return first.get(tg.ir.data_inputs(sliced[0].node)[0]), True
+    if node.op == "ConcatV2" and len(parts) > 1:    # tf.tensordot's: t's free dimensions first
+        picked = tg.ir.data_inputs(parts[0].node)
+        if tg.ir.node(parts[0].node).op == "GatherV2" and len(picked) == 3 and \
+                tg.ir.node(picked[0].node).op == "Shape" and \
+                _leading(tg, picked[1]) == 0 and _const(tg, picked[2]) == 0:
+            return first.get(tg.ir.data_inputs(picked[0].node)[0]), False
     return None, False
 
 
@@ -332,6 +344,17 @@ def _lines_up(tg, ref: TensorRef, rank: int | None) -> bool:
     probability), the operand is taken to line up, as graph/rows.py reads it."""
     shape = tg.tensor(ref).shape
     return (None in (rank, shape.rank) or shape.rank == rank) and compat.dim(shape, 0) != 1
+
+
+def _untransposed(tg, ref: TensorRef, first: dict):
+    """The first dimension of the batch-major tensor that time-major `ref`
+    transposes (perm [1, 0, ...]: CTC's logits), else None."""
+    node = tg.ir.node(ref.node)
+    if node.op != "Transpose":
+        return None
+    ins = tg.ir.data_inputs(ref.node)
+    perm = _const(tg, ins[1])
+    return first.get(ins[0]) if isinstance(perm, list) and perm[1:2] == [0] else None
 
 
 def _const(tg, ref: TensorRef):

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import compat
-from .rules import ELEMENTWISE, FIRST, LOSSES, REDUCTIONS
+from .rules import CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS
 
 
 def batch_rows(t: tf.Tensor, sources) -> bool:
@@ -122,6 +122,10 @@ class _Axes:
             return caller.axis(outer)
         if (rank := t.shape.rank) == 0 or t.dtype in (tf.resource, tf.variant):
             return None
+        if kind in CTC:     # a loss (a decoding's log probability) per sequence
+            lengths, out = CTC[kind]
+            return 0 if t.value_index == out % len(op.outputs) and \
+                self.rows(op.inputs[lengths]) else None
         if kind in LOSSES or kind in _KEEP_FIRST and (t.value_index == 0 or kind == "TopKV2"):
             top = kind == "TopKV2" and op.inputs[0].shape.rank in (None, 1)   # k of the batch
             return 0 if self.rows(op.inputs[0]) and not top else None   # a loss per example

@@ -210,4 +210,8 @@ FIRST = frozenset({
 })
 # the loss ops that line up logits (input 0) and labels (input 1)
 LOSSES = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
+# CTC's losses and decoders (time-major logits): (the input of the sequence
+# lengths, one per example; the output with a row per example)
+CTC = {"CTCLoss": (3, 0), "CTCLossV2": (3, 0), "CTCGreedyDecoder": (1, -1),
+       "CTCBeamSearchDecoder": (1, -1)}
 REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"})

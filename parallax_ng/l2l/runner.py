@@ -43,8 +43,9 @@ from ..pipeline.results import Barrier
 from ..resources import check_devices, session_config
 from ..runtime.batch_parts import sparse_placeholders
 from ..runtime.checkpoint import Checkpointer, Layout
+from ..runtime.combining import Fetch, default_reduction
 from ..runtime.executor import Executor
-from ..runtime.fetches import Fetch, FetchMap, default_reduction
+from ..runtime.fetches import FetchMap
 from ..runtime.program import Program, run_options
 from ..runtime.runner import Runner
 from . import builder as l2l

@@ -2,7 +2,8 @@
 batch. A sparse batch is fed as a `sparse_placeholder`'s three tensors
 (indices, values, dense shape); a replica's part is its rows' entries,
 numbered from 0, under a dense shape of its rows, as one device would see
-that part of the batch.
+that part of the batch; `joined_rows` joins the replicas' sparse rows again
+(a fetched SparseTensor, parallax_ng/runtime/combining.py).
 
 Requires: numpy values (a sparse batch's indices with the row first).
 Guarantees: pure functions of their arguments; used by the fetch map's
@@ -12,6 +13,7 @@ feeds (parallax_ng/runtime/fetches.py), a TF2 step's batches
 from __future__ import annotations
 
 import numpy as np
+import tensorflow as tf
 
 
 def sparse_tensors(base: str) -> list[str]:
@@ -35,6 +37,22 @@ def sparse_rows(indices, values, shape, first: int, count: int) -> tuple:
     part = indices[mine].copy()
     part[:, 0] -= first
     return part, values[mine], np.concatenate([[count], shape[1:]]).astype(shape.dtype)
+
+
+def joined_rows(parts: list):
+    """The sparse batches `parts` as one: each part's rows after the rows of
+    the parts before it (its dense shape's first dimension), the other
+    dimensions the largest of the parts' (`sparse_rows` undone): a
+    tf.compat.v1.SparseTensorValue."""
+    offsets = np.cumsum([0] + [int(p.dense_shape[0]) for p in parts])
+    indices = np.concatenate([np.asarray(p.indices).reshape(-1, len(p.dense_shape))
+                              + np.eye(len(p.dense_shape), dtype=np.int64)[0] * offset
+                              for p, offset in zip(parts, offsets)])
+    shape = np.max([p.dense_shape for p in parts], axis=0)
+    shape[0] = offsets[-1]
+    return tf.compat.v1.SparseTensorValue(indices.astype(np.int64),
+                                          np.concatenate([p.values for p in parts]),
+                                          shape.astype(np.int64))
 
 
 def first_part(batch: dict, parts: int) -> dict:

@@ -8,8 +8,7 @@ anything else, with suggestions for a name that is not there); ops the
 user made after get_runner are copied into the step graph the first time
 they are named. A map's `fetch(leaf, per_replica)` turns a key into a
 `Fetch` (the names to run in the step graph and how to combine their
-values, see parallax_ng/runtime/runner.py); `combine(values, fetch)` does
-it; `feeds(feed_dict)` maps a feed dict onto the step graph.
+values, parallax_ng/runtime/combining.py); `feeds(feed_dict)` maps a feed dict onto the step graph.
 `ReplicaFetchMap` is the map of the data-parallel passes' graph: every
 replica's copy, per-replica batches split; layer-to-layer's is
 parallax_ng/l2l/runner.py's.
@@ -19,7 +18,6 @@ from __future__ import annotations
 import difflib
 import sys
 import warnings
-from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -29,21 +27,11 @@ from .. import compat
 from ..errors import FetchError
 from ..graph import accumulation, batch, forms
 from ..graph.ir import parse_tensor
-from ..graph.rows import batch_axis
 from ..pipeline.results import PerExampleState, WidenedMeans
 from . import summaries
 from .batch_parts import sparse_placeholders, sparse_rows, sparse_tensors
+from .combining import Fetch, default_reduction
 from .copies import adopt, writes_apart
-
-
-@dataclass(frozen=True)
-class Fetch:
-    names: tuple            # tensor names or tf.Operations to run
-    how: str    # none | first | list | mean | sum | concat | any | all | max | min | summary
-    user: str               # the user's node
-    replicas: tuple = ()    # for "list": index into `names` of each replica's value
-    axis: int = 0           # for "concat": the axis that holds the batch's examples
-    parts: tuple = ()       # for "summary": (tag, how) (parallax_ng/runtime/summaries.py)
 
 
 class FetchMap:
@@ -59,6 +47,17 @@ class FetchMap:
 
     def fetch(self, leaf, per_replica: bool = False) -> Fetch:
         raise NotImplementedError
+
+    def fetch_leaf(self, leaf, per_replica: bool = False) -> Fetch:
+        """`fetch`, and a tf.SparseTensor as its three tensors: equal on
+        every replica, replica 0's; else the replicas' rows joined (a
+        decoder's batch of sparse rows, as one device gives it)."""
+        if not isinstance(leaf, tf.SparseTensor):
+            return self.fetch(leaf, per_replica)
+        parts = tuple(self.fetch(t, True) for t in (leaf.indices, leaf.values, leaf.dense_shape))
+        how = "sparse list" if per_replica else \
+            "sparse first" if self.fetch(leaf.values).how == "first" else "sparse rows"
+        return Fetch(sum((p.names for p in parts), ()), how, parts[1].user, parts=parts)
 
     def feeds(self, feed_dict) -> dict:
         raise NotImplementedError
@@ -398,45 +397,3 @@ class ReplicaFetchMap(FetchMap):
 
 
 PLACEHOLDERS = ("Placeholder", "PlaceholderWithDefault")
-
-
-def combine(values: list, f: Fetch):
-    """One value from the values of a fetch's names."""
-    if f.how == "none":
-        return None
-    if f.how == "first":
-        return values[0]
-    if f.how == "list":
-        return [values[i] for i in f.replicas]
-    if f.how == "summary":
-        return summaries.merge([values[i] for i in f.replicas], f.parts)
-    if f.how == "mean":
-        return np.mean(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
-    if f.how == "sum":               # in the fetch's own type, as one device gives it
-        return np.sum(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
-    if f.how in ("any", "all", "max", "min"):    # a boolean or an extreme over the batch
-        return getattr(np, f.how)(np.stack(values), axis=0)
-    return np.concatenate([np.atleast_1d(v) for v in values], axis=f.axis)
-
-
-def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset()) -> tuple:
-    """(how, axis): the replicas' parts joined along the batch's axis (a
-    time-major output's second; booleans and strings too); a scalar or a
-    tensor reduced over the batch is a mean (a loss) unless graph/forms.py
-    shows a sum (correct examples counted, a summed loss) or the state-sync
-    pass widened its division; a boolean reduced by tf.reduce_any or
-    reduce_all is the replicas' any or all, a largest or smallest value
-    over the batch (tf.reduce_max) their max or min; other booleans and strings
-    are replica 0's."""
-    axis = batch_axis(t, sources) if t.shape.rank != 0 else None
-    if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
-        if axis is not None:        # per-example booleans or strings
-            return "concat", axis
-        return ({"Any": "any", "All": "all"}.get(t.op.type, "first")), 0
-    if axis is None and (largest := forms.extreme(t, sources)):
-        return largest, 0
-    kind = forms.scalar_kind(t, sources) if axis is None else None
-    if axis is not None or t.shape.rank != 0 and kind is None:
-        return "concat", axis or 0
-    summed = kind == "sum" or forms.over_widened(t, sources, widened)
-    return ("sum" if summed else "mean"), 0

@@ -63,7 +63,7 @@ from ..planning.analysis import unknown_rows
 from ..planning.profile import Profile, measure
 from . import heartbeat, moves, preemption, serving, tuning
 from .checkpoint import Checkpointer
-from .fetches import combine
+from .combining import combine
 from .preemption import Preemption
 from .program import Program, bounded, traced
 from .timeline import Timeline
@@ -122,7 +122,7 @@ class Runner:
     def run(self, fetches, feed_dict=None, options=None, run_metadata=None,
             per_replica: bool = False):
         leaves = tf.nest.flatten(fetches)
-        wanted = [self.fetches.fetch(leaf, per_replica) for leaf in leaves]
+        wanted = [self.fetches.fetch_leaf(leaf, per_replica) for leaf in leaves]
         names = [n for f in wanted for n in f.names]
         feeds = self.fetches.feeds(feed_dict)
         fetched = tuple(f.user for f in wanted)
@@ -181,7 +181,7 @@ class Runner:
         """How many session.runs one `run(fetches)` makes: one, or two at once
         (a job step's collectives beside its server work), and the job's
         barrier where it is a run of its own."""
-        wanted = [self.fetches.fetch(leaf, False) for leaf in tf.nest.flatten(fetches)]
+        wanted = [self.fetches.fetch_leaf(leaf) for leaf in tf.nest.flatten(fetches)]
         initialized, trained, *_ = self._kind(tuple(f.user for f in wanted))
         runs = len(self.executor.runs([n for f in wanted for n in f.names]))
         return runs + int(self.executor.ends_with_barrier(initialized, trained))

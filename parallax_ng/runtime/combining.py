@@ -1,0 +1,86 @@
+"""How the replicas' values of one fetch make one value: a `Fetch` names
+what to run in the step graph and how its values combine (`combine`);
+`default_reduction` reads from the user's graph how a tensor's replicas'
+values make one device's (the batch's rows joined, a mean loss averaged,
+a count summed, a largest value's max, a SparseTensor's rows joined).
+
+Requires: numpy values, in the order of a Fetch's names; user-graph
+tf.Tensors and the graph's data sources for `default_reduction`.
+Guarantees: `combine` is a pure function of its arguments;
+`default_reduction` reads the graph only (graph/forms.py, graph/rows.py).
+Used by the fetch maps (parallax_ng/runtime/fetches.py,
+parallax_ng/l2l/runner.py) and the runner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tensorflow as tf
+
+from ..graph import forms
+from ..graph.rows import batch_axis
+from . import summaries
+from .batch_parts import joined_rows
+
+
+@dataclass(frozen=True)
+class Fetch:
+    names: tuple            # tensor names or tf.Operations to run
+    how: str    # none | first | list | mean | sum | concat | any | all | max | min |
+    #                         summary | sparse rows | sparse first | sparse list
+    user: str               # the user's node
+    replicas: tuple = ()    # for "list": index into `names` of each replica's value
+    axis: int = 0           # for "concat": the axis that holds the batch's examples
+    parts: tuple = ()       # for "summary": (tag, how) (parallax_ng/runtime/summaries.py);
+    #                         for "sparse ...": the Fetches of indices, values, dense shape
+
+
+
+def combine(values: list, f: Fetch):
+    """One value from the values of a fetch's names."""
+    if f.how == "none":
+        return None
+    if f.how == "first":
+        return values[0]
+    if f.how == "list":
+        return [values[i] for i in f.replicas]
+    if f.how == "summary":
+        return summaries.merge([values[i] for i in f.replicas], f.parts)
+    if f.how == "mean":
+        return np.mean(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
+    if f.how == "sum":               # in the fetch's own type, as one device gives it
+        return np.sum(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
+    if f.how.startswith("sparse"):   # each part every replica's: their SparseTensorValues
+        triples, i = [], 0
+        for part in f.parts:
+            triples.append(combine(values[i:i + len(part.names)], part))
+            i += len(part.names)
+        each = [tf.compat.v1.SparseTensorValue(*t) for t in zip(*triples)]
+        return {"sparse list": each, "sparse first": each[0]}.get(f.how) or joined_rows(each)
+    if f.how in ("any", "all", "max", "min"):    # a boolean or an extreme over the batch
+        return getattr(np, f.how)(np.stack(values), axis=0)
+    return np.concatenate([np.atleast_1d(v) for v in values], axis=f.axis)
+
+
+def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset()) -> tuple:
+    """(how, axis): the replicas' parts joined along the batch's axis (a
+    time-major output's second; booleans and strings too); a scalar or a
+    tensor reduced over the batch is a mean (a loss) unless graph/forms.py
+    shows a sum (correct examples counted, a summed loss) or the state-sync
+    pass widened its division; a boolean reduced by tf.reduce_any or
+    reduce_all is the replicas' any or all, a largest or smallest value
+    over the batch (tf.reduce_max) their max or min; other booleans and strings
+    are replica 0's."""
+    axis = batch_axis(t, sources) if t.shape.rank != 0 else None
+    if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
+        if axis is not None:        # per-example booleans or strings
+            return "concat", axis
+        return ({"Any": "any", "All": "all"}.get(t.op.type, "first")), 0
+    if axis is None and (largest := forms.extreme(t, sources)):
+        return largest, 0
+    kind = forms.scalar_kind(t, sources) if axis is None else None
+    if axis is not None or t.shape.rank != 0 and kind is None:
+        return "concat", axis or 0
+    summed = kind == "sum" or forms.over_widened(t, sources, widened)
+    return ("sum" if summed else "mean"), 0
