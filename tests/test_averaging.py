@@ -28,6 +28,8 @@ class _Asked:
     ("hidden", None, True, "does not show whether the loss"),  # by an op it cannot read
     ("hardest half", None, True, "mixes the batch's examples ('TopKV2'"),
     ("per time step", None, False, ""),     # a [batch, 1] loss's columns summed one by one
+    ("l2_loss", None, False, ""),           # tf.nn.l2_loss: half a sum of squares
+    ("l2_loss/8", 8, True, ""),
 ])
 def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
     g = tf.Graph()
@@ -46,7 +48,8 @@ def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
                  "sum/16+mean": tf.reduce_sum(e) / 16.0 + 2.0 * tf.reduce_mean(e),
                  "hidden": tf.reduce_sum(tf.py_function(tf.identity, [e], tf.float32)),
                  "hardest half": tf.reduce_mean(tf.math.top_k(e[:, 0], tf.shape(e)[0] // 2)[0]),
-                 "per time step": tf.reduce_mean(tf.reduce_sum(e, 0))}[loss]
+                 "per time step": tf.reduce_mean(tf.reduce_sum(e, 0)),
+                 "l2_loss": tf.nn.l2_loss(e), "l2_loss/8": tf.nn.l2_loss(e) / 8.0}[loss]
         tf1.train.GradientDescentOptimizer(0.1).minimize(value)
     dense, sparse, said = averaging.averages(_Asked(), g)
     assert dense is sparse is want

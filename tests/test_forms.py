@@ -41,6 +41,11 @@ LOSS_FORMS = {
     "mean of a column-major copy": (lambda e, x: tf.reduce_mean(tf.transpose(e)), "mean"),
     "sum of a column-major copy": (lambda e, x: tf.reduce_sum(tf.transpose(e), [1, 0]), "sum"),
     "max over the batch, summed": (lambda e, x: tf.reduce_sum(tf.reduce_max(e, 0)), None),
+    # half the sum of squares (no form before: a loss of it was averaged, 1/N of one device's)
+    "tf.nn.l2_loss": (lambda e, x: tf.nn.l2_loss(e), "sum"),
+    "tf.nn.l2_loss over the batch's elements": (lambda e, x: tf.nn.l2_loss(e) / 32.0, "mean"),
+    "mean plus l2_loss of activations over the batch size": (
+        lambda e, x: tf.reduce_mean(e) + tf.nn.l2_loss(e) / 8.0, "mean"),
 }
 
 
@@ -66,7 +71,8 @@ def test_how_the_loss_depends_on_the_batch(name):
     if name in ("sum over the batch size", "tf.compat.v1.losses",
                 "binary cross-entropy summed over the batch size",
                 "sum of kept columns over the batch size",
-                "per-column sums over the batch's elements"):
+                "per-column sums over the batch's elements",
+                "tf.nn.l2_loss over the batch's elements"):
         assert len(form.by_batch) == 1          # the divisor a micro-batch replaces
 
 

@@ -186,6 +186,9 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
         for out in outs[:1] if kind.startswith("FusedBatchNorm") else outs:
             first[out] = lead
         return
+    if kind == "L2Loss":        # tf.nn.l2_loss: a sum over every axis
+        dims.note(ins[0][1], "reduced")
+        return
     if kind in REDUCTIONS:
         axes = _const(tg, ins[1][0]) if len(ins) > 1 else None
         rank = _rank(tg, ins[0][0])

@@ -204,6 +204,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     "micro-batch: divide the sum by the batch size (a mean), or set "
                     "l2l.micro_batches: 1")
             return forms.pop() if len(forms) == 1 else None
+        if op.type == "L2Loss" and op.inputs[0].shape.rank:    # half a sum of squares
+            return reduced(t, op.inputs[0], np.arange(op.inputs[0].shape.rank))
         if op.type in _REDUCTIONS and op.inputs[0].shape.rank == 0:
             return through(t, op.inputs[0])          # a sum of one number
         if op.type in _REDUCTIONS:
