@@ -174,3 +174,24 @@ def train_both(build, n, steps, resources=None, config=None, batch=4, seen=None)
             sess.run(h1["train"])
         single = dict(zip(names, sess.run(reads)))
     return parallel, single, names
+
+
+def ctc_model():
+    """A speech model in the usual CTC tutorials' shape: features, sequence
+    lengths, a sparse_placeholder of labels, a time-major projection,
+    tf.compat.v1.nn.ctc_loss, greedy decoding and its label error rate."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 6, 3], name="x")
+        lengths = tf.compat.v1.placeholder(tf.int32, [None], name="lengths")
+        labels = tf.compat.v1.sparse_placeholder(tf.int32, name="labels")
+        w = tf.compat.v1.get_variable(
+            "w", initializer=np.random.RandomState(3).randn(3, 5).astype(np.float32) * 1.5)
+        logits = tf.transpose(tf.tensordot(x, w, 1), (1, 0, 2))
+        cost = tf.reduce_mean(tf.compat.v1.nn.ctc_loss(labels, logits, lengths))
+        train = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(cost)
+        decoded, _ = tf.compat.v1.nn.ctc_greedy_decoder(logits, lengths)
+        errors = tf.reduce_mean(tf.edit_distance(tf.cast(decoded[0], tf.int32), labels))
+        init = tf.compat.v1.global_variables_initializer()
+    return g, dict(x=x, lengths=lengths, labels=labels, cost=cost, train=train,
+                   decoded=decoded[0], errors=errors, init=init, w=w)

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from models import local
+from models import ctc_model, local
 from parallax_ng.graph import batch, frontend
 from tutorials import deepfm
 
@@ -115,6 +115,27 @@ def test_ptbs_labels_and_a_flatten_by_the_batchs_size_are_batches():
     got = kinds(g)
     assert got["y"] == got["flat"] == "batch"
     assert got["x"] == "unknown"          # lost in the loop's time-major frames
+
+
+def test_labels_beside_a_sparse_batch_through_a_layer_and_ctcs_inputs_are_batches():
+    """Labels lined up with logits of a sparse batch (a linear layer by
+    sparse_tensor_dense_matmul, a weighted embedding_lookup_sparse) were
+    unknown, as were CTC's features (through tf.tensordot and a time-major
+    transpose) and sequence lengths."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.sparse_placeholder(tf.float32, name="x")
+        ids = tf1.sparse_placeholder(tf.int64, name="ids")
+        weights = tf1.sparse_placeholder(tf.float32, name="weights")
+        y = tf1.placeholder(tf.float32, [None], name="y")
+        deep = tf.nn.embedding_lookup_sparse(tf1.get_variable("emb", [9, 1]), ids, weights)
+        logits = tf.squeeze(tf1.sparse_tensor_dense_matmul(x, tf1.get_variable("w", [9, 1])) +
+                            deep, 1)
+        loss = tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=y, logits=logits))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    assert kinds(g)["y"] == "batch"
+    got = kinds(ctc_model()[0])
+    assert got["x"] == got["lengths"] == "batch"
 
 
 def test_a_fed_rnn_state_beside_a_batch_of_as_many_rows_is_split_silently(capsys):

@@ -1,7 +1,7 @@
 """Fetch and feed mapping: how each kind of fetch is run and combined."""
 import numpy as np
 import tensorflow as tf
-from models import embedding_regression, local
+from models import ctc_model, embedding_regression, local
 
 import parallax_ng as pn
 
@@ -62,27 +62,6 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
             assert np.asarray(a).tolist() == b.tolist()
         else:
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-
-
-def ctc_model():
-    """A speech model in the usual CTC tutorials' shape: features, sequence
-    lengths, a sparse_placeholder of labels, a time-major projection,
-    tf.compat.v1.nn.ctc_loss, greedy decoding and its label error rate."""
-    g = tf.Graph()
-    with g.as_default():
-        x = tf.compat.v1.placeholder(tf.float32, [None, 6, 3], name="x")
-        lengths = tf.compat.v1.placeholder(tf.int32, [None], name="lengths")
-        labels = tf.compat.v1.sparse_placeholder(tf.int32, name="labels")
-        w = tf.compat.v1.get_variable(
-            "w", initializer=np.random.RandomState(3).randn(3, 5).astype(np.float32) * 1.5)
-        logits = tf.transpose(tf.tensordot(x, w, 1), (1, 0, 2))
-        cost = tf.reduce_mean(tf.compat.v1.nn.ctc_loss(labels, logits, lengths))
-        train = tf.compat.v1.train.MomentumOptimizer(0.01, 0.9).minimize(cost)
-        decoded, _ = tf.compat.v1.nn.ctc_greedy_decoder(logits, lengths)
-        errors = tf.reduce_mean(tf.edit_distance(tf.cast(decoded[0], tf.int32), labels))
-        init = tf.compat.v1.global_variables_initializer()
-    return g, dict(x=x, lengths=lengths, labels=labels, cost=cost, train=train,
-                   decoded=decoded[0], errors=errors, init=init, w=w)
 
 
 def test_a_ctc_models_loss_and_sparse_decoding_equal_one_device(capsys):

@@ -140,6 +140,14 @@ def kinds(tg, fixed: bool = False) -> dict[str, tuple[str, str]]:
     return out
 
 
+# ops that give a row per row of a sparse batch: tf.sparse.sparse_dense_matmul,
+# tf.nn.embedding_lookup_sparse's combiners
+_SPARSE_LAYERS = frozenset({
+    "SparseTensorDenseMatMul", "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN",
+    "SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
+    "SparseSegmentSqrtNWithNumSegments", "SegmentSum", "SegmentMean"})
+
+
 def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
     """The first dimension of `name`'s outputs from its inputs' (rule table
     by op type; an op it does not know takes its inputs' as unknown uses)."""
@@ -147,6 +155,9 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
     carried = [(ref, d) for ref, d in ins if d is not None]
     op = tg.graph.get_operation_by_name(name)
     outs = [TensorRef(name, k) for k in range(len(op.outputs))]
+    if node.op in _SPARSE_LAYERS:     # a sparse batch's rows through a layer (fed as a
+        first[outs[0]] = dims.new(fact="modeled")     # SparseTensorValue: split by rows)
+        return
     if not carried and node.op != "Reshape" or node.op in SHAPE_ONLY:   # (to a shape of t)
         return
     if any(t.dtype == tf.variant for t in op.outputs):   # a tf.data dataset made of it
