@@ -1,5 +1,6 @@
 """Fetch and feed mapping: how each kind of fetch is run and combined."""
 import numpy as np
+import pytest
 import tensorflow as tf
 from models import ctc_model, embedding_regression, local
 
@@ -94,3 +95,53 @@ def test_a_ctc_models_loss_and_sparse_decoding_equal_one_device(capsys):
         for part in range(3):
             np.testing.assert_array_equal(a[2][part], b[2][part])
     np.testing.assert_allclose(w1, w2, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("run_option,reduce", [("hybrid", "mean"), ("allreduce", "mean"),
+                                               ("ps", "sum")])
+def test_fetched_gradients_are_one_devices(run_option, reduce):
+    """A gradient fetched as debugging scripts print them: the trained
+    gradients of a dense weight (it came back as the replicas' [6, 1]
+    concatenated, not one device's [3, 1]) and of an embedding (its rows:
+    each replica's of its own mean, 2x one device's), a second
+    tf.gradients of the weight and of the looked-up rows (per example), a
+    histogram of the weight's gradient (its buckets had been added over
+    the replicas: twice one device's counts). All one device's, 1e-6."""
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            ids = tf.compat.v1.placeholder(tf.int32, [None], "ids")
+            y = tf.compat.v1.placeholder(tf.float32, [None, 1], "y")
+            emb = tf.compat.v1.get_variable(
+                "emb", initializer=np.random.RandomState(0).randn(10, 3).astype(np.float32))
+            w = tf.compat.v1.get_variable(
+                "w", initializer=np.random.RandomState(1).randn(3, 1).astype(np.float32))
+            rows = tf.nn.embedding_lookup(emb, ids)
+            loss = getattr(tf, f"reduce_{reduce}")(tf.square(tf.matmul(rows, w) - y))
+            opt = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+            pairs = opt.compute_gradients(loss)
+            train = opt.apply_gradients(pairs)
+            (g_emb, _), (g_w, _) = sorted(pairs, key=lambda p: p[1].name)
+            fetches = dict(w=g_w, emb_rows=g_emb.values, emb_ids=g_emb.indices,
+                           again=tf.compat.v1.gradients(loss, [w])[0],
+                           rows=tf.compat.v1.gradients(loss, rows)[0],
+                           histogram=tf.compat.v1.summary.histogram("w_grad", g_w))
+            init = tf.compat.v1.global_variables_initializer()
+        return g, ids, y, fetches, train, init
+    feed = [np.array([1, 2, 3, 1, 5, 6, 2, 9], np.int32),
+            np.random.RandomState(2).randn(8, 1).astype(np.float32)]
+    got = []
+    for parallel in (False, True):
+        g, ids, y, fetches, train, init = build()
+        with (pn.get_runner(g, local(2), {"run_option": run_option}) if parallel
+              else tf.compat.v1.Session(graph=g)) as run:
+            run.run(init)
+            got.append(run.run([fetches, train], {ids: feed[0], y: feed[1]})[0])
+    one, two = got
+    histograms = [tf.compat.v1.Summary.FromString(v.pop("histogram")).value[0].histo
+                  for v in (one, two)]
+    assert histograms[0].num == histograms[1].num == 3
+    assert histograms[0].sum == pytest.approx(histograms[1].sum, abs=1e-6)
+    for name in one:
+        assert np.shape(two[name]) == np.shape(one[name]), name
+        np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-6, err_msg=name)

@@ -27,14 +27,13 @@ from .batch_parts import joined_rows
 @dataclass(frozen=True)
 class Fetch:
     names: tuple            # tensor names or tf.Operations to run
-    how: str    # none | first | list | mean | sum | concat | any | all | max | min |
-    #                         summary | sparse rows | sparse first | sparse list
+    how: str    # none | first | list | mean | sum | concat | concat mean | any | all |
+    #             max | min | summary | sparse rows | sparse first | sparse list
     user: str               # the user's node
     replicas: tuple = ()    # for "list": index into `names` of each replica's value
     axis: int = 0           # for "concat": the axis that holds the batch's examples
     parts: tuple = ()       # for "summary": (tag, how) (parallax_ng/runtime/summaries.py);
     #                         for "sparse ...": the Fetches of indices, values, dense shape
-
 
 
 def combine(values: list, f: Fetch):
@@ -47,6 +46,8 @@ def combine(values: list, f: Fetch):
         return [values[i] for i in f.replicas]
     if f.how == "summary":
         return summaries.merge([values[i] for i in f.replicas], f.parts)
+    if f.how == "concat mean":       # the rows of each replica's mean, of the job's mean
+        return (np.concatenate(values, axis=f.axis) / len(values)).astype(values[0].dtype)
     if f.how == "mean":
         return np.mean(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
     if f.how == "sum":               # in the fetch's own type, as one device gives it

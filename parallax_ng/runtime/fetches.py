@@ -25,8 +25,9 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import FetchError
-from ..graph import accumulation, batch, forms
+from ..graph import accumulation, batch, forms, rules
 from ..graph.ir import parse_tensor
+from ..graph.rows import batch_axis
 from ..pipeline.results import PerExampleState, WidenedMeans
 from . import summaries
 from .batch_parts import sparse_placeholders, sparse_rows, sparse_tensors
@@ -156,6 +157,14 @@ class ReplicaFetchMap(FetchMap):
             how, axis = "concat", rows       # each replica's rows of per-example state
         elif self._accumulated(ref):
             how = "mean"    # each replica's sum of its gradients: their mean is one device's
+        elif ref in self.tg.gradient_tensors:
+            var = next(v for v, g in self.tg.gradients.items() if ref in (g.values, g.indices))
+            if self.tg.gradients[var].indices is None:
+                return Fetch((self._aggregate(ref, var),), "first", ref.node)
+            # a sparse gradient's rows: one device's are the replicas' in order, each
+            # replica's a gradient of its own mean where the gradients are averaged
+            how, axis = "concat" if ref == self.tg.gradients[var].indices or \
+                not self.plan.average_sparse else "concat mean", 0
         elif not self.varies(ref.node):
             if not self._runs_everywhere(ref.node):
                 return Fetch((f"{self.copy_name(0, ref.node)}:{ref.index}",), "first", ref.node)
@@ -168,8 +177,8 @@ class ReplicaFetchMap(FetchMap):
         names = tuple(dict.fromkeys(copies))
         # a node that exists once (a shared variable) is every replica's value
         return Fetch(names, "summary" if parts else how, ref.node,
-                     tuple(names.index(c) for c in copies), axis if how == "concat" else 0,
-                     parts)
+                     tuple(names.index(c) for c in copies),
+                     axis if how.startswith("concat") else 0, parts)
 
     def _summary_parts(self, name: str) -> tuple:
         """A TF1 summary's tags and how each combines (read once per tensor,
@@ -210,6 +219,25 @@ class ReplicaFetchMap(FetchMap):
         return ref.node in self.tg.accumulators or \
             accumulation.read_variable(self.tg, ref) in self.tg.accumulators
 
+    def _aggregate(self, ref, var: str) -> str:
+        """The global batch's gradient that dense gradient `ref` (of `var`)
+        becomes, as the update (or any other use) reads it in replica 0:
+        one device's."""
+        ir = self.tg.ir
+        for consumer, pos in sorted(ir.consumers.get(ref, ())):
+            if rules.is_autodiff_use(ir.node(consumer)):
+                continue
+            try:
+                op = self.graph.get_operation_by_name(self.copy_name(0, consumer))
+            except KeyError:
+                continue
+            if op.type == ir.node(consumer).op and pos < len(op.inputs):
+                return op.inputs[pos].name
+        raise FetchError(f"the gradient {ref.node}:{ref.index} of {var!r} cannot be fetched: "
+                         f"its {self.plan.variables[var].method} aggregate has no one value "
+                         "(each replica holds its part); fetch a tensor computed from it, or "
+                         "the replicas' own gradients with per_replica=True")
+
     def _runs_everywhere(self, node: str) -> bool:
         """Whether every replica's copy of an equal-on-every-replica node must
         run: it is computed from the replicas' own data (a metric's update,
@@ -225,10 +253,19 @@ class ReplicaFetchMap(FetchMap):
 
     def _reduction(self, name: str) -> tuple[str, int]:
         if name not in self._reductions:         # read once per tensor, not per step
-            widened = self.ctx.result(WidenedMeans)
+            widened, t = self.ctx.result(WidenedMeans), self.user_graph.get_tensor_by_name(name)
             self._reductions[name] = default_reduction(
-                self.user_graph.get_tensor_by_name(name), self._sources,
-                widened.divisions if widened else frozenset())
+                t, self._sources, widened.divisions if widened else frozenset())
+            if rules.is_autodiff(t.op.name) and t.dtype.is_floating:
+                # a gradient the step does not train with (a second tf.gradients, of
+                # the inputs): each replica's is of its own loss, averaged or summed
+                # as the trained ones are; a gradient per example, in rows (the
+                # autodiff's shapes hide them: a variable's gradient has a static shape)
+                averaged, axis = self.plan.average_dense, batch_axis(t, self._sources)
+                if axis is None and t.shape.rank and compat.dim(t.shape, 0) is None:
+                    axis = 0
+                self._reductions[name] = ("mean" if averaged else "sum", 0) if axis is None \
+                    else ("concat mean" if averaged else "concat", axis)
         return self._reductions[name]
 
     @cached_property
