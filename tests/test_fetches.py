@@ -27,7 +27,10 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
     averaged over it their mean; per-example booleans and strings join
     too (a prediction's correctness, its class name), a boolean reduced
     by any or all is the replicas' any or all, a largest or smallest value
-    over the batch their max or min; each equals one device's value."""
+    over the batch their max or min, a norm over it the norm of their
+    norms, the batch's shape theirs with the rows added, counts per class
+    (bincount, a confusion matrix) their sum (all had been joined or
+    averaged); each equals one device's value."""
     g = tf.Graph()
     with g.as_default():
         x = tf.compat.v1.placeholder(tf.float32, (None, 3, 2), name="x")
@@ -41,7 +44,13 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
                              name="answer"),
                    tf.reduce_any(h > 2.65, name="any"), tf.reduce_all(h > -3.0, name="all"),
                    tf.reduce_max(h, name="largest"), tf.reduce_min(h, [0, 1], name="smallest"),
-                   tf.reduce_max(tf.reduce_max(h, 2), 0, name="largest_per_step")]
+                   tf.reduce_max(tf.reduce_max(h, 2), 0, name="largest_per_step"),
+                   tf.shape(h, name="shape"), tf.norm(h, name="norm"),
+                   tf.math.bincount(tf.cast(h[:, 0, 0] > 0, tf.int32), minlength=2,
+                                    name="per_class"),
+                   tf.math.confusion_matrix(tf.cast(h[:, 0, 0] > 0, tf.int32),
+                                            tf.cast(h[:, 1, 1] > 0, tf.int32), 2,
+                                            name="confusion")]
         init = tf.compat.v1.global_variables_initializer()
     batch = np.random.default_rng(0).normal(size=(4, 3, 2)).astype(np.float32)
     with tf.compat.v1.Session(graph=g) as sess:
@@ -53,7 +62,9 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
         kinds = [runner.fetches.fetch(f.name) for f in fetches]
     assert [(f.how, f.axis) for f in kinds] == [("concat", 1), ("sum", 0), ("mean", 0),
                                                 ("concat", 0), ("concat", 0), ("any", 0),
-                                                ("all", 0), ("max", 0), ("min", 0), ("max", 0)]
+                                                ("all", 0), ("max", 0), ("min", 0), ("max", 0),
+                                                ("shape", 0), ("norm", 0), ("sum", 0),
+                                                ("sum", 0)]
     # replica 0 alone would give the answers opposite to these; the replicas'
     # mean (the rule before max and min) is not the batch's largest value
     assert want[5] and not want[6]

@@ -55,11 +55,13 @@ def test_scalars_are_averaged_summed_or_taken_from_replica_0():
         return tf1.Summary(value=[tf1.Summary.Value(tag=k, simple_value=v)
                                   for k, v in values.items()]).SerializeToString()
     merged = parsed(summaries.merge(
-        [summary(loss=1.0, count=3.0, lr=0.5, unknown=7.0, top=2.0, low=-1.0),
-         summary(loss=2.0, count=4.0, lr=0.5, unknown=9.0, top=5.0, low=-3.0)],
-        (("loss", "mean"), ("count", "sum"), ("lr", "first"), ("top", "max"), ("low", "min"))))
+        [summary(loss=1.0, count=3.0, lr=0.5, unknown=7.0, top=2.0, low=-1.0, norm=3.0),
+         summary(loss=2.0, count=4.0, lr=0.5, unknown=9.0, top=5.0, low=-3.0, norm=4.0)],
+        (("loss", "mean"), ("count", "sum"), ("lr", "first"), ("top", "max"), ("low", "min"),
+         ("norm", "norm"))))
     assert {k: v.simple_value for k, v in merged.items()} == {
-        "loss": 1.5, "count": 7.0, "lr": 0.5, "unknown": 7.0, "top": 5.0, "low": -3.0}
+        "loss": 1.5, "count": 7.0, "lr": 0.5, "unknown": 7.0, "top": 5.0, "low": -3.0,
+        "norm": 5.0}
 
 
 def model():

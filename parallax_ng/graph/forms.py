@@ -217,6 +217,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         has it), or over a tensor already reduced over the batch (the
         per-time means of a sequence loss, summed over time), its form."""
         shape, a = x.shape, batch_axis(x, rows)
+        if a is not None and shape.rank is None and _every_axis(t.op.inputs[1], x):
+            return "mean" if t.op.type == "Mean" else "sum"     # of a shape known at run time
         if axes is None or not shape.rank:
             return None
         axes = {int(v) % shape.rank for v in np.atleast_1d(axes)}
@@ -247,6 +249,15 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     scaled[0] and kind == "sum", by_count if kind == "mean" else [],
                     once if kind == "sum" else [], mixed if kind is None else [],
                     widened if kind == "sum" else [])
+
+
+def _every_axis(axes: tf.Tensor, x: tf.Tensor) -> bool:
+    """Whether `axes` is tf.range(tf.rank(x)): every axis of x, whose rank
+    the graph does not know (tf.reduce_mean of tf.edit_distance's)."""
+    op = axes.op
+    return op.type == "Range" and op.inputs[1].op.type == "Rank" and \
+        op.inputs[1].op.inputs[0] is x and tf.get_static_value(op.inputs[0]) == 0 and \
+        tf.get_static_value(op.inputs[2]) == 1
 
 
 def _terms(op):

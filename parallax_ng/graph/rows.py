@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import compat
-from .rules import CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS
+from .rules import CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS, sparse_batch
 
 
 def batch_rows(t: tf.Tensor, sources) -> bool:
@@ -122,6 +122,8 @@ class _Axes:
             return caller.axis(outer)
         if (rank := t.shape.rank) == 0 or t.dtype in (tf.resource, tf.variant):
             return None
+        if kind == "EditDistance":      # a distance per row of a sparse batch
+            return 0 if any(sparse_batch(op.inputs[i]) for i in (2, 5)) else None
         if kind in CTC:     # a loss (a decoding's log probability) per sequence
             lengths, out = CTC[kind]
             return 0 if t.value_index == out % len(op.outputs) and \

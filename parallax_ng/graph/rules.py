@@ -215,3 +215,13 @@ LOSSES = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyW
 CTC = {"CTCLoss": (3, 0), "CTCLossV2": (3, 0), "CTCGreedyDecoder": (1, -1),
        "CTCBeamSearchDecoder": (1, -1)}
 REDUCTIONS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "EuclideanNorm"})
+
+
+def sparse_batch(shape) -> bool:
+    """Whether a SparseTensor's dense shape `shape` (a tf.Tensor) is a
+    batch's: a CTC decoder's, or a sparse_placeholder's (fed, it is split
+    by rows)."""
+    op = shape.op
+    while op.type in ("Identity", "Cast"):
+        op = op.inputs[0].op
+    return op.type in CTC or op.type == "Placeholder" and op.name.endswith("/shape")

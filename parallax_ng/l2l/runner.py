@@ -194,11 +194,11 @@ class L2LFetchMap(FetchMap):
         if name == self.layering.loss or _identity_of(element) == self.layering.loss:
             return Fetch((self.built.loss.name,), "first", node)
         if name in self.built.clones:       # a value of each micro-batch, combined as replicas'
-            how, axis = default_reduction(element, forms.sources(self.user_graph))
+            how, axis, _ = default_reduction(element, forms.sources(self.user_graph))
             how = self.config.fetch_reduction.get(name) or self.config.fetch_reduction.get(
                 node) or how
             return Fetch(tuple(self.built.clones[name]), how, node, (),
-                         axis if how == "concat" else 0)
+                         axis if how in ("concat", "shape") else 0)
         if node in self.layering.segment_of:
             raise FetchError(f"{name!r} is a read of a variable in the forward pass; fetch "
                              "the variable")

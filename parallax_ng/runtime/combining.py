@@ -28,10 +28,11 @@ from .batch_parts import joined_rows
 class Fetch:
     names: tuple            # tensor names or tf.Operations to run
     how: str    # none | first | list | mean | sum | concat | concat mean | any | all |
-    #             max | min | summary | sparse rows | sparse first | sparse list
+    #             max | min | shape | norm | summary |
+    #             sparse rows | sparse first | sparse list
     user: str               # the user's node
     replicas: tuple = ()    # for "list": index into `names` of each replica's value
-    axis: int = 0           # for "concat": the axis that holds the batch's examples
+    axis: int = 0           # for "concat" and "shape": the axis of the batch's examples
     parts: tuple = ()       # for "summary": (tag, how) (parallax_ng/runtime/summaries.py);
     #                         for "sparse ...": the Fetches of indices, values, dense shape
 
@@ -59,29 +60,60 @@ def combine(values: list, f: Fetch):
             i += len(part.names)
         each = [tf.compat.v1.SparseTensorValue(*t) for t in zip(*triples)]
         return {"sparse list": each, "sparse first": each[0]}.get(f.how) or joined_rows(each)
+    if f.how == "shape":             # each replica's rows, added, in a batch's shape
+        shape = np.array(values[0])
+        shape[f.axis] = sum(int(v[f.axis]) for v in values)
+        return shape
+    if f.how == "norm":
+        return np.sqrt(np.sum(np.square(np.stack(values)), axis=0)).astype(values[0].dtype)
     if f.how in ("any", "all", "max", "min"):    # a boolean or an extreme over the batch
         return getattr(np, f.how)(np.stack(values), axis=0)
     return np.concatenate([np.atleast_1d(v) for v in values], axis=f.axis)
 
 
 def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset()) -> tuple:
-    """(how, axis): the replicas' parts joined along the batch's axis (a
-    time-major output's second; booleans and strings too); a scalar or a
+    """(how, axis, shown): the replicas' parts joined along the batch's axis
+    (a time-major output's second; booleans and strings too); a scalar or a
     tensor reduced over the batch is a mean (a loss) unless graph/forms.py
-    shows a sum (correct examples counted, a summed loss) or the state-sync
-    pass widened its division; a boolean reduced by tf.reduce_any or
-    reduce_all is the replicas' any or all, a largest or smallest value
-    over the batch (tf.reduce_max) their max or min; other booleans and strings
-    are replica 0's."""
+    shows a sum (correct examples counted, a summed loss, a count per class
+    by tf.math.bincount or confusion_matrix) or the state-sync pass widened
+    its division; a boolean reduced by tf.reduce_any or reduce_all is the
+    replicas' any or all, a largest or smallest value over the batch
+    (tf.reduce_max) their max or min, a norm over it (tf.norm) the norm of
+    their norms, the shape of a batch (tf.shape(logits)) theirs with the
+    batch's dimension added; other booleans and strings are replica 0's.
+    `shown` is False where the graph does not show which (a mean, or the
+    parts joined, is a guess)."""
     axis = batch_axis(t, sources) if t.shape.rank != 0 else None
     if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
         if axis is not None:        # per-example booleans or strings
-            return "concat", axis
-        return ({"Any": "any", "All": "all"}.get(t.op.type, "first")), 0
-    if axis is None and (largest := forms.extreme(t, sources)):
-        return largest, 0
-    kind = forms.scalar_kind(t, sources) if axis is None else None
-    if axis is not None or t.shape.rank != 0 and kind is None:
-        return "concat", axis or 0
+            return "concat", axis, True
+        return ({"Any": "any", "All": "all"}.get(t.op.type, "first")), 0, True
+    if axis is not None:
+        return "concat", axis, True
+    op = _through(t.op)
+    if op.type == "Shape" and (rows := batch_axis(op.inputs[0], sources)) is not None:
+        return "shape", rows, True
+    if op.type in _COUNTS and batch_axis(op.inputs[0], sources) is not None:
+        return "sum", 0, True
+    if op.type == "Sqrt" and forms.scalar_kind(op.inputs[0], sources) == "sum":
+        return "norm", 0, True
+    if largest := forms.extreme(t, sources):
+        return largest, 0, True
+    kind = forms.scalar_kind(t, sources)
+    if t.shape.rank != 0 and kind is None:
+        return "concat", 0, False
     summed = kind == "sum" or forms.over_widened(t, sources, widened)
-    return ("sum" if summed else "mean"), 0
+    return ("sum" if summed else "mean"), 0, kind is not None
+
+
+# ops that count the batch's values into a tensor per class (tf.math.bincount,
+# tf.math.confusion_matrix's ScatterNd): the replicas' counts add up
+_COUNTS = ("Bincount", "DenseBincount", "ScatterNd")
+
+
+def _through(op):
+    """`op`, or what it passes on unchanged in value (casts, tf.norm's squeeze)."""
+    while op.type in ("Identity", "Cast", "Squeeze", "Reshape"):
+        op = op.inputs[0].op
+    return op

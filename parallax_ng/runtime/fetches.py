@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import compat
+from ..config import FETCH_REDUCTIONS
 from ..errors import FetchError
 from ..graph import accumulation, batch, forms, rules
 from ..graph.ir import parse_tensor
@@ -49,6 +50,10 @@ class FetchMap:
     def fetch(self, leaf, per_replica: bool = False) -> Fetch:
         raise NotImplementedError
 
+    def varies(self, node: str) -> bool:
+        """Whether user node `node`'s value differs between the step's copies."""
+        return True
+
     def fetch_leaf(self, leaf, per_replica: bool = False) -> Fetch:
         """`fetch`, and a tf.SparseTensor as its three tensors: equal on
         every replica, replica 0's; else the replicas' rows joined (a
@@ -57,7 +62,7 @@ class FetchMap:
             return self.fetch(leaf, per_replica)
         parts = tuple(self.fetch(t, True) for t in (leaf.indices, leaf.values, leaf.dense_shape))
         how = "sparse list" if per_replica else \
-            "sparse first" if self.fetch(leaf.values).how == "first" else "sparse rows"
+            "sparse first" if not self.varies(leaf.values.op.name) else "sparse rows"
         return Fetch(sum((p.names for p in parts), ()), how, parts[1].user, parts=parts)
 
     def feeds(self, feed_dict) -> dict:
@@ -178,7 +183,7 @@ class ReplicaFetchMap(FetchMap):
         # a node that exists once (a shared variable) is every replica's value
         return Fetch(names, "summary" if parts else how, ref.node,
                      tuple(names.index(c) for c in copies),
-                     axis if how.startswith("concat") else 0, parts)
+                     axis if how.startswith("concat") or how == "shape" else 0, parts)
 
     def _summary_parts(self, name: str) -> tuple:
         """A TF1 summary's tags and how each combines (read once per tensor,
@@ -254,8 +259,16 @@ class ReplicaFetchMap(FetchMap):
     def _reduction(self, name: str) -> tuple[str, int]:
         if name not in self._reductions:         # read once per tensor, not per step
             widened, t = self.ctx.result(WidenedMeans), self.user_graph.get_tensor_by_name(name)
-            self._reductions[name] = default_reduction(
+            how, axis, shown = default_reduction(
                 t, self._sources, widened.divisions if widened else frozenset())
+            self._reductions[name] = how, axis
+            if not shown and not rules.is_autodiff(t.op.name) and \
+                    name not in self.config.fetch_reduction and not self._is_loss(t):
+                print(f"parallax_ng: the graph does not show how the replicas' values of "
+                      f"{name!r} ({t.op.type}) make one device's; they are "
+                      f"{'averaged' if how == 'mean' else 'joined'}. If that is not one "
+                      f"device's value, set config `fetch_reduction: {{{name}: "
+                      f"{'|'.join(FETCH_REDUCTIONS)}}}`", file=sys.stderr, flush=True)
             if rules.is_autodiff(t.op.name) and t.dtype.is_floating:
                 # a gradient the step does not train with (a second tf.gradients, of
                 # the inputs): each replica's is of its own loss, averaged or summed
@@ -267,6 +280,17 @@ class ReplicaFetchMap(FetchMap):
                 self._reductions[name] = ("mean" if averaged else "sum", 0) if axis is None \
                     else ("concat mean" if averaged else "concat", axis)
         return self._reductions[name]
+
+    def _is_loss(self, t: tf.Tensor) -> bool:
+        """Whether `t` is (an identity of) a loss the graph differentiates,
+        whose form graph/averaging.py has warned about already."""
+        while t.op.type in ("Identity", "Snapshot") and t.name not in self._losses:
+            t = t.op.inputs[0]
+        return t.name in self._losses
+
+    @cached_property
+    def _losses(self) -> frozenset[str]:
+        return frozenset(loss.name for loss in forms.autodiff_losses(self.user_graph))
 
     @cached_property
     def _sources(self) -> list[str]:

@@ -34,7 +34,7 @@ def is_summary(t: tf.Tensor) -> bool:
 
 def parts(t: tf.Tensor, how_of) -> tuple:
     """((tag, how), ...) for the summary tensor t: how is "mean", "sum",
-    "max" or "min" for a scalar the replicas combine so, "histogram" for a histogram of
+    "max", "min" or "norm" for a scalar the replicas combine so, "histogram" for a histogram of
     the batch's rows, "first" for the rest. `how_of(tensor)`: the
     runner's combination of a user-graph tensor."""
     out, stack = [], [t.op]
@@ -50,7 +50,7 @@ def parts(t: tf.Tensor, how_of) -> tuple:
         how = how_of(op.inputs[1])
         if op.type == "HistogramSummary":
             how = "histogram" if how == "concat" else "first"
-        elif how not in ("mean", "sum", "max", "min"):
+        elif how not in ("mean", "sum", "max", "min", "norm"):
             how = "first"
         out.extend((_text(tag), how) for tag in np.atleast_1d(tags))
     return tuple(out)
@@ -71,8 +71,8 @@ def merge(values: list, how: tuple) -> bytes:
             value.histo.CopyFrom(_added([v.histo for v in same]))
         else:
             numbers = [v.simple_value for v in same]
-            value.simple_value = {"mean": np.mean, "sum": np.sum, "max": np.max,
-                                  "min": np.min}[rule](numbers)
+            value.simple_value = {"mean": np.mean, "sum": np.sum, "max": np.max, "min": np.min,
+                                  "norm": np.linalg.norm}[rule](numbers)
     return out.SerializeToString()
 
 
