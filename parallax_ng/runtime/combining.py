@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import tensorflow as tf
 
-from ..graph import forms
+from .. import compat
+from ..config import FETCH_REDUCTIONS
+from ..graph import forms, rules
 from ..graph.rows import batch_axis
 from . import summaries
 from .batch_parts import joined_rows
@@ -71,7 +73,8 @@ def combine(values: list, f: Fetch):
     return np.concatenate([np.atleast_1d(v) for v in values], axis=f.axis)
 
 
-def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset()) -> tuple:
+def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
+                      averaged: bool = True) -> tuple:
     """(how, axis, shown): the replicas' parts joined along the batch's axis
     (a time-major output's second; booleans and strings too); a scalar or a
     tensor reduced over the batch is a mean (a loss) unless graph/forms.py
@@ -83,8 +86,17 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset()) -> 
     their norms, the shape of a batch (tf.shape(logits)) theirs with the
     batch's dimension added; other booleans and strings are replica 0's.
     `shown` is False where the graph does not show which (a mean, or the
-    parts joined, is a guess)."""
+    parts joined, is a guess). An autodiff tensor (a second tf.gradients,
+    of the weights or the inputs) is each replica's of its own loss: the
+    replicas' mean where the gradients are `averaged` (else their sum), a
+    gradient per example joined by rows (and divided by N)."""
     axis = batch_axis(t, sources) if t.shape.rank != 0 else None
+    if rules.is_autodiff(t.op.name) and t.dtype.is_floating:
+        if axis is None and t.shape.rank and compat.dim(t.shape, 0) is None:
+            axis = 0        # rows the autodiff's shapes hide (a weight's has a static shape)
+        if axis is None:
+            return ("mean" if averaged else "sum"), 0, True
+        return ("concat mean" if averaged else "concat"), axis, True
     if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
         if axis is not None:        # per-example booleans or strings
             return "concat", axis, True
@@ -105,6 +117,14 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset()) -> 
         return "concat", 0, False
     summed = kind == "sum" or forms.over_widened(t, sources, widened)
     return ("sum" if summed else "mean"), 0, kind is not None
+
+
+def unread(name: str, t: tf.Tensor, how: str) -> str:
+    """The warning for fetch `name` whose combination the graph does not show."""
+    return (f"parallax_ng: the graph does not show how the replicas' values of {name!r} "
+            f"({t.op.type}) make one device's; they are "
+            f"{'averaged' if how == 'mean' else 'joined'}. If that is not one device's value, "
+            f"set config `fetch_reduction: {{{name}: {'|'.join(FETCH_REDUCTIONS)}}}`")
 
 
 # ops that count the batch's values into a tensor per class (tf.math.bincount,

@@ -8,7 +8,8 @@ anything else, with suggestions for a name that is not there); ops the
 user made after get_runner are copied into the step graph the first time
 they are named. A map's `fetch(leaf, per_replica)` turns a key into a
 `Fetch` (the names to run in the step graph and how to combine their
-values, parallax_ng/runtime/combining.py); `feeds(feed_dict)` maps a feed dict onto the step graph.
+values, parallax_ng/runtime/combining.py; `fetch_leaf` a SparseTensor
+too); `feeds(feed_dict)` maps a feed dict onto the step graph.
 `ReplicaFetchMap` is the map of the data-parallel passes' graph: every
 replica's copy, per-replica batches split; layer-to-layer's is
 parallax_ng/l2l/runner.py's.
@@ -24,15 +25,13 @@ import numpy as np
 import tensorflow as tf
 
 from .. import compat
-from ..config import FETCH_REDUCTIONS
 from ..errors import FetchError
 from ..graph import accumulation, batch, forms, rules
 from ..graph.ir import parse_tensor
-from ..graph.rows import batch_axis
 from ..pipeline.results import PerExampleState, WidenedMeans
 from . import summaries
 from .batch_parts import sparse_placeholders, sparse_rows, sparse_tensors
-from .combining import Fetch, default_reduction
+from .combining import Fetch, default_reduction, unread
 from .copies import adopt, writes_apart
 
 
@@ -260,25 +259,11 @@ class ReplicaFetchMap(FetchMap):
         if name not in self._reductions:         # read once per tensor, not per step
             widened, t = self.ctx.result(WidenedMeans), self.user_graph.get_tensor_by_name(name)
             how, axis, shown = default_reduction(
-                t, self._sources, widened.divisions if widened else frozenset())
+                t, self._sources, widened.divisions if widened else frozenset(),
+                self.plan.average_dense)
             self._reductions[name] = how, axis
-            if not shown and not rules.is_autodiff(t.op.name) and \
-                    name not in self.config.fetch_reduction and not self._is_loss(t):
-                print(f"parallax_ng: the graph does not show how the replicas' values of "
-                      f"{name!r} ({t.op.type}) make one device's; they are "
-                      f"{'averaged' if how == 'mean' else 'joined'}. If that is not one "
-                      f"device's value, set config `fetch_reduction: {{{name}: "
-                      f"{'|'.join(FETCH_REDUCTIONS)}}}`", file=sys.stderr, flush=True)
-            if rules.is_autodiff(t.op.name) and t.dtype.is_floating:
-                # a gradient the step does not train with (a second tf.gradients, of
-                # the inputs): each replica's is of its own loss, averaged or summed
-                # as the trained ones are; a gradient per example, in rows (the
-                # autodiff's shapes hide them: a variable's gradient has a static shape)
-                averaged, axis = self.plan.average_dense, batch_axis(t, self._sources)
-                if axis is None and t.shape.rank and compat.dim(t.shape, 0) is None:
-                    axis = 0
-                self._reductions[name] = ("mean" if averaged else "sum", 0) if axis is None \
-                    else ("concat mean" if averaged else "concat", axis)
+            if not shown and name not in self.config.fetch_reduction and not self._is_loss(t):
+                print(unread(name, t, how), file=sys.stderr, flush=True)
         return self._reductions[name]
 
     def _is_loss(self, t: tf.Tensor) -> bool:
