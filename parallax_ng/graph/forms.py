@@ -274,13 +274,19 @@ def _terms(op):
     return None
 
 
+def through(op):
+    """`op`, or the op whose value it passes on unchanged (an identity, a
+    cast, a squeeze or reshape such as tf.norm's)."""
+    while op.type in ("Identity", "Snapshot", "Cast", "Squeeze", "Reshape"):
+        op = op.inputs[0].op
+    return op
+
+
 def extreme(t: tf.Tensor, sources) -> str | None:
     """"max" or "min" where `t` is a largest or smallest value over the
     batch (tf.reduce_max of predictions, over every axis or the batch's):
     the replicas' values combine so; None otherwise."""
-    op = t.op
-    while op.type in ("Identity", "Snapshot", "Cast"):
-        op = op.inputs[0].op
+    op = through(t.op)
     if op.type not in ("Max", "Min"):
         return None
     x, axes = op.inputs[0], tf.get_static_value(op.inputs[1])

@@ -103,7 +103,7 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
         return ({"Any": "any", "All": "all"}.get(t.op.type, "first")), 0, True
     if axis is not None:
         return "concat", axis, True
-    op = _through(t.op)
+    op = forms.through(t.op)
     if op.type == "Shape" and (rows := batch_axis(op.inputs[0], sources)) is not None:
         return "shape", rows, True
     if op.type in _COUNTS and batch_axis(op.inputs[0], sources) is not None:
@@ -131,9 +131,3 @@ def unread(name: str, t: tf.Tensor, how: str) -> str:
 # tf.math.confusion_matrix's ScatterNd): the replicas' counts add up
 _COUNTS = ("Bincount", "DenseBincount", "ScatterNd")
 
-
-def _through(op):
-    """`op`, or what it passes on unchanged in value (casts, tf.norm's squeeze)."""
-    while op.type in ("Identity", "Cast", "Squeeze", "Reshape"):
-        op = op.inputs[0].op
-    return op

@@ -162,9 +162,9 @@ class ReplicaFetchMap(FetchMap):
         elif self._accumulated(ref):
             how = "mean"    # each replica's sum of its gradients: their mean is one device's
         elif ref in self.tg.gradient_tensors:
-            var = next(v for v, g in self.tg.gradients.items() if ref in (g.values, g.indices))
+            var = self._gradient_of[ref]
             if self.tg.gradients[var].indices is None:
-                return Fetch((self._aggregate(ref, var),), "first", ref.node)
+                return Fetch((self._aggregate(ref),), "first", ref.node)
             # a sparse gradient's rows: one device's are the replicas' in order, each
             # replica's a gradient of its own mean where the gradients are averaged
             how, axis = "concat" if ref == self.tg.gradients[var].indices or \
@@ -223,11 +223,16 @@ class ReplicaFetchMap(FetchMap):
         return ref.node in self.tg.accumulators or \
             accumulation.read_variable(self.tg, ref) in self.tg.accumulators
 
-    def _aggregate(self, ref, var: str) -> str:
-        """The global batch's gradient that dense gradient `ref` (of `var`)
-        becomes, as the update (or any other use) reads it in replica 0:
-        one device's."""
-        ir = self.tg.ir
+    @cached_property
+    def _gradient_of(self) -> dict:
+        """{gradient tensor: its variable}, read once (fetch is on the run's path)."""
+        return {r: v for v, g in self.tg.gradients.items() for r in (g.values, g.indices)
+                if r is not None}
+
+    def _aggregate(self, ref) -> str:
+        """The global batch's gradient that dense gradient `ref` becomes, as
+        the update (or any other use) reads it in replica 0: one device's."""
+        ir, var = self.tg.ir, self._gradient_of[ref]
         for consumer, pos in sorted(ir.consumers.get(ref, ())):
             if rules.is_autodiff_use(ir.node(consumer)):
                 continue
