@@ -199,32 +199,48 @@ def test_summed_losses_with_summed_gradients(run_option, asked):
         assert np.max(np.abs(got[name] - want)) <= TOL, name
 
 
+SUMS = {   # losses that sum over the batch, with the op that hid their form before
+    # tf.nn.l2_loss(pred - y) plus a weight penalty: averaged with a warning,
+    # each step half of one device's (0.044 off after 3 steps)
+    "l2_loss": lambda pred, y, w, wt: tf.nn.l2_loss(pred - y) + 0.01 * tf.nn.l2_loss(w),
+    # a weighted sum of per-example pairwise terms behind tf.where(count > 0,
+    # sum, 0), the per-example sums over tf.range(1, tf.rank(d)): the same
+    "pairwise": lambda pred, y, w, wt: tf.compat.v1.losses.mean_pairwise_squared_error(
+        tf.tile(y, [1, 2]), tf.concat([pred, 2.0 * pred], 1), weights=wt),
+}
+
+
 @pytest.mark.parametrize("run_option", ["hybrid", "ps"])
-def test_an_l2_loss_is_a_sum_over_the_batch(run_option, capsys):
-    """tf.nn.l2_loss(pred - y) as the loss, plus a weight penalty: a sum
-    over the batch, so the replicas' gradients are summed and the penalty
-    divided among them. Before, the loss had no form and was averaged with
-    a warning: each step half of one device's (0.044 off after 3 steps)."""
+@pytest.mark.parametrize("kind", sorted(SUMS))
+def test_losses_that_sum_over_the_batch_sum_the_replicas_gradients(kind, run_option, capsys):
+    """A loss read as a sum over the batch: the replicas' gradients are
+    summed (a penalty on the weights divided among them), exact, with no
+    warning (replica 0's examples all weigh 0 in the weighted one)."""
     def build():
         g = tf.Graph()
         with g.as_default():
             x = tf.compat.v1.placeholder(tf.float32, [None, 4], name="x")
             y = tf.compat.v1.placeholder(tf.float32, [None, 1], name="y")
+            wt = tf.compat.v1.placeholder(tf.float32, [None, 1], name="wt")
             w = tf.compat.v1.get_variable("w", initializer=np.full((4, 1), 0.1, np.float32))
-            loss = tf.nn.l2_loss(tf.matmul(x, w) - y) + 0.01 * tf.nn.l2_loss(w)
+            loss = SUMS[kind](tf.matmul(x, w), y, w, wt)
             train = tf.compat.v1.train.GradientDescentOptimizer(0.01).minimize(loss)
             init = tf.compat.v1.global_variables_initializer()
-        return g, dict(x=x, y=y, w=w, loss=loss, train=train, init=init)
+        return g, dict(x=x, y=y, wt=wt, w=w, loss=loss, train=train, init=init)
     rng = np.random.default_rng(0)
-    feed = [rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32)]
+    feed = [rng.normal(size=(8, 4)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32),
+            np.float32([[0], [0], [0], [0], [1], [0.5], [0], [2]])]
     runs = []
     for parallel in (False, True):
         g, h = build()
         with (pn.get_runner(g, local(2), {"run_option": run_option}) if parallel
               else tf.compat.v1.Session(graph=g)) as run:
             run.run(h["init"])
-            runs.append([run.run([h["loss"], h["train"]], dict(zip((h["x"], h["y"]), feed)))[0]
-                         for _ in range(3)] + [run.run(h["w"])])
+            fed = dict(zip((h["x"], h["y"]), feed[:2]))
+            if kind == "pairwise":
+                fed[h["wt"]] = feed[2]
+            runs.append([run.run([h["loss"], h["train"]], fed)[0] for _ in range(3)] +
+                        [run.run(h["w"])])
     assert "parallax_ng" not in capsys.readouterr().err
     for a, b in zip(*runs):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

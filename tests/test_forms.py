@@ -46,6 +46,15 @@ LOSS_FORMS = {
     "tf.nn.l2_loss over the batch's elements": (lambda e, x: tf.nn.l2_loss(e) / 32.0, "mean"),
     "mean plus l2_loss of activations over the batch size": (
         lambda e, x: tf.reduce_mean(e) + tf.nn.l2_loss(e) / 8.0, "mean"),
+    # zero where no row counts (no form before: averaged, 1/N of one device's)
+    "a sum kept where a count over the batch is positive": (
+        lambda e, x: tf.where(tf.reduce_sum(tf.abs(e)) > 0.0, tf.reduce_sum(e), 0.0), "sum"),
+    "tf.compat.v1.losses.mean_pairwise_squared_error": (
+        lambda e, x: tf1.losses.mean_pairwise_squared_error(tf.zeros_like(e), e), "sum"),
+    "a sum kept where it passes a threshold": (      # a gate on the job's value: no form
+        lambda e, x: tf.where(tf.reduce_sum(e) > 1.0, tf.reduce_sum(e), 0.0), None),
+    "a sum or a constant": (lambda e, x: tf.where(tf.reduce_sum(e) > 0.0, tf.reduce_sum(e),
+                                                  1.0), None),
 }
 
 

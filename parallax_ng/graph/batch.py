@@ -374,6 +374,9 @@ def _untransposed(tg, ref: TensorRef, first: dict):
 def _const(tg, ref: TensorRef):
     """The value of a constant input as a Python int or list, else None."""
     node = tg.ir.node(ref.node)
+    if node.op == "Range":      # tf.range(1, tf.rank(x)) of an x of known rank
+        value = tf.get_static_value(tg.tensor(ref))
+        return None if value is None else value.tolist()
     if node.op != "Const":
         return None
     value = tf.make_ndarray(node.attr["value"].tensor)

@@ -173,6 +173,10 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     return "mean"       # a sum over the batch over its size (in elements)
             scaled[0] |= inner == "sum"
             return inner
+        if op.type in ("Select", "SelectV2") and present(op.inputs[0]):
+            zero = [x for x in op.inputs[1:] if not data(x) and _zero(x, constant)]
+            if len(zero) == 1:      # tf.where(count > 0, loss, 0): zero where no row counts
+                return through(t, op.inputs[2 if zero[0] is op.inputs[1] else 1])
         if op.type == "Mul" and not data(op.inputs[0]):
             inner = through(t, op.inputs[1])
             scaled[0] |= inner == "sum"
@@ -211,6 +215,12 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         if op.type in _REDUCTIONS:
             return reduced(t, op.inputs[0], constant(op.inputs[1]))
         return None
+
+    def present(c):         # `count > 0` (or != 0) for a count of the batch's rows or
+        op = c.op           # weights, or a condition the data does not set
+        return c.shape.rank == 0 and (not data(c) or op.type in ("Greater", "NotEqual") and (
+            not data(op.inputs[1]) and _zero(op.inputs[1], constant) and
+            form(op.inputs[0]) == "sum"))
 
     def reduced(t, x, axes):
         """A Sum or Mean over `axes` of x: over the batch's axis (wherever x
@@ -258,6 +268,11 @@ def _every_axis(axes: tf.Tensor, x: tf.Tensor) -> bool:
     return op.type == "Range" and op.inputs[1].op.type == "Rank" and \
         op.inputs[1].op.inputs[0] is x and tf.get_static_value(op.inputs[0]) == 0 and \
         tf.get_static_value(op.inputs[2]) == 1
+
+
+def _zero(t: tf.Tensor, constant) -> bool:
+    value = constant(t)
+    return value is not None and not np.any(value)
 
 
 def _terms(op):
