@@ -48,7 +48,9 @@ class KerasFit:
     def _new_step(self) -> None:
         """A step to trace at the next call: the model's train step with its
         optimizer, loss and trainable variables as compiled now."""
-        self.step = StepFunction(self.model.train_step, *self._asked, self._parts)
+        step = self.model.train_step        # as fit runs it: a tf.function, traced once
+        self.step = StepFunction(step if self.model.run_eagerly else tf.function(step),
+                                 *self._asked, self._parts)
         self.step.built.append(self._metrics_reset)   # not a checkpoint's totals
         self._rate = None
         self.behind = False

@@ -764,6 +764,8 @@ def test_bad_steps_are_refused_naming_the_problem():
             (side_effect, pn.GraphError, "built another graph when traced a second time")]:
         with pytest.raises(error, match=match):
             pn.function(fn, local(2))(x[0], y[0])
+    with pytest.raises(pn.GraphError, match="if the program runs the step as a tf.function"):
+        pn.function(side_effect, local(2))(x[0], y[0])
     step = pn.function(step_of(model, optimizer), local(2))
     with pytest.raises(pn.FetchError, match="global batch of 7 rows.*2 replicas"):
         step(x[0][:7], y[0][:7], per_replica=True)
@@ -772,6 +774,28 @@ def test_bad_steps_are_refused_naming_the_problem():
         with pytest.raises(pn.GraphError, match="is a .*, not a tensor or array: a step takes "
                                                 "one global batch; iterate outside it"):
             pn.function(lambda it: step_of(model, optimizer)(*next(iter(it))), local(2))(given)
+
+
+def test_a_tf_function_runs_its_first_trace_as_on_one_device():
+    """A tf.function step whose Python code counts its traces: one device
+    runs its first trace on every call (the count frozen at 1), and so do
+    the replicas; the same Python function given bare is refused (above)."""
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+
+    def counted(model, optimizer):
+        calls = []
+
+        @tf.function
+        def step(x, y):
+            calls.append(1)
+            return step_of(model, optimizer)(x, y) * float(len(calls))
+        return step
+    step, ref = pn.function(counted(*parallel), local(2)), counted(*single)
+    x, y = data()
+    for k in range(STEPS):
+        np.testing.assert_allclose(step(x[k], y[k]), ref(x[k], y[k]), rtol=1e-6)
+    step.sync()
+    check_equal(parallel, single)
 
 
 def test_an_embedding_reads_its_rows_not_the_whole_table():

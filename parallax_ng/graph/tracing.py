@@ -98,8 +98,9 @@ def capture(fn, args: tuple, parts: dict | None = None) -> Captured:
 
 def _trace(fn, args: tuple, first: int, what: str):
     """`fn`'s concrete function on `args`' specs (their leaves numbered from
-    `first`), traced twice: a trace that makes variables, or a second one
-    that differs from the first, is a GraphError."""
+    `first`), traced twice: a trace that makes variables is a GraphError,
+    and so is a second one that differs from the first, unless `fn` is a
+    tf.function (whose first trace is the graph it runs: that one)."""
     python = getattr(fn, "python_function", fn)
     flat = tf.nest.flatten(args)
     present = [i for i, a in enumerate(flat) if a is not None]
@@ -132,13 +133,16 @@ def _trace(fn, args: tuple, first: int, what: str):
                          "step (a Keras layer or optimizer makes its own on its first "
                          "call, which is fine)")
     changed = _differences(dry, concrete)
-    if changed:
+    if changed and hasattr(fn, "get_concrete_function"):
+        return dry      # a tf.function runs the trace it made first, Python state frozen
+    if changed:         # (tf_keras's Nadam counts its traces), as it runs on one device
         raise GraphError(
             f"{what}'s Python code built another graph when traced a second time "
             f"({changed}): it depends on Python state that changes from call to call "
             "(a counter, a list it appends to, a random number from Python). The step "
             "is traced once and that graph runs on every call: keep such state in a "
-            "tf.Variable, or out of the step")
+            "tf.Variable, or out of the step; if the program runs the step as a "
+            "tf.function, which keeps its first trace, pass that tf.function")
     return concrete
 
 
