@@ -44,6 +44,7 @@ def model(use):
     (lambda v, e, lg, y: e * v[0] + v[1], "whole"),                 # hyper-parameters
     (lambda v, e, lg, y: e + tf.reduce_sum(lg * v, 1), "whole"),    # broadcast over classes
     (lambda v, e, lg, y: e + tf.reduce_sum(v), "unknown"),          # summed, alone
+    (lambda v, e, lg, y: e, "whole"),           # read by nothing (no warning when fed)
     # a weight per example of a sum per example over tf.range(1, tf.rank(x))
     # (tf.compat.v1.losses.mean_pairwise_squared_error's): was "unknown"
     (lambda v, e, lg, y: tf.reduce_sum(lg * lg, tf.range(1, tf.rank(lg))) * v, "batch"),

@@ -53,6 +53,11 @@ LOSS_FORMS = {
         lambda e, x: tf1.losses.mean_pairwise_squared_error(tf.zeros_like(e), e), "sum"),
     "a sum kept where it passes a threshold": (      # a gate on the job's value: no form
         lambda e, x: tf.where(tf.reduce_sum(e) > 1.0, tf.reduce_sum(e), 0.0), None),
+    # taken of the job's means (LossForm.exchanged): no form before
+    "an RMSE": (lambda e, x: tf.sqrt(tf.reduce_mean(e)), "mean"),
+    "a ratio of means plus a mean": (
+        lambda e, x: tf.reduce_mean(e) / tf.reduce_mean(e[:, 0]) + tf.reduce_mean(e), "mean"),
+    "a root of a sum": (lambda e, x: tf.sqrt(tf.reduce_sum(e)), None),
     "a sum or a constant": (lambda e, x: tf.where(tf.reduce_sum(e) > 0.0, tf.reduce_sum(e),
                                                   1.0), None),
 }
@@ -83,6 +88,7 @@ def test_how_the_loss_depends_on_the_batch(name):
                 "per-column sums over the batch's elements",
                 "tf.nn.l2_loss over the batch's elements"):
         assert len(form.by_batch) == 1          # the divisor a micro-batch replaces
+    assert len(form.exchanged) == {"an RMSE": 1, "a ratio of means plus a mean": 2}.get(name, 0)
 
 
 def test_a_sum_plus_a_term_without_data_is_refused_or_named():

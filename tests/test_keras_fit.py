@@ -235,6 +235,13 @@ def _options_case(case):
             keras.Input((7,), dtype="int32"), keras.layers.Embedding(50, 8, mask_zero=True),
             keras.layers.LSTM(6), keras.layers.Dense(1)]),
                 lambda: dict(optimizer=keras.optimizers.Adam(0.01), loss="mse"), {}, ids, y)
+    if case == "rmse-loss":         # a function of the batch's mean: of the job's mean
+        def rmse(y_true, y_pred):
+            return keras.ops.sqrt(keras.ops.mean(keras.ops.square(y_true - y_pred)))
+        return (lambda: keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, "relu"),
+                                          keras.layers.Dense(1)]),
+                lambda: dict(optimizer=keras.optimizers.Adam(0.01), loss=rmse,
+                             metrics=["mae"]), {}, x, y)
     if case == "mean-with-sample-weight":
         weights = np.ones(SAMPLES, np.float32)
         weights[:24] = 0.0
@@ -251,7 +258,7 @@ def _options_case(case):
             dict(validation_split=0.2, class_weight={0: 1.0, 1: 3.0}), x, labels)
 
 
-@pytest.mark.parametrize("case", ["activity-regularizer", "masked-lstm",
+@pytest.mark.parametrize("case", ["activity-regularizer", "masked-lstm", "rmse-loss",
                                   "mean-with-sample-weight", "class-weight-and-more"])
 def test_fit_options_users_write_equal_one_device(case):
     make_model, compiled, options, x, y = _options_case(case)

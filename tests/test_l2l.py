@@ -8,6 +8,7 @@ host."""
 import collections
 import os
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -110,6 +111,7 @@ LOSSES = {
     "sum+l2": lambda xent, logits, y, batch: tf.reduce_sum(xent) / 512.0 + _l2_penalty(),
     "tf1.losses": lambda xent, logits, y, batch: tf1.losses.sparse_softmax_cross_entropy(
         y, logits),
+    "sqrt(mean)": lambda xent, logits, y, batch: tf.sqrt(tf.reduce_mean(xent)),
 }
 
 
@@ -361,6 +363,18 @@ def test_a_sum_over_fixed_size_feeds_is_an_error():
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
     with pytest.raises(pn.GraphError, match=r"placeholder 'x:0' has a fixed first dimension"):
         pn.get_runner(g, *_l2l(1, 2))
+
+
+def test_a_function_of_a_mean_over_micro_batches_is_warned():
+    """Each micro-batch would take the root of its own mean: a warning names
+    the loss; with one micro-batch there is nothing to warn about."""
+    g, h = stack(8, loss="sqrt(mean)")
+    with pytest.warns(UserWarning, match=r"the loss 'Sqrt:0' takes a function of such a mean"):
+        pn.get_runner(g, *_l2l(1, 2)).close()
+    g, h = stack(8, loss="sqrt(mean)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pn.get_runner(g, *_l2l(1, 1)).close()
 
 
 def test_a_sum_over_the_batch_plus_a_penalty_is_an_error():

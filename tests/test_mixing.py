@@ -80,3 +80,17 @@ def test_a_loss_that_compares_examples_is_found(name):
 @pytest.mark.parametrize("name", sorted(SEPARATE))
 def test_per_example_layers_do_not_mix(name):
     assert mixing(loss_of(SEPARATE[name]), ["x"]) is None
+
+
+def test_a_ratio_of_means_the_replicas_exchange_does_not_mix():
+    """A mean of the model's outputs over another (forms.LossForm.exchanged):
+    each replica divides by the job's mean, so the division mixes nothing;
+    a Dice loss's division by a sum stays found."""
+    from parallax_ng.graph.forms import loss_form
+    ratio = loss_of(lambda x: tf.reduce_mean(scores(x)) / tf.reduce_mean(tf.square(scores(x))))
+    assert "a division by a sum" in mixing(ratio, ["x"])[1]
+    exchanged = loss_form(ratio, ["x"], None).exchanged
+    assert len(exchanged) == 2 and mixing(ratio, ["x"], exchanged) is None
+    dice = loss_of(lambda x: tf.reduce_sum(scores(x)) / tf.reduce_sum(tf.square(scores(x))))
+    assert loss_form(dice, ["x"], None).exchanged == []
+    assert "a division by a sum" in mixing(dice, ["x"], [])[1]

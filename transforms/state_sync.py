@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from parallax_ng.graph import averaging, branches, emit, forms, rules
-from parallax_ng.graph.ir import GraphIR
+from parallax_ng.graph.ir import GraphIR, parse_tensor
 from parallax_ng.graph.rows import reading as read_rows
 from parallax_ng.pipeline.results import PerExampleState, WidenedMeans
 
@@ -156,6 +156,15 @@ class StateSyncPass:
             for node, at in _uses(tg, count):
                 for k, out in enumerate(outs):      # (a synced write of it stays so)
                     rewires.setdefault((ctx.replica_name(k, node), at), out)
+        for ref in _exchanged(tg, form):     # a function of a mean: of the job's mean
+            outs = [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)]
+            nodes, outs = reduce(ctx, f"parallax/state_sync/{ref.node}/{ref.index}/job_mean",
+                                 outs, tg.tensor(ref).dtype, True, synced)
+            synced += 1
+            new_nodes.extend(nodes)
+            for node, at in _uses(tg, ref):
+                for k, out in enumerate(outs):
+                    rewires.setdefault((ctx.replica_name(k, node), at), out)
         parts = []              # a regularizer beside a summed loss: 1/N of it per replica
         if summing:
             parts = averaging.added_once(tg.graph, form)
@@ -217,6 +226,17 @@ def _counts(tg, sources, form, widened: dict) -> list:
                 out.setdefault(count, False)
     out.update(dict.fromkeys(widened.values(), True))
     return list(out.items())
+
+
+def _exchanged(tg, form) -> list:
+    """The scalar means over the batch that a loss takes a function of, not
+    linear in them (forms.LossForm.exchanged: an RMSE's mean). Each replica
+    uses the replicas' mean of it, forward and in the gradient (the
+    gradient graph, built before, still differentiates the replica's own
+    mean): the mean of the replicas' gradients is then f'(the job's mean)
+    times the job's mean's gradient, one device's."""
+    return list(dict.fromkeys(parse_tensor(name) for loss in forms.autodiff_losses(tg.graph)
+                              for name in form(loss).exchanged))
 
 
 def _widened(tg, form, products: dict, summing: bool) -> dict:

@@ -42,12 +42,15 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     losses = autodiff_losses(graph)
     data = reading(sources(graph), graph)   # one reading of the batch's axes for every loss
     sums, unsure, once, mixed, unread = [], [], [], [], []
-    pairs = next(((loss.name, *m) for loss in losses for m in [mixing(loss, data)] if m), None)
+    read = {loss.name: scalar_form(loss, data) for loss in losses
+            if not (loss.shape.rank and batch_axis(loss, data) is not None)}
+    pairs = next(((loss.name, *m) for loss in losses for m in [mixing(
+        loss, data, read[loss.name][2].exchanged if loss.name in read else ())] if m), None)
     for loss in losses:
-        if loss.shape.rank and batch_axis(loss, data) is not None:
+        if loss.name not in read:
             sums.append(loss.name)      # a value per example: the autodiff sums them
             continue
-        kind, guessed, form = scalar_form(loss, data)
+        kind, guessed, form = read[loss.name]
         if guessed:
             unsure.append(loss.name)
         elif kind == "sum":

@@ -120,6 +120,9 @@ def kinds(tg, fixed: bool = False) -> dict[str, tuple[str, str]]:
             out[name] = (BATCH, "it is an argument of a TF2 step, a batch by pn.function's "
                                 "contract")
             continue
+        if not tg.ir.node_consumers.get(name):
+            out[name] = (WHOLE, "nothing in the graph reads it")
+            continue
         root = dims.find(d)
         facts, others = dims.facts[root], dims.placeholders[root] - {name}
         if "data" in facts or others:

@@ -99,6 +99,20 @@ class LossForm:
     # input 1, becomes the job's (N times a replica's) where the replicas'
     # gradients are summed (transforms/state_sync.py)
     widened: list[str] = field(default_factory=list)
+    # scalar means over the batch that a function not linear in them takes
+    # (an RMSE's tf.sqrt(tf.reduce_mean(...)), a product of two means): each
+    # replica uses the job's value, forward and in the gradient
+    # (transforms/state_sync.py all-reduces them), so the mean of the
+    # replicas' gradients is one device's
+    exchanged: list[str] = field(default_factory=list)
+
+
+# ops that compute a scalar from scalars, elementwise: of means, a loss needs
+# their job-wide values (LossForm.exchanged)
+_SCALAR_FUNCTIONS = frozenset({
+    "Sqrt", "Rsqrt", "Log", "Log1p", "Exp", "Expm1", "Square", "Pow", "Reciprocal", "Inv",
+    "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum", "Abs", "Tanh", "Sigmoid",
+    "Softplus", "SquaredDifference"})
 
 
 def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
@@ -136,7 +150,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     t.op.name in dependent for t in op.inputs)):
                 dependent.add(op.name)
                 grown = True
-    by_batch, by_count, once, mixed, widened = [], [], [], [], []
+    by_batch, by_count, once, mixed, widened, exchanged = [], [], [], [], [], []
 
     def data(t):
         return t.op.name in dependent
@@ -214,6 +228,11 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return through(t, op.inputs[0])          # a sum of one number
         if op.type in _REDUCTIONS:
             return reduced(t, op.inputs[0], constant(op.inputs[1]))
+        if op.type in _SCALAR_FUNCTIONS and t.shape.rank == 0:
+            means = [x for x in op.inputs if data(x)]
+            if all(x.shape.rank == 0 and form(x) == "mean" for x in means):
+                exchanged.extend(x.name for x in means)
+                return "mean"       # of the job's means, in every replica
         return None
 
     def present(c):         # `count > 0` (or != 0) for a count of the batch's rows or
@@ -258,7 +277,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [],
                     scaled[0] and kind == "sum", by_count if kind == "mean" else [],
                     once if kind == "sum" else [], mixed if kind is None else [],
-                    widened if kind == "sum" else [])
+                    widened if kind == "sum" else [], exchanged if kind == "mean" else [])
 
 
 def _every_axis(axes: tf.Tensor, x: tf.Tensor) -> bool:

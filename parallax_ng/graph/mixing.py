@@ -28,27 +28,29 @@ _SHAPE_ONLY = ("OnesLike", "ZerosLike", "Shape", "ShapeN", "Size", "Rank",
                "BroadcastArgs", "BroadcastGradientArgs")
 
 
-def mixing(loss: tf.Tensor, sources) -> tuple[str, str] | None:
+def mixing(loss: tf.Tensor, sources, exchanged=()) -> tuple[str, str] | None:
     """(op name, what it does) of the first op, in the graph's order, between
-    the data and `loss` that mixes the batch's examples; None if none does."""
-    return reading(sources, loss.graph).guarded(lambda r: _first(loss, r))
+    the data and `loss` that mixes the batch's examples; None if none does.
+    `exchanged`: scalar means the replicas exchange (forms.LossForm), by
+    which a division does not mix (each replica divides by the job's)."""
+    return reading(sources, loss.graph).guarded(lambda r: _first(loss, r, set(exchanged)))
 
 
-def _first(loss, rows):
+def _first(loss, rows, exchanged):
     found, seen, stack = [], set(), [loss.op]
     while stack:
         op = stack.pop()
         if op.name in seen:
             continue
         seen.add(op.name)
-        what = _mixes(op, rows)
+        what = _mixes(op, rows, exchanged)
         if what:
             found.append((op._id, op.name, what))    # noqa: SLF001 (creation order)
         stack.extend(x.op for x in op.inputs)
     return min(found)[1:] if found else None
 
 
-def _mixes(op, rows) -> str | None:
+def _mixes(op, rows, exchanged) -> str | None:
     kind = op.type
     if not op.inputs:
         return None
@@ -70,7 +72,8 @@ def _mixes(op, rows) -> str | None:
         return _pairs(op, rows)
     if kind == "Einsum":
         return _einsum_pairs(op, rows)
-    if kind in ("RealDiv", "Div", "DivNoNan") and len(op.inputs) == 2:
+    if kind in ("RealDiv", "Div", "DivNoNan") and len(op.inputs) == 2 and \
+            op.inputs[1].name not in exchanged:
         return _ratio(op.inputs[1], rows)
     return None
 

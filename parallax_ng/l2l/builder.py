@@ -114,11 +114,12 @@ class _Builder:
         self.loss_form = loss_form(tg.graph.get_tensor_by_name(layering.loss),
                                    layering.sources, self.micro.batch_size())
         self.weight = 1.0 if self.loss_form.kind == "sum" else 1.0 / self.u
-        if self.loss_form.kind is None and self.u > 1:
-            warnings.warn(
-                f"layer-by-layer execution cannot tell from the graph whether the loss "
-                f"{layering.loss!r} is a mean or a sum over the batch; it averages the "
-                f"{self.u} micro-batches' losses, which is right for a mean", stacklevel=4)
+        if (self.loss_form.kind is None or self.loss_form.exchanged) and self.u > 1:
+            warnings.warn(f"layer-by-layer execution averages the {self.u} micro-batches' "
+                          f"losses, right for a mean over the batch, but the loss "
+                          f"{layering.loss!r} " + ("takes a function of such a mean (an "
+                          "RMSE?), not one device's step" if self.loss_form.kind else
+                          "is not shown to be a mean or a sum"), stacklevel=4)
         whole = [t.name for t in self.micro.whole_feeds()]
         if self.loss_form.kind == "sum" and self.u > 1 and whole:
             raise GraphError(
