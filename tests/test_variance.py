@@ -53,3 +53,27 @@ def test_a_sparse_placeholder_s_rows_count_is_each_replica_s():
                for p in ("indices", "values", "shape"))
     assert not is_input_source(tg, tg.ir.node("other/shape"))    # no sparse placeholder's
     assert "seen" in replica_variant(tg)
+
+
+def test_inputs_the_state_sync_reduced_stop_differences():
+    """A metric's total written from the batch varies, unless its increment
+    is synced (the state-sync pass's SyncedInputs): then the write and the
+    update op reading it are equal on every replica; the count beside it
+    still varies where its own increment is not synced."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None], name="x")
+        total = tf.compat.v1.get_variable("total", [], use_resource=False)
+        count = tf.compat.v1.get_variable("count", [], use_resource=False)
+        add_total = tf.compat.v1.assign_add(total, tf.reduce_sum(x), name="add_total")
+        add_count = tf.compat.v1.assign_add(count, tf.cast(tf.size(x), tf.float32),
+                                            name="add_count")
+        tf.math.divide_no_nan(add_total, add_count, name="value")
+        w = tf.compat.v1.get_variable("w", [])
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(x * w))
+    tg = frontend.load(g)
+    assert {"add_total", "add_count", "value"} <= replica_variant(tg)
+    synced = replica_variant(tg, synced=frozenset({("add_total", 1), ("add_count", 1)}))
+    assert "x" in synced and not {"add_total", "add_count", "value"} & synced
+    half = replica_variant(tg, synced=frozenset({("add_total", 1)}))
+    assert "add_total" not in half and {"add_count", "value"} <= half

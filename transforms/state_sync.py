@@ -51,8 +51,9 @@ import numpy as np
 
 from parallax_ng.graph import averaging, branches, emit, forms, rules
 from parallax_ng.graph.ir import GraphIR, parse_tensor
+from parallax_ng.graph.rows import batch_axis
 from parallax_ng.graph.rows import reading as read_rows
-from parallax_ng.pipeline.results import PerExampleState, WidenedMeans
+from parallax_ng.pipeline.results import PerExampleState, SyncedInputs, WidenedMeans
 
 
 @dataclass(frozen=True)
@@ -122,11 +123,13 @@ class StateSyncPass:
                     new_nodes.extend(nodes)
                     syncs.append((scope, tensors, tg.tensor(ref), how == "mean", node, at))
         reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
+        replaced = set()            # (node, input) now the replicas' reduction: SyncedInputs
         for together in _together(ir, ctx, syncs, set(sources), above):
             nodes, outs = _reduced(ctx, reduce, together, synced)
             synced += len(together)
             new_nodes.extend(nodes)
             for (*_, node, at), mine in zip(together, outs):
+                replaced.add((node, at))
                 for k, out in enumerate(mine):
                     rewires[(ctx.replica_name(k, node), at)] = out
         if widened:
@@ -153,18 +156,16 @@ class StateSyncPass:
                 nodes, outs = _times(ctx, ir, f"parallax/state_sync/{count.node}/widened", outs,
                                      count.node, dtype, plan.group_size)
                 new_nodes.extend(nodes)
-            for node, at in _uses(tg, count):
-                for k, out in enumerate(outs):      # (a synced write of it stays so)
-                    rewires.setdefault((ctx.replica_name(k, node), at), out)
-        for ref in _exchanged(tg, form):     # a function of a mean: of the job's mean
+            _read_everywhere(ctx, count, outs, rewires, replaced)
+        for ref in dict.fromkeys(     # a function of means (an RMSE's): of the job's means,
+                parse_tensor(name) for loss in forms.autodiff_losses(tg.graph)  # forward and
+                for name in form(loss).exchanged):     # in the gradient (of its own mean)
             outs = [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)]
             nodes, outs = reduce(ctx, f"parallax/state_sync/{ref.node}/{ref.index}/job_mean",
                                  outs, tg.tensor(ref).dtype, True, synced)
             synced += 1
             new_nodes.extend(nodes)
-            for node, at in _uses(tg, ref):
-                for k, out in enumerate(outs):
-                    rewires.setdefault((ctx.replica_name(k, node), at), out)
+            _read_everywhere(ctx, ref, outs, rewires, replaced)
         parts = []              # a regularizer beside a summed loss: 1/N of it per replica
         if summing:
             parts = averaging.added_once(tg.graph, form)
@@ -177,6 +178,7 @@ class StateSyncPass:
             nodes, outs = _times_replicas(ctx, ir, node, at, 1.0 / plan.group_size, "once")
             new_nodes.extend(nodes)
             rewires.update(outs)
+        ctx.publish(SyncedInputs(frozenset(replaced)))
         return ir.rewire(rewires, new_nodes), {"synced": synced}
 
 
@@ -228,17 +230,6 @@ def _counts(tg, sources, form, widened: dict) -> list:
     return list(out.items())
 
 
-def _exchanged(tg, form) -> list:
-    """The scalar means over the batch that a loss takes a function of, not
-    linear in them (forms.LossForm.exchanged: an RMSE's mean). Each replica
-    uses the replicas' mean of it, forward and in the gradient (the
-    gradient graph, built before, still differentiates the replica's own
-    mean): the mean of the replicas' gradients is then f'(the job's mean)
-    times the job's mean's gradient, one device's."""
-    return list(dict.fromkeys(parse_tensor(name) for loss in forms.autodiff_losses(tg.graph)
-                              for name in form(loss).exchanged))
-
-
 def _widened(tg, form, products: dict, summing: bool) -> dict:
     """{division: its count} of the means a loss adds to a sum over the batch
     (forms.LossForm.widened): where the replicas' gradients are summed, or
@@ -260,6 +251,15 @@ def _from_values(tg, ref, sources: set) -> bool:
     through ops that read only a shape)."""
     return bool(sources & tg.ir.ancestors(
         {ref.node}, stop=lambda name: tg.ir.node(name).op in _SHAPES, data_only=True))
+
+
+def _read_everywhere(ctx, ref, outs, rewires: dict, replaced: set) -> None:
+    """Every use of `ref` in replica k reads outs[k] instead (a synced write
+    of it stays so)."""
+    for node, at in _uses(ctx.tg, ref):
+        replaced.add((node, at))
+        for k, out in enumerate(outs):
+            rewires.setdefault((ctx.replica_name(k, node), at), out)
 
 
 def _uses(tg, ref) -> list[tuple[str, int]]:
@@ -361,16 +361,15 @@ def _tracker_products(tg, sources) -> dict:
 
 
 def _a_mean(tg, ref, sources: list[str]) -> bool:
-    """Whether `ref` is a mean over the replica's batch (a mean loss, as
-    tf.compat.v1.metrics.mean(loss) adds it to its total while its count
-    grows by one): one device adds the global batch's mean, the mean of the
-    replicas'. Every placeholder and iterator counts as data, so a value
-    scaled by a fed number is no mean here; a sum over the batch scaled by
-    a number the graph does not show to be the batch size is, as the
-    gradients take it (graph/forms.py scalar_kind). A sum over the batch,
-    or a value the graph does not show the form of, is summed."""
+    """Whether `ref` is a mean over the replica's batch, or a tensor of such
+    means (tf.compat.v1.metrics.mean of a mean loss, mean_tensor of a mean
+    over the batch's axis): one device adds the global batch's, the
+    replicas' mean. Placeholders and iterators count as data (a value scaled
+    by a fed number is no mean); a sum scaled by a number not shown to be
+    the batch size is one, as the gradients take it (forms.scalar_kind). A
+    sum over the batch, or a value whose form is not shown, is summed."""
     t = tg.graph.get_tensor_by_name(f"{ref.node}:{ref.index}")
-    if t.shape.rank != 0:
+    if t.shape.rank is None or t.shape.rank and batch_axis(t, sources) is not None:
         return False
     return forms.scalar_kind(t, sources) == "mean"
 

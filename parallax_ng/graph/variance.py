@@ -16,14 +16,17 @@ from .. import compat
 from . import randomness, rules
 
 
-def replica_variant(tg, identical: frozenset[str] = frozenset()
-                    ) -> frozenset[str]:
+def replica_variant(tg, identical: frozenset[str] = frozenset(),
+                    synced: frozenset = frozenset()) -> frozenset[str]:
     """User nodes whose outputs differ between replicas.
 
     Sources: input pipelines, placeholders with an unknown leading dimension
     (their feeds are split by replica), random ops, stateful or stateless
     (but those in `identical`, which every replica draws alike). Differences flow along
-    data edges, except out of gradients, which the transformation aggregates.
+    data edges, except out of gradients, which the transformation aggregates,
+    and into the inputs `synced` ((node, position): a state write's value the
+    state-sync pass reduced over the replicas, a count each replica takes
+    the job's of).
     """
     grads = tg.gradient_tensors
     variant = {node.name for node in tg.ir.nodes
@@ -32,8 +35,9 @@ def replica_variant(tg, identical: frozenset[str] = frozenset()
     while todo:           # along data edges, a loop's back edges too (NextIteration
         name = todo.pop()          # into its Merge: what a loop carries from the data)
         for user in tg.ir.node_consumers.get(name, ()):
-            if user not in variant and any(ref.node == name and ref not in grads
-                                           for ref in tg.ir.data_inputs(user)):
+            if user not in variant and any(
+                    ref.node == name and ref not in grads and (user, at) not in synced
+                    for at, ref in enumerate(tg.ir.data_inputs(user))):
                 variant.add(user)
                 todo.append(user)
     return frozenset(variant)

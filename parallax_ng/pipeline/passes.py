@@ -25,6 +25,7 @@ from ..graph.ir import GraphIR, format_input
 from ..graph.variance import replica_variant
 from ..planning.facts import Facts
 from ..planning.plan import Plan
+from .results import SyncedInputs
 
 REPLICA_PREFIX = "parallax/replica_{}/"
 
@@ -92,9 +93,22 @@ class PassContext:
     def variant(self) -> frozenset[str]:
         """User nodes whose values differ between replicas (random ops the
         plan draws alike on every replica are not sources)."""
-        identical = frozenset(op for op, mode in self.plan.random.items()
-                              if mode == "identical")
+        identical = self._identical
         return replica_variant(self.tg, identical) if identical else self.tg.variant
+
+    @cached_property
+    def _identical(self) -> frozenset[str]:
+        return frozenset(op for op, mode in self.plan.random.items() if mode == "identical")
+
+    @cached_property
+    def synced_variant(self) -> frozenset[str]:
+        """`variant` once the passes have run: a write whose varying input the
+        state-sync pass replaced by the replicas' reduction (a metric's total)
+        is the same on every replica, and so is what reads it (the metric's
+        update op), unless it reads varying values besides."""
+        synced = self.result(SyncedInputs)
+        return replica_variant(self.tg, self._identical, synced.inputs) if synced \
+            else self.variant
 
     def varies(self, ref) -> bool:
         """True if tensor `ref` differs between replicas after aggregation."""

@@ -118,6 +118,16 @@ class CountedDraws:
 
 
 @dataclass(frozen=True)
+class SyncedInputs:
+    """(user node, input position) of the inputs the state-sync pass gave a
+    value reduced over the replicas (a state write's, a count's, a mean's):
+    equal on every replica, as what reads only them and state is
+    (PassContext.synced_variant; a fetch of a metric's update op is replica
+    0's value)."""
+    inputs: frozenset
+
+
+@dataclass(frozen=True)
 class WidenedMeans:
     """The divisions of a mean by a count that the state-sync pass made
     each replica take over N times the count (a mean added to a sum over the

@@ -199,7 +199,7 @@ class ReplicaFetchMap(FetchMap):
             self.config.fetch_reduction.get(t.name) or self._reduction(t.name)[0]
 
     def varies(self, node: str) -> bool:
-        return node in self.ctx.variant or node in self.late_variant
+        return node in self.ctx.synced_variant or node in self.late_variant
 
     def _per_example(self, ref) -> int | None:
         """The axis of its examples' rows where `ref` is a variable the step
