@@ -50,3 +50,21 @@ def test_like_copies_op_and_attrs_but_not_the_colocation_group():
     assert (copy.name, copy.op, copy.device, list(copy.input)) == ("h", "GatherV2",
                                                                    "/job:ps/task:0", [])
     assert set(copy.attr) == {"Tparams", "Tindices", "Taxis", "batch_dims"}
+
+
+def test_segment_sums_add_each_parts_rows_at_their_indices():
+    gd = tf1.GraphDef()
+    gd.node.extend([emit.const("v0", [[1.0], [2.0], [4.0]], tf.float32),
+                    emit.const("i0", [2, 0, 2], tf.int64),
+                    emit.const("v1", [[8.0]], tf.float32), emit.const("i1", [1], tf.int64)])
+    nodes, sums, every = emit.segment_sums("dense", ["v0", "v1"], ["i0", "i1"], 4, tf.int64,
+                                           tf.float32, ["", ""], "")
+    gd.node.extend(nodes)
+    g = tf.Graph()
+    with g.as_default():
+        tf.graph_util.import_graph_def(gd, name="")
+    with tf1.Session(graph=g) as sess:
+        a, b, rows = sess.run([f"{sums[0]}:0", f"{sums[1]}:0", f"{every}:0"])
+    np.testing.assert_array_equal(a, [[2.0], [0.0], [5.0], [0.0]])
+    np.testing.assert_array_equal(b, [[0.0], [8.0], [0.0], [0.0]])
+    np.testing.assert_array_equal(rows, [0, 1, 2, 3])

@@ -408,7 +408,10 @@ def test_tf1_metrics_of_arrays_and_their_fetched_updates_equal_one_device(mode, 
     false_negatives_at_thresholds' counts and mean_tensor's means had come
     back joined ([6, 3] for [3, 3]) with a warning; mean_tensor of a
     per-column mean over the batch summed the replicas' means (twice one
-    device's). 5 steps of 8 rows on 2 replicas, 1e-5, no warning."""
+    device's). mean_per_class_accuracy scatter-adds its counts per class
+    (it was refused: ScatterAdd was no write the replicas could sync): the
+    replicas' counts are summed by class. 5 steps of 8 rows on 2 replicas,
+    1e-5, no warning."""
     import parallax_ng as pn
     from models import local
     rng = np.random.default_rng(0)
@@ -429,6 +432,7 @@ def test_tf1_metrics_of_arrays_and_their_fetched_updates_equal_one_device(mode, 
                        tf1.metrics.false_negatives_at_thresholds(tf.equal(y, 1), probs[:, 1],
                                                                  [0.3, 0.5]),
                        tf1.metrics.mean_tensor(tf.reduce_mean(probs, 0)),
+                       tf1.metrics.mean_per_class_accuracy(y, pred, 3),
                        tf1.metrics.accuracy(y, pred)]
             init = [tf1.global_variables_initializer(), tf1.local_variables_initializer()]
         return g, x, y, train, metrics, init

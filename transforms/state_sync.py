@@ -70,11 +70,12 @@ class StateSyncPass:
         synced = 0
         new_nodes, rewires, tracked, untrained, above = [], {}, [], set(), {}
         syncs = []                              # (scope, tensors, tensor, mean, node, at)
+        replaced = set()            # (node, input) now the replicas' reduction: SyncedInputs
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
         batch = forms.replica_batch(tg.graph, sources)
         summing = not plan.average_dense and not plan.average_sparse
         form = _Forms(sources)                    # each loss's form, read once
-        products = _tracker_products(tg, sources)
+        products = averaging.tracker_products(tg.graph, sources)
         widened = _widened(tg, form, products, summing)
         examples, per_example = read_rows(sources, tg.graph), {}
         branches.warn_out_of_reach(tg, ctx.varies)
@@ -97,6 +98,18 @@ class StateSyncPass:
                             (axis := examples.axis(tg.tensor(ref))) is not None:
                         per_example[var] = axis   # rows of examples: each replica its own
                         continue
+                    if (w, 2) in replaced:      # a scatter's indices and rows: synced once
+                        continue
+                    if tg.ir.node(w).op in _SCATTERS and \
+                            (dense := _scatter_dense(ctx, ir, var, w)) is not None:
+                        nodes, tensors, rows = dense    # rows added at indices: the job's
+                        new_nodes.extend(nodes)         # rows summed at every index
+                        replaced.update({(w, 1), (w, 2)})
+                        rewires.update({(ctx.replica_name(k, w), 1): rows
+                                        for k in range(plan.num_replicas)})
+                        syncs.append((f"{nodes[0].name}/sum", tensors,
+                                      tg.tensor(tg.ir.data_inputs(w)[2]), False, w, 2))
+                        continue
                     how = rules.state_sync_reduction(tg.ir.node(w).op, w)
                     if tg.variables[var].trainable and var not in tg.gradients and \
                             tg.variables[var].dtype.is_floating:
@@ -114,7 +127,7 @@ class StateSyncPass:
                     scope = f"parallax/state_sync/{node}/input_{at}"
                     nodes, tensors = [], [ctx.replica_tensor(k, ref)
                                           for k in range(plan.num_replicas)]
-                    loss = products.get(_past(tg.tensor(ref)).op.name) if how == "sum" else None
+                    loss = products.get(averaging.past(tg.tensor(ref)).op.name) if how == "sum" else None
                     if loss is not None and (forms.scalar_kind(loss, sources) == "sum"
                                              or form.over_widened(loss, widened)):
                         tracked.append(loss)
@@ -123,7 +136,6 @@ class StateSyncPass:
                     new_nodes.extend(nodes)
                     syncs.append((scope, tensors, tg.tensor(ref), how == "mean", node, at))
         reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
-        replaced = set()            # (node, input) now the replicas' reduction: SyncedInputs
         for together in _together(ir, ctx, syncs, set(sources), above):
             nodes, outs = _reduced(ctx, reduce, together, synced)
             synced += len(together)
@@ -253,6 +265,26 @@ def _from_values(tg, ref, sources: set) -> bool:
         {ref.node}, stop=lambda name: tg.ir.node(name).op in _SHAPES, data_only=True))
 
 
+_SCATTERS = frozenset({"ScatterAdd", "ResourceScatterAdd"})
+
+
+def _scatter_dense(ctx, ir, var: str, w: str):
+    """(nodes, each replica's rows summed by index into a tensor of `var`'s
+    shape, every index) for a scatter-add of rows from the replica's batch
+    (mean_per_class_accuracy's counts per class): summed over the replicas
+    and added at every index, the replicas add what one device adds. None
+    if `var`'s rows are unknown."""
+    shape, (_, indices, updates) = tuple(ctx.tg.variables[var].shape), ctx.tg.ir.data_inputs(w)
+    if not shape or shape[0] is None:
+        return None
+    n = ctx.plan.num_replicas
+    return emit.segment_sums(
+        f"parallax/state_sync/{w}/dense", [ctx.replica_tensor(k, updates) for k in range(n)],
+        [ctx.replica_tensor(k, indices) for k in range(n)], int(shape[0]),
+        ctx.tg.tensor(indices).dtype, ctx.tg.tensor(updates).dtype,
+        [ir.node(ctx.replica_name(k, w)).device for k in range(n)], ctx.plan.host)
+
+
 def _read_everywhere(ctx, ref, outs, rewires: dict, replaced: set) -> None:
     """Every use of `ref` in replica k reads outs[k] instead (a synced write
     of it stays so)."""
@@ -330,36 +362,6 @@ def _times(ctx, ir, scope: str, tensors: list, node: str, dtype, factor):
     return nodes, [n.name for n in nodes[1:]]
 
 
-_PAST = frozenset({"Identity", "Snapshot", "Cast", "BroadcastTo", "Reshape", "Squeeze",
-                   "ExpandDims"})
-
-
-def _past(t):
-    """`t` past ops that keep its value (and sums or means of one element)."""
-    while t.op.type in _PAST or (t.op.type in ("Sum", "Mean")
-                                 and t.op.inputs[0].shape.num_elements() == 1):
-        t = t.op.inputs[0]
-    return t
-
-
-def _tracker_products(tg, sources) -> dict:
-    """{Mul op: x} of the scalars that are a scalar x times the replica's
-    row count (Keras's loss tracker adds `loss x batch size` to its
-    total). Where x is summed (a sum over the batch, or a mean over a
-    widened count), one device adds the global x times the global count,
-    N times the replicas' sum of theirs."""
-    found = {}
-    for op in tg.graph.get_operations():
-        if op.type != "Mul" or op.outputs[0].shape.num_elements() != 1:
-            continue
-        a, b = (_past(x) for x in op.inputs)
-        x = next((x for count, x in ((a, b), (b, a)) if forms.counts_rows(count.op, sources)
-                  and x.shape.num_elements() == 1), None)
-        if x is not None:
-            found[op.name] = x
-    return found
-
-
 def _a_mean(tg, ref, sources: list[str]) -> bool:
     """Whether `ref` is a mean over the replica's batch, or a tensor of such
     means (tf.compat.v1.metrics.mean of a mean loss, mean_tensor of a mean
@@ -396,7 +398,8 @@ def _together(ir, ctx, syncs: list, sources: set, above: dict) -> list[list]:
     tg = ctx.tg
     for sync in syncs:
         _, _, t, mean, node, _ = sync
-        alone = not t.shape.is_fully_defined() or branches.switches_above(tg.ir, node, above)
+        alone = not t.shape.is_fully_defined() or branches.switches_above(tg.ir, node, above) \
+            or tg.ir.node(node).op in _SCATTERS         # (t: the rows, not their sum)
         groups.setdefault(id(sync) if alone else (t.dtype, mean, frozenset(
             sources & tg.ir.ancestors([t.op.name]))), []).append(sync)
     out = []

@@ -1,7 +1,8 @@
 """Averaging: whether the replicas' gradients are averaged or summed for
 one device's, read from the losses a graph differentiates (`averages`),
-and where a summed loss adds a term without data that each replica then
-adds 1/N of (`added_once`).
+where a summed loss adds a term without data that each replica then
+adds 1/N of (`added_once`), and the scalars Keras's loss tracker adds
+times the replica's row count (`tracker_products`).
 
 Requires: a graph with the losses' gradients (tf.gradients, or a traced
 TF2 step's tapes). Guarantees: reads the graph only, through
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from .forms import autodiff_losses, loss_form, scalar_form, sources
+from .forms import autodiff_losses, counts_rows, loss_form, scalar_form, sources
 from .mixing import mixing
 from .rows import batch_axis, reading
 
@@ -110,3 +111,33 @@ def added_once(graph: tf.Graph, form=None) -> list[tuple[str, int]]:
         data = sources(graph)
         form = lambda loss: loss_form(loss, data, None, strict=False)  # noqa: E731
     return [where for loss in autodiff_losses(graph) for where in form(loss).once]
+
+
+_PAST = frozenset({"Identity", "Snapshot", "Cast", "BroadcastTo", "Reshape", "Squeeze",
+                   "ExpandDims"})
+
+
+def past(t: tf.Tensor) -> tf.Tensor:
+    """`t` past ops that keep its value (and sums or means of one element)."""
+    while t.op.type in _PAST or (t.op.type in ("Sum", "Mean")
+                                 and t.op.inputs[0].shape.num_elements() == 1):
+        t = t.op.inputs[0]
+    return t
+
+
+def tracker_products(graph: tf.Graph, sources) -> dict:
+    """{Mul op: x} of the scalars that are a scalar x times the replica's
+    row count (Keras's loss tracker adds `loss x batch size` to its
+    total). Where x is summed (a sum over the batch, or a mean over a
+    widened count), one device adds the global x times the global count,
+    N times the replicas' sum of theirs (transforms/state_sync.py)."""
+    found = {}
+    for op in graph.get_operations():
+        if op.type != "Mul" or op.outputs[0].shape.num_elements() != 1:
+            continue
+        a, b = (past(x) for x in op.inputs)
+        x = next((x for count, x in ((a, b), (b, a)) if counts_rows(count.op, sources)
+                  and x.shape.num_elements() == 1), None)
+        if x is not None:
+            found[op.name] = x
+    return found

@@ -61,6 +61,19 @@ def const(name: str, value, dtype: tf.DType, device: str = ""):
                     value=_AttrValue(tensor=proto))
 
 
+def segment_sums(scope: str, values: list[str], indices: list[str], rows: int, itype, dtype,
+                 devices: list[str], host: str):
+    """(nodes, sums, every row): values[k]'s rows summed at indices[k] into
+    a tensor of `rows` rows (UnsortedSegmentSum on devices[k]), and the
+    indices 0 .. rows - 1 (a constant on `host`)."""
+    nodes = [const(f"{scope}/rows", rows, itype, host),
+             const(f"{scope}/every_row", np.arange(rows), itype, host)]
+    nodes += [node_def(f"{scope}/{k}", "UnsortedSegmentSum", [v, i, nodes[0].name], device,
+                       T=dtype, Tindices=itype, Tnumsegments=itype)
+              for k, (v, i, device) in enumerate(zip(values, indices, devices))]
+    return nodes, [n.name for n in nodes[2:]], nodes[1].name
+
+
 def fifo_queue(name: str, shared_name: str, dtypes, device: str, capacity: int = 2):
     """A FIFOQueueV2 of unknown element shapes that every worker's graph
     names alike (`shared_name`), so they share the one on `device`."""
