@@ -410,7 +410,7 @@ def test_tf1_metrics_of_arrays_and_their_fetched_updates_equal_one_device(mode, 
     per-column mean over the batch summed the replicas' means (twice one
     device's). mean_per_class_accuracy scatter-adds its counts per class
     (it was refused: ScatterAdd was no write the replicas could sync): the
-    replicas' counts are summed by class. 5 steps of 8 rows on 2 replicas,
+    replicas' counts are summed by class (a scatter_sub's rows too). 5 steps of 8 rows on 2 replicas,
     1e-5, no warning."""
     import parallax_ng as pn
     from models import local
@@ -434,6 +434,9 @@ def test_tf1_metrics_of_arrays_and_their_fetched_updates_equal_one_device(mode, 
                        tf1.metrics.mean_tensor(tf.reduce_mean(probs, 0)),
                        tf1.metrics.mean_per_class_accuracy(y, pred, 3),
                        tf1.metrics.accuracy(y, pred)]
+            owed = tf1.get_variable("owed", initializer=tf.zeros([3]), trainable=False,
+                                    collections=[tf1.GraphKeys.LOCAL_VARIABLES])
+            metrics.append((owed, tf1.scatter_sub(owed, y, tf.reduce_max(probs, 1))))
             init = [tf1.global_variables_initializer(), tf1.local_variables_initializer()]
         return g, x, y, train, metrics, init
     runs = []

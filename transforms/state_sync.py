@@ -265,7 +265,7 @@ def _from_values(tg, ref, sources: set) -> bool:
         {ref.node}, stop=lambda name: tg.ir.node(name).op in _SHAPES, data_only=True))
 
 
-_SCATTERS = frozenset({"ScatterAdd", "ResourceScatterAdd"})
+_SCATTERS = frozenset({"ScatterAdd", "ResourceScatterAdd", "ScatterSub", "ResourceScatterSub"})
 
 
 def _scatter_dense(ctx, ir, var: str, w: str):
