@@ -50,7 +50,7 @@ class KerasFit:
         optimizer, loss and trainable variables as compiled now."""
         step = self.model.train_step        # as fit runs it: a tf.function, traced once
         self.step = StepFunction(step if self.model.run_eagerly else tf.function(step),
-                                 *self._asked, self._parts)
+                                 *self._asked, self._parts, follow=False)
         self.step.built.append(self._metrics_reset)   # not a checkpoint's totals
         self._rate = None
         self.behind = False

@@ -23,14 +23,19 @@ process, and is an error in a job) and returns
 batch rows concatenated), or every replica's with `per_replica=True`. In a
 job (`parallax-ng run`) every worker calls the step with the same global
 batch and feeds its own rows (worker w of W: the w-th of W equal parts).
-`sync()` writes the variables' trained values (optimizer slots too) into
-the program's variables, so the model, `model.save` and eager code see
-them. A variable the step does not train that the program sets between
+After each call the program's variables get the runner's values (config
+`batch_sync`: "auto", all while they hold at most FOLLOWED bytes, else
+those the step does not train, such as metrics' totals), so a loop that
+reads `metric.result()` or evaluates the model between calls sees what
+one device would; `sync()` writes every trained value (optimizer slots
+too) into the program's variables. A variable the step does not train that the program sets between
 calls (a learning rate, a metric reset after a `sync`) is taken in at the
 next call; trained weights the program sets go in by `push(variables)`.
 `runner` is the Runner (its `plan`, `save`, checkpoints).
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 import tensorflow as tf
@@ -41,12 +46,16 @@ from .graph.recorders import tf_variable
 from .graph.tracing import tensor_leaves
 from .runtime.batch_parts import sparse_rows, sparse_tensors
 
+FOLLOWED = 16 << 20     # bytes of variables batch_sync "auto" writes back after every call
+
 
 class StepFunction:
-    def __init__(self, fn, resource_info=None, config=None, parts=None):
+    def __init__(self, fn, resource_info=None, config=None, parts=None, follow=True):
         """`parts`: args -> {name: (function, its args)}, functions traced
         with the step (on the first call's args) that `run_part` runs on the
-        replicas (KerasFit's test_step and predict_step)."""
+        replicas (KerasFit's test_step and predict_step). `follow`: the
+        program's variables get the runner's values after each call as the
+        config's `batch_sync` says (pn.function; KerasFit syncs by itself)."""
         if not callable(fn):
             raise ConfigError(f"pn.function takes the training step function, not a "
                               f"{type(fn).__name__}")
@@ -60,6 +69,7 @@ class StepFunction:
         self.built: list = []            # called once the runner holds the variables
         self.on_program = 0              # batches that ran on the program's variables
         self._kept = frozenset()         # variables of per-example state (_kept_rows)
+        self._follow, self._followed = follow, None   # names written back after each call
 
     def __call__(self, *args, per_replica: bool = False):
         if self.runner is None:
@@ -71,7 +81,31 @@ class StepFunction:
                               f"is called with {len(leaves)}; call it as it was first called")
         if not per_replica and self.alone() and not self.splits(args):
             return self._on_program(args)
-        return self._run(cap.train, cap.inputs, cap.outputs, leaves, per_replica)
+        out = self._run(cap.train, cap.inputs, cap.outputs, leaves, per_replica)
+        if self._follow:
+            self.sync(self._written_back())
+        return out
+
+    def _written_back(self) -> list:
+        """What the program gets after each call (`batch_sync`): "auto",
+        every variable while they hold at most FOLLOWED bytes, else those the
+        step does not train (metrics' totals, counters, moving statistics),
+        the weights then at `sync()` (said once); "always" every one,
+        "never" none. A custom loop reads metric.result() or evaluates the
+        model between calls, as on one device."""
+        if self._followed is None:
+            mode, variables = self.runner.config.batch_sync, self._captured.variables
+            size = sum(v.shape.num_elements() * v.dtype.size for v in map(tf_variable,
+                                                                           variables.values()))
+            every = mode == "always" or mode == "auto" and size <= FOLLOWED
+            self._followed = [] if mode == "never" else list(variables) if every else \
+                list(self._known)
+            if not every and mode == "auto":
+                print(f"parallax_ng: the step's variables hold {size / 2**20:.0f} MiB; the "
+                      "program's get the trained weights at step.sync() (config batch_sync: "
+                      "always: after every call), its metrics' and other state after every "
+                      "call", file=sys.stderr, flush=True)
+        return self._followed
 
     def alone(self) -> bool:
         """Whether the runner is this process's alone, not a job's task."""
@@ -170,12 +204,12 @@ class StepFunction:
             return SparseValue(*sparse_rows(*batch, plan.worker * part, part))
         return batch[plan.worker * part:(plan.worker + 1) * part]
 
-    def sync(self) -> None:
-        """The trained values into the program's variables."""
-        if self.runner is None:
+    def sync(self, names=None) -> None:
+        """The trained values into the program's variables (`names`' only)."""
+        if self.runner is None or names == []:
             return
         cap = self._captured
-        names = list(cap.variables)
+        names = list(cap.variables) if names is None else names
         got = self.runner.run([cap.reads[n] for n in names])
         for i, name in enumerate(names):     # a replica's rows of per-example state
             if name in self._kept:

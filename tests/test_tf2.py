@@ -798,6 +798,72 @@ def test_a_tf_function_runs_its_first_trace_as_on_one_device():
     check_equal(parallel, single)
 
 
+def custom_loop(lib, step_wrapper):
+    """keras.io's training loop from scratch: a metric updated in the step
+    and read with result() at each epoch's end, then reset; a validation
+    pass of the program's own tf.function over the model. Returns what the
+    loop logs, the model (not synced after the loop) and the step."""
+    keras_lib = keras if lib == "keras3" else __import__("tf_keras")
+    keras_lib.utils.set_random_seed(0)
+    model = keras_lib.Sequential([keras_lib.Input((5,)), keras_lib.layers.Dense(8, "relu"),
+                                  keras_lib.layers.Dense(3)])
+    optimizer = keras_lib.optimizers.SGD(0.1)
+    loss_fn = keras_lib.losses.SparseCategoricalCrossentropy(from_logits=True)
+    train_acc, val_acc = (keras_lib.metrics.SparseCategoricalAccuracy() for _ in range(2))
+
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = loss_fn(y, logits)
+        grads = tape.gradient(loss, model.trainable_weights)
+        optimizer.apply_gradients(zip(grads, model.trainable_weights))
+        train_acc.update_state(y, logits)
+        return loss
+
+    @tf.function
+    def test_step(x, y):
+        val_acc.update_state(y, model(x, training=False))
+    step = step_wrapper(train_step)
+    x, _ = data()
+    y = np.random.default_rng(1).integers(0, 3, (STEPS, BATCH))
+    log = []
+    for epoch in range(2):
+        log += [float(step(x[k], y[k])) for k in range(epoch * 4, epoch * 4 + 4)]
+        log.append(float(train_acc.result()))
+        train_acc.reset_state()
+        for k in (8, 9):
+            test_step(x[k], y[k])
+        log.append(float(val_acc.result()))
+        val_acc.reset_state()
+    return log, model, step
+
+
+@pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
+def test_a_custom_loop_reads_its_metrics_and_model_between_calls(lib, monkeypatch, capsys):
+    """The program's variables follow the runner after each call (batch_sync
+    auto, a model this small): the epoch's accuracy read from the metric and
+    a validation pass over the model equal one device's, and so do the
+    weights without a sync. Before, the metric read 0.0 and the validation
+    ran on the first weights (0.12 off one device at the end). Above
+    tf2.FOLLOWED bytes only the untrained state follows (said once); the
+    weights come at step.sync()."""
+    import parallax_ng.tf2 as tf2_module
+    want, single, _ = custom_loop(lib, tf.function)
+    got, parallel, _ = custom_loop(lib, lambda fn: pn.function(fn, local(2)))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for a, b in zip(parallel.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    monkeypatch.setattr(tf2_module, "FOLLOWED", 0)
+    got, parallel, step = custom_loop(lib, lambda fn: pn.function(fn, local(2)))
+    assert "the program's get the trained weights at step.sync()" in capsys.readouterr().err
+    assert got[4] == want[4] and got[10] == want[10]        # the training accuracy
+    assert any(np.abs(a - b).max() > 1e-3 for a, b in zip(parallel.get_weights(),
+                                                          single.get_weights()))
+    step.sync()
+    for a, b in zip(parallel.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
 def test_an_embedding_reads_its_rows_not_the_whole_table():
     """Keras 3's Embedding gathers from a read of the whole table; the
     capture makes it a ResourceGather of the variable (a whole read that
