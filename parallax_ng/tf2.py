@@ -46,7 +46,7 @@ from .graph.recorders import tf_variable
 from .graph.tracing import tensor_leaves
 from .runtime.batch_parts import sparse_rows, sparse_tensors
 
-FOLLOWED = 16 << 20     # bytes of variables batch_sync "auto" writes back after every call
+FOLLOWED = 4 << 20      # bytes of variables batch_sync "auto" writes back after every call
 
 
 class StepFunction:
