@@ -183,7 +183,9 @@ def state_sync_reduction(op_type: str, node_name: str) -> str:
         raise GraphError(
             f"op {node_name!r} of type {op_type} writes a value computed from "
             "one replica's batch into non-trainable state; parallax_ng combines "
-            f"such values only for {', '.join(sorted(STATE_SYNC_REDUCTION))}") from None
+            f"such values only for {', '.join(sorted(STATE_SYNC_REDUCTION))}, and for "
+            "ScatterAdd and ScatterSub (resource or not) into a variable whose first "
+            "dimension is known") from None
 
 
 # The first dimension of ops' outputs (graph/batch.py, graph/rows.py):
