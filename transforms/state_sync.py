@@ -274,8 +274,8 @@ def _scatter_dense(ctx, ir, var: str, w: str):
     (mean_per_class_accuracy's counts per class): summed over the replicas
     and added at every index, the replicas add what one device adds. None
     if `var`'s rows are unknown."""
-    shape, (_, indices, updates) = tuple(ctx.tg.variables[var].shape), ctx.tg.ir.data_inputs(w)
-    if not shape or shape[0] is None:
+    shape, (_, indices, updates) = ctx.tg.variables[var].shape, ctx.tg.ir.data_inputs(w)
+    if not shape or shape[0] is None:       # (VariableInfo.shape: ints, None where unknown)
         return None
     n = ctx.plan.num_replicas
     return emit.segment_sums(
