@@ -21,9 +21,10 @@ update is one device's.
 Requires: a TrainingGraph with writers and readers, the autodiff's ops, and
 the front end's walk back from a tensor to the autodiff (`walk`).
 Guarantees: reads the graph only; an accumulator is a variable that is not
-trained, that a writer adds a gradient of the trained variable to
-(AssignAdd, or Assign of `acc + g`, g not reading the accumulator). The
-front end asks only when the update reaches the autodiff through such
+trained, whose writers only set it to zeros or add to it, and add a gradient
+of the trained variable (AssignAdd, a scatter-add of a sparse gradient's
+rows, or Assign of `acc + g`, g not reading the accumulator). The front end
+asks only when the update reaches the autodiff through such
 reads alone (an optimizer's own accumulator, as Adagrad's, is read beside
 the gradient).
 
@@ -121,7 +122,9 @@ def reader(tg, var: str, walk):
             v = tg.variables.get(acc)
             writers = [w for w in tg.writers.get(acc, ()) if v and w != v.initializer]
             added = [a for w in writers if (a := _added(tg, acc, w)) is not None]
-            cache[acc] = bool(added) and not v.trainable and acc != var and bool(walk(added))
+            others = [w for w in writers if _added(tg, acc, w) is None]
+            cache[acc] = bool(added) and not v.trainable and acc != var and \
+                all(_zeroes(tg, w) for w in others) and bool(walk(added))
         return cache[acc]
 
     def reads(ref: TensorRef) -> bool:
@@ -130,9 +133,18 @@ def reader(tg, var: str, walk):
     return reads
 
 
+def _zeroes(tg, writer: str) -> bool:
+    """Whether `writer` sets its variable to zeros (an accumulator's reset;
+    an optimizer's slot is also written from itself: Adam's `m * beta1`
+    before its scatter-add of a sparse gradient's rows)."""
+    inputs = tg.ir.data_inputs(writer)
+    return tg.ir.node(writer).op in ("Assign", "AssignVariableOp") and len(inputs) > 1 and \
+        _term(tg.ir, inputs[1], frozenset()) == "zero"
+
+
 def _added(tg, acc: str, writer: str) -> TensorRef | None:
-    """What `writer` adds to `acc`: AssignAdd's value, or x of an Assign of
-    `acc + x`, when x does not read `acc` (an optimizer's moving average,
+    """What `writer` adds to `acc`: AssignAdd's value, a scatter-add's rows,
+    or x of an Assign of `acc + x`, when x does not read `acc` (an optimizer's moving average,
     `m += (g - m) * c`, reads its slot: not an accumulation)."""
     op, inputs = tg.ir.node(writer).op, tg.ir.data_inputs(writer)
     if len(inputs) < 2:
@@ -147,7 +159,9 @@ def _added(tg, acc: str, writer: str) -> TensorRef | None:
         if len(own) != 1:
             return None
         added = terms[1 - terms.index(own[0])]
-    elif op not in ("AssignAdd", "AssignAddVariableOp"):
+    elif op in ("ScatterAdd", "ResourceScatterAdd") and len(inputs) > 2:
+        added = inputs[2]       # rows added at their ids (a sparse gradient's, or the
+    elif op not in ("AssignAdd", "AssignAddVariableOp"):  # capture's rows of a dense add)
         return None
     readers = set(tg.readers.get(acc, ()))
     return None if tg.ir.ancestors({added.node}, data_only=True) & readers else added

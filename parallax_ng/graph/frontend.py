@@ -342,23 +342,23 @@ def _autodiff(ir: GraphIR) -> frozenset[str]:
 
 def _find_gradient(tg: TrainingGraph, var: str, autodiff: frozenset[str]) -> Gradient | None:
     """Walk back from the writers of `var` and its state to the autodiff output
-    (`autodiff`: `_autodiff`'s ops). Where `var`'s writers reach it only
-    through reads of variables the script accumulates the gradient in
+    (`autodiff`: `_autodiff`'s ops). Where `var`'s writers (or its slots')
+    reach it only through reads of variables the script accumulates the gradient in
     (graph/accumulation.py), such a read is the gradient (aggregated when
     the update reads it). The walk follows only tensors that can carry the
     gradient: float tensors shaped like the variable (or its rows) and
     rank-1 integer tensors (IndexedSlices indices). The nearest autodiff
     tensors of each kind win; ties, and several updates a step, are errors."""
     v = tg.variables[var]
-    own = [ref for w in tg.writers.get(var, ()) for ref in tg.ir.data_inputs(w)]
     reads = accumulation.reader(tg, var, lambda refs: _walk(tg, refs, v, autodiff)["values"])
-    found = _walk(tg, own, v, autodiff, reads)["values"]
-    if found and not any(ref.node in autodiff for ref in found):
-        values = _nearest(found, var, "accumulated gradient")
-        tg.accumulators[accumulation.read_variable(tg, values)] = var
-        return Gradient(var, values)
-    starts = [ref for state in tg.owned(var) for w in tg.writers.get(state, ())
-              for ref in tg.ir.data_inputs(w)]
+    for states in ([var], tg.owned(var)):   # its own writers, then its slots' (Adam's moments)
+        starts = [ref for state in states for w in tg.writers.get(state, ())
+                  for ref in tg.ir.data_inputs(w)]
+        found = _walk(tg, starts, v, autodiff, reads)["values"]
+        if found and not any(ref.node in autodiff for ref in found):
+            values = _nearest(found, var, "accumulated gradient")
+            tg.accumulators[accumulation.read_variable(tg, values)] = var
+            return Gradient(var, values)
     found = _walk(tg, starts, v, autodiff)
     updates = [w for w in tg.writers.get(var, ()) if len(found["values"]) > 1 and
                autodiff & tg.ir.ancestors([w])]
