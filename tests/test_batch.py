@@ -8,7 +8,7 @@ import tensorflow as tf
 
 import parallax_ng as pn
 from models import ctc_model, local
-from parallax_ng.graph import batch, frontend
+from parallax_ng.graph import batch, forms, frontend
 from tutorials import deepfm
 
 tf1 = tf.compat.v1
@@ -53,6 +53,32 @@ def test_a_vector_placeholder_is_what_its_uses_make_it(use, kind):
     got = kinds(model(use))
     assert got["x"] == got["y"] == "batch"
     assert got["v"] == kind
+
+
+def test_a_pick_per_row_by_gather_nd_lines_up_the_rows():
+    """A DQN's Q value of each example's action, tf.gather_nd(q, tf.stack(
+    [tf.range(n), a], 1)) or tf.gather(q, a[:, None], batch_dims=1): the states and actions are batches (were
+    "unknown", each with a warning when fed), in int64 too; a tensor
+    gathered by other coordinates is not read (it could be a table or the
+    batch), so it is split with a warning."""
+    g = tf.Graph()
+    with g.as_default():
+        s = tf1.placeholder(tf.float32, [None, 3], name="s")
+        a = tf1.placeholder(tf.int32, [None], name="a")
+        table = tf1.placeholder(tf.float32, [None, 4], name="table")
+        at = tf1.placeholder(tf.int32, [None, 2], name="at")
+        q = tf.matmul(s, tf1.get_variable("w", [3, 4]))
+        picked = tf.gather_nd(q, tf.stack([tf.range(tf.shape(a)[0]), a], axis=1)) + \
+            tf.gather_nd(q, tf.stack([tf.range(tf.shape(a, out_type=tf.int64)[0]),
+                                      tf.cast(a, tf.int64)], axis=1)) + \
+            tf.squeeze(tf.gather(q, a[:, None], batch_dims=1), 1)
+        loss = tf.reduce_sum(tf.square(picked)) + tf.reduce_mean(
+            tf.gather_nd(table, at) * tf.reduce_sum(q, 1))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        only = tf.reduce_sum(tf.square(picked))
+    assert kinds(g) == {"s": "batch", "a": "batch", "table": "unknown", "at": "batch"}
+    # the picked values' rows are the batch's: their sum is a sum over it
+    assert forms.loss_form(only, forms.sources(g), None).kind == "sum"
 
 
 def test_a_lone_input_averaged_by_the_loss_is_a_batch():

@@ -222,6 +222,9 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
 def _index_rules(tg, name, node, ins, outs, first, dims) -> None:
     """Ops that pick along the first dimension, move it, or reshape."""
     kind = node.op
+    if kind == "GatherV2" and node.attr["batch_dims"].i > 0 and len(ins) > 1:
+        first[outs[0]] = dims.join([ins[0][1], ins[1][1]])   # each row's picks from its row
+        return
     if kind in ("GatherV2", "Gather", "ResourceGather"):
         axis = _const(tg, ins[2][0]) if kind == "GatherV2" and len(ins) > 2 else 0
         if axis != 0:
@@ -232,6 +235,14 @@ def _index_rules(tg, name, node, ins, outs, first, dims) -> None:
             first[out] = ins[1][1] if len(ins) > 1 else None
         if len(ins) > 1 and ins[1][1] is not None:
             dims.note(ins[1][1], "kept")
+        return
+    if kind == "GatherNd":      # an element per row of the indices
+        if _rank(tg, ins[1][0]) == 2 and _counted(tg, ins[1][0]):
+            joined = dims.join([ins[0][1], ins[1][1]])  # tf.stack([tf.range(n), a], 1):
+            first[outs[0]] = joined                     # each row picks from its row
+            return
+        dims.note(ins[0][1], "unknown")     # other coordinates: rows of anything
+        first[outs[0]] = ins[1][1] if (_rank(tg, ins[1][0]) or 0) >= 2 else None
         return
     if kind == "StridedSlice":
         begin, end, strides = (_const(tg, ins[k][0]) for k in (1, 2, 3))
@@ -342,6 +353,21 @@ def _shape_of(tg, ref: TensorRef, first: dict) -> tuple:
                 _leading(tg, picked[1]) == 0 and _const(tg, picked[2]) == 0:
             return first.get(tg.ir.data_inputs(picked[0].node)[0]), False
     return None, False
+
+
+def _counted(tg, ref: TensorRef) -> bool:
+    """Whether `ref`'s first column counts its rows: tf.stack([tf.range(n),
+    ...], axis=1) (the Range through a Cast)."""
+    node = tg.ir.node(ref.node)
+    if node.op != "Pack" or node.attr["axis"].i not in (1, -1):
+        return False
+    column = tg.ir.past_identities(tg.ir.data_inputs(ref.node)[0])
+    while tg.ir.node(column.node).op == "Cast":
+        column = tg.ir.data_inputs(column.node)[0]
+    if tg.ir.node(column.node).op != "Range":
+        return False
+    start, _, step = (tf.get_static_value(tg.tensor(r)) for r in tg.ir.data_inputs(column.node))
+    return start is not None and step is not None and start == 0 and step == 1
 
 
 def _unknown(ins, dims) -> None:

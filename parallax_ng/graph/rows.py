@@ -157,6 +157,8 @@ class _Axes:
             return 0 if self.rows(op.inputs[2]) else None
         if kind in ("GatherV2", "ResourceGather", "Gather"):
             return self._gathered(op)
+        if kind == "GatherNd" and (i := self.axis(op.inputs[1])) is not None:  # the indices'
+            return i if i < (op.inputs[1].shape.rank or 0) - 1 else None   # rows (not coordinates)
         if kind in ("InTopK", "InTopKV2"):     # a row's target among its top k
             return 0 if self.rows(op.inputs[0]) or self.rows(op.inputs[1]) else None
         if kind == "Einsum":
