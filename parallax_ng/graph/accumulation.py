@@ -35,8 +35,9 @@ update) and leaving the other a replica's own is wrong; `sums` finds the
 sums of gradients by constant factors (Add, AddV2, AddN, Sub of autodiff
 tensors, each maybe negated, multiplied or divided by a constant, or
 made dense from an IndexedSlices; or of zeros), which the front end takes
-as autodiff tensors themselves: such a sum, aggregated, is the sum of the aggregated parts (the mean and the sum
-over replicas are linear), so the update is one device's.
+as autodiff tensors themselves: such a sum, aggregated, is the sum of the
+aggregated parts (the mean and the sum over replicas are linear), so the
+update is one device's.
 """
 from __future__ import annotations
 
