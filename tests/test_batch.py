@@ -57,7 +57,8 @@ def test_a_vector_placeholder_is_what_its_uses_make_it(use, kind):
 
 def test_a_pick_per_row_by_gather_nd_lines_up_the_rows():
     """A DQN's Q value of each example's action, tf.gather_nd(q, tf.stack(
-    [tf.range(n), a], 1)) or tf.gather(q, a[:, None], batch_dims=1): the states and actions are batches (were
+    [tf.range(n), a], 1)) or tf.gather(q, a[:, None], batch_dims=1): the
+    states and actions are batches (were
     "unknown", each with a warning when fed), in int64 too; a tensor
     gathered by other coordinates is not read (it could be a table or the
     batch), so it is split with a warning."""
@@ -79,6 +80,23 @@ def test_a_pick_per_row_by_gather_nd_lines_up_the_rows():
     assert kinds(g) == {"s": "batch", "a": "batch", "table": "unknown", "at": "batch"}
     # the picked values' rows are the batch's: their sum is a sum over it
     assert forms.loss_form(only, forms.sources(g), None).kind == "sum"
+
+
+@tf.custom_gradient
+def _scaled_gradient(x):
+    return tf.identity(x), lambda dy: 0.5 * dy
+
+
+def test_a_custom_gradient_passes_the_batch_on():
+    """tf.custom_gradient's IdentityN passes each input on (was "unknown":
+    a warning for each placeholder when fed)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        h = _scaled_gradient(tf.matmul(x, tf1.get_variable("w", [3, 1])))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(h - y)))
+    assert kinds(g) == {"x": "batch", "y": "batch"}
 
 
 def test_a_lone_input_averaged_by_the_loss_is_a_batch():

@@ -38,3 +38,20 @@ def test_sparse_values_join_by_rows_or_come_from_replica_0():
     assert first.values.tolist() == [7, 8] and first.dense_shape.tolist() == [2, 2]
     each = combine(values, Fetch((), "sparse list", "values", parts=parts))
     assert [v.values.tolist() for v in each] == [[7, 8], [9]]
+
+
+def test_a_scaled_tf1_sum_is_a_mean_or_a_sum_as_the_gradients_are():
+    """tf.reduce_sum(e) / 16 with a fed batch: the graph does not show
+    whether 16 is a replica's batch size, so it is taken as a mean; where
+    the config sums the gradients (average_dense: false, the loss over the
+    global batch) it is a sum (before, averaged: half one device's loss)."""
+    import tensorflow as tf
+
+    from parallax_ng.runtime.combining import default_reduction
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        loss = tf.reduce_sum(tf.square(tf.matmul(x, tf1.get_variable("w", [3, 1])))) / 16.0
+    assert default_reduction(loss, ["x"])[:2] == ("mean", 0)
+    assert default_reduction(loss, ["x"], averaged=False)[:2] == ("sum", 0)

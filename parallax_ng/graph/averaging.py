@@ -15,7 +15,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from .forms import autodiff_losses, counts_rows, loss_form, scalar_form, sources
-from .mixing import mixing
+from .mixing import bent_gradient, mixing
 from .rows import batch_axis, reading
 
 
@@ -36,7 +36,8 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     summed part is 1/N of one device's; so is a loss whose form the graph
     does not show, and the warning names it. A loss that mixes the batch's
     examples (graph/mixing.py) is warned about first: no combination of the
-    replicas' gradients equals one device there."""
+    replicas' gradients equals one device there; so is, where gradients
+    are averaged, a custom gradient not linear in what it receives."""
     wanted = (config.average_dense, config.average_sparse)
     if "auto" not in wanted:
         return (*wanted, "")
@@ -97,6 +98,13 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
                 "replicas' gradients are averaged, which equals one device for a mean. For a "
                 "sum, set config average_dense and average_sparse: false (summed)")
     dense, sparse = (not summed if w == "auto" else w for w in wanted)
+    if not note and (dense or sparse) and (bent := bent_gradient(graph)):
+        note = (f"the custom gradient of {bent[0]!r} is not linear in the gradient it "
+                f"receives ({bent[1]!r}); the loss is a mean, so each replica's incoming "
+                "gradient is N times one device's per example and the replicas' mean of "
+                "its results differs from one device. Divide a sum over the batch by the "
+                "global batch size and set config average_dense and average_sparse: false "
+                "(the replicas' gradients summed), or make the custom gradient linear")
     return dense, sparse, note
 
 

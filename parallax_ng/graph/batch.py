@@ -168,6 +168,9 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
             dims.note(d, "dataset")
         return
     kind = node.op
+    if kind == "IdentityN":         # each input passed on (tf.custom_gradient's op)
+        first.update({out: d for out, (_, d) in zip(outs, ins) if d is not None})
+        return
     if kind in CTC and len(ins) > CTC[kind][0]:    # a row per sequence, its length's
         rows = [ins[CTC[kind][0]][1], _untransposed(tg, ins[0][0], first)]
         dims.note(rows[0], "modeled")

@@ -265,7 +265,8 @@ def _variables(graph: tf.Graph, ir: GraphIR) -> dict[str, Variable]:
         out[node.name] = Variable(
             name=node.name, dtype=tf.as_dtype(op.get_attr("dtype")), shape=shape,
             trainable=node.name in trainable,
-            initializer=py.initializer.name if py is not None else None,
+            initializer=None if py is None else   # (init_from_checkpoint's is a tensor)
+            getattr(py.initializer, "op", py.initializer).name,
             known=static.is_fully_defined())
     for name, var in list(out.items()):
         if not var.trainable:

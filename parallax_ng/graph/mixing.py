@@ -15,6 +15,8 @@ where no op it knows mixes examples, never a guess.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import tensorflow as tf
 
@@ -76,6 +78,49 @@ def _mixes(op, rows, exchanged) -> str | None:
             op.inputs[1].name not in exchanged:
         return _ratio(op.inputs[1], rows)
     return None
+
+
+# ops not linear in their input: a custom gradient that applies one to the
+# gradient it receives (a clip) is not a sum of per-example parts
+_BENDING = frozenset({
+    "Minimum", "Maximum", "ClipByValue", "Sign", "Abs", "Square", "Sqrt", "Rsqrt", "Relu",
+    "Relu6", "Elu", "Selu", "Tanh", "Sigmoid", "Exp", "Log", "Log1p", "Pow", "Softplus",
+    "L2Loss", "Reciprocal", "Round", "Floor", "Ceil", "Less", "Greater", "LessEqual",
+    "GreaterEqual", "Equal", "NotEqual", "EuclideanNorm", "Max", "Min", "TopKV2"})
+
+
+def bent_gradient(graph: tf.Graph) -> tuple[str, str] | None:
+    """(forward op, gradient op) of the first custom gradient
+    (`tf.custom_gradient`, `gradient_override_map`) whose function applies
+    an op not linear in the gradient it receives (a clip by value, a sign,
+    a norm): for a mean loss each replica's incoming gradient is N times
+    one device's, so the mean of such replicas' results is not one
+    device's. None if none does."""
+    custom = {op.name for op in graph.get_operations()
+              if "_gradient_op_type" in op.node_def.attr}
+    for op in graph.get_operations():
+        m = _GRAD_SCOPE.search(op.name)
+        if not m or m.group(2) not in custom or op.type not in _BENDING and op.type not in (
+                "Mul", "RealDiv", "Div", "MatMul"):
+            continue
+        inner = f"{m.group(1)}{m.group(2)}_grad/"
+        received = [x for x in op.inputs if _receives(x.op, m.group(1), inner, set())]
+        if op.type in _BENDING and received or len(received) > 1:
+            return m.group(2), op.name
+    return None
+
+
+_GRAD_SCOPE = re.compile(r"^(.*?(?:gradients(?:_\d+)?|gradient_tape)/)(.+)_grad/")
+
+
+def _receives(op, scope: str, inner: str, seen: set) -> bool:
+    """Whether `op` depends on the gradient the custom gradient's ops
+    (`inner`) receive from the rest of the autodiff (`scope`)."""
+    if op.name in seen or not op.name.startswith(scope):
+        return False
+    seen.add(op.name)
+    return not op.name.startswith(inner) or any(
+        _receives(x.op, scope, inner, seen) for x in op.inputs)
 
 
 def _ratio(divisor, rows) -> str | None:

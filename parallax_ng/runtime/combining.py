@@ -89,7 +89,9 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
     parts joined, is a guess). An autodiff tensor (a second tf.gradients,
     of the weights or the inputs) is each replica's of its own loss: the
     replicas' mean where the gradients are `averaged` (else their sum), a
-    gradient per example joined by rows (and divided by N)."""
+    gradient per example joined by rows (and divided by N). A TF1 sum
+    scaled by a number the graph does not show to be the batch size is a
+    mean, or a sum where the config sums the gradients (`averaged` False)."""
     axis = batch_axis(t, sources) if t.shape.rank != 0 else None
     if rules.is_autodiff(t.op.name) and t.dtype.is_floating:
         if axis is None and t.shape.rank and compat.dim(t.shape, 0) is None:
@@ -112,9 +114,11 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
         return "norm", 0, True
     if largest := forms.extreme(t, sources):
         return largest, 0, True
-    kind = forms.scalar_kind(t, sources)
+    kind, guessed, _ = forms.scalar_form(t, sources)
     if t.shape.rank != 0 and kind is None:
         return "concat", 0, False
+    if guessed and not averaged:
+        kind = "sum"    # a scaled TF1 sum the config sums the gradients of: a sum
     summed = kind == "sum" or forms.over_widened(t, sources, widened)
     return ("sum" if summed else "mean"), 0, kind is not None
 
