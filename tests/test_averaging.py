@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from parallax_ng.graph import averaging
+from parallax_ng.graph.mixing import bent_gradient
 
 tf1 = tf.compat.v1
 
@@ -91,4 +92,28 @@ def test_a_custom_gradient_not_linear_in_what_it_receives_is_named(through, redu
     said = averaging.averages(_Asked(), g)[2]
     assert ("is not linear in the gradient it receives" in said) is warned, said
     if warned:
-        assert "custom gradient of 'IdentityN'" in said and "clip_by_value" in said
+        assert "('gradients/IdentityN_grad/clip_by_value/Minimum': Minimum)" in said
+
+
+@pytest.mark.parametrize("through,warned", [(_clipped, True), (_halved, False)])
+def test_a_traced_step_s_custom_gradient_is_read_too(through, warned):
+    """In a traced TF2 step the custom function's ops are outside the
+    autodiff's scope: found as ops between its gradients that no loss
+    reads. A gradient penalty (the norm of a gradient, read by the loss,
+    per example) is not one."""
+    import numpy as np
+
+    from parallax_ng.graph.tracing import capture
+    w = tf.Variable(tf.ones([3, 2]))
+
+    def step(x):
+        with tf.GradientTape() as outer:
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                h = tf.matmul(x, w)
+            penalty = tf.reduce_mean(tf.square(tf.norm(inner.gradient(h, x), axis=1) - 1.0))
+            loss = tf.reduce_mean(tf.square(through(h))) + penalty
+        w.assign_sub(0.1 * outer.gradient(loss, w))
+        return loss
+    bent = bent_gradient(capture(step, (np.ones((4, 3), np.float32),)).graph)
+    assert bent == ("clip_by_value/Minimum", "Minimum") if warned else bent is None

@@ -99,8 +99,8 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
                 "sum, set config average_dense and average_sparse: false (summed)")
     dense, sparse = (not summed if w == "auto" else w for w in wanted)
     if not note and (dense or sparse) and (bent := bent_gradient(graph)):
-        note = (f"the custom gradient of {bent[0]!r} is not linear in the gradient it "
-                f"receives ({bent[1]!r}); the loss is a mean, so each replica's incoming "
+        note = (f"a custom gradient is not linear in the gradient it receives ({bent[0]!r}: "
+                f"{bent[1]}); the loss is a mean, so each replica's incoming "
                 "gradient is N times one device's per example and the replicas' mean of "
                 "its results differs from one device. Divide a sum over the batch by the "
                 "global batch size and set config average_dense and average_sparse: false "

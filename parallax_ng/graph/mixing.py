@@ -15,11 +15,11 @@ where no op it knows mixes examples, never a guess.
 """
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import tensorflow as tf
 
+from . import rules
+from .forms import autodiff_losses
 from .rows import reading
 
 _MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
@@ -90,37 +90,54 @@ _BENDING = frozenset({
 
 
 def bent_gradient(graph: tf.Graph) -> tuple[str, str] | None:
-    """(forward op, gradient op) of the first custom gradient
-    (`tf.custom_gradient`, `gradient_override_map`) whose function applies
-    an op not linear in the gradient it receives (a clip by value, a sign,
-    a norm): for a mean loss each replica's incoming gradient is N times
-    one device's, so the mean of such replicas' results is not one
-    device's. None if none does."""
-    custom = {op.name for op in graph.get_operations()
-              if "_gradient_op_type" in op.node_def.attr}
+    """(op, its type) in a custom gradient's function (`tf.custom_gradient`,
+    `gradient_override_map`) that is not linear in the gradient it
+    receives (a clip by value, a sign, a norm): for a mean loss each
+    replica's incoming gradient is N times one device's per example, so
+    the mean of such replicas' results is not one device's. Such an op
+    takes a gradient and gives one back to the autodiff, and no loss reads
+    it (a gradient penalty's norm is read by its loss: per example, exact).
+    None if there is none."""
+    custom = tuple(f"{op.name}_grad/" for op in graph.get_operations()
+                   if "_gradient_op_type" in op.node_def.attr)
+    if not custom:
+        return None
+    read, stack = set(), [t.op for t in autodiff_losses(graph)]   # the losses' ancestors
+    while stack:
+        op = stack.pop()
+        if op.name not in read:
+            read.add(op.name)
+            stack.extend(x.op for x in op.inputs)
+    carries, found = set(), []      # ops whose output carries a gradient (floats)
     for op in graph.get_operations():
-        m = _GRAD_SCOPE.search(op.name)
-        if not m or m.group(2) not in custom or op.type not in _BENDING and op.type not in (
-                "Mul", "RealDiv", "Div", "MatMul"):
+        took = [x for x in op.inputs if x.dtype.is_floating and x.op.name in carries]
+        inside = any(c in op.name for c in custom)      # a TF1 custom function's scope
+        if took or rules.is_autodiff(op.name) and op.type != "Const" and not inside:
+            carries.add(op.name)
+        if op.name in read or not took or op.type not in _BENDING and (
+                op.type not in ("Mul", "RealDiv", "Div", "MatMul") or len(took) < 2):
             continue
-        inner = f"{m.group(1)}{m.group(2)}_grad/"
-        received = [x for x in op.inputs if _receives(x.op, m.group(1), inner, set())]
-        if op.type in _BENDING and received or len(received) > 1:
-            return m.group(2), op.name
+        if not rules.is_autodiff(op.name) or inside:
+            found.append(op)
+    back = {op.name for op in graph.get_operations() if rules.is_autodiff(op.name)}
+    for op in found:        # a custom function's: in its scope (TF1), or feeding the autodiff
+        if rules.is_autodiff(op.name) or _reaches(op, back):
+            return op.name, op.type
     return None
 
 
-_GRAD_SCOPE = re.compile(r"^(.*?(?:gradients(?:_\d+)?|gradient_tape)/)(.+)_grad/")
-
-
-def _receives(op, scope: str, inner: str, seen: set) -> bool:
-    """Whether `op` depends on the gradient the custom gradient's ops
-    (`inner`) receive from the rest of the autodiff (`scope`)."""
-    if op.name in seen or not op.name.startswith(scope):
-        return False
-    seen.add(op.name)
-    return not op.name.startswith(inner) or any(
-        _receives(x.op, scope, inner, seen) for x in op.inputs)
+def _reaches(op, targets: set) -> bool:
+    """Whether a consumer of `op`'s outputs, or of theirs, is one of `targets`."""
+    seen, stack = set(), [op]
+    while stack and len(seen) < _MOST_OPS:
+        x = stack.pop()
+        for c in (c for t in x.outputs for c in t.consumers()):
+            if c.name in targets:
+                return True
+            if c.name not in seen:
+                seen.add(c.name)
+                stack.append(c)
+    return False
 
 
 def _ratio(divisor, rows) -> str | None:
