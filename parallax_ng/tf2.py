@@ -43,7 +43,7 @@ import tensorflow as tf
 from .errors import ConfigError, FetchError, GraphError
 from .graph.frontend import NO_UPDATE
 from .graph.recorders import tf_variable
-from .graph.tracing import tensor_leaves
+from .graph.tracing import python_value, tensor_leaves
 from .runtime.batch_parts import sparse_rows, sparse_tensors
 
 FOLLOWED = 4 << 20      # bytes of variables batch_sync "auto" writes back after every call
@@ -63,7 +63,7 @@ class StepFunction:
         self._fn, self._resources, self._config = fn, resource_info, config
         self._parts = parts
         self.runner = None
-        self._captured = None
+        self._captured, self._constants = None, []    # (Python arguments traced as is)
         self._pushes: dict = {}          # graph variable -> (placeholder, assign op)
         self._known: dict = {}           # watched graph variable -> the program's last value
         self.built: list = []            # called once the runner holds the variables
@@ -79,6 +79,7 @@ class StepFunction:
         if len(leaves) != len(cap.inputs):
             raise ConfigError(f"the step was traced with {len(cap.inputs)} batch tensors and "
                               f"is called with {len(leaves)}; call it as it was first called")
+        _same_constants(self._constants, args)
         if not per_replica and self.alone() and not self.splits(args):
             return self._on_program(args)
         out = self._run(cap.train, cap.inputs, cap.outputs, leaves, per_replica)
@@ -155,9 +156,9 @@ class StepFunction:
                     return False
                 continue
             t = graph.get_tensor_by_name(placeholder + ":0")
-            if np.ndim(leaf) == 0 or tf.as_dtype(np.asarray(leaf).dtype) != t.dtype or \
-                    list(np.shape(leaf)[1:]) != t.shape.as_list()[1:] or \
-                    len(leaf) % self.runner.plan.group_size:
+            if np.ndim(leaf) != t.shape.rank or tf.as_dtype(np.asarray(leaf).dtype) != t.dtype \
+                    or np.ndim(leaf) and (list(np.shape(leaf)[1:]) != t.shape.as_list()[1:] or
+                                          len(leaf) % self.runner.plan.group_size):
                 return False
         return True
 
@@ -189,6 +190,8 @@ class StepFunction:
         """This worker's rows of a global batch (in a job, every worker is
         called with the global batch and takes its part)."""
         plan = self.runner.plan
+        if not isinstance(batch, SparseValue) and not np.ndim(batch):
+            return batch                # a number every replica takes whole
         workers, rows = getattr(plan, "num_workers", 1), _rows(batch)
         if rows % plan.group_size:
             raise FetchError(
@@ -279,6 +282,7 @@ class StepFunction:
         from .graph.tracing import capture
         self._captured = cap = capture(self._fn, args,
                                        self._parts(args) if self._parts else None)
+        self._constants = _constants(args)
         try:
             batch = {}
             for name, leaf in zip(cap.inputs, tensor_leaves(args)):
@@ -311,7 +315,8 @@ def _kept_rows(runner, args) -> frozenset:
     state = runner.ctx.result(PerExampleState) if hasattr(runner, "ctx") else None
     if state is None:
         return frozenset()
-    leaves = [_leaf(leaf) for leaf in tensor_leaves(args)]
+    leaves = [leaf for leaf in map(_leaf, tensor_leaves(args))
+              if isinstance(leaf, SparseValue) or np.ndim(leaf)]     # batches
     n = runner.plan.group_size
     part = _rows(leaves[0]) // n if leaves else None
     for var, axis in state.axes:
@@ -352,6 +357,26 @@ def _array(leaf):
 
 
 SparseValue = tf.compat.v1.SparseTensorValue
+
+
+def _constants(args) -> list:
+    """The step's arguments traced as constants (Python numbers, strings)."""
+    return [(i, a) for i, a in enumerate(tf.nest.flatten(args))
+            if python_value(a) and a is not None]
+
+
+def _same_constants(traced: list, args) -> None:
+    """A ConfigError where a call gives a Python argument another value than
+    the step was traced with (a tf.function would trace it again)."""
+    flat = tf.nest.flatten(args)
+    for i, value in traced:
+        if i >= len(flat) or type(flat[i]) is not type(value) or flat[i] != value:
+            given = flat[i] if i < len(flat) else "nothing"
+            raise ConfigError(
+                f"argument leaf {i} of the step was the Python value {value!r} when the step "
+                f"was traced and is now {given!r}: the step is traced once, with Python "
+                "values as constants. Pass a value that changes from call to call as a "
+                f"tensor (tf.constant({given!r})), which every replica gets whole")
 
 
 def _leaf(leaf):

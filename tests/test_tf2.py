@@ -234,6 +234,38 @@ def test_tf_keras_custom_loop_equals_one_device():
     check_equal(parallel, single)
 
 
+def test_a_scalar_argument_goes_whole_to_every_replica():
+    """A learning rate passed each call as a scalar tensor (before: "argument
+    leaf 2 of the step is a scalar", refused), and a Python flag, traced
+    as a constant as tf.function traces it; a Python value other than the
+    traced one is refused by name (one device's tf.function would trace
+    again)."""
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+
+    def step_of_rate(model, optimizer):
+        def train_step(x, y, rate, train):
+            optimizer.learning_rate.assign(rate)
+            with tf.GradientTape() as tape:
+                pred = model(x, training=train)
+                loss = tf.reduce_mean(tf.square(pred - y)) * (1.0 if train else 2.0)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss, rate
+        return train_step
+    step = pn.function(step_of_rate(*parallel), local(2))
+    ref = tf.function(step_of_rate(*single))
+    x, y = data(3)
+    for k in range(STEPS):
+        rate = tf.constant(0.1 / (k + 1))
+        got, want = step(x[k], y[k], rate, True), ref(x[k], y[k], rate, True)
+        np.testing.assert_allclose(got, [w.numpy() for w in want], rtol=0, atol=1e-5)
+    step.sync()
+    check_equal(parallel, single)
+    with pytest.raises(pn.ConfigError, match="argument leaf 3 of the step was the Python value "
+                       "True when the step was traced and is now False"):
+        step(x[0], y[0], tf.constant(0.1), False)
+
+
 def accumulating_step_of(model, optimizer):
     """Gradient accumulation within a step: two tapes over the even and the
     odd rows, their gradients summed into zeros and halved."""

@@ -41,6 +41,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import tensorflow as tf
 
 from ..errors import GraphError
@@ -103,12 +104,12 @@ def _trace(fn, args: tuple, first: int, what: str):
     tf.function (whose first trace is the graph it runs: that one)."""
     python = getattr(fn, "python_function", fn)
     flat = tf.nest.flatten(args)
-    present = [i for i, a in enumerate(flat) if a is not None]
+    present = [i for i, a in enumerate(flat) if not python_value(a)]
     specs = [_spec(flat[i], first + k) for k, i in enumerate(present)]
     structure = args
 
     def step(*leaves):     # an output besides fn's, which holds every stateful op
-        full = [None] * len(flat)
+        full = list(flat)
         for i, leaf in zip(present, leaves):
             full[i] = leaf
         return python(*tf.nest.pack_sequence_as(structure, full)), tf.constant(0)
@@ -147,10 +148,20 @@ def _trace(fn, args: tuple, first: int, what: str):
 
 
 def tensor_leaves(args) -> list:
-    """The leaves of a step's arguments that are batches: every leaf but
-    None, which the step gets as it is (Keras's `train_on_batch` passes
-    (x, y, None) where no sample weights are given)."""
-    return [a for a in tf.nest.flatten(args) if a is not None]
+    """The leaves of a step's arguments that are fed: every leaf but None
+    and Python numbers and strings, which the step gets as they are
+    (Keras's `train_on_batch` passes (x, y, None) where no sample weights
+    are given; a Python `training=True` is traced as a constant, as a
+    tf.function traces it). A scalar tensor or array (a learning rate) is
+    fed whole to every replica; the others are batches they split."""
+    return [a for a in tf.nest.flatten(args) if not python_value(a)]
+
+
+def python_value(leaf) -> bool:
+    """Whether a step's argument leaf is traced as a constant: None, a
+    Python bool, number or string."""
+    return leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes)) and \
+        not isinstance(leaf, np.generic)
 
 
 def _differences(a, b) -> str:
@@ -187,9 +198,8 @@ def _spec(value, i: int):
                              ": a step takes one global batch; iterate outside it and pass "
                              "the batch (for x, y in dataset: step(x, y))" if data else
                              f": {e}")) from None
-    if t.shape.rank == 0:
-        raise GraphError(f"argument leaf {i} of the step is a scalar; every argument is a "
-                         "batch whose first dimension the replicas split")
+    if t.shape.rank == 0:           # a number every replica takes whole (a learning rate)
+        return tf.TensorSpec([], t.dtype, name=INPUT.format(i))
     return tf.TensorSpec([None] + t.shape.as_list()[1:], t.dtype, name=INPUT.format(i))
 
 
