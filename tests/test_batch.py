@@ -99,6 +99,23 @@ def test_a_custom_gradient_passes_the_batch_on():
     assert kinds(g) == {"x": "batch", "y": "batch"}
 
 
+@pytest.mark.parametrize("strategy", ["mod", "div"])
+def test_ids_looked_up_in_a_partitioned_table_are_a_batch(strategy):
+    """tf.compat.v1.fixed_size_partitioner's table: the lookup partitions
+    the ids (DynamicPartition), stitches the parts' rows and reshapes them
+    to the ids' shape (was "unknown" for the ids and the labels: a warning
+    for each when fed)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.int64, [None, 3], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        emb = tf1.get_variable("emb", [20, 4], partitioner=tf1.fixed_size_partitioner(3))
+        e = tf.reduce_sum(tf1.nn.embedding_lookup(emb, x, partition_strategy=strategy), 1)
+        loss = tf.reduce_mean(tf.square(tf.matmul(e, tf1.get_variable("w", [4, 1])) - y))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    assert kinds(g) == {"x": "batch", "y": "batch"}
+
+
 def test_a_lone_input_averaged_by_the_loss_is_a_batch():
     g = tf.Graph()
     with g.as_default():

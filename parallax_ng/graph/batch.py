@@ -340,7 +340,8 @@ def _shape_of(tg, ref: TensorRef, first: dict) -> tuple:
     """(t's first dimension, whether the shape keeps the reshaped tensor's
     rows) where shape vector `ref` is tf.shape(t), or a stack that starts
     with tf.shape(t)[0] (`[tf.shape(x)[0], -1]`), or t's dimensions from
-    its first on (tf.tensordot's result); else (None, False)."""
+    its first on (tf.tensordot's result; a lookup in a partitioned table
+    reshapes its rows to the ids' shape and the row's); else (None, False)."""
     node, parts = tg.ir.node(ref.node), tg.ir.data_inputs(ref.node)
     if node.op == "Shape" and parts:
         return first.get(parts[0]), False
@@ -349,6 +350,8 @@ def _shape_of(tg, ref: TensorRef, first: dict) -> tuple:
         if tg.ir.node(sliced[0].node).op == "Shape" and \
                 [_const(tg, r) for r in sliced[1:4]] == [[0], [1], [1]]:
             return first.get(tg.ir.data_inputs(sliced[0].node)[0]), True
+    if node.op == "ConcatV2" and len(parts) > 1 and tg.ir.node(parts[0].node).op == "Shape":
+        return first.get(tg.ir.data_inputs(parts[0].node)[0]), False   # t's shape, then more
     if node.op == "ConcatV2" and len(parts) > 1:    # tf.tensordot's: t's free dimensions first
         picked = tg.ir.data_inputs(parts[0].node)
         if tg.ir.node(parts[0].node).op == "GatherV2" and len(picked) == 3 and \
