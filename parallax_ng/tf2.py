@@ -36,6 +36,7 @@ next call; trained weights the program sets go in by `push(variables)`.
 from __future__ import annotations
 
 import sys
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -47,6 +48,7 @@ from .graph.tracing import python_value, tensor_leaves
 from .runtime.batch_parts import sparse_rows, sparse_tensors
 
 FOLLOWED = 4 << 20      # bytes of variables batch_sync "auto" writes back after every call
+_STEPS: weakref.WeakSet = weakref.WeakSet()    # the process's built steps (shared weights)
 
 
 class StepFunction:
@@ -84,14 +86,28 @@ class StepFunction:
             return self._on_program(args)
         out = self._run(cap.train, cap.inputs, cap.outputs, leaves, per_replica)
         if self._follow:
-            self.sync(self._written_back())
+            self.sync(self._written_back() + self._read_elsewhere())
         return out
+
+    def _read_elsewhere(self) -> list:
+        """The variables this step trains but does not write back after each
+        call that another step of the program reads (a GAN's discriminator,
+        trained by one pn.function and read by the other's): written back,
+        so the other takes them in before its next call."""
+        if self._followed is None or len(self._followed) == len(self._captured.variables):
+            return []
+        watched = {id(tf_variable(other._captured.variables[name]))
+                   for other in list(_STEPS) if other is not self for name in other._known}
+        kept = set(self._followed)
+        return [name for name, v in self._captured.variables.items()
+                if name not in kept and id(tf_variable(v)) in watched]
 
     def _written_back(self) -> list:
         """What the program gets after each call (`batch_sync`): "auto",
         every variable while they hold at most FOLLOWED bytes, else those the
-        step does not train (metrics' totals, counters, moving statistics),
-        the weights then at `sync()` (said once); "always" every one,
+        step does not train (metrics' totals, counters, moving statistics)
+        and those another step reads (`_read_elsewhere`), the others then
+        at `sync()` (said once); "always" every one,
         "never" none. A custom loop reads metric.result() or evaluates the
         model between calls, as on one device."""
         if self._followed is None:
@@ -104,8 +120,9 @@ class StepFunction:
             if not every and mode == "auto":
                 print(f"parallax_ng: the step's variables hold {size / 2**20:.0f} MiB; the "
                       "program's get the trained weights at step.sync() (config batch_sync: "
-                      "always: after every call), its metrics' and other state after every "
-                      "call", file=sys.stderr, flush=True)
+                      "always: after every call), its metrics' and other state, and weights "
+                      "another pn.function step reads, after every call", file=sys.stderr,
+                      flush=True)
         return self._followed
 
     def alone(self) -> bool:
@@ -280,6 +297,8 @@ class StepFunction:
     def _build(self, args) -> None:
         from .build import Sample, get_runner
         from .graph.tracing import capture
+        for other in list(_STEPS):      # the program's variables as the other steps left them
+            other.sync()
         self._captured = cap = capture(self._fn, args,
                                        self._parts(args) if self._parts else None)
         self._constants = _constants(args)
@@ -301,6 +320,7 @@ class StepFunction:
         self._kept = _kept_rows(self.runner, args)
         self.runner.run(cap.init, cap.init_feeds)     # and restores `checkpoint.dir`'s latest
         self._watch()
+        _STEPS.add(self)
         for hook in self.built:
             hook()
 

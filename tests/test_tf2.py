@@ -896,6 +896,58 @@ def test_a_custom_loop_reads_its_metrics_and_model_between_calls(lib, monkeypatc
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
+def _two_steps(wrap):
+    """A GAN's discriminator and generator steps as two functions, called
+    in turn; each reads the model the other trains."""
+    keras.utils.set_random_seed(0)
+    gen = keras.Sequential([keras.Input((3,)), keras.layers.Dense(6, activation="relu"),
+                            keras.layers.Dense(4)])
+    disc = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, activation="relu"),
+                             keras.layers.Dense(1)])
+    opt_g, opt_d = keras.optimizers.Adam(0.01), keras.optimizers.Adam(0.01)
+    bce = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def d_step(x, z):
+        with tf.GradientTape() as tape:
+            real, fake = disc(x), disc(gen(z))
+            loss = bce(tf.ones_like(real), real) + bce(tf.zeros_like(fake), fake)
+        grads = tape.gradient(loss, disc.trainable_variables)
+        opt_d.apply_gradients(zip(grads, disc.trainable_variables))
+        return loss
+
+    def g_step(z):
+        with tf.GradientTape() as tape:
+            fake = disc(gen(z))
+            loss = bce(tf.ones_like(fake), fake)
+        opt_g.apply_gradients(zip(tape.gradient(loss, gen.trainable_variables),
+                                  gen.trainable_variables))
+        return loss
+    steps = wrap(d_step), wrap(g_step)
+    x, _ = data(4)
+    z = np.random.default_rng(5).normal(size=(STEPS, BATCH, 3)).astype(np.float32)
+    losses = [float(f(*a)) for k in range(4) for f, a in zip(steps, ((x[k][:, :4], z[k]),
+                                                                      (z[k],)))]
+    return losses, steps, (gen, disc)
+
+
+def test_two_steps_each_reading_what_the_other_trains_equal_one_device(monkeypatch):
+    """With models above tf2.FOLLOWED bytes the weights a step trains come
+    back to the program at sync() only, but those another step reads come
+    back after each call, and a step built later starts from the others'
+    values (before, the generator's step ran on the first discriminator:
+    a loss 3.5 off one device's)."""
+    import parallax_ng.tf2 as tf2_module
+    want, _, single = _two_steps(tf.function)
+    monkeypatch.setattr(tf2_module, "FOLLOWED", 0)
+    got, steps, parallel = _two_steps(lambda fn: pn.function(fn, local(2)))
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for step in steps:
+        step.sync()
+    for ours, theirs in zip(parallel, single):
+        for a, b in zip(ours.get_weights(), theirs.get_weights()):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
 def test_an_embedding_reads_its_rows_not_the_whole_table():
     """Keras 3's Embedding gathers from a read of the whole table; the
     capture makes it a ResourceGather of the variable (a whole read that
