@@ -35,6 +35,7 @@ next call; trained weights the program sets go in by `push(variables)`.
 """
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 
@@ -73,7 +74,9 @@ class StepFunction:
         self._kept = frozenset()         # variables of per-example state (_kept_rows)
         self._follow, self._followed = follow, None   # names written back after each call
 
-    def __call__(self, *args, per_replica: bool = False):
+    def __call__(self, *args, per_replica: bool = False, **kwargs):
+        if kwargs:                      # step(x, y, training=True): by position
+            args = _positional(self._fn, args, kwargs)
         if self.runner is None:
             self._build(args)
         cap = self._captured
@@ -377,6 +380,20 @@ def _array(leaf):
 
 
 SparseValue = tf.compat.v1.SparseTensorValue
+
+
+def _positional(fn, args: tuple, kwargs: dict) -> tuple:
+    """`fn`'s arguments, some given by keyword, in its parameters' order
+    (defaults filled in): the step is traced and fed by position."""
+    try:
+        bound = inspect.signature(getattr(fn, "python_function", fn)).bind(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"the step's arguments do not fit its parameters: {e}") from None
+    bound.apply_defaults()
+    if bound.kwargs:
+        raise ConfigError(f"the step takes {sorted(bound.kwargs)} by keyword only; give them "
+                          "by position (make them positional parameters)")
+    return bound.args
 
 
 def _constants(args) -> list:

@@ -237,9 +237,9 @@ def test_tf_keras_custom_loop_equals_one_device():
 def test_a_scalar_argument_goes_whole_to_every_replica():
     """A learning rate passed each call as a scalar tensor (before: "argument
     leaf 2 of the step is a scalar", refused), and a Python flag, traced
-    as a constant as tf.function traces it; a Python value other than the
-    traced one is refused by name (one device's tf.function would trace
-    again)."""
+    as a constant as tf.function traces it, both given by keyword; a
+    Python value other than the traced one is refused by name (one
+    device's tf.function would trace again)."""
     parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.1, momentum=0.9))
 
     def step_of_rate(model, optimizer):
@@ -257,13 +257,15 @@ def test_a_scalar_argument_goes_whole_to_every_replica():
     x, y = data(3)
     for k in range(STEPS):
         rate = tf.constant(0.1 / (k + 1))
-        got, want = step(x[k], y[k], rate, True), ref(x[k], y[k], rate, True)
+        got, want = step(x[k], y[k], rate=rate, train=True), ref(x[k], y[k], rate, True)
         np.testing.assert_allclose(got, [w.numpy() for w in want], rtol=0, atol=1e-5)
     step.sync()
     check_equal(parallel, single)
     with pytest.raises(pn.ConfigError, match="argument leaf 3 of the step was the Python value "
                        "True when the step was traced and is now False"):
-        step(x[0], y[0], tf.constant(0.1), False)
+        step(x[0], y[0], tf.constant(0.1), train=False)
+    with pytest.raises(pn.ConfigError, match="do not fit its parameters"):
+        step(x[0], y[0], tf.constant(0.1), True, extra=1)
 
 
 def accumulating_step_of(model, optimizer):

@@ -122,10 +122,10 @@ def reader(tg, var: str, walk):
         if acc not in cache:
             v = tg.variables.get(acc)
             writers = [w for w in tg.writers.get(acc, ()) if v and w != v.initializer]
-            added = [a for w in writers if (a := _added(tg, acc, w)) is not None]
-            others = [w for w in writers if _added(tg, acc, w) is None]
+            adds = {w: _added(tg, acc, w) for w in writers}
+            added = [a for a in adds.values() if a is not None]
             cache[acc] = bool(added) and not v.trainable and acc != var and \
-                all(_zeroes(tg, w) for w in others) and bool(walk(added))
+                all(_zeroes(tg, w) for w, a in adds.items() if a is None) and bool(walk(added))
         return cache[acc]
 
     def reads(ref: TensorRef) -> bool:
@@ -145,8 +145,9 @@ def _zeroes(tg, writer: str) -> bool:
 
 def _added(tg, acc: str, writer: str) -> TensorRef | None:
     """What `writer` adds to `acc`: AssignAdd's value, a scatter-add's rows,
-    or x of an Assign of `acc + x`, when x does not read `acc` (an optimizer's moving average,
-    `m += (g - m) * c`, reads its slot: not an accumulation)."""
+    or x of an Assign of `acc + x`, when x does not read `acc` (an
+    optimizer's moving average, `m += (g - m) * c`, reads its slot: not an
+    accumulation)."""
     op, inputs = tg.ir.node(writer).op, tg.ir.data_inputs(writer)
     if len(inputs) < 2:
         return None
