@@ -75,6 +75,8 @@ def _halved(x):
     (_clipped, tf.reduce_sum, False),      # summed: each replica's is one device's
     (_halved, tf.reduce_mean, False),      # linear in what it receives (sign of x, not dy)
     ("sign->identity", tf.reduce_mean, False),
+    # a NaN test of a max of dy orders the recomputation after dy: not a bend
+    (tf.recompute_grad(tf.tanh), tf.reduce_mean, False),
 ])
 def test_a_custom_gradient_not_linear_in_what_it_receives_is_named(through, reduce, warned):
     """Before, a clip by value in a tf.custom_gradient trained 0.014 off one
@@ -95,7 +97,8 @@ def test_a_custom_gradient_not_linear_in_what_it_receives_is_named(through, redu
         assert "('gradients/IdentityN_grad/clip_by_value/Minimum': Minimum)" in said
 
 
-@pytest.mark.parametrize("through,warned", [(_clipped, True), (_halved, False)])
+@pytest.mark.parametrize("through,warned", [(_clipped, True), (_halved, False),
+                                            ("recompute", False)])
 def test_a_traced_step_s_custom_gradient_is_read_too(through, warned):
     """In a traced TF2 step the custom function's ops are outside the
     autodiff's scope: found as ops between its gradients that no loss
@@ -112,7 +115,11 @@ def test_a_traced_step_s_custom_gradient_is_read_too(through, warned):
                 inner.watch(x)
                 h = tf.matmul(x, w)
             penalty = tf.reduce_mean(tf.square(tf.norm(inner.gradient(h, x), axis=1) - 1.0))
-            loss = tf.reduce_mean(tf.square(through(h))) + penalty
+            if through == "recompute":
+                h = tf.recompute_grad(lambda a: tf.nn.relu(tf.matmul(a, w)))(x)
+            else:
+                h = through(h)
+            loss = tf.reduce_mean(tf.square(h)) + penalty
         w.assign_sub(0.1 * outer.gradient(loss, w))
         return loss
     bent = bent_gradient(capture(step, (np.ones((4, 3), np.float32),)).graph)

@@ -20,6 +20,15 @@ def test_tape_targets_are_the_traced_tensors_a_tape_differentiates():
         concrete = tf.function(step).get_concrete_function(tf.TensorSpec([None, 3]))
         step(tf.ones([2, 3]))                   # an eager call: nothing to record
     assert targets == ["the_loss:0"]
+    with recorders.tape_targets() as targets:   # tf.recompute_grad's own tape is seeded
+        block = tf.recompute_grad(lambda a: tf.nn.relu(tf.matmul(a, w), name="recomputed"))
+
+        def checkpointed(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(block(x), name="the_loss")
+            return tape.gradient(loss, [w])
+        tf.function(checkpointed).get_concrete_function(tf.TensorSpec([None, 3]))
+    assert targets == ["the_loss:0"]
     assert concrete.graph.get_tensor_by_name("the_loss:0") is not None
     assert tf.GradientTape.gradient is original
     with pytest.raises(RuntimeError), recorders.tape_targets():

@@ -121,9 +121,25 @@ def bent_gradient(graph: tf.Graph) -> tuple[str, str] | None:
             found.append(op)
     back = {op.name for op in graph.get_operations() if rules.is_autodiff(op.name)}
     for op in found:        # a custom function's: in its scope (TF1), or feeding the autodiff
-        if rules.is_autodiff(op.name) or _reaches(op, back):
+        if (rules.is_autodiff(op.name) or _reaches(op, back)) and not _nan_tested(op):
             return op.name, op.type
     return None
+
+
+def _nan_tested(op) -> bool:
+    """Whether `op`'s outputs reach only tests for NaN (`x == x`, `is_nan`,
+    past casts and reshapes), which hold for every finite value: how
+    tf.recompute_grad's gradient orders its recomputation after the
+    incoming gradient (a max of it, cast to bool, compared with itself)."""
+    ends = [c for t in op.outputs for c in t.consumers()]
+    while ends:
+        c = ends.pop()
+        if c.type in ("Cast", "Reshape", "Identity", "Squeeze"):
+            ends.extend(x for t in c.outputs for x in t.consumers())
+        elif not (c.type in ("IsNan", "IsFinite", "IsInf") or c.type in ("Equal", "NotEqual")
+                  and c.inputs[0].name == c.inputs[1].name):
+            return False
+    return True
 
 
 def _reaches(op, targets: set) -> bool:

@@ -66,12 +66,15 @@ def tf_variable(v):
 @contextlib.contextmanager
 def tape_targets():
     """The names of the tensors GradientTape.gradient is called on inside
-    the block (a list, filled as the calls come; the latest trace's)."""
+    the block (a list, filled as the calls come; the latest trace's). A
+    call given `output_gradients` is a product with a gradient from
+    elsewhere, not a loss's (tf.recompute_grad's gradient calls one)."""
     found = []
     original = tf.GradientTape.gradient
 
     def gradient(self, target, *args, **kwargs):
-        if not tf.executing_eagerly():      # a trace (an eager tensor has no name)
+        seeded = kwargs.get("output_gradients", args[1] if len(args) > 1 else None)
+        if not tf.executing_eagerly() and seeded is None:   # a trace's loss
             found.extend(t.name for t in tf.nest.flatten(target) if isinstance(t, tf.Tensor))
         return original(self, target, *args, **kwargs)
     tf.GradientTape.gradient = gradient
