@@ -29,7 +29,8 @@ from collections import Counter
 import tensorflow as tf
 
 from .errors import ConfigError
-from .tf2 import StepFunction, _array, needs_eager
+from .step_args import array, open_shapes
+from .tf2 import StepFunction, needs_eager
 
 
 class KerasFit:
@@ -169,7 +170,7 @@ class KerasFit:
         out = self._own[kind](data)
         if kind == "test":
             self._metrics_reset()
-        return tf.nest.map_structure(_array, out)
+        return tf.nest.map_structure(array, out)
 
     def train_function(self, iterator):
         logs = None
@@ -181,6 +182,9 @@ class KerasFit:
                     raise StopIteration from None
                 break
             self._push_rate()
+            if self.step.runner is None:    # traced as Keras traces it: on the data's spec
+                self.step.open_shapes = open_shapes(getattr(iterator, "element_spec", None),
+                                                    data)
             before = self.step.on_program
             logs = self.step(data)      # a batch the replicas cannot split: on the model
             self.behind = self.step.on_program == before
@@ -196,7 +200,7 @@ class KerasFit:
         spe = getattr(self.model, "_steps_per_execution", None)     # tf_keras: a variable
         if spe is None or isinstance(spe, int):
             spe = getattr(self.model, "steps_per_execution", 1)
-        return max(int(_array(spe) or 1), 1)
+        return max(int(array(spe) or 1), 1)
 
     def logs(self, keras_method: str):
         """Keras's `keras_method` (the logs of an epoch or an evaluation,
@@ -224,7 +228,7 @@ class KerasFit:
         rate = getattr(self.model.optimizer, "learning_rate", None)
         if not isinstance(rate, tf.Variable) and not hasattr(rate, "_value"):
             return
-        value = float(_array(rate))
+        value = float(array(rate))
         if value != self._rate:
             self.step.push([rate])
             self._rate = value

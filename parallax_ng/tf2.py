@@ -10,7 +10,8 @@ on a batch: a loss under tf.GradientTape, its gradients applied by an
 optimizer (Keras 3, tf_keras, or TensorFlow's), variables made before or
 during its first trace, nothing else stateful outside TensorFlow.
 Guarantees: the first call traces `fn` on the batch's shapes (the batch
-dimension left open) and rebuilds it as a training graph
+dimension left open, and those its `input_signature` leaves open: step_args.py)
+and rebuilds it as a training graph
 (parallax_ng/graph/tracing.py), which takes the path every graph takes
 (build.py: the plan the config asks for, the passes, one Runner); the
 variables start from the program's values. A call with a global batch runs
@@ -35,7 +36,6 @@ next call; trained weights the program sets go in by `push(variables)`.
 """
 from __future__ import annotations
 
-import inspect
 import sys
 import weakref
 
@@ -45,8 +45,11 @@ import tensorflow as tf
 from .errors import ConfigError, FetchError, GraphError
 from .graph.frontend import NO_UPDATE
 from .graph.recorders import tf_variable
-from .graph.tracing import python_value, tensor_leaves
-from .runtime.batch_parts import sparse_rows, sparse_tensors
+from .graph.tracing import tensor_leaves
+from .runtime.batch_parts import sparse_rows
+from .step_args import (SparseValue, array, constants, fed, fits_shape, leaf_value, open_shapes,
+                        positional, rows_of, same_constants, same_shapes, sparse_input,
+                        traced_shapes)
 
 FOLLOWED = 4 << 20      # bytes of variables batch_sync "auto" writes back after every call
 _STEPS: weakref.WeakSet = weakref.WeakSet()    # the process's built steps (shared weights)
@@ -67,6 +70,8 @@ class StepFunction:
         self._parts = parts
         self.runner = None
         self._captured, self._constants = None, []    # (Python arguments traced as is)
+        self._shapes: list = []          # the arguments' traced shapes (traced_shapes)
+        self.open_shapes: dict = {}      # id(leaf) -> shape the trace leaves open (fit's data)
         self._pushes: dict = {}          # graph variable -> (placeholder, assign op)
         self._known: dict = {}           # watched graph variable -> the program's last value
         self.built: list = []            # called once the runner holds the variables
@@ -76,7 +81,7 @@ class StepFunction:
 
     def __call__(self, *args, per_replica: bool = False, **kwargs):
         if kwargs:                      # step(x, y, training=True): by position
-            args = _positional(self._fn, args, kwargs)
+            args = positional(self._fn, args, kwargs)
         if self.runner is None:
             self._build(args)
         cap = self._captured
@@ -84,9 +89,10 @@ class StepFunction:
         if len(leaves) != len(cap.inputs):
             raise ConfigError(f"the step was traced with {len(cap.inputs)} batch tensors and "
                               f"is called with {len(leaves)}; call it as it was first called")
-        _same_constants(self._constants, args)
+        same_constants(self._constants, args)
         if not per_replica and self.alone() and not self.splits(args):
             return self._on_program(args)
+        same_shapes(self._shapes, args)
         out = self._run(cap.train, cap.inputs, cap.outputs, leaves, per_replica)
         if self._follow:
             self.sync(self._written_back() + self._read_elsewhere())
@@ -143,13 +149,13 @@ class StepFunction:
         self.on_program += 1
         out = self._fn(*args)
         self.push(list(self._captured.variables.values()))
-        return None if out is None else tf.nest.map_structure(_array, out)
+        return None if out is None else tf.nest.map_structure(array, out)
 
     def _run(self, op, inputs, outputs, leaves, per_replica):
         self._push_changed()
         feeds = {}
         for i, (name, leaf) in enumerate(zip(inputs, leaves)):
-            feeds.update(self._feeds(i, name, _leaf(leaf)))
+            feeds.update(self._feeds(i, name, leaf_value(leaf)))
         if outputs is None:              # it returns nothing
             self.runner.run(op, feeds)
             return None
@@ -162,31 +168,30 @@ class StepFunction:
         if self.runner is None or name not in self._captured.parts:
             return False
         graph, inputs = self._captured.graph, self._captured.parts[name].inputs
-        leaves = [_leaf(leaf) for leaf in tensor_leaves(args)]
+        leaves = [leaf_value(leaf) for leaf in tensor_leaves(args)]
         if len(leaves) != len(inputs):
             return False
         for placeholder, leaf in zip(inputs, leaves):
-            sparse = _sparse_input(graph, placeholder)
+            sparse = sparse_input(graph, placeholder)
             if sparse != isinstance(leaf, SparseValue):
                 return False
             if sparse:
                 t = graph.get_tensor_by_name(f"{placeholder}/values:0")
                 if tf.as_dtype(leaf.values.dtype) != t.dtype or \
-                        _rows(leaf) % self.runner.plan.group_size:
+                        rows_of(leaf) % self.runner.plan.group_size:
                     return False
                 continue
             t = graph.get_tensor_by_name(placeholder + ":0")
-            if np.ndim(leaf) != t.shape.rank or tf.as_dtype(np.asarray(leaf).dtype) != t.dtype \
-                    or np.ndim(leaf) and (list(np.shape(leaf)[1:]) != t.shape.as_list()[1:] or
-                                          len(leaf) % self.runner.plan.group_size):
+            if not fits_shape(t.shape, leaf) or tf.as_dtype(np.asarray(leaf).dtype) != t.dtype \
+                    or np.ndim(leaf) and len(leaf) % self.runner.plan.group_size:
                 return False
         return True
 
     def splits(self, args) -> bool:
         """Whether every replica gets an equal part of the global batch `args`."""
         n = self.runner.plan.group_size
-        leaves = [_leaf(leaf) for leaf in tensor_leaves(args)]
-        return all(_rows(leaf) % n == 0 for leaf in leaves      # (a scalar: not a batch,
+        leaves = [leaf_value(leaf) for leaf in tensor_leaves(args)]
+        return all(rows_of(leaf) % n == 0 for leaf in leaves      # (a scalar: not a batch,
                    if isinstance(leaf, SparseValue) or np.ndim(leaf))  # the feeds' error)
 
     def run_part(self, name: str, args, per_replica: bool = False):
@@ -199,12 +204,12 @@ class StepFunction:
     def _feeds(self, i: int, name: str, leaf) -> dict:
         """The feeds of argument leaf `i` (placeholder `name`): this worker's
         rows of it, a sparse batch's three tensors for a sparse placeholder."""
-        sparse = _sparse_input(self._captured.graph, name)
+        sparse = sparse_input(self._captured.graph, name)
         if sparse != isinstance(leaf, SparseValue):
             kinds = ("a dense tensor", "a SparseTensor")
             raise ConfigError(f"argument leaf {i} of the step was traced as {kinds[sparse]} and "
                               f"is given {kinds[not sparse]}; call it as it was first called")
-        return _fed(name, self._mine(i, leaf))
+        return fed(name, self._mine(i, leaf))
 
     def _mine(self, i: int, batch):
         """This worker's rows of a global batch (in a job, every worker is
@@ -212,7 +217,7 @@ class StepFunction:
         plan = self.runner.plan
         if not isinstance(batch, SparseValue) and not np.ndim(batch):
             return batch                # a number every replica takes whole
-        workers, rows = getattr(plan, "num_workers", 1), _rows(batch)
+        workers, rows = getattr(plan, "num_workers", 1), rows_of(batch)
         if rows % plan.group_size:
             raise FetchError(
                 f"argument leaf {i} of the step holds a global batch of {rows} rows, which "
@@ -250,7 +255,7 @@ class StepFunction:
         cost a copy of the model): `push` them after setting them."""
         tg = self.runner.ctx.tg
         trained = {n for var in tg.gradients for n in tg.owned(var)}
-        self._known = {name: np.array(_array(v), copy=True)
+        self._known = {name: np.array(array(v), copy=True)
                        for name, v in self._captured.variables.items() if name not in trained}
 
     def _push_changed(self) -> None:
@@ -260,7 +265,7 @@ class StepFunction:
         runner."""
         variables = self._captured.variables
         changed = [variables[name] for name, known in self._known.items()
-                   if not np.array_equal(_array(variables[name]), known)]
+                   if not np.array_equal(array(variables[name]), known)]
         if changed:
             self.push(changed)
 
@@ -286,7 +291,7 @@ class StepFunction:
                 self._pushes[name] = (value.name, op.name)
             value, op = self._pushes[name]
             ops.append(op)
-            feeds[value] = _array(cap.variables[name])
+            feeds[value] = array(cap.variables[name])
             if name in self._known:
                 self._known[name] = np.array(feeds[value], copy=True)
         if ops:
@@ -302,13 +307,15 @@ class StepFunction:
         from .graph.tracing import capture
         for other in list(_STEPS):      # the program's variables as the other steps left them
             other.sync()
-        self._captured = cap = capture(self._fn, args,
-                                       self._parts(args) if self._parts else None)
-        self._constants = _constants(args)
+        opened = {**open_shapes(getattr(self._fn, "input_signature", None), args),
+                  **self.open_shapes}
+        self._captured = cap = capture(self._fn, args, self._parts(args) if self._parts else
+                                       None, opened)
+        self._constants, self._shapes = constants(args), traced_shapes(cap.graph, cap.inputs)
         try:
             batch = {}
             for name, leaf in zip(cap.inputs, tensor_leaves(args)):
-                batch.update(_fed(name, _leaf(leaf)))
+                batch.update(fed(name, leaf_value(leaf)))
             sample = Sample(batch, cap.init_feeds)
             self.runner = get_runner(cap.graph, self._resources, self._config, sample)
         except GraphError as e:
@@ -338,10 +345,10 @@ def _kept_rows(runner, args) -> frozenset:
     state = runner.ctx.result(PerExampleState) if hasattr(runner, "ctx") else None
     if state is None:
         return frozenset()
-    leaves = [leaf for leaf in map(_leaf, tensor_leaves(args))
+    leaves = [leaf for leaf in map(leaf_value, tensor_leaves(args))
               if isinstance(leaf, SparseValue) or np.ndim(leaf)]     # batches
     n = runner.plan.group_size
-    part = _rows(leaves[0]) // n if leaves else None
+    part = rows_of(leaves[0]) // n if leaves else None
     for var, axis in state.axes:
         shape = tf.TensorShape(runner.ctx.tg.ir.node(var).attr["shape"].shape)
         held = tf.compat.dimension_value(shape[axis]) if shape.rank else None
@@ -373,74 +380,3 @@ def needs_eager(what: str) -> None:
             "Remove that, or write the step as a TF1 graph (the model called on the "
             "input tensors, a loss, a tf.compat.v1 optimizer's minimize) and give the "
             "graph to pn.get_runner")
-
-
-def _array(leaf):
-    return leaf.numpy() if hasattr(leaf, "numpy") else leaf
-
-
-SparseValue = tf.compat.v1.SparseTensorValue
-
-
-def _positional(fn, args: tuple, kwargs: dict) -> tuple:
-    """`fn`'s arguments, some given by keyword, in its parameters' order
-    (defaults filled in): the step is traced and fed by position."""
-    try:
-        bound = inspect.signature(getattr(fn, "python_function", fn)).bind(*args, **kwargs)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"the step's arguments do not fit its parameters: {e}") from None
-    bound.apply_defaults()
-    if bound.kwargs:
-        raise ConfigError(f"the step takes {sorted(bound.kwargs)} by keyword only; give them "
-                          "by position (make them positional parameters)")
-    return bound.args
-
-
-def _constants(args) -> list:
-    """The step's arguments traced as constants (Python numbers, strings)."""
-    return [(i, a) for i, a in enumerate(tf.nest.flatten(args))
-            if python_value(a) and a is not None]
-
-
-def _same_constants(traced: list, args) -> None:
-    """A ConfigError where a call gives a Python argument another value than
-    the step was traced with (a tf.function would trace it again)."""
-    flat = tf.nest.flatten(args)
-    for i, value in traced:
-        if i >= len(flat) or type(flat[i]) is not type(value) or flat[i] != value:
-            given = flat[i] if i < len(flat) else "nothing"
-            raise ConfigError(
-                f"argument leaf {i} of the step was the Python value {value!r} when the step "
-                f"was traced and is now {given!r}: the step is traced once, with Python "
-                "values as constants. Pass a value that changes from call to call as a "
-                f"tensor (tf.constant({given!r})), which every replica gets whole")
-
-
-def _leaf(leaf):
-    """A step argument's leaf as fed: an array, or a SparseTensorValue of
-    arrays for a SparseTensor (a batch of sparse rows)."""
-    if isinstance(leaf, (tf.SparseTensor, SparseValue)):
-        return SparseValue(*(np.asarray(_array(t)) for t in
-                             (leaf.indices, leaf.values, leaf.dense_shape)))
-    return _array(leaf)
-
-
-def _fed(name: str, leaf) -> dict:
-    """The feeds of argument placeholder `name` given `leaf`: its tensor, or
-    a sparse placeholder's three tensors for a SparseTensorValue."""
-    if isinstance(leaf, SparseValue):
-        return dict(zip(sparse_tensors(name), leaf))
-    return {name + ":0": leaf}
-
-
-def _rows(leaf) -> int:
-    return int(leaf.dense_shape[0]) if isinstance(leaf, SparseValue) else len(leaf)
-
-
-def _sparse_input(graph: tf.Graph, name: str) -> bool:
-    """Whether argument placeholder `name` is a sparse placeholder's."""
-    try:
-        graph.get_operation_by_name(name + "/indices")
-    except KeyError:
-        return False
-    return True

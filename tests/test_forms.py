@@ -242,3 +242,25 @@ def test_rows_made_with_the_batch_and_concatenated_along_it_are_the_batchs():
         assert forms.batch_rows(t, ["x"]), t.name
     assert not forms.batch_rows(padded, ["x"]) and not forms.batch_rows(fixed, ["x"])
     assert forms.loss_form(loss, ["x"], None).kind == "mean"
+
+
+@pytest.mark.parametrize("length", [7, None], ids=["fixed", "open"])
+def test_a_masked_mean_over_a_padded_length_names_both_divisions(length):
+    """Keras's masked mean weighs each kept token by tokens / kept tokens,
+    tokens = tf.reduce_prod of the mask's shape (rows, length), and divides
+    the weighted sum by the tokens: both divisions by a count the data sets.
+    With the length open (a padded batch's), the shape is packed from two
+    dimensions of the data; before, the weight's division went unnamed and
+    each replica weighed its tokens by its own kept count (3e-4 off one
+    device in a Keras 3 fit)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.int32, [None, length], name="x")
+        e = tf.reduce_sum(tf.nn.embedding_lookup(tf1.get_variable("w", [9, 2]), x), -1)
+        mask = tf.cast(tf.not_equal(x, 0), tf.float32)
+        shape = tf.stack([tf.shape(mask)[0], length or tf.shape(mask)[1]])
+        total = tf.cast(tf.reduce_prod(shape), tf.float32)
+        weight = tf.math.divide_no_nan(total, tf.reduce_sum(mask), name="weight")
+        loss = tf.math.divide_no_nan(tf.reduce_sum(e * mask * weight), total, name="loss")
+    form = forms.loss_form(loss, ["x"], None, strict=False)
+    assert form.kind == "mean" and set(form.by_count) == {"weight", "loss"}

@@ -9,9 +9,9 @@ import os
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Lowest first: a module may import its own layer and the layers before it.
 # "foundation" is the package's top-level modules but __init__, build.py,
-# tf2.py, keras_fit.py and the entry point; the package itself, build.py
-# (the one path from a graph to a Runner) and tf2.py and keras_fit.py (TF2
-# programs on that path) sit
+# tf2.py, keras_fit.py, step_args.py and the entry point; the package
+# itself, build.py (the one path from a graph to a Runner) and tf2.py,
+# keras_fit.py and step_args.py (TF2 programs on that path) sit
 # above the runtime and layer-to-layer, and the tools above everything.
 LAYERS = ["foundation", "graph", "comm", "planning", "pipeline", "transforms", "runtime",
           "l2l", "parallax_ng", "tools"]
@@ -63,7 +63,8 @@ def layer(name):
     parts = name.split(".")
     if parts[0] == "transforms":
         return "transforms"
-    if name in ("parallax_ng", "parallax_ng.build", "parallax_ng.tf2", "parallax_ng.keras_fit"):
+    if name in ("parallax_ng", "parallax_ng.build", "parallax_ng.tf2", "parallax_ng.keras_fit",
+                "parallax_ng.step_args"):
         return "parallax_ng"
     if name == "parallax_ng.__main__":
         return "tools"

@@ -1,8 +1,7 @@
-"""Forms of a tensor over the batch: whether its first dimension is the
-batch's rows (`batch_rows`, graph/rows.py), and whether a scalar computed from the data
-is a mean over the batch or a sum over it (`loss_form`), and the losses a
-graph differentiates (`autodiff_losses`); graph/averaging.py reads from
-them whether the replicas' gradients are averaged or summed.
+"""Forms of a tensor over the batch: its rows (`batch_rows`, graph/rows.py),
+whether a scalar of the data is a mean or a sum over the batch
+(`loss_form`), and the losses a graph differentiates (`autodiff_losses`),
+from which graph/averaging.py reads how the replicas' gradients combine.
 
 Requires: tf.Tensors of a graph and the names of its data sources (the
 placeholders and iterators that give the batch), or a graph/rows.py
@@ -414,10 +413,23 @@ def _counts_elements(t: tf.Tensor, sources) -> bool:
     shape = op.inputs[0].op if op.type == "Prod" else None
     if shape is not None and shape.type == "Shape":
         return batch_axis(shape.inputs[0], sources) is not None
-    if shape is not None and shape.type == "Pack":     # (rows, constant dims ...)
+    if shape is not None and shape.type == "Pack":     # (rows, other dims ...)
         return counts_rows(shape.inputs[0].op, sources) and all(
-            tf.get_static_value(x) is not None for x in shape.inputs[1:])
+            tf.get_static_value(x) is not None or _other_dim(x, sources)
+            for x in shape.inputs[1:])
     return counts_rows(op, sources)
+
+
+def _other_dim(t: tf.Tensor, sources) -> bool:
+    """Whether `t` is `tf.shape(x)[k]` of a tensor of the batch's rows, k
+    not their axis (a padded batch's length, the same on every replica)."""
+    op = t.op
+    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape" or \
+            not op.get_attr("shrink_axis_mask"):
+        return False
+    x, k = op.inputs[0].op.inputs[0], tf.get_static_value(op.inputs[1])
+    axis = batch_axis(x, sources) if k is not None and x.shape.rank else None
+    return axis is not None and int(np.ravel(k)[0]) % x.shape.rank != axis
 
 
 def replica_batch(graph: tf.Graph, data) -> int | None:

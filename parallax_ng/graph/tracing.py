@@ -77,14 +77,16 @@ class Captured:
     failed: dict = field(default_factory=dict)       # part that could not be traced -> why
 
 
-def capture(fn, args: tuple, parts: dict | None = None) -> Captured:
-    parts = dict(parts or {})
+def capture(fn, args: tuple, parts: dict | None = None, opened: dict | None = None) -> Captured:
+    """`opened`: id(leaf) -> a shape whose None dimensions stay open (step_args.py)."""
+    parts, opened = dict(parts or {}), opened or {}
     with recorders.slots_recorded() as owners, recorders.tape_targets() as targets:
-        pieces = [_piece(_trace(fn, args, 0, "the step"), targets)]
+        pieces = [_piece(_trace(fn, args, 0, "the step", opened), targets)]
     first, traced, failed = len(tensor_leaves(args)), [], {}
     for name, (part, part_args) in parts.items():
         try:
-            pieces.append(_piece(_trace(part, part_args, first, f"its {name} function")))
+            pieces.append(_piece(_trace(part, part_args, first, f"its {name} function",
+                                        opened)))
         except Exception as e:         # a part is optional: its calls go elsewhere
             failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             continue
@@ -97,7 +99,7 @@ def capture(fn, args: tuple, parts: dict | None = None) -> Captured:
     return captured
 
 
-def _trace(fn, args: tuple, first: int, what: str):
+def _trace(fn, args: tuple, first: int, what: str, opened: dict):
     """`fn`'s concrete function on `args`' specs (their leaves numbered from
     `first`), traced twice: a trace that makes variables is a GraphError,
     and so is a second one that differs from the first, unless `fn` is a
@@ -105,7 +107,7 @@ def _trace(fn, args: tuple, first: int, what: str):
     python = getattr(fn, "python_function", fn)
     flat = tf.nest.flatten(args)
     present = [i for i, a in enumerate(flat) if not python_value(a)]
-    specs = [_spec(flat[i], first + k) for k, i in enumerate(present)]
+    specs = [_spec(flat[i], first + k, opened.get(id(flat[i]))) for k, i in enumerate(present)]
     structure = args
 
     def step(*leaves):     # an output besides fn's, which holds every stateful op
@@ -179,7 +181,7 @@ def _differences(a, b) -> str:
     return f"{', '.join(diff[:4])} differ" if diff else ""
 
 
-def _spec(value, i: int):
+def _spec(value, i: int, opened=None):
     if isinstance(value, tf.compat.v1.SparseTensorValue):
         value = tf.SparseTensor(*value)
     if isinstance(value, tf.SparseTensor):       # a batch of sparse rows
@@ -200,7 +202,10 @@ def _spec(value, i: int):
                              f": {e}")) from None
     if t.shape.rank == 0:           # a number every replica takes whole (a learning rate)
         return tf.TensorSpec([], t.dtype, name=INPUT.format(i))
-    return tf.TensorSpec([None] + t.shape.as_list()[1:], t.dtype, name=INPUT.format(i))
+    dims = t.shape.as_list()[1:]
+    if opened is not None and opened.rank == t.shape.rank:
+        dims = [d if o is not None else None for d, o in zip(dims, opened.as_list()[1:])]
+    return tf.TensorSpec([None] + dims, t.dtype, name=INPUT.format(i))
 
 
 @dataclass

@@ -1,0 +1,136 @@
+"""A TF2 step's arguments (tf2.py's `pn.function`, keras_fit.py's `fit`):
+bound to the step's parameters by position, checked against what the step
+was traced with, and fed.
+
+Requires: the step's arguments as the program passes them (tensors,
+arrays, SparseTensors, Python values). Guarantees: `positional` binds
+keywords by position; `open_shapes` says which dimensions the trace leaves
+open (those a tf.function's `input_signature` or a dataset's
+`element_spec` leaves open, as a tf.function traces them: a padded batch's
+length); `same_constants` and `same_shapes` give a ConfigError naming the
+argument where a call differs from the trace in what a trace fixes;
+`leaf_value` and `fed` make the feeds.
+"""
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import tensorflow as tf
+
+from .errors import ConfigError
+from .graph.tracing import python_value, tensor_leaves
+from .runtime.batch_parts import sparse_tensors
+
+SparseValue = tf.compat.v1.SparseTensorValue
+
+
+def array(leaf):
+    return leaf.numpy() if hasattr(leaf, "numpy") else leaf
+
+
+def positional(fn, args: tuple, kwargs: dict) -> tuple:
+    """`fn`'s arguments, some given by keyword, in its parameters' order
+    (defaults filled in): the step is traced and fed by position."""
+    try:
+        bound = inspect.signature(getattr(fn, "python_function", fn)).bind(*args, **kwargs)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"the step's arguments do not fit its parameters: {e}") from None
+    bound.apply_defaults()
+    if bound.kwargs:
+        raise ConfigError(f"the step takes {sorted(bound.kwargs)} by keyword only; give them "
+                          "by position (make them positional parameters)")
+    return bound.args
+
+
+def open_shapes(specs, args) -> dict:
+    """id(leaf) -> the TensorShape whose None dimensions the trace leaves
+    open, for each leaf of `args` that `specs` (a structure of TensorSpecs
+    like `args`': an input_signature, a dataset's element_spec) gives a
+    shape of its rank; {} where the structures do not match."""
+    flat, given = tf.nest.flatten(args), tf.nest.flatten(specs) if specs is not None else []
+    if len(flat) != len(given):
+        return {}
+    return {id(leaf): spec.shape for leaf, spec in zip(flat, given)
+            if isinstance(spec, tf.TensorSpec) and spec.shape.rank is not None and
+            spec.shape.rank == np.ndim(leaf)}
+
+
+def constants(args) -> list:
+    """The step's arguments traced as constants (Python numbers, strings)."""
+    return [(i, a) for i, a in enumerate(tf.nest.flatten(args))
+            if python_value(a) and a is not None]
+
+
+def same_constants(traced: list, args) -> None:
+    """A ConfigError where a call gives a Python argument another value than
+    the step was traced with (a tf.function would trace it again)."""
+    flat = tf.nest.flatten(args)
+    for i, value in traced:
+        if i >= len(flat) or type(flat[i]) is not type(value) or flat[i] != value:
+            given = flat[i] if i < len(flat) else "nothing"
+            raise ConfigError(
+                f"argument leaf {i} of the step was the Python value {value!r} when the step "
+                f"was traced and is now {given!r}: the step is traced once, with Python "
+                "values as constants. Pass a value that changes from call to call as a "
+                f"tensor (tf.constant({given!r})), which every replica gets whole")
+
+
+def traced_shapes(graph: tf.Graph, inputs: list) -> list:
+    """The shapes past the batch dimension of the step's dense argument
+    placeholders (None for a sparse one), as `same_shapes` reads them."""
+    return [None if sparse_input(graph, name) else
+            graph.get_tensor_by_name(name + ":0").shape for name in inputs]
+
+
+def fits_shape(shape: tf.TensorShape, leaf) -> bool:
+    """Whether `leaf` (a batch or a scalar) fits a placeholder of `shape`:
+    its rank, and every dimension past the first the trace fixed."""
+    if np.ndim(leaf) != shape.rank:
+        return False
+    return all(d is None or d == n for d, n in zip(shape.as_list()[1:], np.shape(leaf)[1:]))
+
+
+def same_shapes(traced: list, args) -> None:
+    """A ConfigError where a call's argument has another shape past its batch
+    dimension than the trace fixed (a padded batch of another length)."""
+    for i, (shape, leaf) in enumerate(zip(traced, tensor_leaves(args))):
+        if shape is None or isinstance(leaf, (tf.SparseTensor, SparseValue)) or \
+                fits_shape(shape, leaf):
+            continue
+        raise ConfigError(
+            f"argument leaf {i} of the step has shape {list(np.shape(leaf))}, and the step "
+            f"was traced for {shape.as_list()} (None: any): the step is traced once. Give "
+            "the dimensions that vary from batch to batch as None: pass a tf.function with "
+            "an input_signature (tf.TensorSpec([None, None], ...)), or pad every batch to "
+            "one length")
+
+
+def leaf_value(leaf):
+    """A step argument's leaf as fed: an array, or a SparseTensorValue of
+    arrays for a SparseTensor (a batch of sparse rows)."""
+    if isinstance(leaf, (tf.SparseTensor, SparseValue)):
+        return SparseValue(*(np.asarray(array(t)) for t in
+                             (leaf.indices, leaf.values, leaf.dense_shape)))
+    return array(leaf)
+
+
+def fed(name: str, leaf) -> dict:
+    """The feeds of argument placeholder `name` given `leaf`: its tensor, or
+    a sparse placeholder's three tensors for a SparseTensorValue."""
+    if isinstance(leaf, SparseValue):
+        return dict(zip(sparse_tensors(name), leaf))
+    return {name + ":0": leaf}
+
+
+def rows_of(leaf) -> int:
+    return int(leaf.dense_shape[0]) if isinstance(leaf, SparseValue) else len(leaf)
+
+
+def sparse_input(graph: tf.Graph, name: str) -> bool:
+    """Whether argument placeholder `name` is a sparse placeholder's."""
+    try:
+        graph.get_operation_by_name(name + "/indices")
+    except KeyError:
+        return False
+    return True

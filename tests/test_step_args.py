@@ -1,0 +1,89 @@
+"""A TF2 step's arguments (parallax_ng/step_args.py): the dimensions a
+trace leaves open (a padded batch's length, as a tf.function's
+input_signature or a dataset's element_spec leaves it), a clear error
+where a call does not fit the trace, and padded batches of several
+lengths trained exactly as one device trains them, in a custom loop (in `fit`:
+test_keras_fit.py's masked sequence loss)."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from models import local
+from test_tf2 import check_equal, twins
+
+import parallax_ng as pn
+from parallax_ng.errors import ConfigError
+from parallax_ng.step_args import fits_shape, open_shapes, same_shapes
+
+
+def test_open_shapes_follow_the_spec_where_its_structure_and_ranks_match():
+    x, y = np.zeros((4, 6), np.int32), np.zeros((4, 1), np.float32)
+    spec = (tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, 1], tf.float32))
+    opened = open_shapes(spec, ((x, y),))
+    assert opened[id(x)].as_list() == [None, None] and opened[id(y)].as_list() == [None, 1]
+    assert open_shapes(spec[:1], ((x, y),)) == {}            # another structure: nothing
+    assert open_shapes(None, (x,)) == {}
+    assert id(x) not in open_shapes((tf.TensorSpec([None], tf.int32),), (x,))   # rank 1 != 2
+    assert fits_shape(tf.TensorShape([None, None]), np.zeros((2, 9)))
+    assert not fits_shape(tf.TensorShape([None, 6]), np.zeros((2, 5)))
+    assert not fits_shape(tf.TensorShape([None, 6]), np.zeros((2, 6, 1)))
+
+
+def test_a_call_that_does_not_fit_the_trace_is_named():
+    with pytest.raises(ConfigError, match=r"argument leaf 1 of the step has shape \[4, 5\].*"
+                                          r"traced for \[None, 6\].*input_signature"):
+        same_shapes([tf.TensorShape([None, 2]), tf.TensorShape([None, 6])],
+                    (np.zeros((4, 2)), np.zeros((4, 5))))
+    same_shapes([None, tf.TensorShape([None, None])],           # sparse, open: fine
+                (tf.SparseTensor([[0, 0]], [1.0], [4, 3]), np.zeros((4, 5))))
+
+
+def _padded(seed=0, steps=4, batch=8, vocab=20):
+    """Global batches of id sequences padded with 0 to their longest."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for k in range(steps):
+        lengths = rng.integers(1, 3 + k, batch)
+        x = np.zeros((batch, lengths.max()), np.int32)
+        for i, n in enumerate(lengths):
+            x[i, :n] = rng.integers(1, vocab, n)
+        out.append((x, rng.normal(size=(batch, 1)).astype(np.float32)))
+    return out
+
+
+def _sequence_model():
+    return keras.Sequential([keras.Input((None,), dtype="int32"),
+                             keras.layers.Embedding(20, 4, mask_zero=True),
+                             keras.layers.GRU(3), keras.layers.Dense(1)])
+
+
+def _step(model, optimizer):
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return train_step
+
+
+def test_padded_batches_of_several_lengths_equal_one_device_with_an_input_signature():
+    """A tf.function whose input_signature leaves the length open is traced
+    with it open: 4 batches of 3 lengths, 2 replicas, 1e-5. The same step
+    without the signature is traced for the first batch's length, and the
+    next length is a ConfigError naming the argument (before: TensorFlow's
+    feed error, "Cannot feed value of shape")."""
+    signature = [tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, 1], tf.float32)]
+    parallel, single = twins(_sequence_model, lambda: keras.optimizers.Adam(0.01))
+    step = pn.function(tf.function(_step(*parallel), input_signature=signature), local(2))
+    ref = tf.function(_step(*single), input_signature=signature)
+    batches = _padded()
+    assert len({x.shape[1] for x, _ in batches}) >= 3
+    for x, y in batches:
+        np.testing.assert_allclose(step(x, y), ref(x, y).numpy(), atol=1e-5, rtol=0)
+    step.sync()
+    check_equal(parallel, single)
+    fixed = pn.function(_step(*twins(_sequence_model, keras.optimizers.Adam)[0]), local(2))
+    fixed(*batches[0])
+    with pytest.raises(ConfigError, match="argument leaf 0 of the step has shape"):
+        fixed(*batches[1])
