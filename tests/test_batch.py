@@ -116,6 +116,30 @@ def test_ids_looked_up_in_a_partitioned_table_are_a_batch(strategy):
     assert kinds(g) == {"x": "batch", "y": "batch"}
 
 
+@pytest.mark.parametrize("loss", ["softmax", "squared"])
+def test_ids_run_through_a_time_major_loop_meet_the_labels_rows(loss):
+    """dynamic_rnn's form: ids [None, None] embedded, transposed to time
+    major, run through a loop over time, transposed back, and met by the
+    labels in a loss. The first dimension's rules stop at the transpose;
+    graph/rows.py follows the rows through it, so the ids are a batch
+    without a warning (before: "does not show", split anyway)."""
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.placeholder(tf.int32, [None, None], name="ids")
+        y = tf1.placeholder(tf.int32, [None, None], name="y")
+        e = tf.nn.embedding_lookup(tf1.get_variable("emb", [20, 4]), ids)
+        u = tf1.get_variable("u", [4, 4])
+        steps = tf.scan(lambda h, x: tf.tanh(x + tf.matmul(h, u)), tf.transpose(e, [1, 0, 2]),
+                        initializer=tf.zeros_like(e[:, 0]))
+        logits = tf.tensordot(tf.transpose(steps, [1, 0, 2]), tf1.get_variable("w", [4, 3]), 1)
+        if loss == "softmax":
+            per_token = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        else:
+            per_token = tf.square(logits[:, :, 0] - tf.cast(y, tf.float32))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(per_token))
+    assert kinds(g) == {"ids": "batch", "y": "batch"}
+
+
 def test_a_lone_input_averaged_by_the_loss_is_a_batch():
     g = tf.Graph()
     with g.as_default():
@@ -175,11 +199,12 @@ def ptb_like(state_rows=None):
 
 def test_ptbs_labels_and_a_flatten_by_the_batchs_size_are_batches():
     """Before, the labels were unknown: the loss's values came back in the
-    labels' shape through tf.shape(labels), which the table did not follow."""
+    labels' shape through tf.shape(labels), which the table did not follow.
+    The ids, lost to the table in the loop's time-major frames, meet the
+    labels' rows as graph/rows.py follows them."""
     g, _ = ptb_like()
     got = kinds(g)
-    assert got["y"] == got["flat"] == "batch"
-    assert got["x"] == "unknown"          # lost in the loop's time-major frames
+    assert got["y"] == got["flat"] == got["x"] == "batch"
 
 
 def test_labels_beside_a_sparse_batch_through_a_layer_and_ctcs_inputs_are_batches():
@@ -205,28 +230,35 @@ def test_labels_beside_a_sparse_batch_through_a_layer_and_ctcs_inputs_are_batche
 
 def test_a_fed_rnn_state_beside_a_batch_of_as_many_rows_is_split_silently(capsys):
     """The state PTB fetches and feeds back is a tensor (zero_state's Fill),
-    not a placeholder: beside the labels' batch of as many rows it is split
-    without a word; fed alone it is split with a line naming it as a fed
-    tensor; the ids, which the graph does not show, still get their line."""
+    not a placeholder: beside the ids' batch of as many rows it is split
+    without a word (the ids are a batch: they meet the labels' rows); a
+    fed tensor alone is split with a line naming it as a fed tensor."""
     g, h = ptb_like()
     rng = np.random.RandomState(0)
     ids = rng.randint(0, 10, (4, 3)).astype(np.int32)
     with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
         runner.run(h["init"])
         state = runner.run(h["final"], {h["x"]: ids})
-        assert capsys.readouterr().err.count("parallax_ng: placeholder 'x'") == 1
+        assert "parallax_ng: placeholder 'x'" not in capsys.readouterr().err
         feed = {h["x"]: ids, h["y"]: ids, h["flat"]: np.ones((4, 2, 2), np.float32),
                 h["state"]: state}
         runner.run(h["train"], feed)
         assert "parallax_ng" not in capsys.readouterr().err
         parts = runner.run(h["final"], feed, per_replica=True)
         assert [p.shape for p in parts] == [(2, 4), (2, 4)]
-    g, h = ptb_like()
+    g = tf.Graph()
+    with g.as_default():
+        rows = tf1.placeholder_with_default(4, [])
+        start = tf.zeros([rows, 2], name="start")        # a Fill of open rows, fed alone
+        out = tf.matmul(start, tf1.get_variable("w", [2, 1]))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(out))
+        init = tf1.global_variables_initializer()
     with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
-        runner.run(h["init"])
-        runner.run(h["final"], {h["x"]: ids, h["state"]: state})
+        runner.run(init)
+        parts = runner.run(out, {start: np.ones((4, 2), np.float32)}, per_replica=True)
         err = capsys.readouterr().err
-    assert "fed tensor (Fill) 'BasicRNNCellZeroState/zeros'" in err, err
+    assert [p.shape for p in parts] == [(2, 1), (2, 1)]
+    assert "fed tensor (Fill) 'start'" in err, err
     assert "only placeholders are read for batches" in err
 
 

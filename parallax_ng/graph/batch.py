@@ -35,6 +35,7 @@ import tensorflow as tf
 from .. import compat
 from . import rules
 from .ir import TensorRef
+from .rows import reading
 from .rules import CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS
 from .tracing import INPUT
 
@@ -140,7 +141,34 @@ def kinds(tg, fixed: bool = False) -> dict[str, tuple[str, str]]:
         else:
             out[name] = (UNKNOWN, "the graph does not show whether its first dimension "
                                   "is the batch")
+    batch = [n for n, (kind, _) in out.items() if kind == BATCH] + \
+        [op for op in tg.ir.topo_order if tg.ir.node(op).op in SOURCES]
+    unknown = [n for n, (kind, _) in out.items() if kind == UNKNOWN]
+    for name in unknown:        # as a first dimension joined with another placeholder's
+        if _meets_batch(tg.graph, name, batch + [n for n in unknown if n != name]):
+            out[name] = (BATCH, "its rows meet the batch's in a loss or an element-wise op "
+                                "(read through loops over time and transposes)")
     return out
+
+
+def _meets_batch(graph: tf.Graph, name: str, batch: list) -> bool:
+    """Whether placeholder `name`'s rows, as graph/rows.py follows them
+    (through a time-major loop's transposes and TensorArrays, which the
+    rules here do not), line up with the rows of `batch` (placeholders
+    and sources of the batch) in a loss (logits and labels) or an
+    element-wise op of operands of one rank."""
+    if not batch:
+        return False
+    mine, theirs = reading([name], graph), reading(batch, graph)
+    for op in graph.get_operations():
+        if rules.is_autodiff(op.name) or len(op.inputs) < 2 or not (
+                op.type in LOSSES or op.type in ELEMENTWISE and
+                len({x.shape.rank for x in op.inputs}) == 1):
+            continue
+        ours = [x for x in op.inputs if mine.rows(x)]
+        if ours and any(theirs.rows(x) for x in op.inputs if x not in ours):
+            return True
+    return False
 
 
 # ops that give a row per row of a sparse batch: tf.sparse.sparse_dense_matmul,
