@@ -16,6 +16,8 @@ def test_combining_values():
     assert combine([a], Fetch(("x",), "list", "x", (0, 0)))[1] is a
     assert combine([a, b], Fetch(("x", "y"), "first", "x")) is a
     assert combine([None], Fetch(("x",), "none", "x")) is None
+    handle = combine([b"h1", b"h0"], Fetch(("a", "b"), "handles", "h", (1, 0)))
+    assert handle == b"h0" and isinstance(handle, bytes) and handle.each == [b"h0", b"h1"]
     with pytest.raises(ValueError):
         combine([a, np.array(5.0)], Fetch(("x", "y"), "mean", "x"))   # shapes disagree
 

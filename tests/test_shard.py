@@ -134,6 +134,52 @@ def test_file_list_dataset_replicas_read_disjoint_files(tmp_path):
     assert replica0 == {0, 2} and replica1 == {1, 3}    # whole files per replica
 
 
+@pytest.mark.parametrize("run_option", ["hybrid", "allreduce"])
+def test_a_feedable_iterator_switches_each_replica_between_its_shards(run_option):
+    """TF1's feedable iterator (`Iterator.from_string_handle`, a train and a
+    validation dataset behind one handle placeholder): each replica's copy
+    of an iterator has a handle of its own; a fetched handle carries every
+    replica's and a feed of it gives each replica its own. 6 training steps
+    and a validation loss between them equal one device with the global
+    batch (1e-6). Before, every replica was fed replica 0's handle, and
+    TensorFlow refused it on the other devices."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(48, 3)).astype(np.float32), rng.normal(size=(48, 1)).astype(np.float32)
+
+    def build(batch, parallel):
+        g = tf.Graph()
+        with g.as_default():
+            part = pn.shard if parallel else (lambda ds: ds)
+            train = part(tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat())
+            val = part(tf.data.Dataset.from_tensor_slices((x[:16], y[:16])).batch(batch))
+            handle = tf1.placeholder(tf.string, [])
+            it = tf1.data.Iterator.from_string_handle(handle, tf1.data.get_output_types(train),
+                                                      tf1.data.get_output_shapes(train))
+            xs, ys = it.get_next()
+            w = tf1.get_variable("w", initializer=np.full((3, 1), 0.1, np.float32))
+            loss = tf.reduce_mean(tf.square(tf.matmul(xs, w) - ys))
+            step = tf1.train.MomentumOptimizer(0.05, 0.9).minimize(loss)
+            iterators = [tf1.data.make_one_shot_iterator(d) for d in (train, val)]
+            init = tf1.global_variables_initializer()
+        return g, handle, [i.string_handle() for i in iterators], loss, step, init, w
+
+    def run(session, built):
+        _, handle, handles, loss, step, init, w = built
+        session.run(init)
+        train, val = session.run(handles)
+        out = [session.run([loss, step], {handle: train})[0] for _ in range(3)]
+        out.append(session.run(loss, {handle: val}))
+        out += [session.run([loss, step], {handle: train})[0] for _ in range(3)]
+        return out + list(session.run(w).ravel())
+    one = build(16, False)
+    with tf1.Session(graph=one[0]) as session:
+        expected = run(session, one)
+    two = build(8, True)
+    with pn.get_runner(two[0], local(2), {"run_option": run_option}) as runner:
+        got = run(runner, two)
+    np.testing.assert_allclose(got, expected, atol=1e-6, rtol=0)
+
+
 def test_shard_rejects_non_datasets():
     with pytest.raises(TypeError, match="tf.data.Dataset"):
         pn.shard([1, 2, 3])

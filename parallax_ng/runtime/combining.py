@@ -30,7 +30,7 @@ from .batch_parts import joined_rows
 class Fetch:
     names: tuple            # tensor names or tf.Operations to run
     how: str    # none | first | list | mean | sum | concat | concat mean | any | all |
-    #             max | min | shape | norm | summary |
+    #             max | min | shape | norm | summary | handles |
     #             sparse rows | sparse first | sparse list
     user: str               # the user's node
     replicas: tuple = ()    # for "list": index into `names` of each replica's value
@@ -39,10 +39,24 @@ class Fetch:
     #                         for "sparse ...": the Fetches of indices, values, dense shape
 
 
+class ReplicaHandles(bytes):
+    """A feedable iterator's string handle (`iterator.string_handle()`):
+    replica 0's, as the program sees it, with every replica's (`each`),
+    which a feed of it gives each replica's copy of the handle placeholder
+    (`tf.compat.v1.data.Iterator.from_string_handle`)."""
+
+    def __new__(cls, each: list):
+        handle = super().__new__(cls, each[0])
+        handle.each = list(each)
+        return handle
+
+
 def combine(values: list, f: Fetch):
     """One value from the values of a fetch's names."""
     if f.how == "none":
         return None
+    if f.how == "handles":
+        return ReplicaHandles([values[i] for i in f.replicas])
     if f.how == "first":
         return values[0]
     if f.how == "list":

@@ -2,17 +2,15 @@
 
 Requires: the runner's tf.Graph and the TrainingGraph it was made from
 (for the replicas' map, the PassContext that made it).
-Guarantees: `FetchMap.user_name(leaf)` is the user-graph name of a tensor,
-op, variable or name of the user's single-device graph (a clear error for
-anything else, with suggestions for a name that is not there); ops the
-user made after get_runner are copied into the step graph the first time
-they are named. A map's `fetch(leaf, per_replica)` turns a key into a
-`Fetch` (the names to run in the step graph and how to combine their
-values, parallax_ng/runtime/combining.py; `fetch_leaf` a SparseTensor
-too); `feeds(feed_dict)` maps a feed dict onto the step graph.
-`ReplicaFetchMap` is the map of the data-parallel passes' graph: every
-replica's copy, per-replica batches split; layer-to-layer's is
-parallax_ng/l2l/runner.py's.
+Guarantees: `FetchMap.user_name(leaf)` is the user-graph name of a key (a
+clear error, with suggestions, for a name that is not there); ops made
+after get_runner are copied into the step graph when first named.
+`fetch(leaf, per_replica)` gives a `Fetch` (what to run and how the values
+combine, runtime/combining.py; `fetch_leaf` a SparseTensor too; a feedable
+iterator's handle is every replica's, and a feed of it gives each its
+own); `feeds(feed_dict)` maps a feed dict onto the step graph.
+`ReplicaFetchMap` is the data-parallel graph's map (every replica's copy,
+batches split); layer-to-layer's is parallax_ng/l2l/runner.py's.
 """
 from __future__ import annotations
 
@@ -31,7 +29,7 @@ from ..graph.ir import parse_tensor
 from ..pipeline.results import PerExampleState, WidenedMeans
 from . import summaries
 from .batch_parts import sparse_placeholders, sparse_rows, sparse_tensors
-from .combining import Fetch, default_reduction, unread
+from .combining import Fetch, ReplicaHandles, default_reduction, unread
 from .copies import adopt, writes_apart
 
 
@@ -161,6 +159,8 @@ class ReplicaFetchMap(FetchMap):
             how, axis = "concat", rows       # each replica's rows of per-example state
         elif self._accumulated(ref):
             how = "mean"    # each replica's sum of its gradients: their mean is one device's
+        elif self.user_graph.get_operation_by_name(ref.node).type == "IteratorToStringHandle":
+            how = "handles"     # each replica's iterator's (combining.ReplicaHandles)
         elif ref in self.tg.gradient_tensors:
             var = self._gradient_of[ref]
             if self.tg.gradients[var].indices is None:
@@ -320,6 +320,9 @@ class ReplicaFetchMap(FetchMap):
             shape = user_tensor.shape
             copies = [f"{self.copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
             rows = compat.dim(shape, 0) if shape.rank else 0
+            if isinstance(value, ReplicaHandles) and len(set(copies)) == len(value.each) == n:
+                out.update(zip(copies, value.each))     # each replica its own iterator
+                continue
             if n > 1 and len(set(copies)) == n and rows != 0:
                 value = np.asarray(value)
                 kind = self._batch_kind(ref.node) \
@@ -400,17 +403,15 @@ class ReplicaFetchMap(FetchMap):
         return feed_dict, out
 
     def _batch_kind(self, node: str) -> str:
-        """Whether placeholder `node` is fed a batch (config `batch_feeds`,
-        else the graph: parallax_ng/graph/batch.py)."""
+        """Placeholder `node`'s kind (config `batch_feeds`, else graph/batch.py)."""
         if node in self.config.batch_feeds:
             return batch.BATCH if self.config.batch_feeds[node] else batch.WHOLE
         return self._kinds.get(node, (batch.UNKNOWN, ""))[0]
 
     def _unsure(self, node: str, rows: int, op: str) -> None:
         """Once per placeholder the graph does not show to be a batch: it is
-        split as one (what a `[None, ...]` feed almost always is; given whole,
-        a batch would be counted N times by any state it updates, and would
-        not line up with the feeds beside it that are split); say so."""
+        split as one (a `[None, ...]` feed almost always is; whole, a batch
+        would count N times in state and not line up with split feeds)."""
         if node in self._warned:
             return
         self._warned.add(node)
@@ -432,9 +433,9 @@ class ReplicaFetchMap(FetchMap):
         if name in self._warned or tensor.op.type != "Placeholder":
             return
         self._warned.add(name)
+        n = self.plan.num_replicas
         if tensor.op.name not in self._feeds_gradients:
             return
-        n = self.plan.num_replicas
         warnings.warn(
             f"placeholder {name!r} has a fixed batch dimension of {rows}, and a feed of "
             f"{rows} rows goes whole to each of the {n} replicas, which then train on the "
@@ -443,8 +444,7 @@ class ReplicaFetchMap(FetchMap):
 
     @cached_property
     def _feeds_gradients(self) -> set[str]:
-        tg = self.ctx.tg
-        return tg.ir.ancestors({r.node for r in tg.gradient_tensors}, data_only=True)
+        return self.tg.ir.ancestors({r.node for r in self.tg.gradient_tensors}, data_only=True)
 
 
 PLACEHOLDERS = ("Placeholder", "PlaceholderWithDefault")
