@@ -685,9 +685,10 @@ def test_a_masked_sequence_loss_equals_one_device(lib):
     Keras weighs each kept token by (tokens / kept tokens) of the batch, a
     count that differs between the replicas' parts; each replica divides
     by the replicas' mean count (were its own: the weights 0.02 off after
-    8 steps, the logs too). A bidirectional GRU (tf_keras's runs its loop
-    time-major: the loss's rows are read through it, graph/rows.py) and a
-    Dense layer on each step (tf_keras: TimeDistributed). The batches are a dataset's `padded_batch`es, each
+    8 steps, the logs too), in `fit` and in `evaluate`. A bidirectional GRU
+    (tf_keras's runs its loop time-major: the loss's rows are read through
+    it, graph/rows.py) and a Dense layer on each step (tf_keras:
+    TimeDistributed). The batches are a dataset's `padded_batch`es, each
     as long as its longest sequence: the step is traced on the dataset's
     element_spec, its length open, as Keras traces it (before, the second
     length failed in the feed)."""
@@ -724,6 +725,9 @@ def test_a_masked_sequence_loss_equals_one_device(lib):
         np.testing.assert_allclose(h1.history[key], h2.history[key], atol=1e-5, rtol=0,
                                    err_msg=key)
     check(parallel, single)
+    # evaluate's masked loss shares the count too (before: each replica's own, 0.008 off)
+    np.testing.assert_allclose(parallel.evaluate(batches(), verbose=0),
+                               single.evaluate(batches(), verbose=0), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("lib", ["keras3", "tf_keras"])

@@ -156,7 +156,7 @@ class StateSyncPass:
                 "replicas' values averaged, which equals one device only where the write "
                 "is linear in the data (plain SGD, a moving average); mark them "
                 "trainable=False if they are state", stacklevel=2)
-        for count, widen in _counts(tg, sources, form, widened):
+        for count, widen in _counts(tg, sources, form, widened, products):
             dtype = tg.tensor(count).dtype
             outs = [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)]
             if _from_values(tg, count, set(sources)):   # a masked mean's count: the job's mean
@@ -224,16 +224,17 @@ class _Forms:
         return bool(widened) and any(op in widened for op in self(t).by_count)
 
 
-def _counts(tg, sources, form, widened: dict) -> list:
-    """(count, widened) of the counts that losses divide a sum over the
-    batch by. Where the count depends on the data's values (a mask's sum,
-    weights' nonzero count), not only on its shape (tf.shape, tf.size:
-    equal on every replica), one device divides by the global batch's
-    count: each replica divides by the replicas' mean count instead of its
-    own, so the mean of the replicas' gradients (and losses) is one
-    device's. The counts of `widened` divisions are N times that."""
+def _counts(tg, sources, form, widened: dict, products: dict) -> list:
+    """(count, widened) of the counts that losses (and the losses Keras's
+    trackers add: `evaluate`'s) divide a sum over the batch by. Where the
+    count depends on the data's values (a mask's sum, weights' nonzero
+    count), not only on its shape (equal on every replica), one device
+    divides by the global batch's count: each replica divides by the
+    replicas' mean count instead of its own, so the mean of the replicas'
+    gradients (and losses) is one device's. `widened` divisions' counts
+    are N times that."""
     out = {}
-    for loss in forms.autodiff_losses(tg.graph):
+    for loss in forms.autodiff_losses(tg.graph) + list(products.values()):
         for op in form(loss).by_count:
             count = tg.ir.data_inputs(op)[1]
             if _from_values(tg, count, set(sources)):
