@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from models import local
-from test_tf2 import check_equal, twins
+from test_tf2 import check_equal, step_of, twins
 
 import parallax_ng as pn
 from parallax_ng.errors import ConfigError
@@ -57,16 +57,6 @@ def _sequence_model():
                              keras.layers.GRU(3), keras.layers.Dense(1)])
 
 
-def _step(model, optimizer):
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-    return train_step
-
-
 def test_padded_batches_of_several_lengths_equal_one_device_with_an_input_signature():
     """A tf.function whose input_signature leaves the length open is traced
     with it open: 4 batches of 3 lengths, 2 replicas, 1e-5. The same step
@@ -75,15 +65,15 @@ def test_padded_batches_of_several_lengths_equal_one_device_with_an_input_signat
     feed error, "Cannot feed value of shape")."""
     signature = [tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None, 1], tf.float32)]
     parallel, single = twins(_sequence_model, lambda: keras.optimizers.Adam(0.01))
-    step = pn.function(tf.function(_step(*parallel), input_signature=signature), local(2))
-    ref = tf.function(_step(*single), input_signature=signature)
+    step = pn.function(tf.function(step_of(*parallel), input_signature=signature), local(2))
+    ref = tf.function(step_of(*single), input_signature=signature)
     batches = _padded()
     assert len({x.shape[1] for x, _ in batches}) >= 3
     for x, y in batches:
         np.testing.assert_allclose(step(x, y), ref(x, y).numpy(), atol=1e-5, rtol=0)
     step.sync()
     check_equal(parallel, single)
-    fixed = pn.function(_step(*twins(_sequence_model, keras.optimizers.Adam)[0]), local(2))
+    fixed = pn.function(step_of(*twins(_sequence_model, keras.optimizers.Adam)[0]), local(2))
     fixed(*batches[0])
     with pytest.raises(ConfigError, match="argument leaf 0 of the step has shape"):
         fixed(*batches[1])
