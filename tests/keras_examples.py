@@ -10,7 +10,9 @@ for a test (tests/test_keras_examples.py, tests/tf2_job_script.py):
   softmax;
 - `structured`: structured-data classification with the lookups in the
   model (an IntegerLookup of a categorical column's codes, its embedding,
-  numeric columns), concatenated, Dense, Dropout, sigmoid.
+  numeric columns), concatenated, Dense, Dropout, sigmoid;
+- `bidirectional_lstm`: IMDB's bidirectional LSTM (an embedding, two
+  Bidirectional LSTMs, the first returning sequences, sigmoid).
 
 Each takes `dropout` (the examples' rates by default; 0 for a run that must
 equal one device number for number) and `data(name, rows, seed)` gives
@@ -121,8 +123,17 @@ def structured(dropout=0.3):
     return keras.Model([codes, numeric], outputs)
 
 
+def bidirectional_lstm(dropout=None, units=4):
+    inputs = keras.Input(shape=(MAXLEN,), dtype="int32")
+    h = layers.Embedding(VOCAB, 8)(inputs)
+    h = layers.Bidirectional(layers.LSTM(units, return_sequences=True))(h)
+    h = layers.Bidirectional(layers.LSTM(units))(h)
+    return keras.Model(inputs, layers.Dense(1, activation="sigmoid")(h))
+
+
 MODELS = {"transformer": transformer_classifier, "recommender": recommender,
-          "convnet": mnist_convnet, "structured": structured}
+          "convnet": mnist_convnet, "structured": structured,
+          "bidirectional_lstm": bidirectional_lstm}
 
 
 def compile_args(name):
@@ -132,7 +143,7 @@ def compile_args(name):
     if name == "recommender":
         return dict(optimizer=keras.optimizers.Adam(learning_rate=0.01),
                     loss=keras.losses.BinaryCrossentropy())
-    if name == "structured":
+    if name in ("structured", "bidirectional_lstm"):
         return dict(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy",
                     metrics=["accuracy"])
     return dict(optimizer=keras.optimizers.Adam(0.01), loss="categorical_crossentropy",
@@ -141,9 +152,9 @@ def compile_args(name):
 
 def data(name, rows, seed=0):
     rng = np.random.default_rng(seed)
-    if name == "transformer":
+    if name in ("transformer", "bidirectional_lstm"):
         x = rng.integers(0, VOCAB, size=(rows, MAXLEN)).astype(np.int32)
-        return x, (x[:, 0] % 2).astype(np.int32)
+        return x, (x[:, 0] % 2).astype(np.int32 if name == "transformer" else np.float32)
     if name == "recommender":
         x = np.stack([rng.integers(0, USERS, rows), rng.integers(0, MOVIES, rows)], 1)
         return x.astype(np.int32), ((x[:, 0] + x[:, 1]) % 5 / 4.0).astype(np.float32)

@@ -105,6 +105,17 @@ def test_example_transformer_in_a_two_worker_job_equals_one_device(tmp_path, cas
     check_example_job(workers, "transformer", clipnorm)
 
 
+def test_example_bidirectional_lstm_in_a_job_with_a_server_equals_one_device(tmp_path):
+    """IMDB's bidirectional LSTMs by `model.fit` in a job of 2 workers x 1
+    device and a server (the embedding's rows on it): a worker's push waits
+    for its reads of the server's variables, and the recurrent layers read
+    theirs inside their loops over time; it waits for those loops' exits.
+    Before, the push waited for the reads themselves, and TensorFlow refused
+    the graph ("inputs from different frames")."""
+    workers = example_job(tmp_path, ["127.0.0.1"] * 2, ["127.0.0.1"], "bidirectional_lstm")
+    check_example_job(workers, "bidirectional_lstm")
+
+
 def test_example_structured_with_a_lookup_in_a_two_worker_job_equals_one_device(tmp_path):
     """The structured-data model (an IntegerLookup in the model: its table
     rebuilt in each worker's graph, graph/tables.py) by `model.fit` in a job

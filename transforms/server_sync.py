@@ -45,6 +45,7 @@ from parallax_ng.comm import compression
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit
 from parallax_ng.graph.ir import GraphIR, TensorRef, copy_node
+from parallax_ng.graph.randomness import in_loops
 from parallax_ng.pipeline.passes import replica_of
 from parallax_ng.pipeline.results import Barrier, LocalAggregates
 from transforms.replica_rows import coalesce
@@ -366,13 +367,20 @@ def _step_waits(ctx, writers: list[str], pushes: dict) -> list:
 
 def _forward_reads(ctx) -> list[str]:
     """Every replica's reads of shared variables that the gradients depend on:
-    a push waits for them, so the chief's update cannot overtake them."""
+    a push waits for them, so the chief's update cannot overtake them. A
+    read inside a tf.compat.v1 while loop (a recurrent layer's kernel, each
+    step) is waited for by its outermost loop's exits: a control edge
+    cannot leave a loop's frame."""
     tg = ctx.tg
     shared = ctx.plan.shared_state()
     grads = tg.ir.ancestors({r.node for r in tg.gradient_tensors})
-    reads = sorted({r for var in shared for r in tg.reads(var)
-                    if r in grads and r not in ctx.unreplicated})
-    return [ctx.replica_name(k, r) for r in reads for k in range(ctx.plan.num_replicas)]
+    reads = {r for var in shared for r in tg.reads(var)
+             if r in grads and r not in ctx.unreplicated}
+    inner = in_loops(tg.ir)
+    if looped := inner & reads:         # their loops' exits out of every frame
+        reads = (reads - looped) | {d for d in tg.ir.descendants(looped) if tg.ir.node(d).op in (
+            "Exit", "RefExit") and set(tg.ir.node_consumers.get(d, ())) - inner}
+    return [ctx.replica_name(k, r) for r in sorted(reads) for k in range(ctx.plan.num_replicas)]
 
 
 def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[str]],
