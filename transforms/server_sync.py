@@ -377,9 +377,11 @@ def _forward_reads(ctx) -> list[str]:
     reads = {r for var in shared for r in tg.reads(var)
              if r in grads and r not in ctx.unreplicated}
     inner = in_loops(tg.ir)
-    if looped := inner & reads:         # their loops' exits out of every frame
-        reads = (reads - looped) | {d for d in tg.ir.descendants(looped) if tg.ir.node(d).op in (
-            "Exit", "RefExit") and set(tg.ir.node_consumers.get(d, ())) - inner}
+    if looped := inner & reads:     # their loops' exits out of every frame, before the gradients
+        exits = {d for d in tg.ir.descendants(looped) & grads
+                 if tg.ir.node(d).op in ("Exit", "RefExit")}
+        outer = {e for e in exits if set(tg.ir.node_consumers.get(e, ())) - inner}
+        reads = (reads - looped) | outer
     return [ctx.replica_name(k, r) for r in sorted(reads) for k in range(ctx.plan.num_replicas)]
 
 
