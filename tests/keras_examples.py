@@ -110,6 +110,27 @@ def mnist_convnet(dropout=0.5):
     ])
 
 
+def convnet_sync_bn(dropout=0.5):
+    """The MNIST convnet with a synchronized BatchNormalization after each
+    convolution, as one adds it for small batches per replica (the
+    convolutions without a bias, which the normalization would subtract:
+    its gradient is float noise about 0, which Adam scales up to steps of
+    its learning rate)."""
+    return keras.Sequential([
+        keras.Input(shape=(SIDE, SIDE, 1)),
+        layers.Conv2D(8, kernel_size=(3, 3), use_bias=False),
+        layers.BatchNormalization(synchronized=True),
+        layers.Activation("relu"),
+        layers.MaxPooling2D(pool_size=(2, 2)),
+        layers.Conv2D(8, kernel_size=(3, 3), use_bias=False),
+        layers.BatchNormalization(synchronized=True),
+        layers.Activation("relu"),
+        layers.Flatten(),
+        layers.Dropout(dropout),
+        layers.Dense(10, activation="softmax"),
+    ])
+
+
 CODES = [3, 7, 12, 19, 25, 31, 40]        # a categorical column's values (a vocabulary)
 
 
@@ -132,7 +153,7 @@ def bidirectional_lstm(dropout=None, units=4):
 
 
 MODELS = {"transformer": transformer_classifier, "recommender": recommender,
-          "convnet": mnist_convnet, "structured": structured,
+          "convnet": mnist_convnet, "convnet_sync_bn": convnet_sync_bn, "structured": structured,
           "bidirectional_lstm": bidirectional_lstm}
 
 

@@ -125,6 +125,23 @@ def test_example_structured_with_a_lookup_in_a_two_worker_job_equals_one_device(
     check_example_job(workers, "structured")
 
 
+@pytest.mark.parametrize("servers", [[], ["127.0.0.1"]], ids=["ring", "server"])
+def test_example_convnet_with_synchronized_batchnorm_in_a_job_equals_one_device(tmp_path,
+                                                                                servers):
+    """The MNIST convnet with synchronized BatchNormalization, by
+    `model.fit` in a job of 2 workers x 1 device: the layers' sums (count,
+    sum, sum of squares) and their gradients' are the job's, by a
+    collective op (ring) or on the server (its dense gradients summed
+    there by fusion buffers), so both workers equal one device with the
+    global batch, every weight, moving statistic and slot."""
+    workers = example_job(tmp_path, ["127.0.0.1"] * 2, servers, "convnet_sync_bn",
+                          *([] if servers else ["--default-config"]))
+    import json
+    methods = set(json.loads(str(workers[0]["plan"])).values())
+    assert methods == {"bfb"} if servers else "bfb" not in methods, methods
+    check_example_job(workers, "convnet_sync_bn")
+
+
 def example_job(tmp_path, hosts, servers, name, *flags):
     """tf2_job_script.py --example NAME (5 global batches of 8) as a job
     on `hosts` (1 device each) and `servers`: each worker's saved arrays."""

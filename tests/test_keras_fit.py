@@ -444,11 +444,12 @@ def test_fit_stopped_and_started_again_from_its_checkpoint_equals_one_run(tmp_pa
         np.testing.assert_allclose(again[f"o{i}"], np.asarray(v), atol=1e-5, rtol=0)
 
 
-def bn_model(lib, conv: bool):
+def bn_model(lib, conv: bool, synchronized: bool = False):
     lib.utils.set_random_seed(1)
     first = [lib.layers.Conv2D(4, 3, padding="same")] if conv else [lib.layers.Dense(8)]
     model = lib.Sequential([lib.Input((4, 4, 2) if conv else (6,)), *first,
-                            lib.layers.BatchNormalization(momentum=0.9, epsilon=1e-3),
+                            lib.layers.BatchNormalization(momentum=0.9, epsilon=1e-3,
+                                                          synchronized=synchronized),
                             lib.layers.Activation("relu"), lib.layers.Flatten(),
                             lib.layers.Dense(1)])
     model.compile(optimizer=lib.optimizers.SGD(0.1, momentum=0.9), loss="mse")

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallax_ng.graph import averaging, branches, emit, forms, rules
+from parallax_ng.graph import averaging, branches, emit, forms, replica_sums, rules
 from parallax_ng.graph.ir import GraphIR, parse_tensor
 from parallax_ng.graph.rows import batch_axis
 from parallax_ng.graph.rows import reading as read_rows
@@ -169,12 +169,14 @@ class StateSyncPass:
                                      count.node, dtype, plan.group_size)
                 new_nodes.extend(nodes)
             _read_everywhere(ctx, count, outs, rewires, replaced)
-        for ref in dict.fromkeys(     # a function of means (an RMSE's): of the job's means,
-                parse_tensor(name) for loss in forms.autodiff_losses(tg.graph)  # forward and
-                for name in form(loss).exchanged):     # in the gradient (of its own mean)
+        for name, mean in dict.fromkeys([   # a function of means (an RMSE's): of the job's
+                (name, True) for loss in forms.autodiff_losses(tg.graph)   # means, forward
+                for name in form(loss).exchanged] + replica_sums.points(   # and in the gradient
+                    tg.graph, {g.values.name for g in tg.gradients.values()})):   # (of its own
+            ref = parse_tensor(name)   # mean); the program's all-reduces, forward and backward
             outs = [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)]
-            nodes, outs = reduce(ctx, f"parallax/state_sync/{ref.node}/{ref.index}/job_mean",
-                                 outs, tg.tensor(ref).dtype, True, synced)
+            nodes, outs = reduce(ctx, f"parallax/state_sync/{ref.node}/{ref.index}/job", outs,
+                                 tg.tensor(ref).dtype, mean, synced)
             synced += 1
             new_nodes.extend(nodes)
             _read_everywhere(ctx, ref, outs, rewires, replaced)
