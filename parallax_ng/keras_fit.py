@@ -24,6 +24,7 @@ sets on the model between calls are taken in when the next `fit`,
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import Counter
 
 import tensorflow as tf
@@ -277,6 +278,17 @@ def parallelize(model, resource_info=None, config=None):
             "stateful=False (pass the state between batches as an input and an output), "
             "or train with a custom loop (pn.function) on a model built for one "
             "replica's part of the global batch")
+    virtual = [layer.name for layer in model._flatten_layers(include_self=False)
+               if getattr(layer, "virtual_batch_size", None)]
+    if virtual:
+        warnings.warn(
+            f"BatchNormalization layers {virtual} have a virtual_batch_size: tf_keras "
+            "groups a batch's rows into virtual batches strided across the whole batch "
+            "(row i in group i mod batch/virtual_batch_size), so each replica's groups of "
+            "its own rows are not one device's groups of the global batch, and the model "
+            "trains apart from one device's (as under MultiWorkerMirroredStrategy). For the "
+            "global batch's statistics, set synchronized=True and no virtual_batch_size",
+            stacklevel=2)
     fit = KerasFit(model, resource_info, config)
     model.fit = functools.partial(fit.fit, type(model).fit.__get__(model))
     model.compile = functools.partial(fit.compile, type(model).compile.__get__(model))

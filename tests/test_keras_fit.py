@@ -377,6 +377,18 @@ def test_a_stateful_layer_is_refused_naming_it(lib):
         pn.parallelize(model, local(2))
 
 
+def test_a_virtual_batch_size_is_warned_naming_the_layer():
+    """tf_keras's virtual batches are strided across the whole batch: 2
+    replicas' groups of their own rows were 0.25 off one device, silently."""
+    import tf_keras
+    model = tf_keras.Sequential([tf_keras.Input((6,)), tf_keras.layers.Dense(8),
+                                 tf_keras.layers.BatchNormalization(virtual_batch_size=4,
+                                                                    name="ghosts")])
+    model.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss="mse")
+    with pytest.warns(UserWarning, match=r"layers \['ghosts'\] have a virtual_batch_size"):
+        pn.parallelize(model, local(2))
+
+
 @pytest.mark.parametrize("lib", ["keras", "tf_keras"])
 def test_moving_statistics_after_a_recurrent_layer_are_synced(lib):
     """An LSTM then BatchNormalization: after one step of 16 rows on 2
