@@ -4,7 +4,9 @@ against one device with the global batch (every variable and slot within
 weights (SUM_BY_NONZERO_WEIGHTS: a weighted mean over the examples whose
 weight is not zero, a count that differs between replicas), label
 smoothing plus the regularization losses, a masked mean over tokens
-(sum(loss * mask) / sum(mask)), a piecewise-constant learning rate; and
+(sum(loss * mask) / sum(mask)), means over the examples or tokens a mask
+picks (tf.boolean_mask, tf.gather at tf.where: each replica picks its own
+number), a piecewise-constant learning rate; and
 centered RMSProp and AdagradDA on an embedding read by a gather."""
 import numpy as np
 import pytest
@@ -63,6 +65,17 @@ def builder(kind, optimizer):
                 tok = tf.reduce_sum(rows, 2)                       # [b, 6]
                 per = tf.square(tok - tf.cast(label, tf.float32)[:, None])
                 loss = tf.reduce_sum(per * mask) / tf.reduce_sum(mask)
+            elif kind == "selected":      # a mean over the weighted examples' rows
+                per = tf1.losses.sparse_softmax_cross_entropy(
+                    label, logits, reduction=tf1.losses.Reduction.NONE)
+                loss = tf.reduce_mean(tf.boolean_mask(per, w > 0))
+            elif kind == "gathered":      # the same, gathered at tf.where's indices
+                per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=label, logits=logits)
+                picked = tf.gather(per, tf.where(w > 0)[:, 0])
+                loss = tf.reduce_sum(picked) / tf.cast(tf.size(picked), tf.float32)
+            elif kind == "selected-tokens":       # a mean over the tokens a mask keeps
+                tok = tf.reduce_sum(rows, 2) - tf.cast(label, tf.float32)[:, None]
+                loss = tf.reduce_mean(tf.square(tf.boolean_mask(tok, mask > 0)))
             else:
                 loss = tf1.losses.sparse_softmax_cross_entropy(label, logits)
             lr = tf1.train.piecewise_constant(step, [3, 6], [0.1, 0.05, 0.02])
@@ -84,7 +97,9 @@ OPTS = {
 }
 CASES = [(k, o, r) for k in ("plain", "reg", "weighted", "token") for o in OPTS
          for r in ("hybrid", "allreduce", "ps")
-         if k == "plain" or o in ("adam", "nesterov")]
+         if k == "plain" or o in ("adam", "nesterov")] + [
+    (k, "adam", r) for k in ("selected", "gathered", "selected-tokens")
+    for r in ("hybrid", "allreduce", "ps")]
 
 
 @pytest.mark.parametrize("kind,opt,run", CASES, ids=["-".join(c) for c in CASES])

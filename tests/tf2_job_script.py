@@ -18,7 +18,8 @@ pinned); with --horovod, a rank of horovodrun (the loop or --fit,
 `communication.backend: horovod`); with --bn, test_keras_fit's BatchNormalization model by
 `model.fit` on STEPS global batches of 16; with --sparse, test_tf2's bags of
 ids (a tf.SparseTensor argument) by a custom loop, Keras 3 Adagrad (the
-table saved as `table`).
+table saved as `table`); with --selected, test_selected_means's loop (a
+mean over the rows a mask picks, Adam(0.05)).
 """
 import json
 import os
@@ -70,6 +71,10 @@ if "--bn" in sys.argv:
 if "--sparse" in sys.argv:                  # a SparseTensor batch, its rows split
     from test_tf2 import bag_model, sparse_bags
     train_bags, table, model, optimizer = bag_model(40)
+if "--selected" in sys.argv:
+    import test_selected_means as sm
+    optimizer = keras.optimizers.Adam(0.05)
+    x, y = sm.arrays()
 start = model.get_weights()
 if "--bn" in sys.argv:
     pn.parallelize(model, None, config)
@@ -97,6 +102,10 @@ elif "--fit" in sys.argv:
         model.compile(optimizer=optimizer, loss="mae")
     except pn.ConfigError as e:
         extra["recompiled"] = np.array(str(e))
+elif "--selected" in sys.argv:
+    step = pn.function(sm.step_of(model, optimizer), resources, config)
+    for k in range(steps):
+        step(x[k * sm.BATCH:(k + 1) * sm.BATCH], y[k * sm.BATCH:(k + 1) * sm.BATCH])
 elif "--sparse" in sys.argv:
     step = pn.function(train_bags, resources, config)
     for k in range(steps):

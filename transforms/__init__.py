@@ -18,6 +18,7 @@ from transforms.part_writes import PartWritesPass
 from transforms.place import PlacePass
 from transforms.prefetch import PrefetchPass
 from transforms.replicate import ReplicatePass
+from transforms.selected_means import SelectedMeansPass
 from transforms.server_sync import ServerSyncPass
 from transforms.shard_inputs import ShardInputsPass
 from transforms.shard_variables import ShardVariablesPass
@@ -26,7 +27,8 @@ from transforms.state_sync import StateSyncPass
 
 
 def pipeline_for(plan) -> list:
-    """replicate -> (counted_draws) -> shard_inputs -> aggregate -> state_sync -> place -> init,
+    """replicate -> (counted_draws) -> shard_inputs -> aggregate -> state_sync ->
+    selected_means -> place -> init,
     with the placement rewrites the plan turns on (local_aggregation after
     aggregate; lookups_on_servers, colocate_updates after place), then, as
     the plan needs them, the cross-worker server protocol,
@@ -36,13 +38,15 @@ def pipeline_for(plan) -> list:
     dense updates a step later by block where it schedules them so; in a
     job, a write of such a table's parts ends its run on every worker.
     Passes with nothing to do for this plan are left out (one replica
-    needs no input sharding, state sync or initial-value copies)."""
+    needs no input sharding, state sync, selected means or initial-value
+    copies)."""
     several, servers, rewrites = plan.group_size > 1, bool(plan.servers), plan.rewrites
     shared = bool(plan.shared_state())
     wanted = [(ReplicatePass(), True), (CountedDrawsPass(), bool(plan.counted)),
               (ShardInputsPass(), several), (AggregatePass(), True),
               (LocalAggregationPass(), servers and rewrites.local_aggregation),
-              (StateSyncPass(), several), (PlacePass(), True),
+              (StateSyncPass(), several), (SelectedMeansPass(), several),
+              (PlacePass(), True),
               (LookupsOnServersPass(), shared and rewrites.lookups_on_servers),
               (ColocateUpdatesPass(), shared and rewrites.colocate_updates),
               (InitPass(), several),
@@ -62,6 +66,6 @@ __all__ = ["AggregatePass", "ColocateUpdatesPass", "ColumnsPass", "CountedDrawsP
            "HorizontalPass",
            "InitPass", "LocalAggregationPass", "LookupsOnServersPass", "PartWritesPass", "PlacePass",
            "PrefetchPass",
-           "ReplicatePass",
+           "ReplicatePass", "SelectedMeansPass",
            "ServerSyncPass", "ShardInputsPass", "ShardVariablesPass", "SplitStepPass",
            "StateSyncPass", "pipeline_for"]

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallax_ng.graph import averaging, branches, emit, forms, replica_sums, rules
+from parallax_ng.graph import averaging, branches, emit, forms, replica_sums, rules, selections
 from parallax_ng.graph.ir import GraphIR, parse_tensor
 from parallax_ng.graph.rows import batch_axis
 from parallax_ng.graph.rows import reading as read_rows
@@ -135,7 +135,7 @@ class StateSyncPass:
                                                 node, tg.tensor(ref).dtype, plan.group_size)
                     new_nodes.extend(nodes)
                     syncs.append((scope, tensors, tg.tensor(ref), how == "mean", node, at))
-        reduce = _on_a_server if plan.reduces_on_servers else _all_reduce
+        reduce = on_a_server if plan.reduces_on_servers else all_reduce
         for together in _together(ir, ctx, syncs, set(sources), above):
             nodes, outs = _reduced(ctx, reduce, together, synced)
             synced += len(together)
@@ -262,10 +262,11 @@ _SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"}
 
 
 def _from_values(tg, ref, sources: set) -> bool:
-    """Whether `ref` depends on a data source's values (data edges not
-    through ops that read only a shape)."""
-    return bool(sources & tg.ir.ancestors(
-        {ref.node}, stop=lambda name: tg.ir.node(name).op in _SHAPES, data_only=True))
+    """Whether `ref` depends on a data source's values (data edges not through
+    ops that read only a shape, but for the shape of rows a mask picks)."""
+    return bool(sources & tg.ir.ancestors({ref.node}, stop=lambda name: tg.ir.node(
+        name).op in _SHAPES and not selections.picked(tg.graph.get_operation_by_name(
+            name).inputs[0], list(sources)), data_only=True))
 
 
 _SCATTERS = frozenset({"ScatterAdd", "ResourceScatterAdd", "ScatterSub", "ResourceScatterSub"})
@@ -433,13 +434,12 @@ def _reduced(ctx, reduce, together: list, index: int) -> tuple[list, list[list[s
     return nodes + more, [list(each) for each in zip(*mine)]
 
 
-def _all_reduce(ctx, scope, tensors, dtype, mean: bool, _):
+def all_reduce(ctx, scope, tensors, dtype, mean: bool, _):
     return ctx.comm.all_reduce(scope, tensors, dtype, mean)
 
 
-def _on_a_server(ctx, scope, tensors, dtype, mean: bool, k: int):
-    """The replicas' sum on this worker, summed over the workers on server
-    k mod S; every replica reads the result."""
+def on_a_server(ctx, scope, tensors, dtype, mean: bool, k: int):
+    """The workers' sums of their replicas' on server k mod S, read by all."""
     plan = ctx.plan
     local = emit.node_def(f"{scope}/local", "AddN", tensors, plan.host, T=dtype,
                           N=len(tensors)) if len(tensors) > 1 else \

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
+from . import selections
 from .rows import batch_axis, batch_rows, counts_rows, reading
 
 # ops that give data: an input pipeline's, a queue's, a fed placeholder's (a
@@ -104,6 +105,10 @@ class LossForm:
     # (transforms/state_sync.py all-reduces them), so the mean of the
     # replicas' gradients is one device's
     exchanged: list[str] = field(default_factory=list)
+    # Means over rows a mask picks from the batch (graph/selections.py): each
+    # replica's count is its own, the job's is their sum
+    # (transforms/selected_means.py divides every replica's sum by it)
+    selected: list[str] = field(default_factory=list)
 
 
 # ops that compute a scalar from scalars, elementwise: of means, a loss needs
@@ -149,7 +154,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     t.op.name in dependent for t in op.inputs)):
                 dependent.add(op.name)
                 grown = True
-    by_batch, by_count, once, mixed, widened, exchanged = [], [], [], [], [], []
+    by_batch, by_count, once, mixed, widened, exchanged, selected = [], [], [], [], [], [], []
 
     def data(t):
         return t.op.name in dependent
@@ -256,6 +261,10 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             if len(axes) == shape.rank and None not in rest:
                 per_row[t.name] = int(np.prod(rest, dtype=np.int64))
             return "mean" if t.op.type == "Mean" else "sum"
+        if a is None and t.shape.rank == 0 and selections.picked(x, rows):
+            if t.op.type == "Mean":         # over a count the data sets
+                selected.append(t.op.name)
+            return "mean" if t.op.type == "Mean" else "sum"
         if a is not None:
             return None
         inner = form(x)
@@ -276,7 +285,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [],
                     scaled[0] and kind == "sum", by_count if kind == "mean" else [],
                     once if kind == "sum" else [], mixed if kind is None else [],
-                    widened if kind == "sum" else [], exchanged if kind == "mean" else [])
+                    widened if kind == "sum" else [], exchanged if kind == "mean" else [],
+                    selected if kind == "mean" else [])
 
 
 def _every_axis(axes: tf.Tensor, x: tf.Tensor) -> bool:
@@ -313,23 +323,6 @@ def through(op):
     while op.type in ("Identity", "Snapshot", "Cast", "Squeeze", "Reshape"):
         op = op.inputs[0].op
     return op
-
-
-def extreme(t: tf.Tensor, sources) -> str | None:
-    """"max" or "min" where `t` is a largest or smallest value over the
-    batch (tf.reduce_max of predictions, over every axis or the batch's):
-    the replicas' values combine so; None otherwise."""
-    op = through(t.op)
-    if op.type not in ("Max", "Min"):
-        return None
-    x, axes = op.inputs[0], tf.get_static_value(op.inputs[1])
-    if axes is None or not x.shape.rank:
-        return None
-    a = batch_axis(x, sources)
-    if a is None:           # a largest of largest values over the batch
-        return op.type.lower() if extreme(x, sources) == op.type.lower() else None
-    return op.type.lower() if a in {int(v) % x.shape.rank for v in np.atleast_1d(axes)} \
-        else None
 
 
 def constant_value(t: tf.Tensor):

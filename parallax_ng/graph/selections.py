@@ -1,0 +1,88 @@
+"""Rows a mask picks from the batch: `tf.boolean_mask(x, mask)` and
+`tf.gather(x, tf.where(mask)...)`, where x and the mask hold the batch's
+examples (or their elements) first. Their count is the data's: a replica
+picks its own number of rows, maybe none. So a mean over picked rows is a
+sum over the batch divided by a count the data sets, and one device's mean
+over the global batch is the replicas' sum over the sum of their counts
+(transforms/selected_means.py makes each replica divide so).
+
+Requires: tf.Tensors of a graph and a graph/rows.py reading of its data
+sources. Guarantees: reads the graph only; `picked` answers False where
+the ops do not show a mask's selection of the batch's rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from .rows import reading
+from .rules import ELEMENTWISE
+
+# ops that pass the indices of tf.where on: tf.boolean_mask squeezes them,
+# scripts slice (`[:, 0]`), reshape or cast them
+_INDEX_PATHS = ("Squeeze", "Reshape", "StridedSlice", "Cast", "Identity")
+# ops that keep picked rows rows (the control-flow forms aside)
+_ROW_WISE = (ELEMENTWISE - {"Enter", "Exit", "Merge", "Switch", "NextIteration"}) | {
+    "SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"}
+# ops that keep a tensor's first axis the batch's rows (or their elements,
+# flattened): tf.boolean_mask reshapes x and the mask so
+_FLATTENING = ("Reshape", "Identity")
+
+
+def picked(x: tf.Tensor, sources) -> bool:
+    """Whether `x` is rows of a tensor of the batch's examples picked at the
+    places a mask of the batch is true: a GatherV2 along axis 0 (or a
+    Gather, or a GatherNd) at indices that tf.where makes of that mask, or
+    a row-wise function of such rows (elementwise ops with scalars or
+    tensors of static shape, a cross-entropy of picked logits and labels,
+    a product with a weight, a reduction over other axes)."""
+    rows, op = reading(sources, x.graph), x.op
+    if op.type in _ROW_WISE:
+        ins = [t for t in op.inputs if t.shape.rank != 0 and not t.shape.is_fully_defined()]
+        return bool(ins) and all(picked(t, rows) for t in ins)
+    if op.type == "MatMul":             # picked rows times a weight
+        return not op.get_attr("transpose_a") and picked(op.inputs[0], rows)
+    if op.type in ("Sum", "Mean", "Max", "Min", "Prod"):
+        axes, rank = tf.get_static_value(op.inputs[1]), op.inputs[0].shape.rank
+        return bool(rank) and axes is not None and \
+            0 not in np.atleast_1d(axes) % rank and picked(op.inputs[0], rows)
+    if op.type == "GatherV2":
+        axis = tf.get_static_value(op.inputs[2])
+        if axis is None or int(np.ravel(axis)[0]) != 0 or op.get_attr("batch_dims"):
+            return False
+    elif op.type not in ("Gather", "GatherNd"):
+        return False
+    where = op.inputs[1].op
+    while where.type in _INDEX_PATHS and op.type != "GatherNd":
+        where = where.inputs[0].op
+    if where.type == "Cast":
+        where = where.inputs[0].op
+    return where.type == "Where" and _first_rows(where.inputs[0], rows) and \
+        _first_rows(op.inputs[0], rows)
+
+
+def _first_rows(t: tf.Tensor, rows) -> bool:
+    """Whether t's first axis holds the batch's examples, or their elements
+    (a reshape of such a tensor that flattens its leading axes)."""
+    while not rows.rows(t):
+        if t.op.type not in _FLATTENING:
+            return False
+        t = t.op.inputs[0]
+    return True
+
+
+def gradient_divisions(mean: tf.Operation) -> list[tf.Operation]:
+    """The autodiff's divisions by the count of a Mean's input (tf's
+    gradient of a mean whose input shape is known at run time only:
+    RealDiv(grad, Cast(Prod(Gather(Shape(x), axes))))): they take the
+    count the mean divides by."""
+    x, out = mean.inputs[0], []
+    for shape in x.consumers():
+        if shape.type != "Shape":
+            continue
+        for gather in shape.outputs[0].consumers():
+            for prod in gather.outputs[0].consumers() if gather.type == "GatherV2" else ():
+                for cast in prod.outputs[0].consumers() if prod.type == "Prod" else ():
+                    out += [c for c in cast.outputs[0].consumers() if cast.type == "Cast"
+                            and c.type == "RealDiv" and c.inputs[1] is cast.outputs[0]]
+    return out

@@ -1,0 +1,123 @@
+"""transforms/selected_means.py: a mean over the rows a mask picks
+(tf.boolean_mask) on 2 replicas equals one device with the global batch,
+though a replica picks no row in the first step (its mean alone is NaN):
+the fetched loss every step and every variable and slot after 6 steps
+within 1e-5, in a TF1 graph (all-reduce and parameter servers), a Keras 3
+`pn.function` loop and a job of 2 workers."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import load_values, local, read_name, variable_names
+from test_tf2 import keras3_dense
+
+tf1 = tf.compat.v1
+TOL, STEPS, BATCH = 1e-5, 6, 8       # BATCH: the global batch
+
+
+def arrays():
+    """Features and targets; the first global batch has one positive target
+    (row 0), so in it one replica's rows, however split, hold none."""
+    rng = np.random.RandomState(3)
+    x = rng.randn(STEPS * BATCH, 5).astype(np.float32)
+    y = rng.randn(STEPS * BATCH, 1).astype(np.float32)
+    y[:BATCH] = -np.abs(y[:BATCH])
+    y[0] = 1.0
+    return x, y
+
+
+def masked_loss(pred, y):
+    """The squared error over the rows whose target is positive."""
+    return tf.reduce_mean(tf.square(tf.boolean_mask(pred - y, y[:, 0] > 0)))
+
+
+def tf1_model(batch):
+    g = tf.Graph()
+    with g.as_default():
+        ds = pn.shard(tf.data.Dataset.from_tensor_slices(arrays())).batch(batch)
+        it = tf1.data.make_initializable_iterator(ds)
+        x, y = it.get_next()
+        rng = np.random.RandomState(4)
+        w = tf1.get_variable("w", initializer=rng.randn(5, 4).astype(np.float32))
+        v = tf1.get_variable("v", initializer=rng.randn(4, 1).astype(np.float32))
+        loss = masked_loss(tf.matmul(tf.tanh(tf.matmul(x, w)), v), y)
+        train = tf1.train.AdamOptimizer(0.05).minimize(loss)
+        init = tf1.global_variables_initializer()
+    return g, train, loss, init, it.initializer
+
+
+@pytest.mark.parametrize("run", ["allreduce", "ps"])
+def test_a_tf1_mean_over_masked_rows_equals_one_device(run):
+    g, train, loss, init, it_init = tf1_model(BATCH // 2)
+    names = variable_names(g)
+    reads = [read_name(n, g) for n in names]
+    with pn.get_runner(g, local(2), {"run_option": run}) as runner:
+        runner.run([init, it_init])
+        start = runner.run(reads)
+        losses = [runner.run([train, loss])[1] for _ in range(STEPS)]
+        parallel = dict(zip(names, runner.run(reads, per_replica=True)))
+        made = {n.name: n.op for n in runner.graph.as_graph_def().node}
+    # each replica's mean is its sum over the job's count, under the mean's name
+    assert made["Mean"] == "RealDiv" and made["Mean/parallax_sum"] == "Sum"
+    assert any(n.startswith("parallax/selected_means/Mean/job_count") for n in made)
+    g1, train1, loss1, init1, it_init1 = tf1_model(BATCH)
+    with tf1.Session(graph=g1) as sess:
+        sess.run([init1, it_init1])
+        load_values(sess, g1, dict(zip(names, start)))
+        want = [sess.run([train1, loss1])[1] for _ in range(STEPS)]
+        single = dict(zip(names, sess.run(reads)))
+    np.testing.assert_allclose(losses, want, atol=TOL, rtol=0)
+    assert len(names) >= 6                  # the weights and Adam's slots
+    for name in names:
+        for got in parallel[name]:
+            np.testing.assert_allclose(got, single[name], atol=TOL, rtol=0, err_msg=name)
+
+
+def step_of(model, optimizer):
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = masked_loss(model(x, training=True), y)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    return train_step
+
+
+def test_a_keras3_loop_of_a_mean_over_masked_rows_equals_one_device():
+    keras.utils.set_random_seed(0)
+    a, b = keras3_dense(), keras3_dense()
+    b.set_weights(a.get_weights())
+    oa, ob = keras.optimizers.Adam(0.05), keras.optimizers.Adam(0.05)
+    step, ref = pn.function(step_of(a, oa), local(2)), tf.function(step_of(b, ob))
+    x, y = arrays()
+    for k in range(STEPS):
+        at = slice(k * BATCH, (k + 1) * BATCH)
+        got, want = step(x[at], y[at]), ref(x[at], y[at])
+        np.testing.assert_allclose(got, want.numpy(), atol=TOL, rtol=0)
+    step.sync()
+    for v1, v2 in zip(a.weights + oa.variables, b.weights + ob.variables):
+        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=TOL, rtol=0,
+                                   err_msg=v1.path)
+
+
+def test_a_job_of_two_workers_equals_one_device(tmp_path):
+    """tf2_job_script.py --selected: the Keras 3 loop above as a job of 2
+    workers x 1 device on 127.0.0.1 (the job's count all-reduced between them)."""
+    from test_tf2 import run_job
+    out, done = run_job(tmp_path, "--selected")
+    assert "worker 1 of 2: done" in done.stdout
+    workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
+    model, optimizer = keras3_dense(), keras.optimizers.Adam(0.05)
+    model.set_weights([workers[0][f"start{i}"] for i in range(len(model.weights))])
+    ref = tf.function(step_of(model, optimizer))
+    x, y = arrays()
+    for k in range(5):
+        ref(x[k * BATCH:(k + 1) * BATCH], y[k * BATCH:(k + 1) * BATCH])
+    for w in workers:
+        for i, v in enumerate(model.weights):
+            np.testing.assert_allclose(w[f"w{i}"], np.asarray(v), atol=TOL, rtol=0)
+        for i, v in enumerate(optimizer.variables):
+            np.testing.assert_allclose(w[f"o{i}"], np.asarray(v), atol=TOL, rtol=0)
+

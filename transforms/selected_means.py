@@ -1,0 +1,69 @@
+"""Selected means: a mean over rows a mask picks from the batch
+(tf.reduce_mean(tf.boolean_mask(x, mask)), a mean of tf.gather at
+tf.where's indices) divides by the job's count of picked rows.
+
+Each replica picks its own number of rows, maybe none: the mean of the
+replicas' means is not one device's mean over the global batch (a replica
+picking none makes NaN). One device's is the replicas' sums over the sum
+of their counts.
+
+Requires: replicas made by `replicate`; `state_sync` first, when it runs
+(a function of such a mean, an RMSE's square root, reads the replicas'
+mean of it: the value this pass gives each replica's mean).
+Guarantees: every replica's copy of each such mean in a loss (graph/forms.py
+`LossForm.selected`, read by graph/selections.py) becomes, under its own
+name, the replica's Sum of the same rows over the replicas' mean count of
+them (a job-wide reduction of Size per step, on a server where the plan
+sums there); the autodiff's division of the mean's gradient by the
+count takes that count too. So the mean of the replicas' gradients and
+losses is one device's, and a replica that picks no row adds 0.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from parallax_ng.graph import emit, forms, selections
+from transforms.state_sync import all_reduce, on_a_server
+
+
+@dataclass(frozen=True)
+class SelectedMeansPass:
+    name: str = "selected_means"
+    requires: tuple = ("replicate",)
+    after: tuple = ("state_sync",)
+
+    def run(self, ir, ctx):
+        tg, plan = ctx.tg, ctx.plan
+        sources = forms.sources(tg.graph)
+        means = dict.fromkeys(m for loss in forms.autodiff_losses(tg.graph) for m in
+                              forms.loss_form(loss, sources, None, strict=False).selected)
+        reduce = on_a_server if plan.reduces_on_servers else all_reduce
+        changed, added, rewires = {}, [], {}
+        for i, mean in enumerate(means):
+            scope, op = f"parallax/selected_means/{mean}", tg.graph.get_operation_by_name(mean)
+            dtype, copies = op.outputs[0].dtype, [ir.node(ctx.replica_name(k, mean))
+                                                  for k in range(plan.num_replicas)]
+            counts = []
+            for k, node in enumerate(copies):
+                at = f"{scope}/replica_{k}"
+                size = emit.node_def(f"{at}/size", "Size", node.input[:1], node.device,
+                                     T=node.attr["T"], out_type=tf.int32)
+                cast = emit.node_def(f"{at}/count", "Cast", [size.name], node.device,
+                                     SrcT=tf.int32, DstT=dtype)
+                added += [size, cast]
+                counts.append(cast.name)
+            nodes, jobs = reduce(ctx, f"{scope}/job_count", counts, dtype, True, i)
+            added += nodes
+            for node, job in zip(copies, jobs):
+                total = emit.like(node, f"{node.name}/parallax_sum", node.device)
+                total.op = "Sum"
+                total.input.extend(node.input)
+                added.append(total)
+                changed[node.name] = emit.node_def(node.name, "RealDiv", [total.name, job],
+                                                   node.device, T=dtype)
+            for division in selections.gradient_divisions(op):
+                rewires.update({(ctx.replica_name(k, division.name), 1): job
+                                for k, job in enumerate(jobs)})
+        return ir.replace(changed, added).rewire(rewires), {"selected": len(means)}
