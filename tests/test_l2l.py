@@ -112,6 +112,7 @@ LOSSES = {
     "tf1.losses": lambda xent, logits, y, batch: tf1.losses.sparse_softmax_cross_entropy(
         y, logits),
     "sqrt(mean)": lambda xent, logits, y, batch: tf.sqrt(tf.reduce_mean(xent)),
+    "picked": lambda xent, logits, y, batch: tf.reduce_mean(tf.boolean_mask(xent, y > 0)),
 }
 
 
@@ -366,10 +367,15 @@ def test_a_sum_over_fixed_size_feeds_is_an_error():
 
 
 def test_a_function_of_a_mean_over_micro_batches_is_warned():
-    """Each micro-batch would take the root of its own mean: a warning names
-    the loss; with one micro-batch there is nothing to warn about."""
+    """Each micro-batch would take the root of its own mean, or a mean over
+    its own picked rows: a warning names the loss; with one micro-batch
+    there is nothing to warn about."""
     g, h = stack(8, loss="sqrt(mean)")
     with pytest.warns(UserWarning, match=r"the loss 'Sqrt:0' takes a function of such a mean"):
+        pn.get_runner(g, *_l2l(1, 2)).close()
+    g, h = stack(8, loss="picked", feed=True)       # a mean over the rows a mask picks
+    with pytest.warns(UserWarning, match=r"is a mean over rows a mask picks, each "
+                                         r"micro-batch's over its own count"):
         pn.get_runner(g, *_l2l(1, 2)).close()
     g, h = stack(8, loss="sqrt(mean)")
     with warnings.catch_warnings():

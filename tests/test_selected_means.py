@@ -1,8 +1,8 @@
 """transforms/selected_means.py: a mean over the rows a mask picks
 (tf.boolean_mask) on 2 replicas equals one device with the global batch,
 though a replica picks no row in the first step (its mean alone is NaN):
-the fetched loss every step and every variable and slot after 6 steps
-within 1e-5, in a TF1 graph (all-reduce and parameter servers), a Keras 3
+the fetched loss (and a masked metric, not trained) every step and every
+variable and slot after 6 steps within 1e-5, in a TF1 graph (all-reduce and parameter servers), a Keras 3
 `pn.function` loop and a job of 2 workers."""
 import keras
 import numpy as np
@@ -42,10 +42,13 @@ def tf1_model(batch):
         rng = np.random.RandomState(4)
         w = tf1.get_variable("w", initializer=rng.randn(5, 4).astype(np.float32))
         v = tf1.get_variable("v", initializer=rng.randn(4, 1).astype(np.float32))
-        loss = masked_loss(tf.matmul(tf.tanh(tf.matmul(x, w)), v), y)
+        pred = tf.matmul(tf.tanh(tf.matmul(x, w)), v)
+        loss = masked_loss(pred, y)
+        # a metric, not trained: the mean absolute error over the other rows
+        mae = tf.reduce_mean(tf.abs(tf.boolean_mask(pred - y, y[:, 0] <= 0)))
         train = tf1.train.AdamOptimizer(0.05).minimize(loss)
         init = tf1.global_variables_initializer()
-    return g, train, loss, init, it.initializer
+    return g, train, [loss, mae], init, it.initializer
 
 
 @pytest.mark.parametrize("run", ["allreduce", "ps"])
@@ -56,11 +59,11 @@ def test_a_tf1_mean_over_masked_rows_equals_one_device(run):
     with pn.get_runner(g, local(2), {"run_option": run}) as runner:
         runner.run([init, it_init])
         start = runner.run(reads)
-        losses = [runner.run([train, loss])[1] for _ in range(STEPS)]
+        losses = [runner.run([train, loss])[1] for _ in range(STEPS)]     # [loss, mae]
         parallel = dict(zip(names, runner.run(reads, per_replica=True)))
         made = {n.name: n.op for n in runner.graph.as_graph_def().node}
     # each replica's mean is its sum over the job's count, under the mean's name
-    assert made["Mean"] == "RealDiv" and made["Mean/parallax_sum"] == "Sum"
+    assert made["Mean"] == made["Mean_1"] == "RealDiv" and made["Mean/parallax_sum"] == "Sum"
     assert any(n.startswith("parallax/selected_means/Mean/job_count") for n in made)
     g1, train1, loss1, init1, it_init1 = tf1_model(BATCH)
     with tf1.Session(graph=g1) as sess:

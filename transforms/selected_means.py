@@ -10,13 +10,14 @@ of their counts.
 Requires: replicas made by `replicate`; `state_sync` first, when it runs
 (a function of such a mean, an RMSE's square root, reads the replicas'
 mean of it: the value this pass gives each replica's mean).
-Guarantees: every replica's copy of each such mean in a loss (graph/forms.py
-`LossForm.selected`, read by graph/selections.py) becomes, under its own
-name, the replica's Sum of the same rows over the replicas' mean count of
-them (a job-wide reduction of Size per step, on a server where the plan
-sums there); the autodiff's division of the mean's gradient by the
-count takes that count too. So the mean of the replicas' gradients and
-losses is one device's, and a replica that picks no row adds 0.
+Guarantees: every replica's copy of each such scalar mean (picked rows:
+graph/selections.py; outside branches and loops, which not every replica
+may run) becomes, under its own name, the replica's Sum of the same rows
+over the replicas' mean count of them (a job-wide reduction of Size per
+step, on a server where the plan sums there); the autodiff's division of
+the mean's gradient by the count takes that count too. So the mean of the
+replicas' gradients, losses and fetched values (a masked metric's) is one
+device's, and a replica that picks no row adds 0.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng.graph import emit, forms, selections
+from parallax_ng.graph import branches, emit, forms, selections
+from parallax_ng.graph.rows import reading
 from transforms.state_sync import all_reduce, on_a_server
 
 
@@ -36,9 +38,10 @@ class SelectedMeansPass:
 
     def run(self, ir, ctx):
         tg, plan = ctx.tg, ctx.plan
-        sources = forms.sources(tg.graph)
-        means = dict.fromkeys(m for loss in forms.autodiff_losses(tg.graph) for m in
-                              forms.loss_form(loss, sources, None, strict=False).selected)
+        rows, above = reading(forms.sources(tg.graph), tg.graph), {}
+        means = [op.name for op in tg.graph.get_operations() if op.type == "Mean" and
+                 op.outputs[0].shape.rank == 0 and selections.picked(op.inputs[0], rows)
+                 and not branches.switches_above(tg.ir, op.name, above)]
         reduce = on_a_server if plan.reduces_on_servers else all_reduce
         changed, added, rewires = {}, [], {}
         for i, mean in enumerate(means):

@@ -111,15 +111,17 @@ class _Builder:
         # a micro-batch's loss in its replica's loss: averaged for a mean over
         # the batch (or when the graph does not show), added for a sum
         self.micro = MicroBatches(tg, layering, self.u, host, PREFIX)
-        self.loss_form = loss_form(tg.graph.get_tensor_by_name(layering.loss),
-                                   layering.sources, self.micro.batch_size())
-        self.weight = 1.0 if self.loss_form.kind == "sum" else 1.0 / self.u
-        if (self.loss_form.kind is None or self.loss_form.exchanged) and self.u > 1:
+        self.loss_form = form = loss_form(tg.graph.get_tensor_by_name(layering.loss),
+                                          layering.sources, self.micro.batch_size())
+        self.weight = 1.0 if form.kind == "sum" else 1.0 / self.u
+        if (form.kind is None or form.exchanged or form.selected) and self.u > 1:
             warnings.warn(f"layer-by-layer execution averages the {self.u} micro-batches' "
                           f"losses, right for a mean over the batch, but the loss "
-                          f"{layering.loss!r} " + ("takes a function of such a mean (an "
-                          "RMSE?), not one device's step" if self.loss_form.kind else
-                          "is not shown to be a mean or a sum"), stacklevel=4)
+                          f"{layering.loss!r} " + ("is not shown to be a mean or a sum"
+                          if not form.kind else "takes a function of such a mean (an RMSE?)"
+                          if form.exchanged else "is a mean over rows a mask picks, each "
+                          "micro-batch's over its own count") + ", not one device's step",
+                          stacklevel=4)
         whole = [t.name for t in self.micro.whole_feeds()]
         if self.loss_form.kind == "sum" and self.u > 1 and whole:
             raise GraphError(
