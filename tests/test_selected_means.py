@@ -2,8 +2,9 @@
 (tf.boolean_mask) on 2 replicas equals one device with the global batch,
 though a replica picks no row in the first step (its mean alone is NaN):
 the fetched loss (and a masked metric, not trained) every step and every
-variable and slot after 6 steps within 1e-5, in a TF1 graph (all-reduce and parameter servers), a Keras 3
-`pn.function` loop and a job of 2 workers."""
+variable and slot after 6 steps within 1e-5, in a TF1 graph (all-reduce
+and parameter servers), a Keras 3 `pn.function` loop and a job of 2
+workers."""
 import keras
 import numpy as np
 import pytest
