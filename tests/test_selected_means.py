@@ -3,8 +3,8 @@
 though a replica picks no row in the first step (its mean alone is NaN):
 the fetched loss (and a masked metric, not trained) every step and every
 variable and slot after 6 steps within 1e-5, in a TF1 graph (all-reduce
-and parameter servers), a Keras 3 `pn.function` loop and a job of 2
-workers."""
+and parameter servers), a Keras 3 `pn.function` loop, a job of 2 workers
+and `model.fit` in both Kerases; in a branch, warned."""
 import keras
 import numpy as np
 import pytest
@@ -125,3 +125,48 @@ def test_a_job_of_two_workers_equals_one_device(tmp_path):
         for i, v in enumerate(optimizer.variables):
             np.testing.assert_allclose(w[f"o{i}"], np.asarray(v), atol=TOL, rtol=0)
 
+
+
+def test_a_mean_over_picked_rows_in_a_branch_is_warned():
+    """Not every replica may run a branch (tf.cond as Switch/Merge, as
+    disable_v2_behavior makes it): its mean keeps the replica's own count,
+    and the build says so, naming it."""
+    from test_branches import lowered_conds
+    g = tf.Graph()
+    with g.as_default(), lowered_conds():
+        x = tf1.placeholder(tf.float32, [None, 5], name="x")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        pred = tf.matmul(x, tf1.get_variable("w", initializer=np.ones((5, 1), np.float32)))
+        whole = tf1.placeholder_with_default(False, [], name="whole")
+        loss = tf1.cond(whole, lambda: tf.reduce_mean(tf.square(pred - y)),
+                        lambda: masked_loss(pred, y))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    with pytest.warns(UserWarning, match=r"means over rows a mask picks \['cond/Mean_1'\] sit "
+                                         r"in a branch or a loop"):
+        pn.get_runner(g, local(2)).close()
+
+
+@pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
+def test_fit_with_a_loss_over_masked_rows_equals_one_device(lib):
+    """`model.fit` with the masked loss as a Keras loss function: the
+    logged losses, every weight and slot after an epoch."""
+    k = keras if lib == "keras3" else __import__("tf_keras")
+
+    def make():
+        return k.Sequential([k.Input((5,)), k.layers.Dense(8, activation="relu"),
+                             k.layers.Dense(1)])
+    k.utils.set_random_seed(0)
+    parallel, single = make(), make()
+    single.set_weights(parallel.get_weights())
+    for m in (parallel, single):
+        m.compile(optimizer=k.optimizers.Adam(0.05), loss=lambda y, p: masked_loss(p, y))
+    pn.parallelize(parallel, local(2))
+    x, y = arrays()
+    h1, h2 = (m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+              for m in (parallel, single))
+    np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], atol=TOL, rtol=0)
+    assert np.all(np.isfinite(h1.history["loss"]))
+    for v1, v2 in zip(parallel.weights + parallel.optimizer.variables,
+                      single.weights + single.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=TOL, rtol=0,
+                                   err_msg=getattr(v1, "path", v1.name))

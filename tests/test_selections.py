@@ -2,7 +2,7 @@
 tf.boolean_mask, tf.gather at tf.where, tf.gather_nd, and row-wise
 functions of them) and what is not so picked; the forms a loss over them
 takes (graph/forms.py: a mean is `selected`, a sum a sum); the gradient's
-divisions by a selected mean's count."""
+divisions by a selected mean's count; a mean taken into rows again."""
 import numpy as np
 import tensorflow as tf
 
@@ -32,6 +32,7 @@ def graph():
             tf.matmul(tf.boolean_mask(x, keep), w), 1)
         tokens = tf.tile(x[:, :1], [1, 4])                         # [b, 4]
         t["tokens"] = tf.boolean_mask(tokens, tf.sequence_mask(lengths, 4))
+        t["partitioned"] = tf.dynamic_partition(pred, tf.cast(keep, tf.int32), 2)[1]
         # not picked from the batch: a constant's rows, a mask of constants, a fixed gather
         table = tf.constant(np.arange(6, dtype=np.float32))
         t["of-a-constant"] = tf.boolean_mask(table, table > 2)
@@ -42,6 +43,8 @@ def graph():
         t["mean"] = tf.reduce_mean(t["masked"])
         t["sum"] = tf.reduce_sum(t["gathered"])
         t["rmse"] = tf.sqrt(tf.reduce_mean(tf.square(t["masked"])))
+        t["centre"] = tf.reduce_mean(t["gathered"])
+        t["centred"] = t["gathered"] - t["centre"]        # a normalization of rows by it
         t["gradient"] = tf.gradients(t["mean"], [w])[0]
     return g, t
 
@@ -50,7 +53,7 @@ def test_rows_a_mask_of_the_batch_picks_and_others():
     g, t = graph()
     sources = forms.sources(g)
     for name in ("masked", "gathered", "squeezed", "gather_nd", "row-wise",
-                 "rows-times-weight", "tokens"):
+                 "rows-times-weight", "tokens", "partitioned"):
         assert selections.picked(t[name], sources), name
     for name in ("of-a-constant", "fixed-indices", "along-axis-1", "rows", "mean"):
         assert not selections.picked(t[name], sources), name
@@ -76,3 +79,10 @@ def test_the_gradient_divides_a_selected_means_sum_by_its_count():
     assert [d.type for d in divisions] == ["RealDiv"]
     assert divisions[0].name.startswith(f"gradients/{t['mean'].op.name}_grad/")
     assert selections.gradient_divisions(t["rmse"].op.inputs[0].op) == []   # no gradient
+
+
+def test_a_mean_that_flows_into_scalars_only_and_one_taken_into_rows():
+    g, t = graph()
+    sources = forms.sources(g)
+    assert selections.used_per_row(t["mean"].op, sources) is None     # its gradient aside
+    assert selections.used_per_row(t["centre"].op, sources) == t["centred"].op.name

@@ -5,8 +5,8 @@ weights (SUM_BY_NONZERO_WEIGHTS: a weighted mean over the examples whose
 weight is not zero, a count that differs between replicas), label
 smoothing plus the regularization losses, a masked mean over tokens
 (sum(loss * mask) / sum(mask)), means over the examples or tokens a mask
-picks (tf.boolean_mask, tf.gather at tf.where: each replica picks its own
-number), a piecewise-constant learning rate; and
+picks (tf.boolean_mask, tf.gather at tf.where, tf.dynamic_partition: each
+replica picks its own number), a piecewise-constant learning rate; and
 centered RMSProp and AdagradDA on an embedding read by a gather."""
 import numpy as np
 import pytest
@@ -73,6 +73,10 @@ def builder(kind, optimizer):
                 per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=label, logits=logits)
                 picked = tf.gather(per, tf.where(w > 0)[:, 0])
                 loss = tf.reduce_sum(picked) / tf.cast(tf.size(picked), tf.float32)
+            elif kind == "partitioned":   # a mean over each partition of the examples
+                per = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=label, logits=logits)
+                parts = tf.dynamic_partition(per, tf.cast(w > 0, tf.int32), 2)
+                loss = tf.reduce_mean(parts[1]) + 0.5 * tf.reduce_mean(parts[0])
             elif kind == "selected-tokens":       # a mean over the tokens a mask keeps
                 tok = tf.reduce_sum(rows, 2) - tf.cast(label, tf.float32)[:, None]
                 loss = tf.reduce_mean(tf.square(tf.boolean_mask(tok, mask > 0)))
@@ -98,7 +102,7 @@ OPTS = {
 CASES = [(k, o, r) for k in ("plain", "reg", "weighted", "token") for o in OPTS
          for r in ("hybrid", "allreduce", "ps")
          if k == "plain" or o in ("adam", "nesterov")] + [
-    (k, "adam", r) for k in ("selected", "gathered", "selected-tokens")
+    (k, "adam", r) for k in ("selected", "gathered", "selected-tokens", "partitioned")
     for r in ("hybrid", "allreduce", "ps")]
 
 

@@ -11,16 +11,19 @@ Requires: replicas made by `replicate`; `state_sync` first, when it runs
 (a function of such a mean, an RMSE's square root, reads the replicas'
 mean of it: the value this pass gives each replica's mean).
 Guarantees: every replica's copy of each such scalar mean (picked rows:
-graph/selections.py; outside branches and loops, which not every replica
-may run) becomes, under its own name, the replica's Sum of the same rows
-over the replicas' mean count of them (a job-wide reduction of Size per
-step, on a server where the plan sums there); the autodiff's division of
-the mean's gradient by the count takes that count too. So the mean of the
-replicas' gradients, losses and fetched values (a masked metric's) is one
-device's, and a replica that picks no row adds 0.
+graph/selections.py) that flows into scalars only (a loss, a metric; not
+a normalization of rows by it) and sits outside branches and loops (which
+not every replica may run; those two are warned, naming them) becomes,
+under its own name, the replica's Sum of the same rows over the replicas'
+mean count of them (a job-wide reduction of Size per step, on a server
+where the plan sums there); the autodiff's division of the mean's
+gradient by the count takes that count too. So the mean of the replicas'
+gradients, losses and fetched values (a masked metric's) is one device's,
+and a replica that picks no row adds 0.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import tensorflow as tf
@@ -38,10 +41,26 @@ class SelectedMeansPass:
 
     def run(self, ir, ctx):
         tg, plan = ctx.tg, ctx.plan
-        rows, above = reading(forms.sources(tg.graph), tg.graph), {}
-        means = [op.name for op in tg.graph.get_operations() if op.type == "Mean" and
-                 op.outputs[0].shape.rank == 0 and selections.picked(op.inputs[0], rows)
-                 and not branches.switches_above(tg.ir, op.name, above)]
+        rows, above, means, inside, per_row = reading(forms.sources(tg.graph), tg.graph), \
+            {}, [], [], []
+        for op in tg.graph.get_operations():
+            if op.type != "Mean" or op.outputs[0].shape.rank != 0 or \
+                    not selections.picked(op.inputs[0], rows):
+                continue
+            if branches.switches_above(tg.ir, op.name, above):
+                inside.append(op.name)
+            elif use := selections.used_per_row(op, rows):
+                per_row.append((op.name, use))
+            else:
+                means.append(op.name)
+        if inside:
+            warnings.warn(f"means over rows a mask picks {inside} sit in a branch or a loop, "
+                          "which not every replica may run: each replica's divides by its "
+                          "own count, not one device's (compute them outside)", stacklevel=2)
+        if per_row:
+            warnings.warn(f"means over rows a mask picks, taken into rows (mean, op): {per_row}: "
+                          "each replica's is of its own rows, not of the global batch's as on "
+                          "one device", stacklevel=2)
         reduce = on_a_server if plan.reduces_on_servers else all_reduce
         changed, added, rewires = {}, [], {}
         for i, mean in enumerate(means):

@@ -1,6 +1,7 @@
-"""Rows a mask picks from the batch: `tf.boolean_mask(x, mask)` and
-`tf.gather(x, tf.where(mask)...)`, where x and the mask hold the batch's
-examples (or their elements) first. Their count is the data's: a replica
+"""Rows a mask picks from the batch: `tf.boolean_mask(x, mask)`,
+`tf.gather(x, tf.where(mask)...)` and `tf.dynamic_partition(x, parts, n)`,
+where x and the mask (or the partitions) hold the batch's examples (or
+their elements) first. Their count is the data's: a replica
 picks its own number of rows, maybe none. So a mean over picked rows is a
 sum over the batch divided by a count the data sets, and one device's mean
 over the global batch is the replicas' sum over the sum of their counts
@@ -16,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from .rows import reading
+from . import rules
 from .rules import ELEMENTWISE
 
 # ops that pass the indices of tf.where on: tf.boolean_mask squeezes them,
@@ -32,7 +34,8 @@ _FLATTENING = ("Reshape", "Identity")
 def picked(x: tf.Tensor, sources) -> bool:
     """Whether `x` is rows of a tensor of the batch's examples picked at the
     places a mask of the batch is true: a GatherV2 along axis 0 (or a
-    Gather, or a GatherNd) at indices that tf.where makes of that mask, or
+    Gather, or a GatherNd) at indices that tf.where makes of that mask, an
+    output of a DynamicPartition of the batch's rows by the batch's, or
     a row-wise function of such rows (elementwise ops with scalars or
     tensors of static shape, a cross-entropy of picked logits and labels,
     a product with a weight, a reduction over other axes)."""
@@ -46,6 +49,8 @@ def picked(x: tf.Tensor, sources) -> bool:
         axes, rank = tf.get_static_value(op.inputs[1]), op.inputs[0].shape.rank
         return bool(rank) and axes is not None and \
             0 not in np.atleast_1d(axes) % rank and picked(op.inputs[0], rows)
+    if op.type == "DynamicPartition":   # the rows whose partition is this output's
+        return _first_rows(op.inputs[0], rows) and _first_rows(op.inputs[1], rows)
     if op.type == "GatherV2":
         axis = tf.get_static_value(op.inputs[2])
         if axis is None or int(np.ravel(axis)[0]) != 0 or op.get_attr("batch_dims"):
@@ -86,3 +91,24 @@ def gradient_divisions(mean: tf.Operation) -> list[tf.Operation]:
                     out += [c for c in cast.outputs[0].consumers() if cast.type == "Cast"
                             and c.type == "RealDiv" and c.inputs[1] is cast.outputs[0]]
     return out
+
+
+def used_per_row(mean: tf.Operation, sources) -> str | None:
+    """The first op (not the autodiff's) that takes `mean`'s value into a
+    tensor of rows (the batch's, or picked ones: a normalization by it),
+    or None where it flows into scalars only (a loss, a metric)."""
+    rows, stack, seen = reading(sources, mean.graph), [mean], {mean.name}
+    while stack and len(seen) < _MOST_OPS:
+        for t in stack.pop().outputs:
+            for c in t.consumers():
+                if c.name in seen or rules.is_autodiff(c.name):
+                    continue
+                seen.add(c.name)
+                if any(o.shape.rank != 0 and (rows.axis(o) is not None or picked(o, rows))
+                       for o in c.outputs):
+                    return c.name
+                stack.append(c)
+    return None
+
+
+_MOST_OPS = 2000    # a loss's and its metrics' scalar ops are a few
