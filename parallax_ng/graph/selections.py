@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from .rows import reading
 from . import rules
+from .rows import reading
 from .rules import ELEMENTWISE
 
 # ops that pass the indices of tf.where on: tf.boolean_mask squeezes them,
