@@ -23,7 +23,9 @@ that divides a sum over the batch by a count of the data's values (a
 masked mean, `tf.compat.v1.losses` with per-example weights) divides by
 the replicas' mean count in every replica, forward and gradient, so the
 mean of the replicas' gradients is one device's (the global sum over the
-global count). A loss that sums over the batch and adds a term without
+global count); a count floored or smoothed first (`tf.maximum(count, 1)`,
+`count + eps`) is floored from the job's sum and divided by N
+(transforms/counts.py reads the counts). A loss that sums over the batch and adds a term without
 data (a regularizer) where the replicas' gradients are summed: every
 replica adds 1/N of the term, to the loss and to the variables' gradients
 (the parts of a gradient's sum that do not depend on the data's values),
@@ -49,11 +51,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parallax_ng.graph import averaging, branches, emit, forms, replica_sums, rules, selections
+from parallax_ng.graph import averaging, branches, emit, forms, replica_sums, rules
 from parallax_ng.graph.ir import GraphIR, parse_tensor
 from parallax_ng.graph.rows import batch_axis
 from parallax_ng.graph.rows import reading as read_rows
 from parallax_ng.pipeline.results import PerExampleState, SyncedInputs, WidenedMeans
+from transforms import counts
 
 
 @dataclass(frozen=True)
@@ -74,9 +77,9 @@ class StateSyncPass:
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
         batch = forms.replica_batch(tg.graph, sources)
         summing = not plan.average_dense and not plan.average_sparse
-        form = _Forms(sources)                    # each loss's form, read once
+        form = counts.Forms(sources)                    # each loss's form, read once
         products = averaging.tracker_products(tg.graph, sources)
-        widened = _widened(tg, form, products, summing)
+        widened = counts.widened(tg, form, products, summing)
         examples, per_example = read_rows(sources, tg.graph), {}
         branches.warn_out_of_reach(tg, ctx.varies)
         for var, writers in sorted(tg.writers.items()):
@@ -156,19 +159,28 @@ class StateSyncPass:
                 "replicas' values averaged, which equals one device only where the write "
                 "is linear in the data (plain SGD, a moving average); mark them "
                 "trainable=False if they are state", stacklevel=2)
-        for count, widen in _counts(tg, sources, form, widened, products):
-            dtype = tg.tensor(count).dtype
+        for count, widen in counts.shared(tg, sources, form, widened, products):
+            dtype, scope = tg.tensor(count).dtype, f"parallax/state_sync/{count.node}"
             outs = [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)]
-            if _from_values(tg, count, set(sources)):   # a masked mean's count: the job's mean
-                nodes, outs = reduce(ctx, f"parallax/state_sync/{count.node}/count", outs,
-                                     dtype, True, synced)
+            if counts.from_values(tg, count, set(sources)):   # a masked mean's: the job's
+                at, inner = counts.floored(tg, count, set(sources))   # mean (or floor's sum)
+                nodes, sums = reduce(ctx, f"{scope}/count", [ctx.replica_tensor(
+                    k, inner) for k in range(plan.num_replicas)], dtype, at is None, synced)
                 synced += 1
+                if at is not None:  # the floor of the job's count, over N (widened: whole)
+                    replaced.add(at)
+                    rewires.update({(ctx.replica_name(k, at[0]), at[1]): total
+                                    for k, total in enumerate(sums)})
+                    more, sums = _times(ctx, ir, f"{scope}/floored", outs, count.node, dtype,
+                                        1.0 if widen else 1.0 / plan.group_size)
+                    nodes, widen = nodes + more, False
                 new_nodes.extend(nodes)
+                outs = sums
             if widen:           # a mean added to a sum: over the job's count
                 nodes, outs = _times(ctx, ir, f"parallax/state_sync/{count.node}/widened", outs,
                                      count.node, dtype, plan.group_size)
                 new_nodes.extend(nodes)
-            _read_everywhere(ctx, count, outs, rewires, replaced)
+            counts.read_everywhere(ctx, count, outs, rewires, replaced)
         for name, mean in dict.fromkeys([   # a function of means (an RMSE's): of the job's
                 (name, True) for loss in forms.autodiff_losses(tg.graph)   # means, forward
                 for name in form(loss).exchanged] + replica_sums.points(   # and in the gradient
@@ -179,7 +191,7 @@ class StateSyncPass:
                                  tg.tensor(ref).dtype, mean, synced)
             synced += 1
             new_nodes.extend(nodes)
-            _read_everywhere(ctx, ref, outs, rewires, replaced)
+            counts.read_everywhere(ctx, ref, outs, rewires, replaced)
         parts = []              # a regularizer beside a summed loss: 1/N of it per replica
         if summing:
             parts = averaging.added_once(tg.graph, form)
@@ -206,67 +218,7 @@ def _data_free_parts(tg, grad, sources: set) -> list[tuple[str, int]]:
     if tg.ir.node(ref.node).op not in ("AddN", "AddV2", "Add") or ref.index != 0:
         return []
     return [(ref.node, at) for at, r in enumerate(tg.ir.data_inputs(ref.node))
-            if not _from_values(tg, r, sources)]
-
-
-class _Forms:
-    """Each loss's `forms.loss_form` (without a batch, not strict), read
-    once per pass: `form(loss)`."""
-
-    def __init__(self, sources):
-        self.sources, self.read = sources, {}
-
-    def __call__(self, loss):
-        if loss.name not in self.read:
-            self.read[loss.name] = forms.loss_form(loss, self.sources, None, strict=False)
-        return self.read[loss.name]
-
-    def over_widened(self, t, widened) -> bool:
-        """forms.over_widened, from the form read."""
-        return bool(widened) and any(op in widened for op in self(t).by_count)
-
-
-def _counts(tg, sources, form, widened: dict, products: dict) -> list:
-    """(count, widened) of the counts that losses (and the losses Keras's
-    trackers add: `evaluate`'s) divide a sum over the batch by. Where the
-    count depends on the data's values (a mask's sum, weights' nonzero
-    count), not only on its shape (equal on every replica), one device
-    divides by the global batch's count: each replica divides by the
-    replicas' mean count instead of its own, so the mean of the replicas'
-    gradients (and losses) is one device's. `widened` divisions' counts
-    are N times that."""
-    out = {}
-    for loss in forms.autodiff_losses(tg.graph) + list(products.values()):
-        for op in form(loss).by_count:
-            count = tg.ir.data_inputs(op)[1]
-            if _from_values(tg, count, set(sources)):
-                out.setdefault(count, False)
-    out.update(dict.fromkeys(widened.values(), True))
-    return list(out.items())
-
-
-def _widened(tg, form, products: dict, summing: bool) -> dict:
-    """{division: its count} of the means a loss adds to a sum over the batch
-    (forms.LossForm.widened): where the replicas' gradients are summed, or
-    a graph without gradients (`evaluate`'s) has a tracker add the loss,
-    each replica divides the mean by N times its count, so the replicas'
-    sum of it is one device's mean."""
-    losses = forms.autodiff_losses(tg.graph)
-    trained = tg.ir.ancestors({t.op.name for t in losses}, data_only=True) if losses else set()
-    return {op: tg.ir.data_inputs(op)[1]
-            for loss in (losses if summing else []) + list(products.values())
-            for op in form(loss).widened if summing or op not in trained}
-
-
-_SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"})
-
-
-def _from_values(tg, ref, sources: set) -> bool:
-    """Whether `ref` depends on a data source's values (data edges not through
-    ops that read only a shape, but for the shape of rows a mask picks)."""
-    return bool(sources & tg.ir.ancestors({ref.node}, stop=lambda name: tg.ir.node(
-        name).op in _SHAPES and not selections.picked(tg.graph.get_operation_by_name(
-            name).inputs[0], list(sources)), data_only=True))
+            if not counts.from_values(tg, r, sources)]
 
 
 _SCATTERS = frozenset({"ScatterAdd", "ResourceScatterAdd", "ScatterSub", "ResourceScatterSub"})
@@ -287,22 +239,6 @@ def _scatter_dense(ctx, ir, var: str, w: str):
         [ctx.replica_tensor(k, indices) for k in range(n)], int(shape[0]),
         ctx.tg.tensor(indices).dtype, ctx.tg.tensor(updates).dtype,
         [ir.node(ctx.replica_name(k, w)).device for k in range(n)], ctx.plan.host)
-
-
-def _read_everywhere(ctx, ref, outs, rewires: dict, replaced: set) -> None:
-    """Every use of `ref` in replica k reads outs[k] instead (a synced write
-    of it stays so)."""
-    for node, at in _uses(ctx.tg, ref):
-        replaced.add((node, at))
-        for k, out in enumerate(outs):
-            rewires.setdefault((ctx.replica_name(k, node), at), out)
-
-
-def _uses(tg, ref) -> list[tuple[str, int]]:
-    """(node, input position) of every data use of `ref`: the division, and
-    the gradient's ops that divide by the count too."""
-    return [(name, at) for name in sorted(tg.ir.node_consumers.get(ref.node, ()))
-            for at, r in enumerate(tg.ir.data_inputs(name)) if r == ref]
 
 
 _ASSIGNS = frozenset({"AssignVariableOp", "Assign"})

@@ -1,0 +1,109 @@
+"""The counts losses divide a sum over the batch by, as the state-sync pass
+shares them among replicas (transforms/state_sync.py): which divisions
+(a masked mean's, `tf.compat.v1.losses`' with weights, a mean added to a
+sum over the batch), whether the data's values set a count (a mask's sum)
+or only its shape (equal on every replica), and where a count is floored
+or smoothed before the division (`tf.maximum(count, 1)`, `count + eps`).
+
+Requires: the user's TrainingGraph (`tg`: its IR and tf.Graph) and the
+names of its data sources. Guarantees: reads the graph only, but
+`read_everywhere`, which records rewires for a pass to make.
+"""
+from __future__ import annotations
+
+from parallax_ng.graph import forms, selections
+
+
+class Forms:
+    """Each loss's `forms.loss_form` (without a batch, not strict), read
+    once per pass: `form(loss)`."""
+
+    def __init__(self, sources):
+        self.sources, self.read = sources, {}
+
+    def __call__(self, loss):
+        if loss.name not in self.read:
+            self.read[loss.name] = forms.loss_form(loss, self.sources, None, strict=False)
+        return self.read[loss.name]
+
+    def over_widened(self, t, widened) -> bool:
+        """forms.over_widened, from the form read."""
+        return bool(widened) and any(op in widened for op in self(t).by_count)
+
+
+def shared(tg, sources, form, widened: dict, products: dict) -> list:
+    """(count, widened) of the counts that losses (and the losses Keras's
+    trackers add: `evaluate`'s) divide a sum over the batch by. Where the
+    count depends on the data's values (a mask's sum, weights' nonzero
+    count), not only on its shape (equal on every replica), one device
+    divides by the global batch's count: each replica divides by the
+    replicas' mean count instead of its own, so the mean of the replicas'
+    gradients (and losses) is one device's. `widened` divisions' counts
+    are N times that."""
+    out = {}
+    for loss in forms.autodiff_losses(tg.graph) + list(products.values()):
+        for op in form(loss).by_count:
+            count = tg.ir.data_inputs(op)[1]
+            if from_values(tg, count, set(sources)):
+                out.setdefault(count, False)
+    out.update(dict.fromkeys(widened.values(), True))
+    return list(out.items())
+
+
+def widened(tg, form, products: dict, summing: bool) -> dict:
+    """{division: its count} of the means a loss adds to a sum over the batch
+    (forms.LossForm.widened): where the replicas' gradients are summed, or
+    a graph without gradients (`evaluate`'s) has a tracker add the loss,
+    each replica divides the mean by N times its count, so the replicas'
+    sum of it is one device's mean."""
+    losses = forms.autodiff_losses(tg.graph)
+    trained = tg.ir.ancestors({t.op.name for t in losses}, data_only=True) if losses else set()
+    return {op: tg.ir.data_inputs(op)[1]
+            for loss in (losses if summing else []) + list(products.values())
+            for op in form(loss).widened if summing or op not in trained}
+
+
+_SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"})
+
+
+def from_values(tg, ref, sources: set) -> bool:
+    """Whether `ref` depends on a data source's values (data edges not through
+    ops that read only a shape, but for the shape of rows a mask picks)."""
+    return bool(sources & tg.ir.ancestors({ref.node}, stop=lambda name: tg.ir.node(
+        name).op in _SHAPES and not selections.picked(tg.graph.get_operation_by_name(
+            name).inputs[0], list(sources)), data_only=True))
+
+
+_FLOORS = frozenset({"Maximum", "AddV2", "Add"})
+
+
+def floored(tg, count, sources: set):
+    """((op, input position), the count inside) where a count enters ops
+    that floor or smooth it with values the data does not set
+    (`tf.maximum(count, 1)`, `count + eps`): one device floors the global
+    count, so the job's sum goes in there and each replica divides by 1/N
+    of the result; (None, count) for a bare count."""
+    found, ref = None, count
+    while tg.ir.node(ref.node).op in _FLOORS and ref.index == 0:
+        ins = tg.ir.data_inputs(ref.node)
+        data = [i for i, r in enumerate(ins) if from_values(tg, r, sources)]
+        if len(data) != 1:
+            break
+        found, ref = (ref.node, data[0]), ins[data[0]]
+    return found, ref
+
+
+def read_everywhere(ctx, ref, outs, rewires: dict, replaced: set) -> None:
+    """Every use of `ref` in replica k reads outs[k] instead (a synced write
+    of it stays so)."""
+    for node, at in uses(ctx.tg, ref):
+        replaced.add((node, at))
+        for k, out in enumerate(outs):
+            rewires.setdefault((ctx.replica_name(k, node), at), out)
+
+
+def uses(tg, ref) -> list[tuple[str, int]]:
+    """(node, input position) of every data use of `ref`: the division, and
+    the gradient's ops that divide by the count too."""
+    return [(name, at) for name in sorted(tg.ir.node_consumers.get(ref.node, ()))
+            for at, r in enumerate(tg.ir.data_inputs(name)) if r == ref]
