@@ -34,7 +34,9 @@ def masked_loss(pred, y):
     return tf.reduce_mean(tf.square(tf.boolean_mask(pred - y, y[:, 0] > 0)))
 
 
-def tf1_model(batch):
+def tf1_model(batch, losses):
+    """A TF1 graph of two layers on the shard of `arrays()`, trained by Adam
+    on the first of `losses(pred, y)` (the others fetched beside it)."""
     g = tf.Graph()
     with g.as_default():
         ds = pn.shard(tf.data.Dataset.from_tensor_slices(arrays())).batch(batch)
@@ -43,40 +45,51 @@ def tf1_model(batch):
         rng = np.random.RandomState(4)
         w = tf1.get_variable("w", initializer=rng.randn(5, 4).astype(np.float32))
         v = tf1.get_variable("v", initializer=rng.randn(4, 1).astype(np.float32))
-        pred = tf.matmul(tf.tanh(tf.matmul(x, w)), v)
-        loss = masked_loss(pred, y)
-        # a metric, not trained: the mean absolute error over the other rows
-        mae = tf.reduce_mean(tf.abs(tf.boolean_mask(pred - y, y[:, 0] <= 0)))
-        train = tf1.train.AdamOptimizer(0.05).minimize(loss)
+        fetched = losses(tf.matmul(tf.tanh(tf.matmul(x, w)), v), y)
+        train = tf1.train.AdamOptimizer(0.05).minimize(fetched[0])
         init = tf1.global_variables_initializer()
-    return g, train, [loss, mae], init, it.initializer
+    return g, train, fetched, init, it.initializer
 
 
-@pytest.mark.parametrize("run", ["allreduce", "ps"])
-def test_a_tf1_mean_over_masked_rows_equals_one_device(run):
-    g, train, loss, init, it_init = tf1_model(BATCH // 2)
+def check_tf1(losses, run) -> dict:
+    """tf1_model on 2 replicas (run option `run`) against one device with
+    the global batch: the fetched values every step and every variable
+    after STEPS steps within TOL; the rewritten graph's {node: op}."""
+    g, train, fetched, init, it_init = tf1_model(BATCH // 2, losses)
     names = variable_names(g)
     reads = [read_name(n, g) for n in names]
     with pn.get_runner(g, local(2), {"run_option": run}) as runner:
         runner.run([init, it_init])
         start = runner.run(reads)
-        losses = [runner.run([train, loss])[1] for _ in range(STEPS)]     # [loss, mae]
+        got = [runner.run([train, fetched])[1] for _ in range(STEPS)]
         parallel = dict(zip(names, runner.run(reads, per_replica=True)))
         made = {n.name: n.op for n in runner.graph.as_graph_def().node}
-    # each replica's mean is its sum over the job's count, under the mean's name
-    assert made["Mean"] == made["Mean_1"] == "RealDiv" and made["Mean/parallax_sum"] == "Sum"
-    assert any(n.startswith("parallax/selected_means/Mean/job_count") for n in made)
-    g1, train1, loss1, init1, it_init1 = tf1_model(BATCH)
+    g1, train1, fetched1, init1, it_init1 = tf1_model(BATCH, losses)
     with tf1.Session(graph=g1) as sess:
         sess.run([init1, it_init1])
         load_values(sess, g1, dict(zip(names, start)))
-        want = [sess.run([train1, loss1])[1] for _ in range(STEPS)]
+        want = [sess.run([train1, fetched1])[1] for _ in range(STEPS)]
         single = dict(zip(names, sess.run(reads)))
-    np.testing.assert_allclose(losses, want, atol=TOL, rtol=0)
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
     assert len(names) >= 6                  # the weights and Adam's slots
     for name in names:
-        for got in parallel[name]:
-            np.testing.assert_allclose(got, single[name], atol=TOL, rtol=0, err_msg=name)
+        for value in parallel[name]:
+            np.testing.assert_allclose(value, single[name], atol=TOL, rtol=0, err_msg=name)
+    return made
+
+
+def loss_and_metric(pred, y):
+    """The masked loss, and a metric not trained: the mean absolute error
+    over the other rows."""
+    return [masked_loss(pred, y), tf.reduce_mean(tf.abs(tf.boolean_mask(pred - y, y[:, 0] <= 0)))]
+
+
+@pytest.mark.parametrize("run", ["allreduce", "ps"])
+def test_a_tf1_mean_over_masked_rows_equals_one_device(run):
+    made = check_tf1(loss_and_metric, run)
+    # each replica's mean is its sum over the job's count, under the mean's name
+    assert made["Mean"] == made["Mean_1"] == "RealDiv" and made["Mean/parallax_sum"] == "Sum"
+    assert any(n.startswith("parallax/selected_means/Mean/job_count") for n in made)
 
 
 def step_of(model, optimizer):
