@@ -199,9 +199,9 @@ def _gone(pid: int, seconds: float = 10) -> bool:
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        if open(f"/proc/{pid}/stat").read().split()[2] == "Z":   # ended, not yet reaped
+            if open(f"/proc/{pid}/stat").read().split()[2] == "Z":   # ended, not yet reaped
+                return True
+        except (ProcessLookupError, FileNotFoundError):   # (reaped between the two)
             return True
         time.sleep(0.05)
     return False
