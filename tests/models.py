@@ -36,14 +36,16 @@ def dataset_arrays(dtype=np.float32):
 def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
                          dtype=tf.float32, one_shot=False, loss_sum=False, partitions=None,
                          dim=DIM, random_table=False, dropout=0.0, static_batch=False,
-                         lookup="gather"):
+                         lookup="gather", masked=False):
     """An embedding (sparse gradient) plus a dense layer, with a global step.
     With `partitions`, the embedding is that many row ranges (pn.partitioner);
     `dim` columns; with `random_table`, drawn by a random initializer; with
     `dropout`, the hidden layer's units dropped at that rate (seeded); with
     `static_batch`, batches of a size the graph knows; with `lookup`
     "sparse", each example's ids read by embedding_lookup_sparse (the same
-    mean, but the gradient holds each distinct id of the batch once)."""
+    mean, but the gradient holds each distinct id of the batch once); with
+    `masked`, the loss is the mean over the examples whose target is
+    positive (tf.boolean_mask: a replica may pick none)."""
     np_dtype = dtype.as_numpy_dtype
     g = tf.Graph()
     with g.as_default():
@@ -82,7 +84,8 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
             hidden = tf1.nn.dropout(hidden, rate=dropout, seed=11)
         pred = tf.squeeze(tf.matmul(hidden, v), 1)
         reduce = tf.reduce_sum if loss_sum else tf.reduce_mean
-        loss = reduce(tf.square(pred - y), name="loss")
+        err = tf.square(pred - y)
+        loss = reduce(tf.boolean_mask(err, y > 0) if masked else err, name="loss")
         step = tf1.train.get_or_create_global_step()
         opt = OPTIMIZERS[optimizer]() if isinstance(optimizer, str) else optimizer()
         grads_and_vars = opt.compute_gradients(loss)

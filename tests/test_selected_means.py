@@ -1,10 +1,11 @@
 """transforms/selected_means.py: a mean over the rows a mask picks
 (tf.boolean_mask) on 2 replicas equals one device with the global batch,
 though a replica picks no row in the first step (its mean alone is NaN):
-the fetched loss (and a masked metric, not trained) every step and every
+the fetched loss (a masked metric and a count of rows too) every step and every
 variable and slot after 6 steps within 1e-5, in a TF1 graph (all-reduce
-and parameter servers), a Keras 3 `pn.function` loop, a job of 2 workers
-and `model.fit` in both Kerases; in a branch, warned."""
+and parameter servers), a Keras 3 `pn.function` loop, jobs of 2 workers
+(all-reduce; with a server, hybrid and ps) and `model.fit` in both
+Kerases; in a branch, warned."""
 import keras
 import numpy as np
 import pytest
@@ -79,9 +80,11 @@ def check_tf1(losses, run) -> dict:
 
 
 def loss_and_metric(pred, y):
-    """The masked loss, and a metric not trained: the mean absolute error
-    over the other rows."""
-    return [masked_loss(pred, y), tf.reduce_mean(tf.abs(tf.boolean_mask(pred - y, y[:, 0] <= 0)))]
+    """The masked loss, a metric not trained (the mean absolute error over
+    the other rows) and the count of picked rows (one device's: the sum)."""
+    others = tf.boolean_mask(pred - y, y[:, 0] <= 0)
+    return [masked_loss(pred, y), tf.reduce_mean(tf.abs(others)),
+            tf.cast(tf.size(others), tf.float32)]
 
 
 @pytest.mark.parametrize("run", ["allreduce", "ps"])
@@ -138,6 +141,26 @@ def test_a_job_of_two_workers_equals_one_device(tmp_path):
         for i, v in enumerate(optimizer.variables):
             np.testing.assert_allclose(w[f"o{i}"], np.asarray(v), atol=TOL, rtol=0)
 
+
+
+@pytest.mark.parametrize("run_option", ["hybrid", "ps"])
+def test_a_job_with_a_server_equals_one_device(tmp_path, run_option):
+    """tests/cluster_script.py --masked: 2 workers and a server (the count
+    summed on it where the dense gradients go there), the embedding
+    regression's loss a mean over the examples whose target is positive,
+    Adam with clipping and moving averages, 10 steps: every variable."""
+    from models import embedding_regression, train_single
+    from test_cluster import load, run_job
+    done, out, _ = run_job(tmp_path, 2, 1, "10", "--run-option", run_option, "--masked",
+                           servers=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = train_single(*embedding_regression(8, "adam", clip=True, ema=True, masked=True),
+                          10)
+    parallel = load(out, 2)
+    assert set(parallel) == set(single)
+    for name, copies in parallel.items():
+        for got in copies:
+            np.testing.assert_allclose(got, single[name], atol=TOL, rtol=0, err_msg=name)
 
 
 def test_a_mean_over_picked_rows_in_a_branch_is_warned():

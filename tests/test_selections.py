@@ -40,6 +40,9 @@ def graph():
         t["along-axis-1"] = tf.gather(x, tf.where(tf.constant([True, False, True]))[:, 0],
                                       axis=1)
         t["rows"], t["whole"] = pred, tf.reduce_mean(pred)
+        t["size"] = tf.size(t["masked"])
+        t["length"] = tf.cast(tf.shape(t["gathered"])[0], tf.float32)
+        t["batch size"] = tf.size(pred)
         t["mean"] = tf.reduce_mean(t["masked"])
         t["sum"] = tf.reduce_sum(t["gathered"])
         t["rmse"] = tf.sqrt(tf.reduce_mean(tf.square(t["masked"])))
@@ -86,3 +89,13 @@ def test_a_mean_that_flows_into_scalars_only_and_one_taken_into_rows():
     sources = forms.sources(g)
     assert selections.used_per_row(t["mean"].op, sources) is None     # its gradient aside
     assert selections.used_per_row(t["centre"].op, sources) == t["centred"].op.name
+
+
+def test_a_count_of_picked_rows_adds_up_over_the_replicas():
+    g, t = graph()
+    sources = forms.sources(g)
+    for name in ("size", "length"):
+        assert selections.counted(t[name].op, sources), name
+        assert forms.loss_form(t[name], sources, None, strict=False).kind == "sum", name
+    assert not selections.counted(t["batch size"].op, sources)      # (rows.counts_rows's)
+    assert not selections.counted(t["mean"].op, sources)

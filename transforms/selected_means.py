@@ -10,16 +10,16 @@ of their counts.
 Requires: replicas made by `replicate`; `state_sync` first, when it runs
 (a function of such a mean, an RMSE's square root, reads the replicas'
 mean of it: the value this pass gives each replica's mean).
-Guarantees: every replica's copy of each such scalar mean (picked rows:
-graph/selections.py) that flows into scalars only (a loss, a metric; not
-a normalization of rows by it) and sits outside branches and loops (which
-not every replica may run; those two are warned, naming them) becomes,
-under its own name, the replica's Sum of the same rows over the replicas'
-mean count of them (a job-wide reduction of Size per step, on a server
-where the plan sums there); the autodiff's division of the mean's
-gradient by the count takes that count too. So the mean of the replicas'
-gradients, losses and fetched values (a masked metric's) is one device's,
-and a replica that picks no row adds 0.
+Guarantees: every replica's copy of each such scalar mean of floats
+(picked rows: graph/selections.py) that flows into scalars only (a loss,
+a metric; not a normalization of rows by it) and sits outside branches
+and loops (which not every replica may run; those two are warned, naming
+them) becomes, under its own name, the replica's Sum of the same rows
+over the replicas' mean count of them (a job-wide reduction of Size per
+step, on a server where the plan sums there); the autodiff's division of
+the mean's gradient by the count takes that count too. So the mean of
+the replicas' gradients, losses and fetched values (a masked metric's) is
+one device's, and a replica that picks no row adds 0.
 """
 from __future__ import annotations
 
@@ -41,26 +41,7 @@ class SelectedMeansPass:
 
     def run(self, ir, ctx):
         tg, plan = ctx.tg, ctx.plan
-        rows, above, means, inside, per_row = reading(forms.sources(tg.graph), tg.graph), \
-            {}, [], [], []
-        for op in tg.graph.get_operations():
-            if op.type != "Mean" or op.outputs[0].shape.rank != 0 or \
-                    not selections.picked(op.inputs[0], rows):
-                continue
-            if branches.switches_above(tg.ir, op.name, above):
-                inside.append(op.name)
-            elif use := selections.used_per_row(op, rows):
-                per_row.append((op.name, use))
-            else:
-                means.append(op.name)
-        if inside:
-            warnings.warn(f"means over rows a mask picks {inside} sit in a branch or a loop, "
-                          "which not every replica may run: each replica's divides by its "
-                          "own count, not one device's (compute them outside)", stacklevel=2)
-        if per_row:
-            warnings.warn(f"means over rows a mask picks, taken into rows (mean, op): {per_row}: "
-                          "each replica's is of its own rows, not of the global batch's as on "
-                          "one device", stacklevel=2)
+        means = _means(tg)
         reduce = on_a_server if plan.reduces_on_servers else all_reduce
         changed, added, rewires = {}, [], {}
         for i, mean in enumerate(means):
@@ -89,3 +70,31 @@ class SelectedMeansPass:
                 rewires.update({(ctx.replica_name(k, division.name), 1): job
                                 for k, job in enumerate(jobs)})
         return ir.replace(changed, added).rewire(rewires), {"selected": len(means)}
+
+
+def _means(tg) -> list[str]:
+    """The scalar means of floats over picked rows that this pass divides
+    by the job's count; those it cannot (in a branch or a loop, or taken
+    into rows) are warned."""
+    rows, above, means, inside, per_row = reading(forms.sources(tg.graph), tg.graph), \
+        {}, [], [], []
+    for op in tg.graph.get_operations():
+        if op.type != "Mean" or op.outputs[0].shape.rank != 0 or \
+                not op.outputs[0].dtype.is_floating or \
+                not selections.picked(op.inputs[0], rows):
+            continue
+        if branches.switches_above(tg.ir, op.name, above):
+            inside.append(op.name)
+        elif use := selections.used_per_row(op, rows):
+            per_row.append((op.name, use))
+        else:
+            means.append(op.name)
+    if inside:
+        warnings.warn(f"means over rows a mask picks {inside} sit in a branch or a loop, "
+                      "which not every replica may run: each replica's divides by its "
+                      "own count, not one device's (compute them outside)", stacklevel=3)
+    if per_row:
+        warnings.warn(f"means over rows a mask picks, taken into rows (mean, op): {per_row}: "
+                      "each replica's is of its own rows, not of the global batch's as on "
+                      "one device", stacklevel=3)
+    return means

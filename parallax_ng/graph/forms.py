@@ -174,8 +174,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return "constant"
         if op.type in ("Identity", "Snapshot", "Neg", "Cast"):
             return through(t, op.inputs[0])
-        if counts_rows(op, rows):
-            return "sum"        # the batch's rows (or elements) counted: a sum of ones
+        if counts_rows(op, rows) or selections.counted(op, rows):
+            return "sum"        # the batch's rows (or elements, or picked ones) counted
         if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
                 op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum":
             by_count.append(op.name)

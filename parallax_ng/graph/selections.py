@@ -66,6 +66,22 @@ def picked(x: tf.Tensor, sources) -> bool:
         _first_rows(op.inputs[0], rows)
 
 
+def counted(op: tf.Operation, sources) -> bool:
+    """Whether `op` counts rows a mask picks: tf.size of them, or
+    tf.shape(x)[0] (maybe cast). The replicas' counts add up to one
+    device's."""
+    while op.type == "Cast":
+        op = op.inputs[0].op
+    if op.type == "Size":
+        return picked(op.inputs[0], sources)
+    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape" or \
+            not op.get_attr("shrink_axis_mask"):
+        return False
+    at = tf.get_static_value(op.inputs[1])
+    return at is not None and int(np.ravel(at)[0]) == 0 and \
+        picked(op.inputs[0].op.inputs[0], sources)
+
+
 def _first_rows(t: tf.Tensor, rows) -> bool:
     """Whether t's first axis holds the batch's examples, or their elements
     (a reshape of such a tensor that flattens its leading axes)."""
