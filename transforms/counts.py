@@ -80,17 +80,19 @@ _FLOORS = frozenset({"Maximum", "AddV2", "Add"})
 def floored(tg, count, sources: set):
     """((op, input position), the count inside) where a count enters ops
     that floor or smooth it with values the data does not set
-    (`tf.maximum(count, 1)`, `count + eps`): one device floors the global
-    count, so the job's sum goes in there and each replica divides by 1/N
-    of the result; (None, count) for a bare count."""
-    found, ref = None, count
-    while tg.ir.node(ref.node).op in _FLOORS and ref.index == 0:
+    (`tf.maximum(count, 1)`, `count + eps`, maybe cast after): one device
+    floors the global count, so the job's sum goes in there and each
+    replica divides by 1/N of the result; (None, count) for a bare count."""
+    found, ref, inner = None, count, count
+    while ref.index == 0 and tg.ir.node(ref.node).op in _FLOORS | {"Cast"}:
         ins = tg.ir.data_inputs(ref.node)
         data = [i for i, r in enumerate(ins) if from_values(tg, r, sources)]
         if len(data) != 1:
             break
-        found, ref = (ref.node, data[0]), ins[data[0]]
-    return found, ref
+        if tg.ir.node(ref.node).op != "Cast":
+            found, inner = (ref.node, data[0]), ins[data[0]]
+        ref = ins[data[0]]
+    return found, inner
 
 
 def read_everywhere(ctx, ref, outs, rewires: dict, replaced: set) -> None:

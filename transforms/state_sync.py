@@ -160,22 +160,13 @@ class StateSyncPass:
                 "is linear in the data (plain SGD, a moving average); mark them "
                 "trainable=False if they are state", stacklevel=2)
         for count, widen in counts.shared(tg, sources, form, widened, products):
-            dtype, scope = tg.tensor(count).dtype, f"parallax/state_sync/{count.node}"
+            dtype = tg.tensor(count).dtype
             outs = [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)]
             if counts.from_values(tg, count, set(sources)):   # a masked mean's: the job's
-                at, inner = counts.floored(tg, count, set(sources))   # mean (or floor's sum)
-                nodes, sums = reduce(ctx, f"{scope}/count", [ctx.replica_tensor(
-                    k, inner) for k in range(plan.num_replicas)], dtype, at is None, synced)
+                nodes, outs, widen = _job_count(ctx, ir, reduce, count, widen, synced,
+                                                rewires, replaced)
                 synced += 1
-                if at is not None:  # the floor of the job's count, over N (widened: whole)
-                    replaced.add(at)
-                    rewires.update({(ctx.replica_name(k, at[0]), at[1]): total
-                                    for k, total in enumerate(sums)})
-                    more, sums = _times(ctx, ir, f"{scope}/floored", outs, count.node, dtype,
-                                        1.0 if widen else 1.0 / plan.group_size)
-                    nodes, widen = nodes + more, False
                 new_nodes.extend(nodes)
-                outs = sums
             if widen:           # a mean added to a sum: over the job's count
                 nodes, outs = _times(ctx, ir, f"parallax/state_sync/{count.node}/widened", outs,
                                      count.node, dtype, plan.group_size)
@@ -280,6 +271,43 @@ def _rows_counted(tg, var: str, w: str, pos: int, batch: int | None):
     if value is None or np.ndim(value) or not value > 0 or value % batch:
         return None
     return node, at
+
+
+def _job_count(ctx, ir, reduce, count, widen: bool, index: int, rewires: dict,
+               replaced: set):
+    """(nodes, each replica's count, whether it is still to be widened) for
+    a count the data's values set: the replicas' mean count; or, where the
+    count is floored first (counts.floored), the floor of the replicas' sum
+    (summed as the count's dtype where an integer is floored, then cast)
+    over N, or whole where the mean is widened."""
+    tg, n, scope = ctx.tg, ctx.plan.num_replicas, f"parallax/state_sync/{count.node}"
+    dtype = tg.tensor(count).dtype
+    at, inner = counts.floored(tg, count, set(forms.sources(tg.graph)))
+    tensors, kind, nodes = [ctx.replica_tensor(k, inner) for k in range(n)], \
+        tg.tensor(inner).dtype, []
+    if kind != dtype:
+        nodes, tensors = _cast(ctx, ir, f"{scope}/as_count", tensors, count.node, kind, dtype)
+    more, sums = reduce(ctx, f"{scope}/count", tensors, dtype, at is None, index)
+    nodes += more
+    if at is None:
+        return nodes, sums, widen
+    if kind != dtype:
+        more, sums = _cast(ctx, ir, f"{scope}/sum", sums, count.node, dtype, kind)
+        nodes += more
+    replaced.add(at)            # the floor of the job's count
+    rewires.update({(ctx.replica_name(k, at[0]), at[1]): total for k, total in enumerate(sums)})
+    more, outs = _times(ctx, ir, f"{scope}/floored", [ctx.replica_tensor(k, count)
+                                                      for k in range(n)], count.node, dtype,
+                        1.0 if widen else 1.0 / ctx.plan.group_size)
+    return nodes + more, outs, False
+
+
+def _cast(ctx, ir, scope: str, tensors: list, node: str, src, dst):
+    """(nodes, names): replica k's tensor cast from `src` to `dst` on the
+    device of its copy of `node`."""
+    nodes = [emit.node_def(f"{scope}/{k}", "Cast", [t], ir.node(ctx.replica_name(
+        k, node)).device, SrcT=src, DstT=dst) for k, t in enumerate(tensors)]
+    return nodes, [nd.name for nd in nodes]
 
 
 def _times_replicas(ctx, ir, node: str, at: int, factor, what: str = "rows"):
