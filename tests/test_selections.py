@@ -99,3 +99,21 @@ def test_a_count_of_picked_rows_adds_up_over_the_replicas():
         assert forms.loss_form(t[name], sources, None, strict=False).kind == "sum", name
     assert not selections.counted(t["batch size"].op, sources)      # (rows.counts_rows's)
     assert not selections.counted(t["mean"].op, sources)
+
+
+def test_a_deep_chain_of_row_wise_ops_is_read_briefly():
+    """picked walks at most a few row-wise ops back: a deep model's
+    activations (here 3,000 ops from the data) answer False at once,
+    where a walk to the data would pass Python's recursion limit."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        h = x
+        for _ in range(1500):
+            h = tf.tanh(h + 1.0)
+        picked_late = tf.boolean_mask(x, x[:, 0] > 0)
+        for _ in range(3):
+            picked_late = tf.abs(picked_late) * 2.0
+    sources = forms.sources(g)
+    assert not selections.picked(h, sources)
+    assert selections.picked(picked_late, sources)

@@ -163,8 +163,8 @@ class StateSyncPass:
             dtype = tg.tensor(count).dtype
             outs = [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)]
             if counts.from_values(tg, count, set(sources)):   # a masked mean's: the job's
-                nodes, outs, widen = _job_count(ctx, ir, reduce, count, widen, synced,
-                                                rewires, replaced)
+                nodes, outs, widen = _job_count(ctx, ir, reduce, count, set(sources), widen,
+                                                synced, rewires, replaced)
                 synced += 1
                 new_nodes.extend(nodes)
             if widen:           # a mean added to a sum: over the job's count
@@ -273,8 +273,8 @@ def _rows_counted(tg, var: str, w: str, pos: int, batch: int | None):
     return node, at
 
 
-def _job_count(ctx, ir, reduce, count, widen: bool, index: int, rewires: dict,
-               replaced: set):
+def _job_count(ctx, ir, reduce, count, sources: set, widen: bool, index: int,
+               rewires: dict, replaced: set):
     """(nodes, each replica's count, whether it is still to be widened) for
     a count the data's values set: the replicas' mean count; or, where the
     count is floored first (counts.floored), the floor of the replicas' sum
@@ -282,7 +282,7 @@ def _job_count(ctx, ir, reduce, count, widen: bool, index: int, rewires: dict,
     over N, or whole where the mean is widened."""
     tg, n, scope = ctx.tg, ctx.plan.num_replicas, f"parallax/state_sync/{count.node}"
     dtype = tg.tensor(count).dtype
-    at, inner = counts.floored(tg, count, set(forms.sources(tg.graph)))
+    at, inner = counts.floored(tg, count, sources)
     tensors, kind, nodes = [ctx.replica_tensor(k, inner) for k in range(n)], \
         tg.tensor(inner).dtype, []
     if kind != dtype:

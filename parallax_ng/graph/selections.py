@@ -31,24 +31,19 @@ _ROW_WISE = (ELEMENTWISE - {"Enter", "Exit", "Merge", "Switch", "NextIteration"}
 _FLATTENING = ("Reshape", "Identity")
 
 
-def picked(x: tf.Tensor, sources) -> bool:
+def picked(x: tf.Tensor, sources, hops: int = 16) -> bool:
     """Whether `x` is rows of a tensor of the batch's examples picked at the
     places a mask of the batch is true: a GatherV2 along axis 0 (or a
     Gather, or a GatherNd) at indices that tf.where makes of that mask, an
     output of a DynamicPartition of the batch's rows by the batch's, or
     a row-wise function of such rows (elementwise ops with scalars or
     tensors of static shape, a cross-entropy of picked logits and labels,
-    a product with a weight, a reduction over other axes)."""
+    a product with a weight, a reduction over other axes), at most `hops`
+    such functions after the pick (a loss's are a few: the walk stays short
+    on a deep model's tensors, which are not picked)."""
     rows, op = reading(sources, x.graph), x.op
-    if op.type in _ROW_WISE:
-        ins = [t for t in op.inputs if t.shape.rank != 0 and not t.shape.is_fully_defined()]
-        return bool(ins) and all(picked(t, rows) for t in ins)
-    if op.type == "MatMul":             # picked rows times a weight
-        return not op.get_attr("transpose_a") and picked(op.inputs[0], rows)
-    if op.type in ("Sum", "Mean", "Max", "Min", "Prod"):
-        axes, rank = tf.get_static_value(op.inputs[1]), op.inputs[0].shape.rank
-        return bool(rank) and axes is not None and \
-            0 not in np.atleast_1d(axes) % rank and picked(op.inputs[0], rows)
+    if op.type in _ROW_WISE or op.type in ("MatMul", "Sum", "Mean", "Max", "Min", "Prod"):
+        return hops > 0 and _row_wise(op, rows, hops - 1)
     if op.type == "DynamicPartition":   # the rows whose partition is this output's
         return _first_rows(op.inputs[0], rows) and _first_rows(op.inputs[1], rows)
     if op.type == "GatherV2":
@@ -64,6 +59,18 @@ def picked(x: tf.Tensor, sources) -> bool:
         where = where.inputs[0].op
     return where.type == "Where" and _first_rows(where.inputs[0], rows) and \
         _first_rows(op.inputs[0], rows)
+
+
+def _row_wise(op: tf.Operation, rows, hops: int) -> bool:
+    """Whether `op` is a row-wise function of picked rows (`picked`)."""
+    if op.type == "MatMul":             # picked rows times a weight
+        return not op.get_attr("transpose_a") and picked(op.inputs[0], rows, hops)
+    if op.type in ("Sum", "Mean", "Max", "Min", "Prod"):
+        axes, rank = tf.get_static_value(op.inputs[1]), op.inputs[0].shape.rank
+        return bool(rank) and axes is not None and \
+            0 not in np.atleast_1d(axes) % rank and picked(op.inputs[0], rows, hops)
+    ins = [t for t in op.inputs if t.shape.rank != 0 and not t.shape.is_fully_defined()]
+    return bool(ins) and all(picked(t, rows, hops) for t in ins)
 
 
 def counted(op: tf.Operation, sources) -> bool:
@@ -85,7 +92,7 @@ def counted(op: tf.Operation, sources) -> bool:
 def _first_rows(t: tf.Tensor, rows) -> bool:
     """Whether t's first axis holds the batch's examples, or their elements
     (a reshape of such a tensor that flattens its leading axes)."""
-    while not rows.rows(t):
+    while not rows.guarded(lambda r: r.rows(t)):
         if t.op.type not in _FLATTENING:
             return False
         t = t.op.inputs[0]
@@ -120,8 +127,8 @@ def used_per_row(mean: tf.Operation, sources) -> str | None:
                 if c.name in seen or rules.is_autodiff(c.name):
                     continue
                 seen.add(c.name)
-                if any(o.shape.rank != 0 and (rows.axis(o) is not None or picked(o, rows))
-                       for o in c.outputs):
+                if any(o.shape.rank != 0 and (rows.guarded(lambda r: r.axis(o)) is not None
+                                              or picked(o, rows)) for o in c.outputs):
                     return c.name
                 stack.append(c)
     return None
