@@ -37,7 +37,10 @@ _WRITE = threading.Lock()
 # - TensorFlow ends every distributed step by aborting that step's
 #   rendezvous ("Cleanup <step id>"), and logs the 1st, 2nd, 4th, 8th, ...
 #   of these aborts (LOG_EVERY_POW_2 in local_rendezvous.cc);
-# - the start-up block of a CPU-only process and of a gRPC server.
+# - the start-up block of a CPU-only process and of a gRPC server;
+# - the four lines of every profiler session TensorFlow opens for a traced
+#   run (a job times its first steps and its plans' trials with traced
+#   runs: some 25 sessions a worker, 100 lines).
 QUIET = re.compile(
     rb"local_rendezvous\.cc:\d+\] Local rendezvous is aborting with status: "
     rb"ABORTED: Cleanup \d+"
@@ -49,7 +52,12 @@ QUIET = re.compile(
     rb"|mlir_graph_optimization_pass\.cc:\d+\] MLIR V1 optimization pass is not enabled"
     rb"|grpc_server_lib\.cc:\d+\] Started server with target"
     rb"|master\.cc:\d+\] Scanning workers for devices"
-    rb"|coordination_service\.cc:\d+\] Initializing CoordinationService")
+    rb"|coordination_service\.cc:\d+\] Initializing CoordinationService"
+    rb"|profiler_session\.cc:\d+\] Profiler session "
+    rb"(initializing|started|collecting data|tear down)\.")
+# Shown once a task: a traced run on a machine without GPU tracing says so
+# every time (a CPU-only machine has nothing to trace there).
+ONCE = re.compile(rb"xplane_to_step_stats\.cc:\d+\] GPU trace was not collected")
 
 
 class Terminated(Exception):
@@ -65,6 +73,7 @@ class Task:
     tail: collections.deque = field(default_factory=lambda: collections.deque(
         maxlen=TAIL_LINES))
     readers: list = field(default_factory=list)
+    said: set = field(default_factory=set)    # the ONCE lines it has shown
     beat: float | None = None   # when its last heartbeat came (monotonic)
     state: tuple = ("idle", 0.0)   # in a runner's step or not, and for how long
     timeout: float = 0.0        # the job's timeout, as the task said it
@@ -101,7 +110,7 @@ class Task:
                 if not line[:mark].strip():
                     continue
                 line = line[:mark] + b"\n"     # the task's unfinished line before it
-            if not self.verbose and QUIET.search(line):
+            if not self.verbose and (QUIET.search(line) or self._repeated(line)):
                 continue
             if not self.shown:
                 self.tail.append(line)
@@ -111,6 +120,16 @@ class Task:
                 out.buffer.write(prefix + line)
                 out.buffer.flush()
         pipe.close()
+
+    def _repeated(self, line: bytes) -> bool:
+        """Whether `line` is a ONCE line this task has shown already."""
+        seen = ONCE.search(line)
+        if seen is None:
+            return False
+        if seen.group() in self.said:
+            return True
+        self.said.add(seen.group())
+        return False
 
     def _told(self, text: str) -> None:
         """A line the task wrote for the launcher (parallax_ng/runtime/heartbeat.py)."""
