@@ -29,10 +29,11 @@ def pytest_configure(config):
 # collection order, does not leave one of them running a long module alone
 # at the end of the run. Measured in CI, longest first; the rest follow in
 # name order.
-LONGEST_FIRST = ["test_cluster.py", "test_restarts.py", "test_keras_examples.py",
-                 "test_checkpoint.py", "test_tutorials.py", "test_l2l.py",
-                 "test_fusion_buffers.py", "test_prefetch.py", "test_v1_behavior.py",
-                 "test_tuning.py", "test_keras_fit.py", "test_launch.py"]
+LONGEST_FIRST = ["test_keras_fit.py", "test_cluster.py", "test_keras_examples.py",
+                 "test_restarts.py", "test_tf2.py", "test_checkpoint.py", "test_tuning.py",
+                 "test_keras_train_steps.py", "test_equivalence.py", "test_l2l.py",
+                 "test_v1_behavior.py", "test_examples.py", "test_prefetch.py",
+                 "test_tutorials.py"]
 
 
 def pytest_collection_modifyitems(items):
