@@ -54,10 +54,39 @@ def test_a_trainable_variable_synced_as_state_is_named_in_a_warning(trainable):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run_passes(ctx, ReplicatePass(), AggregatePass(), StateSyncPass())
-    said = [str(w.message) for w in caught if "no gradient of them" in str(w.message)]
+    said = [str(w.message) for w in caught if "no gradient of a variable" in str(w.message)]
     assert len(said) == int(trainable)
     if trainable:
         assert "['running_mean']" in said[0] and "trainable=False" in said[0]
+
+
+def test_a_slot_written_from_gradient_rows_no_variable_claims_is_named_in_a_warning():
+    """A momentum the script keeps by hand for an embedding (not trainable,
+    named apart from it: no owner known), written by a scatter-add of the
+    gradient's rows, and the table updated from it: no gradient of a
+    variable is found there, so each replica's rows are added (summed over
+    the replicas, twice one device's rows for a mean loss). Before, that
+    was silent; a warning now names the slot."""
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.placeholder(tf.int32, [None], name="ids")
+        table = tf1.get_variable("table", initializer=np.ones([6, 2], np.float32))
+        velocity = tf1.get_variable("velocity", initializer=np.zeros([6, 2], np.float32),
+                                    trainable=False)
+        w = tf1.get_variable("w", initializer=np.ones([2], np.float32))
+        loss = tf.reduce_mean(tf.square(tf.gather(table, ids) * w))
+        grad, grad_w = tf.gradients(loss, [table, w])
+        decayed = tf1.assign(velocity, velocity * 0.9)
+        with tf.control_dependencies([decayed]):
+            added = tf1.scatter_add(velocity, grad.indices, grad.values)
+        tf.group(tf1.assign_sub(table, 0.1 * added), tf1.assign_sub(w, 0.1 * grad_w),
+                 name="train")
+    ctx = context(n=2, graph=g)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_passes(ctx, ReplicatePass(), AggregatePass(), StateSyncPass())
+    said = [str(w.message) for w in caught if "no gradient of a variable" in str(w.message)]
+    assert len(said) == 1 and "['velocity']" in said[0], said
 
 
 def test_synced_state_equals_one_device():

@@ -414,6 +414,23 @@ def test_a_two_worker_job_equals_one_device(tmp_path, how):
     out, done = run_job(tmp_path, *(["--fit"] if how == "fit" else []))
     assert "worker 1 of 2: done" in done.stdout
     check_job(out, how)
+    if how == "fit":
+        check_saved(tmp_path, dict(np.load(f"{out}.0.npz")))
+
+
+def check_saved(folder, worker):
+    """What both workers of the `fit` job saved at the same paths, as a
+    one-device script does (a ModelCheckpoint and `model.save`: before,
+    the second writer met HDF5's lock and the job ended; a
+    BackupAndRestore: the workers raced to make its directory): whole
+    files with the trained weights, no temporary file left, and a backup
+    directory for each worker."""
+    saved = keras.models.load_model(folder / "fit.keras")
+    for i, w in enumerate(saved.weights):
+        np.testing.assert_array_equal(np.asarray(w), worker[f"w{i}"])
+    assert (folder / "fit.weights.h5").is_file()
+    assert (folder / "backup").is_dir() and (folder / "backup.worker-1").is_dir()
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]
 
 
 def run_job(tmp_path, *flags):

@@ -6,8 +6,10 @@ own, seeded apart: models.worker_seed) and the model's and optimizer's variables
     python tf2_job_script.py OUT STEPS [--fit | --example NAME | --bn] [--horovod]
 
 With --fit, `pn.parallelize(model)` and `model.fit` on the global batches
-(STEPS batches of 8 rows, one epoch) instead of a custom loop, then
-`evaluate` and `predict` (saved); with
+(STEPS batches of 8 rows, one epoch; a ModelCheckpoint and a
+BackupAndRestore saving every 2 batches, `model.save` after: files
+fit.weights.h5, backup/ and fit.keras beside OUT) instead of a custom
+loop, then `evaluate` and `predict` (saved); with
 --example NAME, the same with a model of tests/keras_examples.py (dropout
 off), run option `hybrid` with sparse gradients pinned to the server
 (hybrid weighs ps against allgather by the measured network, which differs
@@ -92,8 +94,16 @@ elif "--example" in sys.argv:
 elif "--fit" in sys.argv:
     model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
     pn.parallelize(model, resources, config)
+    # what a one-device script saves, unchanged: every worker writes the same
+    # paths (test_tf2.py reads them)
+    folder = os.path.dirname(os.path.abspath(out))
     model.fit(x[:steps].reshape(-1, 5), y[:steps].reshape(-1, 1), batch_size=8, epochs=1,
-              shuffle=False, verbose=0)
+              shuffle=False, verbose=0, callbacks=[
+                  keras.callbacks.ModelCheckpoint(os.path.join(folder, "fit.weights.h5"),
+                                                  save_weights_only=True, save_freq=2),
+                  keras.callbacks.BackupAndRestore(os.path.join(folder, "backup"), save_freq=2,
+                                                   delete_checkpoint=False)])
+    model.save(os.path.join(folder, "fit.keras"))
     step = model._parallax_ng.step
     # evaluate on the replicas (its last batch of 3 rows on the model), predict on the model
     evaluated = model.evaluate(x.reshape(-1, 5)[:43], y.reshape(-1, 1)[:43], batch_size=8,

@@ -101,6 +101,9 @@ class StateSyncPass:
                             (axis := examples.axis(tg.tensor(ref))) is not None:
                         per_example[var] = axis   # rows of examples: each replica its own
                         continue
+                    if var not in tg.gradients and tg.variables[var].dtype.is_floating and (
+                            tg.variables[var].trainable or _from_autodiff(tg, ref)):
+                        untrained.add(var)      # (an optimizer's slot whose owner is unknown)
                     if (w, 2) in replaced:      # a scatter's indices and rows: synced once
                         continue
                     if tg.ir.node(w).op in _SCATTERS and \
@@ -114,9 +117,6 @@ class StateSyncPass:
                                       tg.tensor(tg.ir.data_inputs(w)[2]), False, w, 2))
                         continue
                     how = rules.state_sync_reduction(tg.ir.node(w).op, w)
-                    if tg.variables[var].trainable and var not in tg.gradients and \
-                            tg.variables[var].dtype.is_floating:
-                        untrained.add(var)
                     node, at = w, pos
                     if how == "sum" and _reads(tg, var, ref.node):
                         how = "mean"              # a moving average written as an add
@@ -153,11 +153,13 @@ class StateSyncPass:
             ctx.publish(PerExampleState(tuple(sorted(per_example.items()))))
         if untrained:
             warnings.warn(
-                f"trainable variables {sorted(untrained)} are written by the step from each "
-                "replica's data, but no gradient of them was found (an optimizer's update "
-                "reading the autodiff's output): their writes are synced as state, the "
-                "replicas' values averaged, which equals one device only where the write "
-                "is linear in the data (plain SGD, a moving average); mark them "
+                f"variables {sorted(untrained)} are written by the step from each replica's "
+                "data (trainable ones, or others from the autodiff's output, as an "
+                "optimizer's slots), but no gradient of a variable was found there (an "
+                "optimizer's update reading the autodiff's output, or a slot it writes that "
+                "way): their writes are synced as state, the replicas' values averaged (rows "
+                "added at indices summed), which equals one device only where the write is "
+                "linear in the data (plain SGD, a moving average); mark trainable ones "
                 "trainable=False if they are state", stacklevel=2)
         for count, widen in counts.shared(tg, sources, form, widened, products):
             dtype = tg.tensor(count).dtype
@@ -349,6 +351,11 @@ def _is_read_of(tg, var: str, ref) -> bool:
     `read` Identity)."""
     return (tg.ir.node(ref.node).op in ("ReadVariableOp", "Identity", "Snapshot")
             and ref.node in tg.readers.get(var, ()))
+
+
+def _from_autodiff(tg, ref) -> bool:
+    """Whether `ref` is computed from the autodiff's ops."""
+    return any(rules.is_autodiff(name) for name in tg.ir.ancestors([ref.node]))
 
 
 def _reads(tg, var: str, name: str) -> bool:
