@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-import threading
 import warnings
 from collections import Counter
 
 import tensorflow as tf
 
+from . import saving
 from .errors import ConfigError
 from .step_args import array, open_shapes
 from .tf2 import StepFunction, needs_eager
@@ -95,7 +94,7 @@ class KerasFit:
         given = inspect.signature(fit).bind_partial(*args, **kwargs).arguments
         callbacks = given.get("callbacks") or ()
         self.callbacks_read = any(reads_weights_per_batch(c) for c in callbacks)
-        backups_apart(callbacks)
+        saving.backups_apart(callbacks)
         self.in_fit = True
         try:
             return fit(*args, **kwargs)
@@ -305,67 +304,8 @@ def parallelize(model, resource_info=None, config=None):
                  "_validate_and_get_metrics_result"):            # tf_keras
         if hasattr(type(model), name):
             setattr(model, name, fit.logs(name))
-    model.save = whole_files(model.save)
-    model.save_weights = whole_files(model.save_weights)
+    saving.whole_saves_in_jobs()
+    model.save = saving.whole_files(model.save)
+    model.save_weights = saving.whole_files(model.save_weights)
     model._parallax_ng = fit
     return model
-
-
-def backups_apart(callbacks) -> None:
-    """On a job's workers but worker 0, each BackupAndRestore (Keras 3's,
-    tf_keras's) made anew with `<backup_dir>.worker-<i>` for its directory:
-    every worker writes and restores a backup of its own (one device's
-    values on each, saved at the same batches), where sharing one they
-    raced to make it (FileExistsError ended the job) and to delete it."""
-    from .cluster import from_env
-    job = from_env()
-    if job is None or job.task_type != "worker" or job.task == 0:
-        return
-    for callback in callbacks:
-        folder = getattr(callback, "backup_dir", None)
-        if type(callback).__name__ != "BackupAndRestore" or not isinstance(folder, str) \
-                or folder.endswith(f".worker-{job.task}"):
-            continue
-        made = inspect.signature(type(callback).__init__).parameters
-        kept = {name: getattr(callback, name) for name in made
-                if name not in ("self", "backup_dir") and hasattr(callback, name)}
-        callback.__init__(f"{folder.rstrip('/')}.worker-{job.task}", **kept)
-
-
-# the endings of the paths Keras writes as one file (else a directory, or a
-# TensorFlow checkpoint's files, each of which TensorFlow moves into place)
-ONE_FILE = (".weights.h5", ".keras", ".hdf5", ".h5")
-
-
-def whole_files(save):
-    """`save` (a model's `save` or `save_weights`, and so every callback
-    that saves through them: ModelCheckpoint, BackupAndRestore) writing a
-    single-file format (`.keras`, `.weights.h5`, `.h5`) to a hidden file
-    beside the path, moved onto the path once complete. In a job every
-    worker runs the program's saves: workers sharing a disk each replace
-    the file whole with the same values, where writing it in place they
-    met HDF5's file lock (the job ended: "unable to lock file") or left a
-    mix; and a process killed while saving leaves the last complete file."""
-    signature = inspect.signature(save)
-
-    @functools.wraps(save)
-    def saved(filepath, *args, **kwargs):
-        given = signature.bind(filepath, *args, **kwargs).arguments
-        path = os.fspath(filepath) if isinstance(filepath, (str, os.PathLike)) else ""
-        ending = next((e for e in ONE_FILE if path.endswith(e)), None)
-        if ending is None or "://" in path or given.get("max_shard_size") or \
-                given.get("zipped") is False or \
-                given.get("save_format") not in (None, "h5", "keras") or \
-                (not given.get("overwrite", True) and os.path.exists(path)):
-            return save(filepath, *args, **kwargs)   # as Keras writes it (or asks)
-        folder, name = os.path.split(os.path.abspath(path))
-        temporary = os.path.join(folder, f".{name}.{os.getpid()}-{threading.get_ident()}"
-                                         f"{ending}")
-        try:
-            out = save(temporary, *args, **kwargs)
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.remove(temporary)
-        return out
-    return saved

@@ -42,6 +42,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from . import saving
 from .errors import ConfigError, FetchError, GraphError
 from .graph.frontend import NO_UPDATE
 from .graph.recorders import tf_variable
@@ -66,6 +67,7 @@ class StepFunction:
             raise ConfigError(f"pn.function takes the training step function, not a "
                               f"{type(fn).__name__}")
         needs_eager("pn.function")
+        saving.whole_saves_in_jobs()     # the program saves its own model, on every worker
         self._fn, self._resources, self._config = fn, resource_info, config
         self._parts = parts
         self.runner = None

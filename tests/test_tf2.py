@@ -414,8 +414,23 @@ def test_a_two_worker_job_equals_one_device(tmp_path, how):
     out, done = run_job(tmp_path, *(["--fit"] if how == "fit" else []))
     assert "worker 1 of 2: done" in done.stdout
     check_job(out, how)
+    worker = dict(np.load(f"{out}.0.npz"))
     if how == "fit":
-        check_saved(tmp_path, dict(np.load(f"{out}.0.npz")))
+        check_saved(tmp_path, worker)
+    else:   # the program's own saves on both workers, one path (tf2_job_script.py):
+        # before, HDF5's lock, and the checkpoints' shared `<prefix>_temp/`,
+        # ended the job
+        saved = keras3_dense()
+        saved.load_weights(tmp_path / "loop.weights.h5")
+        for i, w in enumerate(saved.weights):
+            np.testing.assert_array_equal(np.asarray(w), worker[f"w{i}"])
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+        restored = keras3_dense()
+        tf.train.Checkpoint(model=restored).restore(
+            tf.train.latest_checkpoint(str(tmp_path / "ckpts"))).expect_partial()
+        for i, w in enumerate(restored.weights):
+            np.testing.assert_array_equal(np.asarray(w), worker[f"w{i}"])
+        assert tf.train.latest_checkpoint(str(tmp_path / "ckpts")).endswith("ckpt-5")
 
 
 def check_saved(folder, worker):

@@ -5,6 +5,10 @@ own, seeded apart: models.worker_seed) and the model's and optimizer's variables
 
     python tf2_job_script.py OUT STEPS [--fit | --example NAME | --bn] [--horovod]
 
+Without flags, the loop also saves as a one-device script would, on every
+worker: a CheckpointManager's checkpoint after each step (ckpts/ beside
+OUT) and `model.save_weights` at the end (loop.weights.h5).
+
 With --fit, `pn.parallelize(model)` and `model.fit` on the global batches
 (STEPS batches of 8 rows, one epoch; a ModelCheckpoint and a
 BackupAndRestore saving every 2 batches, `model.save` after: files
@@ -32,6 +36,7 @@ os.environ["TF_USE_LEGACY_KERAS"] = "0"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import parallax_ng as pn  # noqa: E402
 from models import worker_seed  # noqa: E402
@@ -125,8 +130,18 @@ elif "--sparse" in sys.argv:
         step(*sparse_bags(k, 40))
 else:
     step = pn.function(step_of(model, optimizer), resources, config)
+    # the loop as written for one device saves after every step, on every
+    # worker to the same paths (test_tf2.py reads them)
+    folder = os.path.dirname(os.path.abspath(out))
+    manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer),
+                                         os.path.join(folder, "ckpts"), max_to_keep=2)
     for k in range(steps):
         step(x[k], y[k])
+        if len(sys.argv) == 3:
+            step.sync()
+            manager.save()
+    if len(sys.argv) == 3:
+        model.save_weights(os.path.join(folder, "loop.weights.h5"))
 worker = step.runner.plan.worker
 step.sync()
 if "--sparse" in sys.argv:

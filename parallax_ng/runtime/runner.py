@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 import sys
 import tempfile
 import time
@@ -61,6 +62,7 @@ from ..graph.rules import READ_PREFIXES
 from ..methods import method
 from ..planning.analysis import unknown_rows
 from ..planning.profile import Profile, measure
+from ..saving import one_writer
 from . import heartbeat, moves, preemption, serving, tuning
 from .checkpoint import Checkpointer
 from .combining import combine
@@ -190,7 +192,10 @@ class Runner:
         """Write replica 0's variables with the user's tf.compat.v1.train.Saver,
         by their single-device names: a one-device script restores it as is."""
         d = saver.saver_def
-        return self.run(d.save_tensor_name, {d.filename_tensor_name: path})
+        # a job's workers may all save one path (a sharded Saver's shards
+        # then share `<path>_temp/`): one at a time
+        with one_writer(os.path.dirname(os.path.abspath(path)) if "://" not in path else path):
+            return self.run(d.save_tensor_name, {d.filename_tensor_name: path})
 
     def restore(self, saver, path: str) -> None:
         """Restore every replica's copy (and the shared variables) from `path`."""
