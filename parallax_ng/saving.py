@@ -64,6 +64,14 @@ def whole_files(save):
         try:
             out = save(temporary, *args, **kwargs)
             os.replace(temporary, path)
+        except Exception as e:      # Keras's refusal names the path it was given: the user's
+            if temporary not in str(e):
+                raise
+            try:
+                told = type(e)(str(e).replace(temporary, path))
+            except Exception:
+                raise e from None
+            raise told.with_traceback(e.__traceback__) from None
         finally:
             if os.path.exists(temporary):
                 os.remove(temporary)

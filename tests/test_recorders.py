@@ -46,3 +46,33 @@ def test_slots_belong_to_the_variable_they_were_made_for():
     assert len(slots) == 2                      # Adam's two moments
     base = recorders.optimizer_classes()[0]
     assert "recording" not in base.add_variable_from_reference.__qualname__
+
+
+def test_slots_made_before_a_trace_belong_to_their_variable_by_name():
+    """An optimizer built before the step: its slots' owners by the names
+    Keras 3 (`<optimizer>/<path with _>_<slot>`), tf_keras
+    (`<slot>/<variable>`) and its legacy optimizers
+    (`<optimizer>/<variable>/<slot>`) give them."""
+    import tf_keras
+    k3 = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    k2 = tf_keras.Sequential([tf_keras.Input((3,)), tf_keras.layers.Dense(2)])
+    k2b = tf_keras.Sequential([tf_keras.Input((4,)), tf_keras.layers.Dense(5)])
+    made = []
+    for opt, model in ((keras.optimizers.Adam(), k3), (tf_keras.optimizers.Adam(), k2)):
+        opt.build(model.trainable_variables)
+        made.append((opt.variables, model))
+    legacy = tf_keras.optimizers.legacy.Adam()
+    legacy._create_all_weights(k2b.trainable_variables)
+    made.append((legacy.variables(), k2b))
+    for slots, model in made:
+        variables = [recorders.tf_variable(v) for v in list(model.trainable_variables) +
+                     list(slots)]
+        owners = recorders.owners_by_name(variables)
+        kernel, bias = (recorders.tf_variable(v) for v in model.trainable_variables)
+        assert sorted(owners[recorders.tf_variable(s).ref()].name
+                      for s in slots if len(s.shape)) == \
+            sorted([bias.name] * 2 + [kernel.name] * 2), [s.name for s in slots]
+    handle = recorders.tf_variable(k2b.trainable_variables[0]).handle
+    assert recorders.unread_variables({id(handle)}) == \
+        {id(handle): recorders.tf_variable(k2b.trainable_variables[0])}
+    assert recorders.unread_variables(set()) == {}

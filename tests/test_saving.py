@@ -221,3 +221,13 @@ def test_a_runner_saves_with_the_directory_held(tmp_path):
         assert done and not writer.is_alive()
     np.testing.assert_allclose(tf.train.load_checkpoint(done[0]).get_tensor("w"),
                                [[0.9], [0.9]], rtol=1e-6)
+
+
+def test_keras_refusing_a_path_names_the_path_given(tmp_path):
+    """Keras 3's `save_weights` takes `.weights.h5` only; its error names
+    the path the program gave, not the hidden file's."""
+    path = str(tmp_path / "w.h5")
+    with pytest.raises(ValueError) as refused:
+        saving.whole_files(model().save_weights)(path)
+    assert path in str(refused.value) and ".w.h5." not in str(refused.value)
+    assert hidden(tmp_path) == []

@@ -1,6 +1,9 @@
 """What a step's Python code does while it is traced (graph/tracing.py):
 the slots Keras optimizers make, for which variable, and the tensors its
-tapes differentiate.
+tapes differentiate; and, for slots made before (an optimizer built
+before the step) or used by their handles alone, their owners by the
+optimizers' naming (`owners_by_name`) and the variables of handles
+(`unread_variables`).
 
 Requires: Keras 3 or tf_keras optimizers (either may be missing), and
 tf.GradientTape. Guarantees: each recorder patches a class method only
@@ -9,6 +12,7 @@ inside its `with` block and puts the original back, also on errors.
 from __future__ import annotations
 
 import contextlib
+import gc
 
 import tensorflow as tf
 
@@ -82,3 +86,45 @@ def tape_targets():
         yield found
     finally:
         tf.GradientTape.gradient = original
+
+
+def owners_by_name(variables: list) -> dict:
+    """Slots made before any capture saw them (an optimizer built before
+    the first step: tf_keras's BackupAndRestore builds it, and so does a
+    program that loads optimizer state): a Keras 3 optimizer names a slot
+    `<optimizer>/<variable path with '_' for '/'>_<slot>`, tf_keras's
+    `<slot>/<variable name>`, its legacy ones (OptimizerV2)
+    `<optimizer>/<variable name>/<slot>` (`<variable name>/<slot>` when
+    built outside `apply_gradients`); the longest such trainable variable
+    of the same shape owns it."""
+    trained = [v for v in variables if v.trainable]
+    out = {}
+    for v in variables:
+        if v.trainable or "/" not in v.name:
+            continue
+        name = v.name.split(":")[0]
+        leaf, stem = name.split("/", 1)[1], name.rsplit("/", 1)[0]
+        middle = stem.split("/", 1)[1] if "/" in stem else None
+        hits = [t for t in trained if t.shape == v.shape and (
+                leaf.startswith(t.name.split(":")[0].replace("/", "_") + "_") or
+                t.name.split(":")[0] in (leaf, stem, middle))]
+        if hits:
+            out[v.ref()] = max(hits, key=lambda t: len(t.name))
+    return out
+
+
+def unread_variables(handles: set) -> dict:
+    """id(handle) -> the variable, for captured resource handles that are
+    variables the trace used by their handle alone, never reading them, so
+    that the function does not list them (tf_keras's legacy optimizers,
+    OptimizerV2, give their slots to fused kernels such as
+    ResourceApplyAdam that way): found among the live variables."""
+    if not handles:
+        return {}
+    from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, BaseResourceVariable) and \
+                id(getattr(obj, "_handle", None)) in handles:
+            out[id(obj._handle)] = obj
+    return out

@@ -37,7 +37,6 @@ GraphError naming it.
 from __future__ import annotations
 
 import contextlib
-import gc
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -228,8 +227,9 @@ def _piece(concrete, targets=()) -> _Piece:
     regularizer, is read by the loss's form, graph/forms.py)."""
     fg = concrete.graph
     by_handle = {id(v.handle): v for v in fg.variables}
-    by_handle.update(_unread_variables({id(external) for external, internal in fg.captures
-                                        if internal.dtype == tf.resource} - set(by_handle)))
+    by_handle.update(recorders.unread_variables(
+        {id(external) for external, internal in fg.captures
+         if internal.dtype == tf.resource} - set(by_handle)))
     graph_def = _inlined(concrete)
     variables = {internal.op.name: by_handle[id(external)]
                  for external, internal in fg.captures if id(external) in by_handle}
@@ -262,23 +262,6 @@ def _piece(concrete, targets=()) -> _Piece:
     return _Piece(concrete, graph_def, replaced, captured, constants, inputs, tables)
 
 
-def _unread_variables(handles: set) -> dict:
-    """id(handle) -> the variable, for captured resource handles that are
-    variables the trace used by their handle alone, never reading them, so
-    that the function does not list them (tf_keras's legacy optimizers,
-    OptimizerV2, give their slots to fused kernels such as
-    ResourceApplyAdam that way): found among the live variables."""
-    if not handles:
-        return {}
-    from tensorflow.python.ops.resource_variable_ops import BaseResourceVariable
-    out = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, BaseResourceVariable) and \
-                id(getattr(obj, "_handle", None)) in handles:
-            out[id(obj._handle)] = obj
-    return out
-
-
 def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
     """The step (`pieces[0]`) and its parts (the rest, named `parts`) in
     one tf.Graph sharing their variables; a part's ops under its scope."""
@@ -286,7 +269,7 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
     for piece in pieces:
         for var in piece.captured.values():
             variables.setdefault(id(var), var)
-    owners = {**_owners_by_name(list(variables.values())), **owners}
+    owners = {**recorders.owners_by_name(list(variables.values())), **owners}
     values = {i: v.numpy() for i, v in variables.items()}
     graph = tf.Graph()
     made, names, feeds, runs, placeholders = {}, set(), {}, [], []
@@ -435,29 +418,6 @@ def _inlined(concrete):
     rewrite.optimizers.append("function")
     rewrite.function_optimization = rewriter_config_pb2.RewriterConfig.AGGRESSIVE
     return tf_optimizer.OptimizeGraph(config, meta)
-
-
-def _owners_by_name(variables: list) -> dict:
-    """Slots made before any capture saw them (an optimizer built before
-    the first step: tf_keras's BackupAndRestore builds it, and so does a
-    program that loads optimizer state): a Keras 3 optimizer names a slot
-    `<optimizer>/<variable path with '_' for '/'>_<slot>`, tf_keras's
-    `<slot>/<variable name>`, its legacy ones (OptimizerV2)
-    `<optimizer>/<variable name>/<slot>`; the longest such trainable
-    variable of the same shape owns it."""
-    trained = [v for v in variables if v.trainable]
-    out = {}
-    for v in variables:
-        if v.trainable or "/" not in v.name:
-            continue
-        name = v.name.split(":")[0]
-        leaf, middle = name.split("/", 1)[1], "/".join(name.split("/")[1:-1])
-        hits = [t for t in trained if t.shape == v.shape and (
-                leaf.startswith(t.name.split(":")[0].replace("/", "_") + "_") or
-                t.name.split(":")[0] in (leaf, middle))]
-        if hits:
-            out[v.ref()] = max(hits, key=lambda t: len(t.name))
-    return out
 
 
 def _variable_name(var) -> str:
