@@ -257,6 +257,9 @@ def runner(tg, job: Job, profile_steps: int = 0, sample: Sample | None = None):
         server = info.start_server()
         build = Build(tg, job)
         build.share(measure_job(build, server, sample=sample))
+        if sample is not None:        # a TF2 step: every worker's global batch alike
+            from .runtime.serving import same_batches
+            same_batches(info, server, sample.batch, config.communication.timeout_seconds)
         sessions = info.session_config()
     else:
         check_devices(job.resources.hosts[0].devices)

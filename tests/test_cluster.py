@@ -516,3 +516,27 @@ def test_a_server_whose_workers_never_come_gives_up_after_the_timeout(tmp_path):
                                                 TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 1 and "no worker has been reachable for 3 s" in done.stderr
     assert time.monotonic() - start < 60
+
+
+def test_a_worker_called_with_another_first_batch_is_told():
+    """runtime/serving.py compare_batches: a TF2 step's first batch on a
+    worker against worker 0's (digests: rows, shape, dtype, bytes): other
+    shapes (a part of the batch, as a dataset sharded per worker gives
+    it) are a ConfigError naming the argument and both shapes; other
+    values (an unseeded shuffle) a warning; worker 0 and equal batches say
+    nothing. The job's exchange: tests/test_tf2.py."""
+    import warnings
+
+    import parallax_ng as pn
+    from parallax_ng.runtime.serving import _digest, compare_batches
+    x, y = np.arange(8.0).reshape(4, 2), np.array([b"a", b"b", b"c", b"d"], dtype=object)
+    first = {"parallax_input_0:0": _digest(x), "parallax_input_1:0": _digest(y)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compare_batches(first, dict(first), 1)
+        compare_batches(first, {"parallax_input_0:0": _digest(x[:2])}, 0)
+    with pytest.raises(pn.ConfigError, match=r"argument leaf 0: \[2, 2\] against \[4, 2\].*"
+                                             "sharded per worker"):
+        compare_batches(first, {**first, "parallax_input_0:0": _digest(x[:2])}, 1)
+    with pytest.warns(UserWarning, match=r"differs from worker 0's \(argument leaf 1\).*seed"):
+        compare_batches(first, {**first, "parallax_input_1:0": _digest(y[::-1])}, 1)

@@ -413,6 +413,7 @@ def test_a_two_worker_job_equals_one_device(tmp_path, how):
     one device's; a second `model.compile` is refused."""
     out, done = run_job(tmp_path, *(["--fit"] if how == "fit" else []))
     assert "worker 1 of 2: done" in done.stdout
+    assert "differs from worker 0's" not in done.stderr     # called alike
     check_job(out, how)
     worker = dict(np.load(f"{out}.0.npz"))
     if how == "fit":
@@ -1185,3 +1186,46 @@ def test_values_the_program_sets_between_calls_are_taken_in():
         seen.append(results + [float(mae.result())])
     check_equal(parallel, single)
     np.testing.assert_allclose(seen[0], seen[1], atol=1e-5, rtol=0)
+
+
+OTHER_BATCHES = """
+import os, sys
+os.environ["TF_USE_LEGACY_KERAS"] = "0"
+import keras, numpy as np, tensorflow as tf
+import parallax_ng as pn
+from parallax_ng.cluster import from_env
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+optimizer = keras.optimizers.SGD(0.1)
+
+def train(x, y):
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                  model.trainable_variables))
+step = pn.function(train)
+rng = np.random.default_rng(from_env().task)        # an unseeded shuffle's draw
+x = rng.normal(size=(8, 3)).astype("float32")
+step(x, x[:, :1])
+print("trained", flush=True)
+"""
+
+
+def test_workers_called_with_other_first_batches_are_warned(tmp_path):
+    """A job whose workers are called with other global batches (each
+    worker's data drawn on its own: an unseeded shuffle) trains, each
+    worker on its rows of its own batch, and worker 1 says so, naming the
+    arguments (runtime/serving.py same_batches; before: nothing). The fit
+    and loop jobs above, called alike, say nothing."""
+    import subprocess
+    import sys
+    script = tmp_path / "other.py"
+    script.write_text(OTHER_BATCHES)
+    path = tmp_path / "resources.yaml"
+    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2)
+    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
+                           str(path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0 and done.stdout.count("trained") == 2, done.stderr[-3000:]
+    said = [ln for ln in done.stderr.splitlines() if "differs from worker 0's" in ln]
+    assert len(said) == 1 and said[0].startswith("[worker 1]"), done.stderr[-3000:]
+    assert "(argument leaf 0, argument leaf 1)" in said[0]

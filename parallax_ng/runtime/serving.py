@@ -159,3 +159,61 @@ def share(info: ClusterInfo, server, value, timeout_seconds: float):
                               config=info.session_config()) as session:
         got = [session.run(op, options=options) for op in ops][0]
     return value if info.task == 0 else json.loads(got.decode())
+
+
+def same_batches(info: ClusterInfo, server, batch: dict, timeout_seconds: float) -> None:
+    """A TF2 step's first global batch (placeholder name -> value) against
+    worker 0's, through `share` (`compare_batches` says what differs)."""
+    mine = {name: _digest(value) for name, value in sorted(batch.items())}
+    compare_batches(share(info, server, mine, timeout_seconds), mine, info.task)
+
+
+def compare_batches(first: dict, mine: dict, worker: int) -> None:
+    """Every worker must be called with the same global batch, of which it
+    takes its own replicas' rows: against worker 0's batch (`first`,
+    digests by placeholder), other shapes are a ConfigError, other values
+    a warning (each worker trains its rows of a batch of its own)."""
+    import re
+    import warnings
+
+    from ..errors import ConfigError
+
+    def leaf(name):
+        found = re.fullmatch(r"parallax_input_(\d+)(/\w+)?:0", name)
+        return f"argument leaf {found.group(1)}" if found else name
+    if worker == 0 or first == mine:
+        return
+    shapes = [f"{leaf(n)}: {mine.get(n, ['-', 'none'])[1]} against "
+              f"{first.get(n, ['-', 'none'])[1]}" for n in sorted(set(first) | set(mine))
+              if n not in first or n not in mine or first[n][1] != mine[n][1]]
+    if shapes:
+        raise ConfigError(
+            f"worker {worker} was called with a batch of other shapes than worker 0's "
+            f"({'; '.join(shapes)}): "
+            "in a job every worker calls the step with the same global batch and takes its "
+            "own replicas' rows of it. A dataset sharded per worker (as scripts for "
+            "MultiWorkerMirroredStrategy shard it) gives each worker a part instead: give "
+            "every worker the whole dataset (or pn.shard it, which splits it by replica)")
+    differ = sorted({leaf(n) for n in mine if first.get(n) != mine[n]})
+    warnings.warn(
+        f"worker {worker}'s first batch differs from worker 0's ({', '.join(differ)}): "
+        "each worker takes its own replicas' rows of the batch it is given, so the job "
+        "trains on parts of different batches, not on one global batch as one device "
+        "would. Where the data is shuffled without a seed (Keras fit's default "
+        "shuffle=True, a dataset's shuffle), seed it alike on every worker "
+        "(keras.utils.set_random_seed or tf.random.set_seed before the data is made) or "
+        "pass shuffle=False; where it is sharded per worker, give every worker the whole "
+        "dataset (or pn.shard it). Random augmentation in the input makes batches differ "
+        "too, which is harmless", stacklevel=5)
+
+
+def _digest(value) -> list:
+    """[rows or None, shape, dtype, sha1 of the bytes] of one fed value."""
+    import hashlib
+
+    import numpy as np
+    array = np.asarray(value)
+    data = array.astype(str).tobytes() if array.dtype == object else \
+        np.ascontiguousarray(array).tobytes()
+    return [int(array.shape[0]) if array.ndim else None, list(array.shape), str(array.dtype),
+            hashlib.sha1(data).hexdigest()]
