@@ -151,21 +151,19 @@ def _one_writer_at_a_time() -> None:
 
     @functools.wraps(original)
     def save(self, file_prefix, *args, **kwargs):
-        folder = _eager_folder(file_prefix)
-        if folder is None:         # a symbolic prefix: the write runs later, elsewhere
-            return original(self, file_prefix, *args, **kwargs)
-        with one_writer(folder):
+        # (a symbolic prefix, whose write runs later, elsewhere: not held)
+        with one_writer(folder_of(file_prefix)):
             return original(self, file_prefix, *args, **kwargs)
     save._whole = True
     cls.save = save
 
 
 @contextlib.contextmanager
-def one_writer(folder: str):
+def one_writer(folder: str | None):
     """An exclusive lock on directory `folder` (made if missing) while the
     block runs: checkpoint writes of the processes sharing it, one at a
-    time. A remote path ("gs://...") is not locked."""
-    if "://" in folder:
+    time. None (`folder_of` a remote or symbolic prefix): no lock."""
+    if folder is None:
         yield
         return
     os.makedirs(folder, exist_ok=True)
@@ -177,9 +175,10 @@ def one_writer(folder: str):
         os.close(handle)          # (and the lock with it)
 
 
-def _eager_folder(prefix) -> str | None:
+def folder_of(prefix) -> str | None:
     """The local directory of a checkpoint prefix given as a string or an
-    eager string tensor, else None."""
+    eager string tensor; None for a remote path ("gs://...") or a
+    symbolic tensor."""
     if hasattr(prefix, "numpy"):
         try:
             prefix = prefix.numpy()

@@ -176,11 +176,11 @@ def test_in_a_job_a_checkpoint_write_waits_for_the_directory(monkeypatch, tmp_pa
     os.close(held)
     writer.join(60)
     assert done and {"c.index", "c.data-00000-of-00001"} <= set(os.listdir(folder))
-    assert saving._eager_folder(b"x/y") == os.path.abspath("x") and \
-        saving._eager_folder(tf.constant("z/c")) == os.path.abspath("z")
+    assert saving.folder_of(b"x/y") == os.path.abspath("x") and \
+        saving.folder_of(tf.constant("z/c")) == os.path.abspath("z")
     with tf.Graph().as_default():
-        assert saving._eager_folder(tf.constant("z/c")) is None
-    assert saving._eager_folder("gs://bucket/c") is None
+        assert saving.folder_of(tf.constant("z/c")) is None
+    assert saving.folder_of("gs://bucket/c") is None
 
 
 def test_a_runner_saves_with_the_directory_held(tmp_path):

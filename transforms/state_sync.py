@@ -81,6 +81,7 @@ class StateSyncPass:
         products = averaging.tracker_products(tg.graph, sources)
         widened = counts.widened(tg, form, products, summing)
         examples, per_example = read_rows(sources, tg.graph), {}
+        from_autodiff = _from_autodiff(tg)
         branches.warn_out_of_reach(tg, ctx.varies)
         for var, writers in sorted(tg.writers.items()):
             if not plan.mirrored(var) or var in tg.accumulators:    # replica-local sums
@@ -102,7 +103,7 @@ class StateSyncPass:
                         per_example[var] = axis   # rows of examples: each replica its own
                         continue
                     if var not in tg.gradients and tg.variables[var].dtype.is_floating and (
-                            tg.variables[var].trainable or _from_autodiff(tg, ref)):
+                            tg.variables[var].trainable or ref.node in from_autodiff):
                         untrained.add(var)      # (an optimizer's slot whose owner is unknown)
                     if (w, 2) in replaced:      # a scatter's indices and rows: synced once
                         continue
@@ -353,9 +354,18 @@ def _is_read_of(tg, var: str, ref) -> bool:
             and ref.node in tg.readers.get(var, ()))
 
 
-def _from_autodiff(tg, ref) -> bool:
-    """Whether `ref` is computed from the autodiff's ops."""
-    return any(rules.is_autodiff(name) for name in tg.ir.ancestors([ref.node]))
+def _from_autodiff(tg) -> frozenset[str]:
+    """The nodes computed from the autodiff's ops (by data edges: an
+    update's control dependencies are not its value), found in one walk."""
+    out = {n.name for n in tg.ir.nodes if rules.is_autodiff(n.name)}
+    todo = list(out)
+    while todo:
+        name = todo.pop()
+        for user in tg.ir.node_consumers.get(name, ()):
+            if user not in out and any(r.node == name for r in tg.ir.data_inputs(user)):
+                out.add(user)
+                todo.append(user)
+    return frozenset(out)
 
 
 def _reads(tg, var: str, name: str) -> bool:

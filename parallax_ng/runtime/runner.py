@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import atexit
 import gc
-import os
 import sys
 import tempfile
 import time
@@ -62,7 +61,7 @@ from ..graph.rules import READ_PREFIXES
 from ..methods import method
 from ..planning.analysis import unknown_rows
 from ..planning.profile import Profile, measure
-from ..saving import one_writer
+from ..saving import folder_of, one_writer
 from . import heartbeat, moves, preemption, serving, tuning
 from .checkpoint import Checkpointer
 from .combining import combine
@@ -194,7 +193,7 @@ class Runner:
         d = saver.saver_def
         # a job's workers may all save one path (a sharded Saver's shards
         # then share `<path>_temp/`): one at a time
-        with one_writer(os.path.dirname(os.path.abspath(path)) if "://" not in path else path):
+        with one_writer(folder_of(path)):
             return self.run(d.save_tensor_name, {d.filename_tensor_name: path})
 
     def restore(self, saver, path: str) -> None:

@@ -183,9 +183,9 @@ def compare_batches(first: dict, mine: dict, worker: int) -> None:
         return f"argument leaf {found.group(1)}" if found else name
     if worker == 0 or first == mine:
         return
-    shapes = [f"{leaf(n)}: {mine.get(n, ['-', 'none'])[1]} against "
-              f"{first.get(n, ['-', 'none'])[1]}" for n in sorted(set(first) | set(mine))
-              if n not in first or n not in mine or first[n][1] != mine[n][1]]
+    shapes = [f"{leaf(n)}: {mine.get(n, [None])[0]} against {first.get(n, [None])[0]}"
+              for n in sorted(set(first) | set(mine)) if first.get(n, [None])[0] is None
+              or mine.get(n, [None])[0] != first[n][0]]
     if shapes:
         raise ConfigError(
             f"worker {worker} was called with a batch of other shapes than worker 0's "
@@ -208,12 +208,11 @@ def compare_batches(first: dict, mine: dict, worker: int) -> None:
 
 
 def _digest(value) -> list:
-    """[rows or None, shape, dtype, sha1 of the bytes] of one fed value."""
+    """[shape, dtype, sha1 of the bytes] of one fed value."""
     import hashlib
 
     import numpy as np
     array = np.asarray(value)
     data = array.astype(str).tobytes() if array.dtype == object else \
         np.ascontiguousarray(array).tobytes()
-    return [int(array.shape[0]) if array.ndim else None, list(array.shape), str(array.dtype),
-            hashlib.sha1(data).hexdigest()]
+    return [list(array.shape), str(array.dtype), hashlib.sha1(data).hexdigest()]
