@@ -57,3 +57,35 @@ def test_the_counts_a_loss_divides_by_and_their_floors():
     rows, picked = parse_tensor("rows:0"), parse_tensor("picked:0")
     assert not counts.from_values(tg, rows, set(sources))
     assert counts.from_values(tg, picked, set(sources))
+
+
+def test_the_ratios_a_program_reads_beside_its_loss():
+    """`ratios`: a masked accuracy (a Sum over the batch over a mask's sum,
+    also through divide_no_nan) is one; a ratio over the batch's size (a
+    shape, equal on every replica), one taken into rows again, one inside
+    a cond branch and a tf.compat.v1 metric's update (a sum kept in a
+    variable) are not. `shared` then shares the accuracies' counts."""
+    from test_branches import lowered_conds
+    g = tf.Graph()
+    with g.as_default(), lowered_conds():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        y = tf1.placeholder(tf.float32, [None, 4], name="y")
+        pred = x * tf1.get_variable("w", [4])
+        mask = tf.cast(y > 0, tf.float32)
+        hit = tf.cast(tf.abs(pred - y) < 0.5, tf.float32)
+        tf.math.truediv(tf.reduce_sum(hit * mask), tf.reduce_sum(mask, name="real"), name="acc")
+        tf.math.divide_no_nan(tf.reduce_sum(hit * mask), tf.reduce_sum(mask, name="real_nan"),
+                              name="acc_nan")
+        tf.math.truediv(tf.reduce_sum(hit), tf.cast(tf.size(hit), tf.float32), name="of_size")
+        centred = tf.reduce_sum(pred * mask) / tf.reduce_sum(mask, name="centring")
+        tf.identity(pred - centred, name="rows")
+        tf1.cond(tf1.placeholder_with_default(False, []),
+                 lambda: tf.reduce_sum(hit * mask) / tf.reduce_sum(mask), lambda: 0.0)
+        tf1.metrics.mean(tf.reduce_sum(hit), weights=None)
+        loss = tf.reduce_mean(tf.square(pred - y))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    ctx = context(n=2, graph=g)
+    tg, sources = ctx.tg, forms.sources(g)
+    assert sorted(t.op.name for t in counts.ratios(tg, sources)) == ["acc", "acc_nan"]
+    shared = counts.shared(tg, sources, counts.Forms(sources), {}, {})
+    assert sorted(c.node for c, _ in shared) == ["real", "real_nan"]

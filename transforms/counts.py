@@ -11,7 +11,7 @@ names of its data sources. Guarantees: reads the graph only, but
 """
 from __future__ import annotations
 
-from parallax_ng.graph import forms, selections
+from parallax_ng.graph import branches, forms, rules, selections
 
 
 class Forms:
@@ -31,9 +31,11 @@ class Forms:
         return bool(widened) and any(op in widened for op in self(t).by_count)
 
 
-def shared(tg, sources, form, widened: dict, products: dict) -> list:
+def shared(tg, sources, form, widened: dict, products: dict, means=()) -> list:
     """(count, widened) of the counts that losses (and the losses Keras's
-    trackers add: `evaluate`'s) divide a sum over the batch by. Where the
+    trackers add: `evaluate`'s), the `means` a metric adds up and the
+    scalar `ratios` a program fetches (a masked accuracy's) divide a sum
+    over the batch by. Where the
     count depends on the data's values (a mask's sum, weights' nonzero
     count), not only on its shape (equal on every replica), one device
     divides by the global batch's count: each replica divides by the
@@ -41,7 +43,8 @@ def shared(tg, sources, form, widened: dict, products: dict) -> list:
     gradients (and losses) is one device's. `widened` divisions' counts
     are N times that."""
     out = {}
-    for loss in forms.autodiff_losses(tg.graph) + list(products.values()):
+    for loss in forms.autodiff_losses(tg.graph) + list(products.values()) + list(means) + \
+            ratios(tg, sources):
         for op in form(loss).by_count:
             count = tg.ir.data_inputs(op)[1]
             if from_values(tg, count, set(sources)):
@@ -61,6 +64,33 @@ def widened(tg, form, products: dict, summing: bool) -> dict:
     return {op: tg.ir.data_inputs(op)[1]
             for loss in (losses if summing else []) + list(products.values())
             for op in form(loss).widened if summing or op not in trained}
+
+
+_DIVISIONS = frozenset({"RealDiv", "Div", "DivNoNan"})
+
+
+def ratios(tg, sources) -> list:
+    """The scalar ratios of floats outside branches and loops of a Sum over
+    a count the data's values set that flow into scalars only (a masked
+    accuracy a TF1 script fetches and prints): candidates for `shared`,
+    which keeps those whose Sum is over the batch."""
+    out, above, found = [], {}, set(sources)
+    for op in tg.graph.get_operations():
+        if op.type not in _DIVISIONS or op.outputs[0].shape.rank != 0 or \
+                not op.outputs[0].dtype.is_floating or rules.is_autodiff(op.name) or \
+                _past_casts(op.inputs[0]).op.type != "Sum" or \
+                not from_values(tg, tg.ir.data_inputs(op.name)[1], found) or \
+                branches.switches_above(tg.ir, op.name, above) or \
+                selections.used_per_row(op, list(sources)):
+            continue
+        out.append(op.outputs[0])
+    return out
+
+
+def _past_casts(t):
+    while t.op.type in ("Identity", "Cast"):
+        t = t.op.inputs[0]
+    return t
 
 
 _SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"})

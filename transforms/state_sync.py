@@ -73,6 +73,7 @@ class StateSyncPass:
         synced = 0
         new_nodes, rewires, tracked, untrained, above = [], {}, [], set(), {}
         syncs = []                              # (scope, tensors, tensor, mean, node, at)
+        means = []          # increments averaged as means over the batch: their counts shared
         replaced = set()            # (node, input) now the replicas' reduction: SyncedInputs
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
         batch = forms.replica_batch(tg.graph, sources)
@@ -128,6 +129,7 @@ class StateSyncPass:
                     if how == "sum" and _a_mean(tg, ref, sources) and \
                             not form.over_widened(tg.tensor(ref), widened):
                         how = "mean"              # one device adds the global batch's mean
+                        means.append(tg.tensor(ref))
                     scope = f"parallax/state_sync/{node}/input_{at}"
                     nodes, tensors = [], [ctx.replica_tensor(k, ref)
                                           for k in range(plan.num_replicas)]
@@ -162,7 +164,7 @@ class StateSyncPass:
                 "added at indices summed), which equals one device only where the write is "
                 "linear in the data (plain SGD, a moving average); mark trainable ones "
                 "trainable=False if they are state", stacklevel=2)
-        for count, widen in counts.shared(tg, sources, form, widened, products):
+        for count, widen in counts.shared(tg, sources, form, widened, products, means):
             dtype = tg.tensor(count).dtype
             outs = [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)]
             if counts.from_values(tg, count, set(sources)):   # a masked mean's: the job's
