@@ -60,11 +60,12 @@ def test_the_counts_a_loss_divides_by_and_their_floors():
 
 
 def test_the_ratios_a_program_reads_beside_its_loss():
-    """`ratios`: a masked accuracy (a Sum over the batch over a mask's sum,
-    also through divide_no_nan) is one; a ratio over the batch's size (a
-    shape, equal on every replica), one taken into rows again, one inside
-    a cond branch and a tf.compat.v1 metric's update (a sum kept in a
-    variable) are not. `shared` then shares the accuracies' counts."""
+    """`beside`: a masked accuracy (a Sum over the batch over a mask's sum,
+    also through divide_no_nan) and an RMSE (a function of a mean) are
+    read; a ratio over the batch's size (a shape, equal on every replica),
+    one taken into rows again, one inside a cond branch, a tf.compat.v1
+    metric's update (a sum kept in a variable) and a function of per-row
+    means are not. `shared` then shares the accuracies' counts."""
     from test_branches import lowered_conds
     g = tf.Graph()
     with g.as_default(), lowered_conds():
@@ -77,6 +78,8 @@ def test_the_ratios_a_program_reads_beside_its_loss():
         tf.math.divide_no_nan(tf.reduce_sum(hit * mask), tf.reduce_sum(mask, name="real_nan"),
                               name="acc_nan")
         tf.math.truediv(tf.reduce_sum(hit), tf.cast(tf.size(hit), tf.float32), name="of_size")
+        tf.sqrt(tf.reduce_mean(tf.square(pred - y), name="mse"), name="rmse")
+        tf.sqrt(tf.reduce_mean(tf.square(pred - y), 1), name="per_row")
         centred = tf.reduce_sum(pred * mask) / tf.reduce_sum(mask, name="centring")
         tf.identity(pred - centred, name="rows")
         tf1.cond(tf1.placeholder_with_default(False, []),
@@ -86,6 +89,9 @@ def test_the_ratios_a_program_reads_beside_its_loss():
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
     ctx = context(n=2, graph=g)
     tg, sources = ctx.tg, forms.sources(g)
-    assert sorted(t.op.name for t in counts.ratios(tg, sources)) == ["acc", "acc_nan"]
-    shared = counts.shared(tg, sources, counts.Forms(sources), {}, {})
+    read = counts.beside(tg, sources)
+    assert sorted(t.op.name for t in read) == ["acc", "acc_nan", "rmse"]
+    form = counts.Forms(sources)
+    assert form(read[-1]).exchanged == ["mse:0"]       # the RMSE's mean: the job's
+    shared = counts.shared(tg, sources, form, {}, {}, read)
     assert sorted(c.node for c, _ in shared) == ["real", "real_nan"]

@@ -562,8 +562,8 @@ def masked_graph(weighted):
     """Sequences of 4 tokens padded with 0; the loss a mean over the real
     tokens: a sum over the batch divided by the mask's sum (or
     tf.compat.v1.losses' mean over nonzero weights). Beside it, as scripts
-    print them: a masked accuracy (`acc`, fetched only) and the running
-    tf.compat.v1.metrics.mean of another (`running`)."""
+    print them: a masked accuracy (`acc`, fetched only), the running
+    tf.compat.v1.metrics.mean of another (`running`) and an RMSE."""
     g = tf.Graph()
     with g.as_default():
         tf1.set_random_seed(2)
@@ -580,10 +580,12 @@ def masked_graph(weighted):
         hits = [tf.cast(tf.abs(h - y) < bound, tf.float32) for bound in (0.5, 1.0)]
         acc, near = (tf.reduce_sum(hit * mask) / tf.reduce_sum(mask) for hit in hits)
         _, running = tf1.metrics.mean(near)
+        rmse = tf.sqrt(tf.reduce_mean(tf.square(h - y)))
         train = tf1.train.AdamOptimizer(0.05).minimize(
             loss, global_step=tf1.train.get_or_create_global_step())
         init = [tf1.global_variables_initializer(), tf1.local_variables_initializer()]
-    return g, dict(ids=ids, y=y, loss=loss, train=train, init=init, acc=acc, running=running)
+    return g, dict(ids=ids, y=y, loss=loss, train=train, init=init, acc=acc, running=running,
+                   rmse=rmse)
 
 
 @pytest.mark.parametrize("weighted,mode", [(False, "hybrid"), (True, "allreduce"),
@@ -595,13 +597,14 @@ def test_a_masked_mean_divides_by_the_jobs_count(weighted, mode):
     losses is one device's; dividing by its own count had weighed replica
     0's tokens 4 times more. So do the masked accuracies beside it, a
     fetched one and one a running metric adds up (each replica's own ratio
-    had been averaged: 0.17 off). 5 steps, every variable, 1e-5."""
+    had been averaged: 0.17 off); a fetched RMSE is the root of the job's
+    mean. 5 steps, every variable, 1e-5."""
     rng = np.random.RandomState(1)
     ids = rng.randint(1, 20, size=(80, 4)).astype(np.int32)
     ids[:, 1:] *= (np.arange(80) % 16 >= 8)[:, None]    # rows 0-7 of 16: one real token
     ys = rng.randn(80, 4).astype(np.float32)
     (want, want_vars), (got, got_vars), _ = one_device_and_two_replicas(
-        lambda: masked_graph(weighted), mode, ids, ys, ["loss", "acc", "running"])
+        lambda: masked_graph(weighted), mode, ids, ys, ["loss", "acc", "running", "rmse"])
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     for name, value in want_vars.items():
         np.testing.assert_allclose(got_vars[name], value, atol=1e-5, rtol=0, err_msg=name)
@@ -621,12 +624,19 @@ def masked_token_accuracy(label, logits):
     return tf.reduce_sum(match * mask) / tf.reduce_sum(mask)
 
 
+def label_rms(label, logits):
+    """A root of a mean that differs between the replicas' rows."""
+    return tf.sqrt(tf.reduce_mean(tf.square(tf.cast(label, tf.float32) -
+                                            tf.reduce_sum(logits, -1))))
+
+
 @pytest.mark.parametrize("lib", ["keras", "tf_keras"])
-def test_fit_with_a_masked_accuracy_metric_equals_one_device(lib):
-    """`model.fit` with the masked loss and a masked accuracy as a metric
-    (a function Keras averages over the batches): each replica's accuracy
-    divides by the replicas' mean count of real tokens, so their mean is
-    one device's (each replica's own ratio, averaged, had been 0.011 off in
+def test_fit_with_masked_and_root_mean_metrics_equals_one_device(lib):
+    """`model.fit` with the masked loss, and as metrics (functions Keras
+    averages over the batches) a masked accuracy and a root of a mean: each
+    replica's accuracy divides by the replicas' mean count of real tokens
+    and each takes the root of the job's mean, so their mean is one
+    device's (each replica's own, averaged, had been 0.011 and 0.32 off in
     the logs). Every log, training and validation, and every weight, 1e-5."""
     import keras
     import tf_keras
@@ -643,7 +653,7 @@ def test_fit_with_a_masked_accuracy_metric_equals_one_device(lib):
         model = k.Sequential([k.Input((5,), dtype="int32"), k.layers.Embedding(12, 6),
                               k.layers.Dense(12)])
         model.compile(optimizer=k.optimizers.SGD(0.5), loss=masked_token_loss,
-                      metrics=[masked_token_accuracy])
+                      metrics=[masked_token_accuracy, label_rms])
         return model
     parallel, single = make(), make()
     single.set_weights(parallel.get_weights())
@@ -651,7 +661,7 @@ def test_fit_with_a_masked_accuracy_metric_equals_one_device(lib):
     got, want = (m.fit(ids, labels, batch_size=8, epochs=2, shuffle=False, verbose=0,
                        validation_data=(ids[:16], labels[:16])).history
                  for m in (parallel, single))
-    assert set(got) == set(want) and len(want) == 4
+    assert set(got) == set(want) and len(want) == 6
     for key, values in want.items():
         np.testing.assert_allclose(got[key], values, atol=1e-5, rtol=0, err_msg=key)
     for a, b in zip(parallel.weights, single.weights):

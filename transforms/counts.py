@@ -31,11 +31,11 @@ class Forms:
         return bool(widened) and any(op in widened for op in self(t).by_count)
 
 
-def shared(tg, sources, form, widened: dict, products: dict, means=()) -> list:
+def shared(tg, sources, form, widened: dict, products: dict, read=()) -> list:
     """(count, widened) of the counts that losses (and the losses Keras's
-    trackers add: `evaluate`'s), the `means` a metric adds up and the
-    scalar `ratios` a program fetches (a masked accuracy's) divide a sum
-    over the batch by. Where the
+    trackers add: `evaluate`'s) and the scalars `read` beside them (a masked
+    accuracy a metric adds up or a program fetches) divide a sum over the
+    batch by. Where the
     count depends on the data's values (a mask's sum, weights' nonzero
     count), not only on its shape (equal on every replica), one device
     divides by the global batch's count: each replica divides by the
@@ -43,8 +43,7 @@ def shared(tg, sources, form, widened: dict, products: dict, means=()) -> list:
     gradients (and losses) is one device's. `widened` divisions' counts
     are N times that."""
     out = {}
-    for loss in forms.autodiff_losses(tg.graph) + list(products.values()) + list(means) + \
-            ratios(tg, sources):
+    for loss in forms.autodiff_losses(tg.graph) + list(products.values()) + list(read):
         for op in form(loss).by_count:
             count = tg.ir.data_inputs(op)[1]
             if from_values(tg, count, set(sources)):
@@ -69,21 +68,26 @@ def widened(tg, form, products: dict, summing: bool) -> dict:
 _DIVISIONS = frozenset({"RealDiv", "Div", "DivNoNan"})
 
 
-def ratios(tg, sources) -> list:
-    """The scalar ratios of floats outside branches and loops of a Sum over
-    a count the data's values set that flow into scalars only (a masked
-    accuracy a TF1 script fetches and prints): candidates for `shared`,
-    which keeps those whose Sum is over the batch."""
+def beside(tg, sources) -> list:
+    """The scalars of floats outside branches and loops that a program reads
+    beside its loss and that flow into scalars only: ratios of a Sum over a
+    count the data's values set (a masked accuracy a TF1 script fetches
+    and prints), and scalar functions of means (a fetched RMSE's
+    `tf.sqrt(tf.reduce_mean(...))`). Candidates: their forms say which
+    counts `shared` shares and which means the replicas exchange."""
     out, above, found = [], {}, set(sources)
     for op in tg.graph.get_operations():
-        if op.type not in _DIVISIONS or op.outputs[0].shape.rank != 0 or \
-                not op.outputs[0].dtype.is_floating or rules.is_autodiff(op.name) or \
-                _past_casts(op.inputs[0]).op.type != "Sum" or \
-                not from_values(tg, tg.ir.data_inputs(op.name)[1], found) or \
-                branches.switches_above(tg.ir, op.name, above) or \
-                selections.used_per_row(op, list(sources)):
+        if op.type not in forms.SCALAR_FUNCTIONS or op.outputs[0].shape.rank != 0 or \
+                not op.outputs[0].dtype.is_floating or rules.is_autodiff(op.name):
             continue
-        out.append(op.outputs[0])
+        if op.type in _DIVISIONS and _past_casts(op.inputs[0]).op.type == "Sum":
+            if not from_values(tg, tg.ir.data_inputs(op.name)[1], found):
+                continue
+        elif not any(x.shape.rank == 0 and _past_casts(x).op.type == "Mean" for x in op.inputs):
+            continue
+        if not branches.switches_above(tg.ir, op.name, above) and \
+                not selections.used_per_row(op, list(sources)):
+            out.append(op.outputs[0])
     return out
 
 

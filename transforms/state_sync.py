@@ -164,7 +164,8 @@ class StateSyncPass:
                 "added at indices summed), which equals one device only where the write is "
                 "linear in the data (plain SGD, a moving average); mark trainable ones "
                 "trainable=False if they are state", stacklevel=2)
-        for count, widen in counts.shared(tg, sources, form, widened, products, means):
+        read = means + counts.beside(tg, sources)      # scalars beside the loss: metrics'
+        for count, widen in counts.shared(tg, sources, form, widened, products, read):
             dtype = tg.tensor(count).dtype
             outs = [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)]
             if counts.from_values(tg, count, set(sources)):   # a masked mean's: the job's
@@ -178,7 +179,7 @@ class StateSyncPass:
                 new_nodes.extend(nodes)
             counts.read_everywhere(ctx, count, outs, rewires, replaced)
         for name, mean in dict.fromkeys([   # a function of means (an RMSE's): of the job's
-                (name, True) for loss in forms.autodiff_losses(tg.graph)   # means, forward
+                (name, True) for loss in forms.autodiff_losses(tg.graph) + read   # means, forward
                 for name in form(loss).exchanged] + replica_sums.points(   # and in the gradient
                     tg.graph, {g.values.name for g in tg.gradients.values()})):   # (of its own
             ref = parse_tensor(name)   # mean); the program's all-reduces, forward and backward

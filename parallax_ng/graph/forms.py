@@ -113,7 +113,7 @@ class LossForm:
 
 # ops that compute a scalar from scalars, elementwise: of means, a loss needs
 # their job-wide values (LossForm.exchanged)
-_SCALAR_FUNCTIONS = frozenset({
+SCALAR_FUNCTIONS = frozenset({
     "Sqrt", "Rsqrt", "Log", "Log1p", "Exp", "Expm1", "Square", "Pow", "Reciprocal", "Inv",
     "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum", "Abs", "Tanh", "Sigmoid",
     "Softplus", "SquaredDifference"})
@@ -232,7 +232,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return through(t, op.inputs[0])          # a sum of one number
         if op.type in _REDUCTIONS:
             return reduced(t, op.inputs[0], constant(op.inputs[1]))
-        if op.type in _SCALAR_FUNCTIONS and t.shape.rank == 0:
+        if op.type in SCALAR_FUNCTIONS and t.shape.rank == 0:
             means = [x for x in op.inputs if data(x)]
             if all(x.shape.rank == 0 and form(x) == "mean" for x in means):
                 exchanged.extend(x.name for x in means)
