@@ -65,7 +65,9 @@ def test_the_ratios_a_program_reads_beside_its_loss():
     read; a ratio over the batch's size (a shape, equal on every replica),
     one taken into rows again, one inside a cond branch, a tf.compat.v1
     metric's update (a sum kept in a variable) and a function of per-row
-    means are not. `shared` then shares the accuracies' counts."""
+    means are not. `shared` then shares the accuracies' counts. `centres`
+    names the mean a read spread takes back into rows, not one the loss
+    reads."""
     from test_branches import lowered_conds
     g = tf.Graph()
     with g.as_default(), lowered_conds():
@@ -85,11 +87,16 @@ def test_the_ratios_a_program_reads_beside_its_loss():
         tf1.cond(tf1.placeholder_with_default(False, []),
                  lambda: tf.reduce_sum(hit * mask) / tf.reduce_sum(mask), lambda: 0.0)
         tf1.metrics.mean(tf.reduce_sum(hit), weights=None)
-        loss = tf.reduce_mean(tf.square(pred - y))
+        centred = y - tf.reduce_mean(y, name="y_mean")      # a spread read beside the loss
+        tf.sqrt(tf.reduce_mean(tf.square(centred)), name="spread")
+        tf.identity(x - tf.reduce_mean(x, name="x_mean"), name="x_centred")   # the loss's
+        loss = tf.reduce_mean(tf.square(pred - y) + g.get_tensor_by_name("x_centred:0"))
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
     ctx = context(n=2, graph=g)
     tg, sources = ctx.tg, forms.sources(g)
     read = counts.beside(tg, sources)
+    assert counts.centres(tg, sources, read) == ["y_mean:0"]
+    read = [t for t in read if t.op.name != "spread"]
     assert sorted(t.op.name for t in read) == ["acc", "acc_nan", "rmse"]
     form = counts.Forms(sources)
     assert form(read[-1]).exchanged == ["mse:0"]       # the RMSE's mean: the job's

@@ -563,7 +563,8 @@ def masked_graph(weighted):
     tokens: a sum over the batch divided by the mask's sum (or
     tf.compat.v1.losses' mean over nonzero weights). Beside it, as scripts
     print them: a masked accuracy (`acc`, fetched only), the running
-    tf.compat.v1.metrics.mean of another (`running`) and an RMSE."""
+    tf.compat.v1.metrics.mean of another (`running`), an RMSE and an
+    R-squared."""
     g = tf.Graph()
     with g.as_default():
         tf1.set_random_seed(2)
@@ -581,11 +582,12 @@ def masked_graph(weighted):
         acc, near = (tf.reduce_sum(hit * mask) / tf.reduce_sum(mask) for hit in hits)
         _, running = tf1.metrics.mean(near)
         rmse = tf.sqrt(tf.reduce_mean(tf.square(h - y)))
+        r2 = r_squared(y, h)
         train = tf1.train.AdamOptimizer(0.05).minimize(
             loss, global_step=tf1.train.get_or_create_global_step())
         init = [tf1.global_variables_initializer(), tf1.local_variables_initializer()]
     return g, dict(ids=ids, y=y, loss=loss, train=train, init=init, acc=acc, running=running,
-                   rmse=rmse)
+                   rmse=rmse, r2=r2)
 
 
 @pytest.mark.parametrize("weighted,mode", [(False, "hybrid"), (True, "allreduce"),
@@ -598,13 +600,14 @@ def test_a_masked_mean_divides_by_the_jobs_count(weighted, mode):
     0's tokens 4 times more. So do the masked accuracies beside it, a
     fetched one and one a running metric adds up (each replica's own ratio
     had been averaged: 0.17 off); a fetched RMSE is the root of the job's
-    mean. 5 steps, every variable, 1e-5."""
+    mean, an R-squared centred on the job's mean. 5 steps, every variable,
+    1e-5."""
     rng = np.random.RandomState(1)
     ids = rng.randint(1, 20, size=(80, 4)).astype(np.int32)
     ids[:, 1:] *= (np.arange(80) % 16 >= 8)[:, None]    # rows 0-7 of 16: one real token
     ys = rng.randn(80, 4).astype(np.float32)
     (want, want_vars), (got, got_vars), _ = one_device_and_two_replicas(
-        lambda: masked_graph(weighted), mode, ids, ys, ["loss", "acc", "running", "rmse"])
+        lambda: masked_graph(weighted), mode, ids, ys, ["loss", "acc", "running", "rmse", "r2"])
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     for name, value in want_vars.items():
         np.testing.assert_allclose(got_vars[name], value, atol=1e-5, rtol=0, err_msg=name)
@@ -630,14 +633,28 @@ def label_rms(label, logits):
                                             tf.reduce_sum(logits, -1))))
 
 
+def r_squared(y, pred):
+    """The coefficient of determination as scripts write it for a Keras
+    metric: the batch's values less their mean, a ratio of two sums."""
+    residual = tf.reduce_sum(tf.square(y - pred))
+    total = tf.reduce_sum(tf.square(y - tf.reduce_mean(y)))
+    return 1.0 - residual / (total + 1e-7)
+
+
+def label_r2(label, logits):
+    return r_squared(tf.cast(label, tf.float32), tf.reduce_sum(logits, -1))
+
+
 @pytest.mark.parametrize("lib", ["keras", "tf_keras"])
 def test_fit_with_masked_and_root_mean_metrics_equals_one_device(lib):
     """`model.fit` with the masked loss, and as metrics (functions Keras
-    averages over the batches) a masked accuracy and a root of a mean: each
-    replica's accuracy divides by the replicas' mean count of real tokens
-    and each takes the root of the job's mean, so their mean is one
-    device's (each replica's own, averaged, had been 0.011 and 0.32 off in
-    the logs). Every log, training and validation, and every weight, 1e-5."""
+    averages over the batches) a masked accuracy, a root of a mean and an
+    R-squared: each replica's accuracy divides by the replicas' mean count
+    of real tokens, each takes the root of the job's mean, and each centres
+    its labels on the job's mean and divides by the job's total, so their
+    mean is one device's (each replica's own, averaged, had been 0.011,
+    0.32 and 1.2 off in the logs). Every log, training and validation, and
+    every weight, 1e-5."""
     import keras
     import tf_keras
     k = keras if lib == "keras" else tf_keras
@@ -653,7 +670,7 @@ def test_fit_with_masked_and_root_mean_metrics_equals_one_device(lib):
         model = k.Sequential([k.Input((5,), dtype="int32"), k.layers.Embedding(12, 6),
                               k.layers.Dense(12)])
         model.compile(optimizer=k.optimizers.SGD(0.5), loss=masked_token_loss,
-                      metrics=[masked_token_accuracy, label_rms])
+                      metrics=[masked_token_accuracy, label_rms, label_r2])
         return model
     parallel, single = make(), make()
     single.set_weights(parallel.get_weights())
@@ -661,7 +678,7 @@ def test_fit_with_masked_and_root_mean_metrics_equals_one_device(lib):
     got, want = (m.fit(ids, labels, batch_size=8, epochs=2, shuffle=False, verbose=0,
                        validation_data=(ids[:16], labels[:16])).history
                  for m in (parallel, single))
-    assert set(got) == set(want) and len(want) == 6
+    assert set(got) == set(want) and len(want) == 8
     for key, values in want.items():
         np.testing.assert_allclose(got[key], values, atol=1e-5, rtol=0, err_msg=key)
     for a, b in zip(parallel.weights, single.weights):

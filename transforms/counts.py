@@ -91,6 +91,28 @@ def beside(tg, sources) -> list:
     return out
 
 
+def centres(tg, sources, read) -> list[str]:
+    """The scalar means over the batch that the values `read` beside the
+    loss take back into rows (a per-batch R-squared's or Pearson
+    correlation's `y - mean(y)`): each replica would centre its rows on its
+    own mean, one device centres the global batch on the global one, so
+    the replicas exchange them (tensor names). Means the loss reads too
+    are left alone: training stays as it was."""
+    if not read:
+        return []
+    losses = forms.autodiff_losses(tg.graph)
+    trained = tg.ir.ancestors({t.op.name for t in losses}, data_only=True) if losses else set()
+    out = []
+    for name in sorted(tg.ir.ancestors({t.op.name for t in read}, data_only=True) - trained):
+        op = tg.graph.get_operation_by_name(name)
+        if op.type == "Mean" and op.outputs[0].shape.num_elements() == 1 and \
+                op.outputs[0].dtype.is_floating and not rules.is_autodiff(name) and \
+                forms.scalar_kind(op.outputs[0], sources) == "mean" and \
+                selections.used_per_row(op, list(sources)):
+            out.append(op.outputs[0].name)
+    return out
+
+
 def _past_casts(t):
     while t.op.type in ("Identity", "Cast"):
         t = t.op.inputs[0]

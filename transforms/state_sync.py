@@ -180,7 +180,8 @@ class StateSyncPass:
             counts.read_everywhere(ctx, count, outs, rewires, replaced)
         for name, mean in dict.fromkeys([   # a function of means (an RMSE's): of the job's
                 (name, True) for loss in forms.autodiff_losses(tg.graph) + read   # means, forward
-                for name in form(loss).exchanged] + replica_sums.points(   # and in the gradient
+                for name in form(loss).exchanged] + [(name, True) for name in counts.centres(
+                    tg, sources, read)] + replica_sums.points(   # and in the gradient
                     tg.graph, {g.values.name for g in tg.gradients.values()})):   # (of its own
             ref = parse_tensor(name)   # mean); the program's all-reduces, forward and backward
             outs = [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)]
