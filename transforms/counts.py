@@ -4,6 +4,11 @@ shares them among replicas (transforms/state_sync.py): which divisions
 sum over the batch), whether the data's values set a count (a mask's sum)
 or only its shape (equal on every replica), and where a count is floored
 or smoothed before the division (`tf.maximum(count, 1)`, `count + eps`).
+Also the scalars a program reads beside its loss (`beside`: a masked
+accuracy, an RMSE, fetched, returned or added up by a metric), whose
+counts are shared and whose means, and the means they centre the batch on
+(`centres`), the replicas exchange as a loss's, so the replicas' mean of
+each is one device's.
 
 Requires: the user's TrainingGraph (`tg`: its IR and tf.Graph) and the
 names of its data sources. Guarantees: reads the graph only, but

@@ -25,7 +25,10 @@ the replicas' mean count in every replica, forward and gradient, so the
 mean of the replicas' gradients is one device's (the global sum over the
 global count); a count floored or smoothed first (`tf.maximum(count, 1)`,
 `count + eps`) is floored from the job's sum and divided by N
-(transforms/counts.py reads the counts). A loss that sums over the batch and adds a term without
+(transforms/counts.py reads the counts). Scalars read beside the loss (a
+masked accuracy or an RMSE a metric adds up, a script fetches or a step
+returns; counts.beside) take the job's counts and means too, centred on
+the job's means (counts.centres). A loss that sums over the batch and adds a term without
 data (a regularizer) where the replicas' gradients are summed: every
 replica adds 1/N of the term, to the loss and to the variables' gradients
 (the parts of a gradient's sum that do not depend on the data's values),
