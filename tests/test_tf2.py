@@ -408,9 +408,10 @@ def test_a_two_worker_job_equals_one_device(tmp_path, how):
     (`pn.parallelize`); their starting weights differ (unseeded) and worker
     0's are broadcast; both end equal to one device with the global batch
     after 5 steps, every weight and optimizer variable, 1e-5. After `fit`,
-    `evaluate` (on the replicas but its last batch, which 2 do not divide)
-    and `predict` (on the model: each worker holds only its rows) equal
-    one device's; a second `model.compile` is refused."""
+    `evaluate` (on the replicas but its last batch, which 2 do not divide;
+    its metrics an R-squared, whose batch mean the workers exchange) and
+    `predict` (on the model: each worker holds only its rows) equal one
+    device's; a second `model.compile` is refused."""
     out, done = run_job(tmp_path, *(["--fit"] if how == "fit" else []))
     assert "worker 1 of 2: done" in done.stdout
     assert "differs from worker 0's" not in done.stderr     # called alike
@@ -441,7 +442,8 @@ def check_saved(folder, worker):
     BackupAndRestore: the workers raced to make its directory): whole
     files with the trained weights, no temporary file left, and a backup
     directory for each worker."""
-    saved = keras.models.load_model(folder / "fit.keras")
+    from test_state_sync import r_squared
+    saved = keras.models.load_model(folder / "fit.keras", {"r_squared": r_squared})
     for i, w in enumerate(saved.weights):
         np.testing.assert_array_equal(np.asarray(w), worker[f"w{i}"])
     assert (folder / "fit.weights.h5").is_file()
@@ -485,7 +487,8 @@ def check_job(out, how):
         for i, v in enumerate(optimizer.variables):
             np.testing.assert_allclose(w[f"o{i}"], np.asarray(v), atol=1e-5, rtol=0)
     if how == "fit":        # evaluate on the replicas, predict on the model
-        model.compile(loss="mse", metrics=["mae"])
+        from test_state_sync import r_squared
+        model.compile(loss="mse", metrics=["mae", r_squared])
         want = model.evaluate(x.reshape(-1, 5)[:43], y.reshape(-1, 1)[:43], batch_size=8,
                               verbose=0)
         predicted = model.predict(x.reshape(-1, 5)[:43], batch_size=8, verbose=0)

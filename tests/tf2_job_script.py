@@ -97,7 +97,8 @@ elif "--example" in sys.argv:
     extra = {"evaluated": np.array(model.evaluate(x, y, batch_size=8, verbose=0)),
              "on_model": np.array(json.dumps(model._parallax_ng.on_model))}
 elif "--fit" in sys.argv:
-    model.compile(optimizer=optimizer, loss="mse", metrics=["mae"])
+    from test_state_sync import r_squared      # centres the batch: on the job's mean
+    model.compile(optimizer=optimizer, loss="mse", metrics=["mae", r_squared])
     pn.parallelize(model, resources, config)
     # what a one-device script saves, unchanged: every worker writes the same
     # paths (test_tf2.py reads them)
