@@ -65,3 +65,76 @@ def test_tasks_on_one_machine_share_its_cores_for_tensorflows_pools():
     assert thread_share(4, {}, cores=64) == dict.fromkeys(THREADS, "16")
     assert thread_share(1, {}, cores=2) == {}                        # a task alone: as it is
     assert thread_share(3, {"TF_NUM_INTRAOP_THREADS": "2"}, cores=2) == {}   # the user's
+
+
+PROGRESS = """
+import sys, time
+for k in range(3):
+    sys.stdout.write(f"\\r{k}/3 working"); sys.stdout.flush(); time.sleep(0.4)
+print("\\r3/3 done   ")
+print("next")
+"""
+
+
+def _relayed(monkeypatch, terminal: bool) -> bytes:
+    """What the launcher writes of PROGRESS's output: to a terminal (a
+    pty) or to a pipe."""
+    import os
+    import pty
+    if terminal:
+        master, replica = pty.openpty()
+    else:
+        master, replica = os.pipe()
+    out = os.fdopen(replica, "w")
+    monkeypatch.setattr(sys, "stdout", out)
+    process = subprocess.Popen([sys.executable, "-c", PROGRESS], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    task = Task("worker 0", process)
+    task.relay()
+    process.wait(30)
+    task.finish()
+    out.close()
+    data = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:         # a pty's reader sees EIO once every writer is gone
+            break
+        if not chunk:
+            break
+        data += chunk
+    os.close(master)
+    return data.replace(b"\r\n", b"\n")       # a terminal's line ending
+
+
+def test_a_progress_bar_shows_as_it_comes_and_is_kept_as_its_last_part(monkeypatch):
+    """Keras's progress bar rewrites one line by carriage returns and ends
+    it at the epoch's end. On a terminal each part shows in place as it
+    comes (a line read whole had shown nothing until the end), prefixed;
+    to a pipe or file only what the terminal would show at the end."""
+    shown = _relayed(monkeypatch, terminal=True)
+    for k in range(3):
+        assert b"\r[worker 0] %d/3 working" % k in shown, shown
+    assert shown.endswith(b"\r[worker 0] 3/3 done   \n[worker 0] next\n"), shown
+    assert _relayed(monkeypatch, terminal=False) == b"[worker 0] 3/3 done   \n[worker 0] next\n"
+
+
+def test_another_tasks_line_ends_a_shown_progress_bar(monkeypatch):
+    """A line of another task while a task's bar is on the terminal starts
+    on a line of its own; the bar's task continues it in place."""
+    import io
+
+    class Terminal(io.BytesIO):
+        buffer = property(lambda self: self)
+
+        def isatty(self):
+            return True
+    out = Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    one, two = (Task(f"worker {k}", None) for k in range(2))
+    one._live(b"1/3", b"[worker 0] ", out)
+    two._line(b"Epoch 2/2\n", b"[worker 1] ", out)
+    one._live(b"2/3", b"[worker 0] ", out)
+    one._line(b"\r1/3\r3/3 done\n", b"[worker 0] ", out)
+    assert out.getvalue() == (b"\r[worker 0] 1/3\n[worker 1] Epoch 2/2\n"
+                              b"\r[worker 0] 2/3\r[worker 0] 3/3 done\n")

@@ -398,8 +398,13 @@ def _inlined(concrete):
     """The traced graph with every function call inlined and tf.cond /
     while_loop lowered to Switch/Merge (Grappler's function optimizer, as
     TensorFlow's own graph freezing runs it), keeping what the outputs and
-    the stateful ops (the function's control outputs) need."""
-    from tensorflow.core.protobuf import config_pb2, meta_graph_pb2, rewriter_config_pb2
+    the stateful ops (the function's control outputs) need. Grappler runs
+    on a virtual cluster of one CPU: the function optimizer does not look
+    at devices, and the machine's own cluster would start a session and
+    probe for GPUs each time (two log lines per traced function)."""
+    from tensorflow.core.protobuf import (config_pb2, device_properties_pb2, meta_graph_pb2,
+                                          rewriter_config_pb2)
+    from tensorflow.python.grappler import cluster as gcluster
     from tensorflow.python.grappler import tf_optimizer
     graph_def = concrete.graph.as_graph_def()
     for f in graph_def.library.function:     # no alternative implementations kept
@@ -417,7 +422,10 @@ def _inlined(concrete):
     rewrite.min_graph_nodes = -1
     rewrite.optimizers.append("function")
     rewrite.function_optimization = rewriter_config_pb2.RewriterConfig.AGGRESSIVE
-    return tf_optimizer.OptimizeGraph(config, meta)
+    cpu = device_properties_pb2.NamedDevice(
+        name="/job:localhost/replica:0/task:0/device:CPU:0",
+        properties=device_properties_pb2.DeviceProperties(type="CPU"))
+    return tf_optimizer.OptimizeGraph(config, meta, cluster=gcluster.Cluster(devices=[cpu]))
 
 
 def _variable_name(var) -> str:

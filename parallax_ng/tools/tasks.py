@@ -32,6 +32,7 @@ from ..runtime import heartbeat
 
 TAIL_LINES = 40        # lines of a hidden task's output shown when it fails
 _WRITE = threading.Lock()
+_LIVE: list = [None]   # the task whose unfinished line (a progress bar) is on the terminal
 
 # Harmless lines every task prints (README, "Messages"); `verbose` keeps them.
 # - TensorFlow ends every distributed step by aborting that step's
@@ -58,6 +59,13 @@ QUIET = re.compile(
 # Shown once a task: a traced run on a machine without GPU tracing says so
 # every time (a CPU-only machine has nothing to trace there).
 ONCE = re.compile(rb"xplane_to_step_stats\.cc:\d+\] GPU trace was not collected")
+
+
+def _shown_part(text: bytes) -> bytes:
+    """What a terminal shows of a line rewritten by carriage returns: its
+    last part that is not empty."""
+    parts = [p for p in text.split(b"\r") if p]
+    return parts[-1] if parts else b""
 
 
 class Terminated(Exception):
@@ -100,26 +108,48 @@ class Task:
             self.readers.append(t)
 
     def _copy(self, pipe, out) -> None:
-        prefix = f"[{self.name}] ".encode()
-        for line in iter(pipe.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            mark = line.find(heartbeat.MARK.encode())
-            if mark >= 0:
-                self._told(line[mark:].decode(errors="replace"))
-                if not line[:mark].strip():
-                    continue
-                line = line[:mark] + b"\n"     # the task's unfinished line before it
-            if not self.verbose and (QUIET.search(line) or self._repeated(line)):
-                continue
-            if not self.shown:
-                self.tail.append(line)
-                continue
-            with _WRITE:
-                out.flush()
-                out.buffer.write(prefix + line)
-                out.buffer.flush()
+        """Whole lines, prefixed; a line the task rewrites by carriage
+        returns (Keras's progress bar) as what a terminal would show of it:
+        its last part, and on a terminal its parts as they come."""
+        prefix, pending = f"[{self.name}] ".encode(), b""
+        while chunk := os.read(pipe.fileno(), 1 << 16):
+            *lines, pending = (pending + chunk).split(b"\n")
+            for line in lines:
+                self._line(line + b"\n", prefix, out)
+            if b"\r" in pending and self.shown and out.isatty():
+                self._live(_shown_part(pending), prefix, out)
+        if pending:
+            self._line(pending + b"\n", prefix, out)
         pipe.close()
+
+    def _line(self, line: bytes, prefix: bytes, out) -> None:
+        mark = line.find(heartbeat.MARK.encode())
+        if mark >= 0:
+            self._told(line[mark:].decode(errors="replace"))
+            if not line[:mark].strip():
+                return
+            line = line[:mark] + b"\n"     # the task's unfinished line before it
+        if b"\r" in line:
+            line = _shown_part(line[:-1]) + b"\n"
+        if not self.verbose and (QUIET.search(line) or self._repeated(line)):
+            return
+        if not self.shown:
+            self.tail.append(line)
+            return
+        with _WRITE:
+            out.flush()
+            live, _LIVE[0] = _LIVE[0], None
+            start = b"\r" if live is self else b"\n" if live is not None else b""
+            out.buffer.write(start + prefix + line)
+            out.buffer.flush()
+
+    def _live(self, part: bytes, prefix: bytes, out) -> None:
+        """The unfinished line's part a terminal shows now, in place."""
+        with _WRITE:
+            out.flush()
+            live, _LIVE[0] = _LIVE[0], self
+            out.buffer.write((b"\n" if live not in (None, self) else b"") + b"\r" + prefix + part)
+            out.buffer.flush()
 
     def _repeated(self, line: bytes) -> bool:
         """Whether `line` is a ONCE line this task has shown already."""
@@ -161,6 +191,7 @@ class Task:
         if self.shown or not self.tail:
             return
         with _WRITE:
+            _end_live()
             sys.stderr.write(f"parallax-ng run: last lines of {self.name}:\n")
             sys.stderr.flush()
             sys.stderr.buffer.write(b"".join(f"[{self.name}] ".encode() + line
@@ -293,7 +324,16 @@ class Job:
 
 def say(text: str) -> None:
     with _WRITE:
+        _end_live()
         print(f"parallax-ng run: {text}", file=sys.stderr, flush=True)
+
+
+def _end_live() -> None:
+    """End a task's unfinished line on the terminal (with _WRITE held)."""
+    if _LIVE[0] is not None:
+        _LIVE[0] = None
+        sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 def stop(tasks: list[Task], grace: float) -> None:
