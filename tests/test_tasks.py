@@ -120,8 +120,9 @@ def test_a_progress_bar_shows_as_it_comes_and_is_kept_as_its_last_part(monkeypat
 
 
 def test_another_tasks_line_ends_a_shown_progress_bar(monkeypatch):
-    """A line of another task while a task's bar is on the terminal starts
-    on a line of its own; the bar's task continues it in place."""
+    """A line of another task (or another line of the bar's task, a
+    warning) while a task's bar is on the terminal starts on a line of its
+    own; the bar's task ends the bar in place."""
     import io
 
     class Terminal(io.BytesIO):
@@ -135,6 +136,9 @@ def test_another_tasks_line_ends_a_shown_progress_bar(monkeypatch):
     one._live(b"1/3", b"[worker 0] ", out)
     two._line(b"Epoch 2/2\n", b"[worker 1] ", out)
     one._live(b"2/3", b"[worker 0] ", out)
+    one._line(b"a warning\n", b"[worker 0] ", out)        # not the bar: a line of its own
+    one._live(b"3/3", b"[worker 0] ", out)
     one._line(b"\r1/3\r3/3 done\n", b"[worker 0] ", out)
     assert out.getvalue() == (b"\r[worker 0] 1/3\n[worker 1] Epoch 2/2\n"
-                              b"\r[worker 0] 2/3\r[worker 0] 3/3 done\n")
+                              b"\r[worker 0] 2/3\n[worker 0] a warning\n"
+                              b"\r[worker 0] 3/3\r[worker 0] 3/3 done\n")

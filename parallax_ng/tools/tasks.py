@@ -129,7 +129,8 @@ class Task:
             if not line[:mark].strip():
                 return
             line = line[:mark] + b"\n"     # the task's unfinished line before it
-        if b"\r" in line:
+        rewritten = b"\r" in line          # the end of a line shown in place
+        if rewritten:
             line = _shown_part(line[:-1]) + b"\n"
         if not self.verbose and (QUIET.search(line) or self._repeated(line)):
             return
@@ -139,7 +140,7 @@ class Task:
         with _WRITE:
             out.flush()
             live, _LIVE[0] = _LIVE[0], None
-            start = b"\r" if live is self else b"\n" if live is not None else b""
+            start = b"\r" if live is self and rewritten else b"\n" if live is not None else b""
             out.buffer.write(start + prefix + line)
             out.buffer.flush()
 
