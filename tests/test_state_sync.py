@@ -743,6 +743,46 @@ def test_fit_with_batch_precision_recall_and_f1_metrics_equals_one_device(lib):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
 
 
+def largest_error(y, pred):
+    return tf.reduce_max(tf.abs(y - pred))
+
+
+def worst_four(y, pred):
+    return tf.reduce_mean(tf.math.top_k(tf.reshape(tf.abs(y - pred), [-1]), k=4).values)
+
+
+def test_a_metric_that_mixes_the_batch_is_averaged_and_warned():
+    """A metric of the batch's largest error, or the mean of its worst 4:
+    no combination of the replicas' values is one device's. They had been
+    summed, as a sum over the batch is, silently (about twice one device's
+    in the logs); now they are averaged, as a fetch of such a value is, and
+    the build names the metrics' totals and why. The weights stay still
+    (learning rate 0), so the logs are the mean over the batches of the
+    replicas' mean of their own rows' value, exactly."""
+    import keras
+    from models import local
+
+    import parallax_ng as pn
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 5)).astype(np.float32)
+    y = (rng.normal(size=(64, 1)) + np.arange(64)[:, None] % 16 / 4).astype(np.float32)
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse",
+                  metrics=[largest_error, worst_four])
+    pn.parallelize(model, local(2))
+    with pytest.warns(UserWarning) as caught:
+        got = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0).history
+    said = " ".join(str(w.message) for w in caught)
+    assert "the top k along the batch's axis" in said and "the batch's maximum" in said, said
+    errors = np.abs(y - x @ np.asarray(model.weights[0]) - np.asarray(model.weights[1]))
+    halves = errors.reshape(4, 2, 8)               # 4 batches, each 2 replicas' rows
+    largest = halves.max(axis=2).mean(axis=1).mean()
+    worst = np.sort(halves, axis=2)[:, :, -4:].mean(axis=2).mean(axis=1).mean()
+    np.testing.assert_allclose(got["largest_error"], [largest], rtol=1e-5)
+    np.testing.assert_allclose(got["worst_four"], [worst], rtol=1e-5)
+
+
 def one_device_and_two_replicas(make, mode, ids, ys, fetched, steps=5, rows=16):
     """Train `make()`'s graph (ids, y, train, init and the `fetched` keys)
     `steps` steps on `rows` rows each, on one device and on 2 replicas in

@@ -16,7 +16,7 @@ names of its data sources. Guarantees: reads the graph only, but
 """
 from __future__ import annotations
 
-from parallax_ng.graph import branches, forms, rules, selections
+from parallax_ng.graph import averaging, branches, forms, mixing, rules, selections
 
 
 class Forms:
@@ -68,6 +68,30 @@ def widened(tg, form, products: dict, summing: bool) -> dict:
     return {op: tg.ir.data_inputs(op)[1]
             for loss in (losses if summing else []) + list(products.values())
             for op in form(loss).widened if summing or op not in trained}
+
+
+MIXED = ("state adds up numbers each replica computes over its own rows that mix the "
+         "batch's examples or take its largest or smallest value ((variable, why): {}): "
+         "no sum of the replicas' is one device's over the global batch; they are averaged")
+
+
+def mixed(tg, ref, sources, products) -> str | None:
+    """Why a scalar of floats from the data's values that state adds up (a
+    metric's) is not one device's as the replicas' sum: it mixes the
+    batch's examples (its top k, a softmax across it: graph/mixing.py) or
+    is its largest or smallest value; None otherwise (a loss tracker's
+    product and counts of shapes too)."""
+    t = tg.tensor(ref)
+    if t.shape.rank != 0 or not t.dtype.is_floating or \
+            averaging.past(t).op.name in products or not from_values(tg, ref, set(sources)):
+        return None
+    if found := mixing.mixing(t, sources):
+        return f"{found[0]}: {found[1]}"
+    while (op := forms.through(t.op)).type in ("Sum", "Mean") and op.inputs[0].shape.rank == 0:
+        t = op.inputs[0]            # Keras's metrics add up a sum of the scalar they take
+    if largest := mixing.extreme(t, sources):
+        return f"{forms.through(t.op).name}: the batch's {largest}imum"
+    return None
 
 
 _DIVISIONS = frozenset({"RealDiv", "Div", "DivNoNan"})

@@ -77,6 +77,7 @@ class StateSyncPass:
         new_nodes, rewires, tracked, untrained, above = [], {}, [], set(), {}
         syncs = []                              # (scope, tensors, tensor, mean, node, at)
         means = []          # increments averaged as means over the batch: their counts shared
+        unshown = []        # state added scalars that mix the batch's examples
         replaced = set()            # (node, input) now the replicas' reduction: SyncedInputs
         sources = forms.sources(tg.graph)          # what _a_mean counts as data
         batch = forms.replica_batch(tg.graph, sources)
@@ -133,6 +134,9 @@ class StateSyncPass:
                             not form.over_widened(tg.tensor(ref), widened):
                         how = "mean"              # one device adds the global batch's mean
                         means.append(tg.tensor(ref))
+                    elif how == "sum" and (why := counts.mixed(tg, ref, sources, products)):
+                        how = "mean"              # warned: no rule makes it one device's
+                        unshown.append((var, why))
                     scope = f"parallax/state_sync/{node}/input_{at}"
                     nodes, tensors = [], [ctx.replica_tensor(k, ref)
                                           for k in range(plan.num_replicas)]
@@ -167,6 +171,9 @@ class StateSyncPass:
                 "added at indices summed), which equals one device only where the write is "
                 "linear in the data (plain SGD, a moving average); mark trainable ones "
                 "trainable=False if they are state", stacklevel=2)
+        if unshown:
+            warnings.warn(counts.MIXED.format(sorted(dict(unshown[::-1]).items())),
+                          stacklevel=2)     # each variable's first
         read = means + counts.beside(tg, sources)      # scalars beside the loss: metrics'
         for count, widen in counts.shared(tg, sources, form, widened, products, read):
             dtype = tg.tensor(count).dtype

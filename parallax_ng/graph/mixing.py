@@ -19,8 +19,8 @@ import numpy as np
 import tensorflow as tf
 
 from . import rules
-from .forms import autodiff_losses
-from .rows import reading
+from .forms import autodiff_losses, through
+from .rows import batch_axis, reading
 
 _MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
 _MOST_OPS = 4096        # ops read back from a divisor
@@ -207,3 +207,20 @@ def _einsum_pairs(op, rows) -> str | None:
     if len(letters) > 1:
         return f"every example scored against every other (einsum {spec!r})"
     return None
+
+
+def extreme(t: tf.Tensor, sources) -> str | None:
+    """"max" or "min" where `t` is a largest or smallest value over the
+    batch (tf.reduce_max of predictions, over every axis or the batch's):
+    the replicas' values combine so; None otherwise."""
+    op = through(t.op)
+    if op.type not in ("Max", "Min"):
+        return None
+    x, axes = op.inputs[0], tf.get_static_value(op.inputs[1])
+    if axes is None or not x.shape.rank:
+        return None
+    a = batch_axis(x, sources)
+    if a is None:           # a largest of largest values over the batch
+        return op.type.lower() if extreme(x, sources) == op.type.lower() else None
+    return op.type.lower() if a in {int(v) % x.shape.rank for v in np.atleast_1d(axes)} \
+        else None

@@ -21,6 +21,7 @@ import tensorflow as tf
 from .. import compat
 from ..config import FETCH_REDUCTIONS
 from ..graph import forms, rules
+from ..graph.mixing import extreme
 from ..graph.rows import batch_axis
 from . import summaries
 from .batch_parts import joined_rows
@@ -126,7 +127,7 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
         return "sum", 0, True
     if op.type == "Sqrt" and forms.scalar_kind(op.inputs[0], sources) == "sum":
         return "norm", 0, True
-    if largest := _extreme(t, sources):
+    if largest := extreme(t, sources):
         return largest, 0, True
     kind, guessed, _ = forms.scalar_form(t, sources)
     if t.shape.rank != 0 and kind is None:
@@ -148,20 +149,3 @@ def unread(name: str, t: tf.Tensor, how: str) -> str:
 # ops that count the batch's values into a tensor per class (tf.math.bincount,
 # tf.math.confusion_matrix's ScatterNd): the replicas' counts add up
 _COUNTS = ("Bincount", "DenseBincount", "ScatterNd")
-
-
-def _extreme(t: tf.Tensor, sources) -> str | None:
-    """"max" or "min" where `t` is a largest or smallest value over the
-    batch (tf.reduce_max of predictions, over every axis or the batch's):
-    the replicas' values combine so; None otherwise."""
-    op = forms.through(t.op)
-    if op.type not in ("Max", "Min"):
-        return None
-    x, axes = op.inputs[0], tf.get_static_value(op.inputs[1])
-    if axes is None or not x.shape.rank:
-        return None
-    a = batch_axis(x, sources)
-    if a is None:           # a largest of largest values over the batch
-        return op.type.lower() if _extreme(x, sources) == op.type.lower() else None
-    return op.type.lower() if a in {int(v) % x.shape.rank for v in np.atleast_1d(axes)} \
-        else None
