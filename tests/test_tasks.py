@@ -68,9 +68,11 @@ def test_tasks_on_one_machine_share_its_cores_for_tensorflows_pools():
 
 
 PROGRESS = """
-import sys, time
-for k in range(3):
-    sys.stdout.write(f"\\r{k}/3 working"); sys.stdout.flush(); time.sleep(0.4)
+import sys
+for k in range(3):              # each part once the test has seen the one before
+    sys.stdin.readline()
+    sys.stdout.write(f"\\r{k}/3 working"); sys.stdout.flush()
+sys.stdin.readline()
 print("\\r3/3 done   ")
 print("next")
 """
@@ -78,23 +80,29 @@ print("next")
 
 def _relayed(monkeypatch, terminal: bool) -> bytes:
     """What the launcher writes of PROGRESS's output: to a terminal (a
-    pty) or to a pipe."""
+    pty), where each part must show before the task writes the next, or
+    to a pipe."""
     import os
     import pty
-    if terminal:
-        master, replica = pty.openpty()
-    else:
-        master, replica = os.pipe()
+    import select
+    master, replica = pty.openpty() if terminal else os.pipe()
     out = os.fdopen(replica, "w")
     monkeypatch.setattr(sys, "stdout", out)
-    process = subprocess.Popen([sys.executable, "-c", PROGRESS], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+    process = subprocess.Popen([sys.executable, "-c", PROGRESS], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     task = Task("worker 0", process)
     task.relay()
+    data = b""
+    for k in range(4):
+        process.stdin.write(b"\n")
+        process.stdin.flush()
+        while terminal and k < 3 and b"%d/3 working" % k not in data:
+            assert select.select([master], [], [], 30)[0], data     # shown, or a failure
+            data += os.read(master, 1 << 16)
+    process.stdin.close()
     process.wait(30)
     task.finish()
     out.close()
-    data = b""
     while True:
         try:
             chunk = os.read(master, 1 << 16)

@@ -109,10 +109,10 @@ def beside(tg, sources) -> list:
         if op.type not in forms.SCALAR_FUNCTIONS or op.outputs[0].shape.rank != 0 or \
                 not op.outputs[0].dtype.is_floating or rules.is_autodiff(op.name):
             continue
-        if op.type in _DIVISIONS and _past_casts(op.inputs[0]).op.type == "Sum":
+        if op.type in _DIVISIONS and forms.through(op.inputs[0].op).type == "Sum":
             if not from_values(tg, tg.ir.data_inputs(op.name)[1], found):
                 continue
-        elif not any(x.shape.rank == 0 and _past_casts(x).op.type == "Mean" for x in op.inputs):
+        elif not any(x.shape.rank == 0 and forms.through(x.op).type == "Mean" for x in op.inputs):
             continue
         if not branches.switches_above(tg.ir, op.name, above) and \
                 not selections.used_per_row(op, list(sources)):
@@ -140,12 +140,6 @@ def centres(tg, sources, read) -> list[str]:
                 selections.used_per_row(op, list(sources)):
             out.append(op.outputs[0].name)
     return out
-
-
-def _past_casts(t):
-    while t.op.type in ("Identity", "Cast"):
-        t = t.op.inputs[0]
-    return t
 
 
 _SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike"})
