@@ -59,6 +59,8 @@ class KerasFit:
         self._rate = None
         self.behind = False
         self._own = {}                 # kind -> the model's own tf.function of its step
+        self._unbuilt = None           # tf_keras's compiled containers the train step left so
+        self._tested = False           # a test batch ran (one device builds them then)
 
     def compile(self, compile, *args, **kwargs):
         """`model.compile` again (fine-tuning: layers unfrozen, a new
@@ -84,8 +86,22 @@ class KerasFit:
     def _parts(self, args) -> dict:
         data = args[0]
         x = data[0] if isinstance(data, (tuple, list)) else data
-        return {"test": (self.model.test_step, args), "predict": (self.model.predict_step,
-                                                                 ((x,),))}
+        return {"test": (self._noting(self.model.test_step), args),
+                "predict": (self._noting(self.model.predict_step), ((x,),))}
+
+    def _noting(self, fn):
+        """`fn`, traced after the train step: its first trace notes which of
+        tf_keras's compiled loss and metrics the train step left unbuilt (a
+        custom train step that does not call them). The test step builds
+        them; one device's fit does so only once it validates, and until
+        then logs what the train step returns, not the metrics (`logs`)."""
+        def traced(*args):
+            if self._unbuilt is None:
+                self._unbuilt = [c for c in (getattr(self.model, "compiled_loss", None),
+                                             getattr(self.model, "compiled_metrics", None))
+                                 if getattr(c, "_built", True) is False]
+            return fn(*args)
+        return traced
 
     def fit(self, fit, *args, **kwargs):
         """`model.fit`, the model written after every batch when one of its
@@ -161,6 +177,7 @@ class KerasFit:
         over both ways)."""
         if self.step.runner is None:
             self.step.build((data,))
+        self._tested = self._tested or kind == "test"
         plan = self.step.runner.plan
         jobwide = kind == "test" or getattr(plan, "num_workers", 1) == 1
         if jobwide and self.step.fits(kind, (data,)):
@@ -213,7 +230,14 @@ class KerasFit:
 
         def logs(logs):
             self.sync()
-            return method(self.model, logs)
+            hidden = [] if self._tested else [c for c in self._unbuilt or () if c._built]
+            for container in hidden:    # as one device has them: not built yet
+                container._built = False
+            try:
+                return method(self.model, logs)
+            finally:
+                for container in hidden:
+                    container._built = True
         return logs
 
     def reset_metrics(self) -> None:

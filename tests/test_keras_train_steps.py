@@ -443,6 +443,42 @@ def test_a_tf_keras_train_step_as_its_guide_writes_it_equals_one_device():
     fit_both(parallel, single, *data(), optimizers=("optimizer",))
 
 
+def test_a_tf_keras_train_step_returning_its_loss_logs_as_one_device():
+    """A tf_keras `train_step` that returns its loss tensor (no metric):
+    one device's fit logs the last batch's value, until validation builds
+    the compiled loss, whose tracker then gives the epoch's `loss` (0.0:
+    nothing updates it). The data-parallel step's test step, traced with
+    it, built the compiled loss at once: every epoch logged 0.0."""
+    import tf_keras
+
+    class Returns(tf_keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+            self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
+            return {"loss": loss}
+
+    def make():
+        tf_keras.utils.set_random_seed(0)
+        inputs = tf_keras.Input((5,))
+        model = Returns(inputs, tf_keras.layers.Dense(1)(inputs))
+        model.compile(optimizer=tf_keras.optimizers.Adam(0.01))
+        return model
+    x, y = data()
+    parallel, single = make(), make()
+    pn.parallelize(parallel, local(2))
+    for kwargs in ({}, {"validation_data": (x[:32], y[:32])}):
+        logs = [m.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                      **kwargs).history for m in (parallel, single)]
+        assert logs[0].keys() == logs[1].keys()
+        for key in logs[1]:
+            np.testing.assert_allclose(logs[0][key], logs[1][key], rtol=0, atol=1e-5)
+        assert logs[1]["loss"][0] > 0.1
+    assert max(float(np.max(np.abs(a - b))) for a, b in
+               zip(parallel.get_weights(), single.get_weights())) < 1e-5
+
+
 def test_a_gan_as_a_custom_loop_step_equals_one_device():
     """The same GAN step written as a function for `pn.function`: two
     optimizers, the generator's gradient through the updated discriminator."""

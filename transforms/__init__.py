@@ -13,6 +13,7 @@ from transforms.columns import ColumnsPass
 from transforms.counted_draws import CountedDrawsPass
 from transforms.horizontal import HorizontalPass
 from transforms.initial_values import InitPass
+from transforms.input_gradients import InputGradientsPass
 from transforms.local_aggregation import LocalAggregationPass
 from transforms.lookups import DistinctLookupsPass, LookupsOnServersPass
 from transforms.part_writes import PartWritesPass
@@ -29,7 +30,7 @@ from transforms.state_sync import StateSyncPass
 
 def pipeline_for(plan) -> list:
     """replicate -> (counted_draws) -> shard_inputs -> aggregate -> state_sync ->
-    selected_means -> place -> init,
+    selected_means -> input_gradients -> place -> init,
     with the placement rewrites the plan turns on (local_aggregation after
     aggregate; lookups_on_servers, colocate_updates after place), then, as
     the plan needs them, the cross-worker server protocol,
@@ -39,15 +40,15 @@ def pipeline_for(plan) -> list:
     dense updates a step later by block where it schedules them so; in a
     job, a write of such a table's parts ends its run on every worker.
     Passes with nothing to do for this plan are left out (one replica
-    needs no input sharding, state sync, selected means or initial-value
-    copies)."""
+    needs no input sharding, state sync, selected means, input gradients'
+    scales or initial-value copies)."""
     several, servers, rewrites = plan.group_size > 1, bool(plan.servers), plan.rewrites
     shared = bool(plan.shared_state())
     wanted = [(ReplicatePass(), True), (CountedDrawsPass(), bool(plan.counted)),
               (ShardInputsPass(), several), (AggregatePass(), True),
               (LocalAggregationPass(), servers and rewrites.local_aggregation),
               (StateSyncPass(), several), (SelectedMeansPass(), several),
-              (PlacePass(), True),
+              (InputGradientsPass(), several), (PlacePass(), True),
               (LookupsOnServersPass(), shared and rewrites.lookups_on_servers),
               (ColocateUpdatesPass(), shared and rewrites.colocate_updates),
               (InitPass(), several),
@@ -65,7 +66,8 @@ def pipeline_for(plan) -> list:
 __all__ = ["AggregatePass", "ColocateUpdatesPass", "ColumnsPass", "CountedDrawsPass",
            "DistinctLookupsPass",
            "HorizontalPass",
-           "InitPass", "LocalAggregationPass", "LookupsOnServersPass", "PartWritesPass", "PlacePass",
+           "InitPass", "InputGradientsPass", "LocalAggregationPass", "LookupsOnServersPass",
+           "PartWritesPass", "PlacePass",
            "PrefetchPass",
            "ReplicatePass", "SelectedMeansPass",
            "ServerSyncPass", "ShardInputsPass", "ShardVariablesPass", "SplitStepPass",

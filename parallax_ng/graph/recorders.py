@@ -16,6 +16,7 @@ import gc
 
 import tensorflow as tf
 
+INPUT_GRADIENTS = "parallax_ng_input_gradients"   # a graph's collection of Targets.of_inputs
 OWNERS: dict = {}      # slot's tf.Variable .ref() -> its variable, every slot seen being made
 
 
@@ -67,20 +68,59 @@ def tf_variable(v):
     return inner if isinstance(inner, tf.Variable) else v
 
 
+class Targets(list):
+    """The training losses' names (the list), and `of_inputs`: (the target
+    names, their seeds' names) of each call whose sources are all tensors,
+    not variables (an input's gradient: FGSM, a gradient penalty, a
+    Jacobian), which trains nothing by itself. Such a call is given its
+    seed, ones like each target, through an Identity named `SEED`
+    (transforms/input_gradients.py scales it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.of_inputs = []
+
+
+SEED = "parallax_ng_input_seed"
+
+
+def note_input_gradients(graph: tf.Graph, calls: list) -> None:
+    """Put `Targets.of_inputs` in `graph`'s collection (`input_gradients`
+    reads them back)."""
+    for targets, seeds in calls:
+        graph.add_to_collection(INPUT_GRADIENTS, ",".join(targets) + "|" + ",".join(seeds))
+
+
+def input_gradients(graph: tf.Graph) -> list[tuple[list, list]]:
+    """(target names, seed names) of the calls `note_input_gradients` noted."""
+    out = []
+    for entry in dict.fromkeys(graph.get_collection(INPUT_GRADIENTS)):
+        targets, seeds = entry.split("|")
+        out.append((targets.split(",") if targets else [], seeds.split(",") if seeds else []))
+    return out
+
+
 @contextlib.contextmanager
 def tape_targets():
     """The names of the tensors GradientTape.gradient is called on inside
-    the block (a list, filled as the calls come; the latest trace's). A
-    call given `output_gradients` is a product with a gradient from
-    elsewhere, not a loss's (tf.recompute_grad's gradient calls one)."""
-    found = []
+    the block (a `Targets` list, filled as the calls come; the latest
+    trace's). A call given `output_gradients` is a product with a gradient
+    from elsewhere, not a loss's (tf.recompute_grad's gradient calls one)."""
+    found = Targets()
     original = tf.GradientTape.gradient
 
-    def gradient(self, target, *args, **kwargs):
-        seeded = kwargs.get("output_gradients", args[1] if len(args) > 1 else None)
-        if not tf.executing_eagerly() and seeded is None:   # a trace's loss
-            found.extend(t.name for t in tf.nest.flatten(target) if isinstance(t, tf.Tensor))
-        return original(self, target, *args, **kwargs)
+    def gradient(self, target, sources, output_gradients=None, *args, **kwargs):
+        flat = tf.nest.flatten(target)
+        if tf.executing_eagerly() or output_gradients is not None:
+            return original(self, target, sources, output_gradients, *args, **kwargs)
+        names = [t.name for t in flat if isinstance(t, tf.Tensor)]
+        if not all(isinstance(s, tf.Tensor) for s in tf.nest.flatten(sources)):
+            found.extend(names)                 # a trace's loss
+        elif len(names) == len(flat) and all(t.dtype.is_floating for t in flat):
+            seeds = [tf.identity(tf.ones_like(t), name=SEED) for t in flat]
+            found.of_inputs.append((names, [s.name for s in seeds]))
+            output_gradients = tf.nest.pack_sequence_as(target, seeds)
+        return original(self, target, sources, output_gradients, *args, **kwargs)
     tf.GradientTape.gradient = gradient
     try:
         yield found

@@ -95,6 +95,7 @@ def capture(fn, args: tuple, parts: dict | None = None, opened: dict | None = No
     captured = _rebuild(pieces, owners, traced)
     for name in targets:            # what the step's tapes differentiated (graph/forms.py)
         captured.graph.add_to_collection(forms.TAPE_TARGETS, name)
+    recorders.note_input_gradients(captured.graph, targets.of_inputs)
     captured.failed = failed
     return captured
 
@@ -251,7 +252,9 @@ def _piece(concrete, targets=()) -> _Piece:
     inputs = [t.op.name for t in fg.inputs if t.op.name not in inside]
     needed = _ancestors(graph_def, {t.op.name for t in tf.nest.flatten(concrete.outputs)} |
                         {replaced.get(op.name, op.name) for op in fg.control_outputs} - {None}
-                        | {name.rsplit(":", 1)[0] for name in targets})
+                        | {name.rsplit(":", 1)[0] for name in targets} | {
+                            name.rsplit(":", 1)[0] for names, _ in
+                            getattr(targets, "of_inputs", ()) for name in names})
     keep = [n for n in graph_def.node if n.name in needed and n.name not in captured and
             n.name not in constants and n.name not in inputs and n.name not in tables]
     del graph_def.node[:]

@@ -1,0 +1,162 @@
+"""transforms/input_gradients.py: a TF2 step's gradient with respect to its
+inputs (`tape.gradient(loss, x)`, not of variables) is one device's on
+every replica. Of a mean over the batch, each replica's was N times one
+device's (it divides by its own rows): a penalty on its norm trained 0.033
+away from one device in 8 steps before the pass. 2 replicas equal one
+device with the global batch, every weight and Adam slot and every step's
+loss within 1e-5 after 6 steps: FGSM's perturbation along the sign, a
+penalty on a mean's input gradient, a penalty on a sum's (WGAN-GP's form),
+a batch Jacobian's; in a `pn.function` loop (Keras 3) and a tf_keras
+model's own `train_step` under `fit`. A target that is neither a mean nor
+a sum over the batch is named in a warning."""
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import local
+from parallax_ng.graph import recorders
+
+TOL, STEPS = 1e-5, 6
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(STEPS, 16, 5)).astype("float32"),
+            rng.integers(0, 3, (STEPS, 16)).astype("int32"))
+
+
+def _ce(logits, y):
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+
+
+def _inner(case, model, x, y):
+    """The value whose gradient with respect to `x` the step takes."""
+    return {"fgsm": lambda: _ce(model(x), y), "mean": lambda: _ce(model(x), y),
+            "sum": lambda: tf.reduce_sum(model(x) * tf.one_hot(y, 3)),
+            "max": lambda: tf.reduce_max(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=model(x)))}[case]()
+
+
+def step_of(case, model, optimizer):
+    variables = model.trainable_variables
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                if case == "jacobian":
+                    logits = model(x)
+                else:
+                    value = _inner(case, model, x, y)
+            if case == "jacobian":
+                penalty = tf.reduce_sum(tf.square(inner.batch_jacobian(logits, x)), [1, 2])
+                loss = _ce(logits, y) + 0.01 * tf.reduce_mean(penalty)
+            elif case == "fgsm":
+                adversarial = x + 0.1 * tf.sign(inner.gradient(value, x))
+                loss = 0.5 * _ce(model(x), y) + 0.5 * _ce(model(adversarial), y)
+            else:
+                grad = inner.gradient(value, x)
+                loss = _ce(model(x), y) + 10.0 * tf.reduce_mean(tf.reduce_sum(grad ** 2, 1))
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+    return step
+
+
+def _model(lib):
+    lib.utils.set_random_seed(1)
+    return lib.Sequential([lib.Input((5,)), lib.layers.Dense(8, activation="tanh"),
+                           lib.layers.Dense(3)])
+
+
+def _worst(a, b):
+    return max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(a, b))
+
+
+@pytest.mark.parametrize("case", ["fgsm", "mean", "sum", "jacobian"])
+def test_a_step_with_an_inputs_gradient_equals_one_device(case):
+    models = [_model(keras), _model(keras)]
+    optimizers = [keras.optimizers.Adam(0.02), keras.optimizers.Adam(0.02)]
+    step = pn.function(step_of(case, models[0], optimizers[0]), local(2))
+    reference = tf.function(step_of(case, models[1], optimizers[1]))
+    xs, ys = _data()
+    losses = [(float(step(tf.constant(x), tf.constant(y))),
+               float(reference(tf.constant(x), tf.constant(y)))) for x, y in zip(xs, ys)]
+    step.sync()
+    assert max(abs(a - b) for a, b in losses) < TOL
+    assert _worst(models[0].weights + optimizers[0].variables,
+                  models[1].weights + optimizers[1].variables) < TOL
+    report = next(r.report for r in step.runner.pass_records if r.name == "input_gradients")
+    assert report == {"scaled": int(case in ("fgsm", "mean"))}
+
+
+def test_a_tf_keras_train_step_with_an_inputs_gradient_penalty_equals_one_device():
+    import tf_keras
+
+    class Penalized(tf_keras.Model):
+        def train_step(self, data):
+            x, y = data
+            with tf.GradientTape() as tape:
+                with tf.GradientTape() as inner:
+                    inner.watch(x)
+                    value = _ce(self(x, training=True), y)
+                grad = inner.gradient(value, x)
+                loss = value + 10.0 * tf.reduce_mean(tf.reduce_sum(grad ** 2, 1))
+            self.optimizer.minimize(loss, self.trainable_variables, tape=tape)
+            return {"loss": loss}
+
+    def make():
+        tf_keras.utils.set_random_seed(1)
+        inputs = tf_keras.Input((5,))
+        hidden = tf_keras.layers.Dense(8, activation="tanh")(inputs)
+        model = Penalized(inputs, tf_keras.layers.Dense(3)(hidden))
+        model.compile(optimizer=tf_keras.optimizers.Adam(0.02))
+        return model
+    parallel, single = make(), make()
+    pn.parallelize(parallel, local(2))
+    xs, ys = _data()
+    x, y = xs.reshape(-1, 5), ys.reshape(-1)
+    logs = [m.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+            for m in (parallel, single)]
+    assert np.max(np.abs(np.subtract(*logs))) < TOL
+    assert _worst(parallel.weights + parallel.optimizer.variables(),
+                  single.weights + single.optimizer.variables()) < TOL
+
+
+def test_a_target_neither_a_mean_nor_a_sum_is_named_in_a_warning():
+    model, optimizer = _model(keras), keras.optimizers.Adam(0.02)
+    step = pn.function(step_of("max", model, optimizer), local(2))
+    xs, ys = _data()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(tf.constant(xs[0]), tf.constant(ys[0]))
+    said = [str(w.message) for w in caught if "with respect to tensors" in str(w.message)]
+    assert len(said) == 1 and "Max:0" in said[0], said
+    report = next(r.report for r in step.runner.pass_records if r.name == "input_gradients")
+    assert report == {"scaled": 0}
+
+
+def test_the_recorder_seeds_an_inputs_gradient_and_keeps_it_from_the_losses():
+    w = tf.Variable(tf.ones([5, 1]))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                value = tf.reduce_mean(tf.matmul(x, w), name="value")
+            loss = tf.reduce_sum(tf.square(inner.gradient(value, x)), name="loss")
+        return tape.gradient(loss, [w])
+    with recorders.tape_targets() as targets:
+        concrete = tf.function(step).get_concrete_function(tf.TensorSpec([None, 5]))
+    assert list(targets) == ["loss:0"]
+    [(names, seeds)] = targets.of_inputs
+    assert names == ["value:0"] and len(seeds) == 1
+    seed = concrete.graph.get_tensor_by_name(seeds[0])
+    assert seed.op.type == "Identity" and seed.op.name.startswith(recorders.SEED)
+    graph = tf.Graph()
+    recorders.note_input_gradients(graph, targets.of_inputs)
+    recorders.note_input_gradients(graph, targets.of_inputs)     # noted twice: read once
+    assert recorders.input_gradients(graph) == [(names, seeds)]
