@@ -24,6 +24,10 @@ class FetchError(ParallaxError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class UnevenFeed(FetchError):
+    """A batch fed whose rows do not split evenly over the replicas."""
+
+
 REFUSED = "request was received twice"     # TensorFlow's words for a refused RunGraph
 REFUSED_SAID = "refused this run as a repeat of an earlier request"    # parallax_ng's words
 REFUSED_WHY = (

@@ -77,8 +77,8 @@ def test_fetch_errors_name_the_problem():
             runner.run(foreign)
         with pytest.raises(FetchError, match="not a tensor"):
             runner.run("loss:7")
-        with pytest.raises(FetchError, match="split evenly over 2"):
-            runner.run("pred:0", {"x:0": np.zeros([3, 2], np.float32), "scale:0": 1.0})
+        with pytest.raises(FetchError, match="split evenly over 2"):    # a run that trains
+            runner.run("train", {"x:0": np.zeros([3, 2], np.float32), "scale:0": 1.0})
         with pytest.raises(FetchError, match="cannot fetch"):
             runner.run(3.5)
 

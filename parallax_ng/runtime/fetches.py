@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import compat
-from ..errors import FetchError
+from ..errors import FetchError, UnevenFeed
 from ..graph import accumulation, batch, forms, rules
 from ..graph.ir import parse_tensor
 from ..pipeline.results import PerExampleState, WidenedMeans
@@ -307,8 +307,8 @@ class ReplicaFetchMap(FetchMap):
         return True
 
     # -- feeds ----------------------------------------------------------------
-    def feeds(self, feed_dict) -> dict:
-        n = self.plan.num_replicas
+    def feeds(self, feed_dict, alone: bool = False) -> dict:   # alone: replica 0's
+        n = 1 if alone else self.plan.num_replicas
         feed_dict, out = self._sparse_feeds(dict(feed_dict or {}), n)
         unsure, batches = {}, set()       # split without the graph's word; a batch's rows
         for key, value in feed_dict.items():
@@ -336,7 +336,7 @@ class ReplicaFetchMap(FetchMap):
                 elif rows is None:
                     batches.add(len(value))
                 if rows is None and len(value) % n:
-                    raise FetchError(
+                    raise UnevenFeed(
                         f"feed {name!r} has {len(value)} rows, which do not split "
                         f"evenly over {n} replicas; feed a multiple of {n}, or set "
                         f"config `batch_feeds: {{{ref.node}: false}}` if every replica "
@@ -391,7 +391,7 @@ class ReplicaFetchMap(FetchMap):
                 continue
             rows = int(shape[0])
             if rows % n:
-                raise FetchError(
+                raise UnevenFeed(
                     f"sparse feed {refs[0].node.rpartition('/')[0]!r} has {rows} rows (its "
                     f"dense_shape[0]), which do not split evenly over {n} replicas; feed a "
                     f"multiple of {n}, or set config `batch_feeds: {{{refs[0].node}: false}}` "

@@ -16,8 +16,8 @@ returns what one device would return for the global batch:
   `config.fetch_reduction` overrides per tensor (mean, sum, concat, first);
 - `run(..., per_replica=True)` returns a list with every replica's value instead.
 Feeds of placeholders with an unknown leading dimension are split evenly
-across replicas (the global batch must divide by the replica count), and so
-is a feed of N times a fixed leading dimension (the global batch of a
+across replicas (a run that trains must divide by the replica count; one that
+does not runs replica 0 alone: runtime/one_replica.py), and so is a feed of N times a fixed leading dimension (the global batch of a
 tensor built per replica, e.g. a fetched RNN state fed back); other feeds go
 to every replica unchanged (with a warning, once, for a placeholder on the
 gradients' path fed exactly its fixed batch) (parallax_ng/runtime/fetches.py).
@@ -55,14 +55,14 @@ from functools import cached_property
 
 import tensorflow as tf
 
-from ..errors import explained
+from ..errors import UnevenFeed, explained
 from ..graph import capture, tables
 from ..graph.rules import READ_PREFIXES
 from ..methods import method
 from ..planning.analysis import unknown_rows
 from ..planning.profile import Profile, measure
 from ..saving import folder_of, one_writer
-from . import heartbeat, moves, preemption, serving, tuning
+from . import heartbeat, moves, one_replica, preemption, serving, tuning
 from .checkpoint import Checkpointer
 from .combining import combine
 from .preemption import Preemption
@@ -124,10 +124,15 @@ class Runner:
             per_replica: bool = False):
         leaves = tf.nest.flatten(fetches)
         wanted = [self.fetches.fetch_leaf(leaf, per_replica) for leaf in leaves]
-        names = [n for f in wanted for n in f.names]
-        feeds = self.fetches.feeds(feed_dict)
         fetched = tuple(f.user for f in wanted)
         _, trained, reads_queue, reads_parts = self._kind(fetched)
+        try:
+            feeds = self.fetches.feeds(feed_dict)
+        except UnevenFeed:          # an evaluation of a whole test set: on replica 0 alone
+            if trained or one_replica.reaches_collectives(self.graph, wanted):
+                raise
+            feeds, wanted = self.fetches.feeds(feed_dict, True), one_replica.alone(wanted)
+        names = [n for f in wanted for n in f.names]
         if not trained:
             self._apply_pending()
             if reads_parts:
@@ -292,10 +297,9 @@ class Runner:
             capture.profiled(self._plan_again(), self.profile, self.ctx.tg)
 
     def _wants_fit(self) -> bool:
-        """In-process with TensorFlow collectives over several devices, when
-        the mgwfbp buckets or run_option auto need the all-reduce cost or
-        `parallax-ng profile` asks for it (a job measures before its graph
-        is built)."""
+        """In-process with TF collectives over several devices, when mgwfbp
+        buckets or run_option auto need the all-reduce cost or `parallax-ng
+        profile` asks for it (a job measures before its graph is built)."""
         plan, buckets = self.plan, self.config.buckets
         return (self.server is None and plan.backend == "tf" and len(plan.devices) > 1 and
                 plan.group_size == len(plan.devices) and

@@ -1,0 +1,67 @@
+"""Replica 0 alone: a run that trains nothing, given a batch the replicas
+cannot split evenly (a test set of 10,000 rows over 3 replicas, one
+example to predict), runs on replica 0 with the whole batch, as one device
+would run it; the other replicas do not run.
+
+A TF1 script evaluates so (`runner.run(accuracy, {x: test_images, ...})`)
+and predicts so; split over the replicas, a batch of uneven parts would
+make every mean over it a mean of unequal parts' means, and a part of no
+rows a NaN. Replica 0 holds every variable's value (mirrored copies are
+alike after each step; shared ones are read where they live). A run whose
+fetches reach a collective (a value the passes exchange between the
+replicas: a masked ratio's job-wide count, a metric's synced total, a
+gradient) needs every replica, and its uneven feed stays an error.
+
+Requires: the step graph the runner runs, and the fetch map's `Fetch`es
+of a run (parallax_ng/runtime/combining.py). Guarantees: `alone` keeps
+each fetch's replica 0 value, as `combine` gives it; `reaches_collectives`
+reads the graph only, once per set of fetches.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import tensorflow as tf
+
+from transforms.split_step import COLLECTIVE_OPS
+
+from .combining import Fetch
+
+
+def alone(fetches: list[Fetch]) -> list[Fetch]:
+    """The fetches as replica 0 alone gives them (its copy of each op and
+    tensor is the first of a Fetch's names)."""
+    out = []
+    for f in fetches:
+        if f.how == "none":
+            out.append(replace(f, names=f.names[:1]))
+        elif f.how.startswith("sparse"):
+            parts = tuple(alone(list(f.parts)))
+            out.append(replace(f, names=tuple(n for p in parts for n in p.names),
+                               how="sparse first", parts=parts))
+        elif f.how in ("list", "handles"):
+            out.append(replace(f, names=f.names[:1], replicas=(0,)))
+        else:
+            out.append(replace(f, names=f.names[:1], how="first", parts=()))
+    return out
+
+
+def reaches_collectives(graph: tf.Graph, fetches: list[Fetch]) -> bool:
+    """Whether replica 0's fetches need an op that meets the other replicas
+    (a collective, Horovod's or NCCL's ops, the job's queues)."""
+    todo = [graph.get_operation_by_name(n) if isinstance(n, str) and ":" not in n else
+            n if isinstance(n, tf.Operation) else graph.get_tensor_by_name(n).op
+            for f in alone(fetches) for n in f.names]
+    seen = set()
+    while todo:
+        op = todo.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.type in COLLECTIVE_OPS or op.type.startswith(("Horovod", "Nccl")) or \
+                op.name.startswith("parallax/") and "Queue" in op.type:
+            return True
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return False
+
