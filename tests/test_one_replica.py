@@ -3,9 +3,9 @@ batch the replicas cannot split evenly (a whole test set, one example to
 predict), runs on replica 0 alone and returns one device's values; it was
 an error ("feed ... do not split evenly"). A run that trains, or whose
 fetches need the other replicas (a value the passes exchange between
-them), keeps the error. 3 replicas after 5 Adam steps against one device
-with the global batch: accuracy and loss over 1,000 and 17 rows and the
-logits of one row, equal within 1e-6."""
+them) or write a variable, keeps the error. 3 replicas after 5 Adam steps
+against one device with the global batch: accuracy and loss over 1,000
+and 17 rows and the logits of one row, equal within 1e-6."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -38,9 +38,13 @@ def build():
         accuracy = tf.reduce_mean(correct)
         real = tf.cast(labels > 0, tf.float32)          # a masked ratio the replicas share
         masked = tf.reduce_sum(correct * real) / tf.reduce_sum(real)
+        evals = tf1.get_variable("evals", [], trainable=False,
+                                 initializer=tf1.zeros_initializer())
+        with tf.control_dependencies([evals.assign_add(1.0)]):  # a write: every copy's
+            counted = tf.identity(accuracy)
         init = tf1.global_variables_initializer()
     return g, dict(x=x, labels=labels, train=train, loss=loss, accuracy=accuracy,
-                   logits=logits, masked=masked, init=init)
+                   logits=logits, masked=masked, counted=counted, init=init)
 
 
 def _data(rows, seed):
@@ -77,6 +81,8 @@ def test_an_uneven_evaluation_runs_on_replica_0_alone_as_one_device():
             runner.run(p["train"], {p["x"]: x, p["labels"]: y})        # it trains
         with pytest.raises(UnevenFeed, match="do not split evenly"):   # the replicas share
             runner.run(p["masked"], {p["x"]: x, p["labels"]: y})      # its count
+        with pytest.raises(UnevenFeed, match="do not split evenly"):   # it writes a variable
+            runner.run(p["counted"], {p["x"]: x, p["labels"]: y})
         x, y = _data(2 * N, 1)                                         # an even feed: split
         np.testing.assert_allclose(runner.run(p["masked"], {p["x"]: x, p["labels"]: y}),
                                    single.run(s["masked"], {s["x"]: x, s["labels"]: y}),

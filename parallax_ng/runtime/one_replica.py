@@ -14,7 +14,7 @@ gradient) needs every replica, and its uneven feed stays an error.
 
 Requires: the step graph the runner runs, and the fetch map's `Fetch`es
 of a run (parallax_ng/runtime/combining.py). Guarantees: `alone` keeps
-each fetch's replica 0 value, as `combine` gives it; `reaches_collectives`
+each fetch's replica 0 value, as `combine` gives it; `needs_every_replica`
 reads the graph only, once per set of fetches.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from transforms.split_step import COLLECTIVE_OPS
 
+from ..graph.rules import is_writer
 from .combining import Fetch
 
 
@@ -46,9 +47,11 @@ def alone(fetches: list[Fetch]) -> list[Fetch]:
     return out
 
 
-def reaches_collectives(graph: tf.Graph, fetches: list[Fetch]) -> bool:
+def needs_every_replica(graph: tf.Graph, fetches: list[Fetch]) -> bool:
     """Whether replica 0's fetches need an op that meets the other replicas
-    (a collective, Horovod's or NCCL's ops, the job's queues)."""
+    (a collective, Horovod's or NCCL's ops, the job's queues), or write a
+    variable (a metric's total, a counter: replica 0's copy alone would
+    part from the others')."""
     todo = [graph.get_operation_by_name(n) if isinstance(n, str) and ":" not in n else
             n if isinstance(n, tf.Operation) else graph.get_tensor_by_name(n).op
             for f in alone(fetches) for n in f.names]
@@ -59,9 +62,18 @@ def reaches_collectives(graph: tf.Graph, fetches: list[Fetch]) -> bool:
             continue
         seen.add(op.name)
         if op.type in COLLECTIVE_OPS or op.type.startswith(("Horovod", "Nccl")) or \
-                op.name.startswith("parallax/") and "Queue" in op.type:
+                _writes(op) or op.name.startswith("parallax/") and "Queue" in op.type:
             return True
         todo.extend(t.op for t in op.inputs)
         todo.extend(op.control_inputs)
     return False
 
+
+def _writes(op: tf.Operation) -> bool:
+    """A resource variable's writer, or a reference variable's; not a
+    random op's call counter (transforms/counted_draws.py), which is each
+    copy's own: replica 0 alone draws as one device does."""
+    kind = op.type
+    return (is_writer(kind) or kind in ("Assign", "AssignAdd", "AssignSub", "CountUpTo")
+            or kind.startswith(("Scatter", "Apply", "SparseApply"))) and \
+        "/parallax_draws/" not in op.name

@@ -129,7 +129,7 @@ class Runner:
         try:
             feeds = self.fetches.feeds(feed_dict)
         except UnevenFeed:          # an evaluation of a whole test set: on replica 0 alone
-            if trained or one_replica.reaches_collectives(self.graph, wanted):
+            if trained or one_replica.needs_every_replica(self.graph, wanted):
                 raise
             feeds, wanted = self.fetches.feeds(feed_dict, True), one_replica.alone(wanted)
         names = [n for f in wanted for n in f.names]
