@@ -31,16 +31,12 @@ from parallax_ng import compat
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import emit
 from parallax_ng.graph.ir import GraphIR, format_input
+from parallax_ng.graph.rules import COLLECTIVE_OPS
 from parallax_ng.pipeline.step_parts import StepParts
 
 SCOPE = "parallax/split_step"
 CLOSE = f"{SCOPE}/close"
 RESET = f"{SCOPE}/reset"
-COLLECTIVE_OPS = frozenset({
-    "CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3", "CollectiveGather",
-    "CollectiveGatherV2", "CollectiveBcastSend", "CollectiveBcastRecv",
-    "CollectiveBcastSendV2", "CollectiveBcastRecvV2", "CollectiveAllToAllV2",
-    "CollectiveAllToAllV3", "CollectiveReduceScatterV2"})
 FLOATING_OPS = frozenset({
     "Const", "VarHandleOp", "VariableV2", "Placeholder", "FIFOQueueV2", "IteratorV2",
     "Iterator", "OneShotIterator", "HashTableV2", "MutableHashTableV2",

@@ -46,6 +46,13 @@ _WRITER_PATTERN = re.compile(
     r"ResourceApply\w+|ResourceSparseApply\w+|ResourceScatter\w+|"
     r"ResourceStridedSliceAssign|ResourceCountUpTo|DestroyResourceOp|_VarHandlesOp)$")
 
+# Ops that meet other replicas or workers in a step (TensorFlow's collectives).
+COLLECTIVE_OPS = frozenset({
+    "CollectiveReduce", "CollectiveReduceV2", "CollectiveReduceV3", "CollectiveGather",
+    "CollectiveGatherV2", "CollectiveBcastSend", "CollectiveBcastRecv",
+    "CollectiveBcastSendV2", "CollectiveBcastRecvV2", "CollectiveAllToAllV2",
+    "CollectiveAllToAllV3", "CollectiveReduceScatterV2"})
+
 # Reads that are cheap enough to force in order to keep replicas race-free.
 CHEAP_READERS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
                            "VariableShape", "VarIsInitializedOp",

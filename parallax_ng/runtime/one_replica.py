@@ -23,9 +23,7 @@ from dataclasses import replace
 
 import tensorflow as tf
 
-from transforms.split_step import COLLECTIVE_OPS
-
-from ..graph.rules import is_writer
+from ..graph.rules import COLLECTIVE_OPS, is_writer
 from .combining import Fetch
 
 
