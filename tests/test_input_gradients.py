@@ -8,7 +8,9 @@ loss within 1e-5 after 6 steps: FGSM's perturbation along the sign, a
 penalty on a mean's input gradient, a penalty on a sum's (WGAN-GP's form),
 a batch Jacobian's; in a `pn.function` loop (Keras 3) and a tf_keras
 model's own `train_step` under `fit`. A target that is neither a mean nor
-a sum over the batch is named in a warning."""
+a sum over the batch is named in a warning. The loss that adds such a
+penalty reads as a mean (graph/rows.py follows an input's gradient to its
+source's rows): no note that its form is unknown."""
 import warnings
 
 import keras
@@ -19,6 +21,7 @@ import tensorflow as tf
 import parallax_ng as pn
 from models import local
 from parallax_ng.graph import recorders
+from parallax_ng.graph.rows import batch_rows
 
 TOL, STEPS = 1e-5, 6
 
@@ -91,6 +94,8 @@ def test_a_step_with_an_inputs_gradient_equals_one_device(case):
                   models[1].weights + optimizers[1].variables) < TOL
     report = next(r.report for r in step.runner.pass_records if r.name == "input_gradients")
     assert report == {"scaled": int(case in ("fgsm", "mean"))}
+    # the loss reads as a mean: the input's gradient has its rows, and is no loss itself
+    assert not [note for note in step.runner.plan.notes if "loss" in note]
 
 
 def test_a_tf_keras_train_step_with_an_inputs_gradient_penalty_equals_one_device():
@@ -152,11 +157,14 @@ def test_the_recorder_seeds_an_inputs_gradient_and_keeps_it_from_the_losses():
     with recorders.tape_targets() as targets:
         concrete = tf.function(step).get_concrete_function(tf.TensorSpec([None, 5]))
     assert list(targets) == ["loss:0"]
-    [(names, seeds)] = targets.of_inputs
+    [(names, seeds, [(gradient, source)])] = targets.of_inputs
     assert names == ["value:0"] and len(seeds) == 1
     seed = concrete.graph.get_tensor_by_name(seeds[0])
     assert seed.op.type == "Identity" and seed.op.name.startswith(recorders.SEED)
-    graph = tf.Graph()
+    assert gradient.startswith(recorders.ROWS) and source == "x:0"
+    graph = concrete.graph
     recorders.note_input_gradients(graph, targets.of_inputs)
     recorders.note_input_gradients(graph, targets.of_inputs)     # noted twice: read once
     assert recorders.input_gradients(graph) == [(names, seeds)]
+    assert recorders.input_rows(graph) == {gradient[:-2]: graph.get_tensor_by_name("x:0")}
+    assert batch_rows(graph.get_tensor_by_name(gradient), ["x"])   # the rows of its source

@@ -70,33 +70,50 @@ def tf_variable(v):
 
 class Targets(list):
     """The training losses' names (the list), and `of_inputs`: (the target
-    names, their seeds' names) of each call whose sources are all tensors,
-    not variables (an input's gradient: FGSM, a gradient penalty, a
-    Jacobian), which trains nothing by itself. Such a call is given its
-    seed, ones like each target, through an Identity named `SEED`
-    (transforms/input_gradients.py scales it)."""
+    names, their seeds' names, (gradient, source) names) of each call
+    whose sources are all tensors, not variables (an input's gradient:
+    FGSM, a gradient penalty, a Jacobian), which trains nothing by itself.
+    Such a call is given its seed, ones like each target, through an
+    Identity named `SEED` (transforms/input_gradients.py scales it), and
+    each gradient it returns goes through an Identity named `ROWS`: it has
+    its source's rows (graph/rows.py reads them so), as a batch Jacobian
+    has (noted without targets: its own calls are in its loop)."""
 
     def __init__(self):
         super().__init__()
         self.of_inputs = []
 
 
-SEED = "parallax_ng_input_seed"
+SEED, ROWS = "parallax_ng_input_seed", "parallax_ng_input_gradient"
 
 
 def note_input_gradients(graph: tf.Graph, calls: list) -> None:
     """Put `Targets.of_inputs` in `graph`'s collection (`input_gradients`
-    reads them back)."""
-    for targets, seeds in calls:
-        graph.add_to_collection(INPUT_GRADIENTS, ",".join(targets) + "|" + ",".join(seeds))
+    and `input_rows` read them back)."""
+    for targets, seeds, rows in calls:
+        graph.add_to_collection(INPUT_GRADIENTS, "|".join(
+            [",".join(targets), ",".join(seeds), ",".join(f"{g}={s}" for g, s in rows)]))
+
+
+def _noted(graph: tf.Graph) -> list[list[list[str]]]:
+    return [[part.split(",") if part else [] for part in entry.split("|")]
+            for entry in dict.fromkeys(graph.get_collection(INPUT_GRADIENTS))]
 
 
 def input_gradients(graph: tf.Graph) -> list[tuple[list, list]]:
     """(target names, seed names) of the calls `note_input_gradients` noted."""
-    out = []
-    for entry in dict.fromkeys(graph.get_collection(INPUT_GRADIENTS)):
-        targets, seeds = entry.split("|")
-        out.append((targets.split(",") if targets else [], seeds.split(",") if seeds else []))
+    return [(targets, seeds) for targets, seeds, _ in _noted(graph)]
+
+
+def input_rows(graph: tf.Graph) -> dict[str, tf.Tensor]:
+    """{the op name of an input's gradient: its source} in `graph`."""
+    out = {}
+    for _, _, rows in _noted(graph):
+        for gradient, source in (pair.split("=") for pair in rows):
+            try:
+                out[gradient.split(":")[0]] = graph.get_tensor_by_name(source)
+            except (KeyError, ValueError):      # not in the graph (a loop's body)
+                pass
     return out
 
 
@@ -118,14 +135,29 @@ def tape_targets():
             found.extend(names)                 # a trace's loss
         elif len(names) == len(flat) and all(t.dtype.is_floating for t in flat):
             seeds = [tf.identity(tf.ones_like(t), name=SEED) for t in flat]
-            found.of_inputs.append((names, [s.name for s in seeds]))
-            output_gradients = tf.nest.pack_sequence_as(target, seeds)
+            result = original(self, target, sources, tf.nest.pack_sequence_as(target, seeds),
+                              *args, **kwargs)
+            pairs = list(zip(tf.nest.flatten(sources), tf.nest.flatten(result)))
+            leaves = [tf.identity(g, name=ROWS) if isinstance(g, tf.Tensor) else g
+                      for _, g in pairs]
+            found.of_inputs.append((names, [s.name for s in seeds], [
+                (g.name, s.name) for (s, _), g in zip(pairs, leaves) if isinstance(g, tf.Tensor)]))
+            return tf.nest.pack_sequence_as(result, leaves)
         return original(self, target, sources, output_gradients, *args, **kwargs)
-    tf.GradientTape.gradient = gradient
+    def batch_jacobian(self, target, source, *args, **kwargs):
+        result = jacobian(self, target, source, *args, **kwargs)
+        if tf.executing_eagerly() or not isinstance(result, tf.Tensor) or \
+                not isinstance(source, tf.Tensor):
+            return result
+        result = tf.identity(result, name=ROWS)     # a row per example of `source`
+        found.of_inputs.append(([], [], [(result.name, source.name)]))
+        return result
+    jacobian = tf.GradientTape.batch_jacobian
+    tf.GradientTape.gradient, tf.GradientTape.batch_jacobian = gradient, batch_jacobian
     try:
         yield found
     finally:
-        tf.GradientTape.gradient = original
+        tf.GradientTape.gradient, tf.GradientTape.batch_jacobian = original, jacobian
 
 
 def owners_by_name(variables: list) -> dict:

@@ -1,17 +1,15 @@
 """The batch's axis of a tensor: which of its dimensions, if any, holds the
 batch's examples (`batch_axis`), and whether it is the first (`batch_rows`),
-read through the ops a step is made of. Recurrent layers run time-major: a
-loop writes each time step's rows into a TensorArray or TensorList, stacks
-them (time first) and transposes back. So the axis is followed through
-transposes, stacks, the lists' elements, while loops in TensorFlow's three
-forms (v1 frames, the same lowered in a traced function, a functional
-While), and into called functions.
+read through the ops a step is made of: transposes, stacks, the elements of
+TensorArrays and TensorLists (recurrent layers run time-major), while loops
+in TensorFlow's three forms (v1 frames, lowered in a traced function, a
+functional While), called functions, and a traced step's gradients of its
+inputs (graph/recorders.py).
 
 Requires: tf.Tensors of a graph and the names of its data sources (the ops
-whose first dimension is the batch). Guarantees: reads the graph only.
-Where the ops do not show the axis the answer is None, never a guess; a
-reshape that keeps its first dimension free (-1, or a count of rows) keeps
-the batch there. graph/forms.py reads the forms of losses with it.
+whose first dimension is the batch). Guarantees: reads the graph only; None
+where the ops do not show the axis, never a guess (a reshape that keeps its
+first dimension free keeps the batch there). Read by graph/forms.py.
 """
 from __future__ import annotations
 
@@ -21,6 +19,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import compat
+from .recorders import input_rows
 from .rules import CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS, sparse_batch
 
 
@@ -82,7 +81,8 @@ class _Axes:
 
     def __init__(self, sources, graph, bound=None, root=None):
         self.sources, self.graph, self.root = set(sources), graph, root or graph
-        self.bound = bound or {}            # body input name -> (caller's _Axes, tensor)
+        # body input name -> (caller's _Axes, tensor); an input's gradient: its source's
+        self.bound = bound or {op: (self, t) for op, t in input_rows(graph).items()}
         self.memo: dict = {}
 
     def guarded(self, ask):

@@ -253,7 +253,7 @@ def _piece(concrete, targets=()) -> _Piece:
     needed = _ancestors(graph_def, {t.op.name for t in tf.nest.flatten(concrete.outputs)} |
                         {replaced.get(op.name, op.name) for op in fg.control_outputs} - {None}
                         | {name.rsplit(":", 1)[0] for name in targets} | {
-                            name.rsplit(":", 1)[0] for names, _ in
+                            name.rsplit(":", 1)[0] for names, *_ in
                             getattr(targets, "of_inputs", ()) for name in names})
     keep = [n for n in graph_def.node if n.name in needed and n.name not in captured and
             n.name not in constants and n.name not in inputs and n.name not in tables]
