@@ -15,7 +15,7 @@ def test_tape_targets_are_the_traced_tensors_a_tape_differentiates():
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(tf.matmul(x, w), name="the_loss")
         return tape.gradient(loss, [w])
-    original = tf.GradientTape.gradient
+    original, jacobian = tf.GradientTape.gradient, tf.GradientTape.batch_jacobian
     with recorders.tape_targets() as targets:
         concrete = tf.function(step).get_concrete_function(tf.TensorSpec([None, 3]))
         step(tf.ones([2, 3]))                   # an eager call: nothing to record
@@ -34,6 +34,7 @@ def test_tape_targets_are_the_traced_tensors_a_tape_differentiates():
     with pytest.raises(RuntimeError), recorders.tape_targets():
         raise RuntimeError("a failed trace")
     assert tf.GradientTape.gradient is original
+    assert tf.GradientTape.batch_jacobian is jacobian
 
 
 def test_slots_belong_to_the_variable_they_were_made_for():

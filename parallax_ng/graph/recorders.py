@@ -96,6 +96,7 @@ def note_input_gradients(graph: tf.Graph, calls: list) -> None:
 
 
 def _noted(graph: tf.Graph) -> list[list[list[str]]]:
+    """[targets, seeds, "gradient=source" pairs] of each noted call, once."""
     return [[part.split(",") if part else [] for part in entry.split("|")]
             for entry in dict.fromkeys(graph.get_collection(INPUT_GRADIENTS))]
 
@@ -124,7 +125,7 @@ def tape_targets():
     trace's). A call given `output_gradients` is a product with a gradient
     from elsewhere, not a loss's (tf.recompute_grad's gradient calls one)."""
     found = Targets()
-    original = tf.GradientTape.gradient
+    original, jacobian = tf.GradientTape.gradient, tf.GradientTape.batch_jacobian
 
     def gradient(self, target, sources, output_gradients=None, *args, **kwargs):
         flat = tf.nest.flatten(target)
@@ -144,6 +145,7 @@ def tape_targets():
                 (g.name, s.name) for (s, _), g in zip(pairs, leaves) if isinstance(g, tf.Tensor)]))
             return tf.nest.pack_sequence_as(result, leaves)
         return original(self, target, sources, output_gradients, *args, **kwargs)
+
     def batch_jacobian(self, target, source, *args, **kwargs):
         result = jacobian(self, target, source, *args, **kwargs)
         if tf.executing_eagerly() or not isinstance(result, tf.Tensor) or \
@@ -152,7 +154,6 @@ def tape_targets():
         result = tf.identity(result, name=ROWS)     # a row per example of `source`
         found.of_inputs.append(([], [], [(result.name, source.name)]))
         return result
-    jacobian = tf.GradientTape.batch_jacobian
     tf.GradientTape.gradient, tf.GradientTape.batch_jacobian = gradient, batch_jacobian
     try:
         yield found
