@@ -16,11 +16,11 @@ returns what one device would return for the global batch:
   `config.fetch_reduction` overrides per tensor (mean, sum, concat, first);
 - `run(..., per_replica=True)` returns a list with every replica's value instead.
 Feeds of placeholders with an unknown leading dimension are split evenly
-across replicas (a run that trains must divide by the replica count; one that
-does not runs replica 0 alone: runtime/one_replica.py), and so is a feed of N times a fixed leading dimension (the global batch of a
-tensor built per replica, e.g. a fetched RNN state fed back); other feeds go
-to every replica unchanged (with a warning, once, for a placeholder on the
-gradients' path fed exactly its fixed batch) (parallax_ng/runtime/fetches.py).
+across replicas (a run that trains must divide by the replica count; one
+that does not runs replica 0 alone: runtime/one_replica.py), and so is a
+feed of N times a fixed leading dimension (a fetched RNN state fed back);
+other feeds go to every replica unchanged (with a warning, once, for a
+placeholder on the gradients' path fed exactly its fixed batch; fetches.py).
 Layer-to-layer execution maps fetches and feeds its own way
 (parallax_ng/l2l/runner.py); the rest holds for it too, except measuring
 and planning again.
