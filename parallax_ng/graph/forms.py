@@ -23,6 +23,7 @@ import tensorflow as tf
 from .. import compat
 from ..errors import GraphError
 from . import selections
+from .recorders import input_gradients
 from .rows import batch_axis, batch_rows, counts_rows, reading
 
 # ops that give data: an input pipeline's, a queue's, a fed placeholder's (a
@@ -35,37 +36,42 @@ SOURCE_TYPES = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "P
 # the collection of a traced TF2 step's graph that names what its tapes
 # differentiated (graph/tracing.py records them as the step is traced)
 TAPE_TARGETS = "parallax_ng_tape_targets"
-_GRAD_YS = re.compile(r"(^|/)gradients(_\d+)?/grad_ys_\d+$")
+GRAD_YS = re.compile(r"(^|/)gradients(_\d+)?/grad_ys_\d+$")
 
 
 def autodiff_losses(graph: tf.Graph) -> list[tf.Tensor]:
     """The tensors whose gradients the graph computes: what tf.gradients
-    was called on (its `grad_ys` fills: the Shape of the loss, or with a
-    static shape the gradient op named for the loss's op), and the targets
-    of a traced TF2 step's tapes."""
+    was called on (`seeded`), and the targets of a traced TF2 step's
+    tapes; not a call with respect to the step's inputs rather than its
+    variables (graph/recorders.py `input_gradients`: FGSM's, a penalty's)."""
     found = []
     for name in graph.get_collection(TAPE_TARGETS):
         try:
             found.append(graph.get_tensor_by_name(name))
         except (KeyError, ValueError):
             pass
+    inputs = {seed for _, seeds in input_gradients(graph) for seed in seeds}
     for op in graph.get_operations():
-        if op.type != "Fill" or not _GRAD_YS.search(op.name):
-            continue
-        if op.inputs[0].op.type == "Shape":
-            candidates = [op.inputs[0].op.inputs[0]]
-        else:      # a static shape: the first gradient op is named for the loss's op
-            scope = op.name[:op.name.rindex("/") + 1]
-            candidates = []
-            for c in op.outputs[0].consumers():
-                rest = c.name[len(scope):] if c.name.startswith(scope) else ""
-                head = rest.rsplit("_grad/", 1)[0] if "_grad/" in rest else None
-                try:
-                    candidates.append(graph.get_operation_by_name(head).outputs[0])
-                except (KeyError, ValueError, IndexError):
-                    pass
-        found.extend(candidates)
+        if op.type == "Fill" and GRAD_YS.search(op.name) and op.outputs[0].name not in inputs:
+            found.extend(seeded(op))
     return list({t.name: t for t in found}.values())
+
+
+def seeded(op: tf.Operation) -> list[tf.Tensor]:
+    """What the tf.gradients call whose `grad_ys` fill is `op` differentiates:
+    the input of the Shape the fill reads, or with a static shape the op the
+    first gradient op is named for."""
+    if op.inputs[0].op.type == "Shape":
+        return [op.inputs[0].op.inputs[0]]
+    scope, out = op.name[:op.name.rindex("/") + 1], []
+    for c in op.outputs[0].consumers():
+        rest = c.name[len(scope):] if c.name.startswith(scope) else ""
+        head = rest.rsplit("_grad/", 1)[0] if "_grad/" in rest else None
+        try:
+            out.append(op.graph.get_operation_by_name(head).outputs[0])
+        except (KeyError, ValueError, IndexError):
+            pass
+    return out
 
 
 def sources(graph: tf.Graph) -> list[str]:

@@ -7,7 +7,7 @@ or file) of one.
 Guarantees: every variable, its writers and readers, the state it owns (slots,
 moving averages), and for every trained variable the raw gradient tensors the
 autodiff produced (dense tensor, or values+indices of an IndexedSlices).
-The user's graph is not modified.
+The user's graph is not modified (`graph` may be a copy: cond_lowering, input_calls).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
-from . import accumulation, branches, cond_lowering, distinct, queues, rules, variance
+from . import accumulation, branches, cond_lowering, distinct, input_calls, queues, rules, variance
 from .ir import GraphIR, TensorRef
 
 SHARD_SCOPE = "parallax_shard"
@@ -86,8 +86,7 @@ class TrainingGraph:
         variable's `read` Identity aliases the variable's buffer, and
         Assign, AssignAdd and AssignSub on a reference write that buffer in
         place; so every op that dereferences what a pass-through read hands
-        on is a read too.
-        """
+        on is a read too."""
         readers = list(self.readers.get(var, ()))
         if self.ir.node(var).op == "VarHandleOp":
             return readers
@@ -213,6 +212,7 @@ def load(source) -> TrainingGraph:
                          "tf.compat.v1.MetaGraphDef or the path of an exported .meta file")
     tg = _from_graph(cond_lowering.lowered(source))
     tg.user_graph = source
+    input_calls.note(tg)          # gradients of the inputs: not losses (a copy notes them)
     return tg
 
 

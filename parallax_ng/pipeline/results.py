@@ -137,6 +137,18 @@ class WidenedMeans:
 
 
 @dataclass(frozen=True)
+class ScaledInputs:
+    """The scopes of a TF1 graph's gradient calls of its inputs that are one
+    device's on each replica (of a sum, or of a mean whose seed the
+    input-gradients pass scaled to 1/N): a tensor of such a call is one
+    device's share, summed (its rows joined), not averaged."""
+    scopes: tuple
+
+    def holds(self, name: str) -> bool:
+        return name.startswith(self.scopes)
+
+
+@dataclass(frozen=True)
 class PerExampleState:
     """Mirrored variables the step writes with rows of its batch's examples
     (an RNN's state kept in a variable across steps), by the axis that holds

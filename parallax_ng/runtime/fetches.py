@@ -9,8 +9,7 @@ after get_runner are copied into the step graph when first named.
 combine, runtime/combining.py; `fetch_leaf` a SparseTensor too; a feedable
 iterator's handle is every replica's, and a feed of it gives each its
 own); `feeds(feed_dict)` maps a feed dict onto the step graph.
-`ReplicaFetchMap` is the data-parallel graph's map (every replica's copy,
-batches split); layer-to-layer's is parallax_ng/l2l/runner.py's.
+`ReplicaFetchMap`: the data-parallel graph's (layer-to-layer's: l2l/runner.py).
 """
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from .. import compat
 from ..errors import FetchError, UnevenFeed
 from ..graph import accumulation, batch, forms, rules
 from ..graph.ir import parse_tensor
-from ..pipeline.results import PerExampleState, WidenedMeans
+from ..pipeline.results import PerExampleState, ScaledInputs, WidenedMeans
 from . import summaries
 from .batch_parts import sparse_placeholders, sparse_rows, sparse_tensors
 from .combining import Fetch, ReplicaHandles, default_reduction, unread
@@ -263,9 +262,10 @@ class ReplicaFetchMap(FetchMap):
     def _reduction(self, name: str) -> tuple[str, int]:
         if name not in self._reductions:         # read once per tensor, not per step
             widened, t = self.ctx.result(WidenedMeans), self.user_graph.get_tensor_by_name(name)
+            scaled = self.ctx.result(ScaledInputs)    # one device's share each: summed
             how, axis, shown = default_reduction(
                 t, self._sources, widened.divisions if widened else frozenset(),
-                self.plan.average_dense)
+                self.plan.average_dense and not (scaled and scaled.holds(name)))
             self._reductions[name] = how, axis
             if not shown and name not in self.config.fetch_reduction and not self._is_loss(t):
                 print(unread(name, t, how), file=sys.stderr, flush=True)

@@ -1,0 +1,74 @@
+"""A TF1 graph's gradient calls taken with respect to its inputs, not its
+variables (`tf.gradients(loss, x)`: FGSM's perturbation, a penalty on the
+inputs' gradient), told apart from its training calls.
+
+A traced TF2 step's tape says what each call differentiates
+(graph/recorders.py notes it). A TF1 graph holds only the calls' ops, each
+call in a scope of its own (`gradients/`, `gradients_1/`, ...; a second
+derivative through another call's ops nests that call's scope in its own).
+A training call's scope holds the gradient some trained variable's update
+reads (the front end finds it); a call whose scope holds none takes the
+gradient of the inputs only, and is noted where the step computes with
+its result (a fetched one is combined by the fetch map).
+
+Requires: a TrainingGraph whose gradients the front end found.
+Guarantees: `note` leaves the user's graph as it is: where it finds such
+calls, the TrainingGraph's `graph` becomes a copy of the user's graph (same
+names) holding them in graph/recorders.py's collection, which
+graph/forms.py (they are no losses) and transforms/input_gradients.py
+(their seeds) read. Where a gradient the updates read lies outside every
+autodiff scope (an accumulator's read, a sum of two calls' gradients), the
+calls cannot be told apart and every call counts as training, as before.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from . import forms, recorders, rules
+
+
+def calls(tg) -> list[tuple[list[str], list[str], list]]:
+    """(target names, seed names, []) of each tf.gradients call of `tg`'s
+    graph that differentiates its inputs only."""
+    grads = [ref.node for g in tg.gradients.values()
+             for ref in (g.values, g.indices) if ref is not None]
+    if tg.accumulators or not all(rules.is_autodiff(name) for name in grads):
+        return []
+    ops = tg.graph.get_operations()
+    out = []
+    for op in ops:
+        if op.type != "Fill" or not forms.GRAD_YS.search(op.name):
+            continue
+        scope = op.name[:op.name.rindex("/") + 1]
+        if not any(name.startswith(scope) for name in grads) and _read_forward(ops, scope):
+            out.append(([t.name for t in forms.seeded(op)], [op.outputs[0].name], []))
+    return out
+
+
+def _read_forward(ops, scope: str) -> bool:
+    """Whether an op outside every autodiff scope reads a result of the
+    call in `scope` (FGSM's sign, a penalty's square): a call only fetched
+    (a debugging print of a gradient) is left to the fetch map."""
+    return any(x.op.name.startswith(scope) and not rules.is_autodiff(op.name)
+               for op in ops for x in op.inputs)
+
+
+def note(tg) -> None:
+    """Note `calls(tg)` in a copy of the graph, which becomes `tg.graph`."""
+    found = calls(tg)
+    if not found:
+        return
+    if tg.graph is tg.user_graph:
+        tg.graph = _copy(tg.graph)
+    recorders.note_input_gradients(tg.graph, found)
+
+
+def _copy(graph: tf.Graph) -> tf.Graph:
+    """`graph` again, under the same names and seed."""
+    with graph.as_default():
+        meta = tf.compat.v1.train.export_meta_graph(clear_devices=False)
+    out = tf.Graph()
+    out.seed = graph.seed
+    with out.as_default():
+        tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
+    return out
