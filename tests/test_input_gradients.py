@@ -6,9 +6,9 @@ away from one device in 8 steps before the pass. 2 replicas equal one
 device with the global batch, every weight and Adam slot and every step's
 loss within 1e-5 after 6 steps: FGSM's perturbation along the sign, a
 penalty on a mean's input gradient, a penalty on a sum's (WGAN-GP's form),
-a batch Jacobian's; in a `pn.function` loop (Keras 3), a tf_keras
-model's own `train_step` under `fit` and a TF1 graph's `tf.gradients(value,
-x)` (0.06 away before). A target that is neither a mean nor
+a batch Jacobian's; in a `pn.function` loop (Keras 3) and a tf_keras
+model's own `train_step` under `fit` (a TF1 graph's `tf.gradients(value,
+x)`: tests/test_input_calls.py). A target that is neither a mean nor
 a sum over the batch is named in a warning. The loss that adds such a
 penalty reads as a mean (graph/rows.py follows an input's gradient to its
 source's rows): no note that its form is unknown."""
@@ -97,49 +97,6 @@ def test_a_step_with_an_inputs_gradient_equals_one_device(case):
     assert report == {"scaled": int(case in ("fgsm", "mean"))}
     # the loss reads as a mean: the input's gradient has its rows, and is no loss itself
     assert not [note for note in step.runner.plan.notes if "loss" in note]
-
-
-def tf1_graph(case):
-    g = tf.Graph()
-    with g.as_default():
-        tf.compat.v1.set_random_seed(0)
-        x = tf.compat.v1.placeholder(tf.float32, [None, 5], name="x")
-        y = tf.compat.v1.placeholder(tf.int32, [None], name="y")
-        w1, w2 = tf.compat.v1.get_variable("w1", [5, 8]), tf.compat.v1.get_variable("w2", [8, 3])
-
-        def net(a):
-            return tf.matmul(tf.tanh(tf.matmul(a, w1)), w2)
-        if case == "fgsm":
-            grad = tf.gradients(_ce(net(x), y), x)[0]
-            loss = 0.5 * _ce(net(x), y) + 0.5 * _ce(net(x + 0.1 * tf.sign(grad)), y)
-        else:
-            value = _ce(net(x), y) if case == "mean" else tf.reduce_sum(net(x) * tf.one_hot(y, 3))
-            grad = tf.gradients(value, x)[0]
-            loss = _ce(net(x), y) + 10.0 * tf.reduce_mean(tf.reduce_sum(grad ** 2, 1))
-        train = tf.compat.v1.train.AdamOptimizer(0.02).minimize(loss)
-        init = tf.compat.v1.global_variables_initializer()
-    return g, x, y, loss, train, init, [w1, w2], grad
-
-
-@pytest.mark.parametrize("case", ["fgsm", "mean", "sum"])
-def test_a_tf1_graph_with_an_inputs_gradient_equals_one_device(case):
-    """tf.gradients(value, x): graph/input_calls.py tells the call apart."""
-    xs, ys = _data()
-    out = []
-    for parallel in (False, True):
-        g, x, y, loss, train, init, ws, grad = tf1_graph(case)
-        session = pn.get_runner(g, local(2)) if parallel else tf.compat.v1.Session(graph=g)
-        with session:
-            session.run(init)
-            runs = [session.run([train, loss, grad], {x: a, y: b})[1:] for a, b in zip(xs, ys)]
-            out.append(([r[0] for r in runs], session.run(ws), [r[1] for r in runs]))
-        if parallel:
-            assert not g.get_collection(recorders.INPUT_GRADIENTS)   # the user's graph as it was
-            report = next(r.report for r in session.pass_records if r.name == "input_gradients")
-            assert report == {"scaled": int(case in ("fgsm", "mean"))}
-    assert max(abs(a - b) for a, b in zip(*(o[0] for o in out))) < TOL
-    assert _worst(out[0][1], out[1][1]) < TOL
-    assert _worst(out[0][2], out[1][2]) < TOL       # the gradient fetched: one device's
 
 
 def test_a_tf_keras_train_step_with_an_inputs_gradient_penalty_equals_one_device():

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # suite, test_l2l.py, runs once, with v2 behavior (CI time)
 SUITES = ["test_equivalence.py", "test_v1_shapes.py", "test_keras_and_batchnorm.py",
           "test_queues.py", "test_randomness.py", "test_tutorials.py",
-          "test_l2l_runner.py", "test_layers.py", "test_eps.py"]
+          "test_l2l_runner.py", "test_layers.py", "test_eps.py", "test_input_calls.py"]
 
 
 def test_numerical_suites_pass_under_disable_v2_behavior():

@@ -9,7 +9,7 @@ derivative through another call's ops nests that call's scope in its own).
 A training call's scope holds the gradient some trained variable's update
 reads (the front end finds it); a call whose scope holds none takes the
 gradient of the inputs only, and is noted where the step computes with
-its result (a fetched one is combined by the fetch map).
+its result, a batch's rows (a fetched one is combined by the fetch map).
 
 Requires: a TrainingGraph whose gradients the front end found.
 Guarantees: `note` leaves the user's graph as it is: where it finds such
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from .. import compat
 from . import forms, recorders, rules
 
 
@@ -40,17 +41,21 @@ def calls(tg) -> list[tuple[list[str], list[str], list]]:
         if op.type != "Fill" or not forms.GRAD_YS.search(op.name):
             continue
         scope = op.name[:op.name.rindex("/") + 1]
-        if not any(name.startswith(scope) for name in grads) and _read_forward(ops, scope):
+        if not any(name.startswith(scope) for name in grads) and _of_rows(ops, scope):
             out.append(([t.name for t in forms.seeded(op)], [op.outputs[0].name], []))
     return out
 
 
-def _read_forward(ops, scope: str) -> bool:
-    """Whether an op outside every autodiff scope reads a result of the
-    call in `scope` (FGSM's sign, a penalty's square): a call only fetched
-    (a debugging print of a gradient) is left to the fetch map."""
-    return any(x.op.name.startswith(scope) and not rules.is_autodiff(op.name)
-               for op in ops for x in op.inputs)
+def _of_rows(ops, scope: str) -> bool:
+    """Whether ops outside every autodiff scope read results of the call in
+    `scope` (FGSM's sign, a penalty's square), each of rows the graph
+    leaves open (a batch's: `[None, ...]`). A call only fetched (a
+    debugging print of a gradient) is left to the fetch map, and one of a
+    variable's value (a meta-learning step's fast weights, of a static
+    shape) is left as it was."""
+    read = [x for op in ops if not rules.is_autodiff(op.name) for x in op.inputs
+            if x.op.name.startswith(scope)]
+    return bool(read) and all(x.shape.rank and compat.dim(x.shape, 0) is None for x in read)
 
 
 def note(tg) -> None:
