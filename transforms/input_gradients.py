@@ -71,6 +71,8 @@ def seed_kinds(graph: tf.Graph) -> dict[str, str]:
     naming the targets the graph shows as neither)."""
     data, out, unsure = reading(forms.sources(graph), graph), {}, []
     for targets, seeds in recorders.input_gradients(graph):
+        if not targets:         # a batch Jacobian's rows, noted for graph/rows.py
+            continue
         try:
             tensors = [graph.get_tensor_by_name(name) for name in targets]
             ops = [graph.get_tensor_by_name(name).op for name in seeds]

@@ -39,13 +39,23 @@ def lowered(graph: tf.Graph) -> tf.Graph:
     if not any(op.type in LOWERED for op in graph.get_operations()) or \
             not _writing_ifs(graph.as_graph_def()):
         return graph
+
+    def lower(meta):
+        for _ in range(_MOST_ROUNDS):
+            targets = _writing_ifs(meta.graph_def)
+            if not targets:
+                break
+            _lower(meta.graph_def, targets)
+    return copied(graph, lower)
+
+
+def copied(graph: tf.Graph, edit=None) -> tf.Graph:
+    """`graph` again, under the same names and seed, from its meta graph
+    (`edit`ed first, where given); the user's graph is left as it is."""
     with graph.as_default():
         meta = tf.compat.v1.train.export_meta_graph(clear_devices=False)
-    for _ in range(_MOST_ROUNDS):
-        targets = _writing_ifs(meta.graph_def)
-        if not targets:
-            break
-        _lower(meta.graph_def, targets)
+    if edit is not None:
+        edit(meta)
     _top_level_collections(meta)
     out = tf.Graph()
     out.seed = graph.seed

@@ -22,10 +22,8 @@ calls cannot be told apart and every call counts as training, as before.
 """
 from __future__ import annotations
 
-import tensorflow as tf
-
 from .. import compat
-from . import forms, recorders, rules
+from . import cond_lowering, forms, recorders, rules
 
 
 def calls(tg) -> list[tuple[list[str], list[str], list]]:
@@ -64,16 +62,6 @@ def note(tg) -> None:
     if not found:
         return
     if tg.graph is tg.user_graph:
-        tg.graph = _copy(tg.graph)
+        tg.graph = cond_lowering.copied(tg.graph)
     recorders.note_input_gradients(tg.graph, found)
 
-
-def _copy(graph: tf.Graph) -> tf.Graph:
-    """`graph` again, under the same names and seed."""
-    with graph.as_default():
-        meta = tf.compat.v1.train.export_meta_graph(clear_devices=False)
-    out = tf.Graph()
-    out.seed = graph.seed
-    with out.as_default():
-        tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
-    return out

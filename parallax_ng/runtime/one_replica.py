@@ -15,7 +15,7 @@ gradient) needs every replica, and its uneven feed stays an error.
 Requires: the step graph the runner runs, and the fetch map's `Fetch`es
 of a run (parallax_ng/runtime/combining.py). Guarantees: `alone` keeps
 each fetch's replica 0 value, as `combine` gives it; `needs_every_replica`
-reads the graph only, once per set of fetches.
+reads the graph only (`Reach`: once per set of fetches).
 """
 from __future__ import annotations
 
@@ -43,6 +43,20 @@ def alone(fetches: list[Fetch]) -> list[Fetch]:
         else:
             out.append(replace(f, names=f.names[:1], how="first", parts=()))
     return out
+
+
+class Reach:
+    """`needs_every_replica` of a step graph, read once per set of fetches
+    (an evaluation loop asks at every uneven batch)."""
+
+    def __init__(self, graph: tf.Graph):
+        self.graph, self._known = graph, {}
+
+    def needs_every_replica(self, fetches: list[Fetch]) -> bool:
+        key = tuple(fetches)
+        if key not in self._known:
+            self._known[key] = needs_every_replica(self.graph, fetches)
+        return self._known[key]
 
 
 def needs_every_replica(graph: tf.Graph, fetches: list[Fetch]) -> bool:

@@ -115,7 +115,7 @@ class Runner:
             config=self._session_config)
         if program.start:
             self.session.run(program.start, options=self._options)
-        self._kinds: dict[tuple, tuple[bool, bool, bool]] = {}
+        self._kinds, self._reach = {}, one_replica.Reach(self.graph)   # `_kind`; uneven feeds
         self._flush = list(program.flush)
         self._pending = False     # a training run left part of a table's update
 
@@ -129,7 +129,7 @@ class Runner:
         try:
             feeds = self.fetches.feeds(feed_dict)
         except UnevenFeed:          # an evaluation of a whole test set: on replica 0 alone
-            if trained or one_replica.needs_every_replica(self.graph, wanted):
+            if trained or self._reach.needs_every_replica(wanted):
                 raise
             feeds, wanted = self.fetches.feeds(feed_dict, True), one_replica.alone(wanted)
         names = [n for f in wanted for n in f.names]
