@@ -4,9 +4,12 @@ transposed convolutions, pools, paddings, tilings, splits and scans; through loo
 over time in TF1's two forms of control flow (v1 frames and functional
 While ops), tf.scan, and a tf_keras GRU called in a tf.compat.v1 graph (a
 function call holding a While); and the losses read through them."""
+import numpy as np
 import pytest
 import tensorflow as tf
 
+import parallax_ng as pn
+from models import train_both
 from parallax_ng.graph import forms
 from parallax_ng.graph.rows import batch_axis, batch_rows, counts_rows
 
@@ -157,3 +160,61 @@ def test_the_recursion_of_a_deep_chain_is_bounded():
             h = h + 1.0
         assert batch_rows(h, DATA)
         assert axis(tf.transpose(tf.stack([h] * 2))) == 1
+
+
+def test_images_through_tf_image_and_element_wise_math():
+    """Keras's augmentation and resizing layers and tf.image keep each
+    image a row (a crop's begin and size computed, as tf.image's are), and
+    so does the rest of tf.math's element-wise ops."""
+    with tf.Graph().as_default():
+        img = tf1.placeholder(tf.float32, (None, 8, 8, 3), name="x")
+        y0, x0 = tf.constant(1), tf.constant(2)
+        moved = tf.raw_ops.ImageProjectiveTransformV3(
+            images=img, transforms=tf.ones((1, 8)), output_shape=[6, 6], fill_value=0.0,
+            interpolation="BILINEAR")
+        cases = {
+            moved: 0,
+            tf.image.resize(img, (4, 4), "bicubic"): 0, tf.image.resize(img, (4, 4), "area"): 0,
+            tf.image.resize(img, (4, 4), "lanczos3"): 0, tf.image.adjust_hue(img, 0.1): 0,
+            tf.image.adjust_saturation(img, 2.0): 0, tf.image.adjust_contrast(img, 2.0): 0,
+            tf.image.rgb_to_hsv(img): 0, tf.image.hsv_to_rgb(img): 0,
+            tf.image.extract_patches(img, [1, 2, 2, 1], [1, 2, 2, 1], [1, 1, 1, 1], "VALID"): 0,
+            tf.nn.depth_to_space(tf.tile(img, [1, 1, 1, 4]), 2): 0,
+            tf.nn.space_to_depth(img, 2): 0, tf.nn.max_pool_with_argmax(img, 2, 2, "SAME")[0]: 0,
+            tf.slice(img, tf.stack([0, y0, x0, 0]), tf.stack([tf.shape(img)[0], 4, 4, -1])): 0,
+            tf.slice(img, tf.stack([y0, 0, 0, 0]), [-1, 4, 4, -1]): None,    # rows dropped
+            tf.math.atan(img) + tf.math.erfc(img) * tf.math.xlogy(img, img): 0,
+            tf.quantization.fake_quant_with_min_max_args(img): 0,
+            tf.nn.convolution(img, tf.ones((3, 3, 3, 2)), dilations=2, padding="SAME"): 0,
+        }
+        for t, want in cases.items():
+            assert batch_axis(t, ["x"]) == want, (t.name, batch_axis(t, ["x"]), want)
+
+
+def test_a_sum_over_images_an_image_op_changed_sums_the_replicas_gradients():
+    """A loss summed over the batch after image ops (before, an op the
+    rows did not pass through made its form unknown: averaged, half of
+    one device's step) equals one device with the global batch, 1e-5."""
+    rng = np.random.RandomState(3)
+    images, labels = rng.rand(32, 8, 8, 3).astype(np.float32), rng.randint(0, 3, 32)
+
+    def build(batch):
+        g = tf.Graph()
+        with g.as_default():
+            ds = pn.shard(tf.data.Dataset.from_tensor_slices((images, labels)))
+            x, y = tf1.data.make_one_shot_iterator(ds.batch(batch).repeat()).get_next()
+            h = tf.image.adjust_hue(tf.image.resize(x, (6, 6), "bicubic"), 0.1)
+            h = tf.raw_ops.ImageProjectiveTransformV3(
+                images=h, transforms=tf.constant([[1, 0.1, 0, 0, 1, 0, 0, 0]], tf.float32),
+                output_shape=[6, 6], fill_value=0.0, interpolation="BILINEAR")
+            k = tf1.get_variable("k", initializer=rng.randn(3, 3, 3, 4).astype(np.float32))
+            w = tf1.get_variable("w", initializer=rng.randn(4, 3).astype(np.float32))
+            logits = tf.matmul(tf.reduce_mean(tf.nn.conv2d(h, k, 1, "SAME"), [1, 2]), w)
+            loss = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+            train = tf1.train.GradientDescentOptimizer(0.01).minimize(loss)
+            init = tf1.global_variables_initializer()
+        return g, {"train": train, "init": init}
+    parallel, single, names = train_both(build, 2, 4, config={"run_option": "allreduce"})
+    for name in names:
+        for got in parallel[name]:
+            np.testing.assert_allclose(got, single[name], atol=1e-5, rtol=1e-5)

@@ -20,7 +20,8 @@ import tensorflow as tf
 
 from .. import compat
 from .recorders import input_rows
-from .rules import CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS, sparse_batch
+from .rules import (CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS, SHAPED, TRANSPOSED_CONVOLUTIONS,
+                    sparse_batch)
 
 
 def batch_rows(t: tf.Tensor, sources) -> bool:
@@ -48,21 +49,13 @@ def reading(sources, graph: tf.Graph) -> _Axes:
 # ops whose output is their input (the forms of loops and control flow included)
 _PASS = {"Identity", "Snapshot", "Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
          "RefNextIteration", "Switch", "RefSwitch", "EnsureShape", "CheckNumerics",
-         "StopGradient", "PreventGradient", "IdentityN"}
+         "CheckNumericsV2", "StopGradient", "PreventGradient", "IdentityN"}
 _LAST_AXIS = {"Softmax", "LogSoftmax"}      # mix their last axis
 _ROW_WISE = ELEMENTWISE - _PASS - _LAST_AXIS - {"Merge"}
 # ops that keep input 0's rows and change the rest (convolutions, pools, norms, top k)
 _KEEP_FIRST = FIRST - {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "ArgMax",
                        "ArgMin", "InTopKV2", "Cumsum", "Cumprod", "Pad", "PadV2", "MirrorPad",
                        "ReverseV2"}
-# ops that make a tensor of the shape their first input gives (ones, zeros,
-# random draws): it has the batch's rows where that shape's first entry counts them
-_SHAPED = {"Fill", "RandomStandardNormal", "RandomUniform", "RandomUniformInt",
-           "TruncatedNormal", "StatelessRandomNormal", "StatelessRandomUniform",
-           "StatelessTruncatedNormal", "StatelessRandomNormalV2", "StatelessRandomUniformV2",
-           "StatelessTruncatedNormalV2", "StatelessRandomUniformIntV2"}
-_TRANSPOSED_CONVOLUTIONS = {"Conv2DBackpropInput", "Conv3DBackpropInputV2",
-                            "DepthwiseConv2dNativeBackpropInput"}
 _CALLS = {"While": "body", "StatelessWhile": "body", "PartitionedCall": "f",
           "StatefulPartitionedCall": "f"}
 _BRANCHES = {"If", "StatelessIf"}
@@ -151,9 +144,11 @@ class _Axes:
         if kind in REDUCTIONS or kind in ("ArgMax", "ArgMin"):
             return self._reduced(op, t, keep=kind in REDUCTIONS and op.get_attr("keep_dims"))
         if kind in ("Cumsum", "Cumprod", "ReverseV2", "Pad", "PadV2", "MirrorPad", "Tile",
-                    "Split", "SplitV", "Slice"):
+                    "Split", "SplitV"):
             return self._along(op)
-        if kind in _TRANSPOSED_CONVOLUTIONS:         # input 2 is the data, 0 the shape
+        if kind == "Slice":
+            return self._slice(op)
+        if kind in TRANSPOSED_CONVOLUTIONS:         # input 2 is the data, 0 the shape
             return 0 if self.rows(op.inputs[2]) else None
         if kind in ("GatherV2", "ResourceGather", "Gather"):
             return self._gathered(op)
@@ -176,7 +171,7 @@ class _Axes:
             a, x = self.axis(op.inputs[0]), op.inputs[0]
             at = op.get_attr("axis") % x.shape.rank if x.shape.rank else None
             return None if a is None or at is None or a == at else a - 1 if a > at else a
-        if kind in _SHAPED:
+        if kind in SHAPED:
             return 0 if self._first_counts(op.inputs[0]) else None
         if kind == "StridedSlice":
             return self._sliced(op)
@@ -346,10 +341,15 @@ class _Axes:
             return a            # reversed rows are the same rows
         if op.type == "Tile":
             return a if np.shape(at) == (rank,) and at[a] == 1 else None
-        if op.type == "Slice":
-            size = tf.get_static_value(op.inputs[2])
-            return a if size is not None and at[a] == 0 and size[a] == -1 else None
         return a if np.shape(at) == (rank, 2) and not np.any(at[a]) else None
+
+    def _slice(self, op):       # of every row (tf.image's crops compute other entries)
+        a = self.axis(op.inputs[0])
+        begin, size = (tf.get_static_value(op.inputs[k], partial=True) for k in (1, 2))
+        if a is None or begin is None or len(begin) <= a or begin[a] != 0:
+            return None
+        return a if size is not None and len(size) > a and size[a] == -1 or \
+            a == 0 and self._free_first(op.inputs[2]) else None
 
     def _gathered(self, op):
         if op.type != "GatherV2":

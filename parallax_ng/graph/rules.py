@@ -44,7 +44,8 @@ READERS = frozenset({
 _WRITER_PATTERN = re.compile(
     r"^(AssignVariableOp|AssignAddVariableOp|AssignSubVariableOp|"
     r"ResourceApply\w+|ResourceSparseApply\w+|ResourceScatter\w+|"
-    r"ResourceStridedSliceAssign|ResourceCountUpTo|DestroyResourceOp|_VarHandlesOp)$")
+    r"ResourceStridedSliceAssign|ResourceCountUpTo|DestroyResourceOp|_VarHandlesOp|"
+    r"RngReadAndSkip)$")   # (a tf.random.Generator's draw: graph/generators.py)
 
 # Ops that meet other replicas or workers in a step (TensorFlow's collectives).
 COLLECTIVE_OPS = frozenset({
@@ -207,7 +208,16 @@ ELEMENTWISE = frozenset({
     "Select", "SelectV2", "Greater", "GreaterEqual", "Less", "LessEqual", "Equal",
     "NotEqual", "LogicalAnd", "LogicalOr", "LogicalNot", "IsFinite", "IsNan", "BiasAdd",
     "Softmax", "LogSoftmax", "Enter", "Exit", "Merge", "Switch", "NextIteration",
-    "CheckNumerics", "EnsureShape",
+    "CheckNumerics", "CheckNumericsV2", "EnsureShape",
+    # the rest of TensorFlow's element-wise math (tf.math, quantization, strings per entry)
+    "Tan", "Asin", "Acos", "Atan", "Atan2", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh",
+    "Erfc", "Erfinv", "Ndtri", "Lgamma", "Digamma", "Igamma", "Igammac", "Rint", "IsInf",
+    "Xlogy", "Xdivy", "Xlog1py", "Mod", "TruncateMod", "ApproximateEqual", "BitwiseAnd",
+    "BitwiseOr", "BitwiseXor", "Invert", "LeftShift", "RightShift", "Real", "Imag", "Conj",
+    "ComplexAbs", "Angle", "Complex", "BesselI0e", "BesselI1e", "Bucketize",
+    "FakeQuantWithMinMaxArgs", "FakeQuantWithMinMaxVars", "QuantizeAndDequantizeV2",
+    "QuantizeAndDequantizeV3", "QuantizeAndDequantizeV4", "StringToHashBucketFast",
+    "StringToHashBucketStrong", "StringToHashBucket", "StringToNumber", "AsString",
 })
 # outputs take input 0's first dimension
 FIRST = frozenset({
@@ -216,7 +226,25 @@ FIRST = frozenset({
     "FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "LRN",
     "ResizeBilinear", "ResizeNearestNeighbor", "Pad", "PadV2", "MirrorPad", "ArgMax", "ArgMin",
     "TopKV2", "InTopKV2", "Cumsum", "Cumprod", "ReverseV2",
+    # images in, the same images out (Keras's augmentation and resizing layers, tf.image)
+    "ImageProjectiveTransformV2", "ImageProjectiveTransformV3", "ResizeBicubic", "ResizeArea",
+    "ScaleAndTranslate", "AdjustContrastv2", "AdjustHue", "AdjustSaturation", "RGBToHSV",
+    "HSVToRGB", "ExtractImagePatches", "ExtractVolumePatches", "DepthToSpace", "SpaceToDepth",
+    "DrawBoundingBoxesV2", "MaxPoolWithArgmax", "FractionalMaxPool", "FractionalAvgPool",
+    "Dilation2D", "FakeQuantWithMinMaxVarsPerChannel",
+    # a dilated convolution's (tf.nn.convolution): the rows tiled by blocks, and back
+    "SpaceToBatchND", "BatchToSpaceND",
 })
+# ops that make a tensor of the shape their first input gives (ones, zeros,
+# random draws): it has the batch's rows where that shape's first entry counts them
+SHAPED = frozenset({
+    "Fill", "RandomStandardNormal", "RandomUniform", "RandomUniformInt", "TruncatedNormal",
+    "StatelessRandomNormal", "StatelessRandomUniform", "StatelessTruncatedNormal",
+    "StatelessRandomNormalV2", "StatelessRandomUniformV2", "StatelessTruncatedNormalV2",
+    "StatelessRandomUniformIntV2", "StatelessRandomUniformFullIntV2"})
+# transposed convolutions: input 2 is the data, input 0 the output's shape
+TRANSPOSED_CONVOLUTIONS = frozenset({"Conv2DBackpropInput", "Conv3DBackpropInputV2",
+                                     "DepthwiseConv2dNativeBackpropInput"})
 # the loss ops that line up logits (input 0) and labels (input 1)
 LOSSES = frozenset({"SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits"})
 # CTC's losses and decoders (time-major logits): (the input of the sequence
