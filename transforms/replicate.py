@@ -99,14 +99,16 @@ def _mask_stateless_seeds(out: list, ir: GraphIR, ctx, n: int) -> tuple[list, in
     the op's device, the op's seed input rewired to them."""
     todo = {}
     for key, mode in ctx.plan.random.items():
-        at = randomness.seed_input(ir.node(key)) if key in ir else None
+        state = key in ir and randomness.generator_read(ir.node(key))     # a generator's: its key
+        at = 0 if state else randomness.seed_input(ir.node(key)) if key in ir else None
         if mode != "distinct" or at is None:
             continue
-        dtype = ctx.tg.tensor(ir.data_inputs(key)[at]).dtype
+        seed = ctx.tg.tensor(ir.data_inputs(key)[at])
         for k in range(n):
             r = ctx.plan.replica_offset + k
             if r > 0:
-                todo[ctx.replica_name(k, key)] = (at, r, dtype)
+                todo[ctx.replica_name(k, key)] = (at, r, seed.dtype,
+                                                  state and seed.shape.as_list()[0])
     if not todo:
         return out, 0
     new = []
@@ -114,10 +116,10 @@ def _mask_stateless_seeds(out: list, ir: GraphIR, ctx, n: int) -> tuple[list, in
         if node.name not in todo:
             new.append(node)
             continue
-        at, r, dtype = todo[node.name]
+        at, r, dtype, words = todo[node.name]
         nd = copy_node(node)
-        mask = emit.const(f"{nd.name}/parallax_seed_mask", [randomness.seed_mask(r), 0],
-                          dtype, nd.device)
+        mask = emit.const(f"{nd.name}/parallax_seed_mask", randomness.key_mask(r, words)
+                          if words else [randomness.seed_mask(r), 0], dtype, nd.device)
         xor = emit.node_def(f"{nd.name}/parallax_seed", "BitwiseXor",
                             [nd.input[at], mask.name], nd.device, T=dtype)
         nd.input[at] = xor.name

@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings
 
 from ..errors import GraphError
-from . import randomness, rules
+from . import randomness, rules, variance
 
 # functional op -> its inputs before the functions' arguments (a predicate, a branch index)
 FUNCTIONAL = {"If": 1, "StatelessIf": 1, "Case": 1, "StatelessCase": 1, "While": 0,
@@ -70,7 +70,7 @@ def check_one_branch(tg, varies, var: str, writer: str, memo: dict) -> None:
     for replicas that never reach it."""
     for switch in switches_above(tg.ir, writer, memo):
         pred = tg.ir.data_inputs(switch)[1]
-        if varies(pred):
+        if varies(pred) and not variance.by_shapes_only(tg, pred.node):
             raise GraphError(
                 f"variable {var!r} is written by {writer!r} inside a tf.cond branch or while "
                 f"loop whose predicate {pred.node!r} differs between replicas (it depends on "

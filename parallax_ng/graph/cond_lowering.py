@@ -61,6 +61,9 @@ def copied(graph: tf.Graph, edit=None) -> tf.Graph:
     out.seed = graph.seed
     with out.as_default():
         tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
+    for key in graph.get_all_collection_keys():       # names the export made bytes
+        if (names := graph.get_collection(key)) and all(isinstance(n, str) for n in names):
+            out.get_collection_ref(key)[:] = names
     return out
 
 

@@ -1,13 +1,12 @@
 """Front end: a user's single-device training graph as a `TrainingGraph`.
 
 Requires: a `tf.Graph` built with tf.compat.v1 ops and resource or reference
-variables, trained by a tf.compat.v1.train or tf_keras optimizer (or any code
-that writes variables from `tf.gradients` outputs), or a MetaGraphDef (object
-or file) of one.
+variables, trained by an optimizer (or code that writes variables from
+`tf.gradients` outputs), or a MetaGraphDef (object or file) of one.
 Guarantees: every variable, its writers and readers, the state it owns (slots,
 moving averages), and for every trained variable the raw gradient tensors the
-autodiff produced (dense tensor, or values+indices of an IndexedSlices).
-The user's graph is not modified (`graph` may be a copy: cond_lowering, input_calls).
+autodiff produced (dense tensor, or values+indices of an IndexedSlices). The
+user's graph is not modified (a copy: cond_lowering, generators, input_calls).
 """
 from __future__ import annotations
 
@@ -20,7 +19,8 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
-from . import accumulation, branches, cond_lowering, distinct, input_calls, queues, rules, variance
+from . import (accumulation, branches, cond_lowering, distinct, generators, input_calls, queues,
+               rules, variance)
 from .ir import GraphIR, TensorRef
 
 SHARD_SCOPE = "parallax_shard"
@@ -210,7 +210,7 @@ def load(source) -> TrainingGraph:
     if not isinstance(source, tf.Graph):
         raise GraphError(f"cannot parallelize a {type(source).__name__}; pass a tf.Graph, a "
                          "tf.compat.v1.MetaGraphDef or the path of an exported .meta file")
-    tg = _from_graph(cond_lowering.lowered(source))
+    tg = _from_graph(generators.lowered(cond_lowering.lowered(source)))
     tg.user_graph = source
     input_calls.note(tg)          # gradients of the inputs: not losses (a copy notes them)
     return tg

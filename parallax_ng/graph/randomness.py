@@ -61,6 +61,7 @@ from tensorflow.python.framework import op_def_registry
 
 from ..errors import ConfigError
 
+GENERATOR_READ = "/parallax_generator_state"
 STATELESS = {"RandomUniform": "StatelessRandomUniformV2",
              "RandomStandardNormal": "StatelessRandomNormalV2",
              "TruncatedNormal": "StatelessTruncatedNormalV2",
@@ -101,13 +102,30 @@ def seed_input(node_def) -> int | None:
 
 def stateless_draws(ir, variant) -> list[str]:
     """Stateless random ops (top level) whose seed is the same on every
-    replica: its producer is not in `variant`."""
+    replica (its producer is not in `variant`), and the states a
+    tf.random.Generator's draws read (graph/generators.py)."""
     out = []
     for node in ir.nodes:
+        if generator_read(node):
+            out.append(node.name)
+            continue
         at = seed_input(node)
         if at is not None and ir.data_inputs(node.name)[at].node not in variant:
             out.append(node.name)
     return out
+
+
+def generator_read(node) -> bool:
+    """Whether NodeDef `node` is the state a tf.random.Generator's draw
+    reads, as graph/generators.py lowers it (an Identity of its read)."""
+    return node.op == "Identity" and bool(node.input) and \
+        node.input[0] == node.name + GENERATOR_READ
+
+
+def key_mask(replica: int, size: int) -> list[int]:
+    """What replica `replica` (> 0) XORs into a generator's state of `size`
+    words (graph/generators.py): the key, its last word."""
+    return [0] * (size - 1) + [seed_mask(replica)]
 
 
 def seed_mask(replica: int) -> int:

@@ -43,6 +43,31 @@ def replica_variant(tg, identical: frozenset[str] = frozenset(),
     return frozenset(variant)
 
 
+def by_shapes_only(tg, name: str) -> bool:
+    """Whether node `name` differs between replicas only through the shapes
+    of their data (tf.shape, tf.size, tf.rank): tf_keras's RandomCrop
+    compares the images' height and width with its crop under a tf.cond.
+    The replicas of a training step get batches of one shape (the split
+    is even), so they take the same branch; not where each replica pads
+    its own batch (a sharded padded_batch)."""
+    seen, todo = set(), [name]
+    while todo:
+        n = todo.pop()
+        if n in seen or n not in tg.variant:
+            continue
+        seen.add(n)
+        node = tg.ir.node(n)
+        if node.op in _SHAPES:
+            continue
+        if _is_source(tg, node):
+            return False
+        todo.extend(ref.node for ref in tg.ir.data_inputs(n))
+    return True
+
+
+_SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
+
+
 def _is_source(tg, node) -> bool:
     return (is_input_source(tg, node) or randomness.is_random(node)
             or randomness.seed_input(node) is not None)

@@ -1,0 +1,85 @@
+"""tf.random.Generator's draws, as ops the passes know.
+
+A `tf.random.Generator` (tf_keras's random image layers draw from one; TF2
+loops create their own) keeps its state in an int64 variable: Philox's
+128-bit counter as two words, then its key. Each draw reads that state
+and advances the counter in one op, `RngReadAndSkip`, and passes the old
+state to a stateless op as key and counter. No pass knows that op's write:
+`lowered` replaces each one (top level, after graph/cond_lowering.py) by
+ops that say the same in the terms the passes read:
+
+    <op>/parallax_generator_state  ReadVariableOp(state)
+    <op>/parallax_generator_next   AddV2(that, [0, 1, 0])   # the counter's high word
+    <op>/parallax_generator_write  AssignVariableOp(state, next)
+    <op>                           Identity(state read, ^write)
+
+Every call advances the high word of the counter by one, where TensorFlow
+advances the low word by 256 per value drawn: a call's values take the
+counter's low word from where the state has it, and no call draws 2**64
+blocks, so no two calls share a value. The advance is the same on every
+replica (it does not depend on the replica's rows), so the replicas'
+copies of the state stay equal with no exchange, and a checkpoint holds
+it: a restarted job draws what the uninterrupted one draws.
+The plan decides each such read like a random op (graph/randomness.py):
+under `distinct`, replica r > 0 reads the key XORed with
+`randomness.seed_mask(r)` (`randomness.key_mask`), so the replicas draw
+their own numbers and replica 0 the user's stream. The state a step
+leaves differs from one device's (another counter), as draws on several
+replicas differ from one device's.
+
+Requires: a tf.Graph. Guarantees: the graph itself where no top-level
+RngReadAndSkip is; else a copy (the user's graph is left as it is). A
+generator of another algorithm than Philox (ThreeFry runs under XLA only)
+is refused by name.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from ..errors import GraphError
+from . import emit
+from .cond_lowering import copied
+from .randomness import GENERATOR_READ as READ
+
+OP = "RngReadAndSkip"
+_PHILOX = (1, 3)    # RNG_ALG_PHILOX, and AUTO_SELECT (Philox on CPU and GPU)
+
+
+def lowered(graph: tf.Graph) -> tf.Graph:
+    """`graph`, or a copy with each top-level RngReadAndSkip lowered."""
+    if not any(op.type == OP for op in graph.get_operations()):
+        return graph
+    return copied(graph, lambda meta: _lower(meta.graph_def))
+
+
+def _lower(graph_def) -> None:
+    consts = {n.name: n for n in graph_def.node if n.op == "Const"}
+    out = []
+    for node in graph_def.node:
+        if node.op != OP:
+            out.append(node)
+            continue
+        resource, alg = (i for i in node.input[:2])
+        value = consts.get(alg.split(":")[0])
+        if value is None or int(tf.make_ndarray(value.attr["value"].tensor)) not in _PHILOX:
+            raise GraphError(
+                f"op {node.name!r} draws from a tf.random.Generator whose algorithm is not "
+                "Philox (or not a constant); parallax_ng replicates Philox generators "
+                "(tf.random.Generator.from_seed(seed) on CPU and GPU): create it with "
+                "alg='philox'")
+        name, dev = node.name, node.device
+        controls = [i for i in node.input if i.startswith("^")]
+        read = emit.node_def(name + READ, "ReadVariableOp", [resource] + controls, dev,
+                             dtype=tf.int64)
+        step = emit.const(name + "/parallax_generator_step", np.int64([0, 1, 0]), tf.int64,
+                          dev)
+        nxt = emit.node_def(name + "/parallax_generator_next", "AddV2",
+                            [read.name, step.name], dev, T=tf.int64)
+        write = emit.node_def(name + "/parallax_generator_write", "AssignVariableOp",
+                              [resource, nxt.name], dev, dtype=tf.int64)
+        state = emit.node_def(name, "Identity", [read.name, "^" + write.name], dev,
+                              T=tf.int64)
+        out.extend([read, step, nxt, write, state])
+    del graph_def.node[:]
+    graph_def.node.extend(out)

@@ -1,0 +1,97 @@
+"""tf.random.Generator's draws (graph/generators.py): replicas draw their own
+numbers, replica 0 the user's stream, the state advances alike on every
+replica; tf_keras's random image layers train under `fit`."""
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import local
+from parallax_ng.errors import GraphError
+
+tf1 = tf.compat.v1
+ROWS, FEATURES = 4, 8
+
+
+def noisy_model(seed=5, alg="philox"):
+    """A generator's uniform noise per row times the data; the noise fetched."""
+    g = tf.Graph()
+    with g.as_default():
+        gen = tf.random.Generator.from_seed(seed, alg=alg)
+        x = tf1.placeholder(tf.float32, [None, FEATURES], name="x")
+        noise = tf.identity(gen.uniform([tf.shape(x)[0], FEATURES]), name="noise")
+        w = tf1.get_variable("w", [FEATURES, 1])
+        loss = tf.reduce_mean(tf.matmul(x * noise, w), name="loss")
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        tf.identity(gen.state, name="state")
+        tf1.global_variables_initializer()
+    return g
+
+
+def draws(config, n=2, steps=2):
+    ones = np.ones([ROWS * n, FEATURES], np.float32)
+    with pn.get_runner(noisy_model(), local(n), config) as runner:
+        runner.run("init")
+        start = runner.run("state:0")
+        out = [runner.run(["noise:0", "train"], {"x:0": ones}, per_replica=True)[0]
+               for _ in range(steps)]
+        return out, start, runner.run("state:0")
+
+
+@pytest.mark.parametrize("run_option", ["allreduce", "ps"])
+def test_replicas_draw_their_own_numbers_and_replica_0_the_user_s(run_option):
+    (a, b), start, end = draws({"run_option": run_option})
+    assert not np.array_equal(a[0], a[1]) and not np.array_equal(b[0], b[1])
+    assert not np.array_equal(a[0], b[0]) and not np.array_equal(a[1], b[1])   # each step new
+    with tf1.Session(graph=noisy_model()) as sess:      # one device's first draw, its rows
+        sess.run("init")
+        one = sess.run("noise:0", {"x:0": np.ones([ROWS, FEATURES], np.float32)})
+    np.testing.assert_array_equal(a[0], one)
+    # every step advances the counter's high word once: the replicas' copies alike
+    np.testing.assert_array_equal(end - start, [0, 2, 0])
+    (c, d), _, _ = draws({"run_option": run_option})          # deterministic
+    np.testing.assert_array_equal(np.concatenate(c), np.concatenate(a))
+    np.testing.assert_array_equal(np.concatenate(d), np.concatenate(b))
+
+
+def test_identical_streams_draw_alike_on_every_replica():
+    (a, _), _, _ = draws({"run_option": "allreduce", "random": "identical"})
+    np.testing.assert_array_equal(a[0], a[1])
+
+
+def test_a_generator_of_another_algorithm_is_refused_by_name():
+    with pytest.raises(GraphError, match="RngReadAndSkip.*Philox"):
+        pn.get_runner(noisy_model(alg="threefry"), local(2), {"run_option": "allreduce"})
+
+
+def test_tf_keras_random_image_layers_train_under_fit():
+    """tf_keras's RandomFlip, RandomRotation and RandomCrop draw from
+    generators (RandomCrop under a tf.cond on the images' height and width,
+    which every replica shares): fit runs with no warning about the loss,
+    and the layers' states advance by whole steps' draws."""
+    import tf_keras
+    layers = tf_keras.layers
+    rng = np.random.RandomState(0)
+    x, y = rng.rand(32, 10, 10, 3).astype(np.float32), rng.randint(0, 3, 32)
+    tf_keras.utils.set_random_seed(1)
+    augment = [layers.RandomFlip("horizontal"), layers.RandomRotation(0.1),
+               layers.RandomCrop(8, 8)]
+    model = tf_keras.Sequential([tf_keras.Input((10, 10, 3)), *augment,
+                                 layers.Conv2D(4, 3), layers.GlobalAveragePooling2D(),
+                                 layers.Dense(3)])
+    model.compile(tf_keras.optimizers.SGD(0.01),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    states = [layer._random_generator._generator.state for layer in augment]
+    start = [s.numpy() for s in states]
+    pn.parallelize(model, local(2), {"run_option": "allreduce"})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    assert not [w for w in seen if "mean or a sum" in str(w.message)]
+    assert np.all(np.isfinite(history.history["loss"]))
+    for s, before in zip(states, start):        # 4 steps, each its draws
+        low, high, key = s.numpy() - before
+        assert low == key == 0 and high > 0 and high % 4 == 0
+
