@@ -4,6 +4,8 @@ tests/test_launch.py, tests/test_restarts.py.)"""
 import subprocess
 import sys
 
+import pytest
+
 from parallax_ng.resources import load_resources
 from parallax_ng.runtime.heartbeat import MARK
 from parallax_ng.tools.tasks import THREADS, Job, Outcome, Task, thread_share
@@ -150,3 +152,43 @@ def test_another_tasks_line_ends_a_shown_progress_bar(monkeypatch):
     assert out.getvalue() == (b"\r[worker 0] 1/3\n[worker 1] Epoch 2/2\n"
                               b"\r[worker 0] 2/3\n[worker 0] a warning\n"
                               b"\r[worker 0] 3/3\r[worker 0] 3/3 done\n")
+
+
+TEARDOWN_LINES = (
+    "W0000 00:00:1796220489.574492   26579 master_session.cc:2166] UNAVAILABLE: failed to "
+    "connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:30230: Failed to connect "
+    "to remote host: Connection refused\n"
+    "Additional GRPC error information from remote target /job:worker/replica:0/task:1 while "
+    "calling /tensorflow.WorkerService/DeleteWorkerSession:\n"
+    ':UNKNOWN:Error received from peer  {grpc_message:"failed to connect", grpc_status:14}\n')
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_session_closed_after_another_task_ended_is_not_shown(verbose):
+    """A worker that closes its session after another task's process ended
+    (the job done) gets TensorFlow's warning and gRPC's two lines naming
+    DeleteWorkerSession: dropped, whole, and only they (the same lines
+    about another call, or split by another line, are shown)."""
+    import io
+    import os
+
+    class Out(io.BytesIO):
+        buffer = property(lambda self: self)
+
+        def isatty(self):
+            return False
+    other = TEARDOWN_LINES.replace("DeleteWorkerSession", "RunGraph")
+    text = ("before\n" + TEARDOWN_LINES + TEARDOWN_LINES.split("\n", 1)[1] + "between\n" +
+            other + TEARDOWN_LINES.split("\n")[0] + "\nafter\n" + TEARDOWN_LINES[:150])
+    out = Out()
+    read, write = os.pipe()
+    for k in range(0, len(text), 97):       # in pieces that split lines
+        os.write(write, text[k:k + 97].encode())
+    os.close(write)
+    Task("worker 0", None, verbose=verbose)._copy(os.fdopen(read, "rb"), out)
+    shown = out.getvalue().decode().replace("[worker 0] ", "")
+    if verbose:
+        assert shown == text + "\n"
+    else:
+        assert shown == ("before\nbetween\n" + other + TEARDOWN_LINES.split("\n")[0] +
+                         "\nafter\n" + TEARDOWN_LINES[:150] + "\n")

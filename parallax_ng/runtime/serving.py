@@ -3,8 +3,9 @@ its workers outside their training steps.
 
 Requires: a ClusterInfo (parallax_ng/cluster.py) and the task's started
 server. Guarantees: a parameter-server task `serve`s until every worker has
-said it is done (`done_ops`, which a worker's runner runs when it closes),
-or until no worker has been reachable for the timeout; SIGTERM (a
+said it is done (`done_ops`, which a worker's runner runs when it closes)
+and their processes have ended (or LINGER_SECONDS more), or until no
+worker has been reachable for the timeout; SIGTERM (a
 preemption's notice) does not end it, it tells the launcher, whose workers
 then checkpoint and finish; `share` gives worker
 0's value to every other worker once, within the timeout.
@@ -17,6 +18,10 @@ import os
 from ..cluster import ClusterInfo
 
 DONE_QUEUE = "parallax_ng/workers_done"   # on every server: one token per finished worker
+# how long a server serves on once every worker is done, while some worker's
+# process is still up: a worker says it is done before its sessions close,
+# and a session closed after its server is gone logs a gRPC error
+LINGER_SECONDS = 30.0
 
 
 def done_ops(graph, servers: list[str], workers: int, worker: int) -> list:
@@ -103,6 +108,9 @@ def serve(info: ClusterInfo, timeout_seconds: float, poll_seconds: float = 2.0) 
     waiting.start()
     while waiting.is_alive():      # the main thread stays free for a SIGTERM's handler
         waiting.join(0.5)
+    linger = time.monotonic() + LINGER_SECONDS     # while the workers close their sessions
+    while time.monotonic() < linger and any(_reachable(a) for a in info.workers):
+        time.sleep(0.2)
     return 0
 
 

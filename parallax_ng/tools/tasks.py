@@ -56,6 +56,14 @@ QUIET = re.compile(
     rb"|coordination_service\.cc:\d+\] Initializing CoordinationService"
     rb"|profiler_session\.cc:\d+\] Profiler session "
     rb"(initializing|started|collecting data|tear down)\.")
+# A session closed after another task of the job ended (a worker's process
+# exits while another still closes its sessions, which tell every task they
+# used): its warning, then gRPC's two lines naming the call. Dropped together
+# where the call is the session's teardown (DeleteWorkerSession).
+TEARDOWN = (re.compile(rb"master_session\.cc:\d+\] UNAVAILABLE: failed to connect"),
+            re.compile(rb"^Additional GRPC error information from remote target .* while "
+                       rb"calling /tensorflow\.WorkerService/DeleteWorkerSession:"),
+            re.compile(rb"^:UNKNOWN:Error received from peer"))
 # Shown once a task: a traced run on a machine without GPU tracing says so
 # every time (a CPU-only machine has nothing to trace there).
 ONCE = re.compile(rb"xplane_to_step_stats\.cc:\d+\] GPU trace was not collected")
@@ -111,16 +119,31 @@ class Task:
         """Whole lines, prefixed; a line the task rewrites by carriage
         returns (Keras's progress bar) as what a terminal would show of it:
         its last part, and on a terminal its parts as they come."""
-        prefix, pending = f"[{self.name}] ".encode(), b""
+        prefix, pending, held = f"[{self.name}] ".encode(), b"", []
         while chunk := os.read(pipe.fileno(), 1 << 16):
             *lines, pending = (pending + chunk).split(b"\n")
             for line in lines:
-                self._line(line + b"\n", prefix, out)
+                held = self._teardown(held + [line], prefix, out)
             if b"\r" in pending and self.shown and out.isatty():
                 self._live(_shown_part(pending), prefix, out)
-        if pending:
-            self._line(pending + b"\n", prefix, out)
+        for line in held + ([pending] if pending else []):
+            self._line(line + b"\n", prefix, out)
         pipe.close()
+
+    def _teardown(self, lines: list, prefix: bytes, out) -> list:
+        """`lines` shown but TEARDOWN's: a start of them is held back (and
+        returned) until it is whole (dropped) or a line shows it is not."""
+        while lines:
+            k = next((k for k in (0, 1) if TEARDOWN[k].search(lines[0])), None)
+            group = lines[:3 - k] if k is not None else []
+            if self.verbose or k is None or not all(
+                    TEARDOWN[k + j].search(x) for j, x in enumerate(group)):
+                self._line(lines.pop(0) + b"\n", prefix, out)
+            elif len(group) < 3 - k:
+                return lines        # more to come
+            else:
+                del lines[:3 - k]
+        return []
 
     def _line(self, line: bytes, prefix: bytes, out) -> None:
         mark = line.find(heartbeat.MARK.encode())
