@@ -56,6 +56,26 @@ def test_replicas_draw_their_own_numbers_and_replica_0_the_user_s(run_option):
     np.testing.assert_array_equal(np.concatenate(d), np.concatenate(b))
 
 
+def test_state_written_from_a_draw_stays_one_value_on_every_replica():
+    """A draw differs between replicas, so a variable written from it is
+    synced (the replicas' mean) like one written from their data."""
+    g = tf.Graph()
+    with g.as_default():
+        gen = tf.random.Generator.from_seed(5)
+        x = tf1.placeholder(tf.float32, [None, FEATURES], name="x")
+        stat = tf1.get_variable("stat", [], trainable=False, initializer=tf1.zeros_initializer())
+        w = tf1.get_variable("w", [FEATURES, 1])
+        loss = tf.reduce_mean(tf.matmul(x, w))
+        with tf.control_dependencies([stat.assign(tf.reduce_mean(gen.uniform([3])))]):
+            train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        init = tf1.global_variables_initializer()
+    with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
+        runner.run(init)
+        runner.run(train, {x: np.ones([2 * ROWS, FEATURES], np.float32)})
+        first, second = runner.run(stat, per_replica=True)
+    assert first == second and 0 < first < 1
+
+
 def test_identical_streams_draw_alike_on_every_replica():
     (a, _), _, _ = draws({"run_option": "allreduce", "random": "identical"})
     np.testing.assert_array_equal(a[0], a[1])

@@ -4,7 +4,7 @@ replica.
 Requires: a TrainingGraph (duck-typed: its IR, gradient tensors and graph).
 Guarantees: `replica_variant` is every node downstream of a per-replica
 source (input pipelines, queue reads, split placeholders, random ops,
-stateless ones included) along
+stateless ones and tf.random.Generator's draws included) along
 data edges, a loop's back edges included (a value a while loop carries
 from the data: an RNN's outputs), gradients aside (the transformation
 aggregates them);
@@ -70,7 +70,7 @@ _SHAPES = frozenset({"Shape", "ShapeN", "Size", "Rank"})
 
 def _is_source(tg, node) -> bool:
     return (is_input_source(tg, node) or randomness.is_random(node)
-            or randomness.seed_input(node) is not None)
+            or randomness.seed_input(node) is not None or randomness.generator_read(node))
 
 
 def is_input_source(tg, node) -> bool:
