@@ -56,6 +56,22 @@ def test_replicas_draw_their_own_numbers_and_replica_0_the_user_s(run_option):
     np.testing.assert_array_equal(np.concatenate(d), np.concatenate(b))
 
 
+def test_a_run_restored_from_its_checkpoint_draws_what_the_uninterrupted_one_does(tmp_path):
+    """The generator's state is a variable the checkpoint holds: a run
+    stopped after 2 steps and restored draws at step 3 what a run of 3
+    steps draws."""
+    ones = np.ones([ROWS * 2, FEATURES], np.float32)
+
+    def steps(n, config):
+        with pn.get_runner(noisy_model(), local(2), config) as runner:
+            runner.run("init")
+            return [runner.run(["noise:0", "train"], {"x:0": ones})[0] for _ in range(n)]
+    whole = steps(3, {"run_option": "allreduce"})
+    saved = {"run_option": "allreduce", "checkpoint": {"dir": str(tmp_path), "every_steps": 1}}
+    steps(2, saved)
+    np.testing.assert_array_equal(steps(1, saved)[0], whole[2])
+
+
 def test_state_written_from_a_draw_stays_one_value_on_every_replica():
     """A draw differs between replicas, so a variable written from it is
     synced (the replicas' mean) like one written from their data."""

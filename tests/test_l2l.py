@@ -483,16 +483,20 @@ def test_transformer_stack_equals_one_device():
 
 def test_device_memory_constant_in_depth_with_a_host_stash():
     """benchmarks/l2l_memory.py's figure (variables on the stand-in device
-    plus the largest peak of three traced steps) for a small transformer
-    stack at 2 and 6 layers."""
+    plus the largest peak of a few traced steps) for a small transformer
+    stack at 2 and 6 layers. A step's peak depends on the order two
+    threads run its ops in: on a loaded machine (CI, beside a build) the
+    host stash's 2 layers peaked at 381,440 bytes in each of 3 steps, where
+    this machine alone reads 423,936 at 2 and at 6 layers; the largest of 6
+    steps is read, and 15% is that spread, against the baseline's 2.2x."""
     small = ["--dim", "32", "--ffn", "64", "--batch", "8"]
 
     def device_bytes(layers, mode):
-        return sum(l2l_memory.device_bytes(layers, mode, argv=small, steps=3))
+        return sum(l2l_memory.device_bytes(layers, mode, argv=small, steps=6))
     base, host, device = ([device_bytes(n, mode) for n in (2, 6)]
                           for mode in ("baseline", "host", "device"))
     assert base[1] > 2.2 * base[0], base            # the baseline grows with depth
-    assert host[1] <= 1.10 * host[0], host          # L2L with a host stash does not
+    assert host[1] <= 1.15 * host[0], host          # L2L with a host stash does not
     assert host[1] < base[1] / 2
     assert host[1] < device[1] and device[0] < device[1], (host, device)   # the stash
     assert device[1] - device[0] < (base[1] - base[0]) / 4

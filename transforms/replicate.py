@@ -95,8 +95,9 @@ def _seed(nd, key: str, k: int, ctx) -> None:
 
 def _mask_stateless_seeds(out: list, ir: GraphIR, ctx, n: int) -> tuple[list, int]:
     """Every replica but the job's first reads a distinct stateless op's seed
-    XORed with its mask (graph/randomness.py): a Const and a BitwiseXor on
-    the op's device, the op's seed input rewired to them."""
+    (a tf.random.Generator's state: its key) XORed with its mask
+    (graph/randomness.py): a Const and a BitwiseXor on the op's device, the
+    op's seed input rewired to them."""
     todo = {}
     for key, mode in ctx.plan.random.items():
         state = key in ir and randomness.generator_read(ir.node(key))     # a generator's: its key

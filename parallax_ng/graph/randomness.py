@@ -29,7 +29,10 @@ names them and the plan decides them like the stateful ones: under
 (the first element; the second, Keras's call counter, is left alone), so
 replica 0 still draws what one device draws for its rows. A seed computed
 from the input (a per-example seed) already differs per replica and is left
-alone. Random ops that feed a queue an input producer fills are pinned to
+alone. A tf.random.Generator's draws read its state through an Identity
+(graph/generators.py lowers them so): `stateless_draws` names those too,
+and under `distinct` replica r > 0 XORs `key_mask(r)` into the key.
+Random ops that feed a queue an input producer fills are pinned to
 `identical` elsewhere (their shuffle must agree for the shards to be
 disjoint).
 
