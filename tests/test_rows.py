@@ -169,6 +169,7 @@ def test_images_through_tf_image_and_element_wise_math():
     with tf.Graph().as_default():
         img = tf1.placeholder(tf.float32, (None, 8, 8, 3), name="x")
         y0, x0 = tf.constant(1), tf.constant(2)
+        times = tf1.placeholder(tf.int32, [], name="times")
         moved = tf.raw_ops.ImageProjectiveTransformV3(
             images=img, transforms=tf.ones((1, 8)), output_shape=[6, 6], fill_value=0.0,
             interpolation="BILINEAR")
@@ -186,6 +187,9 @@ def test_images_through_tf_image_and_element_wise_math():
             tf.math.atan(img) + tf.math.erfc(img) * tf.math.xlogy(img, img): 0,
             tf.quantization.fake_quant_with_min_max_args(img): 0,
             tf.nn.convolution(img, tf.ones((3, 3, 3, 2)), dilations=2, padding="SAME"): 0,
+            tf.tile(img, tf.stack([1, times, 1, 1])): 0,
+            tf.tile(img, tf.stack([times, 1, 1, 1])): None,
+            tf.math.bincount(tf.cast(img[:, 0, :, 0], tf.int32), minlength=4, axis=-1): 0,
         }
         for t, want in cases.items():
             assert batch_axis(t, ["x"]) == want, (t.name, batch_axis(t, ["x"]), want)

@@ -2,14 +2,12 @@
 batch's examples (`batch_axis`), and whether it is the first (`batch_rows`),
 read through the ops a step is made of: transposes, stacks, the elements of
 TensorArrays and TensorLists (recurrent layers run time-major), while loops
-in TensorFlow's three forms (v1 frames, lowered in a traced function, a
-functional While), called functions, and a traced step's gradients of its
-inputs (graph/recorders.py).
-
-Requires: tf.Tensors of a graph and the names of its data sources (the ops
-whose first dimension is the batch). Guarantees: reads the graph only; None
-where the ops do not show the axis, never a guess (a reshape that keeps its
-first dimension free keeps the batch there). Read by graph/forms.py.
+in TensorFlow's three forms, called functions, and a traced step's
+gradients of its inputs (graph/recorders.py). Requires: tf.Tensors of a
+graph and the names of its data sources (the ops whose first dimension is
+the batch). Guarantees: reads the graph only; None where the ops do not
+show the axis, never a guess (a reshape that keeps its first dimension
+free keeps the batch there). Read by graph/forms.py.
 """
 from __future__ import annotations
 
@@ -137,6 +135,8 @@ class _Axes:
         if kind in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
             a = self._first(self.axis, op.inputs)
             return a if a is not None and rank and a < rank - 2 else None
+        if kind == "DenseBincount":     # counts per row of a matrix (CategoryEncoding's)
+            return 0 if op.inputs[0].shape.rank == 2 and self.rows(op.inputs[0]) else None
         if kind == "OneHot":
             a = self.axis(op.inputs[0])
             at = op.get_attr("axis")
@@ -331,7 +331,7 @@ class _Axes:
         axes, and a padding, tiling or slice that adds or drops none of its rows."""
         data, at = (1, 0) if op.type == "Split" else (0, 2 if op.type == "SplitV" else 1)
         x = op.inputs[data]
-        a, at = self.axis(x), tf.get_static_value(op.inputs[at])
+        a, at = self.axis(x), tf.get_static_value(op.inputs[at], partial=op.type == "Tile")
         rank = x.shape.rank
         if a is None or at is None or not rank:
             return None
