@@ -49,6 +49,7 @@ def test_a_run_that_ends_saves_its_last_steps_and_says_so(tmp_path):
     first = run([sys.executable, SCRIPT, ck, out, "7"])
     assert [ln for ln in first.stderr.splitlines() if "parallax_ng: " in ln] == [
         f"parallax_ng: saved step {s} to {ck}/model.ckpt-{s}" for s in (5, 7)]
+    assert "update_checkpoint_state" not in first.stderr     # (its deprecation notice)
     again = run([sys.executable, SCRIPT, ck, out, "9"])
     assert "starting at step 7" in again.stdout
     assert f"parallax_ng: restored step 7 from {ck}/model.ckpt-7" in again.stderr

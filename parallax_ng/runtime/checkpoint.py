@@ -36,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 import tensorflow as tf
+from tensorflow.python.checkpoint import checkpoint_management
 
 from ..compat import is_ref_dtype
 from ..errors import ParallaxError
@@ -207,11 +208,11 @@ class Checkpointer:
         os.makedirs(self.inputs, exist_ok=True)
         session.run(self.save_op, {self.prefix: path, self.input_prefix: mine})
         if self.workers > 1:
-            tf.compat.v1.train.update_checkpoint_state(self.inputs, mine)
+            _point(self.inputs, mine)
             if self.worker > 0:
                 return path
             self._wait_for_every_worker(step)
-        tf.compat.v1.train.update_checkpoint_state(self.directory, path)
+        _point(self.directory, path)
         return path
 
     def _wait_for_every_worker(self, step: int) -> None:
@@ -259,6 +260,13 @@ class Checkpointer:
             for _ in range(int(session.run(calls))):
                 session.run(sampler, fed)
         return step
+
+
+def _point(directory: str, path: str) -> None:
+    """The directory's `checkpoint` file names `path` as its latest (what
+    tf.compat.v1.train.update_checkpoint_state writes, without the
+    deprecation notice every job printed from here)."""
+    checkpoint_management.update_checkpoint_state_internal(directory, path)
 
 
 def _step_of(path: str | None) -> int | None:

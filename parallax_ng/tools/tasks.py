@@ -41,7 +41,8 @@ _LIVE: list = [None]   # the task whose unfinished line (a progress bar) is on t
 # - the start-up block of a CPU-only process and of a gRPC server;
 # - the four lines of every profiler session TensorFlow opens for a traced
 #   run (a job times its first steps and its plans' trials with traced
-#   runs: some 25 sessions a worker, 100 lines).
+#   runs: some 25 sessions a worker, 100 lines), and the note such a run
+#   logs where no GPU is to trace.
 QUIET = re.compile(
     rb"local_rendezvous\.cc:\d+\] Local rendezvous is aborting with status: "
     rb"ABORTED: Cleanup \d+"
@@ -55,7 +56,8 @@ QUIET = re.compile(
     rb"|master\.cc:\d+\] Scanning workers for devices"
     rb"|coordination_service\.cc:\d+\] Initializing CoordinationService"
     rb"|profiler_session\.cc:\d+\] Profiler session "
-    rb"(initializing|started|collecting data|tear down)\.")
+    rb"(initializing|started|collecting data|tear down)\."
+    rb"|xplane_to_step_stats\.cc:\d+\] GPU trace was not collected")
 # A session closed after another task of the job ended (a worker's process
 # exits while another still closes its sessions, which tell every task they
 # used): its warning, then gRPC's two lines naming the call. Dropped together
@@ -64,9 +66,6 @@ TEARDOWN = (re.compile(rb"master_session\.cc:\d+\] UNAVAILABLE: failed to connec
             re.compile(rb"^Additional GRPC error information from remote target .* while "
                        rb"calling /tensorflow\.WorkerService/DeleteWorkerSession:"),
             re.compile(rb"^:UNKNOWN:Error received from peer"))
-# Shown once a task: a traced run on a machine without GPU tracing says so
-# every time (a CPU-only machine has nothing to trace there).
-ONCE = re.compile(rb"xplane_to_step_stats\.cc:\d+\] GPU trace was not collected")
 
 
 def _shown_part(text: bytes) -> bytes:
@@ -89,7 +88,6 @@ class Task:
     tail: collections.deque = field(default_factory=lambda: collections.deque(
         maxlen=TAIL_LINES))
     readers: list = field(default_factory=list)
-    said: set = field(default_factory=set)    # the ONCE lines it has shown
     beat: float | None = None   # when its last heartbeat came (monotonic)
     state: tuple = ("idle", 0.0)   # in a runner's step or not, and for how long
     timeout: float = 0.0        # the job's timeout, as the task said it
@@ -155,7 +153,7 @@ class Task:
         rewritten = b"\r" in line          # the end of a line shown in place
         if rewritten:
             line = _shown_part(line[:-1]) + b"\n"
-        if not self.verbose and (QUIET.search(line) or self._repeated(line)):
+        if not self.verbose and QUIET.search(line):
             return
         if not self.shown:
             self.tail.append(line)
@@ -174,16 +172,6 @@ class Task:
             live, _LIVE[0] = _LIVE[0], self
             out.buffer.write((b"\n" if live not in (None, self) else b"") + b"\r" + prefix + part)
             out.buffer.flush()
-
-    def _repeated(self, line: bytes) -> bool:
-        """Whether `line` is a ONCE line this task has shown already."""
-        seen = ONCE.search(line)
-        if seen is None:
-            return False
-        if seen.group() in self.said:
-            return True
-        self.said.add(seen.group())
-        return False
 
     def _told(self, text: str) -> None:
         """A line the task wrote for the launcher (parallax_ng/runtime/heartbeat.py)."""
