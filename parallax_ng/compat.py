@@ -116,3 +116,19 @@ def function_graph(graph: tf.Graph, name: str):
             g = getattr(g, "outer_graph", None)
         bodies[name] = body
     return bodies[name]
+
+
+def trace_level(target: str = "") -> int:
+    """The RunOptions trace level of a run traced for its step stats (times,
+    allocations) in a session on `target`: SOFTWARE_TRACE in this process
+    (a direct session: the same stats, without the warning FULL_TRACE logs
+    there on a CPU-only machine every run, "GPU trace was not collected"),
+    FULL_TRACE where this process sees a GPU (its kernels' times too) or
+    the session is a gRPC server's (whose workers keep no stats for less)."""
+    options = tf.compat.v1.RunOptions
+    return options.FULL_TRACE if target or _gpus() else options.SOFTWARE_TRACE
+
+
+@lru_cache(maxsize=None)
+def _gpus() -> bool:
+    return bool(tf.config.list_physical_devices("GPU"))

@@ -92,3 +92,30 @@ def test_a_deeper_stack_holds_more_on_its_device():
     d, f = 32, 64
     assert r4 - r2 == 2 * 3 * 4 * (4 * d * d + 2 * d * f + f + 4 * d)
     assert p4 > 1.5 * p2, (p2, p4)
+
+
+def test_a_traced_run_in_this_process_keeps_its_stats_and_logs_no_gpu_warning():
+    """compat.trace_level: a direct session's traced run (a job times its
+    first steps so) records the same allocations at SOFTWARE_TRACE, without
+    the warning FULL_TRACE logs on a CPU-only machine at every run; a gRPC
+    server's session keeps FULL_TRACE (its workers record nothing for less)."""
+    import os
+    import subprocess
+    import sys
+
+    from parallax_ng import compat
+    assert compat.trace_level("grpc://127.0.0.1:1") == tf1.RunOptions.FULL_TRACE
+    if tf.config.list_physical_devices("GPU"):
+        return
+    assert compat.trace_level() == tf1.RunOptions.SOFTWARE_TRACE
+    code = ("import tensorflow as tf\nfrom parallax_ng.runtime import memory\n"
+            "g = tf.Graph()\nwith g.as_default():\n"
+            "    x = tf.compat.v1.placeholder(tf.float32, [64, 64])\n    y = tf.matmul(x, x)\n"
+            "md = tf.compat.v1.RunMetadata()\nwith tf.compat.v1.Session(graph=g) as s:\n"
+            "    s.run(y, {x: [[1.0] * 64] * 64}, options=memory.traced(), run_metadata=md)\n"
+            "print(sum(memory.step_peaks(md).values()))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0 and int(done.stdout.split()[-1]) >= 64 * 64 * 4, done.stderr
+    assert "GPU trace was not collected" not in done.stderr

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import compat
 from ..comm.collectives import OP_TIMEOUT_SECONDS
 from ..comm.keys import BENCHMARK_GROUP
 from ..methods import method
@@ -138,7 +139,7 @@ def measure(target: str, devices: list[str], group_size: int, nbytes: list[int],
                         subdiv_offsets=[0], wait_for=[], communication_hint="auto",
                         timeout_seconds=OP_TIMEOUT_SECONDS).op)
             runs.append(ops)
-    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
+    options = tf.compat.v1.RunOptions(trace_level=compat.trace_level(target),
                                       timeout_in_ms=int(timeout_seconds * 1000))
     points = []
     with tf.compat.v1.Session(target, graph=graph, config=session_config) as session:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .. import compat
 from ..graph import rules
 from .analysis import analyze, forward_depths, unknown_rows
 from .costfit import Fit
@@ -303,7 +304,7 @@ def first_step_profile(tg, timeout_seconds: float, steps: int = 1, feeds: dict |
     probe = {v: f"{g.indices.node}:{g.indices.index}" for v, g in sorted(tg.gradients.items())
              if g.sparse and g.indices is not None}
     probe.update(unknown_rows(tg, analyze(tg)))
-    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE,
+    options = tf.compat.v1.RunOptions(trace_level=compat.trace_level(),
                                       timeout_in_ms=int(timeout_seconds * 1000))
     config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
     profile = None

@@ -11,7 +11,7 @@ order; the step's peak is their largest value. Memory allocated before the
 step and kept (variables, a stash in a variable) has no records in it:
 `resident_bytes` adds the variables placed on the device.
 
-Requires: RunMetadata of a run with `trace_level=FULL_TRACE`.
+Requires: RunMetadata of a traced run (`traced`, compat.trace_level).
 Guarantees: `step_peaks` maps every traced device to its peak live bytes
 (0 when it allocated nothing); deterministic for a given RunMetadata.
 """
@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from ..compat import trace_level
+
 
 def traced() -> tf.compat.v1.RunOptions:
     """Run options that record allocations."""
-    return tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    return tf.compat.v1.RunOptions(trace_level=trace_level())
 
 
 def step_peaks(run_metadata) -> dict[str, int]:

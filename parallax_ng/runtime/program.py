@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import tensorflow as tf
 
+from .. import compat
 from ..graph.queues import QueueThreads
 from ..pipeline.results import CountedDraws, Deferred, PartsWritten
 from .checkpoint import Checkpointer, Layout
@@ -65,12 +66,13 @@ def bounded(options, default):
     return bounded
 
 
-def traced(options, run_metadata):
-    """Run options that trace the step (keeping a timeout), and RunMetadata."""
+def traced(options, run_metadata, target: str = ""):
+    """Run options that trace the step in a session on `target` (keeping a
+    timeout), and RunMetadata."""
     traced = tf.compat.v1.RunOptions()
     if options is not None:
         traced.CopyFrom(options)
-    traced.trace_level = tf.compat.v1.RunOptions.FULL_TRACE
+    traced.trace_level = compat.trace_level(target)
     return traced, run_metadata if run_metadata is not None else tf.compat.v1.RunMetadata()
 
 

@@ -110,9 +110,9 @@ class Runner:
         self.graph, self.fetches = program.graph, program.fetches
         self.executor, self._options = program.executor, program.options
         self._checkpoints, self._queues = program.checkpoints, program.queues
-        self.session = tf.compat.v1.Session(
-            self.server.target if self.server is not None else "", graph=self.graph,
-            config=self._session_config)
+        self._target = self.server.target if self.server is not None else ""
+        self.session = tf.compat.v1.Session(self._target, graph=self.graph,
+                                            config=self._session_config)
         if program.start:
             self.session.run(program.start, options=self._options)
         self._kinds, self._reach = {}, one_replica.Reach(self.graph)   # `_kind`; uneven feeds
@@ -143,7 +143,7 @@ class Runner:
         options = bounded(options, self._options)
         tracing = trained and self._timeline is not None and self._timeline.wants()
         if profiling or tracing:
-            options, run_metadata = traced(options, run_metadata)
+            options, run_metadata = traced(options, run_metadata, self._target)
         start = time.time()
         if reads_queue and self._queues is not None:
             self._queues.start(self.session)

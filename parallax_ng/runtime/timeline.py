@@ -2,7 +2,7 @@
 
 Config `timeline: FILE` (or `parallax-ng run --timeline FILE`, which sets
 PARALLAX_NG_TIMELINE for every task) traces `timeline.steps` training runs
-after the first `timeline.skip` (RunOptions FULL_TRACE) and writes every op
+after the first `timeline.skip` (traced: compat.trace_level) and writes every op
 TensorFlow ran in them as an event: one process per task (`worker 1`,
 `ps 0`: a server's ops come in the traces of the workers whose steps ran
 them, one thread per worker), one thread per device, and a `steps` thread
