@@ -323,6 +323,13 @@ class StepFunction:
         except GraphError as e:
             if not str(e).startswith(NO_UPDATE):
                 raise
+            if cap.jacobians:
+                raise GraphError(
+                    f"the step {getattr(self._fn, '__name__', self._fn)!r} updates its "
+                    f"variables from tape.jacobian of {cap.jacobians[0]!r} (per-example "
+                    "gradients, as DP-SGD takes them): parallax_ng finds a step's gradients "
+                    "from tape.gradient calls, which a jacobian's loop hides; take the "
+                    "update's gradients with tape.gradient") from None
             raise GraphError(
                 f"the step {getattr(self._fn, '__name__', self._fn)!r} trains nothing: no "
                 "trainable variable is written from a gradient. It must compute a loss "

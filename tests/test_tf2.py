@@ -824,7 +824,14 @@ def test_bad_steps_are_refused_naming_the_problem():
                                                                 model.trainable_variables))]
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
+    def per_example(x, y):      # DP-SGD's gradients: a jacobian of the variables
+        with tf.GradientTape() as tape:
+            losses = tf.square(model(x) - y)[:, 0]
+        grads = [tf.reduce_mean(j, 0) for j in tape.jacobian(losses, model.trainable_variables)]
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return tf.reduce_mean(losses)
     for fn, error, match in [
+            (per_example, pn.GraphError, "from tape.jacobian of .*per-example"),
             (updates_in_a_loop, pn.GraphError, "is updated, or its gradient taken, inside a "
              "loop.*loop in Python"),
             (accumulates_in_a_loop, pn.GraphError, "its gradient taken, inside a loop "

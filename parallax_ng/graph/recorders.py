@@ -82,6 +82,7 @@ class Targets(list):
     def __init__(self):
         super().__init__()
         self.of_inputs = []
+        self.jacobians = []         # targets of tape.jacobian calls of variables
 
 
 SEED, ROWS = "parallax_ng_input_seed", "parallax_ng_input_gradient"
@@ -126,6 +127,7 @@ def tape_targets():
     from elsewhere, not a loss's (tf.recompute_grad's gradient calls one)."""
     found = Targets()
     original, jacobian = tf.GradientTape.gradient, tf.GradientTape.batch_jacobian
+    full = tf.GradientTape.jacobian
 
     def gradient(self, target, sources, output_gradients=None, *args, **kwargs):
         flat = tf.nest.flatten(target)
@@ -154,11 +156,18 @@ def tape_targets():
         result = tf.identity(result, name=ROWS)     # a row per example of `source`
         found.of_inputs.append(([], [], [(result.name, source.name)]))
         return result
+    def of_variables(self, target, sources, *args, **kwargs):     # (per-example gradients)
+        if not all(isinstance(s, tf.Tensor) for s in tf.nest.flatten(sources)):
+            found.jacobians.extend(t.name for t in tf.nest.flatten(target)
+                                   if isinstance(t, tf.Tensor) and not tf.executing_eagerly())
+        return full(self, target, sources, *args, **kwargs)
     tf.GradientTape.gradient, tf.GradientTape.batch_jacobian = gradient, batch_jacobian
+    tf.GradientTape.jacobian = of_variables
     try:
         yield found
     finally:
         tf.GradientTape.gradient, tf.GradientTape.batch_jacobian = original, jacobian
+        tf.GradientTape.jacobian = full
 
 
 def owners_by_name(variables: list) -> dict:

@@ -96,7 +96,7 @@ def capture(fn, args: tuple, parts: dict | None = None, opened: dict | None = No
     for name in targets:            # what the step's tapes differentiated (graph/forms.py)
         captured.graph.add_to_collection(forms.TAPE_TARGETS, name)
     recorders.note_input_gradients(captured.graph, targets.of_inputs)
-    captured.failed = failed
+    captured.failed, captured.jacobians = failed, targets.jacobians
     return captured
 
 
