@@ -27,6 +27,7 @@ COMPRESSIONS = ("none", "fp16", "bf16")
 RANDOM_MODES = ("distinct", "identical")
 RANDOM_DEFAULTS = ("auto",) + RANDOM_MODES
 BATCH_SYNC = ("auto", "always", "never")
+BATCH_NORMS = ("per_replica", "synchronized")
 
 
 @dataclass(frozen=True)
@@ -278,6 +279,7 @@ class Config:
     random: str = "auto"                                   # replicas' random streams
     random_ops: dict = field(default_factory=dict)         # op-name regex -> mode
     batch_sync: str = "auto"                               # fit: the model written per batch
+    batch_norm: str = "per_replica"                        # fit: Keras's BatchNormalization's
 
     def __post_init__(self):
         _check_choice("run_option", self.run_option, RUN_OPTIONS)
@@ -297,6 +299,7 @@ class Config:
         _check_choice("sparse_method", self.sparse_method, SPARSE_METHODS)
         _check_choice("ps_placement", self.ps_placement, PS_PLACEMENTS)
         _check_choice("batch_sync", self.batch_sync, BATCH_SYNC)
+        _check_choice("batch_norm", self.batch_norm, BATCH_NORMS)
         for pattern, mode in self.random_ops.items():
             _check_choice(f"random_ops.{pattern}", mode, RANDOM_MODES)
         for name, how in self.fetch_reduction.items():

@@ -31,6 +31,7 @@ from collections import Counter
 import tensorflow as tf
 
 from . import saving
+from .config import load_config
 from .errors import ConfigError
 from .step_args import array, open_shapes
 from .tf2 import StepFunction, needs_eager
@@ -317,6 +318,8 @@ def parallelize(model, resource_info=None, config=None):
             "trains apart from one device's (as under MultiWorkerMirroredStrategy). For the "
             "global batch's statistics, set synchronized=True and no virtual_batch_size",
             stacklevel=2)
+    if load_config(config).batch_norm == "synchronized":
+        _synchronized(model)
     fit = KerasFit(model, resource_info, config)
     model.fit = functools.partial(fit.fit, type(model).fit.__get__(model))
     model.compile = functools.partial(fit.compile, type(model).compile.__get__(model))
@@ -333,3 +336,16 @@ def parallelize(model, resource_info=None, config=None):
     model.save_weights = saving.whole_files(model.save_weights)
     model._parallax_ng = fit
     return model
+
+
+def _synchronized(model) -> None:
+    """Config `batch_norm: synchronized`: every Keras 3 and tf_keras
+    BatchNormalization layer of `model` normalizes by the global batch's
+    statistics (its `synchronized` flag, which graph/replica_sums.py makes
+    the job's sums; tf_keras computes those unfused), as one device does."""
+    for layer in model._flatten_layers(include_self=False):
+        if any(c.__name__ == "BatchNormalization" for c in type(layer).__mro__) and \
+                hasattr(layer, "synchronized") and not layer.synchronized:
+            layer.synchronized = True
+            if getattr(layer, "fused", False):
+                layer.fused = False

@@ -26,6 +26,7 @@ def test_defaults_and_yaml(tmp_path):
     ({"variable_methods": {"emb": "rdma"}}, ["variable_methods.emb", "allgather"]),
     ({"fetch_reduction": {"loss:0": "median"}}, ["fetch_reduction.loss:0", "concat"]),
     ({"verify": "all"}, ["verify", "structure"]),
+    ({"batch_norm": "sync"}, ["batch_norm", "per_replica, synchronized"]),
 ])
 def test_bad_config_names_key_and_allowed(data, words):
     with pytest.raises(ConfigError) as err:

@@ -916,3 +916,32 @@ def test_tf_keras_optimizers_legacy_or_built_before_the_step_equal_one_device(
     for a, b in zip(every(parallel), every(single)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0,
                                    err_msg=a.name)
+
+
+@pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
+def test_batch_norm_synchronized_by_the_config_equals_one_device(lib):
+    """Config `batch_norm: synchronized`: the model's BatchNormalization
+    layers in training mode (one inside a nested model, as a pretrained
+    base is) normalize by the global batch's statistics: every weight and
+    moving statistic equals one device's, 1e-5 (per replica, the default,
+    they are ghost batches: further apart than that)."""
+    lib = keras if lib == "keras3" else __import__("tf_keras")
+
+    def make():
+        lib.utils.set_random_seed(3)
+        base = lib.Sequential([lib.Input((5,)), lib.layers.Dense(6),
+                               lib.layers.BatchNormalization(momentum=0.5)])
+        model = lib.Sequential([lib.Input((5,)), base, lib.layers.Activation("relu"),
+                                lib.layers.Dense(4), lib.layers.BatchNormalization(),
+                                lib.layers.Dense(1)])
+        model.compile(optimizer=lib.optimizers.SGD(0.05), loss="mse")
+        return model
+    x, y = data()
+    single = make()
+    single.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    for asked, equal in (("synchronized", True), ("per_replica", False)):
+        parallel = pn.parallelize(make(), local(2), {"batch_norm": asked})
+        parallel.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        worst = max(np.abs(a - b).max() for a, b in zip(parallel.get_weights(),
+                                                        single.get_weights()))
+        assert bool(worst <= 1e-5) is equal, (asked, worst)
