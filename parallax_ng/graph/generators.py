@@ -60,7 +60,7 @@ def _lower(graph_def) -> None:
         if node.op != OP:
             out.append(node)
             continue
-        resource, alg = (i for i in node.input[:2])
+        resource, alg = node.input[:2]
         value = consts.get(alg.split(":")[0])
         if value is None or int(tf.make_ndarray(value.attr["value"].tensor)) not in _PHILOX:
             raise GraphError(
