@@ -34,19 +34,21 @@ LOWERED = ("If", "StatelessIf")
 _MOST_ROUNDS = 32           # nested conds, lowered one level per round
 
 
-def lowered(graph: tf.Graph) -> tf.Graph:
-    """`graph`, or a copy of it with every If that writes a variable lowered."""
-    if not any(op.type in LOWERED for op in graph.get_operations()) or \
-            not _writing_ifs(graph.as_graph_def()):
-        return graph
-
+def lowered(graph: tf.Graph, *more) -> tf.Graph:
+    """`graph`, or a copy of it with every If that writes a variable lowered
+    and then the edits `more` names (None: no edit) made, in one copy."""
     def lower(meta):
         for _ in range(_MOST_ROUNDS):
             targets = _writing_ifs(meta.graph_def)
             if not targets:
                 break
             _lower(meta.graph_def, targets)
-    return copied(graph, lower)
+    writes = any(op.type in LOWERED for op in graph.get_operations()) and \
+        bool(_writing_ifs(graph.as_graph_def()))
+    edits = [lower] * writes + [e for e in more if e is not None]
+    if not edits:
+        return graph
+    return copied(graph, lambda meta: [e(meta) for e in edits])
 
 
 def copied(graph: tf.Graph, edit=None) -> tf.Graph:

@@ -210,7 +210,7 @@ def load(source) -> TrainingGraph:
     if not isinstance(source, tf.Graph):
         raise GraphError(f"cannot parallelize a {type(source).__name__}; pass a tf.Graph, a "
                          "tf.compat.v1.MetaGraphDef or the path of an exported .meta file")
-    tg = _from_graph(generators.lowered(cond_lowering.lowered(source)))
+    tg = _from_graph(cond_lowering.lowered(source, generators.edit(source)))
     tg.user_graph = source
     input_calls.note(tg)          # gradients of the inputs: not losses (a copy notes them)
     return tg

@@ -5,8 +5,9 @@ loops create their own) keeps its state in an int64 variable: Philox's
 128-bit counter as two words, then its key. Each draw reads that state
 and advances the counter in one op, `RngReadAndSkip`, and passes the old
 state to a stateless op as key and counter. No pass knows that op's write:
-`lowered` replaces each one (top level, after graph/cond_lowering.py) by
-ops that say the same in the terms the passes read:
+`edit` replaces each one (top level, in the copy graph/cond_lowering.py
+makes, after its conds) by ops that say the same in the terms the passes
+read:
 
     <op>/parallax_generator_state  ReadVariableOp(state)
     <op>/parallax_generator_next   AddV2(that, [0, 1, 0])   # the counter's high word
@@ -27,8 +28,8 @@ their own numbers and replica 0 the user's stream. The state a step
 leaves differs from one device's (another counter), as draws on several
 replicas differ from one device's.
 
-Requires: a tf.Graph. Guarantees: the graph itself where no top-level
-RngReadAndSkip is; else a copy (the user's graph is left as it is). A
+Requires: a tf.Graph. Guarantees: no edit where the graph draws from no
+generator; else one made in a copy (the user's graph is left as it is). A
 generator of another algorithm than Philox (ThreeFry runs under XLA only)
 is refused by name.
 """
@@ -39,18 +40,21 @@ import tensorflow as tf
 
 from ..errors import GraphError
 from . import emit
-from .cond_lowering import copied
 from .randomness import GENERATOR_READ as READ
 
 OP = "RngReadAndSkip"
 _PHILOX = (1, 3)    # RNG_ALG_PHILOX, and AUTO_SELECT (Philox on CPU and GPU)
 
 
-def lowered(graph: tf.Graph) -> tf.Graph:
-    """`graph`, or a copy with each top-level RngReadAndSkip lowered."""
-    if not any(op.type == OP for op in graph.get_operations()):
-        return graph
-    return copied(graph, lambda meta: _lower(meta.graph_def))
+def edit(graph: tf.Graph):
+    """The edit of a meta graph that lowers each top-level RngReadAndSkip
+    (cond_lowering.lowered makes it in its copy, after the conds, whose
+    branches may hold draws), or None where the graph has none."""
+    library = graph.as_graph_def().library.function
+    if not any(op.type == OP for op in graph.get_operations()) and \
+            not any(n.op == OP for f in library for n in f.node_def):
+        return None
+    return lambda meta: _lower(meta.graph_def)
 
 
 def _lower(graph_def) -> None:
