@@ -31,7 +31,6 @@ from collections import Counter
 import tensorflow as tf
 
 from . import saving
-from .config import load_config
 from .errors import ConfigError
 from .step_args import array, open_shapes
 from .tf2 import StepFunction, needs_eager
@@ -318,7 +317,8 @@ def parallelize(model, resource_info=None, config=None):
             "trains apart from one device's (as under MultiWorkerMirroredStrategy). For the "
             "global batch's statistics, set synchronized=True and no virtual_batch_size",
             stacklevel=2)
-    if load_config(config).batch_norm == "synchronized":
+    from .build import job_config
+    if job_config(config).batch_norm == "synchronized":       # (the job's, as `fit` runs it)
         _synchronized(model)
     fit = KerasFit(model, resource_info, config)
     model.fit = functools.partial(fit.fit, type(model).fit.__get__(model))

@@ -945,3 +945,20 @@ def test_batch_norm_synchronized_by_the_config_equals_one_device(lib):
         worst = max(np.abs(a - b).max() for a, b in zip(parallel.get_weights(),
                                                         single.get_weights()))
         assert bool(worst <= 1e-5) is equal, (asked, worst)
+
+
+def test_batch_norm_synchronized_elsewhere_says_it_does_not_apply(capsys):
+    """A graph or a pn.function step given `batch_norm: synchronized`: its
+    layers normalize as they were built, and a line says so (not silent)."""
+    import tensorflow as tf
+    pn.function(lambda x: x, local(2), {"batch_norm": "synchronized"})
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 2])
+        w = tf.compat.v1.get_variable("w", [2, 1])
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+            tf.reduce_mean(tf.matmul(x, w)))
+    pn.get_runner(graph, local(2), {"batch_norm": "synchronized"}).close()
+    said = capsys.readouterr().err
+    for what in ("a pn.function step", "a graph"):
+        assert f"{what} normalizes as its layers were built" in said, said
