@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from . import cluster
-from .config import BATCH_NORM_UNMET, Config, load_config
+from .config import Config, load_config
 from .errors import ConfigError, ResourceError
 from .methods import method
 from .resources import ResourceInfo, check_devices, load_resources, session_config
@@ -231,8 +231,6 @@ def get_runner(graph, resource_info=None, config=None, sample: Sample | None = N
     profile_steps = capture.check(graph, resource_info, config)
     job = resolve(capture.resources(resource_info), capture.config(config))
     heartbeat.set_timeout(job.config.communication.timeout_seconds)
-    if sample is None and job.config.batch_norm == "synchronized":   # (a TF2 step's: sample)
-        print("parallax_ng: " + BATCH_NORM_UNMET.format(what="a graph"), file=sys.stderr)
     return runner(frontend.load(graph), job, profile_steps, sample)
 
 

@@ -28,11 +28,6 @@ RANDOM_MODES = ("distinct", "identical")
 RANDOM_DEFAULTS = ("auto",) + RANDOM_MODES
 BATCH_SYNC = ("auto", "always", "never")
 BATCH_NORMS = ("per_replica", "synchronized")
-# what a graph or a pn.function step given `batch_norm: synchronized` is told
-BATCH_NORM_UNMET = ("config batch_norm: synchronized applies to the BatchNormalization layers "
-                    "of a model given to pn.parallelize; {what} normalizes as its layers were "
-                    "built (BatchNormalization(synchronized=True) for the global batch's "
-                    "statistics)")
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,6 @@ import numpy as np
 import tensorflow as tf
 
 from . import saving
-from .config import BATCH_NORM_UNMET
 from .errors import ConfigError, FetchError, GraphError
 from .graph.frontend import NO_UPDATE
 from .graph.recorders import tf_variable
@@ -374,10 +373,6 @@ def _kept_rows(runner, args) -> frozenset:
 
 def function(fn, resource_info=None, config=None) -> StepFunction:
     """`fn` as a data-parallel training step (module docstring)."""
-    from .build import job_config
-    if job_config(config).batch_norm == "synchronized":
-        print("parallax_ng: " + BATCH_NORM_UNMET.format(what="a pn.function step"),
-              file=sys.stderr)
     return StepFunction(fn, resource_info, config)
 
 

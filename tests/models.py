@@ -36,7 +36,7 @@ def dataset_arrays(dtype=np.float32):
 def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
                          dtype=tf.float32, one_shot=False, loss_sum=False, partitions=None,
                          dim=DIM, random_table=False, dropout=0.0, static_batch=False,
-                         lookup="gather", masked=False):
+                         lookup="gather", masked=False, bn=False):
     """An embedding (sparse gradient) plus a dense layer, with a global step.
     With `partitions`, the embedding is that many row ranges (pn.partitioner);
     `dim` columns; with `random_table`, drawn by a random initializer; with
@@ -45,7 +45,9 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
     "sparse", each example's ids read by embedding_lookup_sparse (the same
     mean, but the gradient holds each distinct id of the batch once); with
     `masked`, the loss is the mean over the examples whose target is
-    positive (tf.boolean_mask: a replica may pick none)."""
+    positive (tf.boolean_mask: a replica may pick none); with `bn`, the
+    dense layer's input is normalized by the batch's statistics
+    (tf.nn.moments), which the embedding's gradient passes through."""
     np_dtype = dtype.as_numpy_dtype
     g = tf.Graph()
     with g.as_default():
@@ -79,7 +81,11 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
                                                partition_strategy="div")
         else:
             h = tf.reduce_mean(tf1.nn.embedding_lookup(emb, ids, partition_strategy="div"), 1)
-        hidden = tf.tanh(tf.matmul(tf.concat([h, x], 1), w) + b)
+        features = tf.concat([h, x], 1)
+        if bn:
+            mean, var = tf.nn.moments(features, [0])
+            features = (features - mean) * tf.math.rsqrt(var + 1e-3)
+        hidden = tf.tanh(tf.matmul(features, w) + b)
         if dropout:
             hidden = tf1.nn.dropout(hidden, rate=dropout, seed=11)
         pred = tf.squeeze(tf.matmul(hidden, v), 1)

@@ -45,7 +45,9 @@ A write whose value holds rows of the replica's examples (an RNN's state
 kept in a variable from step to step) is not synced: each replica keeps
 its own examples' rows, as one device's variable holds them for the
 global batch (`PerExampleState`: a fetch joins them).
-Initializers are left to the `init` pass.
+Batch normalization's statistics and their incoming gradients that the
+plan names (`batch_norm: synchronized`, graph/normalization.py) are the
+job's means. Initializers are left to the `init` pass.
 """
 from __future__ import annotations
 
@@ -188,12 +190,13 @@ class StateSyncPass:
                                      count.node, dtype, plan.group_size)
                 new_nodes.extend(nodes)
             counts.read_everywhere(ctx, count, outs, rewires, replaced)
-        for name, mean in dict.fromkeys([   # a function of means (an RMSE's): of the job's
-                (name, True) for loss in forms.autodiff_losses(tg.graph) + read   # means, forward
-                for name in form(loss).exchanged] + [(name, True) for name in counts.centres(
-                    tg, sources, read)] + replica_sums.points(   # and in the gradient
-                    tg.graph, {g.values.name for g in tg.gradients.values()})):   # (of its own
-            ref = parse_tensor(name)   # mean); the program's all-reduces, forward and backward
+        points = [(name, True) for loss in forms.autodiff_losses(tg.graph) + read
+                  for name in form(loss).exchanged]    # a function of means (an RMSE's): the
+        points += [(name, True) for name in counts.centres(tg, sources, read)]   # job's, forward
+        points += replica_sums.points(     # and in the gradient (of its own mean); the program's
+            tg.graph, {g.values.name for g in tg.gradients.values()})   # all-reduces, both ways
+        for name, mean in dict.fromkeys(points + list(plan.norm_points)):   # batch norm's too
+            ref = parse_tensor(name)
             outs = [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)]
             nodes, outs = reduce(ctx, f"parallax/state_sync/{ref.node}/{ref.index}/job", outs,
                                  tg.tensor(ref).dtype, mean, synced)

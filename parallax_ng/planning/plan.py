@@ -132,6 +132,9 @@ class Plan:
     network: str = ""                           # the network those costs assume
     choice: tuple[Candidate, ...] = ()          # the plans weighed by their links
     notes: tuple[str, ...] = ()                 # settings asked for that do not apply, why
+    # batch_norm synchronized: (tensor, mean) of the statistics and their
+    # gradients the replicas exchange (graph/normalization.py)
+    norm_points: tuple[tuple[str, bool], ...] = ()
 
     @property
     def num_replicas(self) -> int:
@@ -265,6 +268,7 @@ class Plan:
             "rewrites": dict(vars(self.rewrites)),
             "costs": {k: dict(v) for k, v in self.costs.items()}, "network": self.network,
             "choice": [dict(vars(c)) for c in self.choice], "notes": list(self.notes),
+            "norm_points": [list(p) for p in self.norm_points],
         }
 
     def format(self) -> str:

@@ -11,17 +11,17 @@
    its slots cut by columns over every replica of the job (`by_columns`,
    EmbRace 4.1); and the packing of gradients (planning/packing.py).
 
-`make_plan` composes them with the random streams, input producers and
-the step schedule. Requires: a TrainingGraph, its analysis, a Config and
-the devices. Guarantees: the same inputs give the same plan on every worker.
-"""
+`make_plan` composes them with the random streams, input producers, the
+step schedule and batch normalization's exchanges. Requires: a
+TrainingGraph, its analysis, a Config and the devices. Guarantees: the
+same inputs give the same plan on every worker."""
 from __future__ import annotations
 
 from dataclasses import replace
 
 from ..config import Config
 from ..errors import ConfigError
-from ..graph import averaging, queues, randomness, rules
+from ..graph import averaging, normalization, queues, randomness, rules
 from ..graph.frontend import TrainingGraph
 from ..methods import METHODS, method
 from . import choice, costmodel, deferral, traffic
@@ -38,17 +38,18 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
               layout: traffic.Layout | None = None, bucket_profile=None,
               facts: Facts | None = None) -> Plan:
     """`order`: trained variables in the order their gradients became ready
-    in a measured step (in a job every worker must pack alike: the order
-    worker 0 measured and gave every worker, parallax_ng/build.py
-    `measure_job`); empty: the static order. `profile`: a measured step
-    (parallax_ng/planning/profile.py), whose ready times the mgwfbp buckets
+    in a measured step (in a job the one worker 0 measured and gave every
+    worker: build.py `measure_job`); empty: the static order. `profile`: a
+    measured step (planning/profile.py), whose ready times the mgwfbp buckets
     use; `bucket_profile`: the file `buckets.profile` names, read, which
-    stands for it there. `facts`: the graph's shared analyses (made here
-    when not given). `layout`: the hosts of a job's tasks, whose links weigh
-    hybrid's and auto's plans (planning/choice.py); None: all on this one."""
+    stands for it there. `facts`: the graph's shared analyses (made where
+    not given). `layout`: the hosts of a job's tasks, whose links weigh
+    hybrid's and auto's plans (choice.py); None: all on this one."""
     dense, sparse, note = averaging.averages(config, tg.graph)
     config = replace(config, average_dense=dense, average_sparse=sparse)
-    notes = (note,) if note else ()
+    lines, norms = normalization.planned(tg.graph, config.batch_norm) \
+        if len(devices) * num_workers > 1 else ((), ())
+    notes = (note,) * bool(note) + lines
     if config.run_option == "hybrid" and num_workers > 1 and not servers and \
             config.sparse_method == "auto" and \
             not any(method(m).shared for m in config.variable_methods.values()) \
@@ -77,7 +78,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
 
     def build(cfg: Config, tables: dict) -> Plan:
         methods = choose_methods(info, cfg, job_servers, can_cut, can_sum, tables)
-        return replace(_plan_of(job, cfg, methods), costs=costs,
+        return replace(_plan_of(job, cfg, methods), costs=costs, norm_points=norms,
                        network=net.describe() if net else "", notes=notes)
     if not weighing:
         return build(config, costs)
@@ -192,14 +193,13 @@ def choose_methods(info: dict[str, VariableInfo], config: Config,
     """`job_servers`: a job of several workers with parameter servers.
     `cuttable(var)`: whether alltoall can cut a sparse variable by columns;
     `can_sum_rows(var)`: whether a sparse gradient may be all-reduced as a
-    dense one (duplicate rows summed: parallax_ng/planning/coalescing.py).
-    `sparse_method: alltoall` (or allreduce) takes the run option's method
-    for a variable that cannot (a 1-D bias cannot be cut by columns, say);
-    naming it in `variable_methods` is an error; so `dense_method: factors`
-    takes the run option's method for a dense variable whose gradient is
-    not a product of two factors. `costs` (run_option auto):
-    each variable's predicted seconds per allowed method; the cheapest wins
-    (a dense one takes `dense_method` when the config sets it)."""
+    dense one (duplicate rows summed: coalescing.py). `sparse_method:
+    alltoall` (or allreduce) takes the run option's method for a variable
+    that cannot (a 1-D bias cannot be cut by columns), as `dense_method:
+    factors` does for a gradient not a product of two factors; naming it in
+    `variable_methods` is an error. `costs` (run_option auto): each
+    variable's predicted seconds per allowed method; the cheapest wins (a
+    dense one takes `dense_method` where the config sets it)."""
     unknown = set(config.variable_methods) - set(info)
     if unknown:
         raise ConfigError(f"config key 'variable_methods' names {sorted(unknown)}, which "

@@ -1,0 +1,151 @@
+"""Batch normalization by the global batch's statistics (config `batch_norm:
+synchronized`) in graphs and `pn.function` steps, and the line that says
+where it is per replica (graph/normalization.py): 2 replicas against one
+device with the global batch, every variable and optimizer slot, 1e-5."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import local, train_both
+from parallax_ng.graph import normalization
+from parallax_ng.graph.forms import sources
+
+tf1 = tf.compat.v1
+PER_REPLICA = "normalizes each replica's rows by their own mean and variance"
+
+
+def tf1_bn(batch, fused=None, layer_norm=False):
+    """tf.compat.v1.layers (tf_keras underneath) with batch normalization
+    in training on dense features, or on images (fused by default)."""
+    import tf_keras
+    g = tf.Graph()
+    with g.as_default():
+        rng = np.random.RandomState(3)
+        images = fused is not None
+        x_all = (rng.randn(64, 4, 4, 2) if images else rng.randn(64, 6) * 3 + 1)
+        y_all = rng.randn(64, 1).astype(np.float32)
+        ds = pn.shard(tf.data.Dataset.from_tensor_slices((x_all.astype(np.float32), y_all)))
+        x, y = tf1.data.make_one_shot_iterator(ds.batch(batch).repeat()).get_next()
+        tf1.set_random_seed(1)
+        if images:
+            h = tf1.layers.conv2d(x, 3, 3, padding="same")
+            h = tf_keras.layers.BatchNormalization(momentum=0.8, fused=fused)(h, training=True)
+            h = tf1.layers.flatten(tf.nn.relu(h))
+        else:
+            h = tf1.layers.dense(x, 8)
+            h = tf1.layers.batch_normalization(h, training=True, momentum=0.9)
+        if layer_norm:
+            mean, var = tf.nn.moments(h, [-1], keepdims=True)
+            h = (h - mean) * tf.math.rsqrt(var + 1e-3)
+        loss = tf.reduce_mean(tf.square(tf1.layers.dense(tf.nn.relu(h), 1) - y))
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            train = tf1.train.MomentumOptimizer(0.05, 0.9).minimize(loss)
+        init = tf1.global_variables_initializer()
+    return g, {"train": train, "loss": loss, "init": init}
+
+
+def worst(parallel, single, names):
+    return max(float(np.max(np.abs(got - single[n]))) for n in names for got in parallel[n])
+
+
+@pytest.mark.parametrize("fused", [None, False])
+def test_synchronized_statistics_in_a_tf1_graph_equal_one_device(fused, capsys):
+    """tf.compat.v1.layers.batch_normalization on features and tf_keras's
+    unfused one on images, trained 5 steps by momentum: every weight, slot
+    and moving statistic equals one device's; per replica (the default)
+    they are ghost batches, further off than that, and a line says so."""
+    build = lambda b: tf1_bn(b, fused)           # noqa: E731
+    parallel, single, names = train_both(build, 2, 5, config={"batch_norm": "synchronized"})
+    assert any("moving_variance" in n for n in names) and any("Momentum" in n for n in names)
+    assert worst(parallel, single, names) <= 1e-5
+    assert PER_REPLICA not in capsys.readouterr().err
+    parallel, single, names = train_both(build, 2, 5)
+    assert worst(parallel, single, names) > 1e-3
+    said = capsys.readouterr().err
+    assert PER_REPLICA in said and "batch_norm: per_replica, the default" in said, said
+
+
+def test_fused_batch_norm_is_named_per_replica_and_layer_norm_is_not_batch_norm():
+    """The fused kernel's statistics stay per replica, said with the way
+    out (fused=False); moments over the features (a layer norm) are no
+    batch normalization and neither found nor exchanged."""
+    g, _ = tf1_bn(8, fused=True)
+    moments, fused = normalization.found(g, sources(g))
+    assert moments == [] and len(fused) == 1
+    assert "fused=False" in " ".join(normalization.lines(moments, fused, True))
+    g, _ = tf1_bn(8, layer_norm=True)
+    moments, fused = normalization.found(g, sources(g))
+    assert [m.layer for m in moments] == ["batch_normalization"] and fused == []
+    assert all(m.complete() for m in moments)
+    assert len(normalization.points(moments)) == 4      # two statistics, two gradients
+
+
+def keras_bn(lib):
+    return lib.Sequential([lib.Input((5,)), lib.layers.Dense(8, use_bias=False),
+                           lib.layers.BatchNormalization(momentum=0.7),
+                           lib.layers.Activation("relu"), lib.layers.Dense(1)])
+
+
+@pytest.mark.parametrize("legacy", ["0", "1"])
+def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, capsys,
+                                                                      monkeypatch):
+    """A GradientTape step of a Keras 3 or tf_keras model with a
+    BatchNormalization (its moments found in the tape's gradient by their
+    form): 8 steps on 2 replicas equal one device, weights, moving
+    statistics and Adam's slots. (Its Dense has no bias: a bias before
+    batch normalization gets a gradient of rounding noise, which Adam
+    scales up to steps of its rate.)"""
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", legacy)
+    import keras
+    import tf_keras
+    lib = tf_keras if legacy == "1" else keras
+    lib.utils.set_random_seed(0)
+    models = [keras_bn(lib) for _ in range(2)]
+    models[1].set_weights(models[0].get_weights())
+    optimizers = [lib.optimizers.Adam(0.01) for _ in models]
+
+    def step_of(model, optimizer):
+        def train_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+        return train_step
+    step = pn.function(step_of(models[0], optimizers[0]), local(2),
+                       {"batch_norm": "synchronized"})
+    ref = tf.function(step_of(models[1], optimizers[1]))
+    rng = np.random.default_rng(1)
+    for _ in range(8):
+        x = (rng.normal(size=(8, 5)) * 2 + 1).astype(np.float32)
+        y = rng.normal(size=(8, 1)).astype(np.float32)
+        np.testing.assert_allclose(step(x, y), ref(x, y).numpy(), atol=1e-5, rtol=0)
+    step.sync()
+    for a, b in zip(models[0].weights + list(optimizers[0].variables),
+                    models[1].weights + list(optimizers[1].variables)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0,
+                                   err_msg=getattr(a, "path", a.name))
+    assert PER_REPLICA not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("run_option", ["hybrid", "allreduce"])
+def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_option):
+    """tests/cluster_script.py --bn: 2 workers (and a server under hybrid,
+    where the statistics are summed with the dense gradients on it), the
+    embedding regression's features batch-normalized (the embedding's
+    gradient passes through the statistics), Adam with clipping and moving
+    averages, 8 steps: every variable equals one device's."""
+    from models import embedding_regression, train_single
+    from test_cluster import load, run_job
+    done, out, _ = run_job(tmp_path, 2, 1, "8", "--run-option", run_option, "--bn",
+                           "--config", '{"batch_norm": "synchronized"}',
+                           servers=int(run_option == "hybrid"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert PER_REPLICA not in done.stderr
+    single = train_single(*embedding_regression(8, "adam", clip=True, ema=True, bn=True), 8)
+    parallel = load(out, 2)
+    assert set(parallel) == set(single)
+    for name, copies in parallel.items():
+        for got in copies:
+            np.testing.assert_allclose(got, single[name], atol=1e-5, rtol=0, err_msg=name)
