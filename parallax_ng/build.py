@@ -231,7 +231,7 @@ def get_runner(graph, resource_info=None, config=None, sample: Sample | None = N
     profile_steps = capture.check(graph, resource_info, config)
     job = resolve(capture.resources(resource_info), capture.config(config))
     heartbeat.set_timeout(job.config.communication.timeout_seconds)
-    return runner(frontend.load(graph), job, profile_steps, sample)
+    return runner(frontend.load(graph, job.config.batch_norm), job, profile_steps, sample)
 
 
 def runner(tg, job: Job, profile_steps: int = 0, sample: Sample | None = None):

@@ -16,15 +16,17 @@ from parallax_ng.graph import cond_lowering, frontend
 tf1 = tf.compat.v1
 
 
-def bn_graph(seed=1):
+def bn_graph(seed=1, bias=True):
     """tf.compat.v1.layers.batch_normalization under a `training` tensor (an
-    If per moving statistic, with TF2 behavior), Adam."""
+    If per moving statistic, with TF2 behavior), Adam; `bias`: the dense
+    layer before it has one."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 4], name="x")
         y = tf1.placeholder(tf.float32, [None, 1], name="y")
         training = tf1.placeholder_with_default(True, [], name="training")
-        h = tf1.layers.dense(x, 8, kernel_initializer=tf1.glorot_uniform_initializer(seed=seed))
+        h = tf1.layers.dense(x, 8, kernel_initializer=tf1.glorot_uniform_initializer(seed=seed),
+                             use_bias=bias)
         h = tf1.layers.batch_normalization(h, training=training, momentum=0.9)
         out = tf1.layers.dense(tf.nn.relu(h), 1,
                                kernel_initializer=tf1.glorot_uniform_initializer(seed=seed + 1))

@@ -2,6 +2,8 @@
 synchronized`) in graphs and `pn.function` steps, and the line that says
 where it is per replica (graph/normalization.py): 2 replicas against one
 device with the global batch, every variable and optimizer slot, 1e-5."""
+import contextlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -49,12 +51,13 @@ def worst(parallel, single, names):
     return max(float(np.max(np.abs(got - single[n]))) for n in names for got in parallel[n])
 
 
-@pytest.mark.parametrize("fused", [None, False])
+@pytest.mark.parametrize("fused", [None, False, True])
 def test_synchronized_statistics_in_a_tf1_graph_equal_one_device(fused, capsys):
-    """tf.compat.v1.layers.batch_normalization on features and tf_keras's
-    unfused one on images, trained 5 steps by momentum: every weight, slot
-    and moving statistic equals one device's; per replica (the default)
-    they are ghost batches, further off than that, and a line says so."""
+    """tf.compat.v1.layers.batch_normalization on features, tf_keras's
+    unfused one on images and its fused kernel (lowered), trained 5 steps
+    by momentum: every weight, slot and moving statistic equals one
+    device's; per replica (the default) they are ghost batches, further
+    off than that, and a line says so."""
     build = lambda b: tf1_bn(b, fused)           # noqa: E731
     parallel, single, names = train_both(build, 2, 5, config={"batch_norm": "synchronized"})
     assert any("moving_variance" in n for n in names) and any("Momentum" in n for n in names)
@@ -66,14 +69,13 @@ def test_synchronized_statistics_in_a_tf1_graph_equal_one_device(fused, capsys):
     assert PER_REPLICA in said and "batch_norm: per_replica, the default" in said, said
 
 
-def test_fused_batch_norm_is_named_per_replica_and_layer_norm_is_not_batch_norm():
-    """The fused kernel's statistics stay per replica, said with the way
-    out (fused=False); moments over the features (a layer norm) are no
-    batch normalization and neither found nor exchanged."""
+def test_what_is_found_and_layer_norm_is_not_batch_norm():
+    """A fused kernel in training is found as such; moments over the
+    features (a layer norm) are no batch normalization, neither found nor
+    exchanged."""
     g, _ = tf1_bn(8, fused=True)
     moments, fused = normalization.found(g, sources(g))
-    assert moments == [] and len(fused) == 1
-    assert "fused=False" in " ".join(normalization.lines(moments, fused, True))
+    assert moments == [] and fused == ["batch_normalization/FusedBatchNormV3"]
     g, _ = tf1_bn(8, layer_norm=True)
     moments, fused = normalization.found(g, sources(g))
     assert [m.layer for m in moments] == ["batch_normalization"] and fused == []
@@ -81,27 +83,33 @@ def test_fused_batch_norm_is_named_per_replica_and_layer_norm_is_not_batch_norm(
     assert len(normalization.points(moments)) == 4      # two statistics, two gradients
 
 
-def keras_bn(lib):
-    return lib.Sequential([lib.Input((5,)), lib.layers.Dense(8, use_bias=False),
+def keras_bn(lib, images):
+    first = [lib.layers.Reshape((2, 2, 1)), lib.layers.Conv2D(3, 2, padding="same",
+                                                             use_bias=False)] \
+        if images else [lib.layers.Dense(8, use_bias=False)]
+    return lib.Sequential([lib.Input((4,)), *first,
                            lib.layers.BatchNormalization(momentum=0.7),
-                           lib.layers.Activation("relu"), lib.layers.Dense(1)])
+                           lib.layers.Activation("relu"), lib.layers.Flatten(),
+                           lib.layers.Dense(1)])
 
 
-@pytest.mark.parametrize("legacy", ["0", "1"])
-def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, capsys,
+@pytest.mark.parametrize("legacy,images", [("0", False), ("1", False), ("0", True),
+                                           ("1", True)])
+def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, images, capsys,
                                                                       monkeypatch):
     """A GradientTape step of a Keras 3 or tf_keras model with a
-    BatchNormalization (its moments found in the tape's gradient by their
-    form): 8 steps on 2 replicas equal one device, weights, moving
-    statistics and Adam's slots. (Its Dense has no bias: a bias before
-    batch normalization gets a gradient of rounding noise, which Adam
-    scales up to steps of its rate.)"""
+    BatchNormalization on features or images (its moments found in the
+    tape's gradient by their form; tf_keras's fused kernel on images,
+    which moves the moving statistics inside the op, lowered): 8 steps on
+    2 replicas equal one device, weights, moving statistics and Adam's
+    slots. (No bias before the normalization: its gradient would be
+    rounding noise, which Adam scales up to steps of its rate.)"""
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", legacy)
     import keras
     import tf_keras
     lib = tf_keras if legacy == "1" else keras
     lib.utils.set_random_seed(0)
-    models = [keras_bn(lib) for _ in range(2)]
+    models = [keras_bn(lib, images) for _ in range(2)]
     models[1].set_weights(models[0].get_weights())
     optimizers = [lib.optimizers.Adam(0.01) for _ in models]
 
@@ -118,7 +126,7 @@ def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, 
     ref = tf.function(step_of(models[1], optimizers[1]))
     rng = np.random.default_rng(1)
     for _ in range(8):
-        x = (rng.normal(size=(8, 5)) * 2 + 1).astype(np.float32)
+        x = (rng.normal(size=(8, 4)) * 2 + 1).astype(np.float32)
         y = rng.normal(size=(8, 1)).astype(np.float32)
         np.testing.assert_allclose(step(x, y), ref(x, y).numpy(), atol=1e-5, rtol=0)
     step.sync()
@@ -149,3 +157,50 @@ def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_opti
     for name, copies in parallel.items():
         for got in copies:
             np.testing.assert_allclose(got, single[name], atol=1e-5, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("control_flow", ["v1", "v2"])
+def test_synchronized_statistics_under_a_training_tensor_equal_one_device(control_flow):
+    """tests/test_cond_lowering.py's graph: the batch normalization takes
+    a `training` placeholder (its moving statistics written under a
+    tf.cond, v1's Switch/Merge or an If lowered), Adam, 5 fed steps: the
+    losses and every variable equal one device's, and inference (training
+    False) runs. (No bias before the normalization: keras_bn says why.)"""
+    from test_branches import lowered_conds
+    from test_cond_lowering import XS, bn_graph, train
+    flow = lowered_conds() if control_flow == "v1" else contextlib.nullcontext()
+    graphs = []
+    for _ in range(2):
+        with flow if not graphs else contextlib.nullcontext():
+            graphs.append(bn_graph(bias=False))
+    (g, t), (g1, t1) = graphs
+    with tf1.Session(graph=g1) as sess:
+        want = train(sess.run, t1)
+        want_vars = {v.op.name: sess.run(v) for v in g1.get_collection("variables")}
+    with pn.get_runner(g, local(2), {"batch_norm": "synchronized"}) as runner:
+        got = train(runner.run, t)
+        for v in g.get_collection("variables"):
+            for copy in runner.run(v, per_replica=True):
+                np.testing.assert_allclose(copy, want_vars[v.op.name], atol=1e-5, rtol=0,
+                                           err_msg=v.op.name)
+        out = runner.run(t["out"], {t["x"]: XS[0], t["training"]: False})
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert out.shape == (16, 1)
+
+
+def test_a_fused_kernel_under_a_v1_cond_is_named(capsys):
+    """A fused kernel inside a v1 tf.cond (its exchange would wait on
+    replicas that skip the branch) stays per replica, and the line says so
+    with the way out."""
+    import tf_keras
+    from test_branches import lowered_conds
+    g = tf.Graph()
+    with g.as_default(), lowered_conds():
+        x = tf1.placeholder(tf.float32, [None, 4, 4, 2], name="x")
+        training = tf1.placeholder_with_default(True, [], name="training")
+        h = tf_keras.layers.BatchNormalization()(tf1.layers.conv2d(x, 3, 3), training=training)
+        tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(h)))
+    pn.get_runner(g, local(2), {"batch_norm": "synchronized"}).close()
+    said = capsys.readouterr().err
+    assert "synchronized notwithstanding: it runs inside a tf.cond" in said, said
+    assert "fused=False makes it the global batch's" in said

@@ -6,8 +6,8 @@ variables, trained by an optimizer (or code that writes variables from
 Guarantees: every variable, its writers and readers, the state it owns (slots,
 moving averages), and for every trained variable the raw gradient tensors the
 autodiff produced (dense tensor, or values+indices of an IndexedSlices). The
-user's graph is not modified (a copy: cond_lowering, generators, input_calls).
-"""
+user's graph is not modified (a copy: cond_lowering, generators,
+normalization, input_calls)."""
 from __future__ import annotations
 
 import os
@@ -19,8 +19,8 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
-from . import (accumulation, branches, cond_lowering, distinct, generators, input_calls, queues,
-               rules, variance)
+from . import (accumulation, branches, cond_lowering, distinct, generators, input_calls,
+               normalization, queues, rules, variance)
 from .ir import GraphIR, TensorRef
 
 SHARD_SCOPE = "parallax_shard"
@@ -79,14 +79,12 @@ class TrainingGraph:
         return [var] + [v.name for v in self.variables.values() if v.owner == var]
 
     def reads(self, var: str) -> list[str]:
-        """The ops whose completion ends every read of `var` in a step.
-
-        A resource variable's reads are its readers (ReadVariableOp is a
+        """The ops whose completion ends every read of `var` in a step. A
+        resource variable's reads are its readers (ReadVariableOp is a
         snapshot: a later write copies the buffer first). A reference
-        variable's `read` Identity aliases the variable's buffer, and
-        Assign, AssignAdd and AssignSub on a reference write that buffer in
-        place; so every op that dereferences what a pass-through read hands
-        on is a read too."""
+        variable's `read` Identity aliases the variable's buffer, which
+        Assign, AssignAdd and AssignSub write in place; so every op that
+        dereferences what a pass-through read hands on is a read too."""
         readers = list(self.readers.get(var, ()))
         if self.ir.node(var).op == "VarHandleOp":
             return readers
@@ -198,8 +196,9 @@ class TrainingGraph:
         return None
 
 
-def load(source) -> TrainingGraph:
-    """Build a TrainingGraph from a tf.Graph, a MetaGraphDef or a file path."""
+def load(source, batch_norm: str = "per_replica") -> TrainingGraph:
+    """A TrainingGraph of a tf.Graph, a MetaGraphDef or a file path (under
+    `batch_norm: synchronized` fused batch normalization lowered)."""
     if isinstance(source, (str, os.PathLike)):
         source = _read_meta_graph(os.fspath(source))
     if isinstance(source, tf.compat.v1.MetaGraphDef):
@@ -210,7 +209,8 @@ def load(source) -> TrainingGraph:
     if not isinstance(source, tf.Graph):
         raise GraphError(f"cannot parallelize a {type(source).__name__}; pass a tf.Graph, a "
                          "tf.compat.v1.MetaGraphDef or the path of an exported .meta file")
-    tg = _from_graph(cond_lowering.lowered(source, generators.edit(source)))
+    norms = normalization.edit(source) if batch_norm == "synchronized" else None
+    tg = _from_graph(cond_lowering.lowered(source, generators.edit(source), norms))
     tg.user_graph = source
     input_calls.note(tg)          # gradients of the inputs: not losses (a copy notes them)
     return tg
