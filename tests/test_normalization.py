@@ -256,3 +256,21 @@ def test_the_lowered_kernel_computes_what_the_fused_one_does(layout, dtype, vers
         for k, (a, b) in enumerate(zip(got, want)):
             np.testing.assert_allclose(np.float32(a), np.float32(b), atol=tol, rtol=tol,
                                        err_msg=f"output {k}, factor {factor}")
+
+
+def test_a_kernel_whose_reserve_space_another_op_reads_stays_fused():
+    """Only a forward op whose reserve spaces feed its one gradient op
+    (and tf.gradients' zeros of them) is lowered: another reader would get
+    what the kernel keeps there no more."""
+    from parallax_ng.graph import cond_lowering
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 2, 2, 3])
+        y, _, _, reserve, *_ = tf.raw_ops.FusedBatchNormV3(
+            x=x, scale=tf.ones([3]), offset=tf.zeros([3]), mean=tf.zeros([0]),
+            variance=tf.zeros([0]), is_training=True)
+        tf.identity(reserve, name="reads_it")
+        tf.gradients(tf.reduce_sum(y), [x])
+    low = cond_lowering.lowered(g, normalization.edit(g))
+    assert [op.type for op in low.get_operations() if op.type.startswith("FusedBatchNorm")] == \
+        ["FusedBatchNormV3", "FusedBatchNormGradV3"]

@@ -123,20 +123,27 @@ def lines(moments: list[Moments], fused: list[str], synchronized: bool) -> list[
     cannot reach with it."""
     said = "normalizes each replica's rows by their own mean and variance"
     if not synchronized:
-        layers = sorted({m.layer for m in moments} | set(fused))
+        layers = _named({m.layer for m in moments} | set(fused))
         return [f"batch normalization {layers} {said} (batch_norm: per_replica, the default): "
                 "training is close to one device's with the global batch, not equal; "
                 "batch_norm: synchronized makes the statistics the global batch's"] * bool(layers)
     out = []
-    if unknown := sorted({m.layer for m in moments if not m.complete()}):
+    if unknown := _named({m.layer for m in moments if not m.complete()}):
         out.append(f"batch normalization {unknown} {said}, batch_norm: synchronized "
                    "notwithstanding: the gradient of its statistics is not one the autodiff "
                    "makes of tf.nn.moments' ops")
     if fused:
-        out.append(f"fused batch normalization {sorted(fused)[:8]} {said}, batch_norm: "
+        out.append(f"fused batch normalization {_named(fused)} {said}, batch_norm: "
                    "synchronized notwithstanding: it runs inside a tf.cond or a function, or "
                    "two gradient ops read it (fused=False makes it the global batch's)")
     return out
+
+
+def _named(layers, most: int = 6) -> str:
+    """The first `most` of `layers` in order, and how many more."""
+    names = sorted(layers)
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return f"{names[:most]}{more}" if names else ""
 
 
 def _training(op) -> bool:
@@ -240,7 +247,9 @@ def edit(graph: tf.Graph):
     names (cond_lowering.lowered makes it in its copy), or None where the
     graph has none. The fused op keeps its name (an IdentityN of its
     outputs), so does its gradient's; an op with more than one gradient op
-    (two tf.gradients calls) or in a v1 tf.cond or while loop stays fused."""
+    (two tf.gradients calls) or whose reserve spaces another op reads (a
+    gradient in a function), or in a v1 tf.cond or while loop, stays
+    fused."""
     ops = [op for op in graph.get_operations() if _training(op) and not _in_control_flow(op)]
     if not ops:
         return None
@@ -263,8 +272,15 @@ def _lower(graph_def, names: set[str]) -> None:
         if n.op.startswith("FusedBatchNormGrad") and n.attr["is_training"].b and \
                 (source := n.input[3].split(":")[0]) in forward:
             grads.setdefault(source, []).append(n)
+    reserves = {}           # forward op -> the ops that read its reserve spaces
+    for n in graph_def.node:
+        for i in n.input:
+            name, _, port = i.partition(":")
+            if name in forward and port in ("3", "4", "5") and n.op != "ZerosLike":
+                reserves.setdefault(name, set()).add(n.name)    # (tf.gradients' zeros: shape)
     lowered = {name: (g or [None])[0] for name, g in
-               ((name, grads.get(name, [])) for name in forward) if len(g) <= 1}
+               ((name, grads.get(name, [])) for name in forward)
+               if len(g) <= 1 and reserves.get(name, set()) <= {d.name for d in g}}
     by_grad = {g.name: name for name, g in lowered.items() if g is not None}
     out = []
     for n in graph_def.node:

@@ -8,7 +8,9 @@ both ask for, each computed once per variable.
 - `coalescing(var)`: whether a sparse gradient may leave a worker with its
   rows summed (coalescing.py);
 - `stages()`: each gradient's stage in the step (packing.py), for every
-  candidate plan's packing.
+  candidate plan's packing;
+- `normalization(batch_norm)`: batch normalization's lines and exchanges
+  (graph/normalization.py), for every plan.
 A ConfigError is remembered too: every later ask raises it again.
 
 Requires: a TrainingGraph. Guarantees: one Facts per graph is made by the
@@ -18,6 +20,7 @@ build (parallax_ng/build.py) and given to the planner and to the passes
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..graph import normalization
 from . import coalescing, column_cut, deferral, packing
 
 
@@ -52,3 +55,7 @@ class Facts:
 
     def coalescing(self, var: str) -> tuple[str, ...] | None:
         return self._once("coalescing", var, lambda: coalescing.coalescing(self.tg, var))
+
+    def normalization(self, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
+        return self._once("normalization", batch_norm,
+                          lambda: normalization.planned(self.tg.graph, batch_norm))

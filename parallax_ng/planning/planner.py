@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from ..config import Config
 from ..errors import ConfigError
-from ..graph import averaging, normalization, queues, randomness, rules
+from ..graph import averaging, queues, randomness, rules
 from ..graph.frontend import TrainingGraph
 from ..methods import METHODS, method
 from . import choice, costmodel, deferral, traffic
@@ -47,7 +47,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     hybrid's and auto's plans (choice.py); None: all on this one."""
     dense, sparse, note = averaging.averages(config, tg.graph)
     config = replace(config, average_dense=dense, average_sparse=sparse)
-    lines, norms = normalization.planned(tg.graph, config.batch_norm) \
+    facts = facts or Facts(tg)
+    lines, norms = facts.normalization(config.batch_norm) \
         if len(devices) * num_workers > 1 else ((), ())
     notes = (note,) * bool(note) + lines
     if config.run_option == "hybrid" and num_workers > 1 and not servers and \
@@ -59,7 +60,6 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
                   "file), so sparse gradients go by all-gather, as under run_option allreduce",)
     job_servers = num_workers > 1 and bool(servers) and config.communication.backend == "tf"
     backend = config.communication.backend
-    facts = facts or Facts(tg)
     can_cut = lambda v: cuttable(facts, v, len(devices), num_workers, backend)   # noqa: E731
     can_sum = lambda v: facts.coalescing(v) is not None or v in tg.rows_unique   # noqa: E731
     group = len(devices) * num_workers
