@@ -188,10 +188,11 @@ def test_synchronized_statistics_under_a_training_tensor_equal_one_device(contro
     assert out.shape == (16, 1)
 
 
-def test_a_fused_kernel_under_a_v1_cond_is_named(capsys):
-    """A fused kernel inside a v1 tf.cond (its exchange would wait on
-    replicas that skip the branch) stays per replica, and the line says so
-    with the way out."""
+def test_statistics_under_a_v1_cond_are_named_not_exchanged(capsys):
+    """A fused kernel, or a script's own moments, inside a v1 tf.cond (an
+    exchange there would wait on replicas, or a server's sum on workers,
+    that skip the branch) stay per replica, and the lines say so, the
+    fused one with the way out; the step runs."""
     import tf_keras
     from test_branches import lowered_conds
     g = tf.Graph()
@@ -199,11 +200,23 @@ def test_a_fused_kernel_under_a_v1_cond_is_named(capsys):
         x = tf1.placeholder(tf.float32, [None, 4, 4, 2], name="x")
         training = tf1.placeholder_with_default(True, [], name="training")
         h = tf_keras.layers.BatchNormalization()(tf1.layers.conv2d(x, 3, 3), training=training)
-        tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(h)))
-    pn.get_runner(g, local(2), {"batch_norm": "synchronized"}).close()
+
+        def normalized():
+            with tf1.variable_scope("own"):
+                mean, var = tf.nn.moments(h, [0, 1, 2])
+                return (h - mean) * tf.math.rsqrt(var + 1e-3)
+        h = tf1.cond(training, normalized, lambda: h)
+        train = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(h)))
+        init = tf1.global_variables_initializer()
+    with pn.get_runner(g, local(2), {"batch_norm": "synchronized"}) as runner:
+        runner.run(init)
+        runner.run(train, {x: np.ones((4, 4, 4, 2), np.float32)})
     said = capsys.readouterr().err
     assert "synchronized notwithstanding: it runs inside a tf.cond" in said, said
     assert "fused=False makes it the global batch's" in said
+    assert "['cond/own'] normalizes each replica's rows by their own mean and variance, " \
+        "batch_norm: synchronized notwithstanding: its statistics are computed inside a " \
+        "tf.cond" in said, said
 
 
 @pytest.mark.parametrize("layout,dtype,version", [

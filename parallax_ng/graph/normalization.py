@@ -36,12 +36,12 @@ Requires: a tf.Graph and the names of its data sources. Guarantees:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import tensorflow as tf
 
-from . import emit
+from . import branches, emit
 from .forms import sources
 from .rows import reading
 from .rules import AUTODIFF_SCOPE, is_autodiff
@@ -64,6 +64,7 @@ class Moments:
     variance_grad: tf.Tensor | None
     differentiated: bool        # the autodiff has ops for the statistics' layer
     count: tf.Tensor | None = None   # a lowered fused op's rows, summed (its unbiased variance)
+    branched: bool = False      # in a v1 tf.cond or while loop: not exchanged
 
     @property
     def layer(self) -> str:
@@ -83,9 +84,15 @@ class Moments:
             (not self.trained() and not self.differentiated)
 
 
-def planned(graph: tf.Graph, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
-    """(the plan's lines, the `points` to exchange) for config `batch_norm`."""
-    moments, fused = found(graph, sources(graph))
+def planned(tg, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
+    """(the plan's lines, the `points` to exchange) for config `batch_norm`
+    of TrainingGraph `tg`. Statistics in a branch or a loop (Switch/Merge)
+    are not exchanged: a replica (a worker) that skips the branch would
+    leave the others, or a server's sum, waiting for its part."""
+    moments, fused = found(tg.graph, sources(tg.graph))
+    memo = {}
+    moments = [replace(m, branched=bool(branches.switches_above(tg.ir, m.mean.name, memo)))
+               for m in moments]
     synchronized = batch_norm == "synchronized"
     return tuple(lines(moments, fused, synchronized)), \
         tuple(points(moments)) if synchronized else ()
@@ -110,7 +117,7 @@ def points(moments: list[Moments]) -> list[tuple[str, bool]]:
     found."""
     out = []
     for m in moments:
-        if m.complete():
+        if m.complete() and not m.branched:
             out += [(m.mean.outputs[0].name, True), (m.variance.outputs[0].name, True)]
             out += [(g.name, True) for g in (m.mean_grad, m.variance_grad) if g is not None]
             out += [(m.count.name, False)] if m.count is not None else []
@@ -128,14 +135,19 @@ def lines(moments: list[Moments], fused: list[str], synchronized: bool) -> list[
                 "training is close to one device's with the global batch, not equal; "
                 "batch_norm: synchronized makes the statistics the global batch's"] * bool(layers)
     out = []
-    if unknown := _named({m.layer for m in moments if not m.complete()}):
+    if unknown := _named({m.layer for m in moments if not m.complete() and not m.branched}):
         out.append(f"batch normalization {unknown} {said}, batch_norm: synchronized "
                    "notwithstanding: the gradient of its statistics is not one the autodiff "
                    "makes of tf.nn.moments' ops")
+    if branched := _named({m.layer for m in moments if m.branched}):
+        out.append(f"batch normalization {branched} {said}, batch_norm: synchronized "
+                   "notwithstanding: its statistics are computed inside a tf.cond or a while "
+                   "loop, whose exchange would wait on replicas that skip it")
     if fused:
         out.append(f"fused batch normalization {_named(fused)} {said}, batch_norm: "
-                   "synchronized notwithstanding: it runs inside a tf.cond or a function, or "
-                   "two gradient ops read it (fused=False makes it the global batch's)")
+                   "synchronized notwithstanding: it runs inside a tf.cond, a while loop or a "
+                   "function, or ops other than its one gradient read what it keeps for it "
+                   "(fused=False makes it the global batch's)")
     return out
 
 

@@ -58,4 +58,4 @@ class Facts:
 
     def normalization(self, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
         return self._once("normalization", batch_norm,
-                          lambda: normalization.planned(self.tg.graph, batch_norm))
+                          lambda: normalization.planned(self.tg, batch_norm))
