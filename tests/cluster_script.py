@@ -31,7 +31,7 @@ parser.add_argument("--dense-method", default="auto")
 parser.add_argument("--lookup", default="gather", help="gather | sparse (models.py)")
 parser.add_argument("--static-batch", action="store_true", help="batches of a known size")
 parser.add_argument("--masked", action="store_true", help="a mean over the rows of positive y")
-parser.add_argument("--bn", action="store_true", help="the dense layer's input batch-normalized")
+parser.add_argument("--bn", help="the dense layer's input batch-normalized: moments | fused")
 parser.add_argument("--buffer-bytes", type=int, default=0, help="fusion buffer size")
 parser.add_argument("--config", default="{}", help="more config keys, as JSON")
 parser.add_argument("--slow-writes", type=float, default=0.0,

@@ -36,7 +36,7 @@ def dataset_arrays(dtype=np.float32):
 def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
                          dtype=tf.float32, one_shot=False, loss_sum=False, partitions=None,
                          dim=DIM, random_table=False, dropout=0.0, static_batch=False,
-                         lookup="gather", masked=False, bn=False):
+                         lookup="gather", masked=False, bn=None):
     """An embedding (sparse gradient) plus a dense layer, with a global step.
     With `partitions`, the embedding is that many row ranges (pn.partitioner);
     `dim` columns; with `random_table`, drawn by a random initializer; with
@@ -45,9 +45,10 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
     "sparse", each example's ids read by embedding_lookup_sparse (the same
     mean, but the gradient holds each distinct id of the batch once); with
     `masked`, the loss is the mean over the examples whose target is
-    positive (tf.boolean_mask: a replica may pick none); with `bn`, the
-    dense layer's input is normalized by the batch's statistics
-    (tf.nn.moments), which the embedding's gradient passes through."""
+    positive (tf.boolean_mask: a replica may pick none); with `bn`
+    ("moments" or "fused"), the dense layer's input is normalized by the
+    batch's statistics (tf.nn.moments, or the fused kernel on the features
+    as 1x1 images), which the embedding's gradient passes through."""
     np_dtype = dtype.as_numpy_dtype
     g = tf.Graph()
     with g.as_default():
@@ -82,9 +83,15 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
         else:
             h = tf.reduce_mean(tf1.nn.embedding_lookup(emb, ids, partition_strategy="div"), 1)
         features = tf.concat([h, x], 1)
-        if bn:
+        if bn == "moments":
             mean, var = tf.nn.moments(features, [0])
             features = (features - mean) * tf.math.rsqrt(var + 1e-3)
+        elif bn == "fused":
+            width = dim + FEATURES
+            images, _, _ = tf1.nn.fused_batch_norm(
+                tf.reshape(features, [-1, 1, 1, width]), tf.ones([width], np_dtype),
+                tf.zeros([width], np_dtype), is_training=True)
+            features = tf.reshape(images, [-1, width])
         hidden = tf.tanh(tf.matmul(features, w) + b)
         if dropout:
             hidden = tf1.nn.dropout(hidden, rate=dropout, seed=11)

@@ -137,21 +137,23 @@ def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, 
     assert PER_REPLICA not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("run_option", ["hybrid", "allreduce"])
-def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_option):
+@pytest.mark.parametrize("run_option,bn", [("hybrid", "moments"), ("allreduce", "moments"),
+                                           ("hybrid", "fused")])
+def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_option, bn):
     """tests/cluster_script.py --bn: 2 workers (and a server under hybrid,
-    where the statistics are summed with the dense gradients on it), the
-    embedding regression's features batch-normalized (the embedding's
+    where the statistics, and a lowered kernel's row count, are summed
+    with the dense gradients on it), the embedding regression's features
+    batch-normalized by tf.nn.moments or the fused kernel (the embedding's
     gradient passes through the statistics), Adam with clipping and moving
     averages, 8 steps: every variable equals one device's."""
     from models import embedding_regression, train_single
     from test_cluster import load, run_job
-    done, out, _ = run_job(tmp_path, 2, 1, "8", "--run-option", run_option, "--bn",
+    done, out, _ = run_job(tmp_path, 2, 1, "8", "--run-option", run_option, "--bn", bn,
                            "--config", '{"batch_norm": "synchronized"}',
                            servers=int(run_option == "hybrid"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert PER_REPLICA not in done.stderr
-    single = train_single(*embedding_regression(8, "adam", clip=True, ema=True, bn=True), 8)
+    single = train_single(*embedding_regression(8, "adam", clip=True, ema=True, bn=bn), 8)
     parallel = load(out, 2)
     assert set(parallel) == set(single)
     for name, copies in parallel.items():
