@@ -69,6 +69,37 @@ def test_synchronized_statistics_in_a_tf1_graph_equal_one_device(fused, capsys):
     assert PER_REPLICA in said and "batch_norm: per_replica, the default" in said, said
 
 
+def keras_updates(batch):
+    """A tf_keras model in a TF1 graph trained by a legacy optimizer's
+    get_updates (its gradients under `SGD/gradients/gradients/`), the
+    batch normalization's updates grouped in."""
+    import tf_keras
+    g = tf.Graph()
+    with g.as_default():
+        rng = np.random.RandomState(0)
+        xs = (rng.randn(64, 5) * 2 + 1).astype(np.float32)
+        ds = pn.shard(tf.data.Dataset.from_tensor_slices((xs, rng.randn(64, 1).astype(
+            np.float32))))
+        x, y = tf1.data.make_one_shot_iterator(ds.batch(batch).repeat()).get_next()
+        tf1.set_random_seed(0)
+        bn = tf_keras.layers.BatchNormalization()
+        model = tf_keras.Sequential([tf_keras.layers.Dense(8, use_bias=False), bn,
+                                     tf_keras.layers.Dense(1)])
+        loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+        updates = tf_keras.optimizers.legacy.SGD(0.05).get_updates(loss,
+                                                                  model.trainable_variables)
+        train = tf.group(updates + bn.updates)
+        init = tf1.global_variables_initializer()
+    return g, {"train": train, "loss": loss, "init": init}
+
+
+def test_a_keras_optimizers_gradients_under_its_scope_are_found():
+    parallel, single, names = train_both(keras_updates, 2, 5,
+                                         config={"batch_norm": "synchronized"})
+    assert any("moving_mean" in n for n in names)
+    assert worst(parallel, single, names) <= 1e-5
+
+
 def test_what_is_found_and_layer_norm_is_not_batch_norm():
     """A fused kernel in training is found as such; moments over the
     features (a layer norm) are no batch normalization, neither found nor

@@ -36,6 +36,7 @@ Requires: a tf.Graph and the names of its data sources. Guarantees:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -48,6 +49,7 @@ from .rules import AUTODIFF_SCOPE, is_autodiff
 
 FUSED = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 _SPREADS = ("Tile", "BroadcastTo")
+_LEADING = re.compile(r"(gradients(_\d+)?|gradient_tape)/")
 LOWERED = "_parallax_lowered"      # a lowered fused op's Means: their incoming gradient
 # data format: the statistics' axes, the shape the [C] parameters take to broadcast
 _LAYOUTS = {"NHWC": ([0, 1, 2], [-1]), "NCHW": ([0, 2, 3], [1, -1, 1, 1]),
@@ -102,9 +104,9 @@ def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str]]:
     """(the `tf.nn.moments` over the batch's axis of data, the fused batch
     normalizations in training: their op names, those in functions as
     `function:op`)."""
-    rows = reading(sources, graph)
+    rows, index = reading(sources, graph), _Autodiff(graph)
     moments = rows.guarded(lambda r: [m for op in graph.get_operations()
-                                      if (m := _moments(op, r)) is not None])
+                                      if (m := _moments(op, r, index)) is not None])
     fused = [op.name for op in graph.get_operations() if _training(op)]
     fused += [f"{f.signature.name}:{n.name}" for f in graph.as_graph_def().library.function
               for n in f.node_def if n.op in FUSED and n.attr["is_training"].b]
@@ -162,7 +164,7 @@ def _training(op) -> bool:
     return op.type in FUSED and op.get_attr("is_training")
 
 
-def _moments(op, rows) -> Moments | None:
+def _moments(op, rows, index) -> Moments | None:
     """The Moments whose variance `op` is, or None: op is a Mean of a
     SquaredDifference of x and the StopGradient of a Mean of x, over the
     same axes, which hold x's batch axis."""
@@ -185,8 +187,8 @@ def _moments(op, rows) -> Moments | None:
         grads = [_lowered_gradient(m) for m in (mean, op)]
         return Moments(mean, op, *grads, grads[0] is not None,
                        op.graph.get_tensor_by_name(mean.name.rsplit("/", 1)[0] + "/count:0"))
-    return Moments(mean, op, _incoming(mean, op, x), _incoming(op, op, x),
-                   bool(_autodiff(mean) or _autodiff(op)))
+    return Moments(mean, op, _incoming(index, mean, op, x), _incoming(index, op, op, x),
+                   bool(index.of(mean) or index.of(op)))
 
 
 def _lowered_gradient(mean) -> tf.Tensor | None:
@@ -199,36 +201,44 @@ def _axes(op) -> set[int] | None:
     return None if value is None else {int(a) for a in value.reshape(-1)}
 
 
-def _incoming(mean, variance, x) -> tf.Tensor | None:
+def _incoming(index, mean, variance, x) -> tf.Tensor | None:
     """The gradient the autodiff gives `mean`'s output, where it finds one
     form of it: the input of its Mean gradient's Reshape."""
-    chains = [c for c in _chains(mean) if _of_variance(c[2], variance, x) == (mean is variance)]
+    chains = [c for c in _chains(index.of(mean))
+              if _of_variance(c[2], variance, x) == (mean is variance)]
     return chains[0][0].inputs[0] if len(chains) == 1 else None
 
 
-def _autodiff(mean) -> list:
-    """The autodiff's ops under `mean`'s names for its gradient:
-    tf.gradients' `gradients/<op>_grad/`, else a tape's `gradient_tape/<op's
-    scope>/` (the layer's other statistic's too)."""
-    scope = mean.name.rsplit("/", 1)[0] + "/" if "/" in mean.name else ""
-    named, taped = [], []
-    for op in mean.graph.get_operations():
-        if (found := AUTODIFF_SCOPE.search(op.name)) is None:
-            continue
-        rest = op.name[found.end():]
-        if rest.startswith(f"{mean.name}_grad/"):
-            named.append(op)
-        elif found.group(2) == "gradient_tape" and rest.startswith(scope) and \
-                "/" not in rest[len(scope):]:
-            taped.append(op)
-    return named or taped
+class _Autodiff:
+    """The autodiff's ops by the forward op their names are for:
+    tf.gradients' `gradients/<op>_grad/...`, and a tape's
+    `gradient_tape/<op's scope>/...` (every op of the scope's)."""
+
+    def __init__(self, graph: tf.Graph):
+        self.named, self.taped = {}, {}
+        for op in graph.get_operations():
+            if (found := AUTODIFF_SCOPE.search(op.name)) is None:
+                continue
+            rest = op.name[found.end():]
+            while (inner := _LEADING.match(rest)) is not None:    # Adam/gradients/gradients/
+                rest = rest[inner.end():]
+            if "_grad/" in rest:
+                self.named.setdefault(rest.split("_grad/", 1)[0], []).append(op)
+            if found.group(2) == "gradient_tape":
+                self.taped.setdefault(rest.rsplit("/", 1)[0] if "/" in rest else "",
+                                      []).append(op)
+
+    def of(self, mean) -> list:
+        """`mean`'s gradient ops by tf.gradients' names, else its scope's
+        in a tape (the layer's other statistic's too)."""
+        scope = mean.name.rsplit("/", 1)[0] if "/" in mean.name else ""
+        return self.named.get(mean.name) or self.taped.get(scope, [])
 
 
-def _chains(mean) -> list[tuple]:
-    """(Reshape, spread, RealDiv) of the Mean gradients among `mean`'s
-    autodiff ops."""
+def _chains(ops) -> list[tuple]:
+    """(Reshape, spread, RealDiv) of the Mean gradients among `ops`."""
     out = []
-    for op in _autodiff(mean):
+    for op in ops:
         if op.type != "RealDiv" or op.inputs[0].op.type not in _SPREADS:
             continue
         reshape = op.inputs[0].op.inputs[0].op
