@@ -105,11 +105,11 @@ def test_what_is_found_and_layer_norm_is_not_batch_norm():
     features (a layer norm) are no batch normalization, neither found nor
     exchanged."""
     g, _ = tf1_bn(8, fused=True)
-    moments, fused = normalization.found(g, sources(g))
-    assert moments == [] and fused == ["batch_normalization/FusedBatchNormV3"]
+    moments, fused, other = normalization.found(g, sources(g))
+    assert moments == [] and fused == ["batch_normalization/FusedBatchNormV3"] and other == []
     g, _ = tf1_bn(8, layer_norm=True)
-    moments, fused = normalization.found(g, sources(g))
-    assert [m.layer for m in moments] == ["batch_normalization"] and fused == []
+    moments, fused, other = normalization.found(g, sources(g))
+    assert [m.layer for m in moments] == ["batch_normalization"] and fused == other == []
     assert all(m.complete() for m in moments)
     assert len(normalization.points(moments)) == 4      # two statistics, two gradients
 
@@ -320,3 +320,29 @@ def test_a_kernel_whose_reserve_space_another_op_reads_stays_fused():
     low = cond_lowering.lowered(g, normalization.edit(g))
     assert [op.type for op in low.get_operations() if op.type.startswith("FusedBatchNorm")] == \
         ["FusedBatchNormV3", "FusedBatchNormGradV3"]
+
+
+@pytest.mark.parametrize("synchronized", [False, True])
+def test_a_programs_own_mean_over_the_batch_applied_to_its_rows_is_named(synchronized, capsys):
+    """Statistics not of tf.nn.moments' form (a centring by the batch's
+    mean without a StopGradient, an advantage normalized by the batch's
+    mean): each replica takes its own rows', named in a line either way;
+    a loss's mean over the batch, a layer norm's over the features and a
+    metric's are not."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        reward = tf1.placeholder(tf.float32, [None], name="reward")
+        h = tf1.layers.dense(x, 3)
+        h = h - tf.reduce_mean(h, 0, name="centre")
+        h = (h - tf.reduce_mean(h, -1, keepdims=True)) * 2.0            # over the features
+        advantage = reward - tf.reduce_mean(reward, name="baseline")
+        loss = tf.reduce_mean(tf.reduce_sum(tf.square(h), 1) * advantage, name="loss")
+        tf1.metrics.mean(tf.reduce_mean(h, 0))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    _, _, other = normalization.found(g, sources(g))
+    assert other == ["centre", "baseline"]
+    pn.get_runner(g, local(2), {"batch_norm": "synchronized"} if synchronized else {}).close()
+    said = capsys.readouterr().err
+    assert "means over the batch's axis ['baseline', 'centre'] are applied to the batch's " \
+        "rows" in said, said

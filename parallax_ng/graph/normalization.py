@@ -91,26 +91,30 @@ def planned(tg, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
     of TrainingGraph `tg`. Statistics in a branch or a loop (Switch/Merge)
     are not exchanged: a replica (a worker) that skips the branch would
     leave the others, or a server's sum, waiting for its part."""
-    moments, fused = found(tg.graph, sources(tg.graph))
+    moments, fused, other = found(tg.graph, sources(tg.graph))
     memo = {}
     moments = [replace(m, branched=bool(branches.switches_above(tg.ir, m.mean.name, memo)))
                for m in moments]
     synchronized = batch_norm == "synchronized"
-    return tuple(lines(moments, fused, synchronized)), \
+    return tuple(lines(moments, fused, synchronized, other)), \
         tuple(points(moments)) if synchronized else ()
 
 
-def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str]]:
+def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str], list[str]]:
     """(the `tf.nn.moments` over the batch's axis of data, the fused batch
     normalizations in training: their op names, those in functions as
-    `function:op`)."""
+    `function:op`, and other means over the batch's axis that the step
+    applies to the batch's rows: a normalization of the script's own)."""
     rows, index = reading(sources, graph), _Autodiff(graph)
     moments = rows.guarded(lambda r: [m for op in graph.get_operations()
                                       if (m := _moments(op, r, index)) is not None])
     fused = [op.name for op in graph.get_operations() if _training(op)]
     fused += [f"{f.signature.name}:{n.name}" for f in graph.as_graph_def().library.function
               for n in f.node_def if n.op in FUSED and n.attr["is_training"].b]
-    return moments or [], fused
+    known = {o.name for m in moments or () for o in (m.mean, m.variance)}
+    other = rows.guarded(lambda r: [op.name for op in graph.get_operations()
+                                    if op.name not in known and _applied(op, r)])
+    return moments or [], fused, other or []
 
 
 def points(moments: list[Moments]) -> list[tuple[str, bool]]:
@@ -126,17 +130,24 @@ def points(moments: list[Moments]) -> list[tuple[str, bool]]:
     return out
 
 
-def lines(moments: list[Moments], fused: list[str], synchronized: bool) -> list[str]:
+def lines(moments: list[Moments], fused: list[str], synchronized: bool,
+          other=()) -> list[str]:
     """The plan's lines on batch normalization that is not the global
     batch's (one device's): all of it by default, what `synchronized`
-    cannot reach with it."""
+    cannot reach with it; and `other` means over the batch applied to its
+    rows, which neither exchanges."""
     said = "normalizes each replica's rows by their own mean and variance"
+    out = [f"means over the batch's axis {_named(other)} are applied to the batch's rows (a "
+           "normalization of the program's own): each replica takes the mean of its own rows, "
+           "so training is close to one device's with the global batch, not equal; "
+           "tf.nn.moments (with batch_norm: synchronized) makes such statistics the global "
+           "batch's"] * bool(other)
     if not synchronized:
         layers = _named({m.layer for m in moments} | set(fused))
         return [f"batch normalization {layers} {said} (batch_norm: per_replica, the default): "
                 "training is close to one device's with the global batch, not equal; "
-                "batch_norm: synchronized makes the statistics the global batch's"] * bool(layers)
-    out = []
+                "batch_norm: synchronized makes the statistics the global batch's"] * bool(
+                    layers) + out
     if unknown := _named({m.layer for m in moments if not m.complete() and not m.branched}):
         out.append(f"batch normalization {unknown} {said}, batch_norm: synchronized "
                    "notwithstanding: the gradient of its statistics is not one the autodiff "
@@ -189,6 +200,40 @@ def _moments(op, rows, index) -> Moments | None:
                        op.graph.get_tensor_by_name(mean.name.rsplit("/", 1)[0] + "/count:0"))
     return Moments(mean, op, _incoming(index, mean, op, x), _incoming(index, op, op, x),
                    bool(index.of(mean) or index.of(op)))
+
+
+# ops a batch statistic passes through to where it meets the rows
+_CARRIES = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity", "StopGradient", "Cast",
+                      "Sqrt", "Rsqrt", "AddV2", "Add", "Sub", "Mul", "RealDiv", "Maximum",
+                      "Neg", "Square", "Reciprocal"})
+_MEETS = frozenset({"Sub", "AddV2", "Add", "Mul", "RealDiv", "SquaredDifference", "Maximum",
+                    "Minimum"})
+
+
+def _applied(op, rows) -> bool:
+    """Whether `op` is a Mean (forward, not the autodiff's) over the batch's
+    axis of the batch's rows whose result an element-wise op meets with
+    the rows (through a few ops that keep it a statistic)."""
+    if op.type != "Mean" or is_autodiff(op.name):
+        return False
+    x, axes = op.inputs[0], _axes(op)
+    rank = x.shape.rank
+    if axes is None or rank is None or (axis := rows.axis(x)) is None or \
+            axis not in {a % rank for a in axes}:
+        return False
+    seen, stack = set(), [op.outputs[0]]
+    while stack and len(seen) < 64:
+        t = stack.pop()
+        for c in t.consumers():
+            if c.name in seen or is_autodiff(c.name):
+                continue
+            seen.add(c.name)
+            if c.type in _MEETS and any(i is not t and rows.axis(i) is not None
+                                        for i in c.inputs):
+                return True
+            if c.type in _CARRIES:
+                stack.extend(c.outputs)
+    return False
 
 
 def _lowered_gradient(mean) -> tf.Tensor | None:
