@@ -7,7 +7,7 @@ Guarantees: every variable, its writers and readers, the state it owns (slots,
 moving averages), and for every trained variable the raw gradient tensors the
 autodiff produced (dense tensor, or values+indices of an IndexedSlices). The
 user's graph is not modified (a copy: cond_lowering, generators,
-normalization, input_calls)."""
+fused_norm, input_calls)."""
 from __future__ import annotations
 
 import os
@@ -19,8 +19,8 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
-from . import (accumulation, branches, cond_lowering, distinct, generators, input_calls,
-               normalization, queues, rules, variance)
+from . import (accumulation, branches, cond_lowering, distinct, fused_norm, generators,
+               input_calls, queues, rules, variance)
 from .ir import GraphIR, TensorRef
 
 SHARD_SCOPE = "parallax_shard"
@@ -209,7 +209,7 @@ def load(source, batch_norm: str = "per_replica") -> TrainingGraph:
     if not isinstance(source, tf.Graph):
         raise GraphError(f"cannot parallelize a {type(source).__name__}; pass a tf.Graph, a "
                          "tf.compat.v1.MetaGraphDef or the path of an exported .meta file")
-    norms = normalization.edit(source) if batch_norm == "synchronized" else None
+    norms = fused_norm.edit(source) if batch_norm == "synchronized" else None
     tg = _from_graph(cond_lowering.lowered(source, generators.edit(source), norms))
     tg.user_graph = source
     input_calls.note(tg)          # gradients of the inputs: not losses (a copy notes them)

@@ -6,7 +6,8 @@ own `tf.nn.moments` over the batch) normalizes by the mean and variance of
 the batch it is given. On N replicas each is given its own rows, so by
 default (config `batch_norm: per_replica`) the step trains close to one
 device's with the global batch, not equal to it: `found` names such layers,
-for the line the plan prints.
+and other means over the batch that the step applies to its rows (a
+normalization of the program's own), for the lines the plan prints.
 
 `batch_norm: synchronized` makes the statistics the global batch's, forward
 and backward, where the graph computes them with `tf.nn.moments` over the
@@ -24,25 +25,23 @@ by its form (`Reshape`, `Tile` or `BroadcastTo`, `RealDiv`) under the
 layer's scope, the variance's being the one whose result is multiplied by
 x minus the mean. The fused kernel (`FusedBatchNormV3` in training, which
 tf_keras and tf.compat.v1 pick for 4-D inputs) computes its statistics
-inside one op: `edit` lowers it and its gradient op to that form (in the
-copy graph/cond_lowering.py makes), the gradient written out as the
-autodiff of those ops gives it, the unbiased variance of its moving
-statistics from the job's row count (`count`, summed). One the exchange
-cannot reach (in a v1 cond or while loop, in a function) stays per
-replica, and the plan's line says so.
+inside one op: graph/fused_norm.py lowers it to that form, its Means
+marked with the names of their incoming gradients (`LOWERED`) and its
+row count summed (`count`: the unbiased variance of the moving
+statistics). One the exchange cannot reach (in a v1 cond or while loop,
+in a function) stays per replica, and the plan's line says so.
 
-Requires: a tf.Graph and the names of its data sources. Guarantees:
-`found` and `points` read the graph only; `edit` changes a copy.
+Requires: a TrainingGraph (its tf.Graph) and the names of its data
+sources. Guarantees: reads the graph only.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
 
-import numpy as np
 import tensorflow as tf
 
-from . import branches, emit
+from . import branches
 from .forms import sources
 from .rows import reading
 from .rules import AUTODIFF_SCOPE, is_autodiff
@@ -50,10 +49,8 @@ from .rules import AUTODIFF_SCOPE, is_autodiff
 FUSED = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 _SPREADS = ("Tile", "BroadcastTo")
 _LEADING = re.compile(r"(gradients(_\d+)?|gradient_tape)/")
-LOWERED = "_parallax_lowered"      # a lowered fused op's Means: their incoming gradient
-# data format: the statistics' axes, the shape the [C] parameters take to broadcast
-_LAYOUTS = {"NHWC": ([0, 1, 2], [-1]), "NCHW": ([0, 2, 3], [1, -1, 1, 1]),
-            "NDHWC": ([0, 1, 2, 3], [-1]), "NCDHW": ([0, 2, 3, 4], [1, -1, 1, 1, 1])}
+# on a lowered fused op's Means (graph/fused_norm.py): their incoming gradient's name
+LOWERED = "_parallax_lowered"
 
 
 @dataclass(frozen=True)
@@ -305,193 +302,3 @@ def _of_variance(div, variance, x) -> bool:
                     i.op.inputs[1] is variance.inputs[0].op.inputs[1] for i in second.inputs):
                 return True
     return False
-
-
-def edit(graph: tf.Graph):
-    """The edit of a meta graph that lowers each top-level fused batch
-    normalization in training, and its gradient, to the form of
-    `tf.nn.moments` whose statistics and their incoming gradients `found`
-    names (cond_lowering.lowered makes it in its copy), or None where the
-    graph has none. The fused op keeps its name (an IdentityN of its
-    outputs), so does its gradient's; an op with more than one gradient op
-    (two tf.gradients calls) or whose reserve spaces another op reads (a
-    gradient in a function), or in a v1 tf.cond or while loop, stays
-    fused."""
-    ops = [op for op in graph.get_operations() if _training(op) and not _in_control_flow(op)]
-    if not ops:
-        return None
-    names = {op.name for op in ops}
-    return lambda meta: _lower(meta.graph_def, names)
-
-
-def _in_control_flow(op) -> bool:
-    """Whether `op` runs in a v1 tf.cond or while loop (where the
-    statistics' exchange would wait on replicas that skip it)."""
-    return op._get_control_flow_context() is not None or any(   # noqa: SLF001
-        i.op.type in ("Switch", "RefSwitch", "Enter", "RefEnter") for i in op.inputs)
-
-
-def _lower(graph_def, names: set[str]) -> None:
-    forward = {n.name: n for n in graph_def.node if n.name in names and
-               _layout(n) in _LAYOUTS}
-    grads = {}
-    for n in graph_def.node:
-        if n.op.startswith("FusedBatchNormGrad") and n.attr["is_training"].b and \
-                (source := n.input[3].split(":")[0]) in forward:
-            grads.setdefault(source, []).append(n)
-    reserves = {}           # forward op -> the ops that read its reserve spaces
-    for n in graph_def.node:
-        for i in n.input:
-            name, _, port = i.partition(":")
-            if name in forward and port in ("3", "4", "5") and n.op != "ZerosLike":
-                reserves.setdefault(name, set()).add(n.name)    # (tf.gradients' zeros: shape)
-    lowered = {name: (g or [None])[0] for name, g in
-               ((name, grads.get(name, [])) for name in forward)
-               if len(g) <= 1 and reserves.get(name, set()) <= {d.name for d in g}}
-    by_grad = {g.name: name for name, g in lowered.items() if g is not None}
-    out = []
-    for n in graph_def.node:
-        if n.name in lowered:
-            out.extend(_Lowering(n, lowered[n.name]).forward())
-        elif n.name in by_grad:
-            out.extend(_Lowering(forward[by_grad[n.name]], n).backward())
-        else:
-            out.append(n)
-    del graph_def.node[:]
-    graph_def.node.extend(out)
-
-
-def _layout(node) -> str:
-    return node.attr["data_format"].s.decode() or "NHWC"
-
-
-class _Lowering:
-    """The ops of one fused batch normalization in training (`node`) and
-    of its gradient (`grad`, or None): the statistics as tf.nn.moments
-    makes them, under `<node>/parallax_bn/`, and the gradient as the
-    autodiff of those ops gives it, with the incoming gradients of the two
-    Means under `<grad>/parallax_bn/` (`mean_grad`, `variance_grad`)."""
-
-    def __init__(self, node, grad):
-        self.node, self.grad = node, grad
-        self.t = tf.as_dtype(node.attr["T"].type)
-        self.u = tf.as_dtype(node.attr["U"].type) if "U" in node.attr else self.t
-        self.axes, self.shape = _LAYOUTS[_layout(node)]
-        self.at, self.device, self.made = f"{node.name}/parallax_bn", node.device, set()
-
-    def forward(self) -> list:
-        n, at, u = self.node, self.at, self.u
-        x, scale, offset, mean_in, var_in = ("=" + i for i in n.input[:5])
-        controls = [i for i in n.input if i.startswith("^")]
-        grad = self.grad.name + "/parallax_bn" if self.grad is not None else None
-        nodes = [self._cast("x", [x] + controls, self.t, u),
-                 self._const("axes", np.int32(self.axes), tf.int32),
-                 self._const("shape", np.int32(self.shape), tf.int32),
-                 self._op("mean", "Mean", ["x", "axes"], keep_dims=True, Tidx=tf.int32),
-                 self._op("StopGradient", "StopGradient", ["mean"]),
-                 self._op("SquaredDifference", "SquaredDifference", ["x", "StopGradient"]),
-                 self._op("variance", "Mean", ["SquaredDifference", "axes"], keep_dims=True,
-                          Tidx=tf.int32),
-                 self._op("centred", "Sub", ["x", "mean"]),
-                 self._const("epsilon", n.attr["epsilon"].f, u),
-                 self._op("plus_epsilon", "AddV2", ["variance", "epsilon"]),
-                 self._op("rsqrt", "Rsqrt", ["plus_epsilon"]),
-                 self._reshape("scale", scale), self._reshape("offset", offset),
-                 self._op("normalized", "Mul", ["centred", "rsqrt"]),
-                 self._op("scaled", "Mul", ["normalized", "scale"]),
-                 self._op("shifted", "AddV2", ["scaled", "offset"]),
-                 self._cast("y", [f"{at}/shifted"], u, self.t),
-                 # the replica's rows per channel; the job's (`count`) make the unbiased variance
-                 self._op("size", "Size", ["x"], out_type=tf.int32),
-                 self._op("channels", "Size", [scale], out_type=tf.int32, T=u),
-                 self._cast("size_u", ["size"], tf.int32, u),
-                 self._cast("channels_u", ["channels"], tf.int32, u),
-                 self._op("rows", "RealDiv", ["size_u", "channels_u"]),
-                 self._op("count", "Identity", ["rows"]),
-                 self._const("one", 1.0, u),
-                 self._op("count_less_one", "Sub", ["count", "one"]),
-                 self._op("at_least_one", "Maximum", ["count_less_one", "one"]),
-                 self._op("bessel", "RealDiv", ["count", "at_least_one"]),
-                 self._op("unbiased", "Mul", ["variance", "bessel"]),
-                 self._const("flat", np.int32([-1]), tf.int32),
-                 self._op("batch_mean", "Reshape", ["mean", "flat"], Tshape=tf.int32),
-                 self._op("batch_variance", "Reshape", ["unbiased", "flat"], Tshape=tf.int32)]
-        for node, what in ((nodes[3], "mean"), (nodes[6], "variance")):
-            node.attr[LOWERED].s = f"{grad}/{what}_grad:0".encode() if grad else b""
-        outs = [f"{at}/y", f"{at}/batch_mean", f"{at}/batch_variance"]
-        factor = n.attr["exponential_avg_factor"].f if "exponential_avg_factor" in n.attr \
-            else 1.0
-        if factor != 1.0:           # the running statistics moved inside the op
-            nodes += [self._const("factor", factor, u),
-                      self._const("keep", 1.0 - factor, u)]
-            for k, (stat, old) in enumerate((("batch_mean", mean_in),
-                                             ("batch_variance", var_in)), 1):
-                nodes += [self._op(f"{stat}_new", "Mul", [stat, "factor"]),
-                          self._op(f"{stat}_old", "Mul", [old, "keep"]),
-                          self._op(f"{stat}_moved", "AddV2", [f"{stat}_new", f"{stat}_old"])]
-                outs[k] = f"{at}/{stat}_moved"
-        outs += [outs[1]] * (3 if n.op == "FusedBatchNormV3" else 2)    # reserve spaces
-        nodes.append(emit.node_def(n.name, "IdentityN", outs, n.device,
-                                   T=[self.t] + [u] * (len(outs) - 1)))
-        return nodes
-
-    def backward(self) -> list:
-        g, at, u = self.grad, self.at, self.u
-        fwd = lambda name: f"{at}/{name}"                # noqa: E731
-        self.at, self.device = f"{g.name}/parallax_bn", g.device
-        controls = [i for i in g.input if i.startswith("^")]
-        nodes = [self._cast("dy", ["=" + g.input[0]] + controls, self.t, u),
-                 self._op("scale_rsqrt", "Mul", [fwd("scale"), fwd("rsqrt")]),
-                 self._op("sum_dy", "Sum", ["dy", fwd("axes")], keep_dims=True, Tidx=tf.int32),
-                 self._op("sum_dy_scaled", "Mul", ["sum_dy", "scale_rsqrt"]),
-                 self._op("mean_grad", "Neg", ["sum_dy_scaled"]),
-                 self._op("dy_centred", "Mul", ["dy", fwd("centred")]),
-                 self._op("sum_dy_centred", "Sum", ["dy_centred", fwd("axes")], keep_dims=True,
-                          Tidx=tf.int32),
-                 self._op("rsqrt_2", "Mul", [fwd("rsqrt"), fwd("rsqrt")]),
-                 self._op("rsqrt_3", "Mul", ["rsqrt_2", fwd("rsqrt")]),
-                 self._const("minus_half", -0.5, u),
-                 self._op("dv_dr", "Mul", ["rsqrt_3", "minus_half"]),
-                 self._op("sum_scaled", "Mul", ["sum_dy_centred", fwd("scale")]),
-                 self._op("variance_grad", "Mul", ["sum_scaled", "dv_dr"]),
-                 self._op("direct", "Mul", ["dy", "scale_rsqrt"]),
-                 self._op("from_mean", "RealDiv", ["mean_grad", fwd("rows")]),
-                 self._const("two", 2.0, u),
-                 self._op("variance_grad_2", "Mul", ["variance_grad", "two"]),
-                 self._op("variance_per_row", "RealDiv", ["variance_grad_2", fwd("rows")]),
-                 self._op("from_variance", "Mul", ["variance_per_row", fwd("centred")]),
-                 self._op("direct_and_variance", "AddV2", ["direct", "from_variance"]),
-                 self._op("dx_u", "AddV2", ["direct_and_variance", "from_mean"]),
-                 self._cast("dx", [f"{self.at}/dx_u"], u, self.t),
-                 self._op("dy_normalized", "Mul", ["dy_centred", fwd("rsqrt")]),
-                 self._op("scale_grad", "Sum", ["dy_normalized", fwd("axes")],
-                          keep_dims=False, Tidx=tf.int32),
-                 self._op("offset_grad", "Sum", ["dy", fwd("axes")], keep_dims=False,
-                          Tidx=tf.int32)]
-        outs = [f"{self.at}/dx", f"{self.at}/scale_grad"] + [f"{self.at}/offset_grad"] * 3
-        nodes.append(emit.node_def(g.name, "IdentityN", outs, g.device,
-                                   T=[self.t] + [u] * 4))
-        return nodes
-
-    def _op(self, name: str, op: str, inputs: list[str], T="u", **attrs):
-        """`op` named `name` in this lowering's scope; an input that names
-        one of its ops made before is that op, one that starts with '='
-        the graph's tensor of the name that follows."""
-        refs = [i[1:] if i.startswith("=") else f"{self.at}/{i}" if i in self.made else i
-                for i in inputs]
-        if T is not None:
-            attrs["T"] = self.u if T == "u" else T
-        self.made.add(name)
-        return emit.node_def(f"{self.at}/{name}", op, refs, self.device, **attrs)
-
-    def _const(self, name: str, value, dtype):
-        self.made.add(name)
-        return emit.const(f"{self.at}/{name}", value, dtype, self.device)
-
-    def _cast(self, name: str, inputs: list[str], src, dst):
-        if src == dst:
-            return self._op(name, "Identity", inputs, T=src)
-        return self._op(name, "Cast", inputs, T=None, SrcT=src, DstT=dst)
-
-    def _reshape(self, name: str, tensor: str):
-        return self._op(name, "Reshape", [tensor, "shape"], Tshape=tf.int32)
