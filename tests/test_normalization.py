@@ -276,3 +276,28 @@ def test_a_programs_own_mean_over_the_batch_applied_to_its_rows_is_named(synchro
     said = capsys.readouterr().err
     assert "means over the batch's axis ['baseline', 'centre'] are applied to the batch's " \
         "rows" in said, said
+
+
+def test_keras3_masked_batch_normalization_is_named(capsys, monkeypatch):
+    """Keras 3's BatchNormalization given a mask (after an Embedding with
+    mask_zero) computes its statistics from sums over the rows the mask
+    keeps, not tf.nn.moments: each replica's, and a line names them."""
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "0")
+    import keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                              keras.layers.Embedding(10, 4, mask_zero=True),
+                              keras.layers.BatchNormalization(),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.1)
+
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+    step = pn.function(train_step, local(2), {"batch_norm": "synchronized"})
+    step(np.int32([[1, 2, 0], [3, 0, 0], [4, 5, 6], [7, 8, 0]]), np.ones((4, 1), np.float32))
+    said = capsys.readouterr().err
+    assert "means over the batch's axis" in said and "batch_normalization" in said, said

@@ -208,10 +208,11 @@ _MEETS = frozenset({"Sub", "AddV2", "Add", "Mul", "RealDiv", "SquaredDifference"
 
 
 def _applied(op, rows) -> bool:
-    """Whether `op` is a Mean (forward, not the autodiff's) over the batch's
-    axis of the batch's rows whose result an element-wise op meets with
-    the rows (through a few ops that keep it a statistic)."""
-    if op.type != "Mean" or is_autodiff(op.name):
+    """Whether `op` is a Mean or a Sum (forward, not the autodiff's) over
+    the batch's axis of the batch's rows whose result an element-wise op
+    meets with the rows (through a few ops that keep it a statistic: a
+    sum divided by a count, Keras 3's masked BatchNormalization's)."""
+    if op.type not in ("Mean", "Sum") or is_autodiff(op.name):
         return False
     x, axes = op.inputs[0], _axes(op)
     rank = x.shape.rank
