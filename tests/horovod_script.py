@@ -4,6 +4,7 @@ to OUT.<rank>.npz.
 
     horovodrun --gloo -np 2 -H localhost:2 python horovod_script.py OUT STEPS [--devices D]
         [--buckets MODE] [--sparse METHOD] [--horizontal] [--compression fp16|bf16]
+        [--bn moments|fused]
 """
 import argparse
 import os
@@ -27,14 +28,15 @@ parser.add_argument("--horizontal", action="store_true",
                     help="horizontal scheduling of the dense updates (no clipping)")
 parser.add_argument("--compression", default="none", help="communication.compression")
 parser.add_argument("--dense", default="auto", help="dense_method")
+parser.add_argument("--bn", help="features batch-normalized (moments | fused), synchronized")
 args = parser.parse_args()
 
 prefetch = args.sparse == "prefetch"
-g, h = embedding_regression(4, "adam", clip=not args.horizontal, ema=True)
+g, h = embedding_regression(4, "adam", clip=not args.horizontal, ema=True, bn=args.bn)
 runner = pn.get_runner(g, local(args.devices), {
     "run_option": "allreduce", "sparse_method": "alltoall" if prefetch else args.sparse,
     "prefetch": prefetch, "horizontal_scheduling": args.horizontal,
-    "dense_method": args.dense,
+    "dense_method": args.dense, "batch_norm": "synchronized" if args.bn else "per_replica",
     "communication": {"backend": "horovod", "timeout_seconds": 120,
                       "compression": args.compression},
     "buckets": {"mode": args.buckets, "bytes": 40,

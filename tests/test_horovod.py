@@ -62,6 +62,28 @@ def test_horovod_workers_match_one_device(tmp_path, devices, buckets, sparse):
 
 
 @pytest.mark.horovod
+def test_horovod_synchronized_batch_norm_matches_one_device(tmp_path):
+    """`batch_norm: synchronized` under Horovod: 2 ranks of 2 devices, the
+    features through the fused kernel (lowered), its statistics and their
+    gradients the mean of the 4 replicas' by HorovodAllreduce, its row
+    count their sum: every variable equals one device with the global
+    batch (1e-5)."""
+    out = str(tmp_path / "vars")
+    cmd = [horovodrun(), "--gloo", "-np", "2", "-H", "localhost:2", "--network-interface",
+           "lo", sys.executable, SCRIPT, out, "6", "--devices", "2", "--bn", "fused"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "normalizes each replica's rows" not in done.stdout + done.stderr
+    single = train_single(*embedding_regression(16, "adam", clip=True, ema=True, bn="fused"), 6)
+    for rank in range(2):
+        with np.load(f"{out}.{rank}.npz") as d:
+            for key in d.files:
+                np.testing.assert_allclose(d[key], single[key.split("#")[0]], atol=1e-5,
+                                           rtol=0, err_msg=key)
+
+
+@pytest.mark.horovod
 @pytest.mark.parametrize("sparse", ["auto", "alltoall"])
 def test_horovod_compressed_gradients_match_tensorflow_collectives(tmp_path, sparse):
     """communication.compression fp16 under Horovod (HorovodAlltoall and
