@@ -63,6 +63,9 @@ def test_synchronized_statistics_in_a_tf1_graph_equal_one_device(fused, capsys):
     assert any("moving_variance" in n for n in names) and any("Momentum" in n for n in names)
     assert worst(parallel, single, names) <= 1e-5
     assert PER_REPLICA not in capsys.readouterr().err
+    plan = pn.transform_plan(build(8)[0], local(2), {"batch_norm": "synchronized"})
+    assert "batch normalization by the global batch's statistics: " \
+        f"{4 + (fused is True)} tensors exchanged per step" in plan.format()
     parallel, single, names = train_both(build, 2, 5)
     assert worst(parallel, single, names) > 1e-3
     said = capsys.readouterr().err

@@ -316,6 +316,9 @@ class Plan:
         if self.blocks:
             rows.append("horizontal scheduling (updates a step later, blocks all-reduced in "
                         "forward order): " + "; ".join(", ".join(b) for b in self.blocks))
+        if self.norm_points:
+            rows.append(f"batch normalization by the global batch's statistics: "
+                        f"{len(self.norm_points)} tensors exchanged per step")
         rows += self.unmet()
         off = [k for k, on in vars(self.rewrites).items() if not on]
         if off:
