@@ -12,6 +12,7 @@ import parallax_ng as pn
 from models import local, train_both
 from parallax_ng.graph import normalization
 from parallax_ng.graph.forms import sources
+from test_tf2 import step_of
 
 tf1 = tf.compat.v1
 PER_REPLICA = "normalizes each replica's rows by their own mean and variance"
@@ -147,14 +148,6 @@ def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, 
     models[1].set_weights(models[0].get_weights())
     optimizers = [lib.optimizers.Adam(0.01) for _ in models]
 
-    def step_of(model, optimizer):
-        def train_step(x, y):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
-        return train_step
     step = pn.function(step_of(models[0], optimizers[0]), local(2),
                        {"batch_norm": "synchronized"})
     ref = tf.function(step_of(models[1], optimizers[1]))
@@ -294,13 +287,7 @@ def test_keras3_masked_batch_normalization_is_named(capsys, monkeypatch):
                               keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
     optimizer = keras.optimizers.SGD(0.1)
 
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-    step = pn.function(train_step, local(2), {"batch_norm": "synchronized"})
+    step = pn.function(step_of(model, optimizer), local(2), {"batch_norm": "synchronized"})
     step(np.int32([[1, 2, 0], [3, 0, 0], [4, 5, 6], [7, 8, 0]]), np.ones((4, 1), np.float32))
     said = capsys.readouterr().err
     assert "means over the batch's axis" in said and "batch_normalization" in said, said

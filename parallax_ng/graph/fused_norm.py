@@ -65,8 +65,10 @@ def edit(graph: tf.Graph):
 
 
 def _in_control_flow(op) -> bool:
-    """Whether `op` runs in a v1 tf.cond or while loop (where the
-    statistics' exchange would wait on replicas that skip it)."""
+    """Whether `op` runs in a v1 tf.cond or while loop: the statistics
+    would not be exchanged there (normalization.planned keeps branches'
+    per replica), and a loop's body cannot take the lowering's constants
+    (they would need its frame's Enter), so the kernel stays as it is."""
     return op._get_control_flow_context() is not None or any(   # noqa: SLF001
         i.op.type in ("Switch", "RefSwitch", "Enter", "RefEnter") for i in op.inputs)
 
