@@ -14,7 +14,7 @@ import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import parallax_ng as pn  # noqa: E402
-from models import embedding_regression, read_name, variable_names  # noqa: E402
+from models import counting_graph, embedding_regression, read_name, variable_names  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
@@ -32,6 +32,9 @@ parser.add_argument("--lookup", default="gather", help="gather | sparse (models.
 parser.add_argument("--static-batch", action="store_true", help="batches of a known size")
 parser.add_argument("--masked", action="store_true", help="a mean over the rows of positive y")
 parser.add_argument("--bn", help="the dense layer's input batch-normalized: moments | fused")
+parser.add_argument("--counting", action="store_true",
+                    help="models.counting_graph: a count added under a fed tf.cond, the flag "
+                         "True at even steps (the branch every replica skips at odd ones)")
 parser.add_argument("--buffer-bytes", type=int, default=0, help="fusion buffer size")
 parser.add_argument("--config", default="{}", help="more config keys, as JSON")
 parser.add_argument("--slow-writes", type=float, default=0.0,
@@ -55,7 +58,11 @@ def slow_adam():
     return tf.compat.v1.train.AdamOptimizer(lr)
 
 
-if args.random_init:
+if args.counting:
+    g, h = counting_graph("fed")
+    h["iterator_init"] = None
+    COUNTED = np.random.RandomState(0).randn(args.steps, 8, 3).astype(np.float32)
+elif args.random_init:
     g = tf.Graph()
     with g.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
@@ -109,6 +116,10 @@ for step in range(args.steps):
     if step == args.die_at and runner.plan.worker == 1:
         print(f"worker 1 dies at step {step}", flush=True)
         os._exit(3)
+    if args.counting:
+        rows = np.array_split(COUNTED[step], runner.plan.num_workers)[runner.plan.worker]
+        runner.run(h["train"], {h["x"]: rows, h["flag"]: step % 2 == 0})   # its own rows
+        continue
     runner.run(h["train"])
 if saver is not None:
     if runner.plan.worker == 0:

@@ -117,6 +117,27 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
     return g, handles
 
 
+def counting_graph(predicate: str, step=None):
+    """A count of positive inputs (or `step`'s constant) added to `hits`
+    inside a tf.cond on the data's mean ("data"), or on a fed scalar every
+    replica shares ("fed")."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        flag = tf1.placeholder(tf.bool, [], name="flag")
+        w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
+        hits = tf1.get_variable("hits", initializer=np.float32(0), trainable=False)
+        pred = tf.reduce_mean(x) > 0 if predicate == "data" else flag
+        added = tf.reduce_sum(tf.sign(x)) if step is None else tf.constant(step)
+        update = tf.cond(pred, lambda: tf1.assign_add(hits, added),
+                         lambda: tf.identity(hits.read_value()))
+        loss = tf.reduce_mean(tf.reduce_sum(x * w, 1))
+        with tf.control_dependencies([update]):
+            train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        init = tf1.global_variables_initializer()
+    return g, dict(x=x, flag=flag, hits=hits, train=train, init=init, update=update)
+
+
 def variable_names(graph) -> list[str]:
     return [v.op.name for v in graph.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)]
 

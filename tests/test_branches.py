@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from models import local
+from models import counting_graph, local, read_name
 from parallax_ng.errors import GraphError
 from parallax_ng.graph import branches, frontend
 
@@ -34,27 +34,6 @@ def conds(kind: str):
     graph/lowering.py lowers)."""
     with lowered_conds() if kind == "v1" else contextlib.nullcontext():
         yield
-
-
-def counting_graph(predicate: str, step=None):
-    """A count of positive inputs (or `step`'s constant) added to `hits`
-    inside a tf.cond on the data's mean ("data"), or on a fed scalar every
-    replica shares ("fed")."""
-    g = tf.Graph()
-    with g.as_default():
-        x = tf1.placeholder(tf.float32, [None, 3], name="x")
-        flag = tf1.placeholder(tf.bool, [], name="flag")
-        w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
-        hits = tf1.get_variable("hits", initializer=np.float32(0), trainable=False)
-        pred = tf.reduce_mean(x) > 0 if predicate == "data" else flag
-        added = tf.reduce_sum(tf.sign(x)) if step is None else tf.constant(step)
-        update = tf.cond(pred, lambda: tf1.assign_add(hits, added),
-                         lambda: tf.identity(hits.read_value()))
-        loss = tf.reduce_mean(tf.reduce_sum(x * w, 1))
-        with tf.control_dependencies([update]):
-            train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
-        init = tf1.global_variables_initializer()
-    return g, dict(x=x, flag=flag, hits=hits, train=train, init=init, update=update)
 
 
 def test_a_write_in_a_lowered_branch_is_below_its_switch():
@@ -187,3 +166,30 @@ def test_state_written_in_a_branch_every_replica_takes_equals_one_device(kind):
         per = runner.run(t2["hits"], per_replica=True)
     assert want != 0 and per[0] == per[1]
     np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("run_option,servers", [("ps", 1), ("allreduce", 0)])
+def test_a_branch_every_worker_skips_in_a_job_equals_one_device(tmp_path, run_option, servers):
+    """tests/cluster_script.py --counting: 2 workers, the count under a fed
+    tf.cond, 4 steps, the branch taken at even steps. Under ps the count's
+    sum goes through the server, whose side worker 0 runs: a step that
+    skips the branch left worker 0 waiting there for worker 1's part (which
+    it then took at the next step's: both workers timed out) until the
+    take waited on its own part too. The count and the weights equal one
+    device's (1e-6)."""
+    from test_cluster import load, run_job
+    done, out, _ = run_job(tmp_path, 2, 1, "4", "--counting", "--run-option", run_option,
+                           servers=servers, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    g, t = counting_graph("fed")
+    data = np.random.RandomState(0).randn(4, 8, 3).astype(np.float32)
+    with tf1.Session(graph=g) as sess:
+        sess.run(t["init"])
+        for k in range(4):
+            sess.run(t["train"], {t["x"]: data[k], t["flag"]: k % 2 == 0})
+        want = {"hits": sess.run(t["hits"]), "w": sess.run(read_name("w", g))}
+    got = load(out, 2)
+    assert want["hits"] != 0
+    for name, value in want.items():
+        for copy in got[name]:
+            np.testing.assert_allclose(copy, value, rtol=1e-6, err_msg=name)

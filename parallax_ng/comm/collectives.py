@@ -276,11 +276,11 @@ def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float,
         return name
 
     if plan.worker == 0:
-        taken = []
-        for w in range(1, plan.num_workers):
+        taken, mine = [], "^" + tensor.split(":")[0]  # a take waits for (the life of) its own
+        for w in range(1, plan.num_workers):    # part: in a branch not taken, it does not block
             q = f"{scope}/from_{w}"
             nodes += [emit.fifo_queue(q, shared(f"parallax_ng/sum/{scope}/{w}"), [sent], server),
-                      emit.node_def(f"{q}/take", "QueueDequeueV2", [q], server,
+                      emit.node_def(f"{q}/take", "QueueDequeueV2", [q, mine], server,
                                     component_types=[sent], timeout_ms=-1)]
             taken.append(widened(f"{q}/wide", f"{q}/take", server))
         own = widened(f"{scope}/own", tensor, server)
