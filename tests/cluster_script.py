@@ -31,10 +31,12 @@ parser.add_argument("--dense-method", default="auto")
 parser.add_argument("--lookup", default="gather", help="gather | sparse (models.py)")
 parser.add_argument("--static-batch", action="store_true", help="batches of a known size")
 parser.add_argument("--masked", action="store_true", help="a mean over the rows of positive y")
-parser.add_argument("--bn", help="the dense layer's input batch-normalized: moments | fused")
-parser.add_argument("--counting", action="store_true",
-                    help="models.counting_graph: a count added under a fed tf.cond, the flag "
-                         "True at even steps (the branch every replica skips at odd ones)")
+parser.add_argument("--bn", help="the dense layer's input batch-normalized: moments | fused | "
+                                 "keras (models.embedding_regression; frozen at every third step)")
+parser.add_argument("--counting", choices=["count", "applied"],
+                    help="models.counting_graph: a count added under a fed tf.cond (applied: "
+                         "and the update applied there), the flag True at even steps (the "
+                         "branch every replica skips at odd ones)")
 parser.add_argument("--buffer-bytes", type=int, default=0, help="fusion buffer size")
 parser.add_argument("--config", default="{}", help="more config keys, as JSON")
 parser.add_argument("--slow-writes", type=float, default=0.0,
@@ -59,7 +61,7 @@ def slow_adam():
 
 
 if args.counting:
-    g, h = counting_graph("fed")
+    g, h = counting_graph("fed", applied=args.counting == "applied")
     h["iterator_init"] = None
     COUNTED = np.random.RandomState(0).randn(args.steps, 8, 3).astype(np.float32)
 elif args.random_init:
@@ -116,6 +118,9 @@ for step in range(args.steps):
     if step == args.die_at and runner.plan.worker == 1:
         print(f"worker 1 dies at step {step}", flush=True)
         os._exit(3)
+    if args.bn == "keras":     # the batch normalization frozen at every third step
+        runner.run(h["train"], {h["training"]: step % 3 != 2})
+        continue
     if args.counting:
         rows = np.array_split(COUNTED[step], runner.plan.num_workers)[runner.plan.worker]
         runner.run(h["train"], {h["x"]: rows, h["flag"]: step % 2 == 0})   # its own rows

@@ -48,7 +48,9 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
     positive (tf.boolean_mask: a replica may pick none); with `bn`
     ("moments" or "fused"), the dense layer's input is normalized by the
     batch's statistics (tf.nn.moments, or the fused kernel on the features
-    as 1x1 images), which the embedding's gradient passes through."""
+    as 1x1 images), which the embedding's gradient passes through; "keras":
+    tf_keras's layer on those images (its fused kernel), told training by
+    the placeholder `handles["training"]` (default True: a tf.cond)."""
     np_dtype = dtype.as_numpy_dtype
     g = tf.Graph()
     with g.as_default():
@@ -92,6 +94,13 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
                 tf.reshape(features, [-1, 1, 1, width]), tf.ones([width], np_dtype),
                 tf.zeros([width], np_dtype), is_training=True)
             features = tf.reshape(images, [-1, width])
+        elif bn == "keras":
+            import tf_keras
+            width = dim + FEATURES
+            training = tf1.placeholder_with_default(True, [], name="training")
+            layer = tf_keras.layers.BatchNormalization(momentum=0.8)
+            images = layer(tf.reshape(features, [-1, 1, 1, width]), training=training)
+            features = tf.reshape(images, [-1, width])
         hidden = tf.tanh(tf.matmul(features, w) + b)
         if dropout:
             hidden = tf1.nn.dropout(hidden, rate=dropout, seed=11)
@@ -107,20 +116,24 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
             grads, _ = tf.clip_by_global_norm(grads, 0.5)
             grads_and_vars = list(zip(grads, tvars))
         train = opt.apply_gradients(grads_and_vars, global_step=step)
+        if bn == "keras":                   # its moving statistics
+            train = tf.group(train, *layer.updates)
         if ema:
             averages = tf1.train.ExponentialMovingAverage(0.9)
             with tf.control_dependencies([train]):
                 train = averages.apply(tf1.trainable_variables())
         init = tf1.global_variables_initializer()
     handles = {"train": train, "loss": loss, "init": init, "pred": pred,
-               "iterator_init": None if one_shot else it.initializer}
+               "iterator_init": None if one_shot else it.initializer,
+               "training": "training:0" if bn == "keras" else None}
     return g, handles
 
 
-def counting_graph(predicate: str, step=None):
+def counting_graph(predicate: str, step=None, applied=False):
     """A count of positive inputs (or `step`'s constant) added to `hits`
     inside a tf.cond on the data's mean ("data"), or on a fed scalar every
-    replica shares ("fed")."""
+    replica shares ("fed"); with `applied`, the optimizer's update is
+    applied under that cond too."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 3], name="x")
@@ -133,7 +146,9 @@ def counting_graph(predicate: str, step=None):
                          lambda: tf.identity(hits.read_value()))
         loss = tf.reduce_mean(tf.reduce_sum(x * w, 1))
         with tf.control_dependencies([update]):
-            train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+            opt = tf1.train.GradientDescentOptimizer(0.1)
+            train = tf.cond(pred, lambda: tf.group(opt.minimize(loss)), tf.no_op,
+                            name="train") if applied else opt.minimize(loss, name="train")
         init = tf1.global_variables_initializer()
     return g, dict(x=x, flag=flag, hits=hits, train=train, init=init, update=update)
 
@@ -149,12 +164,13 @@ def read_name(var: str, graph) -> str:
     return var + "/Read/ReadVariableOp:0"
 
 
-def train_single(graph, handles, steps):
-    """Train on one device with a plain Session; return every variable's value."""
+def train_single(graph, handles, steps, feeds=lambda step: None):
+    """Train on one device with a plain Session (fed `feeds(step)` at each
+    step); return every variable's value."""
     with tf1.Session(graph=graph) as sess:
         sess.run([h for h in (handles["init"], handles["iterator_init"]) if h is not None])
-        for _ in range(steps):
-            sess.run(handles["train"])
+        for step in range(steps):
+            sess.run(handles["train"], feeds(step))
         names = variable_names(graph)
         return dict(zip(names, sess.run([read_name(n, graph) for n in names])))
 

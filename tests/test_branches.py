@@ -168,20 +168,25 @@ def test_state_written_in_a_branch_every_replica_takes_equals_one_device(kind):
     np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-@pytest.mark.parametrize("run_option,servers", [("ps", 1), ("allreduce", 0)])
-def test_a_branch_every_worker_skips_in_a_job_equals_one_device(tmp_path, run_option, servers):
+@pytest.mark.parametrize("run_option,servers,counting", [
+    ("ps", 1, "count"), ("allreduce", 0, "count"), ("ps", 1, "applied")])
+def test_a_branch_every_worker_skips_in_a_job_equals_one_device(tmp_path, run_option, servers,
+                                                                 counting):
     """tests/cluster_script.py --counting: 2 workers, the count under a fed
-    tf.cond, 4 steps, the branch taken at even steps. Under ps the count's
-    sum goes through the server, whose side worker 0 runs: a step that
-    skips the branch left worker 0 waiting there for worker 1's part (which
-    it then took at the next step's: both workers timed out) until the
-    take waited on its own part too. The count and the weights equal one
-    device's (1e-6)."""
+    tf.cond (and the update applied there), 4 steps, the branch taken at
+    even steps. Under ps the count's sum goes through the server, whose
+    side worker 0 runs: a step that skips the branch left worker 0 waiting
+    there for worker 1's part (which it then took at the next step's: both
+    workers timed out) until the take waited on its own part too. The
+    chief's token that it has applied the update was put after the update
+    (never, in a step that skipped it: worker 1 waited for it until the
+    timeout); it is put where the cond ends. The count and the weights
+    equal one device's (1e-6)."""
     from test_cluster import load, run_job
-    done, out, _ = run_job(tmp_path, 2, 1, "4", "--counting", "--run-option", run_option,
-                           servers=servers, timeout=240)
+    done, out, _ = run_job(tmp_path, 2, 1, "4", "--counting", counting, "--run-option",
+                           run_option, servers=servers, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    g, t = counting_graph("fed")
+    g, t = counting_graph("fed", applied=counting == "applied")
     data = np.random.RandomState(0).randn(4, 8, 3).astype(np.float32)
     with tf1.Session(graph=g) as sess:
         sess.run(t["init"])

@@ -6,8 +6,10 @@ gradient over this worker's replicas (local aggregation); `place` has put
 shared variables, their readers, writers and update math on their servers.
 Guarantees (the synchronous parameter-server protocol of the Parallax paper):
 - every worker but the chief (worker 0) pushes its local aggregates, one
-  queue element per server and step (`parallax/server_sync/push_<j>`), after
-  its replicas' reads of shared variables; its own writers of shared state
+  queue element per server and step (`parallax/server_sync/push_<j>`; those
+  computed in a tf.cond's branch, an update applied under a condition, one
+  of their own, `push_<j>b<g>`, in the steps that take it), after its
+  replicas' reads of shared variables; its own writers of shared state
   become no-ops (their training writers wait for the pushes), so each update
   is applied exactly once;
 - the chief takes every other worker's element from each server's queues, in
@@ -43,7 +45,7 @@ import tensorflow as tf
 from parallax_ng import compat
 from parallax_ng.comm import compression
 from parallax_ng.errors import GraphError
-from parallax_ng.graph import emit
+from parallax_ng.graph import branches, emit
 from parallax_ng.graph.ir import GraphIR, TensorRef, copy_node
 from parallax_ng.graph.randomness import in_loops
 from parallax_ng.pipeline.passes import replica_of
@@ -76,15 +78,16 @@ class ServerSyncPass:
         for j, server in enumerate(plan.servers):
             if server not in by_server:
                 continue
-            parts = _components(ctx, by_server[server])
-            queued += len(parts)
-            back = [p for p in parts if p[0] in shared_back]
-            if plan.worker == 0:
-                added += _take(ctx, ir, j, server, parts, rewires, _wires(ctx, parts))
-                added += _give_back(ctx, ir, j, server, back, rewires)
-            else:
-                pushes[server] = [f"{SCOPE}/push_{j}"] + ([f"{SCOPE}/result_{j}/take"]
-                                                          if back else [])
+            for j, switches, parts in _by_branches(ir, j, _components(ctx, by_server[server])):
+                queued += len(parts)
+                back = [p for p in parts if p[0] in shared_back]
+                if plan.worker == 0:
+                    added += _take(ctx, ir, j, server, parts, rewires, _wires(ctx, parts))
+                    added += _give_back(ctx, ir, j, server, back, rewires)
+                    continue
+                pushes.setdefault(server, []).extend(
+                    (name, switches) for name in [f"{SCOPE}/push_{j}"] +
+                    [f"{SCOPE}/result_{j}/take"] * bool(back))
                 added += _push(ctx, ir, j, server, parts, reads, _wires(ctx, parts))
                 added += _take_back(ctx, ir, j, server, back, rewires)
         added += _barrier(ctx)
@@ -129,6 +132,21 @@ def _components(ctx, variables: list[str]) -> list[tuple[str, tf.DType, bool]]:
     return out
 
 
+def _by_branches(ir: GraphIR, j: int, parts: list) -> list[tuple[str, frozenset, list]]:
+    """(queue key, Switch ops, components) of one server's components by
+    the tf.cond branches they are computed in (an update applied under a
+    condition): each group moves through queues of its own, so a branch
+    every worker skips moves none of its elements and the others' still
+    move. The group outside every branch keeps the server's index."""
+    memo, groups = {}, {}
+    for part in parts:
+        above = frozenset(branches.switches_above(ir, part[0].split(":")[0], memo))
+        groups.setdefault(above, []).append(part)
+    ordered = sorted(groups.items(), key=lambda kv: (bool(kv[0]), sorted(kv[0])))
+    return [(str(j) if not above and not g else f"{j}b{g}", above, group)
+            for g, (above, group) in enumerate(ordered)]
+
+
 def _queue(ctx, name: str, shared_name: str, dtypes, device: str):
     """A queue on a server under `shared_name` (this graph's: InstanceKeys.shared)."""
     return emit.fifo_queue(name, ctx.instance_keys.shared(shared_name), dtypes, device)
@@ -146,7 +164,7 @@ def _cast(name: str, tensor: str, src, dst, device: str):
     return emit.node_def(name, "Cast", [tensor], device, SrcT=src, DstT=dst, Truncate=False)
 
 
-def _push(ctx, ir: GraphIR, j: int, server: str, parts, reads: list[str], wires: list):
+def _push(ctx, ir: GraphIR, j: str, server: str, parts, reads: list[str], wires: list):
     plan = ctx.plan
     q = f"{SCOPE}/queue_{j}"
     nodes, pushed = [], []
@@ -162,7 +180,7 @@ def _push(ctx, ir: GraphIR, j: int, server: str, parts, reads: list[str], wires:
                                   Tcomponents=wires, timeout_ms=-1)]
 
 
-def _take(ctx, ir: GraphIR, j: int, server: str, parts, rewires: dict, wires: list):
+def _take(ctx, ir: GraphIR, j: str, server: str, parts, rewires: dict, wires: list):
     """The chief's side: dequeue the other workers' elements and add each to
     the chief's own local aggregate, in worker order (16-bit components
     widened first, the chief's own narrowed and widened alike)."""
@@ -172,10 +190,11 @@ def _take(ctx, ir: GraphIR, j: int, server: str, parts, rewires: dict, wires: li
     local, tensors = ctx.result(LocalAggregates), {t for t, _, _ in parts}
     by_id = {local.of[v][0]: local.of[v][1] for v, vp in plan.variables.items()
              if vp.unique_rows and local.of.get(v, (None,))[0] in tensors}
+    own = ["^" + t.split(":")[0] for t, _, _ in parts]   # in a branch not taken: no take
     for w in range(1, plan.num_workers):
         q, deq = f"{SCOPE}/queue_{j}_{w}", f"{SCOPE}/take_{j}_{w}"
         nodes += [_queue(ctx, q, f"parallax_ng/grads/{j}/{w}", wires, server),
-                  emit.node_def(deq, "QueueDequeueV2", [q], server,
+                  emit.node_def(deq, "QueueDequeueV2", [q] + own, server,
                                 component_types=wires, timeout_ms=-1)]
         taken.append(deq)
     for c, ((tensor, dtype, sparse), wire) in enumerate(zip(parts, wires)):
@@ -256,7 +275,7 @@ def _needed_by_every_worker(ctx) -> set[str]:
     return out
 
 
-def _give_back(ctx, ir: GraphIR, j: int, server: str, back, rewires: dict):
+def _give_back(ctx, ir: GraphIR, j: str, server: str, back, rewires: dict):
     """The chief hands the job's aggregates in `back` to every other worker:
     whatever reads them on the chief waits until they are queued."""
     if not back:
@@ -279,7 +298,7 @@ def _give_back(ctx, ir: GraphIR, j: int, server: str, back, rewires: dict):
     return nodes
 
 
-def _take_back(ctx, ir: GraphIR, j: int, server: str, back, rewires: dict):
+def _take_back(ctx, ir: GraphIR, j: str, server: str, back, rewires: dict):
     """A non-chief worker reads the job's aggregates in `back` after its push."""
     if not back:
         return []
@@ -324,26 +343,39 @@ def _step_writers(ctx) -> list[str] | None:
     after_grads = tg.after_gradients
     writers = sorted({w for var in plan.shared_state() for w in tg.writers.get(var, ())
                       if w in after_grads})
-    if any(not tg.ir.node_consumers.get(w) for w in writers):
+    ends = _ends(ctx, writers)
+    if any(not ends[w] or any(not tg.ir.node_consumers.get(e) for e in ends[w])
+           for w in writers):
         return None
     return writers
 
 
+def _ends(ctx, writers: list[str]) -> dict[str, list[str]]:
+    """Per writer, what the chief's token for it waits on: the writer, or
+    where it is inside a tf.cond's branch (an update applied under a
+    condition), the Merges where its conds end, which run whether it ran
+    or not (a token after a writer the step skipped would never be put)."""
+    above, everything = {}, {n.name for n in ctx.tg.ir.nodes}
+    return {w: sorted(branches.after_branches(ctx.tg.ir, [w], everything, above))
+            for w in writers}
+
+
 def _step_releases(ctx, ir: GraphIR, writers: list[str]):
     """The barrier inside the training run, chief's side: after each shared
-    writer, one token per other worker, put before anything that follows the
-    writer (so every run that trains puts them)."""
+    writer (or where its branch ends: `_ends`), one token per other worker,
+    put before anything that follows (so every run that trains puts them)."""
     plan, device = ctx.plan, ctx.plan.servers[0]
-    nodes, changed = [], {}
+    nodes, changed, ends = [], {}, _ends(ctx, writers)
     for i, writer in enumerate(writers):
         for w in range(1, plan.num_workers):
             q = f"{SCOPE}/step_{i}_{w}"
             nodes += [_queue(ctx, q, f"parallax_ng/step/{i}/{w}", [tf.int32], device),
                       emit.const(f"{q}/token", 0, tf.int32, device),
                       emit.node_def(f"{q}/put", "QueueEnqueueV2",
-                                    [q, f"{q}/token", f"^{writer}"], device,
-                                    Tcomponents=[tf.int32], timeout_ms=-1)]
-            for consumer in sorted(ir.node_consumers.get(writer, ())):
+                                    [q, f"{q}/token"] + [f"^{e}" for e in ends[writer]],
+                                    device, Tcomponents=[tf.int32], timeout_ms=-1)]
+            for consumer in sorted({c for e in ends[writer]
+                                    for c in ir.node_consumers.get(e, ())}):
                 nd = changed.get(consumer) or copy_node(ir.node(consumer))
                 nd.input.append(f"^{q}/put")
                 changed[consumer] = nd
@@ -356,7 +388,7 @@ def _step_waits(ctx, writers: list[str], pushes: dict) -> list:
     worker's pushes), so the run ends once the chief has written."""
     plan = ctx.plan
     device, nodes = plan.servers[0], []
-    after = ["^" + p for ps in pushes.values() for p in ps]
+    after = ["^" + p for ps in pushes.values() for p, above in ps if not above]
     for i, _ in enumerate(writers):
         q = f"{SCOPE}/step_{i}"
         nodes += [_queue(ctx, q, f"parallax_ng/step/{i}/{plan.worker}", [tf.int32], device),
@@ -370,7 +402,10 @@ def _forward_reads(ctx) -> list[str]:
     a push waits for them, so the chief's update cannot overtake them. A
     read inside a tf.compat.v1 while loop (a recurrent layer's kernel, each
     step) is waited for by its outermost loop's exits: a control edge
-    cannot leave a loop's frame."""
+    cannot leave a loop's frame; one inside a v1 tf.cond's branch by the
+    Merges where its conds end (the branch not taken would leave the push
+    dead: tf_keras's fused batch normalization reads its moving statistics
+    in a branch, trained or not)."""
     tg = ctx.tg
     shared = ctx.plan.shared_state()
     grads = tg.ir.ancestors({r.node for r in tg.gradient_tensors})
@@ -382,10 +417,11 @@ def _forward_reads(ctx) -> list[str]:
                  if tg.ir.node(d).op in ("Exit", "RefExit")}
         outer = {e for e in exits if set(tg.ir.node_consumers.get(e, ())) - inner}
         reads = (reads - looped) | outer
+    reads = branches.after_branches(tg.ir, reads, grads) - inner   # a read in a v1 tf.cond
     return [ctx.replica_name(k, r) for r in sorted(reads) for k in range(ctx.plan.num_replicas)]
 
 
-def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[str]],
+def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[tuple[str, frozenset]]],
                      waits: dict[str, str]) -> dict:
     """A non-chief worker's writers of shared state, as no-ops; training
     writers (those after the gradients) wait for this worker's push and for
@@ -401,11 +437,13 @@ def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[str]],
     tg, plan = ctx.tg, ctx.plan
     after_grads = tg.after_gradients
     writers = {w: var for var in sorted(plan.shared_state()) for w in tg.writers.get(var, ())}
-    changed = {}
+    changed, memo = {}, {}
     for w, var in writers.items():
         if w in changed:
             continue
-        deps = ["^" + p for p in pushes[plan.server(var)]] if w in after_grads else []
+        above = set(branches.switches_above(ir, w, memo))    # its branch's pushes, or none
+        deps = ["^" + p for p, s in pushes[plan.server(var)] if s <= above] \
+            if w in after_grads else []
         deps += [waits[w]] if w in waits else []
         if not _data_consumers(ir, w):
             changed[w] = emit.node_def(w, "NoOp", deps, plan.host)

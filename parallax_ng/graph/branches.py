@@ -94,6 +94,30 @@ def switches_above(ir, node: str, memo: dict | None = None) -> list[str]:
     return sorted(found)
 
 
+def after_branches(ir, nodes, within, memo: dict | None = None) -> set[str]:
+    """Ops to wait on for `nodes` where a control edge from one inside a
+    tf.cond's branch not taken would stop the waiting op too (a dead input
+    is catching): a node outside branches itself, one inside the Merges in
+    `within` after it where its conds end, outside every branch (they run
+    whichever branch is taken, after the taken branch's ops they read)."""
+    memo = {} if memo is None else memo
+    out = set()
+    for node in nodes:
+        if not switches_above(ir, node, memo):
+            out.add(node)
+            continue
+        out |= {d for d in ir.descendants([node]) & within
+                if ir.node(d).op in _MERGES and not any(
+                    switches_above(ir, i, memo) for s in _merged(ir, d, memo)
+                    for i in _inputs(ir, s))}
+    return out
+
+
+def _merged(ir, merge: str, memo: dict) -> set[str]:
+    """The Switch ops of the branches Merge `merge` ends."""
+    return set().union(*(switches_above(ir, i, memo) for i in _inputs(ir, merge)))
+
+
 def _above(ir, start: str, memo: dict) -> frozenset:
     """The Switch ops `start` and its inputs reach without passing a Merge
     or an Exit (none from either; a loop's way back goes through a Merge)."""
