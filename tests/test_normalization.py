@@ -18,9 +18,11 @@ tf1 = tf.compat.v1
 PER_REPLICA = "normalizes each replica's rows by their own mean and variance"
 
 
-def tf1_bn(batch, fused=None, layer_norm=False):
+def tf1_bn(batch, fused=None, layer_norm=False, flag=False):
     """tf.compat.v1.layers (tf_keras underneath) with batch normalization
-    in training on dense features, or on images (fused by default)."""
+    in training on dense features, or on images (fused by default); with
+    `flag`, the images' layer told training by a placeholder with default
+    True (a tf.cond: its kernels inside the branches)."""
     import tf_keras
     g = tf.Graph()
     with g.as_default():
@@ -33,7 +35,9 @@ def tf1_bn(batch, fused=None, layer_norm=False):
         tf1.set_random_seed(1)
         if images:
             h = tf1.layers.conv2d(x, 3, 3, padding="same")
-            h = tf_keras.layers.BatchNormalization(momentum=0.8, fused=fused)(h, training=True)
+            training = tf1.placeholder_with_default(True, [], name="training") if flag else True
+            h = tf_keras.layers.BatchNormalization(momentum=0.8, fused=fused)(h,
+                                                                            training=training)
             h = tf1.layers.flatten(tf.nn.relu(h))
         else:
             h = tf1.layers.dense(x, 8)
@@ -164,23 +168,34 @@ def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, 
     assert PER_REPLICA not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("run_option,bn", [("hybrid", "moments"), ("allreduce", "moments"),
-                                           ("hybrid", "fused")])
-def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_option, bn):
+@pytest.mark.parametrize("run_option,bn,v1", [
+    ("hybrid", "moments", False), ("allreduce", "moments", False), ("hybrid", "fused", False),
+    ("hybrid", "keras", False), ("ps", "keras", True)])
+def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_option, bn, v1):
     """tests/cluster_script.py --bn: 2 workers (and a server under hybrid,
     where the statistics, and a lowered kernel's row count, are summed
     with the dense gradients on it), the embedding regression's features
     batch-normalized by tf.nn.moments or the fused kernel (the embedding's
     gradient passes through the statistics), Adam with clipping and moving
-    averages, 8 steps: every variable equals one device's."""
+    averages, 8 steps: every variable equals one device's. "keras":
+    tf_keras's fused layer told training by a placeholder, fed False at
+    every third step (its kernels in a tf.cond's branches, which the
+    workers skip alike: a server's sum in a skipped branch waits for
+    nobody). Under `disable_v2_behavior()` (v1, where the layer reads its
+    moving statistics inside the cond's branches) with every variable on
+    the server: worker 1's push of its gradients waited on those reads, in
+    the branch not taken too, and never ran, so worker 0 waited for it until
+    the timeout; it waits on the Merges where the branches end."""
     from models import embedding_regression, train_single
     from test_cluster import load, run_job
     done, out, _ = run_job(tmp_path, 2, 1, "8", "--run-option", run_option, "--bn", bn,
-                           "--config", '{"batch_norm": "synchronized"}',
-                           servers=int(run_option == "hybrid"))
+                           "--config", '{"batch_norm": "synchronized"}', *["--v1"] * v1,
+                           servers=int(run_option != "allreduce"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert PER_REPLICA not in done.stderr
-    single = train_single(*embedding_regression(8, "adam", clip=True, ema=True, bn=bn), 8)
+    g, h = embedding_regression(8, "adam", clip=True, ema=True, bn=bn)
+    single = train_single(g, h, 8, lambda step: {h["training"]: step % 3 != 2}
+                          if h["training"] else None)
     parallel = load(out, 2)
     assert set(parallel) == set(single)
     for name, copies in parallel.items():
@@ -217,35 +232,66 @@ def test_synchronized_statistics_under_a_training_tensor_equal_one_device(contro
     assert out.shape == (16, 1)
 
 
-def test_statistics_under_a_v1_cond_are_named_not_exchanged(capsys):
-    """A fused kernel, or a script's own moments, inside a v1 tf.cond (an
-    exchange there would wait on replicas, or a server's sum on workers,
-    that skip the branch) stay per replica, and the lines say so, the
-    fused one with the way out; the step runs."""
-    import tf_keras
+@pytest.mark.parametrize("control_flow", ["v1", "v2"])
+def test_a_fused_kernel_under_a_training_tensor_is_synchronized(control_flow, capsys):
+    """tf_keras's fused layer told training by a placeholder: its kernels
+    run in a tf.cond's branches (v1's Switch/Merge, or an If the front end
+    lowers, whose gradient If reads the kernel's reserve spaces through
+    Optionals), which every replica takes alike. Momentum, 5 steps: every
+    weight, slot and moving statistic equals one device's (1e-5), with no
+    line; the branch skipped (training False) runs."""
+    from test_branches import lowered_conds
+    flow = lowered_conds() if control_flow == "v1" else contextlib.nullcontext()
+    with flow:
+        graphs = [tf1_bn(b, fused=True, flag=True) for b in (4, 8)]
+    parallel, single, names = train_both(lambda b: graphs[b // 8], 2, 5,
+                                         config={"batch_norm": "synchronized"})
+    assert any("moving_variance" in n for n in names)
+    assert worst(parallel, single, names) <= 1e-5
+    assert PER_REPLICA not in capsys.readouterr().err
+    g, h = graphs[0]
+    with pn.get_runner(g, local(2), {"batch_norm": "synchronized"}) as runner:
+        runner.run(h["init"])
+        frozen = runner.run([h["train"], h["loss"]], {"training:0": False})[1]
+        runner.run(h["train"])
+    assert np.isfinite(frozen)
+
+
+def test_statistics_replicas_could_skip_are_named_not_exchanged(capsys):
+    """A fused kernel inside a v1 while loop, and a script's own moments
+    inside a v1 tf.cond on the data's mean (a replica could skip what the
+    others exchange, and leave them waiting) stay per replica, and the
+    lines say so, the fused one with the way out; the step runs."""
     from test_branches import lowered_conds
     g = tf.Graph()
     with g.as_default(), lowered_conds():
         x = tf1.placeholder(tf.float32, [None, 4, 4, 2], name="x")
-        training = tf1.placeholder_with_default(True, [], name="training")
-        h = tf_keras.layers.BatchNormalization()(tf1.layers.conv2d(x, 3, 3), training=training)
+        scale = tf1.get_variable("scale", initializer=np.ones([2], np.float32))
+
+        def layer(i, h):
+            y, _, _ = tf1.nn.fused_batch_norm(h, scale, tf.zeros([2]), is_training=True)
+            return i + 1, y
+        _, h = tf1.while_loop(lambda i, h: i < 2, layer, [tf.constant(0), x])
 
         def normalized():
             with tf1.variable_scope("own"):
                 mean, var = tf.nn.moments(h, [0, 1, 2])
                 return (h - mean) * tf.math.rsqrt(var + 1e-3)
-        h = tf1.cond(training, normalized, lambda: h)
+        h = tf1.cond(tf.reduce_mean(x) > 0, normalized, lambda: h)
         train = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(h)))
         init = tf1.global_variables_initializer()
     with pn.get_runner(g, local(2), {"batch_norm": "synchronized"}) as runner:
         runner.run(init)
         runner.run(train, {x: np.ones((4, 4, 4, 2), np.float32)})
     said = capsys.readouterr().err
-    assert "synchronized notwithstanding: it runs inside a tf.cond" in said, said
+    assert "fused batch normalization ['while/FusedBatchNormV3'] normalizes each replica's " \
+        "rows by their own mean and variance, batch_norm: synchronized notwithstanding: it " \
+        "runs inside a while loop" in said, said
     assert "fused=False makes it the global batch's" in said
     assert "['cond/own'] normalizes each replica's rows by their own mean and variance, " \
         "batch_norm: synchronized notwithstanding: its statistics are computed inside a " \
-        "tf.cond" in said, said
+        "while loop or a tf.cond whose predicate each replica computes from its own data" \
+        in said, said
 
 
 @pytest.mark.parametrize("synchronized", [False, True])

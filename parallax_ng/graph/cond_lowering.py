@@ -34,17 +34,20 @@ LOWERED = ("If", "StatelessIf")
 _MOST_ROUNDS = 32           # nested conds, lowered one level per round
 
 
-def lowered(graph: tf.Graph, *more) -> tf.Graph:
-    """`graph`, or a copy of it with every If that writes a variable lowered
-    and then the edits `more` names (None: no edit) made, in one copy."""
+def lowered(graph: tf.Graph, *more, also=()) -> tf.Graph:
+    """`graph`, or a copy of it with every If that writes a variable (or
+    that a function of `also`, graph_def -> If names, names) lowered and
+    then the edits `more` names (None: no edit) made, in one copy."""
+    def targets(graph_def) -> list[str]:
+        return sorted({name for find in (_writing_ifs, *also) for name in find(graph_def)})
+
     def lower(meta):
         for _ in range(_MOST_ROUNDS):
-            targets = _writing_ifs(meta.graph_def)
-            if not targets:
+            if not (found := targets(meta.graph_def)):
                 break
-            _lower(meta.graph_def, targets)
+            _lower(meta.graph_def, found)
     writes = any(op.type in LOWERED for op in graph.get_operations()) and \
-        bool(_writing_ifs(graph.as_graph_def()))
+        bool(targets(graph.as_graph_def()))
     edits = [lower] * writes + [e for e in more if e is not None]
     if not edits:
         return graph

@@ -5,9 +5,8 @@ variables, trained by an optimizer (or code that writes variables from
 `tf.gradients` outputs), or a MetaGraphDef (object or file) of one.
 Guarantees: every variable, its writers and readers, the state it owns (slots,
 moving averages), and for every trained variable the raw gradient tensors the
-autodiff produced (dense tensor, or values+indices of an IndexedSlices). The
-user's graph is not modified (a copy: cond_lowering, generators,
-fused_norm, input_calls)."""
+autodiff produced (dense tensor, or values+indices of an IndexedSlices); the
+user's graph unmodified (copies: cond_lowering, generators, fused_norm, input_calls)."""
 from __future__ import annotations
 
 import os
@@ -210,7 +209,8 @@ def load(source, batch_norm: str = "per_replica") -> TrainingGraph:
         raise GraphError(f"cannot parallelize a {type(source).__name__}; pass a tf.Graph, a "
                          "tf.compat.v1.MetaGraphDef or the path of an exported .meta file")
     norms = fused_norm.edit(source) if batch_norm == "synchronized" else None
-    tg = _from_graph(cond_lowering.lowered(source, generators.edit(source), norms))
+    tg = _from_graph(cond_lowering.lowered(source, generators.edit(source), norms, also=(
+        fused_norm.training_ifs,) if norms is not None else ()))
     tg.user_graph = source
     input_calls.note(tg)          # gradients of the inputs: not losses (a copy notes them)
     return tg

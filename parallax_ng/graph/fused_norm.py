@@ -27,18 +27,25 @@ global batch. The Means carry the names of their incoming gradients
 (`normalization.LOWERED`). Any layout (NHWC, NCHW, 5-D), float16 values
 with float32 statistics.
 
+A kernel in a v1 tf.cond's branch is lowered in place (its exchanges run
+in the branch); one in an If's branch (tf_keras's layer under a
+`training` tensor, with TF2 behavior) once cond_lowering lowers the If and
+its gradient's If (`training_ifs`), whose reserve spaces reach the
+gradient op through the Ifs' outputs and cond_v2's Optionals (followed
+branch by branch: `_side`).
+
 Requires: a tf.Graph. Guarantees: None where no fused op in training is
-at the top level; else an edit of a copy. A fused op that two gradient
-ops read, whose reserve spaces another op reads (a gradient in a
-function), or that runs in a v1 cond or while loop (whose exchange would
-wait on replicas that skip it) stays fused.
+at the top level or in an If's branch; else an edit of a copy. A fused
+op that two gradient ops read, whose reserve spaces another op reads (a
+gradient in a function), or that runs in a while loop stays fused.
 """
 from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
 
-from . import emit
+from . import branches, emit
+from .cond_lowering import LOWERED as LOWERED_IFS
 from .normalization import FUSED, LOWERED
 
 # data format: the statistics' axes, the shape the [C] parameters take to broadcast
@@ -47,49 +54,95 @@ _LAYOUTS = {"NHWC": ([0, 1, 2], [-1]), "NCHW": ([0, 2, 3], [1, -1, 1, 1]),
 
 
 def edit(graph: tf.Graph):
-    """The edit of a meta graph that lowers each top-level fused batch
-    normalization in training, and its gradient, to the form of
-    `tf.nn.moments` whose statistics and their incoming gradients
-    normalization.found names (cond_lowering.lowered makes it in its copy),
-    or None where the graph has none. The fused op keeps its name (an IdentityN of its
-    outputs), so does its gradient's; an op with more than one gradient op
-    (two tf.gradients calls) or whose reserve spaces another op reads (a
-    gradient in a function), or in a v1 tf.cond or while loop, stays
+    """The edit of a meta graph that lowers each fused batch normalization
+    in training, and its gradient, to the form of `tf.nn.moments` whose
+    statistics and their incoming gradients normalization.found names
+    (cond_lowering.lowered makes it in its copy, after the Ifs
+    `training_ifs` names are lowered: their kernels are lowered too), or
+    None where the graph has none. The fused op keeps its name (an
+    IdentityN of its outputs), so does its gradient's; one in a while loop,
+    with more than one gradient op (two tf.gradients calls), or whose
+    reserve spaces another op reads (a gradient in a function), stays
     fused."""
-    ops = [op for op in graph.get_operations()
-           if op.type in FUSED and op.get_attr("is_training") and not _in_control_flow(op)]
-    if not ops:
+    ops = [op for op in graph.get_operations() if op.type in FUSED and op.get_attr("is_training")]
+    looped = {op.name for op in ops if _in_loop(op)}
+    if len(ops) == len(looped) and not training_ifs(graph.as_graph_def()):
         return None
-    names = {op.name for op in ops}
-    return lambda meta: _lower(meta.graph_def, names)
+    return lambda meta: _lower(meta.graph_def, looped)
 
 
-def _in_control_flow(op) -> bool:
-    """Whether `op` runs in a v1 tf.cond or while loop: the statistics
-    would not be exchanged there (normalization.planned keeps branches'
-    per replica), and a loop's body cannot take the lowering's constants
-    (they would need its frame's Enter), so the kernel stays as it is."""
-    return op._get_control_flow_context() is not None or any(   # noqa: SLF001
-        i.op.type in ("Switch", "RefSwitch", "Enter", "RefEnter") for i in op.inputs)
+def training_ifs(graph_def) -> list[str]:
+    """The If ops a branch of which runs a fused batch normalization in
+    training or its gradient (tf_keras's layer under a `training` tensor,
+    in a graph of TF2 behavior): lowered to Switch/Merge, their kernels are
+    at the top level, where `edit` lowers them."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    return [n.name for n in graph_def.node if n.op in LOWERED_IFS and any(
+        _trains(d) for f in branches.functions(n.attr) if f in library
+        for d in library[f].node_def)]
 
 
-def _lower(graph_def, names: set[str]) -> None:
-    forward = {n.name: n for n in graph_def.node if n.name in names and
-               _layout(n) in _LAYOUTS}
-    grads = {}
+def _trains(node) -> bool:
+    return (node.op in FUSED or node.op.startswith("FusedBatchNormGrad")) and \
+        node.attr["is_training"].b
+
+
+def _in_loop(op) -> bool:
+    """Whether `op` runs in a v1 while loop, whose body cannot take the
+    lowering's constants (they would need its frame's Enter), and whose
+    statistics normalization.planned would not exchange anyway. (In a v1
+    tf.cond it is lowered: the exchanges run in the branch, which every
+    replica takes alike or the plan names the layer.)"""
+    ctx = op._get_control_flow_context()              # noqa: SLF001
+    while ctx is not None:
+        if ctx.IsWhileContext():
+            return True
+        ctx = ctx.outer_context
+    return any(i.op.type in ("Enter", "RefEnter") for i in op.inputs)
+
+
+# ops that pass a tensor on unchanged (a lowered If's outputs, cond_v2's wrapping
+# of the intermediates its gradient reads): input -> the output ports it reaches
+_PASSING = {"Identity": lambda at: [0], "IdentityN": lambda at: [at],
+            "OptionalFromValue": lambda at: [0], "OptionalGetValue": lambda at: [0],
+            "Switch": lambda at: [0, 1] if at == 0 else [], "Merge": lambda at: [0]}
+
+
+def _lower(graph_def, looped: set[str]) -> None:
+    nodes = {n.name: n for n in graph_def.node}
+    forward = {n.name: n for n in graph_def.node if n.op in FUSED and n.attr["is_training"].b
+               and n.name not in looped and _layout(n) in _LAYOUTS}
+    readers = {}                            # tensor -> (reader, its input position)
     for n in graph_def.node:
-        if n.op.startswith("FusedBatchNormGrad") and n.attr["is_training"].b and \
-                (source := n.input[3].split(":")[0]) in forward:
-            grads.setdefault(source, []).append(n)
-    reserves = {}           # forward op -> the ops that read its reserve spaces
-    for n in graph_def.node:
-        for i in n.input:
+        for at, i in enumerate(i for i in n.input if not i.startswith("^")):
             name, _, port = i.partition(":")
-            if name in forward and port in ("3", "4", "5") and n.op != "ZerosLike":
-                reserves.setdefault(name, set()).add(n.name)    # (tf.gradients' zeros: shape)
-    lowered = {name: (g or [None])[0] for name, g in
-               ((name, grads.get(name, [])) for name in forward)
-               if len(g) <= 1 and reserves.get(name, set()) <= {d.name for d in g}}
+            readers.setdefault((name, int(port or 0)), []).append((n, at))
+
+    def reached(name: str, port: int) -> set[str]:
+        """The ops other than pass-through ones that read the tensor. Out of
+        a lowered If's branch by its Merge, it enters a Switch on the same
+        predicate (the gradient If's) on that branch's side only."""
+        out, todo, seen = set(), [(name, port, None)], set()
+        while todo:
+            ref, side = todo[-1][:2], todo.pop()[2]
+            for n, at in readers.get(ref, ()) if (*ref, side) not in seen else ():
+                ports = _PASSING.get(n.op, lambda _: None)(at)
+                if n.op == "Switch" and side is not None and _ref(n.input[1]) == side[0]:
+                    ports, side = [side[1]], None
+                if ports is None or not any((n.name, p) in readers for p in ports):
+                    if n.op != "ZerosLike" and not _wrapped(n):  # (tf.gradients' zeros: a
+                        out.add(n.name)     # shape; a pass-through none reads: a fetch may)
+                    continue
+                todo += [(n.name, p, _side(nodes, n, at) or side) for p in ports]
+            seen.add((*ref, side))
+        return out
+    lowered = {}
+    for name in forward:
+        read = set().union(*(reached(name, port) for port in (3, 4, 5)))
+        grads = [nodes[r] for r in read if nodes[r].op.startswith("FusedBatchNormGrad")]
+        if len(read) <= 1 and len(grads) == len(read) and \
+                all(g.attr["is_training"].b for g in grads):
+            lowered[name] = grads[0] if grads else None
     by_grad = {g.name: name for name, g in lowered.items() if g is not None}
     out = []
     for n in graph_def.node:
@@ -101,6 +154,27 @@ def _lower(graph_def, names: set[str]) -> None:
             out.append(n)
     del graph_def.node[:]
     graph_def.node.extend(out)
+
+
+def _side(nodes: dict, merge, at: int) -> tuple[str, int] | None:
+    """(the predicate, the side) of a value entering input `at` of Merge
+    `merge` of an If graph/cond_lowering.py lowered (else 0, then 1)."""
+    base, _, output = merge.name.rpartition("/")
+    pred = nodes.get(f"{base}/pred")
+    if merge.op == "Merge" and base.endswith("/lowered") and output.startswith("output_") \
+            and pred is not None and pred.op == "Switch":
+        return _ref(pred.input[1]), at
+    return None
+
+
+def _wrapped(node) -> bool:
+    """An Identity of an Optional (cond_v2's Identity of each of its If's
+    outputs, the wrapped intermediates too): nothing a program fetches."""
+    return node.op == "Identity" and node.attr["T"].type == tf.variant.as_datatype_enum
+
+
+def _ref(name: str) -> str:
+    return name if ":" in name else name + ":0"
 
 
 def _layout(node) -> str:

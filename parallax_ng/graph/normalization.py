@@ -28,8 +28,10 @@ tf_keras and tf.compat.v1 pick for 4-D inputs) computes its statistics
 inside one op: graph/fused_norm.py lowers it to that form, its Means
 marked with the names of their incoming gradients (`LOWERED`) and its
 row count summed (`count`: the unbiased variance of the moving
-statistics). One the exchange cannot reach (in a v1 cond or while loop,
-in a function) stays per replica, and the plan's line says so.
+statistics). Statistics in a tf.cond's branch every replica takes alike
+are exchanged there; one the exchange cannot reach (in a while loop, a
+function, a branch each replica decides by its own data) stays per
+replica, and the plan's line says so.
 
 Requires: a TrainingGraph (its tf.Graph) and the names of its data
 sources. Guarantees: reads the graph only.
@@ -41,7 +43,7 @@ from dataclasses import dataclass, replace
 
 import tensorflow as tf
 
-from . import branches
+from . import branches, variance
 from .forms import sources
 from .rows import reading
 from .rules import AUTODIFF_SCOPE, is_autodiff
@@ -85,16 +87,27 @@ class Moments:
 
 def planned(tg, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
     """(the plan's lines, the `points` to exchange) for config `batch_norm`
-    of TrainingGraph `tg`. Statistics in a branch or a loop (Switch/Merge)
-    are not exchanged: a replica (a worker) that skips the branch would
-    leave the others, or a server's sum, waiting for its part."""
+    of TrainingGraph `tg`. Statistics in a tf.cond's branch every replica
+    takes alike (a fed `training` flag) are exchanged there; in a loop, or
+    under a predicate from each replica's data, they are not: a replica
+    that skips the branch would leave the others waiting for its part."""
     moments, fused, other = found(tg.graph, sources(tg.graph))
     memo = {}
-    moments = [replace(m, branched=bool(branches.switches_above(tg.ir, m.mean.name, memo)))
-               for m in moments]
+    moments = [replace(m, branched=_apart(tg, m.mean.name, memo)) for m in moments]
     synchronized = batch_norm == "synchronized"
     return tuple(lines(moments, fused, synchronized, other)), \
         tuple(points(moments)) if synchronized else ()
+
+
+def _apart(tg, name: str, memo: dict) -> bool:
+    """Whether op `name` runs in a while loop, or in a branch whose predicate
+    differs between replicas (beyond their batches' shapes)."""
+    for switch in branches.switches_above(tg.ir, name, memo):
+        pred = tg.ir.data_inputs(switch)[1].node
+        if tg.ir.node(pred).op == "LoopCond" or (
+                pred in tg.variant and not variance.by_shapes_only(tg, pred)):
+            return True
+    return False
 
 
 def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str], list[str]]:
@@ -106,7 +119,7 @@ def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str], list[str]
     moments = rows.guarded(lambda r: [m for op in graph.get_operations()
                                       if (m := _moments(op, r, index)) is not None])
     fused = [op.name for op in graph.get_operations() if _training(op)]
-    fused += [f"{f.signature.name}:{n.name}" for f in graph.as_graph_def().library.function
+    fused += [f"{name}:{n.name}" for name, f in _called(graph.as_graph_def()).items()
               for n in f.node_def if n.op in FUSED and n.attr["is_training"].b]
     known = {o.name for m in moments or () for o in (m.mean, m.variance)}
     other = rows.guarded(lambda r: [op.name for op in graph.get_operations()
@@ -151,13 +164,28 @@ def lines(moments: list[Moments], fused: list[str], synchronized: bool,
                    "makes of tf.nn.moments' ops")
     if branched := _named({m.layer for m in moments if m.branched}):
         out.append(f"batch normalization {branched} {said}, batch_norm: synchronized "
-                   "notwithstanding: its statistics are computed inside a tf.cond or a while "
-                   "loop, whose exchange would wait on replicas that skip it")
+                   "notwithstanding: its statistics are computed inside a while loop or a "
+                   "tf.cond whose predicate each replica computes from its own data, whose "
+                   "exchange would wait on replicas that skip it")
     if fused:
         out.append(f"fused batch normalization {_named(fused)} {said}, batch_norm: "
-                   "synchronized notwithstanding: it runs inside a tf.cond, a while loop or a "
-                   "function, or ops other than its one gradient read what it keeps for it "
-                   "(fused=False makes it the global batch's)")
+                   "synchronized notwithstanding: it runs inside a while loop or a function "
+                   "other than a tf.cond's branch, or ops other than its one gradient read "
+                   "what it keeps for it (fused=False makes it the global batch's)")
+    return out
+
+
+def _called(graph_def) -> dict:
+    """The library's functions the graph's ops call, directly or in turn
+    (not the branches of an If graph/cond_lowering.py lowered)."""
+    library = {f.signature.name: f for f in graph_def.library.function}
+    out, todo = {}, list(graph_def.node)
+    while todo:
+        node = todo.pop()
+        for name in branches.functions(node.attr) + [node.op]:
+            if name in library and name not in out:
+                out[name] = library[name]
+                todo += list(library[name].node_def)
     return out
 
 
