@@ -168,10 +168,12 @@ def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, 
     assert PER_REPLICA not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("run_option,bn,v1", [
-    ("hybrid", "moments", False), ("allreduce", "moments", False), ("hybrid", "fused", False),
-    ("hybrid", "keras", False), ("ps", "keras", True)])
-def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_option, bn, v1):
+@pytest.mark.parametrize("run_option,bn,v1,dense", [
+    ("hybrid", "moments", False, "auto"), ("allreduce", "moments", False, "auto"),
+    ("hybrid", "fused", False, "auto"), ("hybrid", "keras", False, "auto"),
+    ("ps", "keras", True, "auto"), ("hybrid", "keras", True, "allreduce")])
+def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_option, bn, v1,
+                                                              dense):
     """tests/cluster_script.py --bn: 2 workers (and a server under hybrid,
     where the statistics, and a lowered kernel's row count, are summed
     with the dense gradients on it), the embedding regression's features
@@ -185,14 +187,20 @@ def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_opti
     moving statistics inside the cond's branches) with every variable on
     the server: worker 1's push of its gradients waited on those reads, in
     the branch not taken too, and never ran, so worker 0 waited for it until
-    the timeout; it waits on the Merges where the branches end."""
+    the timeout; it waits on the Merges where the branches end. With the
+    dense gradients by the ring and the embedding on the server (a step of
+    two session runs), the statistics in the branch are summed on the
+    server too: a collective there had the job refused."""
     from models import embedding_regression, train_single
     from test_cluster import load, run_job
     done, out, _ = run_job(tmp_path, 2, 1, "8", "--run-option", run_option, "--bn", bn,
                            "--config", '{"batch_norm": "synchronized"}', *["--v1"] * v1,
+                           "--dense-method", dense,
                            servers=int(run_option != "allreduce"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert PER_REPLICA not in done.stderr
+    assert ("2 session run(s) at once per step" in done.stdout + done.stderr) == (
+        dense == "allreduce")
     g, h = embedding_regression(8, "adam", clip=True, ema=True, bn=bn)
     single = train_single(g, h, 8, lambda step: {h["training"]: step % 3 != 2}
                           if h["training"] else None)

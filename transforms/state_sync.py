@@ -152,7 +152,8 @@ class StateSyncPass:
                     syncs.append((scope, tensors, tg.tensor(ref), how == "mean", node, at))
         reduce = on_a_server if plan.reduces_on_servers else all_reduce
         for together in _together(ir, ctx, syncs, set(sources), above):
-            nodes, outs = _reduced(ctx, reduce, together, synced)
+            nodes, outs = _reduced(ctx, _in_branch(ctx, together[0][4], above, reduce),
+                                   together, synced)
             synced += len(together)
             new_nodes.extend(nodes)
             for (*_, node, at), mine in zip(together, outs):
@@ -198,8 +199,9 @@ class StateSyncPass:
         for name, mean in dict.fromkeys(points + list(plan.norm_points)):   # batch norm's too
             ref = parse_tensor(name)
             outs = [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)]
-            nodes, outs = reduce(ctx, f"parallax/state_sync/{ref.node}/{ref.index}/job", outs,
-                                 tg.tensor(ref).dtype, mean, synced)
+            nodes, outs = _in_branch(ctx, ref.node, above, reduce)(
+                ctx, f"parallax/state_sync/{ref.node}/{ref.index}/job", outs,
+                tg.tensor(ref).dtype, mean, synced)
             synced += 1
             new_nodes.extend(nodes)
             counts.read_everywhere(ctx, ref, outs, rewires, replaced)
@@ -430,6 +432,17 @@ def _reduced(ctx, reduce, together: list, index: int) -> tuple[list, list[list[s
         made, outs = emit.unflattened(f"{scope}/unpack_{k}", total, t.dtype, shapes, device)
         nodes, mine = nodes + made, mine + [outs]
     return nodes + more, [list(each) for each in zip(*mine)]
+
+
+def _in_branch(ctx, node: str, above: dict, reduce):
+    """The reduction of a sync at user op `node`: `reduce`, but the servers'
+    sums in a tf.cond's branch of a job with servers, where a collective
+    would leave the branch with ops of both of a split step's runs
+    (transforms/split_step.py)."""
+    plan = ctx.plan
+    if plan.num_workers > 1 and plan.servers and branches.switches_above(ctx.tg.ir, node, above):
+        return on_a_server
+    return reduce
 
 
 def all_reduce(ctx, scope, tensors, dtype, mean: bool, _):
