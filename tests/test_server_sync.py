@@ -8,7 +8,7 @@ from passkit import cluster_transform, context, run_passes
 from parallax_ng.errors import GraphError
 from transforms import pipeline_for
 from parallax_ng.pipeline.results import Barrier
-from transforms.server_sync import RELEASE, WAIT, _step_writers
+from transforms.step_barrier import RELEASE, WAIT, writers
 
 tf1 = tf.compat.v1
 PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
@@ -48,7 +48,7 @@ def test_other_workers_push_and_never_write_shared_state():
             assert node.op == "NoOp" and node.device == HOST1, w
     update = ir.node("Adam/update_emb/ResourceScatterAdd")
     # ... and, the barrier being in the training run, the chief's token
-    index = _step_writers(ctx).index("Adam/update_emb/ResourceScatterAdd")
+    index = writers(ctx).index("Adam/update_emb/ResourceScatterAdd")
     assert set(update.input) == {"^parallax/server_sync/push_0",
                                  "^parallax/server_sync/result_0/take",
                                  f"^parallax/server_sync/step_{index}/take"}
@@ -141,7 +141,7 @@ def test_the_step_barrier_is_inside_the_training_run():
     chief, ctx = cluster_transform(g, worker=0, dense_method="bfb")
     assert ctx.result(Barrier).folded
     writer = "Adam/update_emb/ResourceScatterAdd"
-    index = _step_writers(ctx).index(writer)
+    index = writers(ctx).index(writer)
     put = chief.node(f"parallax/server_sync/step_{index}_1/put")
     assert f"^{writer}" in put.input and put.device == PS0
     after = [c for c in ctx.tg.ir.node_consumers[writer]]

@@ -1,6 +1,6 @@
 """The pass library: one rewrite per module (and `flat_buffers`, the packing
 the aggregate pass builds fusion buffers and buckets with; `counts`, the
-counts state sync shares);
+counts state sync shares; `step_barrier`, server sync's barrier);
 `pipeline_for(plan)` picks the passes a plan needs, in order.
 
 Each pass declares `requires` (passes that must run before it) and `after`

@@ -23,7 +23,8 @@ Guarantees (the synchronous parameter-server protocol of the Parallax paper):
   clips every gradient), the chief queues it back and the other workers
   take it after their push; reductions of it (L2Loss, Sum, ...) run on the
   server, so a scalar leaves the server instead of the aggregate;
-- a barrier after each step (and after initialisation or a restore): the
+- a barrier after each step (transforms/step_barrier.py; and after
+  initialisation or a restore): the
   chief runs `parallax/server_sync/release` once its writes are done, every
   other worker runs `parallax/server_sync/wait` before it goes on, so no
   worker reads a shared variable before the step's update. The runner runs
@@ -50,11 +51,9 @@ from parallax_ng.graph.ir import GraphIR, TensorRef, copy_node
 from parallax_ng.graph.randomness import in_loops
 from parallax_ng.pipeline.passes import replica_of
 from parallax_ng.pipeline.results import Barrier, LocalAggregates
+from transforms import step_barrier
 from transforms.replica_rows import coalesce
-
-SCOPE = "parallax/server_sync"
-RELEASE = f"{SCOPE}/release"
-WAIT = f"{SCOPE}/wait"
+from transforms.step_barrier import RELEASE, SCOPE, WAIT, queue
 
 
 @dataclass(frozen=True)
@@ -90,18 +89,18 @@ class ServerSyncPass:
                     [f"{SCOPE}/result_{j}/take"] * bool(back))
                 added += _push(ctx, ir, j, server, parts, reads, _wires(ctx, parts))
                 added += _take_back(ctx, ir, j, server, back, rewires)
-        added += _barrier(ctx)
-        step = _step_writers(ctx)
+        added += step_barrier.between_steps(ctx)
+        step = step_barrier.writers(ctx)
         folded = step is not None
         ctx.publish(Barrier(release=RELEASE, folded=folded) if plan.worker == 0 else
                     Barrier(wait=WAIT, folded=folded))
         if plan.worker > 0:
-            waits = _step_waits(ctx, step or [], pushes)
+            waits = step_barrier.waits(ctx, step or [], pushes)
             added += waits
             changed = _silence_writers(ctx, ir, pushes, {w: f"^{n.name}" for w, n in
                                                          zip(step or [], waits[1::2])})
         elif folded:
-            puts, changed = _step_releases(ctx, ir, step)
+            puts, changed = step_barrier.releases(ctx, ir, step)
             added += puts
         out = ir.replace(changed, added) if changed or added else ir
         if plan.worker > 0:   # a silenced writer is a NoOp: it no longer reads the aggregates
@@ -147,11 +146,6 @@ def _by_branches(ir: GraphIR, j: int, parts: list) -> list[tuple[str, frozenset,
             for g, (above, group) in enumerate(ordered)]
 
 
-def _queue(ctx, name: str, shared_name: str, dtypes, device: str):
-    """A queue on a server under `shared_name` (this graph's: InstanceKeys.shared)."""
-    return emit.fifo_queue(name, ctx.instance_keys.shared(shared_name), dtypes, device)
-
-
 def _wires(ctx, parts) -> list:
     """Per component, the dtype it is pushed in: 16 bits for a gradient's
     values (not indices, not norms) under compression, else its own."""
@@ -174,7 +168,7 @@ def _push(ctx, ir: GraphIR, j: str, server: str, parts, reads: list[str], wires:
                                ir.node(t.split(":")[0]).device))
             t = nodes[-1].name
         pushed.append(t)
-    return nodes + [_queue(ctx, q, f"parallax_ng/grads/{j}/{plan.worker}", wires, server),
+    return nodes + [queue(ctx, q, f"parallax_ng/grads/{j}/{plan.worker}", wires, server),
                     emit.node_def(f"{SCOPE}/push_{j}", "QueueEnqueueV2",
                                   [q] + pushed + ["^" + r for r in reads], server,
                                   Tcomponents=wires, timeout_ms=-1)]
@@ -193,7 +187,7 @@ def _take(ctx, ir: GraphIR, j: str, server: str, parts, rewires: dict, wires: li
     own = ["^" + t.split(":")[0] for t, _, _ in parts]   # in a branch not taken: no take
     for w in range(1, plan.num_workers):
         q, deq = f"{SCOPE}/queue_{j}_{w}", f"{SCOPE}/take_{j}_{w}"
-        nodes += [_queue(ctx, q, f"parallax_ng/grads/{j}/{w}", wires, server),
+        nodes += [queue(ctx, q, f"parallax_ng/grads/{j}/{w}", wires, server),
                   emit.node_def(deq, "QueueDequeueV2", [q] + own, server,
                                 component_types=wires, timeout_ms=-1)]
         taken.append(deq)
@@ -284,7 +278,7 @@ def _give_back(ctx, ir: GraphIR, j: str, server: str, back, rewires: dict):
     nodes, puts = [], []
     for w in range(1, plan.num_workers):
         q = f"{SCOPE}/result_{j}_{w}"
-        nodes += [_queue(ctx, q, f"parallax_ng/result/{j}/{w}", dtypes, server),
+        nodes += [queue(ctx, q, f"parallax_ng/result/{j}/{w}", dtypes, server),
                   emit.node_def(f"{q}/put", "QueueEnqueueV2",
                                 [q] + [f"{t}/job" for t, _, _ in back], server,
                                 Tcomponents=dtypes, timeout_ms=-1)]
@@ -304,96 +298,12 @@ def _take_back(ctx, ir: GraphIR, j: str, server: str, back, rewires: dict):
         return []
     plan, dtypes = ctx.plan, [d for _, d, _ in back]
     q, deq = f"{SCOPE}/result_{j}", f"{SCOPE}/result_{j}/take"
-    nodes = [_queue(ctx, q, f"parallax_ng/result/{j}/{plan.worker}", dtypes, server),
+    nodes = [queue(ctx, q, f"parallax_ng/result/{j}/{plan.worker}", dtypes, server),
              emit.node_def(deq, "QueueDequeueV2", [q, f"^{SCOPE}/push_{j}"], server,
                            component_types=dtypes, timeout_ms=-1)]
     for c, (tensor, _, _) in enumerate(back):
         for consumer, pos in ir.consumers.get(TensorRef(tensor, 0), ()):
             rewires[(consumer, pos)] = f"{deq}:{c}"
-    return nodes
-
-
-def _barrier(ctx):
-    """Release (chief) or wait (other workers) tokens on the first server."""
-    plan = ctx.plan
-    device, nodes = plan.servers[0], []
-    if plan.worker == 0:
-        deps = []
-        for w in range(1, plan.num_workers):
-            q = f"{SCOPE}/done_{w}"
-            nodes += [_queue(ctx, q, f"parallax_ng/done/{w}", [tf.int32], device),
-                      emit.const(f"{q}/token", 0, tf.int32, device),
-                      emit.node_def(f"{q}/put", "QueueEnqueueV2", [q, f"{q}/token"], device,
-                                    Tcomponents=[tf.int32], timeout_ms=-1)]
-            deps.append(f"^{q}/put")
-        nodes.append(emit.node_def(RELEASE, "NoOp", deps, device))
-    else:
-        q = f"{SCOPE}/done"
-        nodes += [_queue(ctx, q, f"parallax_ng/done/{plan.worker}", [tf.int32], device),
-                  emit.node_def(WAIT, "QueueDequeueV2", [q], device,
-                                component_types=[tf.int32], timeout_ms=-1)]
-    return nodes
-
-
-def _step_writers(ctx) -> list[str] | None:
-    """The chief's writers of shared state that training runs (those after the
-    gradients), in a fixed order; None if one of them has no consumer to
-    hang the step's release on (the barrier then stays a run of its own)."""
-    tg, plan = ctx.tg, ctx.plan
-    after_grads = tg.after_gradients
-    writers = sorted({w for var in plan.shared_state() for w in tg.writers.get(var, ())
-                      if w in after_grads})
-    ends = _ends(ctx, writers)
-    if any(not ends[w] or any(not tg.ir.node_consumers.get(e) for e in ends[w])
-           for w in writers):
-        return None
-    return writers
-
-
-def _ends(ctx, writers: list[str]) -> dict[str, list[str]]:
-    """Per writer, what the chief's token for it waits on: the writer, or
-    where it is inside a tf.cond's branch (an update applied under a
-    condition), the Merges where its conds end, which run whether it ran
-    or not (a token after a writer the step skipped would never be put)."""
-    above, everything = {}, {n.name for n in ctx.tg.ir.nodes}
-    return {w: sorted(branches.after_branches(ctx.tg.ir, [w], everything, above))
-            for w in writers}
-
-
-def _step_releases(ctx, ir: GraphIR, writers: list[str]):
-    """The barrier inside the training run, chief's side: after each shared
-    writer (or where its branch ends: `_ends`), one token per other worker,
-    put before anything that follows (so every run that trains puts them)."""
-    plan, device = ctx.plan, ctx.plan.servers[0]
-    nodes, changed, ends = [], {}, _ends(ctx, writers)
-    for i, writer in enumerate(writers):
-        for w in range(1, plan.num_workers):
-            q = f"{SCOPE}/step_{i}_{w}"
-            nodes += [_queue(ctx, q, f"parallax_ng/step/{i}/{w}", [tf.int32], device),
-                      emit.const(f"{q}/token", 0, tf.int32, device),
-                      emit.node_def(f"{q}/put", "QueueEnqueueV2",
-                                    [q, f"{q}/token"] + [f"^{e}" for e in ends[writer]],
-                                    device, Tcomponents=[tf.int32], timeout_ms=-1)]
-            for consumer in sorted({c for e in ends[writer]
-                                    for c in ir.node_consumers.get(e, ())}):
-                nd = changed.get(consumer) or copy_node(ir.node(consumer))
-                nd.input.append(f"^{q}/put")
-                changed[consumer] = nd
-    return nodes, changed
-
-
-def _step_waits(ctx, writers: list[str], pushes: dict) -> list:
-    """The barrier inside the training run, another worker's side: each
-    silenced training writer takes the chief's token for it (after this
-    worker's pushes), so the run ends once the chief has written."""
-    plan = ctx.plan
-    device, nodes = plan.servers[0], []
-    after = ["^" + p for ps in pushes.values() for p, above in ps if not above]
-    for i, _ in enumerate(writers):
-        q = f"{SCOPE}/step_{i}"
-        nodes += [_queue(ctx, q, f"parallax_ng/step/{i}/{plan.worker}", [tf.int32], device),
-                  emit.node_def(f"{q}/take", "QueueDequeueV2", [q] + after, device,
-                                component_types=[tf.int32], timeout_ms=-1)]
     return nodes
 
 

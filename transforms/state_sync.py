@@ -37,17 +37,15 @@ sum over the batch (graph/forms.py `widened`) divides by N times the
 count in every replica, forward and gradient, where the gradients are
 summed or in a graph without gradients; a tracker's increment of a summed
 scalar times the replica's row count (Keras's loss tracker) is taken N
-times, so totals and logs are one device's. In a job
-that sums dense gradients on the servers (fusion buffers) these sums go
-there too (the worker's sum, then `server_sum` on the servers in turn), so
-the step keeps no collective op.
+times, so totals and logs are one device's. In a job that sums dense
+gradients on the servers (fusion buffers) these sums go there too, so the
+step keeps no collective op; so do those in a tf.cond's branch in any job
+with servers (a collective would put the branch in both of a split step's runs).
 A write whose value holds rows of the replica's examples (an RNN's state
-kept in a variable from step to step) is not synced: each replica keeps
-its own examples' rows, as one device's variable holds them for the
-global batch (`PerExampleState`: a fetch joins them).
-Batch normalization's statistics and their incoming gradients that the
-plan names (`batch_norm: synchronized`, graph/normalization.py) are the
-job's means. Initializers are left to the `init` pass.
+kept in a variable from step to step) is not synced: each replica keeps its
+own examples' rows, as one device's holds them (`PerExampleState`).
+Batch normalization's statistics and incoming gradients the plan names
+(graph/normalization.py) are the job's means. Initializers: the `init` pass.
 """
 from __future__ import annotations
 
@@ -151,9 +149,11 @@ class StateSyncPass:
                     new_nodes.extend(nodes)
                     syncs.append((scope, tensors, tg.tensor(ref), how == "mean", node, at))
         reduce = on_a_server if plan.reduces_on_servers else all_reduce
+        branched = on_a_server if plan.num_workers > 1 and plan.servers else reduce
+        in_branch = lambda node: branched if branches.switches_above(   # noqa: E731
+            tg.ir, node, above) else reduce
         for together in _together(ir, ctx, syncs, set(sources), above):
-            nodes, outs = _reduced(ctx, _in_branch(ctx, together[0][4], above, reduce),
-                                   together, synced)
+            nodes, outs = _reduced(ctx, in_branch(together[0][4]), together, synced)
             synced += len(together)
             new_nodes.extend(nodes)
             for (*_, node, at), mine in zip(together, outs):
@@ -199,9 +199,9 @@ class StateSyncPass:
         for name, mean in dict.fromkeys(points + list(plan.norm_points)):   # batch norm's too
             ref = parse_tensor(name)
             outs = [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)]
-            nodes, outs = _in_branch(ctx, ref.node, above, reduce)(
-                ctx, f"parallax/state_sync/{ref.node}/{ref.index}/job", outs,
-                tg.tensor(ref).dtype, mean, synced)
+            nodes, outs = in_branch(ref.node)(ctx, f"parallax/state_sync/{ref.node}/"
+                                              f"{ref.index}/job", outs, tg.tensor(ref).dtype,
+                                              mean, synced)
             synced += 1
             new_nodes.extend(nodes)
             counts.read_everywhere(ctx, ref, outs, rewires, replaced)
@@ -432,17 +432,6 @@ def _reduced(ctx, reduce, together: list, index: int) -> tuple[list, list[list[s
         made, outs = emit.unflattened(f"{scope}/unpack_{k}", total, t.dtype, shapes, device)
         nodes, mine = nodes + made, mine + [outs]
     return nodes + more, [list(each) for each in zip(*mine)]
-
-
-def _in_branch(ctx, node: str, above: dict, reduce):
-    """The reduction of a sync at user op `node`: `reduce`, but the servers'
-    sums in a tf.cond's branch of a job with servers, where a collective
-    would leave the branch with ops of both of a split step's runs
-    (transforms/split_step.py)."""
-    plan = ctx.plan
-    if plan.num_workers > 1 and plan.servers and branches.switches_above(ctx.tg.ir, node, above):
-        return on_a_server
-    return reduce
 
 
 def all_reduce(ctx, scope, tensors, dtype, mean: bool, _):

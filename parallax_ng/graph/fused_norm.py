@@ -126,14 +126,14 @@ def _lower(graph_def, looped: set[str]) -> None:
         while todo:
             ref, side = todo[-1][:2], todo.pop()[2]
             for n, at in readers.get(ref, ()) if (*ref, side) not in seen else ():
-                ports = _PASSING.get(n.op, lambda _: None)(at)
+                ports, on = _PASSING.get(n.op, lambda _: None)(at), side
                 if n.op == "Switch" and side is not None and _ref(n.input[1]) == side[0]:
-                    ports, side = [side[1]], None
+                    ports, on = [side[1]], None
                 if ports is None or not any((n.name, p) in readers for p in ports):
                     if n.op != "ZerosLike" and not _wrapped(n):  # (tf.gradients' zeros: a
                         out.add(n.name)     # shape; a pass-through none reads: a fetch may)
                     continue
-                todo += [(n.name, p, _side(nodes, n, at) or side) for p in ports]
+                todo += [(n.name, p, _side(nodes, n, at) or on) for p in ports]
             seen.add((*ref, side))
         return out
     lowered = {}
