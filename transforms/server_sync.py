@@ -81,7 +81,8 @@ class ServerSyncPass:
                 queued += len(parts)
                 back = [p for p in parts if p[0] in shared_back]
                 if plan.worker == 0:
-                    added += _take(ctx, ir, j, server, parts, rewires, _wires(ctx, parts))
+                    added += _take(ctx, ir, j, server, parts, rewires, _wires(ctx, parts),
+                                   bool(switches))
                     added += _give_back(ctx, ir, j, server, back, rewires)
                     continue
                 pushes.setdefault(server, []).extend(
@@ -174,7 +175,8 @@ def _push(ctx, ir: GraphIR, j: str, server: str, parts, reads: list[str], wires:
                                   Tcomponents=wires, timeout_ms=-1)]
 
 
-def _take(ctx, ir: GraphIR, j: str, server: str, parts, rewires: dict, wires: list):
+def _take(ctx, ir: GraphIR, j: str, server: str, parts, rewires: dict, wires: list,
+          branched: bool = False):
     """The chief's side: dequeue the other workers' elements and add each to
     the chief's own local aggregate, in worker order (16-bit components
     widened first, the chief's own narrowed and widened alike)."""
@@ -184,7 +186,7 @@ def _take(ctx, ir: GraphIR, j: str, server: str, parts, rewires: dict, wires: li
     local, tensors = ctx.result(LocalAggregates), {t for t, _, _ in parts}
     by_id = {local.of[v][0]: local.of[v][1] for v, vp in plan.variables.items()
              if vp.unique_rows and local.of.get(v, (None,))[0] in tensors}
-    own = ["^" + t.split(":")[0] for t, _, _ in parts]   # in a branch not taken: no take
+    own = ["^" + t.split(":")[0] for t, _, _ in parts] * branched  # a branch not taken: no take
     for w in range(1, plan.num_workers):
         q, deq = f"{SCOPE}/queue_{j}_{w}", f"{SCOPE}/take_{j}_{w}"
         nodes += [queue(ctx, q, f"parallax_ng/grads/{j}/{w}", wires, server),

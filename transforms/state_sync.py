@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -149,9 +150,9 @@ class StateSyncPass:
                     new_nodes.extend(nodes)
                     syncs.append((scope, tensors, tg.tensor(ref), how == "mean", node, at))
         reduce = on_a_server if plan.reduces_on_servers else all_reduce
-        branched = on_a_server if plan.num_workers > 1 and plan.servers else reduce
-        in_branch = lambda node: branched if branches.switches_above(   # noqa: E731
-            tg.ir, node, above) else reduce
+        branched = partial(on_a_server, branched=True) if plan.servers else reduce
+        in_branch = lambda node: branched if plan.num_workers > 1 and \
+            branches.switches_above(tg.ir, node, above) else reduce     # noqa: E731
         for together in _together(ir, ctx, syncs, set(sources), above):
             nodes, outs = _reduced(ctx, in_branch(together[0][4]), together, synced)
             synced += len(together)
@@ -438,13 +439,12 @@ def all_reduce(ctx, scope, tensors, dtype, mean: bool, _):
     return ctx.comm.all_reduce(scope, tensors, dtype, mean)
 
 
-def on_a_server(ctx, scope, tensors, dtype, mean: bool, k: int):
+def on_a_server(ctx, scope, tensors, dtype, mean: bool, k: int, branched: bool = False):
     """The workers' sums of their replicas' on server k mod S, read by all."""
     plan = ctx.plan
-    local = emit.node_def(f"{scope}/local", "AddN", tensors, plan.host, T=dtype,
-                          N=len(tensors)) if len(tensors) > 1 else \
-        emit.node_def(f"{scope}/local", "Identity", tensors, plan.host, T=dtype)
+    op, more = ("AddN", {"N": len(tensors)}) if len(tensors) > 1 else ("Identity", {})
+    local = emit.node_def(f"{scope}/local", op, tensors, plan.host, T=dtype, **more)
     nodes, out = ctx.comm.server_sum(scope, local.name, dtype,
                                      plan.servers[k % len(plan.servers)],
-                                     1.0 / plan.group_size if mean else 1.0)
+                                     1.0 / plan.group_size if mean else 1.0, branched=branched)
     return [local, *nodes], [out] * len(tensors)

@@ -156,9 +156,9 @@ class TFCollectives:
         return nodes, out_v, out_i
 
     def server_sum(self, scope: str, tensor: str, dtype, server: str, scale: float,
-                   gradient: bool = False):
+                   gradient: bool = False, branched: bool = False):
         return server_sum(self.plan, scope, tensor, dtype, server, scale, gradient,
-                          self.keys.shared)
+                          self.keys.shared, branched)
 
     def _exchange_ops(self, what: str):
         """(gather of one int32 per replica, gather of padded rows, all-to-all
@@ -248,7 +248,7 @@ class HostCollectives:
 
 
 def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float,
-               gradient: bool = False, shared=lambda name: name):
+               gradient: bool = False, shared=lambda name: name, branched: bool = False):
     """A parameter-server all-reduce of one tensor per worker (on its host),
     through FIFO queues on `server` (one per worker and direction, so sums
     are added in worker order and every worker gets the same bits). Worker
@@ -258,7 +258,9 @@ def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float,
     result. Each queue moves one element per step, so steps cannot mix. A
     `gradient` under compression travels in 16 bits both ways and is added
     in float32 on the server. Returns (nodes, the name of this worker's
-    result). `shared`: the queues' shared names (InstanceKeys.shared)."""
+    result). `shared`: the queues' shared names (InstanceKeys.shared).
+    `branched`: `tensor` is computed in a tf.cond's branch, and worker 0's
+    takes wait on it (in a step that skips the branch, they do not run)."""
     out, host = f"{scope}/sum", plan.host
     wire = compression.wire_for(plan, dtype) if gradient else None
     sent = wire or dtype
@@ -276,11 +278,11 @@ def server_sum(plan, scope: str, tensor: str, dtype, server: str, scale: float,
         return name
 
     if plan.worker == 0:
-        taken, mine = [], "^" + tensor.split(":")[0]  # a take waits for (the life of) its own
-        for w in range(1, plan.num_workers):    # part: in a branch not taken, it does not block
+        taken, mine = [], ["^" + tensor.split(":")[0]] * branched
+        for w in range(1, plan.num_workers):
             q = f"{scope}/from_{w}"
             nodes += [emit.fifo_queue(q, shared(f"parallax_ng/sum/{scope}/{w}"), [sent], server),
-                      emit.node_def(f"{q}/take", "QueueDequeueV2", [q, mine], server,
+                      emit.node_def(f"{q}/take", "QueueDequeueV2", [q, *mine], server,
                                     component_types=[sent], timeout_ms=-1)]
             taken.append(widened(f"{q}/wide", f"{q}/take", server))
         own = widened(f"{scope}/own", tensor, server)

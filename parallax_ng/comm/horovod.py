@@ -67,9 +67,10 @@ class HorovodCollectives:
                                  value_shape, mean)
         return nodes, [v] * len(values), [i] * len(values)
 
-    def server_sum(self, scope, tensor, dtype, server, scale, gradient=False):
+    def server_sum(self, scope, tensor, dtype, server, scale, gradient=False, branched=False):
         # the planner gives Horovod jobs no servers; one process sums alone
-        return server_sum(self.plan, scope, tensor, dtype, server, scale, gradient)
+        return server_sum(self.plan, scope, tensor, dtype, server, scale, gradient,
+                          branched=branched)
 
     def _exchange_ops(self, what: str = ""):
         hvd = _hvd()
