@@ -75,9 +75,8 @@ def ends(ctx, writers: list[str]) -> dict[str, list[str]]:
     where it is inside a tf.cond's branch (an update applied under a
     condition), the Merges where its conds end, which run whether it ran
     or not (a token after a writer the step skipped would never be put)."""
-    above, everything = {}, {n.name for n in ctx.tg.ir.nodes}
-    return {w: sorted(branches.after_branches(ctx.tg.ir, [w], everything, above))
-            for w in writers}
+    above = {}
+    return {w: sorted(branches.after_branches(ctx.tg.ir, [w], memo=above)) for w in writers}
 
 
 def releases(ctx, ir: GraphIR, writers: list[str]):

@@ -70,7 +70,7 @@ def check_one_branch(tg, varies, var: str, writer: str, memo: dict) -> None:
     for replicas that never reach it."""
     for switch in switches_above(tg.ir, writer, memo):
         pred = tg.ir.data_inputs(switch)[1]
-        if varies(pred) and not variance.by_shapes_only(tg, pred.node):
+        if decided_apart(tg, switch, varies):
             raise GraphError(
                 f"variable {var!r} is written by {writer!r} inside a tf.cond branch or while "
                 f"loop whose predicate {pred.node!r} differs between replicas (it depends on "
@@ -79,6 +79,14 @@ def check_one_branch(tg, varies, var: str, writer: str, memo: dict) -> None:
                 "replicas that never reach it). One device decides on the global batch; "
                 "compute the predicate from values the replicas share (aggregated gradients, "
                 "a step counter), or write the variable outside the cond")
+
+
+def decided_apart(tg, switch: str, varies) -> bool:
+    """Whether the replicas could take different sides of Switch `switch`:
+    its predicate differs between them (`varies`, of a TensorRef) beyond
+    their batches' shapes."""
+    pred = tg.ir.data_inputs(switch)[1]
+    return varies(pred) and not variance.by_shapes_only(tg, pred.node)
 
 
 def switches_above(ir, node: str, memo: dict | None = None) -> list[str]:
@@ -94,11 +102,11 @@ def switches_above(ir, node: str, memo: dict | None = None) -> list[str]:
     return sorted(found)
 
 
-def after_branches(ir, nodes, within, memo: dict | None = None) -> set[str]:
+def after_branches(ir, nodes, within=None, memo: dict | None = None) -> set[str]:
     """Ops to wait on for `nodes` where a control edge from one inside a
     tf.cond's branch not taken would stop the waiting op too (a dead input
     is catching): a node outside branches itself, one inside the Merges in
-    `within` after it where its conds end, outside every branch (they run
+    `within` (None: any) after it where its conds end, outside every branch (they run
     whichever branch is taken, after the taken branch's ops they read)."""
     memo = {} if memo is None else memo
     out = set()
@@ -106,8 +114,8 @@ def after_branches(ir, nodes, within, memo: dict | None = None) -> set[str]:
         if not switches_above(ir, node, memo):
             out.add(node)
             continue
-        out |= {d for d in ir.descendants([node]) & within
-                if ir.node(d).op in _MERGES and not any(
+        out |= {d for d in ir.descendants([node])
+                if (within is None or d in within) and ir.node(d).op in _MERGES and not any(
                     switches_above(ir, i, memo) for s in _merged(ir, d, memo)
                     for i in _inputs(ir, s))}
     return out

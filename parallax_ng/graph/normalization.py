@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 import tensorflow as tf
 
-from . import branches, variance
+from . import branches
 from .forms import sources
 from .rows import reading
 from .rules import AUTODIFF_SCOPE, is_autodiff
@@ -102,12 +102,9 @@ def planned(tg, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
 def _apart(tg, name: str, memo: dict) -> bool:
     """Whether op `name` runs in a while loop, or in a branch whose predicate
     differs between replicas (beyond their batches' shapes)."""
-    for switch in branches.switches_above(tg.ir, name, memo):
-        pred = tg.ir.data_inputs(switch)[1].node
-        if tg.ir.node(pred).op == "LoopCond" or (
-                pred in tg.variant and not variance.by_shapes_only(tg, pred)):
-            return True
-    return False
+    return any(tg.ir.node(tg.ir.data_inputs(s)[1].node).op == "LoopCond" or
+               branches.decided_apart(tg, s, lambda ref: ref.node in tg.variant)
+               for s in branches.switches_above(tg.ir, name, memo))
 
 
 def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str], list[str]]:
