@@ -80,3 +80,36 @@ def test_gradients_computed_after_an_update_pack_apart():
     assert [b.variables for b in packing.allreduce_buckets(tg, order, one)] == [("d",), ("gen",)]
     buffers = packing.fusion_buffers(tg, order, ["/job:ps/task:0"], 1 << 20)
     assert [[s.var for s in b.segments] for b in buffers] == [["d"], ["gen"]]
+
+
+def test_a_gradient_the_backward_pass_goes_on_from_keeps_its_stage():
+    """tf.nn.batch_normalization's offset gradient, in a GradientTape, is
+    also the tensor the backward pass negates for the mean's gradient (on
+    to the layer below): that read is the autodiff's, of the replica's own
+    value, not of the aggregate, so every gradient is of stage 0 and one
+    bucket takes them all (Keras's BatchNormalization and
+    LayerNormalization; before, each layer below such an offset was a
+    stage later: a bucket per stage, and jobs with servers refused)."""
+    from parallax_ng.graph import frontend
+    from parallax_ng.planning import packing
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.constant(np.arange(12, dtype=np.float32).reshape(4, 3))
+        w = tf1.get_variable("w", initializer=np.eye(3, dtype=np.float32), use_resource=True)
+        beta = tf1.get_variable("beta", initializer=np.zeros(3, np.float32), use_resource=True)
+        with tf.GradientTape() as tape:
+            h = tf.matmul(x, w)
+            mean, variance = tf.nn.moments(h, [0])
+            loss = tf.reduce_mean(tf.square(
+                tf.nn.batch_normalization(h, mean, variance, beta, None, 1e-3) - 1.0))
+        grads = tape.gradient(loss, [w, beta])
+        train = tf1.train.GradientDescentOptimizer(0.1).apply_gradients(zip(grads, [w, beta]))
+        tf1.add_to_collection(tf1.GraphKeys.TRAIN_OP, train)
+    tg = frontend.load(g)
+    offset = tg.gradients["beta"].values
+    assert any(tg.ir.node(c).op == "Neg" for c, _ in tg.ir.consumers[offset])
+    assert packing.stages(tg) == {"w": 0, "beta": 0}
+    order = packing.ready_order(tg, ["w", "beta"])
+    buckets = packing.allreduce_buckets(tg, order, BucketsConfig(mode="single"))
+    assert [sorted(b.variables) for b in buckets] == [["beta", "w"]]

@@ -537,12 +537,17 @@ def test_batchnorm_normalizes_each_replicas_rows_as_ghost_batches_of_one_device(
     assert len(moving) == 2 and not np.allclose(np.asarray(moving[1]), 1.0)
 
 
-def test_batchnorm_in_a_two_worker_job_equals_ghost_batches_of_one_device(tmp_path):
+@pytest.mark.parametrize("run_option", ["default", "ps"])
+def test_batchnorm_in_a_two_worker_job_equals_ghost_batches_of_one_device(tmp_path, run_option):
     """The same in a job of 2 workers x 1 device (Keras 3, `model.fit`, 5
     global batches of 16): the moving statistics are averaged across the
-    workers; both equal the one-device ghost batches, 1e-5."""
+    workers; both equal the one-device ghost batches, 1e-5. With `ps` (the
+    variables on a server): the offset's gradient, which the backward pass
+    goes on from, no longer reads as computed after an update (before:
+    refused as a GAN's step would be)."""
     from test_tf2 import run_job
-    out, _ = run_job(tmp_path, "--bn")
+    out, _ = run_job(tmp_path, "--bn", *(["--ps"] if run_option == "ps" else []),
+                     servers=int(run_option == "ps"))
     workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
     single = bn_model(keras, False)
     single.set_weights([workers[0][f"start{i}"] for i in range(len(single.weights))])

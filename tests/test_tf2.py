@@ -451,14 +451,16 @@ def check_saved(folder, worker):
     assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]
 
 
-def run_job(tmp_path, *flags):
+def run_job(tmp_path, *flags, servers=0):
     """tf2_job_script.py (5 steps, `flags`) as a job of 2 workers x 1 device
-    on 127.0.0.1: (its OUT prefix, the finished process)."""
+    and `servers` parameter servers on 127.0.0.1: (its OUT prefix, the
+    finished process)."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = tmp_path / "resources.yaml"
-    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2)
+    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2 +
+                    (f"ps: {['127.0.0.1'] * servers}\n" if servers else ""))
     out = str(tmp_path / "vars")
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run", os.path.join(root, "tests",

@@ -23,7 +23,8 @@ dense variables by all-reduce beside the server; with --network B, config
 `dense_method: M`; with --default-config, nothing
 pinned); with --horovod, a rank of horovodrun (the loop or --fit,
 `communication.backend: horovod`); with --bn, test_keras_fit's BatchNormalization model by
-`model.fit` on STEPS global batches of 16; with --sparse, test_tf2's bags of
+`model.fit` on STEPS global batches of 16 (with --ps, run option `ps`: its
+variables on the resource file's server); with --sparse, test_tf2's bags of
 ids (a tf.SparseTensor argument) by a custom loop, Keras 3 Adagrad (the
 table saved as `table`); with --selected, test_selected_means's loop (a
 mean over the rows a mask picks, Adam(0.05)).
@@ -76,7 +77,7 @@ if "--example" in sys.argv:
 if "--bn" in sys.argv:
     from test_keras_fit import BATCH, bn_data, bn_model
     model = bn_model(keras, False)
-    optimizer, config = model.optimizer, None
+    optimizer, config = model.optimizer, {"run_option": "ps"} if "--ps" in sys.argv else None
     x, y = bn_data(False, steps * BATCH)
 if "--sparse" in sys.argv:                  # a SparseTensor batch, its rows split
     from test_tf2 import bag_model, sparse_bags

@@ -21,6 +21,7 @@ give the same packing on every worker.
 from __future__ import annotations
 
 from ..errors import ConfigError
+from ..graph import rules
 from ..graph.frontend import TrainingGraph
 from . import buckets as bucketing
 from .buckets import fusion_buffer_size
@@ -42,19 +43,27 @@ def stages(tg: TrainingGraph) -> dict[str, int]:
     """Each gradient's stage: 0 for a gradient computed from no other
     gradient, else one more than the highest stage among the gradients it
     is computed from (through data or control edges: through their
-    aggregation and the updates that read it, once the step is rewritten)."""
+    aggregation and the updates that read it, once the step is rewritten).
+    The autodiff's own reads of a gradient tensor (the backward pass going
+    on from it: tf.nn.batch_normalization's offset gradient is also the
+    mean's, negated, in a GradientTape) keep the replica's own value
+    (transforms/aggregate.py), so they do not raise the stage."""
     owners: dict[str, list[str]] = {}
     for var, g in tg.gradients.items():
         for ref in (g.values, g.indices):
             if ref is not None:
                 owners.setdefault(ref.node, []).append(var)
-    level: dict[str, int] = {}
+    level: dict[str, int] = {}      # the stage an op's value waits for
+    local: dict[str, int] = {}      # the same, for a gradient's own value
     out: dict[str, int] = {}
     for name in tg.ir.topo_order:
-        here = max((level.get(src, 0) for src, _, _ in tg.ir.parsed_inputs(tg.ir.node(name))),
-                   default=0)
+        node = tg.ir.node(name)
+        backward = rules.is_autodiff_use(node)
+        here = max(((local if backward and src in owners else level).get(src, 0)
+                    for src, _, _ in tg.ir.parsed_inputs(node)), default=0)
         for var in owners.get(name, ()):
             out[var] = max(out.get(var, 0), here)
+        local[name] = here
         level[name] = max([out[v] + 1 for v in owners.get(name, ())], default=here)
     return out
 
