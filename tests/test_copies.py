@@ -132,3 +132,43 @@ def test_a_saver_made_after_get_runner_saves_once_and_restores_every_copy(tmp_pa
         saver.restore(sess, str(tmp_path / "ckpt"))
         for v, value in zip(variables, want):
             np.testing.assert_array_equal(sess.run(v), value)
+
+
+@pytest.mark.parametrize("run_option", ["hybrid", "alltoall"])
+def test_a_late_write_to_a_table_cut_by_columns_writes_each_replicas_columns(run_option):
+    """An assign made after get_runner to an embedding the plan cuts by
+    columns (sparse_method alltoall: each replica holds its columns):
+    replica k's copy of it writes its own columns of the value, and the
+    table read back (its parts side by side) is the value; training on
+    from it equals one device from it. Before, the whole table went to each
+    replica's part and the import failed ("Dimension 1 in both shapes must
+    be equal"). Under hybrid (the table mirrored or on a server) the same
+    assign writes the whole value."""
+    from models import (DIM, VOCAB, embedding_regression, load_values, read_name,
+                        variable_names)
+    cfg = {"run_option": "allreduce", "sparse_method": "alltoall"} \
+        if run_option == "alltoall" else {"run_option": run_option}
+    value = np.random.RandomState(3).randn(VOCAB, DIM).astype(np.float32)
+    g, h = embedding_regression(4)
+    with pn.get_runner(g, local(2), cfg) as runner:
+        assert bool(runner.plan.columns()) == (run_option == "alltoall")
+        runner.run([h["init"], h["iterator_init"]])
+        with g.as_default():
+            emb = [v for v in tf1.global_variables() if v.op.name == "emb"][0]
+            assign = tf1.assign(emb, value)
+        runner.run(assign.op)
+        np.testing.assert_array_equal(runner.run(read_name("emb", g)), value)
+        names = variable_names(g)
+        start = dict(zip(names, runner.run([read_name(v, g) for v in names])))
+        for _ in range(3):
+            runner.run(h["train"])
+        got = dict(zip(names, runner.run([read_name(v, g) for v in names])))
+    g1, h1 = embedding_regression(8)
+    with tf1.Session(graph=g1) as sess:
+        sess.run([h1["init"], h1["iterator_init"]])
+        load_values(sess, g1, start)
+        for _ in range(3):
+            sess.run(h1["train"])
+        want = dict(zip(names, sess.run([read_name(v, g1) for v in names])))
+    for name in names:
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-5, err_msg=name)

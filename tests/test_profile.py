@@ -196,6 +196,33 @@ def test_profile_figures_from_hand_written_times():
     assert half.rows == p.rows and half.order == p.order
 
 
+def test_done_times_do_not_go_round_a_while_loop():
+    """When a value was there, read back through ops the step stats lack:
+    a while loop (control flow v1) whose ops are all absent (TensorFlow
+    renamed or folded them) has a back edge from NextIteration to Merge,
+    and the walk went round it for good (a Keras LSTM's job with fusion
+    buffers measured its first step for ever, at full CPU). Now an input
+    still being resolved adds nothing, and the loop's result is there when
+    what enters it was."""
+    from types import SimpleNamespace
+
+    from parallax_ng.graph import emit
+    from parallax_ng.graph.ir import GraphIR
+    from parallax_ng.planning.profile import _done_times
+    f32 = tf.float32
+    nodes = [emit.const("x", 1.0, f32, ""),
+             emit.node_def("enter", "Enter", ["x"], "", T=f32, frame_name="loop"),
+             emit.node_def("merge", "Merge", ["enter", "next"], "", T=f32, N=2),
+             emit.node_def("body", "Identity", ["merge"], "", T=f32),
+             emit.node_def("next", "NextIteration", ["body"], "", T=f32),
+             emit.node_def("exit", "Exit", ["merge"], "", T=f32),
+             emit.node_def("grad", "Identity", ["exit"], "", T=f32)]
+    tg = SimpleNamespace(ir=GraphIR(nodes=nodes, versions=tf.compat.v1.GraphDef().versions))
+    done = _done_times(tg, {"x": 5.0})
+    assert done("grad") == 5.0 and done("next") == 5.0
+    assert _done_times(tg, {})("grad") is None
+
+
 def test_plan_profile_prints_what_the_first_steps_measured(capsys):
     script = os.path.join(ROOT, "examples", "lm_small.py")
     assert cli.main(["plan", script, "--profile", "1", "--", "--vocab", "2000", "--words",

@@ -247,3 +247,40 @@ def test_only_the_inputs_of_an_identityn_s_outputs_read_are_needed():
     assert parts.split(g, ("first",)) == [(COLLECTIVES, ["first"])]
     assert parts.split(g, ("second",)) == [(SERVERS, ["enq"]), (COLLECTIVES, ["deq", "second"])]
     assert parts.split(g, ("clipped",)) == [(SERVERS, ["enq"]), (COLLECTIVES, ["clipped", "deq"])]
+
+
+def test_a_loop_between_a_collective_and_server_work_runs_whole():
+    """A while loop (control flow v1) with neither collectives nor server
+    ops that reads a collective's output and feeds server work (a recurrent
+    layer's gradient loop between an alltoall lookup and fusion buffers):
+    its counter starts from a constant (the first stage) and its body adds
+    the collective's sum (the second), so op by op the loop had ops of both
+    runs and was refused. It now runs whole in the collectives' run, and
+    the server's read of its result in the run after."""
+    worker = "/job:worker/replica:0/task:0/device:CPU:0"
+    ps = "/job:ps/replica:0/task:0/device:CPU:0"
+    f32 = tf.float32
+    nodes = [emit.const("x", 1.0, f32, worker), emit.const("zero", 0.0, f32, worker),
+             emit.const("limit", 3.0, f32, worker),
+             emit.collective_reduce("sum", "x", f32, worker, group_size=2, group_key=1,
+                                    instance_key=1, mean=False, timeout=10.0),
+             emit.node_def("enter", "Enter", ["zero"], worker, T=f32, frame_name="loop"),
+             emit.node_def("enter_sum", "Enter", ["sum"], worker, T=f32, frame_name="loop",
+                           is_constant=True),
+             emit.node_def("enter_limit", "Enter", ["limit"], worker, T=f32,
+                           frame_name="loop", is_constant=True),
+             emit.node_def("merge", "Merge", ["enter", "next"], worker, T=f32, N=2),
+             emit.node_def("less", "Less", ["merge", "enter_limit"], worker, T=f32),
+             emit.node_def("cond", "LoopCond", ["less"], worker),
+             emit.node_def("switch", "Switch", ["merge", "cond"], worker, T=f32),
+             emit.node_def("body", "Identity", ["switch:1"], worker, T=f32),
+             emit.node_def("add", "AddV2", ["body", "enter_sum"], worker, T=f32),
+             emit.node_def("next", "NextIteration", ["add"], worker, T=f32),
+             emit.node_def("exit", "Exit", ["switch"], worker, T=f32),
+             emit.node_def("on_ps", "Identity", ["exit"], ps, T=f32)]
+    ir = GraphIR(nodes=nodes, versions=tf1.GraphDef().versions)
+    stage = _number(ir, {"x", "zero", "limit"})
+    loop = ["enter", "enter_sum", "enter_limit", "merge", "less", "cond", "switch", "body",
+            "add", "next", "exit"]
+    assert {stage[n] for n in loop} == {stage["sum"]} and stage["sum"] % 2 == COLLECTIVES
+    assert stage["on_ps"] == stage["sum"] + 1 and stage["on_ps"] % 2 == SERVERS

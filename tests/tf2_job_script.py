@@ -20,7 +20,7 @@ off), run option `hybrid` with sparse gradients pinned to the server
 between machines; with --clipnorm, Adam with `global_clipnorm` and the
 dense variables by all-reduce beside the server; with --network B, config
 `network` of B bytes/s and no latency; with --dense-method M, config
-`dense_method: M`; with --default-config, nothing
+`dense_method: M` (--sparse-method M: `sparse_method: M`); with --default-config, nothing
 pinned); with --horovod, a rank of horovodrun (the loop or --fit,
 `communication.backend: horovod`); with --bn, test_keras_fit's BatchNormalization model by
 `model.fit` on STEPS global batches of 16 (with --ps, run option `ps`: its
@@ -68,6 +68,8 @@ if "--example" in sys.argv:
         config["dense_method"] = "allreduce"
     if "--dense-method" in sys.argv:        # pinned, not weighed by the measured network
         config["dense_method"] = sys.argv[sys.argv.index("--dense-method") + 1]
+    if "--sparse-method" in sys.argv:
+        config["sparse_method"] = sys.argv[sys.argv.index("--sparse-method") + 1]
     if "--network" in sys.argv:             # the links' bandwidth (bytes/s), no latency
         config["network"] = {"bandwidth": float(sys.argv[sys.argv.index("--network") + 1]),
                              "latency": 0.0}

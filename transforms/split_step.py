@@ -72,19 +72,22 @@ class SplitStepPass:
 
 def _number(ir: GraphIR, floating: set[str]) -> dict[str, int]:
     """The smallest stage of every node: server ops even, collectives odd,
-    other ops the stage of their latest input."""
-    stage: dict[str, int] = {}
-    for name in ir.topo_order:
-        if name in floating:
-            continue
-        node = ir.node(name)
-        s = max((stage[src] for src, _, _ in ir.parsed_inputs(node)
-                 if src in stage), default=0)
-        if node.op in COLLECTIVE_OPS:
-            s += 1 - s % 2
-        elif on_server(node.device):
-            s += s % 2
-        stage[name] = s
+    other ops the stage of their latest input; a while loop with neither
+    runs whole in the stage of its latest op (a loop that reads a
+    collective's output and feeds server work, as a recurrent layer's
+    gradient loop between an alltoall lookup and fusion buffers does,
+    would otherwise have ops of both runs)."""
+    loops = [ops for ops in _loops(ir).values()
+             if not any(ir.node(n).op in COLLECTIVE_OPS or on_server(ir.node(n).device)
+                        for n in ops)]
+    floor: dict[str, int] = {}
+    while True:
+        stage = _stages(ir, floating, floor)
+        raised = {n: s for ops in loops for s in [max(stage.get(n, 0) for n in ops)]
+                  for n in ops if n in stage and stage[n] != s}
+        if not raised:
+            break
+        floor.update(raised)
     _keep_branches_whole(ir, stage)
     for node in (n for n in ir.nodes if n.op == "NextIteration"):
         for merge in ir.node_consumers.get(node.name, ()):
@@ -101,6 +104,43 @@ def _number(ir: GraphIR, floating: set[str]) -> dict[str, int]:
                     raise GraphError(f"{name!r} runs with collectives but reads {src!r} "
                                      "on a parameter server")
     return stage
+
+
+def _stages(ir: GraphIR, floating: set[str], floor: dict[str, int]) -> dict[str, int]:
+    stage: dict[str, int] = {}
+    for name in ir.topo_order:
+        if name in floating:
+            continue
+        node = ir.node(name)
+        s = max([stage[src] for src, _, _ in ir.parsed_inputs(node) if src in stage] +
+                [floor.get(name, 0)])
+        if node.op in COLLECTIVE_OPS:
+            s += 1 - s % 2
+        elif on_server(node.device):
+            s += s % 2
+        stage[name] = s
+    return stage
+
+
+def _loops(ir: GraphIR) -> dict[bytes, list[str]]:
+    """The ops of each outermost while loop of control flow v1 (as
+    TensorFlow lowers a While), by its frame: an Enter opens one (its
+    `frame_name`), an Exit closes it, other ops are in their inputs'."""
+    frame: dict[str, tuple] = {}
+    for name in ir.topo_order:
+        node = ir.node(name)
+        here = max((frame[src] for src, _, _ in ir.parsed_inputs(node) if src in frame),
+                   key=len, default=())
+        if node.op in ("Enter", "RefEnter"):
+            here += (node.attr["frame_name"].s,)
+        elif node.op in ("Exit", "RefExit"):
+            here = here[:-1]
+        frame[name] = here
+    loops: dict[bytes, list[str]] = {}
+    for name, here in frame.items():
+        if here:
+            loops.setdefault(here[0], []).append(name)
+    return loops
 
 
 SWITCHES = frozenset({"Switch", "RefSwitch"})

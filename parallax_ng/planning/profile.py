@@ -228,8 +228,17 @@ def _done_times(tg, end_of: dict):
     """A function: node -> when its value was there (microseconds). An op
     graph optimisation removed (an Identity, a no-op Reshape) is absent from
     the step stats: its value was there when the latest of its inputs was.
-    None for a node nothing in the step stats leads to."""
+    None for a node nothing in the step stats leads to. A while loop's back
+    edge (NextIteration to Merge) is not followed: a loop's values are there
+    when what enters it is (the walk went round the loop for good)."""
     memo: dict[str, float | None] = {}
+
+    def inputs(name: str) -> list[str]:
+        out = [r.node for r in tg.ir.data_inputs(name)]
+        if tg.ir.node(name).op in ("Merge", "RefMerge"):
+            out = [i for i in out if tg.ir.get(i) is None or
+                   tg.ir.node(i).op not in ("NextIteration", "RefNextIteration")]
+        return out
 
     def done(node: str):
         todo = [node]
@@ -242,12 +251,11 @@ def _done_times(tg, end_of: dict):
                 memo[name] = end_of.get(name)
                 todo.pop()
                 continue
-            inputs = [r.node for r in tg.ir.data_inputs(name)]
-            missing = [i for i in inputs if i not in memo]
+            missing = [i for i in inputs(name) if i not in memo]
             if missing:
                 todo.extend(missing)
                 continue
-            times = [memo[i] for i in inputs if memo[i] is not None]
+            times = [memo[i] for i in inputs(name) if memo[i] is not None]
             memo[name] = max(times) if times else None
             todo.pop()
         return memo[node]

@@ -31,7 +31,7 @@ import itertools
 import tensorflow as tf
 
 from .. import compat
-from ..graph import rules
+from ..graph import emit, rules
 from ..graph.ir import format_input, parse_input
 from ..pipeline.passes import REPLICA_PREFIX
 
@@ -120,6 +120,7 @@ def _import(fmap, ops: list, new: dict, copies: dict, k: int, device: str) -> No
                 input_map[f"{src}:{idx}"] = fmap.graph.get_tensor_by_name(
                     f"{there(src)}:{idx}")
                 nd.input.append(f"{src}:{idx}")
+        _own_columns(fmap, o, nd, k, gd)
     with fmap.graph.as_default():
         tf.graph_util.import_graph_def(gd, input_map=input_map, name=scope)
     for name, deps in controls.items():
@@ -127,6 +128,28 @@ def _import(fmap, ops: list, new: dict, copies: dict, k: int, device: str) -> No
                                   [fmap.graph.get_operation_by_name(d) for d in deps])
     for o in ops:
         copies.setdefault(o.name, []).append(f"{scope}/{_late_name(k, o.name)}")
+
+
+# writes of a whole value to a resource variable (input 0 its handle, 1 the value)
+_WHOLE_WRITES = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
+
+
+def _own_columns(fmap, op: tf.Operation, nd, k: int, gd) -> None:
+    """A late write of a whole-width value to a variable the plan cuts by
+    columns (alltoall, and its slots): replica k's copy writes its own
+    columns of the value (`program.push` of a Keras model's weights after
+    `fit`, a `tf.assign` the script makes late), as transforms/columns.py
+    makes the graph's own writes do."""
+    cut = fmap.plan.columns()
+    var = op.inputs[0].op.name if op.type in _WHOLE_WRITES else None
+    if var not in cut:
+        return
+    shard = cut[var].shards[fmap.plan.replica_offset + k]
+    made, (out,) = emit.emit_traced(lambda t: t[..., shard.start:shard.start + shard.size],
+                                    [(nd.input[1], op.inputs[1].dtype, None)],
+                                    f"{nd.name}/columns", nd.device)
+    gd.node.extend(made)
+    nd.input[1] = out
 
 
 def _device(fmap, op: tf.Operation, k: int, device: str, new: dict) -> str:
