@@ -135,15 +135,16 @@ def test_a_saver_made_after_get_runner_saves_once_and_restores_every_copy(tmp_pa
 
 
 @pytest.mark.parametrize("run_option", ["hybrid", "alltoall"])
-def test_a_late_write_to_a_table_cut_by_columns_writes_each_replicas_columns(run_option):
-    """An assign made after get_runner to an embedding the plan cuts by
-    columns (sparse_method alltoall: each replica holds its columns):
-    replica k's copy of it writes its own columns of the value, and the
-    table read back (its parts side by side) is the value; training on
-    from it equals one device from it. Before, the whole table went to each
-    replica's part and the import failed ("Dimension 1 in both shapes must
-    be equal"). Under hybrid (the table mirrored or on a server) the same
-    assign writes the whole value."""
+def test_late_ops_on_a_table_cut_by_columns_see_it_whole(run_option):
+    """Ops made after get_runner on an embedding the plan cuts by columns
+    (sparse_method alltoall: each replica holds its columns): an assign
+    writes each replica its columns of the value, an assign_add likewise,
+    a read gives every part side by side, the shape and "initialized" are
+    the table's; training on from the assigned value equals one device
+    from it. Before, the assign failed ("Dimension 1 in both shapes must be
+    equal") and a read gave replica 0's columns, silently. A late gather
+    is refused, naming it. Under hybrid (the table whole) the same ops act
+    on the whole table."""
     from models import (DIM, VOCAB, embedding_regression, load_values, read_name,
                         variable_names)
     cfg = {"run_option": "allreduce", "sparse_method": "alltoall"} \
@@ -156,8 +157,22 @@ def test_a_late_write_to_a_table_cut_by_columns_writes_each_replicas_columns(run
         with g.as_default():
             emb = [v for v in tf1.global_variables() if v.op.name == "emb"][0]
             assign = tf1.assign(emb, value)
+            late = emb.read_value()
+            shape, initialized = tf.shape(emb), tf1.is_variable_initialized(emb)
+            add = emb.assign_add(tf.ones([VOCAB, DIM]))
+            gather = tf.gather(emb, [1, 2])
         runner.run(assign.op)
         np.testing.assert_array_equal(runner.run(read_name("emb", g)), value)
+        np.testing.assert_array_equal(runner.run(late), value)
+        assert list(runner.run(shape)) == [VOCAB, DIM] and runner.run(initialized)
+        runner.run(add.op)
+        np.testing.assert_allclose(runner.run(late), value + 1, rtol=0, atol=1e-6)
+        if run_option == "alltoall":
+            with pytest.raises(pn.FetchError, match=r"'Gather' \(ResourceGather\) was "
+                                                    "made after get_runner and uses variable "
+                                                    "'emb', which the plan cuts into parts"):
+                runner.run(gather)
+        runner.run(assign.op)
         names = variable_names(g)
         start = dict(zip(names, runner.run([read_name(v, g) for v in names])))
         for _ in range(3):
@@ -172,3 +187,53 @@ def test_a_late_write_to_a_table_cut_by_columns_writes_each_replicas_columns(run
         want = dict(zip(names, sess.run([read_name(v, g1) for v in names])))
     for name in names:
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=1e-5, err_msg=name)
+
+
+LATE_SHARDED = """
+import sys
+sys.path.insert(0, sys.argv[1])      # tests/, for models.py
+import numpy as np
+import tensorflow as tf
+import parallax_ng as pn
+from models import DIM, VOCAB, embedding_regression, read_name
+tf1 = tf.compat.v1
+g, h = embedding_regression(4)
+runner = pn.get_runner(g, None, {"run_option": "ps"})
+runner.run([h["init"], h["iterator_init"]])
+assert type(runner.plan.placement["emb"]).__name__ == "Sharded", runner.plan.placement["emb"]
+value = np.random.RandomState(3).randn(VOCAB, DIM).astype(np.float32)
+with g.as_default():
+    emb = [v for v in tf1.global_variables() if v.op.name == "emb"][0]
+    assign, late = tf1.assign(emb, value), emb.read_value()
+runner.run(assign.op)
+np.testing.assert_array_equal(runner.run(read_name("emb", g)), value)
+np.testing.assert_array_equal(runner.run(late), value)
+runner.run(h["train"])
+np.testing.assert_array_equal(runner.run(late), runner.run(read_name("emb", g)))
+print("late ops saw the table whole", flush=True)
+"""
+
+
+def test_late_ops_on_a_table_sharded_over_servers_see_it_whole(tmp_path):
+    """A job of 2 workers and 2 servers (run_option ps: the embedding cut
+    into row ranges, one per server): an assign made after get_runner
+    writes each server its rows of the value, and a late read gives the
+    ranges joined. Before, the assign went to a handle no step uses (the
+    table kept its values, silently) and the read failed ("Could not find
+    variable emb")."""
+    import os
+    import subprocess
+    import sys
+
+    from task_env import TASK_PATH
+    script = tmp_path / "late.py"
+    script.write_text(LATE_SHARDED)
+    path = tmp_path / "resources.yaml"
+    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2 +
+                    "ps: [127.0.0.1, 127.0.0.1]\n")
+    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
+                           str(path), "--", os.path.dirname(os.path.abspath(__file__))],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("late ops saw the table whole") == 2

@@ -20,9 +20,12 @@ something the replicas hold apart (their placeholders, replicated
 variables, per-replica values), else once, so that an op on state that
 exists once (a variable on a server) runs once, and so does an op that
 writes a file (a Saver made late saves replica 0's); an op colocated with a
-variable goes to the device of that variable's copy. It returns each new
-op's copies by replica, and the new ops whose values differ across the
-replicas.
+variable goes to the device of that variable's copy. A new op on a
+variable the plan cuts into parts (columns over the replicas, rows over
+servers) reads it whole (the parts side by side), writes a whole value as
+each part's piece, or gives its shape or whether it is initialized; any
+other such op is refused, naming it. It returns each new op's copies by
+replica, and the new ops whose values differ across the replicas.
 """
 from __future__ import annotations
 
@@ -31,9 +34,12 @@ import itertools
 import tensorflow as tf
 
 from .. import compat
+from ..errors import FetchError
 from ..graph import emit, rules
 from ..graph.ir import format_input, parse_input
 from ..pipeline.passes import REPLICA_PREFIX
+from ..pipeline.results import ColumnParts
+from ..planning.placement import Columns, Sharded, part_name
 
 _IMPORTS = itertools.count()
 
@@ -120,9 +126,12 @@ def _import(fmap, ops: list, new: dict, copies: dict, k: int, device: str) -> No
                 input_map[f"{src}:{idx}"] = fmap.graph.get_tensor_by_name(
                     f"{there(src)}:{idx}")
                 nd.input.append(f"{src}:{idx}")
-        _own_columns(fmap, o, nd, k, gd)
-    with fmap.graph.as_default():
-        tf.graph_util.import_graph_def(gd, input_map=input_map, name=scope)
+        _on_parts(fmap, o, nd, k, gd, input_map, controls)
+    used = {f"{src}:{idx}" for n in gd.node for src, idx, control in map(parse_input, n.input)
+            if not control}
+    with fmap.graph.as_default():       # (a handle _on_parts read through parts is unused)
+        tf.graph_util.import_graph_def(
+            gd, input_map={t: v for t, v in input_map.items() if t in used}, name=scope)
     for name, deps in controls.items():
         compat.add_control_inputs(fmap.graph.get_operation_by_name(f"{scope}/{name}"),
                                   [fmap.graph.get_operation_by_name(d) for d in deps])
@@ -134,22 +143,84 @@ def _import(fmap, ops: list, new: dict, copies: dict, k: int, device: str) -> No
 _WHOLE_WRITES = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
 
 
-def _own_columns(fmap, op: tf.Operation, nd, k: int, gd) -> None:
-    """A late write of a whole-width value to a variable the plan cuts by
-    columns (alltoall, and its slots): replica k's copy writes its own
-    columns of the value (`program.push` of a Keras model's weights after
-    `fit`, a `tf.assign` the script makes late), as transforms/columns.py
-    makes the graph's own writes do."""
-    cut = fmap.plan.columns()
-    var = op.inputs[0].op.name if op.type in _WHOLE_WRITES else None
-    if var not in cut:
+def _on_parts(fmap, op: tf.Operation, nd, k: int, gd, input_map: dict,
+              controls: dict) -> None:
+    """A late op on a variable the plan cuts into parts (by columns over the
+    replicas: alltoall; by rows or elements over servers): a read of the
+    whole value reads every part, side by side; a write of a whole value
+    writes each part its piece (replica k's copy its columns); any other
+    use is refused, naming it. (Before, such an op reached replica 0's
+    columns or a handle no step uses, and gave or kept a part silently.)"""
+    var = op.inputs[0].op.name if op.inputs and op.inputs[0].dtype == tf.resource else None
+    placement = fmap.plan.placement.get(var)
+    if not isinstance(placement, (Columns, Sharded)):
         return
-    shard = cut[var].shards[fmap.plan.replica_offset + k]
-    made, (out,) = emit.emit_traced(lambda t: t[..., shard.start:shard.start + shard.size],
-                                    [(nd.input[1], op.inputs[1].dtype, None)],
-                                    f"{nd.name}/columns", nd.device)
+    dtype, whole = op.inputs[0].op.get_attr("dtype"), op.inputs[0].op.get_attr("shape")
+    if isinstance(placement, Columns):
+        parts = fmap.ctx.result(ColumnParts)
+        handles = None if parts is None or parts.gather else parts.handles[var]
+        axis = 1
+    else:
+        handles = [part_name(var, j) for j in range(len(placement.shards))]
+        axis = 0
+    scope = f"{nd.name}/parts"
+    if handles is not None:     # the parts' handles, by names of the import's own
+        keys = [f"{scope}/handle_{j}:0" for j in range(len(handles))]
+        input_map.update({key: fmap.graph.get_tensor_by_name(h + ":0")
+                          for key, h in zip(keys, handles)})
+        handles = [key[:-2] for key in keys]
+    if op.type == "ReadVariableOp" and handles is not None:
+        def joined(*hs):
+            value = tf.concat([tf.raw_ops.ReadVariableOp(resource=h, dtype=dtype)
+                               for h in hs], axis)
+            return tf.reshape(value, whole) if getattr(placement, "axis", 0) is None \
+                else value
+        made, (out,) = emit.emit_traced(joined, [(h + ":0", tf.resource, None)
+                                                 for h in handles], scope, nd.device)
+    elif op.type in _WHOLE_WRITES and isinstance(placement, Columns):
+        shard = placement.shards[fmap.plan.replica_offset + k]
+        made, (out,) = emit.emit_traced(
+            lambda t: t[..., shard.start:shard.start + shard.size],
+            [(nd.input[1], dtype, None)], scope, nd.device)
+        gd.node.extend(made)
+        nd.input[1] = out
+        return
+    elif op.type in ("VariableShape", "VarIsInitializedOp") and handles is not None:
+        def asked(*hs):
+            if op.type == "VariableShape":
+                return tf.constant(whole.as_list(), op.get_attr("out_type"))
+            return tf.reduce_all(tf.stack([tf.raw_ops.VarIsInitializedOp(resource=h)
+                                           for h in hs]))
+        made, (out,) = emit.emit_traced(asked, [(h + ":0", tf.resource, None)
+                                                for h in handles], scope, nd.device)
+    elif op.type in _WHOLE_WRITES:
+        def pieces(value, *hs):
+            flat = value if placement.axis == 0 else tf.reshape(value, [-1])
+            split = tf.split(flat, [s.size for s in placement.shards], 0)
+            return [tf.group(*[getattr(tf.raw_ops, op.type)(resource=h, value=piece)
+                               for h, piece in zip(hs, split)])]
+        made, (out,) = emit.emit_traced(pieces, [(nd.input[1], dtype, None)] + [
+            (h + ":0", tf.resource, None) for h in handles], scope, nd.device)
+    else:
+        raise FetchError(
+            f"{op.name!r} ({op.type}) was made after get_runner and uses variable {var!r}, "
+            f"which the plan cuts into parts ({placement.describe()}); an op made after "
+            "get_runner may read such a variable whole (read_value), assign it whole "
+            "(tf.assign, assign_add, assign_sub), or ask its shape or whether it is "
+            "initialized; make this op before get_runner, where the plan sees it")
+    waits = [t for t in nd.input if t.startswith("^")]     # the op's control inputs
+    for m in made:              # hold for the parts' reads and writes too
+        if m.op in ("ReadVariableOp", "VarIsInitializedOp") or m.op in _WHOLE_WRITES:
+            m.input.extend(waits)
+            if nd.name in controls:
+                controls[m.name] = list(controls[nd.name])
     gd.node.extend(made)
-    nd.input[1] = out
+    nd.attr.clear()
+    if op.type not in _WHOLE_WRITES:    # its value, by its name
+        nd.op, nd.input[:] = "Identity", [out] + waits
+        nd.attr["T"].type = op.outputs[0].dtype.as_datatype_enum
+    else:
+        nd.op, nd.input[:] = "NoOp", ["^" + out.split(":")[0]] + waits
 
 
 def _device(fmap, op: tf.Operation, k: int, device: str, new: dict) -> str:
