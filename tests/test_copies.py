@@ -143,7 +143,8 @@ def test_late_ops_on_a_table_cut_by_columns_see_it_whole(run_option):
     the table's; training on from the assigned value equals one device
     from it. Before, the assign failed ("Dimension 1 in both shapes must be
     equal") and a read gave replica 0's columns, silently. A late gather
-    is refused, naming it. Under hybrid (the table whole) the same ops act
+    (tf.gather, embedding_lookup, gather_nd) gives the whole table's rows;
+    a late scatter is refused, naming it. Under hybrid (the table whole) the same ops act
     on the whole table."""
     from models import (DIM, VOCAB, embedding_regression, load_values, read_name,
                         variable_names)
@@ -160,18 +161,26 @@ def test_late_ops_on_a_table_cut_by_columns_see_it_whole(run_option):
             late = emb.read_value()
             shape, initialized = tf.shape(emb), tf1.is_variable_initialized(emb)
             add = emb.assign_add(tf.ones([VOCAB, DIM]))
-            gather = tf.gather(emb, [1, 2])
+            gather = tf.gather(emb, [[1, 2], [39, 1]])
+            lookup = tf1.nn.embedding_lookup(emb, tf.constant([3, 0]))
+            pairs = tf.gather_nd(emb, [[5, 1], [6, 0]])
+            scatter = emb.scatter_add(tf.IndexedSlices(tf.ones([1, DIM]), [1]))
         runner.run(assign.op)
         np.testing.assert_array_equal(runner.run(read_name("emb", g)), value)
         np.testing.assert_array_equal(runner.run(late), value)
         assert list(runner.run(shape)) == [VOCAB, DIM] and runner.run(initialized)
         runner.run(add.op)
         np.testing.assert_allclose(runner.run(late), value + 1, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(runner.run(gather), (value + 1)[[[1, 2], [39, 1]]],
+                                   rtol=0, atol=1e-6)
+        np.testing.assert_allclose(runner.run(lookup), (value + 1)[[3, 0]], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(runner.run(pairs), (value + 1)[[5, 6], [1, 0]],
+                                   rtol=0, atol=1e-6)
         if run_option == "alltoall":
-            with pytest.raises(pn.FetchError, match=r"'Gather' \(ResourceGather\) was "
-                                                    "made after get_runner and uses variable "
-                                                    "'emb', which the plan cuts into parts"):
-                runner.run(gather)
+            with pytest.raises(pn.FetchError, match=r"\(ResourceScatterAdd\) was made after "
+                                                    "get_runner and uses variable 'emb', which "
+                                                    "the plan cuts into parts"):
+                runner.run(scatter.op)
         runner.run(assign.op)
         names = variable_names(g)
         start = dict(zip(names, runner.run([read_name(v, g) for v in names])))
@@ -205,9 +214,11 @@ value = np.random.RandomState(3).randn(VOCAB, DIM).astype(np.float32)
 with g.as_default():
     emb = [v for v in tf1.global_variables() if v.op.name == "emb"][0]
     assign, late = tf1.assign(emb, value), emb.read_value()
+    rows = tf1.nn.embedding_lookup(emb, tf.constant([0, 39, 7, 20]))
 runner.run(assign.op)
 np.testing.assert_array_equal(runner.run(read_name("emb", g)), value)
 np.testing.assert_array_equal(runner.run(late), value)
+np.testing.assert_array_equal(runner.run(rows), value[[0, 39, 7, 20]])
 runner.run(h["train"])
 np.testing.assert_array_equal(runner.run(late), runner.run(read_name("emb", g)))
 print("late ops saw the table whole", flush=True)
@@ -218,7 +229,7 @@ def test_late_ops_on_a_table_sharded_over_servers_see_it_whole(tmp_path):
     """A job of 2 workers and 2 servers (run_option ps: the embedding cut
     into row ranges, one per server): an assign made after get_runner
     writes each server its rows of the value, and a late read gives the
-    ranges joined. Before, the assign went to a handle no step uses (the
+    ranges joined (a late embedding_lookup, rows of both ranges). Before, the assign went to a handle no step uses (the
     table kept its values, silently) and the read failed ("Could not find
     variable emb")."""
     import os

@@ -22,7 +22,7 @@ exists once (a variable on a server) runs once, and so does an op that
 writes a file (a Saver made late saves replica 0's); an op colocated with a
 variable goes to the device of that variable's copy. A new op on a
 variable the plan cuts into parts (columns over the replicas, rows over
-servers) reads it whole (the parts side by side), writes a whole value as
+servers) reads it whole (the parts side by side; a gather, rows of that), writes a whole value as
 each part's piece, or gives its shape or whether it is initialized; any
 other such op is refused, naming it. It returns each new op's copies by
 replica, and the new ops whose values differ across the replicas.
@@ -140,6 +140,7 @@ def _import(fmap, ops: list, new: dict, copies: dict, k: int, device: str) -> No
 
 
 # writes of a whole value to a resource variable (input 0 its handle, 1 the value)
+_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
 _WHOLE_WRITES = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
 
 
@@ -147,7 +148,8 @@ def _on_parts(fmap, op: tf.Operation, nd, k: int, gd, input_map: dict,
               controls: dict) -> None:
     """A late op on a variable the plan cuts into parts (by columns over the
     replicas: alltoall; by rows or elements over servers): a read of the
-    whole value reads every part, side by side; a write of a whole value
+    whole value reads every part, side by side (a gather, its rows of
+    that); a write of a whole value
     writes each part its piece (replica k's copy its columns); any other
     use is refused, naming it. (Before, such an op reached replica 0's
     columns or a handle no step uses, and gave or kept a part silently.)"""
@@ -169,14 +171,22 @@ def _on_parts(fmap, op: tf.Operation, nd, k: int, gd, input_map: dict,
         input_map.update({key: fmap.graph.get_tensor_by_name(h + ":0")
                           for key, h in zip(keys, handles)})
         handles = [key[:-2] for key in keys]
-    if op.type == "ReadVariableOp" and handles is not None:
+    if op.type in _READS and handles is not None:
         def joined(*hs):
             value = tf.concat([tf.raw_ops.ReadVariableOp(resource=h, dtype=dtype)
                                for h in hs], axis)
             return tf.reshape(value, whole) if getattr(placement, "axis", 0) is None \
                 else value
-        made, (out,) = emit.emit_traced(joined, [(h + ":0", tf.resource, None)
-                                                 for h in handles], scope, nd.device)
+
+        def read(*args):        # the whole value, or its rows the gather asks for
+            if op.type == "ReadVariableOp":
+                return joined(*args)
+            if op.type == "ResourceGatherNd":
+                return tf.gather_nd(joined(*args[1:]), args[0])
+            return tf.gather(joined(*args[1:]), args[0], batch_dims=op.get_attr("batch_dims"))
+        ids = [] if op.type == "ReadVariableOp" else [(nd.input[1], op.inputs[1].dtype, None)]
+        made, (out,) = emit.emit_traced(read, ids + [(h + ":0", tf.resource, None)
+                                                     for h in handles], scope, nd.device)
     elif op.type in _WHOLE_WRITES and isinstance(placement, Columns):
         shard = placement.shards[fmap.plan.replica_offset + k]
         made, (out,) = emit.emit_traced(
@@ -205,7 +215,8 @@ def _on_parts(fmap, op: tf.Operation, nd, k: int, gd, input_map: dict,
         raise FetchError(
             f"{op.name!r} ({op.type}) was made after get_runner and uses variable {var!r}, "
             f"which the plan cuts into parts ({placement.describe()}); an op made after "
-            "get_runner may read such a variable whole (read_value), assign it whole "
+            "get_runner may read such a variable whole (read_value) or its rows (tf.gather, "
+            "embedding_lookup), assign it whole "
             "(tf.assign, assign_add, assign_sub), or ask its shape or whether it is "
             "initialized; make this op before get_runner, where the plan sees it")
     waits = [t for t in nd.input if t.startswith("^")]     # the op's control inputs
