@@ -345,3 +345,71 @@ def test_keras3_masked_batch_normalization_is_named(capsys, monkeypatch):
     step(np.int32([[1, 2, 0], [3, 0, 0], [4, 5, 6], [7, 8, 0]]), np.ones((4, 1), np.float32))
     said = capsys.readouterr().err
     assert "means over the batch's axis" in said and "batch_normalization" in said, said
+
+
+@pytest.mark.parametrize("batch_norm", ["per_replica", "synchronized"])
+def test_tf_keras_layer_normalizations_fused_kernel_is_no_batch_normalization(batch_norm,
+                                                                             capsys):
+    """tf_keras's LayerNormalization computes its statistics with
+    FusedBatchNormV3 on its input reshaped to [1, rows, features, 1]
+    (NCHW): a statistic per row, over the features. No line names it as
+    batch normalization (before: "normalizes each replica's rows by
+    their own mean and variance ... not equal"), and `fit` equals one
+    device either way."""
+    import tf_keras
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 6, 5)).astype(np.float32)
+    y = rng.normal(size=(64, 1)).astype(np.float32)
+
+    def make():
+        model = tf_keras.Sequential([
+            tf_keras.Input((6, 5)), tf_keras.layers.Dense(8),
+            tf_keras.layers.LayerNormalization(), tf_keras.layers.Flatten(),
+            tf_keras.layers.Dense(1)])
+        model.compile(tf_keras.optimizers.Adam(0.01), "mse")
+        return model
+    fit_equal(tf_keras, make, x, y, {"batch_norm": batch_norm})
+    said = capsys.readouterr().err
+    assert "normaliz" not in said and "FusedBatchNormV3" not in said, said
+
+
+@pytest.mark.parametrize("lib", ["keras", "tf_keras"])
+def test_a_loss_that_ignores_a_class_is_not_named_a_normalization(lib, capsys):
+    """A sparse cross-entropy with `ignore_class`: tf_keras weighs the valid
+    tokens by all over their count, a sum of the mask over the batch (a
+    count the data sets, shared as a masked mean's), not a statistic of
+    the rows' values. `fit` equals one device (the replicas' valid counts
+    differ), and no line names the count a normalization of the
+    program's own (before, under tf_keras: "means over the batch's axis
+    ['sparse_categorical_crossentropy/Sum'] ... not equal")."""
+    import importlib
+    k = importlib.import_module(lib)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 30, size=(64, 7)).astype(np.int32)
+    labels = rng.integers(0, 4, size=(64, 7)).astype(np.int32)
+    labels[:32] *= rng.random((32, 7)) < 0.3      # replica 0's part: mostly ignored
+
+    def make():
+        model = k.Sequential([k.Input((7,), dtype="int32"), k.layers.Embedding(30, 6),
+                              k.layers.Dense(4)])
+        model.compile(k.optimizers.Adam(0.05), k.losses.SparseCategoricalCrossentropy(
+            from_logits=True, ignore_class=0))
+        return model
+    fit_equal(k, make, ids, labels, {})
+    said = capsys.readouterr().err
+    assert "means over the batch's axis" not in said, said
+
+
+def fit_equal(k, make, x, y, config):
+    """Two equal seeded models of Keras module `k` fitted 2 epochs with
+    batch 16, one on 2 replicas with `config`: every weight, optimizer
+    variable and epoch loss equal, 1e-5."""
+    from test_tf2 import check_equal
+    k.utils.set_random_seed(0)
+    parallel, single = make(), make()
+    single.set_weights(parallel.get_weights())
+    pn.parallelize(parallel, local(2), config)
+    h1, h2 = (m.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+              for m in (parallel, single))
+    np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], atol=1e-5, rtol=0)
+    check_equal((parallel, parallel.optimizer), (single, single.optimizer))

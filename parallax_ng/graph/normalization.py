@@ -115,7 +115,8 @@ def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str], list[str]
     rows, index = reading(sources, graph), _Autodiff(graph)
     moments = rows.guarded(lambda r: [m for op in graph.get_operations()
                                       if (m := _moments(op, r, index)) is not None])
-    fused = [op.name for op in graph.get_operations() if _training(op)]
+    fused = rows.guarded(lambda r: [op.name for op in graph.get_operations()
+                                    if _training(op) and _over_examples(op, r)]) or []
     fused += [f"{name}:{n.name}" for name, f in _called(graph.as_graph_def()).items()
               for n in f.node_def if n.op in FUSED and n.attr["is_training"].b]
     known = {o.name for m in moments or () for o in (m.mean, m.variance)}
@@ -197,6 +198,19 @@ def _training(op) -> bool:
     return op.type in FUSED and op.get_attr("is_training")
 
 
+def _over_examples(op, rows) -> bool:
+    """Whether fused op `op` takes its statistics over the batch's examples:
+    its rows on an axis it reduces (not C), or unknown where N is not 1
+    (tf_keras's LayerNormalization reshapes its input to [1, rows,
+    features, 1], NCHW: a statistic per row, whatever the replicas hold)."""
+    x, axis = op.inputs[0], rows.axis(op.inputs[0])
+    if axis is not None:
+        channels = 1 if op.get_attr("data_format").startswith(b"NC") else \
+            (x.shape.rank or 4) - 1
+        return axis != channels
+    return x.shape.rank is None or x.shape[0] != 1
+
+
 def _moments(op, rows, index) -> Moments | None:
     """The Moments whose variance `op` is, or None: op is a Mean of a
     SquaredDifference of x and the StopGradient of a Mean of x, over the
@@ -236,10 +250,18 @@ def _applied(op, rows) -> bool:
     """Whether `op` is a Mean or a Sum (forward, not the autodiff's) over
     the batch's axis of the batch's rows whose result an element-wise op
     meets with the rows (through a few ops that keep it a statistic: a
-    sum divided by a count, Keras 3's masked BatchNormalization's)."""
+    sum divided by a count, Keras 3's masked BatchNormalization's). A sum
+    of a mask (a count: tf_keras's `ignore_class` weighs the valid rows by
+    all over it) is not a statistic of the rows' values: where a loss
+    divides by it, graph/forms.py reads it as a count the data sets."""
     if op.type not in ("Mean", "Sum") or is_autodiff(op.name):
         return False
     x, axes = op.inputs[0], _axes(op)
+    counted = x
+    while counted.op.type in ("Reshape", "Identity", "ExpandDims", "Squeeze"):
+        counted = counted.op.inputs[0]
+    if op.type == "Sum" and counted.op.type == "Cast" and counted.op.inputs[0].dtype == tf.bool:
+        return False
     rank = x.shape.rank
     if axes is None or rank is None or (axis := rows.axis(x)) is None or \
             axis not in {a % rank for a in axes}:
