@@ -116,6 +116,44 @@ def test_ids_looked_up_in_a_partitioned_table_are_a_batch(strategy):
     assert kinds(g) == {"x": "batch", "y": "batch"}
 
 
+def test_strings_through_feature_columns_are_batches():
+    """Census's wide & deep with tf.compat.v1 feature columns on string
+    placeholders: an embedding column reshapes its lookup to the
+    SparseTensor's dense_shape[:-1] (a slice of tf.shape of the strings),
+    an indicator column makes the ids dense in that shape (SparseToDense);
+    crossed, bucketized and hashed columns in linear_model. Every
+    placeholder is a batch (the strings were "unknown": a line for each
+    when fed, though split as batches all the same)."""
+    g = tf.Graph()
+    with g.as_default():
+        fc = tf1.feature_column
+        ph = {"edu": tf1.placeholder(tf.string, [None, 1], name="edu"),
+              "occ": tf1.placeholder(tf.string, [None, 1], name="occ"),
+              "tags": tf1.placeholder(tf.string, [None, 3], name="tags"),
+              "age": tf1.placeholder(tf.float32, [None, 1], name="age")}
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        edu = fc.categorical_column_with_vocabulary_list("edu", ["a", "b", "c"])
+        occ = fc.categorical_column_with_hash_bucket("occ", 20)
+        age = fc.bucketized_column(fc.numeric_column("age"), [18, 30, 45])
+        wide = fc.linear_model({"edu": ph["edu"], "occ": ph["occ"], "age": ph["age"]},
+                               [edu, age, fc.crossed_column(["edu", "occ"], 30)])
+        h = fc.input_layer(ph, [fc.indicator_column(edu), fc.embedding_column(occ, 3),
+                                fc.embedding_column(fc.categorical_column_with_hash_bucket(
+                                    "tags", 15), 2, combiner="sqrtn")])
+        logits = wide + tf.matmul(h, tf1.get_variable("w", [h.shape[1], 1]))
+        tf1.train.AdagradOptimizer(0.1).minimize(tf1.losses.sigmoid_cross_entropy(y, logits))
+    assert kinds(g) == {"edu": "batch", "occ": "batch", "tags": "batch", "age": "batch",
+                        "y": "batch"}
+    only = tf.Graph()       # the embedding column alone: its rows meet the labels'
+    with only.as_default():
+        words = tf1.placeholder(tf.string, [None, 1], name="words")
+        y = tf1.placeholder(tf.float32, [None, 2], name="y")
+        h = fc.input_layer({"words": words}, [fc.embedding_column(
+            fc.categorical_column_with_hash_bucket("words", 9), 2)])
+        tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(h - y)))
+    assert kinds(only) == {"words": "batch", "y": "batch"}
+
+
 @pytest.mark.parametrize("loss", ["softmax", "squared"])
 def test_ids_run_through_a_time_major_loop_meet_the_labels_rows(loss):
     """dynamic_rnn's form: ids [None, None] embedded, transposed to time

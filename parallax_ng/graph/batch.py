@@ -37,6 +37,7 @@ from . import rules
 from .ir import TensorRef
 from .rows import reading
 from .rules import CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS
+from .shape_vectors import const, counted, leading, shape_head, shape_of
 from .tracing import INPUT
 
 BATCH, WHOLE, UNKNOWN = "batch", "whole", "unknown"
@@ -189,7 +190,7 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
     if node.op in _SPARSE_LAYERS:     # a sparse batch's rows through a layer (fed as a
         first[outs[0]] = dims.new(fact="modeled")     # SparseTensorValue: split by rows)
         return
-    if not carried and node.op != "Reshape" or node.op in SHAPE_ONLY:   # (to a shape of t)
+    if not carried and node.op not in ("Reshape", "SparseToDense") or node.op in SHAPE_ONLY:
         return
     if any(t.dtype == tf.variant for t in op.outputs):   # a tf.data dataset made of it
         for _, d in carried:
@@ -235,7 +236,7 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
         dims.note(ins[0][1], "reduced")
         return
     if kind in REDUCTIONS:
-        axes = _const(tg, ins[1][0]) if len(ins) > 1 else None
+        axes = const(tg, ins[1][0]) if len(ins) > 1 else None
         rank = _rank(tg, ins[0][0])
         if axes is None or rank is None:
             dims.note(ins[0][1], "unknown")
@@ -257,7 +258,7 @@ def _index_rules(tg, name, node, ins, outs, first, dims) -> None:
         first[outs[0]] = dims.join([ins[0][1], ins[1][1]])   # each row's picks from its row
         return
     if kind in ("GatherV2", "Gather", "ResourceGather"):
-        axis = _const(tg, ins[2][0]) if kind == "GatherV2" and len(ins) > 2 else 0
+        axis = const(tg, ins[2][0]) if kind == "GatherV2" and len(ins) > 2 else 0
         if axis != 0:
             _unknown(ins, dims)
             return
@@ -267,8 +268,12 @@ def _index_rules(tg, name, node, ins, outs, first, dims) -> None:
         if len(ins) > 1 and ins[1][1] is not None:
             dims.note(ins[1][1], "kept")
         return
+    if kind == "SparseToDense":     # of a shape (a feature column's tf.shape(x)): x's rows
+        head = shape_head(tg, ins[1][0])
+        first[outs[0]] = first.get(head) if head else None
+        return
     if kind == "GatherNd":      # an element per row of the indices
-        if _rank(tg, ins[1][0]) == 2 and _counted(tg, ins[1][0]):
+        if _rank(tg, ins[1][0]) == 2 and counted(tg, ins[1][0]):
             joined = dims.join([ins[0][1], ins[1][1]])  # tf.stack([tf.range(n), a], 1):
             first[outs[0]] = joined                     # each row picks from its row
             return
@@ -276,7 +281,7 @@ def _index_rules(tg, name, node, ins, outs, first, dims) -> None:
         first[outs[0]] = ins[1][1] if (_rank(tg, ins[1][0]) or 0) >= 2 else None
         return
     if kind == "StridedSlice":
-        begin, end, strides = (_const(tg, ins[k][0]) for k in (1, 2, 3))
+        begin, end, strides = (const(tg, ins[k][0]) for k in (1, 2, 3))
         masks = {k: node.attr[k].i for k in ("begin_mask", "end_mask", "shrink_axis_mask",
                                             "ellipsis_mask", "new_axis_mask")}
         if masks["ellipsis_mask"] & 1 or masks["new_axis_mask"] & 1 or strides is None:
@@ -291,7 +296,7 @@ def _index_rules(tg, name, node, ins, outs, first, dims) -> None:
         dims.note(ins[0][1], "indexed" if begin is not None and end is not None else "unknown")
         return
     if kind in ("Unpack", "Split", "SplitV"):
-        axis = node.attr["axis"].i if kind == "Unpack" else _const(
+        axis = node.attr["axis"].i if kind == "Unpack" else const(
             tg, ins[0 if kind == "Split" else 2][0])
         data = ins[1][1] if kind == "Split" else ins[0][1]
         if axis == 0:
@@ -302,7 +307,7 @@ def _index_rules(tg, name, node, ins, outs, first, dims) -> None:
         return
     if kind in ("ConcatV2", "Pack"):
         values = ins[:-1] if kind == "ConcatV2" else ins
-        axis = _const(tg, ins[-1][0]) if kind == "ConcatV2" else node.attr["axis"].i
+        axis = const(tg, ins[-1][0]) if kind == "ConcatV2" else node.attr["axis"].i
         if axis is None or axis == 0 or (kind == "ConcatV2" and axis < 0 and
                                          _rank(tg, outs[0]) == -axis):
             _unknown(ins, dims)
@@ -323,24 +328,24 @@ def _moves(tg, node, ins, outs, first, dims) -> None:
     kind, data = node.op, ins[0][1]
     keep = False
     if kind == "Reshape":
-        shaped, rows = _shape_of(tg, ins[1][0], first)
+        shaped, rows = shape_of(tg, ins[1][0], first)
         if shaped is not None:   # to a batch tensor's shape (a loss's values, as labels
             dims.note(data, "kept")          # were), or to its rows by -1
             for out in outs:
                 first[out] = dims.join([data, shaped]) if rows else shaped
             return
-        keep = _leading(tg, ins[1][0]) == -1
+        keep = leading(tg, ins[1][0]) == -1
     elif kind == "ExpandDims":
-        axis = _const(tg, ins[1][0])
+        axis = const(tg, ins[1][0])
         keep = axis is not None and axis != 0 and axis != -(_rank(tg, outs[0]) or 0)
     elif kind == "Squeeze":
         axes = list(node.attr["squeeze_dims"].list.i)
         keep = bool(axes) and 0 not in axes and all(a > 0 for a in axes)
     elif kind == "Transpose":
-        perm = _const(tg, ins[1][0])
+        perm = const(tg, ins[1][0])
         keep = isinstance(perm, list) and bool(perm) and perm[0] == 0
     elif kind == "Tile":
-        multiples = _const(tg, ins[1][0])
+        multiples = const(tg, ins[1][0])
         keep = isinstance(multiples, list) and bool(multiples) and multiples[0] == 1
     elif kind == "OneHot":
         keep = node.attr["axis"].i != 0
@@ -350,58 +355,6 @@ def _moves(tg, node, ins, outs, first, dims) -> None:
     dims.note(data, "kept")
     for out in outs:
         first[out] = data
-
-
-def _leading(tg, ref: TensorRef):
-    """The first entry of a shape vector: of a constant, or of the constant
-    a concatenation or stack starts with ([-1] and the last dimension, as
-    the softmax losses flatten their logits); else None."""
-    value, parts = _const(tg, ref), tg.ir.data_inputs(ref.node)
-    if value is None and tg.ir.node(ref.node).op in ("ConcatV2", "Pack") and parts:
-        value = _const(tg, parts[0])     # a stack's first scalar, a concatenation's first vector
-    if isinstance(value, list):
-        return value[0] if value else None
-    return value
-
-
-def _shape_of(tg, ref: TensorRef, first: dict) -> tuple:
-    """(t's first dimension, whether the shape keeps the reshaped tensor's
-    rows) where shape vector `ref` is tf.shape(t), or a stack that starts
-    with tf.shape(t)[0] (`[tf.shape(x)[0], -1]`), or t's dimensions from
-    its first on (tf.tensordot's result; a lookup in a partitioned table
-    reshapes its rows to the ids' shape and the row's); else (None, False)."""
-    node, parts = tg.ir.node(ref.node), tg.ir.data_inputs(ref.node)
-    if node.op == "Shape" and parts:
-        return first.get(parts[0]), False
-    if node.op == "Pack" and parts and tg.ir.node(parts[0].node).op == "StridedSlice":
-        sliced = tg.ir.data_inputs(parts[0].node)
-        if tg.ir.node(sliced[0].node).op == "Shape" and \
-                [_const(tg, r) for r in sliced[1:4]] == [[0], [1], [1]]:
-            return first.get(tg.ir.data_inputs(sliced[0].node)[0]), True
-    if node.op == "ConcatV2" and len(parts) > 1 and tg.ir.node(parts[0].node).op == "Shape":
-        return first.get(tg.ir.data_inputs(parts[0].node)[0]), False   # t's shape, then more
-    if node.op == "ConcatV2" and len(parts) > 1:    # tf.tensordot's: t's free dimensions first
-        picked = tg.ir.data_inputs(parts[0].node)
-        if tg.ir.node(parts[0].node).op == "GatherV2" and len(picked) == 3 and \
-                tg.ir.node(picked[0].node).op == "Shape" and \
-                _leading(tg, picked[1]) == 0 and _const(tg, picked[2]) == 0:
-            return first.get(tg.ir.data_inputs(picked[0].node)[0]), False
-    return None, False
-
-
-def _counted(tg, ref: TensorRef) -> bool:
-    """Whether `ref`'s first column counts its rows: tf.stack([tf.range(n),
-    ...], axis=1) (the Range through a Cast)."""
-    node = tg.ir.node(ref.node)
-    if node.op != "Pack" or node.attr["axis"].i not in (1, -1):
-        return False
-    column = tg.ir.past_identities(tg.ir.data_inputs(ref.node)[0])
-    while tg.ir.node(column.node).op == "Cast":
-        column = tg.ir.data_inputs(column.node)[0]
-    if tg.ir.node(column.node).op != "Range":
-        return False
-    start, _, step = (tf.get_static_value(tg.tensor(r)) for r in tg.ir.data_inputs(column.node))
-    return start is not None and step is not None and start == 0 and step == 1
 
 
 def _unknown(ins, dims) -> None:
@@ -430,17 +383,5 @@ def _untransposed(tg, ref: TensorRef, first: dict):
     if node.op != "Transpose":
         return None
     ins = tg.ir.data_inputs(ref.node)
-    perm = _const(tg, ins[1])
+    perm = const(tg, ins[1])
     return first.get(ins[0]) if isinstance(perm, list) and perm[1:2] == [0] else None
-
-
-def _const(tg, ref: TensorRef):
-    """The value of a constant input as a Python int or list, else None."""
-    node = tg.ir.node(ref.node)
-    if node.op == "Range":      # tf.range(1, tf.rank(x)) of an x of known rank
-        value = tf.get_static_value(tg.tensor(ref))
-        return None if value is None else value.tolist()
-    if node.op != "Const":
-        return None
-    value = tf.make_ndarray(node.attr["value"].tensor)
-    return value.tolist()

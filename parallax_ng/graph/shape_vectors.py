@@ -1,0 +1,99 @@
+"""What a shape vector says about a tensor's first dimension: the values
+graph/batch.py reads where a reshape, a SparseToDense or a stack takes its
+shape from tensors of the graph (`tf.shape(x)`, `[tf.shape(x)[0], -1]`, a
+feature column's `dense_shape[:-1]`), and constant inputs.
+
+Requires: a TrainingGraph (its IR and tf.Graph). Guarantees: reads the
+graph only; each function answers None (or (None, False)) where the graph
+does not show what it asks.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from .ir import TensorRef
+
+
+def leading(tg, ref: TensorRef):
+    """The first entry of a shape vector: of a constant, or of the constant
+    a concatenation or stack starts with ([-1] and the last dimension, as
+    the softmax losses flatten their logits); else None."""
+    value, parts = const(tg, ref), tg.ir.data_inputs(ref.node)
+    if value is None and tg.ir.node(ref.node).op in ("ConcatV2", "Pack") and parts:
+        value = const(tg, parts[0])     # a stack's first scalar, a concatenation's first vector
+    if isinstance(value, list):
+        return value[0] if value else None
+    return value
+
+
+def shape_of(tg, ref: TensorRef, first: dict) -> tuple:
+    """(t's first dimension, whether the shape keeps the reshaped tensor's
+    rows) where shape vector `ref` is tf.shape(t), or a stack that starts
+    with tf.shape(t)[0] (`[tf.shape(x)[0], -1]`), or t's dimensions from
+    its first on (tf.tensordot's result; a lookup in a partitioned table
+    reshapes its rows to the ids' shape and the row's); else (None, False)."""
+    node, parts = tg.ir.node(ref.node), tg.ir.data_inputs(ref.node)
+    if node.op == "Shape" and parts:
+        return first.get(parts[0]), False
+    if node.op == "Pack" and parts and tg.ir.node(parts[0].node).op == "StridedSlice":
+        sliced = tg.ir.data_inputs(parts[0].node)
+        if tg.ir.node(sliced[0].node).op == "Shape" and \
+                [const(tg, r) for r in sliced[1:4]] == [[0], [1], [1]]:
+            return first.get(tg.ir.data_inputs(sliced[0].node)[0]), True
+    if node.op == "ConcatV2" and len(parts) > 1 and (shaped := shape_head(tg, parts[0])):
+        return first.get(shaped), False     # t's shape (or its head: a sparse lookup's), then more
+    if node.op == "ConcatV2" and len(parts) > 1:    # tf.tensordot's: t's free dimensions first
+        picked = tg.ir.data_inputs(parts[0].node)
+        if tg.ir.node(parts[0].node).op == "GatherV2" and len(picked) == 3 and \
+                tg.ir.node(picked[0].node).op == "Shape" and \
+                leading(tg, picked[1]) == 0 and const(tg, picked[2]) == 0:
+            return first.get(tg.ir.data_inputs(picked[0].node)[0]), False
+    return None, False
+
+
+def shape_head(tg, ref: TensorRef, hops: int = 16) -> TensorRef | None:
+    """t where the first entry of shape vector (or scalar) `ref` is t's
+    first dimension: tf.shape(t), through casts, slices and strided
+    slices from 0, stacks and concatenations (their first part), and a
+    SparseReshape's new shape (feature columns reshape their sparse ids to
+    [tf.shape(x)[0], ...] and their lookups to dense_shape[:-1])."""
+    node, parts = tg.ir.node(ref.node), tg.ir.data_inputs(ref.node)
+    if not parts or hops == 0:
+        return None
+    if node.op == "Shape":
+        return parts[0]
+    if node.op == "SparseReshape" and ref.index == 1:
+        return shape_head(tg, parts[2], hops - 1)
+    if node.op in ("Slice", "StridedSlice") and (const(tg, parts[1]) or [None])[0] != 0 or \
+            node.op == "StridedSlice" and const(tg, parts[3]) != [1]:
+        return None
+    if node.op in ("Cast", "Identity", "Slice", "StridedSlice", "Pack", "ConcatV2"):
+        return shape_head(tg, parts[0], hops - 1)
+    return None
+
+
+def counted(tg, ref: TensorRef) -> bool:
+    """Whether `ref`'s first column counts its rows: tf.stack([tf.range(n),
+    ...], axis=1) (the Range through a Cast)."""
+    node = tg.ir.node(ref.node)
+    if node.op != "Pack" or node.attr["axis"].i not in (1, -1):
+        return False
+    column = tg.ir.past_identities(tg.ir.data_inputs(ref.node)[0])
+    while tg.ir.node(column.node).op == "Cast":
+        column = tg.ir.data_inputs(column.node)[0]
+    if tg.ir.node(column.node).op != "Range":
+        return False
+    start, _, step = (tf.get_static_value(tg.tensor(r)) for r in tg.ir.data_inputs(column.node))
+    return start is not None and step is not None and start == 0 and step == 1
+
+
+def const(tg, ref: TensorRef):
+    """The value of a constant input as a Python int or list, else None."""
+    node = tg.ir.node(ref.node)
+    if node.op == "Range":      # tf.range(1, tf.rank(x)) of an x of known rank
+        value = tf.get_static_value(tg.tensor(ref))
+        return None if value is None else value.tolist()
+    if node.op != "Const":
+        return None
+    value = tf.make_ndarray(node.attr["value"].tensor)
+    return value.tolist()
