@@ -202,3 +202,63 @@ def test_the_marked_constants_are_set_for_a_shard_and_nothing_else():
     assert tf.make_ndarray(index.attr["value"].tensor) == 3
     assert tf.make_ndarray(nodes[other.op.name].attr["value"].tensor) == 7
     assert num.attr["value"].tensor.dtype == tf.int64.as_datatype_enum
+
+
+def test_shards_that_end_apart_are_named():
+    """49 rows over 2 replicas in batches of 8 (one device: 16): replica 0
+    reads 25 rows in 4 batches, replica 1 24 in 3, so the epoch ends at the
+    step where replica 1's iterator ends and the row replica 0 read in it
+    goes untrained (one device trains it in a last batch of 1). A line
+    names the iterator (initializable or one-shot); 50 rows, batches that
+    drop their remainder, a repeated dataset or one fed by placeholders
+    get none. In a runner: the line once, before the first step."""
+    from parallax_ng.graph.data import uneven_ends
+
+    def graph(rows, kind="one_shot", drop=False, repeat=False):
+        g = tf.Graph()
+        with g.as_default():
+            if kind == "fed":
+                values = tf1.placeholder(tf.float32, [None, 3], name="values")
+            else:
+                values = np.zeros((rows, 3), np.float32)
+            ds = pn.shard(tf.data.Dataset.from_tensor_slices(values).map(lambda v: v * 2))
+            ds = ds.batch(8, drop_remainder=drop).prefetch(1)
+            ds = ds.repeat() if repeat else ds
+            if kind == "one_shot":
+                x = tf1.data.make_one_shot_iterator(ds).get_next()
+            else:
+                x = tf1.data.make_initializable_iterator(ds, shared_name="it").get_next()
+            w = tf1.get_variable("w", [3, 1])
+            tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.matmul(x, w)))
+        return g
+    line = ("its pn.shard dataset gives 4 batches an epoch to replica 0 and 3 to replica 1 "
+            "(of 2), so the step where the first of them ends is the epoch's end")
+    for kind in ("one_shot", "initializable"):
+        (said,) = uneven_ends(graph(49, kind), 2)
+        assert line in said and said.startswith("iterator '"), said
+        assert uneven_ends(graph(49, kind), 1) == []
+    assert "gives 3 batches an epoch to replica 0 and 2 to replica 2 (of 3)" in \
+        uneven_ends(graph(49), 3)[0]
+    for quiet in (graph(50), graph(49, drop=True), graph(49, repeat=True),
+                  graph(49, "fed")):
+        assert uneven_ends(quiet, 2) == []
+
+
+def test_a_runner_names_shards_that_end_apart_once(capsys):
+    g = tf.Graph()
+    with g.as_default():
+        ds = pn.shard(tf.data.Dataset.range(49)).batch(8)
+        x = tf.cast(tf1.data.make_one_shot_iterator(ds).get_next(), tf.float32)
+        w = tf1.get_variable("w", [], initializer=tf1.ones_initializer())
+        step = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(x * w))
+        init = tf1.global_variables_initializer()
+    with pn.get_runner(g, local(2)) as runner:
+        runner.run(init)
+        steps = 0
+        with pytest.raises(tf.errors.OutOfRangeError):
+            while True:
+                runner.run(step)
+                steps += 1
+    assert steps == 3          # one device: 4 (16, 16, 16 and 1 rows)
+    said = capsys.readouterr().err
+    assert said.count("its pn.shard dataset gives 4 batches an epoch to replica 0 and 3") == 1

@@ -16,7 +16,9 @@ shard_inputs pass, layer-to-layer's workers) recognizes and sets them.
 `seeded_shuffles(nodes)` gives a dataset shuffle without seeds (seed and
 seed2 both 0: a new order per iterator) seeds of its own name, so every
 replica's copy (and every worker's) shuffles alike and the shards stay
-disjoint; one device's order was random anyway.
+disjoint; one device's order was random anyway. `uneven_ends(graph, N)`
+names the iterators whose shards end after unequal numbers of batches
+(rows of the last step untrained: build.py prints the lines).
 """
 from __future__ import annotations
 
@@ -158,3 +160,80 @@ def _source(text: str) -> str:
     """The node an input names, in a graph's form (`x:1`, `^x`) or a
     function body's (`x:handle:0`)."""
     return text.lstrip("^").split(":")[0]
+
+
+def uneven_ends(graph: tf.Graph, replicas: int) -> list[str]:
+    """A line for each iterator over a `pn.shard` dataset whose replicas'
+    parts end after unequal numbers of elements (batches): its count is
+    not a multiple of the replicas (times their batch), so at the end of
+    an epoch one replica's iterator ends while another's gives a last,
+    smaller batch. That step ends the epoch (OutOfRangeError) and the
+    rows the others read in it go untrained, where one device trains
+    them in a smaller last batch. Counts are TensorFlow's own cardinality
+    of each replica's part (initializable and one-shot iterators); a
+    pipeline fed by placeholders, or of unknown or infinite count (a
+    filter, files, `repeat()`), says nothing."""
+    if replicas < 2:
+        return []
+    gd = graph.as_graph_def()
+    out = []
+    for node in gd.node:
+        if node.op == "MakeIterator":
+            counts = _part_counts(gd, replicas, dataset=_source(node.input[0]))
+        elif node.op == "OneShotIterator":
+            counts = _part_counts(gd, replicas, factory=node.attr["dataset_factory"].func.name)
+        else:
+            continue
+        if counts and min(counts) >= 0 and len(set(counts)) > 1:
+            out.append(f"iterator {node.name!r}: its pn.shard dataset gives {counts[0]} "
+                       f"batches an epoch to replica 0 and {counts[1]} to replica "
+                       f"{replicas - 1} (of {replicas}), so the step "
+                       "where the first of them ends is the epoch's end (OutOfRangeError), "
+                       "and the rows the others read in it go untrained, where one device "
+                       "trains them in a last, smaller batch; make the element count a "
+                       "multiple of the replicas, batch with drop_remainder=True (as one "
+                       "device would), or `repeat()` it")
+    return out
+
+
+def _part_counts(gd, replicas: int, dataset: str | None = None, factory: str | None = None):
+    """The cardinality of replica 0's and of the last replica's part (the
+    most and the fewest elements) of the dataset node `dataset` (of the
+    graph) or of the one the one-shot function `factory` returns; None
+    where the pipeline has no pn.shard, reads a placeholder, holds more
+    than 64 MiB (its arrays, copied to count), or cannot run alone."""
+    by_name, stack, kept = {n.name: n for n in gd.node}, [dataset] if dataset else [], {}
+    while stack:                  # the nodes the dataset reads, directly or not
+        name = stack.pop()
+        if name in by_name and name not in kept:
+            kept[name] = by_name[name]
+            stack.extend(_source(x) for x in by_name[name].input)
+    sub = tf.compat.v1.GraphDef(library=gd.library, versions=gd.versions)
+    sub.node.extend(n for n in gd.node if n.name in kept)
+    bodies = [f for f in sub.library.function if not factory or f.signature.name == factory]
+    nodes = list(sub.node) + [n for f in bodies for n in f.node_def]
+    if not any(shard_constant(n.name) for n in nodes) or sub.ByteSize() > 1 << 26 or \
+            any(n.op.startswith("Placeholder") for n in nodes):
+        return None
+    counts = []
+    for index in (0, replicas - 1):
+        part = tf.compat.v1.GraphDef()
+        part.CopyFrom(sub)
+        for n in list(part.node) + [n for f in part.library.function for n in f.node_def]:
+            set_shard(n, replicas, index)
+        if factory:
+            call = part.node.add(name="parallax_dataset", op="PartitionedCall")
+            call.attr["f"].func.name = factory
+            call.attr["Tout"].list.type.append(tf.variant.as_datatype_enum)
+            call.attr["Tin"].list.SetInParent()
+        g = tf.Graph()
+        try:
+            with g.as_default():
+                tf.graph_util.import_graph_def(part, name="")
+                count = tf.raw_ops.DatasetCardinality(input_dataset=g.get_tensor_by_name(
+                    f"{dataset or 'parallax_dataset'}:0"))
+            with tf.compat.v1.Session(graph=g) as session:
+                counts.append(int(session.run(count)))
+        except (tf.errors.OpError, ValueError, KeyError):
+            return None
+    return counts
