@@ -229,9 +229,9 @@ def test_late_ops_on_a_table_sharded_over_servers_see_it_whole(tmp_path):
     """A job of 2 workers and 2 servers (run_option ps: the embedding cut
     into row ranges, one per server): an assign made after get_runner
     writes each server its rows of the value, and a late read gives the
-    ranges joined (a late embedding_lookup, rows of both ranges). Before, the assign went to a handle no step uses (the
-    table kept its values, silently) and the read failed ("Could not find
-    variable emb")."""
+    ranges joined (a late embedding_lookup, rows of both ranges). Before,
+    the assign went to a handle no step uses (the table kept its values,
+    silently) and the read failed ("Could not find variable emb")."""
     import os
     import subprocess
     import sys

@@ -173,7 +173,8 @@ def uneven_ends(graph: tf.Graph, replicas: int) -> list[str]:
     of each replica's part (initializable and one-shot iterators); a
     pipeline fed by placeholders, or of unknown or infinite count (a
     filter, files, `repeat()`), says nothing."""
-    if replicas < 2:
+    if replicas < 2 or not any(op.type in ("MakeIterator", "OneShotIterator")
+                               for op in graph.get_operations()):
         return []
     gd = graph.as_graph_def()
     out = []

@@ -22,9 +22,9 @@ exists once (a variable on a server) runs once, and so does an op that
 writes a file (a Saver made late saves replica 0's); an op colocated with a
 variable goes to the device of that variable's copy. A new op on a
 variable the plan cuts into parts (columns over the replicas, rows over
-servers) reads it whole (the parts side by side; a gather, rows of that), writes a whole value as
-each part's piece, or gives its shape or whether it is initialized; any
-other such op is refused, naming it. It returns each new op's copies by
+servers) reads it whole (the parts side by side; a gather, rows of that),
+writes a whole value as each part's piece, or gives its shape or whether
+it is initialized; any other such op is refused, naming it. It returns each new op's copies by
 replica, and the new ops whose values differ across the replicas.
 """
 from __future__ import annotations
@@ -139,8 +139,9 @@ def _import(fmap, ops: list, new: dict, copies: dict, k: int, device: str) -> No
         copies.setdefault(o.name, []).append(f"{scope}/{_late_name(k, o.name)}")
 
 
-# writes of a whole value to a resource variable (input 0 its handle, 1 the value)
+# reads of a resource variable: its whole value, or rows of it (input 1 the ids)
 _READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd"})
+# writes of a whole value to a resource variable (input 0 its handle, 1 the value)
 _WHOLE_WRITES = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
 
 
@@ -149,10 +150,10 @@ def _on_parts(fmap, op: tf.Operation, nd, k: int, gd, input_map: dict,
     """A late op on a variable the plan cuts into parts (by columns over the
     replicas: alltoall; by rows or elements over servers): a read of the
     whole value reads every part, side by side (a gather, its rows of
-    that); a write of a whole value
-    writes each part its piece (replica k's copy its columns); any other
-    use is refused, naming it. (Before, such an op reached replica 0's
-    columns or a handle no step uses, and gave or kept a part silently.)"""
+    that); a write of a whole value writes each part its piece (replica
+    k's copy its columns); any other use is refused, naming it. (Before,
+    such an op reached replica 0's columns or a handle no step uses, and
+    gave or kept a part silently.)"""
     var = op.inputs[0].op.name if op.inputs and op.inputs[0].dtype == tf.resource else None
     placement = fmap.plan.placement.get(var)
     if not isinstance(placement, (Columns, Sharded)):
