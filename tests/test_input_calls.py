@@ -61,8 +61,9 @@ def test_the_call_of_an_input_is_noted_in_a_copy_and_is_no_loss():
     g = graph()
     assert [t.name for t in forms.autodiff_losses(g)] == ["value:0", "loss:0"]
     tg = frontend.load(g)
-    [(targets, [seed], [])] = input_calls.calls(tg)
+    [(targets, [seed], rows)] = input_calls.calls(tg)
     assert targets == ["value:0"] and seed == "gradients/grad_ys_0:0"
+    assert rows == [("gradients/MatMul_grad/MatMul:0", "x:0")]      # the result has x's rows
     assert tg.graph is not g and not g.get_collection(recorders.INPUT_GRADIENTS)
     assert recorders.input_gradients(tg.graph) == [(targets, [seed])]
     assert [t.name for t in forms.autodiff_losses(tg.graph)] == ["loss:0"]
@@ -88,7 +89,13 @@ def tf1_graph(case):
 
         def net(a):
             return tf.matmul(tf.tanh(tf.matmul(a, w1)), w2)
-        if case == "fgsm":
+        if case == "wgan-gp":       # interpolates between x and x reversed, read twice
+            between = 0.3 * x + 0.7 * tf.reverse(x, [1])
+            grad = tf.gradients(tf.reduce_sum(net(between)) + tf.reduce_sum(between * 0.1),
+                                [between])[0]
+            slopes = tf.sqrt(tf.reduce_sum(tf.square(grad), 1) + 1e-8)
+            loss = ce(net(x), y) + 10.0 * tf.reduce_mean(tf.square(slopes - 1.0))
+        elif case == "fgsm":
             grad = tf.gradients(ce(net(x), y), x)[0]
             loss = 0.5 * ce(net(x), y) + 0.5 * ce(net(x + 0.1 * tf.sign(grad)), y)
         else:
@@ -100,9 +107,13 @@ def tf1_graph(case):
     return g, x, y, loss, train, init, [w1, w2], grad
 
 
-@pytest.mark.parametrize("case", ["fgsm", "mean", "sum"])
-def test_a_tf1_graph_with_an_inputs_gradient_equals_one_device(case):
-    """tf.gradients(value, x): graph/input_calls.py tells the call apart."""
+@pytest.mark.parametrize("case", ["fgsm", "mean", "sum", "wgan-gp"])
+def test_a_tf1_graph_with_an_inputs_gradient_equals_one_device(case, capsys):
+    """tf.gradients(value, x): graph/input_calls.py tells the call apart,
+    and its result has the rows of x, so a loss with a penalty on it (a
+    gradient norm's mean, WGAN-GP's on interpolates read by several
+    layers) is a mean over the batch, not of unknown form (before: "the
+    graph does not show whether the loss ... is a mean or a sum")."""
     xs, ys = data()
     out = []
     for parallel in (False, True):
@@ -116,6 +127,7 @@ def test_a_tf1_graph_with_an_inputs_gradient_equals_one_device(case):
             assert not g.get_collection(recorders.INPUT_GRADIENTS)   # the user's graph as it was
             report = next(r.report for r in session.pass_records if r.name == "input_gradients")
             assert report == {"scaled": int(case in ("fgsm", "mean"))}
+    assert "does not show whether the loss" not in capsys.readouterr().err
     assert max(abs(a - b) for a, b in zip(*(o[0] for o in out))) < TOL
     assert worst(out[0][1], out[1][1]) < TOL
     assert worst(out[0][2], out[1][2]) < TOL       # the gradient fetched: one device's

@@ -9,7 +9,9 @@ derivative through another call's ops nests that call's scope in its own).
 A training call's scope holds the gradient some trained variable's update
 reads (the front end finds it); a call whose scope holds none takes the
 gradient of the inputs only, and is noted where the step computes with
-its result, a batch's rows (a fetched one is combined by the fetch map).
+its result, a batch's rows (a fetched one is combined by the fetch map);
+each result the step reads is noted with the tensor it is the gradient
+of (its rows: graph/rows.py), found by the autodiff's names.
 
 Requires: a TrainingGraph whose gradients the front end found.
 Guarantees: `note` leaves the user's graph as it is: where it finds such
@@ -40,8 +42,34 @@ def calls(tg) -> list[tuple[list[str], list[str], list]]:
             continue
         scope = op.name[:op.name.rindex("/") + 1]
         if not any(name.startswith(scope) for name in grads) and _of_rows(ops, scope):
-            out.append(([t.name for t in forms.seeded(op)], [op.outputs[0].name], []))
+            out.append(([t.name for t in forms.seeded(op)], [op.outputs[0].name],
+                        _sources(tg.graph, ops, scope)))
     return out
+
+
+def _sources(graph, ops, scope: str) -> list[tuple[str, str]]:
+    """(result, source) names of the call in `scope`: each result read
+    outside the autodiff (a penalty's square of it) has the rows of the
+    tensor it is the gradient of, found by the autodiff's name for the
+    result's op (`<scope><consumer>_grad/...`, through an AddN of several
+    consumers' parts): the consumer's one input of the result's shape."""
+    def source(t, hops=8):
+        if t.op.type in ("AddN", "Identity") and hops:
+            found = {source(x, hops - 1) for x in t.op.inputs} - {None}
+            return found.pop() if len(found) == 1 else None
+        name = t.op.name[len(scope):]
+        if not t.op.name.startswith(scope) or "_grad/" not in name:
+            return None
+        try:
+            consumer = graph.get_operation_by_name(name.split("_grad/")[0])
+        except KeyError:
+            return None
+        like = {x.name for x in consumer.inputs
+                if x.dtype == t.dtype and x.shape.is_compatible_with(t.shape)}
+        return like.pop() if len(like) == 1 else None
+    read = {x.name: x for op in ops if not rules.is_autodiff(op.name) for x in op.inputs
+            if x.op.name.startswith(scope)}
+    return [(name, found) for name, x in read.items() if (found := source(x))]
 
 
 def _of_rows(ops, scope: str) -> bool:
