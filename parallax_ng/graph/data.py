@@ -235,6 +235,6 @@ def _part_counts(gd, replicas: int, dataset: str | None = None, factory: str | N
                     f"{dataset or 'parallax_dataset'}:0"))
             with tf.compat.v1.Session(graph=g) as session:
                 counts.append(int(session.run(count)))
-        except (tf.errors.OpError, ValueError, KeyError):
+        except (tf.errors.OpError, ValueError, KeyError, TypeError):    # a count it cannot take
             return None
     return counts
