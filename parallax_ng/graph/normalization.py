@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 
 import tensorflow as tf
 
+from .. import compat
 from . import branches
 from .forms import sources
 from .rows import reading
@@ -208,7 +209,7 @@ def _over_examples(op, rows) -> bool:
         channels = 1 if op.get_attr("data_format").startswith(b"NC") else \
             (x.shape.rank or 4) - 1
         return axis != channels
-    return x.shape.rank is None or x.shape[0] != 1
+    return x.shape.rank is None or compat.dim(x.shape, 0) != 1     # (a v1 Dimension too)
 
 
 def _moments(op, rows, index) -> Moments | None:
