@@ -3,6 +3,7 @@ synchronized`) in graphs and `pn.function` steps, and the line that says
 where it is per replica (graph/normalization.py): 2 replicas against one
 device with the global batch, every variable and optimizer slot, 1e-5."""
 import contextlib
+import json
 
 import numpy as np
 import pytest
@@ -168,12 +169,13 @@ def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, 
     assert PER_REPLICA not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("run_option,bn,v1,dense", [
-    ("hybrid", "moments", False, "auto"), ("allreduce", "moments", False, "auto"),
-    ("hybrid", "fused", False, "auto"), ("hybrid", "keras", False, "auto"),
-    ("ps", "keras", True, "auto"), ("hybrid", "keras", True, "allreduce")])
+@pytest.mark.parametrize("run_option,bn,v1,dense,sparse", [
+    ("hybrid", "moments", False, "auto", "auto"), ("allreduce", "moments", False, "auto", "auto"),
+    ("hybrid", "fused", False, "auto", "auto"), ("hybrid", "keras", False, "auto", "auto"),
+    ("ps", "keras", True, "auto", "auto"), ("hybrid", "keras", True, "allreduce", "auto"),
+    ("hybrid", "keras", False, "allreduce", "allgather")])
 def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_option, bn, v1,
-                                                              dense):
+                                                              dense, sparse):
     """tests/cluster_script.py --bn: 2 workers (and a server under hybrid,
     where the statistics, and a lowered kernel's row count, are summed
     with the dense gradients on it), the embedding regression's features
@@ -190,17 +192,24 @@ def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_opti
     the timeout; it waits on the Merges where the branches end. With the
     dense gradients by the ring and the embedding on the server (a step of
     two session runs), the statistics in the branch are summed on the
-    server too: a collective there had the job refused."""
+    server too: a collective there had the job refused. With nothing else
+    on the server (the ring and allgather), the servers stop before the
+    first step and the branch's sums are collectives: they were server
+    sums, and the job failed ("Cleanup ..." or a closed queue)."""
     from models import embedding_regression, train_single
     from test_cluster import load, run_job
+    config = {"batch_norm": "synchronized"} | ({"sparse_method": sparse} if sparse != "auto"
+                                                else {})
     done, out, _ = run_job(tmp_path, 2, 1, "8", "--run-option", run_option, "--bn", bn,
-                           "--config", '{"batch_norm": "synchronized"}', *["--v1"] * v1,
+                           "--config", json.dumps(config), *["--v1"] * v1,
                            "--dense-method", dense,
                            servers=int(run_option != "allreduce"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert PER_REPLICA not in done.stderr
+    idle = "the plan puts nothing on the parameter servers" in done.stderr
+    assert idle or sparse != "allgather", done.stderr[-3000:]
     assert ("2 session run(s) at once per step" in done.stdout + done.stderr) == (
-        dense == "allreduce")
+        dense == "allreduce" and not idle)
     g, h = embedding_regression(8, "adam", clip=True, ema=True, bn=bn)
     single = train_single(g, h, 8, lambda step: {h["training"]: step % 3 != 2}
                           if h["training"] else None)

@@ -150,7 +150,7 @@ class StateSyncPass:
                     new_nodes.extend(nodes)
                     syncs.append((scope, tensors, tg.tensor(ref), how == "mean", node, at))
         reduce = on_a_server if plan.reduces_on_servers else all_reduce
-        branched = partial(on_a_server, branched=True) if plan.servers else reduce
+        branched = partial(on_a_server, branched=True) if plan.uses_servers else reduce
         in_branch = lambda node: branched if plan.num_workers > 1 and \
             branches.switches_above(tg.ir, node, above) else reduce     # noqa: E731
         for together in _together(ir, ctx, syncs, set(sources), above):
