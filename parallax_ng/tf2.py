@@ -44,6 +44,7 @@ import tensorflow as tf
 
 from . import saving
 from .errors import ConfigError, FetchError, GraphError
+from .graph import accumulation
 from .graph.frontend import NO_UPDATE
 from .graph.recorders import tf_variable
 from .graph.tracing import tensor_leaves
@@ -330,6 +331,16 @@ class StepFunction:
                     "gradients, as DP-SGD takes them): parallax_ng finds a step's gradients "
                     "from tape.gradient calls, which a jacobian's loop hides; take the "
                     "update's gradients with tape.gradient") from None
+            if held := accumulation.sinks(cap.graph):
+                raise GraphError(
+                    f"the step {getattr(self._fn, '__name__', self._fn)!r} adds its "
+                    f"gradients into variables {held} and applies none: parallax_ng finds a "
+                    "step's gradients from the update that applies them, in the same step "
+                    "(each replica's sums stay its own until the update reads them). "
+                    "Accumulate and apply in one step: apply every k calls under a tf.cond "
+                    "(tf.cond(calls % k == 0, apply, lambda: tf.constant(False)), `calls` a "
+                    "tf.Variable the step counts in), or take the k micro-batches' tapes "
+                    "in one call") from None
             raise GraphError(
                 f"the step {getattr(self._fn, '__name__', self._fn)!r} trains nothing: no "
                 "trainable variable is written from a gradient. It must compute a loss "

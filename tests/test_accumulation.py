@@ -325,3 +325,29 @@ def test_a_tf2_loop_accumulating_into_its_own_variables_equals_one_device(lib, r
     assert len(got) == len(want) > 10
     for (name, value), (_, wanted) in zip(got, want):
         np.testing.assert_allclose(value, wanted, rtol=0, atol=TOL, err_msg=name)
+
+
+def test_a_tf2_step_that_only_adds_its_gradients_is_refused_naming_them():
+    """The accumulation split into two tf.functions, one adding each call's
+    gradients and one applying them: the adding step has no update to find
+    its gradients from, and is refused naming where it puts them and the
+    one-step form that trains (the test above). `sinks` names the
+    accumulators of a TF1 graph too, not the variables its update writes."""
+    import keras
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)])
+    sums = [tf.Variable(tf.zeros_like(v), trainable=False, name=f"sum_{i}")
+            for i, v in enumerate(model.trainable_variables)]
+
+    def adds_gradients(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        for total, grad in zip(sums, tape.gradient(loss, model.trainable_variables)):
+            total.assign_add(grad)
+        return loss
+    _, x, y = _arrays()
+    with pytest.raises(pn.GraphError, match=r"'adds_gradients' adds its gradients into "
+                       r"variables \['sum_0', 'sum_1'\] and applies none.*under a tf.cond"):
+        pn.function(adds_gradients, local(2))(x[:16], y[:16])
+    g, _ = build(8)
+    assert frontend.accumulation.sinks(g) == ["accum", "accum_1", "accum_2", "accum_3"]

@@ -45,8 +45,11 @@ import numpy as np
 import tensorflow as tf
 
 from .ir import TensorRef
+from .rules import AUTODIFF_SCOPE
 
 _SUMS = ("Add", "AddV2", "AddN", "Sub")
+_WRITES = ("Assign", "AssignVariableOp", "AssignAdd", "AssignAddVariableOp", "ScatterAdd",
+           "ResourceScatterAdd")
 _LONGEST = 16            # ops between a gradient and its sum (a scale, a sign)
 
 
@@ -167,3 +170,16 @@ def _added(tg, acc: str, writer: str) -> TensorRef | None:
         return None
     readers = set(tg.readers.get(acc, ()))
     return None if tg.ir.ancestors({added.node}, data_only=True) & readers else added
+
+
+def sinks(graph: tf.Graph) -> list[str]:
+    """The variables (their ops' names) `graph` writes from the autodiff's
+    outputs: where a step that applies no gradient puts them (accumulators
+    that another step, another tf.function, applies)."""
+    grads: set[str] = set()
+    for op in graph.get_operations():       # in the order made: inputs first
+        if AUTODIFF_SCOPE.search(op.name) or any(t.op.name in grads for t in op.inputs):
+            grads.add(op.name)
+    return sorted({op.inputs[0].op.name for op in graph.get_operations()
+                   if op.type in _WRITES and len(op.inputs) > 1 and
+                   any(t.op.name in grads for t in op.inputs[1:])})
