@@ -952,3 +952,28 @@ def test_batch_norm_synchronized_by_the_config_equals_one_device(lib, capsys):
         assert bool(worst <= 1e-5) is equal, (asked, worst)
         said = capsys.readouterr().err
         assert ("batch_norm: per_replica, the default" in said) is not equal, said
+
+
+def test_a_keras3_ctc_model_fits_as_one_device_with_its_loss_read(capsys):
+    """keras.io's OCR and speech examples' loss, keras.losses.CTC, on a GRU:
+    its per-sequence losses run through a scan that a loop writes into a
+    tensor (tests/test_row_loops.py), and `fit` read them as a loss of
+    unknown form, with a line. Now read as a mean: no line, and an epoch of
+    4 batches on 2 replicas equals one device, every weight and slot, 1e-5."""
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((10, 4)),
+                                  keras.layers.GRU(8, return_sequences=True),
+                                  keras.layers.Dense(5, activation="softmax")])
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.CTC())
+        return model
+    parallel, single = make(), make()
+    pn.parallelize(parallel, local(2))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 10, 4)).astype(np.float32)
+    y = rng.integers(1, 4, size=(32, 3)).astype(np.int32)
+    logs = [m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history["loss"]
+            for m in (parallel, single)]
+    assert "does not show whether the loss" not in capsys.readouterr().err
+    np.testing.assert_allclose(logs[0], logs[1], atol=1e-5, rtol=0)
+    check(parallel, single)

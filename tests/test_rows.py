@@ -1,16 +1,13 @@
 """The batch's axis of a tensor (parallax_ng/graph/rows.py): through
 transposes, stacks, slices, reshapes, tensordot, gathers, convolutions,
-transposed convolutions, pools, paddings, tilings, splits and scans; through loops
-over time in TF1's two forms of control flow (v1 frames and functional
-While ops), tf.scan, and a tf_keras GRU called in a tf.compat.v1 graph (a
-function call holding a While); and the losses read through them."""
+transposed convolutions, pools, paddings, tilings, splits, scans and
+scatters into a tensor; and the losses read through them (through loops
+and calls: tests/test_row_loops.py)."""
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
 from models import train_both
-from parallax_ng.graph import forms
 from parallax_ng.graph.rows import batch_axis, batch_rows, counts_rows
 
 tf1 = tf.compat.v1
@@ -33,7 +30,12 @@ def test_axes_through_array_ops():
         flat = tf.reshape(x, [-1, 4])
         per_row = tf.reshape(x, [tf.shape(x)[0], -1])
         shaped = tf.reshape(tf.reshape(tf.cast(y, tf.float32), [-1]), tf.shape(y))
+        steps = tf.zeros([7, tf.shape(x)[0], 4])        # filled a time step at a time
+        put = tf.tensor_scatter_nd_add(steps, [[2]], time_major[2:3])
+        rows_put = tf.tensor_scatter_nd_update(x, [[0]], x[:1])   # rows moved: unknown
         cases = {
+            put: 1, tf.tensor_scatter_nd_update(time_major, [[1]], x[None, :, 0]): 1,
+            rows_put: None, tf.tensor_scatter_nd_add(time_major, [[1, 0]], x[:1, 0]): None,
             time_major: 1, time_major[-1]: 0, time_major[2:]: 1, time_major[:, 2:]: None,
             x[:, -1]: 0,
             x[..., 0]: None,        # an ellipsis first: not followed (no guess)
@@ -78,77 +80,6 @@ def test_axes_through_array_ops():
         assert batch_rows(flat, DATA) and not batch_rows(time_major, DATA)
         assert counts_rows(tf.shape(time_major)[1].op, DATA)
         assert not counts_rows(tf.shape(time_major)[0].op, DATA)
-
-
-def recurrent(x, form):
-    """A recurrent layer over x (batch, time, features), time-major inside as
-    dynamic_rnn runs it; its output (batch, time, 5)."""
-    w, u = tf.ones((4, 5)) * 0.1, tf.ones((5, 5)) * 0.1
-    steps = tf.transpose(x, [1, 0, 2])
-    h0 = tf.zeros([tf.shape(x)[0], 5])
-    if form == "scan":
-        out = tf.scan(lambda h, xt: tf.tanh(tf.matmul(xt, w) + tf.matmul(h, u)), steps, h0)
-        return tf.transpose(out, [1, 0, 2])
-    ta = tf.TensorArray(tf.float32, size=7).unstack(steps)
-
-    def body(t, h, out):
-        h = tf.tanh(tf.matmul(ta.read(t), w) + tf.matmul(h, u))
-        return t + 1, h, out.write(t, h)
-    _, _, out = tf1.while_loop(lambda t, *_: t < 7, body,
-                               [tf.constant(0), h0, tf.TensorArray(tf.float32, 7)])
-    return tf.transpose(out.stack(), [1, 0, 2])
-
-
-@pytest.fixture(params=["functional", "frames", "scan"])
-def loop_form(request):
-    if request.param == "frames":
-        tf1.disable_control_flow_v2()
-    yield request.param
-    tf1.enable_control_flow_v2()
-
-
-def test_a_loop_over_time_keeps_the_batch_and_its_losses_read(loop_form):
-    with tf.Graph().as_default() as g:
-        x, y = inputs()
-        out = recurrent(x, loop_form)
-        kinds = {op.type for op in g.get_operations()}
-        assert ("Enter" in kinds) == (loop_form == "frames")
-        assert ("While" in kinds or "StatelessWhile" in kinds) == (loop_form != "frames")
-        logits = tf.tensordot(out, tf.ones((5, 3)), 1)
-        ce = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
-        assert axis(out) == 0 and axis(logits) == 0 and axis(ce) == 0
-        assert axis(out[:, -1]) == 0 and axis(tf.reduce_sum(out, 1)) == 0
-        assert forms.loss_form(tf.reduce_sum(ce), DATA, None).kind == "sum"
-        assert forms.loss_form(tf1.losses.sparse_softmax_cross_entropy(y, logits), DATA,
-                               None).kind == "mean"
-        # a loop that adds the batch's rows up is not read as keeping them
-        total = tf1.while_loop(lambda i, s: i < 3, lambda i, s: (i + 1, s + tf.reduce_sum(
-            x[:, i], 0)), [tf.constant(0), tf.zeros(4)])[1]
-        assert axis(total) is None
-        # nor one whose body moves the batch's axis (each step transposes)
-        square = tf.zeros([tf.shape(x)[0], tf.shape(x)[0]])
-        swapped = tf1.while_loop(lambda i, s: i < 2, lambda i, s: (i + 1, tf.transpose(s)),
-                                 [tf.constant(0), square])[1]
-        assert axis(square) == 0 and axis(swapped) is None
-
-
-def test_a_tf_keras_gru_and_a_function_called_in_a_graph():
-    """tf_keras's GRU in a tf.compat.v1 graph (a functional While over a
-    TensorList), and a tf.function called there (a call whose body is read
-    with the caller's tensors); the outputs and losses over them are read."""
-    import tf_keras
-    with tf.Graph().as_default() as g:
-        x, y = inputs()
-        out = tf_keras.layers.GRU(5, return_sequences=True)(x)
-        last = tf_keras.layers.GRU(5)(x)
-        assert "While" in {op.type for op in g.get_operations()}
-        assert axis(out) == 0 and axis(last) == 0
-        called = tf.function(lambda a, b: (tf.transpose(tf.tanh(a), [1, 0, 2]), b * 2.0))(
-            x, tf.ones((3,)))
-        assert called[0].op.type.endswith("PartitionedCall")
-        assert axis(called[0]) == 1 and axis(called[1]) is None
-        assert forms.loss_form(tf.reduce_sum(tf.square(out)), DATA, None).kind == "sum"
-        assert forms.loss_form(tf.reduce_mean(last), DATA, None).kind == "mean"
 
 
 def test_the_recursion_of_a_deep_chain_is_bounded():

@@ -1,9 +1,10 @@
 """The batch's axis of a tensor: which of its dimensions, if any, holds the
 batch's examples (`batch_axis`), and whether it is the first (`batch_rows`),
-read through the ops a step is made of: transposes, stacks, the elements of
-TensorArrays and TensorLists (recurrent layers run time-major), while loops
-in TensorFlow's three forms, called functions, and a traced step's
-gradients of its inputs (graph/recorders.py). Requires: tf.Tensors of a
+read through the ops a step is made of: transposes, stacks, scatters into
+a tensor, the elements of TensorArrays and TensorLists (recurrent layers
+run time-major), while loops in TensorFlow's three forms and called
+functions (graph/row_loops.py), and a traced step's gradients of its
+inputs (graph/recorders.py). Requires: tf.Tensors of a
 graph and the names of its data sources (the ops whose first dimension is
 the batch). Guarantees: reads the graph only; None where the ops do not
 show the axis, never a guess (a reshape that keeps its first dimension
@@ -18,6 +19,7 @@ import tensorflow as tf
 
 from .. import compat
 from .recorders import input_rows
+from .row_loops import PASS, Flow
 from .rules import (CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS, SHAPED, TRANSPOSED_CONVOLUTIONS,
                     sparse_batch)
 
@@ -44,27 +46,24 @@ def reading(sources, graph: tf.Graph) -> _Axes:
     return sources if isinstance(sources, _Axes) else _Axes(sources, graph)
 
 
-# ops whose output is their input (the forms of loops and control flow included)
-_PASS = {"Identity", "Snapshot", "Enter", "RefEnter", "Exit", "RefExit", "NextIteration",
-         "RefNextIteration", "Switch", "RefSwitch", "EnsureShape", "CheckNumerics",
-         "CheckNumericsV2", "StopGradient", "PreventGradient", "IdentityN"}
 _LAST_AXIS = {"Softmax", "LogSoftmax"}      # mix their last axis
-_ROW_WISE = ELEMENTWISE - _PASS - _LAST_AXIS - {"Merge"}
+_ROW_WISE = ELEMENTWISE - PASS - _LAST_AXIS - {"Merge"}
 # ops that keep input 0's rows and change the rest (convolutions, pools, norms, top k)
 _KEEP_FIRST = FIRST - {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "ArgMax",
                        "ArgMin", "InTopKV2", "Cumsum", "Cumprod", "Pad", "PadV2", "MirrorPad",
                        "ReverseV2"}
-_CALLS = {"While": "body", "StatelessWhile": "body", "PartitionedCall": "f",
-          "StatefulPartitionedCall": "f"}
-_BRANCHES = {"If", "StatelessIf"}
+# slices put into a tensor at the indices' coordinates (a scan fills its output so)
+_SCATTERS = {"TensorScatterAdd", "TensorScatterUpdate", "TensorScatterSub", "TensorScatterMax",
+             "TensorScatterMin"}
 _DEPTH = 20000      # recursion enough for a deep model's chain of ops
+
 
 def _int(value) -> int:
     """A constant axis as an int (TensorFlow folds some to arrays of one)."""
     return int(np.ravel(value)[0])
 
 
-class _Axes:
+class _Axes(Flow):
     """One reading of a graph (or of a function's body, its inputs `bound`
     to the caller's tensors): the batch's axis of tensors, and of the
     elements of lists and arrays, memoized; a cycle (a loop) reads None
@@ -122,7 +121,7 @@ class _Axes:
         if kind in LOSSES or kind in _KEEP_FIRST and (t.value_index == 0 or kind == "TopKV2"):
             top = kind == "TopKV2" and op.inputs[0].shape.rank in (None, 1)   # k of the batch
             return 0 if self.rows(op.inputs[0]) and not top else None   # a loss per example
-        if kind in _PASS:
+        if kind in PASS:
             return self.axis(op.inputs[t.value_index if kind == "IdentityN" else 0])
         if kind in ("Merge", "RefMerge"):     # a loop's variable, a cond's result
             return None if t.value_index else self._merged(t, "axis")
@@ -158,6 +157,8 @@ class _Axes:
             return 0 if self.rows(op.inputs[0]) or self.rows(op.inputs[1]) else None
         if kind == "Einsum":
             return self._einsum(op)
+        if kind in _SCATTERS:
+            return self._scattered(op)
         if kind == "Transpose":
             perm, a = tf.get_static_value(op.inputs[1]), self.axis(op.inputs[0])
             return list(perm).index(a) if perm is not None and a in list(perm) else None
@@ -183,73 +184,6 @@ class _Axes:
         if kind in ("TensorListGetItem", "TensorArrayReadV3", "TensorListPopBack"):
             return self.elements(op.inputs[0])
         return self._called(op, t, "axis")
-
-    def _elements(self, t):
-        op, kind = t.op, t.op.type
-        if op.name in self.bound:
-            caller, outer = self.bound[op.name]
-            return caller.elements(outer)
-        if kind in _PASS:
-            return self.elements(op.inputs[t.value_index if kind == "IdentityN" else 0])
-        if kind in ("Merge", "RefMerge"):
-            return self._merged(t, "elements")
-        if kind in ("TensorListSetItem", "TensorListPushBack"):
-            a = self.axis(op.inputs[2 if kind == "TensorListSetItem" else 1])
-            return a if a is not None else self.elements(op.inputs[0])
-        if kind in ("TensorListFromTensor", "TensorListScatter", "TensorListScatterV2",
-                    "TensorListScatterIntoExistingList"):
-            a = self.axis(op.inputs[1 if kind == "TensorListScatterIntoExistingList" else 0])
-            return a - 1 if a else None
-        if kind == "TensorArrayV3":
-            return self._written(t)
-        return self._called(op, t, "elements")
-
-    def _written(self, handle):
-        """The axis of the elements a TensorArray's writes and scatters give
-        it, wherever they are (a loop's body reaches the handle through Enter)."""
-        stack, seen = [handle], set()
-        while stack:
-            h = stack.pop()
-            for op in h.consumers():
-                if op.name in seen:
-                    continue
-                seen.add(op.name)
-                if op.type in ("Enter", "RefEnter", "Identity", "Switch", "RefSwitch"):
-                    stack.extend(op.outputs)
-                elif op.type == "TensorArrayWriteV3" and self.axis(op.inputs[2]) is not None:
-                    return self.axis(op.inputs[2])
-                elif op.type == "TensorArrayScatterV3" and self.axis(op.inputs[2]):
-                    return self.axis(op.inputs[2]) - 1
-        return None
-
-    def _called(self, op, t, read: str):
-        """`read` ("axis" or "elements") of output `t` of a functional op: a
-        While's loop variable, a call's result, an If whose branches agree."""
-        kind = op.type
-        if kind in _BRANCHES:
-            answers = {self._in_body(op, op.get_attr(b).name, op.inputs[1:], t, read)
-                       for b in ("then_branch", "else_branch")}
-            return answers.pop() if len(answers) == 1 else None
-        if kind in _CALLS:
-            inner = self._in_body(op, op.get_attr(_CALLS[kind]).name, op.inputs, t, read)
-            if not kind.endswith("While"):
-                return inner
-            known = {inner, getattr(self, read)(op.inputs[t.value_index])} - {None}
-            return known.pop() if len(known) == 1 else None     # the body keeps it
-        if self.graph._is_function(kind):   # noqa: SLF001 (a function called by its name)
-            return self._in_body(op, kind, op.inputs, t, read)
-        return None
-
-    def _in_body(self, op, name, inputs, t, read):
-        body = compat.function_graph(self.graph, name) or compat.function_graph(self.root, name)
-        if body is None or len(body.inputs) != len(inputs) or \
-                t.value_index >= len(body.outputs):
-            return None
-        key = ("body", op.name, name)
-        if key not in self.memo:
-            self.memo[key] = _Axes((), body, {p.op.name: (self, x) for p, x in
-                                              zip(body.inputs, inputs)}, self.root)
-        return getattr(self.memo[key], read)(body.outputs[t.value_index])
 
     def counts_rows(self, op) -> bool:
         """Whether the scalar `op` gives counts the batch's examples: the
@@ -288,30 +222,6 @@ class _Axes:
             return first is not None and np.ndim(first) == 1 and len(first) > 0 and \
                 self.axis(op.inputs[0].op.inputs[0]) == int(first[0])
         return False
-
-    def _merged(self, t, read: str):
-        """`read` of a Merge: a cond's result (its branches must agree) or a
-        loop's variable. The value entering the loop gives the answer,
-        assumed while the body is read; the value the body passes back must
-        keep it, else there is none (and what was read under the assumption
-        is read again). A list entering empty takes the body's answer."""
-        fn, key = getattr(self, read), (read, t.name)
-        ins = list(t.op.inputs)
-        back = [x for x in ins if x.op.type in ("NextIteration", "RefNextIteration")]
-        known = {fn(x) for x in ins if x.op.type not in ("NextIteration", "RefNextIteration")}
-        known -= {None}
-        if len(known) > 1:
-            return None
-        guess = known.pop() if known else None
-        before, self.memo[key] = set(self.memo), guess
-        passed = set(map(fn, back)) - {None}
-        if guess is None:
-            return passed.pop() if len(passed) == 1 else None
-        if passed <= {guess}:
-            return guess
-        for stale in set(self.memo) - before:
-            del self.memo[stale]
-        return None
 
     @staticmethod
     def _first(read, tensors):
@@ -374,6 +284,20 @@ class _Axes:
             if a is not None and a < len(term) and term[a].isalpha() and term[a] in result:
                 return result.index(term[a])
         return None
+
+    def _scattered(self, op):
+        """A TensorScatter's rows: on an axis past those the indices address
+        (their last dimension, d), the tensor's, and the updates' slices'
+        (the updates hold the indices' leading dimensions, then the slices:
+        axis u of them is d + u - leading there); both, where known, agree."""
+        x, at, up = op.inputs[:3]
+        lead = (at.shape.rank or 0) - 1
+        d = compat.dim(at.shape, lead) if lead >= 0 else None
+        a, u = self.axis(x), self.axis(up)
+        if d is None or a is not None and a < d or u is not None and u < lead:
+            return None
+        known = {a, None if u is None else u - lead + d} - {None}
+        return known.pop() if len(known) == 1 else None
 
     def _concatenated(self, op, t):     # along the batch's axis all must have it
         at = tf.get_static_value(op.inputs[-1])
