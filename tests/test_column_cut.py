@@ -78,6 +78,66 @@ def test_a_tied_output_layer_reads_the_whole_table_which_a_job_cannot():
         by_columns(Facts(tg), ["emb"], ["d0", "d1"], num_workers=2)
 
 
+def test_a_whole_read_in_the_update_is_an_error_naming_it():
+    """A learning rate from a norm over the table (as LAMB's trust ratio
+    reads the variable and its slots whole in its update): after the
+    gradient's exchange each replica writes its columns while the others
+    read them, so alltoall is refused naming the read. A whole read of the
+    forward pass (the rows scaled by the norm) comes before the exchange,
+    which every write waits for, and stays."""
+    for late in (True, False):
+        g = tf.Graph()
+        with g.as_default():
+            ids = tf1.placeholder(tf.int32, [None], name="ids")
+            emb = tf1.get_variable("emb", initializer=np.ones([10, 4], np.float32))
+            rows = tf.nn.embedding_lookup(emb, ids)
+            norm = tf.norm(tf.identity(emb.read_value(), name="whole"))
+            if late:
+                tf1.train.GradientDescentOptimizer(0.1 / norm).minimize(tf.reduce_mean(rows))
+            else:       # the rows scaled by the norm: read before the gradient
+                tf1.train.GradientDescentOptimizer(0.1).minimize(
+                    tf.reduce_mean(rows * tf.stop_gradient(norm)))
+        if late:
+            with pytest.raises(ConfigError, match=r"op 'Read(_\d+)?/ReadVariableOp' reads the "
+                               "whole of 'emb' in the update of 'emb'.*LAMB.*use ps or allgather"):
+                uses(frontend.load(g), "emb")
+        else:
+            assert uses(frontend.load(g), "emb").whole_reads
+
+
+def test_keras3_lamb_on_an_embedding_keeps_its_table_whole_and_equals_one_device(capsys):
+    """Keras 3's Lamb scales each update by a norm over the variable and
+    over its slots, read in the update: under `sparse_method: alltoall`
+    the table trained 1.3e-3 apart from one device after 8 steps (the
+    norms joined columns some replicas had written), silently. Now the
+    plan keeps the table whole, with a line naming the read; `fit` equals
+    one device, every weight and slot, 1e-5."""
+    import keras
+    from models import local
+    import parallax_ng as pn
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                                  keras.layers.Embedding(50, 4), keras.layers.Flatten(),
+                                  keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.Lamb(0.01), loss="mse")
+        return model
+    parallel, single = make(), make()
+    pn.parallelize(parallel, local(2), {"sparse_method": "alltoall"})
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 50, (64, 3)).astype(np.int32)
+    y = rng.normal(size=(64, 1)).astype(np.float32)
+    for m in (parallel, single):
+        m.fit(ids, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert "alltoall not used (op 'lamb/" in capsys.readouterr().err
+    assert not parallel._parallax_ng.step.runner.plan.columns()
+    for a, b in zip(parallel.weights + parallel.optimizer.variables,
+                    single.weights + single.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0,
+                                   err_msg=a.path)
+
+
 def test_reference_variables_and_other_shapes_are_errors():
     g = tf.Graph()
     with g.as_default():

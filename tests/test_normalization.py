@@ -409,6 +409,28 @@ def test_a_loss_that_ignores_a_class_is_not_named_a_normalization(lib, capsys):
     assert "means over the batch's axis" not in said, said
 
 
+def test_an_optimizers_means_over_an_embeddings_rows_are_not_named_a_normalization(capsys):
+    """Keras 3's Adafactor factors a 2-D slot by its rows' and columns'
+    means; on an embedding, whose update reads its slots at the gradient's
+    rows (the batch's ids), the column means are over those rows. That is
+    the update's math on the job's aggregated gradient, not a statistic of
+    a replica's rows: no line (before: "means over the batch's axis
+    ['adafactor/Sum'] ... not equal"), and `fit` equals one device."""
+    import keras
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 50, size=(64, 3)).astype(np.int32)
+    y = rng.normal(size=(64, 1)).astype(np.float32)
+
+    def make():
+        model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(50, 4),
+                                  keras.layers.Flatten(), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.Adafactor(0.01), "mse")
+        return model
+    fit_equal(keras, make, ids, y, {})
+    said = capsys.readouterr().err
+    assert "means over the batch's axis" not in said, said
+
+
 def fit_equal(k, make, x, y, config):
     """Two equal seeded models of Keras module `k` fitted 2 epochs with
     batch 16, one on 2 replicas with `config`: every weight, optimizer

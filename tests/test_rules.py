@@ -53,3 +53,21 @@ def test_output_dtypes_from_op_signatures():
     ref = emit.node_def("v", "VariableV2", [], dtype=tf.float32, shape=tf.compat.v1.AttrValue())
     assert compat.output_dtypes(ref) == [(tf.float32, True)]
     assert compat.output_dtypes(emit.node_def("f", "NoSuchOp")) is None
+
+
+def test_from_autodiff_is_the_gradients_and_what_they_reach():
+    """tf.gradients' ops and every op their outputs reach (the update's
+    math), not the forward ops, nor a read after the update."""
+    import tensorflow as tf
+    tf1 = tf.compat.v1
+    with tf.Graph().as_default() as g:
+        x = tf1.placeholder(tf.float32, [None, 2], name="x")
+        w = tf1.get_variable("w", initializer=tf.ones([2, 1]), use_resource=True)
+        loss = tf.reduce_mean(tf.matmul(x, w), name="loss")
+        grad = tf.gradients(loss, w)[0]
+        scaled = tf.multiply(grad, tf.norm(grad), name="scaled")
+        update = w.assign_sub(scaled, name="update")
+        later = tf.identity(w.read_value(), name="later")
+    found = rules.from_autodiff(g)
+    assert grad.op.name in found and "scaled" in found and update.op.name in found
+    assert "loss" not in found and "x" not in found and later.op.name not in found

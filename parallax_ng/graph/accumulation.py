@@ -45,7 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from .ir import TensorRef
-from .rules import AUTODIFF_SCOPE
+from .rules import from_autodiff
 
 _SUMS = ("Add", "AddV2", "AddN", "Sub")
 _WRITES = ("Assign", "AssignVariableOp", "AssignAdd", "AssignAddVariableOp", "ScatterAdd",
@@ -176,10 +176,7 @@ def sinks(graph: tf.Graph) -> list[str]:
     """The variables (their ops' names) `graph` writes from the autodiff's
     outputs: where a step that applies no gradient puts them (accumulators
     that another step, another tf.function, applies)."""
-    grads: set[str] = set()
-    for op in graph.get_operations():       # in the order made: inputs first
-        if AUTODIFF_SCOPE.search(op.name) or any(t.op.name in grads for t in op.inputs):
-            grads.add(op.name)
+    grads = from_autodiff(graph)
     return sorted({op.inputs[0].op.name for op in graph.get_operations()
                    if op.type in _WRITES and len(op.inputs) > 1 and
                    any(t.op.name in grads for t in op.inputs[1:])})

@@ -47,7 +47,7 @@ from .. import compat
 from . import branches
 from .forms import sources
 from .rows import reading
-from .rules import AUTODIFF_SCOPE, is_autodiff
+from .rules import AUTODIFF_SCOPE, from_autodiff, is_autodiff
 
 FUSED = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 _SPREADS = ("Tile", "BroadcastTo")
@@ -121,6 +121,7 @@ def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str], list[str]
     fused += [f"{name}:{n.name}" for name, f in _called(graph.as_graph_def()).items()
               for n in f.node_def if n.op in FUSED and n.attr["is_training"].b]
     known = {o.name for m in moments or () for o in (m.mean, m.variance)}
+    known |= from_autodiff(graph)       # an update's math reads the job's gradient
     other = rows.guarded(lambda r: [op.name for op in graph.get_operations()
                                     if op.name not in known and _applied(op, r)])
     return moments or [], fused, other or []

@@ -134,6 +134,17 @@ def is_autodiff(node_name: str) -> bool:
     return bool(AUTODIFF_SCOPE.search(node_name))
 
 
+def from_autodiff(graph) -> set[str]:
+    """The names of a tf.Graph's autodiff ops and of every op their outputs
+    reach (an optimizer's update math, a write of a gradient), in the
+    order made (inputs first)."""
+    found: set[str] = set()
+    for op in graph.get_operations():
+        if is_autodiff(op.name) or any(t.op.name in found for t in op.inputs):
+            found.add(op.name)
+    return found
+
+
 # Ops that carry a tensor into a lowered tf.cond or while loop. Grappler's
 # lowering names them after the tensor (`adagrad/cond/gradient_tape/.../_7`),
 # so a gradient's Switch in a user's cond looks like autodiff by name.

@@ -125,6 +125,7 @@ def uses(tg: TrainingGraph, var: str) -> ColumnUses:
         bad |= set(failed)
     lookups = tuple(sorted(op for op in bad if tg.ir.node(op).op == "ResourceGather"))
     whole = tuple(sorted(op for op in bad if tg.ir.node(op).op == "ReadVariableOp"))
+    _check_late_reads(tg, var, whole, ops, writers, grad.values)
     cut = []
     for w in sorted(writers):
         for pos, ref in enumerate(tg.ir.data_inputs(w)):
@@ -144,6 +145,25 @@ def uses(tg: TrainingGraph, var: str) -> ColumnUses:
             cut.append((w, pos))
     return ColumnUses(var, state, lookups, whole, tuple(cut), tuple(shapes), tuple(norms),
                       selects, tuple(sorted(op for op in bad if op in selects)))
+
+
+def _check_late_reads(tg, var: str, whole, ops: dict, writers: set, gradient: TensorRef):
+    """A whole read that the step's update of `var`'s state takes in (a
+    norm over the variable or a slot: LAMB's trust ratio) runs after the
+    gradient's exchange, while the other replicas write their columns: it
+    would join parts some replicas have written and some not. (A read in
+    the forward pass comes before the exchange, which every write waits
+    for; a read no write takes in runs in runs of its own.)"""
+    step = {w for w in writers if w != tg.variables[ops[w]].initializer}
+    fed = tg.ir.ancestors(step, data_only=True)
+    forward = tg.ir.ancestors({gradient.node})
+    late = [r for r in whole if r in fed and r not in forward]
+    if late:
+        raise ConfigError(
+            f"op {late[0]!r} reads the whole of {ops[late[0]]!r} in the update of {var!r} "
+            "(a norm over the variable or a slot, as LAMB's trust ratio): alltoall cuts it "
+            "by columns, and in the update each replica writes its own while the others "
+            f"read them; use ps or allgather for {var!r}")
 
 
 RESTORES = frozenset({"RestoreV2", "Restore", "RestoreSlice"})
