@@ -977,3 +977,59 @@ def test_a_keras3_ctc_model_fits_as_one_device_with_its_loss_read(capsys):
     assert "does not show whether the loss" not in capsys.readouterr().err
     np.testing.assert_allclose(logs[0], logs[1], atol=1e-5, rtol=0)
     check(parallel, single)
+
+
+DECAY_JOB = '''
+import os, sys
+os.environ["TF_USE_LEGACY_KERAS"] = "0"
+import numpy as np
+import keras
+import parallax_ng as pn
+
+rng = np.random.default_rng(0)
+ids = rng.integers(0, 40, (96, 3)).astype(np.int32)
+y = rng.normal(size=(96, 1)).astype(np.float32)
+
+
+def make():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(40, 4),
+                              keras.layers.Flatten(), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.AdamW(0.05, weight_decay=0.5), loss="mse")
+    return model
+
+
+parallel, single = make(), make()
+pn.parallelize(parallel, None, {"run_option": "ps"})
+for m in (parallel, single):
+    m.fit(ids, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+worst = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+            for a, b in zip(parallel.weights + parallel.optimizer.variables,
+                            single.weights + single.optimizer.variables))
+print(f"decayed job: worst {worst:.3g}", flush=True)
+'''
+
+
+def test_decoupled_weight_decay_in_a_job_with_a_server_equals_one_device(tmp_path):
+    """Keras 3's AdamW (and Lion, Muon: `weight_decay`) decays each variable
+    by `assign` before its update, a write that reads no gradient. In a job
+    of 2 workers and a server (run_option ps), the chief ran it at the
+    step's start, so worker 1's forward pass read decayed weights now and
+    then (a race: 1.75e-5 apart from one device in float64 in half the
+    runs, silently). Now it waits for worker 1's push, as the update does:
+    12 steps equal one device, every weight and slot, 1e-5, on both."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "decay.py"
+    script.write_text(DECAY_JOB)
+    path = tmp_path / "resources.yaml"
+    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2 +
+                    "ps: [127.0.0.1]\n")
+    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
+                           str(path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    worst = [float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines()
+             if "decayed job: worst" in line]
+    assert len(worst) == 2 and max(worst) < 1e-5, done.stdout[-2000:]

@@ -57,6 +57,27 @@ def test_other_workers_push_and_never_write_shared_state():
     assert ir.node(WAIT).op == "QueueDequeueV2" and RELEASE not in ir
 
 
+def test_the_chiefs_decay_of_a_shared_variable_waits_for_the_pushes():
+    """Decoupled weight decay (`w.assign_sub(wd * w)`, which the update
+    waits on and which reads no gradient): the chief's write waits for the
+    other workers' pushes, which follow their forward reads, as the update
+    itself does; before, it ran at the step's start, and a worker's
+    forward pass could read decayed weights. The initializer is left alone
+    (no training run holds it)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 2], name="x")
+        w = tf1.get_variable("w", initializer=tf.ones([2, 1]), use_resource=True)
+        loss = tf.reduce_mean(tf.matmul(x, w))
+        decay = w.assign_sub(0.1 * w.read_value(), name="decay")
+        with tf.control_dependencies([decay]):
+            tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    ir, ctx = cluster_transform(g, worker=0, run_option="ps")
+    decay_op = ctx.tg.writers["w"]
+    assert "^parallax/server_sync/take_0_1" in ir.node("decay").input, decay_op
+    assert not [i for i in ir.node("w/Assign").input if "take" in i]
+
+
 def test_aggregates_go_back_only_when_mirrored_updates_need_them():
     g, _ = embedding_regression(4, "adam", clip=False)
     for worker in (0, 1):

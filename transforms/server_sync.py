@@ -18,7 +18,9 @@ Guarantees (the synchronous parameter-server protocol of the Parallax paper):
   where one device's gradient holds each id once, `VariablePlan.unique_rows`,
   transforms/aggregate.py). Whatever read the
   local aggregate (clipping, update ops) reads the job's aggregate, and the
-  chief's writers apply it;
+  chief's writers apply it; each of the chief's training writers of shared
+  state, and a write they wait on that reads no gradient (a decoupled
+  weight decay), runs after every take (`_after_pushes`);
 - where writers of mirrored state need a job aggregate (a global norm that
   clips every gradient), the chief queues it back and the other workers
   take it after their push; reductions of it (L2Loss, Sum, ...) run on the
@@ -73,7 +75,7 @@ class ServerSyncPass:
         added, rewires, changed = [], {}, {}
         pushes, shared_back = {}, _needed_by_every_worker(ctx)
         reads = _forward_reads(ctx) if plan.worker > 0 else []
-        queued = 0
+        queued, takes = 0, []
         for j, server in enumerate(plan.servers):
             if server not in by_server:
                 continue
@@ -83,6 +85,8 @@ class ServerSyncPass:
                 if plan.worker == 0:
                     added += _take(ctx, ir, j, server, parts, rewires, _wires(ctx, parts),
                                    bool(switches))
+                    takes += [] if switches else [f"{SCOPE}/take_{j}_{w}"
+                                                  for w in range(1, plan.num_workers)]
                     added += _give_back(ctx, ir, j, server, back, rewires)
                     continue
                 pushes.setdefault(server, []).extend(
@@ -103,6 +107,8 @@ class ServerSyncPass:
         elif folded:
             puts, changed = step_barrier.releases(ctx, ir, step)
             added += puts
+        if plan.worker == 0:
+            _after_pushes(ctx, ir, takes, changed)
         out = ir.replace(changed, added) if changed or added else ir
         if plan.worker > 0:   # a silenced writer is a NoOp: it no longer reads the aggregates
             rewires = {key: t for key, t in rewires.items() if key[0] not in changed}
@@ -113,6 +119,31 @@ class ServerSyncPass:
             moved = 0
         return out, {"servers": len(by_server), "queued_tensors": queued,
                      "silenced_writers": len(changed), "reductions_on_servers": moved}
+
+
+def _after_pushes(ctx, ir: GraphIR, takes: list[str], changed: dict) -> None:
+    """The chief's training writers of shared state wait for the other
+    workers' pushes (`takes`), which follow their reads of shared
+    variables: a write that reads no gradient (Keras 3's decoupled weight
+    decay, `variable.assign(variable * (1 - lr * wd))` before the update)
+    ran at the step's start, before another worker's forward pass had read
+    the variable, which then trained on decayed weights."""
+    if not takes:
+        return
+    tg = ctx.tg
+    shared = {w for var in ctx.plan.shared_state() for w in tg.writers.get(var, ())
+              if w in ir and ir.node(w).op not in _CALLS}
+    trained = {w for w in shared if w in tg.after_gradients}
+    before = ir.ancestors(trained)          # a write the updates wait on is the step's
+    for w in sorted(shared):
+        if w in trained or w in before:
+            nd = changed.get(w) or copy_node(ir.node(w))
+            nd.input.extend(f"^{t}" for t in takes if f"^{t}" not in nd.input)
+            changed[w] = nd
+
+
+_CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "PartitionedCall",
+                    "StatefulPartitionedCall"})
 
 
 def _components(ctx, variables: list[str]) -> list[tuple[str, tf.DType, bool]]:
