@@ -15,13 +15,16 @@ import json
 import os
 from dataclasses import dataclass
 
-from .errors import ResourceError
+from .errors import ConfigError, ResourceError
 from .resources import session_config
 
 ENV = "PARALLAX_NG_CLUSTER"
 CONFIG_ENV = "PARALLAX_NG_CONFIG"
 CHECKPOINT_ENV = "PARALLAX_NG_CHECKPOINT_DIR"   # `parallax-ng run --restarts`: checkpoint.dir's default
 PROFILE_ENV = "PARALLAX_NG_PROFILE"    # `parallax-ng profile` of a job: "STEPS:0|1:PATH"
+
+
+_STARTED: set = set()     # (task type, index) whose server this process started
 
 
 @dataclass(frozen=True)
@@ -57,16 +60,26 @@ class ClusterInfo:
 
     def start_server(self):
         import tensorflow as tf
+        if (self.task_type, self.task) in _STARTED:
+            raise ConfigError(
+                f"{self.task_type} {self.task} of this job already runs a step: its first "
+                "pn.parallelize model, pn.function or get_runner started the task's server, "
+                "and a job's tasks serve that one step's graph, so another model or step "
+                "cannot join the job. Train both in one step (one pn.function that trains "
+                "both models), or the second in a job of its own that loads the first one's "
+                "saved weights")
         try:
-            return tf.distribute.Server(self.spec, job_name=self.task_type,
-                                        task_index=self.task, config=self.session_config(),
-                                        start=True)
+            server = tf.distribute.Server(self.spec, job_name=self.task_type,
+                                          task_index=self.task, config=self.session_config(),
+                                          start=True)
         except tf.errors.UnknownError as e:     # "Could not start gRPC server"
             address = (self.ps if self.task_type == "ps" else self.workers)[self.task]
             raise ResourceError(
                 f"{self.task_type} {self.task} could not start its server at {address} "
                 f"({e.message.strip()}): another process holds the port, or the address "
                 "is not this machine's") from None
+        _STARTED.add((self.task_type, self.task))
+        return server
 
     @classmethod
     def planned(cls, resources, worker: int = 0) -> "ClusterInfo":

@@ -181,6 +181,42 @@ for step in range(40):
 """
 
 
+TWO_STEPS = """
+import numpy as np, tensorflow as tf
+import parallax_ng as pn
+for i in range(2):
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 2])
+        w = tf.compat.v1.get_variable("w", [2, 1])
+        train = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+            tf.reduce_mean(tf.matmul(x, w)))
+        init = tf.compat.v1.global_variables_initializer()
+    runner = pn.get_runner(g)
+    runner.run(init)
+    runner.run(train, {x: np.ones([4, 2], np.float32)})
+    print(f"trained graph {i}", flush=True)
+"""
+
+
+def test_a_second_step_in_a_jobs_task_is_refused_naming_why(tmp_path):
+    """A script that builds a second runner in a job's task (a second
+    graph, model or pn.function): a task's server serves its first step.
+    The error says so and what to do; before, it read "could not start its
+    server ... another process holds the port", which sent users after
+    another process."""
+    script = tmp_path / "two.py"
+    script.write_text(TWO_STEPS)
+    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", str(script),
+                           "-r", resources(tmp_path, 2, 1)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=TASK_PATH,
+                                                TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode != 0
+    assert "[worker 0] trained graph 0" in done.stdout and "graph 1" not in done.stdout
+    assert "already runs a step" in done.stderr and "a job of its own" in done.stderr
+    assert "another process holds the port" not in done.stderr
+
+
 def test_task_output_is_labelled_whole_and_free_of_harmless_noise(tmp_path):
     script = tmp_path / "printing.py"
     script.write_text(PRINTING)
