@@ -90,7 +90,7 @@ class Flow:
         key = ("body", op.name, name)
         if key not in self.memo:
             self.memo[key] = type(self)((), body, {p.op.name: (self, x) for p, x in
-                                              zip(body.inputs, inputs)}, self.root)
+                                                   zip(body.inputs, inputs)}, self.root)
         return getattr(self.memo[key], read)(body.outputs[t.value_index])
 
     def _merged(self, t, read: str):
