@@ -130,7 +130,7 @@ def test_keras3_lamb_on_an_embedding_keeps_its_table_whole_and_equals_one_device
     y = rng.normal(size=(64, 1)).astype(np.float32)
     for m in (parallel, single):
         m.fit(ids, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    assert "alltoall not used (op 'lamb/" in capsys.readouterr().err
+    assert "alltoall not used (op 'lamb" in capsys.readouterr().err    # lamb_<k>/ if others
     assert not parallel._parallax_ng.step.runner.plan.columns()
     for a, b in zip(parallel.weights + parallel.optimizer.variables,
                     single.weights + single.optimizer.variables):
