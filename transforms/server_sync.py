@@ -125,7 +125,7 @@ def _after_pushes(ctx, ir: GraphIR, takes: list[str], changed: dict) -> None:
     """The chief's training writers of shared state wait for the other
     workers' pushes (`takes`), which follow their reads of shared
     variables: a write that reads no gradient (Keras 3's decoupled weight
-    decay, `variable.assign(variable * (1 - lr * wd))` before the update)
+    decay, `variable.assign_sub(variable * wd * lr)` before the update)
     ran at the step's start, before another worker's forward pass had read
     the variable, which then trained on decayed weights."""
     if not takes:
