@@ -205,12 +205,8 @@ def test_a_second_step_in_a_jobs_task_is_refused_naming_why(tmp_path):
     The error says so and what to do; before, it read "could not start its
     server ... another process holds the port", which sent users after
     another process."""
-    script = tmp_path / "two.py"
-    script.write_text(TWO_STEPS)
-    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", str(script),
-                           "-r", resources(tmp_path, 2, 1)], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=TASK_PATH,
-                                                TF_CPP_MIN_LOG_LEVEL="2"))
+    from task_env import run_script_job
+    done = run_script_job(tmp_path, TWO_STEPS)
     assert done.returncode != 0
     assert "[worker 0] trained graph 0" in done.stdout and "graph 1" not in done.stdout
     assert "already runs a step" in done.stderr and "a job of its own" in done.stderr

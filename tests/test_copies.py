@@ -233,19 +233,10 @@ def test_late_ops_on_a_table_sharded_over_servers_see_it_whole(tmp_path):
     the assign went to a handle no step uses (the table kept its values,
     silently) and the read failed ("Could not find variable emb")."""
     import os
-    import subprocess
-    import sys
 
-    from task_env import TASK_PATH
-    script = tmp_path / "late.py"
-    script.write_text(LATE_SHARDED)
-    path = tmp_path / "resources.yaml"
-    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2 +
-                    "ps: [127.0.0.1, 127.0.0.1]\n")
-    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
-                           str(path), "--", os.path.dirname(os.path.abspath(__file__))],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
+    from task_env import run_script_job
+    done = run_script_job(tmp_path, LATE_SHARDED, servers=2,
+                          args=[os.path.dirname(os.path.abspath(__file__))])
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count("late ops saw the table whole") == 2
 

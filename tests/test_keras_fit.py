@@ -1018,17 +1018,8 @@ def test_decoupled_weight_decay_in_a_job_with_a_server_equals_one_device(tmp_pat
     then (a race: 1.75e-5 apart from one device in float64 in half the
     runs, silently). Now it waits for worker 1's push, as the update does:
     12 steps equal one device, every weight and slot, 1e-5, on both."""
-    import os
-    import subprocess
-    import sys
-    script = tmp_path / "decay.py"
-    script.write_text(DECAY_JOB)
-    path = tmp_path / "resources.yaml"
-    path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:0]\n" * 2 +
-                    "ps: [127.0.0.1]\n")
-    done = subprocess.run([sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
-                           str(path)], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
+    from task_env import run_script_job
+    done = run_script_job(tmp_path, DECAY_JOB, servers=1)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     worst = [float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines()
              if "decayed job: worst" in line]

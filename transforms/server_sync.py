@@ -132,7 +132,7 @@ def _after_pushes(ctx, ir: GraphIR, takes: list[str], changed: dict) -> None:
         return
     tg = ctx.tg
     shared = {w for var in ctx.plan.shared_state() for w in tg.writers.get(var, ())
-              if w in ir and ir.node(w).op not in _CALLS}
+              if w in ir and ir.node(w).op not in branches.FUNCTIONAL}
     trained = {w for w in shared if w in tg.after_gradients}
     before = ir.ancestors(trained)          # a write the updates wait on is the step's
     for w in sorted(shared):
@@ -140,10 +140,6 @@ def _after_pushes(ctx, ir: GraphIR, takes: list[str], changed: dict) -> None:
             nd = changed.get(w) or copy_node(ir.node(w))
             nd.input.extend(f"^{t}" for t in takes if f"^{t}" not in nd.input)
             changed[w] = nd
-
-
-_CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "PartitionedCall",
-                    "StatefulPartitionedCall"})
 
 
 def _components(ctx, variables: list[str]) -> list[tuple[str, tf.DType, bool]]:
