@@ -126,6 +126,21 @@ def test_a_table_the_step_changes_is_refused_by_name():
         pn.function(step, local(2))(np.array([1, 2], np.int64))
 
 
+def test_a_dataset_iterator_read_inside_the_step_is_refused_saying_to_pass_batches():
+    """`next(iterator)` in the step: the error says to pass each batch as
+    the step's arguments (before: "... a dataset iterator or another
+    resource is not", with nothing on what to write instead)."""
+    iterator = iter(tf.data.Dataset.from_tensor_slices(np.ones((8, 2), np.float32)).batch(4))
+    w = tf.Variable(1.0)
+
+    def step(scale):
+        w.assign_add(scale * tf.reduce_mean(next(iterator)))
+        return w
+    with pytest.raises(pn.GraphError, match=r"reads a dataset iterator .*next\(iterator\).* "
+                                            r"pass it as the step's arguments"):
+        pn.function(step, local(2))(np.float32(1.0))
+
+
 def test_summaries_written_inside_the_step_are_refused_saying_where_to_write_them(tmp_path):
     writer = tf.summary.create_file_writer(str(tmp_path))
     w = tf.Variable(1.0)

@@ -60,6 +60,12 @@ def contents(handle, name: str, graph_def) -> Table:
                          "(`loss = step(x, y)`, then `with writer.as_default(): "
                          "tf.summary.scalar('loss', loss, step=...)`), or from a Keras "
                          "metric the step updates")
+    if any(op.startswith("IteratorGetNext") for op in changes):
+        raise GraphError(f"the step reads a dataset iterator ({name!r}: `next(iterator)` "
+                         "inside the step), whose batches it cannot split among the "
+                         "replicas: take the batch out of the iterator outside the step and "
+                         "pass it as the step's arguments (`for x, y in dataset: loss = "
+                         "step(x, y)`); each call's global batch is split among the replicas")
     if changes or not finds:
         what = (f"changes it ({', '.join(changes)})" if changes else
                 "does not look keys up in it")
