@@ -82,6 +82,31 @@ def test_axes_through_array_ops():
         assert not counts_rows(tf.shape(time_major)[0].op, DATA)
 
 
+def test_rows_behind_leading_ones_as_tf_keras_normalizes_layers():
+    """tf_keras's LayerNormalization reshapes x to [1, prod(shape[:k]),
+    prod(shape[k:]), 1], normalizes each row with FusedBatchNormV3 (NCHW:
+    the rows on the channels' axis) and reshapes back to x's shape: the
+    rows are on axis 1 between, and first again after (before: unknown,
+    so every tf_keras model with a LayerNormalization printed "the graph
+    does not show whether the loss ... is a mean or a sum")."""
+    with tf.Graph().as_default():
+        x, _ = inputs()
+        for k, flat in ((1, x[:, :, 0]), (2, x)):
+            shape = tf.shape(flat)
+            squeezed = tf.reshape(flat, [1, tf.reduce_prod(shape[:k]),
+                                         tf.reduce_prod(shape[k:]), 1])
+            normed, mean, _ = tf1.nn.fused_batch_norm(
+                squeezed, tf.ones([tf.reduce_prod(shape[:k])]),
+                tf.zeros([tf.reduce_prod(shape[:k])]), data_format="NCHW")
+            assert (axis(squeezed), axis(normed), axis(mean)) == (1, 1, None)
+            assert axis(tf.reshape(normed, shape)) == 0
+        time_major = tf.transpose(x, [1, 0, 2])     # rows not outermost: not merged
+        shape = tf.shape(time_major)
+        assert axis(tf.reshape(time_major, [1, tf.reduce_prod(shape[:2]), 4, 1])) is None
+        assert axis(tf.reshape(x, [1, tf.reduce_prod(shape[:2]), 4, 1])) is None  # another's
+        assert axis(tf.reshape(x, [1, tf.reduce_prod(tf.shape(x)[1:]), 1])) is None
+
+
 def test_the_recursion_of_a_deep_chain_is_bounded():
     """A chain deeper than Python's default recursion limit is still read."""
     with tf.Graph().as_default():

@@ -118,6 +118,8 @@ class _Axes(Flow):
             lengths, out = CTC[kind]
             return 0 if t.value_index == out % len(op.outputs) and \
                 self.rows(op.inputs[lengths]) else None
+        if kind.startswith("FusedBatchNorm") and t.value_index == 0:
+            return self.axis(op.inputs[0])      # y as x is laid out (NCHW: rows on C, per row)
         if kind in LOSSES or kind in _KEEP_FIRST and (t.value_index == 0 or kind == "TopKV2"):
             top = kind == "TopKV2" and op.inputs[0].shape.rank in (None, 1)   # k of the batch
             return 0 if self.rows(op.inputs[0]) and not top else None   # a loss per example
@@ -338,15 +340,39 @@ class _Axes(Flow):
             dims = [d % before.rank for d in op.get_attr("squeeze_dims")] or \
                 [i for i in range(before.rank) if compat.dim(before, i) == 1]
             return None if a in dims else a - sum(d < a for d in dims)
+        shape = op.inputs[1]
+        if a and before.rank and all(compat.dim(before, i) == 1 for i in range(a)):
+            # the rows behind leading ones, back to the shape of a tensor of the batch's rows
+            return 0 if shape.op.type == "Shape" and self.rows(shape.op.inputs[0]) else None
         if a != 0:
             return None
         if before.rank and compat.dim(before, 0) == compat.dim(after, 0) is not None:
             return 0
-        shape = op.inputs[1]
         if shape.op.type == "Shape" and self.rows(shape.op.inputs[0]):
             return 0            # to the shape of a tensor of the batch's rows
         free = compat.dim(after, 0) is None and (not before.rank or compat.dim(before, 0) is None)
-        return 0 if free and self._free_first(shape) else None
+        return 0 if free and self._free_first(shape) else self._behind_ones(shape, x)
+
+    def _behind_ones(self, shape, x):
+        """The axis of a reshape of `x` (its rows first) to leading ones and
+        then x's leading dimensions merged, rows outermost (tf_keras's
+        LayerNormalization: [1, prod(shape[:k]), prod(shape[k:]), 1])."""
+        if shape.op.type != "Pack":
+            return None
+        values = [tf.get_static_value(v) for v in shape.op.inputs]
+        k = next((i for i, v in enumerate(values) if v is None or int(v) != 1), None)
+        if not k:
+            return None
+        op = shape.op.inputs[k].op
+        while op.type in ("Cast", "Identity"):
+            op = op.inputs[0].op
+        part = op.inputs[0].op if op.type == "Prod" else op
+        if part.type not in ("StridedSlice", "Slice") or part.inputs[0].op.type != "Shape":
+            return None
+        begin = tf.get_static_value(part.inputs[1])
+        first = part.type == "StridedSlice" and part.get_attr("begin_mask") & 1
+        from_zero = first or (begin is not None and np.size(begin) > 0 and not np.ravel(begin)[0])
+        return k if from_zero and part.inputs[0].op.inputs[0] is x else None
 
     def _unflattened(self, loss, shape, rank):
         """A softmax loss over more than two dimensions flattens its logits
