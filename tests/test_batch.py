@@ -475,3 +475,56 @@ def test_placeholders_of_a_fixed_batch_size_fed_the_global_batch():
         for var, want in zip(variables, single):
             np.testing.assert_allclose(runner.run(var), want, atol=1e-6, rtol=1e-6,
                                        err_msg=var.name)
+
+
+def looped_graph(write: bool = False):
+    """x [None, 4, 3] read only inside a tf.while_loop (one step a turn, a
+    hand-made recurrence) and y [None, 2]; `write`: the body also moves a
+    statistic `mm` toward each turn's batch mean."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(0)
+        x = tf1.placeholder(tf.float32, [None, 4, 3], name="x")
+        y = tf1.placeholder(tf.float32, [None, 2], name="y")
+        w = tf1.get_variable("w", [5, 2])
+        mm = tf1.get_variable("mm", [2], initializer=tf1.zeros_initializer(), trainable=False)
+
+        def body(t, h):
+            z = tf.matmul(tf.concat([x[:, t], h[:, :2]], 1), w)
+            mean = tf.reduce_mean(z, 0)
+            if write:
+                with tf.control_dependencies([tf1.assign_sub(mm, 0.1 * (mm - mean))]):
+                    z = tf.identity(z)
+            return t + 1, tf.concat([tf.tanh(z), z], 1)[:, :3]
+        _, h = tf1.while_loop(lambda t, h: t < 4, body,
+                              [tf.constant(0), tf.zeros([tf.shape(x)[0], 3])])
+        loss = tf.reduce_mean(tf.square(h[:, :2] - y), name="loss")
+        train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        init = tf1.global_variables_initializer()
+    return g, dict(x=x, y=y, w=w, mm=mm, loss=loss, train=train, init=init)
+
+
+def test_a_placeholder_read_inside_a_while_loop_is_a_batch():
+    """A While op (TF2 behavior) has variant outputs (its gradient's
+    accumulators); x, read by nothing else, was taken for an input
+    pipeline's ("whole": fed whole to every replica, which then failed
+    on its shapes or trained on the whole batch each). Only a tf.data
+    dataset op fills a pipeline; x's rows meet y's in the loss, and two
+    replicas equal one device, 4 SGD steps, 1e-5."""
+    g, t = looped_graph()
+    assert kinds(g) == {"x": "batch", "y": "batch"}
+    rng = np.random.default_rng(0)
+    feeds = [(rng.normal(size=(8, 4, 3)), rng.normal(size=(8, 2))) for _ in range(4)]
+    out, start = [], None
+    for session in (pn.get_runner(g, local(2)), tf1.Session(graph=g)):
+        with session:
+            session.run(t["init"])
+            if start is None:
+                start = session.run(t["w"])
+            else:
+                t["w"].load(start, session)
+            losses = [session.run([t["train"], t["loss"]], {t["x"]: a, t["y"]: b})[1]
+                      for a, b in feeds]
+            out.append((losses, session.run(t["w"])))
+    np.testing.assert_allclose(out[0][0], out[1][0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out[0][1], out[1][1], atol=1e-5, rtol=0)

@@ -136,7 +136,7 @@ def test_state_written_inside_a_functional_loop_is_named_in_a_warning():
     keeps its own count, as the warning says (it had been silent)."""
     g, t = looping_graph()
     with pytest.warns(UserWarning, match=r"variables \['hits'\] are written inside ops "
-                                         r"\['loop'\].*disable_control_flow_v2"):
+                                         r"\['loop'\].*outside the loop or call"):
         runner = pn.get_runner(g, local(2))
     with runner:
         runner.run(t["init"])
@@ -198,3 +198,36 @@ def test_a_branch_every_worker_skips_in_a_job_equals_one_device(tmp_path, run_op
     for name, value in want.items():
         for copy in got[name]:
             np.testing.assert_allclose(copy, value, rtol=1e-6, err_msg=name)
+
+
+def test_state_written_in_a_v1_loops_body_is_named_and_the_step_runs():
+    """A statistic moved every turn of a v1 while loop (4 turns) from each
+    replica's batch: its sync would be an exchange inside the loop, which
+    runs once a step, so the second turn's waited until the run's timeout
+    (5 minutes by default). A warning names the variable and its writer,
+    each replica keeps its own value, and the trained weight equals one
+    device's (the statistic does not feed the loss), 3 steps, 1e-5."""
+    from test_batch import looped_graph
+    tf1.disable_control_flow_v2()
+    try:
+        g, t = looped_graph(write=True)
+    finally:
+        tf1.enable_control_flow_v2()
+    rng = np.random.default_rng(1)
+    feeds = [(rng.normal(size=(8, 4, 3)), rng.normal(size=(8, 2))) for _ in range(3)]
+    with pytest.warns(UserWarning, match=r"variables \['mm'\] are written inside a "
+                                         r"tf.while_loop's body \(by \['while/Assign"):
+        runner = pn.get_runner(g, local(2), {"communication": {"timeout_seconds": 60}})
+    with runner:
+        runner.run(t["init"])
+        start = runner.run(t["w"])
+        for a, b in feeds:
+            runner.run(t["train"], {t["x"]: a, t["y"]: b})
+        trained, own = runner.run(t["w"]), runner.run(t["mm"], per_replica=True)
+    assert np.max(np.abs(own[0] - own[1])) > 1e-3          # each replica's own batches
+    with tf1.Session(graph=g) as sess:
+        sess.run(t["init"])
+        t["w"].load(start, sess)
+        for a, b in feeds:
+            sess.run(t["train"], {t["x"]: a, t["y"]: b})
+        np.testing.assert_allclose(trained, sess.run(t["w"]), atol=1e-5, rtol=0)

@@ -437,7 +437,7 @@ def test_an_optimizers_means_over_an_embeddings_rows_are_not_named_a_normalizati
 def fit_equal(k, make, x, y, config):
     """Two equal seeded models of Keras module `k` fitted 2 epochs with
     batch 16, one on 2 replicas with `config`: every weight, optimizer
-    variable and epoch loss equal, 1e-5."""
+    variable and epoch loss equal, 1e-5. Returns (parallel, single)."""
     from test_tf2 import check_equal
     k.utils.set_random_seed(0)
     parallel, single = make(), make()
@@ -447,3 +447,67 @@ def fit_equal(k, make, x, y, config):
               for m in (parallel, single))
     np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], atol=1e-5, rtol=0)
     check_equal((parallel, parallel.optimizer), (single, single.optimizer))
+    return parallel, single
+
+
+def recurrent_cell_model(norm):
+    """tf_keras: an RNN over a cell that normalizes its Dense output with
+    `norm` (a layer class), and a classifier."""
+    import tf_keras
+    layers = tf_keras.layers
+
+    class Cell(layers.Layer):
+        state_size = output_size = 5
+
+        def build(self, shape):
+            self.dense, self.norm = layers.Dense(5), norm()
+
+        def call(self, x, states, training=None):
+            h = self.norm(self.dense(tf.concat([x, states[0]], -1)), training=training)
+            return h, [h]
+    model = tf_keras.Sequential([tf_keras.Input((6, 4)), layers.RNN(Cell()), layers.Dense(3)])
+    model.compile(tf_keras.optimizers.Adam(0.01),
+                  tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def cell_data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 6, 4)).astype(np.float32), rng.integers(0, 3, 64)
+
+
+def test_a_layer_normalization_in_a_recurrent_cell_equals_one_device_synchronized(capsys):
+    """tf_keras's LayerNormalization (a fused kernel on [1, rows, features,
+    1]) inside an RNN cell, under `batch_norm: synchronized`: the traced
+    step's loop is a v1 loop imported without loop contexts; the kernel
+    stays fused there (graph/fused_norm.py finds the loop from its
+    Enters). Before: lowered with constants outside the loop's frame, and
+    the step failed ("has inputs from different frames")."""
+    import tf_keras
+    x, y = cell_data()
+    models = fit_equal(tf_keras, lambda: recurrent_cell_model(
+        tf_keras.layers.LayerNormalization), x, y, {"batch_norm": "synchronized",
+                                                     "communication": {"timeout_seconds": 60}})
+    parallel, single = (m.evaluate(x, y, batch_size=16, verbose=0) for m in models)
+    assert abs(parallel - single) < 1e-5
+    assert "does not show whether the loss" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("batch_norm", ["per_replica", "synchronized"])
+def test_batch_normalization_in_a_recurrent_cell_is_named_and_trains(batch_norm):
+    """tf_keras's BatchNormalization inside an RNN cell: its moving
+    statistics (and, synchronized, its sums) are computed every turn of
+    the loop, where an exchange (once a step) cannot follow. A warning
+    names them, each replica keeps its own, and `fit` trains. Before:
+    the exchange inside the loop waited until the run's timeout (5
+    minutes, then DeadlineExceededError), either way."""
+    import tf_keras
+    x, y = cell_data()
+    model = recurrent_cell_model(tf_keras.layers.BatchNormalization)
+    pn.parallelize(model, local(2), {"batch_norm": batch_norm,
+                                     "communication": {"timeout_seconds": 60}})
+    said = r"moving_mean.* are written inside a tf.while_loop's body" if \
+        batch_norm == "per_replica" else r"values .*moments.* that the replicas would exchange"
+    with pytest.warns(UserWarning, match=said):
+        history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()

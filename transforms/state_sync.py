@@ -55,7 +55,8 @@ from functools import partial
 
 import numpy as np
 
-from parallax_ng.graph import averaging, branches, emit, forms, replica_sums, rules
+from parallax_ng.graph import (averaging, branches, emit, forms, randomness, replica_sums,
+                               rules)
 from parallax_ng.graph.ir import GraphIR, parse_tensor
 from parallax_ng.graph.rows import batch_axis
 from parallax_ng.graph.rows import reading as read_rows
@@ -89,6 +90,8 @@ class StateSyncPass:
         examples, per_example = read_rows(sources, tg.graph), {}
         from_autodiff = _from_autodiff(tg)
         branches.warn_out_of_reach(tg, ctx.varies)
+        looped, in_loops = [], randomness.in_loops(tg.ir) if any(
+            n.op in ("Enter", "RefEnter") for n in tg.ir.nodes) else frozenset()
         for var, writers in sorted(tg.writers.items()):
             if not plan.mirrored(var) or var in tg.accumulators:    # replica-local sums
                 continue
@@ -107,6 +110,9 @@ class StateSyncPass:
                     if tg.ir.node(w).op in _WHOLE_WRITES and \
                             (axis := examples.axis(tg.tensor(ref))) is not None:
                         per_example[var] = axis   # rows of examples: each replica its own
+                        continue
+                    if w in in_loops:       # a sync would run each turn: an exchange runs
+                        looped.append((var, w))     # once a step (a second would wait)
                         continue
                     if var not in tg.gradients and tg.variables[var].dtype.is_floating and (
                             tg.variables[var].trainable or ref.node in from_autodiff):
@@ -141,7 +147,8 @@ class StateSyncPass:
                     scope = f"parallax/state_sync/{node}/input_{at}"
                     nodes, tensors = [], [ctx.replica_tensor(k, ref)
                                           for k in range(plan.num_replicas)]
-                    loss = products.get(averaging.past(tg.tensor(ref)).op.name) if how == "sum" else None
+                    loss = products.get(averaging.past(tg.tensor(ref)).op.name) \
+                        if how == "sum" else None
                     if loss is not None and (forms.scalar_kind(loss, sources) == "sum"
                                              or form.over_widened(loss, widened)):
                         tracked.append(loss)
@@ -175,6 +182,7 @@ class StateSyncPass:
                 "added at indices summed), which equals one device only where the write is "
                 "linear in the data (plain SGD, a moving average); mark trainable ones "
                 "trainable=False if they are state", stacklevel=2)
+        branches.warn_in_loops(looped, [])
         if unshown:
             warnings.warn(counts.MIXED.format(sorted(dict(unshown[::-1]).items())),
                           stacklevel=2)     # each variable's first
@@ -197,8 +205,12 @@ class StateSyncPass:
         points += [(name, True) for name in counts.centres(tg, sources, read)]   # job's, forward
         points += replica_sums.points(     # and in the gradient (of its own mean); the program's
             tg.graph, {g.values.name for g in tg.gradients.values()})   # all-reduces, both ways
-        for name, mean in dict.fromkeys(points + list(plan.norm_points)):   # batch norm's too
+        points = list(dict.fromkeys(points + list(plan.norm_points)))     # batch norm's too
+        branches.warn_in_loops([], [n for n, _ in points if parse_tensor(n).node in in_loops])
+        for name, mean in points:
             ref = parse_tensor(name)
+            if ref.node in in_loops:
+                continue
             outs = [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)]
             nodes, outs = in_branch(ref.node)(ctx, f"parallax/state_sync/{ref.node}/"
                                               f"{ref.index}/job", outs, tg.tensor(ref).dtype,

@@ -30,6 +30,8 @@ every worker. Gradient ops (which mirror the forward pass) are not read.
 """
 from __future__ import annotations
 
+import re
+
 import tensorflow as tf
 
 from .. import compat
@@ -46,6 +48,7 @@ TF2_ARGUMENT = INPUT.format("")           # placeholders of a traced TF2 step's 
 # inputs that read a tensor's shape only: no use of its first dimension
 SHAPE_ONLY = frozenset({"Shape", "ShapeN", "Size", "Rank", "BroadcastArgs",
                         "BroadcastGradientArgs"})
+_DATASET = re.compile(r"Dataset(V\d+)?$")     # TensorSliceDataset, BatchDatasetV2, ...
 SOURCES = frozenset({"IteratorGetNext", "IteratorGetNextSync", "QueueDequeueManyV2",
                      "QueueDequeueUpToV2", "QueueDequeueMany", "QueueDequeueUpTo"})
 
@@ -192,8 +195,8 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
         return
     if not carried and node.op not in ("Reshape", "SparseToDense") or node.op in SHAPE_ONLY:
         return
-    if any(t.dtype == tf.variant for t in op.outputs):   # a tf.data dataset made of it
-        for _, d in carried:
+    if _DATASET.search(node.op):         # a tf.data dataset made of it (not any variant:
+        for _, d in carried:            # a While's gradient accumulators, a TensorList)
             dims.note(d, "dataset")
         return
     kind = node.op

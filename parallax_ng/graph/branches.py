@@ -57,9 +57,27 @@ def warn_out_of_reach(tg, varies) -> None:
             "tf.while_loop, tf.case or tf.function call in a graph built with TF2 behavior) "
             "from values that differ between replicas; no pass reaches a "
             "write inside a function, so each replica keeps its own value (replica 0's is "
-            "the one fetched and saved). To have them synced, build the graph after "
-            "tf.compat.v1.disable_control_flow_v2() (a loop then lowers to Enter/Exit), "
-            "or write them outside the loop or call", stacklevel=3)
+            "the one fetched and saved). To have them synced, write them outside the loop "
+            "or call, from its outputs", stacklevel=3)
+
+
+def warn_in_loops(looped: list, means: list) -> None:
+    """A warning where writes (variable, writer) or exchanged values (the
+    tensors `means`: a program's all-reduce, a statistic) inside a v1 while
+    loop's body are not synced: an exchange runs once a step (a second
+    would wait for ever), the body every turn."""
+    what = (f"variables {sorted({v for v, _ in looped})} are written inside a tf.while_loop's "
+            f"body (by {sorted({w for _, w in looped})})" if looped else
+            f"values {sorted(means)} that the replicas would exchange (a synchronized batch "
+            "normalization's sums, a mean of the batch) are computed inside a tf.while_loop's "
+            "body")
+    if looped or means:
+        warnings.warn(
+            f"{what} from values that differ between replicas: an exchange runs once a "
+            "step, and the body every turn, so each replica keeps its own (replica 0's "
+            "value is the one fetched and saved; batch normalization in a recurrent cell "
+            "keeps each replica's statistics). To have them synced, compute them outside "
+            "the loop, from its outputs", stacklevel=3)
 
 
 def check_one_branch(tg, varies, var: str, writer: str, memo: dict) -> None:

@@ -44,8 +44,9 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from . import branches, emit
+from . import branches, emit, randomness
 from .cond_lowering import LOWERED as LOWERED_IFS
+from .ir import GraphIR
 from .normalization import FUSED, LOWERED
 
 # data format: the statistics' axes, the shape the [C] parameters take to broadcast
@@ -65,7 +66,7 @@ def edit(graph: tf.Graph):
     reserve spaces another op reads (a gradient in a function), stays
     fused."""
     ops = [op for op in graph.get_operations() if op.type in FUSED and op.get_attr("is_training")]
-    looped = {op.name for op in ops if _in_loop(op)}
+    looped = {op.name for op in ops} & _loops(graph) if ops else set()
     if len(ops) == len(looped) and not training_ifs(graph.as_graph_def()):
         return None
     return lambda meta: _lower(meta.graph_def, looped)
@@ -87,18 +88,18 @@ def _trains(node) -> bool:
         node.attr["is_training"].b
 
 
-def _in_loop(op) -> bool:
-    """Whether `op` runs in a v1 while loop, whose body cannot take the
+def _loops(graph) -> set[str]:
+    """The ops that run in a v1 while loop, whose body cannot take the
     lowering's constants (they would need its frame's Enter), and whose
-    statistics normalization.planned would not exchange anyway. (In a v1
-    tf.cond it is lowered: the exchanges run in the branch, which every
-    replica takes alike or the plan names the layer.)"""
-    ctx = op._get_control_flow_context()              # noqa: SLF001
-    while ctx is not None:
-        if ctx.IsWhileContext():
-            return True
-        ctx = ctx.outer_context
-    return any(i.op.type in ("Enter", "RefEnter") for i in op.inputs)
+    statistics normalization.planned would not exchange anyway: found from
+    the frames' Enters, as a graph imported from a GraphDef (a traced step
+    lowered) has no loop contexts. (In a v1 tf.cond it is lowered: the
+    exchanges run in the branch, which every replica takes alike or the
+    plan names the layer.)"""
+    graph_def = graph.as_graph_def()
+    if not any(n.op in ("Enter", "RefEnter") for n in graph_def.node):
+        return set()
+    return randomness.in_loops(GraphIR(graph_def))
 
 
 # ops that pass a tensor on unchanged (a lowered If's outputs, cond_v2's wrapping
