@@ -90,8 +90,7 @@ class StateSyncPass:
         examples, per_example = read_rows(sources, tg.graph), {}
         from_autodiff = _from_autodiff(tg)
         branches.warn_out_of_reach(tg, ctx.varies)
-        looped, in_loops = [], randomness.in_loops(tg.ir) if any(
-            n.op in ("Enter", "RefEnter") for n in tg.ir.nodes) else frozenset()
+        looped, in_loops = [], randomness.in_loops(tg.ir)
         for var, writers in sorted(tg.writers.items()):
             if not plan.mirrored(var) or var in tg.accumulators:    # replica-local sums
                 continue

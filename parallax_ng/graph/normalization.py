@@ -93,19 +93,12 @@ def planned(tg, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
     under a predicate from each replica's data, they are not: a replica
     that skips the branch would leave the others waiting for its part."""
     moments, fused, other = found(tg.graph, sources(tg.graph))
-    memo, looped = {}, _looped(tg)
+    memo, looped = {}, randomness.in_loops(tg.ir)     # a traced step's lowered loops too
     moments = [replace(m, branched=m.mean.name in looped or _apart(tg, m.mean.name, memo))
                for m in moments]
     synchronized = batch_norm == "synchronized"
     return tuple(lines(moments, fused, synchronized, other)), \
         tuple(points(moments)) if synchronized else ()
-
-
-def _looped(tg) -> set[str]:
-    """The ops in a v1 while loop's frame (a traced step's lowered loops
-    too, whose bodies no Switch above shows)."""
-    entered = any(n.op in ("Enter", "RefEnter") for n in tg.ir.nodes)
-    return randomness.in_loops(tg.ir) if entered else set()
 
 
 def _apart(tg, name: str, memo: dict) -> bool:
