@@ -231,3 +231,35 @@ def test_state_written_in_a_v1_loops_body_is_named_and_the_step_runs():
         for a, b in feeds:
             sess.run(t["train"], {t["x"]: a, t["y"]: b})
         np.testing.assert_allclose(trained, sess.run(t["w"]), atol=1e-5, rtol=0)
+
+
+def test_an_exchange_inside_a_v1_loops_body_is_refused_by_name():
+    """The pipeline's last check (branches.check_no_exchange_in_loops): a
+    collective op reading a value of a v1 loop's body would run every
+    turn and wait on the second; a GraphError names it. One reading the
+    loop's result (an Exit) is fine."""
+    from parallax_ng.graph.ir import GraphIR
+
+    def reduce(t, name):
+        return tf.raw_ops.CollectiveReduceV2(
+            input=t, group_size=2, group_key=1, instance_key=7, ordering_token=[],
+            merge_op="Add", final_op="Id", name=name)
+    tf1.disable_control_flow_v2()
+    try:
+        g = tf.Graph()
+        with g.as_default():
+            x = tf1.placeholder(tf.float32, [3])
+            done = tf1.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, reduce(v, "inside")),
+                                  [tf.constant(0), x])[1]
+            outside = tf.Graph()
+            with outside.as_default():
+                y = tf1.placeholder(tf.float32, [3])
+                reduce(tf1.while_loop(lambda i, v: i < 3, lambda i, v: (i + 1, v * 2.0),
+                                      [tf.constant(0), y])[1], "after")
+    finally:
+        tf1.enable_control_flow_v2()
+    assert done is not None
+    with pytest.raises(GraphError, match=r"exchange 'while/inside' \(CollectiveReduceV2\) "
+                                         r"inside a while loop's body"):
+        branches.check_no_exchange_in_loops(GraphIR(g.as_graph_def()))
+    branches.check_no_exchange_in_loops(GraphIR(outside.as_graph_def()))

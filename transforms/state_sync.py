@@ -88,9 +88,10 @@ class StateSyncPass:
         products = averaging.tracker_products(tg.graph, sources)
         widened = counts.widened(tg, form, products, summing)
         examples, per_example = read_rows(sources, tg.graph), {}
-        from_autodiff = _from_autodiff(tg)
+        from_autodiff = rules.from_autodiff(tg.graph)     # (by data edges)
         branches.warn_out_of_reach(tg, ctx.varies)
-        looped, in_loops = [], randomness.in_loops(tg.ir)
+        looped, in_loops = [], {n for n in randomness.in_loops(tg.ir)    # (an Exit's value is
+                                if tg.ir.node(n).op not in ("Exit", "RefExit")}   # the loop's)
         for var, writers in sorted(tg.writers.items()):
             if not plan.mirrored(var) or var in tg.accumulators:    # replica-local sums
                 continue
@@ -383,20 +384,6 @@ def _is_read_of(tg, var: str, ref) -> bool:
     `read` Identity)."""
     return (tg.ir.node(ref.node).op in ("ReadVariableOp", "Identity", "Snapshot")
             and ref.node in tg.readers.get(var, ()))
-
-
-def _from_autodiff(tg) -> frozenset[str]:
-    """The nodes computed from the autodiff's ops (by data edges: an
-    update's control dependencies are not its value), found in one walk."""
-    out = {n.name for n in tg.ir.nodes if rules.is_autodiff(n.name)}
-    todo = list(out)
-    while todo:
-        name = todo.pop()
-        for user in tg.ir.node_consumers.get(name, ()):
-            if user not in out and any(r.node == name for r in tg.ir.data_inputs(user)):
-                out.add(user)
-                todo.append(user)
-    return frozenset(out)
 
 
 def _reads(tg, var: str, name: str) -> bool:

@@ -80,6 +80,24 @@ def warn_in_loops(looped: list, means: list) -> None:
             "the loop, from its outputs", stacklevel=3)
 
 
+def check_no_exchange_in_loops(ir) -> None:
+    """A GraphError where a pass put an exchange between replicas (a
+    collective op) inside a v1 while loop's body: it runs once a step, the
+    body every turn, so the second turn's would wait until the run's
+    timeout. (The passes keep exchanges out of loops; this names any that
+    one missed instead of a hang.)"""
+    inside = randomness.in_loops(ir)
+    for node in ir.nodes:
+        if node.op.startswith(("Collective", "Nccl", "Horovod")) and any(
+                r.node in inside and ir.node(r.node).op not in ("Exit", "RefExit")
+                for r in ir.data_inputs(node.name)):
+            raise GraphError(
+                f"the step would exchange {node.name!r} ({node.op}) inside a while loop's "
+                "body, where an exchange between replicas runs once a step and the body "
+                "every turn (the second turn's would wait); compute what it exchanges "
+                "outside the loop, from the loop's outputs")
+
+
 def check_one_branch(tg, varies, var: str, writer: str, memo: dict) -> None:
     """A GraphError where a write of a mirrored variable sits in a branch
     (or loop) whose predicate differs between replicas: they would take

@@ -19,7 +19,7 @@ from typing import Protocol
 from ..comm.keys import InstanceKeys
 from ..comm.lowering import lowering
 from ..errors import GraphError, ParallaxError
-from ..graph import rules
+from ..graph import branches, rules
 from ..graph.frontend import TrainingGraph
 from ..graph.ir import GraphIR, format_input
 from ..graph.variance import replica_variant
@@ -188,6 +188,8 @@ class PassManager:
     def _check(self, ir: GraphIR, last: bool) -> None:
         # "structure": inputs after every pass, acyclicity once at the end
         ir.verify(acyclic=last or self.verify != "structure")
+        if last:
+            branches.check_no_exchange_in_loops(ir)
         if self.verify == "import":
             import tensorflow as tf
             try:
