@@ -528,3 +528,27 @@ def test_a_placeholder_read_inside_a_while_loop_is_a_batch():
             out.append((losses, session.run(t["w"])))
     np.testing.assert_allclose(out[0][0], out[1][0], atol=1e-5, rtol=0)
     np.testing.assert_allclose(out[0][1], out[1][1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("column,kind", [(None, "batch"), (0, "batch"), (1, "unknown")])
+def test_a_dense_feed_made_sparse_in_the_graph_is_read_through_its_coordinates(column, kind):
+    """ids [None, 3] fed dense and made a SparseTensor in the graph
+    (`tf.sparse.from_dense`: coordinates by `tf.where`) into
+    embedding_lookup_sparse: its combiner's rows are the coordinates'
+    column 0, the rows of ids, a batch (before: "the graph does not show
+    whether its first dimension is the batch"); segments from column 1
+    are not the rows."""
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf1.placeholder(tf.int64, [None, 3], name="ids")
+        y = tf1.placeholder(tf.float32, [None, 1], name="y")
+        emb = tf1.get_variable("emb", [10, 4])
+        sparse = tf.sparse.from_dense(ids)
+        if column is not None:
+            rows = tf.math.segment_mean(tf.gather(emb, sparse.values),
+                                        sparse.indices[:, column])
+        else:
+            rows = tf1.nn.embedding_lookup_sparse(emb, sparse, None, combiner="sqrtn")
+        loss = tf.reduce_mean(tf.square(tf.reduce_sum(rows, 1, keepdims=True) - y))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    assert kinds(g)["ids"] == kind

@@ -183,6 +183,25 @@ _SPARSE_LAYERS = frozenset({
     "SparseSegmentSqrtNWithNumSegments", "SegmentSum", "SegmentMean"})
 
 
+def _where_rows(tg, name: str, first: dict) -> int | None:
+    """The first dimension of the dense tensor x whose rows sparse layer
+    `name` gives, where its rows are column 0 of `tf.where(x)` (a
+    SparseTensor made in the graph: `tf.sparse.from_dense`)."""
+    at = {"SparseTensorDenseMatMul": 0, "SegmentSum": 1, "SegmentMean": 1}.get(
+        tg.ir.node(name).op, 2)     # the input that holds each value's row
+    ins = tg.ir.data_inputs(name)
+    ref = ins[at] if len(ins) > at else None
+    while ref is not None and tg.ir.node(ref.node).op in ("Cast", "Identity", "StridedSlice"):
+        node = tg.ir.node(ref.node)
+        if node.op == "StridedSlice" and const(tg, tg.ir.data_inputs(ref.node)[1]) not in (
+                [0, 0], None) and tg.ir.node(tg.ir.data_inputs(ref.node)[0].node).op == "Where":
+            return None       # another column of the coordinates
+        ref = tg.ir.data_inputs(ref.node)[0]
+    if ref is None or tg.ir.node(ref.node).op != "Where":
+        return None
+    return first.get(tg.ir.data_inputs(ref.node)[0])
+
+
 def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
     """The first dimension of `name`'s outputs from its inputs' (rule table
     by op type; an op it does not know takes its inputs' as unknown uses)."""
@@ -191,7 +210,8 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
     op = tg.graph.get_operation_by_name(name)
     outs = [TensorRef(name, k) for k in range(len(op.outputs))]
     if node.op in _SPARSE_LAYERS:     # a sparse batch's rows through a layer (fed as a
-        first[outs[0]] = dims.new(fact="modeled")     # SparseTensorValue: split by rows)
+        rows = dims.new(fact="modeled")     # SparseTensorValue: split by rows), or a dense
+        first[outs[0]] = dims.join([rows, _where_rows(tg, name, first)])  # tensor's made sparse
         return
     if not carried and node.op not in ("Reshape", "SparseToDense") or node.op in SHAPE_ONLY:
         return
