@@ -530,7 +530,8 @@ def test_a_placeholder_read_inside_a_while_loop_is_a_batch():
     np.testing.assert_allclose(out[0][1], out[1][1], atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("column,kind", [(None, "batch"), (0, "batch"), (1, "unknown")])
+@pytest.mark.parametrize("column,kind", [(None, "batch"), (0, "batch"), (1, "unknown"),
+                                         ("cast", "unknown")])
 def test_a_dense_feed_made_sparse_in_the_graph_is_read_through_its_coordinates(column, kind):
     """ids [None, 3] fed dense and made a SparseTensor in the graph
     (`tf.sparse.from_dense`: coordinates by `tf.where`) into
@@ -544,9 +545,10 @@ def test_a_dense_feed_made_sparse_in_the_graph_is_read_through_its_coordinates(c
         y = tf1.placeholder(tf.float32, [None, 1], name="y")
         emb = tf1.get_variable("emb", [10, 4])
         sparse = tf.sparse.from_dense(ids)
-        if column is not None:
-            rows = tf.math.segment_mean(tf.gather(emb, sparse.values),
-                                        sparse.indices[:, column])
+        if column is not None:      # "cast": column 1 of the coordinates cast first
+            at = tf.cast(sparse.indices, tf.int32)[:, 1] if column == "cast" else \
+                sparse.indices[:, column]
+            rows = tf.math.segment_mean(tf.gather(emb, sparse.values), at)
         else:
             rows = tf1.nn.embedding_lookup_sparse(emb, sparse, None, combiner="sqrtn")
         loss = tf.reduce_mean(tf.square(tf.reduce_sum(rows, 1, keepdims=True) - y))

@@ -192,10 +192,9 @@ def _where_rows(tg, name: str, first: dict) -> int | None:
     ins = tg.ir.data_inputs(name)
     ref = ins[at] if len(ins) > at else None
     while ref is not None and tg.ir.node(ref.node).op in ("Cast", "Identity", "StridedSlice"):
-        node = tg.ir.node(ref.node)
-        if node.op == "StridedSlice" and const(tg, tg.ir.data_inputs(ref.node)[1]) not in (
-                [0, 0], None) and tg.ir.node(tg.ir.data_inputs(ref.node)[0].node).op == "Where":
-            return None       # another column of the coordinates
+        if tg.ir.node(ref.node).op == "StridedSlice" and \
+                const(tg, tg.ir.data_inputs(ref.node)[1]) != [0, 0]:
+            return None       # another column of the coordinates, or not shown
         ref = tg.ir.data_inputs(ref.node)[0]
     if ref is None or tg.ir.node(ref.node).op != "Where":
         return None
