@@ -182,7 +182,7 @@ class StateSyncPass:
                 "added at indices summed), which equals one device only where the write is "
                 "linear in the data (plain SGD, a moving average); mark trainable ones "
                 "trainable=False if they are state", stacklevel=2)
-        branches.warn_in_loops(looped, [])
+        branches.warn_in_loops(looped)
         if unshown:
             warnings.warn(counts.MIXED.format(sorted(dict(unshown[::-1]).items())),
                           stacklevel=2)     # each variable's first
@@ -206,7 +206,7 @@ class StateSyncPass:
         points += replica_sums.points(     # and in the gradient (of its own mean); the program's
             tg.graph, {g.values.name for g in tg.gradients.values()})   # all-reduces, both ways
         points = list(dict.fromkeys(points + list(plan.norm_points)))     # batch norm's too
-        branches.warn_in_loops([], [n for n, _ in points if parse_tensor(n).node in in_loops])
+        branches.warn_in_loops(means=[n for n, _ in points if parse_tensor(n).node in in_loops])
         for name, mean in points:
             ref = parse_tensor(name)
             if ref.node in in_loops:

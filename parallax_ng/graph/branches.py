@@ -61,7 +61,7 @@ def warn_out_of_reach(tg, varies) -> None:
             "or call, from its outputs", stacklevel=3)
 
 
-def warn_in_loops(looped: list, means: list) -> None:
+def warn_in_loops(looped=(), means=()) -> None:
     """A warning where writes (variable, writer) or exchanged values (the
     tensors `means`: a program's all-reduce, a statistic) inside a v1 while
     loop's body are not synced: an exchange runs once a step (a second

@@ -66,8 +66,9 @@ def edit(graph: tf.Graph):
     reserve spaces another op reads (a gradient in a function), stays
     fused."""
     ops = [op for op in graph.get_operations() if op.type in FUSED and op.get_attr("is_training")]
-    looped = {op.name for op in ops} & _loops(graph) if ops else set()
-    if len(ops) == len(looped) and not training_ifs(graph.as_graph_def()):
+    graph_def = graph.as_graph_def()        # read once: loops and Ifs
+    looped = {op.name for op in ops} & _loops(graph_def) if ops else set()
+    if len(ops) == len(looped) and not training_ifs(graph_def):
         return None
     return lambda meta: _lower(meta.graph_def, looped)
 
@@ -88,7 +89,7 @@ def _trains(node) -> bool:
         node.attr["is_training"].b
 
 
-def _loops(graph) -> set[str]:
+def _loops(graph_def) -> set[str]:
     """The ops that run in a v1 while loop, whose body cannot take the
     lowering's constants (they would need its frame's Enter), and whose
     statistics normalization.planned would not exchange anyway: found from
@@ -96,7 +97,6 @@ def _loops(graph) -> set[str]:
     lowered) has no loop contexts. (In a v1 tf.cond it is lowered: the
     exchanges run in the branch, which every replica takes alike or the
     plan names the layer.)"""
-    graph_def = graph.as_graph_def()
     if not any(n.op in ("Enter", "RefEnter") for n in graph_def.node):
         return set()
     return randomness.in_loops(GraphIR(graph_def))
