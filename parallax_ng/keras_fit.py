@@ -87,7 +87,7 @@ class KerasFit:
         data = args[0]
         x = data[0] if isinstance(data, (tuple, list)) else data
         return {"test": (self._noting(self.model.test_step), args),
-                "predict": (self._noting(self.model.predict_step), ((x,),))}
+                "predict": (self._noting(self.model.predict_step), ((x,),), "rows")}
 
     def _noting(self, fn):
         """`fn`, traced after the train step: its first trace notes which of

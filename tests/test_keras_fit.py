@@ -666,6 +666,45 @@ def test_evaluate_and_predict_run_on_the_replicas_and_equal_one_device(lib):
     check(parallel, single)
 
 
+def test_a_model_of_strings_fits_and_predicts_as_one_device_with_no_line(capsys):
+    """A model that takes strings (Keras's text classifier with its
+    TextVectorization inside, multi-hot words): fit, evaluate and predict
+    equal one device, 1e-5. Its predictions' rows go through a split into
+    words and a count per row, which the graph does not show to be the
+    batch's; Keras joins predict's outputs by rows, and so do the replicas,
+    with no line (before: "the graph does not show how the replicas' values
+    of 'parallax_part_predict/Identity:0' ... make one device's")."""
+    import tensorflow as tf
+    rng = np.random.default_rng(3)
+    words = np.array(["good", "bad", "great", "awful", "plot", "fun", "dull"])
+    texts = tf.constant([" ".join(rng.choice(words, 4)) for _ in range(SAMPLES)])[:, None]
+    labels = rng.integers(0, 2, SAMPLES).astype(np.float32)
+    vectorize = keras.layers.TextVectorization(max_tokens=10, output_mode="multi_hot")
+    vectorize.adapt(texts)
+
+    def make():
+        keras.utils.set_random_seed(1)
+        x = keras.Input((1,), dtype="string")
+        h = keras.layers.Dense(4, activation="relu")(vectorize(x))
+        model = keras.Model(x, keras.layers.Dense(1, activation="sigmoid")(h))
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy",
+                      metrics=["accuracy"])
+        return model
+    parallel, single = make(), make()
+    single.set_weights(parallel.get_weights())
+    pn.parallelize(parallel, local(2))
+    for m in (parallel, single):
+        m.fit(texts, labels, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    check(parallel, single)
+    np.testing.assert_allclose(parallel.evaluate(texts, labels, batch_size=BATCH, verbose=0),
+                               single.evaluate(texts, labels, batch_size=BATCH, verbose=0),
+                               atol=1e-5, rtol=0)
+    np.testing.assert_allclose(parallel.predict(texts, batch_size=BATCH, verbose=0),
+                               single.predict(texts, batch_size=BATCH, verbose=0), atol=1e-5)
+    assert not parallel._parallax_ng.on_model
+    assert "does not show" not in capsys.readouterr().err
+
+
 def test_a_test_step_that_cannot_be_traced_runs_on_the_model():
     """A model whose test_step writes to a lookup table (a resource the
     capture cannot rebuild, graph/tables.py): fit still runs data-parallel,

@@ -178,3 +178,24 @@ def test_a_sum_over_images_an_image_op_changed_sums_the_replicas_gradients():
     for name in names:
         for got in parallel[name]:
             np.testing.assert_allclose(got, single[name], atol=1e-5, rtol=1e-5)
+
+
+def test_strings_through_per_entry_ops_lookups_and_splits_padded():
+    """A batch of strings keeps its rows through per-entry string ops, a
+    lookup table and a split into words padded back to a tensor (Keras's
+    TextVectorization and StringLookup); a padding to a fixed number of
+    rows, or a split of another tensor, is not the batch."""
+    with tf.Graph().as_default():
+        text = tf1.placeholder(tf.string, (None,), name="x")
+        other = tf.constant(["a b", "c"])
+        clean = tf.strings.regex_replace(tf.strings.lower(tf.strings.strip(text)), "[.]", "")
+        table = tf.lookup.StaticHashTable(
+            tf.lookup.KeyValueTensorInitializer(["a", "b"], [1, 2], tf.string, tf.int32), 0)
+        words = tf.strings.split(clean)
+        cases = {clean: 0, tf.strings.length(text): 0, tf.strings.substr(text, 0, 1): 0,
+                 table.lookup(clean): 0, words.to_tensor(): 0,
+                 words.to_tensor(shape=[None, 3]): 0, words.to_tensor(shape=[4, 3]): None,
+                 tf.strings.split(other).to_tensor(): None,
+                 tf.ragged.map_flat_values(table.lookup, words).to_tensor(): 0}
+        for t, want in cases.items():
+            assert axis(t) == want, t

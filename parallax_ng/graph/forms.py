@@ -36,6 +36,9 @@ SOURCE_TYPES = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "P
 # the collection of a traced TF2 step's graph that names what its tapes
 # differentiated (graph/tracing.py records them as the step is traced)
 TAPE_TARGETS = "parallax_ng_tape_targets"
+# the collection of a traced step's graph that names outputs its program joins
+# by rows (Keras's predict): the replicas' parts of them are joined so, unread
+JOINED_ROWS = "parallax_ng_joined_rows"
 GRAD_YS = re.compile(r"(^|/)gradients(_\d+)?/grad_ys_\d+$")
 
 

@@ -55,6 +55,7 @@ _KEEP_FIRST = FIRST - {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"
 # slices put into a tensor at the indices' coordinates (a scan fills its output so)
 _SCATTERS = {"TensorScatterAdd", "TensorScatterUpdate", "TensorScatterSub", "TensorScatterMax",
              "TensorScatterMin"}
+_SPLITS = ("StringSplit", "StringSplitV2")    # strings split into a sparse batch of words
 _DEPTH = 20000      # recursion enough for a deep model's chain of ops
 
 
@@ -136,6 +137,10 @@ class _Axes(Flow):
         if kind in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
             a = self._first(self.axis, op.inputs)
             return a if a is not None and rank and a < rank - 2 else None
+        if kind in ("LookupTableFindV2", "LookupTableFind"):   # a value per key (StringLookup)
+            return self.axis(op.inputs[1])
+        if kind == "RaggedTensorToTensor":
+            return self._padded(op)
         if kind == "DenseBincount":     # counts per row of a matrix (CategoryEncoding's)
             return 0 if op.inputs[0].shape.rank == 2 and self.rows(op.inputs[0]) else None
         if kind == "OneHot":
@@ -197,12 +202,25 @@ class _Axes(Flow):
             return self.axis(op.inputs[0]) is not None
         if op.type == "Prod":
             return self._first_counts(op.inputs[0])
-        if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape":
+        shape = op.inputs[0] if op.type == "StridedSlice" else None
+        if shape is None or not (shape.op.type == "Shape" or shape.op.type in _SPLITS and
+                                 shape.value_index == 2):   # a split's [rows, longest]
             return False
         begin, strides = (tf.get_static_value(op.inputs[i]) for i in (1, 3))
         return (begin is not None and strides is not None and len(begin) == 1
                 and list(strides) == [1] and op.get_attr("shrink_axis_mask") == 1
-                and self.axis(op.inputs[0].op.inputs[0]) == int(begin[0]))
+                and self.axis(shape.op.inputs[0]) == int(begin[0]))
+
+    def _padded(self, op):
+        """A ragged batch padded to a tensor (TextVectorization's tokens):
+        its rows are the batch's where the first partition is their count
+        (a split of a batch of strings) and the shape leaves them open."""
+        kinds = op.get_attr("row_partition_types")
+        shape = tf.get_static_value(op.inputs[0])
+        if not kinds or kinds[0] != b"FIRST_DIM_SIZE" or shape is None or \
+                np.ndim(shape) and (not len(shape) or shape[0] != -1):
+            return None
+        return 0 if self.counts_rows(op.inputs[3].op) else None
 
     def _first_counts(self, shape) -> bool:
         """Whether the first entry of the shape vector `shape` counts the

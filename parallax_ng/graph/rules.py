@@ -229,6 +229,8 @@ ELEMENTWISE = frozenset({
     "FakeQuantWithMinMaxArgs", "FakeQuantWithMinMaxVars", "QuantizeAndDequantizeV2",
     "QuantizeAndDequantizeV3", "QuantizeAndDequantizeV4", "StringToHashBucketFast",
     "StringToHashBucketStrong", "StringToHashBucket", "StringToNumber", "AsString",
+    "StringLower", "StringUpper", "StringStrip", "StringLength", "StaticRegexReplace",
+    "RegexReplace", "StaticRegexFullMatch", "RegexFullMatch", "Substr",
 })
 # outputs take input 0's first dimension
 FIRST = frozenset({

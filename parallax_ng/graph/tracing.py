@@ -26,7 +26,9 @@ Guarantees: a `Captured` whose `graph` holds
   step under the scope `parallax_part_<name>`, with its own placeholders
   (numbered after the step's), outputs and run op (`Captured.parts`),
   sharing the step's variables; a part whose trace fails is left out
-  (`Captured.failed` says why).
+  (`Captured.failed` says why). A part given as (function, args, "rows")
+  returns a row per example (Keras's predict_step, whose batches Keras
+  joins by rows): its outputs are in the graph's `forms.JOINED_ROWS`.
 `variables` maps each graph variable to the program's tf.Variable;
 A tensor the step captures (a NumPy array in its closure) becomes a
 constant; a lookup table it reads, a table of the same entries filled by
@@ -82,8 +84,8 @@ def capture(fn, args: tuple, parts: dict | None = None, opened: dict | None = No
     parts, opened = dict(parts or {}), opened or {}
     with recorders.slots_recorded() as owners, recorders.tape_targets() as targets:
         pieces = [_piece(_trace(fn, args, 0, "the step", opened), targets)]
-    first, traced, failed = len(tensor_leaves(args)), [], {}
-    for name, (part, part_args) in parts.items():
+    first, traced, failed, joined = len(tensor_leaves(args)), [], {}, []
+    for name, (part, part_args, *rows) in parts.items():
         try:
             pieces.append(_piece(_trace(part, part_args, first, f"its {name} function",
                                         opened)))
@@ -92,9 +94,13 @@ def capture(fn, args: tuple, parts: dict | None = None, opened: dict | None = No
             continue
         traced.append(name)
         first += len(tensor_leaves(part_args))
+        joined.extend([name] if rows else [])
     captured = _rebuild(pieces, owners, traced)
     for name in targets:            # what the step's tapes differentiated (graph/forms.py)
         captured.graph.add_to_collection(forms.TAPE_TARGETS, name)
+    for name in joined:
+        for out in tf.nest.flatten(captured.parts[name].outputs):
+            captured.graph.add_to_collection(forms.JOINED_ROWS, out)
     recorders.note_input_gradients(captured.graph, targets.of_inputs)
     captured.failed, captured.jacobians = failed, targets.jacobians
     return captured

@@ -267,7 +267,8 @@ class ReplicaFetchMap(FetchMap):
                 t, self._sources, widened.divisions if widened else frozenset(),
                 self.plan.average_dense and not (scaled and scaled.holds(name)))
             self._reductions[name] = how, axis
-            if not shown and name not in self.config.fetch_reduction and not self._is_loss(t):
+            if not shown and name not in self.config.fetch_reduction and \
+                    not self._is_loss(t) and name not in self._joined:
                 print(unread(name, t, how), file=sys.stderr, flush=True)
         return self._reductions[name]
 
@@ -277,6 +278,11 @@ class ReplicaFetchMap(FetchMap):
         while t.op.type in ("Identity", "Snapshot") and t.name not in self._losses:
             t = t.op.inputs[0]
         return t.name in self._losses
+
+    @cached_property
+    def _joined(self) -> frozenset[str]:
+        """Outputs the program joins by rows (Keras's predict): joined, unread."""
+        return frozenset(self.user_graph.get_collection(forms.JOINED_ROWS))
 
     @cached_property
     def _losses(self) -> frozenset[str]:
