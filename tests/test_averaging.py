@@ -31,8 +31,14 @@ class _Asked:
     ("per time step", None, False, ""),     # a [batch, 1] loss's columns summed one by one
     ("l2_loss", None, False, ""),           # tf.nn.l2_loss: half a sum of squares
     ("l2_loss/8", 8, True, ""),
+    ("sum, penalty apart", None, False, ""),    # a loss of the weights alone: neither
+    ("mean, penalty apart", None, True, ""),
 ])
-def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
+@pytest.mark.parametrize("bare", [False, True], ids=["minimize", "tf.gradients"])
+def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note, bare):
+    """By `minimize`, or by a bare tf.gradients call (whose seed reaches the
+    terms of a sum of scalars, for which the autodiff makes no op: read as
+    the sum they make; before, "sum+losses" was averaged as two losses)."""
     g = tf.Graph()
     with g.as_default():
         if batch:
@@ -41,6 +47,7 @@ def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
         else:
             x = tf1.placeholder(tf.float32, [None, 3])
         e = tf.square(tf.matmul(x, tf1.get_variable("w", [3, 1])))
+        tf1.get_variable_scope().reuse_variables()
         value = {"sum": tf.reduce_sum(e), "mean": tf.reduce_mean(e),
                  "sum/8": tf.reduce_sum(e) / 8.0, "sum/16": tf.reduce_sum(e) / 16.0,
                  "per example": e[:, 0], "sum+mean": tf.reduce_sum(e) + tf.reduce_mean(e),
@@ -50,8 +57,17 @@ def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note):
                  "hidden": tf.reduce_sum(tf.py_function(tf.identity, [e], tf.float32)),
                  "hardest half": tf.reduce_mean(tf.math.top_k(e[:, 0], tf.shape(e)[0] // 2)[0]),
                  "per time step": tf.reduce_mean(tf.reduce_sum(e, 0)),
-                 "l2_loss": tf.nn.l2_loss(e), "l2_loss/8": tf.nn.l2_loss(e) / 8.0}[loss]
-        tf1.train.GradientDescentOptimizer(0.1).minimize(value)
+                 "l2_loss": tf.nn.l2_loss(e), "l2_loss/8": tf.nn.l2_loss(e) / 8.0,
+                 "sum, penalty apart": tf.reduce_sum(e),
+                 "mean, penalty apart": tf.reduce_mean(e)}[loss]
+        w, descent = tf1.get_variable("w", [3, 1]), tf1.train.GradientDescentOptimizer(0.1)
+        if bare or "apart" in loss:
+            grad = tf.gradients(value, w)[0]
+            if "apart" in loss:
+                grad += tf.gradients(0.1 * tf.nn.l2_loss(w), w)[0]
+            descent.apply_gradients([(grad, w)])
+        else:
+            descent.minimize(value)
     dense, sparse, said = averaging.averages(_Asked(), g)
     assert dense is sparse is want
     assert note in said and bool(said) == bool(note)

@@ -843,6 +843,48 @@ def regularized_graph(keras_sum, mean=False):
     return g, dict(ids=ids, y=y, loss=loss, part=part, train=train, init=init)
 
 
+def penalized_apart_graph():
+    """A loss summed over the batch and a weight penalty differentiated
+    apart (tf.gradients of each), their gradients added, clipped by their
+    global norm and applied by Adam."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(3)
+        ids = tf1.placeholder(tf.int32, [None, 2], name="ids")
+        y = tf1.placeholder(tf.float32, [None], name="y")
+        emb, w = tf1.get_variable("emb", [20, 3]), tf1.get_variable("w", [3, 1])
+        h = tf.matmul(tf.reduce_sum(tf.nn.embedding_lookup(emb, ids), 1), w)[:, 0]
+        loss = tf.reduce_sum(tf.square(h - y))
+        penalty = 0.5 * tf.nn.l2_loss(w)
+        data, (apart,) = tf.gradients(loss, [emb, w]), tf.gradients(penalty, [w])
+        grads, _ = tf.clip_by_global_norm([data[0], data[1] + apart], 5.0)
+        train = tf1.train.AdamOptimizer(0.05).apply_gradients(zip(grads, [emb, w]))
+        init = tf1.global_variables_initializer()
+    return g, dict(ids=ids, y=y, loss=loss, train=train, init=init)
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "ps"])
+def test_a_penalty_differentiated_apart_from_a_summed_loss_is_added_once(mode):
+    """A penalty of the weights alone, differentiated on its own and added
+    to a summed loss's gradient: it reads no data, so it is neither a sum
+    nor a mean; the replicas' gradients are summed (the data's loss sums)
+    and each adds 1/N of the penalty's. (Before: taken for a loss that
+    averages, so the gradients were averaged, with a line saying so: the
+    data's part was 1/N of one device's, 1.5e-2 apart in float64.) 5 Adam
+    steps, every variable and the loss, 1e-5."""
+    rng = np.random.RandomState(5)
+    ids = rng.randint(0, 20, size=(80, 2)).astype(np.int32)
+    ys = rng.randn(80).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (want, want_vars), (got, got_vars), plan = one_device_and_two_replicas(
+            penalized_apart_graph, mode, ids, ys, ["loss"])
+    assert not plan.average_dense
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-6)
+    for name, value in want_vars.items():
+        np.testing.assert_allclose(got_vars[name], value, atol=1e-5, rtol=0, err_msg=name)
+
+
 @pytest.mark.parametrize("keras_sum,mode,mean", [
     (False, "hybrid", False), (True, "allreduce", False), (False, "ps", False),
     (False, "hybrid", True), (True, "ps", True)])

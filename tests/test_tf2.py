@@ -3,6 +3,7 @@ equal one device with it, every variable and optimizer slot, 1e-5 after 10
 steps; Keras 3 and tf_keras models and optimizers; an embedding stays sparse."""
 import json
 import os
+import warnings
 
 import keras            # Keras 3 by name (tf.keras follows TF_USE_LEGACY_KERAS, which
 import numpy as np      # the other tests set; the job's script sets it to 0 itself)
@@ -196,6 +197,38 @@ def test_the_guides_summed_loss_plus_a_regularizer_equals_one_device():
         np.testing.assert_allclose(step(x[k], y[k]), ref(x[k], y[k]).numpy(), atol=1e-5,
                                    rtol=1e-6)
     step.sync()
+    check_equal(parallel, single)
+
+
+def test_a_penalty_under_a_tape_of_its_own_beside_a_summed_loss_equals_one_device():
+    """A persistent tape's two gradients: of the data's loss, summed
+    (`compute_average_loss(..., global_batch_size=B)`), and of a weight
+    penalty that reads no data, added before the update. The gradients are
+    summed and each replica adds 1/N of the penalty's (it was averaged: the
+    data's part 1/N of one device's, with a line about the losses), SGD with
+    momentum, every variable and slot, 1e-5, and no line."""
+    def step_of(model, optimizer):
+        def train_step(x, y):
+            with tf.GradientTape(persistent=True) as tape:
+                per = tf.reduce_sum(tf.square(model(x, training=True) - y), axis=1)
+                value = tf.nn.compute_average_loss(per, global_batch_size=BATCH)
+                penalty = 0.05 * tf.add_n([tf.nn.l2_loss(v) for v in model.trainable_variables])
+            grads = [a + b for a, b in zip(tape.gradient(value, model.trainable_variables),
+                                           tape.gradient(penalty, model.trainable_variables))]
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return value
+        return train_step
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
+    step = pn.function(step_of(*parallel), local(2))
+    ref = tf.function(step_of(*single))
+    x, y = data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for k in range(STEPS):
+            np.testing.assert_allclose(step(x[k], y[k]), ref(x[k], y[k]).numpy(), atol=1e-5,
+                                       rtol=1e-6)
+    step.sync()
+    assert not step.runner.plan.average_dense
     check_equal(parallel, single)
 
 

@@ -218,10 +218,10 @@ class StateSyncPass:
             synced += 1
             new_nodes.extend(nodes)
             counts.read_everywhere(ctx, ref, outs, rewires, replaced)
-        parts = []              # a regularizer beside a summed loss: 1/N of it per replica
+        parts = []      # a regularizer in or beside a summed loss: 1/N of it per replica
         if summing:
             parts = averaging.added_once(tg.graph, form)
-            if parts:
+            if parts or averaging.data_free(tg.graph):
                 parts += [p for grad in tg.gradients.values()
                           for p in _data_free_parts(tg, grad, set(sources))]
         parts += [p for loss in tracked     # the loss a tracker adds (an evaluation's too)

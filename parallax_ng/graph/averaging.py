@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from .forms import autodiff_losses, counts_rows, loss_form, scalar_form, sources
 from .mixing import bent_gradient, mixing
+from .randomness import is_random
 from .rows import batch_axis, reading
 
 
@@ -34,14 +35,18 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     plus means over counts (`LossForm.widened`). A loss that adds a sum
     over the batch to another mean is averaged, and the warning says its
     summed part is 1/N of one device's; so is a loss whose form the graph
-    does not show, and the warning names it. A loss that mixes the batch's
+    does not show, and the warning names it. A loss that reads no data (a
+    regularizer differentiated on its own) is neither: its gradient is
+    every replica's alike, and added to a summed one each replica adds 1/N
+    of it (transforms/state_sync.py). A loss that mixes the batch's
     examples (graph/mixing.py) is warned about first: no combination of the
     replicas' gradients equals one device there; so is, where gradients
     are averaged, a custom gradient not linear in what it receives."""
     wanted = (config.average_dense, config.average_sparse)
     if "auto" not in wanted:
         return (*wanted, "")
-    losses = autodiff_losses(graph)
+    free = set(data_free(graph))        # neither a sum nor a mean: every replica's alike
+    losses = [loss for loss in autodiff_losses(graph) if loss.name not in free]
     data = reading(sources(graph), graph)   # one reading of the batch's axes for every loss
     sums, unsure, once, mixed, unread = [], [], [], [], []
     read = {loss.name: scalar_form(loss, data) for loss in losses
@@ -106,6 +111,24 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
                 "global batch size and set config average_dense and average_sparse: false "
                 "(the replicas' gradients summed), or make the custom gradient linear")
     return dense, sparse, note
+
+
+def data_free(graph: tf.Graph) -> list[str]:
+    """The losses the graph differentiates that read no data and draw no
+    random numbers (a weight penalty under a tape or tf.gradients of its
+    own): the same on every replica, neither a mean nor a sum over the batch."""
+    data, out = set(sources(graph)), []
+    for loss in autodiff_losses(graph):
+        seen, stack, varies = set(), [loss.op], False
+        while stack and not varies:
+            op = stack.pop()
+            if op.name not in seen:
+                seen.add(op.name)
+                varies = op.name in data or is_random(op.node_def)
+                stack.extend(t.op for t in op.inputs)
+        if not varies:
+            out.append(loss.name)
+    return out
 
 
 def added_once(graph: tf.Graph, form=None) -> list[tuple[str, int]]:

@@ -14,7 +14,6 @@ pass (an accumulation of a per-replica mean is averaged, not summed).
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -23,7 +22,7 @@ import tensorflow as tf
 from .. import compat
 from ..errors import GraphError
 from . import selections
-from .recorders import input_gradients
+from .recorders import GRAD_YS, input_gradients, seeded
 from .rows import batch_axis, batch_rows, counts_rows, reading
 
 # ops that give data: an input pipeline's, a queue's, a fed placeholder's (a
@@ -39,7 +38,6 @@ TAPE_TARGETS = "parallax_ng_tape_targets"
 # the collection of a traced step's graph that names outputs its program joins
 # by rows (Keras's predict): the replicas' parts of them are joined so, unread
 JOINED_ROWS = "parallax_ng_joined_rows"
-GRAD_YS = re.compile(r"(^|/)gradients(_\d+)?/grad_ys_\d+$")
 
 
 def autodiff_losses(graph: tf.Graph) -> list[tf.Tensor]:
@@ -58,23 +56,6 @@ def autodiff_losses(graph: tf.Graph) -> list[tf.Tensor]:
         if op.type == "Fill" and GRAD_YS.search(op.name) and op.outputs[0].name not in inputs:
             found.extend(seeded(op))
     return list({t.name: t for t in found}.values())
-
-
-def seeded(op: tf.Operation) -> list[tf.Tensor]:
-    """What the tf.gradients call whose `grad_ys` fill is `op` differentiates:
-    the input of the Shape the fill reads, or with a static shape the op the
-    first gradient op is named for."""
-    if op.inputs[0].op.type == "Shape":
-        return [op.inputs[0].op.inputs[0]]
-    scope, out = op.name[:op.name.rindex("/") + 1], []
-    for c in op.outputs[0].consumers():
-        rest = c.name[len(scope):] if c.name.startswith(scope) else ""
-        head = rest.rsplit("_grad/", 1)[0] if "_grad/" in rest else None
-        try:
-            out.append(op.graph.get_operation_by_name(head).outputs[0])
-        except (KeyError, ValueError, IndexError):
-            pass
-    return out
 
 
 def sources(graph: tf.Graph) -> list[str]:

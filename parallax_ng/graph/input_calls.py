@@ -25,7 +25,7 @@ calls cannot be told apart and every call counts as training, as before.
 from __future__ import annotations
 
 from .. import compat
-from . import cond_lowering, forms, recorders, rules
+from . import cond_lowering, recorders, rules
 
 
 def calls(tg) -> list[tuple[list[str], list[str], list]]:
@@ -38,11 +38,11 @@ def calls(tg) -> list[tuple[list[str], list[str], list]]:
     ops = tg.graph.get_operations()
     out = []
     for op in ops:
-        if op.type != "Fill" or not forms.GRAD_YS.search(op.name):
+        if op.type != "Fill" or not recorders.GRAD_YS.search(op.name):
             continue
         scope = op.name[:op.name.rindex("/") + 1]
         if not any(name.startswith(scope) for name in grads) and _of_rows(ops, scope):
-            out.append(([t.name for t in forms.seeded(op)], [op.outputs[0].name],
+            out.append(([t.name for t in recorders.seeded(op)], [op.outputs[0].name],
                         _sources(tg.graph, ops, scope)))
     return out
 

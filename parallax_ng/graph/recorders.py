@@ -3,7 +3,8 @@ the slots Keras optimizers make, for which variable, and the tensors its
 tapes differentiate; and, for slots made before (an optimizer built
 before the step) or used by their handles alone, their owners by the
 optimizers' naming (`owners_by_name`) and the variables of handles
-(`unread_variables`).
+(`unread_variables`). For a TF1 graph, what a tf.gradients call
+differentiates, read from its seed (`seeded`).
 
 Requires: Keras 3 or tf_keras optimizers (either may be missing), and
 tf.GradientTape. Guarantees: each recorder patches a class method only
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import re
 
 import tensorflow as tf
 
+GRAD_YS = re.compile(r"(^|/)gradients(_\d+)?/grad_ys_\d+$")     # a tf.gradients call's seed
 INPUT_GRADIENTS = "parallax_ng_input_gradients"   # a graph's collection of Targets.of_inputs
 OWNERS: dict = {}      # slot's tf.Variable .ref() -> its variable, every slot seen being made
 
@@ -210,3 +213,43 @@ def unread_variables(handles: set) -> dict:
                 id(getattr(obj, "_handle", None)) in handles:
             out[id(obj._handle)] = obj
     return out
+
+
+def seeded(op: tf.Operation) -> list[tf.Tensor]:
+    """What the tf.gradients call whose `grad_ys` fill is `op` differentiates:
+    the input of the Shape the fill reads, or with a static shape the op the
+    first gradient op is named for."""
+    if op.inputs[0].op.type == "Shape":
+        return [op.inputs[0].op.inputs[0]]
+    scope, out = op.name[:op.name.rindex("/") + 1], []
+    for c in op.outputs[0].consumers():
+        rest = c.name[len(scope):] if c.name.startswith(scope) else ""
+        head = rest.rsplit("_grad/", 1)[0] if "_grad/" in rest else None
+        try:
+            out.append(op.graph.get_operation_by_name(head).outputs[0])
+        except (KeyError, ValueError, IndexError):
+            pass
+    return _added(list({t.name: t for t in out}.values()))
+
+
+_PASSED = frozenset({"Add", "AddV2", "AddN", "Identity"})   # gradients through them: no op
+
+
+def _added(terms: list) -> list:
+    """The op that adds `terms` up, where there are several: the autodiff
+    makes no op for an addition of scalars of one shape (it passes the
+    gradient on), so a loss `a + b` seeds the gradients of a and b. The
+    first op where all of them meet through additions; else `terms`."""
+    if len(terms) < 2:
+        return terms
+    reach = {t.op: {i} for i, t in enumerate(terms)}
+    stack = [t.op for t in terms]
+    while stack:
+        op = stack.pop()
+        for c in {c for o in op.outputs for c in o.consumers() if c.type in _PASSED}:
+            if not reach[op] <= reach.get(c, set()):
+                reach[c] = reach.get(c, set()) | reach[op]
+                stack.append(c)
+    full = {op for op, got in reach.items() if len(got) == len(terms)}
+    first = [op for op in full if not any(t.op in full for t in op.inputs)]
+    return [first[0].outputs[0]] if len(first) == 1 else terms

@@ -26,9 +26,8 @@ Guarantees: a `Captured` whose `graph` holds
   step under the scope `parallax_part_<name>`, with its own placeholders
   (numbered after the step's), outputs and run op (`Captured.parts`),
   sharing the step's variables; a part whose trace fails is left out
-  (`Captured.failed` says why). A part given as (function, args, "rows")
-  returns a row per example (Keras's predict_step, whose batches Keras
-  joins by rows): its outputs are in the graph's `forms.JOINED_ROWS`.
+  (`Captured.failed` says why); one given as (function, args, "rows")
+  returns rows Keras joins (predict_step): in `forms.JOINED_ROWS`.
 `variables` maps each graph variable to the program's tf.Variable;
 A tensor the step captures (a NumPy array in its closure) becomes a
 constant; a lookup table it reads, a table of the same entries filled by

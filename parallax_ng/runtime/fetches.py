@@ -109,9 +109,8 @@ class FetchMap:
         return op.outputs[0].name if op.outputs else node
 
     def _new_ops(self, node: str) -> dict | None:
-        """User op `node` and the ops it needs that the step graph does not
-        have yet (made after get_runner), by name; None if `node` is not in
-        the user's graph."""
+        """User op `node` and the ops it needs that the step graph lacks (made
+        after get_runner), by name; None if `node` is not in the user's graph."""
         try:
             op = self.user_graph.get_operation_by_name(node)
         except KeyError:
@@ -267,26 +266,21 @@ class ReplicaFetchMap(FetchMap):
                 t, self._sources, widened.divisions if widened else frozenset(),
                 self.plan.average_dense and not (scaled and scaled.holds(name)))
             self._reductions[name] = how, axis
-            if not shown and name not in self.config.fetch_reduction and \
-                    not self._is_loss(t) and name not in self._joined:
+            if not shown and name not in self.config.fetch_reduction and not self._said(t):
                 print(unread(name, t, how), file=sys.stderr, flush=True)
         return self._reductions[name]
 
-    def _is_loss(self, t: tf.Tensor) -> bool:
-        """Whether `t` is (an identity of) a loss the graph differentiates,
-        whose form graph/averaging.py has warned about already."""
-        while t.op.type in ("Identity", "Snapshot") and t.name not in self._losses:
+    def _said(self, t: tf.Tensor) -> bool:
+        """Whether `t` is (an identity of) a loss the graph differentiates (its
+        form warned about already) or an output its program joins by rows."""
+        while t.op.type in ("Identity", "Snapshot") and t.name not in self._said_names:
             t = t.op.inputs[0]
-        return t.name in self._losses
+        return t.name in self._said_names
 
     @cached_property
-    def _joined(self) -> frozenset[str]:
-        """Outputs the program joins by rows (Keras's predict): joined, unread."""
-        return frozenset(self.user_graph.get_collection(forms.JOINED_ROWS))
-
-    @cached_property
-    def _losses(self) -> frozenset[str]:
-        return frozenset(loss.name for loss in forms.autodiff_losses(self.user_graph))
+    def _said_names(self) -> frozenset[str]:
+        return frozenset([loss.name for loss in forms.autodiff_losses(self.user_graph)] +
+                         self.user_graph.get_collection(forms.JOINED_ROWS))
 
     @cached_property
     def _sources(self) -> list[str]:
