@@ -530,6 +530,33 @@ def test_a_placeholder_read_inside_a_while_loop_is_a_batch():
     np.testing.assert_allclose(out[0][1], out[1][1], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("v2", [True, False], ids=["functional", "v1-frames"])
+def test_placeholders_that_meet_only_inside_a_loop_s_body_are_batches(v2):
+    """x and m read only inside a tf.while_loop's body, where their columns
+    at turn t meet in a product summed into the loop's total (a loss
+    summed over time steps): both batches. A functional While's body is a
+    function of the graph, which was not read (both "unknown", each with
+    a line); v1 frames were."""
+    g = tf.Graph()
+    if not v2:
+        tf1.disable_control_flow_v2()
+    try:
+        with g.as_default():
+            _summed_in_a_loop()
+    finally:
+        tf1.enable_control_flow_v2()
+    assert kinds(g) == {"x": "batch", "m": "batch"}
+
+
+def _summed_in_a_loop():
+    x = tf1.placeholder(tf.float32, [None, 5], name="x")
+    m = tf1.placeholder(tf.float32, [None, 5], name="m")
+    per = tf.square(tf.matmul(x, tf1.get_variable("w", [5, 5])))
+    step = lambda t, total: (t + 1, total + tf.reduce_sum(per[:, t] * m[:, t]))  # noqa: E731
+    _, loss = tf1.while_loop(lambda t, total: t < 5, step, [0, 0.0])
+    tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+
+
 @pytest.mark.parametrize("column,kind", [(None, "batch"), (0, "batch"), (1, "unknown"),
                                          ("cast", "unknown")])
 def test_a_dense_feed_made_sparse_in_the_graph_is_read_through_its_coordinates(column, kind):

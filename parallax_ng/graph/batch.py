@@ -161,16 +161,23 @@ def _meets_batch(graph: tf.Graph, name: str, batch: list) -> bool:
     rules here do not), line up with the rows of `batch` (placeholders
     and sources of the batch) in a loss (logits and labels) or an
     element-wise op of operands of one rank."""
-    if not batch:
-        return False
-    mine, theirs = reading([name], graph), reading(batch, graph)
+    return bool(batch) and _meet(graph, reading([name], graph), reading(batch, graph))
+
+
+def _meet(graph: tf.Graph, mine, theirs, depth: int = 0) -> bool:
+    """`_meets_batch` in `graph` and in the bodies of its functional ops (a
+    TF2 while loop's body: the placeholder read only there)."""
     for op in graph.get_operations():
-        if rules.is_autodiff(op.name) or len(op.inputs) < 2 or not (
-                op.type in LOSSES or op.type in ELEMENTWISE and
-                len({x.shape.rank for x in op.inputs}) == 1):
+        if rules.is_autodiff(op.name):
             continue
-        ours = [x for x in op.inputs if mine.rows(x)]
-        if ours and any(theirs.rows(x) for x in op.inputs if x not in ours):
+        if depth < 4 and any(_meet(a.graph, a, b, depth + 1) for a, b in
+                             zip(mine.bodies(op), theirs.bodies(op))):
+            return True
+        if len(op.inputs) < 2 or not (op.type in LOSSES or op.type in ELEMENTWISE and
+                                      len({x.shape.rank for x in op.inputs}) == 1):
+            continue
+        ours = {x.name for x in op.inputs if mine.rows(x)}
+        if ours and any(theirs.rows(x) for x in op.inputs if x.name not in ours):
             return True
     return False
 

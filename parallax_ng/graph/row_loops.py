@@ -83,15 +83,33 @@ class Flow:
         return None
 
     def _in_body(self, op, name, inputs, t, read):
+        inner = self._body(op, name, inputs)
+        if inner is None or t.value_index >= len(inner.graph.outputs):
+            return None
+        return getattr(inner, read)(inner.graph.outputs[t.value_index])
+
+    def _body(self, op, name, inputs):
+        """The reading of function `name`'s body, its inputs bound to `inputs`."""
         body = compat.function_graph(self.graph, name) or compat.function_graph(self.root, name)
-        if body is None or len(body.inputs) != len(inputs) or \
-                t.value_index >= len(body.outputs):
+        if body is None or len(body.inputs) != len(inputs):
             return None
         key = ("body", op.name, name)
         if key not in self.memo:
             self.memo[key] = type(self)((), body, {p.op.name: (self, x) for p, x in
                                                    zip(body.inputs, inputs)}, self.root)
-        return getattr(self.memo[key], read)(body.outputs[t.value_index])
+        return self.memo[key]
+
+    def bodies(self, op) -> list:
+        """The readings of the bodies functional op `op` runs (a While's body,
+        an If's branches, a called function), their inputs bound to its."""
+        if op.type in _BRANCHES:
+            names, inputs = [op.get_attr(b).name for b in ("then_branch", "else_branch")], \
+                op.inputs[1:]
+        elif op.type in _CALLS:
+            names, inputs = [op.get_attr(_CALLS[op.type]).name], op.inputs
+        else:
+            return []
+        return [r for r in (self._body(op, name, inputs) for name in names) if r is not None]
 
     def _merged(self, t, read: str):
         """`read` of a Merge: a cond's result (its branches must agree) or a
