@@ -31,7 +31,17 @@ def array(leaf):
 
 def positional(fn, args: tuple, kwargs: dict) -> tuple:
     """`fn`'s arguments, some given by keyword, in its parameters' order
-    (defaults filled in): the step is traced and fed by position."""
+    (defaults filled in): the step is traced and fed by position, and a
+    default left out is a Python value like any other (a later call that
+    gives it another is refused, not run as traced). Without keywords, a
+    signature that cannot be read or bound keeps `args` as given."""
+    if not kwargs:
+        try:
+            bound = inspect.signature(getattr(fn, "python_function", fn)).bind(*args)
+        except (TypeError, ValueError):
+            return args
+        bound.apply_defaults()
+        return args if bound.kwargs else bound.args
     try:
         bound = inspect.signature(getattr(fn, "python_function", fn)).bind(*args, **kwargs)
     except (TypeError, ValueError) as e:
@@ -58,8 +68,7 @@ def open_shapes(specs, args) -> dict:
 
 def constants(args) -> list:
     """The step's arguments traced as constants (Python numbers, strings)."""
-    return [(i, a) for i, a in enumerate(tf.nest.flatten(args))
-            if python_value(a) and a is not None]
+    return [(i, a) for i, a in enumerate(tf.nest.flatten(args)) if python_value(a)]
 
 
 def same_constants(traced: list, args) -> None:

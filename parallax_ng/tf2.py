@@ -83,8 +83,7 @@ class StepFunction:
         self._follow, self._followed = follow, None   # names written back after each call
 
     def __call__(self, *args, per_replica: bool = False, **kwargs):
-        if kwargs:                      # step(x, y, training=True): by position
-            args = positional(self._fn, args, kwargs)
+        args = positional(self._fn, args, kwargs)   # step(x, y, training=True): by position
         if self.runner is None:
             self._build(args)
         cap = self._captured

@@ -270,17 +270,20 @@ def test_tf_keras_custom_loop_equals_one_device():
 def test_a_scalar_argument_goes_whole_to_every_replica():
     """A learning rate passed each call as a scalar tensor (before: "argument
     leaf 2 of the step is a scalar", refused), and a Python flag, traced
-    as a constant as tf.function traces it, both given by keyword; a
+    as a constant as tf.function traces it, by position (the trace) and by
+    keyword; a
     Python value other than the traced one is refused by name (one
-    device's tf.function would trace again)."""
+    device's tf.function would trace again), a default left out included
+    (before: `scale=2.0` after calls without it ran the step traced with
+    1.0, silently)."""
     parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.1, momentum=0.9))
 
     def step_of_rate(model, optimizer):
-        def train_step(x, y, rate, train):
+        def train_step(x, y, rate, train, scale=1.0):
             optimizer.learning_rate.assign(rate)
             with tf.GradientTape() as tape:
                 pred = model(x, training=train)
-                loss = tf.reduce_mean(tf.square(pred - y)) * (1.0 if train else 2.0)
+                loss = tf.reduce_mean(tf.square(pred - y)) * (scale if train else 2.0)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return loss, rate
@@ -290,13 +293,17 @@ def test_a_scalar_argument_goes_whole_to_every_replica():
     x, y = data(3)
     for k in range(STEPS):
         rate = tf.constant(0.1 / (k + 1))
-        got, want = step(x[k], y[k], rate=rate, train=True), ref(x[k], y[k], rate, True)
+        got = step(x[k], y[k], rate, True) if k == 0 else step(x[k], y[k], rate=rate, train=True)
+        want = ref(x[k], y[k], rate, True)
         np.testing.assert_allclose(got, [w.numpy() for w in want], rtol=0, atol=1e-5)
     step.sync()
     check_equal(parallel, single)
     with pytest.raises(pn.ConfigError, match="argument leaf 3 of the step was the Python value "
                        "True when the step was traced and is now False"):
         step(x[0], y[0], tf.constant(0.1), train=False)
+    with pytest.raises(pn.ConfigError, match="argument leaf 4 of the step was the Python value "
+                       "1.0 when the step was traced and is now 2.0"):
+        step(x[0], y[0], tf.constant(0.1), True, scale=2.0)
     with pytest.raises(pn.ConfigError, match="do not fit its parameters"):
         step(x[0], y[0], tf.constant(0.1), True, extra=1)
 
