@@ -161,8 +161,8 @@ def _check_late_reads(tg, var: str, whole, ops: dict, writers: set, gradient: Te
     if late:
         raise ConfigError(
             f"op {late[0]!r} reads the whole of {ops[late[0]]!r} in the update of {var!r} "
-            "after the gradient's exchange (e.g. LAMB's trust ratio, or an accumulated "
-            "gradient read whole to apply it): alltoall cuts it "
+            "after the gradient's exchange (e.g. LAMB's trust ratio, a constraint, or an "
+            "accumulated gradient read whole): alltoall cuts it "
             "by columns, and in the update each replica writes its own while the others "
             f"read them; use ps or allgather for {var!r}")
 
