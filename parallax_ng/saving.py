@@ -16,7 +16,7 @@ see), and makes TensorFlow's eager checkpoint writes (`tf.train.Checkpoint`,
 CheckpointManager, SavedModel) one worker at a time on a shared directory
 (`one_writer`, which `runner.save` holds too: a TF1 Saver with `sharded=True`
 writes its shards there the same way); `pn.parallelize` wraps its model's
-saves in any process.
+saves in any process. `saved_by` is a TF1 Saver's `save` through a runner.
 `backups_apart(callbacks)` gives each BackupAndRestore of a worker other
 than 0 a directory of its own. A worker is a task of `parallax-ng run` or
 of an orchestrator (TF_CONFIG), or a rank of horovodrun.
@@ -173,6 +173,25 @@ def one_writer(folder: str | None):
         yield
     finally:
         os.close(handle)          # (and the lock with it)
+
+
+def saved_by(runner, graph, saver, path: str, **kwargs) -> str:
+    """`saver.save(session, path, **kwargs)` (a tf.compat.v1.train.Saver of
+    the user's `graph`) with the runner's runs for the session's: the
+    prefix `path-<global_step>`, the state file `tf.train.latest_checkpoint`
+    reads, `max_to_keep` and the meta graph of `graph`, as on one device. A
+    job's workers all save one path (a sharded Saver's shards then share
+    `<path>_temp/`): one at a time."""
+    from tensorflow.python.client.session import SessionInterface
+
+    class Session(SessionInterface):
+        graph, sess_str = property(lambda self: graph), property(lambda self: "")
+
+        def run(self, fetches, feed_dict=None, options=None, run_metadata=None):
+            return runner.run(fetches, feed_dict)
+
+    with one_writer(folder_of(path)), graph.as_default():
+        return saver.save(Session(), path, **kwargs)
 
 
 def folder_of(prefix) -> str | None:

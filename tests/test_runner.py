@@ -1,3 +1,5 @@
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -133,6 +135,30 @@ def test_checkpoint_round_trip_restores_every_replica(tmp_path):
     with tf1.Session(graph=g) as sess:
         saver.restore(sess, path)
         np.testing.assert_array_equal(sess.run(reads[1]), saved[1])
+
+
+def test_a_saver_s_global_step_state_file_and_max_to_keep_as_on_one_device(tmp_path):
+    """`runner.save(saver, path, global_step=...)` takes Saver.save's
+    arguments (it refused `global_step`): the prefix `path-<step>`, the
+    state file `tf.train.latest_checkpoint` reads (a ported script's resume
+    found none and started afresh), `max_to_keep` and the meta graph of the
+    single-device graph, which a one-device script imports and restores."""
+    g, h = embedding_regression(4, "adam")
+    with g.as_default():
+        saver = tf1.train.Saver(max_to_keep=2)
+        step = tf1.train.get_global_step()
+    with pn.get_runner(g, local(2), {"run_option": "hybrid"}) as runner:
+        runner.run([h["init"], h["iterator_init"]])
+        for _ in range(3):
+            runner.run(h["train"])
+            path = runner.save(saver, str(tmp_path / "model"), global_step=step)
+        saved = runner.run("dense/w/Read/ReadVariableOp:0")
+    assert path == str(tmp_path / "model-3") == tf1.train.latest_checkpoint(str(tmp_path))
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".index")) == [
+        "model-2.index", "model-3.index"]
+    with tf.Graph().as_default() as one, tf1.Session(graph=one) as sess:
+        tf1.train.import_meta_graph(path + ".meta").restore(sess, path)
+        np.testing.assert_array_equal(sess.run("dense/w/Read/ReadVariableOp:0"), saved)
 
 
 def test_ops_made_after_get_runner_run_in_every_replica():

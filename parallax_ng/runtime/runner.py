@@ -61,7 +61,7 @@ from ..graph.rules import READ_PREFIXES
 from ..methods import method
 from ..planning.analysis import unknown_rows
 from ..planning.profile import Profile, measure
-from ..saving import folder_of, one_writer
+from ..saving import saved_by
 from . import heartbeat, moves, one_replica, preemption, serving, tuning
 from .checkpoint import Checkpointer
 from .combining import combine
@@ -192,14 +192,11 @@ class Runner:
         runs = len(self.executor.runs([n for f in wanted for n in f.names]))
         return runs + int(self.executor.ends_with_barrier(initialized, trained))
 
-    def save(self, saver, path: str) -> str:
-        """Write replica 0's variables with the user's tf.compat.v1.train.Saver,
-        by their single-device names: a one-device script restores it as is."""
-        d = saver.saver_def
-        # a job's workers may all save one path (a sharded Saver's shards
-        # then share `<path>_temp/`): one at a time
-        with one_writer(folder_of(path)):
-            return self.run(d.save_tensor_name, {d.filename_tensor_name: path})
+    def save(self, saver, path: str, **kwargs) -> str:
+        """`saver.save(session, path, **kwargs)` for the user's
+        tf.compat.v1.train.Saver (saving.saved_by): replica 0's variables by
+        their single-device names, which a one-device script restores as is."""
+        return saved_by(self, self.program.tg.user_graph, saver, path, **kwargs)
 
     def restore(self, saver, path: str) -> None:
         """Restore every replica's copy (and the shared variables) from `path`."""
