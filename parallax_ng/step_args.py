@@ -31,26 +31,34 @@ def array(leaf):
 
 def positional(fn, args: tuple, kwargs: dict) -> tuple:
     """`fn`'s arguments, some given by keyword, in its parameters' order
-    (defaults filled in): the step is traced and fed by position, and a
-    default left out is a Python value like any other (a later call that
-    gives it another is refused, not run as traced). Without keywords, a
-    signature that cannot be read or bound keeps `args` as given."""
-    if not kwargs:
-        try:
-            bound = inspect.signature(getattr(fn, "python_function", fn)).bind(*args)
-        except (TypeError, ValueError):
-            return args
-        bound.apply_defaults()
-        return args if bound.kwargs else bound.args
+    (defaults filled in): the step is traced and fed by position. The
+    Python defaults after the last given argument are filled in too, traced
+    values like any other (a later call that gives one another is refused,
+    not run as traced), up to the first tensor or array default, which
+    stays the function's own constant (not a batch to split). Without
+    keywords, a signature that cannot be read or bound keeps `args`."""
     try:
-        bound = inspect.signature(getattr(fn, "python_function", fn)).bind(*args, **kwargs)
+        signature = inspect.signature(getattr(fn, "python_function", fn))
+        bound = signature.bind(*args, **kwargs)
     except (TypeError, ValueError) as e:
+        if not kwargs:
+            return args
         raise ConfigError(f"the step's arguments do not fit its parameters: {e}") from None
+    given = set(bound.arguments)
     bound.apply_defaults()
     if bound.kwargs:
+        if not kwargs:
+            return args
         raise ConfigError(f"the step takes {sorted(bound.kwargs)} by keyword only; give them "
                           "by position (make them positional parameters)")
-    return bound.args
+    names = [p.name for p in signature.parameters.values() if p.kind in (
+        p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(names) != len(bound.args):           # a *args parameter: every one was given
+        return bound.args
+    last = max([i for i, name in enumerate(names) if name in given], default=-1)
+    cut = next((i for i, name in enumerate(names) if i > last and
+                not python_value(bound.args[i])), len(names))
+    return tuple(bound.args[:cut])
 
 
 def open_shapes(specs, args) -> dict:

@@ -13,7 +13,7 @@ from test_tf2 import check_equal, step_of, twins
 
 import parallax_ng as pn
 from parallax_ng.errors import ConfigError
-from parallax_ng.step_args import fits_shape, open_shapes, same_shapes
+from parallax_ng.step_args import fits_shape, open_shapes, positional, same_shapes
 
 
 def test_open_shapes_follow_the_spec_where_its_structure_and_ranks_match():
@@ -27,6 +27,24 @@ def test_open_shapes_follow_the_spec_where_its_structure_and_ranks_match():
     assert fits_shape(tf.TensorShape([None, None]), np.zeros((2, 9)))
     assert not fits_shape(tf.TensorShape([None, 6]), np.zeros((2, 5)))
     assert not fits_shape(tf.TensorShape([None, 6]), np.zeros((2, 6, 1)))
+
+
+def test_arguments_by_position_with_the_python_defaults_after_the_given_ones():
+    """The Python defaults after the last given argument are traced values
+    (a later call that changes one is refused); a tensor or array default
+    stays the function's own constant, with what follows it; *args as given."""
+    def step(x, y, train=True, scale=1.0, weights=np.ones(3), last=0):
+        pass
+
+    def rest(x, y=3, *more):
+        pass
+    assert positional(step, (1, 2), {}) == (1, 2, True, 1.0)
+    assert positional(step, (1,), {"y": 2, "scale": 2.0}) == (1, 2, True, 2.0)
+    assert positional(rest, (1,), {}) == (1, 3)
+    assert positional(rest, (1, 2, 5, 6), {}) == (1, 2, 5, 6)
+    assert positional(lambda *a, **k: None, (1, 2), {}) == (1, 2)
+    with pytest.raises(ConfigError, match="do not fit its parameters"):
+        positional(step, (1, 2), {"other": 1})
 
 
 def test_a_call_that_does_not_fit_the_trace_is_named():
