@@ -56,6 +56,7 @@ class KerasFit:
         self.step = StepFunction(step if self.model.run_eagerly else tf.function(step),
                                  *self._asked, self._parts, follow=False)
         self.step.built.append(self._metrics_reset)   # not a checkpoint's totals
+        self.step.before_save = lambda: self.behind and self.sync()
         self._rate = None
         self.behind = False
         self._own = {}                 # kind -> the model's own tf.function of its step

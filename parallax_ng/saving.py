@@ -114,6 +114,43 @@ def whole_saves_in_jobs() -> None:
             setattr(cls, method, whole)
 
 
+_SYNCS: list = []       # what runs before every save (`synced_saves`)
+
+
+def synced_saves(sync) -> None:
+    """`sync()` first in every eager save of the process: TensorFlow's
+    checkpoint writes and the model classes' `save` and `save_weights`
+    (once per process), so a save between a step's calls writes what the
+    replicas trained, not the program's older values (a pn.function step's
+    large weights reach the program only at `step.sync()`)."""
+    if sync in _SYNCS:
+        return
+    _SYNCS.append(sync)
+    from tensorflow.python.checkpoint import functional_saver
+    targets = [(functional_saver.MultiDeviceSaver, "save")] + [
+        (cls, method) for module, name in MODEL_CLASSES
+        if (cls := getattr(sys.modules.get(module), name, None)) is not None
+        for method in ("save", "save_weights")]
+    for cls, method in targets:
+        original = cls.__dict__.get(method)
+        if original is None or getattr(original, "_synced", False):
+            continue
+
+        def synced(self, *args, _original=original, **kwargs):
+            if tf_eager():
+                for each in list(_SYNCS):
+                    each()
+            return _original(self, *args, **kwargs)
+        synced = functools.wraps(original)(synced)     # (its flags too: `_whole`)
+        synced._synced = True
+        setattr(cls, method, synced)
+
+
+def tf_eager() -> bool:
+    import tensorflow as tf
+    return tf.executing_eagerly()
+
+
 def backups_apart(callbacks) -> None:
     """On a job's workers but worker 0, each BackupAndRestore (Keras 3's,
     tf_keras's) made anew with `<backup_dir>.worker-<i>` for its directory:

@@ -81,6 +81,7 @@ class StepFunction:
         self.on_program = 0              # batches that ran on the program's variables
         self._kept = frozenset()         # variables of per-example state (_kept_rows)
         self._follow, self._followed = follow, None   # names written back after each call
+        self.before_save = None          # what brings the program up to date before a save
 
     def __call__(self, *args, per_replica: bool = False, **kwargs):
         args = positional(self._fn, args, kwargs)   # step(x, y, training=True): by position
@@ -130,7 +131,8 @@ class StepFunction:
                 list(self._known)
             if not every and mode == "auto":
                 print(f"parallax_ng: the step's variables hold {size / 2**20:.0f} MiB; the "
-                      "program's get the trained weights at step.sync() (config batch_sync: "
+                      "program's get the trained weights at step.sync() and before a save "
+                      "(a checkpoint, model.save or save_weights; config batch_sync: "
                       "always: after every call), its metrics' and other state, and weights "
                       "another pn.function step reads, after every call", file=sys.stderr,
                       flush=True)
@@ -350,8 +352,23 @@ class StepFunction:
         self.runner.run(cap.init, cap.init_feeds)     # and restores `checkpoint.dir`'s latest
         self._watch()
         _STEPS.add(self)
+        saving.synced_saves(_before_saves)
         for hook in self.built:
             hook()
+
+
+def _before_saves() -> None:
+    """Before a save: every pn.function step's trained values in the
+    program's variables (the program's own changes pushed first); a Keras
+    fit's step as its KerasFit says (`before_save`)."""
+    for step in list(_STEPS):
+        if step.runner is None or step.runner.closed:
+            continue
+        if step.before_save is not None:
+            step.before_save()
+        elif step._follow:
+            step._push_changed()
+            step.sync()
 
 
 def _kept_rows(runner, args) -> frozenset:

@@ -232,6 +232,43 @@ def test_a_penalty_under_a_tape_of_its_own_beside_a_summed_loss_equals_one_devic
     check_equal(parallel, single)
 
 
+def test_a_save_between_calls_writes_what_the_replicas_trained(tmp_path):
+    """With the weights written back only at `step.sync()` (a large model's,
+    or `batch_sync: never`), a tf.train.Checkpoint and a Keras
+    `save_weights` made between calls hold the trained values (they held
+    the program's older ones, silently); a learning rate the program set
+    before the save is kept and trains the next call."""
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
+    step = pn.function(step_of(*parallel), local(2), {"batch_sync": "never"})
+    ref = tf.function(step_of(*single))
+    x, y = data()
+    for k in range(3):
+        step(x[k], y[k])
+        ref(x[k], y[k])
+    model, optimizer = parallel
+    for opt in (optimizer, single[1]):
+        opt.learning_rate.assign(0.01)
+    path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "ckpt"))
+    model.save_weights(str(tmp_path / "model.weights.h5"))
+    check_equal(parallel, single)
+    for k in range(3, STEPS):
+        step(x[k], y[k])
+        ref(x[k], y[k])
+    step.sync()
+    check_equal(parallel, single)
+    saved, _ = twins(keras3_dense, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
+    tf.train.Checkpoint(model=saved[0]).restore(path).expect_partial()
+    again, _ = twins(keras3_dense, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
+    again[0].load_weights(str(tmp_path / "model.weights.h5"))
+    single_then, _ = twins(keras3_dense, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
+    ref_then = tf.function(step_of(*single_then))
+    for k in range(3):
+        ref_then(x[k], y[k])
+    for restored in (saved[0], again[0]):
+        for got, want in zip(restored.weights, single_then[0].weights):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
 def test_a_keras3_embedding_stays_sparse_and_equals_one_device():
     vocab = 50
     parallel, single = twins(lambda: keras3_embedding(vocab),

@@ -193,10 +193,11 @@ class Runner:
         return runs + int(self.executor.ends_with_barrier(initialized, trained))
 
     def save(self, saver, path: str, **kwargs) -> str:
-        """`saver.save(session, path, **kwargs)` for the user's
-        tf.compat.v1.train.Saver (saving.saved_by): replica 0's variables by
-        their single-device names, which a one-device script restores as is."""
+        """`saver.save(session, path, **kwargs)` for the user's Saver (saving.py):
+        replica 0's variables by their single-device names, as one device's."""
         return saved_by(self, self.program.tg.user_graph, saver, path, **kwargs)
+
+    closed = property(lambda self: self._closed)
 
     def restore(self, saver, path: str) -> None:
         """Restore every replica's copy (and the shared variables) from `path`."""
