@@ -137,7 +137,7 @@ def synced_saves(sync) -> None:
             continue
 
         def synced(self, *args, _original=original, **kwargs):
-            if tf_eager():
+            if _eager():
                 for each in list(_SYNCS):
                     each()
             return _original(self, *args, **kwargs)
@@ -146,7 +146,7 @@ def synced_saves(sync) -> None:
         setattr(cls, method, synced)
 
 
-def tf_eager() -> bool:
+def _eager() -> bool:
     import tensorflow as tf
     return tf.executing_eagerly()
 

@@ -82,6 +82,7 @@ class StepFunction:
         self._kept = frozenset()         # variables of per-example state (_kept_rows)
         self._follow, self._followed = follow, None   # names written back after each call
         self.before_save = None          # what brings the program up to date before a save
+        self.behind = False              # trained values the program does not have yet
 
     def __call__(self, *args, per_replica: bool = False, **kwargs):
         args = positional(self._fn, args, kwargs)   # step(x, y, training=True): by position
@@ -98,7 +99,9 @@ class StepFunction:
         same_shapes(self._shapes, args)
         out = self._run(cap.train, cap.inputs, cap.outputs, leaves, per_replica)
         if self._follow:
-            self.sync(self._written_back() + self._read_elsewhere())
+            written = self._written_back() + self._read_elsewhere()
+            self.sync(written)
+            self.behind = len(set(written)) < len(cap.variables)
         return out
 
     def _read_elsewhere(self) -> list:
@@ -241,6 +244,7 @@ class StepFunction:
         if self.runner is None or names == []:
             return
         cap = self._captured
+        self.behind = self.behind and names is not None
         names = list(cap.variables) if names is None else names
         got = self.runner.run([cap.reads[n] for n in names])
         for i, name in enumerate(names):     # a replica's rows of per-example state
@@ -366,7 +370,7 @@ def _before_saves() -> None:
             continue
         if step.before_save is not None:
             step.before_save()
-        elif step._follow:
+        elif step.behind:
             step._push_changed()
             step.sync()
 
