@@ -156,3 +156,42 @@ def test_fetched_gradients_are_one_devices(run_option, reduce):
     for name in one:
         assert np.shape(two[name]) == np.shape(one[name]), name
         np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("average", [True, False], ids=["averaged", "summed"])
+def test_a_loss_of_a_form_the_graph_hides_is_fetched_as_its_gradients_combine(average):
+    """A TF1 graph whose loss, a sum over the batch, is a tf.function's
+    output (a call the analysis does not open): its gradients are averaged
+    by default, with a line saying so, or summed where the config sums them
+    (as the line advises), and the
+    fetched loss follows (before: averaged either way, half of one
+    device's where the config sums)."""
+    rng = np.random.default_rng(0)
+    xs, ys = rng.normal(size=(3, 8, 4)), rng.normal(size=(3, 8, 1))
+
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            x = tf.compat.v1.placeholder(tf.float64, [None, 4])
+            y = tf.compat.v1.placeholder(tf.float64, [None, 1])
+            w = tf.compat.v1.get_variable("w", initializer=np.ones((4, 1)))
+            loss = tf.function(lambda p, t: tf.reduce_sum(tf.square(p - t)))(x @ w, y)
+            train = tf.compat.v1.train.GradientDescentOptimizer(0.01).minimize(loss)
+        return g, x, y, w, loss, train
+    g, x, y, w, loss, train = build()
+    config = {"run_option": "allreduce"} if average else \
+        {"run_option": "allreduce", "average_dense": False, "average_sparse": False}
+    with pn.get_runner(g, local(2), config) as runner:
+        runner.run(w.initializer)
+        fetched = [runner.run([train, loss], {x: a, y: b})[1] for a, b in zip(xs, ys)]
+        parallel = runner.run(w)
+        assert any("is a mean or a sum" in line for line in runner.plan.unmet()) == average
+    g, x, y, w, loss, train = build()
+    with tf.compat.v1.Session(graph=g) as sess:
+        sess.run(w.initializer)
+        single = [sess.run([train, loss], {x: a, y: b})[1] for a, b in zip(xs, ys)]
+        assert (np.abs(parallel - sess.run(w)).max() <= 1e-12) != average
+    # the first step's loss is before any update: the replicas' losses combined
+    np.testing.assert_allclose(fetched[0], single[0] / (2 if average else 1), rtol=1e-12)
+    if not average:
+        np.testing.assert_allclose(fetched, single, rtol=1e-12)

@@ -164,6 +164,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return "constant"
         if op.type in ("Identity", "Snapshot", "Neg", "Cast"):
             return through(t, op.inputs[0])
+        if op.type == "IdentityN":      # an inlined call's outputs (graph/inlining.py)
+            return through(t, op.inputs[t.value_index])
         if counts_rows(op, rows) or selections.counted(op, rows):
             return "sum"        # the batch's rows (or elements, or picked ones) counted
         if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \

@@ -11,7 +11,7 @@ a square root, two comparisons and two reductions: most of such a step on
 a large table, one device's too).
 
 Requires: a GraphDef of one traced function (calls inlined, lowered to
-Switch/Merge, as `tracing._inlined` makes it) and {placeholder name:
+Switch/Merge, as `inlining.inlined` makes it) and {placeholder name:
 tf.Variable} of the variables it captures.
 Guarantees (`row_divisions`): for each such cond, recognised by its false
 branch (a GatherV2 of S at ids, each through a Switch on the cond's

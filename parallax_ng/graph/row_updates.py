@@ -17,7 +17,7 @@ without gradient add or subtract zero. On a large table those ops are the
 step: one device pays them, and so would every replica or server.
 
 Requires: a GraphDef of one traced function (calls inlined, as
-`tracing._inlined` makes it) and {placeholder name: tf.Variable} of the
+`inlining.inlined` makes it) and {placeholder name: tf.Variable} of the
 variables it captures.
 Guarantees (`row_updates`): every UnsortedSegmentSum D of (values, ids)
 into a static shape whose uses, followed through the tensors they make,

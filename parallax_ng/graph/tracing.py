@@ -46,7 +46,7 @@ import numpy as np
 import tensorflow as tf
 
 from ..errors import GraphError
-from . import forms, recorders
+from . import forms, inlining, recorders
 from . import tables as lookup
 from .row_divisions import row_divisions
 from .row_updates import row_reads, row_updates
@@ -236,7 +236,8 @@ def _piece(concrete, targets=()) -> _Piece:
     by_handle.update(recorders.unread_variables(
         {id(external) for external, internal in fg.captures
          if internal.dtype == tf.resource} - set(by_handle)))
-    graph_def = _inlined(concrete)
+    graph_def = inlining.inlined(concrete, list(targets) + [
+        name for names, *_ in getattr(targets, "of_inputs", ()) for name in names])
     variables = {internal.op.name: by_handle[id(external)]
                  for external, internal in fg.captures if id(external) in by_handle}
     row_updates(graph_def, variables)
@@ -400,40 +401,6 @@ def _ancestors(graph_def, roots: set) -> set:
             out.add(name)
             todo.extend(inputs[name])
     return out
-
-
-def _inlined(concrete):
-    """The traced graph with every function call inlined and tf.cond /
-    while_loop lowered to Switch/Merge (Grappler's function optimizer, as
-    TensorFlow's own graph freezing runs it), keeping what the outputs and
-    the stateful ops (the function's control outputs) need. Grappler runs
-    on a virtual cluster of one CPU: the function optimizer does not look
-    at devices, and the machine's own cluster would start a session and
-    probe for GPUs each time (two log lines per traced function)."""
-    from tensorflow.core.protobuf import (config_pb2, device_properties_pb2, meta_graph_pb2,
-                                          rewriter_config_pb2)
-    from tensorflow.python.grappler import cluster as gcluster
-    from tensorflow.python.grappler import tf_optimizer
-    graph_def = concrete.graph.as_graph_def()
-    for f in graph_def.library.function:     # no alternative implementations kept
-        if "api_implements" in f.attr:
-            del f.attr["api_implements"]
-    # no collections: what Grappler keeps is the train_op collection below
-    meta = tf.compat.v1.train.export_meta_graph(graph_def=graph_def, graph=concrete.graph,
-                                                collection_list=[])
-    fetch = meta_graph_pb2.CollectionDef()
-    fetch.node_list.value.extend([t.name for t in concrete.inputs + concrete.outputs] +
-                                 [op.name for op in concrete.graph.control_outputs])
-    meta.collection_def["train_op"].CopyFrom(fetch)
-    config = config_pb2.ConfigProto()
-    rewrite = config.graph_options.rewrite_options
-    rewrite.min_graph_nodes = -1
-    rewrite.optimizers.append("function")
-    rewrite.function_optimization = rewriter_config_pb2.RewriterConfig.AGGRESSIVE
-    cpu = device_properties_pb2.NamedDevice(
-        name="/job:localhost/replica:0/task:0/device:CPU:0",
-        properties=device_properties_pb2.DeviceProperties(type="CPU"))
-    return tf_optimizer.OptimizeGraph(config, meta, cluster=gcluster.Cluster(devices=[cpu]))
 
 
 def _variable_name(var) -> str:

@@ -89,7 +89,7 @@ def combine(values: list, f: Fetch):
 
 
 def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
-                      averaged: bool = True) -> tuple:
+                      averaged: bool = True, losses=frozenset()) -> tuple:
     """(how, axis, shown): the replicas' parts joined along the batch's axis
     (a time-major output's second; booleans and strings too); a scalar or a
     tensor reduced over the batch is a mean (a loss) unless graph/forms.py
@@ -106,7 +106,9 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
     replicas' mean where the gradients are `averaged` (else their sum), a
     gradient per example joined by rows (and divided by N). A TF1 sum
     scaled by a number the graph does not show to be the batch size is a
-    mean, or a sum where the config sums the gradients (`averaged` False)."""
+    mean, or a sum where the config sums the gradients (`averaged` False);
+    so is a loss the graph differentiates (named in `losses`) whose form
+    it does not show."""
     axis = batch_axis(t, sources) if t.shape.rank != 0 else None
     if rules.is_autodiff(t.op.name) and t.dtype.is_floating:
         if axis is None and t.shape.rank and compat.dim(t.shape, 0) is None:
@@ -132,8 +134,8 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
     kind, guessed, _ = forms.scalar_form(t, sources)
     if t.shape.rank != 0 and kind is None:
         return "concat", 0, False
-    if guessed and not averaged:
-        kind = "sum"    # a scaled TF1 sum the config sums the gradients of: a sum
+    if (guessed or kind is None and t.name in losses) and not averaged:
+        kind = "sum"    # a scaled TF1 sum or a loss the config sums the gradients of
     summed = kind == "sum" or forms.over_widened(t, sources, widened)
     return ("sum" if summed else "mean"), 0, kind is not None
 

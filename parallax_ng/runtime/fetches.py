@@ -264,7 +264,7 @@ class ReplicaFetchMap(FetchMap):
             scaled = self.ctx.result(ScaledInputs)    # one device's share each: summed
             how, axis, shown = default_reduction(
                 t, self._sources, widened.divisions if widened else frozenset(),
-                self.plan.average_dense and not (scaled and scaled.holds(name)))
+                self.plan.average_dense and not (scaled and scaled.holds(name)), self._said_names)
             self._reductions[name] = how, axis
             if not shown and name not in self.config.fetch_reduction and not self._said(t):
                 print(unread(name, t, how), file=sys.stderr, flush=True)

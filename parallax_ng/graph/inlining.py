@@ -1,0 +1,73 @@
+"""A traced function's graph with every call inlined, as the analysis reads it.
+
+The passes read a step's ops one by one: a function call is a single op
+whose inside they cannot see (a loss computed in it has no form, a
+variable read in it no gradient they can aggregate). Grappler's function
+optimizer inlines calls and lowers tf.cond / while_loop to Switch/Merge,
+as TensorFlow's own graph freezing runs it, but it leaves alone a
+function marked to be compiled by XLA (`tf.function(jit_compile=True)`,
+Keras's `jit_compile=True` steps, a tf_keras optimizer's update on a GPU)
+or marked not to be inlined. Those marks are taken off first: the
+parallel step runs such a function's ops as ordinary ops (what XLA would
+fuse, the replicas run unfused; its numbers are the ops' own).
+
+Requires: a tf.function's ConcreteFunction.
+Guarantees: a GraphDef of its graph in which no call of the library is
+left but where the function optimizer keeps one (a function it cannot
+inline), and no alternative implementation (`api_implements`) is kept.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+# the function attributes that keep Grappler from inlining a call
+_KEPT_APART = ("_XlaMustCompile", "_noinline", "api_implements")
+
+
+def inlined(concrete, keep=()):
+    """The traced graph with every function call inlined and tf.cond /
+    while_loop lowered to Switch/Merge, keeping what the outputs and the
+    stateful ops (the function's control outputs) need. A tensor named in
+    `keep` (what the step's tapes differentiated) keeps its name: a call's
+    output becomes that of an IdentityN named as the call. Grappler runs on
+    a virtual cluster of one CPU: the function optimizer does not look at
+    devices, and the machine's own cluster would start a session and probe
+    for GPUs each time (two log lines per traced function)."""
+    from tensorflow.core.protobuf import (config_pb2, device_properties_pb2, meta_graph_pb2,
+                                          rewriter_config_pb2)
+    from tensorflow.python.grappler import cluster as gcluster
+    from tensorflow.python.grappler import tf_optimizer
+    graph_def = concrete.graph.as_graph_def()
+    unmarked(graph_def)
+    # no collections: what Grappler keeps is the train_op collection below
+    meta = tf.compat.v1.train.export_meta_graph(graph_def=graph_def, graph=concrete.graph,
+                                                collection_list=[])
+    fetch = meta_graph_pb2.CollectionDef()
+    nodes = {node.name for node in graph_def.node}
+    fetch.node_list.value.extend([t.name for t in concrete.inputs + concrete.outputs] +
+                                 [op.name for op in concrete.graph.control_outputs] +
+                                 [name for name in keep if name.split(":")[0] in nodes])
+    meta.collection_def["train_op"].CopyFrom(fetch)
+    config = config_pb2.ConfigProto()
+    rewrite = config.graph_options.rewrite_options
+    rewrite.min_graph_nodes = -1
+    rewrite.optimizers.append("function")
+    rewrite.function_optimization = rewriter_config_pb2.RewriterConfig.AGGRESSIVE
+    cpu = device_properties_pb2.NamedDevice(
+        name="/job:localhost/replica:0/task:0/device:CPU:0",
+        properties=device_properties_pb2.DeviceProperties(type="CPU"))
+    return tf_optimizer.OptimizeGraph(config, meta, cluster=gcluster.Cluster(devices=[cpu]))
+
+
+def unmarked(graph_def) -> None:
+    """Take the marks that keep a call apart off `graph_def`'s functions
+    and off every call to them (in the graph and in function bodies)."""
+    for f in graph_def.library.function:
+        for key in _KEPT_APART:
+            if key in f.attr:
+                del f.attr[key]
+    for nodes in [graph_def.node] + [f.node_def for f in graph_def.library.function]:
+        for node in nodes:
+            for key in _KEPT_APART:
+                if key in node.attr:
+                    del node.attr[key]
