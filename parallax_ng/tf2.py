@@ -336,6 +336,14 @@ class StepFunction:
                     "gradients, as DP-SGD takes them): parallax_ng finds a step's gradients "
                     "from tape.gradient calls, which a jacobian's loop hides; take the "
                     "update's gradients with tape.gradient") from None
+            if cap.lost:
+                raise GraphError(
+                    f"the step {getattr(self._fn, '__name__', self._fn)!r} updates its "
+                    f"variables from gradients of {cap.lost[0]!r} taken inside "
+                    "tf.vectorized_map or tf.map_fn (per-example gradients, as DP-SGD takes "
+                    "them): parallax_ng finds a step's gradients from tape.gradient calls, "
+                    "which such a loop hides; take the update's gradients with tape.gradient "
+                    "outside it") from None
             if held := accumulation.sinks(cap.graph):
                 raise GraphError(
                     f"the step {getattr(self._fn, '__name__', self._fn)!r} adds its "

@@ -909,8 +909,26 @@ def test_bad_steps_are_refused_naming_the_problem():
         grads = [tf.reduce_mean(j, 0) for j in tape.jacobian(losses, model.trainable_variables)]
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return tf.reduce_mean(losses)
+    def clipped_per_example(mapped):
+        def step(x, y):         # DP-SGD's gradients: tape.gradient per example in a loop
+            def one(xy):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_sum(tf.square(model(xy[0][None]) - xy[1][None]))
+                return [tf.clip_by_norm(g, 1.0)
+                        for g in tape.gradient(loss, model.trainable_variables)]
+            per = mapped(one, (x, y))
+            optimizer.apply_gradients(zip([tf.reduce_mean(g, 0) for g in per],
+                                          model.trainable_variables))
+            return tf.constant(0.0)
+        return step
     for fn, error, match in [
             (per_example, pn.GraphError, "from tape.jacobian of .*per-example"),
+            # before: "adds its gradients into variables [...] and applies none"
+            (clipped_per_example(tf.vectorized_map), pn.GraphError,
+             "gradients of 'loop_body/.*inside tf.vectorized_map or tf.map_fn"),
+            (clipped_per_example(lambda f, xy: tf.map_fn(
+                f, xy, fn_output_signature=[v.dtype for v in model.trainable_variables])),
+             pn.GraphError, "gradients of 'map/while/.*inside tf.vectorized_map or tf.map_fn"),
             (updates_in_a_loop, pn.GraphError, "is updated, or its gradient taken, inside a "
              "loop.*loop in Python"),
             (accumulates_in_a_loop, pn.GraphError, "its gradient taken, inside a loop "

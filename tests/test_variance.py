@@ -1,9 +1,16 @@
 """Variance: which nodes differ between replicas (their sources, and what
 follows them along data edges, gradients aside)."""
-import tensorflow as tf
+import warnings
 
-from models import embedding_regression
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from models import embedding_regression, local
+
+import parallax_ng as pn
 from parallax_ng.graph import frontend
+from parallax_ng.graph.ir import TensorRef
 from parallax_ng.graph.variance import is_input_source, replica_variant
 
 
@@ -77,3 +84,66 @@ def test_inputs_the_state_sync_reduced_stop_differences():
     assert "x" in synced and not {"add_total", "add_count", "value"} & synced
     half = replica_variant(tg, synced=frozenset({("add_total", 1)}))
     assert "add_total" not in half and {"add_count", "value"} <= half
+
+
+def test_an_identity_ns_outputs_vary_each_with_its_own_input():
+    """tf.custom_gradient passes its outputs, its inputs and the weights it
+    reads through one IdentityN (and in a traced step, its gradient
+    function returns the input's gradient, each replica's own, and the
+    weight's, aggregated, through another): each output varies with its
+    own input."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf.compat.v1.get_variable("w", [3, 1], use_resource=True)
+
+        @tf.custom_gradient
+        def project(x):
+            def grad(dy, variables=None):
+                return dy @ tf.transpose(w), [tf.matmul(x, dy, transpose_a=True)]
+            return x @ w, grad
+        loss = tf.reduce_mean(tf.square(project(x)), name="loss")
+        tf.compat.v1.train.AdamOptimizer(0.1).minimize(loss)
+    tg = frontend.load(g)
+    variant = replica_variant(tg)
+    ident = [n.name for n in tg.ir.nodes if n.op == "IdentityN"]
+    assert ident and all(n in variant for n in ident)
+    assert not any(n.startswith("Adam/update_w") for n in variant)
+    outputs = [TensorRef(ident[0], k) for k in range(3)]     # x @ w, x, w's value
+    assert [variant.varies(ref) for ref in outputs] == [True, True, False]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_a_recomputed_block_trains_as_one_device_with_no_state_synced(optimizer):
+    """tf.recompute_grad (a custom gradient) in a pn.function step: every
+    weight and slot equals one device's after 4 steps, and no slot is
+    synced as state (before: a line naming Adam's slots as written from
+    each replica's data, and a collective for each)."""
+    rng = np.random.default_rng(0)
+    xs, ys = rng.normal(size=(4, 16, 4)), rng.normal(size=(4, 16, 1))
+
+    def make():
+        r = np.random.default_rng(1)
+        ws = [tf.Variable(r.normal(size=(4, 6))), tf.Variable(r.normal(size=(6, 1)))]
+        opt = keras.optimizers.Adam(0.05) if optimizer == "adam" else \
+            keras.optimizers.SGD(0.05, momentum=0.9)
+        block = tf.recompute_grad(lambda x: tf.tanh(x @ ws[0]) @ ws[1])
+
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(block(x) - y))
+            opt.apply_gradients(zip(tape.gradient(loss, ws), ws))
+            return loss
+        return ws, opt, step
+    (wa, oa, sa), (wb, ob, sb) = make(), make()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")         # no line on the slots
+        parallel = pn.function(sa, local(2))
+        single = tf.function(sb)
+        for x, y in zip(xs, ys):
+            parallel(x, y), single(x, y)
+    parallel.sync()
+    for a, b in zip(wa + oa.variables, wb + ob.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-12, rtol=0)
+    synced = [r.report for r in parallel.runner.pass_records if r.name == "state_sync"]
+    assert synced == [{"synced": 0}]

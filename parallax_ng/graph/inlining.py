@@ -33,8 +33,8 @@ def inlined(concrete, keep=()):
     a virtual cluster of one CPU: the function optimizer does not look at
     devices, and the machine's own cluster would start a session and probe
     for GPUs each time (two log lines per traced function)."""
-    from tensorflow.core.protobuf import (config_pb2, device_properties_pb2, meta_graph_pb2,
-                                          rewriter_config_pb2)
+    from tensorflow.core.protobuf import (config_pb2, device_properties_pb2,
+                                          meta_graph_pb2, rewriter_config_pb2)
     from tensorflow.python.grappler import cluster as gcluster
     from tensorflow.python.grappler import tf_optimizer
     graph_def = concrete.graph.as_graph_def()

@@ -102,6 +102,9 @@ def capture(fn, args: tuple, parts: dict | None = None, opened: dict | None = No
             captured.graph.add_to_collection(forms.JOINED_ROWS, out)
     recorders.note_input_gradients(captured.graph, targets.of_inputs)
     captured.failed, captured.jacobians = failed, targets.jacobians
+    names = {op.name for op in captured.graph.get_operations()}   # a tape's loss in a loop:
+    captured.lost = [n for n in targets if n.rsplit(":", 1)[0] not in names or  # map_fn's,
+                     re.match(r"(.*/)?loop_body/", n)]     # or vectorized_map's (pfor's scope)
     return captured
 
 

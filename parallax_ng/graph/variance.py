@@ -31,16 +31,37 @@ def replica_variant(tg, identical: frozenset[str] = frozenset(),
     grads = tg.gradient_tensors
     variant = {node.name for node in tg.ir.nodes
                if node.name not in identical and _is_source(tg, node)}
+    outputs = {}        # an IdentityN's varying outputs (its k-th passes its k-th input)
     todo = list(variant)
     while todo:           # along data edges, a loop's back edges too (NextIteration
         name = todo.pop()          # into its Merge: what a loop carries from the data)
         for user in tg.ir.node_consumers.get(name, ()):
-            if user not in variant and any(
-                    ref.node == name and ref not in grads and (user, at) not in synced
-                    for at, ref in enumerate(tg.ir.data_inputs(user))):
+            hit = {at for at, ref in enumerate(tg.ir.data_inputs(user))
+                   if ref.node == name and ref not in grads and (user, at) not in synced
+                   and ref.index in outputs.get(name, (ref.index,))}
+            if tg.ir.node(user).op == "IdentityN" and not hit <= outputs.get(user, set()):
+                outputs.setdefault(user, set()).update(hit)
                 variant.add(user)
                 todo.append(user)
-    return frozenset(variant)
+            elif hit and user not in variant:
+                variant.add(user)
+                todo.append(user)
+    return Variant(variant, outputs)
+
+
+class Variant(frozenset):
+    """The names of the nodes some output of which differs between
+    replicas; `outputs` holds an IdentityN's outputs that do (tf.custom_gradient's
+    gradients: the inputs' differ, the weights' are aggregated)."""
+
+    def __new__(cls, names, outputs=None):
+        out = super().__new__(cls, names)
+        out.outputs = {k: frozenset(v) for k, v in (outputs or {}).items()}
+        return out
+
+    def varies(self, ref) -> bool:
+        """Whether tensor `ref` differs between replicas."""
+        return ref.node in self and ref.index in self.outputs.get(ref.node, (ref.index,))
 
 
 def by_shapes_only(tg, name: str) -> bool:

@@ -22,7 +22,7 @@ from ..errors import GraphError, ParallaxError
 from ..graph import branches, rules
 from ..graph.frontend import TrainingGraph
 from ..graph.ir import GraphIR, format_input
-from ..graph.variance import replica_variant
+from ..graph.variance import Variant, replica_variant
 from ..planning.facts import Facts
 from ..planning.plan import Plan
 from .results import SyncedInputs
@@ -112,7 +112,9 @@ class PassContext:
 
     def varies(self, ref) -> bool:
         """True if tensor `ref` differs between replicas after aggregation."""
-        return ref.node in self.variant and ref not in self.tg.gradient_tensors
+        variant = self.variant
+        return ref not in self.tg.gradient_tensors and (
+            variant.varies(ref) if isinstance(variant, Variant) else ref.node in variant)
 
     @cached_property
     def unreplicated(self) -> frozenset[str]:
