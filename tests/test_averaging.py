@@ -140,3 +140,30 @@ def test_a_traced_step_s_custom_gradient_is_read_too(through, warned):
         return loss
     bent = bent_gradient(capture(step, (np.ones((4, 3), np.float32),)).graph)
     assert bent == ("clip_by_value/Minimum", "Minimum") if warned else bent is None
+
+
+@pytest.mark.parametrize("rows", ["fixed", "the batch's"])
+def test_a_loss_of_rows_drawn_in_a_fixed_number_is_named(rows):
+    """A GAN's generator loss over `tf.random.normal([BATCH_SIZE, d])`
+    (TensorFlow's DCGAN tutorial): it reads no data, and every replica
+    draws BATCH_SIZE rows; the line says so and how to draw a replica's
+    part (before: "does not show whether the loss is a mean or a sum").
+    Drawn as many as the batch's rows, it says nothing."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3])
+        n = 16 if rows == "fixed" else tf.shape(x)[0]
+        fake = tf.matmul(tf.random.normal(tf.stack([n, 3])), tf1.get_variable("g", [3, 3]))
+        d = tf1.get_variable("d", [3, 1])
+        generator = tf.reduce_mean(tf.nn.softplus(-tf.matmul(fake, d)))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(generator, var_list=[g.get_collection(
+            tf1.GraphKeys.TRAINABLE_VARIABLES)[0]])
+        tf1.train.GradientDescentOptimizer(0.1).minimize(
+            tf.reduce_mean(tf.nn.softplus(tf.matmul(fake, d)) + tf.nn.softplus(-x @ d)),
+            var_list=[d])
+    said = averaging.averages(_Asked(), g)[2]
+    if rows == "fixed":
+        assert "'Mean:0' reads no data but 16 rows that 'random_normal/RandomStandardNormal'" \
+            " draws" in said and "tf.shape(batch)[0]" in said, said
+    else:
+        assert said == ""

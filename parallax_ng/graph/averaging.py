@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from .. import compat
 from .forms import autodiff_losses, counts_rows, loss_form, scalar_form, sources
 from .mixing import bent_gradient, mixing
-from .randomness import is_random
+from .randomness import is_random, seed_input
 from .rows import batch_axis, reading
 
 
@@ -97,6 +98,13 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     elif sums and not summed:
         note = (f"the losses {sums} sum over the batch and others average; the replicas' "
                 "gradients are averaged (set average_dense/average_sparse to choose)")
+    elif unread and (drawn := drawn_rows(graph.get_tensor_by_name(unread[0]),
+                                         set(sources(graph)))):
+        note = (f"the loss {unread[0]!r} reads no data but {drawn[1]} rows that "
+                f"{drawn[0]!r} draws, a number the graph fixes (tf.random.normal([BATCH_SIZE, "
+                "...]) of a GAN's generator): every replica draws them all, N times one "
+                "device's rows together, and the replicas' gradients are averaged. Draw "
+                "tf.shape(batch)[0] rows for each replica's part of the global batch")
     elif unread:
         note = (f"the graph does not show whether the loss {unread[0]!r} is a mean or a sum "
                 "over the batch (an op between it and the data hides the batch's rows); the "
@@ -129,6 +137,25 @@ def data_free(graph: tf.Graph) -> list[str]:
         if not varies:
             out.append(loss.name)
     return out
+
+
+def drawn_rows(loss: tf.Tensor, data) -> tuple[str, int] | None:
+    """(random op, rows) where `loss` reads no data source (in `data`) but a
+    random draw whose first dimension the graph fixes; else None."""
+    seen, stack, drawn = set(), [loss.op], None
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.name in data:
+            return None
+        shape = op.outputs[0].shape if op.outputs else None
+        if (is_random(op.node_def) or seed_input(op.node_def) is not None) and \
+                shape is not None and shape.rank and compat.dim(shape, 0) is not None:
+            drawn = drawn or (op.name, compat.dim(shape, 0))
+        stack.extend(t.op for t in op.inputs)
+    return drawn
 
 
 def added_once(graph: tf.Graph, form=None) -> list[tuple[str, int]]:
