@@ -17,6 +17,8 @@ CheckpointManager, SavedModel) one worker at a time on a shared directory
 (`one_writer`, which `runner.save` holds too: a TF1 Saver with `sharded=True`
 writes its shards there the same way); `pn.parallelize` wraps its model's
 saves in any process. `saved_by` is a TF1 Saver's `save` through a runner.
+`synced_saves` and `synced_restores` run what a caller gives before every
+eager save, and around every eager restore, of the process.
 `backups_apart(callbacks)` gives each BackupAndRestore of a worker other
 than 0 a directory of its own. A worker is a task of `parallax-ng run` or
 of an orchestrator (TF_CONFIG), or a rank of horovodrun.
@@ -144,6 +146,46 @@ def synced_saves(sync) -> None:
         synced = functools.wraps(original)(synced)     # (its flags too: `_whole`)
         synced._synced = True
         setattr(cls, method, synced)
+
+
+_AROUND_RESTORES: list = []     # (before, after) every restore (`synced_restores`)
+_RESTORING = [0]                # restores under way (a model's load_weights reads a checkpoint)
+
+
+def synced_restores(before, after) -> None:
+    """`before()` and `after()` around every eager restore of the process:
+    TensorFlow's checkpoint reads (`tf.train.Checkpoint.restore` and `read`,
+    a CheckpointManager's) and the model classes' `load_weights` (once per
+    process, the outermost restore only), so that a restore between a
+    step's calls reaches the replicas (before: the next call went on from
+    their values, silently)."""
+    if (before, after) in _AROUND_RESTORES:
+        return
+    _AROUND_RESTORES.append((before, after))
+    from tensorflow.python.checkpoint import functional_saver
+    targets = [(functional_saver.MultiDeviceSaver, "restore")] + [
+        (cls, "load_weights") for module, name in MODEL_CLASSES
+        if (cls := getattr(sys.modules.get(module), name, None)) is not None]
+    for cls, method in targets:
+        original = cls.__dict__.get(method)
+        if original is None or getattr(original, "_restores", False):
+            continue
+
+        def restored(self, *args, _original=original, **kwargs):
+            outermost = _eager() and not _RESTORING[0]
+            for first, _ in list(_AROUND_RESTORES) if outermost else ():
+                first()
+            _RESTORING[0] += 1
+            try:
+                out = _original(self, *args, **kwargs)
+            finally:
+                _RESTORING[0] -= 1
+            for _, then in list(_AROUND_RESTORES) if outermost else ():
+                then()
+            return out
+        restored = functools.wraps(original)(restored)
+        restored._restores = True
+        setattr(cls, method, restored)
 
 
 def _eager() -> bool:

@@ -365,6 +365,7 @@ class StepFunction:
         self._watch()
         _STEPS.add(self)
         saving.synced_saves(_before_saves)
+        saving.synced_restores(_before_saves, _after_restores)
         for hook in self.built:
             hook()
 
@@ -381,6 +382,14 @@ def _before_saves() -> None:
         elif step.behind:
             step._push_changed()
             step.sync()
+
+
+def _after_restores() -> None:
+    """After a restore: every step's variables from the program's values
+    (what the restore read, and what it left as the step had trained it)."""
+    for step in list(_STEPS):
+        if step.runner is not None and not step.runner.closed:
+            step.push(list(step._captured.variables.values()))
 
 
 def _kept_rows(runner, args) -> frozenset:

@@ -269,6 +269,40 @@ def test_a_save_between_calls_writes_what_the_replicas_trained(tmp_path):
             np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("batch_sync", ["auto", "never"])
+@pytest.mark.parametrize("restore", ["checkpoint, model only", "checkpoint", "load_weights"])
+def test_a_restore_between_calls_reaches_the_replicas(tmp_path, restore, batch_sync):
+    """A program that rolls back to an earlier checkpoint between calls (a
+    tf.train.Checkpoint's restore, of the model alone or with the
+    optimizer, or Keras's load_weights) trains on from the restored values,
+    as one device does; the optimizer's slots a restore leaves are the ones
+    the replicas trained (before: the next call went on from the replicas'
+    values, 0.098 apart after one more step, silently)."""
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.Adam(0.05))
+    step = pn.function(step_of(*parallel), local(2), {"batch_sync": batch_sync})
+    ref = tf.function(step_of(*single))
+    x, y = data()
+    saved = []
+    for model, optimizer in (parallel, single):
+        held = tf.train.Checkpoint(model=model) if restore == "checkpoint, model only" \
+            else tf.train.Checkpoint(model=model, optimizer=optimizer)
+        saved.append((held, tmp_path / f"{len(saved)}"))
+    for k in range(STEPS):
+        step(x[k], y[k])
+        ref(x[k], y[k])
+        for (held, path), (model, _) in zip(saved, (parallel, single)):
+            if k == 1 and restore == "load_weights":
+                model.save_weights(str(path) + ".weights.h5")
+            elif k == 1:
+                held.write(str(path))
+            elif k == 3 and restore == "load_weights":
+                model.load_weights(str(path) + ".weights.h5")
+            elif k == 3:
+                held.read(str(path))
+    step.sync()
+    check_equal(parallel, single)
+
+
 def test_a_keras3_embedding_stays_sparse_and_equals_one_device():
     vocab = 50
     parallel, single = twins(lambda: keras3_embedding(vocab),
