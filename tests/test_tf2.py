@@ -270,11 +270,13 @@ def test_a_save_between_calls_writes_what_the_replicas_trained(tmp_path):
 
 
 @pytest.mark.parametrize("batch_sync", ["auto", "never"])
-@pytest.mark.parametrize("restore", ["checkpoint, model only", "checkpoint", "load_weights"])
+@pytest.mark.parametrize("restore", ["checkpoint, model only", "checkpoint", "load_weights",
+                                     "set_weights"])
 def test_a_restore_between_calls_reaches_the_replicas(tmp_path, restore, batch_sync):
     """A program that rolls back to an earlier checkpoint between calls (a
     tf.train.Checkpoint's restore, of the model alone or with the
-    optimizer, or Keras's load_weights) trains on from the restored values,
+    optimizer, Keras's load_weights, a model's set_weights) trains on from
+    the restored values,
     as one device does; the optimizer's slots a restore leaves are the ones
     the replicas trained (before: the next call went on from the replicas'
     values, 0.098 apart after one more step, silently)."""
@@ -287,11 +289,18 @@ def test_a_restore_between_calls_reaches_the_replicas(tmp_path, restore, batch_s
         held = tf.train.Checkpoint(model=model) if restore == "checkpoint, model only" \
             else tf.train.Checkpoint(model=model, optimizer=optimizer)
         saved.append((held, tmp_path / f"{len(saved)}"))
+    kept = {}
     for k in range(STEPS):
         step(x[k], y[k])
         ref(x[k], y[k])
         for (held, path), (model, _) in zip(saved, (parallel, single)):
-            if k == 1 and restore == "load_weights":
+            if restore == "set_weights" and k in (1, 3):
+                if k == 1:
+                    step.sync()
+                    kept[path] = model.get_weights()
+                else:
+                    model.set_weights(kept[path])
+            elif k == 1 and restore == "load_weights":
                 model.save_weights(str(path) + ".weights.h5")
             elif k == 1:
                 held.write(str(path))
@@ -1318,9 +1327,7 @@ def test_values_the_program_sets_between_calls_are_taken_in():
                 step.sync()
             results.append(float(mae.result()))
             mae.reset_state()
-        model.set_weights([np.asarray(w) * 0.9 for w in model.weights])
-        if hasattr(step, "push"):
-            step.push(model.weights)
+        model.set_weights([np.asarray(w) * 0.9 for w in model.weights])   # taken in
         step(x[9], y[9])
         if hasattr(step, "sync"):
             step.sync()
