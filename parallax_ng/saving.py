@@ -41,8 +41,8 @@ ONE_FILE = (".weights.h5", ".keras", ".hdf5", ".h5")
 MODEL_CLASSES = (("keras.src.models.model", "Model"),
                  ("tf_keras.src.engine.training", "Model"))
 # a layer's (a model's) set_weights, which `synced_restores` treats as a restore
-LAYER_SETS = [("keras.src.layers.layer", "Layer", "set_weights"),
-              ("tf_keras.src.engine.base_layer", "Layer", "set_weights")]
+LAYER_SETS = (("keras.src.layers.layer", "Layer", "set_weights"),
+              ("tf_keras.src.engine.base_layer", "Layer", "set_weights"))
 
 
 def whole_files(save):
@@ -160,16 +160,15 @@ def synced_restores(before, after) -> None:
     TensorFlow's checkpoint reads (`tf.train.Checkpoint.restore` and `read`,
     a CheckpointManager's), the model classes' `load_weights` and the layer
     classes' `set_weights` (once per process, the outermost restore only),
-    so that a restore between a
-    step's calls reaches the replicas (before: the next call went on from
-    their values, silently)."""
+    so that a restore between a step's calls reaches the replicas (before:
+    the next call went on from their values, silently)."""
     if (before, after) in _AROUND_RESTORES:
         return
     _AROUND_RESTORES.append((before, after))
     from tensorflow.python.checkpoint import functional_saver
     targets = [(functional_saver.MultiDeviceSaver, "restore")] + [
         (cls, method) for module, name, method in
-        [(module, name, "load_weights") for module, name in MODEL_CLASSES] + LAYER_SETS
+        [(module, name, "load_weights") for module, name in MODEL_CLASSES] + list(LAYER_SETS)
         if (cls := getattr(sys.modules.get(module), name, None)) is not None]
     for cls, method in targets:
         original = cls.__dict__.get(method)
