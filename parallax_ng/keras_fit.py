@@ -343,10 +343,14 @@ def _synchronized(model) -> None:
     """Config `batch_norm: synchronized`: every Keras 3 and tf_keras
     BatchNormalization layer of `model` normalizes by the global batch's
     statistics (its `synchronized` flag, which graph/replica_sums.py makes
-    the job's sums; tf_keras computes those unfused), as one device does."""
+    the job's sums), as one device does. A tf_keras layer built with the
+    fused kernel (4-D and 5-D inputs) keeps it: the build lowers the kernel
+    and exchanges its statistics (graph/fused_norm.py), and its moving
+    variance stays the unbiased one the kernel reports, as on one device
+    (tf_keras's synchronized statistics are unfused, and their moving
+    variance the biased one)."""
     for layer in model._flatten_layers(include_self=False):
         if any(c.__name__ == "BatchNormalization" for c in type(layer).__mro__) and \
-                hasattr(layer, "synchronized") and not layer.synchronized:
+                hasattr(layer, "synchronized") and not layer.synchronized and \
+                not getattr(layer, "fused", False):
             layer.synchronized = True
-            if getattr(layer, "fused", False):
-                layer.fused = False

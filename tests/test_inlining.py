@@ -37,6 +37,33 @@ def test_marked_calls_are_inlined_and_a_kept_output_keeps_its_name(marks):
     assert "Sum" in ops.values() and "AssignSubVariableOp" in ops.values()
 
 
+def test_a_stateful_call_only_run_becomes_a_noop_after_its_outputs():
+    """A stateful call among the step's control outputs whose outputs no
+    op reads (an update in a nested function that returns its new value)
+    is left by the inliner as an IdentityN of every output: made a NoOp
+    after the same ops, it reads none of them (a fused batch
+    normalization's reserve spaces stay its gradient's alone)."""
+    w = tf.Variable(tf.ones((3,)))
+
+    @tf.function
+    def update(g):
+        w.assign_sub(g)
+        return w.read_value(), 2.0 * g
+
+    def step(g):
+        update(g)
+        return tf.reduce_sum(g)
+    concrete = tf.function(step).get_concrete_function(tf.TensorSpec([3]))
+    calls = [op.name for op in concrete.graph.control_outputs if op.type in CALLS]
+    graph_def = inlining.inlined(concrete)
+    nodes = {n.name: n for n in graph_def.node}
+    assert calls and all(nodes[c].op == "NoOp" for c in calls)
+    assert all(i.startswith("^") for c in calls for i in nodes[c].input) and nodes[calls[0]].input
+    read = {i.split(":")[0] for n in graph_def.node for i in n.input if not i.startswith("^")}
+    assert not read & set(calls)
+    assert "AssignSubVariableOp" in {n.op for n in graph_def.node}
+
+
 def _steps(where: str, jit: bool):
     """A model, an SGD with momentum and a step whose loss (a sum over the
     batch divided by a constant), forward pass or update is in a nested

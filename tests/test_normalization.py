@@ -133,16 +133,30 @@ def keras_bn(lib, images):
                            lib.layers.Dense(1)])
 
 
-@pytest.mark.parametrize("legacy,images", [("0", False), ("1", False), ("0", True),
-                                           ("1", True)])
-def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, images, capsys,
-                                                                      monkeypatch):
+class _Called:
+    """A model called in a nested tf.function (XLA-compiled or not)."""
+
+    def __init__(self, model, jit: bool):
+        self.trainable_variables = model.trainable_variables
+        self.forward = tf.function(lambda x: model(x, training=True), jit_compile=jit)
+
+    def __call__(self, x, training):
+        return self.forward(x)
+
+
+@pytest.mark.parametrize("legacy,images,nested", [
+    ("0", False, ""), ("1", False, ""), ("0", True, ""), ("1", True, ""),
+    ("0", False, "function"), ("1", True, "function"), ("1", True, "jit"), ("0", True, "jit")])
+def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, images, nested,
+                                                                      capsys, monkeypatch):
     """A GradientTape step of a Keras 3 or tf_keras model with a
     BatchNormalization on features or images (its moments found in the
     tape's gradient by their form; tf_keras's fused kernel on images,
-    which moves the moving statistics inside the op, lowered): 8 steps on
-    2 replicas equal one device, weights, moving statistics and Adam's
-    slots. (No bias before the normalization: its gradient would be
+    which moves the moving statistics inside the op, lowered), the model
+    called in the step or in a tf.function of its own (inlined: its
+    gradient's ops are named for the call's, not the forward ops'): 8
+    steps on 2 replicas equal one device, weights, moving statistics and
+    Adam's slots. (No bias before the normalization: its gradient would be
     rounding noise, which Adam scales up to steps of its rate.)"""
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", legacy)
     import keras
@@ -153,9 +167,10 @@ def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, 
     models[1].set_weights(models[0].get_weights())
     optimizers = [lib.optimizers.Adam(0.01) for _ in models]
 
-    step = pn.function(step_of(models[0], optimizers[0]), local(2),
+    called = [_Called(m, nested == "jit") if nested else m for m in models]
+    step = pn.function(step_of(called[0], optimizers[0]), local(2),
                        {"batch_norm": "synchronized"})
-    ref = tf.function(step_of(models[1], optimizers[1]))
+    ref = tf.function(step_of(called[1], optimizers[1]))
     rng = np.random.default_rng(1)
     for _ in range(8):
         x = (rng.normal(size=(8, 4)) * 2 + 1).astype(np.float32)

@@ -56,7 +56,27 @@ def inlined(concrete, keep=()):
     cpu = device_properties_pb2.NamedDevice(
         name="/job:localhost/replica:0/task:0/device:CPU:0",
         properties=device_properties_pb2.DeviceProperties(type="CPU"))
-    return tf_optimizer.OptimizeGraph(config, meta, cluster=gcluster.Cluster(devices=[cpu]))
+    out = tf_optimizer.OptimizeGraph(config, meta, cluster=gcluster.Cluster(devices=[cpu]))
+    untied(out, {op.name for op in concrete.graph.control_outputs} -
+           {name.split(":")[0] for name in keep})
+    return out
+
+
+def untied(graph_def, controls) -> None:
+    """Make each IdentityN the inliner leaves named as a call that is only
+    run (a stateful call among the function's control outputs) a NoOp
+    after the same ops: its outputs, which no op reads, would otherwise
+    read every output of the call (a fused batch normalization's reserve
+    spaces, which only its gradient should read)."""
+    read = {i.split(":")[0] for node in graph_def.node for i in node.input
+            if not i.startswith("^")}
+    for node in graph_def.node:
+        if node.op == "IdentityN" and node.name in controls and node.name not in read:
+            name, device = node.name, node.device
+            after = list(dict.fromkeys("^" + i.lstrip("^").split(":")[0] for i in node.input))
+            node.Clear()
+            node.name, node.op, node.device = name, "NoOp", device
+            node.input.extend(after)
 
 
 def unmarked(graph_def) -> None:

@@ -305,27 +305,61 @@ def _incoming(index, mean, variance, x) -> tf.Tensor | None:
 class _Autodiff:
     """The autodiff's ops by the forward op their names are for:
     tf.gradients' `gradients/<op>_grad/...`, and a tape's
-    `gradient_tape/<op's scope>/...` (every op of the scope's)."""
+    `gradient_tape/<op's scope>/...` (every op of the scope's), each by
+    the gradient it is part of (what precedes the autodiff's scope: a
+    nested tf.function's gradient, inlined, is `PartitionedCall/gradients/
+    <op>_grad/...` where its forward op is `StatefulPartitionedCall/<op>`)."""
 
     def __init__(self, graph: tf.Graph):
-        self.named, self.taped = {}, {}
+        self.named, self.taped = {}, {}     # {forward name: {gradient's prefix: [ops]}}
         for op in graph.get_operations():
-            if (found := AUTODIFF_SCOPE.search(op.name)) is None:
+            if (found := _last(op.name)) is None:
                 continue
             rest = op.name[found.end():]
             while (inner := _LEADING.match(rest)) is not None:    # Adam/gradients/gradients/
                 rest = rest[inner.end():]
+            prefix = op.name[:len(op.name) - len(rest)]
             if "_grad/" in rest:
-                self.named.setdefault(rest.split("_grad/", 1)[0], []).append(op)
+                self.named.setdefault(rest.split("_grad/", 1)[0], {}) \
+                    .setdefault(prefix, []).append(op)
             if found.group(2) == "gradient_tape":
-                self.taped.setdefault(rest.rsplit("/", 1)[0] if "/" in rest else "",
-                                      []).append(op)
+                self.taped.setdefault(rest.rsplit("/", 1)[0] if "/" in rest else "", {}) \
+                    .setdefault(prefix, []).append(op)
 
     def of(self, mean) -> list:
         """`mean`'s gradient ops by tf.gradients' names, else its scope's
-        in a tape (the layer's other statistic's too)."""
+        in a tape (the layer's other statistic's too); for a forward op in
+        an inlined call, those of the gradient that reads its input."""
         scope = mean.name.rsplit("/", 1)[0] if "/" in mean.name else ""
-        return self.named.get(mean.name) or self.taped.get(scope, [])
+        for table, name in ((self.named, mean.name), (self.taped, scope)):
+            if name in table:
+                return [op for ops in table[name].values() for op in ops]
+            if found := _called_gradient(table, name, mean.inputs[0]):
+                return found
+        return []
+
+
+def _last(name: str):
+    """The last autodiff scope in op `name` (a gradient's own gradient, an
+    inlined gradient function's), or None."""
+    found = None
+    for found in AUTODIFF_SCOPE.finditer(name):
+        pass
+    return found
+
+
+def _called_gradient(table, name: str, x) -> list:
+    """The ops of the one gradient, among those named for a tail of
+    forward op `name` past a call's scope, whose ops read `x` (the
+    statistics' input, made inside that forward call)."""
+    parts = name.split("/")
+    for at in range(1, len(parts)):
+        groups = table.get("/".join(parts[at:]), {})
+        reading = [ops for ops in groups.values()
+                   if any(x is _passed(i) for op in ops for i in op.inputs)]
+        if len(groups) == 1 or len(reading) == 1:
+            return next(iter(groups.values())) if len(groups) == 1 else reading[0]
+    return []
 
 
 def _chains(ops) -> list[tuple]:
@@ -343,13 +377,22 @@ def _chains(ops) -> list[tuple]:
 def _of_variance(div, variance, x) -> bool:
     """Whether the Mean gradient `div` is the variance's: its result
     multiplied (after the 2 of the square's gradient) by x minus the
-    mean."""
+    mean (each read directly or through Identities)."""
     for first in div.outputs[0].consumers():
         if first.type != "Mul":
             continue
         for second in first.outputs[0].consumers():
             if second.type == "Mul" and any(
-                    i.op.type == "Sub" and i.op.inputs[0] is x and
-                    i.op.inputs[1] is variance.inputs[0].op.inputs[1] for i in second.inputs):
+                    i.op.type == "Sub" and _passed(i.op.inputs[0]) is x and
+                    _passed(i.op.inputs[1]) is variance.inputs[0].op.inputs[1]
+                    for i in second.inputs):
                 return True
     return False
+
+
+def _passed(t: tf.Tensor) -> tf.Tensor:
+    """What `t` passes on through Identity ops (an inlined call's inputs
+    are Identities of the caller's tensors)."""
+    while t.op.type == "Identity":
+        t = t.op.inputs[0]
+    return t
