@@ -136,19 +136,15 @@ def synced_saves(sync) -> None:
         (cls, method) for module, name in MODEL_CLASSES
         if (cls := getattr(sys.modules.get(module), name, None)) is not None
         for method in ("save", "save_weights")]
-    for cls, method in targets:
-        original = cls.__dict__.get(method)
-        if original is None or getattr(original, "_synced", False):
-            continue
 
-        def synced(self, *args, _original=original, **kwargs):
+    def synced(original):
+        def wrapper(self, *args, **kwargs):
             if _eager():
                 for each in list(_SYNCS):
                     each()
-            return _original(self, *args, **kwargs)
-        synced = functools.wraps(original)(synced)     # (its flags too: `_whole`)
-        synced._synced = True
-        setattr(cls, method, synced)
+            return original(self, *args, **kwargs)
+        return wrapper
+    _wrap_methods(targets, "_synced", synced)
 
 
 _AROUND_RESTORES: list = []     # (before, after) every restore (`synced_restores`)
@@ -170,26 +166,35 @@ def synced_restores(before, after) -> None:
         (cls, method) for module, name, method in
         [(module, name, "load_weights") for module, name in MODEL_CLASSES] + list(LAYER_SETS)
         if (cls := getattr(sys.modules.get(module), name, None)) is not None]
-    for cls, method in targets:
-        original = cls.__dict__.get(method)
-        if original is None or getattr(original, "_restores", False):
-            continue
 
-        def restored(self, *args, _original=original, **kwargs):
+    def restored(original):
+        def wrapper(self, *args, **kwargs):
             outermost = _eager() and not _RESTORING[0]
             for first, _ in list(_AROUND_RESTORES) if outermost else ():
                 first()
             _RESTORING[0] += 1
             try:
-                out = _original(self, *args, **kwargs)
+                out = original(self, *args, **kwargs)
             finally:
                 _RESTORING[0] -= 1
             for _, then in list(_AROUND_RESTORES) if outermost else ():
                 then()
             return out
-        restored = functools.wraps(original)(restored)
-        restored._restores = True
-        setattr(cls, method, restored)
+        return wrapper
+    _wrap_methods(targets, "_restores", restored)
+
+
+def _wrap_methods(targets, flag: str, wrap) -> None:
+    """Replace each (class, method name) of `targets` that the class itself
+    defines by `wrap(method)`, once: the wrapper keeps the method's name,
+    docs and flags (`_whole`) and is marked with `flag`."""
+    for cls, method in targets:
+        original = cls.__dict__.get(method)
+        if original is None or getattr(original, flag, False):
+            continue
+        wrapped = functools.wraps(original)(wrap(original))
+        setattr(wrapped, flag, True)
+        setattr(cls, method, wrapped)
 
 
 def _eager() -> bool:

@@ -121,7 +121,7 @@ class TrainingGraph:
         return branches.function_writes(self)
 
     @cached_property
-    def variant(self) -> frozenset[str]:
+    def variant(self) -> variance.Variant:
         """User nodes whose outputs differ between replicas (see analysis)."""
         return variance.replica_variant(self)
 

@@ -17,7 +17,7 @@ from . import randomness, rules
 
 
 def replica_variant(tg, identical: frozenset[str] = frozenset(),
-                    synced: frozenset = frozenset()) -> frozenset[str]:
+                    synced: frozenset = frozenset()) -> Variant:
     """User nodes whose outputs differ between replicas.
 
     Sources: input pipelines, placeholders with an unknown leading dimension

@@ -90,7 +90,7 @@ class PassContext:
         return format_input(self.replica_name(k, ref.node), ref.index)
 
     @cached_property
-    def variant(self) -> frozenset[str]:
+    def variant(self) -> Variant:
         """User nodes whose values differ between replicas (random ops the
         plan draws alike on every replica are not sources)."""
         identical = self._identical
@@ -112,9 +112,7 @@ class PassContext:
 
     def varies(self, ref) -> bool:
         """True if tensor `ref` differs between replicas after aggregation."""
-        variant = self.variant
-        return ref not in self.tg.gradient_tensors and (
-            variant.varies(ref) if isinstance(variant, Variant) else ref.node in variant)
+        return ref not in self.tg.gradient_tensors and self.variant.varies(ref)
 
     @cached_property
     def unreplicated(self) -> frozenset[str]:
