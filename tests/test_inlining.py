@@ -114,3 +114,31 @@ def test_a_step_with_a_nested_function_equals_one_device(where, jit, capsys):
     np.testing.assert_allclose(wa.numpy(), wb.numpy(), atol=1e-6, rtol=0)
     np.testing.assert_allclose(float(la), float(lb), atol=1e-6, rtol=0)
     assert "parallax_ng" not in capsys.readouterr().err
+
+
+@tf.custom_gradient
+def _clipped(x):
+    return tf.identity(x), lambda dy: tf.clip_by_value(dy, -0.01, 0.01)
+
+
+@pytest.mark.parametrize("reduce,warned", [(tf.reduce_mean, True), (tf.reduce_sum, False)])
+def test_a_bent_custom_gradient_in_a_nested_function_is_named(reduce, warned, capsys):
+    """A clip by value in a tf.custom_gradient inside a nested function:
+    its gradient is inlined as `PartitionedCall/gradients/IdentityN_grad/`
+    while its forward op is `StatefulPartitionedCall/IdentityN`. Before,
+    the clip was not found: with a mean loss the step trained 0.0135 off
+    one device after 4 steps in float64, without a word (in the step
+    itself it was named)."""
+    w = tf.Variable(np.ones((3, 2)))
+    forward = tf.function(lambda x: _clipped(tf.tanh(x @ w)))
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = reduce(tf.square(forward(x)))
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+        return loss
+    pn.function(step, local(2))(np.ones((4, 3)))
+    said = capsys.readouterr().err
+    assert ("is not linear in the gradient it receives" in said) is warned, said
+    if warned:
+        assert "'PartitionedCall/gradients/IdentityN_grad/clip_by_value/Minimum'" in said

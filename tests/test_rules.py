@@ -71,3 +71,8 @@ def test_from_autodiff_is_the_gradients_and_what_they_reach():
     found = rules.from_autodiff(g)
     assert grad.op.name in found and "scaled" in found and update.op.name in found
     assert "loss" not in found and "x" not in found and later.op.name not in found
+
+
+def test_tails_are_a_name_past_each_scope():
+    assert rules.tails("StatefulPartitionedCall/dense/MatMul") == ["dense/MatMul", "MatMul"]
+    assert rules.tails("MatMul") == []

@@ -98,8 +98,10 @@ def bent_gradient(graph: tf.Graph) -> tuple[str, str] | None:
     takes a gradient and gives one back to the autodiff, and no loss reads
     it (a gradient penalty's norm is read by its loss: per example, exact).
     None if there is none."""
-    custom = tuple(f"{op.name}_grad/" for op in graph.get_operations()
-                   if "_gradient_op_type" in op.node_def.attr)
+    custom = tuple(scope for op in graph.get_operations()
+                   if "_gradient_op_type" in op.node_def.attr
+                   for scope in [f"{op.name}_grad/"] + [f"gradients/{tail}_grad/"
+                                                        for tail in rules.tails(op.name)])
     if not custom:
         return None
     read, stack = set(), [t.op for t in autodiff_losses(graph)]   # the losses' ancestors

@@ -47,7 +47,7 @@ from .. import compat
 from . import branches, randomness
 from .forms import sources
 from .rows import reading
-from .rules import AUTODIFF_SCOPE, from_autodiff, is_autodiff
+from .rules import AUTODIFF_SCOPE, from_autodiff, is_autodiff, tails
 
 FUSED = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 _SPREADS = ("Tile", "BroadcastTo")
@@ -352,9 +352,8 @@ def _called_gradient(table, name: str, x) -> list:
     """The ops of the one gradient, among those named for a tail of
     forward op `name` past a call's scope, whose ops read `x` (the
     statistics' input, made inside that forward call)."""
-    parts = name.split("/")
-    for at in range(1, len(parts)):
-        groups = table.get("/".join(parts[at:]), {})
+    for tail in tails(name):
+        groups = table.get(tail, {})
         reading = [ops for ops in groups.values()
                    if any(x is _passed(i) for op in ops for i in op.inputs)]
         if len(groups) == 1 or len(reading) == 1:

@@ -134,6 +134,14 @@ def is_autodiff(node_name: str) -> bool:
     return bool(AUTODIFF_SCOPE.search(node_name))
 
 
+def tails(node_name: str) -> list[str]:
+    """`node_name` past each of its scopes, longest first: how the
+    gradient of an op in an inlined call names it (`StatefulPartitionedCall/
+    dense/MatMul`'s is `PartitionedCall/gradients/dense/MatMul_grad/...`)."""
+    parts = node_name.split("/")
+    return ["/".join(parts[at:]) for at in range(1, len(parts))]
+
+
 def from_autodiff(graph) -> set[str]:
     """The names of a tf.Graph's autodiff ops and of every op their outputs
     reach (an optimizer's update math, a write of a gradient), in the
