@@ -184,6 +184,48 @@ def test_synchronized_statistics_in_a_pn_function_step_equal_one_device(legacy, 
     assert PER_REPLICA not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("call", ["nested", "both"])
+def test_a_model_called_twice_each_call_synchronized(call, capsys):
+    """A Keras 3 model called on two batches (a siamese pair), each call in
+    a nested tf.function, or one there and one in the step: each call's
+    statistics and their gradients are found and exchanged apart (the
+    gradients of the two calls share their names past the calls' scopes;
+    each is the one whose ops read its call's input). 4 steps on 2
+    replicas equal one device, every weight, moving statistic and slot."""
+    import keras
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(4, 2, 16, 4)).astype(np.float32) * [[[[1.0]], [[3.0]]]]
+    ys = rng.normal(size=(4, 16, 1)).astype(np.float32)
+
+    def make():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, use_bias=False),
+                                  keras.layers.BatchNormalization(momentum=0.7),
+                                  keras.layers.Dense(1)])
+        opt = keras.optimizers.SGD(0.1, momentum=0.9)
+        nested = tf.function(lambda x: model(x, training=True))
+        second = nested if call == "nested" else (lambda x: model(x, training=True))
+
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(nested(x[:, 0]) * second(x[:, 1]) - y))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                    model.trainable_variables))
+            return loss
+        return model, opt, step
+    (ma, oa, sa), (mb, ob, sb) = make(), make()
+    parallel = pn.function(sa, local(2), {"batch_norm": "synchronized"})
+    single = tf.function(sb)
+    for x, y in zip(xs, ys):
+        parallel(np.ascontiguousarray(x.transpose(1, 0, 2)), y)
+        single(np.ascontiguousarray(x.transpose(1, 0, 2)), y)
+    parallel.sync()
+    for a, b in zip(ma.weights + list(oa.variables), mb.weights + list(ob.variables)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0,
+                                   err_msg=a.path)
+    assert PER_REPLICA not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("run_option,bn,v1,dense,sparse", [
     ("hybrid", "moments", False, "auto", "auto"), ("allreduce", "moments", False, "auto", "auto"),
     ("hybrid", "fused", False, "auto", "auto"), ("hybrid", "keras", False, "auto", "auto"),

@@ -238,7 +238,7 @@ def _moments(op, rows, index) -> Moments | None:
         return Moments(mean, op, *grads, grads[0] is not None,
                        op.graph.get_tensor_by_name(mean.name.rsplit("/", 1)[0] + "/count:0"))
     return Moments(mean, op, _incoming(index, mean, op, x), _incoming(index, op, op, x),
-                   bool(index.of(mean) or index.of(op)))
+                   bool(index.of(mean, x) or index.of(op, x)))
 
 
 # ops a batch statistic passes through to where it meets the rows
@@ -297,7 +297,7 @@ def _axes(op) -> set[int] | None:
 def _incoming(index, mean, variance, x) -> tf.Tensor | None:
     """The gradient the autodiff gives `mean`'s output, where it finds one
     form of it: the input of its Mean gradient's Reshape."""
-    chains = [c for c in _chains(index.of(mean))
+    chains = [c for c in _chains(index.of(mean, x))
               if _of_variance(c[2], variance, x) == (mean is variance)]
     return chains[0][0].inputs[0] if len(chains) == 1 else None
 
@@ -312,6 +312,7 @@ class _Autodiff:
 
     def __init__(self, graph: tf.Graph):
         self.named, self.taped = {}, {}     # {forward name: {gradient's prefix: [ops]}}
+        self.reads = {}                     # gradient's prefix: the tensors its ops read
         for op in graph.get_operations():
             if (found := _last(op.name)) is None:
                 continue
@@ -319,6 +320,7 @@ class _Autodiff:
             while (inner := _LEADING.match(rest)) is not None:    # Adam/gradients/gradients/
                 rest = rest[inner.end():]
             prefix = op.name[:len(op.name) - len(rest)]
+            self.reads.setdefault(prefix, set()).update(_passed(i).ref() for i in op.inputs)
             if "_grad/" in rest:
                 self.named.setdefault(rest.split("_grad/", 1)[0], {}) \
                     .setdefault(prefix, []).append(op)
@@ -326,16 +328,22 @@ class _Autodiff:
                 self.taped.setdefault(rest.rsplit("/", 1)[0] if "/" in rest else "", {}) \
                     .setdefault(prefix, []).append(op)
 
-    def of(self, mean) -> list:
+    def of(self, mean, x) -> list:
         """`mean`'s gradient ops by tf.gradients' names, else its scope's
-        in a tape (the layer's other statistic's too); for a forward op in
-        an inlined call, those of the gradient that reads its input."""
+        in a tape (the layer's other statistic's too), else, for a forward
+        op in an inlined call, those named for its name past the call's
+        scope: of the gradients whose ops read the statistics' input `x`
+        (the gradient of its variance reads it), so a call of the same
+        layer elsewhere (in the step, in another call) is not taken for
+        it."""
         scope = mean.name.rsplit("/", 1)[0] if "/" in mean.name else ""
-        for table, name in ((self.named, mean.name), (self.taped, scope)):
-            if name in table:
-                return [op for ops in table[name].values() for op in ops]
-            if found := _called_gradient(table, name, mean.inputs[0]):
-                return found
+        for table, name in ((self.named, mean.name), (self.taped, scope),
+                            *((self.named, tail) for tail in tails(mean.name)),
+                            *((self.taped, tail) for tail in tails(scope))):
+            reading = [op for prefix, ops in table.get(name, {}).items()
+                       if x.ref() in self.reads[prefix] for op in ops]
+            if reading:
+                return reading
         return []
 
 
@@ -346,19 +354,6 @@ def _last(name: str):
     for found in AUTODIFF_SCOPE.finditer(name):
         pass
     return found
-
-
-def _called_gradient(table, name: str, x) -> list:
-    """The ops of the one gradient, among those named for a tail of
-    forward op `name` past a call's scope, whose ops read `x` (the
-    statistics' input, made inside that forward call)."""
-    for tail in tails(name):
-        groups = table.get(tail, {})
-        reading = [ops for ops in groups.values()
-                   if any(x is _passed(i) for op in ops for i in op.inputs)]
-        if len(groups) == 1 or len(reading) == 1:
-            return next(iter(groups.values())) if len(groups) == 1 else reading[0]
-    return []
 
 
 def _chains(ops) -> list[tuple]:
