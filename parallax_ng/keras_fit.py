@@ -120,19 +120,25 @@ class KerasFit:
 
     def make_train_function(self, force: bool = False):
         """Keras 3 calls it and reads `train_function`; tf_keras uses what it returns."""
-        self._current(self.model.variables + self._optimizer_variables())
+        self._current(self._model_variables() + self._optimizer_variables())
         self.model.train_function = self.train_function
         return self.train_function
 
     def make_test_function(self, force: bool = False):
-        self._current(self.model.variables)
+        self._current(self._model_variables())
         self.model.test_function = self.test_function
         return self.test_function
 
     def make_predict_function(self, force: bool = False):
-        self._current(self.model.variables)
+        self._current(self._model_variables())
         self.model.predict_function = self.predict_function
         return self.predict_function
+
+    def _model_variables(self) -> list:
+        """The model's variables; none before it is built (tf_keras's
+        `variables` of a Sequential without an Input raises until its first
+        batch builds it)."""
+        return list(self.model.variables) if self.model.built else []
 
     def _current(self, variables) -> None:
         """Runner and model alike: the runner's values into the model if

@@ -1069,3 +1069,24 @@ def test_decoupled_weight_decay_in_a_job_with_a_server_equals_one_device(tmp_pat
     worst = [float(line.rsplit(" ", 1)[1]) for line in done.stdout.splitlines()
              if "decayed job: worst" in line]
     assert len(worst) == 2 and max(worst) < 1e-5, done.stdout[-2000:]
+
+
+@pytest.mark.parametrize("lib", ["keras", "tf_keras"])
+def test_a_sequential_model_without_an_input_fits_as_one_device(lib):
+    """A Sequential model given no Input, built by its first batch in `fit`:
+    tf_keras's `variables` raises until then ("Weights for model ... have
+    not yet been created"), which `fit` under pn.parallelize met before its
+    first step. The weights are made by the first batch on both (seeded
+    alike): 2 epochs equal one device, every weight and slot, 1e-5."""
+    import importlib
+    k = importlib.import_module(lib)
+
+    def fitted(parallel: bool):
+        k.utils.set_random_seed(2)
+        model = k.Sequential([k.layers.Dense(8, activation="relu"), k.layers.Dense(1)])
+        model.compile(optimizer=k.optimizers.Adam(0.01), loss="mse")
+        if parallel:
+            pn.parallelize(model, local(2))
+        model.fit(*data(), batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        return model
+    check(fitted(True), fitted(False))
