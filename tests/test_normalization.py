@@ -28,7 +28,7 @@ def tf1_bn(batch, fused=None, layer_norm=False, flag=False):
     g = tf.Graph()
     with g.as_default():
         rng = np.random.RandomState(3)
-        images = fused is not None
+        images = fused not in (None, "identity")
         x_all = (rng.randn(64, 4, 4, 2) if images else rng.randn(64, 6) * 3 + 1)
         y_all = rng.randn(64, 1).astype(np.float32)
         ds = pn.shard(tf.data.Dataset.from_tensor_slices((x_all.astype(np.float32), y_all)))
@@ -42,6 +42,7 @@ def tf1_bn(batch, fused=None, layer_norm=False, flag=False):
             h = tf1.layers.flatten(tf.nn.relu(h))
         else:
             h = tf1.layers.dense(x, 8)
+            h = tf.identity(h) if fused == "identity" else h
             h = tf1.layers.batch_normalization(h, training=True, momentum=0.9)
         if layer_norm:
             mean, var = tf.nn.moments(h, [-1], keepdims=True)
@@ -57,9 +58,11 @@ def worst(parallel, single, names):
     return max(float(np.max(np.abs(got - single[n]))) for n in names for got in parallel[n])
 
 
-@pytest.mark.parametrize("fused", [None, False, True])
+@pytest.mark.parametrize("fused", [None, False, True, "identity"])
 def test_synchronized_statistics_in_a_tf1_graph_equal_one_device(fused, capsys):
-    """tf.compat.v1.layers.batch_normalization on features, tf_keras's
+    """tf.compat.v1.layers.batch_normalization on features (also of a
+    tf.identity, which the gradient reads through: its statistics' input
+    is the Identity's output), tf_keras's
     unfused one on images and its fused kernel (lowered), trained 5 steps
     by momentum: every weight, slot and moving statistic equals one
     device's; per replica (the default) they are ghost batches, further

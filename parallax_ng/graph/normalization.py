@@ -341,7 +341,7 @@ class _Autodiff:
                             *((self.named, tail) for tail in tails(mean.name)),
                             *((self.taped, tail) for tail in tails(scope))):
             reading = [op for prefix, ops in table.get(name, {}).items()
-                       if x.ref() in self.reads[prefix] for op in ops]
+                       if _passed(x).ref() in self.reads[prefix] for op in ops]
             if reading:
                 return reading
         return []
@@ -377,8 +377,8 @@ def _of_variance(div, variance, x) -> bool:
             continue
         for second in first.outputs[0].consumers():
             if second.type == "Mul" and any(
-                    i.op.type == "Sub" and _passed(i.op.inputs[0]) is x and
-                    _passed(i.op.inputs[1]) is variance.inputs[0].op.inputs[1]
+                    i.op.type == "Sub" and _passed(i.op.inputs[0]) is _passed(x) and
+                    _passed(i.op.inputs[1]) is _passed(variance.inputs[0].op.inputs[1])
                     for i in second.inputs):
                 return True
     return False
