@@ -23,8 +23,11 @@ A `Mean`'s gradient is found under the autodiff's name for it
 (`gradients/<op>_grad/`, tf.gradients) or in a traced step's GradientTape
 by its form (`Reshape`, `Tile` or `BroadcastTo`, `RealDiv`) under the
 layer's scope, the variance's being the one whose result is multiplied by
-x minus the mean. The fused kernel (`FusedBatchNormV3` in training, which
-tf_keras and tf.compat.v1 pick for 4-D inputs) computes its statistics
+x minus the mean; for a layer in a nested tf.function, inlined, under its
+name past the call's scope in the gradient whose ops read its x (another
+call of the layer has a gradient of the same names). The fused kernel
+(`FusedBatchNormV3` in training, which tf_keras and tf.compat.v1 pick for
+4-D inputs) computes its statistics
 inside one op: graph/fused_norm.py lowers it to that form, its Means
 marked with the names of their incoming gradients (`LOWERED`) and its
 row count summed (`count`: the unbiased variance of the moving
