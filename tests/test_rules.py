@@ -76,3 +76,12 @@ def test_from_autodiff_is_the_gradients_and_what_they_reach():
 def test_tails_are_a_name_past_each_scope():
     assert rules.tails("StatefulPartitionedCall/dense/MatMul") == ["dense/MatMul", "MatMul"]
     assert rules.tails("MatMul") == []
+
+
+def test_past_identities_is_what_identities_pass_on():
+    import tensorflow as tf
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2])
+        assert rules.past_identities(tf.identity(tf.identity(x))) is x
+        assert rules.past_identities(x * 2.0).op.type == "Mul"

@@ -50,7 +50,7 @@ from .. import compat
 from . import branches, randomness
 from .forms import sources
 from .rows import reading
-from .rules import AUTODIFF_SCOPE, from_autodiff, is_autodiff, tails
+from .rules import AUTODIFF_SCOPE, from_autodiff, is_autodiff, past_identities, tails
 
 FUSED = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 _SPREADS = ("Tile", "BroadcastTo")
@@ -323,7 +323,8 @@ class _Autodiff:
             while (inner := _LEADING.match(rest)) is not None:    # Adam/gradients/gradients/
                 rest = rest[inner.end():]
             prefix = op.name[:len(op.name) - len(rest)]
-            self.reads.setdefault(prefix, set()).update(_passed(i).ref() for i in op.inputs)
+            self.reads.setdefault(prefix, set()).update(past_identities(i).ref()
+                                                        for i in op.inputs)
             if "_grad/" in rest:
                 self.named.setdefault(rest.split("_grad/", 1)[0], {}) \
                     .setdefault(prefix, []).append(op)
@@ -344,7 +345,7 @@ class _Autodiff:
                             *((self.named, tail) for tail in tails(mean.name)),
                             *((self.taped, tail) for tail in tails(scope))):
             reading = [op for prefix, ops in table.get(name, {}).items()
-                       if _passed(x).ref() in self.reads[prefix] for op in ops]
+                       if past_identities(x).ref() in self.reads[prefix] for op in ops]
             if reading:
                 return reading
         return []
@@ -375,21 +376,13 @@ def _of_variance(div, variance, x) -> bool:
     """Whether the Mean gradient `div` is the variance's: its result
     multiplied (after the 2 of the square's gradient) by x minus the
     mean (each read directly or through Identities)."""
+    x, mean = past_identities(x), past_identities(variance.inputs[0].op.inputs[1])
     for first in div.outputs[0].consumers():
         if first.type != "Mul":
             continue
         for second in first.outputs[0].consumers():
             if second.type == "Mul" and any(
-                    i.op.type == "Sub" and _passed(i.op.inputs[0]) is _passed(x) and
-                    _passed(i.op.inputs[1]) is _passed(variance.inputs[0].op.inputs[1])
-                    for i in second.inputs):
+                    i.op.type == "Sub" and past_identities(i.op.inputs[0]) is x and
+                    past_identities(i.op.inputs[1]) is mean for i in second.inputs):
                 return True
     return False
-
-
-def _passed(t: tf.Tensor) -> tf.Tensor:
-    """What `t` passes on through Identity ops (an inlined call's inputs
-    are Identities of the caller's tensors)."""
-    while t.op.type == "Identity":
-        t = t.op.inputs[0]
-    return t

@@ -134,6 +134,15 @@ def is_autodiff(node_name: str) -> bool:
     return bool(AUTODIFF_SCOPE.search(node_name))
 
 
+def past_identities(t):
+    """The tensor that tf.Tensor `t` passes on through Identity ops (an
+    inlined call's inputs are Identities of the caller's tensors;
+    tf.gradients makes no op for an Identity)."""
+    while t.op.type == "Identity":
+        t = t.op.inputs[0]
+    return t
+
+
 def tails(node_name: str) -> list[str]:
     """`node_name` past each of its scopes, longest first: how the
     gradient of an op in an inlined call names it (`StatefulPartitionedCall/

@@ -39,6 +39,7 @@ from .. import compat
 from ..errors import ConfigError, FetchError
 from ..graph import averaging, forms
 from ..graph.ir import parse_input
+from ..graph.rules import past_identities
 from ..pipeline.results import Barrier
 from ..resources import check_devices, session_config
 from ..runtime.batch_parts import sparse_placeholders
@@ -191,7 +192,7 @@ class L2LFetchMap(FetchMap):
                 raise FetchError(f"op {name!r} is part of the forward pass, which runs layer "
                                  "by layer; fetch the training op or a tensor instead")
             return Fetch((name,), "none", node)
-        if name == self.layering.loss or _identity_of(element) == self.layering.loss:
+        if name == self.layering.loss or past_identities(element).name == self.layering.loss:
             return Fetch((self.built.loss.name,), "first", node)
         if name in self.built.clones:       # a value of each micro-batch, combined as replicas'
             how, axis, _ = default_reduction(element, forms.sources(self.user_graph))
@@ -285,12 +286,3 @@ class L2LFetchMap(FetchMap):
             hit = sorted(self.tg.ir.ancestors([node]) & forward)
             self._forward_reads[node] = hit[0] if hit else None
         return self._forward_reads[node]
-
-
-def _identity_of(t: tf.Tensor) -> str:
-    """The tensor `t` is a chain of Identity ops of (tf.gradients makes no op
-    for an Identity, so a loss found from its gradients is the one before)."""
-    while t.op.type == "Identity":
-        t = t.op.inputs[0]
-    return t.name
-
