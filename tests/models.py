@@ -248,3 +248,23 @@ def ctc_model():
         init = tf.compat.v1.global_variables_initializer()
     return g, dict(x=x, lengths=lengths, labels=labels, cost=cost, train=train,
                    decoded=decoded[0], errors=errors, init=init, w=w)
+
+
+def recompute_step(optimizer: str = "sgd"):
+    """(weights, Keras 3 optimizer, step) of two float64 dense layers in a
+    tf.recompute_grad block, trained on a mean squared error: the backward
+    reads the second layer's weights again for the first layer's gradient."""
+    import keras
+    r = np.random.default_rng(1)
+    ws = [tf.Variable(r.normal(size=(4, 6))), tf.Variable(r.normal(size=(6, 1)))]
+    opt = keras.optimizers.Adam(0.05) if optimizer == "adam" else \
+        keras.optimizers.SGD(0.05, momentum=0.9)
+    block = tf.recompute_grad(lambda x: tf.tanh(x @ ws[0]) @ ws[1])
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(block(x) - y))
+        opt.apply_gradients(zip(tape.gradient(loss, ws), ws))
+        return loss
+    return ws, opt, step
+

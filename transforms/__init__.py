@@ -16,6 +16,7 @@ from transforms.initial_values import InitPass
 from transforms.input_gradients import InputGradientsPass
 from transforms.local_aggregation import LocalAggregationPass
 from transforms.lookups import DistinctLookupsPass, LookupsOnServersPass
+from transforms.orderings import OrderingsPass
 from transforms.part_writes import PartWritesPass
 from transforms.place import PlacePass
 from transforms.prefetch import PrefetchPass
@@ -38,7 +39,9 @@ def pipeline_for(plan) -> list:
     split into a collective run and a server run; a table cut by columns over the replicas gets its parts after
     init, then its update split over steps where the plan prefetches it, and
     dense updates a step later by block where it schedules them so; in a
-    job, a write of such a table's parts ends its run on every worker.
+    job, a write of such a table's parts ends its run on every worker;
+    last, `orderings` keeps the graph's read-before-write orderings from
+    Grappler's dependency optimizer.
     Passes with nothing to do for this plan are left out (one replica
     needs no input sharding, state sync, selected means, input gradients'
     scales or initial-value copies)."""
@@ -59,7 +62,7 @@ def pipeline_for(plan) -> list:
               (ServerSyncPass(), plan.cross_worker_servers),
               (DistinctLookupsPass(), plan.distinct_lookups and bool(plan.servers)),
               (ShardVariablesPass(), bool(plan.sharded())),
-              (SplitStepPass(), plan.schedule.split)]
+              (SplitStepPass(), plan.schedule.split), (OrderingsPass(), True)]
     return [p for p, needed in wanted if needed]
 
 
@@ -67,7 +70,7 @@ __all__ = ["AggregatePass", "ColocateUpdatesPass", "ColumnsPass", "CountedDrawsP
            "DistinctLookupsPass",
            "HorizontalPass",
            "InitPass", "InputGradientsPass", "LocalAggregationPass", "LookupsOnServersPass",
-           "PartWritesPass", "PlacePass",
+           "OrderingsPass", "PartWritesPass", "PlacePass",
            "PrefetchPass",
            "ReplicatePass", "SelectedMeansPass",
            "ServerSyncPass", "ShardInputsPass", "ShardVariablesPass", "SplitStepPass",
