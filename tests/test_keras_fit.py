@@ -150,6 +150,21 @@ def test_gradient_accumulation_steps_equal_one_device(optimizer):
     np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("lib", ["keras", "tf_keras"])
+def test_an_optimizer_s_moving_average_of_the_weights_equals_one_device(lib):
+    """`use_ema` with `ema_overwrite_frequency`: the optimizer keeps a
+    moving average of every weight and writes it into the weights every
+    3rd step, and fit's end writes it in again (`finalize_variable_values`,
+    on the model): weights, averages and logs as one device's."""
+    parallel, single = lib_twins(lib, 1, lambda o: o.Adam(
+        0.05, use_ema=True, ema_momentum=0.9, ema_overwrite_frequency=3))
+    x, y = data()
+    h1 = parallel.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    h2 = single.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0)
+    check(parallel, single)
+    np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("lib,l2", [("keras3", 0.0), ("tf_keras", 0.0), ("keras3", 0.05),
                                     ("tf_keras", 0.05)])
 def test_a_loss_reduced_by_sum_sums_the_replicas_gradients(lib, l2):
