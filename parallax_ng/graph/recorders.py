@@ -122,6 +122,17 @@ def input_rows(graph: tf.Graph) -> dict[str, tf.Tensor]:
     return out
 
 
+def _in_autodiff(result):
+    """A tape's gradients of variables, each one that a custom gradient's
+    function made (`tf.custom_gradient`'s `variables`: its ops are outside
+    the tape's scope in a trace) passed through an Identity in that scope,
+    so the build finds it as the variable's gradient."""
+    from .rules import is_autodiff
+    return tf.nest.map_structure(
+        lambda g: tf.identity(g, name="gradient_tape/of_a_custom_gradient")
+        if isinstance(g, tf.Tensor) and not is_autodiff(g.op.name) else g, result)
+
+
 @contextlib.contextmanager
 def tape_targets():
     """The names of the tensors GradientTape.gradient is called on inside
@@ -139,6 +150,8 @@ def tape_targets():
         names = [t.name for t in flat if isinstance(t, tf.Tensor)]
         if not all(isinstance(s, tf.Tensor) for s in tf.nest.flatten(sources)):
             found.extend(names)                 # a trace's loss
+            return _in_autodiff(original(self, target, sources, output_gradients,
+                                         *args, **kwargs))
         elif len(names) == len(flat) and all(t.dtype.is_floating for t in flat):
             seeds = [tf.identity(tf.ones_like(t), name=SEED) for t in flat]
             result = original(self, target, sources, tf.nest.pack_sequence_as(target, seeds),
