@@ -18,6 +18,8 @@ import re
 
 import tensorflow as tf
 
+from .rules import is_autodiff
+
 GRAD_YS = re.compile(r"(^|/)gradients(_\d+)?/grad_ys_\d+$")     # a tf.gradients call's seed
 INPUT_GRADIENTS = "parallax_ng_input_gradients"   # a graph's collection of Targets.of_inputs
 OWNERS: dict = {}      # slot's tf.Variable .ref() -> its variable, every slot seen being made
@@ -127,7 +129,6 @@ def _in_autodiff(result):
     function made (`tf.custom_gradient`'s `variables`: its ops are outside
     the tape's scope in a trace) passed through an Identity in that scope,
     so the build finds it as the variable's gradient."""
-    from .rules import is_autodiff
     return tf.nest.map_structure(
         lambda g: tf.identity(g, name="gradient_tape/of_a_custom_gradient")
         if isinstance(g, tf.Tensor) and not is_autodiff(g.op.name) else g, result)
