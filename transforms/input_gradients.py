@@ -19,7 +19,10 @@ divide on one device; a TF1 run that trains needs one that divides).
 Guarantees: where the target is a scalar mean over the batch, every
 replica's copy of the gradient's seed (the ones it starts from) is 1/N
 (N the job's replicas), so the gradient, and the gradient of anything
-computed from it, is one device's. The scopes of a TF1 graph's such calls
+computed from it, is one device's; a call of variables and inputs
+together (`tape.gradient(loss, [w, x])`) has each variable's gradient
+multiplied by N again (recorders.UNSCALED), which keeps it a replica's
+own, averaged as the others. The scopes of a TF1 graph's such calls
 of a mean or a sum are published (`ScaledInputs`): a fetch of their
 tensors joins the replicas' rows as they are (each one device's). A sum over the batch (a critic's
 outputs in WGAN-GP's penalty, a Jacobian's per-example rows) is left as
@@ -59,6 +62,20 @@ class InputGradientsPass:
                 added += [ones, emit.const(f"{at}/share", 1.0 / n, dtype, node.device)]
                 changed[node.name] = emit.node_def(node.name, "Mul", [ones.name, f"{at}/share"],
                                                    node.device, T=dtype)
+        for call_seeds, gradients in recorders.unscaled_gradients(graph):
+            if not any(seed.split(":")[0] in seeds for seed in call_seeds):
+                continue
+            for name in gradients:      # a variable's, in a call also of inputs: times N
+                op = name.split(":")[0]
+                if op not in ir:        # not used: the step keeps only what it needs
+                    continue
+                dtype = tf.as_dtype(ir.node(op).attr["T"].type)
+                for k in range(ctx.plan.num_replicas):
+                    node = ir.node(ctx.replica_name(k, op))
+                    at = f"parallax/input_gradients/{node.name}"
+                    added.append(emit.const(f"{at}/replicas", float(n), dtype, node.device))
+                    changed[node.name] = emit.node_def(node.name, "Mul", [
+                        node.input[0], f"{at}/replicas"], node.device, T=dtype)
         ctx.publish(ScaledInputs(tuple(seed[:seed.rindex("/") + 1] for seed in kinds
                                        if graph.get_operation_by_name(seed).type == "Fill")))
         return ir.replace(changed, added), {"scaled": len(seeds)}

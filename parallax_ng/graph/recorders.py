@@ -91,31 +91,41 @@ class Targets(list):
 
 
 SEED, ROWS = "parallax_ng_input_seed", "parallax_ng_input_gradient"
+# a variable's gradient in a call also of inputs, whose seed the build scales
+UNSCALED = "gradient_tape/parallax_ng_of_a_scaled_seed"
 
 
 def note_input_gradients(graph: tf.Graph, calls: list) -> None:
     """Put `Targets.of_inputs` in `graph`'s collection (`input_gradients`
     and `input_rows` read them back)."""
-    for targets, seeds, rows in calls:
+    for targets, seeds, rows, *unscaled in calls:
         graph.add_to_collection(INPUT_GRADIENTS, "|".join(
-            [",".join(targets), ",".join(seeds), ",".join(f"{g}={s}" for g, s in rows)]))
+            [",".join(targets), ",".join(seeds), ",".join(f"{g}={s}" for g, s in rows),
+             ",".join(unscaled[0] if unscaled else [])]))
 
 
 def _noted(graph: tf.Graph) -> list[list[list[str]]]:
-    """[targets, seeds, "gradient=source" pairs] of each noted call, once."""
+    """[targets, seeds, "gradient=source" pairs, unscaled gradients] of each
+    noted call, once."""
     return [[part.split(",") if part else [] for part in entry.split("|")]
             for entry in dict.fromkeys(graph.get_collection(INPUT_GRADIENTS))]
 
 
 def input_gradients(graph: tf.Graph) -> list[tuple[list, list]]:
     """(target names, seed names) of the calls `note_input_gradients` noted."""
-    return [(targets, seeds) for targets, seeds, _ in _noted(graph)]
+    return [(targets, seeds) for targets, seeds, *_ in _noted(graph)]
+
+
+def unscaled_gradients(graph: tf.Graph) -> list[tuple[list, list]]:
+    """(seed names, names of the variables' gradients) of each noted call
+    of variables and inputs together (`UNSCALED`)."""
+    return [(seeds, unscaled) for _, seeds, _, unscaled in _noted(graph) if unscaled]
 
 
 def input_rows(graph: tf.Graph) -> dict[str, tf.Tensor]:
     """{the op name of an input's gradient: its source} in `graph`."""
     out = {}
-    for _, _, rows in _noted(graph):
+    for _, _, rows, _ in _noted(graph):
         for gradient, source in (pair.split("=") for pair in rows):
             try:
                 out[gradient.split(":")[0]] = graph.get_tensor_by_name(source)
@@ -149,11 +159,17 @@ def tape_targets():
         if tf.executing_eagerly() or output_gradients is not None:
             return original(self, target, sources, output_gradients, *args, **kwargs)
         names = [t.name for t in flat if isinstance(t, tf.Tensor)]
-        if not all(isinstance(s, tf.Tensor) for s in tf.nest.flatten(sources)):
+        given = tf.nest.flatten(sources)
+        tensors = [isinstance(s, tf.Tensor) for s in given]
+        floating = len(names) == len(flat) and all(t.dtype.is_floating for t in flat)
+        if floating and any(tensors) and not all(tensors):
+            found.extend(names)                 # a loss, also of inputs (`[w, x]`)
+            return of_both(self, target, sources, given, tensors, names, *args, **kwargs)
+        if not all(tensors):
             found.extend(names)                 # a trace's loss
             return _in_autodiff(original(self, target, sources, output_gradients,
                                          *args, **kwargs))
-        elif len(names) == len(flat) and all(t.dtype.is_floating for t in flat):
+        elif floating:
             seeds = [tf.identity(tf.ones_like(t), name=SEED) for t in flat]
             result = original(self, target, sources, tf.nest.pack_sequence_as(target, seeds),
                               *args, **kwargs)
@@ -164,6 +180,25 @@ def tape_targets():
                 (g.name, s.name) for (s, _), g in zip(pairs, leaves) if isinstance(g, tf.Tensor)]))
             return tf.nest.pack_sequence_as(result, leaves)
         return original(self, target, sources, output_gradients, *args, **kwargs)
+
+    def of_both(self, target, sources, given, tensors, names, *args, **kwargs):
+        """A call of variables and tensors (`tape.gradient(loss, [w, x])`):
+        seeded as a call of inputs (the build scales the seed for a mean),
+        each variable's gradient through an Identity named `UNSCALED`, which
+        the build multiplies back, so the variables' gradients stay a
+        replica's own."""
+        flat = tf.nest.flatten(target)
+        seeds = [tf.identity(tf.ones_like(t), name=SEED) for t in flat]
+        result = original(self, target, given, tf.nest.pack_sequence_as(target, seeds),
+                          *args, **kwargs)
+        leaves, rows, unscaled = [], [], []
+        for source, g, is_tensor in zip(given, result, tensors):
+            if isinstance(g, tf.Tensor):
+                g = tf.identity(g, name=ROWS if is_tensor else UNSCALED)
+                (rows.append((g.name, source.name)) if is_tensor else unscaled.append(g.name))
+            leaves.append(g)
+        found.of_inputs.append((names, [s.name for s in seeds], rows, unscaled))
+        return tf.nest.pack_sequence_as(sources, leaves)
 
     def batch_jacobian(self, target, source, *args, **kwargs):
         result = jacobian(self, target, source, *args, **kwargs)
