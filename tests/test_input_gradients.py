@@ -180,3 +180,37 @@ def test_the_recorder_seeds_an_inputs_gradient_and_keeps_it_from_the_losses():
     assert recorders.input_gradients(graph) == [(names, seeds)]
     assert recorders.input_rows(graph) == {gradient[:-2]: graph.get_tensor_by_name("x:0")}
     assert batch_rows(graph.get_tensor_by_name(gradient), ["x"])   # the rows of its source
+
+
+@pytest.mark.parametrize("run_option", ["hybrid", "ps"])
+def test_one_call_of_an_embedding_s_rows_and_its_lookup_equals_one_device(run_option):
+    """`tape.gradient(loss, variables + [embedded])`: the table's gradient
+    (rows) is a replica's own, multiplied back as the dense ones are
+    (before: left at 1/N of it, 0.021 apart
+    after 5 steps), and the lookup's gradient is one device's."""
+    rng = np.random.default_rng(0)
+    ids, ys = rng.integers(0, 20, (5, 16, 3)), rng.normal(size=(5, 16, 1)).astype("float32")
+
+    def make():
+        keras.utils.set_random_seed(2)
+        table, dense = keras.layers.Embedding(20, 4), keras.layers.Dense(1)
+        table.build((None, 3))
+        dense.build((None, 12))
+        optimizer, weights = keras.optimizers.Adam(0.05), table.weights + dense.weights
+
+        def step(i, y):
+            with tf.GradientTape() as tape:
+                embedded = table(i)
+                tape.watch(embedded)
+                loss = tf.reduce_mean(tf.square(dense(tf.reshape(embedded, [-1, 12])) - y))
+            grads = tape.gradient(loss, weights + [embedded])
+            optimizer.apply_gradients(zip(grads[:-1], weights))
+            return loss, tf.reduce_mean(tf.reduce_sum(tf.square(grads[-1]), [1, 2]))
+        return weights, optimizer, step
+    (wa, oa, sa), (wb, ob, sb) = make(), make()
+    parallel = pn.function(sa, local(2), {"run_option": run_option})
+    for i, y in zip(ids, ys):
+        got, want = parallel(i, y), sb(i, y)        # one device eagerly
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=TOL, rtol=0)
+    parallel.sync()
+    assert _worst(wa + oa.variables, wb + ob.variables) < TOL

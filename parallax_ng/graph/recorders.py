@@ -193,7 +193,11 @@ def tape_targets():
                           *args, **kwargs)
         leaves, rows, unscaled = [], [], []
         for source, g, is_tensor in zip(given, result, tensors):
-            if isinstance(g, tf.Tensor):
+            if isinstance(g, tf.IndexedSlices) and not is_tensor:     # an embedding's rows
+                values = tf.identity(g.values, name=UNSCALED)
+                unscaled.append(values.name)
+                g = tf.IndexedSlices(values, g.indices, g.dense_shape)
+            elif isinstance(g, tf.Tensor):
                 g = tf.identity(g, name=ROWS if is_tensor else UNSCALED)
                 (rows.append((g.name, source.name)) if is_tensor else unscaled.append(g.name))
             leaves.append(g)
