@@ -22,7 +22,11 @@ replica's copy of the gradient's seed (the ones it starts from) is 1/N
 computed from it, is one device's; a call of variables and inputs
 together (`tape.gradient(loss, [w, x])`) has each variable's gradient
 multiplied by N again (recorders.UNSCALED), which keeps it a replica's
-own, averaged as the others. The scopes of a TF1 graph's such calls
+own, averaged as the others. A tape's gradient of a tensor the batch
+does not index (a weight's value: MAML's inner step) sums over every
+example: it is summed over the replicas by one all-reduce, one device's;
+where a loss differentiates it again, its own gradient stays each
+replica's, and a warning says so. The scopes of a TF1 graph's such calls
 of a mean or a sum are published (`ScaledInputs`): a fetch of their
 tensors joins the replicas' rows as they are (each one device's). A sum over the batch (a critic's
 outputs in WGAN-GP's penalty, a Jacobian's per-example rows) is left as
@@ -38,6 +42,7 @@ from dataclasses import dataclass
 import tensorflow as tf
 
 from parallax_ng.graph import emit, forms, recorders
+from parallax_ng.graph.ir import TensorRef
 from parallax_ng.graph.rows import batch_axis, reading
 from parallax_ng.pipeline.results import ScaledInputs
 
@@ -78,7 +83,8 @@ class InputGradientsPass:
                         node.input[0], f"{at}/replicas"], node.device, T=dtype)
         ctx.publish(ScaledInputs(tuple(seed[:seed.rindex("/") + 1] for seed in kinds
                                        if graph.get_operation_by_name(seed).type == "Fill")))
-        return ir.replace(changed, added), {"scaled": len(seeds)}
+        out, summed = _summed(ir.replace(changed, added), ctx, kinds)
+        return out, {"scaled": len(seeds), "summed": summed}
 
 
 def seed_kinds(graph: tf.Graph) -> dict[str, str]:
@@ -118,3 +124,60 @@ def _kind(t: tf.Tensor, data) -> str | None:
     if guessed or form.by_count or form.mixed:
         return None
     return kind
+
+
+def _summed(ir, ctx, kinds):
+    """(`ir` with each gradient of a tensor the batch does not index (a
+    weight's value: MAML's fast weights) summed over the replicas, how
+    many). Such a gradient sums over the batch's examples, and each
+    replica's sums its own (of a mean's 1/N seed): one all-reduce makes
+    it one device's. A call the graph shows as neither a mean nor a sum is
+    left (named in a warning)."""
+    graph, rewires, made, count, again = ctx.tg.graph, {}, [], 0, []
+    data = reading(forms.sources(graph), graph)
+    losses = {t.op.name for t in forms.autodiff_losses(graph)}
+    for seeds, pairs in recorders.gradients_of_inputs(graph):
+        if not seeds or any(seed.split(":")[0] not in kinds for seed in seeds):
+            continue
+        for gradient, source in pairs:
+            op = gradient.split(":")[0]
+            try:
+                rows = data.guarded(lambda r: r.axis(graph.get_tensor_by_name(source)))
+            except (KeyError, ValueError):      # in a branch or a loop's body
+                continue
+            if rows is not None or op not in ir or \
+                    not graph.get_tensor_by_name(source).shape.is_fully_defined():
+                continue
+            names = [ctx.replica_name(k, op) for k in range(ctx.plan.num_replicas)]
+            dtype = tf.as_dtype(ir.node(op).attr["T"].type)
+            nodes, outs = ctx.comm.all_reduce(f"parallax/input_gradients/{op}/sum",
+                                              [f"{x}:0" for x in names], dtype, False)
+            made += nodes
+            for name, out in zip(names, outs):
+                rewires.update({(user, pos): out for user, pos in ir.consumers.get(
+                    TensorRef(name, 0), ())})
+            count += 1
+            if _differentiated(graph.get_operation_by_name(op), losses):
+                again.append(source)
+    if again:
+        warnings.warn(
+            f"the step takes the gradient of {sorted(set(again))} (not of the batch's rows: a "
+            "weight's value, as MAML's fast weights) and differentiates it again: the gradient "
+            "is summed over the replicas as one device's, but its own gradient is each "
+            "replica's, of its own rows, not one device's; tf.stop_gradient on it (first "
+            "order) is exact", stacklevel=3)
+    return ir.rewire(rewires, made), count
+
+
+def _differentiated(op, losses: set) -> bool:
+    """Whether a loss reads `op`'s output other than through a StopGradient."""
+    seen, stack = set(), [op]
+    while stack:
+        x = stack.pop()
+        if x.name in losses:
+            return True
+        for c in (c for t in x.outputs for c in t.consumers()):
+            if c.name not in seen and c.type not in ("StopGradient", "PreventGradient"):
+                seen.add(c.name)
+                stack.append(c)
+    return False

@@ -116,6 +116,11 @@ def input_gradients(graph: tf.Graph) -> list[tuple[list, list]]:
     return [(targets, seeds) for targets, seeds, *_ in _noted(graph)]
 
 
+def gradients_of_inputs(graph: tf.Graph) -> list[tuple[list, list]]:
+    """(seed names, [(gradient name, source name)]) of each noted call."""
+    return [(seeds, [pair.split("=") for pair in rows]) for _, seeds, rows, _ in _noted(graph)]
+
+
 def unscaled_gradients(graph: tf.Graph) -> list[tuple[list, list]]:
     """(seed names, names of the variables' gradients) of each noted call
     of variables and inputs together (`UNSCALED`)."""
