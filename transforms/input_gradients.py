@@ -142,7 +142,7 @@ def _summed(ir, ctx, kinds):
         for gradient, source in pairs:
             op = gradient.split(":")[0]
             try:
-                rows = data.guarded(lambda r: r.axis(graph.get_tensor_by_name(source)))
+                rows = batch_axis(graph.get_tensor_by_name(source), data)
             except (KeyError, ValueError):      # in a branch or a loop's body
                 continue
             if rows is not None or op not in ir or \
