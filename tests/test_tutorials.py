@@ -1,7 +1,14 @@
 """Ported TF1 tutorials (tests/tutorials.py) under every run option, in-process
 and as two-worker jobs of scripts that call disable_v2_behavior(): every
 variable and slot equals one device with the global batch (1e-5 after 6
-steps), where the math allows (see README: dropout, NCE negatives)."""
+steps), where the math allows (see README: dropout, NCE negatives).
+
+In-process, mnist runs in float64 (1e-12): its replicas' convolutions run
+side by side, where the kernels' float32 sums are not reproducible from run
+to run (oneDNN's, and Eigen's too, a few 1e-7 under load), and a relu or
+max pool near a tie turns such a rounding into a different gradient: once
+in CI, 2.8e-5 after 6 steps of Adam. Its jobs (one replica per process)
+stay float32."""
 import os
 import subprocess
 import sys
@@ -19,6 +26,7 @@ from tutorials import (BATCH, MODELS, build, config, ptb_windows, single_windows
 tf1 = tf.compat.v1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, TOL = 6, 1e-5
+IN_PROCESS = {"mnist": {"dtype": tf.float64}}    # see above
 OPTIONS = ["hybrid", "allreduce", "ps"]
 # every model under every option; DeepFM's tables also by alltoall and auto
 CASES = [(m, o) for m in MODELS for o in OPTIONS] + [("deepfm", "alltoall"),
@@ -35,9 +43,8 @@ def global_variables(graph):
     return [v.op.name for v in graph.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)]
 
 
-def one_device(model, replicas, start):
+def one_device(model, replicas, start, **kwargs):
     """Train the model with the global batch on one device from `start`."""
-    kwargs = {}
     if model == "ptb":
         kwargs["windows"] = single_windows(ptb_windows(STEPS * replicas, BATCH), replicas)
     graph, h = build(model, BATCH * replicas, **kwargs)
@@ -72,7 +79,9 @@ def unmet(model, sparse_method):
 
 
 def in_process(model, n, cfg, tmp_path):
-    kwargs = {"windows": ptb_windows(STEPS * n, BATCH)} if model == "ptb" else {}
+    kwargs = dict(IN_PROCESS.get(model, {}))
+    if model == "ptb":
+        kwargs["windows"] = ptb_windows(STEPS * n, BATCH)
     if model == "ptb":     # the tutorial trains from its exported MetaGraphDef
         kwargs["meta_path"] = str(tmp_path / "ptb.meta")
     source, h = build(model, BATCH, **kwargs)
@@ -93,20 +102,20 @@ def in_process(model, n, cfg, tmp_path):
         return dict(zip(names, runner.run(reads, per_replica=True))), start, losses
 
 
-def assert_equal_to_one_device(parallel, single, copies):
+def assert_equal_to_one_device(parallel, single, copies, tol=TOL):
     assert set(parallel) == set(single) and len(single) >= 3
     for name, want in single.items():
         assert len(parallel[name]) == copies
         for k, got in enumerate(parallel[name]):
             diff = np.max(np.abs(np.asarray(got) - want))
-            assert diff <= TOL, f"{name} on replica {k}: max abs diff {diff}"
+            assert diff <= tol, f"{name} on replica {k}: max abs diff {diff}"
 
 
 @pytest.mark.parametrize("model,run_option", CASES)
 def test_tutorial_in_process_equals_one_device(tmp_path, model, run_option):
     parallel, start, losses = in_process(model, 2, config(model, run_option), tmp_path)
-    single, single_losses = one_device(model, 2, start)
-    assert_equal_to_one_device(parallel, single, 2)
+    single, single_losses = one_device(model, 2, start, **IN_PROCESS.get(model, {}))
+    assert_equal_to_one_device(parallel, single, 2, 1e-12 if model in IN_PROCESS else TOL)
     np.testing.assert_allclose(losses, single_losses, rtol=1e-5, atol=1e-6)
 
 

@@ -73,40 +73,42 @@ def _skip_grams(step, rows):
 SIDE, CLASSES = 8, 10
 
 
-def _weight(shape):
-    return tf1.Variable(tf1.truncated_normal(shape, stddev=0.1))
+def _weight(shape, dtype=tf.float32):
+    return tf1.Variable(tf1.truncated_normal(shape, stddev=0.1, dtype=dtype))
 
 
-def _bias(shape):
-    return tf1.Variable(tf1.constant(0.1, shape=shape))
+def _bias(shape, dtype=tf.float32):
+    return tf1.Variable(tf1.constant(0.1, shape=shape, dtype=dtype))
 
 
-def mnist(batch):
+def mnist(batch, dtype=tf.float32):
+    """`dtype` float64 for comparisons that a relu or max pool near a tie
+    would turn from float32 rounding into a different gradient."""
     g = tf.Graph()
     with g.as_default():
-        x = tf1.placeholder(tf.float32, [None, SIDE * SIDE], name="x")
-        y_ = tf1.placeholder(tf.float32, [None, CLASSES], name="y_")
-        keep_prob = tf1.placeholder(tf.float32, name="keep_prob")
+        x = tf1.placeholder(dtype, [None, SIDE * SIDE], name="x")
+        y_ = tf1.placeholder(dtype, [None, CLASSES], name="y_")
+        keep_prob = tf1.placeholder(dtype, name="keep_prob")
         image = tf.reshape(x, [-1, SIDE, SIDE, 1])
         h = image
         for i, (cin, cout) in enumerate([(1, 4), (4, 8)]):
             with tf1.name_scope(f"conv{i + 1}"):
-                h = tf.nn.relu(tf.nn.conv2d(h, _weight([3, 3, cin, cout]), [1, 1, 1, 1],
-                                            "SAME") + _bias([cout]))
+                h = tf.nn.relu(tf.nn.conv2d(h, _weight([3, 3, cin, cout], dtype), [1, 1, 1, 1],
+                                            "SAME") + _bias([cout], dtype))
             with tf1.name_scope(f"pool{i + 1}"):
                 h = tf.nn.max_pool2d(h, 2, 2, "SAME")
         with tf1.name_scope("fc1"):
             flat = tf.reshape(h, [-1, 2 * 2 * 8])
-            h = tf.nn.relu(tf.matmul(flat, _weight([32, 16])) + _bias([16]))
+            h = tf.nn.relu(tf.matmul(flat, _weight([32, 16], dtype)) + _bias([16], dtype))
         with tf1.name_scope("dropout"):
             h = tf1.nn.dropout(h, rate=1 - keep_prob)
         with tf1.name_scope("fc2"):
-            logits = tf.matmul(h, _weight([16, CLASSES])) + _bias([CLASSES])
+            logits = tf.matmul(h, _weight([16, CLASSES], dtype)) + _bias([CLASSES], dtype)
         loss = tf.reduce_mean(tf1.nn.softmax_cross_entropy_with_logits_v2(
             labels=y_, logits=logits), name="loss")
         tf1.train.AdamOptimizer(1e-3).minimize(loss, name="train")
         correct = tf.equal(tf.argmax(logits, 1), tf.argmax(y_, 1))
-        tf.reduce_mean(tf.cast(correct, tf.float32), name="accuracy")
+        tf.reduce_mean(tf.cast(correct, dtype), name="accuracy")
         tf1.global_variables_initializer()
     return g, {"init": "init", "train": "train", "loss": "loss:0"}
 
