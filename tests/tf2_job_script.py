@@ -21,7 +21,7 @@ between machines; with --clipnorm, Adam with `global_clipnorm` and the
 dense variables by all-reduce beside the server; with --network B, config
 `network` of B bytes/s and no latency; with --dense-method M, config
 `dense_method: M` (--sparse-method M: `sparse_method: M`); with --default-config, nothing
-pinned); with --horovod, a rank of horovodrun (the loop or --fit,
+pinned; `communication.timeout_seconds` 150 in every case); with --horovod, a rank of horovodrun (the loop or --fit,
 `communication.backend: horovod`); with --bn, test_keras_fit's BatchNormalization model by
 `model.fit` on STEPS global batches of 16 (with --ps, run option `ps`: its
 variables on the resource file's server); with --sparse, test_tf2's bags of
@@ -63,6 +63,9 @@ if "--example" in sys.argv:
     args = ex.compile_args(name)
     # the default config with --default-config, else sparse pinned to the server
     config = {} if "--default-config" in sys.argv else {"sparse_method": "ps"}
+    # a step that hangs ends the job with its error, and the launcher's line
+    # on the task that held it, inside the test's 300 s
+    config["communication"] = {"timeout_seconds": 150}
     if "--clipnorm" in sys.argv:            # Keras's global-norm clipping, dense by a ring
         args["optimizer"] = keras.optimizers.Adam(1e-3, global_clipnorm=1.0)
         config["dense_method"] = "allreduce"
