@@ -180,6 +180,30 @@ def test_a_sum_over_images_an_image_op_changed_sums_the_replicas_gradients():
             np.testing.assert_allclose(got, single[name], atol=1e-5, rtol=1e-5)
 
 
+def test_equal_parts_of_the_rows_keep_them_in_a_reading_of_parts():
+    """A split of the batch's rows into equal parts (micro-batches: a count
+    of parts, or sizes all one tensor or one constant) keeps the batch's
+    axis in a reading of parts, as a loss's form is read; a split into
+    unequal sizes, and any split in the plain reading, has none (one
+    device's part holds other rows than a replica's)."""
+    from parallax_ng.graph.rows import reading
+    with tf.Graph().as_default() as g:
+        x, _ = inputs()
+        half = tf.shape(x)[0] // 2
+        cases = [(tf.split(x, 2)[1], 0, None), (tf.split(x, [half, half])[0], 0, None),
+                 (tf.split(x, [3, 3])[1], 0, None),
+                 (tf.split(x, [half, tf.shape(x)[0] - half])[0], None, None),
+                 (tf.split(x, [2, 4])[0], None, None),
+                 (tf.split(tf.transpose(x, [1, 0, 2]), 2, 1)[0], 1, None),
+                 (tf.split(x, 7, axis=1)[0], 0, 0)]       # along another axis: both
+        parts = reading(DATA, g, parts=True)
+        assert reading(parts, g) is parts and reading(parts, g, parts=True) is parts
+        plain = reading(parts.sources, g)
+        assert reading(plain, g, parts=True) is not plain
+        assert [(parts.axis(t), plain.axis(t)) for t, _, _ in cases] == \
+            [(a, b) for _, a, b in cases]
+
+
 def test_strings_through_per_entry_ops_lookups_and_splits_padded():
     """A batch of strings keeps its rows through per-entry string ops, a
     lookup table and a split into words padded back to a tensor (Keras's

@@ -48,7 +48,8 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
         return (*wanted, "")
     free = set(data_free(graph))        # neither a sum nor a mean: every replica's alike
     losses = [loss for loss in autodiff_losses(graph) if loss.name not in free]
-    data = reading(sources(graph), graph)   # one reading of the batch's axes for every loss
+    # one reading of the batch's axes for every loss; micro-batches' rows are the batch's
+    data = reading(sources(graph), graph, parts=True)
     sums, unsure, once, mixed, unread = [], [], [], [], []
     read = {loss.name: scalar_form(loss, data) for loss in losses
             if not (loss.shape.rank and batch_axis(loss, data) is not None)}

@@ -41,9 +41,18 @@ def counts_rows(op, sources) -> bool:
     return bool(reading(sources, op.graph).guarded(lambda r: r.counts_rows(op)))
 
 
-def reading(sources, graph: tf.Graph) -> _Axes:
-    """A reading of `graph` for the data sources (`sources`, if already one)."""
-    return sources if isinstance(sources, _Axes) else _Axes(sources, graph)
+def reading(sources, graph: tf.Graph, parts: bool = False) -> _Axes:
+    """A reading of `graph` for the data sources (`sources`, if already one,
+    and one of parts where `parts` asks). `parts`: a tf.split of the
+    batch's rows into equal parts (micro-batches) keeps the batch's axis in
+    each part, whose rows are examples of the batch; a loss's form is read
+    so. Elsewhere a part has no batch's axis: one device's part m holds
+    other rows than a replica's (a fetched part is not the replicas' parts
+    joined)."""
+    if isinstance(sources, _Axes) and (sources.parts or not parts):
+        return sources
+    sources = sources.sources if isinstance(sources, _Axes) else sources
+    return _Parts(sources, graph) if parts else _Axes(sources, graph)
 
 
 _LAST_AXIS = {"Softmax", "LogSoftmax"}      # mix their last axis
@@ -64,11 +73,22 @@ def _int(value) -> int:
     return int(np.ravel(value)[0])
 
 
+def _equal(sizes) -> bool:
+    """Whether SplitV's `sizes` are equal: constants, or one tensor packed
+    (`tf.split(x, [tf.shape(x)[0] // m] * m)`)."""
+    value = tf.get_static_value(sizes)
+    if value is not None:
+        return np.size(value) > 0 and bool(np.all(np.ravel(value) == np.ravel(value)[0]))
+    return sizes.op.type == "Pack" and len({t.name for t in sizes.op.inputs}) == 1
+
+
 class _Axes(Flow):
     """One reading of a graph (or of a function's body, its inputs `bound`
     to the caller's tensors): the batch's axis of tensors, and of the
     elements of lists and arrays, memoized; a cycle (a loop) reads None
     where it meets itself."""
+
+    parts = False       # a split of the batch's rows keeps the axis (`reading`)
 
     def __init__(self, sources, graph, bound=None, root=None):
         self.sources, self.graph, self.root = set(sources), graph, root or graph
@@ -266,7 +286,8 @@ class _Axes(Flow):
         if a is None or at is None or not rank:
             return None
         if op.type.startswith("Cum") or op.type.startswith("Split"):
-            return None if _int(at) % rank == a else a
+            whole = self.parts and (op.type == "Split" or _equal(op.inputs[1]))   # parts
+            return None if _int(at) % rank == a and not whole else a
         if op.type == "ReverseV2":
             return a            # reversed rows are the same rows
         if op.type == "Tile":
@@ -416,3 +437,9 @@ class _Axes(Flow):
             if first is not None:
                 return np.size(first) > 0 and int(np.ravel(first)[0]) == -1
         return self._first_counts(shape)
+
+
+class _Parts(_Axes):
+    """A reading where each of equal parts of the batch's rows has them."""
+
+    parts = True

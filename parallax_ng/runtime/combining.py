@@ -22,7 +22,7 @@ from .. import compat
 from ..config import FETCH_REDUCTIONS
 from ..graph import forms, rules
 from ..graph.mixing import extreme
-from ..graph.rows import batch_axis
+from ..graph.rows import batch_axis, reading
 from . import summaries
 from .batch_parts import joined_rows
 
@@ -131,7 +131,8 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
         return "norm", 0, True
     if largest := extreme(t, sources):
         return largest, 0, True
-    kind, guessed, _ = forms.scalar_form(t, sources)
+    # a sum or mean over micro-batches (tf.split's parts of the rows) is the batch's
+    kind, guessed, _ = forms.scalar_form(t, reading(sources, t.graph, parts=True))
     if t.shape.rank != 0 and kind is None:
         return "concat", 0, False
     if (guessed or kind is None and t.name in losses) and not averaged:
