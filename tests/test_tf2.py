@@ -91,6 +91,15 @@ def test_keras3_custom_loop_equals_one_device(make_optimizer):
     assert step.runner.plan.num_replicas == 2 and step.on_program == 0    # all on the replicas
 
 
+def stepped(step_of, make=keras3_dense,
+            make_optimizer=lambda: keras.optimizers.SGD(0.05, momentum=0.9)):
+    """(`step_of`'s step on 2 replicas, its tf.function on one device, the
+    two twin (model, optimizer) pairs they train)."""
+    parallel, single = twins(make, make_optimizer)
+    return pn.function(step_of(*parallel), local(2)), tf.function(step_of(*single)), \
+        parallel, single
+
+
 LOSSES = {
     "reduce_sum": lambda per: tf.reduce_sum(per),
     "over the global batch": lambda per: tf.nn.compute_average_loss(per,
@@ -172,9 +181,7 @@ def test_gradients_accumulated_over_micro_batches_equal_one_device(loss, sizes, 
             optimizer.apply_gradients(zip(total, model.trainable_variables))
             return value
         return train_step
-    parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
-    step = pn.function(step_of(*parallel), local(2))
-    ref = tf.function(step_of(*single))
+    step, ref, parallel, single = stepped(step_of)
     x, y = data()
     for k in range(STEPS):
         np.testing.assert_allclose(step(x[k], y[k]), ref(x[k], y[k]).numpy(), rtol=1e-6)
@@ -257,9 +264,7 @@ def test_a_penalty_under_a_tape_of_its_own_beside_a_summed_loss_equals_one_devic
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
             return value
         return train_step
-    parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.05, momentum=0.9))
-    step = pn.function(step_of(*parallel), local(2))
-    ref = tf.function(step_of(*single))
+    step, ref, parallel, single = stepped(step_of)
     x, y = data()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
