@@ -15,6 +15,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from .. import compat
+from .batch import split_as_parts
 from .forms import autodiff_losses, counts_rows, loss_form, scalar_form, sources
 from .mixing import bent_gradient, mixing
 from .randomness import is_random, seed_input
@@ -49,7 +50,7 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     free = set(data_free(graph))        # neither a sum nor a mean: every replica's alike
     losses = [loss for loss in autodiff_losses(graph) if loss.name not in free]
     # one reading of the batch's axes for every loss; micro-batches' rows are the batch's
-    data = reading(sources(graph), graph, parts=True)
+    data = reading(sources(graph), graph, parts=split_as_parts(graph))
     sums, unsure, once, mixed, unread = [], [], [], [], []
     read = {loss.name: scalar_form(loss, data) for loss in losses
             if not (loss.shape.rank and batch_axis(loss, data) is not None)}

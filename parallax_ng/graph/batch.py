@@ -92,6 +92,19 @@ class _Dims:
             self.facts[self.find(d)].add(fact)
 
 
+def split_as_parts(graph: tf.Graph) -> bool:
+    """Whether a split of the batch's rows into equal parts may be read as
+    micro-batches (graph/rows.py `reading(parts=True)`): no TF1 placeholder
+    of a batch's shape (rank 1 or more, its first dimension open) feeds
+    `graph`. `kinds` gives such a placeholder whole to every replica where
+    its rows are only picked by position (a split), so a part there is one
+    device's part, not examples of a replica's rows."""
+    return not any(op.type in ("Placeholder", "PlaceholderWithDefault") and
+                   not op.name.startswith(TF2_ARGUMENT) and op.outputs[0].shape.rank and
+                   compat.dim(op.outputs[0].shape, 0) is None
+                   for op in graph.get_operations())
+
+
 def kinds(tg, fixed: bool = False) -> dict[str, tuple[str, str]]:
     """{placeholder: (batch | whole | unknown, why)} for every placeholder
     of rank 1 or more whose first dimension is unknown (with `fixed`, every

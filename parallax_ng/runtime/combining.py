@@ -21,6 +21,7 @@ import tensorflow as tf
 from .. import compat
 from ..config import FETCH_REDUCTIONS
 from ..graph import forms, rules
+from ..graph.batch import split_as_parts
 from ..graph.mixing import extreme
 from ..graph.rows import batch_axis, reading
 from . import summaries
@@ -132,7 +133,8 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
     if largest := extreme(t, sources):
         return largest, 0, True
     # a sum or mean over micro-batches (tf.split's parts of the rows) is the batch's
-    kind, guessed, _ = forms.scalar_form(t, reading(sources, t.graph, parts=True))
+    kind, guessed, _ = forms.scalar_form(t, reading(sources, t.graph,
+                                                    parts=split_as_parts(t.graph)))
     if t.shape.rank != 0 and kind is None:
         return "concat", 0, False
     if (guessed or kind is None and t.name in losses) and not averaged:
