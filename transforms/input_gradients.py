@@ -64,9 +64,8 @@ class InputGradientsPass:
                 at = f"parallax/input_gradients/{node.name}"
                 ones = emit.like(node, f"{at}/ones", node.device)   # the seed, renamed
                 ones.input.extend(node.input)
-                added += [ones, emit.const(f"{at}/share", 1.0 / n, dtype, node.device)]
-                changed[node.name] = emit.node_def(node.name, "Mul", [ones.name, f"{at}/share"],
-                                                   node.device, T=dtype)
+                share, changed[node.name] = _times(node, ones.name, 1.0 / n, dtype, "share")
+                added += [ones, share]
         for call_seeds, gradients in recorders.unscaled_gradients(graph):
             if not any(seed.split(":")[0] in seeds for seed in call_seeds):
                 continue
@@ -77,14 +76,21 @@ class InputGradientsPass:
                 dtype = tf.as_dtype(ir.node(op).attr["T"].type)
                 for k in range(ctx.plan.num_replicas):
                     node = ir.node(ctx.replica_name(k, op))
-                    at = f"parallax/input_gradients/{node.name}"
-                    added.append(emit.const(f"{at}/replicas", float(n), dtype, node.device))
-                    changed[node.name] = emit.node_def(node.name, "Mul", [
-                        node.input[0], f"{at}/replicas"], node.device, T=dtype)
+                    factor, changed[node.name] = _times(node, node.input[0], float(n), dtype,
+                                                        "replicas")
+                    added.append(factor)
         ctx.publish(ScaledInputs(tuple(seed[:seed.rindex("/") + 1] for seed in kinds
                                        if graph.get_operation_by_name(seed).type == "Fill")))
         out, summed = _summed(ir.replace(changed, added), ctx, kinds)
         return out, {"scaled": len(seeds), "summed": summed}
+
+
+def _times(node, source: str, factor: float, dtype, suffix: str):
+    """(a constant `factor` on `node`'s device, a Mul of `source` by it
+    that takes `node`'s name and place)."""
+    const = emit.const(f"parallax/input_gradients/{node.name}/{suffix}", factor, dtype,
+                       node.device)
+    return const, emit.node_def(node.name, "Mul", [source, const.name], node.device, T=dtype)
 
 
 def seed_kinds(graph: tf.Graph) -> dict[str, str]:
@@ -142,11 +148,11 @@ def _summed(ir, ctx, kinds):
         for gradient, source in pairs:
             op = gradient.split(":")[0]
             try:
-                rows = batch_axis(graph.get_tensor_by_name(source), data)
+                x = graph.get_tensor_by_name(source)
             except (KeyError, ValueError):      # in a branch or a loop's body
                 continue
-            if rows is not None or op not in ir or \
-                    not graph.get_tensor_by_name(source).shape.is_fully_defined():
+            if op not in ir or not x.shape.is_fully_defined() or \
+                    batch_axis(x, data) is not None:
                 continue
             names = [ctx.replica_name(k, op) for k in range(ctx.plan.num_replicas)]
             dtype = tf.as_dtype(ir.node(op).attr["T"].type)
