@@ -74,6 +74,15 @@ MIXED = ("state adds up numbers each replica computes over its own rows that mix
          "batch's examples or take its largest or smallest value ((variable, why): {}): "
          "no sum of the replicas' is one device's over the global batch; they are averaged")
 
+UNTRAINED = (
+    "variables {} are written by the step from each replica's data (trainable ones, or "
+    "others from the autodiff's output, as an optimizer's slots), but no gradient of a "
+    "variable was found there (an optimizer's update reading the autodiff's output, or a "
+    "slot it writes that way): their writes are synced as state, the replicas' values "
+    "averaged (rows added at indices summed), which equals one device only where the write "
+    "is linear in the data (plain SGD, a moving average); mark trainable ones "
+    "trainable=False if they are state")
+
 
 def mixed(tg, ref, sources, products) -> str | None:
     """Why a scalar of floats from the data's values that state adds up (a

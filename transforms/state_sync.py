@@ -41,9 +41,10 @@ times, so totals and logs are one device's. In a job that sums dense
 gradients on the servers (fusion buffers) these sums go there too, so the
 step keeps no collective op; so do those in a tf.cond's branch in any job
 with servers (a collective would put the branch in both of a split step's runs).
-A write whose value holds rows of the replica's examples (an RNN's state
-kept in a variable from step to step) is not synced: each replica keeps its
-own examples' rows, as one device's holds them (`PerExampleState`).
+A write from the batch's largest or smallest values (a running maximum) reads
+the job's (transforms/extremes.py). A write whose value holds rows of the replica's
+examples (an RNN's state kept in a variable from step to step) is not synced: each
+replica keeps its own examples' rows, as one device's holds them (`PerExampleState`).
 Batch normalization's statistics and incoming gradients the plan names
 (graph/normalization.py) are the job's means. Initializers: the `init` pass.
 """
@@ -61,7 +62,7 @@ from parallax_ng.graph.ir import GraphIR, parse_tensor
 from parallax_ng.graph.rows import batch_axis
 from parallax_ng.graph.rows import reading as read_rows
 from parallax_ng.pipeline.results import PerExampleState, SyncedInputs, WidenedMeans
-from transforms import counts
+from transforms import counts, extremes
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ class StateSyncPass:
         form = counts.Forms(sources)                    # each loss's form, read once
         products = averaging.tracker_products(tg.graph, sources)
         widened = counts.widened(tg, form, products, summing)
-        examples, per_example = read_rows(sources, tg.graph), {}
+        examples, per_example, extreme = read_rows(sources, tg.graph), {}, {}
+        trained = tg.ir.ancestors({g.values.node for g in tg.gradients.values()}, data_only=True)
         from_autodiff = rules.from_autodiff(tg.graph)     # (by data edges)
         branches.warn_out_of_reach(tg, ctx.varies)
         looped, in_loops = [], {n for n in randomness.in_loops(tg.ir)    # (an Exit's value is
@@ -113,6 +115,9 @@ class StateSyncPass:
                         continue
                     if w in in_loops:       # a sync would run each turn: an exchange runs
                         looped.append((var, w))     # once a step (a second would wait)
+                        continue
+                    if (cut := extremes.explained(tg, ref, ctx.varies, sources, trained)):
+                        extreme.update(cut)     # the job's extremes: one device's write
                         continue
                     if var not in tg.gradients and tg.variables[var].dtype.is_floating and (
                             tg.variables[var].trainable or ref.node in from_autodiff):
@@ -160,6 +165,11 @@ class StateSyncPass:
         branched = partial(on_a_server, branched=True) if plan.uses_servers else reduce
         in_branch = lambda node: branched if plan.num_workers > 1 and \
             branches.switches_above(tg.ir, node, above) else reduce     # noqa: E731
+        for ref, kind in sorted(extreme.items()):
+            nodes, outs = extremes.job_extreme(ctx, ir, in_branch(ref.node), ref, kind, synced)
+            synced += 1
+            new_nodes.extend(nodes)
+            counts.read_everywhere(ctx, ref, outs, rewires, replaced)
         for together in _together(ir, ctx, syncs, set(sources), above):
             nodes, outs = _reduced(ctx, in_branch(together[0][4]), together, synced)
             synced += len(together)
@@ -173,15 +183,7 @@ class StateSyncPass:
         if per_example:
             ctx.publish(PerExampleState(tuple(sorted(per_example.items()))))
         if untrained:
-            warnings.warn(
-                f"variables {sorted(untrained)} are written by the step from each replica's "
-                "data (trainable ones, or others from the autodiff's output, as an "
-                "optimizer's slots), but no gradient of a variable was found there (an "
-                "optimizer's update reading the autodiff's output, or a slot it writes that "
-                "way): their writes are synced as state, the replicas' values averaged (rows "
-                "added at indices summed), which equals one device only where the write is "
-                "linear in the data (plain SGD, a moving average); mark trainable ones "
-                "trainable=False if they are state", stacklevel=2)
+            warnings.warn(counts.UNTRAINED.format(sorted(untrained)), stacklevel=2)
         branches.warn_in_loops(looped)
         if unshown:
             warnings.warn(counts.MIXED.format(sorted(dict(unshown[::-1]).items())),
