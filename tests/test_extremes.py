@@ -1,12 +1,17 @@
-"""State written from the batch's largest or smallest values
-(transforms/extremes.py): a running maximum and minimum of the inputs (a
-quantizer's calibration), a moving average of each batch's minimum, a
-total of each batch's maximum. 2 replicas against one device with the
-global batch: every variable equal (float32, 1e-6; the extremes are
-exchanged exactly, the rest is float32 rounding); before, the replicas'
-extremes were averaged, silently (a running maximum 0.27 below one
-device's after 2 epochs of a Keras `fit`)."""
+"""State written from reductions over the batch (transforms/extremes.py):
+a running maximum and minimum of the inputs (a quantizer's calibration), a
+moving average of each batch's minimum, a total of each batch's maximum,
+and values assigned from sums (the batch's sum, a decayed total, a moving
+average of the sum of squares, each feature's norm) or from a reduction of
+reductions (the batch's standard deviation). 2 replicas against one device
+with the global batch: every variable equal (float32, 1e-6; the reductions
+are exchanged, extremes exactly, the rest is float32 rounding); before,
+the replicas' values were averaged, silently (a running maximum 0.27 below
+one device's after 2 epochs of a Keras `fit`; an assigned sum half one
+device's). A value that mixes the batch's examples otherwise (its top k)
+is averaged and named in a warning."""
 import os
+import re
 import subprocess
 import sys
 
@@ -23,7 +28,8 @@ from transforms.replicate import ReplicatePass
 from transforms.state_sync import StateSyncPass
 
 tf1 = tf.compat.v1
-STATE = ("running_max", "running_min", "min_average", "max_total", "ref_max")
+STATE = ("running_max", "running_min", "min_average", "max_total", "ref_max", "batch_sum",
+         "decayed_total", "squares_average", "norm", "deviation", "max_plus_mean")
 TOL = 1e-6
 
 
@@ -41,15 +47,22 @@ def extremes_graph(mixed=False):
         def state(name, resource=True):
             return tf1.get_variable(name, initializer=np.zeros([3], np.float32),
                                     trainable=False, use_resource=resource)
-        hi, lo, avg, total, ref_hi = (state(n, n != "ref_max") for n in STATE)
+        hi, lo, avg, total, ref_hi, summed, decayed, squares, norm, deviation, both = (
+            state(n, n != "ref_max") for n in STATE)
         updates = [tf1.assign(hi, tf.maximum(hi, tf.reduce_max(tf.abs(x), 0))),
                    tf1.assign(lo, tf.minimum(lo, tf.reduce_min(x, 0))),
                    tf1.assign_sub(avg, (avg - tf.reduce_min(x, 0)) * 0.3),
                    tf1.assign_add(total, tf.reduce_max(x) * tf.ones([3])),
-                   tf1.assign(ref_hi, tf.maximum(ref_hi, tf.reduce_max(x, [0]) * 2.0))]
+                   tf1.assign(ref_hi, tf.maximum(ref_hi, tf.reduce_max(x, [0]) * 2.0)),
+                   tf1.assign(summed, tf.reduce_sum(x, 0)),
+                   tf1.assign(decayed, 0.9 * decayed + tf.reduce_sum(x, 0)),
+                   tf1.assign_sub(squares, (squares - tf.reduce_sum(x * x, 0)) * 0.1),
+                   tf1.assign(norm, tf.norm(x, axis=0)),
+                   tf1.assign(deviation, tf.math.reduce_std(x, 0)),
+                   tf1.assign(both, tf.reduce_max(x, 0) + tf.reduce_mean(x, 0))]
         if mixed:
-            both = state("both")
-            updates.append(tf1.assign(both, tf.reduce_max(x, 0) + tf.reduce_mean(x, 0)))
+            second = state("second")
+            updates.append(tf1.assign(second, tf.math.top_k(tf.transpose(x), 2).values[:, 1]))
         with tf.control_dependencies(updates):          # the step's new maximum
             loss = tf.reduce_mean(tf.reduce_sum(x / (hi.read_value() + 1.0) * w, 1) ** 2)
             tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
@@ -91,26 +104,34 @@ def test_state_from_the_batchs_extremes_equals_one_device(run_option):
         np.testing.assert_allclose(got[name], want[name], atol=TOL, rtol=0, err_msg=name)
 
 
-def test_only_writes_that_vary_through_extremes_alone_read_the_jobs():
-    """Each of the five reductions is exchanged once (the running maximum's
-    two writes share none), as a sum of rows of zeros; a write that also
-    reads the batch's mean keeps its sync (averaged) and its maximum is not
-    exchanged for it."""
-    ctx = context(n=2, graph=extremes_graph(mixed=True))
-    ir = run_passes(ctx, ReplicatePass(), AggregatePass(), StateSyncPass())
-    made = {n.name.split("/")[2] for n in ir.nodes if n.name.startswith("parallax/extremes/")}
-    assert len(made) == 5, made
-    assert op_counts(ir, "parallax/extremes/")["CollectiveReduce"] == 2 * 5
-    assert op_counts(ir, "parallax/extremes/")["Pad"] == 2 * 5
+def test_writes_that_vary_through_reductions_alone_read_the_jobs():
+    """Each reduction over the batch that the state reads is exchanged once
+    (a standard deviation's two means, the maximum and the mean added), the
+    extremes as a sum of rows of zeros; a write from the batch's top k keeps
+    its sync (averaged), and a warning names it and why."""
+    graph = extremes_graph(mixed=True)
+    ctx = context(n=2, graph=graph)
+    with pytest.warns(UserWarning, match=r"\('second', \"TopKV2: the top k along the batch"):
+        ir = run_passes(ctx, ReplicatePass(), AggregatePass(), StateSyncPass())
+    made = [re.sub(r"^parallax/extremes/(.*?)(/rows)?/replica_1$", r"\1", n.name)
+            for n in ir.nodes if n.name.startswith("parallax/extremes/") and
+            n.op == "CollectiveReduce" and n.name.endswith("replica_1")]
+    assert sorted(made) == [
+        "Max", "Max_1", "Max_2", "Max_3", "Mean", "Min", "Min_1", "Sum", "Sum_1", "Sum_2",
+        "norm_1/Sum", "reduce_std/reduce_variance/Mean", "reduce_std/reduce_variance/Mean_1"]
+    assert op_counts(ir, "parallax/extremes/")["Pad"] == 2 * 6        # Max and Min
+    second = [op.name for op in graph.get_operations() if op.type == "AssignVariableOp"
+              and op.inputs[0].op.name == "second" and not op.name.startswith("second/")]
     synced = {n.name.split("/")[2] for n in ir.nodes
               if n.name.startswith("parallax/state_sync/")}
-    assert synced == {"AssignVariableOp_2"}, synced       # `both`'s write
+    assert synced == set(second), synced
 
 
 def stats_model(lib):
     """A layer of `lib` ("keras": Keras 3, or "tf_keras") that keeps each
-    input's largest absolute value and smallest value seen, and a count
-    of the examples, and scales its input by the first; Dense layers; Adam."""
+    input's largest absolute value and smallest value seen, a decayed
+    total of its absolute values and a count of the examples, and scales
+    its input by the first; Dense layers; Adam."""
     import keras
     keras = __import__("tf_keras") if lib == "tf_keras" else keras
 
@@ -119,6 +140,7 @@ def stats_model(lib):
             zeros = dict(shape=(shape[-1],), initializer="zeros", trainable=False)
             self.hi = self.add_weight(name="hi", **zeros)
             self.lo = self.add_weight(name="lo", **zeros)
+            self.decayed = self.add_weight(name="decayed", **zeros)
             self.seen = self.add_weight(name="seen", shape=(), initializer="zeros",
                                         trainable=False)
 
@@ -126,6 +148,7 @@ def stats_model(lib):
             if training:
                 self.hi.assign(tf.maximum(self.hi, tf.reduce_max(tf.abs(x), 0)))
                 self.lo.assign(tf.minimum(self.lo, tf.reduce_min(x, 0)))
+                self.decayed.assign(0.5 * self.decayed + tf.reduce_sum(tf.abs(x), 0))
                 self.seen.assign_add(tf.cast(tf.shape(x)[0], tf.float32))
             return x / (self.hi + 1.0)
     keras.utils.set_random_seed(0)
@@ -138,8 +161,8 @@ def stats_model(lib):
 @pytest.mark.parametrize("lib", ["keras", "tf_keras"])
 def test_fit_with_a_calibration_layer_equals_one_device(lib):
     """Keras `fit`, 2 epochs of 4 batches of 16: the layer's maximum and
-    minimum are the global batch's, the count and every weight and Adam
-    slot equal one device's, and so do the epochs' losses (before: the
+    minimum are the global batch's, the decayed total, the count and every
+    weight and Adam slot equal one device's, and so do the epochs' losses (before: the
     maximum 0.27 below one device's, the losses 4e-3 apart)."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(64, 5)).astype(np.float32), rng.normal(size=(64, 1)).astype(

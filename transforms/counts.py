@@ -70,9 +70,10 @@ def widened(tg, form, products: dict, summing: bool) -> dict:
             for op in form(loss).widened if summing or op not in trained}
 
 
-MIXED = ("state adds up numbers each replica computes over its own rows that mix the "
-         "batch's examples or take its largest or smallest value ((variable, why): {}): "
-         "no sum of the replicas' is one device's over the global batch; they are averaged")
+MIXED = ("state adds up or is assigned numbers each replica computes over its own rows "
+         "that mix the batch's examples or take its largest or smallest value ((variable, "
+         "why): {}): no sum or mean of the replicas' is one device's over the global batch; "
+         "they are averaged")
 
 UNTRAINED = (
     "variables {} are written by the step from each replica's data (trainable ones, or "

@@ -1,60 +1,118 @@
-"""Extremes: state written from the batch's largest or smallest values is
-one device's.
+"""Extremes and sums: state written from reductions over the batch is one
+device's.
 
 A variable written from a maximum or minimum over the batch (a running
 maximum of activations, as a quantizer's calibration keeps it; a moving
 average of each batch's minimum) holds, on one device, the extremes of the
-global batch. The replicas' writes averaged do not give them: the mean of
-the replicas' maxima is below the job's maximum. So each such reduction
-(graph/mixing.py `extreme`: a Max or Min whose axes hold the batch's) that
-state reads, and the gradients do not, is exchanged: every replica puts
-its value in its own row of an [N, ...] tensor of zeros, the rows are
-summed over the job (any backend's sum; exact, a value plus zeros), and
-the largest or smallest row is read in place of the replica's value. A
-write that differs between replicas only through such values is then the
-same on every replica, and state_sync leaves it alone.
+global batch; one assigned a sum over the batch (a decayed total, a moving
+average of a sum of squares), or a function of a reduction of reductions
+(a standard deviation: a mean of squares about the batch's mean), holds
+the global batch's. The replicas' writes averaged give none of these: the
+mean of the replicas' maxima is below the job's, the mean of their sums
+1/N of the job's. So each such reduction over the batch's axis that state
+reads, and the gradients do not, is exchanged where the write varies
+between replicas through such reductions alone: a sum or a mean by the
+job's all-reduce, a maximum or a minimum as rows (every replica puts its
+value in its own row of an [N, ...] tensor of zeros, the rows are summed
+over the job, exactly: a value plus zeros, and the largest or smallest row
+is taken). Each replica reads the job's value in place of its own, so the
+write is the same on every replica, and state_sync leaves it alone.
+Writes that add a sum or a mean of the batch (metrics' totals, moving
+averages of means) keep state_sync's rules, which are exact for them.
 """
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from parallax_ng.graph import emit, mixing
+from parallax_ng.graph.rows import batch_axis
+from transforms import counts
 
+_KINDS = {"Max": "max", "Min": "min", "Sum": "sum", "Mean": "mean"}
 _REDUCTIONS = {"max": tf.reduce_max, "min": tf.reduce_min}
 
 
-def explained(tg, ref, varies, sources, trained: set) -> dict | None:
-    """{Max or Min output: "max" or "min"}: the reductions over the batch
-    through which alone tensor `ref` differs between replicas (`varies`),
-    none among `trained` (the nodes the gradients are computed from: a
-    reduction the loss reads keeps its own gradient); None where `ref`
-    differs otherwise too, or through none."""
-    found, seen, todo = {}, set(), [ref]
+def explained(tg, ref, varies, sources, trained: set, how: str) -> dict | None:
+    """{Max, Min, Sum or Mean output: "max", "min", "sum" or "mean"}: the
+    reductions over the batch's axis through which alone tensor `ref`
+    differs between replicas (`varies`), with those they read, none among
+    `trained` (the nodes the gradients are computed from: a reduction the
+    loss reads keeps its own gradient) and none reading an op that mixes
+    the batch's examples; where a write state_sync would combine by `how`
+    ("sum" or "mean") is one device's only with them exchanged: extremes in
+    any; in a mean, a sum or a reduction of reductions (a mean of means is
+    averaged exactly as it is). None otherwise."""
+    found, nested, seen, todo = {}, False, set(), [(ref, False)]
     while todo:
-        r = todo.pop()
-        if r in seen:
+        r, under = todo.pop()
+        if (r, under) in seen:
             continue
-        seen.add(r)
-        if tg.ir.node(r.node).op in ("Max", "Min") and tg.tensor(r).shape.rank is not None \
-                and (kind := mixing.extreme(tg.tensor(r), sources)) is not None:
-            if r.node in trained:
+        seen.add((r, under))
+        if (kind := _over_the_batch(tg, r, sources)) is not None:
+            if r.node in trained or mixing.mixing(tg.tensor(r).op.inputs[0], sources):
                 return None
-            found[r] = kind
-            continue
+            nested, under, found[r] = nested or under, True, kind
+        elif under and tg.tensor(r).dtype.is_floating and \
+                batch_axis(tg.tensor(r), sources) is None:
+            return None     # beneath a reduction: rows alone
         ins = [i for i in tg.ir.data_inputs(r.node) if varies(i)]
-        if not ins:                 # an input or a draw: differs on its own
+        if not ins and not under:       # an input or a draw: differs on its own
             return None
-        todo.extend(ins)
-    return found or None
+        todo.extend((i, under) for i in ins)
+    kinds = set(found.values())
+    needed = kinds & {"max", "min"} or how == "mean" and ("sum" in kinds or nested)
+    return found if needed else None
 
 
-def job_extreme(ctx, ir, reduce, ref, kind: str, index: int) -> tuple[list, list[str]]:
-    """(nodes, replica k's job extreme of tensor `ref`): its value in row
-    g (the replica's place in the job) of zeros, summed by `reduce` (as
-    state_sync's: all_reduce or on_a_server), the largest or smallest row."""
+def mixed(tg, ref, sources) -> str | None:
+    """Why a value state is assigned, which no exchange makes one device's,
+    is not one device's as the replicas' mean: the first op that mixes the
+    batch's examples (graph/mixing.py: its top k, a softmax across it)."""
+    t = tg.tensor(ref)
+    if not t.dtype.is_floating or not (found := mixing.mixing(t, sources)):
+        return None
+    return f"{found[0]}: {found[1]}"
+
+
+def _over_the_batch(tg, ref, sources) -> str | None:
+    """The kind of a Max, Min, Sum or Mean whose axes hold the batch's
+    (or a largest of largest values: mixing.extreme), else None."""
+    kind = _KINDS.get(tg.ir.node(ref.node).op)
+    t = tg.tensor(ref)
+    if kind is None or t.shape.rank is None:
+        return None
+    if kind in ("max", "min"):
+        return mixing.extreme(t, sources)
+    x, axes = t.op.inputs[0], tf.get_static_value(t.op.inputs[1])
+    a = batch_axis(x, sources) if x.shape.rank else None
+    return kind if a is not None and axes is not None and \
+        a in {int(v) % x.shape.rank for v in np.atleast_1d(axes)} else None
+
+
+def exchanged(ctx, ir, reduce_at, found: dict, index: int, rewires: dict, replaced: set):
+    """(nodes, the next exchange's index): every replica's uses of each
+    reduction in `found` read the job's value (`reduce_at(node)`: the
+    reduction state_sync uses there)."""
+    nodes = []
+    for ref, kind in sorted(found.items()):
+        made, outs = job_value(ctx, ir, reduce_at(ref.node), ref, kind, index)
+        nodes, index = nodes + made, index + 1
+        counts.read_everywhere(ctx, ref, outs, rewires, replaced)
+    return nodes, index
+
+
+def job_value(ctx, ir, reduce, ref, kind: str, index: int) -> tuple[list, list[str]]:
+    """(nodes, replica k's job value of reduction `ref`): a sum or mean
+    by `reduce` (state_sync's: all_reduce or on_a_server); an extreme as
+    its value in row g (the replica's place in the job) of zeros, summed,
+    the largest or smallest row."""
     tg, plan = ctx.tg, ctx.plan
     t, n = tg.tensor(ref), plan.group_size
     scope = f"parallax/extremes/{ref.node}"
+    if kind in ("sum", "mean"):
+        return reduce(ctx, scope, [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)],
+                      t.dtype, kind == "mean", index)
     rows, nodes = [], []
     for k in range(plan.num_replicas):
         g = plan.replica_offset + k

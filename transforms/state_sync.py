@@ -41,10 +41,11 @@ times, so totals and logs are one device's. In a job that sums dense
 gradients on the servers (fusion buffers) these sums go there too, so the
 step keeps no collective op; so do those in a tf.cond's branch in any job
 with servers (a collective would put the branch in both of a split step's runs).
-A write from the batch's largest or smallest values (a running maximum) reads
-the job's (transforms/extremes.py). A write whose value holds rows of the replica's
-examples (an RNN's state kept in a variable from step to step) is not synced: each
-replica keeps its own examples' rows, as one device's holds them (`PerExampleState`).
+A write from the batch's largest or smallest values (a running maximum), or
+assigned from its sums, reads the job's (transforms/extremes.py). A write whose
+value holds rows of the replica's examples (an RNN's state kept in a variable from
+step to step) is not synced: each replica keeps its own examples' rows, as one
+device's holds them (`PerExampleState`).
 Batch normalization's statistics and incoming gradients the plan names
 (graph/normalization.py) are the job's means. Initializers: the `init` pass.
 """
@@ -116,9 +117,6 @@ class StateSyncPass:
                     if w in in_loops:       # a sync would run each turn: an exchange runs
                         looped.append((var, w))     # once a step (a second would wait)
                         continue
-                    if (cut := extremes.explained(tg, ref, ctx.varies, sources, trained)):
-                        extreme.update(cut)     # the job's extremes: one device's write
-                        continue
                     if var not in tg.gradients and tg.variables[var].dtype.is_floating and (
                             tg.variables[var].trainable or ref.node in from_autodiff):
                         untrained.add(var)      # (an optimizer's slot whose owner is unknown)
@@ -142,6 +140,11 @@ class StateSyncPass:
                             delta := _accumulated(tg, var, ref)) is not None:
                         node, at, how = ref.node, delta, "sum"
                         ref = tg.ir.data_inputs(node)[delta]
+                    if (cut := extremes.explained(tg, ref, ctx.varies, sources, trained, how)):
+                        extreme.update(cut)     # the job's reductions: one device's write
+                        continue
+                    if how == "mean" and (why := extremes.mixed(tg, ref, sources)):
+                        unshown.append((var, why))      # warned: averaged
                     if how == "sum" and _a_mean(tg, ref, sources) and \
                             not form.over_widened(tg.tensor(ref), widened):
                         how = "mean"              # one device adds the global batch's mean
@@ -165,11 +168,8 @@ class StateSyncPass:
         branched = partial(on_a_server, branched=True) if plan.uses_servers else reduce
         in_branch = lambda node: branched if plan.num_workers > 1 and \
             branches.switches_above(tg.ir, node, above) else reduce     # noqa: E731
-        for ref, kind in sorted(extreme.items()):
-            nodes, outs = extremes.job_extreme(ctx, ir, in_branch(ref.node), ref, kind, synced)
-            synced += 1
-            new_nodes.extend(nodes)
-            counts.read_everywhere(ctx, ref, outs, rewires, replaced)
+        nodes, synced = extremes.exchanged(ctx, ir, in_branch, extreme, synced, rewires, replaced)
+        new_nodes.extend(nodes)
         for together in _together(ir, ctx, syncs, set(sources), above):
             nodes, outs = _reduced(ctx, in_branch(together[0][4]), together, synced)
             synced += len(together)

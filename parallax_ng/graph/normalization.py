@@ -48,7 +48,7 @@ import tensorflow as tf
 
 from .. import compat
 from . import branches, randomness
-from .forms import sources
+from .forms import autodiff_losses, sources
 from .rows import reading
 from .rules import AUTODIFF_SCOPE, from_autodiff, is_autodiff, past_identities, tails
 
@@ -126,9 +126,26 @@ def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str], list[str]
               for n in f.node_def if n.op in FUSED and n.attr["is_training"].b]
     known = {o.name for m in moments or () for o in (m.mean, m.variance)}
     known |= from_autodiff(graph)       # an update's math reads the job's gradient
+    trained = _read_by(autodiff_losses(graph))   # (state alone: transforms/extremes.py)
     other = rows.guarded(lambda r: [op.name for op in graph.get_operations()
-                                    if op.name not in known and _applied(op, r)])
+                                    if op.name not in known and _applied(op, r) and
+                                    (trained is None or op.name in trained)])
     return moments or [], fused, other or []
+
+
+def _read_by(losses: list) -> set | None:
+    """The names of the ops the losses are computed from (None where the
+    graph has no loss: every op counts, a normalized output is each
+    replica's)."""
+    if not losses:
+        return None
+    seen, stack = set(), [t.op for t in losses]
+    while stack:
+        op = stack.pop()
+        if op.name not in seen:
+            seen.add(op.name)
+            stack.extend(x.op for x in op.inputs)
+    return seen
 
 
 def points(moments: list[Moments]) -> list[tuple[str, bool]]:
