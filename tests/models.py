@@ -153,6 +153,12 @@ def counting_graph(predicate: str, step=None, applied=False):
     return g, dict(x=x, flag=flag, hits=hits, train=train, init=init, update=update)
 
 
+def state_variable(name: str, resource: bool = True, width: int = 3):
+    """A non-trainable float32 vector of zeros (state a step writes)."""
+    return tf1.get_variable(name, initializer=np.zeros([width], np.float32), trainable=False,
+                            use_resource=resource)
+
+
 def variable_names(graph) -> list[str]:
     return [v.op.name for v in graph.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)]
 

@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from models import local
+from models import local, state_variable
 from passkit import context, op_counts, run_passes
 from task_env import TASK_PATH
 from transforms.aggregate import AggregatePass
@@ -36,19 +36,14 @@ TOL = 1e-6
 def extremes_graph(mixed=False):
     """A placeholder batch of 3 features; the step writes the state above
     beside an SGD step of a loss that reads the new running maximum (not
-    the batch's). `mixed`: one more write adds the batch's mean to its maximum
-    (it differs between replicas otherwise too, so it is averaged as
-    before)."""
+    the batch's). `mixed`: one more write takes each feature's second
+    largest value (no exchange makes it one device's)."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 3], name="x")
         w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
-
-        def state(name, resource=True):
-            return tf1.get_variable(name, initializer=np.zeros([3], np.float32),
-                                    trainable=False, use_resource=resource)
         hi, lo, avg, total, ref_hi, summed, decayed, squares, norm, deviation, both = (
-            state(n, n != "ref_max") for n in STATE)
+            state_variable(n, n != "ref_max") for n in STATE)
         updates = [tf1.assign(hi, tf.maximum(hi, tf.reduce_max(tf.abs(x), 0))),
                    tf1.assign(lo, tf.minimum(lo, tf.reduce_min(x, 0))),
                    tf1.assign_sub(avg, (avg - tf.reduce_min(x, 0)) * 0.3),
@@ -61,7 +56,7 @@ def extremes_graph(mixed=False):
                    tf1.assign(deviation, tf.math.reduce_std(x, 0)),
                    tf1.assign(both, tf.reduce_max(x, 0) + tf.reduce_mean(x, 0))]
         if mixed:
-            second = state("second")
+            second = state_variable("second")
             updates.append(tf1.assign(second, tf.math.top_k(tf.transpose(x), 2).values[:, 1]))
         with tf.control_dependencies(updates):          # the step's new maximum
             loss = tf.reduce_mean(tf.reduce_sum(x / (hi.read_value() + 1.0) * w, 1) ** 2)

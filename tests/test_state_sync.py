@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from models import state_variable
 from passkit import context, op_counts, run_passes
 from transforms.aggregate import AggregatePass
 from transforms.replicate import ReplicatePass
@@ -317,12 +318,9 @@ def accumulation_graph():
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 3], name="x")
         w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
-
-        def state(name, resource=True):
-            return tf1.get_variable(name, initializer=np.zeros([3], np.float32),
-                                    trainable=False, use_resource=resource)
-        total, ref_total, ema, last = (state("total"), state("ref_total", False),
-                                       state("ema"), state("last"))
+        total, ref_total, ema, last = (state_variable("total"),
+                                       state_variable("ref_total", False),
+                                       state_variable("ema"), state_variable("last"))
         updates = [total.assign(total + tf.reduce_sum(x, 0)),
                    tf1.assign(ref_total, ref_total + tf.reduce_sum(x, 0)),
                    ema.assign_add((tf.reduce_mean(x, 0) - ema) * 0.5),
