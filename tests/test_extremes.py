@@ -218,3 +218,98 @@ def test_a_job_that_sums_on_the_servers_exchanges_extremes_there(tmp_path):
         for name in want:
             np.testing.assert_allclose(got[name], want[name], atol=TOL, rtol=0,
                                        err_msg=f"worker {w}: {name}")
+
+
+SCALINGS = {
+    "largest": lambda x, w: (x / tf.reduce_max(tf.abs(x)), w),
+    "standardized": lambda x, w: ((x - tf.reduce_mean(x, 0)) / tf.math.reduce_std(x, 0), w),
+    "min-max": lambda x, w: ((x - tf.reduce_min(x, 0)) /
+                             (tf.reduce_max(x, 0) - tf.reduce_min(x, 0)), w),
+    "weights over their sum": lambda x, w: (x, w / tf.reduce_sum(w) * 16.0),
+    "weights about their mean": lambda x, w: (x, w - tf.reduce_mean(w)),
+}
+
+
+@pytest.mark.parametrize("scaling", sorted(SCALINGS))
+def test_a_step_that_scales_its_data_by_the_batchs_statistics_equals_one_device(scaling,
+                                                                              capsys):
+    """A TF2 step that scales its inputs by the batch's statistics (its
+    largest value, its mean and deviation, its minimum and maximum) or its
+    examples' weights by their sum or about their mean, before a weighted
+    mean loss: the statistics are the job's (graph/normalization.py
+    `data_statistics`, exchanged), so 6 steps of 2 replicas equal one
+    device, 1e-6 in loss and weights, with no warning and no line. Before:
+    0.018 to 0.11 apart, the largest value, min-max and weight sums
+    silently."""
+    import warnings
+
+    import keras
+
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.1)
+
+        def step(x, y, w):
+            x, w = SCALINGS[scaling](x, w)
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(x)[:, 0] - y) * w)
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                          model.trainable_variables))
+            return loss
+        return model, step
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(6, 16, 5)).astype(np.float32), rng.normal(size=(6, 16)).astype(
+        np.float32)
+    w = rng.uniform(0.0, 2.0, size=(6, 16)).astype(np.float32)
+    (parallel, fn), (single, ref_fn) = make(), make()
+    ref = tf.function(ref_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = pn.function(fn, local(2))
+        for k in range(6):
+            np.testing.assert_allclose(step(x[k], y[k], w[k]), ref(x[k], y[k], w[k]).numpy(),
+                                       atol=TOL, rtol=TOL)
+    step.sync()
+    for a, b in zip(parallel.weights, single.weights):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=TOL, rtol=0)
+    assert "over the batch's axis" not in capsys.readouterr().err
+
+
+def policy_graph():
+    """A TF1 policy-gradient step: fed observations min-max scaled about
+    the batch's mean, a softmax policy, the rewards' advantage over their
+    batch mean in units of their deviation (the data's statistics alone);
+    SGD."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        reward = tf1.placeholder(tf.float32, [None], name="reward")
+        scaled = (x - tf.reduce_mean(x, 0)) / (tf.reduce_max(x, 0) - tf.reduce_min(x, 0))
+        w = tf1.get_variable("w", initializer=np.full([4, 3], 0.3, np.float32))
+        logp = tf.nn.log_softmax(tf.matmul(scaled, w))[:, 0]
+        advantage = (reward - tf.reduce_mean(reward)) / (tf.math.reduce_std(reward) + 1e-6)
+        loss = tf.negative(tf.reduce_mean(logp * advantage), name="loss")
+        tf1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("run_option", ["hybrid", "ps"])
+def test_a_tf1_policy_gradient_on_the_batchs_statistics_equals_one_device(run_option):
+    """5 steps of 2 replicas equal one device, losses and weights, 1e-6
+    (before: 0.037 apart, with a line naming the statistics)."""
+    rng = np.random.default_rng(1)
+    feeds = [{"x:0": rng.normal(size=(16, 4)).astype(np.float32),
+              "reward:0": rng.normal(size=16).astype(np.float32)} for _ in range(5)]
+    out = []
+    for parallel in (False, True):
+        g = policy_graph()
+        with (pn.get_runner(g, local(2), {"run_option": run_option}) if parallel else
+              tf1.Session(graph=g)) as run:
+            run.run([v.initializer for v in g.get_collection("variables")])
+            losses = [run.run(["train", "loss:0"], feed)[1] for feed in feeds]
+            out.append((losses, run.run(g.get_tensor_by_name("w/Read/ReadVariableOp:0"))))
+    (want, w1), (got, w2) = out
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+    np.testing.assert_allclose(w2, w1, atol=TOL, rtol=0)

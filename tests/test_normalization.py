@@ -373,28 +373,32 @@ def test_statistics_replicas_could_skip_are_named_not_exchanged(capsys):
 
 @pytest.mark.parametrize("synchronized", [False, True])
 def test_a_programs_own_mean_over_the_batch_applied_to_its_rows_is_named(synchronized, capsys):
-    """Statistics not of tf.nn.moments' form (a centring by the batch's
-    mean without a StopGradient, an advantage normalized by the batch's
-    mean): each replica takes its own rows', named in a line either way;
-    a loss's mean over the batch, a layer norm's over the features and a
-    metric's are not."""
+    """Statistics not of tf.nn.moments' form of what the variables compute
+    (a centring by the batch's mean without a StopGradient, and its
+    largest value scaling it): each replica takes its own rows', named in
+    a line either way; a loss's mean over the batch, a layer norm's over
+    the features and a metric's are not; a reward's baseline (the data's
+    alone) is the job's, exchanged (transforms/extremes.py: before, named
+    with the others)."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 4], name="x")
         reward = tf1.placeholder(tf.float32, [None], name="reward")
         h = tf1.layers.dense(x, 3)
         h = h - tf.reduce_mean(h, 0, name="centre")
+        h = h / tf.reduce_max(tf.abs(h), 0, name="largest")
         h = (h - tf.reduce_mean(h, -1, keepdims=True)) * 2.0            # over the features
         advantage = reward - tf.reduce_mean(reward, name="baseline")
         loss = tf.reduce_mean(tf.reduce_sum(tf.square(h), 1) * advantage, name="loss")
         tf1.metrics.mean(tf.reduce_mean(h, 0))
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
     _, _, other = normalization.found(g, sources(g))
-    assert other == ["centre", "baseline"]
+    assert other == ["centre", "largest"]
+    assert [op.name for op in normalization.data_statistics(g, sources(g))] == ["baseline"]
     pn.get_runner(g, local(2), {"batch_norm": "synchronized"} if synchronized else {}).close()
     said = capsys.readouterr().err
-    assert "means over the batch's axis ['baseline', 'centre'] are applied to the batch's " \
-        "rows" in said, said
+    assert "statistics over the batch's axis ['centre', 'largest'] are applied to the " \
+        "batch's rows" in said, said
 
 
 def test_keras3_masked_batch_normalization_is_named(capsys, monkeypatch):
@@ -413,7 +417,7 @@ def test_keras3_masked_batch_normalization_is_named(capsys, monkeypatch):
     step = pn.function(step_of(model, optimizer), local(2), {"batch_norm": "synchronized"})
     step(np.int32([[1, 2, 0], [3, 0, 0], [4, 5, 6], [7, 8, 0]]), np.ones((4, 1), np.float32))
     said = capsys.readouterr().err
-    assert "means over the batch's axis" in said and "batch_normalization" in said, said
+    assert "statistics over the batch's axis" in said and "batch_normalization" in said, said
 
 
 @pytest.mark.parametrize("batch_norm", ["per_replica", "synchronized"])
@@ -469,7 +473,7 @@ def test_a_loss_that_ignores_a_class_is_not_named_a_normalization(lib, capsys):
         return model
     fit_equal(k, make, ids, labels, {})
     said = capsys.readouterr().err
-    assert "means over the batch's axis" not in said, said
+    assert "statistics over the batch's axis" not in said, said
 
 
 def test_an_optimizers_means_over_an_embeddings_rows_are_not_named_a_normalization(capsys):
@@ -491,7 +495,7 @@ def test_an_optimizers_means_over_an_embeddings_rows_are_not_named_a_normalizati
         return model
     fit_equal(keras, make, ids, y, {})
     said = capsys.readouterr().err
-    assert "means over the batch's axis" not in said, said
+    assert "statistics over the batch's axis" not in said, said
 
 
 def fit_equal(k, make, x, y, config):

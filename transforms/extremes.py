@@ -25,12 +25,14 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from parallax_ng.graph import emit, mixing
+from parallax_ng.graph import emit, mixing, normalization
+from parallax_ng.graph.ir import parse_tensor
 from parallax_ng.graph.rows import batch_axis
 from transforms import counts
 
 _KINDS = {"Max": "max", "Min": "min", "Sum": "sum", "Mean": "mean"}
 _REDUCTIONS = {"max": tf.reduce_max, "min": tf.reduce_min}
+_COUNTS = frozenset({"Shape", "ShapeN", "Size"})
 
 
 def explained(tg, ref, varies, sources, trained: set, how: str) -> dict | None:
@@ -53,9 +55,9 @@ def explained(tg, ref, varies, sources, trained: set, how: str) -> dict | None:
             if r.node in trained or mixing.mixing(tg.tensor(r).op.inputs[0], sources):
                 return None
             nested, under, found[r] = nested or under, True, kind
-        elif under and tg.tensor(r).dtype.is_floating and \
-                batch_axis(tg.tensor(r), sources) is None:
-            return None     # beneath a reduction: rows alone
+        elif under and (tg.ir.node(r.node).op in _COUNTS or tg.tensor(r).dtype.is_floating
+                        and batch_axis(tg.tensor(r), sources) is None):
+            return None     # beneath a reduction: rows alone (not the replica's row count)
         ins = [i for i in tg.ir.data_inputs(r.node) if varies(i)]
         if not ins and not under:       # an input or a draw: differs on its own
             return None
@@ -63,6 +65,17 @@ def explained(tg, ref, varies, sources, trained: set, how: str) -> dict | None:
     kinds = set(found.values())
     needed = kinds & {"max", "min"} or how == "mean" and ("sum" in kinds or nested)
     return found if needed else None
+
+
+def statistics(tg, sources) -> dict:
+    """{statistic: kind} of graph/normalization.py's `data_statistics`: the
+    batch's statistics of the data alone that the step scales its rows by."""
+    found = {}
+    for op in normalization.data_statistics(tg.graph, sources):
+        ref = parse_tensor(op.outputs[0].name)
+        if (kind := _over_the_batch(tg, ref, sources)) is not None:
+            found[ref] = kind
+    return found
 
 
 def mixed(tg, ref, sources) -> str | None:
@@ -90,12 +103,14 @@ def _over_the_batch(tg, ref, sources) -> str | None:
         a in {int(v) % x.shape.rank for v in np.atleast_1d(axes)} else None
 
 
-def exchanged(ctx, ir, reduce_at, found: dict, index: int, rewires: dict, replaced: set):
+def exchanged(ctx, ir, reduce_at, found: dict, sources, index: int, rewires: dict,
+              replaced: set):
     """(nodes, the next exchange's index): every replica's uses of each
-    reduction in `found` read the job's value (`reduce_at(node)`: the
-    reduction state_sync uses there)."""
+    reduction in `found`, and of each statistic of the data alone the step
+    scales its rows by (`statistics`), read the job's value
+    (`reduce_at(node)`: the reduction state_sync uses there)."""
     nodes = []
-    for ref, kind in sorted(found.items()):
+    for ref, kind in sorted({**statistics(ctx.tg, sources), **found}.items()):
         made, outs = job_value(ctx, ir, reduce_at(ref.node), ref, kind, index)
         nodes, index = nodes + made, index + 1
         counts.read_everywhere(ctx, ref, outs, rewires, replaced)

@@ -168,7 +168,8 @@ class StateSyncPass:
         branched = partial(on_a_server, branched=True) if plan.uses_servers else reduce
         in_branch = lambda node: branched if plan.num_workers > 1 and \
             branches.switches_above(tg.ir, node, above) else reduce     # noqa: E731
-        nodes, synced = extremes.exchanged(ctx, ir, in_branch, extreme, synced, rewires, replaced)
+        nodes, synced = extremes.exchanged(ctx, ir, in_branch, extreme, sources, synced,
+                                           rewires, replaced)    # and the inputs' statistics
         new_nodes.extend(nodes)
         for together in _together(ir, ctx, syncs, set(sources), above):
             nodes, outs = _reduced(ctx, in_branch(together[0][4]), together, synced)
@@ -185,9 +186,8 @@ class StateSyncPass:
         if untrained:
             warnings.warn(counts.UNTRAINED.format(sorted(untrained)), stacklevel=2)
         branches.warn_in_loops(looped)
-        if unshown:
-            warnings.warn(counts.MIXED.format(sorted(dict(unshown[::-1]).items())),
-                          stacklevel=2)     # each variable's first
+        if unshown:     # each variable's first
+            warnings.warn(counts.MIXED.format(sorted(dict(unshown[::-1]).items())), stacklevel=2)
         read = means + counts.beside(tg, sources)      # scalars beside the loss: metrics'
         for count, widen in counts.shared(tg, sources, form, widened, products, read):
             dtype = tg.tensor(count).dtype

@@ -115,8 +115,9 @@ def _apart(tg, name: str, memo: dict) -> bool:
 def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str], list[str]]:
     """(the `tf.nn.moments` over the batch's axis of data, the fused batch
     normalizations in training: their op names, those in functions as
-    `function:op`, and other means over the batch's axis that the step
-    applies to the batch's rows: a normalization of the script's own)."""
+    `function:op`, and other statistics over the batch's axis of what
+    the variables compute that the step applies to the batch's rows: a
+    normalization of the script's own)."""
     rows, index = reading(sources, graph), _Autodiff(graph)
     moments = rows.guarded(lambda r: [m for op in graph.get_operations()
                                       if (m := _moments(op, r, index)) is not None])
@@ -129,8 +130,40 @@ def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str], list[str]
     trained = _read_by(autodiff_losses(graph))   # (state alone: transforms/extremes.py)
     other = rows.guarded(lambda r: [op.name for op in graph.get_operations()
                                     if op.name not in known and _applied(op, r) and
-                                    (trained is None or op.name in trained)])
+                                    (trained is None or op.name in trained) and
+                                    not _of_data(op)])
     return moments or [], fused, other or []
+
+
+def data_statistics(graph: tf.Graph, sources) -> list[tf.Operation]:
+    """The means, sums, maxima and minima over the batch's axis of the data
+    alone (no variable's value) that the step applies to the batch's rows
+    and the autodiff does not read: a program's own scaling of its inputs
+    by the batch's statistics (`(x - mean) / std`, `x / max`, a reward's
+    baseline). The replicas exchange them (transforms/extremes.py), so they
+    are the global batch's, exactly."""
+    rows = reading(sources, graph)
+    return rows.guarded(lambda r: [op for op in graph.get_operations()
+                                   if _applied(op, r) and _of_data(op)]) or []
+
+
+def _of_data(op) -> bool:
+    """Whether statistic `op` reads the data alone (no variable's value,
+    within _MOST_READ ops) and no autodiff op reads it."""
+    if any(is_autodiff(c.name) for c in op.outputs[0].consumers()):
+        return False
+    seen, stack = set(), [op.inputs[0].op]
+    while stack:
+        o = stack.pop()
+        if o.name in seen:
+            continue
+        seen.add(o.name)
+        if len(seen) > _MOST_READ or any(x.dtype == tf.resource for x in o.inputs) or \
+                o.type in ("VariableV2", "VarHandleOp") or o.outputs and \
+                o.outputs[0].dtype == tf.resource:
+            return False
+        stack.extend(x.op for x in o.inputs)
+    return True
 
 
 def _read_by(losses: list) -> set | None:
@@ -168,8 +201,8 @@ def lines(moments: list[Moments], fused: list[str], synchronized: bool,
     cannot reach with it; and `other` means over the batch applied to its
     rows, which neither exchanges."""
     said = "normalizes each replica's rows by their own mean and variance"
-    out = [f"means over the batch's axis {_named(other)} are applied to the batch's rows (a "
-           "normalization of the program's own): each replica takes the mean of its own rows, "
+    out = [f"statistics over the batch's axis {_named(other)} are applied to the batch's "
+           "rows (a normalization of the program's own): each replica takes its own rows', "
            "so training is close to one device's with the global batch, not equal; "
            "tf.nn.moments (with batch_norm: synchronized) makes such statistics the global "
            "batch's"] * bool(other)
@@ -265,19 +298,21 @@ def _moments(op, rows, index) -> Moments | None:
 _CARRIES = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity", "StopGradient", "Cast",
                       "Sqrt", "Rsqrt", "AddV2", "Add", "Sub", "Mul", "RealDiv", "Maximum",
                       "Neg", "Square", "Reciprocal"})
+_MOST_READ = 4096
 _MEETS = frozenset({"Sub", "AddV2", "Add", "Mul", "RealDiv", "SquaredDifference", "Maximum",
                     "Minimum"})
 
 
 def _applied(op, rows) -> bool:
-    """Whether `op` is a Mean or a Sum (forward, not the autodiff's) over
-    the batch's axis of the batch's rows whose result an element-wise op
-    meets with the rows (through a few ops that keep it a statistic: a
-    sum divided by a count, Keras 3's masked BatchNormalization's). A sum
-    of a mask (a count: tf_keras's `ignore_class` weighs the valid rows by
-    all over it) is not a statistic of the rows' values: where a loss
-    divides by it, graph/forms.py reads it as a count the data sets."""
-    if op.type not in ("Mean", "Sum") or is_autodiff(op.name):
+    """Whether `op` is a Mean, a Sum, a Max or a Min (forward, not the
+    autodiff's) over the batch's axis of the batch's rows whose result an
+    element-wise op meets with the rows (through a few ops that keep it a
+    statistic: a sum divided by a count, Keras 3's masked
+    BatchNormalization's). A sum of a mask (a count: tf_keras's
+    `ignore_class` weighs the valid rows by all over it) is not a statistic
+    of the rows' values: where a loss divides by it, graph/forms.py reads
+    it as a count the data sets."""
+    if op.type not in ("Mean", "Sum", "Max", "Min") or is_autodiff(op.name):
         return False
     x, axes = op.inputs[0], _axes(op)
     counted = x
