@@ -103,14 +103,17 @@ def _over_the_batch(tg, ref, sources) -> str | None:
         a in {int(v) % x.shape.rank for v in np.atleast_1d(axes)} else None
 
 
-def exchanged(ctx, ir, reduce_at, found: dict, sources, index: int, rewires: dict,
-              replaced: set):
+def exchanged(ctx, ir, reduce_at, found: dict, sources, in_loops: set, index: int,
+              rewires: dict, replaced: set):
     """(nodes, the next exchange's index): every replica's uses of each
     reduction in `found`, and of each statistic of the data alone the step
     scales its rows by (`statistics`), read the job's value
-    (`reduce_at(node)`: the reduction state_sync uses there)."""
+    (`reduce_at(node)`: the reduction state_sync uses there); none in a
+    while loop's body (an exchange runs once a step: a second would wait)."""
     nodes = []
     for ref, kind in sorted({**statistics(ctx.tg, sources), **found}.items()):
+        if ref.node in in_loops:
+            continue
         made, outs = job_value(ctx, ir, reduce_at(ref.node), ref, kind, index)
         nodes, index = nodes + made, index + 1
         counts.read_everywhere(ctx, ref, outs, rewires, replaced)

@@ -168,8 +168,8 @@ class StateSyncPass:
         branched = partial(on_a_server, branched=True) if plan.uses_servers else reduce
         in_branch = lambda node: branched if plan.num_workers > 1 and \
             branches.switches_above(tg.ir, node, above) else reduce     # noqa: E731
-        nodes, synced = extremes.exchanged(ctx, ir, in_branch, extreme, sources, synced,
-                                           rewires, replaced)    # and the inputs' statistics
+        nodes, synced = extremes.exchanged(ctx, ir, in_branch, extreme, sources, in_loops,
+                                           synced, rewires, replaced)  # and data statistics
         new_nodes.extend(nodes)
         for together in _together(ir, ctx, syncs, set(sources), above):
             nodes, outs = _reduced(ctx, in_branch(together[0][4]), together, synced)
