@@ -313,3 +313,28 @@ def test_a_tf1_policy_gradient_on_the_batchs_statistics_equals_one_device(run_op
     (want, w1), (got, w2) = out
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
     np.testing.assert_allclose(w2, w1, atol=TOL, rtol=0)
+
+
+def test_rows_a_center_loss_adds_by_each_labels_count_in_the_batch_are_named():
+    """A center loss's update (the centers move towards their examples by
+    1 / (1 + the label's count in the batch), tf.unique_with_counts): the
+    replicas' rows are summed at their indices, which is not one device's
+    (each replica counts its own rows); a warning names the variable and
+    the count (before: 0.18 apart after 5 steps, silently)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 4], name="x")
+        label = tf1.placeholder(tf.int32, [None], name="label")
+        features = tf.matmul(x, tf1.get_variable("w", initializer=np.ones([4, 3], np.float32)))
+        centers = tf1.get_variable("centers", initializer=np.zeros([5, 3], np.float32),
+                                   trainable=False)
+        picked = tf.gather(centers, label)
+        _, at, count = tf.unique_with_counts(label)
+        seen = tf.cast(tf.gather(count, at), tf.float32)[:, None]
+        step = (picked - features) * 0.5 / (1.0 + seen)
+        loss = tf.reduce_mean(tf.reduce_sum(tf.square(features - picked), 1))
+        with tf.control_dependencies([tf1.scatter_sub(centers, label, step)]):
+            tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+    with pytest.warns(UserWarning, match=r"\('centers', .*a count of each value among the "
+                                         r"batch's examples"):
+        run_passes(context(n=2, graph=g), ReplicatePass(), AggregatePass(), StateSyncPass())

@@ -18,6 +18,16 @@ def per_example(x):
     return tf.reduce_sum(tf.square(tf.matmul(x[:, 0], tf.ones((4, 4)))), 1)     # [batch]
 
 
+def labels(x):
+    return tf.cast(x[:, 0, 0] > 0, tf.int32)
+
+
+def label_counts(x):
+    """Each example's count of its label among the batch's."""
+    _, at, count = tf.unique_with_counts(labels(x))
+    return tf.cast(tf.gather(count, at), tf.float32)
+
+
 MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
     "hardest k": (lambda x: tf.reduce_mean(tf.math.top_k(per_example(x), 3)[0]), "top k"),
     "sorted": (lambda x: tf.reduce_sum(tf.sort(per_example(x))[:2]), "top k"),
@@ -32,6 +42,11 @@ MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
                      "einsum"),
     "dice": (lambda x: 1.0 - 2.0 * tf.reduce_sum(x[:, 0] * scores(x)) / (
         tf.reduce_sum(x[:, 0]) + tf.reduce_sum(scores(x)) + 1e-7), "Dice"),
+    "balanced by unique counts": (      # each example weighed by 1 / its label's count
+        lambda x: tf.reduce_sum(per_example(x) / label_counts(x)), "count of each value"),
+    "balanced by bincount": (
+        lambda x: tf.reduce_sum(per_example(x) / tf.cast(tf.gather(tf.math.bincount(
+            labels(x), minlength=4), labels(x)), tf.float32)), "count of each value"),
 }
 SEPARATE = {
     "dense classifier": lambda x: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
@@ -41,6 +56,8 @@ SEPARATE = {
     "attention by einsum": lambda x: tf.reduce_sum(tf.einsum("bts,bsd->btd", tf.nn.softmax(
         tf.einsum("btd,bsd->bts", x, x)), x)),
     "top k of classes": lambda x: tf.reduce_sum(tf.math.top_k(x[:, 0], 2)[0]),
+    "unique labels, each its own": lambda x: tf.reduce_sum(per_example(x) * tf.cast(
+        tf.gather(tf.unique(labels(x))[0], tf.unique(labels(x))[1]), tf.float32)),
     "scan over time": lambda x: tf.reduce_mean(tf.cumsum(x, 1)),
     "gram matrix of the batch": lambda x: tf.reduce_sum(tf.matmul(x[:, 0], x[:, 0],
                                                                   transpose_a=True)),

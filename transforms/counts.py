@@ -73,7 +73,7 @@ def widened(tg, form, products: dict, summing: bool) -> dict:
 MIXED = ("state adds up or is assigned numbers each replica computes over its own rows "
          "that mix the batch's examples or take its largest or smallest value ((variable, "
          "why): {}): no sum or mean of the replicas' is one device's over the global batch; "
-         "they are averaged")
+         "they are averaged (rows added at indices: summed)")
 
 UNTRAINED = (
     "variables {} are written by the step from each replica's data (trainable ones, or "

@@ -19,6 +19,9 @@ is taken). Each replica reads the job's value in place of its own, so the
 write is the same on every replica, and state_sync leaves it alone.
 Writes that add a sum or a mean of the batch (metrics' totals, moving
 averages of means) keep state_sync's rules, which are exact for them.
+`all_reduce` and `on_a_server` are the two forms of a pass's exchange of
+per-replica values (state_sync's, selected_means'): collectives, or sums
+through a server where a job's gradients go there.
 """
 from __future__ import annotations
 
@@ -154,3 +157,18 @@ def _traced(fn, ctx, ir, ref, t, scope: str, k: int, name: str | None = None, sh
     device = ir.node(ctx.replica_name(k, ref.node)).device
     return emit.emit_traced(fn, [(name or ctx.replica_tensor(k, ref), t.dtype,
                                   t.shape if shape is None else shape)], scope, device)
+
+
+def all_reduce(ctx, scope, tensors, dtype, mean: bool, _):
+    return ctx.comm.all_reduce(scope, tensors, dtype, mean)
+
+
+def on_a_server(ctx, scope, tensors, dtype, mean: bool, k: int, branched: bool = False):
+    """The workers' sums of their replicas' on server k mod S, read by all."""
+    plan = ctx.plan
+    op, more = ("AddN", {"N": len(tensors)}) if len(tensors) > 1 else ("Identity", {})
+    local = emit.node_def(f"{scope}/local", op, tensors, plan.host, T=dtype, **more)
+    nodes, out = ctx.comm.server_sum(scope, local.name, dtype,
+                                     plan.servers[k % len(plan.servers)],
+                                     1.0 / plan.group_size if mean else 1.0, branched=branched)
+    return [local, *nodes], [out] * len(tensors)

@@ -30,7 +30,7 @@ import tensorflow as tf
 
 from parallax_ng.graph import branches, emit, forms, selections
 from parallax_ng.graph.rows import reading
-from transforms.state_sync import all_reduce, on_a_server
+from transforms.extremes import all_reduce, on_a_server
 
 
 @dataclass(frozen=True)

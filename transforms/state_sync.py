@@ -64,6 +64,7 @@ from parallax_ng.graph.rows import batch_axis
 from parallax_ng.graph.rows import reading as read_rows
 from parallax_ng.pipeline.results import PerExampleState, SyncedInputs, WidenedMeans
 from transforms import counts, extremes
+from transforms.extremes import all_reduce, on_a_server
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ class StateSyncPass:
                             (dense := _scatter_dense(ctx, ir, var, w)) is not None:
                         nodes, tensors, rows = dense    # rows added at indices: the job's
                         new_nodes.extend(nodes)         # rows summed at every index
+                        if why := extremes.mixed(tg, tg.ir.data_inputs(w)[2], sources):
+                            unshown.append((var, why))      # warned: summed
                         replaced.update({(w, 1), (w, 2)})
                         rewires.update({(ctx.replica_name(k, w), 1): rows
                                         for k in range(plan.num_replicas)})
@@ -433,18 +436,3 @@ def _reduced(ctx, reduce, together: list, index: int) -> tuple[list, list[list[s
         made, outs = emit.unflattened(f"{scope}/unpack_{k}", total, t.dtype, shapes, device)
         nodes, mine = nodes + made, mine + [outs]
     return nodes + more, [list(each) for each in zip(*mine)]
-
-
-def all_reduce(ctx, scope, tensors, dtype, mean: bool, _):
-    return ctx.comm.all_reduce(scope, tensors, dtype, mean)
-
-
-def on_a_server(ctx, scope, tensors, dtype, mean: bool, k: int, branched: bool = False):
-    """The workers' sums of their replicas' on server k mod S, read by all."""
-    plan = ctx.plan
-    op, more = ("AddN", {"N": len(tensors)}) if len(tensors) > 1 else ("Identity", {})
-    local = emit.node_def(f"{scope}/local", op, tensors, plan.host, T=dtype, **more)
-    nodes, out = ctx.comm.server_sum(scope, local.name, dtype,
-                                     plan.servers[k % len(plan.servers)],
-                                     1.0 / plan.group_size if mean else 1.0, branched=branched)
-    return [local, *nodes], [out] * len(tensors)

@@ -1,8 +1,9 @@
 """Ops that mix the batch's examples: a loss that compares its examples with
 each other (the hardest k of the batch, a softmax or a running sum along
-the batch's axis, every example scored against every other as in-batch
-negatives are, a division by a sum of the model's outputs over the batch
-as Dice losses divide) is computed by each replica over its own rows, and no rule
+the batch's axis, a count of each label among the batch's examples, every
+example scored against every other as in-batch negatives are, a division
+by a sum of the model's outputs over the batch as Dice losses divide) is
+computed by each replica over its own rows, and no rule
 for combining the replicas' gradients makes that one device's over the
 global batch. `mixing` finds the first such op between the data and a
 loss, for the warning graph/averaging.py gives. (Batch normalization's
@@ -23,6 +24,8 @@ from .forms import autodiff_losses, through
 from .rows import batch_axis, reading
 
 _MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
+_UNIQUE_COUNTS = ("UniqueWithCounts", "UniqueWithCountsV2")
+_BINCOUNTS = ("Bincount", "DenseBincount", "SparseBincount")
 _MOST_OPS = 4096        # ops read back from a divisor
 # ops whose output carries only their input's shape, not its values: a
 # count built from `ones_like(losses)` (TF1 losses' weights) reads no value
@@ -56,6 +59,10 @@ def _mixes(op, rows, exchanged) -> str | None:
     kind = op.type
     if not op.inputs:
         return None
+    if any(x.op.type in _UNIQUE_COUNTS and x.value_index == 2 and rows.axis(x.op.inputs[0])
+           is not None for x in op.inputs) or kind in _BINCOUNTS and \
+            rows.axis(op.inputs[0]) is not None:
+        return "a count of each value among the batch's examples (unique_with_counts, bincount)"
     x = op.inputs[0]
     rank, a = x.shape.rank, None
     if kind in ("TopKV2", "Softmax", "LogSoftmax", "Cumsum", "Cumprod"):
