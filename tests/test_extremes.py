@@ -338,3 +338,36 @@ def test_rows_a_center_loss_adds_by_each_labels_count_in_the_batch_are_named():
     with pytest.warns(UserWarning, match=r"\('centers', .*a count of each value among the "
                                          r"batch's examples"):
         run_passes(context(n=2, graph=g), ReplicatePass(), AggregatePass(), StateSyncPass())
+
+
+def test_inputs_standardized_by_their_moments_are_the_jobs_with_no_line(capsys):
+    """tf.nn.moments of the fed inputs alone (no variable upstream): with
+    the default `batch_norm` they are exchanged, 5 SGD steps of 2 replicas
+    equal one device (1e-6), and no line calls them a batch normalization
+    of each replica's rows (it did, though the loss's form had them
+    exchanged already)."""
+    def graph():
+        g = tf.Graph()
+        with g.as_default():
+            x = tf1.placeholder(tf.float32, [None, 4], name="x")
+            y = tf1.placeholder(tf.float32, [None], name="y")
+            mean, var = tf.nn.moments(x, [0])
+            w = tf1.get_variable("w", initializer=np.full([4], 0.3, np.float32))
+            h = tf.reduce_sum((x - mean) / tf.sqrt(var + 1e-3) * w, 1)
+            loss = tf.reduce_mean(tf.square(h - y), name="loss")
+            tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        return g
+    rng = np.random.default_rng(1)
+    feeds = [{"x:0": rng.normal(size=(16, 4)).astype(np.float32) * 3 + 1,
+              "y:0": rng.normal(size=16).astype(np.float32)} for _ in range(5)]
+    out = []
+    for parallel in (False, True):
+        g = graph()
+        with (pn.get_runner(g, local(2)) if parallel else tf1.Session(graph=g)) as run:
+            run.run([v.initializer for v in g.get_collection("variables")])
+            losses = [run.run(["train", "loss:0"], feed)[1] for feed in feeds]
+            out.append((losses, run.run(g.get_tensor_by_name("w/Read/ReadVariableOp:0"))))
+    (want, w1), (got, w2) = out
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=TOL)
+    np.testing.assert_allclose(w2, w1, atol=TOL, rtol=0)
+    assert "normalizes each replica's rows" not in capsys.readouterr().err

@@ -94,14 +94,20 @@ def planned(tg, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
     of TrainingGraph `tg`. Statistics in a tf.cond's branch every replica
     takes alike (a fed `training` flag) are exchanged there; in a loop, or
     under a predicate from each replica's data, they are not: a replica
-    that skips the branch would leave the others waiting for its part."""
+    that skips the branch would leave the others waiting for its part.
+    Moments of the data alone (no variable's value upstream: a script's
+    inputs standardized by tf.nn.moments) are exchanged with any
+    `batch_norm`: that is exact and cheap."""
     moments, fused, other = found(tg.graph, sources(tg.graph))
     memo, looped = {}, randomness.in_loops(tg.ir)     # a traced step's lowered loops too
     moments = [replace(m, branched=m.mean.name in looped or _apart(tg, m.mean.name, memo))
                for m in moments]
     synchronized = batch_norm == "synchronized"
+    if not synchronized:        # the data's own moments (inputs standardized): exchanged
+        data = [m for m in moments if not m.branched and _of_data(m.mean) and _of_data(m.variance)]
+        moments = [m for m in moments if m not in data]
     return tuple(lines(moments, fused, synchronized, other)), \
-        tuple(points(moments)) if synchronized else ()
+        tuple(points(moments if synchronized else data))
 
 
 def _apart(tg, name: str, memo: dict) -> bool:
