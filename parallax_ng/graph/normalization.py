@@ -49,6 +49,7 @@ import tensorflow as tf
 from .. import compat
 from . import branches, randomness
 from .forms import autodiff_losses, sources
+from .recorders import input_gradients
 from .rows import reading
 from .rules import AUTODIFF_SCOPE, from_autodiff, is_autodiff, past_identities, tails
 
@@ -146,17 +147,21 @@ def data_statistics(graph: tf.Graph, sources) -> list[tf.Operation]:
     alone (no variable's value) that the step applies to the batch's rows
     and the autodiff does not read: a program's own scaling of its inputs
     by the batch's statistics (`(x - mean) / std`, `x / max`, a reward's
-    baseline). The replicas exchange them (transforms/extremes.py), so they
-    are the global batch's, exactly."""
+    baseline); and maxima and minima read anywhere (a loss divided by the
+    batch's largest target: no loss form reads them). The replicas
+    exchange them (transforms/extremes.py), so they are the global
+    batch's, exactly."""
     rows = reading(sources, graph)
-    return rows.guarded(lambda r: [op for op in graph.get_operations()
-                                   if _applied(op, r) and _of_data(op)]) or []
+    return rows.guarded(lambda r: [op for op in graph.get_operations() if (
+        _applied(op, r) or op.type in ("Max", "Min") and _applied(op, r, anywhere=True))
+        and _of_data(op)]) or []
 
 
 def _of_data(op) -> bool:
     """Whether statistic `op` reads the data alone (no variable's value,
-    within _MOST_READ ops) and no autodiff op reads it."""
-    if any(is_autodiff(c.name) for c in op.outputs[0].consumers()):
+    within _MOST_READ ops), in a graph that takes no gradient with respect
+    to its inputs (through which one would pass the statistic: FGSM's)."""
+    if input_gradients(op.graph):
         return False
     seen, stack = set(), [op.inputs[0].op]
     while stack:
@@ -309,7 +314,7 @@ _MEETS = frozenset({"Sub", "AddV2", "Add", "Mul", "RealDiv", "SquaredDifference"
                     "Minimum"})
 
 
-def _applied(op, rows) -> bool:
+def _applied(op, rows, anywhere: bool = False) -> bool:
     """Whether `op` is a Mean, a Sum, a Max or a Min (forward, not the
     autodiff's) over the batch's axis of the batch's rows whose result an
     element-wise op meets with the rows (through a few ops that keep it a
@@ -317,7 +322,7 @@ def _applied(op, rows) -> bool:
     BatchNormalization's). A sum of a mask (a count: tf_keras's
     `ignore_class` weighs the valid rows by all over it) is not a statistic
     of the rows' values: where a loss divides by it, graph/forms.py reads
-    it as a count the data sets."""
+    it as a count the data sets. `anywhere`: whatever reads the result."""
     if op.type not in ("Mean", "Sum", "Max", "Min") or is_autodiff(op.name):
         return False
     x, axes = op.inputs[0], _axes(op)
@@ -330,6 +335,8 @@ def _applied(op, rows) -> bool:
     if axes is None or rank is None or (axis := rows.axis(x)) is None or \
             axis not in {a % rank for a in axes}:
         return False
+    if anywhere:
+        return True
     seen, stack = set(), [op.outputs[0]]
     while stack and len(seen) < 64:
         t = stack.pop()
