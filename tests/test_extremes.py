@@ -237,8 +237,9 @@ def test_a_step_that_scales_its_data_by_the_batchs_statistics_equals_one_device(
     """A TF2 step that scales its inputs by the batch's statistics (its
     largest value, its mean and deviation, its minimum and maximum) or its
     examples' weights by their sum or about their mean, before a weighted
-    mean loss, or divides the loss by the batch's largest target: the statistics are the job's (graph/normalization.py
-    `data_statistics`, exchanged), so 6 steps of 2 replicas equal one
+    mean loss, or divides the loss by the batch's largest target: the
+    statistics are the job's (graph/normalization.py `data_statistics`,
+    exchanged), so 6 steps of 2 replicas equal one
     device, 1e-6 in loss and weights, with no warning and no line naming
     them. Before: 0.013 to 0.11 apart, the largest value, min-max and
     weight sums silently."""
