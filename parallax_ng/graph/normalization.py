@@ -144,8 +144,8 @@ def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str], list[str]
 
 def data_statistics(graph: tf.Graph, sources) -> list[tf.Operation]:
     """The means, sums, maxima and minima over the batch's axis of the data
-    alone (no variable's value) that the step applies to the batch's rows
-    and the autodiff does not read: a program's own scaling of its inputs
+    alone (no variable's value; `_of_data`) that the step applies to the
+    batch's rows: a program's own scaling of its inputs
     by the batch's statistics (`(x - mean) / std`, `x / max`, a reward's
     baseline); and maxima and minima read anywhere (a loss divided by the
     batch's largest target: no loss form reads them). The replicas
@@ -178,18 +178,14 @@ def _of_data(op) -> bool:
 
 
 def _read_by(losses: list) -> set | None:
-    """The names of the ops the losses are computed from (None where the
-    graph has no loss: every op counts, a normalized output is each
-    replica's)."""
-    if not losses:
-        return None
+    """The names of the ops the losses are computed from (None without a
+    loss: every op counts, a normalized output is each replica's)."""
     seen, stack = set(), [t.op for t in losses]
     while stack:
-        op = stack.pop()
-        if op.name not in seen:
+        if (op := stack.pop()).name not in seen:
             seen.add(op.name)
             stack.extend(x.op for x in op.inputs)
-    return seen
+    return seen or None
 
 
 def points(moments: list[Moments]) -> list[tuple[str, bool]]:
