@@ -1,5 +1,5 @@
-"""Extremes and sums: state written from reductions over the batch is one
-device's.
+"""Extremes and sums: state written from reductions over the batch, and
+data scaled by the batch's own statistics, are one device's.
 
 A variable written from a maximum or minimum over the batch (a running
 maximum of activations, as a quantizer's calibration keeps it; a moving
@@ -18,7 +18,11 @@ over the job, exactly: a value plus zeros, and the largest or smallest row
 is taken). Each replica reads the job's value in place of its own, so the
 write is the same on every replica, and state_sync leaves it alone.
 Writes that add a sum or a mean of the batch (metrics' totals, moving
-averages of means) keep state_sync's rules, which are exact for them.
+averages of means) keep state_sync's rules, which are exact for them. The
+same exchange makes the batch's statistics of the data alone that a step
+scales its rows by (inputs standardized or divided by their largest value,
+examples' weights over their sum: graph/normalization.py
+`data_statistics`) the global batch's.
 `all_reduce` and `on_a_server` are the two forms of a pass's exchange of
 per-replica values (state_sync's, selected_means'): collectives, or sums
 through a server where a job's gradients go there.

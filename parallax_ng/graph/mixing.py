@@ -3,12 +3,12 @@ each other (the hardest k of the batch, a softmax or a running sum along
 the batch's axis, a count of each label among the batch's examples, every
 example scored against every other as in-batch negatives are, a division
 by a sum of the model's outputs over the batch as Dice losses divide) is
-computed by each replica over its own rows, and no rule
-for combining the replicas' gradients makes that one device's over the
-global batch. `mixing` finds the first such op between the data and a
-loss, for the warning graph/averaging.py gives. (Batch normalization's
-statistics, computed over each replica's rows, are the known case that
-docs/limits.md states; they are not flagged here.)
+computed by each replica over its own rows, and no rule for combining the
+replicas' gradients makes that one device's over the global batch.
+`mixing` finds the first such op between the data and a loss, for the
+warning graph/averaging.py gives. (Batch normalization's statistics,
+computed over each replica's rows, are the known case that docs/limits.md
+states; they are not flagged here.)
 
 Requires: a tf.Tensor of a graph and the names of its data sources.
 Guarantees: reads the graph only, through graph/rows.py's batch axes; None
@@ -59,9 +59,10 @@ def _mixes(op, rows, exchanged) -> str | None:
     kind = op.type
     if not op.inputs:
         return None
-    if any(x.op.type in _UNIQUE_COUNTS and x.value_index == 2 and rows.axis(x.op.inputs[0])
-           is not None for x in op.inputs) or kind in _BINCOUNTS and \
-            rows.axis(op.inputs[0]) is not None:
+    counts = [x.op.inputs[0] for x in op.inputs if x.op.type in _UNIQUE_COUNTS and
+              x.value_index == 2]           # each example's value's count, by its index
+    if any(rows.axis(c) is not None for c in counts) or \
+            kind in _BINCOUNTS and rows.axis(op.inputs[0]) is not None:
         return "a count of each value among the batch's examples (unique_with_counts, bincount)"
     x = op.inputs[0]
     rank, a = x.shape.rank, None
