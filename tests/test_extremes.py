@@ -2,8 +2,10 @@
 a running maximum and minimum of the inputs (a quantizer's calibration), a
 moving average of each batch's minimum, a total of each batch's maximum,
 and values assigned from sums (the batch's sum, a decayed total, a moving
-average of the sum of squares, each feature's norm) or from a reduction of
-reductions (the batch's standard deviation). 2 replicas against one device
+average of the sum of squares, each feature's norm), from a reduction of
+reductions (the batch's standard deviation) or from the batch's row count
+(`tf.shape(x)[0]`, `tf.size(x)`: a replica's is 1/N of one device's, the
+same on every replica, so nothing told them apart before). 2 replicas against one device
 with the global batch: every variable equal (float32, 1e-6; the reductions
 are exchanged, extremes exactly, the rest is float32 rounding); before,
 the replicas' values were averaged, silently (a running maximum 0.27 below
@@ -29,7 +31,8 @@ from transforms.state_sync import StateSyncPass
 
 tf1 = tf.compat.v1
 STATE = ("running_max", "running_min", "min_average", "max_total", "ref_max", "batch_sum",
-         "decayed_total", "squares_average", "norm", "deviation", "max_plus_mean")
+         "decayed_total", "squares_average", "norm", "deviation", "max_plus_mean", "rows",
+         "rows_average")
 TOL = 1e-6
 
 
@@ -42,8 +45,8 @@ def extremes_graph(mixed=False):
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 3], name="x")
         w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
-        hi, lo, avg, total, ref_hi, summed, decayed, squares, norm, deviation, both = (
-            state_variable(n, n != "ref_max") for n in STATE)
+        hi, lo, avg, total, ref_hi, summed, decayed, squares, norm, deviation, both, rows, \
+            rows_avg = (state_variable(n, n != "ref_max") for n in STATE)
         updates = [tf1.assign(hi, tf.maximum(hi, tf.reduce_max(tf.abs(x), 0))),
                    tf1.assign(lo, tf.minimum(lo, tf.reduce_min(x, 0))),
                    tf1.assign_sub(avg, (avg - tf.reduce_min(x, 0)) * 0.3),
@@ -54,7 +57,9 @@ def extremes_graph(mixed=False):
                    tf1.assign_sub(squares, (squares - tf.reduce_sum(x * x, 0)) * 0.1),
                    tf1.assign(norm, tf.norm(x, axis=0)),
                    tf1.assign(deviation, tf.math.reduce_std(x, 0)),
-                   tf1.assign(both, tf.reduce_max(x, 0) + tf.reduce_mean(x, 0))]
+                   tf1.assign(both, tf.reduce_max(x, 0) + tf.reduce_mean(x, 0)),
+                   tf1.assign(rows, tf.cast(tf.shape(x)[0], tf.float32) * tf.ones([3])),
+                   tf1.assign(rows_avg, 0.5 * rows_avg + tf.cast(tf.size(x), tf.float32))]
         if mixed:
             second = state_variable("second")
             updates.append(tf1.assign(second, tf.math.top_k(tf.transpose(x), 2).values[:, 1]))
@@ -102,7 +107,8 @@ def test_state_from_the_batchs_extremes_equals_one_device(run_option):
 def test_writes_that_vary_through_reductions_alone_read_the_jobs():
     """Each reduction over the batch that the state reads is exchanged once
     (a standard deviation's two means, the maximum and the mean added), the
-    extremes as a sum of rows of zeros; a write from the batch's top k keeps
+    extremes as a sum of rows of zeros, the batch's row counts (its first
+    dimension, its size) as sums; a write from the batch's top k keeps
     its sync (averaged), and a warning names it and why."""
     graph = extremes_graph(mixed=True)
     ctx = context(n=2, graph=graph)
@@ -112,8 +118,9 @@ def test_writes_that_vary_through_reductions_alone_read_the_jobs():
             for n in ir.nodes if n.name.startswith("parallax/extremes/") and
             n.op == "CollectiveReduce" and n.name.endswith("replica_1")]
     assert sorted(made) == [
-        "Max", "Max_1", "Max_2", "Max_3", "Mean", "Min", "Min_1", "Sum", "Sum_1", "Sum_2",
-        "norm_1/Sum", "reduce_std/reduce_variance/Mean", "reduce_std/reduce_variance/Mean_1"]
+        "Cast", "Cast_1", "Max", "Max_1", "Max_2", "Max_3", "Mean", "Min", "Min_1", "Sum", "Sum_1",
+        "Sum_2", "norm_1/Sum", "reduce_std/reduce_variance/Mean",
+        "reduce_std/reduce_variance/Mean_1"]
     assert op_counts(ir, "parallax/extremes/")["Pad"] == 2 * 6        # Max and Min
     second = [op.name for op in graph.get_operations() if op.type == "AssignVariableOp"
               and op.inputs[0].op.name == "second" and not op.name.startswith("second/")]
@@ -125,7 +132,8 @@ def test_writes_that_vary_through_reductions_alone_read_the_jobs():
 def stats_model(lib):
     """A layer of `lib` ("keras": Keras 3, or "tf_keras") that keeps each
     input's largest absolute value and smallest value seen, a decayed
-    total of its absolute values and a count of the examples, and scales
+    total of its absolute values, a count of the examples and a decayed
+    total of the batches' row counts, and scales
     its input by the first; Dense layers; Adam."""
     import keras
     keras = __import__("tf_keras") if lib == "tf_keras" else keras
@@ -138,6 +146,8 @@ def stats_model(lib):
             self.decayed = self.add_weight(name="decayed", **zeros)
             self.seen = self.add_weight(name="seen", shape=(), initializer="zeros",
                                         trainable=False)
+            self.rows = self.add_weight(name="rows", shape=(), initializer="zeros",
+                                        trainable=False)
 
         def call(self, x, training=None):
             if training:
@@ -145,6 +155,7 @@ def stats_model(lib):
                 self.lo.assign(tf.minimum(self.lo, tf.reduce_min(x, 0)))
                 self.decayed.assign(0.5 * self.decayed + tf.reduce_sum(tf.abs(x), 0))
                 self.seen.assign_add(tf.cast(tf.shape(x)[0], tf.float32))
+                self.rows.assign(0.5 * self.rows + tf.cast(tf.shape(x)[0], tf.float32))
             return x / (self.hi + 1.0)
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((5,)), Calibration(),

@@ -7,12 +7,15 @@ average of each batch's minimum) holds, on one device, the extremes of the
 global batch; one assigned a sum over the batch (a decayed total, a moving
 average of a sum of squares), or a function of a reduction of reductions
 (a standard deviation: a mean of squares about the batch's mean), holds
-the global batch's. The replicas' writes averaged give none of these: the
+the global batch's; one assigned from the batch's row count
+(`tf.shape(x)[0]`, `tf.size(x)`: the same on every replica, and 1/N of
+one device's) holds the global batch's count. The replicas' writes averaged give none of these: the
 mean of the replicas' maxima is below the job's, the mean of their sums
 1/N of the job's. So each such reduction over the batch's axis that state
 reads, and the gradients do not, is exchanged where the write varies
 between replicas through such reductions alone: a sum or a mean by the
-job's all-reduce, a maximum or a minimum as rows (every replica puts its
+job's all-reduce, a count by the job's all-reduce in float64 (exact),
+a maximum or a minimum as rows (every replica puts its
 value in its own row of an [N, ...] tensor of zeros, the rows are summed
 over the job, exactly: a value plus zeros, and the largest or smallest row
 is taken). Each replica reads the job's value in place of its own, so the
@@ -34,7 +37,7 @@ import tensorflow as tf
 
 from parallax_ng.graph import emit, mixing, normalization
 from parallax_ng.graph.ir import parse_tensor
-from parallax_ng.graph.rows import batch_axis
+from parallax_ng.graph.rows import batch_axis, counts_rows
 from transforms import counts
 
 _KINDS = {"Max": "max", "Min": "min", "Sum": "sum", "Mean": "mean"}
@@ -43,15 +46,16 @@ _COUNTS = frozenset({"Shape", "ShapeN", "Size"})
 
 
 def explained(tg, ref, varies, sources, trained: set, how: str) -> dict | None:
-    """{Max, Min, Sum or Mean output: "max", "min", "sum" or "mean"}: the
-    reductions over the batch's axis through which alone tensor `ref`
-    differs between replicas (`varies`), with those they read, none among
+    """{Max, Min, Sum or Mean output: "max", "min", "sum" or "mean"; a
+    count of the batch's rows: "count"}: the reductions over the batch's
+    axis (and counts) through which alone tensor `ref` differs between
+    replicas (`varies`) or from one device, with those they read, none among
     `trained` (the nodes the gradients are computed from: a reduction the
     loss reads keeps its own gradient) and none reading an op that mixes
     the batch's examples; where a write state_sync would combine by `how`
     ("sum" or "mean") is one device's only with them exchanged: extremes in
-    any; in a mean, a sum or a reduction of reductions (a mean of means is
-    averaged exactly as it is). None otherwise."""
+    any; in a mean, a sum, a count or a reduction of reductions (a mean of
+    means is averaged exactly as it is). None otherwise."""
     found, nested, seen, todo = {}, False, set(), [(ref, False)]
     while todo:
         r, under = todo.pop()
@@ -62,6 +66,11 @@ def explained(tg, ref, varies, sources, trained: set, how: str) -> dict | None:
             if r.node in trained or mixing.mixing(tg.tensor(r).op.inputs[0], sources):
                 return None
             nested, under, found[r] = nested or under, True, kind
+        elif not under and not tg.tensor(r).shape.rank and counts_rows(tg.tensor(r).op, sources):
+            if r.node in trained:       # a count of the batch's rows: the job's is their sum
+                return None
+            found[r] = "count"
+            continue
         elif under and (tg.ir.node(r.node).op in _COUNTS or tg.tensor(r).dtype.is_floating
                         and batch_axis(tg.tensor(r), sources) is None):
             return None     # beneath a reduction: rows alone (not the replica's row count)
@@ -70,7 +79,7 @@ def explained(tg, ref, varies, sources, trained: set, how: str) -> dict | None:
             return None
         todo.extend((i, under) for i in ins)
     kinds = set(found.values())
-    needed = kinds & {"max", "min"} or how == "mean" and ("sum" in kinds or nested)
+    needed = kinds & {"max", "min"} or how == "mean" and (kinds & {"sum", "count"} or nested)
     return found if needed else None
 
 
@@ -138,6 +147,19 @@ def job_value(ctx, ir, reduce, ref, kind: str, index: int) -> tuple[list, list[s
     if kind in ("sum", "mean"):
         return reduce(ctx, scope, [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)],
                       t.dtype, kind == "mean", index)
+    if kind == "count":         # summed in float64: exact for any count of rows
+        nodes, wide = [], []
+        for k in range(plan.num_replicas):
+            made, (out,) = _traced(lambda x: tf.cast(x, tf.float64), ctx, ir, ref, t,
+                                   f"{scope}/wide_{k}", k)
+            nodes, wide = nodes + made, wide + [out]
+        more, sums = reduce(ctx, scope, wide, tf.float64, False, index)
+        nodes, outs = nodes + more, []
+        for k, total in enumerate(sums):
+            made, (out,) = _traced(lambda x: tf.cast(x, t.dtype), ctx, ir, ref, t,
+                                   f"{scope}/count_{k}", k, total, dtype=tf.float64)
+            nodes, outs = nodes + made, outs + [out]
+        return nodes, outs
     rows, nodes = [], []
     for k in range(plan.num_replicas):
         g = plan.replica_offset + k
@@ -156,10 +178,12 @@ def job_value(ctx, ir, reduce, ref, kind: str, index: int) -> tuple[list, list[s
     return nodes, outs
 
 
-def _traced(fn, ctx, ir, ref, t, scope: str, k: int, name: str | None = None, shape=None):
-    """`fn` of replica k's `ref` (or of tensor `name`) on its copy's device."""
+def _traced(fn, ctx, ir, ref, t, scope: str, k: int, name: str | None = None, shape=None,
+            dtype=None):
+    """`fn` of replica k's `ref` (or of tensor `name`, of `shape` and
+    `dtype` where they are not `ref`'s) on its copy's device."""
     device = ir.node(ctx.replica_name(k, ref.node)).device
-    return emit.emit_traced(fn, [(name or ctx.replica_tensor(k, ref), t.dtype,
+    return emit.emit_traced(fn, [(name or ctx.replica_tensor(k, ref), dtype or t.dtype,
                                   t.shape if shape is None else shape)], scope, device)
 
 
