@@ -57,3 +57,21 @@ def test_a_scaled_tf1_sum_is_a_mean_or_a_sum_as_the_gradients_are():
         loss = tf.reduce_sum(tf.square(tf.matmul(x, tf1.get_variable("w", [3, 1])))) / 16.0
     assert default_reduction(loss, ["x"])[:2] == ("mean", 0)
     assert default_reduction(loss, ["x"], averaged=False)[:2] == ("sum", 0)
+
+
+def test_a_count_of_the_rows_times_a_number_is_a_sum():
+    """tf.size(x) * 2 with a fed batch is a count, not a scaled loss: the
+    replicas' values are summed (before, taken as a mean, silently: half
+    one device's); a scaled sum of the rows' values stays the guessed mean."""
+    import tensorflow as tf
+
+    from parallax_ng.runtime.combining import default_reduction
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        size = tf.cast(tf.size(x), tf.float32)
+        rows = tf.cast(tf.shape(x)[0], tf.float32)
+        assert default_reduction(tf.identity(size * 2.0), ["x"]) == ("sum", 0, True)
+        assert default_reduction(3.0 * rows, ["x"]) == ("sum", 0, True)
+        assert default_reduction(tf.reduce_sum(x) * 2.0, ["x"])[:2] == ("mean", 0)

@@ -330,6 +330,102 @@ def test_a_tf1_policy_gradient_on_the_batchs_statistics_equals_one_device(run_op
     np.testing.assert_allclose(w2, w1, atol=TOL, rtol=0)
 
 
+def rate_graph(rate):
+    """A TF1 step whose optimizers' learning rates read the fed batch:
+    `rate(x)` for momentum SGD on `w` and Adam on `v`."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf1.get_variable("w", initializer=np.full([3], 0.5, np.float32))
+        v = tf1.get_variable("v", initializer=np.full([3], -0.5, np.float32))
+        loss = tf.reduce_mean((tf.reduce_sum(x * w, 1) + tf.reduce_sum(x * v, 1) - 1.0) ** 2)
+        tf.group(tf1.train.MomentumOptimizer(rate(x), 0.9).minimize(loss, var_list=[w]),
+                 tf1.train.AdamOptimizer(rate(x) / 10).minimize(loss, var_list=[v]),
+                 name="train")
+    return g
+
+
+RATES = {   # the linear scaling rule on the rows; a rate from the batch's mean
+    "rows": lambda x: 0.05 * tf.cast(tf.shape(x)[0], tf.float32) / 16.0,
+    "mean": lambda x: 0.05 / (1.0 + tf.abs(tf.reduce_mean(x))),
+}
+
+
+@pytest.mark.parametrize("rate", sorted(RATES))
+@pytest.mark.parametrize("run_option", ["allreduce", "ps"])
+def test_a_learning_rate_computed_from_the_batch_equals_one_device(rate, run_option):
+    """An optimizer's learning rate scaled by the batch's row count or
+    computed from its mean: the job's, so 2 replicas equal one device after
+    4 steps, every variable and slot (1e-6; before: refused, the message
+    calling the trained weight non-trainable state). A rate read from one
+    example's value is refused, naming the variable."""
+    data = batches(4, rows=16)
+    out = []
+    for parallel in (False, True):
+        g = rate_graph(RATES[rate])
+        names = [v.op.name for v in g.get_collection("variables")]
+        with (pn.get_runner(g, local(2), {"run_option": run_option}) if parallel else
+              tf1.Session(graph=g)) as run:
+            run.run([v.initializer for v in g.get_collection("variables")])
+            for batch in data:
+                run.run("train", {"x:0": batch})
+            out.append(dict(zip(names, run.run(g.get_collection("variables")))))
+    assert len(out[0]) == 7, sorted(out[0])         # w, v, momentum, Adam's m, v and powers
+    for name in out[0]:
+        np.testing.assert_allclose(out[1][name], out[0][name], atol=TOL, rtol=0, err_msg=name)
+    g = rate_graph(lambda x: 0.05 * tf.abs(x[0, 0]))
+    with pytest.raises(pn.errors.GraphError, match=r"writes variable '[wv]' with a value .* "
+                       r"computed from one replica's batch"):
+        pn.get_runner(g, local(2), {"run_option": run_option})
+
+
+RATE_JOB = """
+import sys
+import numpy as np
+import tensorflow as tf
+sys.path.insert(0, {tests!r})
+import parallax_ng as pn
+from test_extremes import RATES, batches, rate_graph
+
+g = rate_graph(RATES["rows"])
+runner = pn.get_runner(g, None, {{"run_option": "ps"}})
+runner.run([v.initializer for v in g.get_collection("variables")])
+w = runner.plan.worker
+for batch in batches(4, rows=16):
+    runner.run("train", {{"x:0": batch[8 * w:8 * w + 8]}})
+names = [v.op.name for v in g.get_collection("variables")]
+np.savez({out!r} + f".{{w}}.npz", **dict(zip(names, runner.run(g.get_collection("variables")))))
+"""
+
+
+def test_a_job_of_two_workers_scales_a_servers_update_by_the_jobs_rows(tmp_path):
+    """2 workers and a server, `ps`: the update runs once, on the chief,
+    and reads the job's row count (the other worker's share goes through
+    the server's queues, pulled by its silenced update): every variable
+    equals one device's on both workers."""
+    from test_cluster import resources
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script, out = tmp_path / "rates.py", str(tmp_path / "out")
+    script.write_text(RATE_JOB.format(tests=tests, out=out))
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
+         resources(tmp_path, 2, 1, servers=1)], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    g = rate_graph(RATES["rows"])
+    with tf1.Session(graph=g) as sess:
+        sess.run([v.initializer for v in g.get_collection("variables")])
+        for batch in batches(4, rows=16):
+            sess.run("train", {"x:0": batch})
+        want = dict(zip([v.op.name for v in g.get_collection("variables")],
+                        sess.run(g.get_collection("variables"))))
+    for w in (0, 1):
+        got = dict(np.load(f"{out}.{w}.npz"))
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], atol=TOL, rtol=0,
+                                       err_msg=f"worker {w}: {name}")
+
+
 def test_rows_a_center_loss_adds_by_each_labels_count_in_the_batch_are_named():
     """A center loss's update (the centers move towards their examples by
     1 / (1 + the label's count in the batch), tf.unique_with_counts): the

@@ -35,10 +35,11 @@ def test_tables():
     assert not rules.is_host_only("MatMul")
     assert list(rules.inputs_of_output("IdentityN", 2, 4)) == [2]
     assert list(rules.inputs_of_output("Mul", 0, 2)) == [0, 1]
-    assert rules.state_sync_reduction("AssignAdd", "n") == "sum"
-    assert rules.state_sync_reduction("AssignSubVariableOp", "n") == "mean"
-    with pytest.raises(GraphError, match="ResourceApplyAdam"):
-        rules.state_sync_reduction("ResourceApplyAdam", "n")
+    assert rules.state_sync_reduction("AssignAdd", "n", "v", "x:0") == "sum"
+    assert rules.state_sync_reduction("AssignSubVariableOp", "n", "v", "x:0") == "mean"
+    with pytest.raises(GraphError, match=r"'n' of type ResourceApplyAdam writes variable 'w' "
+                       r"with a value \(lr:0\) computed from one replica's batch"):
+        rules.state_sync_reduction("ResourceApplyAdam", "n", "w", "lr:0")
 
 
 def test_output_dtypes_from_op_signatures():

@@ -35,8 +35,8 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from parallax_ng.graph import emit, mixing, normalization
-from parallax_ng.graph.ir import parse_tensor
+from parallax_ng.graph import emit, mixing, normalization, rules
+from parallax_ng.graph.ir import copy_node, parse_tensor
 from parallax_ng.graph.rows import batch_axis, counts_rows
 from transforms import counts
 
@@ -55,7 +55,8 @@ def explained(tg, ref, varies, sources, trained: set, how: str) -> dict | None:
     the batch's examples; where a write state_sync would combine by `how`
     ("sum" or "mean") is one device's only with them exchanged: extremes in
     any; in a mean, a sum, a count or a reduction of reductions (a mean of
-    means is averaged exactly as it is). None otherwise."""
+    means is averaged exactly as it is); every one in an optimizer's update
+    (`how` "update": its hyperparameters are not averaged). None otherwise."""
     found, nested, seen, todo = {}, False, set(), [(ref, False)]
     while todo:
         r, under = todo.pop()
@@ -80,7 +81,50 @@ def explained(tg, ref, varies, sources, trained: set, how: str) -> dict | None:
         todo.extend((i, under) for i in ins)
     kinds = set(found.values())
     needed = kinds & {"max", "min"} or how == "mean" and (kinds & {"sum", "count"} or nested)
-    return found if needed else None
+    return found if needed or how == "update" else None
+
+
+def in_shared_updates(ctx, sources, trained: set) -> tuple[dict, list]:
+    """(`explained`'s reductions and counts, the (writer, input) pairs that
+    read them) for the optimizers' updates of variables held once (on a
+    server, sharded, cut by columns) that read a hyperparameter computed
+    from the batch (a learning rate scaled by its row count): such an
+    update runs once, on replica 0's value, so it reads the job's (`tie`).
+    A hyperparameter computed from the batch otherwise is refused by name
+    (rules.state_sync_reduction)."""
+    tg, found, updates, read = ctx.tg, {}, set(rules.STATE_SYNC_REDUCTION), []
+    initializers = {v.initializer for v in tg.variables.values()}
+    for var, writers in sorted(tg.writers.items()):
+        if ctx.plan.mirrored(var) or var in tg.accumulators:
+            continue        # (mirrored: state_sync reads each replica's updates)
+        for w in sorted(set(writers) - initializers):
+            for ref in tg.ir.data_inputs(w)[1:]:
+                if tg.ir.node(w).op in updates or tg.tensor(ref).shape.rank != 0 or \
+                        not ctx.varies(ref):
+                    continue
+                if (cut := explained(tg, ref, ctx.varies, sources, trained, "update")) is None:
+                    rules.state_sync_reduction(tg.ir.node(w).op, w, var, ref)
+                found.update(cut)
+                read.append((w, ref))
+    return found, read
+
+
+def tie(ctx, ir, read: list):
+    """(nodes, changed writers): each update of `in_shared_updates` that
+    runs once waits on every replica's value of what it reads (a NoOp
+    `parallax/extremes/<writer>/tie`, which a silenced writer of another
+    worker keeps: transforms/server_sync.py), so every replica's exchange
+    runs, not replica 0's alone."""
+    nodes, changed, each = [], {}, {}
+    for w, ref in read:
+        if w in ctx.unreplicated:       # (an update per replica reads its own)
+            each.setdefault(w, []).extend(
+                "^" + ctx.replica_name(k, ref.node) for k in range(ctx.plan.num_replicas))
+    for w, deps in each.items():
+        nodes.append(emit.node_def(f"parallax/extremes/{w}/tie", "NoOp", deps, ctx.plan.host))
+        changed[w] = copy_node(ir.node(w))
+        changed[w].input.append("^" + nodes[-1].name)
+    return nodes, changed
 
 
 def statistics(tg, sources) -> dict:

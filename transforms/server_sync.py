@@ -384,6 +384,7 @@ def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[tuple[str, frozens
         deps = ["^" + p for p, s in pushes[plan.server(var)] if s <= above] \
             if w in after_grads else []
         deps += [waits[w]] if w in waits else []
+        deps += [c for c in ir.node(w).input if c.startswith("^parallax/extremes/")]  # (its tie)
         if not _data_consumers(ir, w):
             changed[w] = emit.node_def(w, "NoOp", deps, plan.host)
             continue

@@ -42,7 +42,8 @@ gradients on the servers (fusion buffers) these sums go there too, so the
 step keeps no collective op; so do those in a tf.cond's branch in any job
 with servers (a collective would put the branch in both of a split step's runs).
 A write from the batch's largest or smallest values (a running maximum), or
-assigned from its sums, reads the job's (transforms/extremes.py). A write whose
+assigned from its sums or row count (a learning rate scaled by the rows: an
+update's too), reads the job's (transforms/extremes.py). A write whose
 value holds rows of the replica's examples (an RNN's state kept in a variable from
 step to step) is not synced: each replica keeps its own examples' rows, as one
 device's holds them (`PerExampleState`).
@@ -135,7 +136,7 @@ class StateSyncPass:
                         syncs.append((f"{nodes[0].name}/sum", tensors,
                                       tg.tensor(tg.ir.data_inputs(w)[2]), False, w, 2))
                         continue
-                    how = rules.state_sync_reduction(tg.ir.node(w).op, w)
+                    how = rules.STATE_SYNC_REDUCTION.get(tg.ir.node(w).op)   # (None: an update's)
                     node, at = w, pos
                     if how == "sum" and _reads(tg, var, ref.node):
                         how = "mean"              # a moving average written as an add
@@ -143,9 +144,11 @@ class StateSyncPass:
                             delta := _accumulated(tg, var, ref)) is not None:
                         node, at, how = ref.node, delta, "sum"
                         ref = tg.ir.data_inputs(node)[delta]
-                    if (cut := extremes.explained(tg, ref, ctx.varies, sources, trained, how)):
+                    if (cut := extremes.explained(tg, ref, ctx.varies, sources, trained,
+                                                  how or "update")):
                         extreme.update(cut)     # the job's reductions: one device's write
                         continue
+                    rules.state_sync_reduction(tg.ir.node(w).op, w, var, ref)  # (or refused)
                     if how == "mean" and (why := extremes.mixed(tg, ref, sources)):
                         unshown.append((var, why))      # warned: averaged
                     if how == "sum" and _a_mean(tg, ref, sources) and \
@@ -167,12 +170,16 @@ class StateSyncPass:
                                                 node, tg.tensor(ref).dtype, plan.group_size)
                     new_nodes.extend(nodes)
                     syncs.append((scope, tensors, tg.tensor(ref), how == "mean", node, at))
+        shared, read_once = extremes.in_shared_updates(ctx, sources, trained)
+        extreme.update(shared)
         reduce = on_a_server if plan.reduces_on_servers else all_reduce
         branched = partial(on_a_server, branched=True) if plan.uses_servers else reduce
         in_branch = lambda node: branched if plan.num_workers > 1 and \
             branches.switches_above(tg.ir, node, above) else reduce     # noqa: E731
-        nodes, synced = extremes.exchanged(ctx, ir, in_branch, extreme, sources, in_loops,
-                                           synced, rewires, replaced)  # and data statistics
+        nodes, synced = extremes.exchanged(     # and the data's statistics; a shared update's
+            ctx, ir, lambda n: on_a_server if plan.uses_servers and n in {r.node for r in shared}
+            else in_branch(n),
+            extreme, sources, in_loops, synced, rewires, replaced)   # by its servers' queues
         new_nodes.extend(nodes)
         for together in _together(ir, ctx, syncs, set(sources), above):
             nodes, outs = _reduced(ctx, in_branch(together[0][4]), together, synced)
@@ -236,7 +243,9 @@ class StateSyncPass:
             new_nodes.extend(nodes)
             rewires.update(outs)
         ctx.publish(SyncedInputs(frozenset(replaced)))
-        return ir.rewire(rewires, new_nodes), {"synced": synced}
+        ir = ir.rewire(rewires, new_nodes)
+        ties, writers = extremes.tie(ctx, ir, read_once)
+        return ir.replace(writers, ties), {"synced": synced}
 
 
 def _data_free_parts(tg, grad, sources: set) -> list[tuple[str, int]]:

@@ -150,12 +150,14 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         return t.op.name in dependent
 
     per_row = {}            # a sum's tensor -> the elements it added per example
-    scaled = [False]
+    scaled, tallies = [False], set()        # tallies: the rows' counts (scaled: still sums)
 
     def through(t, x):      # t computes x's form: it is a sum of as many per example
         kind = form(x)
         if x.name in per_row:
             per_row[t.name] = per_row[x.name]
+        if x.name in tallies and t.op.type in ("Identity", "Snapshot", "Cast", "Mul"):
+            tallies.add(t.name)
         return kind
 
     def form(t):
@@ -167,6 +169,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         if op.type == "IdentityN":      # an inlined call's outputs (graph/inlining.py)
             return through(t, op.inputs[t.value_index])
         if counts_rows(op, rows) or selections.counted(op, rows):
+            tallies.add(t.name)
             return "sum"        # the batch's rows (or elements, or picked ones) counted
         if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
                 op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum":
@@ -181,7 +184,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                        for n in counts):
                     by_batch.append((op.name, 1, op.type == "Mul"))
                     return "mean"       # a sum over the batch over its size (in elements)
-            scaled[0] |= inner == "sum"
+            scaled[0] |= inner == "sum" and t.name not in tallies
             return inner
         if op.type in ("Select", "SelectV2") and present(op.inputs[0]):
             zero = [x for x in op.inputs[1:] if not data(x) and _zero(x, constant)]
@@ -189,7 +192,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                 return through(t, op.inputs[2 if zero[0] is op.inputs[1] else 1])
         if op.type == "Mul" and not data(op.inputs[0]):
             inner = through(t, op.inputs[1])
-            scaled[0] |= inner == "sum"
+            scaled[0] |= inner == "sum" and t.name not in tallies
             return inner
         terms = _terms(op)
         if terms is not None:

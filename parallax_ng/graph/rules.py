@@ -212,16 +212,22 @@ def classify_resource_use(op_type: str, node_name: str, variable: str) -> str:
         f"({', '.join(sorted(HANDLE_PASSTHROUGH))})")
 
 
-def state_sync_reduction(op_type: str, node_name: str) -> str:
+def state_sync_reduction(op_type: str, node_name: str, variable: str, value) -> str:
+    """How state_sync combines the replicas' values of a write of type
+    `op_type`; refused, naming the variable and the value, where no rule
+    makes them one device's (an optimizer's update whose learning rate is
+    computed from the replica's batch otherwise than by its row count)."""
     try:
         return STATE_SYNC_REDUCTION[op_type]
     except KeyError:
         raise GraphError(
-            f"op {node_name!r} of type {op_type} writes a value computed from "
-            "one replica's batch into non-trainable state; parallax_ng combines "
-            f"such values only for {', '.join(sorted(STATE_SYNC_REDUCTION))}, and for "
-            "ScatterAdd and ScatterSub (resource or not) into a variable whose first "
-            "dimension is known") from None
+            f"op {node_name!r} of type {op_type} writes variable {variable!r} with a value "
+            f"({value}) computed from one replica's batch, which differs between replicas; "
+            f"parallax_ng combines such values only for {', '.join(sorted(STATE_SYNC_REDUCTION))}"
+            ", for ScatterAdd and ScatterSub (resource or not) into a variable whose first "
+            "dimension is known, and, in an optimizer's update, for a hyperparameter that "
+            "reads the batch only through its row count or reductions over it (a learning "
+            "rate scaled by tf.shape(x)[0] or by the batch's mean)") from None
 
 
 # The first dimension of ops' outputs (graph/batch.py, graph/rows.py):
