@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from parallax_ng.graph import emit, mixing, normalization, rules
+from parallax_ng.graph import branches, emit, mixing, normalization, rules
 from parallax_ng.graph.ir import copy_node, parse_tensor
 from parallax_ng.graph.rows import batch_axis, counts_rows
 from transforms import counts
@@ -170,13 +170,15 @@ def exchanged(ctx, ir, reduce_at, found: dict, sources, in_loops: set, index: in
     scales its rows by (`statistics`), read the job's value
     (`reduce_at(node)`: the reduction state_sync uses there); none in a
     while loop's body (an exchange runs once a step: a second would wait)."""
-    nodes = []
+    nodes, looped = [], []
     for ref, kind in sorted({**statistics(ctx.tg, sources), **found}.items()):
         if ref.node in in_loops:
+            looped.append(ref.name)     # (named: each replica's)
             continue
         made, outs = job_value(ctx, ir, reduce_at(ref.node), ref, kind, index)
         nodes, index = nodes + made, index + 1
         counts.read_everywhere(ctx, ref, outs, rewires, replaced)
+    branches.warn_in_loops(means=looped)
     return nodes, index
 
 
