@@ -33,6 +33,8 @@ class _Asked:
     ("l2_loss/8", 8, True, ""),
     ("sum, penalty apart", None, False, ""),    # a loss of the weights alone: neither
     ("mean, penalty apart", None, True, ""),
+    ("mean*rows", None, False, ""),         # a mean times the rows counted: a sum (no line)
+    ("sum*(1/rows)", None, True, ""),       # a sum times one over them: a mean (no line)
 ])
 @pytest.mark.parametrize("bare", [False, True], ids=["minimize", "tf.gradients"])
 def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note, bare):
@@ -59,7 +61,10 @@ def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note, b
                  "per time step": tf.reduce_mean(tf.reduce_sum(e, 0)),
                  "l2_loss": tf.nn.l2_loss(e), "l2_loss/8": tf.nn.l2_loss(e) / 8.0,
                  "sum, penalty apart": tf.reduce_sum(e),
-                 "mean, penalty apart": tf.reduce_mean(e)}[loss]
+                 "mean, penalty apart": tf.reduce_mean(e),
+                 "mean*rows": tf.reduce_mean(e) * tf.cast(tf.shape(x)[0], tf.float32),
+                 "sum*(1/rows)": tf.reduce_sum(e) * (1.0 / tf.cast(tf.shape(x)[0],
+                                                                   tf.float32))}[loss]
         w, descent = tf1.get_variable("w", [3, 1]), tf1.train.GradientDescentOptimizer(0.1)
         if bare or "apart" in loss:
             grad = tf.gradients(value, w)[0]

@@ -182,6 +182,28 @@ def test_a_count_of_the_batchs_rows_is_a_sum():
     assert forms.scalar_kind(width, ["x", "y"]) is None
 
 
+def test_a_mean_times_the_rows_counted_is_a_sum_and_a_sum_times_one_over_them_a_mean():
+    """With the batch fed (its rows counted at run time): a mean times the
+    rows counted is a sum (before: no form, averaged with a line, 1/N of
+    one device's); a sum times 1 / the rows (or tf.math.reciprocal of the
+    size) is a mean (before: averaged, exactly, but with the line); a
+    masked mean times the rows has no form (the mask's count is not the
+    rows'), and a fetched count times a number is a sum, not a scaled loss."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        e = tf.square(tf.matmul(x, tf1.get_variable("w", [3, 2])))
+        rows = tf.cast(tf.shape(x)[0], tf.float32)
+        kept = tf.cast(e > 0.5, tf.float32)
+        want = {tf.reduce_mean(e) * rows: "sum", rows * tf.reduce_mean(e, [0, 1]): "sum",
+                tf.reduce_sum(e) * (1.0 / rows): "mean",
+                tf.math.reciprocal(tf.cast(tf.size(x), tf.float32)) * tf.reduce_sum(e): "mean",
+                tf.reduce_sum(e * kept) / tf.reduce_sum(kept) * rows: None, rows * 2.0: "sum"}
+    for loss, kind in want.items():
+        assert forms.scalar_kind(loss, ["x"]) == kind, loss.name
+        assert forms.scalar_form(loss, ["x"])[1] is False, loss.name       # (not guessed)
+
+
 def test_a_scaled_sum_where_the_batch_is_not_shown_is_a_mean():
     """scalar_kind (fetches, metrics' increments) reads a TF1 sum over a
     number as the gradients do: a mean where a replica's batch size is not

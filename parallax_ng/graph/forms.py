@@ -194,6 +194,16 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             inner = through(t, op.inputs[1])
             scaled[0] |= inner == "sum" and t.name not in tallies
             return inner
+        if op.type == "Mul" and t.shape.rank == 0 and all(map(data, op.inputs)):
+            for m, c in (op.inputs, op.inputs[::-1]):   # a mean of the rows times their count
+                notes = len(by_count) + len(by_batch) + len(selected) + len(exchanged)
+                if c.shape.rank == 0 and form(c) == "sum" and c.name in tallies and \
+                        form(m) == "mean" and notes == len(by_count) + len(by_batch) + \
+                        len(selected) + len(exchanged):
+                    return "sum"
+                if _over(c, constant) is not None and form(_over(c, constant)) == "sum" and \
+                        _over(c, constant).name in tallies and form(m) == "sum":
+                    return "mean"       # a sum times 1 / the rows' count
         terms = _terms(op)
         if terms is not None:
             kinds = []
@@ -282,6 +292,17 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     once if kind == "sum" else [], mixed if kind is None else [],
                     widened if kind == "sum" else [], exchanged if kind == "mean" else [],
                     selected if kind == "mean" else [])
+
+
+def _over(t: tf.Tensor, constant) -> tf.Tensor | None:
+    """c where t is 1 / c (tf.math.reciprocal(c), 1.0 / c), else None."""
+    op = t.op
+    if op.type in ("Reciprocal", "Inv"):
+        return op.inputs[0]
+    if op.type in ("RealDiv", "Div") and np.ndim(one := constant(op.inputs[0])) == 0 and \
+            one is not None and one == 1:
+        return op.inputs[1]
+    return None
 
 
 def _every_axis(axes: tf.Tensor, x: tf.Tensor) -> bool:
