@@ -9,9 +9,8 @@ reading of them that several questions share. Guarantees: both read the
 graph only. `loss_form` names the divisors that make a sum a mean (a
 layer-by-layer step divides by a micro-batch's size instead,
 parallax_ng/l2l/); a value it cannot read is None, never a guess. Used by
-layer-by-layer execution (the loss of micro-batches) and by the state-sync
-pass (an accumulation of a per-replica mean is averaged, not summed).
-"""
+layer-by-layer execution and the state-sync pass (a per-replica mean added
+up is averaged, not summed)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -90,10 +89,8 @@ class LossForm:
     # gradients are summed (transforms/state_sync.py)
     widened: list[str] = field(default_factory=list)
     # scalar means over the batch that a function not linear in them takes
-    # (an RMSE's tf.sqrt(tf.reduce_mean(...)), a product of two means): each
-    # replica uses the job's value, forward and in the gradient
-    # (transforms/state_sync.py all-reduces them), so the mean of the
-    # replicas' gradients is one device's
+    # (an RMSE's, a product of two means): every replica uses the job's value,
+    # forward and in the gradient (transforms/state_sync.py all-reduces them)
     exchanged: list[str] = field(default_factory=list)
     # Means over rows a mask picks from the batch (graph/selections.py): each
     # replica's count is its own, the job's is their sum
@@ -196,13 +193,12 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return inner
         if op.type == "Mul" and t.shape.rank == 0 and all(map(data, op.inputs)):
             for m, c in (op.inputs, op.inputs[::-1]):   # a mean of the rows times their count
-                notes = len(by_count) + len(by_batch) + len(selected) + len(exchanged)
-                if c.shape.rank == 0 and form(c) == "sum" and c.name in tallies and \
-                        form(m) == "mean" and notes == len(by_count) + len(by_batch) + \
-                        len(selected) + len(exchanged):
+                notes = (len(by_count), len(by_batch), len(selected), len(exchanged))
+                if form(c) == "sum" and c.name in tallies and form(m) == "mean" and \
+                        notes == (len(by_count), len(by_batch), len(selected), len(exchanged)):
                     return "sum"
-                if _over(c, constant) is not None and form(_over(c, constant)) == "sum" and \
-                        _over(c, constant).name in tallies and form(m) == "sum":
+                if (n := _over(c, constant)) is not None and form(n) == "sum" and \
+                        n.name in tallies and form(m) == "sum":
                     return "mean"       # a sum times 1 / the rows' count
         terms = _terms(op)
         if terms is not None:
@@ -297,11 +293,9 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
 def _over(t: tf.Tensor, constant) -> tf.Tensor | None:
     """c where t is 1 / c (tf.math.reciprocal(c), 1.0 / c), else None."""
     op = t.op
-    if op.type in ("Reciprocal", "Inv"):
-        return op.inputs[0]
-    if op.type in ("RealDiv", "Div") and np.ndim(one := constant(op.inputs[0])) == 0 and \
-            one is not None and one == 1:
-        return op.inputs[1]
+    if op.type in ("Reciprocal", "Inv") or op.type in ("RealDiv", "Div") and \
+            np.ndim(one := constant(op.inputs[0])) == 0 and one is not None and one == 1:
+        return op.inputs[-1]
     return None
 
 
@@ -382,10 +376,8 @@ _MOST_OPS = 256     # a count or a scale is a few ops; a larger graph is not eva
 
 def scalar_kind(t: tf.Tensor, sources) -> str | None:
     """"sum" or "mean" over the batch for a scalar the replicas compute (a
-    loss, a metric's increment), as `averages` reads the losses: a TF1 sum
-    scaled by a number the graph does not show to be a replica's batch size
-    is a mean (a sum over `batch_size`, the usual script); None when the
-    graph does not show."""
+    loss, a metric's increment), as `averages` reads the losses (a TF1 sum
+    over a number not shown to be the batch size: a mean); None if unshown."""
     return scalar_form(t, sources)[0]
 
 
@@ -407,8 +399,7 @@ def scalar_form(t: tf.Tensor, sources) -> tuple[str | None, bool, LossForm]:
 
 def over_widened(t: tf.Tensor, sources, widened) -> bool:
     """Whether the scalar `t` is a mean over a count whose division is one
-    of `widened` (each replica's value then 1/N of its share of one
-    device's: the replicas' sum is one device's)."""
+    of `widened` (each replica's value 1/N of its share: they are summed)."""
     return bool(widened) and any(
         op in widened for op in loss_form(t, sources, None, strict=False).by_count)
 
