@@ -241,3 +241,87 @@ def test_stateless_draws_with_a_shared_seed_differ_between_replicas():
     mask = tf.make_ndarray(other.node(xor.input[1]).attr["value"].tensor)
     assert mask.tolist() == [randomness.seed_mask(1), 0]
     assert other.node(key[1]).input == chief.node(key[1]).input      # seeded by the input
+
+
+def noisy_gradients_graph():
+    """A TF1 step that adds seeded noise to its gradient after
+    compute_gradients (gradient noise), momentum SGD."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
+        opt = tf1.train.MomentumOptimizer(0.1, 0.9)
+        pairs = opt.compute_gradients(tf.reduce_mean(tf.reduce_sum(x * w, 1) ** 2))
+        opt.apply_gradients([(grad + tf1.random_normal(tf.shape(grad), stddev=0.1), v)
+                             for grad, v in pairs], name="train")
+    return g
+
+
+def test_noise_added_to_the_gradients_is_drawn_alike_and_equals_one_device():
+    """A draw the step uses only after its gradients (noise added to them)
+    does not depend on the batch: `auto` draws it identically, with the
+    user's seeds, so 2 replicas apply one device's update (1e-6: the
+    gradient's sum in another order; before: each replica drew its own,
+    and the update was refused)."""
+    data = np.random.default_rng(0).normal(size=(4, 8, 3)).astype(np.float32)
+    out = []
+    for parallel in (False, True):
+        g = noisy_gradients_graph()
+        with (pn.get_runner(g, local(2)) if parallel else tf1.Session(graph=g)) as run:
+            run.run([v.initializer for v in g.get_collection("variables")])
+            for batch in data:
+                run.run("train", {"x:0": batch})
+            out.append(run.run(read_name("w", g)))
+            if parallel:
+                assert set(run.plan.random.values()) == {"identical"}, run.plan.random
+    np.testing.assert_allclose(out[1], out[0], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("draw", ["tf.random", "keras.random", "tf.random.Generator"])
+def test_a_tf2_steps_gradient_noise_equals_one_device(draw):
+    """Keras 3 model, a TF2 step that adds noise to the tape's gradients,
+    drawn by a seeded tf.random op, by keras.random from a SeedGenerator
+    (a stateless draw), or by a tf.random.Generator (whose state advances
+    by TensorFlow's own step for a draw of a fixed shape): 4 steps of 2
+    replicas equal one device, weights 1e-6, and so does the generator's
+    state (before: the replicas' noises were averaged, 0.019 apart)."""
+    import os
+    os.environ["TF_USE_LEGACY_KERAS"] = "0"
+    import keras
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2),
+                                  keras.layers.Dense(1)])
+        seeds, gen = keras.random.SeedGenerator(5), tf.random.Generator.from_seed(3)
+        noise = {"tf.random": lambda s: tf.random.normal(s, stddev=0.05),
+                 "keras.random": lambda s: keras.random.normal(s, stddev=0.05, seed=seeds),
+                 "tf.random.Generator": lambda s: gen.normal(s, stddev=0.05)}[draw]
+        opt = keras.optimizers.SGD(0.1)
+
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x) - y) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip([g + noise(g.shape) for g in grads],
+                                    model.trainable_variables))
+            return loss
+        return model, gen, step
+    rng = np.random.default_rng(0)
+    xs, ys = rng.normal(size=(4, 16, 3)), rng.normal(size=(4, 16, 1))
+    out = []
+    for parallel in (True, False):
+        model, gen, step = build()
+        step = pn.function(step, local(2)) if parallel else tf.function(step)
+        losses = [float(step(x.astype(np.float32), y.astype(np.float32)))
+                  for x, y in zip(xs, ys)]
+        if parallel:
+            step.sync()
+        out.append((losses, [np.asarray(v) for v in model.weights], gen.state.numpy()))
+    (losses, weights, state), (want_losses, want_weights, want_state) = out
+    np.testing.assert_allclose(losses, want_losses, atol=1e-6, rtol=0)
+    for a, b in zip(weights, want_weights):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    if draw == "tf.random.Generator":
+        np.testing.assert_array_equal(state, want_state)

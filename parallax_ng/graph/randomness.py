@@ -16,7 +16,8 @@ random op, whether replicas draw
   The default (`random: auto`) for the candidate samplers of sampled
   softmax and NCE (`BATCH_FREE`): one device draws `num_sampled`
   negatives once for its whole batch, whatever the batch, so replicas
-  that draw them alike (with the user's seeds) compute exactly its step.
+  that draw them alike (with the user's seeds) compute exactly its step;
+  and for draws the step uses only after its gradients (gradient noise).
 
 Requires: a TrainingGraph and the config. Guarantees: `decide` names every
 seeded random op of the graph and of its functions (`function/op` for the
@@ -191,13 +192,19 @@ def random_ops(nodes, library) -> dict[str, tuple[int, int]]:
     return out
 
 
-def batch_free(nodes, library) -> set[str]:
+def batch_free(tg, drawn) -> set[str]:
     """The random ops (names as `random_ops` gives them) whose draws do not
     depend on the batch: the candidate samplers of sampled softmax and NCE
     (`BATCH_FREE`; not the learned-unigram ones, which learn from the
-    classes they are given)."""
-    out = {n.name for n in nodes if n.op in BATCH_FREE}
-    for f in (library.function if library is not None else ()):
+    classes they are given), and draws the step uses only after its
+    gradients (noise added to a gradient: one device draws it once for the
+    global batch, so every replica applies the same update)."""
+    library, grads = tg.ir.library, {r.node for r in tg.gradient_tensors}
+    before = tg.ir.ancestors(grads) if grads else set()     # the forward and backward passes
+    out = {n.name for n in tg.ir.nodes if n.op in BATCH_FREE}
+    out.update(n for n in drawn if n in tg.ir and n not in before and
+               tg.ir.descendants({n}) & tg.after_gradients)     # (`drawn`: random_ops' and
+    for f in (library.function if library is not None else ()):    # stateless_draws')
         out.update(f"{f.signature.name}/{n.name}" for n in f.node_def if n.op in BATCH_FREE)
     return out
 

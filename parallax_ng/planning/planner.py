@@ -142,7 +142,7 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
              **dict.fromkeys(randomness.stateless_draws(tg.ir, tg.variant))}
     pinned = {op for q in producers for op in q.random}
     random = randomness.decide(drawn, config.random, config.random_ops, pinned=pinned,
-                               batch_free=randomness.batch_free(tg.ir.nodes, tg.ir.library))
+                               batch_free=randomness.batch_free(tg, drawn))
     return Plan(config.run_option, config.average_dense, config.average_sparse,
                 tuple(devices), host, variables, placement,
                 timeout_seconds=config.communication.timeout_seconds,
