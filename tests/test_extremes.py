@@ -208,20 +208,27 @@ print("servers", runner.plan.reduces_on_servers, flush=True)
 """
 
 
-def test_a_job_that_sums_on_the_servers_exchanges_extremes_there(tmp_path):
-    """2 workers and a server, fusion buffers (state sums go through the
-    server, no collective op): both workers' state and weight equal one
-    device's."""
+def run_job(tmp_path, text: str, **fields):
+    """(the finished run, the prefix of its workers' .npz files): `text`
+    (a script with {tests}, {out} and `fields`) run as a job of 2 workers
+    of one device and a server; a failure ends the test with its stderr."""
     from test_cluster import resources
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script, out = tmp_path / "extremes.py", str(tmp_path / "out")
-    script.write_text(JOB_SCRIPT.format(tests=tests, out=out, config={
-        "dense_method": "bfb"}))
+    script, out = tmp_path / "job.py", str(tmp_path / "out")
+    script.write_text(text.format(tests=os.path.dirname(os.path.abspath(__file__)), out=out,
+                                  **fields))
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
          resources(tmp_path, 2, 1, servers=1)], capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stderr[-3000:]
+    return done, out
+
+
+def test_a_job_that_sums_on_the_servers_exchanges_extremes_there(tmp_path):
+    """2 workers and a server, fusion buffers (state sums go through the
+    server, no collective op): both workers' state and weight equal one
+    device's."""
+    done, out = run_job(tmp_path, JOB_SCRIPT, config={"dense_method": "bfb"})
     assert done.stdout.count("servers True") == 2, done.stdout[-2000:]
     want = one_device(batches(4))
     for w in (0, 1):
@@ -403,15 +410,7 @@ def test_a_job_of_two_workers_scales_a_servers_update_by_the_jobs_rows(tmp_path)
     and reads the job's row count (the other worker's share goes through
     the server's queues, pulled by its silenced update): every variable
     equals one device's on both workers."""
-    from test_cluster import resources
-    tests = os.path.dirname(os.path.abspath(__file__))
-    script, out = tmp_path / "rates.py", str(tmp_path / "out")
-    script.write_text(RATE_JOB.format(tests=tests, out=out))
-    done = subprocess.run(
-        [sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
-         resources(tmp_path, 2, 1, servers=1)], capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
-    assert done.returncode == 0, done.stderr[-3000:]
+    _, out = run_job(tmp_path, RATE_JOB)
     g = rate_graph(RATES["rows"])
     with tf1.Session(graph=g) as sess:
         sess.run([v.initializer for v in g.get_collection("variables")])

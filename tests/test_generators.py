@@ -129,3 +129,53 @@ def test_tf_keras_random_image_layers_train_under_fit(capsys):
         low, high, key = s.numpy() - before     # shape by the high word, of a fixed one
         assert key == 0 and low + high > 0 and low % 4 == high % 4 == 0   # as TensorFlow does
 
+
+@pytest.mark.parametrize("draw", ["tf.random", "keras.random", "tf.random.Generator"])
+def test_a_tf2_steps_gradient_noise_equals_one_device(draw):
+    """Keras 3 model, a TF2 step that adds noise to the tape's gradients,
+    drawn by a seeded tf.random op, by keras.random from a SeedGenerator
+    (a stateless draw), or by a tf.random.Generator (whose state advances
+    by TensorFlow's own step for a draw of a fixed shape): 4 steps of 2
+    replicas equal one device, weights 1e-6, and so does the generator's
+    state (before: the replicas' noises were averaged, 0.019 apart). Here,
+    not in test_randomness.py: that suite runs again under
+    disable_v2_behavior (tests/test_v1_behavior.py), and this needs TF2."""
+    import os
+    os.environ["TF_USE_LEGACY_KERAS"] = "0"
+    import keras
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2),
+                                  keras.layers.Dense(1)])
+        seeds, gen = keras.random.SeedGenerator(5), tf.random.Generator.from_seed(3)
+        noise = {"tf.random": lambda s: tf.random.normal(s, stddev=0.05),
+                 "keras.random": lambda s: keras.random.normal(s, stddev=0.05, seed=seeds),
+                 "tf.random.Generator": lambda s: gen.normal(s, stddev=0.05)}[draw]
+        opt = keras.optimizers.SGD(0.1)
+
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x) - y) ** 2)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip([g + noise(g.shape) for g in grads],
+                                    model.trainable_variables))
+            return loss
+        return model, gen, step
+    rng = np.random.default_rng(0)
+    xs, ys = rng.normal(size=(4, 16, 3)), rng.normal(size=(4, 16, 1))
+    out = []
+    for parallel in (True, False):
+        model, gen, step = build()
+        step = pn.function(step, local(2)) if parallel else tf.function(step)
+        losses = [float(step(x.astype(np.float32), y.astype(np.float32)))
+                  for x, y in zip(xs, ys)]
+        if parallel:
+            step.sync()
+        out.append((losses, [np.asarray(v) for v in model.weights], gen.state.numpy()))
+    (losses, weights, state), (want_losses, want_weights, want_state) = out
+    np.testing.assert_allclose(losses, want_losses, atol=1e-6, rtol=0)
+    for a, b in zip(weights, want_weights):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+    if draw == "tf.random.Generator":
+        np.testing.assert_array_equal(state, want_state)
