@@ -92,12 +92,13 @@ def _lower(graph_def, deltas: dict) -> None:
                               tf.int64, dev)
             made = [step, emit.node_def(name + "/parallax_generator_next", "AddV2",
                                         [read.name, step.name], dev, T=tf.int64)]
+            nxt = made[-1].name
         else:                   # of a fixed shape: TensorFlow's own advance
-            made, _ = emit.emit_traced(partial(_advanced, by=256 * int(delta)),
-                                       [(read.name, tf.int64, [3])],
-                                       name + "/parallax_generator_next", dev)
+            made, (nxt,) = emit.emit_traced(partial(_advanced, by=256 * int(delta)),
+                                            [(read.name, tf.int64, [3])],
+                                            name + "/parallax_generator_next", dev)
         write = emit.node_def(name + "/parallax_generator_write", "AssignVariableOp",
-                              [resource, made[-1].name], dev, dtype=tf.int64)
+                              [resource, nxt], dev, dtype=tf.int64)
         state = emit.node_def(name, "Identity", [read.name, "^" + write.name], dev,
                               T=tf.int64)
         out.extend([read, *made, write, state])
