@@ -1,6 +1,8 @@
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # tf.compat.v1.layers needs the Keras 2 package (tf_keras) under Keras 3.
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
@@ -39,3 +41,19 @@ LONGEST_FIRST = ["test_keras_fit.py", "test_cluster.py", "test_keras_examples.py
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+WATCHED = ("TF_", "KERAS", "PARALLAX_NG", "HOROVOD", "CUDA")
+
+
+@pytest.fixture(autouse=True)
+def environment_kept():
+    """A test that sets TF_USE_LEGACY_KERAS (or another of these) in this
+    process changes what later tests, and the processes they start, import:
+    which later tests depends on how the run was split between workers. Set
+    them with monkeypatch, which puts them back."""
+    before = {k: v for k, v in os.environ.items() if k.startswith(WATCHED)}
+    yield
+    after = {k: v for k, v in os.environ.items() if k.startswith(WATCHED)}
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"the test left the environment changed: {changed}"

@@ -131,7 +131,7 @@ def test_tf_keras_random_image_layers_train_under_fit(capsys):
 
 
 @pytest.mark.parametrize("draw", ["tf.random", "keras.random", "tf.random.Generator"])
-def test_a_tf2_steps_gradient_noise_equals_one_device(draw):
+def test_a_tf2_steps_gradient_noise_equals_one_device(draw, monkeypatch):
     """Keras 3 model, a TF2 step that adds noise to the tape's gradients,
     drawn by a seeded tf.random op, by keras.random from a SeedGenerator
     (a stateless draw), or by a tf.random.Generator (whose state advances
@@ -140,9 +140,8 @@ def test_a_tf2_steps_gradient_noise_equals_one_device(draw):
     state (before: the replicas' noises were averaged, 0.019 apart). Here,
     not in test_randomness.py: that suite runs again under
     disable_v2_behavior (tests/test_v1_behavior.py), and this needs TF2."""
-    import os
-    os.environ["TF_USE_LEGACY_KERAS"] = "0"
-    import keras
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", "0")    # for this test only: a later
+    import keras                                        # test's subprocess inherits it
 
     def build():
         keras.utils.set_random_seed(0)
