@@ -98,9 +98,10 @@ def in_shared_updates(ctx, sources, trained: set) -> tuple[dict, list]:
         if ctx.plan.mirrored(var) or var in tg.accumulators:
             continue        # (mirrored: state_sync reads each replica's updates)
         for w in sorted(set(writers) - initializers):
+            if tg.ir.node(w).op in updates:
+                continue        # (an assignment: no hyperparameter)
             for ref in tg.ir.data_inputs(w)[1:]:
-                if tg.ir.node(w).op in updates or tg.tensor(ref).shape.rank != 0 or \
-                        not ctx.varies(ref):
+                if tg.tensor(ref).shape.rank != 0 or not ctx.varies(ref):
                     continue
                 if (cut := explained(tg, ref, ctx.varies, sources, trained, "update")) is None:
                     rules.state_sync_reduction(tg.ir.node(w).op, w, var, ref)

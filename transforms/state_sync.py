@@ -176,10 +176,10 @@ class StateSyncPass:
         branched = partial(on_a_server, branched=True) if plan.uses_servers else reduce
         in_branch = lambda node: branched if plan.num_workers > 1 and \
             branches.switches_above(tg.ir, node, above) else reduce     # noqa: E731
-        nodes, synced = extremes.exchanged(     # and the data's statistics; a shared update's
-            ctx, ir, lambda n: on_a_server if plan.uses_servers and n in {r.node for r in shared}
-            else in_branch(n),
-            extreme, sources, in_loops, synced, rewires, replaced)   # by its servers' queues
+        on_servers = {r.node for r in shared} if plan.uses_servers else set()  # a shared
+        nodes, synced = extremes.exchanged(     # update's by its servers' queues; and the
+            ctx, ir, lambda n: on_a_server if n in on_servers else in_branch(n),   # data's
+            extreme, sources, in_loops, synced, rewires, replaced)      # statistics
         new_nodes.extend(nodes)
         for together in _together(ir, ctx, syncs, set(sources), above):
             nodes, outs = _reduced(ctx, in_branch(together[0][4]), together, synced)
