@@ -483,6 +483,37 @@ def test_inputs_standardized_by_their_moments_are_the_jobs_with_no_line(capsys):
     assert "normalizes each replica's rows" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("loop", ["tf.while_loop", "AutoGraph"])
+def test_the_data_scaled_by_its_largest_value_in_a_tf2_steps_loop_is_named(loop):
+    """The same statistic in a TF2 step's loop (a functional While,
+    lowered when the step is traced): a warning names it. Before, the
+    import of the lowered loop left its ops without a rank, the statistic
+    was not found, and the weights trained 0.06 from one device after 4
+    steps, with no line (graph/inlining.py `loop_shapes`)."""
+    w = tf.Variable(tf.ones((3, 1)))
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            if loop == "tf.while_loop":
+                def body(i, acc):
+                    xs = x * (1.0 + tf.cast(i, tf.float32))
+                    return i + 1, acc + tf.matmul(xs / tf.reduce_max(tf.abs(xs)), w)
+                _, out = tf.while_loop(lambda i, a: i < 2, body,
+                                       [tf.constant(0), tf.zeros_like(y)])
+            else:
+                out = tf.zeros_like(y)
+                for i in tf.range(2):
+                    xs = x * (1.0 + tf.cast(i, tf.float32))
+                    out += tf.matmul(xs / tf.reduce_max(tf.abs(xs)), w)
+            loss = tf.reduce_mean((out - y) ** 2)
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+        return loss
+    x, y = np.ones((8, 3), np.float32), np.ones((8, 1), np.float32)
+    with pytest.warns(UserWarning, match=r"values \['while/body/_\d+/while/Max:0'\] that the "
+                      r"replicas would exchange .* are computed inside a tf.while_loop's body"):
+        pn.function(step, local(2))(x, y)
+
+
 def test_the_data_scaled_by_its_largest_value_in_a_v1_loops_body_is_named():
     """A statistic of the data alone computed in a tf.while_loop's body
     (TensorFlow's v1 frames, as a `disable_v2_behavior` script builds it)

@@ -142,3 +142,46 @@ def test_a_bent_custom_gradient_in_a_nested_function_is_named(reduce, warned, ca
     assert ("is not linear in the gradient it receives" in said) is warned, said
     if warned:
         assert "'PartitionedCall/gradients/IdentityN_grad/clip_by_value/Minimum'" in said
+
+
+def test_a_lowered_loops_ops_keep_their_traced_shapes():
+    """An import of the inlined graph infers no shape after a lowered
+    loop's Merge ops (it reads the Merge before the value the body passes
+    back), so every op in a TF2 step's loop had an unknown rank: a batch's
+    statistic there went unnamed (tests/test_extremes.py). The body's ops
+    take their traced shapes (`body_shapes`, taken off the GraphDef), the
+    loop's own ops those of what enters and comes back (`loop_shapes`): a
+    variable that keeps its shape keeps it; one declared to grow (a shape
+    invariant) takes the shape compatible with both."""
+    from parallax_ng.graph import tracing
+    w = tf.Variable(tf.ones((3, 1)))
+
+    def step(x):
+        def body(i, acc, rows):
+            xs = x * (1.0 + tf.cast(i, tf.float32))
+            top = tf.reduce_max(tf.abs(xs), name="top")
+            return i + 1, acc + tf.matmul(xs / top, w), tf.concat([rows, xs[:1]], 0)
+        _, out, rows = tf.while_loop(
+            lambda i, *_: i < 2, body, [tf.constant(0), tf.zeros_like(x[:, :1]), x[:0]],
+            shape_invariants=[tf.TensorShape([]), tf.TensorShape([None, 1]),
+                              tf.TensorShape([None, 3])])
+        w.assign_sub(tf.reduce_mean(out) * tf.ones((3, 1)) + tf.reduce_sum(rows))
+        return out
+    concrete = tf.function(step).get_concrete_function(tf.TensorSpec([None, 3]))
+    graph_def = inlining.inlined(concrete)
+    shapes = inlining.body_shapes(graph_def)
+    assert shapes and not [n.name for n in graph_def.node if "_output_shapes" in n.attr]
+    top = [name for name in shapes if name.endswith("/top")][0]
+    assert shapes[top] == ("Max", [tf.TensorShape([])])
+
+    captured = tracing.capture(step, (np.ones((4, 3), np.float32),))
+    ops = captured.graph.get_operations()
+    top = [op for op in ops if op.name.endswith("/top")][0]
+    assert top.inputs[0].shape.as_list() == [None, 3]      # before: unknown rank
+    merged = sorted(op.outputs[0].shape.as_list() for op in ops if op.type == "Merge")
+    exits = sorted(op.outputs[0].shape.as_list() for op in ops if op.type == "Exit")
+    # counters and the loop's variables: i, acc kept, rows grown (entering with 0 rows)
+    assert [None, 1] in merged and [None, 3] in merged and [0, 3] not in merged
+    assert [None, 1] in exits and [None, 3] in exits
+    assert all(op.outputs[0].shape.rank is not None for op in ops
+               if op.type in ("Merge", "Switch", "Exit", "NextIteration"))

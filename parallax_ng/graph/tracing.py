@@ -227,6 +227,7 @@ class _Piece:
     constants: dict                   # internal placeholder name -> value (a captured tensor)
     inputs: list                      # the function's argument placeholders
     tables: dict = field(default_factory=dict)   # internal name -> (id of its handle, Table)
+    shapes: dict = field(default_factory=dict)   # a body's node -> (type, traced shapes)
 
 
 def _piece(concrete, targets=()) -> _Piece:
@@ -241,6 +242,7 @@ def _piece(concrete, targets=()) -> _Piece:
          if internal.dtype == tf.resource} - set(by_handle)))
     graph_def = inlining.inlined(concrete, list(targets) + [
         name for names, *_ in getattr(targets, "of_inputs", ()) for name in names])
+    shapes = inlining.body_shapes(graph_def)
     variables = {internal.op.name: by_handle[id(external)]
                  for external, internal in fg.captures if id(external) in by_handle}
     row_updates(graph_def, variables)
@@ -271,7 +273,7 @@ def _piece(concrete, targets=()) -> _Piece:
     for node in graph_def.node:
         if "_class" in node.attr:
             del node.attr["_class"]
-    return _Piece(concrete, graph_def, replaced, captured, constants, inputs, tables)
+    return _Piece(concrete, graph_def, replaced, captured, constants, inputs, tables, shapes)
 
 
 def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
@@ -326,7 +328,7 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
                 piece.graph_def, input_map=input_map, return_elements=out_names + controls,
                 name=scope)
             outs, ops = returned[:len(out_names)], returned[len(out_names):]
-            _restore_shapes(graph, fg, piece.graph_def, scope)
+            _restore_shapes(graph, fg, piece, scope)
             with tf.control_dependencies([t.op for t in outs] + ops):
                 run = tf.no_op(name=f"{scope}_run" if scope else "parallax_step")
             tensors = iter(t.name for t in outs)      # fn's, in order (None: no output)
@@ -346,28 +348,35 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
                            for k, name in enumerate(parts)})
 
 
-def _restore_shapes(graph, traced, graph_def, scope: str) -> None:
+def _restore_shapes(graph, traced, piece: _Piece, scope: str) -> None:
     """The traced shapes of imported outputs whose rank shape inference
     does not find again: a GraphDef keeps only what it finds, not what
     Python code set (`set_shape`: a table lookup's, a numpy_function's),
     and a fetch of unknown rank would be taken for a batch
-    (runtime/fetches.py). An output of known rank keeps its own: the row
-    rewrites (row_updates.py) keep names but not the whole table's shape."""
+    (runtime/fetches.py); nor, in a lowered loop, any shape after its
+    Merge ops (inlining.body_shapes, loop_shapes: without them a batch's
+    statistic in a TF2 step's loop had no rank, and went unnamed). An
+    output of known rank keeps its own: the row rewrites (row_updates.py)
+    keep names but not the whole table's shape."""
     prefix = f"{scope}/" if scope else ""
-    for node in graph_def.node:
+    for node in piece.graph_def.node:
         try:
-            old = traced.get_operation_by_name(node.name)
             new = graph.get_operation_by_name(prefix + node.name)
+            old = traced.get_operation_by_name(node.name)
+            kind, shapes = old.type, [t.shape for t in old.outputs]
         except KeyError:
+            if node.name not in piece.shapes:
+                continue
+            kind, shapes = piece.shapes[node.name]
+        if kind != new.type:
             continue
-        if old.type != new.type:
-            continue
-        for a, b in zip(new.outputs, old.outputs):
-            if a.shape.rank is None and b.shape.rank is not None:
+        for a, b in zip(new.outputs, shapes):
+            if a.shape.rank is None and b.rank is not None:
                 try:
-                    a.set_shape(b.shape)
+                    a.set_shape(b)
                 except ValueError:          # not the traced op's shape after all
                     pass
+    inlining.loop_shapes(graph)
 
 
 def _placeholders(piece: _Piece, first: int) -> list:
