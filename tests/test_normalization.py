@@ -334,11 +334,15 @@ def test_a_fused_kernel_under_a_training_tensor_is_synchronized(control_flow, ca
     assert np.isfinite(frozen)
 
 
-def test_statistics_replicas_could_skip_are_named_not_exchanged(capsys):
+@pytest.mark.parametrize("synchronized", [True, False])
+def test_statistics_replicas_could_skip_are_named_not_exchanged(synchronized, capsys):
     """A fused kernel inside a v1 while loop, and a script's own moments
     inside a v1 tf.cond on the data's mean (a replica could skip what the
     others exchange, and leave them waiting) stay per replica, and the
-    lines say so, the fused one with the way out; the step runs."""
+    lines say so, the fused one with the way out; the step runs. With
+    the default batch_norm too, the moments' line says that synchronized
+    would not reach them (before, it said it would make them the global
+    batch's)."""
     from test_branches import lowered_conds
     g = tf.Graph()
     with g.as_default(), lowered_conds():
@@ -357,14 +361,20 @@ def test_statistics_replicas_could_skip_are_named_not_exchanged(capsys):
         h = tf1.cond(tf.reduce_mean(x) > 0, normalized, lambda: h)
         train = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(tf.square(h)))
         init = tf1.global_variables_initializer()
-    with pn.get_runner(g, local(2), {"batch_norm": "synchronized"}) as runner:
+    config = {"batch_norm": "synchronized"} if synchronized else {}
+    with pn.get_runner(g, local(2), config) as runner:
         runner.run(init)
         runner.run(train, {x: np.ones((4, 4, 4, 2), np.float32)})
     said = capsys.readouterr().err
-    assert "fused batch normalization ['while/FusedBatchNormV3'] normalizes each replica's " \
-        "rows by their own mean and variance, batch_norm: synchronized notwithstanding: it " \
-        "runs inside a while loop" in said, said
-    assert "fused=False makes it the global batch's" in said
+    if synchronized:
+        assert "fused batch normalization ['while/FusedBatchNormV3'] normalizes each " \
+            "replica's rows by their own mean and variance, batch_norm: synchronized " \
+            "notwithstanding: it runs inside a while loop" in said, said
+        assert "fused=False makes it the global batch's" in said
+    else:
+        assert "batch normalization ['while/FusedBatchNormV3'] normalizes each replica's " \
+            "rows by their own mean and variance (batch_norm: per_replica, the default)" \
+            in said, said
     assert "['cond/own'] normalizes each replica's rows by their own mean and variance, " \
         "batch_norm: synchronized notwithstanding: its statistics are computed inside a " \
         "while loop or a tf.cond whose predicate each replica computes from its own data" \

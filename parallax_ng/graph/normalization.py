@@ -213,21 +213,22 @@ def lines(moments: list[Moments], fused: list[str], synchronized: bool,
            "so training is close to one device's with the global batch, not equal; "
            "tf.nn.moments (with batch_norm: synchronized) makes such statistics the global "
            "batch's"] * bool(other)
-    if not synchronized:
-        layers = _named({m.layer for m in moments} | set(fused))
+    branched = [f"batch normalization {_named({m.layer for m in moments if m.branched})} "
+                f"{said}, batch_norm: synchronized notwithstanding: its statistics are "
+                "computed inside a while loop or a tf.cond whose predicate each replica "
+                "computes from its own data, whose exchange would wait on replicas that skip "
+                "it"] * any(m.branched for m in moments)
+    if not synchronized:        # (the branched ones: synchronized does not reach them)
+        layers = _named({m.layer for m in moments if not m.branched} | set(fused))
         return [f"batch normalization {layers} {said} (batch_norm: per_replica, the default): "
                 "training is close to one device's with the global batch, not equal; "
                 "batch_norm: synchronized makes the statistics the global batch's"] * bool(
-                    layers) + out
+                    layers) + branched + out
     if unknown := _named({m.layer for m in moments if not m.complete() and not m.branched}):
         out.append(f"batch normalization {unknown} {said}, batch_norm: synchronized "
                    "notwithstanding: the gradient of its statistics is not one the autodiff "
                    "makes of tf.nn.moments' ops")
-    if branched := _named({m.layer for m in moments if m.branched}):
-        out.append(f"batch normalization {branched} {said}, batch_norm: synchronized "
-                   "notwithstanding: its statistics are computed inside a while loop or a "
-                   "tf.cond whose predicate each replica computes from its own data, whose "
-                   "exchange would wait on replicas that skip it")
+    out += branched
     if fused:
         out.append(f"fused batch normalization {_named(fused)} {said}, batch_norm: "
                    "synchronized notwithstanding: it runs inside a while loop or a function "
