@@ -340,9 +340,9 @@ def test_statistics_replicas_could_skip_are_named_not_exchanged(synchronized, ca
     inside a v1 tf.cond on the data's mean (a replica could skip what the
     others exchange, and leave them waiting) stay per replica, and the
     lines say so, the fused one with the way out; the step runs. With
-    the default batch_norm too, the moments' line says that synchronized
-    would not reach them (before, it said it would make them the global
-    batch's)."""
+    the default batch_norm too, both lines say that synchronized would
+    not reach them (before, the default's line said it would make them
+    the global batch's)."""
     from test_branches import lowered_conds
     g = tf.Graph()
     with g.as_default(), lowered_conds():
@@ -366,15 +366,11 @@ def test_statistics_replicas_could_skip_are_named_not_exchanged(synchronized, ca
         runner.run(init)
         runner.run(train, {x: np.ones((4, 4, 4, 2), np.float32)})
     said = capsys.readouterr().err
-    if synchronized:
-        assert "fused batch normalization ['while/FusedBatchNormV3'] normalizes each " \
-            "replica's rows by their own mean and variance, batch_norm: synchronized " \
-            "notwithstanding: it runs inside a while loop" in said, said
-        assert "fused=False makes it the global batch's" in said
-    else:
-        assert "batch normalization ['while/FusedBatchNormV3'] normalizes each replica's " \
-            "rows by their own mean and variance (batch_norm: per_replica, the default)" \
-            in said, said
+    assert "fused batch normalization ['while/FusedBatchNormV3'] normalizes each " \
+        "replica's rows by their own mean and variance, batch_norm: synchronized " \
+        "notwithstanding: it runs inside a while loop" in said, said
+    assert "fused=False makes it the global batch's" in said
+    assert "(batch_norm: per_replica, the default)" not in said, said
     assert "['cond/own'] normalizes each replica's rows by their own mean and variance, " \
         "batch_norm: synchronized notwithstanding: its statistics are computed inside a " \
         "while loop or a tf.cond whose predicate each replica computes from its own data" \

@@ -107,7 +107,7 @@ def planned(tg, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
     if not synchronized:        # the data's own moments (inputs standardized): exchanged
         data = [m for m in moments if not m.branched and _of_data(m.mean) and _of_data(m.variance)]
         moments = [m for m in moments if m not in data]
-    return tuple(lines(moments, fused, synchronized, other)), \
+    return tuple(lines(moments, fused, synchronized, other, looped)), \
         tuple(points(moments if synchronized else data))
 
 
@@ -202,11 +202,12 @@ def points(moments: list[Moments]) -> list[tuple[str, bool]]:
 
 
 def lines(moments: list[Moments], fused: list[str], synchronized: bool,
-          other=()) -> list[str]:
+          other=(), looped=frozenset()) -> list[str]:
     """The plan's lines on batch normalization that is not the global
     batch's (one device's): all of it by default, what `synchronized`
-    cannot reach with it; and `other` means over the batch applied to its
-    rows, which neither exchanges."""
+    cannot reach with it (by default too: in a loop, `looped`, or a
+    function); and `other` means over the batch applied to its rows, which
+    neither exchanges."""
     said = "normalizes each replica's rows by their own mean and variance"
     out = [f"statistics over the batch's axis {_named(other)} are applied to the batch's "
            "rows (a normalization of the program's own): each replica takes its own rows', "
@@ -218,8 +219,13 @@ def lines(moments: list[Moments], fused: list[str], synchronized: bool,
                 "computed inside a while loop or a tf.cond whose predicate each replica "
                 "computes from its own data, whose exchange would wait on replicas that skip "
                 "it"] * any(m.branched for m in moments)
-    if not synchronized:        # (the branched ones: synchronized does not reach them)
-        layers = _named({m.layer for m in moments if not m.branched} | set(fused))
+    kept = [f for f in fused if synchronized or f in looped or ":" in f]
+    branched += [f"fused batch normalization {_named(kept)} {said}, batch_norm: synchronized "
+                 "notwithstanding: it runs inside a while loop or a function other than a "
+                 "tf.cond's branch, or ops other than its one gradient read what it keeps for "
+                 "it (fused=False makes it the global batch's)"] * bool(kept)
+    if not synchronized:        # (the branched and kept: synchronized does not reach them)
+        layers = _named({m.layer for m in moments if not m.branched} | set(fused) - set(kept))
         return [f"batch normalization {layers} {said} (batch_norm: per_replica, the default): "
                 "training is close to one device's with the global batch, not equal; "
                 "batch_norm: synchronized makes the statistics the global batch's"] * bool(
@@ -228,13 +234,7 @@ def lines(moments: list[Moments], fused: list[str], synchronized: bool,
         out.append(f"batch normalization {unknown} {said}, batch_norm: synchronized "
                    "notwithstanding: the gradient of its statistics is not one the autodiff "
                    "makes of tf.nn.moments' ops")
-    out += branched
-    if fused:
-        out.append(f"fused batch normalization {_named(fused)} {said}, batch_norm: "
-                   "synchronized notwithstanding: it runs inside a while loop or a function "
-                   "other than a tf.cond's branch, or ops other than its one gradient read "
-                   "what it keeps for it (fused=False makes it the global batch's)")
-    return out
+    return out + branched
 
 
 def _called(graph_def) -> dict:
