@@ -86,3 +86,46 @@ def test_an_update_inside_a_while_loop_is_refused(v1):
         "trainable variable 'w' is written inside op 'while' .*loop in Python"
     with pytest.raises(pn.GraphError, match=said):
         pn.get_runner(g, {"hosts": [{"devices": ["cpu:0", "cpu:1"]}]})
+
+
+@pytest.mark.parametrize("state", ["counter", "trainable"])
+def test_state_written_in_a_tf2_steps_loop_is_state_not_an_update(state):
+    """A variable without a gradient that the step assigns in a loop is
+    state, though tf.Variable makes it trainable: a counter the loop adds
+    to runs and equals one device (9 after 3 steps of 3 turns); a value
+    from the batch's sum is named in a warning (each replica keeps its
+    own, as in a v1 loop). Before, both were refused as an update whose
+    gradients could not be aggregated."""
+    from models import local
+
+    def make():
+        w = tf.Variable(tf.ones((3, 1)))
+        c = tf.Variable(0) if state == "counter" else tf.Variable(0.0)
+
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((x @ w - y) ** 2)
+            w.assign_sub(0.1 * tape.gradient(loss, w))
+            for _ in tf.range(3):
+                if state == "counter":
+                    c.assign_add(1)
+                else:
+                    c.assign(0.5 * c + tf.reduce_sum(x))
+            return loss
+        return w, c, step
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(3, 8, 3)).astype(np.float32), rng.normal(size=(3, 8, 1)).astype(
+        np.float32)
+    (w1, c1, parallel), (w2, c2, single) = make(), make()
+    if state == "trainable":
+        with pytest.warns(UserWarning, match=r"variables \['Variable_\d+'\] are written inside "
+                          r"a tf.while_loop's body"):
+            pn.function(parallel, local(2))(x[0], y[0])
+        return
+    step, ref = pn.function(parallel, local(2)), tf.function(single)
+    for k in range(3):
+        step(x[k], y[k])
+        ref(x[k], y[k])
+    step.sync()
+    assert c1.numpy() == c2.numpy() == 9
+    np.testing.assert_allclose(w1.numpy(), w2.numpy(), atol=1e-6, rtol=0)

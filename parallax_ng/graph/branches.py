@@ -251,11 +251,18 @@ def writes(library: dict, name: str, arg: int, depth: int = 0) -> bool:
 
 def _updates_in_loops(tg) -> None:
     """A GraphError if a trained variable is updated, or its gradient taken,
-    inside a while loop (there, it cannot be aggregated: the step would hang)."""
+    inside a while loop (there, it cannot be aggregated: the step would
+    hang). A variable without a gradient that only assignments write is
+    state, trainable or not (a tf.Variable's default; a counter): its
+    writes in a loop are state_sync's (the same on every replica, or named
+    in a warning)."""
     entered = any(n.op in ("Enter", "RefEnter") for n in tg.ir.nodes)
     loops = randomness.in_loops(tg.ir) if entered else ()
     for var in sorted(tg.trainable):
         grad = tg.gradients.get(var)
+        if grad is None and all(tg.ir.node(w).op in rules.STATE_SYNC_REDUCTION
+                                for w in tg.writers.get(var, ())):
+            continue
         for w in [*tg.writers.get(var, ()), *([grad.values.node] if grad else [])]:
             if w in loops and tg.ir.node(w).op not in ("Exit", "RefExit"):
                 raise GraphError(
