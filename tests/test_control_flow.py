@@ -129,3 +129,48 @@ def test_state_written_in_a_tf2_steps_loop_is_state_not_an_update(state):
     step.sync()
     assert c1.numpy() == c2.numpy() == 9
     np.testing.assert_allclose(w1.numpy(), w2.numpy(), atol=1e-6, rtol=0)
+
+
+def test_a_counter_in_a_tf1_graphs_functional_loop_is_state():
+    """A TF1 graph of TF2 behavior: a tf.compat.v1.while_loop is a
+    functional While, which no pass opens. A trainable resource variable
+    that its body only adds to (a counter) is state: it runs, and equals
+    one device (6 after 2 steps of 3 turns); an update there is still
+    refused (test_an_update_inside_a_while_loop_is_refused). Before, the
+    counter was refused as an update."""
+    from models import local
+
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            x = tf1.placeholder(tf.float32, [None, 3], name="x")
+            w = tf1.get_variable("w", [3, 1], use_resource=True,
+                                 initializer=tf1.ones_initializer())
+            turns = tf1.get_variable("turns", [], use_resource=True,
+                                     initializer=tf1.zeros_initializer())
+
+            def body(i):
+                with tf.control_dependencies([turns.assign_add(1.0)]):
+                    return i + 1
+            done = tf1.while_loop(lambda i: i < 3, body, [tf.constant(0)])
+            loss = tf.reduce_mean(tf.square(tf.matmul(x, w)))
+            with tf.control_dependencies([done]):
+                tf1.train.GradientDescentOptimizer(0.1).minimize(loss, name="train")
+        return g
+    data = np.random.default_rng(0).normal(size=(2, 8, 3)).astype(np.float32)
+    g = build()
+    assert any(op.type in ("While", "StatelessWhile") for op in g.get_operations())
+    with tf1.Session(graph=g) as sess:
+        sess.run(tf1.global_variables_initializer())
+        for batch in data:
+            sess.run("train", {"x:0": batch})
+        want = sess.run(["w/Read/ReadVariableOp:0", "turns/Read/ReadVariableOp:0"])
+    g = build()
+    with pn.get_runner(g, local(2)) as runner:
+        runner.run([v.initializer for v in g.get_collection("variables")])
+        for batch in data:
+            runner.run("train", {"x:0": batch})
+        got = runner.run([g.get_tensor_by_name("w/Read/ReadVariableOp:0"),
+                          g.get_tensor_by_name("turns/Read/ReadVariableOp:0")])
+    assert want[1] == got[1] == 6.0
+    np.testing.assert_allclose(got[0], want[0], atol=1e-6, rtol=0)

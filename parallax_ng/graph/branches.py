@@ -220,9 +220,11 @@ def functions(attr) -> list[str]:
     return names
 
 
-def writes(library: dict, name: str, arg: int, depth: int = 0) -> bool:
+def writes(library: dict, name: str, arg: int, depth: int = 0,
+           writer=rules.is_writer) -> bool:
     """Whether function `name` writes the handle it takes as argument `arg`
-    (through Identity ops and the functions it calls in turn)."""
+    (through Identity ops and the functions it calls in turn) by an op
+    whose type `writer` accepts."""
     f = library.get(name)
     if f is None or arg >= len(f.signature.input_arg) or depth > 20:
         return False
@@ -240,13 +242,25 @@ def writes(library: dict, name: str, arg: int, depth: int = 0) -> bool:
               and i.split(":")[0] in handles]
         if not at:
             continue
-        if rules.is_writer(nd.op):
+        if writer(nd.op):
             return True
         skip = FUNCTIONAL.get(nd.op)
-        if skip is not None and any(writes(library, g, k - skip, depth + 1)
+        if skip is not None and any(writes(library, g, k - skip, depth + 1, writer)
                                     for k in at if k >= skip for g in functions(nd.attr)):
             return True
     return False
+
+
+def _updated_in(tg, var: str, op: str) -> bool:
+    """Whether functional op `op`'s functions write variable `var` by an
+    op other than an assignment (an optimizer's update)."""
+    library = {f.signature.name: f for f in tg.ir.library.function}
+    node, skip = tg.ir.node(op), FUNCTIONAL[tg.ir.node(op).op]
+    return any(writes(library, f, pos - skip, 0, lambda kind: rules.is_writer(kind) and
+                      kind not in rules.STATE_SYNC_REDUCTION)
+               for pos, ref in enumerate(tg.ir.data_inputs(op))
+               if pos >= skip and tg.variable_of_handle(ref) == var
+               for f in functions(node.attr))
 
 
 def _updates_in_loops(tg) -> None:
@@ -273,12 +287,13 @@ def _updates_in_loops(tg) -> None:
 
 
 def _updates_in_functions(tg) -> None:
-    """A GraphError if a trainable variable is written inside a functional
-    op's function (an optimizer's update in a tf.while_loop or a
-    tf.function call built with TF2 behavior; graph/cond_lowering.py lowers an
-    If that writes), where its gradient cannot be aggregated."""
-    for var, op in tg.function_writes:
-        if tg.variables[var].trainable:
+    """A GraphError if a trainable variable (but state: `_updates_in_loops`)
+    is written inside a functional op's function (an optimizer's update in
+    a tf.while_loop or a tf.function call built with TF2 behavior;
+    graph/cond_lowering.py lowers an If that writes), where its gradient
+    cannot be aggregated."""
+    for var, op in tg.function_writes:      # (assigned alone, no gradient: state)
+        if tg.variables[var].trainable and (var in tg.gradients or _updated_in(tg, var, op)):
             kind = tg.ir.node(op).op
             fix = ("loop in Python, or apply the gradients outside the loop" if "While" in kind
                    else "apply the gradients outside it")
