@@ -242,12 +242,14 @@ def _piece(concrete, targets=()) -> _Piece:
          if internal.dtype == tf.resource} - set(by_handle)))
     graph_def = inlining.inlined(concrete, list(targets) + [
         name for names, *_ in getattr(targets, "of_inputs", ()) for name in names])
-    shapes = inlining.body_shapes(graph_def)
+    shapes, before = inlining.body_shapes(graph_def), _as_written(graph_def)
     variables = {internal.op.name: by_handle[id(external)]
                  for external, internal in fg.captures if id(external) in by_handle}
     row_updates(graph_def, variables)
     row_divisions(graph_def, variables)
     graph_def, replaced = row_reads(graph_def)
+    after = _as_written(graph_def)      # a body's node the row rewrites changed: not its shape
+    shapes = {name: s for name, s in shapes.items() if before[name] == after.get(name)}
     captured, constants, tables = {}, {}, {}
     for external, internal in fg.captures:
         if internal.dtype != tf.resource:
@@ -274,6 +276,10 @@ def _piece(concrete, targets=()) -> _Piece:
         if "_class" in node.attr:
             del node.attr["_class"]
     return _Piece(concrete, graph_def, replaced, captured, constants, inputs, tables, shapes)
+
+
+def _as_written(graph_def) -> dict:
+    return {n.name: n.SerializeToString(deterministic=True) for n in graph_def.node}
 
 
 def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
@@ -362,12 +368,13 @@ def _restore_shapes(graph, traced, piece: _Piece, scope: str) -> None:
     for node in piece.graph_def.node:
         try:
             new = graph.get_operation_by_name(prefix + node.name)
+        except KeyError:
+            continue
+        try:
             old = traced.get_operation_by_name(node.name)
             kind, shapes = old.type, [t.shape for t in old.outputs]
-        except KeyError:
-            if node.name not in piece.shapes:
-                continue
-            kind, shapes = piece.shapes[node.name]
+        except KeyError:        # (an op of a function's body)
+            kind, shapes = piece.shapes.get(node.name, (None, ()))
         if kind != new.type:
             continue
         for a, b in zip(new.outputs, shapes):
