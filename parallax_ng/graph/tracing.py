@@ -242,13 +242,14 @@ def _piece(concrete, targets=()) -> _Piece:
          if internal.dtype == tf.resource} - set(by_handle)))
     graph_def = inlining.inlined(concrete, list(targets) + [
         name for names, *_ in getattr(targets, "of_inputs", ()) for name in names])
-    shapes, before = inlining.body_shapes(graph_def), _as_written(graph_def)
+    shapes = inlining.body_shapes(graph_def)
+    before = _as_written(graph_def, shapes)
     variables = {internal.op.name: by_handle[id(external)]
                  for external, internal in fg.captures if id(external) in by_handle}
     row_updates(graph_def, variables)
     row_divisions(graph_def, variables)
     graph_def, replaced = row_reads(graph_def)
-    after = _as_written(graph_def)      # a body's node the row rewrites changed: not its shape
+    after = _as_written(graph_def, shapes)  # a body's node the row rewrites changed: not its shape
     shapes = {name: s for name, s in shapes.items() if before[name] == after.get(name)}
     captured, constants, tables = {}, {}, {}
     for external, internal in fg.captures:
@@ -278,8 +279,9 @@ def _piece(concrete, targets=()) -> _Piece:
     return _Piece(concrete, graph_def, replaced, captured, constants, inputs, tables, shapes)
 
 
-def _as_written(graph_def) -> dict:
-    return {n.name: n.SerializeToString(deterministic=True) for n in graph_def.node}
+def _as_written(graph_def, names) -> dict:
+    return {n.name: n.SerializeToString(deterministic=True) for n in graph_def.node
+            if n.name in names}
 
 
 def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
@@ -341,6 +343,7 @@ def _rebuild(pieces: list, owners: dict, parts: list) -> Captured:
             runs.append((tf.nest.map_structure(lambda t: None if t is None else next(tensors),
                                                piece.concrete.structured_outputs)[0],
                          run.name))
+        inlining.loop_shapes(graph)     # (every piece's loops, once)
         if tables:
             init = tf.group(tf.compat.v1.variables_initializer(list(made.values())),
                             *(fill for _, fill in tables.values()), name="parallax_init")
@@ -383,7 +386,6 @@ def _restore_shapes(graph, traced, piece: _Piece, scope: str) -> None:
                     a.set_shape(b)
                 except ValueError:          # not the traced op's shape after all
                     pass
-    inlining.loop_shapes(graph)
 
 
 def _placeholders(piece: _Piece, first: int) -> list:
