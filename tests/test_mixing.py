@@ -47,6 +47,12 @@ MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
     "balanced by bincount": (
         lambda x: tf.reduce_sum(per_example(x) / tf.cast(tf.gather(tf.math.bincount(
             labels(x), minlength=4), labels(x)), tf.float32)), "count of each value"),
+    # batch-hard triplet mining: distances of every example to every other
+    "pairwise distances": (lambda x: tf.reduce_mean(tf.reduce_max(tf.reduce_sum(tf.square(
+        scores(x)[:, None, :] - scores(x)[None, :, :]), -1), 1)), "broadcast pairs"),
+    "labels compared pairwise": (lambda x: tf.reduce_sum(per_example(x) * tf.reduce_sum(
+        tf.cast(tf.equal(labels(x)[None], labels(x)[:, None]), tf.float32), 0)),
+        "broadcast pairs"),
 }
 SEPARATE = {
     "dense classifier": lambda x: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
@@ -59,6 +65,11 @@ SEPARATE = {
     "unique labels, each its own": lambda x: tf.reduce_sum(per_example(x) * tf.cast(
         tf.gather(tf.unique(labels(x))[0], tf.unique(labels(x))[1]), tf.float32)),
     "scan over time": lambda x: tf.reduce_mean(tf.cumsum(x, 1)),
+    # broadcasting within an example: an outer product of its features, its
+    # time steps against each other, a time-major tensor and a row per example
+    "outer product per example": lambda x: tf.reduce_sum(x[:, 0, :, None] * x[:, 0, None, :]),
+    "time steps pairwise": lambda x: tf.reduce_sum(tf.abs(x[:, :, None] - x[:, None, :])),
+    "time-major plus a row": lambda x: tf.reduce_sum(tf.transpose(x, [1, 0, 2]) + x[:, 0]),
     "gram matrix of the batch": lambda x: tf.reduce_sum(tf.matmul(x[:, 0], x[:, 0],
                                                                   transpose_a=True)),
     "masked mean": lambda x: tf.reduce_sum(scores(x) * tf.cast(x[:, 0] > 0, tf.float32)) / (

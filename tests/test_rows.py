@@ -38,7 +38,9 @@ def test_axes_through_array_ops():
             rows_put: None, tf.tensor_scatter_nd_add(time_major, [[1, 0]], x[:1, 0]): None,
             time_major: 1, time_major[-1]: 0, time_major[2:]: 1, time_major[:, 2:]: None,
             x[:, -1]: 0,
-            x[..., 0]: None,        # an ellipsis first: not followed (no guess)
+            # new axes and ellipses where x's rank is known
+            x[..., 0]: 0, x[None]: 1, x[None, :, 1:]: 1, time_major[..., None, :]: 1,
+            x[None, 1:]: None, time_major[None, ..., 2]: 2,
             tf.unstack(x, axis=1)[0]: 0, tf.unstack(time_major)[3]: 0,
             tf.stack([x, x], axis=1): 0, tf.stack([x, x]): 1,
             flat: 0, per_row: 0, shaped: 0, tf.reshape(x, [7, -1]): None,

@@ -1,7 +1,8 @@
 """Ops that mix the batch's examples: a loss that compares its examples with
 each other (the hardest k of the batch, a softmax or a running sum along
 the batch's axis, a count of each label among the batch's examples, every
-example scored against every other as in-batch negatives are, a division
+example scored against every other as in-batch negatives are or compared
+with every other by broadcasting as a triplet loss's mining does, a division
 by a sum of the model's outputs over the batch as Dice losses divide) is
 computed by each replica over its own rows, and no rule for combining the
 replicas' gradients makes that one device's over the global batch.
@@ -82,6 +83,8 @@ def _mixes(op, rows, exchanged) -> str | None:
         return _pairs(op, rows)
     if kind == "Einsum":
         return _einsum_pairs(op, rows)
+    if kind in rules.ELEMENTWISE and len(op.inputs) >= 2 and _broadcast_pairs(op, rows):
+        return "every example compared with every other (broadcast pairs)"
     if kind in ("RealDiv", "Div", "DivNoNan") and len(op.inputs) == 2 and \
             op.inputs[1].name not in exchanged:
         return _ratio(op.inputs[1], rows)
@@ -204,6 +207,18 @@ def _pairs(op, rows) -> str | None:
     if rows.axis(left) == kept_left and rows.axis(right) == kept_right:
         return "every example scored against every other (in-batch pairs)"
     return None
+
+
+def _broadcast_pairs(op, rows) -> bool:
+    """An element-wise op whose inputs hold the batch's rows on different
+    axes of its output (`x[:, None] - x[None, :]`, labels compared pairwise
+    as a triplet loss's mining does): every example against every other."""
+    rank, axes = op.outputs[0].shape.rank, set()
+    for x in op.inputs:
+        a = rows.axis(x)
+        if a is not None and rank is not None and x.shape.rank is not None:
+            axes.add(a + rank - x.shape.rank)       # broadcast aligns the last axes
+    return len(axes) > 1
 
 
 def _einsum_pairs(op, rows) -> str | None:

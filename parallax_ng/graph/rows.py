@@ -68,6 +68,27 @@ _SPLITS = ("StringSplit", "StringSplitV2")    # strings split into a sparse batc
 _DEPTH = 20000      # recursion enough for a deep model's chain of ops
 
 
+def _slice_axis(a, rank, strides, begin, end, ellipsis, new, shrink) -> int | None:
+    """Where input axis `a` is in a strided slice's output: None if the slice
+    drops it or keeps only some of its entries (x[None, :, 1:] puts the
+    rows of x on axis 1)."""
+    at, out, spec = 0, 0, len(strides)
+    for i in range(spec):
+        if ellipsis >> i & 1:       # the dims no other entry names, kept whole
+            covered = rank - sum(1 for j in range(spec) if not (ellipsis | new) >> j & 1)
+            if at <= a < at + covered:
+                return out + a - at
+            at, out = at + covered, out + covered
+        elif new >> i & 1:
+            out += 1
+        elif at == a:
+            whole = (begin & end) >> i & 1 and strides[i] == 1 and not shrink >> i & 1
+            return out if whole else None
+        else:
+            at, out = at + 1, out + (0 if shrink >> i & 1 else 1)
+    return out + a - at         # dims past the spec, kept whole
+
+
 def _int(value) -> int:
     """A constant axis as an int (TensorFlow folds some to arrays of one)."""
     return int(np.ravel(value)[0])
@@ -351,18 +372,16 @@ class _Axes(Flow):
 
     def _sliced(self, op):
         strides = tf.get_static_value(op.inputs[3])
-        a = self.axis(op.inputs[0])
+        a, rank = self.axis(op.inputs[0]), op.inputs[0].shape.rank
         if a is None or strides is None:
             return None
-        whole = op.get_attr("begin_mask") & op.get_attr("end_mask")
-        shrink = op.get_attr("shrink_axis_mask")
-        if op.get_attr("ellipsis_mask") or op.get_attr("new_axis_mask"):
-            moved = (op.get_attr("ellipsis_mask") | op.get_attr("new_axis_mask") | shrink) & 1
-            return 0 if a == 0 and whole & 1 and not moved and len(strides) and \
+        masks = [op.get_attr(m) for m in ("begin_mask", "end_mask", "ellipsis_mask",
+                                          "new_axis_mask", "shrink_axis_mask")]
+        if rank is None and masks[2] | masks[3]:
+            moved = (masks[2] | masks[3] | masks[4]) & 1
+            return 0 if a == 0 and masks[0] & masks[1] & 1 and not moved and len(strides) and \
                 strides[0] == 1 else None           # x[:, ...]: every row kept
-        if a < len(strides) and (shrink >> a & 1 or not whole >> a & 1 or strides[a] != 1):
-            return None
-        return a - sum(shrink >> i & 1 for i in range(min(a, len(strides))))
+        return _slice_axis(a, rank, [int(v) for v in strides], *masks)
 
     def _reshaped(self, op, t):
         x = op.inputs[0]
