@@ -558,14 +558,14 @@ def _summed_in_a_loop():
 
 
 @pytest.mark.parametrize("column,kind", [(None, "batch"), (0, "batch"), (1, "unknown"),
-                                         ("cast", "unknown")])
+                                         ("cast", "unknown"), ("reversed", "unknown")])
 def test_a_dense_feed_made_sparse_in_the_graph_is_read_through_its_coordinates(column, kind):
     """ids [None, 3] fed dense and made a SparseTensor in the graph
     (`tf.sparse.from_dense`: coordinates by `tf.where`) into
     embedding_lookup_sparse: its combiner's rows are the coordinates'
     column 0, the rows of ids, a batch (before: "the graph does not show
     whether its first dimension is the batch"); segments from column 1
-    are not the rows."""
+    are not the rows, nor column 0 of the coordinates reversed."""
     g = tf.Graph()
     with g.as_default():
         ids = tf1.placeholder(tf.int64, [None, 3], name="ids")
@@ -574,7 +574,7 @@ def test_a_dense_feed_made_sparse_in_the_graph_is_read_through_its_coordinates(c
         sparse = tf.sparse.from_dense(ids)
         if column is not None:      # "cast": column 1 of the coordinates cast first
             at = tf.cast(sparse.indices, tf.int32)[:, 1] if column == "cast" else \
-                sparse.indices[:, column]
+                sparse.indices[:, ::-1][:, 0] if column == "reversed" else sparse.indices[:, column]
             rows = tf.math.segment_mean(tf.gather(emb, sparse.values), at)
         else:
             rows = tf1.nn.embedding_lookup_sparse(emb, sparse, None, combiner="sqrtn")

@@ -74,6 +74,9 @@ def test_axes_through_array_ops():
             tf.nn.sparse_softmax_cross_entropy_with_logits(tf.transpose(y), time_major): 1,
             tf.nn.softmax_cross_entropy_with_logits(tf.nn.softmax(time_major), time_major): 1,
             tf.nn.sparse_softmax_cross_entropy_with_logits(y, x): 0,
+            # a label per row, the logits of no shown rows (a model's own state)
+            tf.nn.sparse_softmax_cross_entropy_with_logits(y[:, 0], tf.ones((5, 3))): 0,
+            tf.nn.softmax_cross_entropy_with_logits(x[:, 0], tf.ones((1, 4))): 0,
             # the top k of a vector of the batch's values are k of its examples, not its rows
             tf.math.top_k(x[:, 0, 0], 2)[0]: None,
         })
@@ -107,6 +110,33 @@ def test_rows_behind_leading_ones_as_tf_keras_normalizes_layers():
         assert axis(tf.reshape(time_major, [1, tf.reduce_prod(shape[:2]), 4, 1])) is None
         assert axis(tf.reshape(x, [1, tf.reduce_prod(shape[:2]), 4, 1])) is None  # another's
         assert axis(tf.reshape(x, [1, tf.reduce_prod(tf.shape(x)[1:]), 1])) is None
+
+
+def test_rows_of_a_sparse_batch_through_sparse_layers():
+    """tf.nn.embedding_lookup_sparse (each combiner, weighted or not) and
+    tf.sparse.sparse_dense_matmul give a row per row of a fed
+    sparse_placeholder, or of a dense batch made sparse in the graph; of a
+    constant SparseTensor, or by another column of the coordinates, not
+    (before: unknown, so a wide model's mean loss printed "the graph does not
+    show whether the loss ... is a mean or a sum")."""
+    with tf.Graph().as_default():
+        ids = tf1.sparse_placeholder(tf.int64, name="ids")
+        weights = tf1.sparse_placeholder(tf.float32, name="weights")
+        y = tf1.placeholder(tf.int64, (None, 3), name="y")
+        table = tf.ones((30, 4))
+        made = tf.sparse.from_dense(y)
+        fixed = tf.SparseTensor([[0, 1], [2, 0]], tf.constant([3, 4], tf.int64), [5, 2])
+        flipped = tf.SparseTensor(made.indices[:, ::-1], made.values, made.dense_shape[::-1])
+        cases = {tf.sparse.sparse_dense_matmul(tf.cast(made, tf.float32), tf.ones((3, 2))): 0,
+                 tf1.nn.embedding_lookup_sparse(table, made, None): 0,
+                 tf1.nn.embedding_lookup_sparse(table, fixed, None): None,
+                 tf1.nn.embedding_lookup_sparse(table, flipped, None): None}
+        for combiner in ("sum", "mean", "sqrtn"):
+            for w in (None, weights):
+                cases[tf1.nn.embedding_lookup_sparse(table, ids, w, combiner=combiner)] = 0
+        for t, want in cases.items():
+            assert batch_axis(t, ["y", "ids/indices", "ids/values", "ids/shape",
+                                  "weights/values"]) == want, (t.name, want)
 
 
 def test_the_recursion_of_a_deep_chain_is_bounded():

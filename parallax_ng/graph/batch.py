@@ -38,7 +38,7 @@ from .. import compat
 from . import rules
 from .ir import TensorRef
 from .rows import reading
-from .rules import CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS
+from .rules import CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS, SPARSE_LAYERS
 from .shape_vectors import const, counted, leading, shape_head, shape_of
 from .tracing import INPUT
 
@@ -195,14 +195,6 @@ def _meet(graph: tf.Graph, mine, theirs, depth: int = 0) -> bool:
     return False
 
 
-# ops that give a row per row of a sparse batch: tf.sparse.sparse_dense_matmul,
-# tf.nn.embedding_lookup_sparse's combiners
-_SPARSE_LAYERS = frozenset({
-    "SparseTensorDenseMatMul", "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN",
-    "SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
-    "SparseSegmentSqrtNWithNumSegments", "SegmentSum", "SegmentMean"})
-
-
 def _where_rows(tg, name: str, first: dict) -> int | None:
     """The first dimension of the dense tensor x whose rows sparse layer
     `name` gives, where its rows are column 0 of `tf.where(x)` (a
@@ -211,10 +203,13 @@ def _where_rows(tg, name: str, first: dict) -> int | None:
         tg.ir.node(name).op, 2)     # the input that holds each value's row
     ins = tg.ir.data_inputs(name)
     ref = ins[at] if len(ins) > at else None
-    while ref is not None and tg.ir.node(ref.node).op in ("Cast", "Identity", "StridedSlice"):
-        if tg.ir.node(ref.node).op == "StridedSlice" and \
-                const(tg, tg.ir.data_inputs(ref.node)[1]) != [0, 0]:
-            return None       # another column of the coordinates, or not shown
+    column = False
+    while ref is not None and (tg.ir.node(ref.node).op in ("Cast", "Identity") or
+                               tg.ir.node(ref.node).op == "StridedSlice" and not column):
+        if tg.ir.node(ref.node).op == "StridedSlice":
+            if not rules.column_zero(tg.graph.get_operation_by_name(ref.node)):
+                return None       # another column of the coordinates, or not shown
+            column = True
         ref = tg.ir.data_inputs(ref.node)[0]
     if ref is None or tg.ir.node(ref.node).op != "Where":
         return None
@@ -228,7 +223,7 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
     carried = [(ref, d) for ref, d in ins if d is not None]
     op = tg.graph.get_operation_by_name(name)
     outs = [TensorRef(name, k) for k in range(len(op.outputs))]
-    if node.op in _SPARSE_LAYERS:     # a sparse batch's rows through a layer (fed as a
+    if node.op in SPARSE_LAYERS:     # a sparse batch's rows through a layer (fed as a
         rows = dims.new(fact="modeled")     # SparseTensorValue: split by rows), or a dense
         first[outs[0]] = dims.join([rows, _where_rows(tg, name, first)])  # tensor's made sparse
         return

@@ -20,8 +20,8 @@ import tensorflow as tf
 from .. import compat
 from .recorders import input_rows
 from .row_loops import PASS, Flow
-from .rules import (CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS, SHAPED, TRANSPOSED_CONVOLUTIONS,
-                    sparse_batch)
+from .rules import (CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS, SHAPED, SPARSE_LAYERS,
+                    TRANSPOSED_CONVOLUTIONS, slice_axis, sparse_batch, sparse_rows)
 
 
 def batch_rows(t: tf.Tensor, sources) -> bool:
@@ -66,27 +66,6 @@ _SCATTERS = {"TensorScatterAdd", "TensorScatterUpdate", "TensorScatterSub", "Ten
              "TensorScatterMin"}
 _SPLITS = ("StringSplit", "StringSplitV2")    # strings split into a sparse batch of words
 _DEPTH = 20000      # recursion enough for a deep model's chain of ops
-
-
-def _slice_axis(a, rank, strides, begin, end, ellipsis, new, shrink) -> int | None:
-    """Where input axis `a` is in a strided slice's output: None if the slice
-    drops it or keeps only some of its entries (x[None, :, 1:] puts the
-    rows of x on axis 1)."""
-    at, out, spec = 0, 0, len(strides)
-    for i in range(spec):
-        if ellipsis >> i & 1:       # the dims no other entry names, kept whole
-            covered = rank - sum(1 for j in range(spec) if not (ellipsis | new) >> j & 1)
-            if at <= a < at + covered:
-                return out + a - at
-            at, out = at + covered, out + covered
-        elif new >> i & 1:
-            out += 1
-        elif at == a:
-            whole = (begin & end) >> i & 1 and strides[i] == 1 and not shrink >> i & 1
-            return out if whole else None
-        else:
-            at, out = at + 1, out + (0 if shrink >> i & 1 else 1)
-    return out + a - at         # dims past the spec, kept whole
 
 
 def _int(value) -> int:
@@ -154,6 +133,8 @@ class _Axes(Flow):
             return caller.axis(outer)
         if (rank := t.shape.rank) == 0 or t.dtype in (tf.resource, tf.variant):
             return None
+        if kind in SPARSE_LAYERS:       # a row per row of a sparse batch
+            return 0 if sparse_rows(op, self.rows) else None
         if kind == "EditDistance":      # a distance per row of a sparse batch
             return 0 if any(sparse_batch(op.inputs[i]) for i in (2, 5)) else None
         if kind in CTC:     # a loss (a decoding's log probability) per sequence
@@ -164,7 +145,8 @@ class _Axes(Flow):
             return self.axis(op.inputs[0])      # y as x is laid out (NCHW: rows on C, per row)
         if kind in LOSSES or kind in _KEEP_FIRST and (t.value_index == 0 or kind == "TopKV2"):
             top = kind == "TopKV2" and op.inputs[0].shape.rank in (None, 1)   # k of the batch
-            return 0 if self.rows(op.inputs[0]) and not top else None   # a loss per example
+            mine = self.rows(op.inputs[0]) or kind in LOSSES and self.rows(op.inputs[1])
+            return 0 if mine and not top else None   # a loss per example (or per label)
         if kind in PASS:
             return self.axis(op.inputs[t.value_index if kind == "IdentityN" else 0])
         if kind in ("Merge", "RefMerge"):     # a loop's variable, a cond's result
@@ -381,7 +363,7 @@ class _Axes(Flow):
             moved = (masks[2] | masks[3] | masks[4]) & 1
             return 0 if a == 0 and masks[0] & masks[1] & 1 and not moved and len(strides) and \
                 strides[0] == 1 else None           # x[:, ...]: every row kept
-        return _slice_axis(a, rank, [int(v) for v in strides], *masks)
+        return slice_axis(a, rank, [int(v) for v in strides], *masks)
 
     def _reshaped(self, op, t):
         x = op.inputs[0]

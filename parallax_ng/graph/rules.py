@@ -1,4 +1,4 @@
-"""Rule tables keyed by op type.
+"""Rule tables keyed by op type, and where a batch's rows go through an op.
 
 Every op that takes a variable's resource handle must be known here as a
 reader, a writer or a handle pass-through; any other op on a variable is an
@@ -7,6 +7,8 @@ error that names it (a loud default, never a silent skip).
 from __future__ import annotations
 
 import re
+
+import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
@@ -298,3 +300,64 @@ def sparse_batch(shape) -> bool:
     while op.type in ("Identity", "Cast"):
         op = op.inputs[0].op
     return op.type in CTC or op.type == "Placeholder" and op.name.endswith("/shape")
+
+
+def slice_axis(a, rank, strides, begin, end, ellipsis, new, shrink) -> int | None:
+    """Where input axis `a` is in a strided slice's output: None if the slice
+    drops it or keeps only some of its entries (x[None, :, 1:] puts the
+    rows of x on axis 1)."""
+    at, out, spec = 0, 0, len(strides)
+    for i in range(spec):
+        if ellipsis >> i & 1:       # the dims no other entry names, kept whole
+            covered = rank - sum(1 for j in range(spec) if not (ellipsis | new) >> j & 1)
+            if at <= a < at + covered:
+                return out + a - at
+            at, out = at + covered, out + covered
+        elif new >> i & 1:
+            out += 1
+        elif at == a:
+            whole = (begin & end) >> i & 1 and strides[i] == 1 and not shrink >> i & 1
+            return out if whole else None
+        else:
+            at, out = at + 1, out + (0 if shrink >> i & 1 else 1)
+    return out + a - at         # dims past the spec, kept whole
+
+
+# ops that give a row per row of a sparse batch: tf.sparse.sparse_dense_matmul,
+# tf.nn.embedding_lookup_sparse's combiners
+SPARSE_LAYERS = frozenset({
+    "SparseTensorDenseMatMul", "SparseSegmentSum", "SparseSegmentMean", "SparseSegmentSqrtN",
+    "SparseSegmentSumWithNumSegments", "SparseSegmentMeanWithNumSegments",
+    "SparseSegmentSqrtNWithNumSegments", "SegmentSum", "SegmentMean"})
+
+
+def column_zero(op) -> bool:
+    """Whether StridedSlice `op` is `x[:, 0]` (a SparseTensor's rows, the
+    first column of its coordinates)."""
+    begin, strides = (tf.get_static_value(op.inputs[i]) for i in (1, 3))
+    return begin is not None and strides is not None and list(begin) == [0, 0] and \
+        list(strides) == [1, 1] and op.get_attr("shrink_axis_mask") == 2 and \
+        not op.get_attr("ellipsis_mask") | op.get_attr("new_axis_mask")
+
+
+def sparse_rows(op, rows) -> bool:
+    """Whether sparse layer `op` gives a row per row of a batch: its values'
+    rows are column 0 of a sparse_placeholder's indices, or of `tf.where(x)`
+    where `rows(x)` (x's first dimension is the batch's)."""
+    at = {"SparseTensorDenseMatMul": 0, "SegmentSum": 1, "SegmentMean": 1}.get(op.type, 2)
+    x, column = op.inputs[at], False
+    while x.op.type in ("Cast", "Identity") or x.op.type == "StridedSlice" and not column:
+        if x.op.type == "StridedSlice":
+            if not column_zero(x.op):
+                return False        # another column of the coordinates, or not shown
+            column = True
+        x = x.op.inputs[0]
+    if x.op.type == "Where":
+        return rows(x.op.inputs[0])
+    head = x.op.name.removesuffix("/indices")
+    if x.op.type != "Placeholder" or head == x.op.name:
+        return False
+    try:
+        return sparse_batch(x.graph.get_tensor_by_name(head + "/shape:0"))
+    except KeyError:
+        return False
