@@ -232,6 +232,25 @@ def test_a_fixed_batch_fed_whole_warns_once_naming_the_placeholder():
         assert [p.shape for p in per] == [(4, 1), (4, 1)]
 
 
+def test_a_time_major_placeholder_fed_whole_is_told_to_feed_batch_major():
+    """A placeholder [time, None, features] (time-major data): its first
+    dimension is fixed and its feed goes whole to every replica; the
+    warning says to feed it batch-major, since feeds split along their
+    first dimension."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [3, None, 2], name="x")
+        w = tf1.get_variable("w", initializer=np.ones([2, 1], np.float32))
+        loss = tf.reduce_mean(tf.square(tf.einsum("tbd,de->tbe", x, w)))
+        tf1.train.GradientDescentOptimizer(0.01).minimize(loss, name="train")
+        init = tf1.global_variables_initializer()
+    with pn.get_runner(g, local(2)) as runner:
+        runner.run(init)
+        with pytest.warns(UserWarning, match="fixed batch dimension of 3.*If its axis 1 is the "
+                                             "batch \\(time-major data\\), feed it batch-major"):
+            runner.run("train", {"x:0": np.ones([3, 4, 2], np.float32)})
+
+
 def test_n_times_a_fixed_batch_is_split_and_equals_one_device():
     """A feed of N times a fixed leading dimension is the replicas' global
     batch (e.g. an RNN state fetched concatenated and fed back): split."""

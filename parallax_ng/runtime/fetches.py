@@ -33,10 +33,9 @@ from .copies import adopt, writes_apart
 
 
 class FetchMap:
-    """The user's fetch and feed keys as names of the user's graph; a step
-    graph's map (the replicas' below, layer-to-layer's in
-    parallax_ng/l2l/runner.py) says what to run for them (`fetch`), where
-    feeds go (`feeds`) and copies ops made after get_runner (`_adopt`)."""
+    """The user's fetch and feed keys as names of the user's graph; a step graph's map (the
+    replicas' below, layer-to-layer's in parallax_ng/l2l/runner.py) says what to run for
+    them (`fetch`), where feeds go (`feeds`) and copies ops made after get_runner (`_adopt`)."""
 
     def __init__(self, graph: tf.Graph, tg, config):
         self.graph, self.tg, self.config = graph, tg, config
@@ -356,11 +355,10 @@ class ReplicaFetchMap(FetchMap):
 
     def _sparse_feeds(self, feed_dict: dict, n: int) -> tuple[dict, dict]:
         """(the other feeds, the step graph's feeds of the sparse ones): a
-        SparseTensor key (a `sparse_placeholder`), or its three tensors fed
-        one by one, is a batch of rows, its first dimension the batch's: each
-        replica gets its rows' entries (row numbers from 0, dense shape
-        its rows), as one device would see its part; config
-        `batch_feeds: {NAME/indices: false}` gives it whole to every replica."""
+        SparseTensor key (a `sparse_placeholder`), or its three tensors fed one by one, is a
+        batch of rows: each replica gets its rows' entries (row numbers from 0, dense shape
+        its rows), as one device would see its part; config `batch_feeds: {NAME/indices:
+        false}` gives it whole to every replica."""
         triples = []
         for key in list(feed_dict):
             if isinstance(key, tf.SparseTensor):
@@ -409,9 +407,8 @@ class ReplicaFetchMap(FetchMap):
         return self._kinds.get(node, (batch.UNKNOWN, ""))[0]
 
     def _unsure(self, node: str, rows: int, op: str) -> None:
-        """Once per placeholder the graph does not show to be a batch: it is
-        split as one (a `[None, ...]` feed almost always is; whole, a batch
-        would count N times in state and not line up with split feeds)."""
+        """Once per placeholder the graph does not show to be a batch: it is split as one (a
+        `[None, ...]` feed almost always is; whole, a batch would count N times in state)."""
         if node in self._warned:
             return
         self._warned.add(node)
@@ -430,17 +427,20 @@ class ReplicaFetchMap(FetchMap):
     def _warn_whole_feed(self, name: str, tensor: tf.Tensor, rows: int) -> None:
         """Once per placeholder: a fixed batch dimension fed whole turns data
         parallelism off for it (every replica trains on the same rows)."""
-        if name in self._warned or tensor.op.type != "Placeholder":
+        if name in self._warned or tensor.op.type != "Placeholder" or \
+                tensor.op.name not in self._feeds_gradients:
             return
         self._warned.add(name)
-        n = self.plan.num_replicas
-        if tensor.op.name not in self._feeds_gradients:
-            return
+        n, shape = self.plan.num_replicas, tensor.shape
+        free = next((k for k in range(1, shape.rank) if compat.dim(shape, k) is None), None)
         warnings.warn(
             f"placeholder {name!r} has a fixed batch dimension of {rows}, and a feed of "
             f"{rows} rows goes whole to each of the {n} replicas, which then train on the "
-            f"same rows. Build it with shape [None, ...] to split feeds over the "
-            f"replicas, or feed {n * rows} rows ({rows} per replica)", stacklevel=5)
+            f"same rows. Build it with shape [None, ...] to split feeds over the replicas, "
+            f"or feed {n * rows} rows ({rows} per replica)" + ("" if free is None else
+            f". If its axis {free} is the batch (time-major data), feed it batch-major and "
+            "transpose it in the graph: feeds are split along their first dimension"),
+            stacklevel=5)
 
     @cached_property
     def _feeds_gradients(self) -> set[str]:
