@@ -50,6 +50,9 @@ MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
     # batch-hard triplet mining: distances of every example to every other
     "pairwise distances": (lambda x: tf.reduce_mean(tf.reduce_max(tf.reduce_sum(tf.square(
         scores(x)[:, None, :] - scores(x)[None, :, :]), -1), 1)), "broadcast pairs"),
+    "log-sum-exp over the batch": (lambda x: tf.reduce_logsumexp(per_example(x)), "log of a sum"),
+    "log of a sum by hand": (lambda x: -tf.reduce_sum(per_example(x)) + 8.0 * tf.math.log(
+        tf.reduce_sum(tf.exp(per_example(x)))), "log of a sum"),
     "labels compared pairwise": (lambda x: tf.reduce_sum(per_example(x) * tf.reduce_sum(
         tf.cast(tf.equal(labels(x)[None], labels(x)[:, None]), tf.float32), 0)),
         "broadcast pairs"),
@@ -69,6 +72,9 @@ SEPARATE = {
     # time steps against each other, a time-major tensor and a row per example
     "outer product per example": lambda x: tf.reduce_sum(x[:, 0, :, None] * x[:, 0, None, :]),
     "time steps pairwise": lambda x: tf.reduce_sum(tf.abs(x[:, :, None] - x[:, None, :])),
+    "log-sum-exp per example": lambda x: tf.reduce_mean(tf.reduce_logsumexp(x[:, 0], 1)),
+    "log of a sum over time": lambda x: tf.reduce_sum(tf.math.log(tf.reduce_sum(
+        tf.exp(x), 1))),
     "time-major plus a row": lambda x: tf.reduce_sum(tf.transpose(x, [1, 0, 2]) + x[:, 0]),
     "gram matrix of the batch": lambda x: tf.reduce_sum(tf.matmul(x[:, 0], x[:, 0],
                                                                   transpose_a=True)),

@@ -1,15 +1,15 @@
 """Ops that mix the batch's examples: a loss that compares its examples with
 each other (the hardest k of the batch, a softmax or a running sum along
-the batch's axis, a count of each label among the batch's examples, every
-example scored against every other as in-batch negatives are or compared
-with every other by broadcasting as a triplet loss's mining does, a division
-by a sum of the model's outputs over the batch as Dice losses divide) is
-computed by each replica over its own rows, and no rule for combining the
-replicas' gradients makes that one device's over the global batch.
-`mixing` finds the first such op between the data and a loss, for the
-warning graph/averaging.py gives. (Batch normalization's statistics,
-computed over each replica's rows, are the known case that docs/limits.md
-states; they are not flagged here.)
+the batch's axis, a log of a sum over it, a count of each label among the
+batch's examples, every example scored against every other as in-batch
+negatives are or compared with every other by broadcasting as a triplet
+loss's mining does, a division by a sum of the model's outputs over the
+batch as Dice losses divide) is computed by each replica over its own
+rows, and no rule for combining the replicas' gradients makes that one
+device's over the global batch. `mixing` finds the first such op between
+the data and a loss, for the warning graph/averaging.py gives. (Batch
+normalization's statistics, computed over each replica's rows, are the
+known case that docs/limits.md states; they are not flagged here.)
 
 Requires: a tf.Tensor of a graph and the names of its data sources.
 Guarantees: reads the graph only, through graph/rows.py's batch axes; None
@@ -88,7 +88,21 @@ def _mixes(op, rows, exchanged) -> str | None:
     if kind in ("RealDiv", "Div", "DivNoNan") and len(op.inputs) == 2 and \
             op.inputs[1].name not in exchanged:
         return _ratio(op.inputs[1], rows)
+    if kind in ("Log", "Log1p") and _summed(x, rows) and x.name not in exchanged:
+        return "a log of a sum over the batch's examples (a log-sum-exp across them)"
     return None
+
+
+def _summed(t, rows) -> bool:
+    """Whether `t` is a sum over the batch's axis (past an Identity): the
+    log of one (tf.reduce_logsumexp over the batch, a softmax's normalizer
+    written by hand) is not a sum of per-example terms."""
+    op = through(t.op)
+    if op.type != "Sum" or not op.inputs[0].shape.rank:
+        return False
+    axes, a = tf.get_static_value(op.inputs[1]), rows.axis(op.inputs[0])
+    return a is not None and axes is not None and \
+        a in {int(v) % op.inputs[0].shape.rank for v in np.atleast_1d(axes)}
 
 
 # ops not linear in their input: a custom gradient that applies one to the
