@@ -115,7 +115,8 @@ def test_rows_behind_leading_ones_as_tf_keras_normalizes_layers():
 def test_rows_of_a_sparse_batch_through_sparse_layers():
     """tf.nn.embedding_lookup_sparse (each combiner, weighted or not) and
     tf.sparse.sparse_dense_matmul give a row per row of a fed
-    sparse_placeholder, or of a dense batch made sparse in the graph; of a
+    sparse_placeholder (of a shape given in part too, as an edit distance
+    does), or of a dense batch made sparse in the graph; of a
     constant SparseTensor, or by another column of the coordinates, not
     (before: unknown, so a wide model's mean loss printed "the graph does not
     show whether the loss ... is a mean or a sum")."""
@@ -134,9 +135,15 @@ def test_rows_of_a_sparse_batch_through_sparse_layers():
         for combiner in ("sum", "mean", "sqrtn"):
             for w in (None, weights):
                 cases[tf1.nn.embedding_lookup_sparse(table, ids, w, combiner=combiner)] = 0
+        # a shape given in part (a traced step's SparseTensor argument) makes
+        # dense_shape a PlaceholderWithDefault
+        shaped = tf1.sparse_placeholder(tf.int64, [None, 5], name="shaped")
+        cases[tf1.nn.embedding_lookup_sparse(table, shaped, None)] = 0
+        cases[tf.edit_distance(shaped, shaped)] = 0
         for t, want in cases.items():
-            assert batch_axis(t, ["y", "ids/indices", "ids/values", "ids/shape",
-                                  "weights/values"]) == want, (t.name, want)
+            assert batch_axis(t, ["y", "ids/indices", "ids/values", "ids/shape", "weights/values",
+                                  "shaped/indices", "shaped/values", "shaped/shape"]) == want, \
+                (t.name, want)
 
 
 def test_the_recursion_of_a_deep_chain_is_bounded():

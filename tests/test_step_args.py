@@ -95,3 +95,50 @@ def test_padded_batches_of_several_lengths_equal_one_device_with_an_input_signat
     fixed(*batches[0])
     with pytest.raises(ConfigError, match="argument leaf 0 of the step has shape"):
         fixed(*batches[1])
+
+
+def _bag_model():
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+
+
+def _bag_step(model, optimizer, table):
+    """Ragged rows of ids, each row's embeddings averaged into a bag."""
+    def step(ids, y):
+        with tf.GradientTape() as tape:
+            bags = tf.reduce_mean(tf.gather(table, ids), axis=1)
+            loss = tf.reduce_mean(tf.square(model(bags)[:, 0] - y))
+        weights = model.trainable_variables + [table]
+        optimizer.apply_gradients(zip(tape.gradient(loss, weights), weights))
+        return loss
+    return step
+
+
+def test_a_ragged_batch_is_named_and_trains_exactly_passed_as_a_sparse_one(capsys):
+    """A tf.RaggedTensor argument is refused with what to pass instead; a
+    tf.SparseTensor made ragged in the step (tf.RaggedTensor.from_sparse)
+    equals one device given the ragged batch, 3 steps on 2 replicas, 1e-5,
+    with no line (its row lengths, a bincount of the rows' ids, count
+    entries per example, not values among the batch's examples)."""
+    keras.utils.set_random_seed(0)
+    tables = [tf.Variable(tf.random.normal([20, 4])) for _ in range(2)]
+    tables[1].assign(tables[0])
+    parallel, single = twins(_bag_model, lambda: keras.optimizers.Adam(0.05))
+    rng = np.random.RandomState(0)
+    batches = [(tf.ragged.constant([list(rng.randint(0, 20, rng.randint(1, 5)))
+                                    for _ in range(8)], dtype=tf.int64),
+                rng.randn(8).astype(np.float32)) for _ in range(3)]
+    with pytest.raises(pn.GraphError, match="is a RaggedTensor, not a tensor or array: pass it "
+                                            r"as a tf.SparseTensor \(x.to_sparse\(\)"):
+        pn.function(_bag_step(*parallel, tables[0]), local(2))(*batches[0])
+    step = _bag_step(*parallel, tables[0])
+    made_ragged = pn.function(lambda ids, y: step(tf.RaggedTensor.from_sparse(ids), y),
+                              local(2))
+    ref = tf.function(_bag_step(*single, tables[1]))
+    capsys.readouterr()
+    for ids, y in batches:
+        np.testing.assert_allclose(made_ragged(ids.to_sparse(), y), ref(ids, y).numpy(),
+                                   atol=1e-5, rtol=0)
+    made_ragged.sync()
+    check_equal(parallel, single)
+    np.testing.assert_allclose(tables[0].numpy(), tables[1].numpy(), atol=1e-5, rtol=0)
+    assert "parallax_ng:" not in capsys.readouterr().err

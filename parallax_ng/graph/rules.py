@@ -299,7 +299,8 @@ def sparse_batch(shape) -> bool:
     op = shape.op
     while op.type in ("Identity", "Cast"):
         op = op.inputs[0].op
-    return op.type in CTC or op.type == "Placeholder" and op.name.endswith("/shape")
+    return op.type in CTC or op.type in ("Placeholder", "PlaceholderWithDefault") and \
+        op.name.endswith("/shape")      # (with a shape given in part, one with a default)
 
 
 def slice_axis(a, rank, strides, begin, end, ellipsis, new, shrink) -> int | None:
@@ -342,20 +343,33 @@ def column_zero(op) -> bool:
 
 def sparse_rows(op, rows) -> bool:
     """Whether sparse layer `op` gives a row per row of a batch: its values'
-    rows are column 0 of a sparse_placeholder's indices, or of `tf.where(x)`
-    where `rows(x)` (x's first dimension is the batch's)."""
-    at = {"SparseTensorDenseMatMul": 0, "SegmentSum": 1, "SegmentMean": 1}.get(op.type, 2)
-    x, column = op.inputs[at], False
-    while x.op.type in ("Cast", "Identity") or x.op.type == "StridedSlice" and not column:
+    rows are a batch's row ids (`row_ids`), or its coordinates a batch's."""
+    if op.type == "SparseTensorDenseMatMul":        # the coordinates, rows in column 0
+        return row_ids(op.inputs[0], rows, column=True)
+    return row_ids(op.inputs[1 if op.type in ("SegmentSum", "SegmentMean") else 2], rows)
+
+
+def _vector_reshape(t) -> bool:
+    """A vector reshaped to a vector (tf.math.bincount's of its input)."""
+    return t.op.type == "Reshape" and t.shape.rank == 1 and t.op.inputs[0].shape.rank == 1
+
+
+def row_ids(x, rows, column: bool = False) -> bool:
+    """Whether `x` numbers each value of a SparseTensor by its row, a row
+    of a batch: column 0 of a sparse_placeholder's indices, or of
+    `tf.where(d)` where `rows(d)` (d's first dimension is the batch's).
+    `column`: x is the coordinates themselves."""
+    while x.op.type in ("Cast", "Identity") or _vector_reshape(x) or \
+            x.op.type == "StridedSlice" and not column:
         if x.op.type == "StridedSlice":
             if not column_zero(x.op):
                 return False        # another column of the coordinates, or not shown
             column = True
         x = x.op.inputs[0]
     if x.op.type == "Where":
-        return rows(x.op.inputs[0])
+        return column and rows(x.op.inputs[0])
     head = x.op.name.removesuffix("/indices")
-    if x.op.type != "Placeholder" or head == x.op.name:
+    if not column or x.op.type != "Placeholder" or head == x.op.name:
         return False
     try:
         return sparse_batch(x.graph.get_tensor_by_name(head + "/shape:0"))

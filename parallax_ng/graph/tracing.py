@@ -208,7 +208,10 @@ def _spec(value, i: int, opened=None):
                          "tensor or array" + (
                              ": a step takes one global batch; iterate outside it and pass "
                              "the batch (for x, y in dataset: step(x, y))" if data else
-                             f": {e}")) from None
+                             ": pass it as a tf.SparseTensor (x.to_sparse(); each replica gets "
+                             "its rows) and make it ragged in the step "
+                             "(tf.RaggedTensor.from_sparse), or padded (x.to_tensor())"
+                             if isinstance(value, tf.RaggedTensor) else f": {e}")) from None
     if t.shape.rank == 0:           # a number every replica takes whole (a learning rate)
         return tf.TensorSpec([], t.dtype, name=INPUT.format(i))
     dims = t.shape.as_list()[1:]
