@@ -128,3 +128,18 @@ def test_a_ratio_of_means_the_replicas_exchange_does_not_mix():
     dice = loss_of(lambda x: tf.reduce_sum(scores(x)) / tf.reduce_sum(tf.square(scores(x))))
     assert loss_form(dice, ["x"], None).exchanged == []
     assert "a division by a sum" in mixing(dice, ["x"], [])[1]
+
+
+def test_a_fed_flag_beside_the_rows_is_no_pair():
+    """A scalar fed beside the batch (a lowered tf.cond's flag at its Switch,
+    a weight that multiplies the rows) holds no rows: not a broadcast pair
+    (before: a count the nested conds of tests/test_cond_lowering.py add
+    to was averaged as one)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, (None, 5, 4), name="x")
+        flag = tf1.placeholder(tf.bool, [], name="flag")
+        scale = tf1.placeholder(tf.float32, [], name="scale")
+        taken = tf.raw_ops.Switch(data=scores(x), pred=flag)[1]
+        loss = tf.reduce_sum(taken * scale)
+    assert mixing(loss, ["x", "flag", "scale"]) is None

@@ -199,8 +199,7 @@ def _where_rows(tg, name: str, first: dict) -> int | None:
     """The first dimension of the dense tensor x whose rows sparse layer
     `name` gives, where its rows are column 0 of `tf.where(x)` (a
     SparseTensor made in the graph: `tf.sparse.from_dense`)."""
-    at = {"SparseTensorDenseMatMul": 0, "SegmentSum": 1, "SegmentMean": 1}.get(
-        tg.ir.node(name).op, 2)     # the input that holds each value's row
+    at = rules.row_input(tg.ir.node(name).op)
     ins = tg.ir.data_inputs(name)
     ref = ins[at] if len(ins) > at else None
     column = False

@@ -228,9 +228,11 @@ def _broadcast_pairs(op, rows) -> bool:
     axes of its output (`x[:, None] - x[None, :]`, labels compared pairwise
     as a triplet loss's mining does): every example against every other."""
     rank, axes = op.outputs[0].shape.rank, set()
+    if op.type in ("Switch", "Merge") or rank is None:    # a branch's data and its flag
+        return False
     for x in op.inputs:
-        a = rows.axis(x)
-        if a is not None and rank is not None and x.shape.rank is not None:
+        a = rows.axis(x) if x.shape.rank else None      # (a scalar fed: no rows)
+        if a is not None and a < x.shape.rank:
             axes.add(a + rank - x.shape.rank)       # broadcast aligns the last axes
     return len(axes) > 1
 

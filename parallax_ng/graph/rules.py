@@ -341,12 +341,16 @@ def column_zero(op) -> bool:
         not op.get_attr("ellipsis_mask") | op.get_attr("new_axis_mask")
 
 
+def row_input(op_type: str) -> int:
+    """The input of a sparse layer that holds each value's row."""
+    return {"SparseTensorDenseMatMul": 0, "SegmentSum": 1, "SegmentMean": 1}.get(op_type, 2)
+
+
 def sparse_rows(op, rows) -> bool:
     """Whether sparse layer `op` gives a row per row of a batch: its values'
     rows are a batch's row ids (`row_ids`), or its coordinates a batch's."""
-    if op.type == "SparseTensorDenseMatMul":        # the coordinates, rows in column 0
-        return row_ids(op.inputs[0], rows, column=True)
-    return row_ids(op.inputs[1 if op.type in ("SegmentSum", "SegmentMean") else 2], rows)
+    column = op.type == "SparseTensorDenseMatMul"       # the coordinates, rows in column 0
+    return row_ids(op.inputs[row_input(op.type)], rows, column=column)
 
 
 def _vector_reshape(t) -> bool:
