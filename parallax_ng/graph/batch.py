@@ -199,20 +199,10 @@ def _where_rows(tg, name: str, first: dict) -> int | None:
     """The first dimension of the dense tensor x whose rows sparse layer
     `name` gives, where its rows are column 0 of `tf.where(x)` (a
     SparseTensor made in the graph: `tf.sparse.from_dense`)."""
-    at = rules.row_input(tg.ir.node(name).op)
-    ins = tg.ir.data_inputs(name)
-    ref = ins[at] if len(ins) > at else None
-    column = False
-    while ref is not None and (tg.ir.node(ref.node).op in ("Cast", "Identity") or
-                               tg.ir.node(ref.node).op == "StridedSlice" and not column):
-        if tg.ir.node(ref.node).op == "StridedSlice":
-            if not rules.column_zero(tg.graph.get_operation_by_name(ref.node)):
-                return None       # another column of the coordinates, or not shown
-            column = True
-        ref = tg.ir.data_inputs(ref.node)[0]
-    if ref is None or tg.ir.node(ref.node).op != "Where":
+    source = rules.row_source(tg.graph.get_operation_by_name(name))
+    if source is None or source.op.type == "Placeholder":
         return None
-    return first.get(tg.ir.data_inputs(ref.node)[0])
+    return first.get(TensorRef(source.op.name, source.value_index))
 
 
 def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:

@@ -349,8 +349,14 @@ def row_input(op_type: str) -> int:
 def sparse_rows(op, rows) -> bool:
     """Whether sparse layer `op` gives a row per row of a batch: its values'
     rows are a batch's row ids (`row_ids`), or its coordinates a batch's."""
-    column = op.type == "SparseTensorDenseMatMul"       # the coordinates, rows in column 0
-    return row_ids(op.inputs[row_input(op.type)], rows, column=column)
+    return row_ids(op.inputs[row_input(op.type)], rows, op.type == "SparseTensorDenseMatMul")
+
+
+def row_source(op):
+    """Where sparse layer `op`'s rows come from: the dense tensor d of
+    `tf.where(d)` (a SparseTensor made in the graph), a sparse_placeholder's
+    indices, or None (`row_ids`)."""
+    return _numbered_by(op.inputs[row_input(op.type)], op.type == "SparseTensorDenseMatMul")
 
 
 def _vector_reshape(t) -> bool:
@@ -362,20 +368,29 @@ def row_ids(x, rows, column: bool = False) -> bool:
     """Whether `x` numbers each value of a SparseTensor by its row, a row
     of a batch: column 0 of a sparse_placeholder's indices, or of
     `tf.where(d)` where `rows(d)` (d's first dimension is the batch's).
-    `column`: x is the coordinates themselves."""
+    `column`: x is the coordinates themselves (a sparse matmul's), rows in
+    their column 0."""
+    source = _numbered_by(x, column)
+    return source is not None and (source.op.type == "Placeholder" or rows(source))
+
+
+def _numbered_by(x, column: bool = False):
+    """The tensor whose rows number x's values (`row_ids`), or None."""
     while x.op.type in ("Cast", "Identity") or _vector_reshape(x) or \
             x.op.type == "StridedSlice" and not column:
         if x.op.type == "StridedSlice":
             if not column_zero(x.op):
-                return False        # another column of the coordinates, or not shown
+                return None         # another column of the coordinates, or not shown
             column = True
         x = x.op.inputs[0]
+    if not column:
+        return None
     if x.op.type == "Where":
-        return column and rows(x.op.inputs[0])
+        return x.op.inputs[0]
     head = x.op.name.removesuffix("/indices")
-    if not column or x.op.type != "Placeholder" or head == x.op.name:
-        return False
+    if x.op.type != "Placeholder" or head == x.op.name:
+        return None
     try:
-        return sparse_batch(x.graph.get_tensor_by_name(head + "/shape:0"))
+        return x if sparse_batch(x.graph.get_tensor_by_name(head + "/shape:0")) else None
     except KeyError:
-        return False
+        return None
