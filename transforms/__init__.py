@@ -21,6 +21,7 @@ from transforms.part_writes import PartWritesPass
 from transforms.place import PlacePass
 from transforms.prefetch import PrefetchPass
 from transforms.replicate import ReplicatePass
+from transforms.scaled_sums import ScaledSumsPass
 from transforms.selected_means import SelectedMeansPass
 from transforms.server_sync import ServerSyncPass
 from transforms.shard_inputs import ShardInputsPass
@@ -31,7 +32,7 @@ from transforms.state_sync import StateSyncPass
 
 def pipeline_for(plan) -> list:
     """replicate -> (counted_draws) -> shard_inputs -> aggregate -> state_sync ->
-    selected_means -> input_gradients -> place -> init,
+    selected_means -> (scaled_sums) -> input_gradients -> place -> init,
     with the placement rewrites the plan turns on (local_aggregation after
     aggregate; lookups_on_servers, colocate_updates after place), then, as
     the plan needs them, the cross-worker server protocol,
@@ -51,6 +52,7 @@ def pipeline_for(plan) -> list:
               (ShardInputsPass(), several), (AggregatePass(), True),
               (LocalAggregationPass(), servers and rewrites.local_aggregation),
               (StateSyncPass(), several), (SelectedMeansPass(), several),
+              (ScaledSumsPass(), several and bool(plan.scaled_sums)),
               (InputGradientsPass(), several), (PlacePass(), True),
               (LookupsOnServersPass(), shared and rewrites.lookups_on_servers),
               (ColocateUpdatesPass(), shared and rewrites.colocate_updates),
@@ -72,6 +74,6 @@ __all__ = ["AggregatePass", "ColocateUpdatesPass", "ColumnsPass", "CountedDrawsP
            "InitPass", "InputGradientsPass", "LocalAggregationPass", "LookupsOnServersPass",
            "OrderingsPass", "PartWritesPass", "PlacePass",
            "PrefetchPass",
-           "ReplicatePass", "SelectedMeansPass",
+           "ReplicatePass", "ScaledSumsPass", "SelectedMeansPass",
            "ServerSyncPass", "ShardInputsPass", "ShardVariablesPass", "SplitStepPass",
            "StateSyncPass", "pipeline_for"]

@@ -12,17 +12,23 @@ layer-by-layer execution and by the state-sync pass.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import tensorflow as tf
 
 from .. import compat
 from .batch import split_as_parts
-from .forms import autodiff_losses, counts_rows, loss_form, scalar_form, sources
+from .forms import (added_terms, autodiff_losses, constant_value, counts_rows, loss_form,
+                    scalar_form, sources)
 from .mixing import bent_gradient, mixing
 from .randomness import is_random, seed_input
 from .rows import batch_axis, reading
+from .rules import from_autodiff, is_autodiff
+from .selections import used_per_row
 
 
-def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
+def averages(config, graph: tf.Graph, sites: list | None = None) -> tuple[bool, bool, str]:
     """(average dense, average sparse, a warning or ""): the config's
     `average_dense`/`average_sparse`, where "auto" follows the losses the
     graph differentiates. One device's gradient of a sum over the global
@@ -31,7 +37,10 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
     `tf.nn.compute_average_loss(..., global_batch_size=B)` in a TF2 step),
     of a mean their mean. A TF1 sum scaled by a number, where the graph
     does not show a replica's batch size, is taken as a mean (a sum over
-    `batch_size`, the usual script), and the warning says so. A sum that
+    `batch_size`, the usual script), and the warning says so; where
+    `sites` is a list, such a loss whose numbers `scaled_sums` finds is
+    not warned about and they are added to it: transforms/scaled_sums.py
+    makes it one device's each step, from the rows fed. A sum that
     adds a term without data (a regularizer) is a sum: the replicas' sum of
     it is exact where each adds 1/N of the term (`added_once`); so is a sum
     plus means over counts (`LossForm.widened`). A loss that adds a sum
@@ -61,7 +70,9 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
             sums.append(loss.name)      # a value per example: the autodiff sums them
             continue
         kind, guessed, form = read[loss.name]
-        if guessed:
+        if guessed and sites is not None and (found := scaled_sums(loss, data)):
+            sites.extend(found)
+        elif guessed:
             unsure.append(loss.name)
         elif kind == "sum":
             sums.append(loss.name)
@@ -113,6 +124,8 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
                 "replicas' gradients are averaged, which equals one device for a mean. For a "
                 "sum, set config average_dense and average_sparse: false (summed)")
     dense, sparse = (not summed if w == "auto" else w for w in wanted)
+    if sites is not None and dense:     # and scalars beside the losses: a fetched accuracy
+        sites.extend(_beside(graph, data, losses))
     if not note and (dense or sparse) and (bent := bent_gradient(graph)):
         note = (f"a custom gradient is not linear in the gradient it receives ({bent[0]!r}: "
                 f"{bent[1]}); the loss is a mean, so each replica's incoming "
@@ -121,6 +134,168 @@ def averages(config, graph: tf.Graph) -> tuple[bool, bool, str]:
                 "global batch size and set config average_dense and average_sparse: false "
                 "(the replicas' gradients summed), or make the custom gradient linear")
     return dense, sparse, note
+
+
+@dataclass(frozen=True)
+class ScaledSum:
+    """Where a TF1 loss multiplies (`multiplies`) or divides a sum over the
+    batch by a number, input `at` of `op`, that the graph does not show to
+    be a batch size: `count`, the number as a count of rows (0 where it is
+    not a whole number), `per_row`, the elements the sum adds per row (1
+    where the graph does not show it), and `rows`, a tensor of the batch's
+    rows the sum reads (its first dimension is the rows fed)."""
+    op: str
+    at: int
+    multiplies: bool
+    count: int
+    per_row: int
+    rows: str
+
+
+def scaled_sums(loss: tf.Tensor, data) -> list[ScaledSum]:
+    """Each place where `loss`, a TF1 loss read as a sum over the batch
+    scaled by a number (`scalar_form`'s guess), scales a sum once by a
+    positive constant; [] where one of its terms is another form (a sum
+    scaled twice or not at all, a form the graph hides), which the warning
+    of `averages` names instead. Terms without data (a regularizer) and
+    means beside the scaled sums are averaged as they are. `data`: the
+    graph's reading of the batch's axes."""
+    found, inputs = [], set(data.sources)
+
+    def terms(t) -> bool:           # whether every term of t is one of the above
+        op = t.op
+        if not _reads(t, inputs):
+            return True
+        if op.type in ("Identity", "Snapshot", "Cast", "Neg"):
+            return terms(op.inputs[0])
+        if (added := added_terms(op)) is not None:
+            return all([terms(x) for x in added.inputs])
+        if (at := _number(op, inputs)) is not None:
+            return scaled(op, at)
+        return loss_form(t, data, None, strict=False).kind == "mean"
+
+    def scaled(op, at) -> bool:     # op scales a sum over the batch, by input `at`
+        site, n = (op, at), 1.0     # (n: what the sum is divided by, at every scale)
+        while True:
+            number, x = op.inputs[at], op.inputs[1 - at]
+            value = None if _reads(number, inputs) else constant_value(number)
+            if value is None or np.ndim(value) or not np.isfinite(value) or value == 0:
+                return False
+            n *= float(value) if op.type != "Mul" else 1.0 / float(value)
+            while x.op.type in ("Identity", "Snapshot", "Cast", "Neg"):
+                x = x.op.inputs[0]
+            op, at = x.op, _number(x.op, inputs)
+            if at is None:
+                break               # x: the sum, or not one
+        form, rows = loss_form(x, data, None, strict=False), _rows(x, data)
+        if form.kind != "sum" or form.scaled or form.widened or rows is None or \
+                _looped(site[0]) or counts_rows(x.op, data):    # (rows counted: a rate's)
+            return False
+        n = abs(n)
+        count = round(n) if abs(n - round(n)) <= 1e-4 * n else 0
+        found.append(ScaledSum(site[0].name, site[1], site[0].type == "Mul", count,
+                               _per_row(x, data), rows))
+        return True
+    return found if terms(loss) and found else []
+
+
+def _number(op: tf.Operation, inputs: set) -> int | None:
+    """The input of a scalar product or quotient `op` that reads no data
+    (of `inputs`): a quotient's divisor, either factor of a product; None."""
+    if op.type not in ("Mul", "RealDiv", "Div") or op.outputs[0].shape.rank != 0:
+        return None
+    return next((at for at in ((1, 0) if op.type == "Mul" else (1,))
+                 if not _reads(op.inputs[at], inputs)), None)
+
+
+def _beside(graph: tf.Graph, data, losses) -> list[ScaledSum]:
+    """The scaled sums of scalars no loss reads that flow into scalars only
+    (a hand-written accuracy, `tf.reduce_sum(correct) / BATCH_SIZE`, fetched
+    or added up by a metric), outside while loops: each replica's value is
+    then one whose replicas' mean is one device's, as a loss's."""
+    read, stack, found, updates = set(), [t.op for t in losses], [], None
+    while stack:
+        op = stack.pop()
+        if op.name not in read:
+            read.add(op.name)
+            stack.extend(t.op for t in op.inputs)
+    for op in graph.get_operations():
+        t = op.outputs[0] if len(op.outputs) == 1 else None
+        if t is None or op.type not in ("Mul", "RealDiv", "Div") or t.shape.rank != 0 or \
+                not t.dtype.is_floating or op.name in read or is_autodiff(op.name) or \
+                all(tf.get_static_value(x) is None for x in op.inputs) or _looped(op):
+            continue
+        updates = from_autodiff(graph) if updates is None else updates
+        if _reaches(op, updates):
+            continue            # a learning rate's (transforms/extremes.py reads the job's)
+        guessed = scalar_form(t, data)[1]
+        if guessed and not used_per_row(op, data) and (sites := scaled_sums(t, data)):
+            found.extend(sites)
+            read |= {site.op for site in sites}
+    return found
+
+
+def _reaches(op: tf.Operation, names: set) -> bool:
+    """Whether an op named in `names` reads `op`'s outputs, maybe through others."""
+    seen, stack = set(), [op]
+    while stack:
+        for consumer in (c for t in stack.pop().outputs for c in t.consumers()):
+            if consumer.name in names:
+                return True
+            if consumer.name not in seen:
+                seen.add(consumer.name)
+                stack.append(consumer)
+    return False
+
+
+def _looped(op: tf.Operation) -> bool:
+    """Whether `op` sits in a TF1 while loop's frame."""
+    context = op._get_control_flow_context()     # noqa: SLF001 (TensorFlow's own record)
+    while context is not None and not context.IsWhileContext():
+        context = context.outer_context
+    return context is not None
+
+
+def _reads(t: tf.Tensor, names: set) -> bool:
+    """Whether `t` depends on an op named in `names`."""
+    seen, stack = set(), [t.op]
+    while stack:
+        op = stack.pop()
+        if op.name in names:
+            return True
+        if op.name not in seen:
+            seen.add(op.name)
+            stack.extend(x.op for x in op.inputs)
+    return False
+
+
+def _rows(x: tf.Tensor, data) -> str | None:
+    """A dense data source's tensor that `x` reads whose first dimension
+    holds the batch's rows; None if there is none (a sparse batch)."""
+    seen, stack, found = set(), [x.op], []
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.name in data.sources:
+            found += [t for t in op.outputs if t.shape.rank and batch_axis(t, data) == 0]
+        stack.extend(t.op for t in op.inputs)
+    return min(found, key=lambda t: t.name).name if found else None
+
+
+def _per_row(x: tf.Tensor, data) -> int:
+    """The elements a sum over every axis of a tensor of the batch's rows
+    adds per row, where its static shape shows them; else 1."""
+    op = past(x).op
+    inner = op.inputs[0] if op.type == "Sum" else None
+    axis = batch_axis(inner, data) if inner is not None and inner.shape.rank else None
+    axes = constant_value(op.inputs[1]) if axis is not None else None
+    if axes is None or len({int(a) % inner.shape.rank for a in np.ravel(axes)}) != \
+            inner.shape.rank:
+        return 1
+    dims = [compat.dim(inner.shape, i) for i in range(inner.shape.rank) if i != axis]
+    return int(np.prod(dims, dtype=np.int64)) if None not in dims else 1
 
 
 def data_free(graph: tf.Graph) -> list[str]:

@@ -200,7 +200,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                 if (n := _over(c, constant)) is not None and form(n) == "sum" and \
                         n.name in tallies and form(m) == "sum":
                     return "mean"       # a sum times 1 / the rows' count
-        terms = _terms(op)
+        terms = added_terms(op)
         if terms is not None:
             kinds = []
             for x in terms.inputs:
@@ -313,7 +313,7 @@ def _zero(t: tf.Tensor, constant) -> bool:
     return value is not None and not np.any(value)
 
 
-def _terms(op):
+def added_terms(op):
     """The op whose inputs `op` adds (itself for Add, AddV2, Sub, AddN; the
     Pack of scalars that a Sum over all its axes adds, as Keras 3 adds a
     loss and its regularizers), or None."""

@@ -135,6 +135,9 @@ class Plan:
     # batch_norm synchronized: (tensor, mean) of the statistics and their
     # gradients the replicas exchange (graph/normalization.py)
     norm_points: tuple[tuple[str, bool], ...] = ()
+    # TF1 losses' sums scaled by numbers the graph does not show to be a batch
+    # size (graph/averaging.py ScaledSum): transforms/scaled_sums.py decides them
+    scaled_sums: tuple = ()
 
     @property
     def num_replicas(self) -> int:

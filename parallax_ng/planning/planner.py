@@ -45,7 +45,7 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     stands for it there. `facts`: the graph's shared analyses (made where
     not given). `layout`: the hosts of a job's tasks, whose links weigh
     hybrid's and auto's plans (choice.py); None: all on this one."""
-    dense, sparse, note = averaging.averages(config, tg.graph)
+    dense, sparse, note = averaging.averages(config, tg.graph, sites := [])  # (scaled sums)
     config = replace(config, average_dense=dense, average_sparse=sparse)
     facts = facts or Facts(tg)
     lines, norms = facts.normalization(config.batch_norm) \
@@ -79,7 +79,8 @@ def make_plan(tg: TrainingGraph, info: dict[str, VariableInfo], config: Config,
     def build(cfg: Config, tables: dict) -> Plan:
         methods = choose_methods(info, cfg, job_servers, can_cut, can_sum, tables)
         return replace(_plan_of(job, cfg, methods), costs=costs, norm_points=norms,
-                       network=net.describe() if net else "", notes=notes)
+                       network=net.describe() if net else "", notes=notes,
+                       scaled_sums=tuple(sites) if group > 1 else ())
     if not weighing:
         return build(config, costs)
     candidates, refused = [], []
@@ -381,8 +382,7 @@ def balance(tg: TrainingGraph, shared: list[str], servers: list[str],
     state and its gradient's aggregation stay with the first range. Its ranges
     hold equal numbers of rows, or equal shares of the sampled rows a step
     touched (`touched`: ps_placement rows_touched, Sharded.by_rows_touched);
-    a server's load counts its range's share.
-    """
+    a server's load counts its range's share."""
     size = {v: sum(tg.variables[s].nbytes for s in tg.owned(v)) for v in shared}
     load = [0] * len(servers)
     out = {}
