@@ -46,12 +46,14 @@ def shared(tg, sources, form, widened: dict, products: dict, read=()) -> list:
     divides by the global batch's count: each replica divides by the
     replicas' mean count instead of its own, so the mean of the replicas'
     gradients (and losses) is one device's. `widened` divisions' counts
-    are N times that."""
+    are N times that. A scalar fed whole (a script's `batch_size`) is every
+    replica's alike: transforms/scaled_sums.py decides a sum over it."""
     out = {}
     for loss in forms.autodiff_losses(tg.graph) + list(products.values()) + list(read):
         for op in form(loss).by_count:
             count = tg.ir.data_inputs(op)[1]
-            if from_values(tg, count, set(sources)):
+            if from_values(tg, count, set(sources)) and not averaging.fed_scalar(
+                    tg.tensor(count), set(sources)):    # (fed whole: transforms/scaled_sums.py)
                 out.setdefault(count, False)
     out.update(dict.fromkeys(widened.values(), True))
     return list(out.items())

@@ -50,10 +50,10 @@ class ScaledSumsPass:
             op = tg.graph.get_operation_by_name(site.op)
             number = op.inputs[site.at]
             scope, device = f"parallax/scaled_sums/{site.op}", ir.node(site.op).device
-            nodes, share = _share(ctx, ir, site, scope, number.dtype, device)
+            mine = ctx.replica_tensor(0, parse_tensor(number.name))
+            nodes, share = _share(ctx, ir, site, mine, scope, number.dtype, device)
             scaled = emit.node_def(f"{scope}/number", "RealDiv" if site.multiplies else "Mul",
-                                   [ctx.replica_tensor(0, parse_tensor(number.name)), share],
-                                   device, T=number.dtype)
+                                   [mine, share], device, T=number.dtype)
             added += nodes + [scaled]
             for reader in number.consumers():
                 if reader.name != site.op and reader.name not in autodiff:
@@ -65,10 +65,11 @@ class ScaledSumsPass:
         return ir.rewire(rewires, added), {"scaled_sums": len(plan.scaled_sums)}
 
 
-def _share(ctx, ir, site, scope: str, dtype, device: str) -> tuple[list, str]:
+def _share(ctx, ir, site, number: str, scope: str, dtype, device: str) -> tuple[list, str]:
     """(nodes, g): the factor g each replica's number is multiplied by (a
     divisor) or divided by (a multiplier): 1 where the number is a replica's
-    rows, workers / N where it is the process's, else 1 / N."""
+    rows, workers / N where it is the process's, else 1 / N. `number`:
+    replica 0's copy of it (a fed one is read each step)."""
     plan = ctx.plan
     n, workers, local = plan.group_size, plan.num_workers, plan.num_replicas
     if not site.count:
@@ -82,20 +83,31 @@ def _share(ctx, ir, site, scope: str, dtype, device: str) -> tuple[list, str]:
                   emit.node_def(f"{at}/dims", "Unpack", [f"{at}/shape"], device_k,
                                 T=tf.int32, num=source.shape.rank, axis=0)]
         rows.append(f"{at}/dims")
-    nodes.append(emit.node_def(f"{scope}/rows", "AddN", rows, device, T=tf.int32, N=local)
-                 if local > 1 else emit.node_def(f"{scope}/rows", "Identity", rows, device,
-                                                 T=tf.int32))
-    counts = [f"{scope}/rows"]
+    nodes += [emit.node_def(f"{scope}/rows", "AddN", rows, device, T=tf.int32, N=local)
+              if local > 1 else emit.node_def(f"{scope}/rows", "Identity", rows, device,
+                                              T=tf.int32),
+              emit.node_def(f"{scope}/fed", "Cast", [f"{scope}/rows"], device,
+                            SrcT=tf.int32, DstT=dtype)]
+    counts = [f"{scope}/fed"]
     if site.per_row > 1:            # the number may count elements: rows x elements per row
-        nodes += [emit.const(f"{scope}/per_row", site.per_row, tf.int32, device),
+        nodes += [emit.const(f"{scope}/per_row", float(site.per_row), dtype, device),
                   emit.node_def(f"{scope}/elements", "Mul", [counts[0], f"{scope}/per_row"],
-                                device, T=tf.int32)]
+                                device, T=dtype)]
         counts.append(f"{scope}/elements")
+    if site.count > 0:
+        nodes.append(emit.const(f"{scope}/count", float(site.count), dtype, device))
+    else:                           # fed: the number (a divisor, or 1 / a multiplier), rounded
+        inverse = [emit.node_def(f"{scope}/inverse", "Reciprocal", [number], device, T=dtype)]
+        nodes += inverse * site.multiplies + [emit.node_def(
+            f"{scope}/count", "Round", [inverse[0].name if site.multiplies else number],
+            device, T=dtype)]
     tests = []
-    for label, value in (("replica", site.count * local), ("feed", site.count)):
-        nodes.append(emit.const(f"{scope}/{label}_count", value, tf.int32, device))
+    for label, factor in (("replica", local), ("feed", 1)):
+        nodes += [emit.const(f"{scope}/{label}_factor", float(factor), dtype, device),
+                  emit.node_def(f"{scope}/{label}_count", "Mul",
+                                [f"{scope}/count", f"{scope}/{label}_factor"], device, T=dtype)]
         equal = [emit.node_def(f"{scope}/{label}_{i}", "Equal", [c, f"{scope}/{label}_count"],
-                               device, T=tf.int32) for i, c in enumerate(counts)]
+                               device, T=dtype) for i, c in enumerate(counts)]
         nodes += equal
         if len(equal) > 1:
             nodes.append(emit.node_def(f"{scope}/{label}", "LogicalOr",
@@ -108,4 +120,3 @@ def _share(ctx, ir, site, scope: str, dtype, device: str) -> tuple[list, str]:
               emit.node_def(f"{scope}/share", "SelectV2",
                             [tests[0], f"{scope}/mean", f"{scope}/by_feed"], device, T=dtype)]
     return nodes, f"{scope}/share"
-

@@ -70,7 +70,8 @@ def averages(config, graph: tf.Graph, sites: list | None = None) -> tuple[bool, 
             sums.append(loss.name)      # a value per example: the autodiff sums them
             continue
         kind, guessed, form = read[loss.name]
-        if guessed and sites is not None and (found := scaled_sums(loss, data)):
+        if (guessed or kind is None or _fed_count(form, data)) and sites is not None and \
+                (found := scaled_sums(loss, data)):
             sites.extend(found)
         elif guessed:
             unsure.append(loss.name)
@@ -141,7 +142,7 @@ class ScaledSum:
     """Where a TF1 loss multiplies (`multiplies`) or divides a sum over the
     batch by a number, input `at` of `op`, that the graph does not show to
     be a batch size: `count`, the number as a count of rows (0 where it is
-    not a whole number), `per_row`, the elements the sum adds per row (1
+    not a whole number, -1 where it is fed: read each step), `per_row`, the elements the sum adds per row (1
     where the graph does not show it), and `rows`, a tensor of the batch's
     rows the sum reads (its first dimension is the rows fed)."""
     op: str
@@ -175,13 +176,15 @@ def scaled_sums(loss: tf.Tensor, data) -> list[ScaledSum]:
         return loss_form(t, data, None, strict=False).kind == "mean"
 
     def scaled(op, at) -> bool:     # op scales a sum over the batch, by input `at`
-        site, n = (op, at), 1.0     # (n: what the sum is divided by, at every scale)
+        site, n, scales, fed = (op, at), 1.0, 0, False  # (n: what the sum is divided by)
         while True:
             number, x = op.inputs[at], op.inputs[1 - at]
             value = None if _reads(number, inputs) else constant_value(number)
-            if value is None or np.ndim(value) or not np.isfinite(value) or value == 0:
+            fed, scales = fed or fed_scalar(number, inputs), scales + 1
+            if not fed and (value is None or np.ndim(value) or not np.isfinite(value) or
+                            value == 0):
                 return False
-            n *= float(value) if op.type != "Mul" else 1.0 / float(value)
+            n *= 1.0 if fed else float(value) if op.type != "Mul" else 1.0 / float(value)
             while x.op.type in ("Identity", "Snapshot", "Cast", "Neg"):
                 x = x.op.inputs[0]
             op, at = x.op, _number(x.op, inputs)
@@ -189,10 +192,10 @@ def scaled_sums(loss: tf.Tensor, data) -> list[ScaledSum]:
                 break               # x: the sum, or not one
         form, rows = loss_form(x, data, None, strict=False), _rows(x, data)
         if form.kind != "sum" or form.scaled or form.widened or rows is None or \
-                _looped(site[0]) or counts_rows(x.op, data):    # (rows counted: a rate's)
-            return False
+                _looped(site[0]) or counts_rows(x.op, data) or fed and scales > 1:
+            return False            # (rows counted: a rate's; a fed number: the one scale)
         n = abs(n)
-        count = round(n) if abs(n - round(n)) <= 1e-4 * n else 0
+        count = -1 if fed else round(n) if abs(n - round(n)) <= 1e-4 * n else 0
         found.append(ScaledSum(site[0].name, site[1], site[0].type == "Mul", count,
                                _per_row(x, data), rows))
         return True
@@ -201,11 +204,28 @@ def scaled_sums(loss: tf.Tensor, data) -> list[ScaledSum]:
 
 def _number(op: tf.Operation, inputs: set) -> int | None:
     """The input of a scalar product or quotient `op` that reads no data
-    (of `inputs`): a quotient's divisor, either factor of a product; None."""
+    (of `inputs`) or is a fed scalar: a quotient's divisor, either factor
+    of a product; None."""
     if op.type not in ("Mul", "RealDiv", "Div") or op.outputs[0].shape.rank != 0:
         return None
     return next((at for at in ((1, 0) if op.type == "Mul" else (1,))
-                 if not _reads(op.inputs[at], inputs)), None)
+                 if fed_scalar(op.inputs[at], inputs) or not _reads(op.inputs[at], inputs)), None)
+
+
+def fed_scalar(t: tf.Tensor, inputs) -> bool:
+    """Whether `t` is (a cast or reciprocal of) a scalar placeholder of
+    `inputs`, fed whole to every replica (a script's `batch_size` fed
+    beside the batch)."""
+    while t.op.type in ("Identity", "Cast", "Reciprocal", "Inv"):
+        t = t.op.inputs[0]
+    return t.shape.rank == 0 and t.op.name in inputs and \
+        t.op.type in ("Placeholder", "PlaceholderWithDefault")
+
+
+def _fed_count(form, data) -> bool:
+    """Whether a mean's form divides a sum by a fed scalar (its "count")."""
+    graph, inputs = data.graph, set(data.sources)
+    return any(fed_scalar(graph.get_operation_by_name(op).inputs[1], inputs) for op in form.by_count)
 
 
 def _beside(graph: tf.Graph, data, losses) -> list[ScaledSum]:
@@ -214,6 +234,7 @@ def _beside(graph: tf.Graph, data, losses) -> list[ScaledSum]:
     or added up by a metric), outside while loops: each replica's value is
     then one whose replicas' mean is one device's, as a loss's."""
     read, stack, found, updates = set(), [t.op for t in losses], [], None
+    inputs = set(data.sources)
     while stack:
         op = stack.pop()
         if op.name not in read:
@@ -223,13 +244,15 @@ def _beside(graph: tf.Graph, data, losses) -> list[ScaledSum]:
         t = op.outputs[0] if len(op.outputs) == 1 else None
         if t is None or op.type not in ("Mul", "RealDiv", "Div") or t.shape.rank != 0 or \
                 not t.dtype.is_floating or op.name in read or is_autodiff(op.name) or \
-                all(tf.get_static_value(x) is None for x in op.inputs) or _looped(op):
+                all(tf.get_static_value(x) is None and not fed_scalar(x, inputs)
+                    for x in op.inputs) or _looped(op):
             continue
         updates = from_autodiff(graph) if updates is None else updates
         if _reaches(op, updates):
             continue            # a learning rate's (transforms/extremes.py reads the job's)
-        guessed = scalar_form(t, data)[1]
-        if guessed and not used_per_row(op, data) and (sites := scaled_sums(t, data)):
+        _, guessed, form = scalar_form(t, data)
+        if (guessed or _fed_count(form, data)) and not used_per_row(op, data) and \
+                (sites := scaled_sums(t, data)):
             found.extend(sites)
             read |= {site.op for site in sites}
     return found
