@@ -146,6 +146,23 @@ def test_rows_of_a_sparse_batch_through_sparse_layers():
                 (t.name, want)
 
 
+def test_a_fed_scalar_holds_no_rows():
+    """A scalar placeholder fed beside the batch (a loss weight, a rate, a
+    flag) has no batch axis, nor does a sum over the batch times it; the
+    batch's placeholder and a product of its rows with it keep axis 0
+    (before: the scalar read as rows, so a sum over the batch times a fed
+    weight printed "statistics over the batch's axis ['Sum'] are applied to
+    the batch's rows")."""
+    with tf.Graph().as_default():
+        x = tf1.placeholder(tf.float32, (None, 3), name="x")
+        weight = tf1.placeholder_with_default(0.5, [], name="weight")
+        rate = tf1.placeholder(tf.float32, [], name="rate")
+        cases = {weight: None, rate: None, x: 0, x * weight: 0,
+                 tf.reduce_sum(x) * weight: None, tf.square(rate): None}
+        for t, want in cases.items():
+            assert batch_axis(t, ["x", "weight", "rate"]) == want, (t.name, want)
+
+
 def test_the_recursion_of_a_deep_chain_is_bounded():
     """A chain deeper than Python's default recursion limit is still read."""
     with tf.Graph().as_default():

@@ -47,6 +47,8 @@ LOSSES = {
                                                  tf.float32),
     "times one over it": lambda e, w: e * tf.math.reciprocal(
         tf.cast(w.graph.get_tensor_by_name("size:0"), tf.float32)),
+    # a loss weight fed beside the batch (its default here): the sum times it
+    "times a fed weight": lambda e, w: e * tf1.placeholder_with_default(0.25, []),
 }
 
 

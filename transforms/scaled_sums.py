@@ -1,15 +1,18 @@
 """Scaled sums: a TF1 loss that sums over the batch and multiplies or
 divides the sum by a number the graph does not show to be a batch size
-(`tf.reduce_sum(x) / BATCH_SIZE` over a placeholder's rows) is decided
-each step from the rows fed.
+(`tf.reduce_sum(x) / BATCH_SIZE` over a placeholder's rows, or over a
+batch size fed beside them, whole to every replica) is decided each step
+from the rows fed; so is such a scalar read beside the loss (a
+hand-written accuracy fetched or added up by a metric).
 
-The plan averages the replicas' gradients of such a loss (graph/averaging.py
-takes it for a mean). That equals one device only where the number is a
-replica's rows. Each step this pass compares the number with the rows this
-process's replicas were fed, R (and with R times the elements the sum adds
-per row, where the shape shows them):
+The plan averages the replicas' gradients of such a loss, and their values
+of such a scalar (graph/averaging.py takes it for a mean). That equals one
+device only where the number is a replica's rows. Each step this pass
+compares the number with the rows this process's replicas were fed, R
+(and with R times the elements the sum adds per row, where the shape
+shows them):
 - number x local replicas = R: a sum over a replica's batch size, a mean:
-  averaged, as before;
+  averaged, as before (a constant's; a fed number is the feed's or other);
 - number = R: a sum over the batch the process was fed, that batch's mean:
   each replica's loss takes the number over its local replica count, so
   the average over the job is the mean of the workers' losses (in-process,
@@ -69,7 +72,9 @@ def _share(ctx, ir, site, number: str, scope: str, dtype, device: str) -> tuple[
     """(nodes, g): the factor g each replica's number is multiplied by (a
     divisor) or divided by (a multiplier): 1 where the number is a replica's
     rows, workers / N where it is the process's, else 1 / N. `number`:
-    replica 0's copy of it (a fed one is read each step)."""
+    replica 0's copy of it (a fed one is read each step, and is taken for
+    the process's rows or another number, not for a replica's: a loss
+    weight of 1 / 4 is not a mean over 4 rows)."""
     plan = ctx.plan
     n, workers, local = plan.group_size, plan.num_workers, plan.num_replicas
     if not site.count:
@@ -101,8 +106,8 @@ def _share(ctx, ir, site, number: str, scope: str, dtype, device: str) -> tuple[
         nodes += inverse * site.multiplies + [emit.node_def(
             f"{scope}/count", "Round", [inverse[0].name if site.multiplies else number],
             device, T=dtype)]
-    tests = []
-    for label, factor in (("replica", local), ("feed", 1)):
+    tests = []          # (a fed number is the feed's: a replica's rows only by chance)
+    for label, factor in (("feed", 1),) + (("replica", local),) * (site.count > 0):
         nodes += [emit.const(f"{scope}/{label}_factor", float(factor), dtype, device),
                   emit.node_def(f"{scope}/{label}_count", "Mul",
                                 [f"{scope}/count", f"{scope}/{label}_factor"], device, T=dtype)]
@@ -115,8 +120,11 @@ def _share(ctx, ir, site, number: str, scope: str, dtype, device: str) -> tuple[
         tests.append(nodes[-1].name)
     for name, value in (("mean", 1.0), ("feed_share", workers / n), ("sum", 1.0 / n)):
         nodes.append(emit.const(f"{scope}/{name}", value, dtype, device))
-    nodes += [emit.node_def(f"{scope}/by_feed", "SelectV2",
-                            [tests[1], f"{scope}/feed_share", f"{scope}/sum"], device, T=dtype),
-              emit.node_def(f"{scope}/share", "SelectV2",
-                            [tests[0], f"{scope}/mean", f"{scope}/by_feed"], device, T=dtype)]
-    return nodes, f"{scope}/share"
+    nodes.append(emit.node_def(f"{scope}/by_feed", "SelectV2",
+                               [tests[0], f"{scope}/feed_share", f"{scope}/sum"], device,
+                               T=dtype))
+    if len(tests) > 1:
+        nodes.append(emit.node_def(f"{scope}/share", "SelectV2",
+                                   [tests[1], f"{scope}/mean", f"{scope}/by_feed"], device,
+                                   T=dtype))
+    return nodes, nodes[-1].name

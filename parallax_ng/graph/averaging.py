@@ -38,9 +38,12 @@ def averages(config, graph: tf.Graph, sites: list | None = None) -> tuple[bool, 
     of a mean their mean. A TF1 sum scaled by a number, where the graph
     does not show a replica's batch size, is taken as a mean (a sum over
     `batch_size`, the usual script), and the warning says so; where
-    `sites` is a list, such a loss whose numbers `scaled_sums` finds is
-    not warned about and they are added to it: transforms/scaled_sums.py
-    makes it one device's each step, from the rows fed. A sum that
+    `sites` is a list, such a loss whose numbers `scaled_sums` finds (or a
+    sum over a batch size fed beside the batch, a loss whose form is
+    otherwise unread), and such scalars read beside the losses (`_beside`:
+    a hand-written accuracy), are not warned about and their numbers are
+    added to it: transforms/scaled_sums.py decides them each step, from
+    the rows fed. A sum that
     adds a term without data (a regularizer) is a sum: the replicas' sum of
     it is exact where each adds 1/N of the term (`added_once`); so is a sum
     plus means over counts (`LossForm.widened`). A loss that adds a sum
@@ -142,9 +145,10 @@ class ScaledSum:
     """Where a TF1 loss multiplies (`multiplies`) or divides a sum over the
     batch by a number, input `at` of `op`, that the graph does not show to
     be a batch size: `count`, the number as a count of rows (0 where it is
-    not a whole number, -1 where it is fed: read each step), `per_row`, the elements the sum adds per row (1
-    where the graph does not show it), and `rows`, a tensor of the batch's
-    rows the sum reads (its first dimension is the rows fed)."""
+    not a whole number, -1 where it is fed: read each step), `per_row`, the
+    elements the sum adds per row (1 where the graph does not show it), and
+    `rows`, a tensor of the batch's rows the sum reads (its first dimension
+    is the rows fed)."""
     op: str
     at: int
     multiplies: bool
@@ -155,10 +159,10 @@ class ScaledSum:
 
 def scaled_sums(loss: tf.Tensor, data) -> list[ScaledSum]:
     """Each place where `loss`, a TF1 loss read as a sum over the batch
-    scaled by a number (`scalar_form`'s guess), scales a sum once by a
-    positive constant; [] where one of its terms is another form (a sum
-    scaled twice or not at all, a form the graph hides), which the warning
-    of `averages` names instead. Terms without data (a regularizer) and
+    scaled by a number (`scalar_form`'s guess), scales a sum by constants
+    (`/ 2 / 4`: the outer one) or once by a fed scalar; [] where one of its
+    terms is another form (a sum not scaled, a form the graph hides), which
+    the warning of `averages` names instead. Terms without data (a regularizer) and
     means beside the scaled sums are averaged as they are. `data`: the
     graph's reading of the batch's axes."""
     found, inputs = [], set(data.sources)
@@ -225,7 +229,8 @@ def fed_scalar(t: tf.Tensor, inputs) -> bool:
 def _fed_count(form, data) -> bool:
     """Whether a mean's form divides a sum by a fed scalar (its "count")."""
     graph, inputs = data.graph, set(data.sources)
-    return any(fed_scalar(graph.get_operation_by_name(op).inputs[1], inputs) for op in form.by_count)
+    return any(fed_scalar(graph.get_operation_by_name(op).inputs[1], inputs)
+               for op in form.by_count)
 
 
 def _beside(graph: tf.Graph, data, losses) -> list[ScaledSum]:

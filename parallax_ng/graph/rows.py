@@ -127,7 +127,7 @@ class _Axes(Flow):
     def _axis(self, t):
         op, kind = t.op, t.op.type
         if op.name in self.sources:
-            return 0
+            return 0 if t.shape.rank != 0 else None     # (a fed scalar: a flag, a rate)
         if op.name in self.bound:
             caller, outer = self.bound[op.name]
             return caller.axis(outer)
