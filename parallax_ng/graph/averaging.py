@@ -21,7 +21,7 @@ from .. import compat
 from .batch import split_as_parts
 from .forms import (added_terms, autodiff_losses, constant_value, counts_rows, loss_form,
                     scalar_form, sources)
-from .mixing import bent_gradient, mixing
+from .mixing import bent_gradient, mixing, reaches
 from .randomness import is_random, seed_input
 from .rows import batch_axis, reading
 from .rules import from_autodiff, is_autodiff
@@ -253,7 +253,7 @@ def _beside(graph: tf.Graph, data, losses) -> list[ScaledSum]:
                     for x in op.inputs) or _looped(op):
             continue
         updates = from_autodiff(graph) if updates is None else updates
-        if _reaches(op, updates):
+        if reaches(op, updates):
             continue            # a learning rate's (transforms/extremes.py reads the job's)
         _, guessed, form = scalar_form(t, data)
         if (guessed or _fed_count(form, data)) and not used_per_row(op, data) and \
@@ -261,19 +261,6 @@ def _beside(graph: tf.Graph, data, losses) -> list[ScaledSum]:
             found.extend(sites)
             read |= {site.op for site in sites}
     return found
-
-
-def _reaches(op: tf.Operation, names: set) -> bool:
-    """Whether an op named in `names` reads `op`'s outputs, maybe through others."""
-    seen, stack = set(), [op]
-    while stack:
-        for consumer in (c for t in stack.pop().outputs for c in t.consumers()):
-            if consumer.name in names:
-                return True
-            if consumer.name not in seen:
-                seen.add(consumer.name)
-                stack.append(consumer)
-    return False
 
 
 def _looped(op: tf.Operation) -> bool:

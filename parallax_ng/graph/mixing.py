@@ -148,7 +148,8 @@ def bent_gradient(graph: tf.Graph) -> tuple[str, str] | None:
             found.append(op)
     back = {op.name for op in graph.get_operations() if rules.is_autodiff(op.name)}
     for op in found:        # a custom function's: in its scope (TF1), or feeding the autodiff
-        if (rules.is_autodiff(op.name) or _reaches(op, back)) and not _nan_tested(op):
+        if (rules.is_autodiff(op.name) or reaches(op, back, _MOST_OPS)) and \
+                not _nan_tested(op):
             return op.name, op.type
     return None
 
@@ -169,10 +170,11 @@ def _nan_tested(op) -> bool:
     return True
 
 
-def _reaches(op, targets: set) -> bool:
-    """Whether a consumer of `op`'s outputs, or of theirs, is one of `targets`."""
+def reaches(op, targets: set, most: int | None = None) -> bool:
+    """Whether a consumer of `op`'s outputs, or of theirs, is one of
+    `targets` (names), looking at `most` ops where given."""
     seen, stack = set(), [op]
-    while stack and len(seen) < _MOST_OPS:
+    while stack and (most is None or len(seen) < most):
         x = stack.pop()
         for c in (c for t in x.outputs for c in t.consumers()):
             if c.name in targets:
