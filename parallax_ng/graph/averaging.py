@@ -23,7 +23,7 @@ from .forms import (added_terms, autodiff_losses, constant_value, counts_rows, l
                     scalar_form, sources)
 from .mixing import bent_gradient, mixing, reaches
 from .randomness import is_random, seed_input
-from .rows import batch_axis, reading
+from .rows import FED, batch_axis, reading
 from .rules import from_autodiff, is_autodiff
 from .selections import used_per_row
 
@@ -223,7 +223,7 @@ def fed_scalar(t: tf.Tensor, inputs) -> bool:
     while t.op.type in ("Identity", "Cast", "Reciprocal", "Inv"):
         t = t.op.inputs[0]
     return t.shape.rank == 0 and t.op.name in inputs and \
-        t.op.type in ("Placeholder", "PlaceholderWithDefault")
+        t.op.type in FED
 
 
 def _fed_count(form, data) -> bool:

@@ -64,8 +64,8 @@ _KEEP_FIRST = FIRST - {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"
 # slices put into a tensor at the indices' coordinates (a scan fills its output so)
 _SCATTERS = {"TensorScatterAdd", "TensorScatterUpdate", "TensorScatterSub", "TensorScatterMax",
              "TensorScatterMin"}
-_SPLITS = ("StringSplit", "StringSplitV2")
-_FED = ("Placeholder", "PlaceholderWithDefault")    # a scalar fed whole is not the batch's    # strings split into a sparse batch of words
+_SPLITS = ("StringSplit", "StringSplitV2")    # strings split into a sparse batch of words
+FED = ("Placeholder", "PlaceholderWithDefault")     # fed whole where scalar: not the batch's
 _DEPTH = 20000      # recursion enough for a deep model's chain of ops
 
 
@@ -128,7 +128,7 @@ class _Axes(Flow):
     def _axis(self, t):
         op, kind = t.op, t.op.type
         if op.name in self.sources:
-            return None if t.shape.rank == 0 and op.type in _FED else 0   # (a flag, a rate)
+            return None if t.shape.rank == 0 and op.type in FED else 0   # (a flag, a rate)
         if op.name in self.bound:
             caller, outer = self.bound[op.name]
             return caller.axis(outer)
