@@ -51,7 +51,7 @@ def transform_plan(graph, resource_info=None, config=None):
     from .graph import frontend
 
     job = build.resolve(resource_info, config, planned=True)
-    tg = frontend.load(graph, job.config.batch_norm)
+    tg = frontend.load(graph, job.config.batch_norm, job.config.batch_feeds)
     if job.config.l2l.enabled:         # layer by layer: how the model is cut
         from .l2l.runner import l2l_plan
         return l2l_plan(tg, job)
@@ -74,7 +74,8 @@ def transform(graph, resource_info=None, config=None, keep_graphs=False,
 
     resources = None if cluster_info is not None else load_resources(resource_info)
     job = build.make(load_config(config), resources, cluster_info, horovod)
-    b = build.Build(frontend.load(graph, job.config.batch_norm), job)
+    b = build.Build(frontend.load(graph, job.config.batch_norm, job.config.batch_feeds),
+                    job)
     return b.rewrite(plan if plan is not None else b.plan(), keep_graphs)
 
 

@@ -231,7 +231,8 @@ def get_runner(graph, resource_info=None, config=None, sample: Sample | None = N
     profile_steps = capture.check(graph, resource_info, config)
     job = resolve(capture.resources(resource_info), capture.config(config))
     heartbeat.set_timeout(job.config.communication.timeout_seconds)
-    return runner(frontend.load(graph, job.config.batch_norm), job, profile_steps, sample)
+    tg = frontend.load(graph, job.config.batch_norm, job.config.batch_feeds)
+    return runner(tg, job, profile_steps, sample)
 
 
 def runner(tg, job: Job, profile_steps: int = 0, sample: Sample | None = None):

@@ -273,7 +273,7 @@ class Config:
     horizontal_scheduling: bool = False                    # dense updates by block, a step later
     variable_methods: dict = field(default_factory=dict)   # variable -> method
     fetch_reduction: dict = field(default_factory=dict)    # tensor name -> how
-    batch_feeds: dict = field(default_factory=dict)        # placeholder -> split it or not
+    batch_feeds: dict = field(default_factory=dict)    # placeholder -> split, whole, axis
     dump_dir: str | None = None                            # graphs after each pass
     verify: str = "structure"
     random: str = "auto"                                   # replicas' random streams
@@ -305,10 +305,11 @@ class Config:
         for name, how in self.fetch_reduction.items():
             _check_choice(f"fetch_reduction.{name}", how, FETCH_REDUCTIONS)
         for name, split in self.batch_feeds.items():
-            if not isinstance(split, bool):
+            if not isinstance(split, int) or not isinstance(split, bool) and split < 1:
                 raise ConfigError(f"config key 'batch_feeds.{name}' must be true (its first "
-                                  "dimension is the batch: split it over the replicas) or "
-                                  f"false (every replica gets it whole), not {split!r}")
+                                  "dimension is the batch: split it over the replicas), "
+                                  "false (every replica gets it whole) or the axis that holds "
+                                  f"the batch, 1 or more (1: fed time-major), not {split!r}")
 
     @classmethod
     def from_dict(cls, data: dict) -> "Config":

@@ -232,11 +232,11 @@ def test_a_fixed_batch_fed_whole_warns_once_naming_the_placeholder():
         assert [p.shape for p in per] == [(4, 1), (4, 1)]
 
 
-def test_a_time_major_placeholder_fed_whole_is_told_to_feed_batch_major():
-    """A placeholder [time, None, features] (time-major data): its first
-    dimension is fixed and its feed goes whole to every replica; the
-    warning says to feed it batch-major, since feeds split along their
-    first dimension."""
+def test_a_time_major_placeholder_fed_whole_is_told_to_name_its_batch_axis():
+    """A placeholder [time, None, features] (time-major data) no recurrence
+    reads: its first dimension is fixed and its feed goes whole to every
+    replica; the warning names config `batch_feeds: {x: 1}`, which splits
+    the feed along axis 1 (tests/test_time_major.py trains with it)."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [3, None, 2], name="x")
@@ -247,8 +247,15 @@ def test_a_time_major_placeholder_fed_whole_is_told_to_feed_batch_major():
     with pn.get_runner(g, local(2)) as runner:
         runner.run(init)
         with pytest.warns(UserWarning, match="fixed batch dimension of 3.*If its axis 1 is the "
-                                             "batch \\(time-major data\\), feed it batch-major"):
+                                             "batch \\(time-major data\\), set config "
+                                             "`batch_feeds: {x: 1}`"):
             runner.run("train", {"x:0": np.ones([3, 4, 2], np.float32)})
+    with pn.get_runner(g, local(2), {"batch_feeds": {"x": 1}}) as runner:
+        runner.run(init)
+        parts = runner.run("x:0", {"x:0": np.arange(24, dtype=np.float32).reshape(3, 4, 2)},
+                           per_replica=True)
+        assert [p.shape for p in parts] == [(3, 2, 2), (3, 2, 2)]
+        np.testing.assert_array_equal(np.concatenate(parts, 1).ravel(), np.arange(24))
 
 
 def test_n_times_a_fixed_batch_is_split_and_equals_one_device():

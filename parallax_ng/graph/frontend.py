@@ -19,7 +19,7 @@ import tensorflow as tf
 from .. import compat
 from ..errors import GraphError
 from . import (accumulation, branches, cond_lowering, distinct, fused_norm, generators,
-               input_calls, queues, rules, variance)
+               input_calls, queues, rules, time_major, variance)
 from .ir import GraphIR, TensorRef
 
 SHARD_SCOPE = "parallax_shard"
@@ -68,6 +68,7 @@ class TrainingGraph:
     # variable the script accumulates gradients in -> the variable they train
     accumulators: dict[str, str] = field(default_factory=dict)
     user_graph: tf.Graph | None = None   # the graph given, where `graph` lowers its conds
+    time_major: dict[str, int] = field(default_factory=dict)   # placeholder -> batch axis
 
     # -- tensor facts -----------------------------------------------------
     def tensor(self, ref: TensorRef) -> tf.Tensor:
@@ -195,9 +196,10 @@ class TrainingGraph:
         return None
 
 
-def load(source, batch_norm: str = "per_replica") -> TrainingGraph:
+def load(source, batch_norm: str = "per_replica", batch_feeds=None) -> TrainingGraph:
     """A TrainingGraph of a tf.Graph, a MetaGraphDef or a file path (under
-    `batch_norm: synchronized` fused batch normalization lowered)."""
+    `batch_norm: synchronized` fused batch normalization lowered; placeholders
+    fed time-major, by config `batch_feeds` or found, fed by batch-major twins)."""
     if isinstance(source, (str, os.PathLike)):
         source = _read_meta_graph(os.fspath(source))
     if isinstance(source, tf.compat.v1.MetaGraphDef):
@@ -209,9 +211,11 @@ def load(source, batch_norm: str = "per_replica") -> TrainingGraph:
         raise GraphError(f"cannot parallelize a {type(source).__name__}; pass a tf.Graph, a "
                          "tf.compat.v1.MetaGraphDef or the path of an exported .meta file")
     norms = fused_norm.edit(source) if batch_norm == "synchronized" else None
-    tg = _from_graph(cond_lowering.lowered(source, generators.edit(source), norms, also=(
-        fused_norm.training_ifs,) if norms is not None else ()))
-    tg.user_graph = source
+    major = time_major.axes(source, batch_feeds or {})
+    tg = _from_graph(cond_lowering.lowered(
+        source, generators.edit(source), norms, time_major.edit(major),
+        also=(fused_norm.training_ifs,) if norms is not None else ()))
+    tg.user_graph, tg.time_major = source, major
     input_calls.note(tg)          # gradients of the inputs: not losses (a copy notes them)
     return tg
 
@@ -287,11 +291,7 @@ def _owner(node, trainable: set[str]) -> str | None:
             target = loc.decode().removeprefix("loc:@")
             if target in trainable and target != node.name:
                 return target
-    best = None
-    for t in trainable:
-        if node.name.startswith(t + "/") and (best is None or len(t) > len(best)):
-            best = t
-    return best
+    return max((t for t in trainable if node.name.startswith(t + "/")), key=len, default=None)
 
 
 def _resource_uses(tg: TrainingGraph):

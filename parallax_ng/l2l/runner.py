@@ -220,6 +220,11 @@ class L2LFetchMap(FetchMap):
                  (self.user_name(k) for k in feed_dict or {} if k not in sparse)}
         sparse = [k.indices.name.rsplit("/", 1)[0] for k in sparse] + \
             sparse_placeholders(names)
+        if major := sorted(n for n in names if n.split(":")[0] in self.tg.time_major):
+            raise FetchError(f"layer-by-layer execution does not split placeholders fed "
+                             f"time-major ({major[0]!r}, graph/time_major.py): its graph splits "
+                             "each fed batch by its first dimension; feed it batch-major and "
+                             "transpose it in the graph")
         if sparse:
             raise FetchError(f"layer-by-layer execution does not split sparse placeholders "
                              f"({sparse[0]!r}): its graph splits each fed batch by its first "

@@ -25,6 +25,7 @@ from .. import compat
 from ..errors import FetchError, UnevenFeed
 from ..graph import accumulation, batch, forms, rules
 from ..graph.ir import parse_tensor
+from ..graph.time_major import analysed, batch_major, twin
 from ..pipeline.results import PerExampleState, ScaledInputs, WidenedMeans
 from . import summaries
 from .batch_parts import sparse_placeholders, sparse_rows, sparse_tensors
@@ -64,8 +65,7 @@ class FetchMap:
         raise NotImplementedError
 
     def _adopt(self, node: str) -> bool:
-        """Copy user op `node`, made after get_runner, into the step graph;
-        False if it is not in the user's graph at all."""
+        """Copy user op `node` (made after get_runner) in; False if not a user op."""
         raise NotImplementedError
 
     def user_name(self, leaf) -> str:
@@ -102,14 +102,13 @@ class FetchMap:
         return name
 
     def _fetchable(self, node: str) -> str:
-        """The name to fetch for a suggestion: an op's first output (a value),
-        or the op itself when it has none (e.g. a training op)."""
+        """A suggestion's name: an op's first output, or the op (a training op)."""
         op = self.user_graph.get_operation_by_name(node)
         return op.outputs[0].name if op.outputs else node
 
     def _new_ops(self, node: str) -> dict | None:
-        """User op `node` and the ops it needs that the step graph lacks (made
-        after get_runner), by name; None if `node` is not in the user's graph."""
+        """User op `node` and the ops it needs that the step graph lacks (made after
+        get_runner), by name; None if `node` is not in the user's graph."""
         try:
             op = self.user_graph.get_operation_by_name(node)
         except KeyError:
@@ -129,8 +128,7 @@ class FetchMap:
 
 
 class ReplicaFetchMap(FetchMap):
-    """Fetches and feeds of the graph the data-parallel passes made: every
-    replica's copy of a user node."""
+    """Fetches and feeds of the data-parallel passes' graph: every replica's copy of a node."""
 
     def __init__(self, graph: tf.Graph, ctx, config):
         super().__init__(graph, ctx.tg, config)
@@ -259,7 +257,7 @@ class ReplicaFetchMap(FetchMap):
 
     def _reduction(self, name: str) -> tuple[str, int]:
         if name not in self._reductions:         # read once per tensor, not per step
-            widened, t = self.ctx.result(WidenedMeans), self.user_graph.get_tensor_by_name(name)
+            widened, t = self.ctx.result(WidenedMeans), analysed(self.tg, name)
             scaled = self.ctx.result(ScaledInputs)    # one device's share each: summed
             how, axis, shown = default_reduction(
                 t, self._sources, widened.divisions if widened else frozenset(),
@@ -270,8 +268,8 @@ class ReplicaFetchMap(FetchMap):
         return self._reductions[name]
 
     def _said(self, t: tf.Tensor) -> bool:
-        """Whether `t` is (an identity of) a loss the graph differentiates (its
-        form warned about already) or an output its program joins by rows."""
+        """Whether `t` is (an identity of) a loss the graph differentiates (its form
+        warned about already) or an output its program joins by rows."""
         while t.op.type in ("Identity", "Snapshot") and t.name not in self._said_names:
             t = t.op.inputs[0]
         return t.name in self._said_names
@@ -283,9 +281,9 @@ class ReplicaFetchMap(FetchMap):
 
     @cached_property
     def _sources(self) -> list[str]:
-        """The user graph's data sources: every placeholder and iterator (a
+        """The data sources (`analysed`): every placeholder and iterator (a
         scalar scaled by a fed number has no form, and keeps the mean)."""
-        return forms.sources(self.user_graph)
+        return forms.sources(self.tg.graph if self.tg.time_major else self.user_graph)
 
     def copy_name(self, k: int, node: str) -> str:
         """Replica k's copy of user node `node` in the runner's graph."""
@@ -294,9 +292,8 @@ class ReplicaFetchMap(FetchMap):
         return self.ctx.replica_name(k, node)
 
     def _adopt(self, node: str) -> bool:
-        """Copy user ops made after get_runner (e.g. a later
-        global_variables_initializer()) into the step graph
-        (parallax_ng/runtime/copies.py)."""
+        """Copy user ops made after get_runner (a later global_variables_initializer())
+        into the step graph (parallax_ng/runtime/copies.py)."""
         new = self._new_ops(node)
         if new is None:
             return False
@@ -315,7 +312,10 @@ class ReplicaFetchMap(FetchMap):
             if ":" not in name:
                 name += ":0"
             ref = parse_tensor(name)
-            user_tensor = self.user_graph.get_tensor_by_name(name)
+            if axis := self.tg.time_major.get(ref.node):    # fed through its batch-major twin
+                ref, value = parse_tensor(twin(ref.node) + ":0"), batch_major(value, axis)
+            user_tensor = (self.tg.graph if axis else self.user_graph).get_tensor_by_name(
+                f"{ref.node}:{ref.index}")
             shape = user_tensor.shape
             copies = [f"{self.copy_name(k, ref.node)}:{ref.index}" for k in range(n)]
             rows = compat.dim(shape, 0) if shape.rank else 0
@@ -324,8 +324,8 @@ class ReplicaFetchMap(FetchMap):
                 continue
             if n > 1 and len(set(copies)) == n and rows != 0:
                 value = np.asarray(value)
-                kind = self._batch_kind(ref.node) \
-                    if rows is None or ref.node in self.config.batch_feeds else batch.BATCH
+                kind = batch.BATCH if axis or rows is not None and \
+                    ref.node not in self.config.batch_feeds else self._batch_kind(ref.node)
                 if kind == batch.WHOLE:
                     for c in copies:
                         out[c] = value
@@ -438,8 +438,8 @@ class ReplicaFetchMap(FetchMap):
             f"{rows} rows goes whole to each of the {n} replicas, which then train on the "
             f"same rows. Build it with shape [None, ...] to split feeds over the replicas, "
             f"or feed {n * rows} rows ({rows} per replica)" + ("" if free is None else
-            f". If its axis {free} is the batch (time-major data), feed it batch-major and "
-            "transpose it in the graph: feeds are split along their first dimension"),
+            f". If its axis {free} is the batch (time-major data), set config "
+            f"`batch_feeds: {{{tensor.op.name}: {free}}}`"),
             stacklevel=5)
 
     @cached_property

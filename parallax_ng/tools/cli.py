@@ -186,7 +186,8 @@ def _plan(opts, graph, resources, config) -> int:
         plan, tried = transform_plan(graph, resources, config), {}
     else:                              # one Build planned with each size tuning tries
         from ..graph import frontend
-        made = build.Build(frontend.load(graph, job.config.batch_norm), job)
+        made = build.Build(frontend.load(graph, job.config.batch_norm,
+                                         job.config.batch_feeds), job)
         plan = made.plan()
         config = tuning.settled(job.config, plan)
         tried = tuning.candidates(lambda c: made.configured(c).plan(), config) \

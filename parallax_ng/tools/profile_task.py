@@ -32,7 +32,7 @@ def main(argv: list[str]) -> int:
         raise RuntimeError(f"{__name__} runs as a worker of a launched job ({PROFILE_ENV} "
                            "and the job's cluster are set by `parallax-ng profile`)")
     heartbeat.set_timeout(job.config.communication.timeout_seconds)
-    tg = frontend.load(got.graph)
+    tg = frontend.load(got.graph, job.config.batch_norm, job.config.batch_feeds)
     server = info.start_server()
     shared = build.measure_job(build.Build(tg, job), server, int(steps))
     if info.task == 0:

@@ -1,0 +1,166 @@
+"""Time-major feeds (graph/time_major.py): placeholders fed `[time, batch,
+...]`, found where a recurrence reads their first axis step by step
+(dynamic_rnn(time_major=True), static_rnn over tf.unstack,
+bidirectional_dynamic_rnn) or named by config `batch_feeds: {NAME: 1}`,
+are split over the replicas along their batch axis, through a batch-major
+twin in the front end's copy. 2 replicas against one device fed the same
+sequences, Adam, 4 steps: every variable and slot, and the fetched loss
+and per-step rows, 1e-5. Before, such feeds were split along time: each
+replica ran half of every sequence from a zero state (0.37 apart after 4
+steps, with a line that did not say why)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import load_values, local
+from parallax_ng.errors import ConfigError
+from parallax_ng.graph import time_major
+
+tf1 = tf.compat.v1
+TOL = 1e-5
+V, E, H, T, B = 10, 6, 8, 6, 8
+RNG = np.random.default_rng(0)
+IDS, TARGETS = RNG.integers(2, V, (T, 64)), RNG.integers(2, V, (T, 64))
+LENGTHS = RNG.integers(1, T + 1, 64)
+POOLED_X, POOLED_Y = RNG.normal(size=(5, 64, 3)).astype(np.float32), RNG.normal(size=(64, 1))
+
+
+def seq_graph(kind: str):
+    """ids and targets [T or None, None] -> embedding -> GRU by `kind` ->
+    logits; the loss a mean over the real steps (a mask from the lengths,
+    fed batch-major). `kind` "batch-major" and "map_fn" feed [batch, time]."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        major = kind not in ("batch-major", "map_fn")
+        shape = [T, None] if kind == "static" else [None, None]
+        ids = tf1.placeholder(tf.int32, shape, "ids")
+        targets = tf1.placeholder(tf.int32, shape, "targets")
+        lengths = tf1.placeholder(tf.int32, [None], "lengths")
+        emb = tf1.get_variable("emb", [V, E], initializer=tf1.random_uniform_initializer(-1, 1))
+        x = tf.nn.embedding_lookup(emb, ids)
+        cell = tf1.nn.rnn_cell.GRUCell(H)
+        if kind == "static":
+            out = tf.stack(tf1.nn.static_rnn(cell, tf.unstack(x), dtype=tf.float32)[0])
+        elif kind == "bidirectional":
+            (fw, bw), _ = tf1.nn.bidirectional_dynamic_rnn(
+                cell, tf1.nn.rnn_cell.GRUCell(H), x, lengths, dtype=tf.float32, time_major=True)
+            out = tf.concat([fw, bw], -1)
+        else:
+            if kind == "map_fn":
+                x = tf.map_fn(lambda row: row * 2.0, x)      # over the batch's rows
+            out, _ = tf1.nn.dynamic_rnn(cell, x, lengths, dtype=tf.float32, time_major=major)
+        w = tf1.get_variable("w", [out.shape[-1], V])
+        logits = tf.tensordot(out, w, 1)
+        xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits)
+        mask = tf.sequence_mask(lengths, T, dtype=tf.float32)
+        mask = tf.transpose(mask) if major else mask
+        loss = tf.reduce_sum(xent * mask) / tf.reduce_sum(mask)
+        step = tf.reduce_sum(x, -1, name="per_step")          # [T, B] (or [B, T])
+        train = tf1.train.AdamOptimizer(0.05).minimize(loss)
+        init = tf1.global_variables_initializer()
+
+    def feeds(s, rows):
+        cut = slice(s * rows, (s + 1) * rows)
+        a, b = IDS[:, cut], TARGETS[:, cut]
+        return {ids: a if major else a.T, targets: b if major else b.T, lengths: LENGTHS[cut]}
+    return g, dict(train=train, loss=loss, init=init, feeds=feeds, step=step)
+
+
+def variables(g):
+    return g.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)
+
+
+def compare(build, config=None, steps=4):
+    """Every variable (and slot) and the fetched loss and per-step rows of
+    2 replicas against one device fed the same global batches."""
+    g, h = build()
+    with pn.get_runner(g, local(2), config) as runner:
+        runner.run(h["init"])
+        start = dict(zip([v.op.name for v in variables(g)], runner.run(variables(g))))
+        got = [runner.run([h["train"], h["loss"], h["step"]], h["feeds"](s, B))[1:]
+               for s in range(steps)]
+        trained = runner.run(variables(g))
+    g1, h1 = build()
+    with tf1.Session(graph=g1) as sess:
+        sess.run(h1["init"])
+        load_values(sess, g1, start)
+        want = [sess.run([h1["train"], h1["loss"], h1["step"]], h1["feeds"](s, B))[1:]
+                for s in range(steps)]
+        for v, value in zip(variables(g1), trained):
+            np.testing.assert_allclose(value, sess.run(v), atol=TOL, rtol=0, err_msg=v.op.name)
+    for (loss, step), (loss1, step1) in zip(got, want):
+        assert abs(loss - loss1) < TOL
+        np.testing.assert_allclose(step, step1, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind,mode", [("dynamic", "hybrid"), ("dynamic", "allreduce"),
+                                       ("dynamic", "ps"), ("static", "hybrid"),
+                                       ("bidirectional", "hybrid")])
+def test_time_major_feeds_train_as_one_device(kind, mode, capsys):
+    compare(lambda: seq_graph(kind), {"run_option": mode})
+    said = capsys.readouterr().err
+    assert "placeholders 'ids', 'targets' are fed time-major" in said
+
+
+def test_batch_major_feeds_and_a_map_fn_over_the_batch_are_not_taken(capsys):
+    for kind in ("batch-major", "map_fn"):
+        assert time_major.axes(seq_graph(kind)[0], {}) == {}
+    assert "time-major" not in capsys.readouterr().err
+    compare(lambda: seq_graph("map_fn"))
+
+
+def pooled_graph():
+    """x fed [time, batch, 3], averaged over time, then a dense layer: no
+    recurrence shows the layout, so config `batch_feeds: {x: 1}` names it."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, None, 3], "x")
+        y = tf1.placeholder(tf.float32, [None, 1], "y")
+        w = tf1.get_variable("w", initializer=np.full((3, 1), 0.1, np.float32))
+        pooled = tf.reduce_mean(x, 0)
+        loss = tf.reduce_mean(tf.square(tf.matmul(pooled, w) - y))
+        step = tf.identity(x[:, :, 0], "per_step")
+        train = tf1.train.AdamOptimizer(0.1).minimize(loss)
+        init = tf1.global_variables_initializer()
+
+    def feeds(s, rows):
+        cut = slice(s * rows, (s + 1) * rows)
+        return {x: POOLED_X[:, cut], y: POOLED_Y[cut]}
+    return g, dict(train=train, loss=loss, init=init, feeds=feeds, step=step)
+
+
+def test_config_names_a_time_major_feed():
+    assert time_major.axes(pooled_graph()[0], {}) == {}
+    compare(pooled_graph, {"batch_feeds": {"x": 1}})
+
+
+def test_config_keeps_a_feed_batch_major_and_refuses_a_bad_axis(capsys):
+    g = seq_graph("dynamic")[0]
+    assert time_major.axes(g, {"targets": True}) == {"ids": 1}
+    assert "placeholders 'ids' are fed time-major" in capsys.readouterr().err
+    assert time_major.axes(g, {"targets": 1, "ids": False}) == {"targets": 1}
+    for bad in (0, -1, 1.5, "time"):
+        with pytest.raises(ConfigError, match=r"batch_feeds\.x.*the axis that holds the batch"):
+            pn.get_runner(pooled_graph()[0], local(2), {"batch_feeds": {"x": bad}})
+    with pytest.raises(ConfigError, match=r"batch_feeds\.x' is 3, but the placeholder has 3"):
+        pn.get_runner(pooled_graph()[0], local(2), {"batch_feeds": {"x": 3}})
+
+
+def test_layer_by_layer_execution_refuses_a_time_major_feed_by_name():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, None, 3], "x")
+        h = tf.reduce_mean(x, 0)
+        for k in range(2):
+            with tf1.variable_scope(f"stack/layer_{k}"):
+                h = tf.tanh(tf.matmul(h, tf1.get_variable("w", [3, 3])))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(h), name="train")
+        init = tf1.global_variables_initializer()
+    config = {"l2l": {"layers": r"stack/layer_(\d+)/"}, "batch_feeds": {"x": 1}}
+    with pn.get_runner(g, local(1), config) as runner:
+        runner.run(init)
+        with pytest.raises(pn.FetchError, match="does not split placeholders fed time-major "
+                                                r"\('x:0'"):
+            runner.run("train", {x: np.ones([5, 4, 3], np.float32)})
