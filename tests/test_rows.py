@@ -1,7 +1,7 @@
 """The batch's axis of a tensor (parallax_ng/graph/rows.py): through
 transposes, stacks, slices, reshapes, tensordot, gathers, convolutions,
 transposed convolutions, pools, paddings, tilings, splits, scans and
-scatters into a tensor; and the losses read through them (through loops
+scatters into a tensor (tensordot of a time-major tensor too); and the losses read through them (through loops
 and calls: tests/test_row_loops.py)."""
 import numpy as np
 import tensorflow as tf
@@ -48,6 +48,9 @@ def test_axes_through_array_ops():
             tf.reduce_sum(time_major, 0): 0, tf.reduce_sum(x, 0): None,
             tf.reduce_mean(time_major, 2, keepdims=True): 1,
             tf.tensordot(x, tf.ones((4, 3)), 1): 0,
+            # back to [time, batch] (a time-major projection); the batch contracted: none
+            tf.tensordot(time_major, tf.ones((4, 3)), 1): 1,
+            tf.tensordot(tf.transpose(x, [1, 2, 0]), tf.ones((4, 3)), [[1], [0]]): None,
             tf.einsum("btd->tbd", x): 1, tf.einsum("tbd,de->bte", time_major, tf.ones((4, 2))): 0,
             tf.gather(x, [0, 1], axis=1): 0, tf.gather(tf.ones((9, 3)), y): 0,
             tf.one_hot(y, 5): 0, tf.one_hot(y, 5, axis=0): 1,

@@ -8,6 +8,10 @@ sequences, Adam, 4 steps: every variable and slot, and the fetched loss
 and per-step rows, 1e-5. Before, such feeds were split along time: each
 replica ran half of every sequence from a zero state (0.37 apart after 4
 steps, with a line that did not say why)."""
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -16,6 +20,7 @@ import parallax_ng as pn
 from models import load_values, local
 from parallax_ng.errors import ConfigError
 from parallax_ng.graph import time_major
+from task_env import TASK_PATH
 
 tf1 = tf.compat.v1
 TOL = 1e-5
@@ -65,7 +70,7 @@ def seq_graph(kind: str):
         cut = slice(s * rows, (s + 1) * rows)
         a, b = IDS[:, cut], TARGETS[:, cut]
         return {ids: a if major else a.T, targets: b if major else b.T, lengths: LENGTHS[cut]}
-    return g, dict(train=train, loss=loss, init=init, feeds=feeds, step=step)
+    return g, dict(train=train, loss=loss, init=init, feeds=feeds, step=step, logits=logits)
 
 
 def variables(g):
@@ -73,26 +78,28 @@ def variables(g):
 
 
 def compare(build, config=None, steps=4):
-    """Every variable (and slot) and the fetched loss and per-step rows of
-    2 replicas against one device fed the same global batches."""
+    """Every variable (and slot) and the fetched loss, per-step rows and
+    logits of 2 replicas against one device fed the same global batches."""
     g, h = build()
+    fetched = ["train", "loss", "step", "logits"]
     with pn.get_runner(g, local(2), config) as runner:
         runner.run(h["init"])
         start = dict(zip([v.op.name for v in variables(g)], runner.run(variables(g))))
-        got = [runner.run([h["train"], h["loss"], h["step"]], h["feeds"](s, B))[1:]
+        got = [runner.run([h[k] for k in fetched], h["feeds"](s, B))[1:]
                for s in range(steps)]
         trained = runner.run(variables(g))
     g1, h1 = build()
     with tf1.Session(graph=g1) as sess:
         sess.run(h1["init"])
         load_values(sess, g1, start)
-        want = [sess.run([h1["train"], h1["loss"], h1["step"]], h1["feeds"](s, B))[1:]
+        want = [sess.run([h1[k] for k in fetched], h1["feeds"](s, B))[1:]
                 for s in range(steps)]
         for v, value in zip(variables(g1), trained):
             np.testing.assert_allclose(value, sess.run(v), atol=TOL, rtol=0, err_msg=v.op.name)
-    for (loss, step), (loss1, step1) in zip(got, want):
+    for (loss, *rows), (loss1, *rows1) in zip(got, want):
         assert abs(loss - loss1) < TOL
-        np.testing.assert_allclose(step, step1, atol=TOL, rtol=0)
+        for a, b in zip(rows, rows1):       # joined along the batch's axis
+            np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
 
 
 @pytest.mark.parametrize("kind,mode", [("dynamic", "hybrid"), ("dynamic", "allreduce"),
@@ -102,6 +109,9 @@ def test_time_major_feeds_train_as_one_device(kind, mode, capsys):
     compare(lambda: seq_graph(kind), {"run_option": mode})
     said = capsys.readouterr().err
     assert "placeholders 'ids', 'targets' are fed time-major" in said
+    # the lengths meet the batch through the transposed mask; the logits' rows
+    # (tf.tensordot over [time, batch, units]) are read, and so is the loss's form
+    assert "'lengths'" not in said and "does not show" not in said, said
 
 
 def test_batch_major_feeds_and_a_map_fn_over_the_batch_are_not_taken(capsys):
@@ -119,8 +129,8 @@ def pooled_graph():
         x = tf1.placeholder(tf.float32, [None, None, 3], "x")
         y = tf1.placeholder(tf.float32, [None, 1], "y")
         w = tf1.get_variable("w", initializer=np.full((3, 1), 0.1, np.float32))
-        pooled = tf.reduce_mean(x, 0)
-        loss = tf.reduce_mean(tf.square(tf.matmul(pooled, w) - y))
+        pred = tf.matmul(tf.reduce_mean(x, 0), w)
+        loss = tf.reduce_mean(tf.square(pred - y))
         step = tf.identity(x[:, :, 0], "per_step")
         train = tf1.train.AdamOptimizer(0.1).minimize(loss)
         init = tf1.global_variables_initializer()
@@ -128,7 +138,7 @@ def pooled_graph():
     def feeds(s, rows):
         cut = slice(s * rows, (s + 1) * rows)
         return {x: POOLED_X[:, cut], y: POOLED_Y[cut]}
-    return g, dict(train=train, loss=loss, init=init, feeds=feeds, step=step)
+    return g, dict(train=train, loss=loss, init=init, feeds=feeds, step=step, logits=pred)
 
 
 def test_config_names_a_time_major_feed():
@@ -164,3 +174,49 @@ def test_layer_by_layer_execution_refuses_a_time_major_feed_by_name():
         with pytest.raises(pn.FetchError, match="does not split placeholders fed time-major "
                                                 r"\('x:0'"):
             runner.run("train", {x: np.ones([5, 4, 3], np.float32)})
+
+
+def test_a_job_of_two_workers_each_fed_half_of_the_batch_equals_one_device(tmp_path):
+    from test_cluster import resources
+    script, out = tmp_path / "job.py", str(tmp_path / "out")
+    script.write_text(JOB.format(tests=os.path.dirname(os.path.abspath(__file__)), out=out))
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
+         resources(tmp_path, 2, 1, servers=1)], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "placeholders 'ids', 'targets' are fed time-major" in done.stderr
+    g, h = seq_graph("dynamic")
+    with tf1.Session(graph=g) as sess:
+        sess.run(h["init"])     # then the job's: tf_keras's GRU draws anew in each graph
+        load_values(sess, g, dict(np.load(f"{out}.start.npz")))
+        for s in range(4):
+            sess.run(h["train"], h["feeds"](s, B))
+        want = dict(zip([v.op.name for v in variables(g)], sess.run(variables(g))))
+    for w in (0, 1):
+        got = dict(np.load(f"{out}.{w}.npz"))
+        assert set(got) == set(want)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], atol=TOL, rtol=0,
+                                       err_msg=f"worker {w}: {name}")
+
+
+JOB = """
+import sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+import parallax_ng as pn
+from test_time_major import B, seq_graph, variables
+g, h = seq_graph("dynamic")
+runner = pn.get_runner(g, None, None)
+runner.run(h["init"])
+w, half = runner.plan.worker, B // 2
+if w == 0:
+    np.savez({out!r} + ".start.npz",
+             **dict(zip([v.op.name for v in variables(g)], runner.run(variables(g)))))
+for s in range(4):
+    part = {{k: v[..., half * w:half * (w + 1)] for k, v in h["feeds"](s, B).items()}}
+    runner.run(h["train"], part)
+np.savez({out!r} + f".{{w}}.npz",
+         **dict(zip([v.op.name for v in variables(g)], runner.run(variables(g)))))
+"""

@@ -172,8 +172,9 @@ def _meets_batch(graph: tf.Graph, name: str, batch: list) -> bool:
     """Whether placeholder `name`'s rows, as graph/rows.py follows them
     (through a time-major loop's transposes and TensorArrays, which the
     rules here do not), line up with the rows of `batch` (placeholders
-    and sources of the batch) in a loss (logits and labels) or an
-    element-wise op of operands of one rank."""
+    and sources of the batch) on one axis of a loss (logits and labels) or
+    of an element-wise op of operands of one rank (a mask of lengths
+    transposed to [time, batch] times the losses of time-major data)."""
     return bool(batch) and _meet(graph, reading([name], graph), reading(batch, graph))
 
 
@@ -189,8 +190,9 @@ def _meet(graph: tf.Graph, mine, theirs, depth: int = 0) -> bool:
         if len(op.inputs) < 2 or not (op.type in LOSSES or op.type in ELEMENTWISE and
                                       len({x.shape.rank for x in op.inputs}) == 1):
             continue
-        ours = {x.name for x in op.inputs if mine.rows(x)}
-        if ours and any(theirs.rows(x) for x in op.inputs if x.name not in ours):
+        ours = {x.name: a for x in op.inputs if (a := mine.axis(x)) is not None}
+        if ours and any(theirs.axis(x) in ours.values() for x in op.inputs
+                        if x.name not in ours):
             return True
     return False
 

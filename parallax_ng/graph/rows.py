@@ -22,6 +22,7 @@ from .recorders import input_rows
 from .row_loops import PASS, Flow
 from .rules import (CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS, SHAPED, SPARSE_LAYERS,
                     TRANSPOSED_CONVOLUTIONS, slice_axis, sparse_batch, sparse_rows)
+from .shape_vectors import tensordot_lead
 
 
 def batch_rows(t: tf.Tensor, sources) -> bool:
@@ -372,6 +373,8 @@ class _Axes(Flow):
         before, after = x.shape, t.shape
         if a is None and op.type == "Reshape" and x.op.type in LOSSES:
             return self._unflattened(x.op, op.inputs[1], after.rank)
+        if a is None and op.type == "Reshape" and (lead := tensordot_lead(op)):  # tensordot
+            return b if (b := self.axis(lead[0])) is not None and b < lead[1] else None
         if a is None or not after.rank:
             return None
         if op.type == "ExpandDims" and before.rank is not None:

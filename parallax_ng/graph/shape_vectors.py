@@ -3,12 +3,14 @@ graph/batch.py reads where a reshape, a SparseToDense or a stack takes its
 shape from tensors of the graph (`tf.shape(x)`, `[tf.shape(x)[0], -1]`, a
 feature column's `dense_shape[:-1]`), and constant inputs.
 
-Requires: a TrainingGraph (its IR and tf.Graph). Guarantees: reads the
-graph only; each function answers None (or (None, False)) where the graph
-does not show what it asks.
+Requires: a TrainingGraph (its IR and tf.Graph), or tf ops
+(`tensordot_lead`, which graph/rows.py reads). Guarantees: reads the graph
+only; each function answers None (or (None, False)) where the graph does
+not show what it asks.
 """
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from .ir import TensorRef
@@ -97,3 +99,24 @@ def const(tg, ref: TensorRef):
         return None
     value = tf.make_ndarray(node.attr["value"].tensor)
     return value.tolist()
+
+
+def tensordot_lead(op: tf.Operation):
+    """(u, k) where Reshape `op` gives a MatMul of u's rows (u reshaped to a
+    matrix) the shape of u's first k axes and more (tf.tensordot's result:
+    gather(shape(u), [0 .. k-1]) first; [time, batch, units] by a weight
+    keeps its batch on axis 1), else None."""
+    x, shape = op.inputs[0].op, op.inputs[1].op
+    if x.type != "MatMul" or x.get_attr("transpose_a") or x.inputs[0].op.type != "Reshape" \
+            or shape.type != "ConcatV2" or shape.inputs[0].op.type != "GatherV2" \
+            or shape.inputs[0].op.inputs[0].op.type != "Shape":
+        return None
+    picked, flat = shape.inputs[0].op, x.inputs[0].op.inputs[0]
+    u, at = picked.inputs[0].op.inputs[0], tf.get_static_value(picked.inputs[1])
+    k = 0 if at is None else np.size(at)
+    if flat.op.type == "Transpose":       # u's axes in order: the first k kept first
+        perm = tf.get_static_value(flat.op.inputs[1])
+        flat = flat.op.inputs[0] if perm is not None and list(perm[:k]) == list(range(k)) \
+            else flat
+    return (u, k) if k and list(np.ravel(at)) == list(range(k)) and flat.name == u.name \
+        else None
