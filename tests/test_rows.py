@@ -1,8 +1,8 @@
 """The batch's axis of a tensor (parallax_ng/graph/rows.py): through
-transposes, stacks, slices, reshapes, tensordot, gathers, convolutions,
-transposed convolutions, pools, paddings, tilings, splits, scans and
-scatters into a tensor (tensordot of a time-major tensor too); and the losses read through them (through loops
-and calls: tests/test_row_loops.py)."""
+transposes, stacks, slices, reshapes, tensordot (of a time-major tensor
+too), gathers, convolutions, transposed convolutions, pools, paddings,
+tilings, splits, scans and scatters into a tensor; and the losses read
+through them (through loops and calls: tests/test_row_loops.py)."""
 import numpy as np
 import tensorflow as tf
 
