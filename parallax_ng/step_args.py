@@ -112,7 +112,7 @@ def same_shapes(traced: list, args) -> None:
     """A ConfigError where a call's argument has another shape past its batch
     dimension than the trace fixed (a padded batch of another length)."""
     for i, (shape, leaf) in enumerate(zip(traced, tensor_leaves(args))):
-        if shape is None or isinstance(leaf, (tf.SparseTensor, SparseValue)) or \
+        if shape is None or isinstance(leaf, (tf.SparseTensor, SparseValue, tf.RaggedTensor)) or \
                 fits_shape(shape, leaf):
             continue
         raise ConfigError(
@@ -125,7 +125,10 @@ def same_shapes(traced: list, args) -> None:
 
 def leaf_value(leaf):
     """A step argument's leaf as fed: an array, or a SparseTensorValue of
-    arrays for a SparseTensor (a batch of sparse rows)."""
+    arrays for a SparseTensor (a batch of sparse rows) or a RaggedTensor
+    (rows of several lengths, which the traced step makes ragged again)."""
+    if isinstance(leaf, tf.RaggedTensor):
+        leaf = leaf.to_sparse()
     if isinstance(leaf, (tf.SparseTensor, SparseValue)):
         return SparseValue(*(np.asarray(array(t)) for t in
                              (leaf.indices, leaf.values, leaf.dense_shape)))

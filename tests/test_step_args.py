@@ -113,32 +113,33 @@ def _bag_step(model, optimizer, table):
     return step
 
 
-def test_a_ragged_batch_is_named_and_trains_exactly_passed_as_a_sparse_one(capsys):
-    """A tf.RaggedTensor argument is refused with what to pass instead; a
-    tf.SparseTensor made ragged in the step (tf.RaggedTensor.from_sparse)
-    equals one device given the ragged batch, 3 steps on 2 replicas, 1e-5,
-    with no line (its row lengths, a bincount of the rows' ids, count
-    entries per example, not values among the batch's examples)."""
+@pytest.mark.parametrize("splits", [tf.int64, tf.int32])
+def test_a_ragged_batch_is_split_by_rows_and_equals_one_device(splits, capsys):
+    """A tf.RaggedTensor argument (rows of 1 to 4 ids, row splits of either
+    dtype) is fed as its sparse rows and made ragged again in the traced
+    step: each of 2 replicas gets its rows, and 3 steps equal one device
+    given the ragged batch (head, Adam's slots and the table, 1e-5), with
+    no line (its row lengths, a bincount of the rows' ids, count entries
+    per example, not values among the batch's examples). A RaggedTensor
+    of ragged rank 2 is refused by name, with what to pass instead."""
     keras.utils.set_random_seed(0)
     tables = [tf.Variable(tf.random.normal([20, 4])) for _ in range(2)]
     tables[1].assign(tables[0])
     parallel, single = twins(_bag_model, lambda: keras.optimizers.Adam(0.05))
     rng = np.random.RandomState(0)
     batches = [(tf.ragged.constant([list(rng.randint(0, 20, rng.randint(1, 5)))
-                                    for _ in range(8)], dtype=tf.int64),
+                                    for _ in range(8)], dtype=tf.int64, row_splits_dtype=splits),
                 rng.randn(8).astype(np.float32)) for _ in range(3)]
-    with pytest.raises(pn.GraphError, match="is a RaggedTensor, not a tensor or array: pass it "
-                                            r"as a tf.SparseTensor \(x.to_sparse\(\)"):
-        pn.function(_bag_step(*parallel, tables[0]), local(2))(*batches[0])
-    step = _bag_step(*parallel, tables[0])
-    made_ragged = pn.function(lambda ids, y: step(tf.RaggedTensor.from_sparse(ids), y),
-                              local(2))
+    step = pn.function(_bag_step(*parallel, tables[0]), local(2))
     ref = tf.function(_bag_step(*single, tables[1]))
     capsys.readouterr()
     for ids, y in batches:
-        np.testing.assert_allclose(made_ragged(ids.to_sparse(), y), ref(ids, y).numpy(),
-                                   atol=1e-5, rtol=0)
-    made_ragged.sync()
+        np.testing.assert_allclose(step(ids, y), ref(ids, y).numpy(), atol=1e-5, rtol=0)
+    step.sync()
     check_equal(parallel, single)
     np.testing.assert_allclose(tables[0].numpy(), tables[1].numpy(), atol=1e-5, rtol=0)
     assert "parallax_ng:" not in capsys.readouterr().err
+    nested = tf.RaggedTensor.from_row_lengths(batches[0][0], [2, 6])
+    with pytest.raises(pn.GraphError, match="is a RaggedTensor of rank 3 and ragged rank 2: "
+                                            r".*pass this one padded \(x.to_tensor\(\)\)"):
+        pn.function(lambda ids, y: step(ids.values, y), local(2))(nested, batches[0][1])

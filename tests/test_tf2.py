@@ -1256,12 +1256,15 @@ def test_a_sparse_tensor_argument_is_split_by_its_rows():
         step(bags, y, per_replica=True)
 
 
-def test_a_sparse_tensor_argument_in_a_two_worker_job(tmp_path):
+@pytest.mark.parametrize("flags", [["--sparse"], ["--sparse", "--ragged"]],
+                         ids=["sparse", "ragged"])
+def test_a_sparse_tensor_argument_in_a_two_worker_job(tmp_path, flags):
     """2 workers x 1 device, each called with the global SparseTensor batch
-    (8 rows): each takes its 4 rows' entries (numbered from 0), and after 5
-    steps both equal one device with the global batch from worker 0's head
+    (8 rows), or the same rows as a RaggedTensor the step makes sparse:
+    each takes its 4 rows' entries (numbered from 0), and after 5 steps
+    both equal one device with the global batch from worker 0's head
     (table, head and Adagrad's accumulators, 1e-5)."""
-    out, done = run_job(tmp_path, "--sparse")
+    out, done = run_job(tmp_path, *flags)
     assert "worker 1 of 2: done" in done.stdout
     workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
     fn, table, head, optimizer = bag_model(40)

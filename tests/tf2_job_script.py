@@ -25,7 +25,8 @@ pinned; `communication.timeout_seconds` 150 in every case); with --horovod, a ra
 `communication.backend: horovod`); with --bn, test_keras_fit's BatchNormalization model by
 `model.fit` on STEPS global batches of 16 (with --ps, run option `ps`: its
 variables on the resource file's server); with --sparse, test_tf2's bags of
-ids (a tf.SparseTensor argument) by a custom loop, Keras 3 Adagrad (the
+ids (a tf.SparseTensor argument; with --ragged too, the same rows as a
+tf.RaggedTensor the step makes sparse) by a custom loop, Keras 3 Adagrad (the
 table saved as `table`); with --selected, test_selected_means's loop (a
 mean over the rows a mask picks, Adam(0.05)).
 """
@@ -132,9 +133,12 @@ elif "--selected" in sys.argv:
     for k in range(steps):
         step(x[k * sm.BATCH:(k + 1) * sm.BATCH], y[k * sm.BATCH:(k + 1) * sm.BATCH])
 elif "--sparse" in sys.argv:
-    step = pn.function(train_bags, resources, config)
+    ragged = "--ragged" in sys.argv     # rows of several lengths, made sparse in the step
+    step = pn.function((lambda ids, y: train_bags(ids.to_sparse(), y)) if ragged else
+                       train_bags, resources, config)
     for k in range(steps):
-        step(*sparse_bags(k, 40))
+        bags, y = sparse_bags(k, 40)
+        step(tf.RaggedTensor.from_sparse(bags) if ragged else bags, y)
 else:
     step = pn.function(step_of(model, optimizer), resources, config)
     # the loop as written for one device saves after every step, on every

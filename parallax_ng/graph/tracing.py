@@ -121,8 +121,10 @@ def _trace(fn, args: tuple, first: int, what: str, opened: dict):
 
     def step(*leaves):     # an output besides fn's, which holds every stateful op
         full = list(flat)
-        for i, leaf in zip(present, leaves):
-            full[i] = leaf
+        for i, leaf in zip(present, leaves):    # a ragged batch, fed as its sparse rows
+            ragged = isinstance(flat[i], tf.RaggedTensor)
+            full[i] = tf.RaggedTensor.from_sparse(
+                leaf, row_splits_dtype=flat[i].row_splits.dtype) if ragged else leaf
         return python(*tf.nest.pack_sequence_as(structure, full)), tf.constant(0)
 
     made = []
@@ -193,6 +195,8 @@ def _differences(a, b) -> str:
 def _spec(value, i: int, opened=None):
     if isinstance(value, tf.compat.v1.SparseTensorValue):
         value = tf.SparseTensor(*value)
+    if isinstance(value, tf.RaggedTensor) and value.ragged_rank == 1 and value.shape.rank == 2:
+        return tf.SparseTensorSpec([None, None], value.dtype)   # rows of several lengths
     if isinstance(value, tf.SparseTensor):       # a batch of sparse rows
         if value.shape.rank is not None and value.shape.rank < 1:
             raise GraphError(f"argument leaf {i} of the step is a SparseTensor of no rows; "
@@ -204,14 +208,15 @@ def _spec(value, i: int, opened=None):
         t = tf.convert_to_tensor(value)
     except (TypeError, ValueError) as e:
         data = isinstance(value, (tf.data.Dataset, tf.data.Iterator))
-        raise GraphError(f"argument leaf {i} of the step is a {type(value).__name__}, not a "
-                         "tensor or array" + (
-                             ": a step takes one global batch; iterate outside it and pass "
-                             "the batch (for x, y in dataset: step(x, y))" if data else
-                             ": pass it as a tf.SparseTensor (x.to_sparse(); each replica gets "
-                             "its rows) and make it ragged in the step "
-                             "(tf.RaggedTensor.from_sparse), or padded (x.to_tensor())"
-                             if isinstance(value, tf.RaggedTensor) else f": {e}")) from None
+        what = f"a {type(value).__name__}, not a tensor or array"
+        if isinstance(value, tf.RaggedTensor):
+            what = f"a RaggedTensor of rank {value.shape.rank} and ragged rank " \
+                f"{value.ragged_rank}: a batch of rows of several lengths (rank 2, ragged " \
+                "rank 1) is split by rows; pass this one padded (x.to_tensor())"
+        raise GraphError(f"argument leaf {i} of the step is {what}" + (
+            ": a step takes one global batch; iterate outside it and pass the batch (for x, y "
+            "in dataset: step(x, y))" if data else "" if isinstance(value, tf.RaggedTensor)
+            else f": {e}")) from None
     if t.shape.rank == 0:           # a number every replica takes whole (a learning rate)
         return tf.TensorSpec([], t.dtype, name=INPUT.format(i))
     dims = t.shape.as_list()[1:]
