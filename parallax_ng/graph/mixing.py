@@ -98,11 +98,17 @@ def _summed(t, rows) -> bool:
     log of one (tf.reduce_logsumexp over the batch, a softmax's normalizer
     written by hand) is not a sum of per-example terms."""
     op = through(t.op)
-    if op.type != "Sum" or not op.inputs[0].shape.rank:
+    return op.type == "Sum" and _over_batch(op, rows)
+
+
+def _over_batch(op, rows) -> bool:
+    """Whether reduction `op` (Sum, Mean) reduces its input's batch axis."""
+    rank = op.inputs[0].shape.rank
+    if not rank:
         return False
     axes, a = tf.get_static_value(op.inputs[1]), rows.axis(op.inputs[0])
     return a is not None and axes is not None and \
-        a in {int(v) % op.inputs[0].shape.rank for v in np.atleast_1d(axes)}
+        a in {int(v) % rank for v in np.atleast_1d(axes)}
 
 
 # ops not linear in their input: a custom gradient that applies one to the
@@ -196,11 +202,7 @@ def _ratio(divisor, rows) -> str | None:
             continue
         seen.add(op.name)
         reads |= op.type in ("ReadVariableOp", "VariableV2", "ResourceGather")
-        if op.type in ("Sum", "Mean") and op.inputs[0].shape.rank:
-            axes, a = tf.get_static_value(op.inputs[1]), rows.axis(op.inputs[0])
-            rank = op.inputs[0].shape.rank
-            summed |= a is not None and axes is not None and \
-                a in {int(v) % rank for v in np.atleast_1d(axes)}
+        summed |= op.type in ("Sum", "Mean") and _over_batch(op, rows)
         stack.extend(x.op for x in op.inputs if x.op.type not in _SHAPE_ONLY and
                      x.dtype != tf.bool)        # a count of a condition counts, not sums
     if summed and reads:
