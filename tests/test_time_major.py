@@ -34,7 +34,9 @@ POOLED_X, POOLED_Y = RNG.normal(size=(5, 64, 3)).astype(np.float32), RNG.normal(
 def seq_graph(kind: str):
     """ids and targets [T or None, None] -> embedding -> GRU by `kind` ->
     logits; the loss a mean over the real steps (a mask from the lengths,
-    fed batch-major). `kind` "batch-major" and "map_fn" feed [batch, time]."""
+    fed batch-major). `kind` "batch-major" and "map_fn" feed [batch, time]
+    (the mask as long as the ids' second dimension, which a map_fn over
+    the rows and this size do not make time-major)."""
     g = tf.Graph()
     with g.as_default():
         tf1.set_random_seed(1)
@@ -59,7 +61,7 @@ def seq_graph(kind: str):
         w = tf1.get_variable("w", [out.shape[-1], V])
         logits = tf.tensordot(out, w, 1)
         xent = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=targets, logits=logits)
-        mask = tf.sequence_mask(lengths, T, dtype=tf.float32)
+        mask = tf.sequence_mask(lengths, T if major else tf.shape(ids)[1], dtype=tf.float32)
         mask = tf.transpose(mask) if major else mask
         loss = tf.reduce_sum(xent * mask) / tf.reduce_sum(mask)
         step = tf.reduce_sum(x, -1, name="per_step")          # [T, B] (or [B, T])

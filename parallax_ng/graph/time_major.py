@@ -23,9 +23,9 @@ time-major where its first axis is read step by step and its second is
 the batch: unstacked (`tf.unstack`, static_rnn: only a time axis of fixed
 length can be), reversed per sequence with the batch beside it
 (`tf.reverse_sequence`, bidirectional_dynamic_rnn), or scattered into a
-TensorArray or TensorList (dynamic_rnn's loop) while the graph takes its
-second dimension's size (the batch size dynamic_rnn builds its state
-with; `tf.map_fn` over a batch reads no such size). Where one is found,
+TensorArray or TensorList (dynamic_rnn's loop) while the graph fills a
+state whose first dimension is its second one (dynamic_rnn's zero state
+and outputs; `tf.map_fn` over a batch fills none). Where one is found,
 the other placeholders laid out alike (rank 2 or more, the same first
 dimension, an unknown second) are taken as time-major too (the targets of
 a time-major decoder are read by nothing that shows it); `get_runner`
@@ -97,7 +97,11 @@ def _dim(op, k: int):
 
 def _stepped(op, graph: tf.Graph) -> bool:
     """Whether placeholder `op`'s first axis is read step by step by a
-    recurrence whose batch is its second axis."""
+    recurrence whose batch is its second axis: unstacked, reversed per
+    sequence, or scattered into a TensorArray (TensorList) where the graph
+    fills a state whose first dimension is its second one (`tf.zeros([
+    tf.shape(x)[1], units])`, as recurrent layers start; a tf.map_fn over
+    a batch's rows reading their length, `tf.shape(x)[1]`, fills none)."""
     r = reading({op.name}, graph)
     scattered = sized = False
     for user in graph.get_operations():
@@ -115,10 +119,24 @@ def _stepped(op, graph: tf.Graph) -> bool:
         if kind in _STEPPED and \
                 r.guarded(lambda x: x.axis(user.inputs[_VALUE[kind]])) == 0:
             scattered = True
-        if kind == "StridedSlice" and user.inputs[0].op.type == "Shape" and \
-                _picks(user, 1) and r.guarded(lambda x: x.axis(user.inputs[0].op.inputs[0])) == 0:
+        if kind == "Fill" and (size := _head(user.inputs[0])) is not None and \
+                r.guarded(lambda x: x.axis(size.op.inputs[0].op.inputs[0])) == 0:
             sized = True
     return scattered and sized
+
+
+def _head(shape):
+    """The first entry of shape vector `shape` where it is `tf.shape(t)[1]`
+    (through stacks, concatenations, casts), else None."""
+    op = shape.op
+    for _ in range(8):
+        if op.type == "StridedSlice" and op.inputs[0].op.type == "Shape" and _picks(op, 1):
+            return op.outputs[0]
+        if op.type not in ("Pack", "ConcatV2", "ExpandDims", "Reshape", "Identity", "Cast") \
+                or not op.inputs:
+            return None
+        op = op.inputs[0].op
+    return None
 
 
 def _picks(op, k: int) -> bool:
