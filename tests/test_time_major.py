@@ -158,6 +158,9 @@ def test_config_keeps_a_feed_batch_major_and_refuses_a_bad_axis(capsys):
             pn.get_runner(pooled_graph()[0], local(2), {"batch_feeds": {"x": bad}})
     with pytest.raises(ConfigError, match=r"batch_feeds\.x' is 3, but the placeholder has 3"):
         pn.get_runner(pooled_graph()[0], local(2), {"batch_feeds": {"x": 3}})
+    with pytest.raises(ConfigError, match=r"batch_feeds\.z' gives an axis, but the graph has "
+                                          "no placeholder 'z'"):
+        pn.get_runner(pooled_graph()[0], local(2), {"batch_feeds": {"z": 1}})
 
 
 def test_layer_by_layer_execution_refuses_a_time_major_feed_by_name():

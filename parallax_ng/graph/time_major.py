@@ -64,6 +64,10 @@ def axes(graph: tf.Graph, batch_feeds: dict) -> dict[str, int]:
     found in `graph` (printed once)."""
     candidates = [op for op in graph.get_operations() if _candidate(op)]
     out = {n: a for n, a in batch_feeds.items() if _axis_value(a)}
+    placeholders = {op.name for op in graph.get_operations() if op.type == "Placeholder"}
+    for name in set(out) - placeholders:
+        raise ConfigError(f"config key 'batch_feeds.{name}' gives an axis, but the graph has "
+                          f"no placeholder {name!r} (tf.compat.v1.placeholder) to feed along it")
     chosen = {n for n in batch_feeds}
     found = [op for op in candidates if op.name not in chosen and _stepped(op, graph)]
     if found:
