@@ -51,6 +51,11 @@ def test_axes_through_array_ops():
             # back to [time, batch] (a time-major projection); the batch contracted: none
             tf.tensordot(time_major, tf.ones((4, 3)), 1): 1,
             tf.tensordot(tf.transpose(x, [1, 2, 0]), tf.ones((4, 3)), [[1], [0]]): None,
+            # by hand, back to a time-major input's leading axes (CTC scripts' logits)
+            tf.reshape(tf.matmul(tf.reshape(time_major, [-1, 4]), tf.ones((4, 3))) + 1.0,
+                       [tf.shape(time_major)[0], tf.shape(time_major)[1], 3]): 1,
+            tf.reshape(tf.matmul(tf.reshape(time_major, [-1, 4]), tf.ones((4, 3))),
+                       [tf.shape(x)[0], tf.shape(x)[1], 3]): None,
             tf.einsum("btd->tbd", x): 1, tf.einsum("tbd,de->bte", time_major, tf.ones((4, 2))): 0,
             tf.gather(x, [0, 1], axis=1): 0, tf.gather(tf.ones((9, 3)), y): 0,
             tf.one_hot(y, 5): 0, tf.one_hot(y, 5, axis=0): 1,

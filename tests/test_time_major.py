@@ -123,6 +123,51 @@ def test_batch_major_feeds_and_a_map_fn_over_the_batch_are_not_taken(capsys):
     compare(lambda: seq_graph("map_fn"))
 
 
+def ctc_graph():
+    """Features fed [time, batch, 5] into an LSTM run time-major, logits
+    reshaped to [time, batch, classes] from the features' shape, CTC against
+    labels in a sparse placeholder and lengths per sequence (batch-major)."""
+    g = tf.Graph()
+    with g.as_default():
+        tf1.set_random_seed(1)
+        features = tf1.placeholder(tf.float32, [None, None, 5], "features")
+        labels = tf1.sparse_placeholder(tf.int32, name="labels")
+        lengths = tf1.placeholder(tf.int32, [None], "lengths")
+        out, _ = tf1.nn.dynamic_rnn(tf1.nn.rnn_cell.LSTMCell(H), features, lengths,
+                                    dtype=tf.float32, time_major=True)
+        w = tf1.get_variable("w", [H, 5])
+        shape = tf.shape(features)
+        logits = tf.reshape(tf.matmul(tf.reshape(out, [-1, H]), w), [shape[0], shape[1], 5])
+        per_sequence = tf1.nn.ctc_loss(labels, logits, lengths)
+        loss = tf.reduce_mean(per_sequence)
+        train = tf1.train.MomentumOptimizer(0.01, 0.9).minimize(loss)
+        init = tf1.global_variables_initializer()
+
+    def feeds(s, rows):
+        cut = range(s * rows, (s + 1) * rows)
+        rows_of = [CTC_LABELS[i] for i in cut]
+        indices = [(r, k) for r, row in enumerate(rows_of) for k in range(len(row))]
+        sparse = tf1.SparseTensorValue(np.array(indices, np.int64),
+                                       np.array([v for row in rows_of for v in row], np.int32),
+                                       np.array([rows, 2], np.int64))
+        return {features: CTC_FEATURES[:, cut.start:cut.stop], labels: sparse,
+                lengths: CTC_LENGTHS[cut.start:cut.stop]}
+    return g, dict(train=train, loss=loss, init=init, feeds=feeds, step=per_sequence,
+                   logits=logits)
+
+
+CTC_FEATURES = RNG.normal(size=(T, 64, 5)).astype(np.float32)
+CTC_LENGTHS = RNG.integers(4, T + 1, 64)
+CTC_LABELS = [list(RNG.integers(1, 4, RNG.integers(1, 3))) for _ in range(64)]
+
+
+def test_a_time_major_ctc_script_beside_sparse_labels(capsys):
+    """The features are time-major, the sparse labels' indices (rank 2, an
+    open second dimension) are not: split by their rows, as before."""
+    compare(ctc_graph, {"run_option": "hybrid"})
+    assert "placeholder 'features' is fed time-major" in capsys.readouterr().err
+
+
 def pooled_graph():
     """x fed [time, batch, 3], averaged over time, then a dense layer: no
     recurrence shows the layout, so config `batch_feeds: {x: 1}` names it."""
@@ -151,7 +196,7 @@ def test_config_names_a_time_major_feed():
 def test_config_keeps_a_feed_batch_major_and_refuses_a_bad_axis(capsys):
     g = seq_graph("dynamic")[0]
     assert time_major.axes(g, {"targets": True}) == {"ids": 1}
-    assert "placeholders 'ids' are fed time-major" in capsys.readouterr().err
+    assert "placeholder 'ids' is fed time-major (its batch" in capsys.readouterr().err
     assert time_major.axes(g, {"targets": 1, "ids": False}) == {"targets": 1}
     for bad in (0, -1, 1.5, "time"):
         with pytest.raises(ConfigError, match=r"batch_feeds\.x.*the axis that holds the batch"):

@@ -22,7 +22,7 @@ from .recorders import input_rows
 from .row_loops import PASS, Flow
 from .rules import (CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS, SHAPED, SPARSE_LAYERS,
                     TRANSPOSED_CONVOLUTIONS, slice_axis, sparse_batch, sparse_rows)
-from .shape_vectors import tensordot_lead
+from .shape_vectors import restored_lead
 
 
 def batch_rows(t: tf.Tensor, sources) -> bool:
@@ -373,8 +373,9 @@ class _Axes(Flow):
         before, after = x.shape, t.shape
         if a is None and op.type == "Reshape" and x.op.type in LOSSES:
             return self._unflattened(x.op, op.inputs[1], after.rank)
-        if a is None and op.type == "Reshape" and (lead := tensordot_lead(op)):  # tensordot
-            return b if (b := self.axis(lead[0])) is not None and b < lead[1] else None
+        if a is None and op.type == "Reshape" and (lead := restored_lead(op)):  # tensordot
+            b = self.axis(lead[0])
+            return b if b is not None and b < lead[1] and self.axis(lead[2]) == b else None
         if a is None or not after.rank:
             return None
         if op.type == "ExpandDims" and before.rank is not None:
@@ -437,10 +438,9 @@ class _Axes(Flow):
         if value is not None:
             return np.ndim(value) == 1 and len(value) > 0 and int(value[0]) == -1
         op = shape.op
-        if op.type in ("Pack", "ConcatV2") and len(op.inputs) > 1:
-            first = tf.get_static_value(op.inputs[0])
-            if first is not None:
-                return np.size(first) > 0 and int(np.ravel(first)[0]) == -1
+        if op.type in ("Pack", "ConcatV2") and len(op.inputs) > 1 and \
+                (first := tf.get_static_value(op.inputs[0])) is not None:
+            return np.size(first) > 0 and int(np.ravel(first)[0]) == -1
         return self._first_counts(shape)
 
 

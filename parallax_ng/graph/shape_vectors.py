@@ -101,22 +101,45 @@ def const(tg, ref: TensorRef):
     return value.tolist()
 
 
-def tensordot_lead(op: tf.Operation):
-    """(u, k) where Reshape `op` gives a MatMul of u's rows (u reshaped to a
-    matrix) the shape of u's first k axes and more (tf.tensordot's result:
-    gather(shape(u), [0 .. k-1]) first; [time, batch, units] by a weight
-    keeps its batch on axis 1), else None."""
-    x, shape = op.inputs[0].op, op.inputs[1].op
-    if x.type != "MatMul" or x.get_attr("transpose_a") or x.inputs[0].op.type != "Reshape" \
-            or shape.type != "ConcatV2" or shape.inputs[0].op.type != "GatherV2" \
-            or shape.inputs[0].op.inputs[0].op.type != "Shape":
+def restored_lead(op: tf.Operation):
+    """(u, k, v) where Reshape `op` gives a product of v's rows (v reshaped
+    to a matrix, times a weight, plus a bias) the shape of u's first k
+    axes and more: tf.tensordot's result (u is v, its shape gathered at
+    [0 .. k-1] first), or a projection written by hand back to a time-major
+    input's layout (`tf.reshape(h @ w, [tf.shape(x)[0], tf.shape(x)[1],
+    classes])`); else None. graph/rows.py keeps the batch's axis where u
+    and v hold it at one of those k axes."""
+    x = op.inputs[0].op
+    while x.type in ("BiasAdd", "AddV2", "Add", "Identity") and x.inputs:
+        x = x.inputs[0].op
+    if x.type != "MatMul" or x.get_attr("transpose_a") or x.inputs[0].op.type != "Reshape":
         return None
-    picked, flat = shape.inputs[0].op, x.inputs[0].op.inputs[0]
-    u, at = picked.inputs[0].op.inputs[0], tf.get_static_value(picked.inputs[1])
-    k = 0 if at is None else np.size(at)
-    if flat.op.type == "Transpose":       # u's axes in order: the first k kept first
-        perm = tf.get_static_value(flat.op.inputs[1])
-        flat = flat.op.inputs[0] if perm is not None and list(perm[:k]) == list(range(k)) \
-            else flat
-    return (u, k) if k and list(np.ravel(at)) == list(range(k)) and flat.name == u.name \
-        else None
+    v = x.inputs[0].op.inputs[0]
+    u, k = _leading_dims(op.inputs[1].op)
+    if v.op.type == "Transpose":       # v's axes in order: the first k kept first
+        perm = tf.get_static_value(v.op.inputs[1])
+        v = v.op.inputs[0] if perm is not None and list(perm[:k]) == list(range(k)) else v
+    return (u, k, v) if k else None
+
+
+def _leading_dims(shape: tf.Operation) -> tuple:
+    """(u, k) where shape vector `shape` starts with u's first k dimensions
+    in order: gather(tf.shape(u), [0 .. k-1]) concatenated with more, or a
+    stack of tf.shape(u)[0], ..., tf.shape(u)[k-1] and more; else (None, 0)."""
+    if shape.type == "ConcatV2" and shape.inputs[0].op.type == "GatherV2" and \
+            shape.inputs[0].op.inputs[0].op.type == "Shape":
+        picked = shape.inputs[0].op
+        at = tf.get_static_value(picked.inputs[1])
+        k = 0 if at is None else np.size(at)
+        return (picked.inputs[0].op.inputs[0], k) if k and \
+            list(np.ravel(at)) == list(range(k)) else (None, 0)
+    u, k = None, 0
+    for entry in shape.inputs if shape.type == "Pack" else ():
+        e = entry.op
+        if e.type != "StridedSlice" or e.inputs[0].op.type != "Shape" or \
+                tf.get_static_value(e.inputs[1]) is None or \
+                list(np.ravel(tf.get_static_value(e.inputs[1]))) != [k] or \
+                u is not None and e.inputs[0].op.inputs[0].name != u.name:
+            break
+        u, k = e.inputs[0].op.inputs[0], k + 1
+    return (u, k) if k >= 2 else (None, 0)

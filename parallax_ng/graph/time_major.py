@@ -62,9 +62,9 @@ def axes(graph: tf.Graph, batch_feeds: dict) -> dict[str, int]:
     """Placeholder name -> its batch axis (> 0), for the placeholders fed
     with their batch on a later axis: named by `batch_feeds` (an int), or
     found in `graph` (printed once)."""
-    candidates = [op for op in graph.get_operations() if _candidate(op)]
-    out = {n: a for n, a in batch_feeds.items() if _axis_value(a)}
     placeholders = {op.name for op in graph.get_operations() if op.type == "Placeholder"}
+    candidates = [op for op in graph.get_operations() if _candidate(op, placeholders)]
+    out = {n: a for n, a in batch_feeds.items() if _axis_value(a)}
     for name in set(out) - placeholders:
         raise ConfigError(f"config key 'batch_feeds.{name}' gives an axis, but the graph has "
                           f"no placeholder {name!r} (tf.compat.v1.placeholder) to feed along it")
@@ -75,10 +75,11 @@ def axes(graph: tf.Graph, batch_feeds: dict) -> dict[str, int]:
         found += [op for op in candidates if op.name not in chosen and op not in found
                   and _dim(op, 0) in firsts]
         found.sort(key=lambda op: op.name)
-        print("parallax_ng: placeholders " + ", ".join(repr(op.name) for op in found) +
-              " are fed time-major (their batch is axis 1: a recurrent loop reads axis 0 "
-              "step by step); each feed is split over the replicas along axis 1. Config "
-              "`batch_feeds: {NAME: true}` splits one along axis 0",
+        names, one = ", ".join(repr(op.name) for op in found), len(found) == 1
+        print(f"parallax_ng: placeholder{'' if one else 's'} {names} {'is' if one else 'are'} "
+              f"fed time-major ({'its' if one else 'their'} batch is axis 1: a recurrent loop "
+              "reads axis 0 step by step); each feed is split over the replicas along axis 1. "
+              "Config `batch_feeds: {NAME: true}` splits one along axis 0",
               file=sys.stderr, flush=True)
         out.update((op.name, 1) for op in found)
     return out
@@ -88,8 +89,13 @@ def _axis_value(a) -> bool:
     return not isinstance(a, bool) and isinstance(a, int) and a > 0
 
 
-def _candidate(op) -> bool:
-    if op.type != "Placeholder" or op.name.startswith(INPUT.format("")):
+def _candidate(op, placeholders: set) -> bool:
+    """A placeholder of rank 2 or more whose second dimension is unknown,
+    not a TF2 step's argument nor a sparse placeholder's indices (split
+    by their rows' numbers: runtime/batch_parts.py)."""
+    base, _, part = op.name.rpartition("/")
+    if op.type != "Placeholder" or op.name.startswith(INPUT.format("")) or \
+            part == "indices" and {f"{base}/values", f"{base}/shape"} <= placeholders:
         return False
     shape = op.outputs[0].shape
     return shape.rank is not None and shape.rank >= 2 and _dim(op, 1) is None
