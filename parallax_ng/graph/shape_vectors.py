@@ -137,9 +137,15 @@ def _leading_dims(shape: tf.Operation) -> tuple:
     for entry in shape.inputs if shape.type == "Pack" else ():
         e = entry.op
         if e.type != "StridedSlice" or e.inputs[0].op.type != "Shape" or \
-                tf.get_static_value(e.inputs[1]) is None or \
-                list(np.ravel(tf.get_static_value(e.inputs[1]))) != [k] or \
+                not shape_entry(e, k) or \
                 u is not None and e.inputs[0].op.inputs[0].name != u.name:
             break
         u, k = e.inputs[0].op.inputs[0], k + 1
     return (u, k) if k >= 2 else (None, 0)
+
+
+def shape_entry(op: tf.Operation, k: int) -> bool:
+    """Whether StridedSlice `op` takes entry k of a vector (`tf.shape(x)[k]`)."""
+    begin, strides = (tf.get_static_value(op.inputs[i]) for i in (1, 3))
+    return begin is not None and strides is not None and list(np.ravel(begin)) == [k] and \
+        list(np.ravel(strides)) == [1] and op.get_attr("shrink_axis_mask") == 1

@@ -46,6 +46,7 @@ import tensorflow as tf
 from ..errors import ConfigError
 from . import emit, rules
 from .rows import reading
+from .shape_vectors import shape_entry
 from .tracing import INPUT
 
 SUFFIX = "parallax_batch_major"
@@ -68,7 +69,7 @@ def axes(graph: tf.Graph, batch_feeds: dict) -> dict[str, int]:
     for name in set(out) - placeholders:
         raise ConfigError(f"config key 'batch_feeds.{name}' gives an axis, but the graph has "
                           f"no placeholder {name!r} (tf.compat.v1.placeholder) to feed along it")
-    chosen = {n for n in batch_feeds}
+    chosen = set(batch_feeds)
     found = [op for op in candidates if op.name not in chosen and _stepped(op, graph)]
     if found:
         firsts = {_dim(op, 0) for op in found}
@@ -140,20 +141,13 @@ def _head(shape):
     (through stacks, concatenations, casts), else None."""
     op = shape.op
     for _ in range(8):
-        if op.type == "StridedSlice" and op.inputs[0].op.type == "Shape" and _picks(op, 1):
+        if op.type == "StridedSlice" and op.inputs[0].op.type == "Shape" and shape_entry(op, 1):
             return op.outputs[0]
         if op.type not in ("Pack", "ConcatV2", "ExpandDims", "Reshape", "Identity", "Cast") \
                 or not op.inputs:
             return None
         op = op.inputs[0].op
     return None
-
-
-def _picks(op, k: int) -> bool:
-    """Whether StridedSlice `op` takes entry k of a vector (`shape[k]`)."""
-    begin, strides = (tf.get_static_value(op.inputs[i]) for i in (1, 3))
-    return begin is not None and strides is not None and list(np.ravel(begin)) == [k] and \
-        list(np.ravel(strides)) == [1] and op.get_attr("shrink_axis_mask") == 1
 
 
 def edit(found: dict[str, int]):
