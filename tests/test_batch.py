@@ -55,6 +55,23 @@ def test_a_vector_placeholder_is_what_its_uses_make_it(use, kind):
     assert got["v"] == kind
 
 
+def test_data_and_labels_partitioned_by_a_task_per_example_are_batches():
+    """A loss per task: logits and labels cut by tf.dynamic_partition by a
+    task id per example, a mean over each part (before: all three
+    "unknown", with a line each, though split right)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        y = tf1.placeholder(tf.int32, [None], name="y")
+        task = tf1.placeholder(tf.int32, [None], name="task")
+        logits = tf.matmul(x, tf1.get_variable("w", [3, 4]))
+        parts = zip(tf.dynamic_partition(logits, task, 2), tf.dynamic_partition(y, task, 2))
+        loss = tf.add_n([tf.reduce_mean(tf1.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=b, logits=a)) for a, b in parts])
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    assert kinds(g) == {"x": "batch", "y": "batch", "task": "batch"}
+
+
 def test_a_pick_per_row_by_gather_nd_lines_up_the_rows():
     """A DQN's Q value of each example's action, tf.gather_nd(q, tf.stack(
     [tf.range(n), a], 1)) or tf.gather(q, a[:, None], batch_dims=1): the

@@ -56,6 +56,22 @@ MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
     "labels compared pairwise": (lambda x: tf.reduce_sum(per_example(x) * tf.reduce_sum(
         tf.cast(tf.equal(labels(x)[None], labels(x)[:, None]), tf.float32), 0)),
         "broadcast pairs"),
+    # mixup with the batch reversed, rolled or shuffled: example i meets another
+    "mixup by a reversal": (lambda x: tf.reduce_mean(scores(0.7 * x + 0.3 * tf.reverse(
+        x, [0]))), "another order"),
+    "shifted pairs": (lambda x: tf.reduce_mean(per_example(x) * tf.roll(per_example(x), 1, 0)),
+                      "another order"),
+    "mixup by a reversed range": (lambda x: tf.reduce_mean(scores(x + tf.gather(
+        x, tf.range(tf.shape(x)[0] - 1, -1, -1)))), "another order"),
+    "mixup by a shuffle": (lambda x: tf.reduce_mean(scores(x + tf.gather(x, tf.random.shuffle(
+        tf.range(tf.shape(x)[0]))))), "another order"),
+    # a statistic per label over the batch: prototypes, class centers, a mean per class
+    "prototypes": (lambda x: tf.reduce_mean(tf.square(scores(x) - tf.gather(
+        tf.math.unsorted_segment_mean(scores(x), labels(x), 2), labels(x)))), "per group"),
+    "class centers by hand": (lambda x: tf.reduce_sum(tf.square(scores(x) - tf.gather(
+        tf.math.unsorted_segment_sum(scores(x), labels(x), 2), labels(x)))), "per group"),
+    "a largest loss per class": (lambda x: tf.reduce_sum(tf.math.unsorted_segment_max(
+        per_example(x), labels(x), 2)), "per group"),
 }
 SEPARATE = {
     "dense classifier": lambda x: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
@@ -78,6 +94,15 @@ SEPARATE = {
     "time-major plus a row": lambda x: tf.reduce_sum(tf.transpose(x, [1, 0, 2]) + x[:, 0]),
     "gram matrix of the batch": lambda x: tf.reduce_sum(tf.matmul(x[:, 0], x[:, 0],
                                                                   transpose_a=True)),
+    # rows reordered alike, or reduced alone: each example meets itself
+    "reversed twice": lambda x: tf.reduce_sum(scores(tf.reverse(tf.reverse(x, [0]), [0])) *
+                                              x[:, 0]),
+    "rolled alike": lambda x: tf.reduce_mean(tf.roll(scores(x), 2, 0) * tf.roll(x[:, 0], 2, 0)),
+    "a mean of shuffled rows": lambda x: tf.reduce_mean(tf.random.shuffle(per_example(x))),
+    "reversed along time": lambda x: tf.reduce_sum(tf.reverse(x, [1]) * x),
+    # a sum per class weighed per class is a sum of the examples' terms
+    "class-weighted sums": lambda x: tf.reduce_sum(tf.math.unsorted_segment_sum(
+        per_example(x), labels(x), 2) * tf.constant([1.0, 2.0])),
     "masked mean": lambda x: tf.reduce_sum(scores(x) * tf.cast(x[:, 0] > 0, tf.float32)) / (
         tf.reduce_sum(tf.cast(x[:, 0] > 0, tf.float32)) + 1.0),
     "mean over a count": lambda x: tf.reduce_sum(scores(x)) / tf.cast(tf.size(x), tf.float32),

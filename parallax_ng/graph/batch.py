@@ -347,6 +347,11 @@ def _index_rules(tg, name, node, ins, outs, first, dims) -> None:
     if kind in ("Reshape", "ExpandDims", "Squeeze", "Transpose", "Tile", "OneHot"):
         _moves(tg, node, ins, outs, first, dims)
         return
+    if kind == "DynamicPartition" and len(ins) == 2:   # a part per row: the parts' rows are
+        joined = dims.join([d for _, d in ins])         # the data's and the partitions'
+        for out in outs:
+            first[out] = joined
+        return
     _unknown(ins, dims)
 
 

@@ -4,7 +4,9 @@ the batch's axis, a log of a sum over it, a count of each label among the
 batch's examples, every example scored against every other as in-batch
 negatives are or compared with every other by broadcasting as a triplet
 loss's mining does, a division by a sum of the model's outputs over the
-batch as Dice losses divide) is computed by each replica over its own
+batch as Dice losses divide, the batch's rows met with themselves in
+another order as mixup meets them, a statistic of each group of examples
+that share a label: class centers, prototypes) is computed by each replica over its own
 rows, and no rule for combining the replicas' gradients makes that one
 device's over the global batch. `mixing` finds the first such op between
 the data and a loss, for the warning graph/averaging.py gives. (Batch
@@ -22,12 +24,18 @@ import tensorflow as tf
 
 from . import rules
 from .forms import autodiff_losses, through
+from .orders import order
 from .rows import batch_axis, reading
 
 _MATMULS = ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3")
 _UNIQUE_COUNTS = ("UniqueWithCounts", "UniqueWithCountsV2")
 _BINCOUNTS = ("Bincount", "DenseBincount", "SparseBincount")
 _MOST_OPS = 4096        # ops read back from a divisor
+# reductions of the batch's rows into groups by an id per example
+_SEGMENTS = frozenset({"UnsortedSegmentSum", "UnsortedSegmentMax", "UnsortedSegmentMin",
+                       "UnsortedSegmentProd", "SegmentSum", "SegmentMean", "SegmentMax",
+                       "SegmentMin", "SegmentProd", "SegmentSumV2", "SegmentMaxV2",
+                       "SegmentMinV2", "SegmentProdV2"})
 # ops whose output carries only their input's shape, not its values: a
 # count built from `ones_like(losses)` (TF1 losses' weights) reads no value
 _SHAPE_ONLY = ("OnesLike", "ZerosLike", "Shape", "ShapeN", "Size", "Rank",
@@ -65,6 +73,12 @@ def _mixes(op, rows, exchanged) -> str | None:
     if any(rows.axis(c) is not None for c in counts) or kind in _BINCOUNTS and \
             rows.axis(op.inputs[0]) is not None and not rules.row_ids(op.inputs[0], rows.rows):
         return "a count of each value among the batch's examples (unique_with_counts, bincount)"
+    if kind in _SEGMENTS and (what := _grouped(op, rows)):
+        return what
+    if len({order(x, rows) for x in op.inputs if rows.axis(x) is not None}) > 1:
+        return ("the batch's rows met with themselves in another order (tf.roll, tf.reverse, "
+                "tf.random.shuffle or a tf.gather of a permutation along the batch's axis: "
+                "mixup, shifted pairs)")
     x = op.inputs[0]
     rank, a = x.shape.rank, None
     if kind in ("TopKV2", "Softmax", "LogSoftmax", "Cumsum", "Cumprod"):
@@ -90,6 +104,33 @@ def _mixes(op, rows, exchanged) -> str | None:
         return _ratio(op.inputs[1], rows)
     if kind in ("Log", "Log1p") and _summed(x, rows) and x.name not in exchanged:
         return "a log of a sum over the batch's examples (a log-sum-exp across them)"
+    return None
+
+
+def _grouped(op, rows) -> str | None:
+    """A segment reduction of the batch's rows by an id per example (a
+    label, not the row numbers a sparse batch's values carry) whose result
+    the loss reads other than as a sum of the examples' terms: a largest,
+    smallest or product per group, or a sum per group divided by a count
+    of it or met with the rows again (a class's center, a prototype)."""
+    data, ids = op.inputs[:2]
+    if rows.axis(data) != 0 or rows.axis(ids) != 0 or rules.row_ids(ids, rows.rows):
+        return None
+    what = "a statistic per group of the batch's examples (by a label: class centers, prototypes)"
+    if "Sum" not in op.type:
+        return what
+    seen, stack = set(), [op.outputs[0]]
+    while stack and len(seen) < 64:
+        t = stack.pop()
+        for c in t.consumers():
+            if c.name in seen or rules.is_autodiff(c.name):
+                continue
+            seen.add(c.name)
+            if any(x is not t and rows.axis(x) is not None for x in c.inputs) or \
+                    c.type in _BENDING or c.type in ("RealDiv", "Div", "DivNoNan") and \
+                    c.inputs[1] is t:
+                return what
+            stack.extend(c.outputs)
     return None
 
 

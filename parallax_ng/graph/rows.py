@@ -1,15 +1,14 @@
 """The batch's axis of a tensor: which of its dimensions, if any, holds the
 batch's examples (`batch_axis`), and whether it is the first (`batch_rows`),
-read through the ops a step is made of: transposes, stacks, scatters into
-a tensor, the elements of TensorArrays and TensorLists (recurrent layers
-run time-major), while loops in TensorFlow's three forms and called
-functions (graph/row_loops.py), and a traced step's gradients of its
-inputs (graph/recorders.py). Requires: tf.Tensors of a
-graph and the names of its data sources (the ops whose first dimension is
-the batch). Guarantees: reads the graph only; None where the ops do not
-show the axis, never a guess (a reshape that keeps its first dimension
-free keeps the batch there). Read by graph/forms.py.
-"""
+read through the ops a step is made of: transposes, stacks, scatters into a
+tensor, the elements of TensorArrays and TensorLists (recurrent layers run
+time-major), while loops in TensorFlow's three forms and called functions
+(graph/row_loops.py), a traced step's gradients of its inputs
+(graph/recorders.py), rows reordered (graph/orders.py). Requires: tf.Tensors
+of a graph and the names of its data sources (the ops whose first dimension
+is the batch). Guarantees: reads the graph only; None where the ops do not
+show the axis, never a guess (a reshape that keeps its first dimension free
+keeps the batch there). Read by graph/forms.py."""
 from __future__ import annotations
 
 import sys
@@ -18,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import compat
+from .orders import permutation
 from .recorders import input_rows
 from .row_loops import PASS, Flow
 from .rules import (CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS, SHAPED, SPARSE_LAYERS,
@@ -149,7 +149,7 @@ class _Axes(Flow):
             top = kind == "TopKV2" and op.inputs[0].shape.rank in (None, 1)   # k of the batch
             mine = self.rows(op.inputs[0]) or kind in LOSSES and self.rows(op.inputs[1])
             return 0 if mine and not top else None   # a loss per example (or per label)
-        if kind in PASS:
+        if kind in PASS or kind in ("Roll", "RandomShuffle"):    # (rows reordered: orders.py)
             return self.axis(op.inputs[t.value_index if kind == "IdentityN" else 0])
         if kind in ("Merge", "RefMerge"):     # a loop's variable, a cond's result
             return None if t.value_index else self._merged(t, "axis")
@@ -315,8 +315,8 @@ class _Axes(Flow):
             return None
         at = _int(at) % rank if rank else _int(at)
         a = self.axis(op.inputs[0])
-        if a is not None and a < at:
-            return a            # gathered along a later axis: the rows stay
+        if a is not None and (a < at or a == at and permutation(op.inputs[1], self)):
+            return a            # gathered along a later axis, or the rows reordered
         i = self.axis(op.inputs[1])
         return at + i if i is not None and op.get_attr("batch_dims") == 0 else None
 

@@ -23,6 +23,7 @@ from ..config import FETCH_REDUCTIONS
 from ..graph import forms, rules
 from ..graph.batch import split_as_parts
 from ..graph.mixing import extreme
+from ..graph.orders import order
 from ..graph.rows import batch_axis, reading
 from . import summaries
 from .batch_parts import joined_rows
@@ -92,7 +93,8 @@ def combine(values: list, f: Fetch):
 def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
                       averaged: bool = True, losses=frozenset()) -> tuple:
     """(how, axis, shown): the replicas' parts joined along the batch's axis
-    (a time-major output's second; booleans and strings too); a scalar or a
+    (a time-major output's second; booleans and strings too; not shown where
+    the rows are reordered, graph/orders.py); a scalar or a
     tensor reduced over the batch is a mean (a loss) unless graph/forms.py
     shows a sum (correct examples counted, a summed loss, a count per class
     by tf.math.bincount or confusion_matrix) or the state-sync pass widened
@@ -117,12 +119,10 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
         if axis is None:
             return ("mean" if averaged else "sum"), 0, True
         return ("concat mean" if averaged else "concat"), axis, True
+    if axis is not None:    # (per-example booleans or strings too) in the data's order
+        return "concat", axis, not reading(sources, t.graph).guarded(lambda r: order(t, r))
     if not (t.dtype.is_floating or t.dtype.is_integer or t.dtype.is_complex):
-        if axis is not None:        # per-example booleans or strings
-            return "concat", axis, True
         return ({"Any": "any", "All": "all"}.get(t.op.type, "first")), 0, True
-    if axis is not None:
-        return "concat", axis, True
     op = forms.through(t.op)
     if op.type == "Shape" and (rows := batch_axis(op.inputs[0], sources)) is not None:
         return "shape", rows, True
