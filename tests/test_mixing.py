@@ -72,6 +72,8 @@ MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
         tf.math.unsorted_segment_sum(scores(x), labels(x), 2), labels(x)))), "per group"),
     "a largest loss per class": (lambda x: tf.reduce_sum(tf.math.unsorted_segment_max(
         per_example(x), labels(x), 2)), "per group"),
+    "rows appended": (lambda x: tf.reduce_mean(tf.concat([per_example(x), tf.zeros([3])], 0)),
+                      "not examples"),
 }
 SEPARATE = {
     "dense classifier": lambda x: tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
@@ -101,6 +103,9 @@ SEPARATE = {
     "a mean of shuffled rows": lambda x: tf.reduce_mean(tf.random.shuffle(per_example(x))),
     "reversed along time": lambda x: tf.reduce_sum(tf.reverse(x, [1]) * x),
     # a sum per class weighed per class is a sum of the examples' terms
+    "two batches joined": lambda x: tf.reduce_mean(tf.concat([x[:, 0], x[:, 1]], 0)),
+    "features joined": lambda x: tf.reduce_mean(tf.concat([x[:, 0], tf.zeros_like(x[:, 0])],
+                                                          1)),
     "class-weighted sums": lambda x: tf.reduce_sum(tf.math.unsorted_segment_sum(
         per_example(x), labels(x), 2) * tf.constant([1.0, 2.0])),
     "masked mean": lambda x: tf.reduce_sum(scores(x) * tf.cast(x[:, 0] > 0, tf.float32)) / (

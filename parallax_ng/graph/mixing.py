@@ -6,7 +6,8 @@ negatives are or compared with every other by broadcasting as a triplet
 loss's mining does, a division by a sum of the model's outputs over the
 batch as Dice losses divide, the batch's rows met with themselves in
 another order as mixup meets them, a statistic of each group of examples
-that share a label: class centers, prototypes) is computed by each replica over its own
+that share a label: class centers, prototypes, the batch's rows joined to
+a queue of rows kept in a variable) is computed by each replica over its own
 rows, and no rule for combining the replicas' gradients makes that one
 device's over the global batch. `mixing` finds the first such op between
 the data and a loss, for the warning graph/averaging.py gives. (Batch
@@ -75,6 +76,10 @@ def _mixes(op, rows, exchanged) -> str | None:
         return "a count of each value among the batch's examples (unique_with_counts, bincount)"
     if kind in _SEGMENTS and (what := _grouped(op, rows)):
         return what
+    if kind == "ConcatV2" and _queued(op, rows):
+        return ("the batch's rows joined along their axis with rows that are not examples "
+                "(a queue of the batch's rows kept in a variable, as MoCo keeps its keys; rows "
+                "appended)")
     if len({order(x, rows) for x in op.inputs if rows.axis(x) is not None}) > 1:
         return ("the batch's rows met with themselves in another order (tf.roll, tf.reverse, "
                 "tf.random.shuffle or a tf.gather of a permutation along the batch's axis: "
@@ -132,6 +137,36 @@ def _grouped(op, rows) -> str | None:
                 return what
             stack.extend(c.outputs)
     return None
+
+
+def _queued(op, rows) -> bool:
+    """Whether ConcatV2 `op` joins, along the batch's axis, the batch's rows
+    and tensors that no data source computes (a variable's rows, constants;
+    a slice as long as the batch's rows counts them: its shape only). One
+    device joins the global batch's rows, a replica its own."""
+    at = tf.get_static_value(op.inputs[-1])
+    rank = op.outputs[0].shape.rank
+    if at is None or not rank:
+        return False
+    at = int(np.ravel(at)[0]) % rank
+    parts = [rows.axis(x) for x in op.inputs[:-1]]
+    return at in parts and any(a is None and _data_free(x, rows)
+                               for a, x in zip(parts, op.inputs[:-1]))
+
+
+def _data_free(t, rows) -> bool:
+    """Whether no data source computes `t`'s values (past shapes, within
+    _MOST_OPS ops)."""
+    seen, stack = set(), [t.op]
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.name in rows.sources or len(seen) > _MOST_OPS:
+            return False
+        stack.extend(x.op for x in op.inputs if x.op.type not in _SHAPE_ONLY)
+    return True
 
 
 def _summed(t, rows) -> bool:
