@@ -4,51 +4,50 @@ Requires: replicas made by `replicate`.
 Guarantees: when a mirrored variable is written with a value computed from a
 replica's own batch (batch-norm moving statistics, streaming metric totals),
 that value is all-reduced across replicas first, by the rule table in
-`parallax_ng.rules` (AssignAdd: sum; AssignSub and Assign: mean; those of
-one dtype and rule with static shapes as one tensor: one exchange a step
-for a metric's total and count), so the replicas never drift apart. Two
-forms are told apart from what the value computes: an Assign of
-`var + increment` whose increment does not read `var` is an accumulation
-(Keras 3's metrics: totals and counts), so the replicas' increments are
-summed, as AssignAdd's are, and the total equals one device's with the
-global batch; an AssignAdd whose increment reads `var` is a moving average
-written as an add, so it is averaged; so is an increment that is a mean
-over the replica's batch (tf.compat.v1.metrics.mean of a mean loss: one
-device adds the global batch's mean, the mean of the replicas'). An
-increment that is the same on every replica and counts the batch's rows
-(a multiple of the replica batch made of constants: tf.compat.v1.metrics'
-count over a batch of static shape, folded by TensorFlow) is multiplied
-by the replica count, as one device adds the global batch's. A loss
-that divides a sum over the batch by a count of the data's values (a
-masked mean, `tf.compat.v1.losses` with per-example weights) divides by
-the replicas' mean count in every replica, forward and gradient, so the
-mean of the replicas' gradients is one device's (the global sum over the
-global count); a count floored or smoothed first (`tf.maximum(count, 1)`,
-`count + eps`) is floored from the job's sum and divided by N
-(transforms/counts.py reads the counts). Scalars read beside the loss (a
-masked accuracy or an RMSE a metric adds up, a script fetches or a step
-returns; counts.beside) take the job's counts and means too, centred on
-the job's means (counts.centres). A loss that sums over the batch and adds a term without
-data (a regularizer) where the replicas' gradients are summed: every
-replica adds 1/N of the term, to the loss and to the variables' gradients
-(the parts of a gradient's sum that do not depend on the data's values),
-so the replicas' sums are one device's. A mean over a count added to a
-sum over the batch (graph/forms.py `widened`) divides by N times the
-count in every replica, forward and gradient, where the gradients are
-summed or in a graph without gradients; a tracker's increment of a summed
-scalar times the replica's row count (Keras's loss tracker) is taken N
-times, so totals and logs are one device's. In a job that sums dense
-gradients on the servers (fusion buffers) these sums go there too, so the
-step keeps no collective op; so do those in a tf.cond's branch in any job
-with servers (a collective would put the branch in both of a split step's runs).
-A write from the batch's largest or smallest values (a running maximum), or
-assigned from its sums or row count (a learning rate scaled by the rows: an
-update's too), reads the job's (transforms/extremes.py). A write whose
-value holds rows of the replica's examples (an RNN's state kept in a variable from
-step to step) is not synced: each replica keeps its own examples' rows, as one
-device's holds them (`PerExampleState`).
-Batch normalization's statistics and incoming gradients the plan names
-(graph/normalization.py) are the job's means. Initializers: the `init` pass.
+`parallax_ng.rules` (AssignAdd: sum; AssignSub and Assign: mean; those of one
+dtype and rule with static shapes as one tensor: one exchange a step for a
+metric's total and count), so the replicas never drift apart. Two forms are
+told apart from what the value computes: an Assign of `var + increment` whose
+increment does not read `var` is an accumulation (Keras 3's metrics: totals and
+counts), so the replicas' increments are summed, as AssignAdd's are, and the
+total equals one device's with the global batch; an AssignAdd whose increment
+reads `var` is a moving average written as an add, so it is averaged; so is an
+increment that is a mean over the replica's batch (tf.compat.v1.metrics.mean of
+a mean loss: one device adds the global batch's mean, the mean of the
+replicas'). An increment that is the same on every replica and counts the
+batch's rows (a multiple of the replica batch made of constants:
+tf.compat.v1.metrics' count over a batch of static shape, folded by TensorFlow)
+is multiplied by the replica count, as one device adds the global batch's. A
+loss that divides a sum over the batch by a count of the data's values (a
+masked mean, `tf.compat.v1.losses` with per-example weights) divides by the
+replicas' mean count in every replica, forward and gradient, so the mean of the
+replicas' gradients is one device's (the global sum over the global count); a
+count floored or smoothed first (`tf.maximum(count, 1)`, `count + eps`) is
+floored from the job's sum and divided by N (transforms/counts.py reads the
+counts). Scalars read beside the loss (a masked accuracy or an RMSE a metric
+adds up, a script fetches or a step returns; counts.beside) take the job's
+counts and means too, centred on the job's means (counts.centres). A loss that
+sums over the batch and adds a term without data (a regularizer) where the
+replicas' gradients are summed: every replica adds 1/N of the term, to the loss
+and to the variables' gradients (the parts of a gradient's sum that do not
+depend on the data's values), so the replicas' sums are one device's. A mean
+over a count added to a sum over the batch (graph/forms.py `widened`) divides
+by N times the count in every replica, forward and gradient, where the
+gradients are summed or in a graph without gradients; a tracker's increment of
+a summed scalar times the replica's row count (Keras's loss tracker) is taken N
+times, so totals and logs are one device's. In a job that sums dense gradients
+on the servers (fusion buffers) these sums go there too, so the step keeps no
+collective op; so do those in a tf.cond's branch in any job with servers (a
+collective would put the branch in both of a split step's runs). A write from
+the batch's largest or smallest values (a running maximum), or assigned from
+its sums or row count (a learning rate scaled by the rows: an update's too),
+reads the job's (transforms/extremes.py). A write whose value holds rows of the
+replica's examples (an RNN's state kept in a variable from step to step) is not
+synced: each replica keeps its own examples' rows, as one device's holds them
+(`PerExampleState`). A queue of the batch's rows in a variable (MoCo's keys)
+takes the job's rows (transforms/queued_rows.py). Batch normalization's
+statistics and incoming gradients the plan names (graph/normalization.py) are
+the job's means. Initializers: the `init` pass.
 """
 from __future__ import annotations
 
@@ -64,7 +63,7 @@ from parallax_ng.graph.ir import GraphIR, parse_tensor
 from parallax_ng.graph.rows import batch_axis
 from parallax_ng.graph.rows import reading as read_rows
 from parallax_ng.pipeline.results import PerExampleState, SyncedInputs, WidenedMeans
-from transforms import counts, extremes
+from transforms import counts, extremes, queued_rows
 from transforms.extremes import all_reduce, on_a_server
 
 
@@ -118,6 +117,10 @@ class StateSyncPass:
                         continue
                     if w in in_loops:       # a sync would run each turn: an exchange runs
                         looped.append((var, w))     # once a step (a second would wait)
+                        continue
+                    if made := queued_rows.joined(ctx, w, ref, examples, synced, above):
+                        new_nodes.extend(made[0])       # a queue of the job's rows
+                        rewires.update(made[1])
                         continue
                     if var not in tg.gradients and tg.variables[var].dtype.is_floating and (
                             tg.variables[var].trainable or ref.node in from_autodiff):

@@ -76,7 +76,7 @@ def _mixes(op, rows, exchanged) -> str | None:
         return "a count of each value among the batch's examples (unique_with_counts, bincount)"
     if kind in _SEGMENTS and (what := _grouped(op, rows)):
         return what
-    if kind == "ConcatV2" and _queued(op, rows):
+    if kind == "ConcatV2" and queued(op, rows):
         return ("the batch's rows joined along their axis with rows that are not examples "
                 "(a queue of the batch's rows kept in a variable, as MoCo keeps its keys; rows "
                 "appended)")
@@ -139,7 +139,7 @@ def _grouped(op, rows) -> str | None:
     return None
 
 
-def _queued(op, rows) -> bool:
+def queued(op, rows) -> bool:
     """Whether ConcatV2 `op` joins, along the batch's axis, the batch's rows
     and tensors that no data source computes (a variable's rows, constants;
     a slice as long as the batch's rows counts them: its shape only). One
@@ -150,13 +150,13 @@ def _queued(op, rows) -> bool:
         return False
     at = int(np.ravel(at)[0]) % rank
     parts = [rows.axis(x) for x in op.inputs[:-1]]
-    return at in parts and any(a is None and _data_free(x, rows)
+    return at in parts and any(a is None and data_free(x, rows)
                                for a, x in zip(parts, op.inputs[:-1]))
 
 
-def _data_free(t, rows) -> bool:
-    """Whether no data source computes `t`'s values (past shapes, within
-    _MOST_OPS ops)."""
+def data_free(t, rows) -> bool:
+    """Whether no data source computes `t`'s values (past shapes and the
+    flags of tf.cond's branches, within _MOST_OPS ops)."""
     seen, stack = set(), [t.op]
     while stack:
         op = stack.pop()
@@ -165,7 +165,9 @@ def _data_free(t, rows) -> bool:
         seen.add(op.name)
         if op.name in rows.sources or len(seen) > _MOST_OPS:
             return False
-        stack.extend(x.op for x in op.inputs if x.op.type not in _SHAPE_ONLY)
+        flag = 1 if op.type in ("Switch", "RefSwitch") else None     # a branch's predicate
+        stack.extend(x.op for at, x in enumerate(op.inputs)
+                     if x.op.type not in _SHAPE_ONLY and at != flag)
     return True
 
 

@@ -1,0 +1,193 @@
+"""transforms/queued_rows.py: MoCo's queue of keys kept in a variable (each
+step `queue.assign(tf.concat([keys, queue[:-n]], 0))`, the negatives of
+the next step's contrastive loss) takes the job's keys in replica order,
+so 2 replicas equal one device with the global batch: every variable (the
+queue, the trained and the momentum encoder's weights) and the loss, after
+5 steps within 1e-5, the last batch short (an odd count per replica), in
+every run option; the count given as a constant; a Keras 3 `pn.function`
+step; and jobs of 2 workers and a server, by all-gather and by sums on
+the server (before: the replicas' queues were averaged, 1.4 apart after 4
+steps)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import load_values, local, read_name, variable_names
+from task_env import TASK_PATH
+
+tf1 = tf.compat.v1
+TOL, DEPTH = 1e-5, 12                  # DEPTH: the queue's rows
+ROWS = (8, 8, 8, 8, 6)                 # each step's global batch: the last one short
+
+
+def data():
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(sum(ROWS), 5)).astype(np.float32)
+    return x, x + 0.1 * rng.normal(size=x.shape).astype(np.float32)
+
+
+def batches(part=None, parts=1):
+    """Each step's (x, x2): the global batch's, or replica `part`'s half."""
+    x, x2, start = *data(), 0
+    for rows in ROWS:
+        a, b = (start, start + rows) if part is None else \
+            (start + part * rows // parts, start + (part + 1) * rows // parts)
+        yield x[a:b], x2[a:b]
+        start += rows
+
+
+def moco_graph(count="n"):
+    """A query encoder trained on InfoNCE against its key (a momentum
+    encoder's) and a queue of earlier keys; after the update the batch's
+    keys go in front of the queue. `count`: how the script drops the
+    oldest rows (n: the keys' count; a number: a constant)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 5], "x")
+        x2 = tf1.placeholder(tf.float32, [None, 5], "x2")
+        init = (np.arange(15).reshape(5, 3) / 15.0).astype(np.float32)
+        w = tf1.get_variable("w", initializer=init)
+        wk = tf1.get_variable("wk", initializer=init, trainable=False)
+        queue = tf1.get_variable("queue", initializer=np.eye(DEPTH, 3, dtype=np.float32),
+                                 trainable=False)
+        q = tf.nn.l2_normalize(tf.matmul(x, w), 1)
+        keys = tf.stop_gradient(tf.nn.l2_normalize(tf.matmul(x2, wk), 1))
+        logits = tf.concat([tf.reduce_sum(q * keys, 1, keepdims=True),
+                            tf.matmul(q, queue, transpose_b=True)], 1) / 0.2
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=tf.zeros([tf.shape(x)[0]], tf.int32), logits=logits), name="loss")
+        train = tf1.train.MomentumOptimizer(0.5, 0.9).minimize(loss)
+        with tf.control_dependencies([train]):
+            n = tf.shape(keys)[0] if count == "n" else int(count)
+            enqueue = queue.assign(tf.concat([keys, queue[:-n]], 0))
+            momentum = wk.assign(0.9 * wk + 0.1 * w)
+        tf.group(train, enqueue, momentum, name="step")
+        tf1.global_variables_initializer()
+    return g
+
+
+def one_device(start, count="n", steps=len(ROWS)):
+    """{variable: value} and the losses after `steps` steps on one device."""
+    g = moco_graph(count)
+    names = variable_names(g)
+    with tf1.Session(graph=g) as sess:
+        load_values(sess, g, start)
+        losses = [sess.run(["step", "loss:0"], {"x:0": a, "x2:0": b})[1]
+                  for a, b in list(batches())[:steps]]
+        return dict(zip(names, sess.run([read_name(k, g) for k in names]))), losses
+
+
+def check(got, losses, want, want_losses):
+    assert {"w", "wk", "queue", "w/Momentum"} <= set(want)
+    np.testing.assert_allclose(losses, want_losses, atol=TOL, rtol=0)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, atol=TOL, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("run_option,count", [("hybrid", "n"), ("allreduce", "n"),
+                                              ("ps", "n"), ("hybrid", 8)])
+def test_a_queue_of_keys_equals_one_device(run_option, count, recwarn):
+    g = moco_graph(count)
+    names = variable_names(g)
+    reads = [read_name(k, g) for k in names]
+    rows = list(batches()) if count == "n" else list(batches())[:4]   # (8 rows each)
+    with pn.get_runner(g, local(2), {"run_option": run_option}) as runner:
+        runner.run([v.initializer for v in g.get_collection("variables")])
+        start = dict(zip(names, runner.run(reads)))
+        losses = [runner.run(["step", "loss:0"], {"x:0": a, "x2:0": b})[1] for a, b in rows]
+        got = dict(zip(names, runner.run(reads)))
+        made = {n.name for n in runner.graph.as_graph_def().node}
+    want, want_losses = one_device(start, count, len(rows))
+    check(got, losses, want, want_losses)
+    assert any(n.startswith("parallax/queued_rows/concat") for n in made)
+    assert not [w for w in recwarn if "mix the batch" in str(w.message)]
+
+
+def test_a_keras_3_step_with_a_queue_equals_one_device():
+    """A TF2 step (Keras 3 layer, tf.Variable queue) traced by pn.function."""
+    import keras
+
+    def make():
+        keras.utils.set_random_seed(1)
+        dense = keras.layers.Dense(3, use_bias=False)
+        dense.build((None, 5))
+        queue = tf.Variable(np.eye(DEPTH, 3, dtype=np.float32), trainable=False)
+        optimizer = keras.optimizers.SGD(0.3)
+
+        def step(x, x2):
+            with tf.GradientTape() as tape:
+                q = tf.nn.l2_normalize(dense(x), 1)
+                k = tf.stop_gradient(tf.nn.l2_normalize(dense(x2), 1))
+                logits = tf.concat([tf.reduce_sum(q * k, 1, keepdims=True),
+                                    tf.matmul(q, queue, transpose_b=True)], 1) / 0.2
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    tf.zeros([tf.shape(x)[0]], tf.int32), logits))
+            optimizer.apply_gradients(zip(tape.gradient(loss, dense.trainable_variables),
+                                          dense.trainable_variables))
+            queue.assign(tf.concat([k, queue[:-tf.shape(k)[0]]], 0))
+            return loss
+        return dense, queue, step
+    (dense, queue, fn), (dense1, queue1, fn1) = make(), make()
+    step, ref = pn.function(fn, local(2)), tf.function(fn1)
+    for a, b in batches():
+        np.testing.assert_allclose(step(a, b), ref(a, b).numpy(), atol=TOL, rtol=0)
+    step.sync()
+    np.testing.assert_allclose(queue.numpy(), queue1.numpy(), atol=TOL, rtol=0)
+    np.testing.assert_allclose(dense.kernel.numpy(), dense1.kernel.numpy(), atol=TOL, rtol=0)
+
+
+JOB = """
+import sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import parallax_ng as pn
+from models import read_name, variable_names
+from test_queued_rows import batches, moco_graph
+
+g = moco_graph()
+names = variable_names(g)
+reads = [read_name(k, g) for k in names]
+runner = pn.get_runner(g, None, {config!r})
+runner.run([v.initializer for v in g.get_collection("variables")])
+w = runner.plan.worker
+start = dict(zip(names, runner.run(reads)))
+losses = [runner.run(["step", "loss:0"], {{"x:0": a, "x2:0": b}})[1]
+          for a, b in batches(w, 2)]
+got = dict(zip(names, runner.run(reads)))
+np.savez({out!r} + f".{{w}}.npz", losses=np.array(losses), **got,
+         **{{"start/" + k: v for k, v in start.items()}})
+print("servers", runner.plan.reduces_on_servers, flush=True)
+"""
+
+
+@pytest.mark.parametrize("config,servers", [({"dense_method": "bfb"}, True),
+                                            ({"run_option": "allreduce"}, False)])
+def test_a_job_of_two_workers_queues_the_jobs_keys(config, servers, tmp_path):
+    """Each worker fed its half of each batch (the last one 3 rows each):
+    by sums on the server (fusion buffers: no collective op in the step)
+    and by all-gather; both workers' variables and losses equal one
+    device's (a worker's loss is its half's mean)."""
+    from test_cluster import resources
+    script, out = tmp_path / "job.py", str(tmp_path / "out")
+    script.write_text(JOB.format(tests=os.path.dirname(os.path.abspath(__file__)), out=out,
+                                 config=config))
+    done = subprocess.run(
+        [sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
+         resources(tmp_path, 2, 1, servers=1)], capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(f"servers {servers}") == 2, done.stdout[-2000:]
+    saved = [dict(np.load(f"{out}.{w}.npz")) for w in (0, 1)]
+    start = {k.split("/", 1)[1]: v for k, v in saved[0].items() if k.startswith("start/")}
+    want, want_losses = one_device(start)
+    for w, got in enumerate(saved):
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, atol=TOL, rtol=0,
+                                       err_msg=f"worker {w}: {name}")
+    np.testing.assert_allclose(np.mean([s["losses"] for s in saved], 0), want_losses,
+                               atol=TOL, rtol=0)
