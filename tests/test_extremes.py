@@ -452,7 +452,7 @@ def test_rows_a_center_loss_adds_by_each_labels_count_in_the_batch_are_named():
 
 def test_a_queue_of_the_batchs_rows_written_in_a_branch_is_named():
     """MoCo's queue of keys (`queue.assign(tf.concat([k, queue[:-n]], 0))`)
-    takes the job's keys (tests/test_queued_rows.py), but not in a tf.cond's
+    takes the job's keys (tests/test_job_rows.py), but not in a tf.cond's
     branch, which a replica may skip: there the replicas' queues are
     averaged, which is not one device's, and a warning names the variable
     and the concatenation (before: silently, 1.4 apart after 4 steps)."""

@@ -42,12 +42,13 @@ collective would put the branch in both of a split step's runs). A write from
 the batch's largest or smallest values (a running maximum), or assigned from
 its sums or row count (a learning rate scaled by the rows: an update's too),
 reads the job's (transforms/extremes.py). A write whose value holds rows of the
-replica's examples (an RNN's state kept in a variable from step to step) is not
-synced: each replica keeps its own examples' rows, as one device's holds them
-(`PerExampleState`). A queue of the batch's rows in a variable (MoCo's keys)
-takes the job's rows (transforms/queued_rows.py). Batch normalization's
-statistics and incoming gradients the plan names (graph/normalization.py) are
-the job's means. Initializers: the `init` pass.
+replica's examples (an RNN's state kept from step to step) is not synced: each
+replica keeps its own examples' rows, as one device's holds them
+(`PerExampleState`). A queue of the batch's rows in a variable (MoCo's) or a
+memory bank written at its examples' ids takes the job's rows
+(transforms/job_rows.py). Batch normalization's statistics and incoming
+gradients the plan names (graph/normalization.py) are the job's means.
+Initializers: the `init` pass.
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ from parallax_ng.graph.ir import GraphIR, parse_tensor
 from parallax_ng.graph.rows import batch_axis
 from parallax_ng.graph.rows import reading as read_rows
 from parallax_ng.pipeline.results import PerExampleState, SyncedInputs, WidenedMeans
-from transforms import counts, extremes, queued_rows
+from transforms import counts, extremes, job_rows
 from transforms.extremes import all_reduce, on_a_server
 
 
@@ -118,7 +119,7 @@ class StateSyncPass:
                     if w in in_loops:       # a sync would run each turn: an exchange runs
                         looped.append((var, w))     # once a step (a second would wait)
                         continue
-                    if made := queued_rows.joined(ctx, w, ref, examples, synced, above):
+                    if made := job_rows.joined(ctx, w, ref, examples, synced, above):
                         new_nodes.extend(made[0])       # a queue of the job's rows
                         rewires.update(made[1])
                         continue
@@ -270,9 +271,8 @@ _SCATTERS = frozenset({"ScatterAdd", "ResourceScatterAdd", "ScatterSub", "Resour
 def _scatter_dense(ctx, ir, var: str, w: str):
     """(nodes, each replica's rows summed by index into a tensor of `var`'s
     shape, every index) for a scatter-add of rows from the replica's batch
-    (mean_per_class_accuracy's counts per class): summed over the replicas
-    and added at every index, the replicas add what one device adds. None
-    if `var`'s rows are unknown."""
+    (mean_per_class_accuracy's counts per class): summed over the replicas and
+    added at every index, as one device adds. None if `var`'s rows are unknown."""
     shape, (_, indices, updates) = ctx.tg.variables[var].shape, ctx.tg.ir.data_inputs(w)
     if not shape or shape[0] is None:       # (VariableInfo.shape: ints, None where unknown)
         return None

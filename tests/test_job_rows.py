@@ -1,4 +1,4 @@
-"""transforms/queued_rows.py: MoCo's queue of keys kept in a variable (each
+"""transforms/job_rows.py: MoCo's queue of keys kept in a variable (each
 step `queue.assign(tf.concat([keys, queue[:-n]], 0))`, the negatives of
 the next step's contrastive loss) takes the job's keys in replica order,
 so 2 replicas equal one device with the global batch: every variable (the
@@ -26,19 +26,52 @@ ROWS = (8, 8, 8, 8, 6)                 # each step's global batch: the last one 
 
 
 def data():
+    """Features, a second view of them, and each example's id."""
     rng = np.random.default_rng(7)
     x = rng.normal(size=(sum(ROWS), 5)).astype(np.float32)
-    return x, x + 0.1 * rng.normal(size=x.shape).astype(np.float32)
+    return x, x + 0.1 * rng.normal(size=x.shape).astype(np.float32), \
+        rng.permutation(sum(ROWS)).astype(np.int64)
 
 
 def batches(part=None, parts=1):
-    """Each step's (x, x2): the global batch's, or replica `part`'s half."""
-    x, x2, start = *data(), 0
+    """Each step's feed: the global batch's, or replica `part`'s half."""
+    x, x2, ids, start = *data(), 0
     for rows in ROWS:
         a, b = (start, start + rows) if part is None else \
             (start + part * rows // parts, start + (part + 1) * rows // parts)
-        yield x[a:b], x2[a:b]
+        yield {"x:0": x[a:b], "x2:0": x2[a:b], "ids:0": ids[a:b]}
         start += rows
+
+
+def graph_of(kind="moco", count="n"):
+    """`moco_graph` or `memory_graph`."""
+    return memory_graph(kind == "reference bank") if kind.endswith("bank") else \
+        moco_graph(count)
+
+
+def memory_graph(reference=False):
+    """Instance discrimination: each example's embedding scored against a
+    memory bank of every example's (a softmax over the data set), then its
+    row of the bank moved towards the embedding at its id. `reference`: the
+    bank a reference variable (ScatterUpdate, not ResourceScatterUpdate)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 5], "x")
+        ids = tf1.placeholder(tf.int64, [None], "ids")
+        w = tf1.get_variable("w", initializer=(np.arange(15).reshape(5, 3) / 15.0).astype(
+            np.float32))
+        bank = tf1.get_variable("bank", initializer=np.tile(np.eye(3, dtype=np.float32), (
+            sum(ROWS) // 3 + 1, 1))[:sum(ROWS)], trainable=False, use_resource=not reference)
+        q = tf.nn.l2_normalize(tf.matmul(x, w), 1)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=ids, logits=tf.matmul(q, bank, transpose_b=True) / 0.5), name="loss")
+        train = tf1.train.AdamOptimizer(0.1).minimize(loss)
+        with tf.control_dependencies([train]):
+            moved = tf.nn.l2_normalize(0.5 * tf.gather(bank, ids) + 0.5 * tf.stop_gradient(q), 1)
+            write = tf1.scatter_update(bank, ids, moved)
+        tf.group(train, write, name="step")
+        tf1.global_variables_initializer()
+    return g
 
 
 def moco_graph(count="n"):
@@ -71,40 +104,47 @@ def moco_graph(count="n"):
     return g
 
 
-def one_device(start, count="n", steps=len(ROWS)):
+def feed(g, batch):
+    return {k: v for k, v in batch.items() if k[:-2] in {op.name for op in g.get_operations()}}
+
+
+def one_device(start, kind="moco", count="n", steps=len(ROWS)):
     """{variable: value} and the losses after `steps` steps on one device."""
-    g = moco_graph(count)
+    g = graph_of(kind, count)
     names = variable_names(g)
     with tf1.Session(graph=g) as sess:
         load_values(sess, g, start)
-        losses = [sess.run(["step", "loss:0"], {"x:0": a, "x2:0": b})[1]
-                  for a, b in list(batches())[:steps]]
+        losses = [sess.run(["step", "loss:0"], feed(g, batch))[1]
+                  for batch in list(batches())[:steps]]
         return dict(zip(names, sess.run([read_name(k, g) for k in names]))), losses
 
 
 def check(got, losses, want, want_losses):
-    assert {"w", "wk", "queue", "w/Momentum"} <= set(want)
+    assert {"w", "wk", "queue", "w/Momentum"} <= set(want) or {"w", "bank", "w/Adam"} <= set(
+        want)
     np.testing.assert_allclose(losses, want_losses, atol=TOL, rtol=0)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, atol=TOL, rtol=0, err_msg=name)
 
 
-@pytest.mark.parametrize("run_option,count", [("hybrid", "n"), ("allreduce", "n"),
-                                              ("ps", "n"), ("hybrid", 8)])
-def test_a_queue_of_keys_equals_one_device(run_option, count, recwarn):
-    g = moco_graph(count)
+@pytest.mark.parametrize("kind,run_option,count", [
+    ("moco", "hybrid", "n"), ("moco", "allreduce", "n"), ("moco", "ps", "n"),
+    ("moco", "hybrid", 8), ("bank", "hybrid", None), ("bank", "allreduce", None),
+    ("bank", "ps", None), ("reference bank", "hybrid", None)])
+def test_a_queue_or_a_memory_bank_equals_one_device(kind, run_option, count, recwarn):
+    g = graph_of(kind, count)
     names = variable_names(g)
     reads = [read_name(k, g) for k in names]
-    rows = list(batches()) if count == "n" else list(batches())[:4]   # (8 rows each)
+    rows = list(batches()) if count != 8 else list(batches())[:4]   # (8 rows each)
     with pn.get_runner(g, local(2), {"run_option": run_option}) as runner:
         runner.run([v.initializer for v in g.get_collection("variables")])
         start = dict(zip(names, runner.run(reads)))
-        losses = [runner.run(["step", "loss:0"], {"x:0": a, "x2:0": b})[1] for a, b in rows]
+        losses = [runner.run(["step", "loss:0"], feed(g, batch))[1] for batch in rows]
         got = dict(zip(names, runner.run(reads)))
         made = {n.name for n in runner.graph.as_graph_def().node}
-    want, want_losses = one_device(start, count, len(rows))
+    want, want_losses = one_device(start, kind, count, len(rows))
     check(got, losses, want, want_losses)
-    assert any(n.startswith("parallax/queued_rows/concat") for n in made)
+    assert any(n.startswith("parallax/job_rows/") for n in made)
     assert not [w for w in recwarn if "mix the batch" in str(w.message)]
 
 
@@ -134,7 +174,8 @@ def test_a_keras_3_step_with_a_queue_equals_one_device():
         return dense, queue, step
     (dense, queue, fn), (dense1, queue1, fn1) = make(), make()
     step, ref = pn.function(fn, local(2)), tf.function(fn1)
-    for a, b in batches():
+    for batch in batches():
+        a, b = batch["x:0"], batch["x2:0"]
         np.testing.assert_allclose(step(a, b), ref(a, b).numpy(), atol=TOL, rtol=0)
     step.sync()
     np.testing.assert_allclose(queue.numpy(), queue1.numpy(), atol=TOL, rtol=0)
@@ -147,17 +188,16 @@ import numpy as np
 sys.path.insert(0, {tests!r})
 import parallax_ng as pn
 from models import read_name, variable_names
-from test_queued_rows import batches, moco_graph
+from test_job_rows import batches, feed, graph_of
 
-g = moco_graph()
+g = graph_of({kind!r})
 names = variable_names(g)
 reads = [read_name(k, g) for k in names]
 runner = pn.get_runner(g, None, {config!r})
 runner.run([v.initializer for v in g.get_collection("variables")])
 w = runner.plan.worker
 start = dict(zip(names, runner.run(reads)))
-losses = [runner.run(["step", "loss:0"], {{"x:0": a, "x2:0": b}})[1]
-          for a, b in batches(w, 2)]
+losses = [runner.run(["step", "loss:0"], feed(g, batch))[1] for batch in batches(w, 2)]
 got = dict(zip(names, runner.run(reads)))
 np.savez({out!r} + f".{{w}}.npz", losses=np.array(losses), **got,
          **{{"start/" + k: v for k, v in start.items()}})
@@ -165,9 +205,10 @@ print("servers", runner.plan.reduces_on_servers, flush=True)
 """
 
 
+@pytest.mark.parametrize("kind", ["moco", "bank"])
 @pytest.mark.parametrize("config,servers", [({"dense_method": "bfb"}, True),
                                             ({"run_option": "allreduce"}, False)])
-def test_a_job_of_two_workers_queues_the_jobs_keys(config, servers, tmp_path):
+def test_a_job_of_two_workers_writes_the_jobs_rows(kind, config, servers, tmp_path):
     """Each worker fed its half of each batch (the last one 3 rows each):
     by sums on the server (fusion buffers: no collective op in the step)
     and by all-gather; both workers' variables and losses equal one
@@ -175,7 +216,7 @@ def test_a_job_of_two_workers_queues_the_jobs_keys(config, servers, tmp_path):
     from test_cluster import resources
     script, out = tmp_path / "job.py", str(tmp_path / "out")
     script.write_text(JOB.format(tests=os.path.dirname(os.path.abspath(__file__)), out=out,
-                                 config=config))
+                                 config=config, kind=kind))
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run", str(script), "-r",
          resources(tmp_path, 2, 1, servers=1)], capture_output=True, text=True, timeout=300,
@@ -184,10 +225,29 @@ def test_a_job_of_two_workers_queues_the_jobs_keys(config, servers, tmp_path):
     assert done.stdout.count(f"servers {servers}") == 2, done.stdout[-2000:]
     saved = [dict(np.load(f"{out}.{w}.npz")) for w in (0, 1)]
     start = {k.split("/", 1)[1]: v for k, v in saved[0].items() if k.startswith("start/")}
-    want, want_losses = one_device(start)
+    want, want_losses = one_device(start, kind)
     for w, got in enumerate(saved):
         for name, value in want.items():
             np.testing.assert_allclose(got[name], value, atol=TOL, rtol=0,
                                        err_msg=f"worker {w}: {name}")
     np.testing.assert_allclose(np.mean([s["losses"] for s in saved], 0), want_losses,
                                atol=TOL, rtol=0)
+
+
+def test_rows_written_at_ids_that_are_not_the_examples_are_refused_by_name():
+    """A scatter of the batch's first two rows at fixed ids: one device
+    writes the global batch's, a replica its own; no exchange makes that
+    one device's, and the build says what it combines."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], "x")
+        w = tf1.get_variable("w", initializer=np.ones((3, 3), np.float32))
+        bank = tf1.get_variable("bank", initializer=np.zeros((4, 3), np.float32),
+                                trainable=False)
+        h = tf.matmul(x, w)
+        train = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(h))
+        with tf.control_dependencies([train]):
+            tf1.scatter_update(bank, [0, 1], tf.stop_gradient(h[:2]))
+    with pytest.raises(pn.errors.GraphError, match=r"writes variable 'bank' .*ScatterUpdate of "
+                                                   r"the batch's rows at ids of its examples"):
+        pn.get_runner(g, local(2)).close()
