@@ -44,16 +44,18 @@ def batches(part=None, parts=1):
 
 
 def graph_of(kind="moco", count="n"):
-    """`moco_graph` or `memory_graph`."""
-    return memory_graph(kind == "reference bank") if kind.endswith("bank") else \
-        moco_graph(count)
+    """`moco_graph`, or `memory_graph` ("bank", "reference bank", ...)."""
+    return memory_graph(kind.split()[0]) if kind.endswith("bank") else moco_graph(count)
 
 
-def memory_graph(reference=False):
+def memory_graph(write="bank"):
     """Instance discrimination: each example's embedding scored against a
     memory bank of every example's (a softmax over the data set), then its
-    row of the bank moved towards the embedding at its id. `reference`: the
-    bank a reference variable (ScatterUpdate, not ResourceScatterUpdate)."""
+    row of the bank moved towards the embedding at its id, written by
+    `write`: bank (tf.compat.v1.scatter_update), reference (the same into
+    a reference variable), nd (scatter_nd_update at [n, 1] ids), assigned
+    (an assign of tf.tensor_scatter_nd_update of the bank)."""
+    reference = write == "reference"
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 5], "x")
@@ -68,7 +70,11 @@ def memory_graph(reference=False):
         train = tf1.train.AdamOptimizer(0.1).minimize(loss)
         with tf.control_dependencies([train]):
             moved = tf.nn.l2_normalize(0.5 * tf.gather(bank, ids) + 0.5 * tf.stop_gradient(q), 1)
-            write = tf1.scatter_update(bank, ids, moved)
+            column = ids[:, None]
+            write = {"nd": lambda: tf1.scatter_nd_update(bank, column, moved),
+                     "assigned": lambda: bank.assign(tf.tensor_scatter_nd_update(
+                         bank, column, moved))}.get(write, lambda: tf1.scatter_update(
+                             bank, ids, moved))()
         tf.group(train, write, name="step")
         tf1.global_variables_initializer()
     return g
@@ -130,7 +136,8 @@ def check(got, losses, want, want_losses):
 @pytest.mark.parametrize("kind,run_option,count", [
     ("moco", "hybrid", "n"), ("moco", "allreduce", "n"), ("moco", "ps", "n"),
     ("moco", "hybrid", 8), ("bank", "hybrid", None), ("bank", "allreduce", None),
-    ("bank", "ps", None), ("reference bank", "hybrid", None)])
+    ("bank", "ps", None), ("reference bank", "hybrid", None), ("nd bank", "allreduce", None),
+    ("assigned bank", "hybrid", None), ("assigned bank", "ps", None)])
 def test_a_queue_or_a_memory_bank_equals_one_device(kind, run_option, count, recwarn):
     g = graph_of(kind, count)
     names = variable_names(g)

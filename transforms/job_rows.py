@@ -9,8 +9,9 @@ device's writes take the global batch's.
   the job's count.
 - A memory bank: a variable of a row per example of the data set, each
   step the batch's rows written at its examples' ids (instance
-  discrimination's `tf.compat.v1.scatter_update(memory, ids, rows)`).
-  Every replica writes the job's ids and rows.
+  discrimination's `tf.compat.v1.scatter_update(memory, ids, rows)`; a
+  ScatterNd's at `ids[:, None]`, or an assign of a TensorScatter of the
+  variable). Every replica writes the job's ids and rows.
 
 A replica alone has its own rows, and no sum or mean of the replicas'
 writes is one device's; with the job's rows, in replica order (the global
@@ -42,7 +43,9 @@ from transforms.extremes import on_a_server
 _DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32)
 _COUNTS_READ = ("Shape", "Size")    # a count of rows reads no further
 _ASSIGNS = ("Assign", "AssignVariableOp")
-_SCATTERS = ("ScatterUpdate", "ResourceScatterUpdate")
+_SCATTERS = ("ScatterUpdate", "ResourceScatterUpdate", "ScatterNdUpdate",
+             "ResourceScatterNdUpdate", "ScatterNdAdd", "ResourceScatterNdAdd")
+_TENSOR_SCATTERS = ("TensorScatterUpdate", "TensorScatterAdd", "TensorScatterSub")
 
 
 def joined(ctx, write: str, ref, rows, index: int, above: dict):
@@ -60,6 +63,8 @@ def joined(ctx, write: str, ref, rows, index: int, above: dict):
     op = ctx.tg.tensor(ref).op
     while op.type == "Identity":
         op = op.inputs[0].op
+    if op.type in _TENSOR_SCATTERS and mixing.data_free(op.inputs[0], rows):
+        return _scattered(ctx, op.name, None, rows, index)     # bank.assign(scatter(bank...))
     if op.type != "ConcatV2" or not mixing.queued(op, rows) or \
             int(tf.get_static_value(op.inputs[-1])) % op.outputs[0].shape.rank != 0:
         return None
@@ -73,7 +78,7 @@ def joined(ctx, write: str, ref, rows, index: int, above: dict):
     scope = f"parallax/job_rows/{op.name}"
     nodes, rewires, first = [], {}, None
     for j in parts:
-        made, outs = _gathered(ctx, f"{scope}/input_{j}", inputs[j], None, index)
+        made, outs = _gathered(ctx, f"{scope}/input_{j}", _of(ctx, inputs[j]), None, index)
         nodes += made
         first = first or (outs, inputs[j].dtype, inputs[j].shape)
         rewires.update({(ctx.replica_name(k, op.name), j): out for k, out in enumerate(outs)})
@@ -81,55 +86,76 @@ def joined(ctx, write: str, ref, rows, index: int, above: dict):
     return nodes + made, {**rewires, **counted}
 
 
-def _scattered(ctx, write, ref, rows, index):
-    """A scatter of the batch's rows at its examples' ids (rank 1): the
-    job's ids and rows, gathered where `ref` is the ids."""
+def _scattered(ctx, node, ref, rows, index):
+    """A scatter (`node`) of the batch's rows at its examples' ids (a
+    vector, or a column for ScatterNd's [n, 1]): the job's ids and rows,
+    gathered where `ref` is the ids or None."""
     tg = ctx.tg
-    ids, values = (tg.tensor(r) for r in tg.ir.data_inputs(write)[1:3])
-    if ids.shape.rank != 1 or rows.axis(ids) != 0 or rows.axis(values) != 0 or \
-            values.dtype not in _DTYPES or ids.dtype not in (tf.int32, tf.int64) or \
-            values.shape.rank is None:
+    ids, values = (tg.tensor(r) for r in tg.ir.data_inputs(node)[1:3])
+    column = ids.shape.rank == 2 and ids.shape[1] == 1
+    if not (ids.shape.rank == 1 or column) or rows.axis(ids) != 0 or \
+            rows.axis(values) != 0 or values.dtype not in _DTYPES or \
+            ids.dtype not in (tf.int32, tf.int64) or values.shape.rank is None:
         return None
-    if tg.tensor(ref) is not ids:
+    if ref is not None and tg.tensor(ref) is not ids:
         return [], {}
-    nodes, outs = _gathered(ctx, f"parallax/job_rows/{write}", values, ids, index)
-    return nodes, {(ctx.replica_name(k, write), at): out[at - 1]
-                   for k, out in enumerate(zip(*outs)) for at in (1, 2)}
+    scope, (names, dtype, _) = f"parallax/job_rows/{node}", _of(ctx, ids)
+    nodes, shape = [], [None]
+    if column:      # gathered as a vector, a column again after
+        nodes, names = _each(ctx, f"{scope}/vector", names, dtype, [None, 1],
+                             lambda i: tf.reshape(i, [-1]))
+    made, (joined_ids, joined_values) = _gathered(ctx, scope, _of(ctx, values),
+                                                  (names, dtype, shape), index)
+    nodes += made
+    if column:
+        made, joined_ids = _each(ctx, f"{scope}/column", joined_ids, dtype, shape,
+                                 lambda i: tf.reshape(i, [-1, 1]))
+        nodes += made
+    return nodes, {(ctx.replica_name(k, node), at): out[at - 1]
+                   for k, out in enumerate(zip(joined_ids, joined_values)) for at in (1, 2)}
+
+
+def _of(ctx, t):
+    """(each replica's copy of user tensor `t`, its dtype, its shape)."""
+    return ([ctx.replica_tensor(k, TensorRef(t.op.name, t.value_index))
+             for k in range(ctx.plan.num_replicas)], t.dtype, t.shape)
+
+
+def _each(ctx, scope, names, dtype, shape, fn):
+    """(nodes, fn of each replica's tensor of `names`, on its device)."""
+    nodes, outs = [], []
+    for k, (t, device) in enumerate(zip(names, ctx.plan.devices)):
+        made, (out,) = emit.emit_traced(fn, [(t, dtype, shape)], f"{scope}/replica_{k}", device)
+        nodes += made
+        outs.append(out)
+    return nodes, outs
 
 
 def _gathered(ctx, scope, values, ids, index):
-    """(nodes, per replica the job's rows of `values` (a tf.Tensor of the
-    user's graph), and with `ids` (rows alike) theirs: (ids, rows) lists)."""
-    tensors = [[ctx.replica_tensor(k, TensorRef(t.op.name, t.value_index))
-                for k in range(ctx.plan.num_replicas)] for t in (values, ids) if t is not None]
+    """(nodes, per replica the job's rows of `values` ((names, dtype,
+    shape): `_of`), and with `ids` (rows alike, a vector) theirs: (ids,
+    rows) lists)."""
     if ctx.plan.reduces_on_servers:
-        made, joined_values = _on_servers(ctx, scope, tensors[0], values.dtype, values.shape,
-                                          index)
+        made, joined_values = _on_servers(ctx, scope, *values, index)
         if ids is None:
             return made, joined_values
-        more, joined_ids = _on_servers(ctx, f"{scope}/ids", tensors[1], ids.dtype, ids.shape,
-                                       index)
+        more, joined_ids = _on_servers(ctx, f"{scope}/ids", *ids, index)
         return made + more, (joined_ids, joined_values)
-    return _all_gather(ctx, scope, tensors[0], values.dtype, values.shape,
-                       tensors[1] if ids is not None else None, ids)
+    return _all_gather(ctx, scope, *values, ids)
 
 
-def _all_gather(ctx, scope, tensors, dtype, shape, ids=None, id_tensor=None):
+def _all_gather(ctx, scope, tensors, dtype, shape, ids=None):
     """Every replica's rows, in replica order, by the plan's all-gather
-    (with `ids`, per replica, theirs too: (ids, rows))."""
-    nodes = []
+    (with `ids`, (names, dtype, shape) of each replica's, theirs too: (ids,
+    rows))."""
+    nodes, kind = [], tf.int32 if ids is None else ids[1]
     if ids is None:
-        ids = []
-        for k, (t, device) in enumerate(zip(tensors, ctx.plan.devices)):
-            made, (numbers,) = emit.emit_traced(lambda x: tf.range(tf.shape(x)[0]),
-                                                [(t, dtype, shape)],
-                                                f"{scope}/replica_{k}/ids", device)
-            nodes += made
-            ids.append(numbers)
-    kind = tf.int32 if id_tensor is None else id_tensor.dtype
-    made, values, indices = ctx.comm.all_gather(scope, tensors, ids, dtype, kind,
-                                                shape.as_list(), mean=False)
-    return nodes + made, values if id_tensor is None else (indices, values)
+        nodes, numbers = _each(ctx, f"{scope}/ids", tensors, dtype, shape,
+                               lambda x: tf.range(tf.shape(x)[0]))
+    made, values, indices = ctx.comm.all_gather(scope, tensors, numbers if ids is None
+                                                else ids[0], dtype, kind,
+                                                tf.TensorShape(shape).as_list(), mean=False)
+    return nodes + made, values if ids is None else (indices, values)
 
 
 def _on_servers(ctx, scope, tensors, dtype, shape, index):

@@ -227,8 +227,9 @@ def state_sync_reduction(op_type: str, node_name: str, variable: str, value) -> 
             f"({value}) computed from one replica's batch, which differs between replicas; "
             f"parallax_ng combines such values only for {', '.join(sorted(STATE_SYNC_REDUCTION))}"
             ", for ScatterAdd and ScatterSub (resource or not) into a variable whose first "
-            "dimension is known, for ScatterUpdate of the batch's rows at ids of its examples "
-            "(a vector: a memory bank's), outside tf.cond branches and loops, and, in an "
+            "dimension is known, for ScatterUpdate, ScatterNdUpdate and ScatterNdAdd of the "
+            "batch's rows at ids of its examples (a vector, or a column [n, 1]: a memory "
+            "bank's), outside tf.cond branches and loops, and, in an "
             "optimizer's update, for a hyperparameter that "
             "reads the batch only through its row count or reductions over it (a learning "
             "rate scaled by tf.shape(x)[0] or by the batch's mean)") from None
