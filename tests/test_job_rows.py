@@ -255,6 +255,6 @@ def test_rows_written_at_ids_that_are_not_the_examples_are_refused_by_name():
         train = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(h))
         with tf.control_dependencies([train]):
             tf1.scatter_update(bank, [0, 1], tf.stop_gradient(h[:2]))
-    with pytest.raises(pn.errors.GraphError, match=r"writes variable 'bank' .*ScatterUpdate of "
+    with pytest.raises(pn.errors.GraphError, match=r"writes variable 'bank' .*ScatterNdAdd of "
                                                    r"the batch's rows at ids of its examples"):
         pn.get_runner(g, local(2)).close()
