@@ -241,20 +241,27 @@ def test_a_job_of_two_workers_writes_the_jobs_rows(kind, config, servers, tmp_pa
                                atol=TOL, rtol=0)
 
 
-def test_rows_written_at_ids_that_are_not_the_examples_are_refused_by_name():
-    """A scatter of the batch's first two rows at fixed ids: one device
+@pytest.mark.parametrize("places", ["fixed", "ring"])
+def test_rows_written_at_ids_that_are_not_the_examples_are_refused_by_name(places):
+    """A scatter of the batch's first two rows at fixed ids, or of its rows
+    at places counted from a pointer (a ring buffer's `(ptr + tf.range(n))
+    % size`, which on a replica count from its own first row): one device
     writes the global batch's, a replica its own; no exchange makes that
     one device's, and the build says what it combines."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 3], "x")
         w = tf1.get_variable("w", initializer=np.ones((3, 3), np.float32))
-        bank = tf1.get_variable("bank", initializer=np.zeros((4, 3), np.float32),
+        bank = tf1.get_variable("bank", initializer=np.zeros((16, 3), np.float32),
                                 trainable=False)
         h = tf.matmul(x, w)
         train = tf1.train.GradientDescentOptimizer(0.1).minimize(tf.reduce_mean(h))
         with tf.control_dependencies([train]):
-            tf1.scatter_update(bank, [0, 1], tf.stop_gradient(h[:2]))
+            if places == "fixed":
+                tf1.scatter_update(bank, [0, 1], tf.stop_gradient(h[:2]))
+            else:
+                ptr = tf1.get_variable("ptr", initializer=0, trainable=False)
+                tf1.scatter_update(bank, (ptr + tf.range(tf.shape(x)[0])) % 16, x)
     with pytest.raises(pn.errors.GraphError, match=r"writes variable 'bank' .*ScatterNdAdd of "
                                                    r"the batch's rows at ids of its examples"):
         pn.get_runner(g, local(2)).close()

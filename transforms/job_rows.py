@@ -88,14 +88,17 @@ def joined(ctx, write: str, ref, rows, index: int, above: dict):
 
 def _scattered(ctx, node, ref, rows, index):
     """A scatter (`node`) of the batch's rows at its examples' ids (a
-    vector, or a column for ScatterNd's [n, 1]): the job's ids and rows,
-    gathered where `ref` is the ids or None."""
+    vector, or a column for ScatterNd's [n, 1], computed from the data's
+    values: not places counted from the rows' positions, a replica's from
+    its own first row): the job's ids and rows, gathered where `ref` is
+    the ids or None."""
     tg = ctx.tg
     ids, values = (tg.tensor(r) for r in tg.ir.data_inputs(node)[1:3])
     column = ids.shape.rank == 2 and ids.shape[1] == 1
     if not (ids.shape.rank == 1 or column) or rows.axis(ids) != 0 or \
             rows.axis(values) != 0 or values.dtype not in _DTYPES or \
-            ids.dtype not in (tf.int32, tf.int64) or values.shape.rank is None:
+            ids.dtype not in (tf.int32, tf.int64) or values.shape.rank is None or \
+            mixing.data_free(ids, rows):    # places by the rows' positions: a ring buffer's
         return None
     if ref is not None and tg.tensor(ref) is not ids:
         return [], {}
