@@ -28,6 +28,11 @@ def label_counts(x):
     return tf.cast(tf.gather(count, at), tf.float32)
 
 
+def virtual(x):
+    """tf_keras BatchNormalization's virtual batches of 2: [2, -1, ...]."""
+    return tf.reshape(scores(x), [2, -1, 4])
+
+
 MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
     "hardest k": (lambda x: tf.reduce_mean(tf.math.top_k(per_example(x), 3)[0]), "top k"),
     "sorted": (lambda x: tf.reduce_sum(tf.sort(per_example(x))[:2]), "top k"),
@@ -72,6 +77,9 @@ MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
         tf.math.unsorted_segment_sum(scores(x), labels(x), 2), labels(x)))), "per group"),
     "a largest loss per class": (lambda x: tf.reduce_sum(tf.math.unsorted_segment_max(
         per_example(x), labels(x), 2)), "per group"),
+    # ghost batch normalization: virtual batches of rows a stride apart
+    "virtual batches": (lambda x: tf.reduce_sum(tf.square(virtual(x) - tf.reduce_mean(
+        virtual(x), 0))), "a stride apart"),
     "rows appended": (lambda x: tf.reduce_mean(tf.concat([per_example(x), tf.zeros([3])], 0)),
                       "not examples"),
 }
@@ -103,6 +111,8 @@ SEPARATE = {
     "a mean of shuffled rows": lambda x: tf.reduce_mean(tf.random.shuffle(per_example(x))),
     "reversed along time": lambda x: tf.reduce_sum(tf.reverse(x, [1]) * x),
     # a sum per class weighed per class is a sum of the examples' terms
+    "pairs of consecutive rows": lambda x: tf.reduce_sum(tf.reduce_mean(tf.reshape(
+        scores(x), [-1, 2, 4]), 1)),
     "two batches joined": lambda x: tf.reduce_mean(tf.concat([x[:, 0], x[:, 1]], 0)),
     "features joined": lambda x: tf.reduce_mean(tf.concat([x[:, 0], tf.zeros_like(x[:, 0])],
                                                           1)),
@@ -173,3 +183,29 @@ def test_a_fed_flag_beside_the_rows_is_no_pair():
         taken = tf.raw_ops.Switch(data=scores(x), pred=flag)[1]
         loss = tf.reduce_sum(taken * scale)
     assert mixing(loss, ["x", "flag", "scale"]) is None
+
+
+def test_ghost_batch_normalization_is_named(capsys):
+    """tf_keras's BatchNormalization with `virtual_batch_size`: its virtual
+    batches hold rows a stride apart in the batch (0.32 apart from one
+    device after 4 steps, silently, before this line)."""
+    import numpy as np
+
+    import parallax_ng as pn
+    from models import local
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 6], name="x")
+        y = tf1.placeholder(tf.int32, [None], name="y")
+        h = tf1.layers.batch_normalization(tf1.layers.dense(x, 8), training=True,
+                                           virtual_batch_size=2)
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=y, logits=tf1.layers.dense(h, 3)))
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS)):
+            train = tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        init = tf1.global_variables_initializer()
+    with pn.get_runner(g, local(2)) as runner:
+        runner.run(init)
+        runner.run(train, {x: np.ones((8, 6), np.float32), y: np.zeros(8, np.int32)})
+    err = capsys.readouterr().err
+    assert "mixes the batch's examples" in err and "virtual_batch_size" in err, err

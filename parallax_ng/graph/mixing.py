@@ -7,7 +7,8 @@ loss's mining does, a division by a sum of the model's outputs over the
 batch as Dice losses divide, the batch's rows met with themselves in
 another order as mixup meets them, a statistic of each group of examples
 that share a label: class centers, prototypes, the batch's rows joined to
-a queue of rows kept in a variable) is computed by each replica over its own
+a queue of rows kept in a variable, statistics of virtual batches whose
+examples lie a stride apart) is computed by each replica over its own
 rows, and no rule for combining the replicas' gradients makes that one
 device's over the global batch. `mixing` finds the first such op between
 the data and a loss, for the warning graph/averaging.py gives. (Batch
@@ -76,6 +77,10 @@ def _mixes(op, rows, exchanged) -> str | None:
         return "a count of each value among the batch's examples (unique_with_counts, bincount)"
     if kind in _SEGMENTS and (what := _grouped(op, rows)):
         return what
+    if kind in ("Mean", "Sum", "Max", "Min") and _strided(op, rows):
+        return ("statistics over groups of the batch's examples a stride apart (its rows "
+                "reshaped to [k, -1, ...] and reduced over the k: ghost batch normalization's "
+                "virtual batches, `virtual_batch_size`)")
     if kind == "ConcatV2" and queued(op, rows):
         return ("the batch's rows joined along their axis with rows that are not examples "
                 "(a queue of the batch's rows kept in a variable, as MoCo keeps its keys; rows "
@@ -137,6 +142,29 @@ def _grouped(op, rows) -> str | None:
                 return what
             stack.extend(c.outputs)
     return None
+
+
+def _strided(op, rows) -> bool:
+    """Whether reduction `op` reduces axis 0 of the batch's rows reshaped
+    to [k, -1, ...] (k > 1 fixed; read back through element-wise ops, a
+    variance's difference from the mean): group j of the reshape holds rows
+    j, j + m, j + 2m... of the batch (m its row count over k), which on a
+    replica are its own and on one device the global batch's."""
+    axes, x = tf.get_static_value(op.inputs[1]), op.inputs[0]
+    if axes is None or 0 not in {int(v) % (x.shape.rank or 1) for v in np.atleast_1d(axes)}:
+        return False
+    for _ in range(4):
+        if x.op.type in ("Reshape", "Identity", "Cast"):
+            break
+        if x.op.type not in rules.ELEMENTWISE or not x.op.inputs:
+            return False
+        x = x.op.inputs[0]
+    while x.op.type in ("Identity", "Cast"):
+        x = x.op.inputs[0]
+    if x.op.type != "Reshape" or (x.shape.rank or 0) < 2 or rows.axis(x.op.inputs[0]) != 0:
+        return False
+    k = x.shape[0]
+    return k is not None and k > 1 and x.op.inputs[0].shape[0] != k
 
 
 def queued(op, rows) -> bool:
