@@ -79,7 +79,9 @@ MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
         per_example(x), labels(x), 2)), "per group"),
     # ghost batch normalization: virtual batches of rows a stride apart
     "virtual batches": (lambda x: tf.reduce_sum(tf.square(virtual(x) - tf.reduce_mean(
-        virtual(x), 0))), "a stride apart"),
+        virtual(x), 0))), "the batch's over k"),
+    "virtual batches, legacy": (lambda x: tf.reduce_sum(tf.square(virtual(x) - tf.reduce_mean(
+        virtual(x), 1, keepdims=True))), "the batch's over k"),
     "rows appended": (lambda x: tf.reduce_mean(tf.concat([per_example(x), tf.zeros([3])], 0)),
                       "not examples"),
 }

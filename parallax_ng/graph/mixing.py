@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from .. import compat
 from . import rules
 from .forms import autodiff_losses, through
 from .orders import order
@@ -78,9 +79,9 @@ def _mixes(op, rows, exchanged) -> str | None:
     if kind in _SEGMENTS and (what := _grouped(op, rows)):
         return what
     if kind in ("Mean", "Sum", "Max", "Min") and _strided(op, rows):
-        return ("statistics over groups of the batch's examples a stride apart (its rows "
-                "reshaped to [k, -1, ...] and reduced over the k: ghost batch normalization's "
-                "virtual batches, `virtual_batch_size`)")
+        return ("statistics over groups of the batch's examples whose size is the batch's "
+                "over k (its rows reshaped to [k, -1, ...] and reduced along one of the two: "
+                "ghost batch normalization's virtual batches, `virtual_batch_size`)")
     if kind == "ConcatV2" and queued(op, rows):
         return ("the batch's rows joined along their axis with rows that are not examples "
                 "(a queue of the batch's rows kept in a variable, as MoCo keeps its keys; rows "
@@ -145,13 +146,16 @@ def _grouped(op, rows) -> str | None:
 
 
 def _strided(op, rows) -> bool:
-    """Whether reduction `op` reduces axis 0 of the batch's rows reshaped
-    to [k, -1, ...] (k > 1 fixed; read back through element-wise ops, a
-    variance's difference from the mean): group j of the reshape holds rows
-    j, j + m, j + 2m... of the batch (m its row count over k), which on a
-    replica are its own and on one device the global batch's."""
+    """Whether reduction `op` reduces axis 0 or axis 1, not both, of the
+    batch's rows reshaped to [k, -1, ...] (k > 1 fixed; read back through
+    element-wise ops, a variance's difference from the mean): along axis 0
+    group j holds rows j, j + m, j + 2m... of the batch (m its row count
+    over k; tf_keras's virtual batches), along axis 1 rows jm to jm + m - 1
+    (their legacy form under v1 behaviour), which on a replica are its own
+    and on one device the global batch's."""
     axes, x = tf.get_static_value(op.inputs[1]), op.inputs[0]
-    if axes is None or 0 not in {int(v) % (x.shape.rank or 1) for v in np.atleast_1d(axes)}:
+    if axes is None or len({0, 1} & {int(v) % (x.shape.rank or 1)
+                                     for v in np.atleast_1d(axes)}) != 1:
         return False
     for _ in range(4):
         if x.op.type in ("Reshape", "Identity", "Cast"):
@@ -163,8 +167,8 @@ def _strided(op, rows) -> bool:
         x = x.op.inputs[0]
     if x.op.type != "Reshape" or (x.shape.rank or 0) < 2 or rows.axis(x.op.inputs[0]) != 0:
         return False
-    k = x.shape[0]
-    return k is not None and k > 1 and x.op.inputs[0].shape[0] != k
+    k = compat.dim(x.shape, 0)      # (a v1 Dimension: compared as an int)
+    return k is not None and k > 1 and compat.dim(x.op.inputs[0].shape, 0) != k
 
 
 def queued(op, rows) -> bool:
