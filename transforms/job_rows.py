@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from parallax_ng import compat
 from parallax_ng.graph import branches, emit, mixing
 from parallax_ng.graph.ir import TensorRef
 from transforms.extremes import on_a_server
@@ -94,7 +95,7 @@ def _scattered(ctx, node, ref, rows, index):
     the ids or None."""
     tg = ctx.tg
     ids, values = (tg.tensor(r) for r in tg.ir.data_inputs(node)[1:3])
-    column = ids.shape.rank == 2 and ids.shape[1] == 1
+    column = ids.shape.rank == 2 and compat.dim(ids.shape, 1) == 1
     if not (ids.shape.rank == 1 or column) or rows.axis(ids) != 0 or \
             rows.axis(values) != 0 or values.dtype not in _DTYPES or \
             ids.dtype not in (tf.int32, tf.int64) or values.shape.rank is None or \
