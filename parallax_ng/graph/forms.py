@@ -88,9 +88,9 @@ class LossForm:
     # input 1, becomes the job's (N times a replica's) where the replicas'
     # gradients are summed (transforms/state_sync.py)
     widened: list[str] = field(default_factory=list)
-    # scalar means over the batch that a function not linear in them takes
-    # (an RMSE's, a product of two means): every replica uses the job's value,
-    # forward and in the gradient (transforms/state_sync.py all-reduces them)
+    # means over the batch (scalars or not) that a function not linear in them
+    # takes (an RMSE's, a product of two means): every replica uses the job's
+    # value, forward and in the gradient (transforms/state_sync.py all-reduces)
     exchanged: list[str] = field(default_factory=list)
     # Means over rows a mask picks from the batch (graph/selections.py): each
     # replica's count is its own, the job's is their sum
@@ -98,7 +98,7 @@ class LossForm:
     selected: list[str] = field(default_factory=list)
 
 
-# ops that compute a scalar from scalars, elementwise: of means, a loss needs
+# ops that compute elementwise from their inputs: of means, a loss needs
 # their job-wide values (LossForm.exchanged)
 SCALAR_FUNCTIONS = frozenset({
     "Sqrt", "Rsqrt", "Log", "Log1p", "Exp", "Expm1", "Square", "Pow", "Reciprocal", "Inv",
@@ -233,9 +233,9 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return through(t, op.inputs[0])          # a sum of one number
         if op.type in _REDUCTIONS:
             return reduced(t, op.inputs[0], constant(op.inputs[1]))
-        if op.type in SCALAR_FUNCTIONS and t.shape.rank == 0:
-            means = [x for x in op.inputs if data(x)]
-            if all(x.shape.rank == 0 and form(x) == "mean" for x in means):
+        if op.type in SCALAR_FUNCTIONS and batch_axis(t, rows) is None:
+            means = [x for x in op.inputs if data(x)]       # (a vector of means too)
+            if all(batch_axis(x, rows) is None and form(x) == "mean" for x in means):
                 exchanged.extend(x.name for x in means)
                 return "mean"       # of the job's means, in every replica
         return None
