@@ -214,11 +214,12 @@ print("servers", runner.plan.reduces_on_servers, flush=True)
 
 @pytest.mark.parametrize("kind", ["moco", "bank"])
 @pytest.mark.parametrize("config,servers", [({"dense_method": "bfb"}, True),
+                                            ({"run_option": "ps"}, True),
                                             ({"run_option": "allreduce"}, False)])
 def test_a_job_of_two_workers_writes_the_jobs_rows(kind, config, servers, tmp_path):
     """Each worker fed its half of each batch (the last one 3 rows each):
-    by sums on the server (fusion buffers: no collective op in the step)
-    and by all-gather; both workers' variables and losses equal one
+    by sums on the server (fusion buffers, or every variable on the server:
+    no collective op in the step) and by all-gather; both workers' variables and losses equal one
     device's (a worker's loss is its half's mean)."""
     from test_cluster import resources
     script, out = tmp_path / "job.py", str(tmp_path / "out")
