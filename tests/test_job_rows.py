@@ -219,8 +219,8 @@ print("servers", runner.plan.reduces_on_servers, flush=True)
 def test_a_job_of_two_workers_writes_the_jobs_rows(kind, config, servers, tmp_path):
     """Each worker fed its half of each batch (the last one 3 rows each):
     by sums on the server (fusion buffers, or every variable on the server:
-    no collective op in the step) and by all-gather; both workers' variables and losses equal one
-    device's (a worker's loss is its half's mean)."""
+    no collective op in the step) and by all-gather; both workers' variables
+    and losses equal one device's (a worker's loss is its half's mean)."""
     from test_cluster import resources
     script, out = tmp_path / "job.py", str(tmp_path / "out")
     script.write_text(JOB.format(tests=os.path.dirname(os.path.abspath(__file__)), out=out,
