@@ -67,6 +67,11 @@ LOSS_FORMS = {
         lambda e, x: tf.reduce_sum(tf.square(tf.reduce_mean(e, 0) - 1.0)), "mean"),
     "an entropy of the mean prediction": (lambda e, x: -tf.reduce_sum(mean_p(e) * tf.math.log(
         mean_p(e))), "mean"),
+    # each example's outer product summed over the batch: a gram matrix, a sum
+    "a gram matrix summed": (lambda e, x: tf.reduce_sum(tf.matmul(e, e, transpose_a=True)),
+                             "sum"),
+    "a decorrelation penalty": (lambda e, x: tf.reduce_sum(tf.square(tf.matmul(
+        e, e, transpose_a=True) / 8.0 - tf.eye(4))), "mean"),
     "a root of a sum": (lambda e, x: tf.sqrt(tf.reduce_sum(e)), None),
     "a sum or a constant": (lambda e, x: tf.where(tf.reduce_sum(e) > 0.0, tf.reduce_sum(e),
                                                   1.0), None),
@@ -100,6 +105,7 @@ def test_how_the_loss_depends_on_the_batch(name):
         assert len(form.by_batch) == 1          # the divisor a micro-batch replaces
     assert len(set(form.exchanged)) == {"an RMSE": 1, "a ratio of means plus a mean": 2,
                                         "a function of per-column means": 1,
+                                        "a decorrelation penalty": 1,
                                         "an entropy of the mean prediction": 3}.get(name, 0)
 
 
@@ -305,6 +311,8 @@ FUNCTIONS_OF_MEANS = {      # a loss per example plus a function of the batch's 
     "entropy of the mean prediction": lambda z: tf.reduce_sum(mean_p(z) * tf.math.log(
         mean_p(z))),
     "per-column RMSE": lambda z: tf.reduce_mean(tf.sqrt(tf.reduce_mean(tf.square(z - 1.0), 0))),
+    "decorrelation penalty": lambda z: tf.reduce_sum(tf.square(tf.matmul(
+        z, z, transpose_a=True) / tf.cast(tf.shape(z)[0], tf.float32) - tf.eye(3))),
 }
 
 
@@ -326,11 +334,12 @@ def functions_of_means_graph(name):
 @pytest.mark.parametrize("name", sorted(FUNCTIONS_OF_MEANS))
 def test_a_function_of_a_vector_of_means_over_the_batch_equals_one_device(name, capsys):
     """The batch's means per column taken by a function not linear in them
-    (a squared distance, an entropy, a root): every replica uses the job's
-    means, so 2 replicas equal one device with the global batch, every
-    variable and slot after 4 steps and the loss each step within 1e-5,
-    with no line (before: 0.019 to 0.86 apart, with the line "does not
-    show whether the loss is a mean or a sum")."""
+    (a squared distance, an entropy, a root), or its gram matrix over its
+    count (each example's outer product summed: a decorrelation penalty):
+    every replica uses the job's means, so 2 replicas equal one device with
+    the global batch, every variable and slot after 4 steps and the loss
+    each step within 1e-5, with no line (before: 0.019 to 0.86 apart, with
+    the line "does not show whether the loss is a mean or a sum")."""
     import numpy as np
 
     from models import load_values, local, read_name, variable_names

@@ -1,16 +1,15 @@
 """Forms of a tensor over the batch: its rows (`batch_rows`, graph/rows.py),
-whether a scalar of the data is a mean or a sum over the batch
-(`loss_form`), and the losses a graph differentiates (`autodiff_losses`),
-from which graph/averaging.py reads how the replicas' gradients combine.
+whether a scalar of the data is a mean or a sum over the batch (`loss_form`),
+and the losses a graph differentiates (`autodiff_losses`), from which
+graph/averaging.py reads how the replicas' gradients combine.
 
 Requires: tf.Tensors of a graph and the names of its data sources (the
-placeholders and iterators that give the batch), or a graph/rows.py
-reading of them that several questions share. Guarantees: both read the
-graph only. `loss_form` names the divisors that make a sum a mean (a
-layer-by-layer step divides by a micro-batch's size instead,
-parallax_ng/l2l/); a value it cannot read is None, never a guess. Used by
-layer-by-layer execution and the state-sync pass (a per-replica mean added
-up is averaged, not summed)."""
+placeholders and iterators that give the batch), or a graph/rows.py reading of
+them that several questions share. Guarantees: both read the graph only.
+`loss_form` names the divisors that make a sum a mean (a layer-by-layer step
+divides by a micro-batch's size instead, parallax_ng/l2l/); a value it cannot
+read is None, never a guess. Used by layer-by-layer execution and the
+state-sync pass (a per-replica mean added up is averaged, not summed)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -88,9 +87,8 @@ class LossForm:
     # input 1, becomes the job's (N times a replica's) where the replicas'
     # gradients are summed (transforms/state_sync.py)
     widened: list[str] = field(default_factory=list)
-    # means over the batch (scalars or not) that a function not linear in them
-    # takes (an RMSE's, a product of two means): every replica uses the job's
-    # value, forward and in the gradient (transforms/state_sync.py all-reduces)
+    # means over the batch (scalars or not) that a function not linear in them takes (an
+    # RMSE's): every replica uses the job's, forward and in the gradient (state_sync's)
     exchanged: list[str] = field(default_factory=list)
     # Means over rows a mask picks from the batch (graph/selections.py): each
     # replica's count is its own, the job's is their sum
@@ -98,8 +96,7 @@ class LossForm:
     selected: list[str] = field(default_factory=list)
 
 
-# ops that compute elementwise from their inputs: of means, a loss needs
-# their job-wide values (LossForm.exchanged)
+# element-wise ops: of means, a loss needs their job-wide values (LossForm.exchanged)
 SCALAR_FUNCTIONS = frozenset({
     "Sqrt", "Rsqrt", "Log", "Log1p", "Exp", "Expm1", "Square", "Pow", "Reciprocal", "Inv",
     "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum", "Abs", "Tanh", "Sigmoid",
@@ -200,6 +197,9 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                 if (n := _over(c, constant)) is not None and form(n) == "sum" and \
                         n.name in tallies and form(m) == "sum":
                     return "mean"       # a sum times 1 / the rows' count
+        if op.type == "MatMul" and op.get_attr("transpose_a") and not op.get_attr(
+                "transpose_b") and {batch_axis(x, rows) for x in op.inputs} == {0}:
+            return "sum"    # each example's outer product summed over the batch (a gram)
         terms = added_terms(op)
         if terms is not None:
             kinds = []
