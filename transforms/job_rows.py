@@ -47,6 +47,7 @@ _ASSIGNS = ("Assign", "AssignVariableOp")
 _SCATTERS = ("ScatterUpdate", "ResourceScatterUpdate", "ScatterNdUpdate",
              "ResourceScatterNdUpdate", "ScatterNdAdd", "ResourceScatterNdAdd")
 _TENSOR_SCATTERS = ("TensorScatterUpdate", "TensorScatterAdd", "TensorScatterSub")
+_SLICE_ASSIGNS = ("StridedSliceAssign", "ResourceStridedSliceAssign")   # buf[p:p + n]
 
 
 def joined(ctx, write: str, ref, rows, index: int, above: dict):
@@ -57,10 +58,18 @@ def joined(ctx, write: str, ref, rows, index: int, above: dict):
     scatter's rows and ids are made the job's once, where `ref` is the
     ids: ([], {}) for its rows."""
     kind = ctx.tg.ir.node(write).op
-    if kind not in _ASSIGNS + _SCATTERS or branches.switches_above(ctx.tg.ir, write, above):
+    if kind not in _ASSIGNS + _SCATTERS + _SLICE_ASSIGNS or \
+            branches.switches_above(ctx.tg.ir, write, above):
         return None
     if kind in _SCATTERS:
         return _scattered(ctx, write, ref, rows, index)
+    if kind in _SLICE_ASSIGNS:      # (ref, begin, end, strides, value)
+        places = [ctx.tg.tensor(r) for r in ctx.tg.ir.data_inputs(write)[1:4]]
+        value = ctx.tg.tensor(ctx.tg.ir.data_inputs(write)[4])
+        if rows.axis(value) != 0 or value.dtype not in _DTYPES or \
+                value.shape.rank is None or not all(mixing.data_free(p, rows) for p in places):
+            return None
+        return _placed(ctx, write, ref, rows, index, places, value, 4)
     op = ctx.tg.tensor(ref).op
     while op.type == "Identity":
         op = op.inputs[0].op
@@ -90,16 +99,20 @@ def joined(ctx, write: str, ref, rows, index: int, above: dict):
 def _scattered(ctx, node, ref, rows, index):
     """A scatter (`node`) of the batch's rows at its examples' ids (a
     vector, or a column for ScatterNd's [n, 1], computed from the data's
-    values: not places counted from the rows' positions, a replica's from
-    its own first row): the job's ids and rows, gathered where `ref` is
-    the ids or None."""
+    values): the job's ids and rows, gathered where `ref` is the ids or
+    None. At places counted from the rows' count (a ring buffer's `(ptr +
+    tf.range(n)) % size`, no data's values read): the job's rows, where
+    `ref` is the rows or None, at places counted from the job's count."""
     tg = ctx.tg
     ids, values = (tg.tensor(r) for r in tg.ir.data_inputs(node)[1:3])
     column = ids.shape.rank == 2 and compat.dim(ids.shape, 1) == 1
-    if not (ids.shape.rank == 1 or column) or rows.axis(ids) != 0 or \
-            rows.axis(values) != 0 or values.dtype not in _DTYPES or \
-            ids.dtype not in (tf.int32, tf.int64) or values.shape.rank is None or \
-            mixing.data_free(ids, rows):    # places by the rows' positions: a ring buffer's
+    if not (ids.shape.rank == 1 or column) or rows.axis(values) != 0 or \
+            values.dtype not in _DTYPES or ids.dtype not in (tf.int32, tf.int64) or \
+            values.shape.rank is None:
+        return None
+    if mixing.data_free(ids, rows):
+        return _placed(ctx, node, ref, rows, index, [ids], values, 2)
+    if rows.axis(ids) != 0:
         return None
     if ref is not None and tg.tensor(ref) is not ids:
         return [], {}
@@ -117,6 +130,25 @@ def _scattered(ctx, node, ref, rows, index):
         nodes += made
     return nodes, {(ctx.replica_name(k, node), at): out[at - 1]
                    for k, out in enumerate(zip(joined_ids, joined_values)) for at in (1, 2)}
+
+
+def _placed(ctx, node, ref, rows, index, places: list, values, at: int):
+    """A write (`node`) of the batch's rows (`values`, its input `at`) at
+    places (`places`: a scatter's ids, a slice's bounds) counted from the
+    batch's count: the job's rows, where `ref` is the rows or None, at
+    places counted from the job's count. None where the places read no
+    count of its rows (fixed places: one device writes other rows there)."""
+    uses = _count_uses(places, rows)
+    if not uses:
+        return None
+    if ref is not None and ctx.tg.tensor(ref) is not values:
+        return [], {}
+    made, joined_rows = _gathered(ctx, f"parallax/job_rows/{node}", _of(ctx, values),
+                                  None, index)
+    more, counted = _counted(ctx, f"parallax/job_rows/{node}", uses, joined_rows,
+                             values.dtype, values.shape)
+    return made + more, {**{(ctx.replica_name(k, node), at): out
+                            for k, out in enumerate(joined_rows)}, **counted}
 
 
 def _of(ctx, t):
@@ -201,7 +233,13 @@ def _counts(ctx, scope, others, rows, joined_rows, dtype, shape):
     """(nodes, rewires) by which every count of the batch's rows that the
     concatenation's other inputs read (`queue[:-n]`) is the job's: the
     count of the joined rows."""
-    found, seen, stack = {}, set(), [x.op for x in others]
+    return _counted(ctx, scope, _count_uses(others, rows), joined_rows, dtype, shape)
+
+
+def _count_uses(tensors, rows) -> dict:
+    """{name: (a count of the batch's rows that `tensors` read, its
+    [(user, input position)])}."""
+    found, seen, stack = {}, set(), [x.op for x in tensors]
     while stack:
         op = stack.pop()
         if op.name in seen:
@@ -212,6 +250,12 @@ def _counts(ctx, scope, others, rows, joined_rows, dtype, shape):
                 found.setdefault(x.name, (x, []))[1].append((op.name, at))
             elif op.type not in _COUNTS_READ:
                 stack.append(x.op)
+    return found
+
+
+def _counted(ctx, scope, found: dict, joined_rows, dtype, shape):
+    """(nodes, rewires): every use in `found` (`_count_uses`) reads the
+    count of the joined rows."""
     nodes, rewires = [], {}
     for name, (x, uses) in found.items():
         for k, (t, device) in enumerate(zip(joined_rows, ctx.plan.devices)):

@@ -229,7 +229,9 @@ def state_sync_reduction(op_type: str, node_name: str, variable: str, value) -> 
             ", for ScatterAdd and ScatterSub (resource or not) into a variable whose first "
             "dimension is known, for ScatterUpdate, ScatterNdUpdate and ScatterNdAdd of the "
             "batch's rows at ids of its examples (a vector, or a column [n, 1]: a memory "
-            "bank's), outside tf.cond branches and loops, and, in an "
+            "bank's) or at places counted from the batch's row count (a ring buffer's "
+            "(ptr + tf.range(n)) % size, or a slice buf[ptr:ptr + n] assigned), outside "
+            "tf.cond branches and loops, and, in an "
             "optimizer's update, for a hyperparameter that "
             "reads the batch only through its row count or reductions over it (a learning "
             "rate scaled by tf.shape(x)[0] or by the batch's mean)") from None
