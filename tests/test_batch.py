@@ -72,6 +72,23 @@ def test_data_and_labels_partitioned_by_a_task_per_example_are_batches():
     assert kinds(g) == {"x": "batch", "y": "batch", "task": "batch"}
 
 
+def test_rows_a_mask_of_the_labels_picks_are_batches():
+    """A pairwise ranking loss (an AUC surrogate) over the scores of the
+    positive and the negative examples, each picked by tf.boolean_mask
+    with a mask of the labels: the data's and the mask's rows are one
+    dimension (before: both "unknown", with a line each)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        y = tf1.placeholder(tf.int32, [None], name="y")
+        score = tf.matmul(x, tf1.get_variable("w", [3, 1]))[:, 0]
+        positive = tf.equal(y, 1)
+        pos, neg = (tf.boolean_mask(score, m) for m in (positive, tf.logical_not(positive)))
+        loss = tf.reduce_mean(tf.sigmoid(neg[None, :] - pos[:, None]))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    assert kinds(g) == {"x": "batch", "y": "batch"}
+
+
 def test_a_pick_per_row_by_gather_nd_lines_up_the_rows():
     """A DQN's Q value of each example's action, tf.gather_nd(q, tf.stack(
     [tf.range(n), a], 1)) or tf.gather(q, a[:, None], batch_dims=1): the

@@ -82,6 +82,11 @@ MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
         virtual(x), 0))), "the batch's over k"),
     "virtual batches, legacy": (lambda x: tf.reduce_sum(tf.square(virtual(x) - tf.reduce_mean(
         virtual(x), 1, keepdims=True))), "the batch's over k"),
+    # an AUC surrogate: each positive's score against each negative's,
+    # picked by masks of the labels
+    "pairs of masked rows": (lambda x: tf.reduce_mean(tf.sigmoid(tf.boolean_mask(
+        per_example(x), labels(x) > 0)[None, :] - tf.boolean_mask(
+        per_example(x), labels(x) < 1)[:, None])), "broadcast pairs"),
     "rows appended": (lambda x: tf.reduce_mean(tf.concat([per_example(x), tf.zeros([3])], 0)),
                       "not examples"),
 }
@@ -122,6 +127,12 @@ SEPARATE = {
         per_example(x), labels(x), 2) * tf.constant([1.0, 2.0])),
     "masked mean": lambda x: tf.reduce_sum(scores(x) * tf.cast(x[:, 0] > 0, tf.float32)) / (
         tf.reduce_sum(tf.cast(x[:, 0] > 0, tf.float32)) + 1.0),
+    "a mean of masked rows": lambda x: tf.reduce_mean(tf.boolean_mask(per_example(x),
+                                                                       labels(x) > 0)),
+    "masked rows met with their masked labels": lambda x: tf.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(
+            tf.boolean_mask(labels(x), x[:, 0, 1] > 0), tf.boolean_mask(scores(x),
+                                                                      x[:, 0, 1] > 0))),
     "mean over a count": lambda x: tf.reduce_sum(scores(x)) / tf.cast(tf.size(x), tf.float32),
     # TF1's losses divide by a count of `ones_like(losses)`: the model's
     # outputs' shape, not their values

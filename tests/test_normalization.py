@@ -382,7 +382,8 @@ def test_a_programs_own_mean_over_the_batch_applied_to_its_rows_is_named(synchro
     """Statistics not of tf.nn.moments' form of what the variables compute
     (a centring by the batch's mean without a StopGradient, and its
     largest value scaling it): each replica takes its own rows', named in
-    a line either way; a loss's mean over the batch, a layer norm's over
+    a line, but for the mean under batch_norm: synchronized, which is
+    exchanged with its gradient; a loss's mean over the batch, a layer norm's over
     the features and a metric's are not; a reward's baseline (the data's
     alone) is the job's, exchanged (transforms/extremes.py: before, named
     with the others)."""
@@ -403,8 +404,126 @@ def test_a_programs_own_mean_over_the_batch_applied_to_its_rows_is_named(synchro
     assert [op.name for op in normalization.data_statistics(g, sources(g))] == ["baseline"]
     pn.get_runner(g, local(2), {"batch_norm": "synchronized"} if synchronized else {}).close()
     said = capsys.readouterr().err
-    assert "statistics over the batch's axis ['centre', 'largest'] are applied to the " \
-        "batch's rows" in said, said
+    named = "['largest']" if synchronized else "['centre', 'largest']"    # (a mean: exchanged)
+    assert f"statistics over the batch's axis {named} are applied to the batch's rows" in said, \
+        said
+
+
+def own_statistics(kind, batch):
+    """A program's own normalization over the batch, trained by Adam: a
+    standardization by hand (`(z - mean) / std`, means kept as [1, d] or
+    [d], tf.math.reduce_std), Barlow Twins (the cross-correlation of two
+    views' standardized embeddings over the batch, its diagonal pulled to
+    1 and the rest to 0) and VICReg (a hinge on each feature's deviation
+    over the batch, and its covariance off the diagonal)."""
+    g = tf.Graph()
+    with g.as_default():
+        rng = np.random.RandomState(5)
+        xs = rng.randn(64, 5).astype(np.float32)
+        data = (xs, xs + 0.2 * rng.randn(64, 5).astype(np.float32), rng.randint(0, 3, 64))
+        ds = pn.shard(tf.data.Dataset.from_tensor_slices(data))
+        x, x2, y = tf1.data.make_one_shot_iterator(ds.batch(batch).repeat()).get_next()
+        w = tf1.get_variable("w", initializer=(np.arange(20).reshape(5, 4) / 20 - 0.3).astype(
+            np.float32))
+        out = tf1.get_variable("out", initializer=np.linspace(-1, 1, 12, dtype=np.float32)
+                               .reshape(4, 3))
+        z1, z2 = tf.matmul(x, w), tf.matmul(x2, w)
+        n = tf.cast(tf.shape(z1)[0], tf.float32)
+        keep = kind == "kept dimensions"
+
+        def standardized(z):
+            centred = z - tf.reduce_mean(z, 0, keepdims=keep)
+            return centred / tf.sqrt(tf.reduce_mean(tf.square(centred), 0, keepdims=keep) + 1e-3)
+        if kind == "barlow twins":
+            c = tf.matmul(standardized(z1), standardized(z2), transpose_a=True) / n
+            diagonal = tf.linalg.diag_part(c)
+            loss = tf.reduce_sum(tf.square(1.0 - diagonal)) + 0.05 * (
+                tf.reduce_sum(tf.square(c)) - tf.reduce_sum(tf.square(diagonal)))
+        elif kind == "vicreg":
+            centred = z1 - tf.reduce_mean(z1, 0)
+            covariance = tf.matmul(centred, centred, transpose_a=True) / n
+            loss = tf.reduce_mean(tf.square(z1 - z2)) + tf.reduce_mean(tf.nn.relu(
+                1.0 - tf.sqrt(tf.math.reduce_variance(z1, 0) + 1e-4))) + 0.1 * tf.reduce_sum(
+                tf.square(covariance * (1.0 - tf.eye(4))))
+        else:
+            h = (z1 - tf.reduce_mean(z1, 0)) / (tf.math.reduce_std(z1, 0) + 1e-3) \
+                if kind == "reduce_std" else standardized(z1)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=tf.matmul(tf.nn.relu(h), out)))
+        train = tf1.train.AdamOptimizer(0.05).minimize(loss)
+        init = tf1.global_variables_initializer()
+    return g, {"train": train, "loss": loss, "init": init}
+
+
+@pytest.mark.parametrize("kind", ["by hand", "kept dimensions", "reduce_std", "barlow twins",
+                                  "vicreg"])
+def test_a_programs_own_normalization_is_the_global_batchs_synchronized(kind, capsys):
+    """Under batch_norm: synchronized its means over the batch are the
+    job's, forward and backward, as tf.nn.moments' are: every weight and
+    Adam slot equals one device's after 4 steps (1e-5), with no line
+    (before: named, 0.1 apart; Barlow Twins' and VICReg's 0.45 and 0.06).
+    By default each replica standardizes its own rows, and a line says
+    so."""
+    build = lambda b: own_statistics(kind, b)     # noqa: E731
+    parallel, single, names = train_both(build, 2, 4, config={"batch_norm": "synchronized"})
+    assert {"w", "w/Adam", "w/Adam_1"} <= set(names)
+    assert worst(parallel, single, names) <= 1e-5
+    said = capsys.readouterr().err
+    assert "parallax_ng:" not in said, said
+    parallel, single, names = train_both(build, 2, 4)
+    assert worst(parallel, single, names) > 1e-4
+    said = capsys.readouterr().err
+    assert "statistics over the batch's axis" in said and "batch_norm: synchronized makes " \
+        "means over the batch the global batch's" in said, said
+
+
+@pytest.mark.parametrize("legacy", ["0", "1"])
+def test_barlow_twins_in_a_pn_function_step_equal_one_device_synchronized(legacy, capsys,
+                                                                          monkeypatch):
+    """Barlow Twins in a GradientTape step (a Keras 3 or tf_keras Dense, no
+    bias: its gradient would be rounding noise that Adam scales up): the
+    tape's scope holds every Mean's gradient, each told by the count it
+    divides by (its Mean's input's); 4 steps on 2 replicas equal one
+    device, weights and Adam's slots (1e-5), with no line (before: named,
+    0.33 apart)."""
+    monkeypatch.setenv("TF_USE_LEGACY_KERAS", legacy)
+    import keras
+    import tf_keras
+    lib = tf_keras if legacy == "1" else keras
+
+    def standardized(z):
+        centred = z - tf.reduce_mean(z, 0)
+        return centred / tf.sqrt(tf.reduce_mean(tf.square(centred), 0) + 1e-3)
+
+    def make():
+        lib.utils.set_random_seed(1)
+        dense, optimizer = lib.layers.Dense(4, use_bias=False), lib.optimizers.Adam(0.05)
+        dense.build((None, 5))
+
+        def step(x, x2):
+            with tf.GradientTape() as tape:
+                c = tf.matmul(standardized(dense(x)), standardized(dense(x2)),
+                              transpose_a=True) / tf.cast(tf.shape(x)[0], tf.float32)
+                diagonal = tf.linalg.diag_part(c)
+                loss = tf.reduce_sum(tf.square(1.0 - diagonal)) + 0.05 * (
+                    tf.reduce_sum(tf.square(c)) - tf.reduce_sum(tf.square(diagonal)))
+            grads = tape.gradient(loss, dense.trainable_variables)
+            optimizer.apply_gradients(zip(grads, dense.trainable_variables))
+            return loss
+        return dense, optimizer, step
+    (dense, optimizer, fn), (dense1, optimizer1, fn1) = make(), make()
+    step = pn.function(fn, local(2), {"batch_norm": "synchronized"})
+    ref = tf.function(fn1)
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        x = rng.normal(size=(8, 5)).astype(np.float32)
+        x2 = x + 0.2 * rng.normal(size=x.shape).astype(np.float32)
+        np.testing.assert_allclose(step(x, x2), ref(x, x2).numpy(), atol=1e-5, rtol=0)
+    step.sync()
+    for a, b in zip(dense.weights + list(optimizer.variables),
+                    dense1.weights + list(optimizer1.variables)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+    assert "parallax_ng:" not in capsys.readouterr().err
 
 
 def test_keras3_masked_batch_normalization_is_named(capsys, monkeypatch):

@@ -35,7 +35,7 @@ import re
 import tensorflow as tf
 
 from .. import compat
-from . import rules
+from . import rules, selections
 from .ir import TensorRef
 from .rows import reading
 from .rules import CTC, ELEMENTWISE, FIRST, LOSSES, REDUCTIONS, SPARSE_LAYERS
@@ -249,6 +249,9 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
         for out in outs:
             first[out] = joined
         return
+    if kind == "MatMul" and node.attr["transpose_a"].b and not node.attr["transpose_b"].b:
+        dims.note(dims.join([d for _, d in ins]), "reduced")    # a gram matrix: each
+        return                                                   # row's outer product summed
     if kind in FIRST:
         lead = ins[0][1] if ins else None
         if kind == "MatMul" and node.attr["transpose_a"].b:
@@ -289,6 +292,12 @@ def _index_rules(tg, name, node, ins, outs, first, dims) -> None:
         axis = const(tg, ins[2][0]) if kind == "GatherV2" and len(ins) > 2 else 0
         if axis != 0:
             _unknown(ins, dims)
+            return
+        mask = selections.mask_of(tg.tensor(ins[1][0])) if len(ins) > 1 else None
+        if mask is not None:    # the rows a mask picks (tf.boolean_mask): one dimension
+            picked = dims.join([ins[0][1], first.get(TensorRef(mask.op.name, mask.value_index))])
+            for out in outs:
+                first[out] = picked
             return
         dims.note(ins[0][1], "indexed")            # rows picked from the table
         for out in outs:

@@ -1,15 +1,14 @@
-"""Forms of a tensor over the batch: its rows (`batch_rows`, graph/rows.py),
-whether a scalar of the data is a mean or a sum over the batch (`loss_form`),
-and the losses a graph differentiates (`autodiff_losses`), from which
-graph/averaging.py reads how the replicas' gradients combine.
+"""Forms of a tensor over the batch: its rows (`batch_rows`, graph/rows.py), whether a
+scalar of the data is a mean or a sum over the batch (`loss_form`), and the losses a
+graph differentiates (`autodiff_losses`), from which graph/averaging.py reads how the
+replicas' gradients combine.
 
-Requires: tf.Tensors of a graph and the names of its data sources (the
-placeholders and iterators that give the batch), or a graph/rows.py reading of
-them that several questions share. Guarantees: both read the graph only.
-`loss_form` names the divisors that make a sum a mean (a layer-by-layer step
-divides by a micro-batch's size instead, parallax_ng/l2l/); a value it cannot
-read is None, never a guess. Used by layer-by-layer execution and the
-state-sync pass (a per-replica mean added up is averaged, not summed)."""
+Requires: tf.Tensors of a graph and the names of its data sources (the placeholders and
+iterators that give the batch), or a graph/rows.py reading of them that several
+questions share. Guarantees: both read the graph only. `loss_form` names the divisors
+that make a sum a mean (a layer-by-layer step divides by a micro-batch's size instead,
+parallax_ng/l2l/); a value it cannot read is None, never a guess. Used by layer-by-layer
+execution and the state-sync pass (a per-replica mean added up is averaged, not summed)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -22,13 +21,13 @@ from ..errors import GraphError
 from . import selections
 from .recorders import GRAD_YS, input_gradients, seeded
 from .rows import batch_axis, batch_rows, counts_rows, reading
+from .rules import ENTRIES
 
 # ops that give data: an input pipeline's, a queue's, a fed placeholder's (a
 # SparseTensor's shape is a PlaceholderWithDefault)
 SOURCE_TYPES = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "Placeholder",
                 "PlaceholderWithDefault", "QueueDequeueV2", "QueueDequeueManyV2",
                 "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueMany", "QueueDequeueUpTo")
-
 
 # the collection of a traced TF2 step's graph that names what its tapes
 # differentiated (graph/tracing.py records them as the step is traced)
@@ -100,23 +99,20 @@ class LossForm:
 SCALAR_FUNCTIONS = frozenset({
     "Sqrt", "Rsqrt", "Log", "Log1p", "Exp", "Expm1", "Square", "Pow", "Reciprocal", "Inv",
     "Mul", "RealDiv", "Div", "DivNoNan", "Maximum", "Minimum", "Abs", "Tanh", "Sigmoid",
-    "Softplus", "SquaredDifference"})
+    "Softplus", "SquaredDifference", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu"})
 
 
 def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
               strict: bool = True) -> LossForm:
-    """How the loss depends on the number of examples in the batch: "mean"
-    (a mean over the batch, or a sum over it divided by the batch size
-    `batch`, as tf.compat.v1.losses computes it, or by a count the data
-    sets), "sum" (a sum over the batch, times or over a number that does
-    not depend on the data), or None when the graph does not show it.
-    `constant(t)`: the value of a tensor that does not depend on the data,
-    or None if it is not known (default: `constant_value`).
-    Raises GraphError for a sum over the batch plus a term that does not
-    depend on the data (a regularizer): each micro-batch would add it once
-    (with `strict` False, it is a sum and `once` names where the term enters).
-    Without `strict`, a sum plus means of a sum over a count is a sum whose
-    means are `widened`."""
+    """How the loss depends on the number of examples in the batch: "mean" (a mean over the
+    batch, or a sum over it divided by the batch size `batch`, as tf.compat.v1.losses
+    computes it, or by a count the data sets), "sum" (a sum over the batch, times or over a
+    number that does not depend on the data), or None when the graph does not show it.
+    `constant(t)`: the value of a tensor that does not depend on the data, or None if it is
+    not known (default: `constant_value`). Raises GraphError for a sum over the batch plus a
+    term that does not depend on the data (a regularizer): each micro-batch would add it
+    once (with `strict` False, it is a sum and `once` names where the term enters). Without
+    `strict`, a sum plus means of a sum over a count is a sum whose means are `widened`."""
     rows = reading(sources, loss.graph)     # one reading for every question below
     sources = rows.sources                  # (the caller's, if it passes one)
     constant = constant or constant_value
@@ -165,6 +161,9 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         if counts_rows(op, rows) or selections.counted(op, rows):
             tallies.add(t.name)
             return "sum"        # the batch's rows (or elements, or picked ones) counted
+        if op.type in ENTRIES and batch_axis(op.inputs[0], rows) is None and \
+                batch_axis(t, rows) is None:
+            return through(t, op.inputs[0])     # (entries of a tensor of sums or means)
         if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
                 op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum":
             by_count.append(op.name)
@@ -258,13 +257,13 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         axes = {int(v) % shape.rank for v in np.atleast_1d(axes)}
         dims = shape.as_list()
         rest = [d for i, d in enumerate(dims) if i != a and i in axes]
+        if t.shape.rank == 0 and (a is None or a in axes) and selections.picked(x, rows):
+            if t.op.type == "Mean":         # over a count the data sets
+                selected.append(t.op.name)
+            return "mean" if t.op.type == "Mean" else "sum"
         if a is not None and a in axes:
             if len(axes) == shape.rank and None not in rest:
                 per_row[t.name] = int(np.prod(rest, dtype=np.int64))
-            return "mean" if t.op.type == "Mean" else "sum"
-        if a is None and t.shape.rank == 0 and selections.picked(x, rows):
-            if t.op.type == "Mean":         # over a count the data sets
-                selected.append(t.op.name)
             return "mean" if t.op.type == "Mean" else "sum"
         if a is not None:
             return None

@@ -111,8 +111,8 @@ def _mixes(op, rows, exchanged) -> str | None:
     if kind in rules.ELEMENTWISE and len(op.inputs) >= 2 and _broadcast_pairs(op, rows):
         return "every example compared with every other (broadcast pairs)"
     if kind in ("RealDiv", "Div", "DivNoNan") and len(op.inputs) == 2 and \
-            op.inputs[1].name not in exchanged:
-        return _ratio(op.inputs[1], rows)
+            op.inputs[1].name not in exchanged and rows.axis(op.outputs[0]) is None:
+        return _ratio(op.inputs[1], rows)   # (rows over a statistic: normalization.py's)
     if kind in ("Log", "Log1p") and _summed(x, rows) and x.name not in exchanged:
         return "a log of a sum over the batch's examples (a log-sum-exp across them)"
     return None

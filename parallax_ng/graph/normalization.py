@@ -41,7 +41,6 @@ sources. Guarantees: reads the graph only.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 
 import tensorflow as tf
@@ -51,11 +50,10 @@ from . import branches, randomness
 from .forms import autodiff_losses, sources
 from .recorders import input_gradients
 from .rows import reading
-from .rules import AUTODIFF_SCOPE, from_autodiff, is_autodiff, past_identities, tails
+from .mean_gradients import Autodiff, chains, incoming
+from .rules import from_autodiff, is_autodiff, past_identities
 
 FUSED = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
-_SPREADS = ("Tile", "BroadcastTo")
-_LEADING = re.compile(r"(gradients(_\d+)?|gradient_tape)/")
 # on a lowered fused op's Means (graph/fused_norm.py): their incoming gradient's name
 LOWERED = "_parallax_lowered"
 
@@ -103,12 +101,33 @@ def planned(tg, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
     memo, looped = {}, randomness.in_loops(tg.ir)     # a traced step's lowered loops too
     moments = [replace(m, branched=m.mean.name in looped or _apart(tg, m.mean.name, memo))
                for m in moments]
-    synchronized = batch_norm == "synchronized"
+    synchronized, own = batch_norm == "synchronized", []
     if not synchronized:        # the data's own moments (inputs standardized): exchanged
         data = [m for m in moments if not m.branched and _of_data(m.mean) and _of_data(m.variance)]
         moments = [m for m in moments if m not in data]
+    else:                       # a normalization of the program's own: its means too
+        own, other = _own_means(tg, other, lambda n: n in looped or _apart(tg, n, memo))
     return tuple(lines(moments, fused, synchronized, other, looped)), \
-        tuple(points(moments if synchronized else data))
+        tuple(points(moments if synchronized else data) + own)
+
+
+def _own_means(tg, other: list[str], apart) -> tuple[list, list[str]]:
+    """(points, the rest of `other`): each Mean among `other` (statistics
+    of what the variables compute, applied to the batch's rows: `(z -
+    mean) / std` by hand) with its incoming gradient, where that is found
+    and the Mean runs in no loop or branch `apart` from other replicas': as
+    tf.nn.moments' Means are exchanged (the job's mean forward, the job's
+    mean of the incoming gradient backward), which makes the rows one
+    device's."""
+    index, out, rest = Autodiff(tg.graph), [], []
+    for name in other:
+        op = tg.graph.get_operation_by_name(name)
+        grad = incoming(index, op) if op.type == "Mean" and not apart(name) else None
+        if grad is None:
+            rest.append(name)
+            continue
+        out += [(op.outputs[0].name, True), (grad.name, True)]
+    return out, rest
 
 
 def _apart(tg, name: str, memo: dict) -> bool:
@@ -125,7 +144,7 @@ def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str], list[str]
     `function:op`, and other statistics over the batch's axis of what
     the variables compute that the step applies to the batch's rows: a
     normalization of the script's own)."""
-    rows, index = reading(sources, graph), _Autodiff(graph)
+    rows, index = reading(sources, graph), Autodiff(graph)
     moments = rows.guarded(lambda r: [m for op in graph.get_operations()
                                       if (m := _moments(op, r, index)) is not None])
     fused = rows.guarded(lambda r: [op.name for op in graph.get_operations()
@@ -211,9 +230,12 @@ def lines(moments: list[Moments], fused: list[str], synchronized: bool,
     said = "normalizes each replica's rows by their own mean and variance"
     out = [f"statistics over the batch's axis {_named(other)} are applied to the batch's "
            "rows (a normalization of the program's own): each replica takes its own rows', "
-           "so training is close to one device's with the global batch, not equal; "
-           "tf.nn.moments (with batch_norm: synchronized) makes such statistics the global "
-           "batch's"] * bool(other)
+           "so training is close to one device's with the global batch, not equal; " + (
+               "batch_norm: synchronized exchanges a Mean over the batch (not a sum, maximum "
+               "or minimum) where it finds the autodiff's gradient of it, outside while loops "
+               "and branches the replicas decide apart" if synchronized else
+               "batch_norm: synchronized makes means over the batch the global batch's, "
+               "forward and backward")] * bool(other)
     branched = [f"batch normalization {_named({m.layer for m in moments if m.branched})} "
                 f"{said}, batch_norm: synchronized notwithstanding: its statistics are "
                 "computed inside a while loop or a tf.cond whose predicate each replica "
@@ -362,76 +384,9 @@ def _axes(op) -> set[int] | None:
 def _incoming(index, mean, variance, x) -> tf.Tensor | None:
     """The gradient the autodiff gives `mean`'s output, where it finds one
     form of it: the input of its Mean gradient's Reshape."""
-    chains = [c for c in _chains(index.of(mean, x))
-              if _of_variance(c[2], variance, x) == (mean is variance)]
-    return chains[0][0].inputs[0] if len(chains) == 1 else None
-
-
-class _Autodiff:
-    """The autodiff's ops by the forward op their names are for:
-    tf.gradients' `gradients/<op>_grad/...`, and a tape's
-    `gradient_tape/<op's scope>/...` (every op of the scope's), each by
-    the gradient it is part of (what precedes the autodiff's scope: a
-    nested tf.function's gradient, inlined, is `PartitionedCall/gradients/
-    <op>_grad/...` where its forward op is `StatefulPartitionedCall/<op>`)."""
-
-    def __init__(self, graph: tf.Graph):
-        self.named, self.taped = {}, {}     # {forward name: {gradient's prefix: [ops]}}
-        self.reads = {}                     # gradient's prefix: the tensors its ops read
-        for op in graph.get_operations():
-            if (found := _last(op.name)) is None:
-                continue
-            rest = op.name[found.end():]
-            while (inner := _LEADING.match(rest)) is not None:    # Adam/gradients/gradients/
-                rest = rest[inner.end():]
-            prefix = op.name[:len(op.name) - len(rest)]
-            self.reads.setdefault(prefix, set()).update(past_identities(i).ref()
-                                                        for i in op.inputs)
-            if "_grad/" in rest:
-                self.named.setdefault(rest.split("_grad/", 1)[0], {}) \
-                    .setdefault(prefix, []).append(op)
-            if found.group(2) == "gradient_tape":
-                self.taped.setdefault(rest.rsplit("/", 1)[0] if "/" in rest else "", {}) \
-                    .setdefault(prefix, []).append(op)
-
-    def of(self, mean, x) -> list:
-        """`mean`'s gradient ops by tf.gradients' names, else its scope's
-        in a tape (the layer's other statistic's too), else, for a forward
-        op in an inlined call, those named for its name past the call's
-        scope: of the gradients whose ops read the statistics' input `x`
-        (the gradient of its variance reads it), so a call of the same
-        layer elsewhere (in the step, in another call) is not taken for
-        it."""
-        scope = mean.name.rsplit("/", 1)[0] if "/" in mean.name else ""
-        for table, name in ((self.named, mean.name), (self.taped, scope),
-                            *((self.named, tail) for tail in tails(mean.name)),
-                            *((self.taped, tail) for tail in tails(scope))):
-            reading = [op for prefix, ops in table.get(name, {}).items()
-                       if past_identities(x).ref() in self.reads[prefix] for op in ops]
-            if reading:
-                return reading
-        return []
-
-
-def _last(name: str):
-    """The last autodiff scope in op `name` (a gradient's own gradient, an
-    inlined gradient function's), or None."""
-    found = None
-    for found in AUTODIFF_SCOPE.finditer(name):
-        pass
-    return found
-
-
-def _chains(ops) -> list[tuple]:
-    """(Reshape, spread, RealDiv) of the Mean gradients among `ops`."""
-    out = []
-    for op in ops:
-        if op.type != "RealDiv" or op.inputs[0].op.type not in _SPREADS:
-            continue
-        reshape = op.inputs[0].op.inputs[0].op
-        if reshape.type == "Reshape":
-            out.append((reshape, op.inputs[0].op, op))
-    return out
+    found = [c for c in chains(index.of(mean, x))
+             if _of_variance(c[2], variance, x) == (mean is variance)]
+    return found[0][0].inputs[0] if len(found) == 1 else None
 
 
 def _of_variance(div, variance, x) -> bool:

@@ -1,14 +1,13 @@
-"""The batch's axis of a tensor: which of its dimensions, if any, holds the
-batch's examples (`batch_axis`), and whether it is the first (`batch_rows`),
-read through the ops a step is made of: transposes, stacks, scatters into a
-tensor, the elements of TensorArrays and TensorLists (recurrent layers run
-time-major), while loops in TensorFlow's three forms and called functions
-(graph/row_loops.py), a traced step's gradients of its inputs
-(graph/recorders.py), rows reordered (graph/orders.py). Requires: tf.Tensors
-of a graph and the names of its data sources (the ops whose first dimension
-is the batch). Guarantees: reads the graph only; None where the ops do not
-show the axis, never a guess (a reshape that keeps its first dimension free
-keeps the batch there). Read by graph/forms.py."""
+"""The batch's axis of a tensor: which of its dimensions, if any, holds the batch's
+examples (`batch_axis`), and whether it is the first (`batch_rows`), read through the
+ops a step is made of: transposes, stacks, scatters into a tensor, the elements of
+TensorArrays and TensorLists (recurrent layers run time-major), while loops in
+TensorFlow's three forms and called functions (graph/row_loops.py), a traced step's
+gradients of its inputs (graph/recorders.py), rows reordered (graph/orders.py), the
+places a mask of rows is true (tf.where). Requires: tf.Tensors of a graph and the names
+of its data sources (the ops whose first dimension is the batch). Guarantees: reads the
+graph only; None where the ops do not show the axis, never a guess (a reshape that keeps
+its first dimension free keeps the batch there). Read by graph/forms.py."""
 from __future__ import annotations
 
 import sys
@@ -185,8 +184,8 @@ class _Axes(Flow):
             return self._gathered(op)
         if kind == "GatherNd" and (i := self.axis(op.inputs[1])) is not None:  # the indices'
             return i if i < (op.inputs[1].shape.rank or 0) - 1 else None   # rows (not coordinates)
-        if kind in ("InTopK", "InTopKV2"):     # a row's target among its top k
-            return 0 if self.rows(op.inputs[0]) or self.rows(op.inputs[1]) else None
+        if kind in ("InTopK", "InTopKV2", "Where"):     # a row's target among its top k;
+            return 0 if any(self.axis(x) == 0 for x in op.inputs) else None   # a mask's places
         if kind == "Einsum":
             return self._einsum(op)
         if kind in _SCATTERS:

@@ -237,6 +237,10 @@ def state_sync_reduction(op_type: str, node_name: str, variable: str, value) -> 
             "rate scaled by tf.shape(x)[0] or by the batch's mean)") from None
 
 
+# ops that pick or move entries: of a tensor of means over the batch (a matrix's
+# diagonal), means (graph/forms.py)
+ENTRIES = ("MatrixDiagPart", "MatrixDiagPartV2", "MatrixDiagPartV3", "Transpose", "Squeeze",
+           "ExpandDims", "Reshape", "StridedSlice")
 # The first dimension of ops' outputs (graph/batch.py, graph/rows.py):
 # outputs take the first dimension of their inputs of the output's rank, all joined
 ELEMENTWISE = frozenset({

@@ -52,13 +52,19 @@ def picked(x: tf.Tensor, sources, hops: int = 16) -> bool:
             return False
     elif op.type not in ("Gather", "GatherNd"):
         return False
-    where = op.inputs[1].op
-    while where.type in _INDEX_PATHS and op.type != "GatherNd":
+    mask = mask_of(op.inputs[1], op.type != "GatherNd")
+    return mask is not None and _first_rows(mask, rows) and _first_rows(op.inputs[0], rows)
+
+
+def mask_of(indices: tf.Tensor, squeezed: bool = True) -> tf.Tensor | None:
+    """The mask whose true places `indices` are (`tf.where(mask)`, squeezed,
+    reshaped, sliced or cast after where `squeezed`), or None."""
+    where = indices.op
+    while where.type in _INDEX_PATHS and squeezed:
         where = where.inputs[0].op
     if where.type == "Cast":
         where = where.inputs[0].op
-    return where.type == "Where" and _first_rows(where.inputs[0], rows) and \
-        _first_rows(op.inputs[0], rows)
+    return where.inputs[0] if where.type == "Where" and len(where.inputs) == 1 else None
 
 
 def _row_wise(op: tf.Operation, rows, hops: int) -> bool:

@@ -1,0 +1,117 @@
+"""The autodiff's gradient of a forward `Mean` over the batch: found by the
+names tf.gradients gives its ops (`gradients/<op>_grad/...`), or in a
+traced step's GradientTape by the scope of the layer the op is in, and
+the incoming gradient read where the Mean's gradient spreads it over the
+rows (`Reshape`, `Tile` or `BroadcastTo`, `RealDiv` by the count). Batch
+normalization's statistics (graph/normalization.py) are exchanged with
+their gradients so, as are means over the batch that a program applies
+to its rows (`(z - mean) / std` by hand) under `batch_norm: synchronized`.
+
+Requires: a tf.Graph with its gradient ops. Guarantees: reads the graph
+only.
+"""
+from __future__ import annotations
+
+import re
+
+import tensorflow as tf
+
+from .rules import AUTODIFF_SCOPE, past_identities, tails
+
+_SPREADS = ("Tile", "BroadcastTo")
+_LEADING = re.compile(r"(gradients(_\d+)?|gradient_tape)/")
+
+
+class Autodiff:
+    """The autodiff's ops by the forward op their names are for:
+    tf.gradients' `gradients/<op>_grad/...`, and a tape's
+    `gradient_tape/<op's scope>/...` (every op of the scope's), each by
+    the gradient it is part of (what precedes the autodiff's scope: a
+    nested tf.function's gradient, inlined, is `PartitionedCall/gradients/
+    <op>_grad/...` where its forward op is `StatefulPartitionedCall/<op>`)."""
+
+    def __init__(self, graph: tf.Graph):
+        self.named, self.taped = {}, {}     # {forward name: {gradient's prefix: [ops]}}
+        self.reads = {}                     # gradient's prefix: the tensors its ops read
+        for op in graph.get_operations():
+            if (found := _last(op.name)) is None:
+                continue
+            rest = op.name[found.end():]
+            while (inner := _LEADING.match(rest)) is not None:    # Adam/gradients/gradients/
+                rest = rest[inner.end():]
+            prefix = op.name[:len(op.name) - len(rest)]
+            self.reads.setdefault(prefix, set()).update(past_identities(i).ref()
+                                                        for i in op.inputs)
+            if "_grad/" in rest:
+                self.named.setdefault(rest.split("_grad/", 1)[0], {}) \
+                    .setdefault(prefix, []).append(op)
+            if found.group(2) == "gradient_tape":
+                self.taped.setdefault(rest.rsplit("/", 1)[0] if "/" in rest else "", {}) \
+                    .setdefault(prefix, []).append(op)
+
+    def of(self, mean, x) -> list:
+        """`mean`'s gradient ops by tf.gradients' names, else its scope's
+        in a tape (the layer's other statistic's too), else, for a forward
+        op in an inlined call, those named for its name past the call's
+        scope: of the gradients whose ops read the statistics' input `x`
+        (the gradient of its variance reads it), so a call of the same
+        layer elsewhere (in the step, in another call) is not taken for
+        it."""
+        scope = mean.name.rsplit("/", 1)[0] if "/" in mean.name else ""
+        for table, name in ((self.named, mean.name), (self.taped, scope),
+                            *((self.named, tail) for tail in tails(mean.name)),
+                            *((self.taped, tail) for tail in tails(scope))):
+            reading = [op for prefix, ops in table.get(name, {}).items()
+                       if past_identities(x).ref() in self.reads[prefix] for op in ops]
+            if reading:
+                return reading
+        return []
+
+
+def _last(name: str):
+    """The last autodiff scope in op `name` (a gradient's own gradient, an
+    inlined gradient function's), or None."""
+    found = None
+    for found in AUTODIFF_SCOPE.finditer(name):
+        pass
+    return found
+
+
+def chains(ops) -> list[tuple]:
+    """(Reshape, spread, RealDiv) of the Mean gradients among `ops`; the
+    spread in the Reshape's place where the Mean keeps its dimensions
+    (its gradient spreads the incoming one as it is)."""
+    out = []
+    for op in ops:
+        if op.type != "RealDiv" or op.inputs[0].op.type not in _SPREADS:
+            continue
+        spread = op.inputs[0].op
+        reshape = spread.inputs[0].op
+        out.append((reshape if reshape.type == "Reshape" else spread, spread, op))
+    return out
+
+
+def incoming(index: Autodiff, mean: tf.Operation) -> tf.Tensor | None:
+    """The gradient the autodiff gives `mean`'s output (the input of its
+    Mean gradient's Reshape), where exactly one Mean gradient is found
+    for it (in a tape's scope, which holds several Means' gradients, the
+    one whose divisor counts the Mean's input); None otherwise."""
+    x = mean.inputs[0]
+    found = chains(index.of(mean, x))
+    if len(found) > 1:      # a tape's scope: the one that counts x's entries
+        found = [c for c in found if _counts(c[2].inputs[1], past_identities(x))]
+    return found[0][0].inputs[0] if len(found) == 1 else None
+
+
+def _counts(count: tf.Tensor, x: tf.Tensor, most: int = 8) -> bool:
+    """Whether the Mean gradient's divisor `count` reads tf.shape(x), within
+    `most` ops."""
+    stack, seen = [(count.op, 0)], set()
+    while stack:
+        op, depth = stack.pop()
+        if op.type in ("Shape", "Size") and past_identities(op.inputs[0]) is x:
+            return True
+        if depth < most and op.name not in seen:
+            seen.add(op.name)
+            stack.extend((i.op, depth + 1) for i in op.inputs)
+    return False
