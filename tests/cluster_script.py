@@ -32,7 +32,8 @@ parser.add_argument("--lookup", default="gather", help="gather | sparse (models.
 parser.add_argument("--static-batch", action="store_true", help="batches of a known size")
 parser.add_argument("--masked", action="store_true", help="a mean over the rows of positive y")
 parser.add_argument("--bn", help="the dense layer's input batch-normalized: moments | fused | "
-                                 "keras (models.embedding_regression; frozen at every third step)")
+                                 "keras (models.embedding_regression; frozen at every third step) "
+                                 "| own (by hand)")
 parser.add_argument("--counting", choices=["count", "applied"],
                     help="models.counting_graph: a count added under a fed tf.cond (applied: "
                          "and the update applied there), the flag True at even steps (the "

@@ -88,6 +88,9 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
         if bn == "moments":
             mean, var = tf.nn.moments(features, [0])
             features = (features - mean) * tf.math.rsqrt(var + 1e-3)
+        elif bn == "own":           # standardized by hand: its Means exchanged
+            centred = features - tf.reduce_mean(features, 0)
+            features = centred / tf.sqrt(tf.reduce_mean(tf.square(centred), 0) + 1e-3)
         elif bn == "fused":
             width = dim + FEATURES
             images, _, _ = tf1.nn.fused_batch_norm(

@@ -233,7 +233,8 @@ def test_a_model_called_twice_each_call_synchronized(call, capsys):
     ("hybrid", "moments", False, "auto", "auto"), ("allreduce", "moments", False, "auto", "auto"),
     ("hybrid", "fused", False, "auto", "auto"), ("hybrid", "keras", False, "auto", "auto"),
     ("ps", "keras", True, "auto", "auto"), ("hybrid", "keras", True, "allreduce", "auto"),
-    ("hybrid", "keras", False, "allreduce", "allgather")])
+    ("hybrid", "keras", False, "allreduce", "allgather"),
+    ("hybrid", "own", False, "auto", "auto")])
 def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_option, bn, v1,
                                                               dense, sparse):
     """tests/cluster_script.py --bn: 2 workers (and a server under hybrid,
@@ -255,7 +256,9 @@ def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_opti
     server too: a collective there had the job refused. With nothing else
     on the server (the ring and allgather), the servers stop before the
     first step and the branch's sums are collectives: they were server
-    sums, and the job failed ("Cleanup ..." or a closed queue)."""
+    sums, and the job failed ("Cleanup ..." or a closed queue). "own": the
+    features standardized by hand (means over the batch, no tf.nn.moments),
+    exchanged on the server too."""
     from models import embedding_regression, train_single
     from test_cluster import load, run_job
     config = {"batch_norm": "synchronized"} | ({"sparse_method": sparse} if sparse != "auto"
