@@ -7,7 +7,8 @@ replica counting no row in the first step): the
 fetched loss every step and every variable and slot after 6 steps within
 1e-5, all-reduce and parameter servers. Before, each replica floored its
 own count: the loss 0.83 off one device's, and with `count + 1e-3`
-1.8e-3 off."""
+1.8e-3 off. So is a sum over the batch's rows less one (a covariance's
+count, Bessel's), which no mean of the replicas' quotients equals."""
 import pytest
 import tensorflow as tf
 
@@ -29,12 +30,15 @@ def floored_loss(kind):
         count = tf.maximum(count, 1.0) if kind == "max" else count + 1e-3 \
             if kind == "eps" else count
         tf.size(pred, name="rows"), tf.size(tf.boolean_mask(pred, y[:, 0] > 0), name="picked")
+        if kind == "rows minus one":      # a covariance's (Bessel's) count of rows
+            return [tf.reduce_sum(tf.square(pred - y)) / (tf.cast(tf.shape(pred)[0],
+                                                                  tf.float32) - 1.0)]
         return [tf.reduce_sum(tf.square(pred - y) * mask) / count]
     return losses
 
 
 @pytest.mark.parametrize("run", ["allreduce", "ps"])
-@pytest.mark.parametrize("kind", ["max", "eps", "int-max"])
+@pytest.mark.parametrize("kind", ["max", "eps", "int-max", "rows minus one"])
 def test_a_floored_count_is_floored_from_the_jobs_count(kind, run):
     check_tf1(floored_loss(kind), run)
 

@@ -52,7 +52,7 @@ def shared(tg, sources, form, widened: dict, products: dict, read=()) -> list:
     for loss in forms.autodiff_losses(tg.graph) + list(products.values()) + list(read):
         for op in form(loss).by_count:
             count = tg.ir.data_inputs(op)[1]
-            if from_values(tg, count, set(sources)) and not averaging.fed_scalar(
+            if by_job(tg, count, set(sources)) and not averaging.fed_scalar(
                     tg.tensor(count), set(sources)):    # (fed whole: transforms/scaled_sums.py)
                 out.setdefault(count, False)
     out.update(dict.fromkeys(widened.values(), True))
@@ -165,20 +165,29 @@ def from_values(tg, ref, sources: set) -> bool:
             name).inputs[0], list(sources)), data_only=True))
 
 
-_FLOORS = frozenset({"Maximum", "AddV2", "Add"})
+_FLOORS = frozenset({"Maximum", "AddV2", "Add", "Sub"})
+
+
+def by_job(tg, count, sources: set) -> bool:
+    """Whether each replica divides by the job's `count` (`shared`): a count
+    the data's values set, or a count of rows floored or shifted (`n - 1`:
+    a covariance's, which no mean of the replicas' quotients equals)."""
+    return from_values(tg, count, sources) or floored(tg, count, sources)[0] is not None
 
 
 def floored(tg, count, sources: set):
     """((op, input position), the count inside) where a count enters ops
     that floor or smooth it with values the data does not set
-    (`tf.maximum(count, 1)`, `count + eps`, maybe cast after): one device
-    floors the global count, so the job's sum goes in there and each
-    replica divides by 1/N of the result; (None, count) for a bare count."""
+    (`tf.maximum(count, 1)`, `count + eps`, `n - 1`, maybe cast after):
+    one device floors the global count, so the job's sum goes in there and
+    each replica divides by 1/N of the result; (None, count) for a bare
+    count."""
     found, ref, inner = None, count, count
     while ref.index == 0 and tg.ir.node(ref.node).op in _FLOORS | {"Cast"}:
         ins = tg.ir.data_inputs(ref.node)
-        data = [i for i, r in enumerate(ins) if from_values(tg, r, sources)]
-        if len(data) != 1:
+        data = [i for i, r in enumerate(ins) if sources & tg.ir.ancestors({r.node},
+                                                                          data_only=True)]
+        if len(data) != 1 or data[0] and tg.ir.node(ref.node).op == "Sub":
             break
         if tg.ir.node(ref.node).op != "Cast":
             found, inner = (ref.node, data[0]), ins[data[0]]

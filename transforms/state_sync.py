@@ -206,7 +206,7 @@ class StateSyncPass:
         for count, widen in counts.shared(tg, sources, form, widened, products, read):
             dtype = tg.tensor(count).dtype
             outs = [ctx.replica_tensor(k, count) for k in range(plan.num_replicas)]
-            if counts.from_values(tg, count, set(sources)):   # a masked mean's: the job's
+            if counts.by_job(tg, count, set(sources)):   # a masked mean's, n - 1: the job's
                 nodes, outs, widen = _job_count(ctx, ir, reduce, count, set(sources), widen,
                                                 synced, rewires, replaced)
                 synced += 1
