@@ -16,7 +16,7 @@ names of its data sources. Guarantees: reads the graph only, but
 """
 from __future__ import annotations
 
-from parallax_ng.graph import averaging, branches, forms, mixing, rules, selections
+from parallax_ng.graph import averaging, branches, forms, mixing, rows, rules, selections
 
 
 class Forms:
@@ -172,7 +172,13 @@ def by_job(tg, count, sources: set) -> bool:
     """Whether each replica divides by the job's `count` (`shared`): a count
     the data's values set, or a count of rows floored or shifted (`n - 1`:
     a covariance's, which no mean of the replicas' quotients equals)."""
-    return from_values(tg, count, sources) or floored(tg, count, sources)[0] is not None
+    if from_values(tg, count, sources):
+        return True
+    at, inner = floored(tg, count, sources)
+    op = tg.graph.get_operation_by_name(inner.node)
+    while op.type == "Cast":
+        op = op.inputs[0].op
+    return at is not None and rows.counts_rows(op, list(sources))
 
 
 def floored(tg, count, sources: set):
@@ -185,8 +191,8 @@ def floored(tg, count, sources: set):
     found, ref, inner = None, count, count
     while ref.index == 0 and tg.ir.node(ref.node).op in _FLOORS | {"Cast"}:
         ins = tg.ir.data_inputs(ref.node)
-        data = [i for i, r in enumerate(ins) if sources & tg.ir.ancestors({r.node},
-                                                                          data_only=True)]
+        data = [i for i, r in enumerate(ins) if from_values(tg, r, sources)] or \
+            [i for i, r in enumerate(ins) if sources & tg.ir.ancestors({r.node}, data_only=True)]
         if len(data) != 1 or data[0] and tg.ir.node(ref.node).op == "Sub":
             break
         if tg.ir.node(ref.node).op != "Cast":

@@ -19,6 +19,7 @@ import tensorflow as tf
 
 from .. import compat
 from .batch import split_as_parts
+from .constants import static_size
 from .forms import (added_terms, autodiff_losses, constant_value, counts_rows, loss_form,
                     scalar_form, sources)
 from .mixing import bent_gradient, mixing, reaches
@@ -272,13 +273,14 @@ def _looped(op: tf.Operation) -> bool:
 
 
 def _reads(t: tf.Tensor, names: set) -> bool:
-    """Whether `t` depends on an op named in `names`."""
+    """Whether `t` depends on an op named in `names` (not through the fixed
+    size of a later axis of its tensors: a feature count)."""
     seen, stack = set(), [t.op]
     while stack:
         op = stack.pop()
         if op.name in names:
             return True
-        if op.name not in seen:
+        if op.name not in seen and static_size(op) is None:
             seen.add(op.name)
             stack.extend(x.op for x in op.inputs)
     return False

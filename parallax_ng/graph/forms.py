@@ -21,13 +21,9 @@ from ..errors import GraphError
 from . import selections
 from .recorders import GRAD_YS, input_gradients, seeded
 from .rows import batch_axis, batch_rows, counts_rows, reading
+from .constants import SOURCE_TYPES, constant_value, other_axis_size
 from .rules import ENTRIES
 
-# ops that give data: an input pipeline's, a queue's, a fed placeholder's (a
-# SparseTensor's shape is a PlaceholderWithDefault)
-SOURCE_TYPES = ("IteratorGetNext", "IteratorGetNextSync", "OptionalGetValue", "Placeholder",
-                "PlaceholderWithDefault", "QueueDequeueV2", "QueueDequeueManyV2",
-                "QueueDequeueUpToV2", "QueueDequeue", "QueueDequeueMany", "QueueDequeueUpTo")
 
 # the collection of a traced TF2 step's graph that names what its tapes
 # differentiated (graph/tracing.py records them as the step is traced)
@@ -130,8 +126,9 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
     while grown:        # to a fixed point: a loop's back edge reaches an op made before it
         grown = False
         for op in order:
-            if op.name not in dependent and (op.name in sources or any(
-                    t.op.name in dependent for t in op.inputs)):
+            if op.name not in dependent and (op.name in sources or any(t.op.name in dependent
+                                                                       for t in op.inputs)) \
+                    and not other_axis_size(op, rows.axis):     # (every replica's alike)
                 dependent.add(op.name)
                 grown = True
     by_batch, by_count, once, mixed, widened, exchanged, selected = [], [], [], [], [], [], []
@@ -165,7 +162,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                 batch_axis(t, rows) is None:
             return through(t, op.inputs[0])     # (entries of a tensor of sums or means)
         if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
-                op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum":
+                op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum" and \
+                not _bent(op.inputs[1], data):
             by_count.append(op.name)
             return "mean"       # a sum over the batch divided by a count the data sets
         if op.type in ("Mul", "RealDiv", "Div", "DivNoNan") and not data(op.inputs[1]):
@@ -289,6 +287,30 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     selected if kind == "mean" else [])
 
 
+# ops a count passes through that make it no count (a sum over the square
+# root of the rows: no mean of the replicas' quotients is one device's)
+_BENT = frozenset({"Sqrt", "Rsqrt", "Square", "Pow", "Exp", "Log", "Reciprocal", "Inv"})
+
+
+def _bent(count: tf.Tensor, data, most: int = 32) -> bool:
+    """Whether divisor `count` is a function of the data that is not linear
+    in a count (of entries, or a sum over the batch: an R-squared's total):
+    through _BENT, or a product of two counts (`n * n`)."""
+    seen, stack = set(), [count.op]
+    while stack and len(seen) < most:
+        op = stack.pop()
+        if op.name in seen or not data(op.outputs[0]):
+            continue
+        seen.add(op.name)
+        if op.type in _BENT or op.type in ("Mul", "RealDiv", "Div") and \
+                all(data(x) for x in op.inputs):
+            return True
+        if op.type not in ("Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike", "Sum",
+                           "Mean"):     # a count of entries, or a sum the data sets: a count
+            stack.extend(x.op for x in op.inputs)
+    return False
+
+
 def _over(t: tf.Tensor, constant) -> tf.Tensor | None:
     """c where t is 1 / c (tf.math.reciprocal(c), 1.0 / c), else None."""
     op = t.op
@@ -332,45 +354,6 @@ def through(op):
     while op.type in ("Identity", "Snapshot", "Cast", "Squeeze", "Reshape"):
         op = op.inputs[0].op
     return op
-
-
-def constant_value(t: tf.Tensor):
-    """The value of `t` where constants alone make it: folded by TensorFlow,
-    or computed by running the ops between it and its constants once
-    (tf.compat.v1.losses counts a batch of static shape so: the Sum of a
-    broadcast of ones); None where one of them reads data or state, draws,
-    or calls a function."""
-    value = tf.get_static_value(t)
-    if value is not None:
-        return value
-    ops, stack = {}, [t.op]
-    while stack:
-        op = stack.pop()
-        if op.name in ops:
-            continue
-        if len(ops) >= _MOST_OPS or op.type in SOURCE_TYPES or op._is_stateful or \
-                op.graph._is_function(op.type):       # noqa: SLF001 (TensorFlow's own flags)
-            return None
-        ops[op.name] = op
-        stack.extend([x.op for x in op.inputs] + list(op.control_inputs))
-    graph_def = tf.compat.v1.GraphDef()
-    graph_def.versions.CopyFrom(t.graph.graph_def_versions)
-    for op in ops.values():
-        node = graph_def.node.add()
-        node.CopyFrom(op.node_def)
-        node.device = ""                      # the user's placement is not this one's
-        node.attr.pop("_class", None)
-    graph = tf.Graph()
-    try:
-        with graph.as_default():
-            tf.graph_util.import_graph_def(graph_def, name="")
-        with tf.compat.v1.Session(graph=graph) as sess:
-            return sess.run(t.name)
-    except (tf.errors.OpError, ValueError):
-        return None
-
-
-_MOST_OPS = 256     # a count or a scale is a few ops; a larger graph is not evaluated
 
 
 def scalar_kind(t: tf.Tensor, sources) -> str | None:
