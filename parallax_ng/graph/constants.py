@@ -75,22 +75,24 @@ def static_size(op: tf.Operation) -> int | None:
     """The size of axis k > 0 of x where `op` is `tf.shape(x)[k]` and x's
     shape fixes it (not the first: a batch's, which TensorFlow folds only
     where the whole shape is fixed); else None."""
-    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape" or \
-            not op.get_attr("shrink_axis_mask") & 1:
-        return None
-    x, k = op.inputs[0].op.inputs[0], tf.get_static_value(op.inputs[1])
-    if k is None or not x.shape.rank or int(np.ravel(k)[0]) % x.shape.rank == 0:
-        return None
-    return compat.dim(x.shape, int(np.ravel(k)[0]) % x.shape.rank)
+    x, k = _entry(op)
+    return None if x is None or k == 0 else compat.dim(x.shape, k)
 
 
 def other_axis_size(op: tf.Operation, axis_of) -> bool:
     """Whether `op` is `tf.shape(x)[k]` for an axis k of x other than its
     batch's (`axis_of(x)`: a feature count), the same on every replica."""
+    x, k = _entry(op)
+    return x is not None and axis_of(x) not in (None, k)
+
+
+def _entry(op: tf.Operation):
+    """(x, k) where `op` is `tf.shape(x)[k]` (k a constant, counted from
+    the first axis of x, whose rank is known); else (None, None)."""
     if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape" or \
             not op.get_attr("shrink_axis_mask") & 1:
-        return False
+        return None, None
     x, k = op.inputs[0].op.inputs[0], tf.get_static_value(op.inputs[1])
-    a, rank = axis_of(x), x.shape.rank
-    return k is not None and a is not None and rank is not None and \
-        int(np.ravel(k)[0]) % rank != a
+    if k is None or not x.shape.rank:
+        return None, None
+    return x, int(np.ravel(k)[0]) % x.shape.rank
