@@ -19,6 +19,9 @@ them: two passes, no cancellation), and in the gradient the incoming
 gradient of each `Mean` likewise (the autodiff divides it by the replica's
 rows; the job's mean of it, so divided, is what one device gives each row).
 `points` names those tensors; transforms/state_sync.py exchanges them.
+So are, under `synchronized`, the other Means over the batch the step
+applies to its rows (a standardization by hand, Barlow Twins'), with the
+incoming gradients graph/mean_gradients.py finds for them.
 A `Mean`'s gradient is found under the autodiff's name for it
 (`gradients/<op>_grad/`, tf.gradients) or in a traced step's GradientTape
 by its form (`Reshape`, `Tile` or `BroadcastTo`, `RealDiv`) under the
