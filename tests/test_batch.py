@@ -76,17 +76,21 @@ def test_rows_a_mask_of_the_labels_picks_are_batches():
     """A pairwise ranking loss (an AUC surrogate) over the scores of the
     positive and the negative examples, each picked by tf.boolean_mask
     with a mask of the labels: the data's and the mask's rows are one
-    dimension (before: both "unknown", with a line each)."""
+    dimension (before: both "unknown", with a line each). A table fed
+    whole, read at the columns where a mask of the data is true, is no
+    batch: a 2-D mask's places are not rows of the table."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 3], name="x")
         y = tf1.placeholder(tf.int32, [None], name="y")
+        table = tf1.placeholder(tf.float32, [None], name="table")
         score = tf.matmul(x, tf1.get_variable("w", [3, 1]))[:, 0]
         positive = tf.equal(y, 1)
         pos, neg = (tf.boolean_mask(score, m) for m in (positive, tf.logical_not(positive)))
-        loss = tf.reduce_mean(tf.sigmoid(neg[None, :] - pos[:, None]))
+        loss = tf.reduce_mean(tf.sigmoid(neg[None, :] - pos[:, None])) + tf.reduce_sum(
+            tf.gather(table, tf.where(x > 0)[:, 1]))
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
-    assert kinds(g) == {"x": "batch", "y": "batch"}
+    assert kinds(g) == {"x": "batch", "y": "batch", "table": "whole"}
 
 
 def test_a_pick_per_row_by_gather_nd_lines_up_the_rows():

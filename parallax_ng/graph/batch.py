@@ -294,7 +294,8 @@ def _index_rules(tg, name, node, ins, outs, first, dims) -> None:
             _unknown(ins, dims)
             return
         mask = selections.mask_of(tg.tensor(ins[1][0])) if len(ins) > 1 else None
-        if mask is not None:    # the rows a mask picks (tf.boolean_mask): one dimension
+        if mask is not None and mask.shape.rank == 1:   # the rows a mask of rows picks
+            # (tf.boolean_mask, which flattens both): one dimension
             picked = dims.join([ins[0][1], first.get(TensorRef(mask.op.name, mask.value_index))])
             for out in outs:
                 first[out] = picked
