@@ -43,6 +43,9 @@ parser.add_argument("--config", default="{}", help="more config keys, as JSON")
 parser.add_argument("--slow-writes", type=float, default=0.0,
                     help="worker 1 waits this many seconds for its learning rate (Adam) "
                          "each step, so its writes land well after worker 0's run ends")
+parser.add_argument("--late-read", type=float, default=0.0,
+                    help="worker 0 waits this many seconds after its steps before it reads "
+                         "the trained values (the other workers read at once and end)")
 parser.add_argument("--saver", help="a Saver in the graph: save to this path (worker 0) after "
                                     "the steps, train 2 more, restore")
 args = parser.parse_args()
@@ -135,6 +138,8 @@ if saver is not None:
     runner.restore(saver, args.saver)
     print(f"worker {runner.plan.worker}: methods "
           f"{ {v: vp.method for v, vp in sorted(runner.plan.variables.items())} }", flush=True)
+if args.late_read and runner.plan.worker == 0:
+    time.sleep(args.late_read)
 names = variable_names(g)
 values = runner.run([read_name(v, g) for v in names], per_replica=True)
 np.savez(f"{args.out}.{runner.plan.worker}.npz",

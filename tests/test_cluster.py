@@ -448,6 +448,25 @@ def test_a_table_by_alltoall_beside_dense_variables_on_a_server(tmp_path, device
     assert_matches_one_device(out, 2, devices)
 
 
+@pytest.mark.parametrize("servers", [0, 1])
+def test_a_worker_whose_parts_others_read_ends_after_them(tmp_path, servers):
+    """The table's columns by alltoall live on the workers, and reading the
+    whole table reads every worker's part. Worker 0 reads the trained values
+    5 s after worker 1 has read them and its program ended: worker 1's
+    process waits at its end until worker 0 has reached its own
+    (serving.leave_ops), so the read finds its part. Before, worker 1's
+    server was gone and the read failed ("Connection refused", seen on a
+    loaded machine at `step.sync()` in a TF2 job). Equals one device."""
+    config = {"variable_methods": {"emb": "alltoall"},
+              "communication": {"timeout_seconds": 60}}
+    done, out, _ = run_job(tmp_path, 2, 1, "4", "--run-option", "hybrid", "--late-read", "5",
+                           "--dense-method", "ps" if servers else "auto",
+                           "--config", json.dumps(config), servers=servers)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "without every other worker" not in done.stderr
+    assert_matches_one_device(out, 2, 1, steps=4)
+
+
 def test_a_server_task_ends_when_its_workers_are_done(tmp_path):
     """As under an orchestrator: every task runs the script with TF_CONFIG;
     the server task's get_runner serves until both workers are done, then

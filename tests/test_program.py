@@ -42,6 +42,23 @@ def test_a_job_worker_tells_its_servers_and_holds_a_barrier():
     assert program.worker == 1
 
 
+def test_a_job_worker_whose_table_parts_others_read_waits_for_their_ends():
+    """A table's columns by alltoall live on the workers: worker 1's program
+    ends only after every worker put its token in its queue (serving.leave_ops);
+    with the table on the server, no worker waits for another."""
+    g, _ = embedding_regression(4, "adam")
+    ir, ctx = cluster_transform(g, worker=1, servers=0, run_option="allreduce",
+                                variable_methods={"emb": "alltoall"})
+    program = transformed(ir, ctx, load_config({}), server=True)
+    *puts, take = program.leave
+    assert [op.device for op in puts] == [f"/job:worker/replica:0/task:{k}/device:CPU:0"
+                                          for k in range(2)]
+    assert take.device == puts[1].device and take.op.type == "QueueDequeueManyV2"
+    assert program.done is None
+    ir, ctx = cluster_transform(embedding_regression(4, "adam")[0], worker=1, servers=1)
+    assert transformed(ir, ctx, load_config({}), server=True).leave is None
+
+
 def test_the_runner_reads_the_global_step_through_the_checkpointer(tmp_path):
     g, h = embedding_regression(4, "adam")
     ir, ctx, _ = pn.transform(g, local(2), {})

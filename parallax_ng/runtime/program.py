@@ -10,7 +10,7 @@ session runs and the job's barrier (parallax_ng/runtime/executor.py), the
 Checkpointer when `checkpoint.dir` is set, the bound every session run
 gets (`options`), and what only the passes' graphs have: input-queue
 threads, the ops applying a deferred update, the ops telling parameter
-servers this worker is done, and the PassContext (with which the Runner
+servers this worker is done and those waiting for every worker's end, and the PassContext (with which the Runner
 measures and plans again). One Runner class drives every Program
 (parallax_ng/runtime/runner.py).
 """
@@ -22,11 +22,11 @@ import tensorflow as tf
 
 from .. import compat
 from ..graph.queues import QueueThreads
-from ..pipeline.results import CountedDraws, Deferred, PartsWritten
+from ..pipeline.results import ColumnParts, CountedDraws, Deferred, PartsWritten
 from .checkpoint import Checkpointer, Layout
 from .executor import Executor
 from .fetches import FetchMap, ReplicaFetchMap
-from .serving import done_ops
+from .serving import done_ops, leave_ops
 
 
 @dataclass
@@ -46,6 +46,7 @@ class Program:
     ctx: object | None = None       # the PassContext of a data-parallel program
     records: list = field(default_factory=list)   # the passes' records
     start: list = field(default_factory=list)   # run once in a new session, before any step
+    leave: list | None = None       # wait for every worker's end: others read this one's parts
 
 
 def run_options(timeout_seconds: float) -> tf.compat.v1.RunOptions:
@@ -97,9 +98,12 @@ def transformed(ir, ctx, config, records=(), server: bool = False) -> Program:
     done = None
     if server and plan.servers:
         done = done_ops(graph, list(plan.servers), plan.num_workers, plan.worker)
+    parts, leave = ctx.result(ColumnParts), None
+    if server and plan.num_workers > 1 and parts is not None and not parts.gather:
+        leave = leave_ops(graph, plan.num_workers, plan.worker)
     return Program(graph, ctx.tg, plan, ReplicaFetchMap(graph, ctx, config),
                    Executor.of(graph, ctx, options), options, checkpoints, plan.worker,
                    queues, list(deferred.flush) if deferred else [], done,
                    done is not None and not plan.uses_servers, ctx, list(records),
                    (list(counted.start) if counted else []) +
-                   ([written.start] if written else []))
+                   ([written.start] if written else []), leave)

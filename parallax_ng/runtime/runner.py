@@ -91,10 +91,9 @@ class Runner:
         self._tuner = self._tuned = tuning.usable(tuner, self._cannot_move_state,
                                                   program.worker)
         self._timeline = Timeline.of(config, self.plan, self.graph)
-        self._done = None   # in a job with servers: tell them this worker is done, once
-        if program.done is not None:
-            self._done = weakref.finalize(self, serving.run_done, self.session, program.done)
-            self._stop_idle_servers()
+        self._end = serving.End()       # in a job: what this worker does at its end
+        self._end.bind(self, program)
+        self._stop_idle_servers()
         self._preemption = None
         if config.checkpoint.dir:   # the last steps saved when the process ends, before
             ref = weakref.ref(self)  # the servers hear this worker is done (atexit: LIFO)
@@ -230,10 +229,10 @@ class Runner:
         move to a plan that does. Only before the first step: where a tuned
         plan leaves them idle they stay, as stopping servers this worker's
         sessions have reached slowed its steps (docs/benchmarks.md)."""
-        if not (self.program.servers_idle and self._done is not None and self._done.alive) or \
+        if not (self.program.servers_idle and self._end.may_tell(self.program)) or \
                 self._tuner is not None and self._tuner.may_move_plan():
             return
-        self._done()
+        self._end.tell_servers(self, self.program)
         if self.program.worker == 0:
             print("parallax_ng: the plan puts nothing on the parameter servers; they stop",
                   file=sys.stderr, flush=True)
@@ -244,8 +243,7 @@ class Runner:
         self.save_final()
         if self._queues is not None:
             self._queues.stop()
-        if self._done is not None:
-            self._done()
+        self._end()
         self.session.close()
         self._closed = True
 
@@ -361,8 +359,7 @@ class Runner:
                               stacklevel=5)
                 return
         before["session"].close()
-        if self._done is not None and self._done.detach():   # servers not told yet
-            self._done = weakref.finalize(self, serving.run_done, self.session, program.done)
+        self._end.bind(self, program)
         self._restored = True
         self.replans += what is None
         gc.collect()        # the old graph's cycles, else held until a full collection

@@ -3,21 +3,26 @@ its workers outside their training steps.
 
 Requires: a ClusterInfo (parallax_ng/cluster.py) and the task's started
 server. Guarantees: a parameter-server task `serve`s until every worker has
-said it is done (`done_ops`, which a worker's runner runs when it closes)
+said it is done (`done_ops`, which a worker's runner runs at its `End`)
 and their processes have ended (or LINGER_SECONDS more), or until no
 worker has been reachable for the timeout; SIGTERM (a
 preemption's notice) does not end it, it tells the launcher, whose workers
-then checkpoint and finish; `share` gives worker
+then checkpoint and finish. Where workers hold parts of tables that other
+workers read (cut by columns), a worker's runner ends only once every
+worker has reached its end (`leave_ops`), so none reads a part whose
+process is gone. `share` gives worker
 0's value to every other worker once, within the timeout.
 """
 from __future__ import annotations
 
 import json
 import os
+import weakref
 
 from ..cluster import ClusterInfo
 
 DONE_QUEUE = "parallax_ng/workers_done"   # on every server: one token per finished worker
+LEAVE_QUEUE = "parallax_ng/workers_leaving"   # on every worker: one token per worker at its end
 # how long a server serves on once every worker is done, while some worker's
 # process is still up: a worker says it is done before its sessions close,
 # and a session closed after its server is gone logs a gRPC error
@@ -37,14 +42,73 @@ def done_ops(graph, servers: list[str], workers: int, worker: int) -> list:
     return ops
 
 
-def run_done(session, ops) -> None:
-    """Run a Runner's `done_ops` (at close, or when the process exits);
-    servers that are gone already are no error."""
+def leave_ops(graph, workers: int, worker: int) -> list:
+    """Ops (in `graph`): this worker's token into every worker's queue, and
+    the last, taking one token of every worker from this worker's queue."""
     import tensorflow as tf
-    try:
-        session.run(ops, options=tf.compat.v1.RunOptions(timeout_in_ms=10000))
-    except (tf.errors.OpError, RuntimeError):
-        pass
+    puts = []
+    with graph.as_default(), tf.compat.v1.name_scope("parallax/leave/"):
+        for k in range(workers):
+            with tf.device(f"/job:worker/replica:0/task:{k}/device:CPU:0"):
+                queue = tf.queue.FIFOQueue(workers, [tf.int32], shapes=[[]],
+                                           shared_name=LEAVE_QUEUE)
+                puts.append(queue.enqueue(worker))
+                if k == worker:
+                    take = queue.dequeue_many(workers)
+    return puts + [take]
+
+
+class End:
+    """What a job's worker does at its end, once: at its runner's close, or
+    when the runner is collected or the process ends (after the runner's
+    `save_final`, registered later): wait until every worker has reached
+    its end where others read this worker's parts (`leave_ops`, within the
+    run timeout), then tell the servers it is done (`done_ops`) unless
+    `tell_servers` did (idle servers stop before the first step)."""
+
+    def __init__(self):
+        self._final, self._told = None, False
+
+    def bind(self, runner, program) -> None:
+        """For the runner's session of `program` (again after a new plan)."""
+        if self._final is not None:
+            self._final.detach()
+        done = None if self._told else program.done
+        self._final = weakref.finalize(runner, _end, runner.session, done, program.leave,
+                                       program.options) if done or program.leave else None
+
+    def may_tell(self, program) -> bool:
+        return bool(program.done) and not self._told
+
+    def tell_servers(self, runner, program) -> None:
+        _end(runner.session, program.done)
+        self._told = True
+        self.bind(runner, program)
+
+    def __call__(self) -> None:
+        if self._final is not None:
+            self._final()
+
+
+def _end(session, ops, leave=None, options=None) -> None:
+    """`leave` (ops of `leave_ops`) within `options`' timeout, then `ops`
+    (`done_ops`); servers that are gone already are no error."""
+    import sys
+
+    import tensorflow as tf
+    if leave:
+        try:
+            session.run(leave[:-1], options=options)
+            session.run(leave[-1], options=options)
+        except (tf.errors.OpError, RuntimeError) as e:
+            print(f"parallax_ng: this worker ends without every other worker having reached "
+                  f"its end ({type(e).__name__}); they may not read its parts of tables",
+                  file=sys.stderr, flush=True)
+    if ops:
+        try:
+            session.run(ops, options=tf.compat.v1.RunOptions(timeout_in_ms=10000))
+        except (tf.errors.OpError, RuntimeError):
+            pass
 
 
 def tell_done(info: ClusterInfo, server) -> None:
