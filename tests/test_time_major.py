@@ -28,6 +28,11 @@ V, E, H, T, B = 10, 6, 8, 6, 8
 RNG = np.random.default_rng(0)
 IDS, TARGETS = RNG.integers(2, V, (T, 64)), RNG.integers(2, V, (T, 64))
 LENGTHS = RNG.integers(1, T + 1, 64)
+# the cells' kernels from seeded initializers: tf_keras' own draw from a state
+# the process's earlier tests move, and from some starts Adam (0.05) carries
+# an element whose gradient nearly cancels, and with it float32 rounding,
+# past 1e-5 in 4 steps (up to 1.4e-5 seen; SGD from the same starts: 6e-7)
+SEEDED = tf1.glorot_uniform_initializer
 POOLED_X, POOLED_Y = RNG.normal(size=(5, 64, 3)).astype(np.float32), RNG.normal(size=(64, 1))
 
 
@@ -47,12 +52,13 @@ def seq_graph(kind: str):
         lengths = tf1.placeholder(tf.int32, [None], "lengths")
         emb = tf1.get_variable("emb", [V, E], initializer=tf1.random_uniform_initializer(-1, 1))
         x = tf.nn.embedding_lookup(emb, ids)
-        cell = tf1.nn.rnn_cell.GRUCell(H)
+        cell = tf1.nn.rnn_cell.GRUCell(H, kernel_initializer=SEEDED(2))
         if kind == "static":
             out = tf.stack(tf1.nn.static_rnn(cell, tf.unstack(x), dtype=tf.float32)[0])
         elif kind == "bidirectional":
             (fw, bw), _ = tf1.nn.bidirectional_dynamic_rnn(
-                cell, tf1.nn.rnn_cell.GRUCell(H), x, lengths, dtype=tf.float32, time_major=True)
+                cell, tf1.nn.rnn_cell.GRUCell(H, kernel_initializer=SEEDED(3)), x, lengths,
+                dtype=tf.float32, time_major=True)
             out = tf.concat([fw, bw], -1)
         else:
             if kind == "map_fn":
@@ -133,8 +139,8 @@ def ctc_graph():
         features = tf1.placeholder(tf.float32, [None, None, 5], "features")
         labels = tf1.sparse_placeholder(tf.int32, name="labels")
         lengths = tf1.placeholder(tf.int32, [None], "lengths")
-        out, _ = tf1.nn.dynamic_rnn(tf1.nn.rnn_cell.LSTMCell(H), features, lengths,
-                                    dtype=tf.float32, time_major=True)
+        out, _ = tf1.nn.dynamic_rnn(tf1.nn.rnn_cell.LSTMCell(H, initializer=SEEDED(2)), features,
+                                    lengths, dtype=tf.float32, time_major=True)
         w = tf1.get_variable("w", [H, 5])
         shape = tf.shape(features)
         logits = tf.reshape(tf.matmul(tf.reshape(out, [-1, H]), w), [shape[0], shape[1], 5])
