@@ -412,6 +412,26 @@ def test_a_programs_own_mean_over_the_batch_applied_to_its_rows_is_named(synchro
         said
 
 
+SUMS = ("l2 over the batch", "masked mean", "weighted moments", "weighted by the data")
+
+
+def sums(kind, z, x):
+    """`z` normalized by sums over the batch: tf.nn.l2_normalize over its
+    axis, a mean over the rows a mask keeps (the mask's sum a count),
+    tf.nn.weighted_moments (its quotients by tf.math.divide_no_nan), a mean
+    weighted by the data (their sum a statistic of the data)."""
+    mask = tf.cast(x[:, :1] > 0, tf.float32)
+    if kind == "l2 over the batch":
+        return 4.0 * tf.nn.l2_normalize(z, axis=0)
+    if kind == "masked mean":
+        return z - tf.reduce_sum(z * mask, 0) / (tf.reduce_sum(mask, 0) + 1e-3)
+    if kind == "weighted moments":
+        mean, variance = tf.nn.weighted_moments(z, [0], mask, keepdims=True)
+        return (z - mean) / tf.sqrt(variance + 1e-3)
+    weights = tf.square(x[:, :1]) + 0.1
+    return z - tf.reduce_sum(z * weights, 0) / tf.reduce_sum(weights, 0)
+
+
 def own_statistics(kind, batch):
     """A program's own normalization over the batch, trained by Adam: a
     standardization by hand (`(z - mean) / std`, means kept as [1, d] or
@@ -448,9 +468,12 @@ def own_statistics(kind, batch):
             loss = tf.reduce_mean(tf.square(z1 - z2)) + tf.reduce_mean(tf.nn.relu(
                 1.0 - tf.sqrt(tf.math.reduce_variance(z1, 0) + 1e-4))) + 0.1 * tf.reduce_sum(
                 tf.square(covariance * (1.0 - tf.eye(4))))
+        elif kind in SUMS:
+            h = sums(kind, z1, x)
         else:
             h = (z1 - tf.reduce_mean(z1, 0)) / (tf.math.reduce_std(z1, 0) + 1e-3) \
                 if kind == "reduce_std" else standardized(z1)
+        if kind not in ("barlow twins", "vicreg"):
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
                 labels=y, logits=tf.matmul(tf.nn.relu(h), out)))
         train = tf1.train.AdamOptimizer(0.05).minimize(loss)
@@ -459,14 +482,16 @@ def own_statistics(kind, batch):
 
 
 @pytest.mark.parametrize("kind", ["by hand", "kept dimensions", "reduce_std", "barlow twins",
-                                  "vicreg"])
+                                  "vicreg", *SUMS])
 def test_a_programs_own_normalization_is_the_global_batchs_synchronized(kind, capsys):
     """Under batch_norm: synchronized its means over the batch are the
-    job's, forward and backward, as tf.nn.moments' are: every weight and
-    Adam slot equals one device's after 4 steps (1e-5), with no line
-    (before: named, 0.1 apart; Barlow Twins' and VICReg's 0.45 and 0.06).
-    By default each replica standardizes its own rows, and a line says
-    so."""
+    job's, forward and backward, as tf.nn.moments' are, and its sums
+    (`sums`) the job's sums both ways, with the data's sums that divide
+    them: every weight and Adam slot equals one device's after 4 steps
+    (1e-5), with no line (before: named, 0.1 apart; Barlow Twins' and
+    VICReg's 0.45 and 0.06; the sums 0.05 to 1, weighted_moments and the
+    masked mean silently). By default each replica standardizes its own
+    rows, and a line says so."""
     build = lambda b: own_statistics(kind, b)     # noqa: E731
     parallel, single, names = train_both(build, 2, 4, config={"batch_norm": "synchronized"})
     assert {"w", "w/Adam", "w/Adam_1"} <= set(names)
@@ -478,6 +503,44 @@ def test_a_programs_own_normalization_is_the_global_batchs_synchronized(kind, ca
     said = capsys.readouterr().err
     assert "statistics over the batch's axis" in said and "batch_norm: synchronized makes " \
         "means over the batch the global batch's" in said, said
+
+
+def test_a_weighted_means_total_weight_stays_with_its_sum_by_default():
+    """By default a mean weighted by the data (`sum(z * w) / sum(w)`) is
+    each replica's: the total weight, a statistic of the data alone, stays
+    the replica's as the weighted sum does (before: it was made the job's
+    alone, so each replica's mean was half its own, and the loss 0.1 from
+    what the line said). The first step's loss on 2 replicas is the mean
+    of one device's on each half of the batch."""
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            x = tf1.placeholder(tf.float32, [None, 5], "x")
+            y = tf1.placeholder(tf.int32, [None], "y")
+            w = tf1.get_variable("w", initializer=np.linspace(-1, 1, 20, dtype=np.float32)
+                                 .reshape(5, 4))
+            out = tf1.get_variable("out", initializer=np.linspace(-1, 1, 12, dtype=np.float32)
+                                   .reshape(4, 3))
+            z = tf.matmul(x, w)
+            h = sums("weighted by the data", z, x)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=tf.matmul(tf.nn.relu(h), out)))
+            tf1.train.AdamOptimizer(0.05).minimize(loss)
+            init = tf1.global_variables_initializer()
+        return g, x, y, loss, init
+    rng = np.random.RandomState(3)
+    xs, ys = rng.randn(8, 5).astype(np.float32), rng.randint(0, 3, 8)
+    g, x, y, loss, init = build()
+    with pn.get_runner(g, local(2)) as runner:
+        runner.run(init)
+        got = runner.run(loss, {x: xs, y: ys})
+    g1, x1, y1, loss1, init1 = build()
+    with tf1.Session(graph=g1) as sess:
+        sess.run(init1)
+        halves = [sess.run(loss1, {x1: xs[4 * k:4 * k + 4], y1: ys[4 * k:4 * k + 4]})
+                  for k in range(2)]
+        whole = sess.run(loss1, {x1: xs, y1: ys})
+    assert abs(got - np.mean(halves)) <= 1e-6 and abs(got - whole) > 1e-4
 
 
 @pytest.mark.parametrize("legacy", ["0", "1"])
@@ -529,23 +592,45 @@ def test_barlow_twins_in_a_pn_function_step_equal_one_device_synchronized(legacy
     assert "parallax_ng:" not in capsys.readouterr().err
 
 
-def test_keras3_masked_batch_normalization_is_named(capsys, monkeypatch):
+@pytest.mark.parametrize("batch_norm", ["per_replica", "synchronized"])
+def test_keras3_masked_batch_normalization(batch_norm, capsys, monkeypatch):
     """Keras 3's BatchNormalization given a mask (after an Embedding with
     mask_zero) computes its statistics from sums over the rows the mask
-    keeps, not tf.nn.moments: each replica's, and a line names them."""
+    keeps (the mask broadcast to the rows' shape, its sum the count), not
+    tf.nn.moments. Under synchronized the sums are the job's, forward and
+    backward, the count with them: 3 steps of a pn.function step on 2
+    replicas equal one device, weights, moving statistics and slots
+    (1e-5), with no line (before: named, 0.03 apart). By default each
+    replica's, and a line names them."""
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", "0")
     import keras
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((3,), dtype="int32"),
-                              keras.layers.Embedding(10, 4, mask_zero=True),
-                              keras.layers.BatchNormalization(),
-                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
-    optimizer = keras.optimizers.SGD(0.1)
 
-    step = pn.function(step_of(model, optimizer), local(2), {"batch_norm": "synchronized"})
-    step(np.int32([[1, 2, 0], [3, 0, 0], [4, 5, 6], [7, 8, 0]]), np.ones((4, 1), np.float32))
+    def make():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                                  keras.layers.Embedding(10, 4, mask_zero=True),
+                                  keras.layers.BatchNormalization(),
+                                  keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+        return model, keras.optimizers.Adam(0.05)
+    (model, optimizer), (model1, optimizer1) = make(), make()
+    step = pn.function(step_of(model, optimizer), local(2), {"batch_norm": batch_norm})
+    ref = tf.function(step_of(model1, optimizer1))
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        ids = rng.integers(1, 10, (8, 3)).astype(np.int32)
+        ids[:, 1:] *= rng.random((8, 2)) < 0.5          # padding
+        y = rng.normal(size=(8, 1)).astype(np.float32)
+        step(ids, y)
+        ref(ids, y)
+    step.sync()
+    worst = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(
+        model.weights + list(optimizer.variables), model1.weights + list(optimizer1.variables)))
     said = capsys.readouterr().err
-    assert "statistics over the batch's axis" in said and "batch_normalization" in said, said
+    if batch_norm == "synchronized":
+        assert worst <= 1e-5 and "parallax_ng:" not in said, (worst, said)
+    else:
+        assert worst > 1e-4 and "statistics over the batch's axis" in said and \
+            "batch_normalization" in said, (worst, said)
 
 
 @pytest.mark.parametrize("batch_norm", ["per_replica", "synchronized"])

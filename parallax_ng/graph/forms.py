@@ -302,7 +302,7 @@ def _bent(count: tf.Tensor, data, most: int = 32) -> bool:
         if op.name in seen or not data(op.outputs[0]):
             continue
         seen.add(op.name)
-        if op.type in _BENT or op.type in ("Mul", "RealDiv", "Div") and \
+        if op.type in _BENT or op.type in ("Mul", "RealDiv", "Div", "DivNoNan") and \
                 all(data(x) for x in op.inputs):
             return True
         if op.type not in ("Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike", "Sum",

@@ -1,11 +1,12 @@
-"""The autodiff's gradient of a forward `Mean` over the batch: found by the
-names tf.gradients gives its ops (`gradients/<op>_grad/...`), or in a
-traced step's GradientTape by the scope of the layer the op is in, and
-the incoming gradient read where the Mean's gradient spreads it over the
-rows (`Reshape`, `Tile` or `BroadcastTo`, `RealDiv` by the count). Batch
-normalization's statistics (graph/normalization.py) are exchanged with
-their gradients so, as are means over the batch that a program applies
-to its rows (`(z - mean) / std` by hand) under `batch_norm: synchronized`.
+"""The autodiff's gradient of a forward `Mean` or `Sum` over the batch: found
+by the names tf.gradients gives its ops (`gradients/<op>_grad/...`), or in
+a traced step's GradientTape by the scope of the layer the op is in, and
+the incoming gradient read where the gradient spreads it over the rows
+(`Reshape`, `Tile` or `BroadcastTo`; a Mean's then `RealDiv` by the
+count). Batch normalization's statistics (graph/normalization.py) are
+exchanged with their gradients so, as are means and sums over the batch
+that a program applies to its rows (`(z - mean) / std` by hand, a masked
+mean, `tf.nn.l2_normalize` over the batch) under `batch_norm: synchronized`.
 
 Requires: a tf.Graph with its gradient ops. Guarantees: reads the graph
 only.
@@ -101,6 +102,21 @@ def incoming(index: Autodiff, mean: tf.Operation) -> tf.Tensor | None:
     if len(found) > 1:      # a tape's scope: the one that counts x's entries
         found = [c for c in found if _counts(c[2].inputs[1], past_identities(x))]
     return found[0][0].inputs[0] if len(found) == 1 else None
+
+
+def incoming_sum(index: Autodiff, total: tf.Operation) -> tf.Tensor | None:
+    """The gradient the autodiff gives Sum `total`'s output: the input of
+    the one spread (after a Reshape, unless the Sum keeps its dimensions)
+    over `total`'s input's shape that no division follows (a Mean's
+    gradient is a Sum's divided by the count); None otherwise."""
+    x = past_identities(total.inputs[0])
+    found = [op for op in index.of(total, total.inputs[0])
+             if op.type in _SPREADS and _counts(op.inputs[1], x) and
+             not any(c.type == "RealDiv" for c in op.outputs[0].consumers())]
+    if len(found) != 1:
+        return None
+    spread = found[0].inputs[0]
+    return spread.op.inputs[0] if spread.op.type == "Reshape" else spread
 
 
 def _counts(count: tf.Tensor, x: tf.Tensor, most: int = 8) -> bool:

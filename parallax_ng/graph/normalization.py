@@ -21,7 +21,9 @@ rows; the job's mean of it, so divided, is what one device gives each row).
 `points` names those tensors; transforms/state_sync.py exchanges them.
 So are, under `synchronized`, the other Means over the batch the step
 applies to its rows (a standardization by hand, Barlow Twins'), with the
-incoming gradients graph/mean_gradients.py finds for them.
+incoming gradients graph/mean_gradients.py finds for them, and Sums (the
+job's sum both ways: Keras 3's BatchNormalization given a mask, an
+l2_normalize over the batch) that no row count of the replica's divides.
 A `Mean`'s gradient is found under the autodiff's name for it
 (`gradients/<op>_grad/`, tf.gradients) or in a traced step's GradientTape
 by its form (`Reshape`, `Tile` or `BroadcastTo`, `RealDiv`) under the
@@ -50,10 +52,10 @@ import tensorflow as tf
 
 from .. import compat
 from . import branches, randomness
+from .applied import alone, applied, axes_of, of_data
 from .forms import autodiff_losses, sources
-from .recorders import input_gradients
 from .rows import reading
-from .mean_gradients import Autodiff, chains, incoming
+from .mean_gradients import Autodiff, chains, incoming, incoming_sum
 from .rules import from_autodiff, is_autodiff, past_identities
 
 FUSED = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
@@ -106,7 +108,7 @@ def planned(tg, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
                for m in moments]
     synchronized, own = batch_norm == "synchronized", []
     if not synchronized:        # the data's own moments (inputs standardized): exchanged
-        data = [m for m in moments if not m.branched and _of_data(m.mean) and _of_data(m.variance)]
+        data = [m for m in moments if not m.branched and of_data(m.mean) and of_data(m.variance)]
         moments = [m for m in moments if m not in data]
     else:                       # a normalization of the program's own: its means too
         own, other = _own_means(tg, other, lambda n: n in looped or _apart(tg, n, memo))
@@ -115,22 +117,34 @@ def planned(tg, batch_norm: str) -> tuple[tuple[str, ...], tuple]:
 
 
 def _own_means(tg, other: list[str], apart) -> tuple[list, list[str]]:
-    """(points, the rest of `other`): each Mean among `other` (statistics
-    of what the variables compute, applied to the batch's rows: `(z -
-    mean) / std` by hand) with its incoming gradient, where that is found
-    and the Mean runs in no loop or branch `apart` from other replicas': as
-    tf.nn.moments' Means are exchanged (the job's mean forward, the job's
-    mean of the incoming gradient backward), which makes the rows one
-    device's."""
-    index, out, rest = Autodiff(tg.graph), [], []
+    """(points, the rest of `other`): each Mean and Sum among `other`
+    (statistics of what the variables compute, applied to the batch's
+    rows) with its incoming gradient, where that is found and the
+    statistic runs in no loop or branch `apart` from other replicas': a
+    Mean as tf.nn.moments' are exchanged (the job's mean forward and of
+    the incoming gradient), which makes the rows one device's; a Sum by
+    the job's sum both ways, where nothing of the replica's own scales it
+    on its way to the rows (applied.py `alone`: no row count; the data's
+    sums that do, a masked mean's count, exchanged with it)."""
+    index, found = Autodiff(tg.graph), {}
     for name in other:
         op = tg.graph.get_operation_by_name(name)
-        grad = incoming(index, op) if op.type == "Mean" and not apart(name) else None
-        if grad is None:
-            rest.append(name)
-            continue
-        out += [(op.outputs[0].name, True), (grad.name, True)]
-    return out, rest
+        grad = None if apart(name) else incoming(index, op) if op.type == "Mean" else \
+            incoming_sum(index, op) if op.type == "Sum" else None
+        if grad is not None:
+            found[name] = (op, grad)
+    rows, scales = reading(sources(tg.graph), tg.graph), {}
+    while True:             # a Sum scaled by one that stays the replica's stays too
+        scales = {n: rows.guarded(lambda r: alone(op, r, frozenset(found)))
+                  for n, (op, _) in found.items() if op.type == "Sum"}
+        if not (dropped := [n for n, s in scales.items() if s is None]):
+            break
+        for n in dropped:
+            del found[n]
+    out = [(s.outputs[0].name, s.type == "Mean") for ss in scales.values() for s in ss]
+    for op, grad in found.values():
+        out += [(op.outputs[0].name, op.type == "Mean"), (grad.name, op.type == "Mean")]
+    return out, [n for n in other if n not in found]
 
 
 def _apart(tg, name: str, memo: dict) -> bool:
@@ -158,45 +172,30 @@ def found(graph: tf.Graph, sources) -> tuple[list[Moments], list[str], list[str]
     known |= from_autodiff(graph)       # an update's math reads the job's gradient
     trained = _read_by(autodiff_losses(graph))   # (state alone: transforms/extremes.py)
     other = rows.guarded(lambda r: [op.name for op in graph.get_operations()
-                                    if op.name not in known and _applied(op, r) and
+                                    if op.name not in known and applied(op, r) and
                                     (trained is None or op.name in trained) and
-                                    not _of_data(op)])
+                                    not of_data(op)])
     return moments or [], fused, other or []
 
 
 def data_statistics(graph: tf.Graph, sources) -> list[tf.Operation]:
     """The means, sums, maxima and minima over the batch's axis of the data
-    alone (no variable's value; `_of_data`) that the step applies to the
+    alone (no variable's value; `of_data`) that the step applies to the
     batch's rows: a program's own scaling of its inputs
     by the batch's statistics (`(x - mean) / std`, `x / max`, a reward's
     baseline); and maxima and minima read anywhere (a loss divided by the
     batch's largest target: no loss form reads them). The replicas
     exchange them (transforms/extremes.py), so they are the global
-    batch's, exactly."""
-    rows = reading(sources, graph)
-    return rows.guarded(lambda r: [op for op in graph.get_operations() if (
-        _applied(op, r) or op.type in ("Max", "Min") and _applied(op, r, anywhere=True))
-        and _of_data(op)]) or []
-
-
-def _of_data(op) -> bool:
-    """Whether statistic `op` reads the data alone (no variable's value,
-    within _MOST_READ ops), in a graph that takes no gradient with respect
-    to its inputs (through which one would pass the statistic: FGSM's)."""
-    if input_gradients(op.graph):
-        return False
-    seen, stack = set(), [op.inputs[0].op]
-    while stack:
-        o = stack.pop()
-        if o.name in seen:
-            continue
-        seen.add(o.name)
-        if len(seen) > _MOST_READ or any(x.dtype == tf.resource for x in o.inputs) or \
-                o.type in ("VariableV2", "VarHandleOp") or o.outputs and \
-                o.outputs[0].dtype == tf.resource:
-            return False
-        stack.extend(x.op for x in o.inputs)
-    return True
+    batch's, exactly. Not a sum that scales a statistic of what the
+    variables compute (a weighted mean's total weight): it is the job's
+    with that statistic or the replica's with it (`_own_means`)."""
+    def ask(r):
+        found = [op for op in graph.get_operations() if applied(op, r) or op.type in (
+            "Max", "Min") and applied(op, r, anywhere=True)]
+        scaling = {s.name for op in found if op.type in ("Sum", "Mean") and not of_data(op)
+                   for s in alone(op, r) or ()}
+        return [op for op in found if of_data(op) and op.name not in scaling]
+    return reading(sources, graph).guarded(ask) or []
 
 
 def _read_by(losses: list) -> set | None:
@@ -234,9 +233,10 @@ def lines(moments: list[Moments], fused: list[str], synchronized: bool,
     out = [f"statistics over the batch's axis {_named(other)} are applied to the batch's "
            "rows (a normalization of the program's own): each replica takes its own rows', "
            "so training is close to one device's with the global batch, not equal; " + (
-               "batch_norm: synchronized exchanges a Mean over the batch (not a sum, maximum "
-               "or minimum) where it finds the autodiff's gradient of it, outside while loops "
-               "and branches the replicas decide apart" if synchronized else
+               "batch_norm: synchronized exchanges a Mean or a Sum over the batch (not a "
+               "maximum or minimum, nor a Sum a row count divides) where it finds the "
+               "autodiff's gradient of it, outside while loops and branches the replicas "
+               "decide apart" if synchronized else
                "batch_norm: synchronized makes means over the batch the global batch's, "
                "forward and backward")] * bool(other)
     branched = [f"batch normalization {_named({m.layer for m in moments if m.branched})} "
@@ -312,7 +312,7 @@ def _moments(op, rows, index) -> Moments | None:
     mean, x = diff.inputs[1].op.inputs[0].op, diff.inputs[0]
     if mean.type != "Mean" or mean.inputs[0] is not x:
         return None
-    axes = [_axes(o) for o in (op, mean)]
+    axes = [axes_of(o) for o in (op, mean)]
     rank = x.shape.rank
     if axes[0] is None or axes[0] != axes[1] or rank is None:
         return None
@@ -327,61 +327,9 @@ def _moments(op, rows, index) -> Moments | None:
                    bool(index.of(mean, x) or index.of(op, x)))
 
 
-# ops a batch statistic passes through to where it meets the rows
-_CARRIES = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity", "StopGradient", "Cast",
-                      "Sqrt", "Rsqrt", "AddV2", "Add", "Sub", "Mul", "RealDiv", "Maximum",
-                      "Neg", "Square", "Reciprocal"})
-_MOST_READ = 4096
-_MEETS = frozenset({"Sub", "AddV2", "Add", "Mul", "RealDiv", "SquaredDifference", "Maximum",
-                    "Minimum"})
-
-
-def _applied(op, rows, anywhere: bool = False) -> bool:
-    """Whether `op` is a Mean, a Sum, a Max or a Min (forward, not the
-    autodiff's) over the batch's axis of the batch's rows whose result an
-    element-wise op meets with the rows (through a few ops that keep it a
-    statistic: a sum divided by a count, Keras 3's masked
-    BatchNormalization's). A sum of a mask (a count: tf_keras's
-    `ignore_class` weighs the valid rows by all over it) is not a statistic
-    of the rows' values: where a loss divides by it, graph/forms.py reads
-    it as a count the data sets. `anywhere`: whatever reads the result."""
-    if op.type not in ("Mean", "Sum", "Max", "Min") or is_autodiff(op.name):
-        return False
-    x, axes = op.inputs[0], _axes(op)
-    counted = x
-    while counted.op.type in ("Reshape", "Identity", "ExpandDims", "Squeeze"):
-        counted = counted.op.inputs[0]
-    if op.type == "Sum" and counted.op.type == "Cast" and counted.op.inputs[0].dtype == tf.bool:
-        return False
-    rank = x.shape.rank
-    if axes is None or rank is None or (axis := rows.axis(x)) is None or \
-            axis not in {a % rank for a in axes}:
-        return False
-    if anywhere:
-        return True
-    seen, stack = set(), [op.outputs[0]]
-    while stack and len(seen) < 64:
-        t = stack.pop()
-        for c in t.consumers():
-            if c.name in seen or is_autodiff(c.name):
-                continue
-            seen.add(c.name)
-            if c.type in _MEETS and any(i is not t and rows.axis(i) is not None
-                                        for i in c.inputs):
-                return True
-            if c.type in _CARRIES:
-                stack.extend(c.outputs)
-    return False
-
-
 def _lowered_gradient(mean) -> tf.Tensor | None:
     name = mean.node_def.attr[LOWERED].s.decode()
     return mean.graph.get_tensor_by_name(name) if name else None
-
-
-def _axes(op) -> set[int] | None:
-    value = tf.get_static_value(op.inputs[1])
-    return None if value is None else {int(a) for a in value.reshape(-1)}
 
 
 def _incoming(index, mean, variance, x) -> tf.Tensor | None:

@@ -56,7 +56,7 @@ def reading(sources, graph: tf.Graph, parts: bool = False) -> _Axes:
 
 
 _LAST_AXIS = {"Softmax", "LogSoftmax"}      # mix their last axis
-_ROW_WISE = ELEMENTWISE - PASS - _LAST_AXIS - {"Merge"}
+_ROW_WISE = ELEMENTWISE - PASS - _LAST_AXIS - {"Merge"} | {"BroadcastTo"}   # (same rank)
 # ops that keep input 0's rows and change the rest (convolutions, pools, norms, top k)
 _KEEP_FIRST = FIRST - {"MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "ArgMax",
                        "ArgMin", "InTopKV2", "Cumsum", "Cumprod", "Pad", "PadV2", "MirrorPad",

@@ -1,0 +1,144 @@
+"""Statistics over the batch that a step applies to its rows: a Mean, Sum,
+Max or Min over the batch's axis whose result meets the batch's rows in an
+element-wise op (`(x - mean) / std`, a masked mean's `sum(x * m) /
+sum(m)`, `x * rsqrt(sum(x * x))`), through ops that keep it a statistic
+(`applied`); whether one reads the data alone (`of_data`); and what
+scales a Sum on its way to the rows (`alone`), which decides whether its
+exchange, with those, makes the rows one device's.
+graph/normalization.py names and exchanges them.
+
+Requires: a tf.Graph and a reading of its batch's rows (graph/rows.py).
+Guarantees: reads the graph only.
+"""
+from __future__ import annotations
+
+import tensorflow as tf
+
+from .constants import SOURCE_TYPES
+from .recorders import input_gradients
+from .rules import is_autodiff
+
+# ops a batch statistic passes through to where it meets the rows
+_CARRIES = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity", "StopGradient", "Cast",
+                      "Sqrt", "Rsqrt", "AddV2", "Add", "Sub", "Mul", "MulNoNan", "RealDiv",
+                      "Div", "DivNoNan", "Maximum", "Neg", "Square", "Reciprocal"})
+_MOST_READ = 4096
+_SHAPED = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"})  # values none
+_MEETS = frozenset({"Sub", "AddV2", "Add", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan",
+                    "SquaredDifference", "Maximum", "Minimum"})
+
+
+def applied(op, rows, anywhere: bool = False) -> bool:
+    """Whether `op` is a Mean, a Sum, a Max or a Min (forward, not the
+    autodiff's) over the batch's axis of the batch's rows whose result an
+    element-wise op meets with the rows (through a few ops that keep it a
+    statistic: a sum divided by a count, Keras 3's masked
+    BatchNormalization's). A sum of a mask (a count: tf_keras's
+    `ignore_class` weighs the valid rows by all over it) is not a statistic
+    of the rows' values: where a loss divides by it, graph/forms.py reads
+    it as a count the data sets. `anywhere`: whatever reads the result."""
+    if op.type not in ("Mean", "Sum", "Max", "Min") or is_autodiff(op.name):
+        return False
+    x, axes = op.inputs[0], axes_of(op)
+    counted = x
+    while counted.op.type in ("Reshape", "Identity", "ExpandDims", "Squeeze"):
+        counted = counted.op.inputs[0]
+    if op.type == "Sum" and counted.op.type == "Cast" and counted.op.inputs[0].dtype == tf.bool:
+        return False
+    rank = x.shape.rank
+    if axes is None or rank is None or (axis := rows.axis(x)) is None or \
+            axis not in {a % rank for a in axes}:
+        return False
+    if anywhere:
+        return True
+    seen, stack = set(), [op.outputs[0]]
+    while stack and len(seen) < 64:
+        t = stack.pop()
+        for c in t.consumers():
+            if c.name in seen or is_autodiff(c.name):
+                continue
+            seen.add(c.name)
+            if c.type in _MEETS and any(i is not t and rows.axis(i) is not None
+                                        for i in c.inputs):
+                return True
+            if c.type in _CARRIES:
+                stack.extend(c.outputs)
+    return False
+
+
+def alone(total, rows, exchanged=frozenset()) -> list | None:
+    """The data's Sums and Means over the batch that scale the Sum `total`
+    on its way to the batch's rows through `_CARRIES` (a masked mean's
+    count: to be the job's too), or None where a shape or size (`sum / n`:
+    the replica's n) or a statistic of what the variables compute, other
+    than those `exchanged` (names), does."""
+    seen, stack, scales = set(), [total.outputs[0]], []
+    while stack and len(seen) < 64:
+        t = stack.pop()
+        for c in t.consumers():
+            if c.name in seen or is_autodiff(c.name) or c.type not in _CARRIES:
+                continue
+            seen.add(c.name)
+            others = [i for i in c.inputs if i is not t] if c.type in _MEETS else []
+            if any(rows.axis(i) is not None for i in others):
+                continue            # the rows: what follows is theirs
+            for i in others:
+                if (found := _scales(i.op, rows, exchanged)) is None:
+                    return None
+                scales += found
+            stack.extend(c.outputs)
+    return scales
+
+
+def _scales(op, rows, exchanged, most: int = 32) -> list | None:
+    """The data's Sums and Means over the batch `op` reads (not past
+    them); None if it reads a shape or size, another statistic over the
+    batch (but those `exchanged`), or more than `most` ops."""
+    seen, stack, out = set(), [op], []
+    while stack:
+        o = stack.pop()
+        if o.name in seen:
+            continue
+        seen.add(o.name)
+        if o.type in ("Sum", "Mean") and (axes := axes_of(o)) is not None and \
+                (rank := o.inputs[0].shape.rank) is not None and \
+                rows.axis(o.inputs[0]) in {a % rank for a in axes}:
+            if o.name in exchanged:
+                continue
+            if not of_data(o):
+                return None
+            out.append(o)
+            continue
+        if o.type in ("Shape", "ShapeN", "Size") or len(seen) > most:
+            return None
+        stack.extend(i.op for i in o.inputs)
+    return out
+
+
+def of_data(op) -> bool:
+    """Whether statistic `op` reads the data alone (no variable's value,
+    within _MOST_READ ops; the shape of what the variables compute, as a
+    mask broadcast to it, is the data's), in a graph that takes no
+    gradient with respect to its inputs (through which one would pass the
+    statistic: FGSM's)."""
+    if input_gradients(op.graph):
+        return False
+    seen, stack = set(), [op.inputs[0].op]
+    while stack:
+        o = stack.pop()
+        if o.name in seen:
+            continue
+        seen.add(o.name)
+        if len(seen) > _MOST_READ or o.type not in SOURCE_TYPES and \
+                any(x.dtype == tf.resource for x in o.inputs) or \
+                o.type in ("VariableV2", "VarHandleOp") or o.outputs and \
+                o.outputs[0].dtype == tf.resource:
+            return False
+        if o.type not in _SHAPED and o.type not in SOURCE_TYPES:    # (an iterator's: data)
+            stack.extend(x.op for x in o.inputs)
+    return True
+
+
+def axes_of(op) -> set[int] | None:
+    value = tf.get_static_value(op.inputs[1])
+    return None if value is None else {int(a) for a in value.reshape(-1)}

@@ -1,0 +1,71 @@
+"""Statistics over the batch a step applies to its rows (graph/applied.py):
+found through the ops that carry them (tf.math.divide_no_nan's too), read
+as of the data where only the rows' shape comes from what the variables
+compute, and what scales a Sum on its way to the rows."""
+import numpy as np
+import tensorflow as tf
+
+from parallax_ng.graph.applied import alone, applied, of_data
+from parallax_ng.graph.forms import sources
+from parallax_ng.graph.rows import reading
+
+tf1 = tf.compat.v1
+
+
+def graph_of(make):
+    """`make(x, z)` in a graph where x [None, 5] is fed and z = x @ w."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 5], "x")
+        w = tf1.get_variable("w", initializer=np.ones((5, 4), np.float32))
+        make(x, tf.matmul(x, w))
+    return g, reading(sources(g), g)
+
+
+def sums(g):
+    return {op.name: op for op in g.get_operations() if op.type == "Sum"}
+
+
+def test_weighted_moments_sums_are_applied_through_divide_no_nan():
+    g, rows = graph_of(lambda x, z: tf.identity(
+        z - tf.nn.weighted_moments(z, [0], tf.cast(x[:, :1] > 0, tf.float32),
+                                   keepdims=True)[0], "out"))
+    found = {name for name, op in sums(g).items() if applied(op, rows)}
+    assert {"weighted_moments/weighted_input_sum", "weighted_moments/sum_of_weights"} <= found
+
+
+def test_the_data_includes_a_mask_broadcast_to_the_rows_shape_and_an_iterators_rows():
+    def make(x, z):
+        mask = tf.broadcast_to(tf.cast(x[:, :1] > 0, tf.float32), tf.shape(z))
+        tf.reduce_sum(mask, 0, name="count")
+        tf.reduce_sum(z, 0, name="total")
+        batch = tf1.data.make_one_shot_iterator(
+            tf.data.Dataset.from_tensor_slices(np.ones((8, 3), np.float32)).batch(4)).get_next()
+        tf.reduce_mean(batch, 0, name="fed")
+    g, _ = graph_of(make)
+    found = sums(g)
+    assert of_data(found["count"]) and not of_data(found["total"])
+    assert of_data(g.get_operation_by_name("fed"))
+
+
+def test_what_scales_a_sum_on_its_way_to_the_rows():
+    """l2_normalize over the batch: nothing (a constant); a masked mean:
+    the mask's count; a sum over the rows' count, `sum / n`: None; a sum
+    over another statistic of what the variables compute: None unless
+    that one is exchanged too."""
+    def make(x, z):
+        mask = tf.cast(x[:, :1] > 0, tf.float32)
+        tf.nn.l2_normalize(z, axis=0, name="l2")
+        tf.identity(z - tf.reduce_sum(z * mask, 0, name="masked") /
+                    tf.reduce_sum(mask, 0, name="count"), "centred")
+        n = tf.cast(tf.shape(z)[0], tf.float32)
+        tf.identity(z - tf.reduce_sum(z, 0, name="by_hand") / n, "by_hand_centred")
+        tf.identity(z * (tf.reduce_sum(z, 0, name="ratio") /
+                         tf.reduce_sum(tf.square(z), 0, name="energy")), "scaled")
+    g, rows = graph_of(make)
+    found = sums(g)
+    assert alone(found["l2/Sum"], rows) == []
+    assert [op.name for op in alone(found["masked"], rows)] == ["count"]
+    assert alone(found["by_hand"], rows) is None
+    assert alone(found["ratio"], rows) is None
+    assert alone(found["ratio"], rows, frozenset({"energy"})) == []
