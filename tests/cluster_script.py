@@ -33,7 +33,7 @@ parser.add_argument("--static-batch", action="store_true", help="batches of a kn
 parser.add_argument("--masked", action="store_true", help="a mean over the rows of positive y")
 parser.add_argument("--bn", help="the dense layer's input batch-normalized: moments | fused | "
                                  "keras (models.embedding_regression; frozen at every third step) "
-                                 "| own (by hand)")
+                                 "| own (by hand) | weighted (tf.nn.weighted_moments)")
 parser.add_argument("--counting", choices=["count", "applied"],
                     help="models.counting_graph: a count added under a fed tf.cond (applied: "
                          "and the update applied there), the flag True at even steps (the "

@@ -91,6 +91,10 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
         elif bn == "own":           # standardized by hand: its Means exchanged
             centred = features - tf.reduce_mean(features, 0)
             features = centred / tf.sqrt(tf.reduce_mean(tf.square(centred), 0) + 1e-3)
+        elif bn == "weighted":      # tf.nn.weighted_moments over rows a mask keeps: sums
+            keep = tf.cast(x[:, :1] > -0.5, np_dtype)
+            mean, var = tf.nn.weighted_moments(features, [0], keep, keepdims=True)
+            features = (features - mean) * tf.math.rsqrt(var + 1e-3)
         elif bn == "fused":
             width = dim + FEATURES
             images, _, _ = tf1.nn.fused_batch_norm(

@@ -234,7 +234,7 @@ def test_a_model_called_twice_each_call_synchronized(call, capsys):
     ("hybrid", "fused", False, "auto", "auto"), ("hybrid", "keras", False, "auto", "auto"),
     ("ps", "keras", True, "auto", "auto"), ("hybrid", "keras", True, "allreduce", "auto"),
     ("hybrid", "keras", False, "allreduce", "allgather"),
-    ("hybrid", "own", False, "auto", "auto")])
+    ("hybrid", "own", False, "auto", "auto"), ("allreduce", "weighted", False, "auto", "auto")])
 def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_option, bn, v1,
                                                               dense, sparse):
     """tests/cluster_script.py --bn: 2 workers (and a server under hybrid,
@@ -258,7 +258,8 @@ def test_a_job_with_synchronized_statistics_equals_one_device(tmp_path, run_opti
     first step and the branch's sums are collectives: they were server
     sums, and the job failed ("Cleanup ..." or a closed queue). "own": the
     features standardized by hand (means over the batch, no tf.nn.moments),
-    exchanged on the server too."""
+    exchanged on the server too. "weighted": tf.nn.weighted_moments over
+    the rows a mask keeps (sums, and the mask's count, all-reduced)."""
     from models import embedding_regression, train_single
     from test_cluster import load, run_job
     config = {"batch_norm": "synchronized"} | ({"sparse_method": sparse} if sparse != "auto"
