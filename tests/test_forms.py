@@ -328,6 +328,11 @@ DIVISORS = {
     "its feature count": lambda y: tf.cast(tf.shape(y)[1], tf.float32),
     "its rows less one": lambda y: tf.cast(tf.shape(y)[0], tf.float32) - 1.0,
     "the square root of its rows": lambda y: tf.sqrt(tf.cast(tf.shape(y)[0], tf.float32)),
+    "a power of its rows": lambda y: tf.pow(tf.cast(tf.shape(y)[0], tf.float32), 1.5),
+    "the root of a count of its values": lambda y: tf.sqrt(tf.reduce_sum(
+        tf.cast(y[:, 0] > 0, tf.float32)) + 1.0),
+    "the square of its rows": lambda y: tf.cast(tf.shape(y)[0], tf.float32) *
+    tf.cast(tf.shape(y)[0], tf.float32),
 }
 
 
@@ -335,16 +340,18 @@ DIVISORS = {
 def test_a_sum_over_the_batch_divided_by_a_size_of_its_shape(name, capsys):
     """By its feature count (`tf.shape(y)[1]`: every replica's alike, a
     number: the sum is summed), by its rows less one (a covariance's: the
-    job's count) the replicas equal one device (4 steps, every variable
-    and slot, 1e-5; before: 0.072 and 0.066 apart, silently, each read as
-    a mean over a count); by the square root of its rows, which no rule
-    makes one device's, a line says the form is not shown (before: read
-    as a mean, 0.044 apart, silently)."""
+    job's count), by the square root of its rows, by a power of them or
+    the root of a count the data's values set (each replica divides by
+    1/N of the function of the job's count) the replicas equal one device
+    (4 steps, every variable and slot, 1e-5; before: 0.072, 0.066 and
+    0.044 apart, the first two silently, each read as a mean over a
+    count; the root named); by the product of two counts, which no rule
+    makes one device's, a line says the form is not shown."""
     from models import train_both
     from test_normalization import worst
     parallel, single, names = train_both(lambda b: divided_sum_graph(DIVISORS[name], b), 2, 4)
     said = capsys.readouterr().err
-    if name == "the square root of its rows":
+    if name == "the square of its rows":
         assert "does not show whether the loss" in said, said
     else:
         assert "parallax_ng:" not in said, said

@@ -165,7 +165,7 @@ def from_values(tg, ref, sources: set) -> bool:
             name).inputs[0], list(sources)), data_only=True))
 
 
-_FLOORS = frozenset({"Maximum", "AddV2", "Add", "Sub"})
+_FLOORS = frozenset({"Maximum", "AddV2", "Add", "Sub", "Sqrt", "Square", "Pow"})
 
 
 def by_job(tg, count, sources: set) -> bool:
@@ -184,10 +184,10 @@ def by_job(tg, count, sources: set) -> bool:
 def floored(tg, count, sources: set):
     """((op, input position), the count inside) where a count enters ops
     that floor or smooth it with values the data does not set
-    (`tf.maximum(count, 1)`, `count + eps`, `n - 1`, maybe cast after):
-    one device floors the global count, so the job's sum goes in there and
-    each replica divides by 1/N of the result; (None, count) for a bare
-    count."""
+    (`tf.maximum(count, 1)`, `count + eps`, `n - 1`, maybe cast after), or
+    bend it (`tf.sqrt(n)`, `n ** 2`): one device floors the global count,
+    so the job's sum goes in there and each replica divides by 1/N of the
+    result; (None, count) for a bare count."""
     found, ref, inner = None, count, count
     while ref.index == 0 and tg.ir.node(ref.node).op in _FLOORS | {"Cast"}:
         ins = tg.ir.data_inputs(ref.node)

@@ -287,22 +287,23 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     selected if kind == "mean" else [])
 
 
-# ops a count passes through that make it no count (a sum over the square
-# root of the rows: no mean of the replicas' quotients is one device's)
-_BENT = frozenset({"Sqrt", "Rsqrt", "Square", "Pow", "Exp", "Log", "Reciprocal", "Inv"})
+# ops a count passes through that make it no count the exchange knows (a
+# square root, a square or a power of one is: transforms/counts.py floored)
+_BENT = frozenset({"Rsqrt", "Exp", "Log", "Reciprocal", "Inv"})
 
 
 def _bent(count: tf.Tensor, data, most: int = 32) -> bool:
-    """Whether divisor `count` is a function of the data that is not linear
-    in a count (of entries, or a sum over the batch: an R-squared's total):
-    through _BENT, or a product of two counts (`n * n`)."""
+    """Whether divisor `count` is a function of the data that is none of a
+    count (of entries, or a sum over the batch: an R-squared's total) the
+    exchange makes the job's: through _BENT, a product of two counts (`n *
+    n`), a power by an exponent the data sets."""
     seen, stack = set(), [count.op]
     while stack and len(seen) < most:
         op = stack.pop()
         if op.name in seen or not data(op.outputs[0]):
             continue
         seen.add(op.name)
-        if op.type in _BENT or op.type in ("Mul", "RealDiv", "Div", "DivNoNan") and \
+        if op.type in _BENT or op.type in ("Mul", "RealDiv", "Div", "DivNoNan", "Pow") and \
                 all(data(x) for x in op.inputs):
             return True
         if op.type not in ("Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike", "Sum",
