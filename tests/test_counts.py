@@ -30,15 +30,20 @@ def floored_loss(kind):
         count = tf.maximum(count, 1.0) if kind == "max" else count + 1e-3 \
             if kind == "eps" else count
         tf.size(pred, name="rows"), tf.size(tf.boolean_mask(pred, y[:, 0] > 0), name="picked")
+        rows = tf.cast(tf.shape(pred)[0], tf.float32)
         if kind == "rows minus one":      # a covariance's (Bessel's) count of rows
-            return [tf.reduce_sum(tf.square(pred - y)) / (tf.cast(tf.shape(pred)[0],
-                                                                  tf.float32) - 1.0)]
+            return [tf.reduce_sum(tf.square(pred - y)) / (rows - 1.0)]
+        if kind == "root of the rows":
+            return [tf.reduce_sum(tf.square(pred - y)) / tf.sqrt(rows)]
+        if kind == "root of the count":
+            return [tf.reduce_sum(tf.square(pred - y) * mask) / tf.sqrt(count + 1.0)]
         return [tf.reduce_sum(tf.square(pred - y) * mask) / count]
     return losses
 
 
 @pytest.mark.parametrize("run", ["allreduce", "ps"])
-@pytest.mark.parametrize("kind", ["max", "eps", "int-max", "rows minus one"])
+@pytest.mark.parametrize("kind", ["max", "eps", "int-max", "rows minus one", "root of the rows",
+                                  "root of the count"])
 def test_a_floored_count_is_floored_from_the_jobs_count(kind, run):
     check_tf1(floored_loss(kind), run)
 
