@@ -503,7 +503,7 @@ def test_a_programs_own_normalization_is_the_global_batchs_synchronized(kind, ca
     assert worst(parallel, single, names) > 1e-4
     said = capsys.readouterr().err
     assert "statistics over the batch's axis" in said and "batch_norm: synchronized makes " \
-        "means over the batch the global batch's" in said, said
+        "means and sums over the batch the global batch's" in said, said
 
 
 def test_a_weighted_means_total_weight_stays_with_its_sum_by_default():

@@ -237,7 +237,7 @@ def lines(moments: list[Moments], fused: list[str], synchronized: bool,
                "maximum or minimum, nor a Sum a row count divides) where it finds the "
                "autodiff's gradient of it, outside while loops and branches the replicas "
                "decide apart" if synchronized else
-               "batch_norm: synchronized makes means over the batch the global batch's, "
+               "batch_norm: synchronized makes means and sums over the batch the global batch's, "
                "forward and backward")] * bool(other)
     branched = [f"batch normalization {_named({m.layer for m in moments if m.branched})} "
                 f"{said}, batch_norm: synchronized notwithstanding: its statistics are "
