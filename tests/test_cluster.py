@@ -467,6 +467,46 @@ def test_a_worker_whose_parts_others_read_ends_after_them(tmp_path, servers):
     assert_matches_one_device(out, 2, 1, steps=4)
 
 
+LEAVING = """
+import sys, time
+import tensorflow as tf
+from parallax_ng.runtime import serving
+from parallax_ng.tools import launch
+spec = tf.train.ClusterSpec({"worker": [launch._with_port("127.0.0.1") for _ in range(2)]})
+servers = [tf.distribute.Server(spec, job_name="worker", task_index=k) for k in range(2)]
+graphs = [tf.Graph() for _ in range(2)]
+leave = [serving.leave_ops(graphs[k], 2, k) for k in range(2)]
+sessions = [tf.compat.v1.Session(servers[k].target, graph=graphs[k]) for k in range(2)]
+options = tf.compat.v1.RunOptions(timeout_in_ms=1000)
+sys.last_value = RuntimeError("the program failed")
+start = time.monotonic()
+serving._end(sessions[0], None, leave[0], options)         # failed: leaves at once
+print("failed", round(time.monotonic() - start, 1), flush=True)
+del sys.last_value
+sessions[1].run(leave[1][:-1])                             # worker 1 reaches its end
+serving._end(sessions[0], None, leave[0], options)         # its token and worker 0's
+print("together", flush=True)
+start = time.monotonic()
+serving._end(sessions[0], None, leave[0], options)         # again: worker 1 never comes
+print("alone", round(time.monotonic() - start, 1), flush=True)
+"""
+
+
+def test_a_worker_leaves_when_every_worker_reached_its_end_or_at_once_on_a_failure():
+    """serving.leave_ops between two workers (servers in one process): a
+    process ending by an exception does not wait; one whose peer never
+    comes waits for the run timeout and says so; once the peer has put its
+    token in, the wait ends at once."""
+    done = subprocess.run([sys.executable, "-c", LEAVING], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=TASK_PATH,
+                                                TF_CPP_MIN_LOG_LEVEL="2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict((line + " -").split(" ")[:2] for line in done.stdout.split("\n") if line)
+    assert float(lines["failed"]) < 0.5 and 0.9 <= float(lines["alone"]) < 10, done.stdout
+    assert "together" in lines and done.stderr.count("without every other worker") == 1, \
+        done.stderr[-3000:]
+
+
 def test_a_server_task_ends_when_its_workers_are_done(tmp_path):
     """As under an orchestrator: every task runs the script with TF_CONFIG;
     the server task's get_runner serves until both workers are done, then

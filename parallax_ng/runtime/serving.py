@@ -92,11 +92,12 @@ class End:
 
 def _end(session, ops, leave=None, options=None) -> None:
     """`leave` (ops of `leave_ops`) within `options`' timeout, then `ops`
-    (`done_ops`); servers that are gone already are no error."""
+    (`done_ops`); servers that are gone already are no error. A process
+    ending by an exception does not wait for the others (the job fails)."""
     import sys
 
     import tensorflow as tf
-    if leave:
+    if leave and getattr(sys, "last_value", None) is None:
         try:
             session.run(leave[:-1], options=options)
             session.run(leave[-1], options=options)
