@@ -10,9 +10,9 @@ session runs and the job's barrier (parallax_ng/runtime/executor.py), the
 Checkpointer when `checkpoint.dir` is set, the bound every session run
 gets (`options`), and what only the passes' graphs have: input-queue
 threads, the ops applying a deferred update, the ops telling parameter
-servers this worker is done and those waiting for every worker's end, and the PassContext (with which the Runner
-measures and plans again). One Runner class drives every Program
-(parallax_ng/runtime/runner.py).
+servers this worker is done and those waiting for every worker's end,
+and the PassContext (with which the Runner measures and plans again).
+One Runner class drives every Program (parallax_ng/runtime/runner.py).
 """
 from __future__ import annotations
 
