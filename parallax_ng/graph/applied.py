@@ -39,15 +39,12 @@ def applied(op, rows, anywhere: bool = False) -> bool:
     it as a count the data sets. `anywhere`: whatever reads the result."""
     if op.type not in ("Mean", "Sum", "Max", "Min") or is_autodiff(op.name):
         return False
-    x, axes = op.inputs[0], axes_of(op)
-    counted = x
+    counted = op.inputs[0]
     while counted.op.type in ("Reshape", "Identity", "ExpandDims", "Squeeze"):
         counted = counted.op.inputs[0]
     if op.type == "Sum" and counted.op.type == "Cast" and counted.op.inputs[0].dtype == tf.bool:
         return False
-    rank = x.shape.rank
-    if axes is None or rank is None or (axis := rows.axis(x)) is None or \
-            axis not in {a % rank for a in axes}:
+    if not _over_the_batch(op, rows):
         return False
     if anywhere:
         return True
@@ -100,9 +97,7 @@ def _scales(op, rows, exchanged, most: int = 32) -> list | None:
         if o.name in seen:
             continue
         seen.add(o.name)
-        if o.type in ("Sum", "Mean") and (axes := axes_of(o)) is not None and \
-                (rank := o.inputs[0].shape.rank) is not None and \
-                rows.axis(o.inputs[0]) in {a % rank for a in axes}:
+        if o.type in ("Sum", "Mean") and _over_the_batch(o, rows):
             if o.name in exchanged:
                 continue
             if not of_data(o):
@@ -137,6 +132,13 @@ def of_data(op) -> bool:
         if o.type not in _SHAPED and o.type not in SOURCE_TYPES:    # (an iterator's: data)
             stack.extend(x.op for x in o.inputs)
     return True
+
+
+def _over_the_batch(op, rows) -> bool:
+    """Whether reduction `op`'s axes hold its input's batch axis."""
+    axes, rank = axes_of(op), op.inputs[0].shape.rank
+    return axes is not None and rank is not None and \
+        rows.axis(op.inputs[0]) in {a % rank for a in axes}
 
 
 def axes_of(op) -> set[int] | None:
