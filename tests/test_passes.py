@@ -27,14 +27,14 @@ def test_manager_runs_the_plans_pipeline_and_records_each_pass(tmp_path):
     out = manager.run(ctx.tg.ir, ctx)
     names = [r.name for r in manager.records]
     assert names == ["replicate", "shard_inputs", "aggregate", "state_sync", "selected_means",
-                     "input_gradients", "place", "lookups_on_servers", "colocate_updates", "init",
+                     "loss_scales", "input_gradients", "place", "lookups_on_servers", "colocate_updates", "init",
                      "orderings"]
     assert manager.records[0].report["replicas"] == 2
     assert manager.records[2].report == {"allreduce": 3, "ps": 1, "allgather": 0, "bfb": 0,
                                          "alltoall": 0, "factors": 0}
     assert manager.records[-1].nodes == len(out) > 1.5 * len(ctx.tg.ir)   # two replicas
     dumps = sorted(os.listdir(tmp_path))
-    assert dumps[0] == "00_input.pb" and "10_init.pb" in dumps and "11_orderings.pb" in dumps and "passes.json" in dumps
+    assert dumps[0] == "00_input.pb" and "11_init.pb" in dumps and "12_orderings.pb" in dumps and "passes.json" in dumps
     assert "replicate" in manager.summary()
 
 

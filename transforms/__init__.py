@@ -16,6 +16,7 @@ from transforms.initial_values import InitPass
 from transforms.input_gradients import InputGradientsPass
 from transforms.local_aggregation import LocalAggregationPass
 from transforms.lookups import DistinctLookupsPass, LookupsOnServersPass
+from transforms.loss_scales import LossScalesPass
 from transforms.orderings import OrderingsPass
 from transforms.part_writes import PartWritesPass
 from transforms.place import PlacePass
@@ -32,7 +33,7 @@ from transforms.state_sync import StateSyncPass
 
 def pipeline_for(plan) -> list:
     """replicate -> (counted_draws) -> shard_inputs -> aggregate -> state_sync ->
-    selected_means -> (scaled_sums) -> input_gradients -> place -> init,
+    selected_means -> (scaled_sums) -> loss_scales -> input_gradients -> place -> init,
     with the placement rewrites the plan turns on (local_aggregation after
     aggregate; lookups_on_servers, colocate_updates after place), then, as
     the plan needs them, the cross-worker server protocol,
@@ -44,8 +45,8 @@ def pipeline_for(plan) -> list:
     last, `orderings` keeps the graph's read-before-write orderings from
     Grappler's dependency optimizer.
     Passes with nothing to do for this plan are left out (one replica
-    needs no input sharding, state sync, selected means, input gradients'
-    scales or initial-value copies)."""
+    needs no input sharding, state sync, selected means, loss scales, input
+    gradients' scales or initial-value copies)."""
     several, servers, rewrites = plan.group_size > 1, bool(plan.servers), plan.rewrites
     shared = bool(plan.shared_state())
     wanted = [(ReplicatePass(), True), (CountedDrawsPass(), bool(plan.counted)),
@@ -53,7 +54,8 @@ def pipeline_for(plan) -> list:
               (LocalAggregationPass(), servers and rewrites.local_aggregation),
               (StateSyncPass(), several), (SelectedMeansPass(), several),
               (ScaledSumsPass(), several and bool(plan.scaled_sums)),
-              (InputGradientsPass(), several), (PlacePass(), True),
+              (LossScalesPass(), several), (InputGradientsPass(), several),
+              (PlacePass(), True),
               (LookupsOnServersPass(), shared and rewrites.lookups_on_servers),
               (ColocateUpdatesPass(), shared and rewrites.colocate_updates),
               (InitPass(), several),
@@ -72,6 +74,7 @@ __all__ = ["AggregatePass", "ColocateUpdatesPass", "ColumnsPass", "CountedDrawsP
            "DistinctLookupsPass",
            "HorizontalPass",
            "InitPass", "InputGradientsPass", "LocalAggregationPass", "LookupsOnServersPass",
+           "LossScalesPass",
            "OrderingsPass", "PartWritesPass", "PlacePass",
            "PrefetchPass",
            "ReplicatePass", "ScaledSumsPass", "SelectedMeansPass",
