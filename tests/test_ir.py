@@ -41,6 +41,9 @@ def test_index_consumers_and_order():
     assert order.index("a") < order.index("s") < order.index("after")
     assert ir.ancestors(["after"]) >= {"after", "a", "s", "b"}
     assert "after" in ir.descendants(["b"])
+    # "after" reads "s" by a control edge only; a stop is reached, not passed
+    assert ir.descendants(["b"], data_only=True) == {"b", "s"}
+    assert ir.descendants(["b"], stop=lambda name: name == "s") == {"b", "s"}
 
 
 def test_verify_names_dangling_input_and_rejects_duplicates():

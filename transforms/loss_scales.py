@@ -136,10 +136,7 @@ def scale_reads(tg) -> dict[str, list[tuple[str, tuple[str, int]]]]:
     write of another variable (not the scale's own update)."""
     losses = forms.autodiff_losses(tg.graph)
     gradients = {r.node for r in tg.gradient_tensors}
-    uses_of = {}                                # node -> its data consumers
-    for ref, users in tg.ir.consumers.items():
-        uses_of.setdefault(ref.node, set()).update(c for c, _ in users)
-    after = _forward(uses_of, gradients)
+    after = tg.ir.descendants(gradients, data_only=True)
     out = {}
     for var in _factors(tg, [t.op for t in losses]):
         others = {w for v, ws in tg.writers.items() if v != var for w in ws}
@@ -149,10 +146,10 @@ def scale_reads(tg) -> dict[str, list[tuple[str, tuple[str, int]]]]:
                 for use in tg.ir.consumers.get(TensorRef(read, 0), ())]
         # the unscale: an op after the backward pass that the read reaches
         # without going through the loss or the gradients
-        if any(tg.ir.node(n).op in _UNSCALES
-               for _, use in uses for n in _forward(uses_of, {use[0]}, stops) & after):
+        if any(tg.ir.node(n).op in _UNSCALES for _, use in uses
+               for n in tg.ir.descendants({use[0]}, stops.__contains__, True) & after):
             out[var] = [(read, use) for read, use in uses
-                        if _forward(uses_of, {use[0]}) & (others | stops)]
+                        if tg.ir.descendants({use[0]}, data_only=True) & (others | stops)]
     return {var: uses for var, uses in out.items() if uses}
 
 
@@ -174,17 +171,3 @@ def _factors(tg, ops: list) -> list[str]:
         elif op.type in _FACTORS:
             todo.extend(t.op for t in op.inputs)
     return found
-
-
-def _forward(uses_of: dict, names, stops=frozenset()) -> set[str]:
-    """Nodes reachable from `names` by data edges, `names` included; not
-    beyond `stops`."""
-    seen, todo = set(), list(names)
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        if name not in stops:
-            todo.extend(uses_of.get(name, ()))
-    return seen

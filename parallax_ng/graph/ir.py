@@ -255,17 +255,29 @@ class GraphIR:
                         if not (data_only and control))
         return seen
 
-    def descendants(self, names: Iterable[str]) -> set[str]:
-        """All nodes reachable forwards from `names` (data and control edges)."""
+    def descendants(self, names: Iterable[str], stop=lambda name: False,
+                    data_only: bool = False) -> set[str]:
+        """All nodes reachable forwards from `names` (data and control edges,
+        or data edges only), not past those `stop` holds for."""
         seen: set[str] = set()
         todo = list(names)
+        users = self._data_users if data_only else self.node_consumers
         while todo:
             name = todo.pop()
             if name in seen:
                 continue
             seen.add(name)
-            todo.extend(self.node_consumers.get(name, ()))
+            if not stop(name):
+                todo.extend(users.get(name, ()))
         return seen
+
+    @cached_property
+    def _data_users(self) -> dict[str, set[str]]:
+        """node -> names of nodes that read one of its outputs."""
+        table: dict[str, set[str]] = defaultdict(set)
+        for ref, users in self.consumers.items():
+            table[ref.node].update(name for name, _ in users)
+        return table
 
     def verify(self, acyclic: bool = True) -> None:
         """Every input names an existing node; with `acyclic`, no cycle."""
