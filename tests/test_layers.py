@@ -137,11 +137,14 @@ def test_dropout_and_noise_are_listed_by_name():
 
 
 def test_v1_control_flow_in_a_layer_is_refused():
+    from tensorflow.python.ops import control_flow_util
+    was_v2 = control_flow_util.ENABLE_CONTROL_FLOW_V2     # v1 under disable_v2_behavior
     tf1.disable_control_flow_v2()
     try:
         g, _, _ = _mlp(lambda h: tf1.cond(tf.reduce_sum(h) > 0, lambda: h * 2.0, lambda: h))
     finally:
-        tf1.enable_control_flow_v2()
+        if was_v2:          # the process's as it was, for the tests after this one
+            tf1.enable_control_flow_v2()
     with pytest.raises(pn.GraphError, match=r"\(Switch\).*enable_control_flow_v2"):
         layers.split(frontend.load(g), r"block_(\d+)/")
 

@@ -151,6 +151,13 @@ def tf1_program(targets: float):
     return graph, train, init, feeds
 
 
+def variables(graph, *names) -> list:
+    """`graph`'s variables of `names` (resource or reference variables, as
+    the behavior the process runs with makes them)."""
+    by_name = {v.op.name: v for v in graph.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)}
+    return [by_name[n] for n in names]
+
+
 @pytest.mark.parametrize("replicas,config", [(2, None), (4, None), (2, {"run_option": "ps"}),
                                              (2, {"dense_method": "bfb"})])
 def test_a_tf1_step_skips_where_one_device_overflows_its_sum_over_the_batch(replicas, config):
@@ -161,27 +168,26 @@ def test_a_tf1_step_skips_where_one_device_overflows_its_sum_over_the_batch(repl
     By all-reduce (2 and 4 replicas), on a parameter server (`ps`: the
     update there) and by fusion buffers."""
     graph, train, init, feeds = tf1_program(30.0)
-    scale = "current_loss_scale/Read/ReadVariableOp:0"
     names = ["w1", "w2", "w1/Momentum", "w2/Momentum"]
     with pn.get_runner(graph, local(replicas), config) as runner:
         runner.run(init)
-        start = runner.run([f"{n}/Read/ReadVariableOp:0" for n in ("w1", "w2")])
+        start = runner.run(variables(graph, "w1", "w2"))
         got = []
         for feed in feeds:
             runner.run(train, feed)
-            got.append(float(runner.run(scale)))
-        trained = runner.run([f"{n}/Read/ReadVariableOp:0" for n in names])
+            got.append(float(runner.run(variables(graph, "current_loss_scale")[0])))
+        trained = runner.run(variables(graph, *names))
         report = {r.name: r.report for r in runner.pass_records}["loss_scales"]
     graph, train, init, feeds = tf1_program(30.0)
     with tf1.Session(graph=graph) as sess:
         sess.run(init)                                  # seeded: the replicas' start
-        for a, b in zip(start, sess.run([f"{n}/Read/ReadVariableOp:0" for n in ("w1", "w2")])):
+        for a, b in zip(start, sess.run(variables(graph, "w1", "w2"))):
             np.testing.assert_array_equal(a, b)
         want = []
         for feed in feeds:
             sess.run(train, feed)
-            want.append(float(sess.run(scale)))
-        wanted = sess.run([f"{n}/Read/ReadVariableOp:0" for n in names])
+            want.append(float(sess.run(variables(graph, "current_loss_scale")[0])))
+        wanted = sess.run(variables(graph, *names))
     assert got == want and want[-1] < 32768.0, (got, want)
     for name, a, b in zip(names, trained, wanted):     # 1e-3 of the largest value: float16's
         assert np.max(np.abs(a - b)) <= 1e-3 * np.max(np.abs(b)), name   # 2 ulps (measured 2.4e-4)
@@ -215,7 +221,7 @@ import sys
 sys.path.insert(0, {tests!r})
 import numpy as np
 import parallax_ng as pn
-from test_loss_scales import tf1_program
+from test_loss_scales import tf1_program, variables
 graph, train, init, feeds = tf1_program(30.0)
 with pn.get_runner(graph) as runner:
     plan = runner.plan
@@ -224,8 +230,8 @@ with pn.get_runner(graph) as runner:
     scales = []
     for feed in feeds:
         runner.run(train, {{k: v[half] for k, v in feed.items()}})
-        scales.append(float(runner.run("current_loss_scale/Read/ReadVariableOp:0")))
-    values = runner.run([n + "/Read/ReadVariableOp:0" for n in ("w1", "w2")])
+        scales.append(float(runner.run(variables(graph, "current_loss_scale")[0])))
+    values = runner.run(variables(graph, "w1", "w2"))
 np.savez({out!r} + f".{{plan.worker}}.npz", scales=scales, w1=values[0], w2=values[1])
 """
 
@@ -245,8 +251,8 @@ def test_a_two_worker_job_skips_the_steps_one_device_skips(tmp_path):
         want = []
         for feed in feeds:
             sess.run(train, feed)
-            want.append(float(sess.run("current_loss_scale/Read/ReadVariableOp:0")))
-        wanted = sess.run(["w1/Read/ReadVariableOp:0", "w2/Read/ReadVariableOp:0"])
+            want.append(float(sess.run(variables(graph, "current_loss_scale")[0])))
+        wanted = sess.run(variables(graph, "w1", "w2"))
     for k in range(2):
         got = np.load(f"{out}.{k}.npz")
         assert list(got["scales"]) == want and want[-1] < 32768.0, (list(got["scales"]), want)
