@@ -50,22 +50,27 @@ def test_the_data_includes_a_mask_broadcast_to_the_rows_shape_and_an_iterators_r
 
 def test_what_scales_a_sum_on_its_way_to_the_rows():
     """l2_normalize over the batch: nothing (a constant); a masked mean:
-    the mask's count; a sum over the rows' count, `sum / n`: None; a sum
-    over another statistic of what the variables compute: None unless
-    that one is exchanged too."""
+    the mask's count; a sum over the rows' count, `sum / n`: that count,
+    where nothing but the Sums' ways reads it (None where the program
+    reads it besides); a sum over another statistic of what the variables
+    compute: None unless that one is exchanged too."""
     def make(x, z):
         mask = tf.cast(x[:, :1] > 0, tf.float32)
         tf.nn.l2_normalize(z, axis=0, name="l2")
         tf.identity(z - tf.reduce_sum(z * mask, 0, name="masked") /
                     tf.reduce_sum(mask, 0, name="count"), "centred")
-        n = tf.cast(tf.shape(z)[0], tf.float32)
+        n = tf.cast(tf.shape(z)[0], tf.float32, name="rows")
         tf.identity(z - tf.reduce_sum(z, 0, name="by_hand") / n, "by_hand_centred")
+        m = tf.cast(tf.shape(z)[0], tf.float32, name="rows_too")
+        tf.identity(z - tf.reduce_sum(z, 0, name="shared") / m, "shared_centred")
+        tf.identity(m * 3.0, "read_besides")
         tf.identity(z * (tf.reduce_sum(z, 0, name="ratio") /
                          tf.reduce_sum(tf.square(z), 0, name="energy")), "scaled")
     g, rows = graph_of(make)
     found = sums(g)
     assert alone(found["l2/Sum"], rows) == []
     assert [op.name for op in alone(found["masked"], rows)] == ["count"]
-    assert alone(found["by_hand"], rows) is None
+    assert [op.name for op in alone(found["by_hand"], rows)] == ["rows"]
+    assert alone(found["shared"], rows) is None
     assert alone(found["ratio"], rows) is None
     assert alone(found["ratio"], rows, frozenset({"energy"})) == []

@@ -413,14 +413,17 @@ def test_a_programs_own_mean_over_the_batch_applied_to_its_rows_is_named(synchro
         said
 
 
-SUMS = ("l2 over the batch", "masked mean", "weighted moments", "weighted by the data")
+SUMS = ("l2 over the batch", "masked mean", "weighted moments", "weighted by the data",
+        "over the rows' count")
 
 
 def sums(kind, z, x):
     """`z` normalized by sums over the batch: tf.nn.l2_normalize over its
     axis, a mean over the rows a mask keeps (the mask's sum a count),
     tf.nn.weighted_moments (its quotients by tf.math.divide_no_nan), a mean
-    weighted by the data (their sum a statistic of the data)."""
+    weighted by the data (their sum a statistic of the data), a mean and
+    an unbiased variance by hand over the rows' count (`sum / n`, `/ (n -
+    1)`: one n, the job's sum of the replicas')."""
     mask = tf.cast(x[:, :1] > 0, tf.float32)
     if kind == "l2 over the batch":
         return 4.0 * tf.nn.l2_normalize(z, axis=0)
@@ -428,6 +431,11 @@ def sums(kind, z, x):
         return z - tf.reduce_sum(z * mask, 0) / (tf.reduce_sum(mask, 0) + 1e-3)
     if kind == "weighted moments":
         mean, variance = tf.nn.weighted_moments(z, [0], mask, keepdims=True)
+        return (z - mean) / tf.sqrt(variance + 1e-3)
+    if kind == "over the rows' count":
+        n = tf.cast(tf.shape(z)[0], tf.float32)
+        mean = tf.reduce_sum(z, 0, keepdims=True) / n
+        variance = tf.reduce_sum(tf.square(z - mean), 0, keepdims=True) / (n - 1.0)
         return (z - mean) / tf.sqrt(variance + 1e-3)
     weights = tf.square(x[:, :1]) + 0.1
     return z - tf.reduce_sum(z * weights, 0) / tf.reduce_sum(weights, 0)
@@ -544,21 +552,29 @@ def test_a_weighted_means_total_weight_stays_with_its_sum_by_default():
     assert abs(got - np.mean(halves)) <= 1e-6 and abs(got - whole) > 1e-4
 
 
+@pytest.mark.parametrize("by", ["means", "the rows' count"])
 @pytest.mark.parametrize("legacy", ["0", "1"])
-def test_barlow_twins_in_a_pn_function_step_equal_one_device_synchronized(legacy, capsys,
+def test_barlow_twins_in_a_pn_function_step_equal_one_device_synchronized(legacy, by, capsys,
                                                                           monkeypatch):
     """Barlow Twins in a GradientTape step (a Keras 3 or tf_keras Dense, no
     bias: its gradient would be rounding noise that Adam scales up): the
     tape's scope holds every Mean's gradient, each told by the count it
     divides by (its Mean's input's); 4 steps on 2 replicas equal one
     device, weights and Adam's slots (1e-5), with no line (before: named,
-    0.33 apart)."""
+    0.33 apart). Standardized by Sums over the rows' count (`sum / n`,
+    `/ (n - 1)`): the mean's Sum's gradient is the one spread over its
+    input's shape, not the variance's, whose shape reads n through the
+    mean (before: both taken for it, and the Sum named, 0.18 apart)."""
     monkeypatch.setenv("TF_USE_LEGACY_KERAS", legacy)
     import keras
     import tf_keras
     lib = tf_keras if legacy == "1" else keras
 
     def standardized(z):
+        if by == "the rows' count":
+            n = tf.cast(tf.shape(z)[0], tf.float32)
+            centred = z - tf.reduce_sum(z, 0) / n
+            return centred / tf.sqrt(tf.reduce_sum(tf.square(centred), 0) / (n - 1.0) + 1e-3)
         centred = z - tf.reduce_mean(z, 0)
         return centred / tf.sqrt(tf.reduce_mean(tf.square(centred), 0) + 1e-3)
 

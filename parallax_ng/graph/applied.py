@@ -63,33 +63,45 @@ def applied(op, rows, anywhere: bool = False) -> bool:
     return False
 
 
-def alone(total, rows, exchanged=frozenset()) -> list | None:
+def alone(total, rows, exchanged=frozenset(), path=frozenset()) -> list | None:
     """The data's Sums and Means over the batch that scale the Sum `total`
     on its way to the batch's rows through `_CARRIES` (a masked mean's
-    count: to be the job's too), or None where a shape or size (`sum / n`:
-    the replica's n) or a statistic of what the variables compute, other
+    count: to be the job's too), and the batch's row counts that do where
+    they reach nothing but `path` (`carried` of the Sums exchanged: `sum /
+    n`, n - 1, one n for a mean and a variance), or None where a shape or
+    size otherwise, or a statistic of what the variables compute, other
     than those `exchanged` (names), does."""
-    seen, stack, scales = set(), [total.outputs[0]], []
+    seen, others = carried(total, rows)
+    scales = []
+    for i in others:
+        if (found := _scales(i.op, rows, exchanged, seen | path)) is None:
+            return None
+        scales += found
+    return scales
+
+
+def carried(total, rows) -> tuple[set[str], list]:
+    """(the ops through `_CARRIES` from the Sum `total` to where it meets
+    the batch's rows, the other operands it meets on the way)."""
+    seen, stack, others = set(), [total.outputs[0]], []
     while stack and len(seen) < 64:
         t = stack.pop()
         for c in t.consumers():
             if c.name in seen or is_autodiff(c.name) or c.type not in _CARRIES:
                 continue
             seen.add(c.name)
-            others = [i for i in c.inputs if i is not t] if c.type in _MEETS else []
-            if any(rows.axis(i) is not None for i in others):
+            met = [i for i in c.inputs if i is not t] if c.type in _MEETS else []
+            if any(rows.axis(i) is not None for i in met):
                 continue            # the rows: what follows is theirs
-            for i in others:
-                if (found := _scales(i.op, rows, exchanged)) is None:
-                    return None
-                scales += found
+            others += met
             stack.extend(c.outputs)
-    return scales
+    return seen, others
 
 
-def _scales(op, rows, exchanged, most: int = 32) -> list | None:
+def _scales(op, rows, exchanged, path=frozenset(), most: int = 32) -> list | None:
     """The data's Sums and Means over the batch `op` reads (not past
-    them); None if it reads a shape or size, another statistic over the
+    them), and the batch's row counts whose every use leads into `path`;
+    None if it reads a shape or size otherwise, another statistic over the
     batch (but those `exchanged`), or more than `most` ops."""
     seen, stack, out = set(), [op], []
     while stack:
@@ -104,10 +116,45 @@ def _scales(op, rows, exchanged, most: int = 32) -> list | None:
                 return None
             out.append(o)
             continue
+        if _row_count(o, rows) and _leads_into(o, path):
+            out.append(o)
+            continue
         if o.type in ("Shape", "ShapeN", "Size") or len(seen) > most:
             return None
         stack.extend(i.op for i in o.inputs)
     return out
+
+
+def _leads_into(op, path, most: int = 16) -> bool:
+    """Whether every use of `op`'s value (not the autodiff's) reaches ops
+    of `path` and nothing else: a count the exchange gives every use of."""
+    seen, stack = set(), [op]
+    while stack:
+        x = stack.pop()
+        users = [c for t in x.outputs for c in t.consumers() if not is_autodiff(c.name)]
+        if not users or len(seen) > most:
+            return False                    # read besides (a loss, a fetch)
+        for c in users:
+            if c.name not in seen and c.name not in path:
+                seen.add(c.name)
+                stack.append(c)
+    return True
+
+
+def _row_count(op, rows) -> bool:
+    """Whether `op` casts the batch's row count to a float: the size of the
+    batch's axis of a tensor of its rows (`tf.cast(tf.shape(z)[0], f)`)."""
+    if op.type != "Cast" or not op.outputs[0].dtype.is_floating:
+        return False
+    t = op.inputs[0]
+    while t.op.type in ("Identity", "Squeeze", "Reshape"):
+        t = t.op.inputs[0]
+    if t.op.type != "StridedSlice" or t.op.inputs[0].op.type != "Shape":
+        return False
+    begin = tf.get_static_value(t.op.inputs[1])
+    shaped = t.op.inputs[0].op.inputs[0]
+    return t.shape.rank == 0 and begin is not None and begin.size == 1 and \
+        rows.axis(shaped) == int(begin[0]) % max(shaped.shape.rank or 1, 1)
 
 
 def of_data(op) -> bool:

@@ -125,8 +125,10 @@ def _counts(count: tf.Tensor, x: tf.Tensor, most: int = 8) -> bool:
     stack, seen = [(count.op, 0)], set()
     while stack:
         op, depth = stack.pop()
-        if op.type in ("Shape", "Size") and past_identities(op.inputs[0]) is x:
-            return True
+        if op.type in ("Shape", "Size"):      # another tensor's shape: not past it into
+            if past_identities(op.inputs[0]) is x:      # its values (which may read a
+                return True                             # row count of x's: `sum / n`)
+            continue
         if depth < most and op.name not in seen:
             seen.add(op.name)
             stack.extend((i.op, depth + 1) for i in op.inputs)

@@ -23,7 +23,8 @@ So are, under `synchronized`, the other Means over the batch the step
 applies to its rows (a standardization by hand, Barlow Twins'), with the
 incoming gradients graph/mean_gradients.py finds for them, and Sums (the
 job's sum both ways: Keras 3's BatchNormalization given a mask, an
-l2_normalize over the batch) that no row count of the replica's divides.
+l2_normalize over the batch), with the row counts that divide them where
+nothing else reads those (`sum / n`, a variance's `/ (n - 1)`).
 A `Mean`'s gradient is found under the autodiff's name for it
 (`gradients/<op>_grad/`, tf.gradients) or in a traced step's GradientTape
 by its form (`Reshape`, `Tile` or `BroadcastTo`, `RealDiv`) under the
@@ -52,7 +53,7 @@ import tensorflow as tf
 
 from .. import compat
 from . import branches, randomness
-from .applied import alone, applied, axes_of, of_data
+from .applied import alone, applied, axes_of, carried, of_data
 from .forms import autodiff_losses, sources
 from .rows import reading
 from .mean_gradients import Autodiff, chains, incoming, incoming_sum
@@ -124,8 +125,9 @@ def _own_means(tg, other: list[str], apart) -> tuple[list, list[str]]:
     Mean as tf.nn.moments' are exchanged (the job's mean forward and of
     the incoming gradient), which makes the rows one device's; a Sum by
     the job's sum both ways, where nothing of the replica's own scales it
-    on its way to the rows (applied.py `alone`: no row count; the data's
-    sums that do, a masked mean's count, exchanged with it)."""
+    on its way to the rows (applied.py `alone`): the data's sums that do,
+    a masked mean's count, and the batch's row counts that only these
+    Sums' ways read, exchanged with it (the job's sums of them)."""
     index, found = Autodiff(tg.graph), {}
     for name in other:
         op = tg.graph.get_operation_by_name(name)
@@ -135,8 +137,10 @@ def _own_means(tg, other: list[str], apart) -> tuple[list, list[str]]:
             found[name] = (op, grad)
     rows, scales = reading(sources(tg.graph), tg.graph), {}
     while True:             # a Sum scaled by one that stays the replica's stays too
-        scales = {n: rows.guarded(lambda r: alone(op, r, frozenset(found)))
-                  for n, (op, _) in found.items() if op.type == "Sum"}
+        sums = [op for op, _ in found.values() if op.type == "Sum"]
+        path = rows.guarded(lambda r: frozenset().union(*(carried(op, r)[0] for op in sums)))
+        scales = {op.name: rows.guarded(lambda r: alone(op, r, frozenset(found), path or ()))
+                  for op in sums}
         if not (dropped := [n for n, s in scales.items() if s is None]):
             break
         for n in dropped:
@@ -234,7 +238,8 @@ def lines(moments: list[Moments], fused: list[str], synchronized: bool,
            "rows (a normalization of the program's own): each replica takes its own rows', "
            "so training is close to one device's with the global batch, not equal; " + (
                "batch_norm: synchronized exchanges a Mean or a Sum over the batch (not a "
-               "maximum or minimum, nor a Sum a row count divides) where it finds the "
+               "maximum or minimum, nor a Sum divided by a row count the program reads "
+               "elsewhere too, as its loss's) where it finds the "
                "autodiff's gradient of it, outside while loops and branches the replicas "
                "decide apart" if synchronized else
                "batch_norm: synchronized makes means and sums over the batch the global batch's, "
