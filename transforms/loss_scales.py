@@ -73,7 +73,7 @@ class LossScalesPass:
                     continue
                 for k in range(plan.num_replicas):
                     node = ctx.replica_name(k, consumer)
-                    if (node, pos) in rewires:      # one node for every replica
+                    if (node, pos) in rewires or node not in ir:    # one for every replica
                         continue
                     at = f"parallax/loss_scales/{node}/input_{pos}"
                     device = ir.node(node).device
@@ -135,14 +135,16 @@ def scale_reads(tg) -> dict[str, list[tuple[str, tuple[str, int]]]]:
     reads' data uses that reach a differentiated loss, a gradient or a
     write of another variable (not the scale's own update)."""
     losses = forms.autodiff_losses(tg.graph)
+    if not (factors := _factors(tg, [t.op for t in losses])):
+        return {}
     gradients = {r.node for r in tg.gradient_tensors}
     after = tg.ir.descendants(gradients, data_only=True)
     out = {}
-    for var in _factors(tg, [t.op for t in losses]):
+    for var in factors:
         others = {w for v, ws in tg.writers.items() if v != var for w in ws}
         stops = gradients | {t.op.name for t in losses}
         uses = [(read, use) for read in tg.readers.get(var, ())
-                if tg.ir.node(read).op in ("ReadVariableOp", "Identity")
+                if read in tg.ir and tg.ir.node(read).op in ("ReadVariableOp", "Identity")
                 for use in tg.ir.consumers.get(TensorRef(read, 0), ())]
         # the unscale: an op after the backward pass that the read reaches
         # without going through the loss or the gradients
