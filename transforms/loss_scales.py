@@ -94,15 +94,17 @@ class LossScalesPass:
 
 
 def _totals(ir, ctx):
-    """(rewires, nodes, variables): each dense gradient a float16 backward pass sums
-    over the batch (a Cast of float16 to a wider float: a weight's or a
+    """(rewires, nodes, variables): each dense gradient a float16 backward
+    pass sums over the batch (a Cast of float16 to a wider float: a weight's or a
     bias's sum over the rows) reads, wherever the step reads its aggregate,
     infinity where one device's float16 sum over the global batch would
     have overflowed: the replicas' mean times N at or beyond 65520, which
     float16 rounds to infinity. A replica sums only its own rows, which
     overflow later; one device's overflow makes the scale's finite check
-    skip the step, so the replicas skip it too."""
+    skip the step, so the replicas skip it too. The uses of one aggregate
+    on one device read one check."""
     tg, n, rewires, added, summed = ctx.tg, ctx.plan.group_size, {}, [], []
+    made = {}           # (aggregate, device) -> its check: one for the uses there
     for var, grad in sorted(tg.gradients.items()):
         cast = tg.ir.node(grad.values.node)
         if grad.sparse or cast.op != "Cast" or \
@@ -117,15 +119,16 @@ def _totals(ir, ctx):
                 node = ctx.replica_name(k, consumer)
                 if (node, pos) in rewires:
                     continue
-                at, device = f"parallax/loss_scales/{node}/total_{pos}", ir.node(node).device
-                mean = ir.node(node).input[pos]
-                limit = emit.const(f"{at}/limit", _FLOAT16_INF / n, dtype, device)
-                inf = emit.const(f"{at}/inf", np.inf, dtype, device)
-                size = emit.node_def(f"{at}/abs", "Abs", [mean], device, T=dtype)
-                over = emit.node_def(f"{at}/over", "GreaterEqual", [size.name, limit.name],
-                                     device, T=dtype)
-                added += [limit, inf, size, over, emit.node_def(
-                    at, "SelectV2", [over.name, inf.name, mean], device, T=dtype)]
+                mean, device = ir.node(node).input[pos], ir.node(node).device
+                if (at := made.get((mean, device))) is None:
+                    at = made[(mean, device)] = f"parallax/loss_scales/{node}/total_{pos}"
+                    limit = emit.const(f"{at}/limit", _FLOAT16_INF / n, dtype, device)
+                    inf = emit.const(f"{at}/inf", np.inf, dtype, device)
+                    size = emit.node_def(f"{at}/abs", "Abs", [mean], device, T=dtype)
+                    over = emit.node_def(f"{at}/over", "GreaterEqual", [size.name, limit.name],
+                                         device, T=dtype)
+                    added += [limit, inf, size, over, emit.node_def(
+                        at, "SelectV2", [over.name, inf.name, mean], device, T=dtype)]
                 rewires[(node, pos)] = at
     return rewires, added, summed
 
