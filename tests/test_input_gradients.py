@@ -258,3 +258,26 @@ def test_a_gradient_of_a_weight_s_value_is_summed_over_the_replicas(order):
         assert len(lines) == 1 and "tf.stop_gradient on it" in lines[0]
     report = next(r.report for r in parallel.runner.pass_records if r.name == "input_gradients")
     assert report == {"scaled": 1, "summed": 1}
+
+
+def test_the_scaled_seeds_run_on_their_replicas_devices():
+    """The seed each replica's input gradient starts from (renamed, its
+    1/N after it) runs on that replica's device: before, the copies had
+    none, and TensorFlow put every replica's on the first device, a
+    transfer each step (a GPU's to another GPU)."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        y = tf.compat.v1.placeholder(tf.float32, [None, 1])
+        w = tf.compat.v1.get_variable("w", [3, 1])
+        loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - y))
+        adversarial = x + 0.1 * tf.sign(tf.gradients(loss, x)[0])     # FGSM's
+        tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
+            loss + tf.reduce_mean(tf.square(tf.matmul(adversarial, w) - y)))
+    with pn.get_runner(g, local(2)) as runner:
+        seeds = [op for op in runner.program.graph.get_operations()
+                 if op.name.startswith("parallax/input_gradients/") and op.type != "Const"]
+        devices = runner.plan.devices
+    assert len(seeds) == 2 and all(op.device for op in seeds), seeds      # one a replica
+    for op in seeds:
+        assert op.device == devices[1 if "replica_1" in op.name else 0], (op.name, op.device)

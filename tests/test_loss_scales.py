@@ -178,6 +178,10 @@ def test_a_tf1_step_skips_where_one_device_overflows_its_sum_over_the_batch(repl
             got.append(float(runner.run(variables(graph, "current_loss_scale")[0])))
         trained = runner.run(variables(graph, *names))
         report = {r.name: r.report for r in runner.pass_records}["loss_scales"]
+        for op in runner.program.graph.get_operations():   # each on its reader's device
+            if op.name.startswith("parallax/loss_scales/") and op.type != "Const":
+                assert op.device and all(c.device == op.device for c in op.outputs[0].consumers()
+                                         if not c.name.startswith("parallax/")), op.name
     graph, train, init, feeds = tf1_program(30.0)
     with tf1.Session(graph=graph) as sess:
         sess.run(init)                                  # seeded: the replicas' start

@@ -27,8 +27,8 @@ def test_manager_runs_the_plans_pipeline_and_records_each_pass(tmp_path):
     out = manager.run(ctx.tg.ir, ctx)
     names = [r.name for r in manager.records]
     assert names == ["replicate", "shard_inputs", "aggregate", "state_sync", "selected_means",
-                     "loss_scales", "input_gradients", "place", "lookups_on_servers", "colocate_updates", "init",
-                     "orderings"]
+                     "input_gradients", "place", "lookups_on_servers", "colocate_updates",
+                     "loss_scales", "init", "orderings"]
     assert manager.records[0].report["replicas"] == 2
     assert manager.records[2].report == {"allreduce": 3, "ps": 1, "allgather": 0, "bfb": 0,
                                          "alltoall": 0, "factors": 0}

@@ -33,9 +33,10 @@ from transforms.state_sync import StateSyncPass
 
 def pipeline_for(plan) -> list:
     """replicate -> (counted_draws) -> shard_inputs -> aggregate -> state_sync ->
-    selected_means -> (scaled_sums) -> loss_scales -> input_gradients -> place -> init,
+    selected_means -> (scaled_sums) -> input_gradients -> place -> loss_scales -> init,
     with the placement rewrites the plan turns on (local_aggregation after
-    aggregate; lookups_on_servers, colocate_updates after place), then, as
+    aggregate; lookups_on_servers, colocate_updates after place, before
+    loss_scales), then, as
     the plan needs them, the cross-worker server protocol,
     distinct lookups of rows on servers, sharded variables and the step's
     split into a collective run and a server run; a table cut by columns over the replicas gets its parts after
@@ -54,11 +55,10 @@ def pipeline_for(plan) -> list:
               (LocalAggregationPass(), servers and rewrites.local_aggregation),
               (StateSyncPass(), several), (SelectedMeansPass(), several),
               (ScaledSumsPass(), several and bool(plan.scaled_sums)),
-              (LossScalesPass(), several), (InputGradientsPass(), several),
-              (PlacePass(), True),
+              (InputGradientsPass(), several), (PlacePass(), True),
               (LookupsOnServersPass(), shared and rewrites.lookups_on_servers),
               (ColocateUpdatesPass(), shared and rewrites.colocate_updates),
-              (InitPass(), several),
+              (LossScalesPass(), several), (InitPass(), several),
               (ColumnsPass(), bool(plan.columns())),
               (PrefetchPass(), any(vp.prefetch for vp in plan.variables.values())),
               (HorizontalPass(), bool(plan.blocks)),

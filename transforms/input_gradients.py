@@ -62,7 +62,8 @@ class InputGradientsPass:
             for k in range(ctx.plan.num_replicas):
                 node = ir.node(ctx.replica_name(k, seed))
                 at = f"parallax/input_gradients/{node.name}"
-                ones = emit.like(node, f"{at}/ones", node.device)   # the seed, renamed
+                # the seed, renamed: on the replica's device, as `place` puts the seed
+                ones = emit.like(node, f"{at}/ones", node.device or ctx.plan.devices[k])
                 ones.input.extend(node.input)
                 share, changed[node.name] = _times(node, ones.name, 1.0 / n, dtype, "share")
                 added += [ones, share]

@@ -31,7 +31,8 @@ float16's limit, and the scale's finite check skips the step one device
 skips.
 
 Requires: replicas made by `replicate`, gradients aggregated by
-`aggregate`; the plan averages the replicas' gradients (dense and sparse
+`aggregate`, ops placed (`place`, and the placement rewrites after it:
+each added op runs on its reader's device); the plan averages the replicas' gradients (dense and sparse
 alike: where they are summed, a replica's values per row are one
 device's already). Guarantees: per replica and read, one Mul by 1/N on
 the reader's device, and per use of a float16 sum's aggregate a few
@@ -57,8 +58,8 @@ _UNSCALES = ("Mul", "RealDiv", "Div", "DivNoNan", "MulNoNan")
 @dataclass(frozen=True)
 class LossScalesPass:
     name: str = "loss_scales"
-    requires: tuple = ("replicate", "aggregate")
-    after: tuple = ()
+    requires: tuple = ("replicate", "aggregate", "place")
+    after: tuple = ("lookups_on_servers", "colocate_updates")
 
     def run(self, ir, ctx):
         tg, plan = ctx.tg, ctx.plan
