@@ -34,10 +34,11 @@ Requires: replicas made by `replicate`, gradients aggregated by
 `aggregate`, ops placed (`place`, and the placement rewrites after it:
 each added op runs on its reader's device); the plan averages the
 replicas' gradients (dense and sparse alike: where they are summed, a
-replica's values per row are one device's already). Guarantees: per replica and read, one Mul by 1/N on
-the reader's device, and per use of a float16 sum's aggregate a few
-elementwise ops on the user's device; reads inside a while loop's body
-are left (named in a warning and the report).
+replica's values per row are one device's already). Guarantees: per
+replica and read, one Mul by 1/N on the reader's device, and per
+aggregate of a float16 sum and device that reads it, a few elementwise
+ops there; reads inside a while loop's body are left (named in a warning
+and the report).
 """
 from __future__ import annotations
 
