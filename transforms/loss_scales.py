@@ -97,8 +97,8 @@ class LossScalesPass:
 
 def _totals(ir, ctx):
     """(rewires, nodes, variables): each dense gradient a float16 backward
-    pass sums over the batch (a Cast of float16 to a wider float: a weight's or a
-    bias's sum over the rows) reads, wherever the step reads its aggregate,
+    pass sums over the batch (a Cast of float16 to a wider float: a
+    weight's or a bias's sum over the rows) reads, wherever the step reads its aggregate,
     infinity where one device's float16 sum over the global batch would
     have overflowed: the replicas' mean times N at or beyond 65520, which
     float16 rounds to infinity. A replica sums only its own rows, which
@@ -119,7 +119,7 @@ def _totals(ir, ctx):
                 continue
             for k in range(ctx.plan.num_replicas):
                 node = ctx.replica_name(k, consumer)
-                if (node, pos) in rewires:
+                if (node, pos) in rewires or node not in ir:
                     continue
                 mean, device = ir.node(node).input[pos], ir.node(node).device
                 if (at := made.get((mean, device))) is None:
