@@ -175,14 +175,22 @@ def _meets_batch(graph: tf.Graph, name: str, batch: list) -> bool:
     and sources of the batch) on one axis of a loss (logits and labels) or
     of an element-wise op of operands of one rank (a mask of lengths
     transposed to [time, batch] times the losses of time-major data)."""
-    return bool(batch) and _meet(graph, reading([name], graph), reading(batch, graph))
+    reached, stack = set(), [graph.get_operation_by_name(name)]
+    while stack:                # only what reads the placeholder can meet with it
+        for c in (c for t in stack.pop().outputs for c in t.consumers()):
+            if c.name not in reached:
+                reached.add(c.name)
+                stack.append(c)
+    return bool(batch) and bool(reached) and \
+        _meet(graph, reading([name], graph), reading(batch, graph), within=reached)
 
 
-def _meet(graph: tf.Graph, mine, theirs, depth: int = 0) -> bool:
-    """`_meets_batch` in `graph` and in the bodies of its functional ops (a
-    TF2 while loop's body: the placeholder read only there)."""
+def _meet(graph: tf.Graph, mine, theirs, depth: int = 0, within=None) -> bool:
+    """`_meets_batch` in `graph` (its ops `within`, where given) and in the
+    bodies of its functional ops (a TF2 while loop's body: the placeholder
+    read only there)."""
     for op in graph.get_operations():
-        if rules.is_autodiff(op.name):
+        if rules.is_autodiff(op.name) or within is not None and op.name not in within:
             continue
         if depth < 4 and any(_meet(a.graph, a, b, depth + 1) for a, b in
                              zip(mine.bodies(op), theirs.bodies(op))):
