@@ -64,10 +64,10 @@ class LossScalesPass:
 
     def run(self, ir, ctx):
         tg, plan = ctx.tg, ctx.plan
-        if not (plan.average_dense and plan.average_sparse):
+        scales = scale_reads(tg) if plan.average_dense and plan.average_sparse else {}
+        if not scales:
             return ir, {"scales": []}
-        looped = randomness.in_loops(tg.ir)
-        rewires, added, scales = {}, [], scale_reads(tg)
+        looped, rewires, added = randomness.in_loops(tg.ir), {}, []
         for var, uses in scales.items():
             dtype = tg.variables[var].dtype
             for read, (consumer, pos) in uses:
@@ -83,7 +83,7 @@ class LossScalesPass:
                     added += [share, emit.node_def(at, "Mul", [
                         ctx.replica_tensor(k, TensorRef(read, 0)), share.name], device, T=dtype)]
                     rewires[(node, pos)] = at
-        totals, made, summed = _totals(ir, ctx) if scales else ({}, [], [])
+        totals, made, summed = _totals(ir, ctx)
         left = sorted({c for uses in scales.values() for _, (c, _) in uses if c in looped})
         if left:
             warnings.warn(

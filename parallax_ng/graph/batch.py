@@ -162,26 +162,22 @@ def kinds(tg, fixed: bool = False) -> dict[str, tuple[str, str]]:
         [op for op in tg.ir.topo_order if tg.ir.node(op).op in SOURCES]
     unknown = [n for n, (kind, _) in out.items() if kind == UNKNOWN]
     for name in unknown:        # as a first dimension joined with another placeholder's
-        if _meets_batch(tg.graph, name, batch + [n for n in unknown if n != name]):
+        if _meets_batch(tg.graph, name, batch + [n for n in unknown if n != name],
+                        tg.ir.descendants({name}, data_only=True)):
             out[name] = (BATCH, "its rows meet the batch's in a loss or an element-wise op "
                                 "(read through loops over time and transposes)")
     return out
 
 
-def _meets_batch(graph: tf.Graph, name: str, batch: list) -> bool:
+def _meets_batch(graph: tf.Graph, name: str, batch: list, reached: set) -> bool:
     """Whether placeholder `name`'s rows, as graph/rows.py follows them
     (through a time-major loop's transposes and TensorArrays, which the
     rules here do not), line up with the rows of `batch` (placeholders
     and sources of the batch) on one axis of a loss (logits and labels) or
     of an element-wise op of operands of one rank (a mask of lengths
-    transposed to [time, batch] times the losses of time-major data)."""
-    reached, stack = set(), [graph.get_operation_by_name(name)]
-    while stack:                # only what reads the placeholder can meet with it
-        for c in (c for t in stack.pop().outputs for c in t.consumers()):
-            if c.name not in reached:
-                reached.add(c.name)
-                stack.append(c)
-    return bool(batch) and bool(reached) and \
+    transposed to [time, batch] times the losses of time-major data).
+    Only the ops `reached` from it by data edges can meet with it."""
+    return bool(batch) and len(reached) > 1 and \
         _meet(graph, reading([name], graph), reading(batch, graph), within=reached)
 
 
