@@ -87,8 +87,10 @@ class KerasFit:
     def _parts(self, args) -> dict:
         data = args[0]
         x = data[0] if isinstance(data, (tuple, list)) else data
-        return {"test": (self._noting(self.model.test_step), args),
-                "predict": (self._noting(self.model.predict_step), ((x,),), "rows")}
+        def step(fn):      # as `evaluate` and `predict` run them, like the train step
+            return fn if self.model.run_eagerly else tf.function(fn)
+        return {"test": (step(self._noting(self.model.test_step)), args),
+                "predict": (step(self._noting(self.model.predict_step)), ((x,),), "rows")}
 
     def _noting(self, fn):
         """`fn`, traced after the train step: its first trace notes which of

@@ -110,9 +110,11 @@ def capture(fn, args: tuple, parts: dict | None = None, opened: dict | None = No
 
 def _trace(fn, args: tuple, first: int, what: str, opened: dict):
     """`fn`'s concrete function on `args`' specs (their leaves numbered from
-    `first`), traced twice: a trace that makes variables is a GraphError,
-    and so is a second one that differs from the first, unless `fn` is a
-    tf.function (whose first trace is the graph it runs: that one)."""
+    `first`): a trace after the first that makes variables is a GraphError.
+    A tf.function's trace is the graph it runs on every call, its Python
+    state frozen (tf_keras's Nadam counts its traces). A Python function,
+    which runs anew on every call, is traced again: a second trace that
+    differs from the first is a GraphError."""
     python = getattr(fn, "python_function", fn)
     flat = tf.nest.flatten(args)
     present = [i for i, a in enumerate(flat) if not python_value(a)]
@@ -132,8 +134,11 @@ def _trace(fn, args: tuple, first: int, what: str, opened: dict):
     def creator(next_creator, **kwargs):
         made.append(kwargs.get("name") or "a variable")
         return next_creator(**kwargs)
-    try:
+    try:      # (a first trace that makes variables is retraced by TensorFlow, which
+        # refuses a second one that makes them too: "singleton tf.Variables")
         dry = tf.function(step, autograph=True, jit_compile=False).get_concrete_function(*specs)
+        if hasattr(fn, "get_concrete_function"):
+            return dry      # a tf.function runs the trace it made, Python state frozen
         with tf.variable_creator_scope(creator):  # slots and layers exist by now
             concrete = tf.function(step, autograph=True,
                                    jit_compile=False).get_concrete_function(*specs)
@@ -147,9 +152,7 @@ def _trace(fn, args: tuple, first: int, what: str, opened: dict):
                          "step (a Keras layer or optimizer makes its own on its first "
                          "call, which is fine)")
     changed = _differences(dry, concrete)
-    if changed and hasattr(fn, "get_concrete_function"):
-        return dry      # a tf.function runs the trace it made first, Python state frozen
-    if changed:         # (tf_keras's Nadam counts its traces), as it runs on one device
+    if changed:
         raise GraphError(
             f"{what}'s Python code built another graph when traced a second time "
             f"({changed}): it depends on Python state that changes from call to call "
