@@ -77,6 +77,7 @@ class StepFunction:
         self.open_shapes: dict = {}      # id(leaf) -> shape the trace leaves open (fit's data)
         self._pushes: dict = {}          # graph variable -> (placeholder, assign op)
         self._known: dict = {}           # watched graph variable -> the program's last value
+        self._fresh: dict = {}           # trained ones the last write-back gave the program
         self.built: list = []            # called once the runner holds the variables
         self.on_program = 0              # batches that ran on the program's variables
         self._kept = frozenset()         # variables of per-example state (_kept_rows)
@@ -100,7 +101,7 @@ class StepFunction:
         out = self._run(cap.train, cap.inputs, cap.outputs, leaves, per_replica)
         if self._follow:
             written = self._written_back() + self._read_elsewhere()
-            self.sync(written)
+            self._write_back(written) if written else None
             self.behind = len(set(written)) < len(cap.variables)
         return out
 
@@ -151,7 +152,6 @@ class StepFunction:
         smaller batch), in a run of one process: the step itself, one
         device's, on the program's variables holding the runner's values,
         which then go back into the runner."""
-        self._push_changed()
         self.sync()
         self.on_program += 1
         out = self._fn(*args)
@@ -240,9 +240,15 @@ class StepFunction:
         return batch[plan.worker * part:(plan.worker + 1) * part]
 
     def sync(self, names=None) -> None:
-        """The trained values into the program's variables (`names`' only)."""
-        if self.runner is None or names == []:
-            return
+        """The trained values into the program's variables (`names`' only),
+        after those the program set since the last call (a callback's
+        learning rate or `kernel.assign`, for the next call) went into the
+        runner. Trained values it writes are watched until the next call."""
+        if self.runner is not None and names != []:
+            self._push_changed()
+            self._write_back(names, watch=True)
+
+    def _write_back(self, names=None, watch: bool = False) -> None:
         cap = self._captured
         self.behind = self.behind and names is not None
         names = list(cap.variables) if names is None else names
@@ -254,13 +260,16 @@ class StepFunction:
             cap.variables[name].assign(value)
             if name in self._known:
                 self._known[name] = np.array(value, copy=True)
+            elif watch:
+                self._fresh[name] = value
 
     def _watch(self) -> None:
         """The variables the step does not train (a learning rate, a scale,
         a target network, metrics' totals, counters): what the program last
         had of each, so a value it sets between calls is seen. Trained
-        weights and their slots are left out (reading them every call would
-        cost a copy of the model): `push` them after setting them."""
+        weights and slots are watched from a `sync` to the next call
+        (`_fresh`), not after every call (each would read a copy of the
+        model): a program that sets them then `push`es them."""
         tg = self.runner.ctx.tg
         trained = {n for var in tg.gradients for n in tg.owned(var)}
         self._known = {name: np.array(array(v), copy=True)
@@ -269,10 +278,12 @@ class StepFunction:
     def _push_changed(self) -> None:
         """Watched variables whose program value differs from what it last
         had (set between calls: `optimizer.learning_rate = ...`,
-        `v.assign(...)`, a metric's `reset_state()` after a `sync`) into the
-        runner."""
-        variables = self._captured.variables
-        changed = [variables[name] for name, known in self._known.items()
+        `v.assign(...)`, a metric's `reset_state()` after a `sync`, a
+        callback's `kernel.assign(...)` after the weights were written
+        back) into the runner."""
+        variables, fresh, self._fresh = self._captured.variables, self._fresh, {}
+        changed = [variables[name] for watched in (self._known, fresh)
+                   for name, known in watched.items()
                    if not np.array_equal(array(variables[name]), known)]
         if changed:
             self.push(changed)
@@ -302,6 +313,7 @@ class StepFunction:
             feeds[value] = array(cap.variables[name])
             if name in self._known:
                 self._known[name] = np.array(feeds[value], copy=True)
+            self._fresh.pop(name, None)
         if ops:
             self.runner.run(ops, feeds)
 
@@ -380,7 +392,6 @@ def _before_saves() -> None:
         if step.before_save is not None:
             step.before_save()
         elif step.behind:
-            step._push_changed()
             step.sync()
 
 

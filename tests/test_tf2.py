@@ -1345,9 +1345,10 @@ def test_values_the_program_sets_between_calls_are_taken_in():
     """A custom loop that sets its learning rate per epoch
     (`optimizer.learning_rate = ...`), a variable the step reads, and resets a
     metric after reading it (`sync`, then `reset_state`): each call sees them,
-    as one device does (they had been ignored: 0.011 off); weights the
-    program sets go in by `push`. Weights, optimizer and metric equal one
-    device's, 1e-5."""
+    as one device does (they had been ignored: 0.011 off); a rate set before
+    a `sync` is not written over by it, and a kernel assigned after one is
+    taken in (before: 0.34 off); weights the program sets otherwise go in
+    by `push`. Weights, optimizer and metric equal one device's, 1e-5."""
     parallel, single = twins(keras3_dense, lambda: keras.optimizers.SGD(0.1, momentum=0.5))
     x, y = data(7)
     seen = []
@@ -1366,14 +1367,16 @@ def test_values_the_program_sets_between_calls_are_taken_in():
         step = make(train_step)
         results = []
         for epoch in range(3):
-            optimizer.learning_rate = 0.1 * 0.5 ** epoch
             scale.assign(1.0 + epoch)
             for k in range(3):
                 step(x[3 * epoch + k], y[3 * epoch + k])
+            optimizer.learning_rate = 0.1 * 0.5 ** (epoch + 1)    # not written over by sync
             if hasattr(step, "sync"):
                 step.sync()
             results.append(float(mae.result()))
             mae.reset_state()
+            kernel = model.layers[-1].kernel          # after a sync: taken in
+            kernel.assign(kernel * 0.9)
         model.set_weights([np.asarray(w) * 0.9 for w in model.weights])   # taken in
         step(x[9], y[9])
         if hasattr(step, "sync"):
