@@ -77,7 +77,7 @@ class StepFunction:
         self.open_shapes: dict = {}      # id(leaf) -> shape the trace leaves open (fit's data)
         self._pushes: dict = {}          # graph variable -> (placeholder, assign op)
         self._known: dict = {}           # watched graph variable -> the program's last value
-        self._fresh: dict = {}           # trained ones the last write-back gave the program
+        self._fresh: dict = {}           # trained ones the program got since the last step
         self.built: list = []            # called once the runner holds the variables
         self.on_program = 0              # batches that ran on the program's variables
         self._kept = frozenset()         # variables of per-example state (_kept_rows)
@@ -99,6 +99,7 @@ class StepFunction:
             return self._on_program(args)
         same_shapes(self._shapes, args)
         out = self._run(cap.train, cap.inputs, cap.outputs, leaves, per_replica)
+        self._fresh = {}                 # the replicas trained past what the program has
         if self._follow:
             written = self._written_back() + self._read_elsewhere()
             self._write_back(written) if written else None
@@ -267,9 +268,8 @@ class StepFunction:
         """The variables the step does not train (a learning rate, a scale,
         a target network, metrics' totals, counters): what the program last
         had of each, so a value it sets between calls is seen. Trained
-        weights and slots are watched from a `sync` to the next call
-        (`_fresh`), not after every call (each would read a copy of the
-        model): a program that sets them then `push`es them."""
+        weights and slots only from a `sync` or push to the next training
+        call (`_fresh`; always, each call would read a copy of the model)."""
         tg = self.runner.ctx.tg
         trained = {n for var in tg.gradients for n in tg.owned(var)}
         self._known = {name: np.array(array(v), copy=True)
@@ -281,8 +281,8 @@ class StepFunction:
         `v.assign(...)`, a metric's `reset_state()` after a `sync`, a
         callback's `kernel.assign(...)` after the weights were written
         back) into the runner."""
-        variables, fresh, self._fresh = self._captured.variables, self._fresh, {}
-        changed = [variables[name] for watched in (self._known, fresh)
+        variables = self._captured.variables
+        changed = [variables[name] for watched in (self._known, self._fresh)
                    for name, known in watched.items()
                    if not np.array_equal(array(variables[name]), known)]
         if changed:
@@ -313,7 +313,7 @@ class StepFunction:
             feeds[value] = array(cap.variables[name])
             if name in self._known:
                 self._known[name] = np.array(feeds[value], copy=True)
-            self._fresh.pop(name, None)
+            self._fresh.update({} if name in self._known else {name: feeds[value].copy()})
         if ops:
             self.runner.run(ops, feeds)
 
