@@ -102,7 +102,8 @@ class StepFunction:
         self._fresh = {}                 # the replicas trained past what the program has
         if self._follow:
             written = self._written_back() + self._read_elsewhere()
-            self._write_back(written) if written else None
+            if written:
+                self._write_back(written)
             self.behind = len(set(written)) < len(cap.variables)
         return out
 
@@ -244,7 +245,7 @@ class StepFunction:
         """The trained values into the program's variables (`names`' only),
         after those the program set since the last call (a callback's
         learning rate or `kernel.assign`, for the next call) went into the
-        runner. Trained values it writes are watched until the next call."""
+        runner. Trained values it writes are watched to the next training call."""
         if self.runner is not None and names != []:
             self._push_changed()
             self._write_back(names, watch=True)
@@ -269,7 +270,7 @@ class StepFunction:
         a target network, metrics' totals, counters): what the program last
         had of each, so a value it sets between calls is seen. Trained
         weights and slots only from a `sync` or push to the next training
-        call (`_fresh`; always, each call would read a copy of the model)."""
+        call (`_fresh`): watched always, each call would copy the model."""
         tg = self.runner.ctx.tg
         trained = {n for var in tg.gradients for n in tg.owned(var)}
         self._known = {name: np.array(array(v), copy=True)
@@ -279,8 +280,7 @@ class StepFunction:
         """Watched variables whose program value differs from what it last
         had (set between calls: `optimizer.learning_rate = ...`,
         `v.assign(...)`, a metric's `reset_state()` after a `sync`, a
-        callback's `kernel.assign(...)` after the weights were written
-        back) into the runner."""
+        callback's `kernel.assign(...)`) into the runner."""
         variables = self._captured.variables
         changed = [variables[name] for watched in (self._known, self._fresh)
                    for name, known in watched.items()
@@ -311,9 +311,8 @@ class StepFunction:
             value, op = self._pushes[name]
             ops.append(op)
             feeds[value] = array(cap.variables[name])
-            if name in self._known:
-                self._known[name] = np.array(feeds[value], copy=True)
-            self._fresh.update({} if name in self._known else {name: feeds[value].copy()})
+            watched = self._known if name in self._known else self._fresh
+            watched[name] = np.array(feeds[value], copy=True)
         if ops:
             self.runner.run(ops, feeds)
 
