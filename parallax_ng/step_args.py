@@ -9,7 +9,8 @@ open (those a tf.function's `input_signature` or a dataset's
 `element_spec` leaves open, as a tf.function traces them: a padded batch's
 length); `same_constants` and `same_shapes` give a ConfigError naming the
 argument where a call differs from the trace in what a trace fixes;
-`leaf_value` and `fed` make the feeds.
+`leaf_value` and `fed` make the feeds; `kept_rows` names the variables
+that keep a row per example (checked against a replica's rows).
 """
 from __future__ import annotations
 
@@ -154,3 +155,30 @@ def sparse_input(graph: tf.Graph, name: str) -> bool:
     except KeyError:
         return False
     return True
+
+
+def kept_rows(runner, args) -> frozenset:
+    """The variables the step writes with rows of its batch's examples (a
+    stateful RNN's state, kept from batch to batch): each replica keeps its
+    own examples' rows, which is one device's state where the model is
+    built for a replica's part of the global batch; a ConfigError where
+    they hold another number of rows."""
+    from .pipeline.results import PerExampleState
+    state = runner.ctx.result(PerExampleState) if hasattr(runner, "ctx") else None
+    if state is None:
+        return frozenset()
+    leaves = [leaf for leaf in map(leaf_value, tensor_leaves(args))
+              if isinstance(leaf, SparseValue) or np.ndim(leaf)]     # batches
+    n = runner.plan.group_size
+    part = rows_of(leaves[0]) // n if leaves else None
+    for var, axis in state.axes:
+        shape = tf.TensorShape(runner.ctx.tg.ir.node(var).attr["shape"].shape)
+        held = tf.compat.dimension_value(shape[axis]) if shape.rank else None
+        if held != part:
+            raise ConfigError(
+                f"variable {var!r} keeps a row per example of a batch of {held} from "
+                f"batch to batch (a stateful RNN's state), and each of the {n} replicas "
+                f"takes {part} rows of the global batch: build the model for {part} rows "
+                f"(keras.Input(batch_shape=({part}, ...))), so that each replica keeps its "
+                "own examples' state, or build the layer with stateful=False")
+    return frozenset(var for var, _ in state.axes)

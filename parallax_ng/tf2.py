@@ -26,7 +26,8 @@ job (`parallax-ng run`) every worker calls the step with the same global
 batch and feeds its own rows (worker w of W: the w-th of W equal parts).
 After each call the program's variables get the runner's values (config
 `batch_sync`: "auto", all while they hold at most FOLLOWED bytes, else
-those the step does not train, such as metrics' totals), so a loop that
+those the step does not train, such as metrics' totals, and those another
+step of the program reads or trains too), so a loop that
 reads `metric.result()` or evaluates the model between calls sees what
 one device would; `sync()` writes every trained value (optimizer slots
 too) into the program's variables. A variable the step does not train that the program sets between
@@ -49,9 +50,9 @@ from .graph.frontend import NO_UPDATE
 from .graph.recorders import tf_variable
 from .graph.tracing import tensor_leaves
 from .runtime.batch_parts import sparse_rows
-from .step_args import (SparseValue, array, constants, fed, fits_shape, leaf_value, open_shapes,
-                        positional, rows_of, same_constants, same_shapes, sparse_input,
-                        traced_shapes)
+from .step_args import (SparseValue, array, constants, fed, fits_shape, kept_rows, leaf_value,
+                        open_shapes, positional, rows_of, same_constants, same_shapes,
+                        sparse_input, traced_shapes)
 
 FOLLOWED = 4 << 20      # bytes of variables batch_sync "auto" writes back after every call
 _STEPS: weakref.WeakSet = weakref.WeakSet()    # the process's built steps (shared weights)
@@ -80,7 +81,8 @@ class StepFunction:
         self._fresh: dict = {}           # trained ones the program got since the last step
         self.built: list = []            # called once the runner holds the variables
         self.on_program = 0              # batches that ran on the program's variables
-        self._kept = frozenset()         # variables of per-example state (_kept_rows)
+        self._kept = frozenset()         # variables of per-example state (kept_rows)
+        self._trained: set = set()       # the variables it trains, their slots too
         self._follow, self._followed = follow, None   # names written back after each call
         self.before_save = None          # what brings the program up to date before a save
         self.behind = False              # trained values the program does not have yet
@@ -272,9 +274,28 @@ class StepFunction:
         weights and slots only from a `sync` or push to the next training
         call (`_fresh`): watched always, each call would copy the model."""
         tg = self.runner.ctx.tg
-        trained = {n for var in tg.gradients for n in tg.owned(var)}
+        self._trained = {n for var in tg.gradients for n in tg.owned(var)}
         self._known = {name: np.array(array(v), copy=True)
-                       for name, v in self._captured.variables.items() if name not in trained}
+                       for name, v in self._captured.variables.items()
+                       if name not in self._trained}
+        self._watch_shared()
+
+    def _watch_shared(self) -> None:
+        """Weights and slots another pn.function step trains too (one step
+        trains the model, another fine-tunes its head): each of the two
+        watches them, so what the other trained is taken in at its next
+        call, and writes them back after each call (`_read_elsewhere`)."""
+        mine = {id(tf_variable(self._captured.variables[n])): n for n in self._trained}
+        for other in list(_STEPS):
+            if other is self or other.runner is None or other.runner.closed:
+                continue
+            for name in other._trained:
+                variable = other._captured.variables[name]
+                if (ours := mine.get(id(tf_variable(variable)))) is not None:
+                    for step, n, v in ((other, name, variable),
+                                       (self, ours, self._captured.variables[ours])):
+                        step._fresh.pop(n, None)
+                        step._known[n] = np.array(array(v), copy=True)
 
     def _push_changed(self) -> None:
         """Watched variables whose program value differs from what it last
@@ -371,7 +392,7 @@ class StepFunction:
                 "under tf.GradientTape and apply the tape's gradients with an optimizer "
                 "(optimizer.apply_gradients(zip(grads, variables))) in the step; parallax_ng "
                 "finds the loss and the gradients from that update") from None
-        self._kept = _kept_rows(self.runner, args)
+        self._kept = kept_rows(self.runner, args)
         self.runner.run(cap.init, cap.init_feeds)     # and restores `checkpoint.dir`'s latest
         self._watch()
         _STEPS.add(self)
@@ -400,33 +421,6 @@ def _after_restores() -> None:
     for step in list(_STEPS):
         if step.runner is not None and not step.runner.closed:
             step.push(list(step._captured.variables.values()))
-
-
-def _kept_rows(runner, args) -> frozenset:
-    """The variables the step writes with rows of its batch's examples (a
-    stateful RNN's state, kept from batch to batch): each replica keeps its
-    own examples' rows, which is one device's state where the model is
-    built for a replica's part of the global batch; a ConfigError where
-    they hold another number of rows."""
-    from .pipeline.results import PerExampleState
-    state = runner.ctx.result(PerExampleState) if hasattr(runner, "ctx") else None
-    if state is None:
-        return frozenset()
-    leaves = [leaf for leaf in map(leaf_value, tensor_leaves(args))
-              if isinstance(leaf, SparseValue) or np.ndim(leaf)]     # batches
-    n = runner.plan.group_size
-    part = rows_of(leaves[0]) // n if leaves else None
-    for var, axis in state.axes:
-        shape = tf.TensorShape(runner.ctx.tg.ir.node(var).attr["shape"].shape)
-        held = tf.compat.dimension_value(shape[axis]) if shape.rank else None
-        if held != part:
-            raise ConfigError(
-                f"variable {var!r} keeps a row per example of a batch of {held} from "
-                f"batch to batch (a stateful RNN's state), and each of the {n} replicas "
-                f"takes {part} rows of the global batch: build the model for {part} rows "
-                f"(keras.Input(batch_shape=({part}, ...))), so that each replica keeps its "
-                "own examples' state, or build the layer with stateful=False")
-    return frozenset(var for var, _ in state.axes)
 
 
 def function(fn, resource_info=None, config=None) -> StepFunction:

@@ -1177,6 +1177,73 @@ def test_two_steps_each_reading_what_the_other_trains_equal_one_device(monkeypat
             np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
+def _shared_weights(wrap, fit=False):
+    """A step that trains the whole model with Adam and one that fine-tunes
+    its last layer (by the same Adam: its slots and counter are shared too;
+    with `fit`, by SGD between `fit` epochs that train the model), called
+    in turn: each trains weights the other trains."""
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(1)])
+    adam = keras.optimizers.Adam(0.02)
+    head_optimizer = keras.optimizers.SGD(0.05, momentum=0.9) if fit else adam
+
+    def loss_of(x, y):
+        return tf.reduce_mean(tf.square(model(x, training=True) - y))
+
+    def train(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_of(x, y)
+        adam.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                 model.trainable_variables))
+        return loss
+
+    def head(x, y):
+        variables = model.layers[-1].trainable_variables
+        with tf.GradientTape() as tape:
+            loss = loss_of(x, y)
+        head_optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+        return loss
+    x, y = data(6)
+    if fit:
+        model.compile(adam, "mse")
+        if wrap is not tf.function:
+            pn.parallelize(model, local(2))
+        steps = (wrap(head),)
+        losses = []
+        for epoch in range(2):
+            losses += model.fit(x[:4].reshape(-1, 5), y[:4].reshape(-1, 1), batch_size=BATCH,
+                                epochs=1, shuffle=False, verbose=0).history["loss"]
+            losses += [float(steps[0](x[k], y[k])) for k in range(4, 7)]
+    else:
+        steps = wrap(train), wrap(head)
+        losses = [float(f(x[k], y[k])) for k in range(6) for f in steps]
+    return losses, steps, (model, head_optimizer, adam)
+
+
+@pytest.mark.parametrize("case", ["two-steps", "two-steps-synced-at-sync", "fit-and-a-step"])
+def test_steps_that_train_the_same_weights_take_in_each_others_training(case, monkeypatch):
+    """Two pn.function steps, or a `fit` and a step, that train the same
+    weights: each takes in what the other trained at its next call, as on
+    one device (before, each trained on from its own replicas' values:
+    losses 0.15 apart for two steps, 0.084 for a fit and a step).
+    "synced-at-sync": above FOLLOWED bytes, where the trained weights
+    come back to the program at sync() only, save those another step
+    trains or reads."""
+    import parallax_ng.tf2 as tf2_module
+    fit = case == "fit-and-a-step"
+    want, _, single = _shared_weights(tf.function, fit)
+    if case == "two-steps-synced-at-sync":
+        monkeypatch.setattr(tf2_module, "FOLLOWED", 0)
+    got, steps, parallel = _shared_weights(lambda fn: pn.function(fn, local(2)), fit)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    for step in steps:
+        step.sync()
+    check_equal(parallel[:2], single[:2])
+    for a, b in zip(parallel[2].variables, single[2].variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=0)
+
+
 def test_an_embedding_reads_its_rows_not_the_whole_table():
     """Keras 3's Embedding gathers from a read of the whole table; the
     capture makes it a ResourceGather of the variable (a whole read that
