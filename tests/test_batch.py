@@ -44,6 +44,10 @@ def model(use):
     (lambda v, e, lg, y: e * v[0] + v[1], "whole"),                 # hyper-parameters
     (lambda v, e, lg, y: e + tf.reduce_sum(lg * v, 1), "whole"),    # broadcast over classes
     (lambda v, e, lg, y: e + tf.reduce_sum(v), "unknown"),          # summed, alone
+    # an index among its rows, then element-wise (was an IndexError: a
+    # scalar taken to have the rows' dimension)
+    (lambda v, e, lg, y: e + tf.cast(tf.argmax(v), tf.float32), "unknown"),
+    (lambda v, e, lg, y: e * tf.cast(tf.math.top_k(v, 2).indices[0], tf.float32), "unknown"),
     (lambda v, e, lg, y: e, "whole"),           # read by nothing (no warning when fed)
     # a weight per example of a sum per example over tf.range(1, tf.rank(x))
     # (tf.compat.v1.losses.mean_pairwise_squared_error's): was "unknown"

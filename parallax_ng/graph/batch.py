@@ -256,6 +256,12 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
     if kind == "MatMul" and node.attr["transpose_a"].b and not node.attr["transpose_b"].b:
         dims.note(dims.join([d for _, d in ins]), "reduced")    # a gram matrix: each
         return                                                   # row's outer product summed
+    if kind in ("ArgMax", "ArgMin", "TopKV2") and len(ins) > 1:
+        rank = _rank(tg, ins[0][0])     # an index among the rows (the last axis of TopK's)
+        axis = const(tg, ins[1][0]) if kind != "TopKV2" else -1
+        if isinstance(axis, int) and rank and axis % rank == 0:
+            dims.note(ins[0][1], "reduced")
+            return
     if kind in FIRST:
         lead = ins[0][1] if ins else None
         if kind == "MatMul" and node.attr["transpose_a"].b:
@@ -420,7 +426,8 @@ def _lines_up(tg, ref: TensorRef, rank: int | None) -> bool:
     is unknown (an operand fed without a shape, as tutorials feed a keep
     probability), the operand is taken to line up, as graph/rows.py reads it."""
     shape = tg.tensor(ref).shape
-    return (None in (rank, shape.rank) or shape.rank == rank) and compat.dim(shape, 0) != 1
+    return (None in (rank, shape.rank) or shape.rank == rank) and shape.rank != 0 and \
+        compat.dim(shape, 0) != 1
 
 
 def _untransposed(tg, ref: TensorRef, first: dict):
