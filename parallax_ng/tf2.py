@@ -50,6 +50,7 @@ from .graph.frontend import NO_UPDATE
 from .graph.recorders import tf_variable
 from .graph.tracing import tensor_leaves
 from .runtime.batch_parts import sparse_rows
+from .runtime.combining import name_outputs
 from .step_args import (SparseValue, array, constants, fed, fits_shape, kept_rows, leaf_value,
                         open_shapes, positional, rows_of, same_constants, same_shapes,
                         sparse_input, traced_shapes)
@@ -352,6 +353,7 @@ class StepFunction:
         self._captured = cap = capture(self._fn, args, self._parts(args) if self._parts else
                                        None, opened)
         self._constants, self._shapes = constants(args), traced_shapes(cap.graph, cap.inputs)
+        name_outputs(cap.graph, cap.outputs)
         try:
             batch = {}
             for name, leaf in zip(cap.inputs, tensor_leaves(args)):

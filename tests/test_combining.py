@@ -75,3 +75,21 @@ def test_a_count_of_the_rows_times_a_number_is_a_sum():
         assert default_reduction(tf.identity(size * 2.0), ["x"]) == ("sum", 0, True)
         assert default_reduction(3.0 * rows, ["x"]) == ("sum", 0, True)
         assert default_reduction(tf.reduce_sum(x) * 2.0, ["x"])[:2] == ("mean", 0)
+
+
+def test_a_step_s_outputs_are_named_by_their_keys_in_the_warning():
+    import tensorflow as tf
+    from parallax_ng.runtime.combining import OUTPUT_NAMES, name_outputs, unread
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None], name="x")
+        picked = tf.identity(tf.argmax(x), name="picked")
+    name_outputs(g, {"loss": "l:0", "extra": [picked.name, None]})
+    assert dict(g.get_collection(OUTPUT_NAMES)) == {
+        "l:0": "the step's output 'loss'", "picked:0": "the step's output 'extra/0'"}
+    said = unread("picked:0", picked, "mean")
+    assert "of the step's output 'extra/0' (tensor 'picked:0', ArgMax) make" in said
+    assert "they are averaged" in said and "per_replica=True" in said
+    with g.as_default():
+        other = tf.identity(x, name="other")
+    assert "of 'other:0' (Identity) make" in unread("other:0", other, "concat")

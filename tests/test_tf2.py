@@ -565,6 +565,33 @@ def test_per_replica_outputs_and_bad_calls():
     assert quiet(x[2], y[2]) is None
 
 
+def test_outputs_combine_as_one_device_s_and_an_unknown_one_is_named_by_its_key(capsys):
+    """A step's outputs over its batch: a sum, a max, a count and a
+    standard deviation equal one device's; an index among the rows
+    (tf.argmax over the batch, which stopped the build with an IndexError)
+    has no rule and is named by its key in the step's return value."""
+    parallel, single = twins(keras3_dense, lambda: keras.optimizers.Adam(0.01))
+
+    def outputs(model, optimizer):
+        train = step_of(model, optimizer)
+
+        def step(x, y):
+            err = tf.square(model(x) - y)
+            return {"loss": train(x, y), "sum": tf.reduce_sum(err), "max": tf.reduce_max(err),
+                    "count": tf.shape(x)[0], "std": tf.math.reduce_std(err),
+                    "hardest": tf.argmax(tf.reshape(err, [-1]))}
+        return step
+    step, ref = pn.function(outputs(*parallel), local(2)), tf.function(outputs(*single))
+    x, y = data(7)
+    for k in range(3):
+        got, want = step(x[k], y[k]), ref(x[k], y[k])
+        for key in ("loss", "sum", "max", "count", "std"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    said = capsys.readouterr().err
+    assert "values of the step's output 'hardest' (tensor " in said and "ArgMax)" in said
+    assert "per_replica=True" in said and "output 'max'" not in said
+
+
 @pytest.mark.parametrize("how", ["loop", "fit"])
 def test_a_two_worker_job_equals_one_device(tmp_path, how):
     """2 workers x 1 device, each called with the global batch (8 rows, 4

@@ -143,12 +143,32 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
     return ("sum" if summed else "mean"), 0, kind is not None
 
 
+# (tensor name, how the program names it) of a TF2 step's outputs (tf2.py)
+OUTPUT_NAMES = "parallax_ng_output_names"
+
+
+def name_outputs(graph: tf.Graph, outputs, path: str = "") -> None:
+    """Name a traced step's outputs (a structure of tensor names) in
+    `graph` by their keys in it ('loss', 'metrics/0'), for `unread`."""
+    if isinstance(outputs, (dict, list, tuple)):
+        items = outputs.items() if isinstance(outputs, dict) else enumerate(outputs)
+        for key, value in items:
+            name_outputs(graph, value, f"{path}/{key}" if path else str(key))
+    elif outputs is not None:
+        graph.add_to_collection(OUTPUT_NAMES, (outputs, f"the step's output {path!r}"
+                                               if path else "the step's output"))
+
+
 def unread(name: str, t: tf.Tensor, how: str) -> str:
     """The warning for fetch `name` whose combination the graph does not show."""
-    return (f"parallax_ng: the graph does not show how the replicas' values of {name!r} "
-            f"({t.op.type}) make one device's; they are "
-            f"{'averaged' if how == 'mean' else 'joined'}. If that is not one device's value, "
-            f"set config `fetch_reduction: {{{name}: {'|'.join(FETCH_REDUCTIONS)}}}`")
+    label = dict(t.graph.get_collection(OUTPUT_NAMES)).get(name)
+    what = f"{label} (tensor {name!r}, {forms.through(t.op).type})" if label else \
+        f"{name!r} ({t.op.type})"
+    return (f"parallax_ng: the graph does not show how the replicas' values of {what} make "
+            f"one device's; they are {'averaged' if how == 'mean' else 'joined'}. If that is "
+            f"not one device's value, set config `fetch_reduction: {{{name}: "
+            f"{'|'.join(FETCH_REDUCTIONS)}}}`" +
+            (", or take every replica's value: step(..., per_replica=True)" if label else ""))
 
 
 # ops that count the batch's values into a tensor per class (tf.math.bincount,
