@@ -1146,3 +1146,33 @@ def test_a_sequential_model_without_an_input_fits_as_one_device(lib):
         model.fit(*data(), batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
         return model
     check(fitted(True), fitted(False))
+
+
+def test_a_hashed_one_hot_feature_fits_as_one_device_with_its_accuracy(capsys):
+    """tf_keras's Hashing(output_mode="one_hot") codes each row by a count
+    within the row (DenseBincount of a [rows, 1] input). It was taken for a
+    count over the batch: the loss was said to mix the examples, and the
+    accuracy's total was averaged over the replicas (half of one device's)."""
+    import tf_keras as k
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 1000, size=(SAMPLES, 1)).astype(np.int64)
+    num = rng.normal(size=(SAMPLES, 3)).astype(np.float32)
+    y = ((num[:, 0] + ids[:, 0] % 2) > 0.5).astype(np.float32)[:, None]
+
+    def make():
+        k.utils.set_random_seed(4)
+        a, b = k.Input((1,), dtype="int64"), k.Input((3,))
+        h = k.layers.Concatenate()([k.layers.Hashing(16, output_mode="one_hot")(a), b])
+        model = k.Model([a, b], k.layers.Dense(1, activation="sigmoid")(
+            k.layers.Dense(8, activation="relu")(h)))
+        model.compile(k.optimizers.Adam(0.02), "binary_crossentropy", metrics=["accuracy"])
+        return model
+    parallel, single = make(), make()
+    pn.parallelize(parallel, local(2))
+    h1 = parallel.fit([ids, num], y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    h2 = single.fit([ids, num], y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    assert "mixes the batch's examples" not in capsys.readouterr().err
+    check(parallel, single)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(h1.history[key], h2.history[key], atol=1e-5, rtol=0,
+                                   err_msg=key)

@@ -101,6 +101,12 @@ SEPARATE = {
     "unique labels, each its own": lambda x: tf.reduce_sum(per_example(x) * tf.cast(
         tf.gather(tf.unique(labels(x))[0], tf.unique(labels(x))[1]), tf.float32)),
     "scan over time": lambda x: tf.reduce_mean(tf.cumsum(x, 1)),
+    # a one-hot or multi-hot code per row (tf_keras's Hashing and
+    # CategoryEncoding): counts within each row, as tf.math.bincount's axis=-1
+    # makes them (was taken for a count over the batch)
+    "counts within each row": lambda x: tf.reduce_mean(scores(x) * tf.cast(tf.math.bincount(
+        tf.cast(tf.abs(x[:, 0]) * 3, tf.int32), minlength=4, maxlength=4, axis=-1,
+        binary_output=True), tf.float32)),
     # broadcasting within an example: an outer product of its features, its
     # time steps against each other, a time-major tensor and a row per example
     "outer product per example": lambda x: tf.reduce_sum(x[:, 0, :, None] * x[:, 0, None, :]),

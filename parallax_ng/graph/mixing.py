@@ -73,8 +73,9 @@ def _mixes(op, rows, exchanged) -> str | None:
         return None
     counts = [x.op.inputs[0] for x in op.inputs if x.op.type in _UNIQUE_COUNTS and
               x.value_index == 2]           # each example's value's count, by its index
-    if any(rows.axis(c) is not None for c in counts) or kind in _BINCOUNTS and \
-            rows.axis(op.inputs[0]) is not None and not rules.row_ids(op.inputs[0], rows.rows):
+    per_row = kind == "DenseBincount" and op.inputs[0].shape.rank == 2    # (one-hot codes)
+    if any(rows.axis(c) is not None for c in counts) or kind in _BINCOUNTS and not per_row \
+            and rows.axis(op.inputs[0]) is not None and not rules.row_ids(op.inputs[0], rows.rows):
         return "a count of each value among the batch's examples (unique_with_counts, bincount)"
     if kind in _SEGMENTS and (what := _grouped(op, rows)):
         return what
