@@ -273,7 +273,8 @@ class StepFunction:
         a target network, metrics' totals, counters): what the program last
         had of each, so a value it sets between calls is seen. Trained
         weights and slots only from a `sync` or push to the next training
-        call (`_fresh`): watched always, each call would copy the model."""
+        call (`_fresh`): watched always, each call would copy the model;
+        but those another step trains too always (`_watch_shared`)."""
         tg = self.runner.ctx.tg
         self._trained = {n for var in tg.gradients for n in tg.owned(var)}
         self._known = {name: np.array(array(v), copy=True)
@@ -293,10 +294,9 @@ class StepFunction:
             for name in other._trained:
                 variable = other._captured.variables[name]
                 if (ours := mine.get(id(tf_variable(variable)))) is not None:
-                    for step, n, v in ((other, name, variable),
-                                       (self, ours, self._captured.variables[ours])):
+                    for step, n in ((other, name), (self, ours)):
                         step._fresh.pop(n, None)
-                        step._known[n] = np.array(array(v), copy=True)
+                        step._known[n] = np.array(array(variable), copy=True)
 
     def _push_changed(self) -> None:
         """Watched variables whose program value differs from what it last
