@@ -72,7 +72,10 @@ LOSS_FORMS = {
                              "sum"),
     "a decorrelation penalty": (lambda e, x: tf.reduce_sum(tf.square(tf.matmul(
         e, e, transpose_a=True) / 8.0 - tf.eye(4))), "mean"),
-    "a root of a sum": (lambda e, x: tf.sqrt(tf.reduce_sum(e)), None),
+    # of the job's sums over the batch (LossForm.summed, with their gradients): no form before
+    "a root of a sum": (lambda e, x: tf.sqrt(tf.reduce_sum(e)), "mean"),
+    "a Dice loss's ratio of sums": (lambda e, x: 1.0 - 2.0 * tf.reduce_sum(tf.square(e)) / (
+        tf.reduce_sum(e) + tf.reduce_sum(tf.square(e)) + 1.0), "mean"),
     "a sum or a constant": (lambda e, x: tf.where(tf.reduce_sum(e) > 0.0, tf.reduce_sum(e),
                                                   1.0), None),
 }
@@ -107,6 +110,8 @@ def test_how_the_loss_depends_on_the_batch(name):
                                         "a function of per-column means": 1,
                                         "a decorrelation penalty": 1,
                                         "an entropy of the mean prediction": 3}.get(name, 0)
+    assert len(form.summed) == {"a root of a sum": 2, "a Dice loss's ratio of sums": 6}.get(
+        name, 0)        # each Sum and its incoming gradient
 
 
 def test_a_sum_plus_a_term_without_data_is_refused_or_named():
@@ -345,17 +350,15 @@ def test_a_sum_over_the_batch_divided_by_a_size_of_its_shape(name, capsys):
     1/N of the function of the job's count) the replicas equal one device
     (4 steps, every variable and slot, 1e-5; before: 0.072, 0.066 and
     0.044 apart, the first two silently, each read as a mean over a
-    count; the root named); by the product of two counts, which no rule
-    makes one device's, a line says the form is not shown."""
+    count; the root named); so by the product of two counts, a function of
+    the job's sum and counts (graph/batch_sums.py; before: averaged, with a
+    line saying the form is not shown)."""
     from models import train_both
     from test_normalization import worst
     parallel, single, names = train_both(lambda b: divided_sum_graph(DIVISORS[name], b), 2, 4)
     said = capsys.readouterr().err
-    if name == "the square of its rows":
-        assert "does not show whether the loss" in said, said
-    else:
-        assert "parallax_ng:" not in said, said
-        assert worst(parallel, single, names) <= 1e-5 and len(names) == 5
+    assert "parallax_ng:" not in said, said
+    assert worst(parallel, single, names) <= 1e-5 and len(names) == 5
 
 
 FUNCTIONS_OF_MEANS = {      # a loss per example plus a function of the batch's means

@@ -28,7 +28,8 @@ variables on the resource file's server); with --sparse, test_tf2's bags of
 ids (a tf.SparseTensor argument; with --ragged too, the same rows as a
 tf.RaggedTensor the step makes sparse) by a custom loop, Keras 3 Adagrad (the
 table saved as `table`); with --selected, test_selected_means's loop (a
-mean over the rows a mask picks, Adam(0.05)).
+mean over the rows a mask picks, Adam(0.05)); with --dice, test_batch_sums's
+loop (a Dice loss, SGD with momentum; with --ps, run option `ps`).
 """
 import json
 import os
@@ -88,6 +89,12 @@ if "--bn" in sys.argv:
 if "--sparse" in sys.argv:                  # a SparseTensor batch, its rows split
     from test_tf2 import bag_model, sparse_bags
     train_bags, table, model, optimizer = bag_model(40)
+if "--dice" in sys.argv:
+    import test_batch_sums as bs
+    model, optimizer = bs.dice_model(), keras.optimizers.SGD(0.5, momentum=0.9)
+    x, y = bs.arrays()
+    if "--ps" in sys.argv:
+        config = {"run_option": "ps"}
 if "--selected" in sys.argv:
     import test_selected_means as sm
     optimizer = keras.optimizers.Adam(0.05)
@@ -128,6 +135,10 @@ elif "--fit" in sys.argv:
         model.compile(optimizer=optimizer, loss="mae")
     except pn.ConfigError as e:
         extra["recompiled"] = np.array(str(e))
+elif "--dice" in sys.argv:
+    step = pn.function(bs.step_of(model, optimizer), resources, config)
+    for k in range(steps):
+        step(x[k * bs.BATCH:(k + 1) * bs.BATCH], y[k * bs.BATCH:(k + 1) * bs.BATCH])
 elif "--selected" in sys.argv:
     step = pn.function(sm.step_of(model, optimizer), resources, config)
     for k in range(steps):

@@ -113,15 +113,16 @@ def beside(tg, sources) -> list:
     """The scalars of floats outside branches and loops that a program reads
     beside its loss and that flow into scalars only: ratios of a Sum over a
     count the data's values set (a masked accuracy a TF1 script fetches
-    and prints), and scalar functions of means (a fetched RMSE's
-    `tf.sqrt(tf.reduce_mean(...))`). Candidates: their forms say which
-    counts `shared` shares and which means the replicas exchange."""
+    and prints) or over other Sums (a Dice coefficient), and scalar functions
+    of means (a fetched RMSE's `tf.sqrt(tf.reduce_mean(...))`). Candidates:
+    their forms say which counts `shared` shares and which means and sums
+    the replicas exchange."""
     out, above, found = [], {}, set(sources)
     for op in tg.graph.get_operations():
         if op.type not in forms.SCALAR_FUNCTIONS or op.outputs[0].shape.rank != 0 or \
                 not op.outputs[0].dtype.is_floating or rules.is_autodiff(op.name):
             continue
-        if op.type in _DIVISIONS and forms.through(op.inputs[0].op).type == "Sum":
+        if op.type in _DIVISIONS and _scaled_sum(op.inputs[0]):
             if not from_values(tg, tg.ir.data_inputs(op.name)[1], found):
                 continue
         elif not any(x.shape.rank == 0 and forms.through(x.op).type == "Mean" for x in op.inputs):
@@ -130,6 +131,29 @@ def beside(tg, sources) -> list:
                 not selections.used_per_row(op, list(sources)):
             out.append(op.outputs[0])
     return out
+
+
+def exchanged(tg, sources, form, read, tracked) -> list[tuple[str, bool]]:
+    """(tensor name, mean) of what the replicas exchange, forward and in the
+    gradient: of the losses, the scalars `read` beside them and those
+    Keras's trackers add up (`tracked`), the means a function not linear in
+    them takes (an RMSE's: the job's mean) and the sums over the batch (a
+    Dice loss's, with their incoming gradients: the job's sums), and the
+    means the values read centre on (`centres`)."""
+    losses = forms.autodiff_losses(tg.graph) + read + tracked
+    return [(n, True) for loss in losses for n in form(loss).exchanged] + \
+        [(n, False) for loss in losses for n in form(loss).summed] + \
+        [(n, True) for n in centres(tg, sources, read)]
+
+
+def _scaled_sum(t) -> bool:
+    """Whether `t` is a Sum, maybe scaled or shifted by constants (a Dice
+    coefficient's `2 * sum(y * p) + smooth`)."""
+    op = forms.through(t.op)
+    while op.type in ("Mul", "AddV2", "Add", "Sub") and \
+            any(x.op.type == "Const" for x in op.inputs):
+        op = forms.through(next(x for x in op.inputs if x.op.type != "Const").op)
+    return op.type == "Sum"
 
 
 def centres(tg, sources, read) -> list[str]:

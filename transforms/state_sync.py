@@ -26,7 +26,10 @@ count floored or smoothed first (`tf.maximum(count, 1)`, `count + eps`) is
 floored from the job's sum and divided by N (transforms/counts.py reads the
 counts). Scalars read beside the loss (a masked accuracy or an RMSE a metric
 adds up, a script fetches or a step returns; counts.beside) take the job's
-counts and means too, centred on the job's means (counts.centres). A loss that
+counts and means too, centred on the job's means (counts.centres). A function
+of sums over the batch (a Dice loss's ratio; graph/batch_sums.py) takes the
+job's sums, and their incoming gradients' sums, so the mean of the replicas'
+gradients is one device's; also in the losses Keras's trackers add. A loss that
 sums over the batch and adds a term without data (a regularizer) where the
 replicas' gradients are summed: every replica adds 1/N of the term, to the loss
 and to the variables' gradients (the parts of a gradient's sum that do not
@@ -216,11 +219,8 @@ class StateSyncPass:
                                      count.node, dtype, plan.group_size)
                 new_nodes.extend(nodes)
             counts.read_everywhere(ctx, count, outs, rewires, replaced)
-        points = [(name, True) for loss in forms.autodiff_losses(tg.graph) + read
-                  for name in form(loss).exchanged]    # a function of means (an RMSE's): the
-        points += [(name, True) for name in counts.centres(tg, sources, read)]   # job's, forward
-        points += replica_sums.points(     # and in the gradient (of its own mean); the program's
-            tg.graph, {g.values.name for g in tg.gradients.values()})   # all-reduces, both ways
+        points = counts.exchanged(tg, sources, form, read, list(products.values())) + \
+            replica_sums.points(tg.graph, {g.values.name for g in tg.gradients.values()})
         points = list(dict.fromkeys(points + list(plan.norm_points)))     # batch norm's too
         branches.warn_in_loops(means=[n for n, _ in points if parse_tensor(n).node in in_loops])
         for name, mean in points:

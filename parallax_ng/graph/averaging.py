@@ -68,7 +68,8 @@ def averages(config, graph: tf.Graph, sites: list | None = None) -> tuple[bool, 
     read = {loss.name: scalar_form(loss, data) for loss in losses
             if not (loss.shape.rank and batch_axis(loss, data) is not None)}
     pairs = next(((loss.name, *m) for loss in losses for m in [mixing(
-        loss, data, read[loss.name][2].exchanged if loss.name in read else ())] if m), None)
+        loss, data, read[loss.name][2].exchanged + read[loss.name][2].summed
+        if loss.name in read else ())] if m), None)
     for loss in losses:
         if loss.name not in read:
             sums.append(loss.name)      # a value per example: the autodiff sums them

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
-from . import selections
+from . import batch_sums, selections
 from .recorders import GRAD_YS, input_gradients, seeded
 from .rows import batch_axis, batch_rows, counts_rows, reading
 from .constants import SOURCE_TYPES, constant_value, other_axis_size
@@ -85,6 +85,9 @@ class LossForm:
     # means over the batch (scalars or not) that a function not linear in them takes (an
     # RMSE's): every replica uses the job's, forward and in the gradient (state_sync's)
     exchanged: list[str] = field(default_factory=list)
+    # Sums over the batch that such a function takes (a Dice loss's ratio), then the
+    # incoming gradient of each: the job's sum of both (graph/batch_sums.py)
+    summed: list[str] = field(default_factory=list)
     # Means over rows a mask picks from the batch (graph/selections.py): each
     # replica's count is its own, the job's is their sum
     # (transforms/selected_means.py divides every replica's sum by it)
@@ -132,6 +135,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                 dependent.add(op.name)
                 grown = True
     by_batch, by_count, once, mixed, widened, exchanged, selected = [], [], [], [], [], [], []
+    summed = []
 
     def data(t):
         return t.op.name in dependent
@@ -163,7 +167,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return through(t, op.inputs[0])     # (entries of a tensor of sums or means)
         if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
                 op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum" and \
-                not _bent(op.inputs[1], data):
+                not _bent(op.inputs[1], data) and not batch_sums.differentiable(op.inputs[1]):
             by_count.append(op.name)
             return "mean"       # a sum over the batch divided by a count the data sets
         if op.type in ("Mul", "RealDiv", "Div", "DivNoNan") and not data(op.inputs[1]):
@@ -213,16 +217,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                 widened.extend(op for c in means for op in c)
                 forms = {"sum"}         # each mean a sum over the job's count
             if forms == {"sum"} and any(not data(x) for x in terms.inputs):
-                if not strict:
-                    once.extend((terms.name, i) for i, x in enumerate(terms.inputs)
-                                if not data(x))
-                    return "sum"
-                raise GraphError(
-                    f"the loss {loss.name!r} sums over the batch and adds a term that does not "
-                    f"depend on the data ({terms.name!r}, a regularizer?); layer-by-layer "
-                    "execution sums the micro-batches' losses and would add it once per "
-                    "micro-batch: divide the sum by the batch size (a mean), or set "
-                    "l2l.micro_batches: 1")
+                once.extend((terms.name, i) for i, x in enumerate(terms.inputs) if not data(x))
+                return "sum"
             return forms.pop() if len(forms) == 1 else None
         if op.type == "L2Loss" and op.inputs[0].shape.rank:    # half a sum of squares
             return reduced(t, op.inputs[0], np.arange(op.inputs[0].shape.rank))
@@ -232,9 +228,14 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return reduced(t, op.inputs[0], constant(op.inputs[1]))
         if op.type in SCALAR_FUNCTIONS and batch_axis(t, rows) is None:
             means = [x for x in op.inputs if data(x)]       # (a vector of means too)
-            if all(batch_axis(x, rows) is None and form(x) == "mean" for x in means):
-                exchanged.extend(x.name for x in means)
-                return "mean"       # of the job's means, in every replica
+            kinds = [form(x) if batch_axis(x, rows) is None else None for x in means]
+            sums = [x for x, kind in zip(means, kinds) if kind == "sum"]
+            found = batch_sums.under(sums, rows, data, op, autodiff_losses) \
+                if sums and set(kinds) <= {"mean", "sum"} else []
+            if set(kinds) <= {"mean", "sum"} and found is not None:
+                exchanged.extend(x.name for x, kind in zip(means, kinds) if kind == "mean")
+                summed.extend(found)
+                return "mean"       # of the job's means and sums, in every replica
         return None
 
     def present(c):         # `count > 0` (or != 0) for a count of the batch's rows or
@@ -275,6 +276,13 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return inner
         return None
     kind = form(loss)
+    if strict and kind == "sum" and once:       # (not where a function of sums takes it)
+        raise GraphError(
+            f"the loss {loss.name!r} sums over the batch and adds a term that does not "
+            f"depend on the data ({once[0][0]!r}, a regularizer?); layer-by-layer "
+            "execution sums the micro-batches' losses and would add it once per "
+            "micro-batch: divide the sum by the batch size (a mean), or set "
+            "l2l.micro_batches: 1")
     if kind == "mean":      # Keras's masked mean: each kept element weighs count / kept
         by_count += [op.name for op in order if op.type in ("RealDiv", "Div", "DivNoNan") and
                      op.name not in by_count and _counts_elements(op.inputs[0], rows) and
@@ -284,7 +292,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     scaled[0] and kind == "sum", by_count if kind == "mean" else [],
                     once if kind == "sum" else [], mixed if kind is None else [],
                     widened if kind == "sum" else [], exchanged if kind == "mean" else [],
-                    selected if kind == "mean" else [])
+                    summed if kind == "mean" else [], selected if kind == "mean" else [])
 
 
 # ops a count passes through that make it no count the exchange knows (a

@@ -69,6 +69,12 @@ class Autodiff:
         return []
 
 
+    def named_once(self, op) -> list:
+        """The ops tf.gradients named for `op` where one call made them."""
+        calls = self.named.get(op.name, {})
+        return next(iter(calls.values())) if len(calls) == 1 else []
+
+
 def _last(name: str):
     """The last autodiff scope in op `name` (a gradient's own gradient, an
     inlined gradient function's), or None."""
@@ -104,19 +110,27 @@ def incoming(index: Autodiff, mean: tf.Operation) -> tf.Tensor | None:
     return found[0][0].inputs[0] if len(found) == 1 else None
 
 
-def incoming_sum(index: Autodiff, total: tf.Operation) -> tf.Tensor | None:
+def incoming_sum(index: Autodiff, total: tf.Operation, ops=None) -> tf.Tensor | None:
     """The gradient the autodiff gives Sum `total`'s output: the input of
     the one spread (after a Reshape, unless the Sum keeps its dimensions)
     over `total`'s input's shape that no division follows (a Mean's
-    gradient is a Sum's divided by the count); None otherwise."""
+    gradient is a Sum's divided by the count), among `ops` (default: its
+    gradient's, `Autodiff.of`); None otherwise."""
     x = past_identities(total.inputs[0])
-    found = [op for op in index.of(total, total.inputs[0])
-             if op.type in _SPREADS and _counts(op.inputs[1], x) and
+    found = [op for op in (index.of(total, total.inputs[0]) if ops is None else ops)
+             if op.type in _SPREADS and (_counts(op.inputs[1], x) or _fixed(op, x)) and
              not any(c.type == "RealDiv" for c in op.outputs[0].consumers())]
     if len(found) != 1:
         return None
     spread = found[0].inputs[0]
     return spread.op.inputs[0] if spread.op.type == "Reshape" else spread
+
+
+def _fixed(spread: tf.Operation, x: tf.Tensor) -> bool:
+    """Whether `spread` gives x's shape, which the graph fixes (a batch of
+    static size: the autodiff spreads by constants)."""
+    return x.shape.is_fully_defined() and spread.outputs[0].shape == x.shape and \
+        tf.get_static_value(spread.inputs[1]) is not None
 
 
 def _counts(count: tf.Tensor, x: tf.Tensor, most: int = 8) -> bool:

@@ -113,7 +113,7 @@ def _mixes(op, rows, exchanged) -> str | None:
         return "every example compared with every other (broadcast pairs)"
     if kind in ("RealDiv", "Div", "DivNoNan") and len(op.inputs) == 2 and \
             op.inputs[1].name not in exchanged and rows.axis(op.outputs[0]) is None:
-        return _ratio(op.inputs[1], rows)   # (rows over a statistic: normalization.py's)
+        return _ratio(op.inputs[1], rows, exchanged)   # (rows over a statistic: normalization's)
     if kind in ("Log", "Log1p") and _summed(x, rows) and x.name not in exchanged:
         return "a log of a sum over the batch's examples (a log-sum-exp across them)"
     return None
@@ -302,7 +302,7 @@ def reaches(op, targets: set, most: int | None = None) -> bool:
     return False
 
 
-def _ratio(divisor, rows) -> str | None:
+def _ratio(divisor, rows, exchanged=frozenset()) -> str | None:
     """A division by a sum over the batch of what the model computes (Dice,
     IoU and F1 losses; a count of examples or of a mask's entries, which
     reads no variable's value, is a mean's divisor, not this)."""
@@ -313,7 +313,8 @@ def _ratio(divisor, rows) -> str | None:
             continue
         seen.add(op.name)
         reads |= op.type in ("ReadVariableOp", "VariableV2", "ResourceGather")
-        summed |= op.type in ("Sum", "Mean") and _over_batch(op, rows)
+        summed |= op.type in ("Sum", "Mean") and _over_batch(op, rows) and \
+            op.outputs[0].name not in exchanged     # (the job's: graph/batch_sums.py)
         stack.extend(x.op for x in op.inputs if x.op.type not in _SHAPE_ONLY and
                      x.dtype != tf.bool)        # a count of a condition counts, not sums
     if summed and reads:

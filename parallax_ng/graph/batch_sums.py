@@ -1,0 +1,113 @@
+"""Sums over the batch that a loss takes through a function not linear in
+them: a Dice or Tversky loss's ratio `1 - 2 sum(y p) / (sum(y) + sum(p))`,
+a sum over a squared count. Each replica computing the function of its own
+rows' sums gives no gradient whose mean or sum over the replicas is one
+device's; with every such Sum replaced by the job's (the replicas' sum,
+forward) each replica computes one device's value, and with the Sum's
+incoming gradient replaced by the replicas' sum of it too (N times what
+each replica's copy of the function gives it), the mean of the replicas'
+gradients is one device's: for any function f of sums S_j,
+(1/N) sum_r N df/dS_j dS_j^r = df/dS_j dS_j, the chain rule over the global
+batch (transforms/state_sync.py exchanges both; graph/forms.py reads such
+a loss as a mean).
+
+Requires: scalars of a graph with a graph/rows.py reading of its data
+sources. Guarantees: reads the graph only; None wherever a value is not
+made of such Sums alone, or a Sum's incoming gradient is not found where
+the autodiff differentiates it (never half an exchange).
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorflow as tf
+
+from . import selections
+from .mean_gradients import Autodiff, incoming_sum
+from .rules import is_autodiff
+
+_SHAPE_ONLY = ("OnesLike", "ZerosLike", "Shape", "ShapeN", "Size", "Rank")
+_VARIABLE_READS = ("ReadVariableOp", "VariableV2", "ResourceGather")
+
+
+def differentiable(t: tf.Tensor, most: int = 4096) -> bool:
+    """Whether a gradient can flow from `t` into a variable: `t` reads one
+    through floating values (not a mask's count, whose booleans stop it,
+    nor a count of shapes)."""
+    seen, stack = set(), [t]
+    while stack and len(seen) < most:
+        x = stack.pop()
+        if x.name in seen or not x.dtype.is_floating:
+            continue
+        seen.add(x.name)
+        if x.op.type in _VARIABLE_READS:
+            return True
+        if x.op.type not in _SHAPE_ONLY and x.op.type != "StopGradient":
+            stack.extend(x.op.inputs)
+    return False
+
+
+def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
+    """The names of the Sums over the batch's axis (and the batch's row
+    counts) that `tensors` (scalars or vectors without the batch's axis,
+    the inputs of op `taker`) are computed from, each Sum's incoming
+    gradient after it where the autodiff differentiates it. None where a
+    value with the batch's rows reaches them other than through such a Sum
+    (a Mean, a Max), a variable enters on the way (its gradient would be
+    the replicas' sum too), a value on the way is used elsewhere than on
+    it (that use would read the job's sum), or a gradient is not found
+    where a loss the autodiff differentiates (`losses(graph)`) takes the
+    Sum. `data(t)`: whether t depends on a data source."""
+    found, seen, stack, index, region = [], set(), list(tensors), None, {taker.name}
+    while stack:
+        t = stack.pop()
+        if t.name in seen:
+            continue
+        seen.add(t.name)
+        if not data(t):
+            if differentiable(t):
+                return None
+            continue
+        op = t.op
+        region.add(op.name)
+        if rows.axis(t) is not None or op.name in rows.sources:
+            return None
+        if rows.counts_rows(op) or selections.counted(op, rows):
+            found.append(t.name)        # a count of rows: no gradient
+            continue
+        if op.type in ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "L2Loss") and \
+                rows.axis(op.inputs[0]) is not None:
+            if op.type != "Sum" or not _over(op, rows):
+                return None
+            index = index or Autodiff(op.graph)
+            if (grad := incoming_sum(index, op)) is None:      # (by its name alone)
+                grad = incoming_sum(index, op, index.named_once(op))
+            if grad is None and differentiable(op.inputs[0]) and _trained(op, losses):
+                return None
+            found += [t.name] + ([grad.name] if grad is not None else [])
+            continue
+        stack.extend(op.inputs)
+    uses = {c.name for name in region - {taker.name}
+            for x in taker.graph.get_operation_by_name(name).outputs for c in x.consumers()
+            if not is_autodiff(c.name)}
+    return found if uses <= region else None
+
+
+def _trained(op, losses) -> bool:
+    """Whether one of `losses(graph)` is computed from `op`."""
+    seen, stack = {op.name}, [op]
+    targets = {t.op.name for t in losses(op.graph)}
+    while stack:
+        x = stack.pop()
+        if x.name in targets:
+            return True
+        for c in (c for t in x.outputs for c in t.consumers()):
+            if c.name not in seen and not is_autodiff(c.name):
+                seen.add(c.name)
+                stack.append(c)
+    return False
+
+
+def _over(op, rows) -> bool:
+    rank, axes = op.inputs[0].shape.rank, tf.get_static_value(op.inputs[1])
+    return bool(rank) and axes is not None and \
+        rows.axis(op.inputs[0]) in {int(v) % rank for v in np.atleast_1d(axes)}

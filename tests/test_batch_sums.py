@@ -1,0 +1,251 @@
+"""graph/batch_sums.py: a loss that is a function of sums over the batch (a
+Dice loss's ratio `1 - 2 sum(y p) / (sum(y) + sum(p))`, Keras 3's `Dice`
+and `Tversky`) takes the job's sums forward and the job's sum of their
+incoming gradients backward, so 2 replicas equal one device with the
+global batch: the loss every step and every variable and slot after 6
+steps of SGD with momentum (which, unlike Adam, shows a gradient's scale)
+within 1e-5, in a Keras 3 `pn.function` loop, `model.fit` (Keras 3 and
+tf_keras, with a Dice metric: logs and `evaluate` too), a TF1 graph
+(all-reduce and parameter servers) and jobs of 2 workers (all-reduce; a
+server). Before, each replica took the ratio of its own rows' sums
+(weights 3e-3 apart, silently in `fit`). Where no exchange makes it one
+device's (a variable on the way, a Sum used elsewhere too, a largest value
+over the batch), the loss is read as before: averaged, with the line that
+names it."""
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import parallax_ng as pn
+from models import load_values, local, read_name, variable_names
+from parallax_ng.graph import batch_sums, forms
+
+tf1 = tf.compat.v1
+TOL, STEPS, BATCH = 1e-5, 6, 16       # BATCH: the global batch
+
+
+def arrays():
+    """Features and two binary masks per example."""
+    rng = np.random.RandomState(5)
+    x = rng.randn(STEPS * BATCH, 5).astype(np.float32)
+    y = (x[:, :2] + 0.5 * rng.randn(STEPS * BATCH, 2) > 0.3).astype(np.float32)
+    return x, y
+
+
+def dice(y, p, smooth=1.0):
+    """A Dice loss over the whole batch, smoothed as segmentation code
+    writes it."""
+    inter = tf.reduce_sum(y * p)
+    return 1.0 - (2.0 * inter + smooth) / (tf.reduce_sum(y) + tf.reduce_sum(p) + smooth)
+
+
+def dice_coef(y, p):
+    return 1.0 - dice(y, p)
+
+
+def dice_model(k=keras):
+    return k.Sequential([k.Input((5,)), k.layers.Dense(8, activation="tanh"),
+                         k.layers.Dense(2, activation="sigmoid")])
+
+
+LOSSES = {"own": lambda: dice, "keras Dice": lambda: keras.losses.Dice(),
+          "keras Tversky": lambda: keras.losses.Tversky(alpha=0.3, beta=0.7)}
+
+
+def step_of(model, optimizer, loss=dice):
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return value
+    return train_step
+
+
+def _form(build):
+    """forms.loss_form of build(y, p) over a TF1 graph's dense layer,
+    differentiated by tf.gradients."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 5], name="x")
+        y = tf1.placeholder(tf.float32, [None, 2], name="y")
+        p = tf.sigmoid(tf.matmul(x, tf1.get_variable("w", [5, 2])))
+        loss = build(y, p)
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+    return forms.loss_form(loss, ["x", "y"], None, strict=False), g
+
+
+def _read_elsewhere(y, p):
+    total = tf.reduce_sum(p)
+    return 1.0 - 2.0 * tf.reduce_sum(y * p) / (tf.reduce_sum(y) + total) + 0.01 * total
+
+
+SHAPES = {      # a loss -> (its form, how many names it exchanges)
+    "a Dice loss": (dice, "mean", 5),       # 3 Sums, 2 of the model's with their gradients
+    "a root of a sum": (lambda y, p: tf.sqrt(tf.reduce_sum(p)), "mean", 2),
+    "a Sum read elsewhere too": (_read_elsewhere, None, 0),
+    "a variable on the way": (lambda y, p: dice(y, p, tf1.get_variable("s", initializer=1.0)),
+                              None, 0),
+    "a largest value over the batch": (
+        lambda y, p: 1.0 - tf.reduce_sum(y * p) / (tf.reduce_sum(p) + tf.reduce_max(p)), None, 0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_which_functions_of_sums_are_exchanged(name):
+    build, kind, exchanged = SHAPES[name]
+    form, g = _form(build)
+    assert form.kind == kind and len(form.summed) == exchanged, form
+    gradients = [n for n in form.summed if n.startswith("gradients/")]
+    assert len(gradients) == {5: 2, 2: 1}.get(exchanged, 0)
+
+
+def test_what_a_gradient_flows_through():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 5])
+        p = tf.sigmoid(tf.matmul(x, tf1.get_variable("w", [5, 2])))
+        assert batch_sums.differentiable(tf.reduce_sum(p))
+        assert not batch_sums.differentiable(tf.reduce_sum(x))          # the data alone
+        assert not batch_sums.differentiable(                           # a mask's count
+            tf.reduce_sum(tf.cast(p > 0.5, tf.float32)))
+        assert not batch_sums.differentiable(tf.cast(tf.shape(p)[0], tf.float32))
+        assert not batch_sums.differentiable(tf.stop_gradient(tf.reduce_sum(p)))
+
+
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_a_keras3_loop_of_a_dice_loss_equals_one_device(name):
+    keras.utils.set_random_seed(0)
+    a, b = dice_model(), dice_model()
+    b.set_weights(a.get_weights())
+    oa, ob = (keras.optimizers.SGD(0.5, momentum=0.9) for _ in range(2))
+    step = pn.function(step_of(a, oa, LOSSES[name]()), local(2))
+    ref = tf.function(step_of(b, ob, LOSSES[name]()))
+    x, y = arrays()
+    for k in range(STEPS):
+        at = slice(k * BATCH, (k + 1) * BATCH)
+        np.testing.assert_allclose(step(x[at], y[at]), ref(x[at], y[at]).numpy(), atol=TOL,
+                                   rtol=0)
+    step.sync()
+    for v1, v2 in zip(a.weights + oa.variables, b.weights + ob.variables):
+        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=TOL, rtol=0,
+                                   err_msg=v1.path)
+
+
+def test_a_dice_loss_smoothed_by_a_variable_is_named(capsys):
+    """The smoothing trained too: its gradient would take the job's sum
+    where it shares the denominator's (a tape passes an add's gradient on
+    as it is), so the loss is averaged, as any loss that mixes the batch's
+    examples is, and the step says so."""
+    keras.utils.set_random_seed(0)
+    model, optimizer = dice_model(), keras.optimizers.SGD(0.5)
+    smooth = tf.Variable(1.0)
+
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            value = dice(y, model(x, training=True), smooth)
+        variables = model.trainable_variables + [smooth]
+        optimizer.apply_gradients(zip(tape.gradient(value, variables), variables))
+        return value
+    x, y = arrays()
+    pn.function(train_step, local(2))(x[:BATCH], y[:BATCH])
+    said = capsys.readouterr().err
+    assert "mixes the batch's examples ('truediv': a division by a sum over the batch" in said
+
+
+@pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
+def test_fit_with_a_dice_loss_equals_one_device(lib):
+    """`model.fit` (2 epochs, validation) with Keras 3's Dice loss, or in
+    tf_keras the own Dice plus a cross-entropy, and a Dice metric: every
+    weight and slot, every logged value and `evaluate`'s."""
+    k = keras if lib == "keras3" else __import__("tf_keras")
+    k.utils.set_random_seed(0)
+    parallel, single = dice_model(k), dice_model(k)
+    single.set_weights(parallel.get_weights())
+    loss = keras.losses.Dice() if lib == "keras3" else \
+        (lambda y, p: dice(y, p) + tf.reduce_mean(k.losses.binary_crossentropy(y, p)))
+    for m in (parallel, single):
+        m.compile(optimizer=k.optimizers.SGD(0.5, momentum=0.9), loss=loss,
+                  metrics=[dice_coef])
+    pn.parallelize(parallel, local(2))
+    x, y = arrays()
+    logs = [m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                  validation_data=(x[:2 * BATCH], y[:2 * BATCH])).history
+            for m in (parallel, single)]
+    assert set(logs[0]) == set(logs[1]) and len(logs[0]) == 4
+    for key in logs[1]:
+        np.testing.assert_allclose(logs[0][key], logs[1][key], atol=TOL, rtol=0, err_msg=key)
+    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               single.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               atol=TOL, rtol=0)
+    for v1, v2 in zip(parallel.weights + parallel.optimizer.variables,
+                      single.weights + single.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=TOL, rtol=0)
+
+
+def tf1_model(batch):
+    """A TF1 graph of two layers on the shard of `arrays()`, trained on
+    the Dice loss by momentum; the Dice coefficient fetched beside it."""
+    g = tf.Graph()
+    with g.as_default():
+        ds = pn.shard(tf.data.Dataset.from_tensor_slices(arrays())).batch(batch)
+        it = tf1.data.make_initializable_iterator(ds)
+        x, y = it.get_next()
+        rng = np.random.RandomState(4)
+        w = tf1.get_variable("w", initializer=rng.randn(5, 8).astype(np.float32))
+        v = tf1.get_variable("v", initializer=rng.randn(8, 2).astype(np.float32))
+        p = tf.sigmoid(tf.matmul(tf.tanh(tf.matmul(x, w)), v))
+        loss = dice(y, p)
+        fetched = [loss, 2.0 * tf.reduce_sum(y * p) / (tf.reduce_sum(y + p))]
+        train = tf1.train.MomentumOptimizer(0.5, 0.9).minimize(loss)
+        init = tf1.global_variables_initializer()
+    return g, train, fetched, init, it.initializer
+
+
+@pytest.mark.parametrize("run", ["allreduce", "ps"])
+def test_a_tf1_dice_loss_equals_one_device(run):
+    g, train, fetched, init, it_init = tf1_model(BATCH // 2)
+    names = variable_names(g)
+    reads = [read_name(n, g) for n in names]
+    with pn.get_runner(g, local(2), {"run_option": run}) as runner:
+        runner.run([init, it_init])
+        start = runner.run(reads)
+        got = [runner.run([train, fetched])[1] for _ in range(STEPS)]
+        parallel = dict(zip(names, runner.run(reads, per_replica=True)))
+    g1, train1, fetched1, init1, it_init1 = tf1_model(BATCH)
+    with tf1.Session(graph=g1) as sess:
+        sess.run([init1, it_init1])
+        load_values(sess, g1, dict(zip(names, start)))
+        want = [sess.run([train1, fetched1])[1] for _ in range(STEPS)]
+        single = dict(zip(names, sess.run(reads)))
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+    assert len(names) == 4                  # the weights and their momenta
+    for name in names:
+        for value in parallel[name]:
+            np.testing.assert_allclose(value, single[name], atol=TOL, rtol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("servers", [0, 1])
+def test_a_job_of_two_workers_equals_one_device(tmp_path, servers):
+    """tf2_job_script.py --dice: the Keras 3 loop above as a job of 2
+    workers x 1 device on 127.0.0.1, the sums all-reduced between them, or
+    (run option ps) summed on the server."""
+    from test_tf2 import run_job
+    out, done = run_job(tmp_path, "--dice", *(["--ps"] if servers else []), servers=servers)
+    assert "worker 1 of 2: done" in done.stdout
+    workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
+    model, optimizer = dice_model(), keras.optimizers.SGD(0.5, momentum=0.9)
+    model.set_weights([workers[0][f"start{i}"] for i in range(len(model.weights))])
+    ref = tf.function(step_of(model, optimizer))
+    x, y = arrays()
+    for k in range(5):
+        ref(x[k * BATCH:(k + 1) * BATCH], y[k * BATCH:(k + 1) * BATCH])
+    for w in workers:
+        assert set(json.loads(str(w["plan"])).values()) == {"ps" if servers else "allreduce"}
+        for i, v in enumerate(model.weights):
+            np.testing.assert_allclose(w[f"w{i}"], np.asarray(v), atol=TOL, rtol=0)
+        for i, v in enumerate(optimizer.variables):
+            np.testing.assert_allclose(w[f"o{i}"], np.asarray(v), atol=TOL, rtol=0)
