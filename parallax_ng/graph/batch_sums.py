@@ -50,7 +50,10 @@ def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
     """The names of the Sums over the batch's axis (and the batch's row
     counts) that `tensors` (scalars or vectors without the batch's axis,
     the inputs of op `taker`) are computed from, each Sum's incoming
-    gradient after it where the autodiff differentiates it. None where a
+    gradient after it where the autodiff differentiates it, as the spread
+    over the Sum's input takes it (this Sum's alone: the gradient may go
+    on to other Sums' too, as a soft IoU's `sum(y + p) - sum(y p)` passes
+    it). None where a
     value with the batch's rows reaches them other than through such a Sum
     (a Mean, a Max), a variable enters on the way (its gradient would be
     the replicas' sum too), a value on the way is used elsewhere than on
@@ -79,10 +82,11 @@ def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
             if op.type != "Sum" or not _over(op, rows):
                 return None
             index = index or Autodiff(op.graph)
-            if (grad := incoming_sum(index, op)) is None:      # (by its name alone)
-                grad = incoming_sum(index, op, index.named_once(op))
-            if grad is None and differentiable(op.inputs[0]) and _trained(op, losses):
-                return None
+            if (grad := incoming_sum(index, op, fed=True)) is None:     # (by its name alone)
+                grad = incoming_sum(index, op, index.named_once(op), fed=True)
+            if grad is None and differentiable(op.inputs[0]) and _trained(op, losses) or \
+                    grad is not None and len(grad.consumers()) > 1:
+                return None         # (a gradient other Sums' gradients are taken from)
             found += [t.name] + ([grad.name] if grad is not None else [])
             continue
         stack.extend(op.inputs)

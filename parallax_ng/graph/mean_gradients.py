@@ -110,12 +110,15 @@ def incoming(index: Autodiff, mean: tf.Operation) -> tf.Tensor | None:
     return found[0][0].inputs[0] if len(found) == 1 else None
 
 
-def incoming_sum(index: Autodiff, total: tf.Operation, ops=None) -> tf.Tensor | None:
+def incoming_sum(index: Autodiff, total: tf.Operation, ops=None,
+                 fed: bool = False) -> tf.Tensor | None:
     """The gradient the autodiff gives Sum `total`'s output: the input of
     the one spread (after a Reshape, unless the Sum keeps its dimensions)
     over `total`'s input's shape that no division follows (a Mean's
     gradient is a Sum's divided by the count), among `ops` (default: its
-    gradient's, `Autodiff.of`); None otherwise."""
+    gradient's, `Autodiff.of`); with `fed`, what the spread takes (the
+    Reshape's output: this Sum's alone, where the gradient it reshapes
+    may go on to others); None otherwise."""
     x = past_identities(total.inputs[0])
     found = [op for op in (index.of(total, total.inputs[0]) if ops is None else ops)
              if op.type in _SPREADS and (_counts(op.inputs[1], x) or _fixed(op, x)) and
@@ -123,7 +126,7 @@ def incoming_sum(index: Autodiff, total: tf.Operation, ops=None) -> tf.Tensor | 
     if len(found) != 1:
         return None
     spread = found[0].inputs[0]
-    return spread.op.inputs[0] if spread.op.type == "Reshape" else spread
+    return spread if fed or spread.op.type != "Reshape" else spread.op.inputs[0]
 
 
 def _fixed(spread: tf.Operation, x: tf.Tensor) -> bool:
