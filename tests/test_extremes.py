@@ -246,7 +246,17 @@ SCALINGS = {
     "weights over their sum": lambda x, w: (x, w / tf.reduce_sum(w) * 16.0),
     "weights about their mean": lambda x, w: (x, w - tf.reduce_mean(w)),
     "loss over the largest target": lambda x, w: (x, w),     # (in the step)
+    "weights balanced by the other class's fraction": lambda x, w: (x, balanced(w)),
 }
+
+
+def balanced(w):
+    """A class-balanced loss's weights (HED's): each example weighs the
+    fraction of the batch's elements of the other class, a Sum of the data
+    over `tf.size`."""
+    c = tf.cast(w > 1.0, tf.float32)
+    beta = tf.reduce_sum(1.0 - c) / tf.cast(tf.size(c), tf.float32)
+    return beta * c + (1.0 - beta) * (1.0 - c)
 
 
 @pytest.mark.parametrize("scaling", sorted(SCALINGS))
@@ -254,13 +264,16 @@ def test_a_step_that_scales_its_data_by_the_batchs_statistics_equals_one_device(
                                                                               capsys):
     """A TF2 step that scales its inputs by the batch's statistics (its
     largest value, its mean and deviation, its minimum and maximum) or its
-    examples' weights by their sum or about their mean, before a weighted
+    examples' weights by their sum, about their mean or by the fraction of
+    the other class (a Sum over the size of the batch's labels, whose
+    count is the job's too), before a weighted
     mean loss, or divides the loss by the batch's largest target: the
     statistics are the job's (graph/normalization.py `data_statistics`,
     exchanged), so 6 steps of 2 replicas equal one
     device, 1e-6 in loss and weights, with no warning and no line naming
     them. Before: 0.013 to 0.11 apart, the largest value, min-max and
-    weight sums silently."""
+    weight sums silently; the balanced weights' job's sum over the
+    replica's count, silently, 0.14 in the first step's loss."""
     import warnings
 
     import keras

@@ -37,7 +37,8 @@ import tensorflow as tf
 
 from parallax_ng.graph import branches, emit, mixing, normalization, rules
 from parallax_ng.graph.ir import copy_node, parse_tensor
-from parallax_ng.graph.rows import batch_axis, counts_rows
+from parallax_ng.graph.applied import alone, carried
+from parallax_ng.graph.rows import batch_axis, counts_rows, reading
 from transforms import counts
 
 _KINDS = {"Max": "max", "Min": "min", "Sum": "sum", "Mean": "mean"}
@@ -130,12 +131,21 @@ def tie(ctx, ir, read: list):
 
 def statistics(tg, sources) -> dict:
     """{statistic: kind} of graph/normalization.py's `data_statistics`: the
-    batch's statistics of the data alone that the step scales its rows by."""
-    found = {}
+    batch's statistics of the data alone that the step scales its rows by,
+    and the row counts and data's sums that scale such a Sum on its way
+    to the rows (a fraction of positive labels, `sum(y) / tf.size(y)`, as
+    a class-balanced loss weighs its rows: the job's sum over the job's
+    count; before, over the replica's)."""
+    found, rows = {}, reading(sources, tg.graph)
     for op in normalization.data_statistics(tg.graph, sources):
         ref = parse_tensor(op.outputs[0].name)
-        if (kind := _over_the_batch(tg, ref, sources)) is not None:
-            found[ref] = kind
+        if (kind := _over_the_batch(tg, ref, sources)) is None:
+            continue
+        found[ref] = kind
+        if kind == "sum":
+            for s in rows.guarded(lambda r: alone(op, r, path=carried(op, r)[0])) or ():
+                at = parse_tensor(s.outputs[0].name)
+                found[at] = _over_the_batch(tg, at, sources) or "count"
     return found
 
 

@@ -143,12 +143,15 @@ def _leads_into(op, path, most: int = 16) -> bool:
 
 def _row_count(op, rows) -> bool:
     """Whether `op` casts the batch's row count to a float: the size of the
-    batch's axis of a tensor of its rows (`tf.cast(tf.shape(z)[0], f)`)."""
+    batch's axis of a tensor of its rows (`tf.cast(tf.shape(z)[0], f)`),
+    or the size of such a tensor (`tf.size(z)`: its rows times a number)."""
     if op.type != "Cast" or not op.outputs[0].dtype.is_floating:
         return False
     t = op.inputs[0]
     while t.op.type in ("Identity", "Squeeze", "Reshape"):
         t = t.op.inputs[0]
+    if t.op.type == "Size":
+        return rows.axis(t.op.inputs[0]) is not None
     if t.op.type != "StridedSlice" or t.op.inputs[0].op.type != "Shape":
         return False
     begin = tf.get_static_value(t.op.inputs[1])
