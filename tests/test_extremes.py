@@ -312,6 +312,30 @@ def test_a_step_that_scales_its_data_by_the_batchs_statistics_equals_one_device(
     assert "over the batch's axis" not in capsys.readouterr().err
 
 
+def test_a_sum_of_the_data_over_a_count_the_exchange_does_not_read_is_named():
+    """The balanced weights' Sum over a product of shapes (`tf.shape(c)[0]
+    * 1`): its exchange would divide the job's sum by the replica's count,
+    so it stays the replica's, and the build says so, naming the Sum."""
+    import keras
+    model, optimizer = keras.Sequential([keras.Input((5,)), keras.layers.Dense(1)]), \
+        keras.optimizers.SGD(0.1)
+
+    def step(x, y, w):
+        c = tf.cast(w > 1.0, tf.float32)
+        beta = tf.reduce_sum(1.0 - c, name="negatives") / tf.cast(tf.shape(c)[0] * 1,
+                                                                   tf.float32)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x)[:, 0] - y) * (beta * c + 1.0 - beta))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+        return loss
+    rng = np.random.default_rng(0)
+    with pytest.warns(UserWarning, match="the batch's sum 'negatives' of the data scales its "
+                                         "rows with a count or value the exchange does not"):
+        pn.function(step, local(2))(rng.normal(size=(16, 5)).astype(np.float32),
+                                    *rng.uniform(0.0, 2.0, size=(2, 16)).astype(np.float32))
+
+
 def policy_graph():
     """A TF1 policy-gradient step: fed observations min-max scaled about
     the batch's mean, a softmax policy, the rewards' advantage over their

@@ -32,6 +32,8 @@ through a server where a job's gradients go there.
 """
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import tensorflow as tf
 
@@ -135,17 +137,26 @@ def statistics(tg, sources) -> dict:
     and the row counts and data's sums that scale such a Sum on its way
     to the rows (a fraction of positive labels, `sum(y) / tf.size(y)`, as
     a class-balanced loss weighs its rows: the job's sum over the job's
-    count; before, over the replica's)."""
+    count; before, over the replica's). A Sum scaled by what the exchange
+    does not read stays the replica's, with a warning naming it."""
     found, rows = {}, reading(sources, tg.graph)
     for op in normalization.data_statistics(tg.graph, sources):
         ref = parse_tensor(op.outputs[0].name)
         if (kind := _over_the_batch(tg, ref, sources)) is None:
             continue
+        scales = rows.guarded(lambda r: alone(op, r, path=carried(op, r)[0])) \
+            if kind == "sum" else ()
+        if scales is None:      # the job's sum over the replica's count: worse than its own
+            warnings.warn(f"the batch's sum {op.name!r} of the data scales its rows with a "
+                          "count or value the exchange does not read (a product of shapes?), "
+                          "so it stays each replica's and the step differs from one device "
+                          "with the global batch: divide by tf.cast(tf.size(x), ...) or "
+                          "tf.cast(tf.shape(x)[0], ...), or take tf.reduce_mean", stacklevel=2)
+            continue
         found[ref] = kind
-        if kind == "sum":
-            for s in rows.guarded(lambda r: alone(op, r, path=carried(op, r)[0])) or ():
-                at = parse_tensor(s.outputs[0].name)
-                found[at] = _over_the_batch(tg, at, sources) or "count"
+        for s in scales:
+            at = parse_tensor(s.outputs[0].name)
+            found[at] = _over_the_batch(tg, at, sources) or "count"
     return found
 
 
