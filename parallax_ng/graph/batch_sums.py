@@ -53,13 +53,13 @@ def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
     gradient after it where the autodiff differentiates it, as the spread
     over the Sum's input takes it (this Sum's alone: the gradient may go
     on to other Sums' too, as a soft IoU's `sum(y + p) - sum(y p)` passes
-    it). None where a
-    value with the batch's rows reaches them other than through such a Sum
-    (a Mean, a Max), a variable enters on the way (its gradient would be
-    the replicas' sum too), a value on the way is used elsewhere than on
-    it (that use would read the job's sum), or a gradient is not found
-    where a loss the autodiff differentiates (`losses(graph)`) takes the
-    Sum. `data(t)`: whether t depends on a data source."""
+    it). None where a value with the batch's rows reaches them other than
+    through such a Sum (a Mean, a Max), a variable enters on the way (its
+    gradient would be the replicas' sum too), a value on the way is used
+    elsewhere than on it (that use would read the job's sum), or a
+    gradient is not found where a loss the autodiff differentiates
+    (`losses(graph)`) takes the Sum. `data(t)`: whether t depends on a
+    data source."""
     found, seen, stack, index, region = [], set(), list(tensors), None, {taker.name}
     while stack:
         t = stack.pop()
