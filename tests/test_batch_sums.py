@@ -265,3 +265,38 @@ def test_a_job_of_two_workers_equals_one_device(tmp_path, servers):
             np.testing.assert_allclose(w[f"w{i}"], np.asarray(v), atol=TOL, rtol=0)
         for i, v in enumerate(optimizer.variables):
             np.testing.assert_allclose(w[f"o{i}"], np.asarray(v), atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("batch_norm", ["per_replica", "synchronized"])
+def test_fit_with_a_dice_loss_and_sample_weights(batch_norm, capsys):
+    """Keras 3 weighs a scalar loss by each row's sample weight: the Dice
+    value meets the rows, so its sums are statistics applied to them (a
+    normalization of the program's own), per replica by default, named by
+    the mixing line, and the data's sum among them stays the replica's
+    without the warning for a count the exchange does not read; with
+    `batch_norm: synchronized` they are the job's and `fit` equals one
+    device (every weight and slot, 1e-5)."""
+    import warnings
+    keras.utils.set_random_seed(0)
+    parallel, single = dice_model(), dice_model()
+    single.set_weights(parallel.get_weights())
+    for m in (parallel, single):
+        m.compile(optimizer=keras.optimizers.SGD(0.5, momentum=0.9), loss=keras.losses.Dice())
+    pn.parallelize(parallel, local(2), {"batch_norm": batch_norm})
+    x, y = arrays()
+    weights = np.linspace(0.5, 1.5, len(x)).astype(np.float32)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for m in (parallel, single):
+            m.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=1, shuffle=False,
+                  verbose=0)
+    assert not [w for w in seen if "the exchange does not read" in str(w.message)]
+    said = capsys.readouterr().err
+    assert "mixes the batch's examples" in said
+    apart = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(
+        parallel.weights + parallel.optimizer.variables,
+        single.weights + single.optimizer.variables))
+    if batch_norm == "synchronized":
+        assert apart <= TOL
+    else:
+        assert "statistics over the batch's axis" in said and apart > TOL

@@ -37,9 +37,9 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from parallax_ng.graph import branches, emit, mixing, normalization, rules
-from parallax_ng.graph.ir import copy_node, parse_tensor
+from parallax_ng.graph import applied, branches, emit, mixing, normalization, rules
 from parallax_ng.graph.applied import alone, carried
+from parallax_ng.graph.ir import copy_node, parse_tensor
 from parallax_ng.graph.rows import batch_axis, counts_rows, reading
 from transforms import counts
 
@@ -137,8 +137,10 @@ def statistics(tg, sources) -> dict:
     and the row counts and data's sums that scale such a Sum on its way
     to the rows (a fraction of positive labels, `sum(y) / tf.size(y)`, as
     a class-balanced loss weighs its rows: the job's sum over the job's
-    count; before, over the replica's). A Sum scaled by what the exchange
-    does not read stays the replica's, with a warning naming it."""
+    count; before, over the replica's). A Sum scaled by a statistic of what
+    the variables compute stays the replica's as that does (the plan's
+    line names it; `batch_norm: synchronized` exchanges both); by another
+    value the exchange does not read, with a warning naming it."""
     found, rows = {}, reading(sources, tg.graph)
     for op in normalization.data_statistics(tg.graph, sources):
         ref = parse_tensor(op.outputs[0].name)
@@ -146,6 +148,9 @@ def statistics(tg, sources) -> dict:
             continue
         scales = rows.guarded(lambda r: alone(op, r, path=carried(op, r)[0])) \
             if kind == "sum" else ()
+        if scales is None and rows.guarded(lambda r: alone(op, r, _model_statistics(
+                tg.graph, r), carried(op, r)[0])) is not None:
+            continue    # scaled by what the variables compute: as that, normalization's
         if scales is None:      # the job's sum over the replica's count: worse than its own
             warnings.warn(f"the batch's sum {op.name!r} of the data scales its rows with a "
                           "count or value the exchange does not read (a product of shapes?), "
@@ -158,6 +163,13 @@ def statistics(tg, sources) -> dict:
             at = parse_tensor(s.outputs[0].name)
             found[at] = _over_the_batch(tg, at, sources) or "count"
     return found
+
+
+def _model_statistics(graph, rows) -> frozenset:
+    """The names of the Sums and Means over the batch of what the variables
+    compute (graph/normalization.py exchanges them or names them)."""
+    return frozenset(op.name for op in graph.get_operations() if op.type in ("Sum", "Mean")
+                     and applied.applied(op, rows, anywhere=True) and not applied.of_data(op))
 
 
 def mixed(tg, ref, sources) -> str | None:
