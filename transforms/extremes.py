@@ -169,7 +169,8 @@ def _model_statistics(graph, rows) -> frozenset:
     """The names of the Sums and Means over the batch of what the variables
     compute (graph/normalization.py exchanges them or names them)."""
     return frozenset(op.name for op in graph.get_operations() if op.type in ("Sum", "Mean")
-                     and applied.applied(op, rows, anywhere=True) and not applied.of_data(op))
+                     and not rules.is_autodiff(op.name) and applied.over_the_batch(op, rows)
+                     and not applied.of_data(op))
 
 
 def mixed(tg, ref, sources) -> str | None:

@@ -44,7 +44,7 @@ def applied(op, rows, anywhere: bool = False) -> bool:
         counted = counted.op.inputs[0]
     if op.type == "Sum" and counted.op.type == "Cast" and counted.op.inputs[0].dtype == tf.bool:
         return False
-    if not _over_the_batch(op, rows):
+    if not over_the_batch(op, rows):
         return False
     if anywhere:
         return True
@@ -109,7 +109,7 @@ def _scales(op, rows, exchanged, path=frozenset(), most: int = 32) -> list | Non
         if o.name in seen:
             continue
         seen.add(o.name)
-        if o.type in ("Sum", "Mean") and _over_the_batch(o, rows):
+        if o.type in ("Sum", "Mean") and over_the_batch(o, rows):
             if o.name in exchanged:
                 continue
             if not of_data(o):
@@ -184,7 +184,7 @@ def of_data(op) -> bool:
     return True
 
 
-def _over_the_batch(op, rows) -> bool:
+def over_the_batch(op, rows) -> bool:
     """Whether reduction `op`'s axes hold its input's batch axis."""
     axes, rank = axes_of(op), op.inputs[0].shape.rank
     return axes is not None and rank is not None and \

@@ -18,10 +18,10 @@ the autodiff differentiates it (never half an exchange).
 """
 from __future__ import annotations
 
-import numpy as np
 import tensorflow as tf
 
 from . import selections
+from .applied import over_the_batch
 from .mean_gradients import Autodiff, incoming_sum
 from .rules import is_autodiff
 
@@ -61,6 +61,7 @@ def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
     (`losses(graph)`) takes the Sum. `data(t)`: whether t depends on a
     data source."""
     found, seen, stack, index, region = [], set(), list(tensors), None, {taker.name}
+    targets = None          # the losses' op names, read once where a gradient is missing
     while stack:
         t = stack.pop()
         if t.name in seen:
@@ -79,13 +80,17 @@ def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
             continue
         if op.type in ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "L2Loss") and \
                 rows.axis(op.inputs[0]) is not None:
-            if op.type != "Sum" or not _over(op, rows):
+            if op.type != "Sum" or not over_the_batch(op, rows):
                 return None
             index = index or Autodiff(op.graph)
             if (grad := incoming_sum(index, op, fed=True)) is None:     # (by its name alone)
                 grad = incoming_sum(index, op, index.named_once(op), fed=True)
-            if grad is None and differentiable(op.inputs[0]) and _trained(op, losses) or \
-                    grad is not None and len(grad.consumers()) > 1:
+            if grad is None and differentiable(op.inputs[0]):
+                if targets is None:
+                    targets = {t.op.name for t in losses(op.graph)}
+                if _trained(op, targets):
+                    return None
+            if grad is not None and len(grad.consumers()) > 1:
                 return None         # (a gradient other Sums' gradients are taken from)
             found += [t.name] + ([grad.name] if grad is not None else [])
             continue
@@ -96,10 +101,9 @@ def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
     return found if uses <= region else None
 
 
-def _trained(op, losses) -> bool:
-    """Whether one of `losses(graph)` is computed from `op`."""
+def _trained(op, targets: set) -> bool:
+    """Whether one of the ops named `targets` (the losses) is computed from `op`."""
     seen, stack = {op.name}, [op]
-    targets = {t.op.name for t in losses(op.graph)}
     while stack:
         x = stack.pop()
         if x.name in targets:
@@ -109,9 +113,3 @@ def _trained(op, losses) -> bool:
                 seen.add(c.name)
                 stack.append(c)
     return False
-
-
-def _over(op, rows) -> bool:
-    rank, axes = op.inputs[0].shape.rank, tf.get_static_value(op.inputs[1])
-    return bool(rank) and axes is not None and \
-        rows.axis(op.inputs[0]) in {int(v) % rank for v in np.atleast_1d(axes)}
