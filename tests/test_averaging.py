@@ -24,6 +24,7 @@ class _Asked:
     ("sum+mean", None, True, "adds a sum over the batch"),     # no rule gives one device's
     ("sum+losses", None, False, ""),        # a mean over a count: over N times it, summed
     ("sum+mean", 8, True, "adds a sum over the batch"),
+    ("sum+(mean+losses)", 8, True, "adds a sum over the batch"),   # a Mean beside: not widened
     ("sum/8+mean", None, True, "scales the sum by a number"),  # taken as a mean, as alone
     ("sum/16+mean", 8, True, "adds a sum over the batch"),     # shown not to be one
     ("hidden", None, True, "does not show whether the loss"),  # by an op it cannot read
@@ -54,6 +55,8 @@ def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note, b
                  "sum/8": tf.reduce_sum(e) / 8.0, "sum/16": tf.reduce_sum(e) / 16.0,
                  "per example": e[:, 0], "sum+mean": tf.reduce_sum(e) + tf.reduce_mean(e),
                  "sum+losses": tf.reduce_sum(e) + tf1.losses.absolute_difference(e, e * e),
+                 "sum+(mean+losses)": tf.reduce_sum(e) + (
+                     tf.reduce_mean(e) + tf1.losses.absolute_difference(e, e * e)),
                  "sum/8+mean": tf.reduce_sum(e) / 8.0 + tf.reduce_mean(e),
                  "sum/16+mean": tf.reduce_sum(e) / 16.0 + 2.0 * tf.reduce_mean(e),
                  "hidden": tf.reduce_sum(tf.py_function(tf.identity, [e], tf.float32)),

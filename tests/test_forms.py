@@ -245,7 +245,9 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     count where the gradients are summed (`widened`, its division named);
     strict (layer-by-layer), no form. With tf.reduce_mean, which divides by
     no count the graph shares with its gradient, no form, and `mixed`
-    names the summed term."""
+    names the summed term; so where a term adds such a Mean to the count's
+    mean (widening the count alone made the Mean's part N times one
+    device's, silently)."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 3], name="x")
@@ -260,6 +262,10 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     assert not forms.over_widened(mean, ["x"], set()) and not forms.over_widened(
         summed, ["x"], {mean.op.name})
     form = forms.loss_form(raw, ["x"], None, strict=False)
+    assert form.kind is None and form.mixed == [(summed.name, False)] and not form.widened
+    with g.as_default():        # a Mean beside the count's mean in the term: not widened
+        both = summed + (tf.reduce_mean(e) + mean)      # (before: widened, N times the Mean)
+    form = forms.loss_form(both, ["x"], None, strict=False)
     assert form.kind is None and form.mixed == [(summed.name, False)] and not form.widened
 
 

@@ -11,7 +11,9 @@ device computes it. 2 replicas against one device, Adam: every variable
 and slot and the fetched losses, float32, 1e-6. Before, every such loss
 was averaged, with a warning: 0.087 apart after 4 steps where the number
 was the rows fed, and the fetched loss half one device's; over a fed
-size, silently (0.109 apart after 4 Adam steps)."""
+size, silently (0.109 apart after 4 Adam steps). Beside the sum, means
+(a Mean times a number, one plus a mean over a count) are averaged as they
+are; in a Keras `fit`, a layer's added losses are decided alike."""
 import os
 import subprocess
 import sys
@@ -49,7 +51,15 @@ LOSSES = {
         tf.cast(w.graph.get_tensor_by_name("size:0"), tf.float32)),
     # a loss weight fed beside the batch (its default here): the sum times it
     "times a fed weight": lambda e, w: e * tf1.placeholder_with_default(0.25, []),
+    # beside means: a Mean times a number, and a Mean plus a sum over a count of elements
+    "beside a scaled mean": lambda e, w: e / 100.0 + 0.1 * _mse(w),
+    "beside a mean and a count's": lambda e, w: e / 100.0 + (_mse(w) + tf.reduce_sum(
+        _mse(w, "errors")) / tf.cast(tf.size(_mse(w, "errors")), tf.float32)),
 }
+
+
+def _mse(w, name="mse"):
+    return w.graph.get_tensor_by_name(f"{name}:0")
 
 
 def graph(loss, over=None):
@@ -64,6 +74,7 @@ def graph(loss, over=None):
         w = tf1.get_variable("w", initializer=np.full((5, 3), 0.1, np.float32))
         err = tf.matmul(x, w) - y       # (read before the update: its gradient needs it)
         e = tf.reduce_sum(tf.square(err))
+        tf.reduce_mean(tf.square(tf.abs(err), "errors"), name="mse")    # (for a mean beside)
         made = loss(e, w) if over is None else e / float(over)
         tf.identity(made, "loss")
         close = tf.reduce_sum(tf.cast(tf.abs(err) < 1.0, tf.float32))
@@ -147,6 +158,48 @@ def test_a_sum_scaled_by_a_variable_keeps_its_warning_and_the_config_wins(capsys
     with pn.get_runner(graph(LOSSES["over the rows fed"]), local(2),
                        {"average_dense": True, "average_sparse": True}) as runner:
         assert runner.plan.scaled_sums == ()
+
+
+@pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
+def test_fit_with_losses_a_layer_adds_beside_the_compiled_one_equals_one_device(lib):
+    """A layer's `add_loss` of a Sum over the batch times a number (an L1
+    penalty on activations) and of a Mean times one, beside the compiled
+    mean: the traced step's sum is decided as the loop's are, also where
+    a tracker adds the loss without gradients (validation, `evaluate`).
+    Every weight and slot, every logged value and `evaluate`'s. Before,
+    averaged (the Sum's part 1/N of one device's; a Mean times a number was
+    taken for another sum, so the sum was not decided): here 0.21 apart,
+    and in Keras 3 warned; validation's loss was apart where training's
+    agreed."""
+    import keras
+    k = keras if lib == "keras3" else __import__("tf_keras")
+
+    class Penalized(k.layers.Layer):
+        def call(self, h):
+            self.add_loss(0.1 * tf.reduce_mean(tf.square(h)))
+            self.add_loss(0.01 * tf.reduce_sum(tf.abs(h)))
+            return h
+
+    def model():
+        k.utils.set_random_seed(1)
+        x = k.Input((5,))
+        m = k.Model(x, k.layers.Dense(4)(Penalized()(k.layers.Dense(8, "relu")(x))))
+        m.compile(k.optimizers.SGD(0.05, momentum=0.9), metrics=["accuracy"],
+                  loss=k.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return m
+    parallel, single = model(), model()
+    pn.parallelize(parallel, local(2))
+    y = (X[:, 0] > 0).astype(np.int64) + (X[:, 1] > 0.5).astype(np.int64)
+    logs = [m.fit(X, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                  validation_data=(X[:32], y[:32])).history for m in (parallel, single)]
+    for key in logs[1]:
+        np.testing.assert_allclose(logs[0][key], logs[1][key], atol=TOL, rtol=0, err_msg=key)
+    np.testing.assert_allclose(parallel.evaluate(X, y, batch_size=16, verbose=0),
+                               single.evaluate(X, y, batch_size=16, verbose=0),
+                               atol=TOL, rtol=0)
+    for v1, v2 in zip(parallel.weights + parallel.optimizer.variables,
+                      single.weights + single.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=TOL, rtol=0)
 
 
 def test_the_pass_scales_the_number_the_forward_and_gradient_read():

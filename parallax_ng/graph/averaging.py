@@ -132,6 +132,12 @@ def averages(config, graph: tf.Graph, sites: list | None = None) -> tuple[bool, 
     dense, sparse = (not summed if w == "auto" else w for w in wanted)
     if sites is not None and dense:     # and scalars beside the losses: a fetched accuracy
         sites.extend(_beside(graph, data, losses))
+    for x in dict.fromkeys(tracker_products(graph, data).values()) if sites is not None \
+            else ():        # a loss a tracker adds (`evaluate`'s, without gradients): as one
+        kind, guessed, _ = read.get(x.name) or scalar_form(x, data)
+        done = {site.op for site in sites}
+        sites.extend(s for s in (scaled_sums(x, data) if guessed or kind is None else [])
+                     if s.op not in done)
     if not note and (dense or sparse) and (bent := bent_gradient(graph)):
         note = (f"a custom gradient is not linear in the gradient it receives ({bent[0]!r}: "
                 f"{bent[1]}); the loss is a mean, so each replica's incoming "
@@ -173,12 +179,13 @@ def scaled_sums(loss: tf.Tensor, data) -> list[ScaledSum]:
         op = t.op
         if not _reads(t, inputs):
             return True
-        if op.type in ("Identity", "Snapshot", "Cast", "Neg"):
+        if op.type in ("Identity", "Snapshot", "Cast", "Neg") or op.type in ("Sum", "Mean") \
+                and op.inputs[0].shape.rank == 0:       # (Keras 3's sum of an added loss)
             return terms(op.inputs[0])
         if (added := added_terms(op)) is not None:
             return all([terms(x) for x in added.inputs])
-        if (at := _number(op, inputs)) is not None:
-            return scaled(op, at)
+        if (at := _number(op, inputs)) is not None and scaled(op, at):
+            return True         # (or a mean times a number: as the mean)
         return loss_form(t, data, None, strict=False).kind == "mean"
 
     def scaled(op, at) -> bool:     # op scales a sum over the batch, by input `at`

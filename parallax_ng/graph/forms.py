@@ -135,7 +135,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                 dependent.add(op.name)
                 grown = True
     by_batch, by_count, once, mixed, widened, exchanged, selected = [], [], [], [], [], [], []
-    summed = []
+    summed, averaged = [], []       # averaged: Means over the batch, sums over its rows' count
+    others = (by_batch, averaged, exchanged, summed, selected)      # means made not by a count
 
     def data(t):
         return t.op.name in dependent
@@ -197,6 +198,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     return "sum"
                 if (n := _over(c, constant)) is not None and form(n) == "sum" and \
                         n.name in tallies and form(m) == "sum":
+                    averaged.append(op.name)
                     return "mean"       # a sum times 1 / the rows' count
         if op.type == "MatMul" and op.get_attr("transpose_a") and not op.get_attr(
                 "transpose_b") and {batch_axis(x, rows) for x in op.inputs} == {0}:
@@ -204,14 +206,16 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         terms = added_terms(op)
         if terms is not None:
             kinds = []
-            for x in terms.inputs:
+            for x in terms.inputs:      # (a mean's counts, whether it is theirs alone)
                 before, scaled[0], counted = scaled[0], False, len(by_count)
-                kinds.append((x, form(x), scaled[0], by_count[counted:]))
+                made = [len(made) for made in others]
+                kinds.append((x, form(x), scaled[0], by_count[counted:] if made == [
+                    len(made) for made in others] else []))
                 scaled[0] |= before
             forms = {kind for _, kind, _, _ in kinds} - {"constant"}
             if forms == {"sum", "mean"}:
                 means = [c for _, kind, _, c in kinds if kind == "mean"]
-                if strict or not all(means):
+                if strict or not all(means):        # (a Mean beside a count's: not widened)
                     mixed.extend((x.name, s) for x, kind, s, _ in kinds if kind == "sum")
                     return None
                 widened.extend(op for c in means for op in c)
@@ -249,6 +253,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         has it), or over a tensor already reduced over the batch (the
         per-time means of a sequence loss, summed over time), its form."""
         shape, a = x.shape, batch_axis(x, rows)
+        if t.op.type == "Mean" and (a is not None or selections.picked(x, rows)):
+            averaged.append(t.op.name)          # (if it is a mean over the batch's rows)
         if a is not None and shape.rank is None and _every_axis(t.op.inputs[1], x):
             return "mean" if t.op.type == "Mean" else "sum"     # of a shape known at run time
         if axes is None or not shape.rank:
