@@ -12,7 +12,9 @@ server). Before, each replica took the ratio of its own rows' sums
 device's (a variable on the way, a Sum used elsewhere too, a largest value
 over the batch), the loss is read as before: averaged, with the line that
 names it. A soft IoU, whose gradient reaches one Sum through another's,
-was 0.36 apart before each Sum's gradient was exchanged as its own."""
+was 0.36 apart before each Sum's gradient was exchanged as its own. A
+sum divided by a mean of the batch (a normalized squared error) is such a
+function (before, read as a mean over a count, silently)."""
 import json
 
 import keras
@@ -300,3 +302,110 @@ def test_fit_with_a_dice_loss_and_sample_weights(batch_norm, capsys):
         assert apart <= TOL
     else:
         assert "statistics over the batch's axis" in said and apart > TOL
+
+
+def _over_statistic(kind):
+    """A squared error summed over the batch over a statistic of the
+    targets (a normalized squared error): their mean square, their
+    standard deviation, or their largest magnitude."""
+    def loss(y, p):
+        statistic = {"mean square": lambda: tf.reduce_mean(tf.square(y)),
+                     "standard deviation": lambda: tf.math.reduce_std(y),
+                     "largest": lambda: tf.reduce_max(tf.abs(y))}[kind]()
+        return tf.reduce_sum(tf.square(y - p)) / statistic
+    return loss
+
+
+def test_a_sum_over_a_statistic_of_the_batch_is_no_mean_over_a_count():
+    """A divisor that takes a mean, a largest value or a product over the
+    batch's rows is a statistic, not a count the exchange shares (before,
+    a mean of squares and a largest value were read as one: silently 0.33
+    and 0.52 apart in a `fit`): a mean is a function of the job's sum and
+    mean; a largest value, no form (named). A count of the rows that have
+    any valid entry (a largest value over a later axis) stays a count."""
+    g = tf.Graph()
+    with g.as_default():
+        y = tf1.placeholder(tf.float32, [None, 2], name="y")
+        p = tf.tanh(tf.matmul(y, tf1.get_variable("w", [2, 2])))
+        err = tf.reduce_sum(tf.square(y - p))
+        means = forms.loss_form(_over_statistic("mean square")(y, p), ["y"], None)
+        largest = forms.loss_form(_over_statistic("largest")(y, p), ["y"], None)
+        rows = forms.loss_form(err / tf.reduce_sum(tf.reduce_max(y, 1)), ["y"], None)
+    assert means.kind == "mean" and not means.by_count and means.exchanged
+    assert largest.kind is None
+    assert rows.kind == "mean" and len(rows.by_count) == 1
+
+
+@pytest.mark.parametrize("statistic", ["mean square", "standard deviation"])
+def test_a_tf1_sum_over_a_statistic_of_the_batch_equals_one_device(statistic):
+    """The replicas take the job's sum and statistic (its own mean
+    centred on the job's), so the loss every step and every variable and
+    slot equal one device's (before: 21 and 44 apart after 7 steps of a
+    sweep's model, silently)."""
+    def model(batch):
+        g = tf.Graph()
+        with g.as_default():
+            ds = pn.shard(tf.data.Dataset.from_tensor_slices(arrays())).batch(batch)
+            it = tf1.data.make_initializable_iterator(ds)
+            x, _ = it.get_next()
+            w = tf1.get_variable("w", initializer=np.random.RandomState(4).randn(5, 8)
+                                 .astype(np.float32))
+            v = tf1.get_variable("v", initializer=np.full((8, 1), 0.1, np.float32))
+            p = tf.matmul(tf.tanh(tf.matmul(x, w)), v)
+            loss = _over_statistic(statistic)(2.0 * x[:, :1] + 3.0, p)
+            train = tf1.train.MomentumOptimizer(0.002, 0.9).minimize(loss)
+            init = tf1.global_variables_initializer()
+        return g, train, loss, init, it.initializer
+    g, train, loss, init, it_init = model(BATCH // 2)
+    names = variable_names(g)
+    reads = [read_name(n, g) for n in names]
+    with pn.get_runner(g, local(2)) as runner:
+        runner.run([init, it_init])
+        start = runner.run(reads)
+        got = [runner.run([train, loss])[1] for _ in range(STEPS)]
+        parallel = dict(zip(names, runner.run(reads)))
+    g1, train1, loss1, init1, it_init1 = model(BATCH)
+    with tf1.Session(graph=g1) as sess:
+        sess.run([init1, it_init1])
+        load_values(sess, g1, dict(zip(names, start)))
+        want = [sess.run([train1, loss1])[1] for _ in range(STEPS)]
+        single = dict(zip(names, sess.run(reads)))
+    np.testing.assert_allclose(got, want, rtol=TOL, atol=0)
+    for name in names:
+        np.testing.assert_allclose(parallel[name], single[name], atol=TOL, rtol=TOL,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
+def test_fit_with_a_sum_over_the_targets_mean_square_equals_one_device(lib, capsys):
+    """`fit` (2 epochs, validation) of a normalized squared error: logs,
+    `evaluate`, every weight and slot (before: 0.33 apart, silently); a
+    largest value over the batch instead is named."""
+    k = keras if lib == "keras3" else __import__("tf_keras")
+    x = arrays()[0]
+    y = 2.0 * x[:, :1] + 3.0
+
+    def model(kind):
+        k.utils.set_random_seed(0)
+        m = k.Sequential([k.Input((5,)), k.layers.Dense(8, activation="tanh"),
+                          k.layers.Dense(1)])
+        m.compile(optimizer=k.optimizers.SGD(0.002, momentum=0.9),
+                  loss=_over_statistic(kind), metrics=["mae"])
+        return m
+    parallel, single = model("mean square"), model("mean square")
+    pn.parallelize(parallel, local(2))
+    logs = [m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                  validation_data=(x[:2 * BATCH], y[:2 * BATCH])).history
+            for m in (parallel, single)]
+    for key in logs[1]:
+        np.testing.assert_allclose(logs[0][key], logs[1][key], rtol=TOL, atol=0, err_msg=key)
+    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               single.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               rtol=TOL, atol=0)
+    for v1, v2 in zip(parallel.weights + parallel.optimizer.variables,
+                      single.weights + single.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=TOL, rtol=TOL)
+    assert "parallax_ng" not in capsys.readouterr().err
+    largest = pn.parallelize(model("largest"), local(2))
+    largest.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert "does not show whether the loss" in capsys.readouterr().err

@@ -46,6 +46,34 @@ def differentiable(t: tf.Tensor, most: int = 4096) -> bool:
     return False
 
 
+# ops a count passes through that make it no count the exchange knows (a
+# square root, a square or a power of one is: transforms/counts.py floored)
+_BENT = frozenset({"Rsqrt", "Exp", "Log", "Reciprocal", "Inv"})
+
+
+def no_count(divisor: tf.Tensor, data, rows, most: int = 32) -> bool:
+    """Whether `divisor` is a function of the data (`data(t)`) that is none
+    of a count (of entries, or a sum over the batch: an R-squared's total)
+    the exchange makes the job's: through _BENT, a product of two counts
+    (`n * n`), a power by an exponent the data sets, a mean, largest,
+    smallest value or product over the batch's rows (a statistic: a
+    normalized error's mean square of the targets)."""
+    seen, stack = set(), [divisor.op]
+    while stack and len(seen) < most:
+        op = stack.pop()
+        if op.name in seen or not data(op.outputs[0]):
+            continue
+        seen.add(op.name)
+        if op.type in _BENT or op.type in ("Mul", "RealDiv", "Div", "DivNoNan", "Pow") and \
+                all(data(x) for x in op.inputs) or op.type in ("Mean", "Max", "Min", "Prod") \
+                and over_the_batch(op, rows):
+            return True
+        if op.type not in ("Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike", "Sum",
+                           "Mean"):     # a count of entries, or a sum the data sets: a count
+            stack.extend(x.op for x in op.inputs)
+    return False
+
+
 def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
     """The names of the Sums over the batch's axis (and the batch's row
     counts) that `tensors` (scalars or vectors without the batch's axis,

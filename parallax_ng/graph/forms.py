@@ -168,7 +168,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return through(t, op.inputs[0])     # (entries of a tensor of sums or means)
         if op.type in ("RealDiv", "Div", "DivNoNan") and data(op.inputs[1]) and \
                 op.inputs[1].shape.rank == 0 and form(op.inputs[0]) == "sum" and \
-                not _bent(op.inputs[1], data) and not batch_sums.differentiable(op.inputs[1]):
+                not batch_sums.no_count(op.inputs[1], data, rows) and \
+                not batch_sums.differentiable(op.inputs[1]):
             by_count.append(op.name)
             return "mean"       # a sum over the batch divided by a count the data sets
         if op.type in ("Mul", "RealDiv", "Div", "DivNoNan") and not data(op.inputs[1]):
@@ -299,31 +300,6 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     once if kind == "sum" else [], mixed if kind is None else [],
                     widened if kind == "sum" else [], exchanged if kind == "mean" else [],
                     summed if kind == "mean" else [], selected if kind == "mean" else [])
-
-
-# ops a count passes through that make it no count the exchange knows (a
-# square root, a square or a power of one is: transforms/counts.py floored)
-_BENT = frozenset({"Rsqrt", "Exp", "Log", "Reciprocal", "Inv"})
-
-
-def _bent(count: tf.Tensor, data, most: int = 32) -> bool:
-    """Whether divisor `count` is a function of the data that is none of a
-    count (of entries, or a sum over the batch: an R-squared's total) the
-    exchange makes the job's: through _BENT, a product of two counts (`n *
-    n`), a power by an exponent the data sets."""
-    seen, stack = set(), [count.op]
-    while stack and len(seen) < most:
-        op = stack.pop()
-        if op.name in seen or not data(op.outputs[0]):
-            continue
-        seen.add(op.name)
-        if op.type in _BENT or op.type in ("Mul", "RealDiv", "Div", "DivNoNan", "Pow") and \
-                all(data(x) for x in op.inputs):
-            return True
-        if op.type not in ("Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike", "Sum",
-                           "Mean"):     # a count of entries, or a sum the data sets: a count
-            stack.extend(x.op for x in op.inputs)
-    return False
 
 
 def _over(t: tf.Tensor, constant) -> tf.Tensor | None:
