@@ -321,7 +321,8 @@ def test_a_sum_over_a_statistic_of_the_batch_is_no_mean_over_a_count():
     batch's rows is a statistic, not a count the exchange shares (before,
     a mean of squares and a largest value were read as one: silently 0.33
     and 0.52 apart in a `fit`): a mean is a function of the job's sum and
-    mean; a largest value, no form (named). A count of the rows that have
+    mean; a largest value or tf.math.reduce_euclidean_norm (9.4 apart in a
+    sweep), no form (named). A count of the rows that have
     any valid entry (a largest value over a later axis) stays a count."""
     g = tf.Graph()
     with g.as_default():
@@ -331,8 +332,9 @@ def test_a_sum_over_a_statistic_of_the_batch_is_no_mean_over_a_count():
         means = forms.loss_form(_over_statistic("mean square")(y, p), ["y"], None)
         largest = forms.loss_form(_over_statistic("largest")(y, p), ["y"], None)
         rows = forms.loss_form(err / tf.reduce_sum(tf.reduce_max(y, 1)), ["y"], None)
+        norm = forms.loss_form(err / tf.math.reduce_euclidean_norm(y), ["y"], None)
     assert means.kind == "mean" and not means.by_count and means.exchanged
-    assert largest.kind is None
+    assert largest.kind is None and norm.kind is None       # (a norm's op: no sum to share)
     assert rows.kind == "mean" and len(rows.by_count) == 1
 
 

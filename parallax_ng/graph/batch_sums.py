@@ -49,6 +49,8 @@ def differentiable(t: tf.Tensor, most: int = 4096) -> bool:
 # ops a count passes through that make it no count the exchange knows (a
 # square root, a square or a power of one is: transforms/counts.py floored)
 _BENT = frozenset({"Rsqrt", "Exp", "Log", "Reciprocal", "Inv"})
+# reductions over the batch whose value is a statistic of it, no count
+_STATISTICS = frozenset({"Mean", "Max", "Min", "Prod", "EuclideanNorm"})
 
 
 def no_count(divisor: tf.Tensor, data, rows, most: int = 32) -> bool:
@@ -56,7 +58,7 @@ def no_count(divisor: tf.Tensor, data, rows, most: int = 32) -> bool:
     of a count (of entries, or a sum over the batch: an R-squared's total)
     the exchange makes the job's: through _BENT, a product of two counts
     (`n * n`), a power by an exponent the data sets, a mean, largest,
-    smallest value or product over the batch's rows (a statistic: a
+    smallest value, product or norm over the batch's rows (a statistic: a
     normalized error's mean square of the targets)."""
     seen, stack = set(), [divisor.op]
     while stack and len(seen) < most:
@@ -65,7 +67,7 @@ def no_count(divisor: tf.Tensor, data, rows, most: int = 32) -> bool:
             continue
         seen.add(op.name)
         if op.type in _BENT or op.type in ("Mul", "RealDiv", "Div", "DivNoNan", "Pow") and \
-                all(data(x) for x in op.inputs) or op.type in ("Mean", "Max", "Min", "Prod") \
+                all(data(x) for x in op.inputs) or op.type in _STATISTICS \
                 and over_the_batch(op, rows):
             return True
         if op.type not in ("Shape", "ShapeN", "Size", "Rank", "OnesLike", "ZerosLike", "Sum",
