@@ -247,7 +247,8 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     no count the graph shares with its gradient, no form, and `mixed`
     names the summed term; so where a term adds such a Mean to the count's
     mean (widening the count alone made the Mean's part N times one
-    device's, silently)."""
+    device's, silently). A penalty added inside a widened mean is a term
+    each replica adds 1/N of (`once`; before, N times, silently)."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 3], name="x")
@@ -265,8 +266,12 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     assert form.kind is None and form.mixed == [(summed.name, False)] and not form.widened
     with g.as_default():        # a Mean beside the count's mean in the term: not widened
         both = summed + (tf.reduce_mean(e) + mean)      # (before: widened, N times the Mean)
+        inner = mean + tf.reduce_sum(0.1 * tf.nn.l2_loss(tf1.get_variable("v", [3, 1])))
+        penalized = summed + 0.5 * inner        # a penalty in the widened mean: once
     form = forms.loss_form(both, ["x"], None, strict=False)
     assert form.kind is None and form.mixed == [(summed.name, False)] and not form.widened
+    form = forms.loss_form(penalized, ["x"], None, strict=False)      # (1/N on each replica)
+    assert form.kind == "sum" and form.widened and form.once == [(inner.op.name, 1)]
 
 
 def test_rows_made_with_the_batch_and_concatenated_along_it_are_the_batchs():

@@ -824,7 +824,8 @@ def regularized_graph(keras_sum, mean=False):
     """A loss summed over the batch plus an L2 regularizer (a term without
     data): `tf.reduce_sum(...) + 0.01 * tf.nn.l2_loss(w)`, or Keras 3's way
     of adding its losses (`ops.sum` of a list: a Sum of a Pack); with
-    `mean`, plus a tf.compat.v1.losses mean (a sum over its count)."""
+    `mean`, plus a tf.compat.v1.losses mean (a sum over its count), or
+    ("regularized") the mean with a penalty of its own added in it."""
     g = tf.Graph()
     with g.as_default():
         tf1.set_random_seed(3)
@@ -837,7 +838,7 @@ def regularized_graph(keras_sum, mean=False):
         reg = 0.05 * tf.nn.l2_loss(w)
         part = tf1.losses.absolute_difference(y, h) if mean else reg
         if mean:
-            data = data + 0.5 * part
+            data = data + 0.5 * (part if mean != "regularized" else part + 0.5 * reg)
         loss = tf.reduce_sum(tf.stack([data, reg])) if keras_sum else data + reg
         train = tf1.train.AdamOptimizer(0.05).minimize(loss)
         init = tf1.global_variables_initializer()
@@ -888,7 +889,8 @@ def test_a_penalty_differentiated_apart_from_a_summed_loss_is_added_once(mode):
 
 @pytest.mark.parametrize("keras_sum,mode,mean", [
     (False, "hybrid", False), (True, "allreduce", False), (False, "ps", False),
-    (False, "hybrid", True), (True, "ps", True)])
+    (False, "hybrid", True), (True, "ps", True), (False, "hybrid", "regularized"),
+    (True, "allreduce", "regularized")])
 def test_a_regularizer_beside_a_summed_loss_is_added_once(keras_sum, mode, mean):
     """The replicas' gradients are summed (the loss sums over the batch) and
     each adds 1/N of the regularizer, to the loss and to the kernel's
@@ -897,8 +899,10 @@ def test_a_regularizer_beside_a_summed_loss_is_added_once(keras_sum, mode, mean)
     times). A mean added to the sum (tf.compat.v1.losses': a sum over its
     count) divides by N times the count in every replica, forward and
     gradient (averaged, the sum's part was 1/N of one device's), and the
-    mean fetched alone is the replicas' sum (it was their mean: 1/N). 5
-    Adam steps, every variable, the fetched loss and term, 1e-5."""
+    mean fetched alone is the replicas' sum (it was their mean: 1/N); a
+    penalty added inside that mean is added once too (before, N times:
+    0.10 apart in a sweep, silently). 5 Adam steps, every variable, the
+    fetched loss and term, 1e-5."""
     rng = np.random.RandomState(4)
     ids = rng.randint(0, 20, size=(80, 2)).astype(np.int32)
     ys = rng.randn(80).astype(np.float32)

@@ -215,12 +215,15 @@ def test_a_step_that_returns_nothing_still_shows_its_loss():
     check_equal(parallel, single)
 
 
-def test_the_guides_summed_loss_plus_a_regularizer_equals_one_device():
+@pytest.mark.parametrize("activity", [False, True], ids=["kernel", "kernel and activity"])
+def test_the_guides_summed_loss_plus_a_regularizer_equals_one_device(activity):
     """TensorFlow's custom-loop guide: `compute_average_loss(per,
     global_batch_size=B) + scale_regularization_loss(model.losses)`. The
     gradients are summed and each replica adds 1/N of the regularizer (it
     was averaged with the data's part: 1/N of one device's), Adam, loss
-    and every variable and slot, 1e-5."""
+    and every variable and slot, 1e-5. With an activity regularizer too
+    (Keras divides it by the rows: a mean in the regularizers' sum), the
+    kernel's is added once there as well (before: N times, silently)."""
     def step_of(model, optimizer):
         def train_step(x, y):
             with tf.GradientTape() as tape:
@@ -232,8 +235,9 @@ def test_the_guides_summed_loss_plus_a_regularizer_equals_one_device():
             return value
         return train_step
     make = lambda: keras.Sequential([  # noqa: E731
-        keras.Input((5,)), keras.layers.Dense(8, activation="relu",
-                                              kernel_regularizer=keras.regularizers.L2(0.05)),
+        keras.Input((5,)), keras.layers.Dense(
+            8, activation="relu", kernel_regularizer=keras.regularizers.L2(0.05),
+            activity_regularizer=keras.regularizers.L2(0.01) if activity else None),
         keras.layers.Dense(1)])
     parallel, single = twins(make, lambda: keras.optimizers.Adam(0.02))
     step = pn.function(step_of(*parallel), local(2))

@@ -220,6 +220,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     mixed.extend((x.name, s) for x, kind, s, _ in kinds if kind == "sum")
                     return None
                 widened.extend(op for c in means for op in c)
+                once.extend(at for x, kind, _, _ in kinds if kind == "mean"     # (their
+                            for at in free_terms(x, data))      # regularizers: 1/N each)
                 forms = {"sum"}         # each mean a sum over the job's count
             if forms == {"sum"} and any(not data(x) for x in terms.inputs):
                 once.extend((terms.name, i) for i, x in enumerate(terms.inputs) if not data(x))
@@ -337,6 +339,26 @@ def added_terms(op):
         if axes is not None and set(np.atleast_1d(axes).tolist()) <= {0, -1}:
             return op.inputs[0].op
     return None
+
+
+def free_terms(t: tf.Tensor, data) -> list[tuple[str, int]]:
+    """(op, input index) of the terms without data (`data(x)` false) that
+    `t` adds in linearly (through sums and scalings by such numbers): a
+    regularizer in a mean that a sum over the batch widens."""
+    out, stack = [], [t]
+    while stack:
+        op = stack.pop().op
+        if op.type in ("Identity", "Snapshot", "Cast", "Neg") or op.type in ("Sum", "Mean") \
+                and op.inputs[0].shape.rank == 0:       # (a sum of one number)
+            stack.append(op.inputs[0])
+        elif op.type in ("Mul", "RealDiv", "Div") and not data(op.inputs[1]):
+            stack.append(op.inputs[0])
+        elif op.type == "Mul" and not data(op.inputs[0]):
+            stack.append(op.inputs[1])
+        elif (terms := added_terms(op)) is not None:
+            out += [(terms.name, i) for i, x in enumerate(terms.inputs) if not data(x)]
+            stack += [x for x in terms.inputs if data(x)]
+    return out
 
 
 def through(op):
