@@ -20,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from .errors import ConfigError
-from .graph.tracing import python_value, tensor_leaves
+from .graph.step_specs import python_value, tensor_leaves
 from .runtime.batch_parts import sparse_tensors
 
 SparseValue = tf.compat.v1.SparseTensorValue

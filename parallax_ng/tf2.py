@@ -48,12 +48,11 @@ from .errors import ConfigError, FetchError, GraphError
 from .graph import accumulation
 from .graph.frontend import NO_UPDATE
 from .graph.recorders import tf_variable
-from .graph.tracing import tensor_leaves
 from .runtime.batch_parts import sparse_rows
 from .runtime.combining import name_outputs
 from .step_args import (SparseValue, array, constants, fed, fits_shape, kept_rows, leaf_value,
                         open_shapes, positional, rows_of, same_constants, same_shapes,
-                        sparse_input, traced_shapes)
+                        sparse_input, tensor_leaves, traced_shapes)
 
 FOLLOWED = 4 << 20      # bytes of variables batch_sync "auto" writes back after every call
 _STEPS: weakref.WeakSet = weakref.WeakSet()    # the process's built steps (shared weights)

@@ -1039,7 +1039,16 @@ def test_bad_steps_are_refused_naming_the_problem():
                                           model.trainable_variables))
             return tf.constant(0.0)
         return step
+    def static_rows(x, y):      # the batch's size from its static shape: None here
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x) - y)) / x.shape[0]
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+        return loss
     for fn, error, match in [
+            # before: TensorFlow's "None values not supported", not naming the cause
+            (static_rows, pn.GraphError, r"(?s)first dimension unknown.*None values not "
+             r"supported.*tf.shape\(x\)\[0\], not x.shape\[0\] or len\(x\)"),
             (per_example, pn.GraphError, "from tape.jacobian of .*per-example"),
             # before: "adds its gradients into variables [...] and applies none"
             (clipped_per_example(tf.vectorized_map), pn.GraphError,

@@ -17,8 +17,8 @@ Guarantees: a `Captured` whose `graph` holds
 - a Placeholder per leaf of `args` (`inputs`, in order), its first
   dimension unknown, so the runner splits a global batch over the replicas
   (a SparseTensor's: a `sparse_placeholder`, split by its rows);
-- the step's ops, nested function calls inlined and tf.cond / while_loop
-  lowered (Switch/Merge), names as traced (GradientTape's `gradient_tape/`);
+- the step's ops, calls inlined and tf.cond / while_loop lowered
+  (Switch/Merge), names as traced (GradientTape's `gradient_tape/`);
 - `outputs`: fn's return value as tensor names, in its structure; `train`:
   an op that runs the whole step (every stateful op of the trace);
 - with `parts` ({name: (function, args)}, e.g. Keras's test_step and
@@ -31,9 +31,9 @@ Guarantees: a `Captured` whose `graph` holds
 `variables` maps each graph variable to the program's tf.Variable;
 A tensor the step captures (a NumPy array in its closure) becomes a
 constant; a lookup table it reads, a table of the same entries filled by
-the initializer (graph/tables.py). A step that needs what cannot be
-rebuilt (another resource, an argument that is not a batch) is a
-GraphError naming it.
+the initializer (graph/tables.py). A step that needs what cannot be rebuilt
+(another resource, an argument that is not a batch) or that traces only
+with a known batch size is a GraphError naming it.
 """
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ from . import forms, inlining, recorders
 from . import tables as lookup
 from .row_divisions import row_divisions
 from .row_updates import row_reads, row_updates
+from .step_specs import INPUT, python_value, spec, tensor_leaves  # noqa: F401 (INPUT: here too)
 
-INPUT = "parallax_input_{}"
 PART = "parallax_part_{}"           # the name scope of a part's ops (`capture`'s parts)
 
 
@@ -118,7 +118,7 @@ def _trace(fn, args: tuple, first: int, what: str, opened: dict):
     python = getattr(fn, "python_function", fn)
     flat = tf.nest.flatten(args)
     present = [i for i, a in enumerate(flat) if not python_value(a)]
-    specs = [_spec(flat[i], first + k, opened.get(id(flat[i]))) for k, i in enumerate(present)]
+    specs = [spec(flat[i], first + k, opened.get(id(flat[i]))) for k, i in enumerate(present)]
     structure = args
 
     def step(*leaves):     # an output besides fn's, which holds every stateful op
@@ -142,9 +142,9 @@ def _trace(fn, args: tuple, first: int, what: str, opened: dict):
         with tf.variable_creator_scope(creator):  # slots and layers exist by now
             concrete = tf.function(step, autograph=True,
                                    jit_compile=False).get_concrete_function(*specs)
-    except ValueError as e:
+    except (TypeError, ValueError) as e:
         if "singleton tf.Variables" not in str(e):
-            raise
+            raise _unknown_rows(step, specs, [flat[i] for i in present], what, e) from e
         made.append("a tf.Variable made in the step's body")
     if made:
         raise GraphError(f"{what} makes variables on every call ({made[:3]}): each "
@@ -163,23 +163,6 @@ def _trace(fn, args: tuple, first: int, what: str, opened: dict):
     return concrete
 
 
-def tensor_leaves(args) -> list:
-    """The leaves of a step's arguments that are fed: every leaf but None
-    and Python numbers and strings, which the step gets as they are
-    (Keras's `train_on_batch` passes (x, y, None) where no sample weights
-    are given; a Python `training=True` is traced as a constant, as a
-    tf.function traces it). A scalar tensor or array (a learning rate) is
-    fed whole to every replica; the others are batches they split."""
-    return [a for a in tf.nest.flatten(args) if not python_value(a)]
-
-
-def python_value(leaf) -> bool:
-    """Whether a step's argument leaf is traced as a constant: None, a
-    Python bool, number or string."""
-    return leaf is None or isinstance(leaf, (bool, int, float, complex, str, bytes)) and \
-        not isinstance(leaf, np.generic)
-
-
 def _differences(a, b) -> str:
     """What two traces of the step hold differently (op types, and constants'
     values), or "" when they agree."""
@@ -195,37 +178,20 @@ def _differences(a, b) -> str:
     return f"{', '.join(diff[:4])} differ" if diff else ""
 
 
-def _spec(value, i: int, opened=None):
-    if isinstance(value, tf.compat.v1.SparseTensorValue):
-        value = tf.SparseTensor(*value)
-    if isinstance(value, tf.RaggedTensor) and value.ragged_rank == 1 and value.shape.rank == 2:
-        return tf.SparseTensorSpec([None, None], value.dtype)   # rows of several lengths
-    if isinstance(value, tf.SparseTensor):       # a batch of sparse rows
-        if value.shape.rank is not None and value.shape.rank < 1:
-            raise GraphError(f"argument leaf {i} of the step is a SparseTensor of no rows; "
-                             "every argument is a batch whose first dimension the replicas "
-                             "split")
-        known = value.shape.as_list()[1:] if value.shape.rank is not None else None
-        return tf.SparseTensorSpec(None if known is None else [None] + known, value.dtype)
+def _unknown_rows(step, specs, values, what: str, error: Exception) -> Exception:
+    """A GraphError where `step` traces with the batch's first dimension
+    known but failed (`error`) with it unknown; else `error`."""
+    known = [tf.TensorSpec(np.shape(v), s.dtype) if isinstance(s, tf.TensorSpec) and
+             s.shape.rank else s for s, v in zip(specs, values)]
     try:
-        t = tf.convert_to_tensor(value)
-    except (TypeError, ValueError) as e:
-        data = isinstance(value, (tf.data.Dataset, tf.data.Iterator))
-        what = f"a {type(value).__name__}, not a tensor or array"
-        if isinstance(value, tf.RaggedTensor):
-            what = f"a RaggedTensor of rank {value.shape.rank} and ragged rank " \
-                f"{value.ragged_rank}: a batch of rows of several lengths (rank 2, ragged " \
-                "rank 1) is split by rows; pass this one padded (x.to_tensor())"
-        raise GraphError(f"argument leaf {i} of the step is {what}" + (
-            ": a step takes one global batch; iterate outside it and pass the batch (for x, y "
-            "in dataset: step(x, y))" if data else "" if isinstance(value, tf.RaggedTensor)
-            else f": {e}")) from None
-    if t.shape.rank == 0:           # a number every replica takes whole (a learning rate)
-        return tf.TensorSpec([], t.dtype, name=INPUT.format(i))
-    dims = t.shape.as_list()[1:]
-    if opened is not None and opened.rank == t.shape.rank:
-        dims = [d if o is not None else None for d, o in zip(dims, opened.as_list()[1:])]
-    return tf.TensorSpec([None] + dims, t.dtype, name=INPUT.format(i))
+        tf.function(step, autograph=True, jit_compile=False).get_concrete_function(*known)
+    except Exception:       # noqa: BLE001 (it fails alike: the error is the program's)
+        return error
+    return GraphError(
+        f"{what} does not trace with its batch's first dimension unknown ({error}); each "
+        "replica takes a part of the global batch, so it is traced with shapes [None, ...] "
+        "(as Keras's fit traces its steps): read the batch's size as tf.shape(x)[0], not "
+        "x.shape[0] or len(x)")
 
 
 @dataclass
@@ -405,13 +371,13 @@ def _placeholders(piece: _Piece, first: int) -> list:
     a SparseTensor's is a `sparse_placeholder` (NAME/indices, NAME/values,
     NAME/shape: fed as a batch of rows, runtime/fetches.py)."""
     out = []
-    for i, spec in enumerate(piece.concrete.structured_input_signature[0]):
+    for i, given in enumerate(piece.concrete.structured_input_signature[0]):
         name = INPUT.format(first + i)
-        if isinstance(spec, tf.SparseTensorSpec):
-            sp = tf.compat.v1.sparse_placeholder(spec.dtype, spec.shape, name=name)
+        if isinstance(given, tf.SparseTensorSpec):
+            sp = tf.compat.v1.sparse_placeholder(given.dtype, given.shape, name=name)
             out.append((name, [sp.indices, sp.values, sp.dense_shape]))
         else:
-            out.append((name, [tf.compat.v1.placeholder(spec.dtype, spec.shape, name=name)]))
+            out.append((name, [tf.compat.v1.placeholder(given.dtype, given.shape, name=name)]))
     return out
 
 
