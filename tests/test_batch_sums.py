@@ -189,19 +189,25 @@ def test_fit_with_a_dice_loss_equals_one_device(lib):
         m.compile(optimizer=k.optimizers.SGD(0.5, momentum=0.9), loss=loss,
                   metrics=[dice_coef])
     pn.parallelize(parallel, local(2))
-    x, y = arrays()
+    logs = fit_both(parallel, single, *arrays(), rtol=0)
+    assert set(logs[0]) == set(logs[1]) and len(logs[0]) == 4
+
+
+def fit_both(parallel, single, x, y, rtol):
+    """Both models fit 2 epochs with validation: every logged value,
+    `evaluate`'s, every weight and slot within TOL (and `rtol`); the logs."""
     logs = [m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
                   validation_data=(x[:2 * BATCH], y[:2 * BATCH])).history
             for m in (parallel, single)]
-    assert set(logs[0]) == set(logs[1]) and len(logs[0]) == 4
     for key in logs[1]:
-        np.testing.assert_allclose(logs[0][key], logs[1][key], atol=TOL, rtol=0, err_msg=key)
+        np.testing.assert_allclose(logs[0][key], logs[1][key], atol=TOL, rtol=rtol, err_msg=key)
     np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
                                single.evaluate(x, y, batch_size=BATCH, verbose=0),
-                               atol=TOL, rtol=0)
+                               atol=TOL, rtol=rtol)
     for v1, v2 in zip(parallel.weights + parallel.optimizer.variables,
                       single.weights + single.optimizer.variables):
-        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=TOL, rtol=0)
+        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=TOL, rtol=rtol)
+    return logs
 
 
 def tf1_model(batch):
@@ -223,25 +229,34 @@ def tf1_model(batch):
     return g, train, fetched, init, it.initializer
 
 
-@pytest.mark.parametrize("run", ["allreduce", "ps"])
-def test_a_tf1_dice_loss_equals_one_device(run):
-    g, train, fetched, init, it_init = tf1_model(BATCH // 2)
+def tf1_both(model, config=None):
+    """`model(BATCH // 2)` on 2 replicas and `model(BATCH)` on one device
+    from the same start, STEPS steps: the values fetched each step (the
+    parallel run's, one device's) and the variables by name (every
+    replica's, one device's)."""
+    g, train, fetched, init, it_init = model(BATCH // 2)
     names = variable_names(g)
     reads = [read_name(n, g) for n in names]
-    with pn.get_runner(g, local(2), {"run_option": run}) as runner:
+    with pn.get_runner(g, local(2), config) as runner:
         runner.run([init, it_init])
         start = runner.run(reads)
         got = [runner.run([train, fetched])[1] for _ in range(STEPS)]
         parallel = dict(zip(names, runner.run(reads, per_replica=True)))
-    g1, train1, fetched1, init1, it_init1 = tf1_model(BATCH)
+    g1, train1, fetched1, init1, it_init1 = model(BATCH)
     with tf1.Session(graph=g1) as sess:
         sess.run([init1, it_init1])
         load_values(sess, g1, dict(zip(names, start)))
         want = [sess.run([train1, fetched1])[1] for _ in range(STEPS)]
         single = dict(zip(names, sess.run(reads)))
+    return (got, want), (parallel, single)
+
+
+@pytest.mark.parametrize("run", ["allreduce", "ps"])
+def test_a_tf1_dice_loss_equals_one_device(run):
+    (got, want), (parallel, single) = tf1_both(tf1_model, {"run_option": run})
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
-    assert len(names) == 4                  # the weights and their momenta
-    for name in names:
+    assert len(single) == 4                 # the weights and their momenta
+    for name in single:
         for value in parallel[name]:
             np.testing.assert_allclose(value, single[name], atol=TOL, rtol=0, err_msg=name)
 
@@ -358,24 +373,11 @@ def test_a_tf1_sum_over_a_statistic_of_the_batch_equals_one_device(statistic):
             train = tf1.train.MomentumOptimizer(0.002, 0.9).minimize(loss)
             init = tf1.global_variables_initializer()
         return g, train, loss, init, it.initializer
-    g, train, loss, init, it_init = model(BATCH // 2)
-    names = variable_names(g)
-    reads = [read_name(n, g) for n in names]
-    with pn.get_runner(g, local(2)) as runner:
-        runner.run([init, it_init])
-        start = runner.run(reads)
-        got = [runner.run([train, loss])[1] for _ in range(STEPS)]
-        parallel = dict(zip(names, runner.run(reads)))
-    g1, train1, loss1, init1, it_init1 = model(BATCH)
-    with tf1.Session(graph=g1) as sess:
-        sess.run([init1, it_init1])
-        load_values(sess, g1, dict(zip(names, start)))
-        want = [sess.run([train1, loss1])[1] for _ in range(STEPS)]
-        single = dict(zip(names, sess.run(reads)))
+    (got, want), (parallel, single) = tf1_both(model)
     np.testing.assert_allclose(got, want, rtol=TOL, atol=0)
-    for name in names:
-        np.testing.assert_allclose(parallel[name], single[name], atol=TOL, rtol=TOL,
-                                   err_msg=name)
+    for name in single:
+        for value in parallel[name]:
+            np.testing.assert_allclose(value, single[name], atol=TOL, rtol=TOL, err_msg=name)
 
 
 @pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
@@ -396,17 +398,7 @@ def test_fit_with_a_sum_over_the_targets_mean_square_equals_one_device(lib, caps
         return m
     parallel, single = model("mean square"), model("mean square")
     pn.parallelize(parallel, local(2))
-    logs = [m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
-                  validation_data=(x[:2 * BATCH], y[:2 * BATCH])).history
-            for m in (parallel, single)]
-    for key in logs[1]:
-        np.testing.assert_allclose(logs[0][key], logs[1][key], rtol=TOL, atol=0, err_msg=key)
-    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
-                               single.evaluate(x, y, batch_size=BATCH, verbose=0),
-                               rtol=TOL, atol=0)
-    for v1, v2 in zip(parallel.weights + parallel.optimizer.variables,
-                      single.weights + single.optimizer.variables):
-        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=TOL, rtol=TOL)
+    fit_both(parallel, single, x, y, rtol=TOL)
     assert "parallax_ng" not in capsys.readouterr().err
     largest = pn.parallelize(model("largest"), local(2))
     largest.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
