@@ -209,9 +209,9 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             kinds = []
             for x in terms.inputs:      # (a mean's counts, whether it is theirs alone)
                 before, scaled[0], counted = scaled[0], False, len(by_count)
-                made = [len(made) for made in others]
+                made = [len(found) for found in others]
                 kinds.append((x, form(x), scaled[0], by_count[counted:] if made == [
-                    len(made) for made in others] else []))
+                    len(found) for found in others] else []))
                 scaled[0] |= before
             forms = {kind for _, kind, _, _ in kinds} - {"constant"}
             if forms == {"sum", "mean"}:
