@@ -190,7 +190,6 @@ def from_values(tg, ref, sources: set) -> bool:
 
 
 _FLOORS = frozenset({"Maximum", "AddV2", "Add", "Sub", "Sqrt", "Square", "Pow"})
-_KEPT = frozenset({"Cast", "Identity", "Squeeze", "Reshape"})  # (tf.norm's squeeze of a root)
 
 
 def by_job(tg, count, sources: set) -> bool:
@@ -214,13 +213,13 @@ def floored(tg, count, sources: set):
     so the job's sum goes in there and each replica divides by 1/N of the
     result; (None, count) for a bare count."""
     found, ref, inner = None, count, count
-    while ref.index == 0 and tg.ir.node(ref.node).op in _FLOORS | _KEPT:
+    while ref.index == 0 and tg.ir.node(ref.node).op in _FLOORS | forms.KEEPING:
         ins = tg.ir.data_inputs(ref.node)
         data = [i for i, r in enumerate(ins) if from_values(tg, r, sources)] or \
             [i for i, r in enumerate(ins) if sources & tg.ir.ancestors({r.node}, data_only=True)]
         if len(data) != 1 or data[0] and tg.ir.node(ref.node).op == "Sub":
             break
-        if tg.ir.node(ref.node).op not in _KEPT:
+        if tg.ir.node(ref.node).op not in forms.KEEPING:     # (tf.norm squeezes its root)
             found, inner = (ref.node, data[0]), ins[data[0]]
         ref = ins[data[0]]
     return found, inner

@@ -179,8 +179,9 @@ def scaled_sums(loss: tf.Tensor, data) -> list[ScaledSum]:
         op = t.op
         if not _reads(t, inputs):
             return True
-        if op.type in ("Identity", "Snapshot", "Cast", "Neg") or op.type in ("Sum", "Mean") \
-                and op.inputs[0].shape.rank == 0:       # (Keras 3's sum of an added loss)
+        if past(t) is not t:        # (Keras 3's sum of an added loss)
+            return terms(past(t))
+        if op.type == "Neg":
             return terms(op.inputs[0])
         if (added := added_terms(op)) is not None:
             return all([terms(x) for x in added.inputs])

@@ -14,7 +14,9 @@ a loss as a mean).
 Requires: scalars of a graph with a graph/rows.py reading of its data
 sources. Guarantees: reads the graph only; None wherever a value is not
 made of such Sums alone, or a Sum's incoming gradient is not found where
-the autodiff differentiates it (never half an exchange).
+the autodiff differentiates it (never half an exchange). `differentiable`
+and `no_count` tell graph/forms.py which divisors are no count of the
+batch (a gradient flows through them, or they are a statistic of it).
 """
 from __future__ import annotations
 

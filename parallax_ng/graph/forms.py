@@ -256,7 +256,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         has it), or over a tensor already reduced over the batch (the
         per-time means of a sequence loss, summed over time), its form."""
         shape, a = x.shape, batch_axis(x, rows)
-        if t.op.type == "Mean" and (a is not None or selections.picked(x, rows)):
+        if t.op.type == "Mean" and a is not None:   # (a picked rows' Mean: `selected`)
             averaged.append(t.op.name)          # (if it is a mean over the batch's rows)
         if a is not None and shape.rank is None and _every_axis(t.op.inputs[1], x):
             return "mean" if t.op.type == "Mean" else "sum"     # of a shape known at run time
@@ -361,10 +361,13 @@ def free_terms(t: tf.Tensor, data) -> list[tuple[str, int]]:
     return out
 
 
+# ops that pass a value on unchanged (an identity, a cast, a squeeze or reshape: tf.norm's)
+KEEPING = frozenset({"Identity", "Snapshot", "Cast", "Squeeze", "Reshape"})
+
+
 def through(op):
-    """`op`, or the op whose value it passes on unchanged (an identity, a
-    cast, a squeeze or reshape such as tf.norm's)."""
-    while op.type in ("Identity", "Snapshot", "Cast", "Squeeze", "Reshape"):
+    """`op`, or the op whose value it passes on unchanged (KEEPING)."""
+    while op.type in KEEPING:
         op = op.inputs[0].op
     return op
 
