@@ -21,12 +21,13 @@ class _Asked:
     ("sum/16", 8, False, ""),               # over the global batch: the replicas' sum
     ("sum/8", None, True, "scales the sum by a number"),   # fed: the size is not shown
     ("per example", None, False, ""),       # tf.gradients of a vector sums it
-    ("sum+mean", None, True, "adds a sum over the batch"),     # no rule gives one device's
+    ("sum+mean", None, False, ""),          # the Mean over N times its count, summed
     ("sum+losses", None, False, ""),        # a mean over a count: over N times it, summed
-    ("sum+mean", 8, True, "adds a sum over the batch"),
-    ("sum+(mean+losses)", 8, True, "adds a sum over the batch"),   # a Mean beside: not widened
+    ("sum+mean", 8, False, ""),
+    ("sum+(mean+losses)", 8, False, ""),    # a Mean beside a count's mean: both so
+    ("sum+sum*(1/rows)", None, True, "adds a sum over the batch"),  # no rule gives one device's
     ("sum/8+mean", None, True, "scales the sum by a number"),  # taken as a mean, as alone
-    ("sum/16+mean", 8, True, "adds a sum over the batch"),     # shown not to be one
+    ("sum/16+mean", 8, False, ""),          # shown not to be one: a sum, the Mean widened
     ("hidden", None, True, "does not show whether the loss"),  # by an op it cannot read
     ("hardest half", None, True, "mixes the batch's examples ('TopKV2'"),
     ("per time step", None, False, ""),     # a [batch, 1] loss's columns summed one by one
@@ -58,6 +59,8 @@ def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note, b
                  "sum+(mean+losses)": tf.reduce_sum(e) + (
                      tf.reduce_mean(e) + tf1.losses.absolute_difference(e, e * e)),
                  "sum/8+mean": tf.reduce_sum(e) / 8.0 + tf.reduce_mean(e),
+                 "sum+sum*(1/rows)": tf.reduce_sum(e) + tf.reduce_sum(e) * (
+                     1.0 / tf.cast(tf.shape(x)[0], tf.float32)),
                  "sum/16+mean": tf.reduce_sum(e) / 16.0 + 2.0 * tf.reduce_mean(e),
                  "hidden": tf.reduce_sum(tf.py_function(tf.identity, [e], tf.float32)),
                  "hardest half": tf.reduce_mean(tf.math.top_k(e[:, 0], tf.shape(e)[0] // 2)[0]),

@@ -243,19 +243,24 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     """A sum over the batch plus tf.compat.v1.losses' mean (a sum over a
     count the data's shape sets): a sum whose mean divides by N times its
     count where the gradients are summed (`widened`, its division named);
-    strict (layer-by-layer), no form. With tf.reduce_mean, which divides by
-    no count the graph shares with its gradient, no form, and `mixed`
-    names the summed term; so where a term adds such a Mean to the count's
-    mean (widening the count alone made the Mean's part N times one
-    device's, silently). A penalty added inside a widened mean is a term
-    each replica adds 1/N of (`once`; before, N times, silently)."""
+    strict (layer-by-layer), no form. A tf.reduce_mean added so is widened
+    too, by its Mean (transforms/selected_means.py divides its value and
+    its gradient's count; before, no form: the replicas' gradients were
+    averaged, the sum's part 1/N of one device's, warned), alone or beside
+    the count's mean in a term (before that, the count alone was widened
+    there, N times the Mean's part, silently). A sum times 1 / the rows'
+    count beside the sum is still no form (`mixed` names the summed
+    term). A penalty added inside a widened mean is a term each replica
+    adds 1/N of (`once`; before, N times, silently)."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 3], name="x")
         e = tf.square(tf.matmul(x, tf1.get_variable("w", [3, 1])))
-        summed = tf.reduce_sum(e)
+        summed, average = tf.reduce_sum(e), tf.reduce_mean(e)
         mean = tf1.losses.absolute_difference(e, e * e)
-        loss, raw = summed + 0.5 * mean, summed + tf.reduce_mean(e)
+        twice = 2.0 * average
+        loss, raw = summed + 0.5 * mean, summed + twice
+        rated = summed + tf.reduce_sum(e) * (1.0 / tf.cast(tf.shape(x)[0], tf.float32))
     form = forms.loss_form(loss, ["x"], None, strict=False)
     assert form.kind == "sum" and form.widened == [mean.op.name] and not form.mixed
     assert forms.loss_form(loss, ["x"], None).kind is None
@@ -263,13 +268,18 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     assert not forms.over_widened(mean, ["x"], set()) and not forms.over_widened(
         summed, ["x"], {mean.op.name})
     form = forms.loss_form(raw, ["x"], None, strict=False)
+    assert form.kind == "sum" and form.widened == [average.op.name] and not form.mixed
+    assert forms.over_widened(twice, ["x"], {average.op.name})      # summed where fetched
+    assert forms.loss_form(raw, ["x"], None).kind is None
+    form = forms.loss_form(rated, ["x"], None, strict=False)
     assert form.kind is None and form.mixed == [(summed.name, False)] and not form.widened
-    with g.as_default():        # a Mean beside the count's mean in the term: not widened
-        both = summed + (tf.reduce_mean(e) + mean)      # (before: widened, N times the Mean)
+    with g.as_default():        # a Mean beside the count's mean in the term: both widened
+        both = summed + (average + mean)
         inner = mean + tf.reduce_sum(0.1 * tf.nn.l2_loss(tf1.get_variable("v", [3, 1])))
         penalized = summed + 0.5 * inner        # a penalty in the widened mean: once
     form = forms.loss_form(both, ["x"], None, strict=False)
-    assert form.kind is None and form.mixed == [(summed.name, False)] and not form.widened
+    assert form.kind == "sum" and average.op.name in form.widened and \
+        mean.op.name in form.widened and not form.mixed
     form = forms.loss_form(penalized, ["x"], None, strict=False)      # (1/N on each replica)
     assert form.kind == "sum" and form.widened and form.once == [(inner.op.name, 1)]
 

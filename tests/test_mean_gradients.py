@@ -1,9 +1,10 @@
 """graph/mean_gradients.py: the autodiff's gradient of a forward Mean over
 the batch, found by tf.gradients' names and, in a GradientTape's scope
-that holds several Means' gradients, by the count each divides by."""
+that holds several Means' gradients, by the count each divides by; its
+division by the count, of a shape known at run time or fixed."""
 import tensorflow as tf
 
-from parallax_ng.graph.mean_gradients import Autodiff, chains, incoming
+from parallax_ng.graph.mean_gradients import Autodiff, chains, division, incoming
 
 tf1 = tf.compat.v1
 
@@ -55,3 +56,21 @@ def test_a_tapes_means_are_told_apart_by_their_counts():
     assert None not in found and found[0] is not found[1]
     for mean, grad in zip(means, found):
         assert grad.shape.as_list() == mean.outputs[0].shape.as_list()
+
+
+def test_a_means_division_by_its_count_where_the_shape_is_known_or_not():
+    """With rows known at run time the division's count reads the input's
+    shape; with a static batch tf.gradients divides by a constant and reads
+    no input of the Mean: found by its name (before, not found)."""
+    for rows in (None, 8):
+        g = tf.Graph()
+        with g.as_default():
+            x = tf1.placeholder(tf.float32, [rows, 5], "x")
+            e = tf.matmul(x, tf1.get_variable("w", [5, 1]))
+            mean = tf.reduce_mean(tf.abs(e), name="average")
+            tf1.gradients(tf.reduce_sum(tf.square(e)) + mean, tf1.trainable_variables())
+        found = division(Autodiff(g), mean.op)
+        assert found is not None and found.type == "RealDiv" and \
+            found.name.startswith("gradients/average_grad/")
+        count = tf.get_static_value(found.inputs[1])
+        assert (count is None) if rows is None else count == rows

@@ -35,12 +35,14 @@ def masked_loss(pred, y):
     return tf.reduce_mean(tf.square(tf.boolean_mask(pred - y, y[:, 0] > 0)))
 
 
-def tf1_model(batch, losses):
+def tf1_model(batch, losses, static=False):
     """A TF1 graph of two layers on the shard of `arrays()`, trained by Adam
-    on the first of `losses(pred, y)` (the others fetched beside it)."""
+    on the first of `losses(pred, y)` (the others fetched beside it); with
+    `static`, batches of a shape the graph fixes."""
     g = tf.Graph()
     with g.as_default():
-        ds = pn.shard(tf.data.Dataset.from_tensor_slices(arrays())).batch(batch)
+        ds = pn.shard(tf.data.Dataset.from_tensor_slices(arrays())).batch(
+            batch, drop_remainder=static)
         it = tf1.data.make_initializable_iterator(ds)
         x, y = it.get_next()
         rng = np.random.RandomState(4)
@@ -52,11 +54,11 @@ def tf1_model(batch, losses):
     return g, train, fetched, init, it.initializer
 
 
-def check_tf1(losses, run) -> dict:
+def check_tf1(losses, run, static=False) -> dict:
     """tf1_model on 2 replicas (run option `run`) against one device with
     the global batch: the fetched values every step and every variable
     after STEPS steps within TOL; the rewritten graph's {node: op}."""
-    g, train, fetched, init, it_init = tf1_model(BATCH // 2, losses)
+    g, train, fetched, init, it_init = tf1_model(BATCH // 2, losses, static)
     names = variable_names(g)
     reads = [read_name(n, g) for n in names]
     with pn.get_runner(g, local(2), {"run_option": run}) as runner:
@@ -65,7 +67,7 @@ def check_tf1(losses, run) -> dict:
         got = [runner.run([train, fetched])[1] for _ in range(STEPS)]
         parallel = dict(zip(names, runner.run(reads, per_replica=True)))
         made = {n.name: n.op for n in runner.graph.as_graph_def().node}
-    g1, train1, fetched1, init1, it_init1 = tf1_model(BATCH, losses)
+    g1, train1, fetched1, init1, it_init1 = tf1_model(BATCH, losses, static)
     with tf1.Session(graph=g1) as sess:
         sess.run([init1, it_init1])
         load_values(sess, g1, dict(zip(names, start)))
@@ -206,3 +208,61 @@ def test_fit_with_a_loss_over_masked_rows_equals_one_device(lib):
                       single.weights + single.optimizer.variables):
         np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=TOL, rtol=0,
                                    err_msg=getattr(v1, "path", v1.name))
+
+
+def sum_and_mean(pred, y):
+    """A sum of squares over the batch plus half a tf.reduce_mean of the
+    absolute errors, and that Mean fetched apart."""
+    part = tf.reduce_mean(tf.abs(pred - y))
+    return [tf.reduce_sum(tf.square(pred - y)) + 0.5 * part, part]
+
+
+@pytest.mark.parametrize("run,static", [("allreduce", False), ("ps", False), ("hybrid", True)],
+                         ids=["allreduce", "ps", "hybrid, static shapes"])
+def test_a_mean_added_to_a_sum_over_the_batch_equals_one_device(run, static):
+    """The replicas' gradients are summed (the loss sums over the batch)
+    and every replica's tf.reduce_mean is its value over N, its gradient's
+    division by N times its count (a constant where the shapes are
+    static), so the sums are one device's; the Mean fetched alone is the
+    replicas' sum. Before, the gradients were averaged (the sum's part 1/N
+    of one device's, warned): 3.4 apart after 7 steps in a sweep."""
+    made = check_tf1(sum_and_mean, run, static)
+    assert {"Mean/parallax_mean", "parallax/replica_1/Mean/parallax_mean"} <= set(made)
+    assert made["Mean"] == "Mul"
+
+
+@pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
+def test_fit_with_a_summed_loss_and_a_mean_a_layer_adds_equals_one_device(lib):
+    """`model.fit` with `reduction="sum"` and a layer's
+    `add_loss(0.1 * tf.reduce_mean(...))` (a Keras user's penalty): the
+    logged losses, every weight and slot after 2 epochs, and `evaluate`.
+    Before, warned and averaged: 0.40 apart in a sweep."""
+    k = keras if lib == "keras3" else __import__("tf_keras")
+
+    class Penalty(k.layers.Layer):
+        def call(self, h):
+            self.add_loss(0.1 * tf.reduce_mean(tf.square(h)))
+            return h
+
+    def make():
+        inputs = k.Input((5,))
+        h = Penalty()(k.layers.Dense(8, activation="tanh")(inputs))
+        return k.Model(inputs, k.layers.Dense(1)(h))
+    k.utils.set_random_seed(0)
+    parallel, single = make(), make()
+    single.set_weights(parallel.get_weights())
+    for m in (parallel, single):
+        m.compile(optimizer=k.optimizers.SGD(0.01, momentum=0.9),
+                  loss=k.losses.MeanSquaredError(reduction="sum"))
+    pn.parallelize(parallel, local(2))
+    x, y = arrays()
+    h1, h2 = (m.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+              for m in (parallel, single))
+    np.testing.assert_allclose(h1.history["loss"], h2.history["loss"], atol=TOL, rtol=1e-6)
+    for v1, v2 in zip(parallel.weights + parallel.optimizer.variables,
+                      single.weights + single.optimizer.variables):
+        np.testing.assert_allclose(np.asarray(v1), np.asarray(v2), atol=TOL, rtol=0,
+                                   err_msg=getattr(v1, "path", v1.name))
+    np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               single.evaluate(x, y, batch_size=BATCH, verbose=0),
+                               atol=TOL, rtol=1e-6)

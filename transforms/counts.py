@@ -33,7 +33,8 @@ class Forms:
 
     def over_widened(self, t, widened) -> bool:
         """forms.over_widened, from the form read."""
-        return bool(widened) and any(op in widened for op in self(t).by_count)
+        return bool(widened) and any(op in widened for op in self(t).by_count +
+                                     self(t).averaged)
 
 
 def shared(tg, sources, form, widened: dict, products: dict, read=()) -> list:
@@ -55,19 +56,20 @@ def shared(tg, sources, form, widened: dict, products: dict, read=()) -> list:
             if by_job(tg, count, set(sources)) and not averaging.fed_scalar(
                     tg.tensor(count), set(sources)):    # (fed whole: transforms/scaled_sums.py)
                 out.setdefault(count, False)
-    out.update(dict.fromkeys(widened.values(), True))
+    out.update(dict.fromkeys((c for c in widened.values() if c is not None), True))
     return list(out.items())
 
 
 def widened(tg, form, products: dict, summing: bool) -> dict:
     """{division: its count} of the means a loss adds to a sum over the batch
-    (forms.LossForm.widened): where the replicas' gradients are summed, or
-    a graph without gradients (`evaluate`'s) has a tracker add the loss,
-    each replica divides the mean by N times its count, so the replicas'
-    sum of it is one device's mean."""
+    (forms.LossForm.widened; a Mean's count is None: transforms/selected_means.py
+    divides it): where the replicas' gradients are summed, or a graph
+    without gradients (`evaluate`'s) has a tracker add the loss, each
+    replica divides the mean by N times its count, so the replicas' sum of
+    it is one device's mean."""
     losses = forms.autodiff_losses(tg.graph)
     trained = tg.ir.ancestors({t.op.name for t in losses}, data_only=True) if losses else set()
-    return {op: tg.ir.data_inputs(op)[1]
+    return {op: tg.ir.data_inputs(op)[1] if tg.ir.node(op).op != "Mean" else None
             for loss in (losses if summing else []) + list(products.values())
             for op in form(loss).widened if summing or op not in trained}
 

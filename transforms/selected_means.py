@@ -20,6 +20,12 @@ step, on a server where the plan sums there); the autodiff's division of
 the mean's gradient by the count takes that count too. So the mean of
 the replicas' gradients, losses and fetched values (a masked metric's) is
 one device's, and a replica that picks no row adds 0.
+
+A Mean over the batch that a loss adds to a sum over it (graph/forms.py
+`widened`, where the state-sync pass has the replicas' gradients summed)
+divides by N times its count in every replica, forward (its value over N)
+and in the autodiff's division of its gradient, so the replicas' sum is
+one device's, as a widened count's mean is (transforms/state_sync.py).
 """
 from __future__ import annotations
 
@@ -28,8 +34,9 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from parallax_ng.graph import branches, emit, forms, selections
+from parallax_ng.graph import branches, emit, forms, mean_gradients, selections
 from parallax_ng.graph.rows import reading
+from parallax_ng.pipeline.results import WidenedMeans
 from transforms.extremes import all_reduce, on_a_server
 
 
@@ -69,7 +76,44 @@ class SelectedMeansPass:
             for division in selections.gradient_divisions(op):
                 rewires.update({(ctx.replica_name(k, division.name), 1): job
                                 for k, job in enumerate(jobs)})
-        return ir.replace(changed, added).rewire(rewires), {"selected": len(means)}
+        wide = _widened(ir, ctx, changed, added, rewires)
+        return ir.replace(changed, added).rewire(rewires), {"selected": len(means),
+                                                            "widened": wide}
+
+
+def _widened(ir, ctx, changed: dict, added: list, rewires: dict) -> int:
+    """Every replica's copy of each widened Mean (`WidenedMeans`) becomes
+    its value over N, and its gradient's division takes N times the count;
+    a trained one whose gradient is not found is warned. The Means' count."""
+    tg, plan, wide = ctx.tg, ctx.plan, ctx.result(WidenedMeans)
+    means = sorted(n for n in (wide.divisions if wide else ()) if tg.ir.node(n).op == "Mean")
+    index = mean_gradients.Autodiff(tg.graph) if means else None
+    trained = tg.ir.ancestors({t.op.name for t in forms.autodiff_losses(tg.graph)},
+                              data_only=True) if means else set()
+    for mean in means:
+        op, scope = tg.graph.get_operation_by_name(mean), f"parallax/selected_means/{mean}"
+        dtype, division = op.outputs[0].dtype, mean_gradients.division(index, op)
+        if division is None and mean in trained:
+            warnings.warn(f"the Mean {mean!r} is added to a sum over the batch, but its "
+                          "gradient was not found: its part of the replicas' summed "
+                          "gradients is N times one device's", stacklevel=3)
+        share = emit.const(f"{scope}/share", 1.0 / plan.group_size, dtype, plan.host)
+        times = emit.const(f"{scope}/replicas", plan.group_size, dtype, plan.host)
+        added += [share, times]
+        count = tg.ir.data_inputs(division.name)[1] if division is not None else None
+        for k in range(plan.num_replicas):
+            node = ir.node(ctx.replica_name(k, mean))
+            inner = emit.like(node, f"{node.name}/parallax_mean", node.device)
+            inner.input.extend(node.input)
+            added.append(inner)
+            changed[node.name] = emit.node_def(node.name, "Mul", [inner.name, share.name],
+                                               node.device, T=dtype)
+            if count is not None:
+                at = ctx.replica_name(k, division.name)
+                added.append(emit.node_def(f"{scope}/replica_{k}/count", "Mul", [
+                    ctx.replica_tensor(k, count), times.name], ir.node(at).device, T=dtype))
+                rewires[(at, 1)] = added[-1].name
+    return len(means)
 
 
 def _means(tg) -> list[str]:

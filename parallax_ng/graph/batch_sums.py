@@ -16,15 +16,19 @@ sources. Guarantees: reads the graph only; None wherever a value is not
 made of such Sums alone, or a Sum's incoming gradient is not found where
 the autodiff differentiates it (never half an exchange). `differentiable`
 and `no_count` tell graph/forms.py which divisors are no count of the
-batch (a gradient flows through them, or they are a statistic of it).
+batch (a gradient flows through them, or they are a statistic of it),
+`counts_elements` which count a batch tensor's elements (Keras's masked
+mean divides by one).
 """
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 
 from . import selections
 from .applied import over_the_batch
 from .mean_gradients import Autodiff, incoming_sum
+from .rows import batch_axis, counts_rows
 from .rules import is_autodiff
 
 _SHAPE_ONLY = ("OnesLike", "ZerosLike", "Shape", "ShapeN", "Size", "Rank")
@@ -145,3 +149,31 @@ def _trained(op, targets: set) -> bool:
                 seen.add(c.name)
                 stack.append(c)
     return False
+
+
+def counts_elements(t: tf.Tensor, sources) -> bool:
+    """Whether the scalar `t` counts the elements of a tensor of the
+    batch's rows (the product of its shape, or its size), maybe cast."""
+    op = t.op
+    while op.type == "Cast":
+        op = op.inputs[0].op
+    shape = op.inputs[0].op if op.type == "Prod" else None
+    if shape is not None and shape.type == "Shape":
+        return batch_axis(shape.inputs[0], sources) is not None
+    if shape is not None and shape.type == "Pack":     # (rows, other dims ...)
+        return counts_rows(shape.inputs[0].op, sources) and all(
+            tf.get_static_value(x) is not None or _other_dim(x, sources)
+            for x in shape.inputs[1:])
+    return counts_rows(op, sources)
+
+
+def _other_dim(t: tf.Tensor, sources) -> bool:
+    """Whether `t` is `tf.shape(x)[k]` of a tensor of the batch's rows, k
+    not their axis (a padded batch's length, the same on every replica)."""
+    op = t.op
+    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape" or \
+            not op.get_attr("shrink_axis_mask"):
+        return False
+    x, k = op.inputs[0].op.inputs[0], tf.get_static_value(op.inputs[1])
+    axis = batch_axis(x, sources) if k is not None and x.shape.rank else None
+    return axis is not None and int(np.ravel(k)[0]) % x.shape.rank != axis

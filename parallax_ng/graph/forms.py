@@ -78,9 +78,11 @@ class LossForm:
     # number); no one rule for the replicas' gradients gives one device's
     mixed: list[tuple[str, bool]] = field(default_factory=list)
     # where a sum over the batch adds means that divide a sum by a count
-    # (Keras's and tf.compat.v1.losses' means): the divisions whose count,
-    # input 1, becomes the job's (N times a replica's) where the replicas'
-    # gradients are summed (transforms/state_sync.py)
+    # (Keras's and tf.compat.v1.losses' means) or Means over it (tf.reduce_mean):
+    # the divisions whose count, input 1, becomes the job's (N times a replica's)
+    # where the replicas' gradients are summed (transforms/state_sync.py), and
+    # the Means that then divide by N, forward and in the gradient
+    # (transforms/selected_means.py)
     widened: list[str] = field(default_factory=list)
     # means over the batch (scalars or not) that a function not linear in them takes (an
     # RMSE's): every replica uses the job's, forward and in the gradient (state_sync's)
@@ -92,6 +94,8 @@ class LossForm:
     # replica's count is its own, the job's is their sum
     # (transforms/selected_means.py divides every replica's sum by it)
     selected: list[str] = field(default_factory=list)
+    # the Means over the batch (tf.reduce_mean) a mean takes, and its sums times 1 / count
+    averaged: list[str] = field(default_factory=list)
 
 
 # element-wise ops: of means, a loss needs their job-wide values (LossForm.exchanged)
@@ -207,16 +211,19 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
         terms = added_terms(op)
         if terms is not None:
             kinds = []
-            for x in terms.inputs:      # (a mean's counts, whether it is theirs alone)
+            for x in terms.inputs:      # (a mean's counts and Means, whether they are all)
                 before, scaled[0], counted = scaled[0], False, len(by_count)
                 made = [len(found) for found in others]
-                kinds.append((x, form(x), scaled[0], by_count[counted:] if made == [
-                    len(found) for found in others] else []))
+                kind, means = form(x), averaged[made[1]:]
+                alone = [len(found) for found in others] == [
+                    made[0], made[1] + len(means), *made[2:]] and all(
+                    loss.graph.get_operation_by_name(m).type == "Mean" for m in means)
+                kinds.append((x, kind, scaled[0], by_count[counted:] + means if alone else []))
                 scaled[0] |= before
             forms = {kind for _, kind, _, _ in kinds} - {"constant"}
             if forms == {"sum", "mean"}:
                 means = [c for _, kind, _, c in kinds if kind == "mean"]
-                if strict or not all(means):        # (a Mean beside a count's: not widened)
+                if strict or not all(means):    # (a sum times 1 / count beside: not widened)
                     mixed.extend((x.name, s) for x, kind, s, _ in kinds if kind == "sum")
                     return None
                 widened.extend(op for c in means for op in c)
@@ -294,14 +301,15 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             "l2l.micro_batches: 1")
     if kind == "mean":      # Keras's masked mean: each kept element weighs count / kept
         by_count += [op.name for op in order if op.type in ("RealDiv", "Div", "DivNoNan") and
-                     op.name not in by_count and _counts_elements(op.inputs[0], rows) and
+                     op.name not in by_count and batch_sums.counts_elements(op.inputs[0], rows) and
                      op.inputs[1].shape.rank == 0 and data(op.inputs[1]) and
                      form(op.inputs[1]) == "sum"]
     return LossForm(None if kind == "constant" else kind, by_batch if kind == "mean" else [],
                     scaled[0] and kind == "sum", by_count if kind == "mean" else [],
                     once if kind == "sum" else [], mixed if kind is None else [],
                     widened if kind == "sum" else [], exchanged if kind == "mean" else [],
-                    summed if kind == "mean" else [], selected if kind == "mean" else [])
+                    summed if kind == "mean" else [], selected if kind == "mean" else [],
+                    averaged if kind == "mean" else [])
 
 
 def _over(t: tf.Tensor, constant) -> tf.Tensor | None:
@@ -396,38 +404,11 @@ def scalar_form(t: tf.Tensor, sources) -> tuple[str | None, bool, LossForm]:
 
 
 def over_widened(t: tf.Tensor, sources, widened) -> bool:
-    """Whether the scalar `t` is a mean over a count whose division is one
-    of `widened` (each replica's value 1/N of its share: they are summed)."""
-    return bool(widened) and any(
-        op in widened for op in loss_form(t, sources, None, strict=False).by_count)
-
-
-def _counts_elements(t: tf.Tensor, sources) -> bool:
-    """Whether the scalar `t` counts the elements of a tensor of the
-    batch's rows (the product of its shape, or its size), maybe cast."""
-    op = t.op
-    while op.type == "Cast":
-        op = op.inputs[0].op
-    shape = op.inputs[0].op if op.type == "Prod" else None
-    if shape is not None and shape.type == "Shape":
-        return batch_axis(shape.inputs[0], sources) is not None
-    if shape is not None and shape.type == "Pack":     # (rows, other dims ...)
-        return counts_rows(shape.inputs[0].op, sources) and all(
-            tf.get_static_value(x) is not None or _other_dim(x, sources)
-            for x in shape.inputs[1:])
-    return counts_rows(op, sources)
-
-
-def _other_dim(t: tf.Tensor, sources) -> bool:
-    """Whether `t` is `tf.shape(x)[k]` of a tensor of the batch's rows, k
-    not their axis (a padded batch's length, the same on every replica)."""
-    op = t.op
-    if op.type != "StridedSlice" or op.inputs[0].op.type != "Shape" or \
-            not op.get_attr("shrink_axis_mask"):
-        return False
-    x, k = op.inputs[0].op.inputs[0], tf.get_static_value(op.inputs[1])
-    axis = batch_axis(x, sources) if k is not None and x.shape.rank else None
-    return axis is not None and int(np.ravel(k)[0]) % x.shape.rank != axis
+    """Whether the scalar `t` is a mean over a count whose division, or a
+    Mean, is one of `widened` (each replica's value 1/N of its share: they
+    are summed)."""
+    form = loss_form(t, sources, None, strict=False) if widened else None
+    return bool(widened) and any(op in widened for op in form.by_count + form.averaged)
 
 
 def replica_batch(graph: tf.Graph, data) -> int | None:

@@ -103,11 +103,26 @@ def incoming(index: Autodiff, mean: tf.Operation) -> tf.Tensor | None:
     Mean gradient's Reshape), where exactly one Mean gradient is found
     for it (in a tape's scope, which holds several Means' gradients, the
     one whose divisor counts the Mean's input); None otherwise."""
+    found = _chain(index, mean)
+    return found[0].inputs[0] if found else None
+
+
+def division(index: Autodiff, mean: tf.Operation) -> tf.Operation | None:
+    """The autodiff's division of `mean`'s spread gradient by its count
+    (input 1: a constant where the graph fixes the shapes), where
+    `incoming` finds the one gradient; None otherwise."""
+    found = _chain(index, mean)
+    return found[2] if found else None
+
+
+def _chain(index: Autodiff, mean: tf.Operation) -> tuple | None:
     x = mean.inputs[0]
     found = chains(index.of(mean, x))
     if len(found) > 1:      # a tape's scope: the one that counts x's entries
         found = [c for c in found if _counts(c[2].inputs[1], past_identities(x))]
-    return found[0][0].inputs[0] if len(found) == 1 else None
+    if not found and x.shape.is_fully_defined():    # a static shape's: divided by a
+        found = chains(index.named_once(mean))      # constant, not reading x
+    return found[0] if len(found) == 1 else None
 
 
 def incoming_sum(index: Autodiff, total: tf.Operation, ops=None,
