@@ -31,6 +31,8 @@ parser.add_argument("--dense-method", default="auto")
 parser.add_argument("--lookup", default="gather", help="gather | sparse (models.py)")
 parser.add_argument("--static-batch", action="store_true", help="batches of a known size")
 parser.add_argument("--masked", action="store_true", help="a mean over the rows of positive y")
+parser.add_argument("--sum-and-mean", action="store_true",
+                    help="a summed loss plus a tf.reduce_mean (models.embedding_regression)")
 parser.add_argument("--bn", help="the dense layer's input batch-normalized: moments | fused | "
                                  "keras (models.embedding_regression; frozen at every third step) "
                                  "| own (by hand) | weighted (tf.nn.weighted_moments)")
@@ -79,7 +81,8 @@ elif args.random_init:
 else:
     g, h = embedding_regression(4, slow_adam if args.slow_writes else args.optimizer, clip=not args.no_clip, ema=not args.no_ema,
                                 partitions=args.partitions, static_batch=args.static_batch,
-                                lookup=args.lookup, masked=args.masked, bn=args.bn)
+                                lookup=args.lookup, masked=args.masked, bn=args.bn,
+                                loss_sum="and mean" if args.sum_and_mean else False)
 saver = None
 if args.saver:      # built before training, as most TF1 scripts build theirs
     with g.as_default():

@@ -44,6 +44,8 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
     `static_batch`, batches of a size the graph knows; with `lookup`
     "sparse", each example's ids read by embedding_lookup_sparse (the same
     mean, but the gradient holds each distinct id of the batch once); with
+    `loss_sum` "and mean", the summed loss plus half a tf.reduce_mean of
+    the hidden units' magnitudes (a penalty); with
     `masked`, the loss is the mean over the examples whose target is
     positive (tf.boolean_mask: a replica may pick none); with `bn`
     ("moments" or "fused"), the dense layer's input is normalized by the
@@ -114,7 +116,10 @@ def embedding_regression(batch, optimizer="adam", clip=False, ema=False,
         pred = tf.squeeze(tf.matmul(hidden, v), 1)
         reduce = tf.reduce_sum if loss_sum else tf.reduce_mean
         err = tf.square(pred - y)
-        loss = reduce(tf.boolean_mask(err, y > 0) if masked else err, name="loss")
+        loss = reduce(tf.boolean_mask(err, y > 0) if masked else err,
+                      name="loss" if loss_sum != "and mean" else "data")
+        if loss_sum == "and mean":
+            loss = tf.add(loss, 0.5 * tf.reduce_mean(tf.abs(hidden)), name="loss")
         step = tf1.train.get_or_create_global_step()
         opt = OPTIMIZERS[optimizer]() if isinstance(optimizer, str) else optimizer()
         grads_and_vars = opt.compute_gradients(loss)

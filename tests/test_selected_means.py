@@ -5,7 +5,9 @@ the fetched loss (a masked metric and a count of rows too) every step and every
 variable and slot after 6 steps within 1e-5, in a TF1 graph (all-reduce
 and parameter servers), a Keras 3 `pn.function` loop, jobs of 2 workers
 (all-reduce; with a server, hybrid and ps) and `model.fit` in both
-Kerases; in a branch, warned."""
+Kerases; in a branch, warned. A tf.reduce_mean added to a sum over the
+batch (widened: over N times its count) likewise: TF1 with shapes known at
+run time or static, a job of 2 workers and a server, `fit` in both."""
 import keras
 import numpy as np
 import pytest
@@ -229,6 +231,25 @@ def test_a_mean_added_to_a_sum_over_the_batch_equals_one_device(run, static):
     made = check_tf1(sum_and_mean, run, static)
     assert {"Mean/parallax_mean", "parallax/replica_1/Mean/parallax_mean"} <= set(made)
     assert made["Mean"] == "Mul"
+
+
+def test_a_job_of_a_summed_loss_and_a_mean_equals_one_device(tmp_path):
+    """tests/cluster_script.py --sum-and-mean: 2 workers and a server
+    (hybrid), the embedding regression's summed loss plus a tf.reduce_mean,
+    Adam with clipping and moving averages, 6 steps: every variable (each
+    Mean over N = the job's replicas, not a worker's)."""
+    from models import embedding_regression, train_single
+    from test_cluster import load, run_job
+    done, out, _ = run_job(tmp_path, 2, 1, "6", "--run-option", "hybrid", "--sum-and-mean",
+                           servers=1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    single = train_single(*embedding_regression(8, "adam", clip=True, ema=True,
+                                                loss_sum="and mean"), 6)
+    parallel = load(out, 2)
+    assert set(parallel) == set(single)
+    for name, copies in parallel.items():
+        for got in copies:
+            np.testing.assert_allclose(got, single[name], atol=TOL, rtol=0, err_msg=name)
 
 
 @pytest.mark.parametrize("lib", ["keras3", "tf_keras"])
