@@ -12,7 +12,12 @@ for a test (tests/test_keras_examples.py, tests/tf2_job_script.py):
   model (an IntegerLookup of a categorical column's codes, its embedding,
   numeric columns), concatenated, Dense, Dropout, sigmoid;
 - `bidirectional_lstm`: IMDB's bidirectional LSTM (an embedding, two
-  Bidirectional LSTMs, the first returning sequences, sigmoid).
+  Bidirectional LSTMs, the first returning sequences, sigmoid);
+- `captcha_ocr`: the captcha reader (two Conv2D + MaxPooling2D blocks, a
+  Reshape to a sequence, Dense, two Bidirectional LSTMs, softmax over the
+  characters and a blank) whose `CTCLayer` adds the CTC loss per example
+  (`add_loss` of tf.compat.v1.nn.ctc_loss over labels made sparse by a
+  tf.compat.v1.scan); compiled with no loss, fed a dict of images and labels.
 
 Each takes `dropout` (the examples' rates by default; 0 for a run that must
 equal one device number for number) and `data(name, rows, seed)` gives
@@ -21,6 +26,7 @@ with (`compile_args(name)`).
 """
 import keras
 import numpy as np
+import tensorflow as tf
 from keras import layers, ops
 
 VOCAB, MAXLEN, USERS, MOVIES, SIDE = 200, 12, 40, 60, 12
@@ -152,9 +158,75 @@ def bidirectional_lstm(dropout=None, units=4):
     return keras.Model(inputs, layers.Dense(1, activation="sigmoid")(h))
 
 
+def ctc_label_dense_to_sparse(labels, label_lengths):
+    """The example's labels as a SparseTensor: the first `label_lengths`
+    of each row (a mask grown by tf.compat.v1.scan)."""
+    label_shape = ops.shape(labels)
+    num_batches_tns, max_num_labels_tns = ops.stack([label_shape[0]]), ops.stack([label_shape[1]])
+
+    def range_less_than(old_input, current_input):
+        return ops.expand_dims(ops.arange(ops.shape(old_input)[1]), 0) < tf.fill(
+            max_num_labels_tns, current_input)
+    init = ops.cast(tf.fill([1, label_shape[1]], 0), dtype="bool")
+    dense_mask = tf.compat.v1.scan(range_less_than, label_lengths, initializer=init,
+                                   parallel_iterations=1)[:, 0, :]
+    label_array = tf.reshape(tf.tile(ops.arange(0, label_shape[1]), num_batches_tns),
+                             label_shape)
+    label_ind = tf.compat.v1.boolean_mask(label_array, dense_mask)
+    batch_array = ops.transpose(tf.reshape(tf.tile(ops.arange(0, label_shape[0]),
+                                                   max_num_labels_tns),
+                                           tf.reverse(label_shape, [0])), (1, 0))
+    batch_ind = tf.compat.v1.boolean_mask(batch_array, dense_mask)
+    indices = ops.transpose(ops.reshape(ops.concatenate([batch_ind, label_ind], axis=0),
+                                        [2, -1]), (1, 0))
+    vals_sparse = tf.compat.v1.gather_nd(labels, indices)
+    return tf.SparseTensor(ops.cast(indices, dtype="int64"), vals_sparse,
+                           ops.cast(label_shape, dtype="int64"))
+
+
+def ctc_batch_cost(y_true, y_pred, input_length, label_length):
+    label_length = ops.cast(ops.squeeze(label_length, axis=-1), dtype="int32")
+    input_length = ops.cast(ops.squeeze(input_length, axis=-1), dtype="int32")
+    sparse_labels = ops.cast(ctc_label_dense_to_sparse(y_true, label_length), dtype="int32")
+    y_pred = ops.log(ops.transpose(y_pred, axes=[1, 0, 2]) + keras.backend.epsilon())
+    return ops.expand_dims(tf.compat.v1.nn.ctc_loss(inputs=y_pred, labels=sparse_labels,
+                                                    sequence_length=input_length), 1)
+
+
+class CTCLayer(layers.Layer):
+    def call(self, y_true, y_pred):
+        batch_len = ops.cast(ops.shape(y_true)[0], dtype="int64")
+        input_length = ops.cast(ops.shape(y_pred)[1], dtype="int64")
+        label_length = ops.cast(ops.shape(y_true)[1], dtype="int64")
+        input_length = input_length * ops.ones(shape=(batch_len, 1), dtype="int64")
+        label_length = label_length * ops.ones(shape=(batch_len, 1), dtype="int64")
+        self.add_loss(ctc_batch_cost(y_true, y_pred, input_length, label_length))
+        return y_pred
+
+    def compute_output_shape(self, y_true_shape, y_pred_shape):
+        return y_pred_shape
+
+
+def captcha_ocr(dropout=0.2, width=16, height=8, characters=5):
+    image = layers.Input(shape=(width, height, 1), name="image", dtype="float32")
+    labels = layers.Input(name="label", shape=(None,), dtype="float32")
+    h = layers.Conv2D(4, (3, 3), activation="relu", kernel_initializer="he_normal",
+                      padding="same")(image)
+    h = layers.MaxPooling2D((2, 2))(h)
+    h = layers.Conv2D(4, (3, 3), activation="relu", kernel_initializer="he_normal",
+                      padding="same")(h)
+    h = layers.MaxPooling2D((2, 2))(h)
+    h = layers.Reshape(target_shape=(width // 4, (height // 4) * 4))(h)
+    h = layers.Dropout(dropout)(layers.Dense(8, activation="relu")(h))
+    h = layers.Bidirectional(layers.LSTM(6, return_sequences=True))(h)
+    h = layers.Bidirectional(layers.LSTM(4, return_sequences=True))(h)
+    h = layers.Dense(characters + 1, activation="softmax", name="dense2")(h)
+    return keras.Model([image, labels], CTCLayer(name="ctc_loss")(labels, h))
+
+
 MODELS = {"transformer": transformer_classifier, "recommender": recommender,
           "convnet": mnist_convnet, "convnet_sync_bn": convnet_sync_bn, "structured": structured,
-          "bidirectional_lstm": bidirectional_lstm}
+          "bidirectional_lstm": bidirectional_lstm, "captcha_ocr": captcha_ocr}
 
 
 def compile_args(name):
@@ -164,6 +236,8 @@ def compile_args(name):
     if name == "recommender":
         return dict(optimizer=keras.optimizers.Adam(learning_rate=0.01),
                     loss=keras.losses.BinaryCrossentropy())
+    if name == "captcha_ocr":          # the CTC layer adds the loss
+        return dict(optimizer=keras.optimizers.Adam(0.01))
     if name in ("structured", "bidirectional_lstm"):
         return dict(optimizer=keras.optimizers.Adam(0.01), loss="binary_crossentropy",
                     metrics=["accuracy"])
@@ -184,5 +258,8 @@ def data(name, rows, seed=0):
         numeric = rng.normal(size=(rows, 3)).astype(np.float32)
         y = ((codes[:, 0] % 3 == 1) ^ (numeric[:, 0] > 0)).astype(np.float32)
         return [codes, numeric], y
+    if name == "captcha_ocr":          # labels in the inputs, none beside them
+        return {"image": rng.random((rows, 16, 8, 1)).astype(np.float32),
+                "label": rng.integers(0, 5, size=(rows, 2)).astype(np.float32)}, None
     x = rng.random(size=(rows, SIDE, SIDE, 1)).astype(np.float32)
     return x, np.eye(10, dtype=np.float32)[rng.integers(0, 10, rows)]

@@ -32,6 +32,7 @@ def twins(name, dropout):
     ("recommender", {"run_option": "allreduce"}),
     ("convnet", None),
     ("structured", None),
+    ("captcha_ocr", None),
 ])
 def test_example_model_fit_equals_one_device(name, config):
     parallel, single = twins(name, 0.0)
