@@ -250,7 +250,8 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     the count's mean in a term (before that, the count alone was widened
     there, N times the Mean's part, silently). A sum times 1 / the rows'
     count beside the sum is still no form (`mixed` names the summed
-    term). A penalty added inside a widened mean is a term each replica
+    term). A sum over a static batch's size (a constant) is widened by its
+    division. A penalty added inside a widened mean is a term each replica
     adds 1/N of (`once`; before, N times, silently)."""
     g = tf.Graph()
     with g.as_default():
@@ -282,6 +283,15 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
         mean.op.name in form.widened and not form.mixed
     form = forms.loss_form(penalized, ["x"], None, strict=False)      # (1/N on each replica)
     assert form.kind == "sum" and form.widened and form.once == [(inner.op.name, 1)]
+    g = tf.Graph()
+    with g.as_default():        # over a static batch size: the division is widened
+        x = tf1.placeholder(tf.float32, [8, 3], name="x")
+        e = tf.square(tf.matmul(x, tf1.get_variable("w", [3, 1])))
+        sized = tf.reduce_sum(e) / 8.0
+        loss = tf.reduce_sum(e) + sized
+    form = forms.loss_form(loss, ["x"], 8, strict=False)
+    assert form.kind == "sum" and form.widened == [sized.op.name]
+    assert forms.over_widened(sized, ["x"], {sized.op.name})
 
 
 def test_rows_made_with_the_batch_and_concatenated_along_it_are_the_batchs():

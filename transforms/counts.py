@@ -28,13 +28,13 @@ class Forms:
 
     def __call__(self, loss):
         if loss.name not in self.read:
-            self.read[loss.name] = forms.loss_form(loss, self.sources, None, strict=False)
+            self.read[loss.name] = forms.scalar_form(loss, self.sources)[2]
         return self.read[loss.name]
 
     def over_widened(self, t, widened) -> bool:
         """forms.over_widened, from the form read."""
         return bool(widened) and any(op in widened for op in self(t).by_count +
-                                     self(t).averaged)
+                                     self(t).averaged + [op for op, _, _ in self(t).by_batch])
 
 
 def shared(tg, sources, form, widened: dict, products: dict, read=()) -> list:
@@ -47,7 +47,8 @@ def shared(tg, sources, form, widened: dict, products: dict, read=()) -> list:
     divides by the global batch's count: each replica divides by the
     replicas' mean count instead of its own, so the mean of the replicas'
     gradients (and losses) is one device's. `widened` divisions' counts
-    are N times that. A scalar fed whole (a script's `batch_size`) is every
+    are N times that (1, or -1 for a product by 1 / the size: the factor's
+    power of N). A scalar fed whole (a script's `batch_size`) is every
     replica's alike: transforms/scaled_sums.py decides a sum over it."""
     out = {}
     for loss in forms.autodiff_losses(tg.graph) + list(products.values()) + list(read):
@@ -56,7 +57,8 @@ def shared(tg, sources, form, widened: dict, products: dict, read=()) -> list:
             if by_job(tg, count, set(sources)) and not averaging.fed_scalar(
                     tg.tensor(count), set(sources)):    # (fed whole: transforms/scaled_sums.py)
                 out.setdefault(count, False)
-    out.update(dict.fromkeys((c for c in widened.values() if c is not None), True))
+    out.update({c: -1 if tg.ir.node(op).op == "Mul" else 1      # (a product by 1 / size)
+                for op, c in widened.items() if c is not None})
     return list(out.items())
 
 

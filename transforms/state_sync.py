@@ -214,9 +214,9 @@ class StateSyncPass:
                                                 synced, rewires, replaced)
                 synced += 1
                 new_nodes.extend(nodes)
-            if widen:           # a mean added to a sum: over the job's count
+            if widen:           # a mean added to a sum: over the job's count (times 1 / it)
                 nodes, outs = _times(ctx, ir, f"parallax/state_sync/{count.node}/widened", outs,
-                                     count.node, dtype, plan.group_size)
+                                     count.node, dtype, plan.group_size ** widen)
                 new_nodes.extend(nodes)
             counts.read_everywhere(ctx, count, outs, rewires, replaced)
         points = counts.exchanged(tg, sources, form, read, list(products.values())) + \

@@ -78,8 +78,9 @@ class LossForm:
     # number); no one rule for the replicas' gradients gives one device's
     mixed: list[tuple[str, bool]] = field(default_factory=list)
     # where a sum over the batch adds means that divide a sum by a count
-    # (Keras's and tf.compat.v1.losses' means) or Means over it (tf.reduce_mean):
-    # the divisions whose count, input 1, becomes the job's (N times a replica's)
+    # (Keras's and tf.compat.v1.losses' means, a static batch's size: `by_batch`'s
+    # op) or Means over it (tf.reduce_mean): the divisions (or products by 1 /
+    # the size) whose count, input 1, becomes the job's (N times a replica's)
     # where the replicas' gradients are summed (transforms/state_sync.py), and
     # the Means that then divide by N, forward and in the gradient
     # (transforms/selected_means.py)
@@ -214,11 +215,12 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             for x in terms.inputs:      # (a mean's counts and Means, whether they are all)
                 before, scaled[0], counted = scaled[0], False, len(by_count)
                 made = [len(found) for found in others]
-                kind, means = form(x), averaged[made[1]:]
+                kind, sized, means = form(x), by_batch[made[0]:], averaged[made[1]:]
                 alone = [len(found) for found in others] == [
-                    made[0], made[1] + len(means), *made[2:]] and all(
+                    made[0] + len(sized), made[1] + len(means), *made[2:]] and all(
                     loss.graph.get_operation_by_name(m).type == "Mean" for m in means)
-                kinds.append((x, kind, scaled[0], by_count[counted:] + means if alone else []))
+                kinds.append((x, kind, scaled[0], by_count[counted:] + means + [
+                    op for op, _, _ in sized] if alone else []))
                 scaled[0] |= before
             forms = {kind for _, kind, _, _ in kinds} - {"constant"}
             if forms == {"sum", "mean"}:
@@ -407,8 +409,9 @@ def over_widened(t: tf.Tensor, sources, widened) -> bool:
     """Whether the scalar `t` is a mean over a count whose division, or a
     Mean, is one of `widened` (each replica's value 1/N of its share: they
     are summed)."""
-    form = loss_form(t, sources, None, strict=False) if widened else None
-    return bool(widened) and any(op in widened for op in form.by_count + form.averaged)
+    form = scalar_form(t, sources)[2] if widened else None
+    return bool(widened) and any(op in widened for op in form.by_count + form.averaged +
+                                 [op for op, _, _ in form.by_batch])
 
 
 def replica_batch(graph: tf.Graph, data) -> int | None:
