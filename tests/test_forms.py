@@ -251,7 +251,7 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     there, N times the Mean's part, silently). A sum times 1 / the rows'
     count beside the sum is still no form (`mixed` names the summed
     term). A sum over a static batch's size (a constant) is widened by its
-    division. A penalty added inside a widened mean is a term each replica
+    division, a mean over rows a mask picks by its Mean. A penalty added inside a widened mean is a term each replica
     adds 1/N of (`once`; before, N times, silently)."""
     g = tf.Graph()
     with g.as_default():
@@ -292,6 +292,14 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     form = forms.loss_form(loss, ["x"], 8, strict=False)
     assert form.kind == "sum" and form.widened == [sized.op.name]
     assert forms.over_widened(sized, ["x"], {sized.op.name})
+    g = tf.Graph()
+    with g.as_default():        # a mean over rows a mask picks: widened by its Mean
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        e = tf.square(tf.matmul(x, tf1.get_variable("w", [3, 1])))[:, 0]
+        picked = tf.reduce_mean(tf.boolean_mask(e, x[:, 0] > 0))
+        loss = tf.reduce_sum(e) + picked
+    form = forms.loss_form(loss, ["x"], None, strict=False)
+    assert form.kind == "sum" and form.widened == [picked.op.name]
 
 
 def test_rows_made_with_the_batch_and_concatenated_along_it_are_the_batchs():

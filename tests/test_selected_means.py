@@ -287,3 +287,21 @@ def test_fit_with_a_summed_loss_and_a_mean_a_layer_adds_equals_one_device(lib):
     np.testing.assert_allclose(parallel.evaluate(x, y, batch_size=BATCH, verbose=0),
                                single.evaluate(x, y, batch_size=BATCH, verbose=0),
                                atol=TOL, rtol=1e-6)
+
+
+def sum_and_masked_mean(pred, y):
+    """A sum of squares over the batch plus the masked loss (a mean over the
+    rows a mask picks), and that mean."""
+    part = masked_loss(pred, y)
+    return [tf.reduce_sum(tf.square(pred - y)) + part, part]
+
+
+@pytest.mark.parametrize("run", ["allreduce", "ps"])
+def test_a_mean_over_masked_rows_added_to_a_sum_equals_one_device(run):
+    """The gradients are summed and every replica divides its picked rows'
+    sum by the job's count of them (the replicas' sum, not their mean), a
+    replica that picks none adding 0; fetched alone, the mean is the
+    replicas' sum. Before, averaged with a warning, the sum's part 1/N of
+    one device's."""
+    made = check_tf1(sum_and_masked_mean, run)
+    assert made["Mean"] == made["parallax/replica_1/Mean"] == "RealDiv"    # over the job's

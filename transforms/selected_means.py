@@ -19,7 +19,9 @@ over the replicas' mean count of them (a job-wide reduction of Size per
 step, on a server where the plan sums there); the autodiff's division of
 the mean's gradient by the count takes that count too. So the mean of
 the replicas' gradients, losses and fetched values (a masked metric's) is
-one device's, and a replica that picks no row adds 0.
+one device's, and a replica that picks no row adds 0. Added to a sum over
+the batch (graph/forms.py `widened`: the gradients summed), such a mean
+divides by the job's count of picked rows, the replicas' sum.
 
 A Mean over the batch that a loss adds to a sum over it (graph/forms.py
 `widened`, where the state-sync pass has the replicas' gradients summed)
@@ -47,8 +49,8 @@ class SelectedMeansPass:
     after: tuple = ("state_sync",)
 
     def run(self, ir, ctx):
-        tg, plan = ctx.tg, ctx.plan
-        means = _means(tg)
+        tg, plan, wide = ctx.tg, ctx.plan, ctx.result(WidenedMeans)
+        means, widened = _means(tg), wide.divisions if wide else frozenset()
         reduce = on_a_server if plan.reduces_on_servers else all_reduce
         changed, added, rewires = {}, [], {}
         for i, mean in enumerate(means):
@@ -64,7 +66,8 @@ class SelectedMeansPass:
                                      SrcT=tf.int32, DstT=dtype)
                 added += [size, cast]
                 counts.append(cast.name)
-            nodes, jobs = reduce(ctx, f"{scope}/job_count", counts, dtype, True, i)
+            nodes, jobs = reduce(ctx, f"{scope}/job_count", counts, dtype,
+                                 mean not in widened, i)    # (widened: the sum of them)
             added += nodes
             for node, job in zip(copies, jobs):
                 total = emit.like(node, f"{node.name}/parallax_sum", node.device)
@@ -76,17 +79,19 @@ class SelectedMeansPass:
             for division in selections.gradient_divisions(op):
                 rewires.update({(ctx.replica_name(k, division.name), 1): job
                                 for k, job in enumerate(jobs)})
-        wide = _widened(ir, ctx, changed, added, rewires)
+        wide = _widened(ir, ctx, set(means), changed, added, rewires)
         return ir.replace(changed, added).rewire(rewires), {"selected": len(means),
                                                             "widened": wide}
 
 
-def _widened(ir, ctx, changed: dict, added: list, rewires: dict) -> int:
-    """Every replica's copy of each widened Mean (`WidenedMeans`) becomes
-    its value over N, and its gradient's division takes N times the count;
-    a trained one whose gradient is not found is warned. The Means' count."""
+def _widened(ir, ctx, selected: set, changed: dict, added: list, rewires: dict) -> int:
+    """Every replica's copy of each widened Mean (`WidenedMeans`) not over
+    `selected` rows becomes its value over N, and its gradient's division
+    takes N times the count; a trained one whose gradient is not found is
+    warned. The Means' count."""
     tg, plan, wide = ctx.tg, ctx.plan, ctx.result(WidenedMeans)
-    means = sorted(n for n in (wide.divisions if wide else ()) if tg.ir.node(n).op == "Mean")
+    means = sorted(n for n in (wide.divisions if wide else ()) if tg.ir.node(n).op == "Mean"
+                   and n not in selected)
     index = mean_gradients.Autodiff(tg.graph) if means else None
     trained = tg.ir.ancestors({t.op.name for t in forms.autodiff_losses(tg.graph)},
                               data_only=True) if means else set()

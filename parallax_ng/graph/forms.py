@@ -217,7 +217,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                 made = [len(found) for found in others]
                 kind, sized, means = form(x), by_batch[made[0]:], averaged[made[1]:]
                 alone = [len(found) for found in others] == [
-                    made[0] + len(sized), made[1] + len(means), *made[2:]] and all(
+                    made[0] + len(sized), made[1] + len(means), *made[2:4],
+                    made[4] + len(set(selected[made[4]:]) & set(means))] and all(
                     loss.graph.get_operation_by_name(m).type == "Mean" for m in means)
                 kinds.append((x, kind, scaled[0], by_count[counted:] + means + [
                     op for op, _, _ in sized] if alone else []))
