@@ -305,3 +305,4 @@ def test_a_mean_over_masked_rows_added_to_a_sum_equals_one_device(run):
     one device's."""
     made = check_tf1(sum_and_masked_mean, run)
     assert made["Mean"] == made["parallax/replica_1/Mean"] == "RealDiv"    # over the job's
+

@@ -940,3 +940,33 @@ def test_a_mean_over_a_static_batch_size_added_to_a_sum_equals_one_device(kind, 
     slot, 1e-5."""
     from test_selected_means import check_tf1
     check_tf1(_static_means(kind), run, static=True)
+
+
+def _rmse_beside(mean, loss):
+    """Losses for test_selected_means.check_tf1: a loss (a mean, or a sum
+    plus the mean of squares below), the mean of squares (tf.reduce_mean,
+    or a sum over its count), its square root (an RMSE a script fetches)
+    and 3 times it."""
+    def losses(pred, y):
+        sq = tf.square(pred - y)
+        part = tf.reduce_mean(sq) if mean == "Mean" else \
+            tf.reduce_sum(sq) / tf.cast(tf.size(sq), tf.float32)
+        trained = tf.reduce_mean(tf.abs(pred - y)) if loss == "a mean" else \
+            tf.reduce_sum(tf.abs(pred - y)) + part
+        return [trained, part, tf.sqrt(part), part * 3.0]
+    return losses
+
+
+@pytest.mark.parametrize("mean", ["Mean", "sum over its count"])
+@pytest.mark.parametrize("loss", ["a mean", "a sum plus it"])
+def test_a_function_of_a_mean_fetched_beside_the_loss_equals_one_device(mean, loss):
+    """An RMSE fetched beside the loss takes the job's mean, written as
+    tf.reduce_mean or as a sum over its count (before, the latter was each
+    replica's own: the replicas' mean of RMSEs, 0.17 apart). Where the loss
+    adds the mean to a sum over the batch (widened: each replica's value a
+    share of one device's), the function takes the shares' sum, the loss
+    the share, and a fetch linear in it is the replicas' sum (before, the
+    RMSE was sqrt(1/N) or sqrt(N) times one device's). Every fetch every
+    step, every variable and slot, 1e-5."""
+    from test_selected_means import check_tf1
+    check_tf1(_rmse_beside(mean, loss), "allreduce")

@@ -33,8 +33,7 @@ class Forms:
 
     def over_widened(self, t, widened) -> bool:
         """forms.over_widened, from the form read."""
-        return bool(widened) and any(op in widened for op in self(t).by_count +
-                                     self(t).averaged + [op for op, _, _ in self(t).by_batch])
+        return bool(widened) and forms.widened_in(self(t), widened)
 
 
 def shared(tg, sources, form, widened: dict, products: dict, read=()) -> list:
@@ -118,7 +117,8 @@ def beside(tg, sources) -> list:
     beside its loss and that flow into scalars only: ratios of a Sum over a
     count the data's values set (a masked accuracy a TF1 script fetches
     and prints) or over other Sums (a Dice coefficient), and scalar functions
-    of means (a fetched RMSE's `tf.sqrt(tf.reduce_mean(...))`). Candidates:
+    of means (a fetched RMSE's `tf.sqrt(tf.reduce_mean(...))`, or of a sum
+    over its count). Candidates:
     their forms say which counts `shared` shares and which means and sums
     the replicas exchange."""
     out, above, found = [], {}, set(sources)
@@ -129,7 +129,7 @@ def beside(tg, sources) -> list:
         if op.type in _DIVISIONS and _scaled_sum(op.inputs[0]):
             if not from_values(tg, tg.ir.data_inputs(op.name)[1], found):
                 continue
-        elif not any(x.shape.rank == 0 and forms.through(x.op).type == "Mean" for x in op.inputs):
+        elif not any(x.shape.rank == 0 and _a_mean(forms.through(x.op)) for x in op.inputs):
             continue
         if not branches.switches_above(tg.ir, op.name, above) and \
                 not selections.used_per_row(op, list(sources)):
@@ -148,6 +148,12 @@ def exchanged(tg, sources, form, read, tracked) -> list[tuple[str, bool]]:
     return [(n, True) for loss in losses for n in form(loss).exchanged] + \
         [(n, False) for loss in losses for n in form(loss).summed] + \
         [(n, True) for n in centres(tg, sources, read)]
+
+
+def _a_mean(op) -> bool:
+    """Whether `op` makes a mean: a Mean, or a division of a Sum (Keras's
+    and tf.compat.v1.losses' means divide a sum by its count)."""
+    return op.type == "Mean" or op.type in _DIVISIONS and _scaled_sum(op.inputs[0])
 
 
 def _scaled_sum(t) -> bool:
@@ -229,13 +235,25 @@ def floored(tg, count, sources: set):
     return found, inner
 
 
-def read_everywhere(ctx, ref, outs, rewires: dict, replaced: set) -> None:
+def read_everywhere(ctx, ref, outs, rewires: dict, replaced: set,
+                    losses_apart: bool = False) -> None:
     """Every use of `ref` in replica k reads outs[k] instead (a synced write
-    of it stays so)."""
+    of it stays so); with `losses_apart`, not those of the losses'
+    nodes (`in_losses`)."""
+    but = in_losses(ctx.tg) if losses_apart else ()
     for node, at in uses(ctx.tg, ref):
+        if node in but:
+            continue
         replaced.add((node, at))
         for k, out in enumerate(outs):
             rewires.setdefault((ctx.replica_name(k, node), at), out)
+
+
+def in_losses(tg) -> set[str]:
+    """The nodes the losses the autodiff differentiates are made of: a
+    widened mean's share is theirs, the job's value (the shares' sum) the
+    functions' of it beside them (a fetched RMSE's)."""
+    return tg.ir.ancestors({t.op.name for t in forms.autodiff_losses(tg.graph)}, data_only=True)
 
 
 def uses(tg, ref) -> list[tuple[str, int]]:

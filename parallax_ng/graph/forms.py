@@ -410,9 +410,16 @@ def over_widened(t: tf.Tensor, sources, widened) -> bool:
     """Whether the scalar `t` is a mean over a count whose division, or a
     Mean, is one of `widened` (each replica's value 1/N of its share: they
     are summed)."""
-    form = scalar_form(t, sources)[2] if widened else None
-    return bool(widened) and any(op in widened for op in form.by_count + form.averaged +
-                                 [op for op, _, _ in form.by_batch])
+    return bool(widened) and widened_in(scalar_form(t, sources)[2], widened)
+
+
+def widened_in(form: LossForm, widened) -> bool:
+    """Whether a scalar of `form` is linear in a mean whose division (or
+    Mean, or static size) is one of `widened`: each replica's value is its
+    share, the replicas' sum one device's; not a function of the job's
+    means (`exchanged`, `summed`: every replica's alike)."""
+    return not form.exchanged and not form.summed and any(
+        op in widened for op in form.by_count + form.averaged + [op for op, _, _ in form.by_batch])
 
 
 def replica_batch(graph: tf.Graph, data) -> int | None:
