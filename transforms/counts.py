@@ -118,7 +118,7 @@ def beside(tg, sources) -> list:
     count the data's values set (a masked accuracy a TF1 script fetches
     and prints) or over other Sums (a Dice coefficient), and scalar functions
     of means (a fetched RMSE's `tf.sqrt(tf.reduce_mean(...))`, or of a sum
-    over its count). Candidates:
+    over its count, maybe scaled or shifted: `+ 1e-6`). Candidates:
     their forms say which counts `shared` shares and which means and sums
     the replicas exchange."""
     out, above, found = [], {}, set(sources)
@@ -129,7 +129,7 @@ def beside(tg, sources) -> list:
         if op.type in _DIVISIONS and _scaled_sum(op.inputs[0]):
             if not from_values(tg, tg.ir.data_inputs(op.name)[1], found):
                 continue
-        elif not any(x.shape.rank == 0 and _a_mean(forms.through(x.op)) for x in op.inputs):
+        elif not any(x.shape.rank == 0 and _a_mean(_past_constants(x.op)) for x in op.inputs):
             continue
         if not branches.switches_above(tg.ir, op.name, above) and \
                 not selections.used_per_row(op, list(sources)):
@@ -159,11 +159,19 @@ def _a_mean(op) -> bool:
 def _scaled_sum(t) -> bool:
     """Whether `t` is a Sum, maybe scaled or shifted by constants (a Dice
     coefficient's `2 * sum(y * p) + smooth`)."""
-    op = forms.through(t.op)
-    while op.type in ("Mul", "AddV2", "Add", "Sub") and \
-            any(x.op.type == "Const" for x in op.inputs):
-        op = forms.through(next(x for x in op.inputs if x.op.type != "Const").op)
-    return op.type == "Sum"
+    return _past_constants(t.op).type == "Sum"
+
+
+def _past_constants(op):
+    """The op `op` scales or shifts by constants (`mean + 1e-6` under an
+    RMSE's root, `2 * sum`), past ops that keep a value."""
+    op = forms.through(op)
+    while op.type in ("Mul", "AddV2", "Add", "Sub", "RealDiv", "Div"):
+        constant = [x.op.type == "Const" for x in op.inputs]    # (a divisor's, or either)
+        if constant != [False, True] and (constant != [True, False] or op.type in _DIVISIONS):
+            break
+        op = forms.through(op.inputs[constant.index(False)].op)
+    return op
 
 
 def centres(tg, sources, read) -> list[str]:
