@@ -945,15 +945,15 @@ def test_a_mean_over_a_static_batch_size_added_to_a_sum_equals_one_device(kind, 
 def _rmse_beside(mean, loss):
     """Losses for test_selected_means.check_tf1: a loss (a mean, or a sum
     plus the mean of squares below), the mean of squares (tf.reduce_mean,
-    or a sum over its count), its square root (an RMSE a script fetches)
-    and 3 times it."""
+    or a sum over its count), its square root (an RMSE a script fetches),
+    3 times it and the root of it plus 0.01."""
     def losses(pred, y):
         sq = tf.square(pred - y)
         part = tf.reduce_mean(sq) if mean == "Mean" else \
             tf.reduce_sum(sq) / tf.cast(tf.size(sq), tf.float32)
         trained = tf.reduce_mean(tf.abs(pred - y)) if loss == "a mean" else \
             tf.reduce_sum(tf.abs(pred - y)) + part
-        return [trained, part, tf.sqrt(part), part * 3.0]
+        return [trained, part, tf.sqrt(part), part * 3.0, tf.sqrt(part + 1e-2)]
     return losses
 
 
@@ -966,7 +966,9 @@ def test_a_function_of_a_mean_fetched_beside_the_loss_equals_one_device(mean, lo
     adds the mean to a sum over the batch (widened: each replica's value a
     share of one device's), the function takes the shares' sum, the loss
     the share, and a fetch linear in it is the replicas' sum (before, the
-    RMSE was sqrt(1/N) or sqrt(N) times one device's). Every fetch every
+    RMSE was sqrt(1/N) or sqrt(N) times one device's); a mean computed
+    from it (`mean + 0.01`) reads the job's whole, so it is exchanged as
+    any other (first written, summed again: sqrt(N) times). Every fetch every
     step, every variable and slot, 1e-5."""
     from test_selected_means import check_tf1
     check_tf1(_rmse_beside(mean, loss), "allreduce")

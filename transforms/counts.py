@@ -17,6 +17,7 @@ names of its data sources. Guarantees: reads the graph only, but
 from __future__ import annotations
 
 from parallax_ng.graph import averaging, branches, forms, mixing, rows, rules, selections
+from parallax_ng.graph.ir import parse_tensor
 
 
 class Forms:
@@ -154,6 +155,22 @@ def _a_mean(op) -> bool:
     """Whether `op` makes a mean: a Mean, or a division of a Sum (Keras's
     and tf.compat.v1.losses' means divide a sum by its count)."""
     return op.type == "Mean" or op.type in _DIVISIONS and _scaled_sum(op.inputs[0])
+
+
+def job_points(tg, points, form, widened: dict) -> list[tuple]:
+    """(tensor, mean, share) of each of `points` ((name, mean): `exchanged`
+    and the plan's): a widened mean's (each replica's value a share of one
+    device's: `share`) is the replicas' sum, not their mean, unless it is
+    computed from another such (which every replica then reads whole)."""
+    refs = [(parse_tensor(name), mean) for name, mean in points]
+    shares = {ref.node for ref, mean in refs if mean and form.over_widened(tg.tensor(ref),
+                                                                          widened)}
+    out = []
+    for ref, mean in refs:
+        share = ref.node in shares and not shares & (
+            tg.ir.ancestors({ref.node}, data_only=True) - {ref.node})
+        out.append((ref, mean and not share, share))
+    return out
 
 
 def _scaled_sum(t) -> bool:

@@ -223,14 +223,13 @@ class StateSyncPass:
             replica_sums.points(tg.graph, {g.values.name for g in tg.gradients.values()})
         points = list(dict.fromkeys(points + list(plan.norm_points)))     # batch norm's too
         branches.warn_in_loops(means=[n for n, _ in points if parse_tensor(n).node in in_loops])
-        for ref, mean in ((parse_tensor(name), mean) for name, mean in points):
+        for ref, mean, wide in counts.job_points(tg, points, form, widened):
             if ref.node in in_loops:
                 continue
             outs = [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)]
-            wide = mean and form.over_widened(tg.tensor(ref), widened)  # (the shares' sum)
             nodes, outs = in_branch(ref.node)(ctx, f"parallax/state_sync/{ref.node}/"
                                               f"{ref.index}/job", outs, tg.tensor(ref).dtype,
-                                              mean and not wide, synced)
+                                              mean, synced)
             synced += 1
             new_nodes.extend(nodes)
             counts.read_everywhere(ctx, ref, outs, rewires, replaced, losses_apart=wide)
