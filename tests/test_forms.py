@@ -251,8 +251,9 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     there, N times the Mean's part, silently). A sum times 1 / the rows'
     count beside the sum is still no form (`mixed` names the summed
     term). A sum over a static batch's size (a constant) is widened by its
-    division, a mean over rows a mask picks by its Mean. A penalty added inside a widened mean is a term each replica
-    adds 1/N of (`once`; before, N times, silently)."""
+    division, a mean over rows a mask picks by its Mean. A penalty added
+    inside a widened mean is a term each replica adds 1/N of (`once`;
+    before, N times, silently)."""
     g = tf.Graph()
     with g.as_default():
         x = tf1.placeholder(tf.float32, [None, 3], name="x")

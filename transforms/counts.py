@@ -21,7 +21,8 @@ from parallax_ng.graph.ir import parse_tensor
 
 
 class Forms:
-    """Each loss's `forms.loss_form` (without a batch, not strict), read
+    """Each loss's form as the planner reads it (`forms.scalar_form`: with
+    a replica's batch size where the graph shows it, not strict), read
     once per pass: `form(loss)`."""
 
     def __init__(self, sources):
