@@ -1014,13 +1014,14 @@ def _functions_of_shifted_means(pred, y):
     rows = tf.cast(tf.shape(sq)[0], tf.float32)
     return [tf.reduce_mean(tf.abs(pred - y)), tf.sqrt(mean + 1e-6), tf.sqrt(2.0 * mean),
             tf.math.log(tf.reduce_mean(tf.abs(pred - y)) * 0.5 + 1.0),
-            tf.sqrt(tf.reduce_sum(sq) / rows + 1e-6)]
+            tf.sqrt(tf.reduce_sum(sq) / rows + 1e-6), tf.exp(-mean)]
 
 
 def test_a_function_of_a_mean_scaled_or_shifted_fetched_beside_the_loss_equals_one_device():
     """An RMSE with an epsilon under its root (`tf.sqrt(mean + 1e-6)`), of
     twice a mean, a log of a scaled and shifted mean, of a sum over the
-    rows plus an epsilon: each of the job's mean, every step (before, each
-    replica's own, averaged: 0.23 apart, silently)."""
+    rows plus an epsilon, an exponential of a negated mean: each of the
+    job's mean, every step (before, each replica's own, averaged: 0.23
+    apart, silently)."""
     from test_selected_means import check_tf1
     check_tf1(_functions_of_shifted_means, "allreduce")

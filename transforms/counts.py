@@ -181,12 +181,13 @@ def _scaled_sum(t) -> bool:
 
 
 def _past_constants(op):
-    """The op `op` scales or shifts by constants (`mean + 1e-6` under an
-    RMSE's root, `2 * sum`), past ops that keep a value."""
+    """The op `op` scales, shifts or negates by constants (`mean + 1e-6`
+    under an RMSE's root, `2 * sum`, `-mean`), past ops that keep a value."""
     op = forms.through(op)
-    while op.type in ("Mul", "AddV2", "Add", "Sub", "RealDiv", "Div"):
+    while op.type in ("Mul", "AddV2", "Add", "Sub", "RealDiv", "Div", "Neg"):
         constant = [x.op.type == "Const" for x in op.inputs]    # (a divisor's, or either)
-        if constant != [False, True] and (constant != [True, False] or op.type in _DIVISIONS):
+        if constant != [False] and constant != [False, True] and (
+                constant != [True, False] or op.type in _DIVISIONS):
             break
         op = forms.through(op.inputs[constant.index(False)].op)
     return op
