@@ -25,7 +25,8 @@ class _Asked:
     ("sum+losses", None, False, ""),        # a mean over a count: over N times it, summed
     ("sum+mean", 8, False, ""),
     ("sum+(mean+losses)", 8, False, ""),    # a Mean beside a count's mean: both so
-    ("sum+sum*(1/rows)", None, True, "adds a sum over the batch"),  # no rule gives one device's
+    ("sum+sum*(1/rows)", None, False, ""),  # the rows N times, summed
+    ("sum+sqrt(mean)", None, True, "adds a sum over the batch"),    # no rule gives one device's
     ("sum+sum/8", 8, False, ""),            # over a static size: N times it, summed
     ("sum/8+mean", None, True, "scales the sum by a number"),  # taken as a mean, as alone
     ("sum/16+mean", 8, False, ""),          # shown not to be one: a sum, the Mean widened
@@ -61,6 +62,7 @@ def test_gradients_are_averaged_or_summed_by_the_loss(loss, batch, want, note, b
                      tf.reduce_mean(e) + tf1.losses.absolute_difference(e, e * e)),
                  "sum/8+mean": tf.reduce_sum(e) / 8.0 + tf.reduce_mean(e),
                  "sum+sum/8": tf.reduce_sum(e) + tf.reduce_sum(e) / 8.0,
+                 "sum+sqrt(mean)": tf.reduce_sum(e) + tf.sqrt(tf.reduce_mean(e)),
                  "sum+sum*(1/rows)": tf.reduce_sum(e) + tf.reduce_sum(e) * (
                      1.0 / tf.cast(tf.shape(x)[0], tf.float32)),
                  "sum/16+mean": tf.reduce_sum(e) / 16.0 + 2.0 * tf.reduce_mean(e),

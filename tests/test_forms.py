@@ -248,10 +248,11 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     its gradient's count; before, no form: the replicas' gradients were
     averaged, the sum's part 1/N of one device's, warned), alone or beside
     the count's mean in a term (before that, the count alone was widened
-    there, N times the Mean's part, silently). A sum times 1 / the rows'
-    count beside the sum is still no form (`mixed` names the summed
-    term). A sum over a static batch's size (a constant) is widened by its
-    division, a mean over rows a mask picks by its Mean. A penalty added
+    there, N times the Mean's part, silently), and a sum times 1 / the
+    rows' count by its product. A function of a mean beside the sum (a
+    root) is still no form (`mixed` names the summed term). A sum over a
+    static batch's size (a constant) is widened by its division, a mean
+    over rows a mask picks by its Mean. A penalty added
     inside a widened mean is a term each replica adds 1/N of (`once`;
     before, N times, silently)."""
     g = tf.Graph()
@@ -263,6 +264,7 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
         twice = 2.0 * average
         loss, raw = summed + 0.5 * mean, summed + twice
         rated = summed + tf.reduce_sum(e) * (1.0 / tf.cast(tf.shape(x)[0], tf.float32))
+        rooted = summed + tf.sqrt(average)
     form = forms.loss_form(loss, ["x"], None, strict=False)
     assert form.kind == "sum" and form.widened == [mean.op.name] and not form.mixed
     assert forms.loss_form(loss, ["x"], None).kind is None
@@ -274,6 +276,8 @@ def test_a_mean_over_a_count_added_to_a_sum_is_a_widened_sum():
     assert forms.over_widened(twice, ["x"], {average.op.name})      # summed where fetched
     assert forms.loss_form(raw, ["x"], None).kind is None
     form = forms.loss_form(rated, ["x"], None, strict=False)
+    assert form.kind == "sum" and form.widened == [rated.op.inputs[1].op.name]
+    form = forms.loss_form(rooted, ["x"], None, strict=False)
     assert form.kind is None and form.mixed == [(summed.name, False)] and not form.widened
     with g.as_default():        # a Mean beside the count's mean in the term: both widened
         both = summed + (average + mean)

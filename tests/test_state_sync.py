@@ -917,29 +917,40 @@ def test_a_regularizer_beside_a_summed_loss_is_added_once(keras_sum, mode, mean)
 def _static_means(kind):
     """Losses for test_selected_means.check_tf1 over batches of a static
     size: a sum of squares plus tf.compat.v1.losses' mean (a sum over the
-    size, a constant there) or a sum times 1 / the size, and that mean."""
+    size, a constant there), a sum times 1 / the size, times 1 / the rows
+    counted at run time or over them, and that mean (with the rows
+    counted, an accuracy over them too)."""
     def losses(pred, y):
+        rows, extra = tf.cast(tf.shape(pred)[0], tf.float32), []
         if kind == "tf.compat.v1.losses":
             part = tf1.losses.absolute_difference(y, pred)
-        else:
+        elif kind == "times 1 / size":
             part = tf.reduce_sum(tf.abs(pred - y)) * (1.0 / int(pred.shape[0]))
-        return [tf.reduce_sum(tf.square(pred - y)) + 0.5 * part, part]
+        else:       # and an accuracy over the same count of rows
+            part = tf.reduce_sum(tf.abs(pred - y)) * (1.0 / rows) if kind == "times 1 / rows" \
+                else tf.reduce_sum(tf.abs(pred - y)) / rows
+            extra = [tf.reduce_sum(tf.cast(tf.abs(pred - y) < 1.0, tf.float32)) / rows]
+        return [tf.reduce_sum(tf.square(pred - y)) + 0.5 * part, part] + extra
     return losses
 
 
 @pytest.mark.parametrize("kind,run", [("tf.compat.v1.losses", "allreduce"),
-                                      ("times 1 / size", "ps")])
+                                      ("times 1 / size", "ps"), ("times 1 / rows", "hybrid"),
+                                      ("over rows", "allreduce")])
 def test_a_mean_over_a_static_batch_size_added_to_a_sum_equals_one_device(kind, run):
     """Where the graph fixes the batch's size, a mean divides a sum by a
     constant (or multiplies it by its inverse): added to a sum over the
     batch, every replica's constant is N times (its inverse 1/N times) a
     replica's size, forward and in the gradient, and the gradients are
-    summed; the mean fetched alone is the replicas' sum. Before, averaged
+    summed; the mean fetched alone is the replicas' sum. A sum times 1 /
+    the rows counted at run time takes N times the count so; an accuracy
+    fetched beside, over the same count (the same tensor), keeps it as it
+    is (before, N times it too: half one device's, silently). Before, averaged
     with a warning (the sum's part 1/N of one device's: 3.4 apart after 7
     steps in a sweep). Fetched values every step, every variable and
     slot, 1e-5."""
     from test_selected_means import check_tf1
-    check_tf1(_static_means(kind), run, static=True)
+    check_tf1(_static_means(kind), run, static="rows" not in kind)   # (rows: counted at run time)
 
 
 def _rmse_beside(mean, loss):
@@ -1025,3 +1036,19 @@ def test_a_function_of_a_mean_scaled_or_shifted_fetched_beside_the_loss_equals_o
     apart, silently)."""
     from test_selected_means import check_tf1
     check_tf1(_functions_of_shifted_means, "allreduce")
+
+
+@pytest.mark.parametrize("over", ["1.0 / rows", "tf.math.reciprocal"])
+def test_a_sum_times_one_over_the_rows_counted_equals_one_device(over):
+    """`tf.reduce_sum(e) * (1.0 / rows)` (or times tf.math.reciprocal(rows))
+    with the rows counted at run time is a mean over each replica's rows.
+    Before, 1 / rows was read as a function of a sum first, so every
+    replica took the job's rows and the loss was 1/N of one device's,
+    silently (0.45 against 0.90)."""
+    from test_selected_means import check_tf1
+
+    def losses(pred, y):
+        rows = tf.cast(tf.shape(pred)[0], tf.float32)
+        inverse = 1.0 / rows if over == "1.0 / rows" else tf.math.reciprocal(rows)
+        return [tf.reduce_sum(tf.abs(pred - y)) * inverse]
+    check_tf1(losses, "allreduce")

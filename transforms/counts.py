@@ -48,8 +48,8 @@ def shared(tg, sources, form, widened: dict, products: dict, read=()) -> list:
     divides by the global batch's count: each replica divides by the
     replicas' mean count instead of its own, so the mean of the replicas'
     gradients (and losses) is one device's. `widened` divisions' counts
-    are N times that (1, or -1 for a product by 1 / the size: the factor's
-    power of N). A scalar fed whole (a script's `batch_size`) is every
+    are N times that (1, or -1 for a product by 1 / the size: the power of
+    N they take). A scalar fed whole (a script's `batch_size`) is every
     replica's alike: transforms/scaled_sums.py decides a sum over it."""
     out = {}
     for loss in forms.autodiff_losses(tg.graph) + list(products.values()) + list(read):
@@ -58,23 +58,37 @@ def shared(tg, sources, form, widened: dict, products: dict, read=()) -> list:
             if by_job(tg, count, set(sources)) and not averaging.fed_scalar(
                     tg.tensor(count), set(sources)):    # (fed whole: transforms/scaled_sums.py)
                 out.setdefault(count, False)
-    out.update({c: -1 if tg.ir.node(op).op == "Mul" else 1      # (a product by 1 / size)
-                for op, c in widened.items() if c is not None})
+    out.update({c[0]: c[1] for c in widened.values() if c is not None})
     return list(out.items())
 
 
 def widened(tg, form, products: dict, summing: bool) -> dict:
-    """{division: its count} of the means a loss adds to a sum over the batch
-    (forms.LossForm.widened; a Mean's count is None: transforms/selected_means.py
-    divides it): where the replicas' gradients are summed, or a graph
-    without gradients (`evaluate`'s) has a tracker add the loss, each
-    replica divides the mean by N times its count, so the replicas' sum of
-    it is one device's mean."""
+    """{division: (its count, the power of N it takes)} of the means a loss
+    adds to a sum over the batch (forms.LossForm.widened; a Mean's is None:
+    transforms/selected_means.py divides it): where the replicas' gradients
+    are summed, or a graph without gradients (`evaluate`'s) has a tracker
+    add the loss, each replica divides the mean by N times its count, so
+    the replicas' sum of it is one device's mean."""
     losses = forms.autodiff_losses(tg.graph)
     trained = tg.ir.ancestors({t.op.name for t in losses}, data_only=True) if losses else set()
-    return {op: tg.ir.data_inputs(op)[1] if tg.ir.node(op).op != "Mean" else None
+    return {op: _widened_count(tg, op)
             for loss in (losses if summing else []) + list(products.values())
             for op in form(loss).widened if summing or op not in trained}
+
+
+def _widened_count(tg, op: str):
+    """(count, power of N) of a widened mean's op: a division's divisor (N
+    times it), a product's count under a reciprocal (`sum * (1 / rows)`:
+    N times it), or a product's 1 / size (a static batch's: 1/N times it);
+    None for a Mean."""
+    kind = tg.ir.node(op).op
+    if kind != "Mul":
+        return None if kind == "Mean" else (tg.ir.data_inputs(op)[1], 1)
+    for x in tg.graph.get_operation_by_name(op).inputs:
+        if x.op.type in ("Reciprocal", "Inv") or x.op.type in ("RealDiv", "Div") and \
+                x.op.inputs[0].op.type == "Const":
+            return tg.ir.data_inputs(x.op.name)[-1], 1
+    return tg.ir.data_inputs(op)[1], -1
 
 
 MIXED = ("state adds up or is assigned numbers each replica computes over its own rows "
@@ -262,18 +276,29 @@ def floored(tg, count, sources: set):
     return found, inner
 
 
-def read_everywhere(ctx, ref, outs, rewires: dict, replaced: set,
+def read_everywhere(ctx, ref, outs, rewires: dict, replaced: set, apart_from=None,
                     losses_apart: bool = False) -> None:
     """Every use of `ref` in replica k reads outs[k] instead (a synced write
-    of it stays so); with `losses_apart`, not those of the losses'
-    nodes (`in_losses`)."""
+    of it stays so); with `apart_from` (widened means), only the uses
+    `apart` from them; with `losses_apart`, not those of the losses' nodes
+    (`in_losses`)."""
     but = in_losses(ctx.tg) if losses_apart else ()
+    only = apart(ctx.tg, apart_from) if apart_from else None
     for node, at in uses(ctx.tg, ref):
-        if node in but:
+        if node in but or only is not None and not only(node):
             continue
         replaced.add((node, at))
         for k, out in enumerate(outs):
             rewires.setdefault((ctx.replica_name(k, node), at), out)
+
+
+def apart(tg, widened) -> callable:
+    """Whether a node is apart from the `widened` means (none of their ops,
+    the ops they are made of, or the autodiff's): a value that divides by
+    a widened mean's count too (an accuracy over the same rows) reads the
+    count unwidened."""
+    made = tg.ir.ancestors(set(widened), data_only=True) | set(widened)
+    return lambda node: node not in made and not rules.is_autodiff(node)
 
 
 def in_losses(tg) -> set[str]:

@@ -215,6 +215,7 @@ class StateSyncPass:
                 synced += 1
                 new_nodes.extend(nodes)
             if widen:           # a mean added to a sum: over the job's count (times 1 / it)
+                counts.read_everywhere(ctx, count, outs, rewires, replaced, widened)  # (others)
                 nodes, outs = _times(ctx, ir, f"parallax/state_sync/{count.node}/widened", outs,
                                      count.node, dtype, plan.group_size ** widen)
                 new_nodes.extend(nodes)

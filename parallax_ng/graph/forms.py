@@ -80,7 +80,7 @@ class LossForm:
     # where a sum over the batch adds means that divide a sum by a count
     # (Keras's and tf.compat.v1.losses' means, a static batch's size: `by_batch`'s
     # op) or Means over it (tf.reduce_mean): the divisions (or products by 1 /
-    # the size) whose count, input 1, becomes the job's (N times a replica's)
+    # the size, or by 1 / rows counted) whose count becomes the job's (N times a replica's)
     # where the replicas' gradients are summed (transforms/state_sync.py), and
     # the Means that then divide by N, forward and in the gradient
     # (transforms/selected_means.py)
@@ -198,14 +198,14 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return inner
         if op.type == "Mul" and t.shape.rank == 0 and all(map(data, op.inputs)):
             for m, c in (op.inputs, op.inputs[::-1]):   # a mean of the rows times their count
+                if (n := _over(c, constant)) is not None and form(n) == "sum" and \
+                        n.name in tallies and form(m) == "sum":     # (before c's form: a
+                    averaged.append(op.name)        # function of the count, its job's)
+                    return "mean"       # a sum times 1 / the rows' count
                 notes = (len(by_count), len(by_batch), len(selected), len(exchanged))
                 if form(c) == "sum" and c.name in tallies and form(m) == "mean" and \
                         notes == (len(by_count), len(by_batch), len(selected), len(exchanged)):
                     return "sum"
-                if (n := _over(c, constant)) is not None and form(n) == "sum" and \
-                        n.name in tallies and form(m) == "sum":
-                    averaged.append(op.name)
-                    return "mean"       # a sum times 1 / the rows' count
         if op.type == "MatMul" and op.get_attr("transpose_a") and not op.get_attr(
                 "transpose_b") and {batch_axis(x, rows) for x in op.inputs} == {0}:
             return "sum"    # each example's outer product summed over the batch (a gram)
@@ -219,14 +219,14 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                 alone = [len(found) for found in others] == [
                     made[0] + len(sized), made[1] + len(means), *made[2:4],
                     made[4] + len(set(selected[made[4]:]) & set(means))] and all(
-                    loss.graph.get_operation_by_name(m).type == "Mean" for m in means)
+                    loss.graph.get_operation_by_name(m).type in ("Mean", "Mul") for m in means)
                 kinds.append((x, kind, scaled[0], by_count[counted:] + means + [
                     op for op, _, _ in sized] if alone else []))
                 scaled[0] |= before
             forms = {kind for _, kind, _, _ in kinds} - {"constant"}
             if forms == {"sum", "mean"}:
                 means = [c for _, kind, _, c in kinds if kind == "mean"]
-                if strict or not all(means):    # (a sum times 1 / count beside: not widened)
+                if strict or not all(means):    # (a mean of another form beside: not widened)
                     mixed.extend((x.name, s) for x, kind, s, _ in kinds if kind == "sum")
                     return None
                 widened.extend(op for c in means for op in c)
