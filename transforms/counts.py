@@ -85,8 +85,7 @@ def _widened_count(tg, op: str):
     if kind != "Mul":
         return None if kind == "Mean" else (tg.ir.data_inputs(op)[1], 1)
     for x in tg.graph.get_operation_by_name(op).inputs:
-        if x.op.type in ("Reciprocal", "Inv") or x.op.type in ("RealDiv", "Div") and \
-                x.op.inputs[0].op.type == "Const":
+        if forms.reciprocal_of(x) is not None:      # (its count: the last input)
             return tg.ir.data_inputs(x.op.name)[-1], 1
     return tg.ir.data_inputs(op)[1], -1
 

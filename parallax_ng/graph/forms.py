@@ -198,7 +198,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
             return inner
         if op.type == "Mul" and t.shape.rank == 0 and all(map(data, op.inputs)):
             for m, c in (op.inputs, op.inputs[::-1]):   # a mean of the rows times their count
-                if (n := _over(c, constant)) is not None and form(n) == "sum" and \
+                if (n := reciprocal_of(c, constant)) is not None and form(n) == "sum" and \
                         n.name in tallies and form(m) == "sum":     # (before c's form: a
                     averaged.append(op.name)        # function of the count, its job's)
                     return "mean"       # a sum times 1 / the rows' count
@@ -315,7 +315,7 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                     averaged if kind == "mean" else [])
 
 
-def _over(t: tf.Tensor, constant) -> tf.Tensor | None:
+def reciprocal_of(t: tf.Tensor, constant=constant_value) -> tf.Tensor | None:
     """c where t is 1 / c (tf.math.reciprocal(c), 1.0 / c), else None."""
     op = t.op
     if op.type in ("Reciprocal", "Inv") or op.type in ("RealDiv", "Div") and \
