@@ -82,6 +82,38 @@ def test_gradients_computed_after_an_update_pack_apart():
     assert [[s.var for s in b.segments] for b in buffers] == [["d"], ["gen"]]
 
 
+def test_gradients_two_train_ops_apply_pack_apart():
+    """A TF1 GAN's two `minimize` ops, run in turn: each variable's run is
+    the train op it ends in (not a fetch of a gradient's norm, which ends
+    nowhere a variable is written), and neither buckets nor fusion
+    buffers pack the two runs' gradients together (a run of either would
+    compute both, reading the other's batch)."""
+    from parallax_ng.graph import frontend
+    from parallax_ng.planning import packing
+    tf1 = tf.compat.v1
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.constant(np.ones((2, 3), np.float32))
+        d, d2, gen = (tf1.get_variable(n, initializer=np.ones((3, 3), np.float32))
+                      for n in ("d", "d2", "gen"))
+        fake = tf.matmul(x, gen)
+        d_loss = tf.reduce_mean(tf.matmul(tf.matmul(x, d), d2) - tf.matmul(fake, d))
+        grads = tf.gradients(d_loss, [d, d2])
+        tf.norm(grads[0], name="watched")       # a fetch of its own
+        tf1.train.AdamOptimizer(0.1).apply_gradients(zip(grads, [d, d2]))
+        tf1.train.AdamOptimizer(0.1).minimize(tf.reduce_mean(tf.matmul(fake, d)),
+                                              var_list=[gen])
+    tg = frontend.load(g)
+    runs = packing.runs(tg)
+    assert runs["d"] == runs["d2"] != runs["gen"]
+    order = packing.ready_order(tg, ["d", "d2", "gen"])
+    one = BucketsConfig(mode="single")
+    assert {frozenset(b.variables) for b in packing.allreduce_buckets(tg, order, one)} == {
+        frozenset({"d", "d2"}), frozenset({"gen"})}
+    buffers = packing.fusion_buffers(tg, order, ["/job:ps/task:0"], 1 << 20)
+    assert sorted(sorted(s.var for s in b.segments) for b in buffers) == [["d", "d2"], ["gen"]]
+
+
 def test_a_gradient_the_backward_pass_goes_on_from_keeps_its_stage():
     """tf.nn.batch_normalization's offset gradient, in a GradientTape, is
     also the tensor the backward pass negates for the mean's gradient (on

@@ -44,6 +44,9 @@ def test_index_consumers_and_order():
     # "after" reads "s" by a control edge only; a stop is reached, not passed
     assert ir.descendants(["b"], data_only=True) == {"b", "s"}
     assert ir.descendants(["b"], stop=lambda name: name == "s") == {"b", "s"}
+    # what a fetch of each ends in: nodes no node reads, those `keep` holds for
+    assert ir.ends(["b", "after"]) == {"b": {"after"}, "after": {"after"}}
+    assert ir.ends(["a"], keep=lambda name: name != "after") == {"a": frozenset()}
 
 
 def test_verify_names_dangling_input_and_rejects_duplicates():

@@ -1,9 +1,11 @@
 """Training programs as tf.compat.v1 scripts write them, beyond one
 `minimize` run per step: a GAN (two optimizers over disjoint var_lists,
-their train ops run in turn, each run taking its own batch; or one train
+their train ops run in turn, each run taking its own batch; the noise from
+an iterator of its own; or one train
 op, the generator's loss read after the discriminator's update), wide & deep
 (FTRL for the wide part and Adagrad for the deep part, grouped into one
-train op), fine-tuning (a frozen layer left out of var_list, a
+train op), two models with their own iterators, tables and train ops,
+run in turn, fine-tuning (a frozen layer left out of var_list, a
 `trainable=False` table, a `stop_gradient`), evaluation runs of the
 loss alone between training steps, a recurrent layer written as a loop
 over time and a convnet, each with a loss summed over the batch (the
@@ -81,6 +83,53 @@ def gan(batch):
     schedule = [[("d_train", "d_loss")], [("g_train", "g_loss")]]
     return g, dict(d_train=d_train, g_train=g_train, d_loss=d_loss, g_loss=g_loss,
                    init=init), schedule
+
+
+def gan_apart(batch):
+    """The GAN with the generator's noise from an iterator of its own:
+    `g_train` reads no real batch. (Its gradients and the
+    discriminator's once travelled in one bucket, so either train op
+    computed both and `g_train` took a real batch, skipping it.)"""
+    g = tf.Graph()
+    with g.as_default():
+        real, _, _, _ = dataset(batch)
+        _, noise, _, _ = dataset(batch)
+        d_real, d_fake = discriminator(real), discriminator(generator(noise))
+        bce = tf1.losses.sigmoid_cross_entropy
+        d_loss = bce(tf.ones_like(d_real), d_real) + bce(tf.zeros_like(d_fake), d_fake)
+        g_loss = bce(tf.ones_like(d_fake), d_fake)
+        d_vars = tf1.get_collection(tf1.GraphKeys.TRAINABLE_VARIABLES, "disc")
+        g_vars = tf1.get_collection(tf1.GraphKeys.TRAINABLE_VARIABLES, "gen")
+        d_train = tf1.train.AdamOptimizer(0.02, beta1=0.5).minimize(d_loss, var_list=d_vars)
+        g_train = tf1.train.AdamOptimizer(0.02, beta1=0.5).minimize(g_loss, var_list=g_vars)
+        init = tf1.global_variables_initializer()
+    schedule = [[("d_train", "d_loss")], [("g_train", "g_loss")]]
+    return g, dict(d_train=d_train, g_train=g_train, d_loss=d_loss, g_loss=g_loss,
+                   init=init), schedule
+
+
+def two_tables(batch):
+    """Two models, each with its own iterator, two embedding tables (sparse
+    rows), optimizer, global-norm clipping and train op, run in turn.
+    (Their all-gathered rows once travelled together, and a profiled step
+    read both models' ids: either run took the other's batch.)"""
+    g = tf.Graph()
+    with g.as_default():
+        rng, fetches = np.random.RandomState(4), {}
+        for k, opt in enumerate((tf1.train.AdamOptimizer(0.02), tf1.train.AdagradOptimizer(0.1))):
+            real, _, ids, label = dataset(batch)
+            tables = [tf1.get_variable(f"emb{k}_{j}", initializer=rng.randn(40, 4).astype(
+                np.float32)) for j in range(2)]
+            rows = tf.reduce_sum(tf1.nn.embedding_lookup(tables[0], ids) *
+                                 tf1.nn.embedding_lookup(tables[1], ids), 1)
+            out = tf.squeeze(dense(tf.concat([rows, real], 1), 1, f"out{k}", seed=k), 1)
+            loss = tf.reduce_mean(tf.square(out - label))
+            trained = tables + tf1.get_collection(tf1.GraphKeys.TRAINABLE_VARIABLES, f"out{k}")
+            grads, _ = tf.clip_by_global_norm(tf.gradients(loss, trained), 1.0)
+            fetches.update({f"train{k}": opt.apply_gradients(zip(grads, trained)),
+                            f"loss{k}": loss})
+        init = tf1.global_variables_initializer()
+    return g, dict(init=init, **fetches), [[("train0", "loss0")], [("train1", "loss1")]]
 
 
 def gan_one_op(batch):
@@ -237,7 +286,8 @@ def run_schedule(run, h, schedule, rounds):
     return losses
 
 
-PROGRAMS = {"gan": gan, "gan-one-op": gan_one_op, "wide-deep": wide_deep,
+PROGRAMS = {"gan": gan, "gan-apart": gan_apart, "two-tables": two_tables,
+            "gan-one-op": gan_one_op, "wide-deep": wide_deep,
             "fine-tune": fine_tune, "rnn-sum": rnn_sum,
             "rnn-sum-frames": lambda batch: rnn_sum(batch, frames=True),
             "rnn-sum-time-major": lambda batch: rnn_sum(batch, time_major=True),
@@ -247,15 +297,31 @@ CASES = [(p, r) for p in PROGRAMS for r in ("hybrid", "allreduce", "ps")]
 
 @pytest.mark.parametrize("program,run_option", CASES, ids=["-".join(c) for c in CASES])
 def test_replicas_equal_one_device(program, run_option):
+    equal_one_device(program, {"run_option": run_option})
+
+
+def test_two_train_ops_updates_wait_for_no_later_run():
+    """Horizontal scheduling defers an update to the next step's run; with
+    two train ops that run is the other's, which reads the variables
+    first: the plan says so and updates in the run (before, the generator
+    read the discriminator before its update: 0.08 apart, silently)."""
+    plan = equal_one_device("gan", {"run_option": "allreduce", "horizontal_scheduling": True})
+    assert not plan.blocks and "the graph's train ops update apart" in plan.format()
+
+
+def equal_one_device(program, config):
+    """`program` on REPLICAS replicas with `config` equals one device (every
+    fetched loss, variable and slot); returns the plan."""
     build, rounds = PROGRAMS[program], 4
     g, h, schedule = build(4)
     names = variable_names(g)
     reads = [read_name(v, g) for v in names]
-    with pn.get_runner(g, local(REPLICAS), {"run_option": run_option}) as runner:
+    with pn.get_runner(g, local(REPLICAS), config) as runner:
         runner.run(h["init"])
         start = runner.run(reads)
         losses = run_schedule(runner.run, h, schedule, rounds)
         parallel = dict(zip(names, runner.run(reads, per_replica=True)))
+        plan = runner.plan
     g1, h1, _ = build(4 * REPLICAS)
     with tf1.Session(graph=g1) as sess:
         sess.run(h1["init"])
@@ -269,6 +335,7 @@ def test_replicas_equal_one_device(program, run_option):
     if program == "fine-tune":     # what does not train kept its starting value
         for n in ("pretrained", "frozen/kernel"):
             np.testing.assert_array_equal(single[n], start[names.index(n)])
+    return plan
 
 
 def test_two_train_ops_that_train_one_variable_are_refused_naming_it():

@@ -14,8 +14,9 @@ norms, summaries, update ops), by the plan's method:
   host); IndexedSlices are concatenated there, scaled by 1/N for a mean;
 - allgather: the backend's all-gather of the IndexedSlices (with
   TensorFlow's collectives the row counts of every all-gathered variable
-  in one gather, then each variable's rows and ids in one; a global norm's
-  shares of all of them in one all-reduce: transforms/replica_rows.py);
+  a train op updates in one gather, then each variable's rows and ids in
+  one; a global norm's shares of all of them in one all-reduce:
+  transforms/replica_rows.py);
 - factors: a dense gradient MatMul(a, b, transpose_a=True) by its two
   factors: every replica's [a | b] all-gathered, the product taken on
   every replica (the sum of the replicas' products);
@@ -52,7 +53,7 @@ from parallax_ng.graph import emit, rules
 from parallax_ng.graph.ir import GraphIR, TensorRef, parse_input
 from parallax_ng.methods import ALLREDUCE, BFB, METHODS
 from parallax_ng.pipeline.results import CoalescedRows, ExchangedLookups, LocalAggregates
-from parallax_ng.planning import analysis, deferral
+from parallax_ng.planning import analysis, deferral, packing
 from transforms.columns import lookup_exchange
 from transforms.flat_buffers import bucket, concat, elements, fusion_buffers
 from transforms.replica_rows import by_id, coalesce, norm_shares, replica_rows, summed_norms
@@ -271,27 +272,37 @@ def _ps_outputs(plan, var: str, sparse: bool) -> tuple[str, str | None]:
 
 def _gathered_together(ctx):
     """(nodes, {variable: (its `replica_rows`, its row counts or None)}) of
-    several all-gathered variables: their global norm's shares summed in
-    one all-reduce (per dtype), not one each; where the backend gathers
-    row counts apart from rows (TensorFlow's collectives), their row
-    counts in one gather."""
+    several all-gathered variables of one run (packing.runs: a train op's):
+    their global norm's shares summed in one all-reduce (per dtype), not
+    one each; where the backend gathers row counts apart from rows
+    (TensorFlow's collectives), their row counts in one gather."""
     tg = ctx.tg
     gathered = [v for v, vp in sorted(ctx.plan.variables.items())
                 if vp.method == "allgather" and v not in tg.rows_alike]
+    run = packing.runs(tg) if len(gathered) > 1 else dict.fromkeys(gathered, 0)
+    nodes, out = [], {}
+    for k in sorted({run[v] for v in gathered}):
+        made, rows = _gathered_run(ctx, [v for v in gathered if run[v] == k],
+                                   f"_{k}" if k else "")
+        nodes, out = nodes + made, {**out, **rows}
+    return nodes, out
+
+
+def _gathered_run(ctx, gathered: list[str], run: str):
     if len(gathered) < 2:
         return [], {}
-    shares, nodes = {}, []
+    tg, shares, nodes = ctx.tg, {}, []
     rows = {v: replica_rows(ctx, v, tg.gradients[v], f"parallax/allgather/{v}", shares)
             for v in gathered}
     for dtype in sorted({d.name for _, d, _ in shares.values()}):
-        made, outputs = summed_norms(ctx, f"parallax/allgather/norms_{dtype}", {
+        made, outputs = summed_norms(ctx, f"parallax/allgather/norms{run}_{dtype}", {
             v: s for v, s in shares.items() if s[1].name == dtype})
         nodes += made
         rows[min(shares)][3].update(outputs)
     counts = [None] * len(gathered)
     if hasattr(ctx.comm, "gather_counts"):
         made, counts = ctx.comm.gather_counts(
-            "parallax/allgather/counts", [rows[v][2] for v in gathered],
+            f"parallax/allgather/counts{run}", [rows[v][2] for v in gathered],
             [tg.tensor(tg.gradients[v].indices).dtype for v in gathered])
         nodes += made
     return nodes, {v: (rows[v], c) for v, c in zip(gathered, counts)}

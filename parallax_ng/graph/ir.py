@@ -271,6 +271,20 @@ class GraphIR:
                 todo.extend(users.get(name, ()))
         return seen
 
+    def ends(self, names: Iterable[str], keep=lambda name: True) -> dict[str, frozenset[str]]:
+        """Each of `names`: the nodes at or below it that no node reads
+        (through data or control edges: what a script fetches to run it)
+        and `keep` holds for; each node's once, in reverse topological
+        order (a while loop's back edges are not followed)."""
+        names = list(names)
+        below, users, out = self.descendants(names), self.node_consumers, {}
+        for name in reversed(self.topo_order):
+            if name in below:
+                after = [out[u] for u in users.get(name, ()) if u in out]
+                out[name] = frozenset().union(*after) if users.get(name) else \
+                    frozenset({name} if keep(name) else ())
+        return {name: out.get(name, frozenset()) for name in names}
+
     @cached_property
     def _data_users(self) -> dict[str, set[str]]:
         """node -> names of nodes that read one of its outputs."""

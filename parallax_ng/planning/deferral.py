@@ -76,6 +76,14 @@ def same_ids(facts, var: str, distinct: bool, coalesce: bool) -> str | None:
 # -- what the plan defers ---------------------------------------------------
 SPLIT = ("a job step with servers beside collectives runs them in two session runs, "
          "and an update that waits for the next step needs one; without servers it can")
+SEVERAL = ("the graph's train ops update apart (a GAN's two `minimize` ops, run in turn): "
+           "an update that waits for the next run may be read by the other's first")
+
+
+def _several(facts) -> bool:
+    """Whether the trained variables are updated by several train ops
+    (planning/packing.py `runs`)."""
+    return len(set(facts.runs().values())) > 1
 
 
 def horizontal_blocks(facts, variables: dict, config: Config, split: bool = False):
@@ -91,8 +99,8 @@ def horizontal_blocks(facts, variables: dict, config: Config, split: bool = Fals
     for v, vp in variables.items():
         if not method(vp.method).horizontal or vp.info.sparse:
             continue
-        if split:
-            notes[v] = f"no horizontal scheduling: {SPLIT}"
+        if split or _several(facts):
+            notes[v] = f"no horizontal scheduling: {SPLIT if split else SEVERAL}"
             continue
         try:
             facts.dense_deferral(v)
@@ -119,8 +127,8 @@ def prefetch(facts, vp: VariablePlan, config: Config, split: bool = False) -> Va
         return vp.noted(f"no prefetch: it applies to alltoall, not {vp.method}")
     if not (vp.coalesce and config.distinct_lookups):
         return vp.noted("no prefetch: it needs coalesce_rows and distinct_lookups")
-    if split:
-        return vp.noted(f"no prefetch: {SPLIT}")
+    if split or _several(facts):
+        return vp.noted(f"no prefetch: {SPLIT if split else SEVERAL}")
     try:
         facts.deferral(vp.name)
     except ConfigError as e:

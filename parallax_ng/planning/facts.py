@@ -53,6 +53,9 @@ class Facts:
     def stages(self) -> dict[str, int]:
         return self._once("stages", "", lambda: packing.stages(self.tg))
 
+    def runs(self) -> dict[str, int]:
+        return self._once("runs", "", lambda: packing.runs(self.tg))
+
     def coalescing(self, var: str) -> tuple[str, ...] | None:
         return self._once("coalescing", var, lambda: coalescing.coalescing(self.tg, var))
 

@@ -12,7 +12,12 @@ Gradients of different `stages` never travel together: a step that
 updates some variables and then computes other gradients from their new
 values (a GAN's train_step: the discriminator's update, then the
 generator's gradient through the updated discriminator) aggregates the
-first before the second exists.
+first before the second exists. Nor do gradients of different `runs`:
+those a script's separate train ops apply (a TF1 GAN's two `minimize`
+ops, run in turn); one exchange of both would make either train op
+compute the other's gradient too, reading the other's batch from its
+iterator and running what that gradient waits for (its batch
+normalization's moving averages).
 
 Requires: a TrainingGraph and the order its gradients become ready
 (`ready_order`: measured, else the graph's). Guarantees: the same inputs
@@ -68,6 +73,30 @@ def stages(tg: TrainingGraph) -> dict[str, int]:
     return out
 
 
+def runs(tg: TrainingGraph) -> dict[str, int]:
+    """Each trained variable's run, numbered alike on every worker:
+    variables whose gradients reach a common end of the graph (an op
+    nothing reads, as the train op a script fetches is) past a write of a
+    variable (an update: not a fetch of a gradient's norm) share one; a
+    GAN's two train ops make two."""
+    grads = {v: g.values.node for v, g in tg.gradients.items()}
+    below = tg.ir.descendants(set(grads.values()))
+    trains = tg.ir.descendants({w for ws in tg.writers.values() for w in ws if w in below})
+    ends = tg.ir.ends(set(grads.values()), keep=trains.__contains__)
+    joined = {v: v for v in grads}
+
+    def root(v):
+        while joined[v] != v:
+            v = joined[v]
+        return v
+    first: dict[str, str] = {}
+    for v in sorted(grads):
+        for end in ends[grads[v]] or {""}:     # (no update below: one run of their own)
+            joined[root(v)] = root(first.setdefault(end, v))
+    number: dict[str, int] = {}
+    return {v: number.setdefault(root(v), len(number)) for v in sorted(grads)}
+
+
 def check_stages(stage: dict[str, int], shared: list[str], num_workers: int) -> None:
     """Refuses variables kept once on parameter servers (`shared`) in a job
     of several workers whose step computes gradients from variables it
@@ -86,7 +115,8 @@ def check_stages(stage: dict[str, int], shared: list[str], num_workers: int) -> 
 
 
 def allreduce_buckets(tg: TrainingGraph, order: list[str], config, profile=None,
-                      stage: dict | None = None) -> tuple[Bucket, ...]:
+                      stage: dict | None = None, run: dict | None = None
+                      ) -> tuple[Bucket, ...]:
     """The all-reduced variables in `order` (backward) merged into buckets
     as `config.mode` says (parallax_ng/planning/buckets.py), one dtype and one stage per bucket
     (auto: by `config.bytes` until parallax_ng/runtime/tuning.py tries others);
@@ -95,15 +125,16 @@ def allreduce_buckets(tg: TrainingGraph, order: list[str], config, profile=None,
     before it was ready; without one every gradient is ready at once) and
     the all-reduce cost from the config, else from the profile's fit (none
     yet: one all-reduce per variable until it is measured). The file
-    `buckets.profile` names, read, comes as `profile` (parallax_ng/build.py)."""
+    `buckets.profile` names, read, comes as `profile` (parallax_ng/build.py);
+    one `runs` per bucket too."""
     cost = (bucketing.Cost(config.a, config.b) if config.a is not None else
             profile.allreduce.cost if profile is not None and profile.allreduce else None)
     if config.mode == "none" or (config.mode == "mgwfbp" and cost is None):
         return ()
     ready = profile.ready if profile is not None else {}
     start = profile.forward_time if profile is not None else 0.0
-    out, stage = [], stages(tg) if stage is None else stage
-    kind = {v: (stage.get(v, 0), tg.variables[v].dtype.base_dtype.name) for v in order}
+    out, stage, run = [], stages(tg) if stage is None else stage, runs(tg) if run is None else run
+    kind = {v: (stage.get(v, 0), run[v], tg.variables[v].dtype.base_dtype.name) for v in order}
     for group in sorted(set(kind.values())):
         same = [v for v in order if kind[v] == group]
         times, previous = [], start
@@ -124,18 +155,20 @@ def allreduce_buckets(tg: TrainingGraph, order: list[str], config, profile=None,
 
 
 def fusion_buffers(tg: TrainingGraph, order: list[str], servers: list[str],
-                   size_bytes: int = 0, stage: dict | None = None) -> tuple[Buffer, ...]:
+                   size_bytes: int = 0, stage: dict | None = None,
+                   run: dict | None = None) -> tuple[Buffer, ...]:
     """Gradients of `order` packed flat, in that order, into buffers of
     `size_bytes` (0: `fusion_buffer_size`), one dtype per run of buffers; a
     variable may span two buffers, the last buffer may be smaller; gradients
-    of different `stages` in buffers of their own. Every buffer is sharded
-    evenly over `servers` at element offsets."""
+    of different `stages` or `runs` in buffers of their own. Every buffer
+    is sharded evenly over `servers` at element offsets."""
     by_kind: dict = {}
-    stage = stages(tg) if stage is None else stage
+    stage, run = stages(tg) if stage is None else stage, runs(tg) if run is None else run
     for var in order:
-        by_kind.setdefault((stage.get(var, 0), tg.variables[var].dtype), []).append(var)
+        by_kind.setdefault((stage.get(var, 0), run[var], tg.variables[var].dtype),
+                           []).append(var)
     out = []
-    for (_, dtype), variables in sorted(by_kind.items(), key=lambda kv: kv[0][0]):
+    for (*_, dtype), variables in sorted(by_kind.items(), key=lambda kv: kv[0][:2]):
         sizes = {v: tg.variables[v].nbytes // dtype.size for v in variables}
         total = sum(sizes.values())
         per = max(1, (size_bytes or fusion_buffer_size(total * dtype.size, len(servers)))

@@ -129,7 +129,7 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
                                 config.communication.backend))
     size = config.fusion.buffer_bytes       # auto: the default until tuning tries others
     buffers = fusion_buffers(tg, ready_order(tg, fused, order), list(servers) or [host],
-                             0 if size == "auto" else size, facts.stages())
+                             0 if size == "auto" else size, facts.stages(), facts.runs())
     blocks, notes = deferral.horizontal_blocks(facts, variables, config, split)
     variables.update({v: variables[v].noted(note) for v, note in notes.items()})
     later = {v for b in blocks for v in b}
@@ -137,7 +137,7 @@ def _plan_of(job: tuple, config: Config, methods: dict[str, str]) -> Plan:
                method(vp.method).all_reduced and not vp.info.sparse and vp.info.known]
     timed = order if config.buckets.mode == "mgwfbp" else ()   # else the graph's, as a job's
     buckets = allreduce_buckets(tg, ready_order(tg, reduced, timed), config.buckets, profile,
-                                facts.stages())
+                                facts.stages(), facts.runs())
     producers = [q for q in queues.find(tg) if q.producer]
     drawn = {**randomness.random_ops(tg.ir.nodes, tg.ir.library),
              **dict.fromkeys(randomness.stateless_draws(tg.ir, tg.variant))}

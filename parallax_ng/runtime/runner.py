@@ -115,6 +115,7 @@ class Runner:
         if program.start:
             self.session.run(program.start, options=self._options)
         self._kinds, self._reach = {}, one_replica.Reach(self.graph)   # `_kind`; uneven feeds
+        self._reached: dict[tuple, frozenset] = {}      # `_kind`: the user ops a run reaches
         self._flush = list(program.flush)
         self._pending = False     # a training run left part of a table's update
 
@@ -138,7 +139,7 @@ class Runner:
                 self.executor.wait_for_parts(self.session)
         profiling = trained and self.ctx is not None and \
             self._profiled < self.config.profile.steps
-        probe = self._probe() if profiling else {}
+        probe = self._probe(fetched) if profiling else {}
         options = bounded(options, self._options)
         tracing = trained and self._timeline is not None and self._timeline.wants()
         if profiling or tracing:
@@ -271,13 +272,16 @@ class Runner:
     def _profiled(self) -> int:
         return self.profile.steps if self.profile is not None else 0
 
-    def _probe(self) -> dict[str, str]:
+    def _probe(self, fetched: tuple) -> dict[str, str]:
         """Replica 0's gradient indices of the sparse variables (and the
-        first factors of those by factors whose rows the graph does not know)."""
+        first factors of those by factors whose rows the graph does not
+        know) that the run of `fetched` computes: another train op's (a
+        program's second optimizer) would read its batch, skipping it."""
         plan, grads = self.plan.variables, self.ctx.tg.gradients
-        return {**{v: str(grads[v].indices) for v, vp in sorted(plan.items()) if vp.info.sparse},
-                **unknown_rows(self.ctx.tg, {v: vp.info for v, vp in plan.items()
-                                             if method(vp.method).factored})}
+        probe = {**{v: str(grads[v].indices) for v, vp in sorted(plan.items()) if vp.info.sparse},
+                 **unknown_rows(self.ctx.tg, {v: vp.info for v, vp in plan.items()
+                                              if method(vp.method).factored})}
+        return {v: t for v, t in probe.items() if t.split(":")[0] in self._reached[fetched]}
 
     def _measured(self, run_metadata, indices: dict) -> None:
         step = measure(self.ctx.tg, run_metadata, indices)
@@ -423,6 +427,7 @@ class Runner:
             inits = {v.initializer for v in tg.variables.values() if v.initializer}
             reads_queue = any(tg.ir.node(a).op.startswith(READ_PREFIXES) for a in ancestors)
             written = self.executor.written
+            self._reached[fetched] = frozenset(ancestors)
             self._kinds[fetched] = (bool(ancestors & inits),
                                     bool(ancestors & self._training_writers), reads_queue,
                                     written is not None and bool(ancestors & written.reads))
