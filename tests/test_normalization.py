@@ -81,6 +81,73 @@ def test_synchronized_statistics_in_a_tf1_graph_equal_one_device(fused, capsys):
     assert PER_REPLICA in said and "batch_norm: per_replica, the default" in said, said
 
 
+def gan_bn(batch):
+    """A TF1 GAN whose discriminator normalizes its hidden layer
+    (tf.compat.v1.layers.batch_normalization): its call on the generated
+    rows is differentiated by both losses, so its statistics have a
+    gradient in each train op. The moving statistics follow the call on
+    the real rows (both calls' updates would race on one device)."""
+    g = tf.Graph()
+    with g.as_default():
+        rng = np.random.RandomState(4)
+        arrays = (rng.randn(64, 3) * 2 + 1, rng.randn(64, 2))
+        ds = pn.shard(tf.data.Dataset.from_tensor_slices(tuple(a.astype(np.float32)
+                                                                for a in arrays)))
+        real, noise = tf1.data.make_one_shot_iterator(ds.batch(batch).repeat()).get_next()
+        init = tf1.constant_initializer
+
+        def disc(x):
+            with tf1.variable_scope("disc", reuse=tf1.AUTO_REUSE):
+                h = tf1.layers.dense(x, 6, use_bias=False,    # (its gradient is 0: Adam's
+                                     kernel_initializer=init(rng.randn(3, 6) * 0.5))  # noise)
+                h = tf.nn.leaky_relu(tf1.layers.batch_normalization(h, training=True))
+                return tf1.layers.dense(h, 1, kernel_initializer=init(rng.randn(6, 1)))
+        with tf1.variable_scope("gen"):
+            fake = tf1.layers.dense(noise, 3, tf.nn.tanh, kernel_initializer=init(
+                rng.randn(2, 3)))
+        d_real, d_fake = disc(real), disc(fake)
+        bce = tf1.losses.sigmoid_cross_entropy
+        d_loss = bce(tf.ones_like(d_real), d_real) + bce(tf.zeros_like(d_fake), d_fake)
+        g_loss = bce(tf.ones_like(d_fake), d_fake)
+        with tf.control_dependencies(tf1.get_collection(tf1.GraphKeys.UPDATE_OPS, "disc/")):
+            d_train = tf1.train.AdamOptimizer(0.05, beta1=0.5).minimize(
+                d_loss, var_list=tf1.trainable_variables("disc"))
+        g_train = tf1.train.AdamOptimizer(0.05, beta1=0.5).minimize(
+            g_loss, var_list=tf1.trainable_variables("gen"))
+        init = tf1.global_variables_initializer()
+    return g, {"train": d_train, "g_train": g_train, "init": init,
+               "d_loss": d_loss, "g_loss": g_loss}
+
+
+@pytest.mark.parametrize("run_option", ["allreduce", "ps"])
+def test_statistics_two_train_ops_differentiate_are_synchronized(run_option, capsys):
+    """The GAN's two train ops run in turn, 4 rounds: every weight, slot
+    and moving statistic, and each fetched loss, equals one device's. (The
+    generated rows' statistics were left per replica, named, as a
+    gradient of them was found in each train op.)"""
+    def rounds(run, h):
+        return [run([h["train"], h["d_loss"]])[1] for _ in range(1)] + [
+            x for _ in range(4) for x in (run([h["g_train"], h["g_loss"]])[1],
+                                          run([h["train"], h["d_loss"]])[1])]
+    g, h = gan_bn(8)
+    variables = g.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES)
+    names = [v.op.name for v in variables]
+    with pn.get_runner(g, local(2), {"batch_norm": "synchronized",
+                                     "run_option": run_option}) as runner:
+        runner.run(h["init"])
+        losses = rounds(runner.run, h)
+        parallel = dict(zip(names, runner.run(variables, per_replica=True)))
+    g1, h1 = gan_bn(16)
+    with tf1.Session(graph=g1) as sess:
+        sess.run(h1["init"])
+        single_losses = rounds(sess.run, h1)
+        single = dict(zip(names, sess.run(g1.get_collection(tf1.GraphKeys.GLOBAL_VARIABLES))))
+    assert any("moving_variance" in n for n in names) and any("Adam_1" in n for n in names)
+    np.testing.assert_allclose(losses, single_losses, rtol=0, atol=1e-5)
+    assert worst(parallel, single, names) <= 1e-5
+    assert "batch_norm: synchronized notwithstanding" not in capsys.readouterr().err
+
+
 def keras_updates(batch):
     """A tf_keras model in a TF1 graph trained by a legacy optimizer's
     get_updates (its gradients under `SGD/gradients/gradients/`), the

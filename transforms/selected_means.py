@@ -97,15 +97,14 @@ def _widened(ir, ctx, selected: set, changed: dict, added: list, rewires: dict) 
                               data_only=True) if means else set()
     for mean in means:
         op, scope = tg.graph.get_operation_by_name(mean), f"parallax/selected_means/{mean}"
-        dtype, division = op.outputs[0].dtype, mean_gradients.division(index, op)
-        if division is None and mean in trained:
+        dtype, divisions = op.outputs[0].dtype, mean_gradients.division(index, op)
+        if divisions is None and mean in trained:
             warnings.warn(f"the Mean {mean!r} is added to a sum over the batch, but its "
                           "gradient was not found: its part of the replicas' summed "
                           "gradients is N times one device's", stacklevel=3)
         share = emit.const(f"{scope}/share", 1.0 / plan.group_size, dtype, plan.host)
         times = emit.const(f"{scope}/replicas", plan.group_size, dtype, plan.host)
         added += [share, times]
-        count = tg.ir.data_inputs(division.name)[1] if division is not None else None
         for k in range(plan.num_replicas):
             node = ir.node(ctx.replica_name(k, mean))
             inner = emit.like(node, f"{node.name}/parallax_mean", node.device)
@@ -113,9 +112,10 @@ def _widened(ir, ctx, selected: set, changed: dict, added: list, rewires: dict) 
             added.append(inner)
             changed[node.name] = emit.node_def(node.name, "Mul", [inner.name, share.name],
                                                node.device, T=dtype)
-            if count is not None:
-                at = ctx.replica_name(k, division.name)
-                added.append(emit.node_def(f"{scope}/replica_{k}/count", "Mul", [
+            for j, division in enumerate(divisions or ()):
+                count, at = tg.ir.data_inputs(division.name)[1], \
+                    ctx.replica_name(k, division.name)
+                added.append(emit.node_def(f"{scope}/replica_{k}/count_{j}", "Mul", [
                     ctx.replica_tensor(k, count), times.name], ir.node(at).device, T=dtype))
                 rewires[(at, 1)] = added[-1].name
     return len(means)

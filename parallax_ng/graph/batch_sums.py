@@ -119,16 +119,16 @@ def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
             if op.type != "Sum" or not over_the_batch(op, rows):
                 return None
             index = index or Autodiff(op.graph)
-            if (grad := incoming_sum(index, op, fed=True)) is None:     # (by its name alone)
-                grad = incoming_sum(index, op, index.named_once(op), fed=True)
-            if grad is None and differentiable(op.inputs[0]):
+            grads = incoming_sum(index, op, fed=True) or incoming_sum(      # (by its name
+                index, op, index.named_each(op), fed=True) or ()            # alone)
+            if not grads and differentiable(op.inputs[0]):
                 if targets is None:
                     targets = {t.op.name for t in losses(op.graph)}
                 if _trained(op, targets):
                     return None
-            if grad is not None and len(grad.consumers()) > 1:
+            if any(len(grad.consumers()) > 1 for grad in grads):
                 return None         # (a gradient other Sums' gradients are taken from)
-            found += [t.name] + ([grad.name] if grad is not None else [])
+            found += [t.name] + [grad.name for grad in grads]
             continue
         stack.extend(op.inputs)
     uses = {c.name for name in region - {taker.name}

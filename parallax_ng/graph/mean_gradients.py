@@ -58,21 +58,27 @@ class Autodiff:
         (the gradient of its variance reads it), so a call of the same
         layer elsewhere (in the step, in another call) is not taken for
         it."""
+        return [op for ops in self.each(mean, x) for op in ops]
+
+    def each(self, mean, x) -> list[list]:
+        """The ops `of` finds, by the gradient they are part of: a forward
+        op two losses are differentiated through (a GAN's discriminator on
+        the generated rows, in its loss and the generator's) has one
+        gradient in each."""
         scope = mean.name.rsplit("/", 1)[0] if "/" in mean.name else ""
         for table, name in ((self.named, mean.name), (self.taped, scope),
                             *((self.named, tail) for tail in tails(mean.name)),
                             *((self.taped, tail) for tail in tails(scope))):
-            reading = [op for prefix, ops in table.get(name, {}).items()
-                       if past_identities(x).ref() in self.reads[prefix] for op in ops]
+            reading = [ops for prefix, ops in table.get(name, {}).items()
+                       if past_identities(x).ref() in self.reads[prefix]]
             if reading:
                 return reading
         return []
 
 
-    def named_once(self, op) -> list:
-        """The ops tf.gradients named for `op` where one call made them."""
-        calls = self.named.get(op.name, {})
-        return next(iter(calls.values())) if len(calls) == 1 else []
+    def named_each(self, op) -> list[list]:
+        """The ops tf.gradients named for `op`, by the call that made them."""
+        return list(self.named.get(op.name, {}).values())
 
 
 def _last(name: str):
@@ -98,50 +104,56 @@ def chains(ops) -> list[tuple]:
     return out
 
 
-def incoming(index: Autodiff, mean: tf.Operation) -> tf.Tensor | None:
-    """The gradient the autodiff gives `mean`'s output (the input of its
-    Mean gradient's Reshape), where exactly one Mean gradient is found
-    for it (in a tape's scope, which holds several Means' gradients, the
-    one whose divisor counts the Mean's input); None otherwise."""
-    found = _chain(index, mean)
-    return found[0].inputs[0] if found else None
+def incoming(index: Autodiff, mean: tf.Operation) -> tuple[tf.Tensor, ...] | None:
+    """The gradients the autodiff gives `mean`'s output (the input of its
+    Mean gradient's Reshape), one in each gradient that reaches it, where
+    each holds exactly one Mean gradient for it (in a tape's scope, which
+    holds several Means' gradients, the one whose divisor counts the
+    Mean's input); None where none is found or one is not."""
+    found = _chains(index, mean)
+    return tuple(c[0].inputs[0] for c in found) if found else None
 
 
-def division(index: Autodiff, mean: tf.Operation) -> tf.Operation | None:
-    """The autodiff's division of `mean`'s spread gradient by its count
-    (input 1: a constant where the graph fixes the shapes), where
-    `incoming` finds the one gradient; None otherwise."""
-    found = _chain(index, mean)
-    return found[2] if found else None
+def division(index: Autodiff, mean: tf.Operation) -> tuple[tf.Operation, ...] | None:
+    """The autodiff's divisions of `mean`'s spread gradient by its count
+    (input 1: a constant where the graph fixes the shapes), one in each
+    gradient `incoming` finds; None where it finds none."""
+    found = _chains(index, mean)
+    return tuple(c[2] for c in found) if found else None
 
 
-def _chain(index: Autodiff, mean: tf.Operation) -> tuple | None:
+def _chains(index: Autodiff, mean: tf.Operation) -> list[tuple] | None:
     x = mean.inputs[0]
-    found = chains(index.of(mean, x))
-    if len(found) > 1:      # a tape's scope: the one that counts x's entries
-        found = [c for c in found if _counts(c[2].inputs[1], past_identities(x))]
-    if not found and x.shape.is_fully_defined():    # a static shape's: divided by a
-        found = chains(index.named_once(mean))      # constant, not reading x
-    return found[0] if len(found) == 1 else None
+    each = [chains(ops) for ops in index.each(mean, x)]
+    each = [[c for c in found if _counts(c[2].inputs[1], past_identities(x))]
+            if len(found) > 1 else found for found in each]   # a tape's scope: the one
+    if not any(each) and x.shape.is_fully_defined():          # that counts x's entries;
+        each = [chains(ops) for ops in index.named_each(mean)]  # a static shape's: divided
+    if each and all(len(found) == 1 for found in each):       # by a constant, not reading x
+        return [found[0] for found in each]
+    return None
 
 
-def incoming_sum(index: Autodiff, total: tf.Operation, ops=None,
-                 fed: bool = False) -> tf.Tensor | None:
-    """The gradient the autodiff gives Sum `total`'s output: the input of
-    the one spread (after a Reshape, unless the Sum keeps its dimensions)
-    over `total`'s input's shape that no division follows (a Mean's
-    gradient is a Sum's divided by the count), among `ops` (default: its
-    gradient's, `Autodiff.of`); with `fed`, what the spread takes (the
-    Reshape's output: this Sum's alone, where the gradient it reshapes
-    may go on to others); None otherwise."""
-    x = past_identities(total.inputs[0])
-    found = [op for op in (index.of(total, total.inputs[0]) if ops is None else ops)
-             if op.type in _SPREADS and (_counts(op.inputs[1], x) or _fixed(op, x)) and
-             not any(c.type == "RealDiv" for c in op.outputs[0].consumers())]
-    if len(found) != 1:
-        return None
-    spread = found[0].inputs[0]
-    return spread if fed or spread.op.type != "Reshape" else spread.op.inputs[0]
+def incoming_sum(index: Autodiff, total: tf.Operation, groups=None,
+                 fed: bool = False) -> tuple[tf.Tensor, ...] | None:
+    """The gradients the autodiff gives Sum `total`'s output, one in each
+    gradient that reaches it: the input of the one spread (after a
+    Reshape, unless the Sum keeps its dimensions) over `total`'s input's
+    shape that no division follows (a Mean's gradient is a Sum's divided
+    by the count), among its ops (`Autodiff.each`, or `groups`: each
+    gradient's ops); with `fed`, what the spread takes (the Reshape's output:
+    this Sum's alone, where the gradient it reshapes may go on to
+    others); None where none is found or one is not."""
+    x, out = past_identities(total.inputs[0]), []
+    for group in index.each(total, total.inputs[0]) if groups is None else groups:
+        found = [op for op in group
+                 if op.type in _SPREADS and (_counts(op.inputs[1], x) or _fixed(op, x)) and
+                 not any(c.type == "RealDiv" for c in op.outputs[0].consumers())]
+        if len(found) != 1:
+            return None
+        spread = found[0].inputs[0]
+        out.append(spread if fed or spread.op.type != "Reshape" else spread.op.inputs[0])
+    return tuple(out) or None
 
 
 def _fixed(spread: tf.Operation, x: tf.Tensor) -> bool:

@@ -67,11 +67,12 @@ LOWERED = "_parallax_lowered"
 @dataclass(frozen=True)
 class Moments:
     """A `tf.nn.moments` over the batch: its two Means, and the incoming
-    gradient of each (None: no gradient reaches it, or none was found)."""
+    gradients of each, one in each gradient that reaches it (None: no
+    gradient reaches it, or not every one was found)."""
     mean: tf.Operation
     variance: tf.Operation
-    mean_grad: tf.Tensor | None
-    variance_grad: tf.Tensor | None
+    mean_grad: tuple[tf.Tensor, ...] | None
+    variance_grad: tuple[tf.Tensor, ...] | None
     differentiated: bool        # the autodiff has ops for the statistics' layer
     count: tf.Tensor | None = None   # a lowered fused op's rows, summed (its unbiased variance)
     branched: bool = False      # in a v1 tf.cond or while loop: not exchanged
@@ -131,10 +132,10 @@ def _own_means(tg, other: list[str], apart) -> tuple[list, list[str]]:
     index, found = Autodiff(tg.graph), {}
     for name in other:
         op = tg.graph.get_operation_by_name(name)
-        grad = None if apart(name) else incoming(index, op) if op.type == "Mean" else \
+        grads = None if apart(name) else incoming(index, op) if op.type == "Mean" else \
             incoming_sum(index, op) if op.type == "Sum" else None
-        if grad is not None:
-            found[name] = (op, grad)
+        if grads is not None:
+            found[name] = (op, grads)
     rows, scales = reading(sources(tg.graph), tg.graph), {}
     while True:             # a Sum scaled by one that stays the replica's stays too
         sums = [op for op, _ in found.values() if op.type == "Sum"]
@@ -146,8 +147,8 @@ def _own_means(tg, other: list[str], apart) -> tuple[list, list[str]]:
         for n in dropped:
             del found[n]
     out = [(s.outputs[0].name, s.type == "Mean") for ss in scales.values() for s in ss]
-    for op, grad in found.values():
-        out += [(op.outputs[0].name, op.type == "Mean"), (grad.name, op.type == "Mean")]
+    for op, grads in found.values():
+        out += [(x.name, op.type == "Mean") for x in (op.outputs[0], *grads)]
     return out, [n for n in other if n not in found]
 
 
@@ -221,7 +222,7 @@ def points(moments: list[Moments]) -> list[tuple[str, bool]]:
     for m in moments:
         if m.complete() and not m.branched:
             out += [(m.mean.outputs[0].name, True), (m.variance.outputs[0].name, True)]
-            out += [(g.name, True) for g in (m.mean_grad, m.variance_grad) if g is not None]
+            out += [(g.name, True) for gs in (m.mean_grad, m.variance_grad) for g in gs or ()]
             out += [(m.count.name, False)] if m.count is not None else []
     return out
 
@@ -332,17 +333,21 @@ def _moments(op, rows, index) -> Moments | None:
                    bool(index.of(mean, x) or index.of(op, x)))
 
 
-def _lowered_gradient(mean) -> tf.Tensor | None:
+def _lowered_gradient(mean) -> tuple[tf.Tensor] | None:
     name = mean.node_def.attr[LOWERED].s.decode()
-    return mean.graph.get_tensor_by_name(name) if name else None
+    return (mean.graph.get_tensor_by_name(name),) if name else None
 
 
-def _incoming(index, mean, variance, x) -> tf.Tensor | None:
-    """The gradient the autodiff gives `mean`'s output, where it finds one
-    form of it: the input of its Mean gradient's Reshape."""
-    found = [c for c in chains(index.of(mean, x))
-             if _of_variance(c[2], variance, x) == (mean is variance)]
-    return found[0][0].inputs[0] if len(found) == 1 else None
+def _incoming(index, mean, variance, x) -> tuple[tf.Tensor, ...] | None:
+    """The gradients the autodiff gives `mean`'s output, one in each
+    gradient that reaches it (a GAN's discriminator on the generated rows
+    is differentiated in its loss and the generator's), where it finds
+    one form of it in each: the input of its Mean gradient's Reshape."""
+    found = [[c for c in chains(ops) if _of_variance(c[2], variance, x) == (mean is variance)]
+             for ops in index.each(mean, x)]
+    if found and all(len(f) == 1 for f in found):
+        return tuple(f[0][0].inputs[0] for f in found)
+    return None
 
 
 def _of_variance(div, variance, x) -> bool:
