@@ -309,6 +309,52 @@ def test_two_train_ops_updates_wait_for_no_later_run():
     assert not plan.blocks and "the graph's train ops update apart" in plan.format()
 
 
+JOB = """import json, sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+import parallax_ng as pn
+from models import read_name, variable_names
+from test_tf1_programs import PROGRAMS, run_schedule
+out, program, config = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+g, h, schedule = PROGRAMS[program](4)
+reads = [read_name(v, g) for v in variable_names(g)]
+with pn.get_runner(g, None, config) as runner:
+    runner.run(h["init"])
+    start = runner.run(reads)
+    run_schedule(runner.run, h, schedule, 4)
+    np.savez(out + "." + str(runner.plan.worker) + ".npz", *start, *runner.run(reads))
+"""
+
+
+@pytest.mark.parametrize("program,config", [
+    ("gan-apart", {"run_option": "ps"}),
+    ("two-tables", {"run_option": "hybrid", "dense_method": "bfb"})], ids=["ps", "bfb"])
+def test_two_train_ops_in_a_job_with_a_server_equal_one_device(tmp_path, program, config):
+    """2 workers and a server: each train op's push, take and barrier are
+    its own (a push waited for the other train op's reads of the server's
+    variables, reading its batch: 0.05 and 0.08 apart, silently): every worker's
+    variables and slots equal one device's from worker 0's start."""
+    import json
+    import os
+    from task_env import run_script_job
+    tests = os.path.dirname(os.path.abspath(__file__))
+    out = str(tmp_path / "vars")
+    done = run_script_job(tmp_path, JOB.format(tests=tests), servers=1,
+                          args=(out, program, json.dumps(config)))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    g1, h1, schedule = PROGRAMS[program](8)
+    names = variable_names(g1)
+    workers = [np.load(f"{out}.{k}.npz") for k in range(2)]
+    with tf1.Session(graph=g1) as sess:
+        sess.run(h1["init"])
+        load_values(sess, g1, {n: workers[0][f"arr_{i}"] for i, n in enumerate(names)})
+        run_schedule(sess.run, h1, schedule, 4)
+        single = sess.run([read_name(v, g1) for v in names])
+    for w in workers:
+        for i, n in enumerate(names):
+            assert np.max(np.abs(w[f"arr_{len(names) + i}"] - single[i])) <= TOL, n
+
+
 def equal_one_device(program, config):
     """`program` on REPLICAS replicas with `config` equals one device (every
     fetched loss, variable and slot); returns the plan."""

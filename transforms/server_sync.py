@@ -6,7 +6,9 @@ gradient over this worker's replicas (local aggregation); `place` has put
 shared variables, their readers, writers and update math on their servers.
 Guarantees (the synchronous parameter-server protocol of the Parallax paper):
 - every worker but the chief (worker 0) pushes its local aggregates, one
-  queue element per server and step (`parallax/server_sync/push_<j>`; those
+  queue element per server and step (`parallax/server_sync/push_<j>`; a
+  train op's of a graph with several, run apart, one of their own, after
+  the reads its gradients depend on alone (packing.runs); those
   computed in a tf.cond's branch, an update applied under a condition, one
   of their own, `push_<j>b<g>`, in the steps that take it), after its
   replicas' reads of shared variables; its own writers of shared state
@@ -74,25 +76,29 @@ class ServerSyncPass:
                 by_server.setdefault(plan.server(var), []).append(var)
         added, rewires, changed = [], {}, {}
         pushes, shared_back = {}, _needed_by_every_worker(ctx)
-        reads = _forward_reads(ctx) if plan.worker > 0 else []
-        queued, takes = 0, []
+        reads = _forward_reads(ctx) if plan.worker > 0 else {}
+        queued, takes, runs = 0, {}, ctx.facts.runs()
         for j, server in enumerate(plan.servers):
             if server not in by_server:
                 continue
-            for j, switches, parts in _by_branches(ir, j, _components(ctx, by_server[server])):
+            run_of = {p[0]: runs[v] for v in by_server[server] for p in _components(ctx, [v])}
+            for j, switches, run, parts in _by_branches(
+                    ir, j, _components(ctx, by_server[server]), run_of):
                 queued += len(parts)
                 back = [p for p in parts if p[0] in shared_back]
                 if plan.worker == 0:
                     added += _take(ctx, ir, j, server, parts, rewires, _wires(ctx, parts),
                                    bool(switches))
-                    takes += [] if switches else [f"{SCOPE}/take_{j}_{w}"
-                                                  for w in range(1, plan.num_workers)]
+                    takes.setdefault(run, []).extend(
+                        [] if switches else [f"{SCOPE}/take_{j}_{w}"
+                                             for w in range(1, plan.num_workers)])
                     added += _give_back(ctx, ir, j, server, back, rewires)
                     continue
                 pushes.setdefault(server, []).extend(
-                    (name, switches) for name in [f"{SCOPE}/push_{j}"] +
+                    (name, switches, run) for name in [f"{SCOPE}/push_{j}"] +
                     [f"{SCOPE}/result_{j}/take"] * bool(back))
-                added += _push(ctx, ir, j, server, parts, reads, _wires(ctx, parts))
+                added += _push(ctx, ir, j, server, parts, reads.get(run, []),
+                               _wires(ctx, parts))
                 added += _take_back(ctx, ir, j, server, back, rewires)
         added += step_barrier.between_steps(ctx)
         step = step_barrier.writers(ctx)
@@ -100,7 +106,7 @@ class ServerSyncPass:
         ctx.publish(Barrier(release=RELEASE, folded=folded) if plan.worker == 0 else
                     Barrier(wait=WAIT, folded=folded))
         if plan.worker > 0:
-            waits = step_barrier.waits(ctx, step or [], pushes)
+            waits = step_barrier.waits(ctx, step or [], pushes, ctx.facts.reached_runs())
             added += waits
             changed = _silence_writers(ctx, ir, pushes, {w: f"^{n.name}" for w, n in
                                                          zip(step or [], waits[1::2])})
@@ -121,24 +127,28 @@ class ServerSyncPass:
                      "silenced_writers": len(changed), "reductions_on_servers": moved}
 
 
-def _after_pushes(ctx, ir: GraphIR, takes: list[str], changed: dict) -> None:
+def _after_pushes(ctx, ir: GraphIR, takes: dict[int, list[str]], changed: dict) -> None:
     """The chief's training writers of shared state wait for the other
-    workers' pushes (`takes`), which follow their reads of shared
+    workers' pushes (`takes`, by run: a train op's writer for its own),
+    which follow their reads of shared
     variables: a write that reads no gradient (Keras 3's decoupled weight
     decay, `variable.assign_sub(variable * wd * lr)` before the update)
     ran at the step's start, before another worker's forward pass had read
     the variable, which then trained on decayed weights."""
-    if not takes:
+    if not any(takes.values()):
         return
-    tg = ctx.tg
+    tg, reached = ctx.tg, ctx.facts.reached_runs()
     shared = {w for var in ctx.plan.shared_state() for w in tg.writers.get(var, ())
               if w in ir and ir.node(w).op not in branches.FUNCTIONAL}
     trained = {w for w in shared if w in tg.after_gradients}
     before = ir.ancestors(trained)          # a write the updates wait on is the step's
     for w in sorted(shared):
         if w in trained or w in before:
+            runs = reached.get(w) or {r for u in trained & ir.descendants([w])
+                                      for r in reached.get(u, ())} or set(takes)
             nd = changed.get(w) or copy_node(ir.node(w))
-            nd.input.extend(f"^{t}" for t in takes if f"^{t}" not in nd.input)
+            nd.input.extend(f"^{t}" for r in sorted(runs) for t in takes.get(r, ())
+                            if f"^{t}" not in nd.input)
             changed[w] = nd
 
 
@@ -159,19 +169,22 @@ def _components(ctx, variables: list[str]) -> list[tuple[str, tf.DType, bool]]:
     return out
 
 
-def _by_branches(ir: GraphIR, j: int, parts: list) -> list[tuple[str, frozenset, list]]:
-    """(queue key, Switch ops, components) of one server's components by
-    the tf.cond branches they are computed in (an update applied under a
-    condition): each group moves through queues of its own, so a branch
-    every worker skips moves none of its elements and the others' still
-    move. The group outside every branch keeps the server's index."""
+def _by_branches(ir: GraphIR, j: int, parts: list,
+                 run_of: dict) -> list[tuple[str, frozenset, int, list]]:
+    """(queue key, Switch ops, run, components) of one server's components
+    by the tf.cond branches they are computed in (an update applied under
+    a condition) and by their `run_of` (packing.runs: the train op that
+    applies them): each group moves through queues of its own, so a
+    branch every worker skips, or a train op not run, moves none of its
+    elements and the others' still move. The first group outside every
+    branch keeps the server's index."""
     memo, groups = {}, {}
     for part in parts:
         above = frozenset(branches.switches_above(ir, part[0].split(":")[0], memo))
-        groups.setdefault(above, []).append(part)
-    ordered = sorted(groups.items(), key=lambda kv: (bool(kv[0]), sorted(kv[0])))
-    return [(str(j) if not above and not g else f"{j}b{g}", above, group)
-            for g, (above, group) in enumerate(ordered)]
+        groups.setdefault((above, run_of[part[0]]), []).append(part)
+    ordered = sorted(groups.items(), key=lambda kv: (bool(kv[0][0]), sorted(kv[0][0]), kv[0][1]))
+    return [(str(j) if not above and not g else f"{j}b{g}", above, run, group)
+            for g, ((above, run), group) in enumerate(ordered)]
 
 
 def _wires(ctx, parts) -> list:
@@ -336,18 +349,27 @@ def _take_back(ctx, ir: GraphIR, j: str, server: str, back, rewires: dict):
     return nodes
 
 
-def _forward_reads(ctx) -> list[str]:
-    """Every replica's reads of shared variables that the gradients depend on:
-    a push waits for them, so the chief's update cannot overtake them. A
+def _forward_reads(ctx) -> dict[int, list[str]]:
+    """By run (packing.runs: a train op's), every replica's reads of shared
+    variables that its gradients depend on: its push waits for them, so
+    the chief's update cannot overtake them (not for another train op's,
+    which its run does not compute). A
     read inside a tf.compat.v1 while loop (a recurrent layer's kernel, each
     step) is waited for by its outermost loop's exits: a control edge
     cannot leave a loop's frame; one inside a v1 tf.cond's branch by the
     Merges where its conds end (the branch not taken would leave the push
     dead: tf_keras's fused batch normalization reads its moving statistics
     in a branch, trained or not)."""
+    runs = ctx.facts.runs()
+    return {run: _reads_for(ctx, {r.node for v, g in ctx.tg.gradients.items() if runs[v] == run
+                                  for r in (g.values, g.indices) if r is not None})
+            for run in sorted(set(runs.values()))}
+
+
+def _reads_for(ctx, gradients: set[str]) -> list[str]:
     tg = ctx.tg
     shared = ctx.plan.shared_state()
-    grads = tg.ir.ancestors({r.node for r in tg.gradient_tensors})
+    grads = tg.ir.ancestors(gradients)
     reads = {r for var in shared for r in tg.reads(var)
              if r in grads and r not in ctx.unreplicated}
     inner = in_loops(tg.ir)
@@ -360,20 +382,20 @@ def _forward_reads(ctx) -> list[str]:
     return [ctx.replica_name(k, r) for r in sorted(reads) for k in range(ctx.plan.num_replicas)]
 
 
-def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[tuple[str, frozenset]]],
+def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[tuple[str, frozenset, int]]],
                      waits: dict[str, str]) -> dict:
     """A non-chief worker's writers of shared state, as no-ops; training
-    writers (those after the gradients) wait for this worker's push and for
-    the job's aggregates it takes back (and, in `waits`, for the chief's
-    token that it has written), so every training step moves one element
-    through each queue, as the chief's does.
+    writers (those after the gradients) wait for this worker's push of
+    their run and for the job's aggregates it takes back (and, in `waits`,
+    for the chief's token that it has written), so every training step
+    moves one element through each queue of its run, as the chief's does.
 
     A reference variable's writer returns the variable, and optimizers chain
     on it (Adam's sparse update scales `m` after its ScatterAdd). When that
     output only feeds other silenced writers, the chain is dead on this worker
     and the writer becomes an Identity of the variable, so the graph stays
     well formed; when it reaches anything else it is an error."""
-    tg, plan = ctx.tg, ctx.plan
+    tg, plan, reached = ctx.tg, ctx.plan, ctx.facts.reached_runs()
     after_grads = tg.after_gradients
     writers = {w: var for var in sorted(plan.shared_state()) for w in tg.writers.get(var, ())}
     changed, memo = {}, {}
@@ -381,8 +403,9 @@ def _silence_writers(ctx, ir: GraphIR, pushes: dict[str, list[tuple[str, frozens
         if w in changed:
             continue
         above = set(branches.switches_above(ir, w, memo))    # its branch's pushes, or none
-        deps = ["^" + p for p, s in pushes[plan.server(var)] if s <= above] \
-            if w in after_grads else []
+        runs = reached.get(w, ())
+        deps = ["^" + p for p, s, r in pushes[plan.server(var)] if s <= above and
+                (not runs or r in runs)] if w in after_grads else []
         deps += [waits[w]] if w in waits else []
         deps += [c for c in ir.node(w).input if c.startswith("^parallax/extremes/")]  # (its tie)
         if not _data_consumers(ir, w):

@@ -101,15 +101,17 @@ def releases(ctx, ir: GraphIR, writers: list[str]):
     return nodes, changed
 
 
-def waits(ctx, writers: list[str], pushes: dict) -> list:
+def waits(ctx, writers: list[str], pushes: dict, reached: dict) -> list:
     """The barrier inside the training run, another worker's side: each
     silenced training writer takes the chief's token for it (after this
-    worker's pushes), so the run ends once the chief has written."""
+    worker's pushes of the runs it is `reached` by: its train op's), so
+    the run ends once the chief has written."""
     plan = ctx.plan
     device, nodes = plan.servers[0], []
-    after = ["^" + p for ps in pushes.values() for p, above in ps if not above]
-    for i, _ in enumerate(writers):
-        q = f"{SCOPE}/step_{i}"
+    for i, writer in enumerate(writers):
+        runs, q = reached.get(writer, ()), f"{SCOPE}/step_{i}"
+        after = ["^" + p for ps in pushes.values() for p, above, r in ps
+                 if not above and (not runs or r in runs)]
         nodes += [queue(ctx, q, f"parallax_ng/step/{i}/{plan.worker}", [tf.int32], device),
                   emit.node_def(f"{q}/take", "QueueDequeueV2", [q] + after, device,
                                 component_types=[tf.int32], timeout_ms=-1)]

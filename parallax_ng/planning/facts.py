@@ -56,6 +56,10 @@ class Facts:
     def runs(self) -> dict[str, int]:
         return self._once("runs", "", lambda: packing.runs(self.tg))
 
+    def reached_runs(self) -> dict[str, frozenset[int]]:
+        return self._once("reached runs", "", lambda: packing.reached_runs(self.tg,
+                                                                           self.runs()))
+
     def coalescing(self, var: str) -> tuple[str, ...] | None:
         return self._once("coalescing", var, lambda: coalescing.coalescing(self.tg, var))
 

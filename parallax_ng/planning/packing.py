@@ -97,6 +97,22 @@ def runs(tg: TrainingGraph) -> dict[str, int]:
     return {v: number.setdefault(root(v), len(number)) for v in sorted(grads)}
 
 
+def reached_runs(tg: TrainingGraph, run: dict[str, int]) -> dict[str, frozenset[int]]:
+    """The `runs` whose gradients each op reads, directly or through others
+    (data or control edges; ops that read none are left out): what a
+    train op's update waits for is its own run's."""
+    seeds: dict[str, set] = {}
+    for v, g in tg.gradients.items():
+        seeds.setdefault(g.values.node, set()).add(run[v])
+    out: dict[str, frozenset[int]] = {}
+    for name in tg.ir.topo_order:
+        found = set(seeds.get(name, ())).union(*(out.get(src, ()) for src, _, _ in
+                                                 tg.ir.parsed_inputs(tg.ir.node(name))))
+        if found:
+            out[name] = frozenset(found)
+    return out
+
+
 def check_stages(stage: dict[str, int], shared: list[str], num_workers: int) -> None:
     """Refuses variables kept once on parameter servers (`shared`) in a job
     of several workers whose step computes gradients from variables it
