@@ -8,12 +8,15 @@ marked constants, 1 and 0 by default, so the single-device graph reads all of
 `ds` (a batched `ds` is sharded by its rows and batched again, `_unbatched`).
 The replicate pass gives replica r of N the values (N, r): replica r reads
 elements r, r+N, r+2N, ... of `ds` (elements, or file names when `ds` is a
-file list), and the N replicas together read what one device reads.
+file list), and the N replicas together read what one device reads
+(a padded_batch given to `shard` pads the global batch, as one device's).
 `set_shard(node, num_shards, index)` sets one of the marked constants (a
 NodeDef of the graph or of a dataset function's body) to its value for a
 shard; it is how every part of the project that splits inputs (the
 shard_inputs pass, layer-to-layer's workers) recognizes and sets them.
-`seeded_shuffles(nodes)` gives a dataset shuffle without seeds (seed and
+`rows_apart(graph)` names the dataset ops between a shard and its batch
+that act on each replica's part alone (a filter, a take; a padded_batch to
+each part's longest). `seeded_shuffles(nodes)` gives a dataset shuffle without seeds (seed and
 seed2 both 0: a new order per iterator) seeds of its own name, so every
 replica's copy (and every worker's) shuffles alike and the shards stay
 disjoint; one device's order was random anyway. `uneven_ends(graph, N)`
@@ -22,6 +25,7 @@ names the iterators whose shards end after unequal numbers of batches
 """
 from __future__ import annotations
 
+import re
 import zlib
 
 import numpy as np
@@ -39,11 +43,11 @@ def shard(ds: tf.data.Dataset) -> tf.data.Dataset:
         index = tf.constant(0, tf.int64, name="index")
     if not scope.rstrip("/").split("/")[-1].startswith(SHARD_SCOPE):
         raise RuntimeError(f"unexpected shard scope {scope!r}")
-    inner, again = _unbatched(ds)
+    inner, again = _unbatched(ds, num)
     return again(inner.shard(num, index))
 
 
-def _unbatched(ds: tf.data.Dataset):
+def _unbatched(ds: tf.data.Dataset, num):
     """(rows, redo): for `rows.batch(...)` or `rows.padded_batch(...)`, each
     maybe prefetched, the rows and the function that batches (and
     prefetches) a dataset of rows again as `ds` does; else (ds, identity).
@@ -51,7 +55,10 @@ def _unbatched(ds: tf.data.Dataset):
     replicas only, and a step ends where the first replica's shard ends:
     those rows would go untrained, where one device trains them in a
     smaller last batch. Sharded rows, batched per replica, put every row
-    in the step one device trains it in."""
+    in the step one device trains it in. Rows padded to the batch's
+    longest are padded as the global batch's (`num` times the batch, its
+    rows shared out again by `index`), as one device pads them: padded
+    per replica, a loss that reads the padding would differ."""
     kind = lambda d: getattr(getattr(d, "_variant_tensor", None), "op", None)  # noqa: E731
     layers, d = [], ds
     while kind(d) is not None and kind(d).type == "PrefetchDataset" and \
@@ -63,11 +70,13 @@ def _unbatched(ds: tf.data.Dataset):
         if op is not None and op.type == "BatchDatasetV2" and not op.get_attr("parallel_copy"):
             layers.append(lambda x, b=d._batch_size, r=d._drop_remainder: x.batch(b, r))
         elif op is not None and op.type == "PaddedBatchDatasetV2":
-            layers.append(lambda x, b=d._batch_size, s=d._padded_shapes, v=d._padding_values,
-                          r=d._drop_remainder: x.padded_batch(b, s, v, r))
+            b, r = d._batch_size, d._drop_remainder
+            layers.append(lambda x: x.batch(b, r))
+            rows = d._input_dataset.padded_batch(b * num, d._padded_shapes, d._padding_values,
+                                                 r).unbatch()
         else:
             return ds, lambda x: x
-        rows = d._input_dataset
+        rows = d._input_dataset if op.type == "BatchDatasetV2" else rows
     except (AttributeError, ValueError):        # another TensorFlow's private layout
         return ds, lambda x: x
 
@@ -82,6 +91,7 @@ def shard_constant(name: str) -> str | None:
     """"num_shards" or "index" when node `name` (in the graph or in a
     dataset function's body) is one of `shard`'s marked constants, else None."""
     scope, _, leaf = name.rpartition("/")
+    leaf = re.sub(r"_\d+$", "", leaf)     # a dataset function's second copy of one
     if leaf in ("num_shards", "index") and scope.split("/")[-1].startswith(SHARD_SCOPE):
         return leaf
     return None
@@ -195,6 +205,66 @@ def uneven_ends(graph: tf.Graph, replicas: int) -> list[str]:
                        "multiple of the replicas, batch with drop_remainder=True (as one "
                        "device would), or `repeat()` it")
     return out
+
+
+# dataset ops that decide which rows go on (or in which groups) from the rows
+# they see: after a shard, from each replica's part alone
+_ROW_OPS = ("FilterDataset", "TakeDataset", "SkipDataset", "TakeWhileDataset",
+            "GroupByWindowDataset", "ScanDataset", "WindowDataset", "UniqueDataset")
+_BATCHES = ("BatchDataset", "BatchDatasetV2", "PaddedBatchDataset", "PaddedBatchDatasetV2",
+            "ParallelBatchDataset")
+
+
+def rows_apart(graph: tf.Graph) -> list[str]:
+    """A line for each dataset op between a `pn.shard` and the batch that
+    acts on each replica's part alone where one device's acts on all the
+    rows: one that keeps, takes or groups rows by what it has seen (a
+    filter, a take), so a step's rows are not one device's global batch;
+    and a padded_batch to each batch's longest row, whose padding (what an
+    unmasked loss or the last position reads) differs from one device's."""
+    gd, out = graph.as_graph_def(), []
+    for nodes in [list(gd.node)] + [list(f.node_def) for f in gd.library.function]:
+        by_name = {n.name: n for n in nodes}
+        users: dict = {}
+        for n in nodes:
+            for x in n.input:
+                users.setdefault(x.lstrip("^").split(":")[0], []).append(n)
+        source = lambda x: by_name.get(x.lstrip("^").split(":")[0])    # noqa: E731
+        todo = [n for n in nodes if n.op == "ShardDataset" and source(n.input[1]) is not None
+                and shard_constant(source(n.input[1]).name)]
+        seen = set()
+        while todo:
+            node = todo.pop()
+            for user in users.get(node.name, ()):
+                if user.name in seen or user.input[0].lstrip("^").split(":")[0] != node.name:
+                    continue
+                seen.add(user.name)
+                if user.op in _ROW_OPS:
+                    out.append(f"{user.op} {user.name!r} comes after pn.shard() and acts on "
+                               "each replica's part alone, so a step's rows are not one "
+                               "device's global batch; apply it before pn.shard()")
+                if user.op.startswith("PaddedBatch") and _pads_to_longest(user, source):
+                    out.append(f"{user.op} {user.name!r} comes after pn.shard(): each replica "
+                               "pads its rows to the longest of its own part, where one "
+                               "device pads the global batch to its longest, so what reads "
+                               "the padding (an unmasked mean, the last position) differs; "
+                               "pn.shard(ds.padded_batch(b)) pads as one device does (a "
+                               "masked loss is exact either way)")
+                if user.op not in _BATCHES:
+                    todo.append(user)
+    return list(dict.fromkeys(out))     # (a one-shot iterator's: in the graph and its function)
+
+
+def _pads_to_longest(node, source) -> bool:
+    """Whether padded_batch `node` pads a dimension to its batch's longest
+    (a padded shape of -1, or one the graph computes)."""
+    count = node.attr["N"].i
+    for x in node.input[2:2 + count]:
+        shape = source(x)
+        if shape is None or shape.op != "Const" or \
+                (tf.make_ndarray(shape.attr["value"].tensor) < 0).any():
+            return True
+    return False
 
 
 def _part_counts(gd, replicas: int, dataset: str | None = None, factory: str | None = None):
