@@ -16,12 +16,13 @@ shard; it is how every part of the project that splits inputs (the
 shard_inputs pass, layer-to-layer's workers) recognizes and sets them.
 `rows_apart(graph)` names the dataset ops between a shard and its batch
 that act on each replica's part alone (a filter, a take; a padded_batch to
-each part's longest). `seeded_shuffles(nodes)` gives a dataset shuffle without seeds (seed and
-seed2 both 0: a new order per iterator) seeds of its own name, so every
-replica's copy (and every worker's) shuffles alike and the shards stay
-disjoint; one device's order was random anyway. `uneven_ends(graph, N)`
-names the iterators whose shards end after unequal numbers of batches
-(rows of the last step untrained: build.py prints the lines).
+each part's longest). `seeded_shuffles(nodes)` gives a dataset shuffle
+without seeds (seed and seed2 both 0: a new order per iterator) seeds of
+its own name, so every replica's copy (and every worker's) shuffles alike
+and the shards stay disjoint; one device's order was random anyway.
+`uneven_ends(graph, N)` names the iterators whose shards end after
+unequal numbers of batches (rows of the last step untrained: build.py
+prints the lines).
 """
 from __future__ import annotations
 
@@ -56,9 +57,11 @@ def _unbatched(ds: tf.data.Dataset, num):
     those rows would go untrained, where one device trains them in a
     smaller last batch. Sharded rows, batched per replica, put every row
     in the step one device trains it in. Rows padded to the batch's
-    longest are padded as the global batch's (`num` times the batch, its
-    rows shared out again by `index`), as one device pads them: padded
-    per replica, a loss that reads the padding would differ."""
+    longest are padded as the global batch's (`num` times the batch, then
+    its rows sharded and batched per replica), as one device pads them:
+    padded per replica, a loss that reads the padding would differ. (So
+    every replica reads all the rows before the padded_batch: N times
+    that part of the pipeline's work.)"""
     kind = lambda d: getattr(getattr(d, "_variant_tensor", None), "op", None)  # noqa: E731
     layers, d = [], ds
     while kind(d) is not None and kind(d).type == "PrefetchDataset" and \
@@ -72,11 +75,10 @@ def _unbatched(ds: tf.data.Dataset, num):
         elif op is not None and op.type == "PaddedBatchDatasetV2":
             b, r = d._batch_size, d._drop_remainder
             layers.append(lambda x: x.batch(b, r))
-            rows = d._input_dataset.padded_batch(b * num, d._padded_shapes, d._padding_values,
-                                                 r).unbatch()
         else:
             return ds, lambda x: x
-        rows = d._input_dataset if op.type == "BatchDatasetV2" else rows
+        rows = d._input_dataset if op.type == "BatchDatasetV2" else d._input_dataset.padded_batch(
+            d._batch_size * num, d._padded_shapes, d._padding_values, d._drop_remainder).unbatch()
     except (AttributeError, ValueError):        # another TensorFlow's private layout
         return ds, lambda x: x
 
