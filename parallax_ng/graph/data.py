@@ -184,7 +184,8 @@ def uneven_ends(graph: tf.Graph, replicas: int) -> list[str]:
     them in a smaller last batch. Counts are TensorFlow's own cardinality
     of each replica's part (initializable and one-shot iterators); a
     pipeline fed by placeholders, or of unknown or infinite count (a
-    filter, files, `repeat()`), says nothing."""
+    filter, files, `repeat()`, a padded_batch given to `shard`: its rows
+    pass an unbatch), says nothing."""
     if replicas < 2 or not any(op.type in ("MakeIterator", "OneShotIterator")
                                for op in graph.get_operations()):
         return []
