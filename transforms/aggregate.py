@@ -53,7 +53,7 @@ from parallax_ng.graph import emit, rules
 from parallax_ng.graph.ir import GraphIR, TensorRef, parse_input
 from parallax_ng.methods import ALLREDUCE, BFB, METHODS
 from parallax_ng.pipeline.results import CoalescedRows, ExchangedLookups, LocalAggregates
-from parallax_ng.planning import analysis, deferral, packing
+from parallax_ng.planning import analysis, deferral
 from transforms.columns import lookup_exchange
 from transforms.flat_buffers import bucket, concat, elements, fusion_buffers
 from transforms.replica_rows import by_id, coalesce, norm_shares, replica_rows, summed_norms
@@ -272,14 +272,14 @@ def _ps_outputs(plan, var: str, sparse: bool) -> tuple[str, str | None]:
 
 def _gathered_together(ctx):
     """(nodes, {variable: (its `replica_rows`, its row counts or None)}) of
-    several all-gathered variables of one run (packing.runs: a train op's):
+    several all-gathered variables of one run (planning/packing.py `runs`: a train op's):
     their global norm's shares summed in one all-reduce (per dtype), not
     one each; where the backend gathers row counts apart from rows
     (TensorFlow's collectives), their row counts in one gather."""
     tg = ctx.tg
     gathered = [v for v, vp in sorted(ctx.plan.variables.items())
                 if vp.method == "allgather" and v not in tg.rows_alike]
-    run = packing.runs(tg) if len(gathered) > 1 else dict.fromkeys(gathered, 0)
+    run = ctx.facts.runs() if len(gathered) > 1 else dict.fromkeys(gathered, 0)
     nodes, out = [], {}
     for k in sorted({run[v] for v in gathered}):
         made, rows = _gathered_run(ctx, [v for v in gathered if run[v] == k],

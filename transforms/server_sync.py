@@ -81,9 +81,9 @@ class ServerSyncPass:
         for j, server in enumerate(plan.servers):
             if server not in by_server:
                 continue
-            run_of = {p[0]: runs[v] for v in by_server[server] for p in _components(ctx, [v])}
+            each = [(v, p) for v in by_server[server] for p in _components(ctx, [v])]
             for j, switches, run, parts in _by_branches(
-                    ir, j, _components(ctx, by_server[server]), run_of):
+                    ir, j, [p for _, p in each], {p[0]: runs[v] for v, p in each}):
                 queued += len(parts)
                 back = [p for p in parts if p[0] in shared_back]
                 if plan.worker == 0:
