@@ -5,7 +5,9 @@ replica accumulates its own micro-batches; the accumulators are aggregated
 once, by the update. 2 replicas with micro-batches of 8 equal one device
 with micro-batches of 16: every variable, optimizer slot and accumulator
 (fetched: the replicas' mean), and every micro-batch's loss, 1e-5 after 4
-updates of 3 micro-batches each. The data comes from an initializable
+updates of 3 micro-batches each, and the norm of the accumulated gradient
+fetched alone before each update (replica 0's alone waited for the
+others' all-reduce until the run's timeout). The data comes from an initializable
 iterator fed numpy arrays, as TensorFlow's TF1 guides feed it. Run as a
 script (`python test_accumulation.py OUT`, under `parallax-ng run`), it
 trains so in a job and saves worker's variables to OUT.<worker>.npz.
@@ -74,8 +76,10 @@ def build(batch, style="plain", optimizer="adam", parallel=True):
             add = tf.group([a.assign_add(gr) for a, gr in zip(accum, grads)])
         train = opt.apply_gradients([(a / K, v) for a, v in zip(accum, tvars)],
                                     global_step=tf1.train.get_or_create_global_step())
+        norm = tf.linalg.global_norm([a / K for a in accum])
         init = tf1.global_variables_initializer()
-    return g, dict(init=init, it=it, feeds=feeds, zero=zero, add=add, train=train, loss=loss)
+    return g, dict(init=init, it=it, feeds=feeds, zero=zero, add=add, train=train, loss=loss,
+                   norm=norm)
 
 
 def _train(run, h):
@@ -85,6 +89,7 @@ def _train(run, h):
     for _ in range(STEPS):
         run(h["zero"])
         losses.extend(run([h["add"], h["loss"]])[1] for _ in range(K))
+        losses.append(run(h["norm"]))       # logged alone before the update
         run(h["train"])
     return losses
 
@@ -119,7 +124,8 @@ def test_the_front_end_takes_a_read_of_the_accumulator_as_the_gradient(style):
 def test_two_replicas_accumulating_equal_one_device(style, run_option, optimizer):
     want_losses, want = _one_device(2, style, optimizer)
     g, h = build(8, style, optimizer)
-    with pn.get_runner(g, local(2), {"run_option": run_option}) as runner:
+    config = {"run_option": run_option, "communication": {"timeout_seconds": 30}}
+    with pn.get_runner(g, local(2), config) as runner:
         losses = _train(runner.run, h)
         got = _values(runner.run, g)
         # the micro-batches' runs aggregate nothing: the accumulators' adds
@@ -158,6 +164,7 @@ def test_a_job_stopped_between_micro_batches_resumes_exactly(tmp_path):
             runner.run(h["zero"])
             losses.extend(runner.run([h["add"], h["loss"]])[1] for _ in range(adds))
             if adds == K:
+                losses.append(runner.run(h["norm"]))
                 runner.run(h["train"])
     saved = tf.train.latest_checkpoint(str(tmp_path))
     assert saved.endswith("model.ckpt-1")
@@ -166,10 +173,12 @@ def test_a_job_stopped_between_micro_batches_resumes_exactly(tmp_path):
         runner.run([h["init"], h["it"].initializer], feeds)  # restores the checkpoint
         np.testing.assert_allclose(runner.run("accum_2:0"), mean, rtol=0, atol=1e-7)
         losses.append(runner.run([h["add"], h["loss"]])[1])
+        losses.append(runner.run(h["norm"]))     # of the replicas' restored sums
         runner.run(h["train"])
         for _ in range(STEPS - 2):
             runner.run(h["zero"])
             losses.extend(runner.run([h["add"], h["loss"]])[1] for _ in range(K))
+            losses.append(runner.run(h["norm"]))
             runner.run(h["train"])
         got = _values(runner.run, g)
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
@@ -275,7 +284,8 @@ def _tf2_accumulating(lib, parallel, run_option="hybrid"):
     to variables of its own, every second call applies them with Adam
     (its moments read the accumulators: Keras 3's update math is not one
     fused op) and zeroes them, in a tf.cond on a call counter. Returns the
-    calls' losses and every variable's value by name."""
+    calls' losses and the global norm of the accumulators after each call
+    (before, replica 0's own sums: 0.2 off), and every variable's value by name."""
     import keras
     import tf_keras
     k = keras if lib == "keras3" else tf_keras
@@ -301,11 +311,12 @@ def _tf2_accumulating(lib, parallel, run_option="hybrid"):
                 a.assign(tf.zeros_like(a))
             return tf.constant(0)
         tf.cond(calls % 2 == 0, update, lambda: tf.constant(0))
-        return loss
+        return loss, tf.linalg.global_norm(accum)     # what the sums hold after it
     step = pn.function(train_step, local(2), {"run_option": run_option}) if parallel \
         else tf.function(train_step)
     ids, _, y = _arrays()
-    losses = [float(step(ids[16 * i:16 * i + 16], y[16 * i:16 * i + 16])) for i in range(8)]
+    losses = [np.array(step(ids[16 * i:16 * i + 16], y[16 * i:16 * i + 16]), float)
+              for i in range(8)]
     if parallel:
         step.sync()
     variables = tvars + accum + [calls] + list(optimizer.variables) if lib == "keras3" else \

@@ -117,7 +117,10 @@ def test_fetched_gradients_are_one_devices(run_option, reduce):
     each replica's of its own mean, 2x one device's), a second
     tf.gradients of the weight and of the looked-up rows (per example), a
     histogram of the weight's gradient (its buckets had been added over
-    the replicas: twice one device's counts). All one device's, 1e-6."""
+    the replicas: twice one device's counts), and the gradients' global
+    norm. All one device's, 1e-6, fetched with the train op and before it,
+    each alone (an all-reduced gradient, or its norm, fetched alone ran in
+    replica 0 only, and waited for the others until the run's timeout)."""
     def build():
         g = tf.Graph()
         with g.as_default():
@@ -136,7 +139,8 @@ def test_fetched_gradients_are_one_devices(run_option, reduce):
             fetches = dict(w=g_w, emb_rows=g_emb.values, emb_ids=g_emb.indices,
                            again=tf.compat.v1.gradients(loss, [w])[0],
                            rows=tf.compat.v1.gradients(loss, rows)[0],
-                           histogram=tf.compat.v1.summary.histogram("w_grad", g_w))
+                           histogram=tf.compat.v1.summary.histogram("w_grad", g_w),
+                           norm=tf.linalg.global_norm([g_w, g_emb]))
             init = tf.compat.v1.global_variables_initializer()
         return g, ids, y, fetches, train, init
     feed = [np.array([1, 2, 3, 1, 5, 6, 2, 9], np.int32),
@@ -144,18 +148,20 @@ def test_fetched_gradients_are_one_devices(run_option, reduce):
     got = []
     for parallel in (False, True):
         g, ids, y, fetches, train, init = build()
-        with (pn.get_runner(g, local(2), {"run_option": run_option}) if parallel
+        config = {"run_option": run_option, "communication": {"timeout_seconds": 30}}
+        with (pn.get_runner(g, local(2), config) if parallel
               else tf.compat.v1.Session(graph=g)) as run:
             run.run(init)
-            got.append(run.run([fetches, train], {ids: feed[0], y: feed[1]})[0])
-    one, two = got
-    histograms = [tf.compat.v1.Summary.FromString(v.pop("histogram")).value[0].histo
-                  for v in (one, two)]
-    assert histograms[0].num == histograms[1].num == 3
-    assert histograms[0].sum == pytest.approx(histograms[1].sum, abs=1e-6)
-    for name in one:
-        assert np.shape(two[name]) == np.shape(one[name]), name
-        np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-6, err_msg=name)
+            alone = {k: run.run(t, {ids: feed[0], y: feed[1]}) for k, t in fetches.items()}
+            got.append((alone, run.run([fetches, train], {ids: feed[0], y: feed[1]})[0]))
+    for one, two in zip(*got):
+        histograms = [tf.compat.v1.Summary.FromString(v.pop("histogram")).value[0].histo
+                      for v in (one, two)]
+        assert histograms[0].num == histograms[1].num == 3
+        assert histograms[0].sum == pytest.approx(histograms[1].sum, abs=1e-6)
+        for name in one:
+            assert np.shape(two[name]) == np.shape(one[name]), name
+            np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("average", [True, False], ids=["averaged", "summed"])

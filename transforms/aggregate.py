@@ -39,22 +39,28 @@ norms, summaries, update ops), by the plan's method:
   packed into the plan's buffers, each buffer's shards summed over the
   workers on their servers (transforms/flat_buffers.py). Every worker
   applies the update to its own copy.
+Gradients a script accumulates in variables of its own are aggregated where
+the update reads them (graph/accumulation.py); the accumulators' other reads
+(a global norm of them logged) read the replicas' mean, exchanged as the
+state-sync pass exchanges a mean (on the servers in a job that sums there).
 New nodes live under `parallax/<method>/<variable>/` (bfb: `parallax/bfb/`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import tensorflow as tf
 
 from parallax_ng import compat
 from parallax_ng.errors import GraphError
-from parallax_ng.graph import emit, rules
+from parallax_ng.graph import accumulation, branches, emit, rules
 from parallax_ng.graph.ir import GraphIR, TensorRef, parse_input
 from parallax_ng.methods import ALLREDUCE, BFB, METHODS
 from parallax_ng.pipeline.results import CoalescedRows, ExchangedLookups, LocalAggregates
 from parallax_ng.planning import analysis, deferral
 from transforms.columns import lookup_exchange
+from transforms.extremes import all_reduce, on_a_server
 from transforms.flat_buffers import bucket, concat, elements, fusion_buffers
 from transforms.replica_rows import by_id, coalesce, norm_shares, replica_rows, summed_norms
 
@@ -85,6 +91,7 @@ class AggregatePass:
             counts[ALLREDUCE.name] += len(outputs)
         made, rows = _gathered_together(ctx)
         new_nodes.extend(made)
+        new_nodes.extend(_accumulator_reads(ctx, rewires))
         for var, vp in sorted(ctx.plan.variables.items()):
             if METHODS[vp.method].fused or var in bucketed:
                 continue
@@ -383,6 +390,31 @@ def _alltoall(ctx, var, grad, exchanged: dict, ids: dict, coalesced: dict, reads
         nodes += made
         outputs[TensorRef(norm, 0)] = summed
     return nodes, outputs
+
+
+def _accumulator_reads(ctx, rewires: dict) -> list:
+    """An accumulator's reads besides its gradient's (accumulation.other_reads:
+    a global norm of the accumulated gradients logged, a resource
+    variable's second `acc / k`) read the replicas' mean, one device's
+    value, exchanged as the state-sync pass exchanges a mean (before, each
+    replica's own sum: a norm fetched 0.2 off one device's)."""
+    tg, plan, made = ctx.tg, ctx.plan, []
+    reduce = on_a_server if plan.reduces_on_servers else all_reduce
+    branched = partial(on_a_server, branched=True) if plan.uses_servers else reduce
+    memo: dict = {}
+    reads = [r for _, g in sorted(tg.gradients.items())
+             for r in accumulation.other_reads(tg, g.values)]
+    for index, read in enumerate(reads):
+        how = branched if plan.num_workers > 1 and \
+            branches.switches_above(tg.ir, read.node, memo) else reduce
+        nodes, outs = how(ctx, f"parallax/accumulated/{read.node}",
+                          [ctx.replica_tensor(k, read) for k in range(plan.num_replicas)],
+                          tg.tensor(read).dtype, True, index)
+        made.extend(nodes)
+        for consumer, pos in tg.ir.consumers.get(read, ()):
+            for k in range(plan.num_replicas):
+                rewires.setdefault((ctx.replica_name(k, consumer), pos), outs[k])
+    return made
 
 
 def _rewire(ctx, outputs: dict, rewires: dict) -> None:

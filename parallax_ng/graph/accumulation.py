@@ -14,7 +14,9 @@ accumulator. `reader` recognises such a read, so the front end takes it as
 the variable's gradient: every replica accumulates its own micro-batches'
 gradients (the accumulator is replica-local state, never synchronised), and
 the accumulators' values are aggregated once, when the update reads them, as
-Horovod's `backward_passes_per_step` does. The mean over N replicas of their
+Horovod's `backward_passes_per_step` does; any other read of an accumulator
+(`other_reads`: a global norm of the accumulated gradients logged) is the
+replicas' mean too. The mean over N replicas of their
 accumulators equals one device's accumulator with N times the batch, so the
 update is one device's.
 
@@ -113,6 +115,22 @@ def read_variable(tg, ref: TensorRef) -> str | None:
     if node.op == "Identity" and var is not None and tg.ir.node(var).op == "VarHandleOp":
         return None                 # an Identity of a handle passes it on; it reads nothing
     return var
+
+
+def other_reads(tg, ref: TensorRef) -> list[TensorRef]:
+    """Where `ref` is the read of an accumulator that is a variable's
+    gradient, the accumulator's other reads of its whole value, save those
+    its writers read (`acc.assign(acc + g)`, a reset's `zeros_like(acc)`):
+    a resource variable's every `acc / k` is a read of its own, and what
+    reads them (a global norm of the accumulated gradients logged) must
+    see one device's value, the replicas' mean, not a replica's own sum
+    (transforms/aggregate.py exchanges them)."""
+    acc = read_variable(tg, ref)
+    if acc is None or acc not in tg.accumulators:
+        return []
+    adds = tg.ir.ancestors([w for w in tg.writers.get(acc, ())], data_only=True)
+    return [TensorRef(r, 0) for r in tg.readers.get(acc, ())
+            if r != ref.node and r not in adds and read_variable(tg, TensorRef(r, 0)) == acc]
 
 
 def reader(tg, var: str, walk):

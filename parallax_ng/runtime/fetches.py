@@ -27,7 +27,7 @@ from ..graph import accumulation, batch, forms, rules
 from ..graph.ir import parse_tensor
 from ..graph.time_major import analysed, batch_major, twin
 from ..pipeline.results import PerExampleState, ScaledInputs, WidenedMeans
-from . import summaries
+from . import one_replica, summaries
 from .batch_parts import sparse_placeholders, sparse_rows, sparse_tensors
 from .combining import Fetch, ReplicaHandles, default_reduction, unread
 from .copies import adopt, writes_apart
@@ -137,7 +137,8 @@ class ReplicaFetchMap(FetchMap):
         self._warned: set[str] = set()          # fed tensors already warned about
         self._reductions: dict[str, str] = {}    # fetched tensor -> its default reduction
         self._parts: dict[str, tuple] = {}       # fetched tensor -> its summary's parts
-        self._everywhere: dict[str, bool] = {}    # node -> every replica's copy runs
+        self._everywhere: dict = {}    # node -> every replica's copy runs; gradient ->
+        #                                 the copies of its aggregate that run
 
     # -- fetches --------------------------------------------------------------
     def fetch(self, leaf, per_replica: bool = False) -> Fetch:
@@ -159,7 +160,7 @@ class ReplicaFetchMap(FetchMap):
         elif ref in self.tg.gradient_tensors:
             var = self._gradient_of[ref]
             if self.tg.gradients[var].indices is None:
-                return Fetch((self._aggregate(ref),), "first", ref.node)
+                return Fetch(self._aggregates(ref), "first", ref.node)
             # a sparse gradient's rows: one device's are the replicas' in order, each
             # replica's a gradient of its own mean where the gradients are averaged
             how, axis = "concat" if ref == self.tg.gradients[var].indices or \
@@ -224,15 +225,26 @@ class ReplicaFetchMap(FetchMap):
         return {r: v for v, g in self.tg.gradients.items() for r in (g.values, g.indices)
                 if r is not None}
 
-    def _aggregate(self, ref) -> str:
+    def _aggregates(self, ref) -> tuple:
+        """Replica 0's aggregate of dense gradient `ref`, and where it meets
+        the other replicas (an all-reduce), theirs too: they run with it
+        (replica 0's alone waited for the others' part until the timeout)."""
+        if ref not in self._everywhere:
+            first = self._aggregate(ref, 0)
+            self._everywhere[ref] = (first,) if not one_replica.reaches(self.graph, [first]) \
+                else tuple(dict.fromkeys(self._aggregate(ref, k)
+                                         for k in range(self.plan.num_replicas)))
+        return self._everywhere[ref]
+
+    def _aggregate(self, ref, k: int) -> str:
         """The global batch's gradient that dense gradient `ref` becomes, as
-        the update (or any other use) reads it in replica 0: one device's."""
+        the update (or any other use) reads it in replica k: one device's."""
         ir, var = self.tg.ir, self._gradient_of[ref]
         for consumer, pos in sorted(ir.consumers.get(ref, ())):
             if rules.is_autodiff_use(ir.node(consumer)):
                 continue
             try:
-                op = self.graph.get_operation_by_name(self.copy_name(0, consumer))
+                op = self.graph.get_operation_by_name(self.copy_name(k, consumer))
             except KeyError:
                 continue
             if op.type == ir.node(consumer).op and pos < len(op.inputs):
@@ -246,13 +258,16 @@ class ReplicaFetchMap(FetchMap):
         """Whether every replica's copy of an equal-on-every-replica node must
         run: it is computed from the replicas' own data (a metric's update,
         its total synced across the replicas: replica 0's would wait for the
-        others in the sync, and their state would fall behind), or it writes
+        others in the sync, and their state would fall behind), it writes
         state each replica holds (an assign to a learning-rate variable:
-        parallax_ng/runtime/copies.py)."""
+        parallax_ng/runtime/copies.py), or its copy meets the others' (a
+        norm of gradients accumulated in the script's variables, all-reduced
+        where they are read: replica 0's alone waited until the timeout)."""
         if node not in self._everywhere:
             self._everywhere[node] = node in self.tg.ir and bool(
                 self.tg.ir.ancestors({node}) & self.ctx.variant) or \
-                writes_apart(self, node)
+                writes_apart(self, node) or \
+                one_replica.reaches(self.graph, [self.copy_name(0, node)])
         return self._everywhere[node]
 
     def _reduction(self, name: str) -> tuple[str, int]:

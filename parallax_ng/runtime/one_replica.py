@@ -15,7 +15,7 @@ gradient) needs every replica, and its uneven feed stays an error.
 Requires: the step graph the runner runs, and the fetch map's `Fetch`es
 of a run (parallax_ng/runtime/combining.py). Guarantees: `alone` keeps
 each fetch's replica 0 value, as `combine` gives it; `needs_every_replica`
-reads the graph only (`Reach`: once per set of fetches).
+and `reaches` read the graph only (`Reach`: once per set of fetches).
 """
 from __future__ import annotations
 
@@ -64,9 +64,15 @@ def needs_every_replica(graph: tf.Graph, fetches: list[Fetch]) -> bool:
     (a collective, Horovod's or NCCL's ops, the job's queues), or write a
     variable (a metric's total, a counter: replica 0's copy alone would
     part from the others')."""
+    return reaches(graph, [n for f in alone(fetches) for n in f.names], writes=True)
+
+
+def reaches(graph: tf.Graph, names, writes: bool = False) -> bool:
+    """Whether the ops and tensors `names` (of the step graph) need an op
+    that meets the other replicas, or (with `writes`) write a variable."""
     todo = [graph.get_operation_by_name(n) if isinstance(n, str) and ":" not in n else
             n if isinstance(n, tf.Operation) else graph.get_tensor_by_name(n).op
-            for f in alone(fetches) for n in f.names]
+            for n in names]
     seen = set()
     while todo:
         op = todo.pop()
@@ -74,7 +80,7 @@ def needs_every_replica(graph: tf.Graph, fetches: list[Fetch]) -> bool:
             continue
         seen.add(op.name)
         if op.type in COLLECTIVE_OPS or op.type.startswith(("Horovod", "Nccl")) or \
-                _writes(op) or op.name.startswith("parallax/") and "Queue" in op.type:
+                writes and _writes(op) or op.name.startswith("parallax/") and "Queue" in op.type:
             return True
         todo.extend(t.op for t in op.inputs)
         todo.extend(op.control_inputs)
