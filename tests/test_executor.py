@@ -148,3 +148,27 @@ def test_other_workers_wait_at_the_barrier():
     ex = Executor.of(imported(ir), ctx)
     assert ex.barrier.op(1) == "parallax/server_sync/wait"
     assert ex.graph.get_operation_by_name(ex.barrier.op(1)).type == "QueueDequeueV2"
+
+
+def test_a_run_that_times_out_in_an_exchange_says_every_worker_makes_the_same_runs():
+    """Replica 0's all-reduced gradient run by itself (as a job's worker 0
+    alone would run it) waits for replica 1 until the run's timeout; the
+    error says which run, the timeout's key, and that every worker must
+    make the same runs. A run that meets no other replica says only to
+    raise the timeout."""
+    import parallax_ng as pn
+    from models import local
+    g, h = embedding_regression(4, "sgd")
+    config = {"run_option": "allreduce", "communication": {"timeout_seconds": 2}}
+    with pn.get_runner(g, local(2), config) as runner:
+        runner.run([h["init"], h["iterator_init"]])
+        reduced = [op.outputs[0].name for op in runner.graph.get_operations()
+                   if op.type.startswith("CollectiveReduce") and "replica_1" not in op.name and
+                   op.device.endswith("CPU:0")]
+        with pytest.raises(tf.errors.DeadlineExceededError) as caught:
+            runner.executor.run(runner.session, reduced[:1], {})
+        said = caught.value.message
+        assert f"run of {reduced[:1]} did not end within communication.timeout_seconds (2 s)" \
+            in said and "every worker must make the same runs" in said
+        assert runner.executor._timed_out(["dense/w/Read/ReadVariableOp:0"], runner.executor
+                                          .options).endswith("raise it if a step takes that long")

@@ -38,6 +38,19 @@ def test_a_launched_task_beats_and_reports_its_error_in_one_line():
     assert "Traceback" not in done.stderr          # a user's mistake: the line only
 
 
+def test_an_error_the_runner_added_a_line_to_reports_that_line():
+    """TensorFlow's first line says little ("Graph execution error:"); the
+    line the runner adds (a run that timed out, runtime/executor.py) is
+    the one the launcher shows."""
+    code = ("import parallax_ng.runtime.heartbeat as h; h.start(); "
+            "raise TimeoutError('Graph execution error:\\n\\nOperation timed out.\\n"
+            "parallax_ng: worker 1\\'s run of [x] did not end')")
+    done = child(code, **{heartbeat.ENV: "worker 1"})
+    errors = [rest for kind, rest in filter(None, map(heartbeat.parse, done.stderr.split("\n")))
+              if kind == "error"]
+    assert errors == ["worker 1: TimeoutError: parallax_ng: worker 1's run of [x] did not end"]
+
+
 def test_outside_a_launched_job_it_writes_nothing():
     done = child("import parallax_ng.runtime.heartbeat as h; h.start(); raise ValueError('boom')",
                  **{heartbeat.ENV: ""})

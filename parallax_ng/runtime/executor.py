@@ -20,6 +20,8 @@ of session runs built on the same two calls. `wait_for_parts(session)`,
 in a job that reads other workers' parts of tables cut by columns
 (`PartsWritten`), returns once every replica has written its parts as
 often as this worker's (polling their counts; bounded by the run timeout).
+A run that times out says which it was, and, where it meets the other
+replicas in an exchange, that every worker must make the same runs.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import tensorflow as tf
 
 from ..pipeline.results import Barrier, PartsWritten
 from ..pipeline.step_parts import StepParts
+from . import one_replica
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,26 @@ class Executor:
 
     def _run(self, session, r: SessionRun, names, feeds, options, run_metadata) -> list:
         ops = [self.graph.get_operation_by_name(t) for t in r.targets]
-        return [session.run([names[i] for i in r.fetched] + ops, feeds, options=options,
-                            run_metadata=run_metadata)]
+        fetched = [names[i] for i in r.fetched] + ops
+        try:
+            return [session.run(fetched, feeds, options=options, run_metadata=run_metadata)]
+        except tf.errors.DeadlineExceededError as e:
+            raise type(e)(e.node_def, e.op, e.message + self._timed_out(fetched, options)) \
+                from None
+
+    def _timed_out(self, fetched: list, options) -> str:
+        """What a run that timed out says besides TensorFlow's message."""
+        seconds = options.timeout_in_ms / 1000 if options is not None else 0
+        said = f"\nparallax_ng: worker {self.worker}'s run of " \
+            f"{[getattr(f, 'name', f) for f in fetched][:4]} did not end within " \
+            f"communication.timeout_seconds ({seconds:g} s)"
+        if not one_replica.reaches(self.graph, fetched):
+            return said + "; raise it if a step takes that long"
+        return said + ". It meets the other replicas in an exchange (a collective or a " \
+            "server's queue), which waits for every replica, and in a job for every " \
+            "worker: every worker must make the same runs, in the same order (a run one " \
+            "worker makes alone, as `if worker == 0: runner.run(...)`, of a value computed " \
+            "from the exchanged gradients or synced state, waits for the others)"
 
     def _together(self, session, runs, names, feeds, options, run_metadata) -> list:
         """Both parts' runs at once; the first failure cancels the other's waits.

@@ -54,9 +54,11 @@ def start() -> None:
     def report(kind, value, tb):
         from ..errors import ParallaxError
         text = str(value).strip()
-        # a user's mistake whole on one line; another error's first line
+        # a user's mistake whole on one line; another error's first line, or
+        # the line the runner added to it (a run that timed out says which)
+        ours = [line for line in text.splitlines() if line.startswith("parallax_ng: ")]
         text = " ".join(text.split()) if issubclass(kind, ParallaxError) else (
-            text.splitlines()[0] if text else "")
+            ours[-1] if ours else text.splitlines()[0] if text else "")
         _write(f"error {name}: {kind.__name__}: {text}")
         if not issubclass(kind, ParallaxError) or os.environ.get(VERBOSE_ENV) == "1":
             previous(kind, value, tb)
