@@ -11,6 +11,12 @@ from functools import lru_cache
 import tensorflow as tf
 
 
+def indexed_slices_value(values, indices, dense_shape):
+    """What a session gives for a fetched tf.IndexedSlices."""
+    from tensorflow.python.framework.indexed_slices import IndexedSlicesValue
+    return IndexedSlicesValue(values, indices, dense_shape)
+
+
 @lru_cache(maxsize=None)
 def ref_input_positions(op_type: str) -> tuple[bool, ...] | None:
     """For each input argument of `op_type`, whether it takes a reference

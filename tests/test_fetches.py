@@ -117,8 +117,9 @@ def test_fetched_gradients_are_one_devices(run_option, reduce):
     each replica's of its own mean, 2x one device's), a second
     tf.gradients of the weight and of the looked-up rows (per example), a
     histogram of the weight's gradient (its buckets had been added over
-    the replicas: twice one device's counts), and the gradients' global
-    norm. All one device's, 1e-6, fetched with the train op and before it,
+    the replicas: twice one device's counts), the gradients' global
+    norm, and the embedding's gradient as the tf.IndexedSlices it is (a
+    session gives its values, indices and shape; it was refused). All one device's, 1e-6, fetched with the train op and before it,
     each alone (an all-reduced gradient, or its norm, fetched alone ran in
     replica 0 only, and waited for the others until the run's timeout)."""
     def build():
@@ -140,7 +141,7 @@ def test_fetched_gradients_are_one_devices(run_option, reduce):
                            again=tf.compat.v1.gradients(loss, [w])[0],
                            rows=tf.compat.v1.gradients(loss, rows)[0],
                            histogram=tf.compat.v1.summary.histogram("w_grad", g_w),
-                           norm=tf.linalg.global_norm([g_w, g_emb]))
+                           norm=tf.linalg.global_norm([g_w, g_emb]), slices=g_emb)
             init = tf.compat.v1.global_variables_initializer()
         return g, ids, y, fetches, train, init
     feed = [np.array([1, 2, 3, 1, 5, 6, 2, 9], np.int32),
@@ -153,12 +154,22 @@ def test_fetched_gradients_are_one_devices(run_option, reduce):
               else tf.compat.v1.Session(graph=g)) as run:
             run.run(init)
             alone = {k: run.run(t, {ids: feed[0], y: feed[1]}) for k, t in fetches.items()}
+            if parallel:    # each replica's own IndexedSlices: of its half of the rows
+                each = run.run(fetches["slices"], {ids: feed[0], y: feed[1]}, per_replica=True)
+                assert [sorted(e.indices) for e in each] == [[1, 1, 2, 3], [2, 5, 6, 9]]
             got.append((alone, run.run([fetches, train], {ids: feed[0], y: feed[1]})[0]))
     for one, two in zip(*got):
         histograms = [tf.compat.v1.Summary.FromString(v.pop("histogram")).value[0].histo
                       for v in (one, two)]
         assert histograms[0].num == histograms[1].num == 3
         assert histograms[0].sum == pytest.approx(histograms[1].sum, abs=1e-6)
+        dense = []          # the IndexedSlices whole, as a session gives it: its rows added
+        for slices in (one.pop("slices"), two.pop("slices")):
+            assert type(slices).__name__ == "IndexedSlicesValue"
+            np.testing.assert_array_equal(slices.dense_shape, [10, 3])
+            dense.append(np.zeros([10, 3]))
+            np.add.at(dense[-1], slices.indices, slices.values)
+        np.testing.assert_allclose(*dense, rtol=0, atol=1e-6)
         for name in one:
             assert np.shape(two[name]) == np.shape(one[name]), name
             np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-6, err_msg=name)

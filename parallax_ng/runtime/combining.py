@@ -34,12 +34,13 @@ class Fetch:
     names: tuple            # tensor names or tf.Operations to run
     how: str    # none | first | list | mean | sum | concat | concat mean | any | all |
     #             max | min | shape | norm | summary | handles |
-    #             sparse rows | sparse first | sparse list
+    #             sparse rows | sparse first | sparse list | slices | slices list
     user: str               # the user's node
     replicas: tuple = ()    # for "list": index into `names` of each replica's value
     axis: int = 0           # for "concat" and "shape": the axis of the batch's examples
     parts: tuple = ()       # for "summary": (tag, how) (parallax_ng/runtime/summaries.py);
-    #                         for "sparse ...": the Fetches of indices, values, dense shape
+    #                         for "sparse ...": the Fetches of indices, values, dense shape;
+    #                         for "slices ...": of values, indices (and dense shape)
 
 
 class ReplicaHandles(bytes):
@@ -72,11 +73,14 @@ def combine(values: list, f: Fetch):
         return np.mean(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
     if f.how == "sum":               # in the fetch's own type, as one device gives it
         return np.sum(np.stack(values), axis=0).astype(np.asarray(values[0]).dtype)
+    if f.how.startswith("slices"):   # an IndexedSlices' values, indices (and dense shape)
+        got = _parts(values, f.parts) + [None] * (3 - len(f.parts))
+        if f.how == "slices list":
+            return [compat.indexed_slices_value(v, i, s) for v, i, s in
+                    zip(got[0], got[1], got[2] or [None] * len(got[0]))]
+        return compat.indexed_slices_value(*got)
     if f.how.startswith("sparse"):   # each part every replica's: their SparseTensorValues
-        triples, i = [], 0
-        for part in f.parts:
-            triples.append(combine(values[i:i + len(part.names)], part))
-            i += len(part.names)
+        triples = _parts(values, f.parts)
         each = [tf.compat.v1.SparseTensorValue(*t) for t in zip(*triples)]
         return {"sparse list": each, "sparse first": each[0]}.get(f.how) or joined_rows(each)
     if f.how == "shape":             # each replica's rows, added, in a batch's shape
@@ -88,6 +92,15 @@ def combine(values: list, f: Fetch):
     if f.how in ("any", "all", "max", "min"):    # a boolean or an extreme over the batch
         return getattr(np, f.how)(np.stack(values), axis=0)
     return np.concatenate([np.atleast_1d(v) for v in values], axis=f.axis)
+
+
+def _parts(values: list, parts: tuple) -> list:
+    """Each part's value, combined from its run of `values`."""
+    out, i = [], 0
+    for part in parts:
+        out.append(combine(values[i:i + len(part.names)], part))
+        i += len(part.names)
+    return out
 
 
 def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),

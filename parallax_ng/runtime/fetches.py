@@ -53,7 +53,15 @@ class FetchMap:
     def fetch_leaf(self, leaf, per_replica: bool = False) -> Fetch:
         """`fetch`, and a tf.SparseTensor as its three tensors: equal on
         every replica, replica 0's; else the replicas' rows joined (a
-        decoder's batch of sparse rows, as one device gives it)."""
+        decoder's batch of sparse rows, as one device gives it); a
+        tf.IndexedSlices (an embedding's gradient, printed to debug) as its
+        values, indices and dense shape, each fetched as itself is."""
+        if isinstance(leaf, tf.IndexedSlices):
+            tensors = (leaf.values, leaf.indices) + \
+                (() if leaf.dense_shape is None else (leaf.dense_shape,))
+            parts = tuple(self.fetch(t, per_replica) for t in tensors)
+            return Fetch(sum((p.names for p in parts), ()),
+                         "slices list" if per_replica else "slices", parts[0].user, parts=parts)
         if not isinstance(leaf, tf.SparseTensor):
             return self.fetch(leaf, per_replica)
         parts = tuple(self.fetch(t, True) for t in (leaf.indices, leaf.values, leaf.dense_shape))

@@ -34,10 +34,11 @@ def alone(fetches: list[Fetch]) -> list[Fetch]:
     for f in fetches:
         if f.how == "none":
             out.append(replace(f, names=f.names[:1]))
-        elif f.how.startswith("sparse"):
+        elif f.how.startswith(("sparse", "slices")):
             parts = tuple(alone(list(f.parts)))
             out.append(replace(f, names=tuple(n for p in parts for n in p.names),
-                               how="sparse first", parts=parts))
+                               how="sparse first" if f.how.startswith("sparse") else f.how,
+                               parts=parts))
         elif f.how in ("list", "handles"):
             out.append(replace(f, names=f.names[:1], replicas=(0,)))
         else:
