@@ -42,6 +42,26 @@ def test_sparse_values_join_by_rows_or_come_from_replica_0():
     assert [v.values.tolist() for v in each] == [[7, 8], [9]]
 
 
+def test_indexed_slices_combine_each_part_as_fetched():
+    """A tf.IndexedSlices' values and indices (and dense shape) fetched as
+    themselves: "slices" one IndexedSlicesValue of the parts' combined
+    values (rows joined, the shape replica 0's), "slices list" each
+    replica's; without a dense shape, None, as a session gives it."""
+    values = Fetch(("v:0", "v_1:0"), "concat", "v")
+    indices = Fetch(("i:0", "i_1:0"), "concat", "i")
+    shape = Fetch(("s:0",), "first", "s")
+    got = [np.array([[1.0], [2.0]]), np.array([[3.0]]), np.array([4, 0]), np.array([4]),
+           np.array([5, 1])]
+    one = combine(got, Fetch((), "slices", "v", parts=(values, indices, shape)))
+    assert type(one).__name__ == "IndexedSlicesValue"
+    assert one.values.tolist() == [[1.0], [2.0], [3.0]] and one.indices.tolist() == [4, 0, 4]
+    assert one.dense_shape.tolist() == [5, 1]
+    each = [Fetch((f"{n}:0", f"{n}_1:0"), "list", n, (0, 1)) for n in "vi"]
+    apart = combine(got[:4], Fetch((), "slices list", "v", parts=tuple(each)))
+    assert [(a.values.tolist(), a.indices.tolist(), a.dense_shape) for a in apart] == \
+        [([[1.0], [2.0]], [4, 0], None), ([[3.0]], [4], None)]
+
+
 def test_a_scaled_tf1_sum_is_a_mean_or_a_sum_as_the_gradients_are():
     """tf.reduce_sum(e) / 16 with a fed batch: the graph does not show
     whether 16 is a replica's batch size, so it is taken as a mean; where

@@ -119,9 +119,10 @@ def test_fetched_gradients_are_one_devices(run_option, reduce):
     histogram of the weight's gradient (its buckets had been added over
     the replicas: twice one device's counts), the gradients' global
     norm, and the embedding's gradient as the tf.IndexedSlices it is (a
-    session gives its values, indices and shape; it was refused). All one device's, 1e-6, fetched with the train op and before it,
-    each alone (an all-reduced gradient, or its norm, fetched alone ran in
-    replica 0 only, and waited for the others until the run's timeout)."""
+    session gives its values, indices and shape; it was refused). All one
+    device's, 1e-6, fetched with the train op and before it, each alone
+    (an all-reduced gradient, or its norm, fetched alone ran in replica 0
+    only, and waited for the others until the run's timeout)."""
     def build():
         g = tf.Graph()
         with g.as_default():

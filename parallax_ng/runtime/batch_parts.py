@@ -6,7 +6,8 @@ that part of the batch; `joined_rows` joins the replicas' sparse rows again
 (a fetched SparseTensor, parallax_ng/runtime/combining.py).
 
 Requires: numpy values (a sparse batch's indices with the row first).
-Guarantees: pure functions of their arguments; used by the fetch map's
+Guarantees: pure functions of their arguments (`sparse_feeds` reads the
+fetch map's names and config only); used by the fetch map's
 feeds (parallax_ng/runtime/fetches.py), a TF2 step's batches
 (parallax_ng/tf2.py) and the first step's sample (parallax_ng/build.py).
 """
@@ -14,6 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 import tensorflow as tf
+
+from ..errors import FetchError, UnevenFeed
+from ..graph.ir import parse_tensor
 
 
 def sparse_tensors(base: str) -> list[str]:
@@ -66,3 +70,52 @@ def first_part(batch: dict, parts: int) -> dict:
         triple = [batch[n] for n in names]
         out.update(zip(names, sparse_rows(*triple, 0, int(triple[2][0]) // parts)))
     return out
+
+
+def sparse_feeds(fmap, feed_dict: dict, n: int) -> tuple[dict, dict]:
+    """(the other feeds, the step graph's feeds of the sparse ones) of a fetch
+    map's (parallax_ng/runtime/fetches.py) `feed_dict` over `n` replicas: a
+    SparseTensor key (a `sparse_placeholder`), or its three tensors fed one by one, is a
+    batch of rows: each replica gets its rows' entries (row numbers from 0, dense shape
+    its rows), as one device would see its part; config `batch_feeds: {NAME/indices:
+    false}` gives it whole to every replica."""
+    triples = []
+    for key in list(feed_dict):
+        if isinstance(key, tf.SparseTensor):
+            value = feed_dict.pop(key)
+            if isinstance(value, tf.SparseTensor):
+                raise FetchError(f"feed {key.indices.name.rsplit('/', 1)[0]!r} is given "
+                                 "a SparseTensor; feed a tf.compat.v1.SparseTensorValue "
+                                 "or (indices, values, dense_shape) of numpy arrays")
+            triples.append(((key.indices, key.values, key.dense_shape), tuple(value)))
+    names = {(n if ":" in n else n + ":0"): k
+             for k, n in ((k, fmap.user_name(k)) for k in feed_dict)}
+    for base in sparse_placeholders(set(names)):
+        parts = sparse_tensors(base)
+        triples.append((tuple(parts), tuple(feed_dict.pop(names[p]) for p in parts)))
+    out = {}
+    for tensors, (indices, values, shape) in triples:
+        names = [fmap.user_name(t) for t in tensors]
+        refs = [parse_tensor(t if ":" in t else t + ":0") for t in names]
+        copies = [[f"{fmap.copy_name(k, r.node)}:{r.index}" for k in range(n)]
+                  for r in refs]
+        indices, values, shape = (np.asarray(indices), np.asarray(values),
+                                  np.asarray(shape))
+        whole = n == 1 or len(set(copies[0])) < n or \
+            not fmap.config.batch_feeds.get(refs[0].node, True)
+        if whole:
+            for c, v in zip(copies, (indices, values, shape)):
+                out.update(dict.fromkeys(c, v))
+            continue
+        rows = int(shape[0])
+        if rows % n:
+            raise UnevenFeed(
+                f"sparse feed {refs[0].node.rpartition('/')[0]!r} has {rows} rows (its "
+                f"dense_shape[0]), which do not split evenly over {n} replicas; feed a "
+                f"multiple of {n}, or set config `batch_feeds: {{{refs[0].node}: false}}` "
+                "if every replica needs it whole")
+        each = rows // n
+        for k in range(n):
+            for c, v in zip(copies, sparse_rows(indices, values, shape, k * each, each)):
+                out[c[k]] = v
+    return feed_dict, out

@@ -28,7 +28,7 @@ from ..graph.ir import parse_tensor
 from ..graph.time_major import analysed, batch_major, twin
 from ..pipeline.results import PerExampleState, ScaledInputs, WidenedMeans
 from . import one_replica, summaries
-from .batch_parts import sparse_placeholders, sparse_rows, sparse_tensors
+from .batch_parts import sparse_feeds
 from .combining import Fetch, ReplicaHandles, default_reduction, unread
 from .copies import adopt, writes_apart
 
@@ -328,7 +328,7 @@ class ReplicaFetchMap(FetchMap):
     # -- feeds ----------------------------------------------------------------
     def feeds(self, feed_dict, alone: bool = False) -> dict:   # alone: replica 0's
         n = 1 if alone else self.plan.num_replicas
-        feed_dict, out = self._sparse_feeds(dict(feed_dict or {}), n)
+        feed_dict, out = sparse_feeds(self, dict(feed_dict or {}), n)
         unsure, batches = {}, set()       # split without the graph's word; a batch's rows
         for key, value in feed_dict.items():
             name = self.user_name(key)
@@ -375,53 +375,6 @@ class ReplicaFetchMap(FetchMap):
             if op in PLACEHOLDERS or rows not in batches:    # a tensor fed beside a batch
                 self._unsure(node, rows, op)       # of as many rows (an RNN's state) is one
         return out
-
-    def _sparse_feeds(self, feed_dict: dict, n: int) -> tuple[dict, dict]:
-        """(the other feeds, the step graph's feeds of the sparse ones): a
-        SparseTensor key (a `sparse_placeholder`), or its three tensors fed one by one, is a
-        batch of rows: each replica gets its rows' entries (row numbers from 0, dense shape
-        its rows), as one device would see its part; config `batch_feeds: {NAME/indices:
-        false}` gives it whole to every replica."""
-        triples = []
-        for key in list(feed_dict):
-            if isinstance(key, tf.SparseTensor):
-                value = feed_dict.pop(key)
-                if isinstance(value, tf.SparseTensor):
-                    raise FetchError(f"feed {key.indices.name.rsplit('/', 1)[0]!r} is given "
-                                     "a SparseTensor; feed a tf.compat.v1.SparseTensorValue "
-                                     "or (indices, values, dense_shape) of numpy arrays")
-                triples.append(((key.indices, key.values, key.dense_shape), tuple(value)))
-        names = {(n if ":" in n else n + ":0"): k
-                 for k, n in ((k, self.user_name(k)) for k in feed_dict)}
-        for base in sparse_placeholders(set(names)):
-            parts = sparse_tensors(base)
-            triples.append((tuple(parts), tuple(feed_dict.pop(names[p]) for p in parts)))
-        out = {}
-        for tensors, (indices, values, shape) in triples:
-            names = [self.user_name(t) for t in tensors]
-            refs = [parse_tensor(t if ":" in t else t + ":0") for t in names]
-            copies = [[f"{self.copy_name(k, r.node)}:{r.index}" for k in range(n)]
-                      for r in refs]
-            indices, values, shape = (np.asarray(indices), np.asarray(values),
-                                      np.asarray(shape))
-            whole = n == 1 or len(set(copies[0])) < n or \
-                not self.config.batch_feeds.get(refs[0].node, True)
-            if whole:
-                for c, v in zip(copies, (indices, values, shape)):
-                    out.update(dict.fromkeys(c, v))
-                continue
-            rows = int(shape[0])
-            if rows % n:
-                raise UnevenFeed(
-                    f"sparse feed {refs[0].node.rpartition('/')[0]!r} has {rows} rows (its "
-                    f"dense_shape[0]), which do not split evenly over {n} replicas; feed a "
-                    f"multiple of {n}, or set config `batch_feeds: {{{refs[0].node}: false}}` "
-                    "if every replica needs it whole")
-            each = rows // n
-            for k in range(n):
-                for c, v in zip(copies, sparse_rows(indices, values, shape, k * each, each)):
-                    out[c[k]] = v
-        return feed_dict, out
 
     def _batch_kind(self, node: str) -> str:
         """Placeholder `node`'s kind (config `batch_feeds`, else graph/batch.py)."""
