@@ -59,6 +59,30 @@ def test_a_vector_placeholder_is_what_its_uses_make_it(use, kind):
     assert got["v"] == kind
 
 
+def test_an_update_fed_from_outside_is_whole_and_its_readers_the_same_on_every_replica():
+    """A gradient summed in Python and fed to apply_gradients (its first
+    dimension open): written into a variable, which every replica holds
+    whole, so it goes whole (it was split as a batch) and nothing it
+    computes differs by replica (graph/variance.py `whole_feeds`); config
+    `batch_feeds` says otherwise where it names it."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf1.placeholder(tf.float32, [None, 3], name="x")
+        w = tf1.get_variable("w", [3, 4])
+        loss = tf.reduce_mean(tf.matmul(x, w))
+        tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
+        fed = tf1.placeholder(tf.float32, [None, 4], name="fed")
+        tf1.train.AdamOptimizer(0.1).apply_gradients([(fed, w)])
+        tf1.identity(fed * 2.0, name="doubled")
+    assert kinds(g) == {"x": "batch", "fed": "whole"}
+    from parallax_ng.graph.variance import whole_feeds
+    for said, whole in (({}, {"fed"}), ({"fed": True}, set()), ({"x": False}, {"fed", "x"})):
+        tg = frontend.load(g, batch_feeds=said)
+        assert whole_feeds(tg) == whole
+        assert ("doubled" in tg.variant) == (not whole) and ("Mean" in tg.variant) == \
+            ("x" not in whole)
+
+
 def test_data_and_labels_partitioned_by_a_task_per_example_are_batches():
     """A loss per task: logits and labels cut by tf.dynamic_partition by a
     task id per example, a mean over each part (before: all three

@@ -62,6 +62,24 @@ def test_indexed_slices_combine_each_part_as_fetched():
         [([[1.0], [2.0]], [4, 0], None), ([[3.0]], [4], None)]
 
 
+def test_an_indexed_slices_gradient_made_dense_is_the_replicas_mean():
+    """tf.convert_to_tensor of an embedding's gradient (an UnsortedSegmentSum
+    outside the autodiff's scope) is each replica's gradient of its own
+    loss, as the autodiff's tensors are: averaged, or summed where the
+    gradients are (it was joined, twice one device's rows)."""
+    import tensorflow as tf
+    from parallax_ng.runtime.combining import default_reduction
+    g = tf.Graph()
+    with g.as_default():
+        ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
+        emb = tf.compat.v1.get_variable("emb", [10, 3])
+        loss = tf.reduce_mean(tf.gather(emb, ids))
+        dense = tf.convert_to_tensor(tf.gradients(loss, emb)[0])
+    assert dense.op.type == "UnsortedSegmentSum"
+    assert default_reduction(dense, ["ids"])[:2] == ("mean", 0)
+    assert default_reduction(dense, ["ids"], averaged=False)[:2] == ("sum", 0)
+
+
 def test_a_scaled_tf1_sum_is_a_mean_or_a_sum_as_the_gradients_are():
     """tf.reduce_sum(e) / 16 with a fed batch: the graph does not show
     whether 16 is a replica's batch size, so it is taken as a mean; where

@@ -20,6 +20,11 @@ replicas' mean too. The mean over N replicas of their
 accumulators equals one device's accumulator with N times the batch, so the
 update is one device's.
 
+A script may also sum its gradients in Python: fetch them each run, add
+them up, and feed the sums to `apply_gradients(zip(placeholders, tvars))`
+(policy-gradient tutorials' gradient buffers). `fed_updates` lets such a
+graph in, whose updates read no autodiff tensor.
+
 Requires: a TrainingGraph with writers and readers, the autodiff's ops, and
 the front end's walk back from a tensor to the autodiff (`walk`).
 Guarantees: reads the graph only; an accumulator is a variable that is not
@@ -188,6 +193,29 @@ def _added(tg, acc: str, writer: str) -> TensorRef | None:
         return None
     readers = set(tg.readers.get(acc, ()))
     return None if tg.ir.ancestors({added.node}, data_only=True) & readers else added
+
+
+def fed_updates(tg, autodiff: frozenset[str]) -> bool:
+    """Whether the graph's optimizers apply fed values (placeholders) and
+    nothing of the autodiff: a script that fetches its gradients, sums them
+    in Python over several runs and feeds the sums to
+    `apply_gradients(zip(placeholders, tvars))`. The fetched gradients are
+    the replicas' mean (one device's, runtime/combining.py), the fed ones go
+    whole to every replica (graph/batch.py), which all apply them alike."""
+    applied = False
+    for var in tg.trainable:
+        for w in tg.writers.get(var, ()):
+            if w == tg.variables[var].initializer:
+                continue
+            above = tg.ir.ancestors([w], data_only=True)
+            if above & autodiff:
+                return False            # an update from gradients the walk did not take
+            applied |= tg.ir.node(w).op.startswith(_APPLIES) and any(
+                tg.ir.node(a).op in ("Placeholder", "PlaceholderWithDefault") for a in above)
+    return applied
+
+
+_APPLIES = ("ResourceApply", "ResourceSparseApply", "Apply", "SparseApply")
 
 
 def sinks(graph: tf.Graph) -> list[str]:

@@ -18,7 +18,7 @@ joined, taken from an input, or gone), a placeholder is
   first dimension picks entries by
   constants (`keep[0]`, an unstack) or by other data (a gather from it), or
   broadcasts it along a later axis of a tensor of higher rank (a weight per
-  class times the logits);
+  class times the logits), or is only written into variables (fed updates);
 - `unknown` otherwise (an op this table does not know, say): the runner
   splits it, as a batch, and says so.
 Only placeholders of rank 1 or more whose first dimension is unknown are
@@ -152,6 +152,9 @@ def kinds(tg, fixed: bool = False) -> dict[str, tuple[str, str]]:
         elif facts - {"fixed"} == {"dataset"}:
             out[name] = (WHOLE, "it fills an input pipeline (tf.data), which gives each "
                                 "replica its examples (pn.shard)")
+        elif facts - {"fixed"} == {"written"}:
+            out[name] = (WHOLE, "it is written into a variable (an update the script "
+                                "feeds), which every replica holds whole")
         elif facts & {"indexed", "broadcast"} and not facts & {"unknown", "kept"}:
             out[name] = (WHOLE, "its entries are picked by index, or broadcast along a "
                                 "later axis, not lined up with examples")
@@ -229,6 +232,10 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
             dims.note(d, "dataset")
         return
     kind = node.op
+    if rules.is_writer(kind) or kind.startswith(("Assign", "Apply", "SparseApply", "Scatter")):
+        for _, d in carried:        # a value written into a variable (an update fed from
+            dims.note(d, "written")     # outside, a gradient summed in Python): whole
+        return
     if kind == "IdentityN":         # each input passed on (tf.custom_gradient's op)
         first.update({out: d for out, (_, d) in zip(outs, ins) if d is not None})
         return

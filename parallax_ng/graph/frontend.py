@@ -215,7 +215,7 @@ def load(source, batch_norm: str = "per_replica", batch_feeds=None) -> TrainingG
     tg = _from_graph(cond_lowering.lowered(
         source, generators.edit(source), norms, time_major.edit(major),
         also=(fused_norm.training_ifs,) if norms is not None else ()))
-    tg.user_graph, tg.time_major = source, major
+    tg.user_graph, tg.time_major, tg.batch_feeds = source, major, batch_feeds or {}
     input_calls.note(tg)          # gradients of the inputs: not losses (a copy notes them)
     return tg
 
@@ -245,7 +245,7 @@ def _from_graph(graph: tf.Graph) -> TrainingGraph:
     for acc in tg.accumulators:         # replica-local state, not the trained variable's
         tg.variables[acc] = Variable(**{**tg.variables[acc].__dict__, "owner": None})
     branches.check_updates(tg)
-    if not tg.gradients:
+    if not tg.gradients and not accumulation.fed_updates(tg, autodiff):
         raise GraphError(f"{NO_UPDATE}: {rules.why_no_update(ir)}")
     tg.shard_consts = _shard_consts(ir)
     tg.queue_runners = [queues.RunnerDef.of(qr) for qr in

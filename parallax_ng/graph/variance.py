@@ -8,12 +8,13 @@ stateless ones and tf.random.Generator's draws included) along
 data edges, a loop's back edges included (a value a while loop carries
 from the data: an RNN's outputs), gradients aside (the transformation
 aggregates them);
-`is_input_source` says which ops give each replica its own data.
+`is_input_source` says which ops give each replica its own data;
+`whole_feeds` which placeholders every replica is fed alike.
 """
 from __future__ import annotations
 
 from .. import compat
-from . import randomness, rules
+from . import batch, randomness, rules
 
 
 def replica_variant(tg, identical: frozenset[str] = frozenset(),
@@ -97,15 +98,30 @@ def _is_source(tg, node) -> bool:
 def is_input_source(tg, node) -> bool:
     """True for ops that give each replica its own data: input pipelines,
     queue reads and placeholders whose feeds are split by replica (a first
-    dimension unknown, or fixed in a batch the graph shows:
-    TrainingGraph.fixed_batches)."""
+    dimension unknown, but those fed whole, `whole_feeds`;
+    or fixed in a batch the graph shows: TrainingGraph.fixed_batches)."""
     if node.op in rules.PER_REPLICA_SOURCES or node.op.startswith(rules.READ_PREFIXES):
         return True
     if node.op in ("Placeholder", "PlaceholderWithDefault"):
         shape = tg.graph.get_operation_by_name(node.name).outputs[0].shape
-        return bool(shape.rank) and compat.dim(shape, 0) is None or \
+        return bool(shape.rank) and compat.dim(shape, 0) is None and \
+            node.name not in whole_feeds(tg) or \
             node.name in getattr(tg, "fixed_batches", ()) or _sparse_shape(tg, node.name)
     return False
+
+
+def whole_feeds(tg) -> frozenset[str]:
+    """The placeholders of an unknown first dimension fed whole to every
+    replica (config `batch_feeds: {NAME: false}`, tg.batch_feeds, or
+    graph/batch.py's whole where the config names them not): not
+    per-replica sources (`is_input_source`). Read once per TrainingGraph."""
+    if "whole_feeds" not in tg.__dict__:
+        said = getattr(tg, "batch_feeds", {})
+        tg.__dict__["whole_feeds"] = frozenset(
+            [n for n, (kind, _) in batch.kinds(tg).items()
+             if kind == batch.WHOLE and n not in said] +
+            [n for n, split in said.items() if split is False])
+    return tg.__dict__["whole_feeds"]
 
 
 def _sparse_shape(tg, name: str) -> bool:

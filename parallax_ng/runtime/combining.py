@@ -118,7 +118,8 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
     batch's dimension added; other booleans and strings are replica 0's.
     `shown` is False where the graph does not show which (a mean, or the
     parts joined, is a guess). An autodiff tensor (a second tf.gradients,
-    of the weights or the inputs) is each replica's of its own loss: the
+    of the weights or the inputs, or an IndexedSlices one made dense) is
+    each replica's of its own loss: the
     replicas' mean where the gradients are `averaged` (else their sum), a
     gradient per example joined by rows (and divided by N). A TF1 sum
     scaled by a number the graph does not show to be the batch size is a
@@ -126,7 +127,7 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
     so is a loss the graph differentiates (named in `losses`) whose form
     it does not show."""
     axis = batch_axis(t, sources) if t.shape.rank != 0 else None
-    if rules.is_autodiff(t.op.name) and t.dtype.is_floating:
+    if _autodiff(t) and t.dtype.is_floating:
         if axis is None and t.shape.rank and compat.dim(t.shape, 0) is None:
             axis = 0        # rows the autodiff's shapes hide (a weight's has a static shape)
         if axis is None:
@@ -154,6 +155,13 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
         kind = "sum"    # a scaled TF1 sum or a loss the config sums the gradients of
     summed = kind == "sum" or forms.over_widened(t, sources, widened)
     return ("sum" if summed else "mean"), 0, kind is not None
+
+
+def _autodiff(t: tf.Tensor) -> bool:
+    """An autodiff tensor, or an IndexedSlices gradient made dense
+    (`tf.convert_to_tensor`'s UnsortedSegmentSum of its values at its indices)."""
+    return rules.is_autodiff(t.op.name) or t.op.type == "UnsortedSegmentSum" and \
+        all(rules.is_autodiff(x.op.name) for x in t.op.inputs[:2])
 
 
 # (tensor name, how the program names it) of a TF2 step's outputs (tf2.py)
