@@ -35,7 +35,7 @@ from typing import NamedTuple
 
 from . import cluster
 from .config import Config, load_config
-from .errors import ConfigError, ResourceError
+from .errors import ConfigError, GraphError, ResourceError
 from .methods import method
 from .resources import ResourceInfo, check_devices, load_resources, session_config
 
@@ -235,6 +235,26 @@ def get_runner(graph, resource_info=None, config=None, sample: Sample | None = N
     return runner(tg, job, profile_steps, sample)
 
 
+def _fed_alone(tg, job: Job) -> None:
+    """A graph whose updates are all fed (gradients summed in Python,
+    graph/accumulation.py `fed_updates`) trains in one process: in a job
+    each worker's fetch of a gradient is its own replicas' mean, so the
+    workers would feed apart and part; layer-to-layer applies none."""
+    if tg.gradients or not (job.config.l2l.enabled or
+                            job.cluster is not None and len(job.cluster.workers) > 1):
+        return
+    raise GraphError(
+        "the graph's optimizers apply only fed values (gradients fetched, summed in Python "
+        "and fed back through placeholders), which trains in one process, on its devices, "
+        + ("not under layer-to-layer (l2l: it applies what the graph computes)"
+           if job.config.l2l.enabled else
+           f"not in a job of {len(job.cluster.workers)} workers: each worker's fetched "
+           "gradients are its own replicas' mean, so the workers' sums would differ")
+        + ". Or apply the gradients in the graph: opt.apply_gradients(zip(grads, tvars)), "
+        "summed over runs in variables of the script's own (docs/usage.md, gradient "
+        "accumulation)")
+
+
 def runner(tg, job: Job, profile_steps: int = 0, sample: Sample | None = None):
     """The Runner of `tg` for `job` (in a job, this worker's server started;
     a parameter-server task serves instead and never returns). With
@@ -246,6 +266,7 @@ def runner(tg, job: Job, profile_steps: int = 0, sample: Sample | None = None):
         from .config import ProfileConfig
         job = replace(job, config=replace(config, profile=ProfileConfig(profile_steps,
                                                                         "never")))
+    _fed_alone(tg, job)
     if job.config.l2l.enabled:
         from .l2l.runner import l2l_runner
         return l2l_runner(tg, job)

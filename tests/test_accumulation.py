@@ -399,6 +399,25 @@ def test_gradients_summed_in_python_and_fed_back_equal_one_device(shape, run_opt
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=TOL, err_msg=name)
 
 
+@pytest.mark.parametrize("where", ["job", "l2l"])
+def test_gradients_summed_in_python_are_refused_in_a_job_and_under_l2l(where, monkeypatch):
+    """In a job each worker's fetched gradients are its own replicas' mean,
+    so the workers' sums, fed back, would differ: refused before any server
+    starts, naming the form that trains in a job; so under layer-to-layer."""
+    import json
+    from parallax_ng.cluster import ENV
+    g, _ = _summed_in_python(8, "static")
+    config = {"l2l": {"layers": r"layer_(\d+)"}} if where == "l2l" else {}
+    if where == "job":
+        monkeypatch.setenv(ENV, json.dumps({"worker": ["127.0.0.1:1", "127.0.0.1:2"],
+                                            "task_type": "worker", "task": 0,
+                                            "devices": [["CPU", 0]]}))
+    with pytest.raises(pn.GraphError, match="apply only fed values.*" + (
+            "not in a job of 2 workers" if where == "job" else "not under layer-to-layer") +
+            r".*opt.apply_gradients\(zip\(grads, tvars\)\)"):
+        pn.get_runner(g, None if where == "job" else local(2), config)
+
+
 def test_a_tf2_step_that_only_adds_its_gradients_is_refused_naming_them():
     """The accumulation split into two tf.functions, one adding each call's
     gradients and one applying them: the adding step has no update to find
