@@ -51,6 +51,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from . import variance
 from .ir import TensorRef
 from .rules import from_autodiff
 
@@ -201,7 +202,9 @@ def fed_updates(tg, autodiff: frozenset[str]) -> bool:
     in Python over several runs and feeds the sums to
     `apply_gradients(zip(placeholders, tvars))`. The fetched gradients are
     the replicas' mean (one device's, runtime/combining.py), the fed ones go
-    whole to every replica (graph/batch.py), which all apply them alike."""
+    whole to every replica (graph/batch.py), which all apply them alike. Not
+    an update from the batch (a TF2 step's arguments, a gradient written by
+    hand from the data's placeholders: graph/variance.py's sources)."""
     applied = False
     for var in tg.trainable:
         for w in tg.writers.get(var, ()):
@@ -210,8 +213,11 @@ def fed_updates(tg, autodiff: frozenset[str]) -> bool:
             above = tg.ir.ancestors([w], data_only=True)
             if above & autodiff:
                 return False            # an update from gradients the walk did not take
-            applied |= tg.ir.node(w).op.startswith(_APPLIES) and any(
-                tg.ir.node(a).op in ("Placeholder", "PlaceholderWithDefault") for a in above)
+            nodes = [tg.ir.node(a) for a in above]
+            if any(variance.is_input_source(tg, n) for n in nodes):
+                return False    # computed from the batch (a gradient written by hand)
+            applied |= tg.ir.node(w).op.startswith(_APPLIES) and \
+                any(n.op in ("Placeholder", "PlaceholderWithDefault") for n in nodes)
     return applied
 
 

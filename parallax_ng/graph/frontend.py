@@ -69,6 +69,7 @@ class TrainingGraph:
     accumulators: dict[str, str] = field(default_factory=dict)
     user_graph: tf.Graph | None = None   # the graph given, where `graph` lowers its conds
     time_major: dict[str, int] = field(default_factory=dict)   # placeholder -> batch axis
+    batch_feeds: dict = field(default_factory=dict)     # config's (graph/variance.py)
 
     # -- tensor facts -----------------------------------------------------
     def tensor(self, ref: TensorRef) -> tf.Tensor:
@@ -214,8 +215,8 @@ def load(source, batch_norm: str = "per_replica", batch_feeds=None) -> TrainingG
     major = time_major.axes(source, batch_feeds or {})
     tg = _from_graph(cond_lowering.lowered(
         source, generators.edit(source), norms, time_major.edit(major),
-        also=(fused_norm.training_ifs,) if norms is not None else ()))
-    tg.user_graph, tg.time_major, tg.batch_feeds = source, major, batch_feeds or {}
+        also=(fused_norm.training_ifs,) if norms is not None else ()), batch_feeds or {})
+    tg.user_graph, tg.time_major = source, major
     input_calls.note(tg)          # gradients of the inputs: not losses (a copy notes them)
     return tg
 
@@ -234,10 +235,10 @@ def _read_meta_graph(path: str):
     return meta
 
 
-def _from_graph(graph: tf.Graph) -> TrainingGraph:
+def _from_graph(graph: tf.Graph, feeds: dict) -> TrainingGraph:
     ir = GraphIR(graph.as_graph_def())
     variables = _variables(graph, ir)
-    tg = TrainingGraph(ir, graph, variables, {}, {}, {}, user_graph=graph)
+    tg = TrainingGraph(ir, graph, variables, {}, {}, {}, user_graph=graph, batch_feeds=feeds)
     tg.writers, tg.readers = _resource_uses(tg)
     autodiff = _autodiff(ir)
     tg.gradients = {v: g for v in tg.trainable
@@ -442,9 +443,6 @@ def _nearest(found: dict[TensorRef, int], var: str, what: str) -> TensorRef | No
 
 def _shard_consts(ir: GraphIR) -> list[tuple[str, str]]:
     """Pairs of (num_shards, index) Const nodes that `pn.shard` created."""
-    out = []
-    for node in ir.nodes:
-        scope, _, leaf = node.name.rpartition("/")
-        if leaf == "num_shards" and scope.split("/")[-1].startswith(SHARD_SCOPE):
-            out.append((node.name, scope + "/index"))
-    return out
+    parts = (node.name.rpartition("/") for node in ir.nodes)
+    return [(f"{scope}/{leaf}", scope + "/index") for scope, _, leaf in parts
+            if leaf == "num_shards" and scope.split("/")[-1].startswith(SHARD_SCOPE)]
