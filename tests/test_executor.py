@@ -172,3 +172,22 @@ def test_a_run_that_times_out_in_an_exchange_says_every_worker_makes_the_same_ru
             in said and "every worker must make the same runs" in said
         assert runner.executor._timed_out(["dense/w/Read/ReadVariableOp:0"], runner.executor
                                           .options).endswith("raise it if a step takes that long")
+
+
+@pytest.mark.parametrize("run_option", ["hybrid", "ps"])
+def test_a_run_that_trains_nothing_but_needs_the_servers_step_exchange_is_refused(run_option):
+    """Worker 0 of a job with a server: the gradients' global norm fetched
+    alone would take a part of a training step's exchange (the job then
+    waited until the timeout; other workers got another's norm), so it is
+    refused naming the run and the two ways that work. The loss alone
+    (an evaluation) and the norm with the train op are runs it allows."""
+    from parallax_ng.errors import FetchError
+    g, h = embedding_regression(4, "adam", clip=True)
+    ir, ctx = cluster_transform(g, worker=0, servers=1, run_option=run_option)
+    ex = Executor.of(imported(ir), ctx)
+    norm = "global_norm/global_norm:0"
+    with pytest.raises(FetchError, match=r"worker 0's run of \['global_norm/global_norm:0'\] "
+                       r"trains nothing.*runner.run\(\[train_op, value"):
+        ex.check_untrained([norm])
+    ex.check_untrained(["loss:0"])
+    assert ex._untrained == {(norm,): True, ("loss:0",): False}

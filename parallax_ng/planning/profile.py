@@ -113,6 +113,13 @@ class Profile:
                 out[var] = replace(out[var], factors=(rows, out[var].factors[1]))
         return out
 
+    def measured(self, plan, tg):
+        """`plan` with these measurements (no new decisions)."""
+        info = self.apply({k: vp.info for k, vp in plan.variables.items()}, tg)
+        return replace(plan, variables={k: replace(vp, info=info[k])
+                                        for k, vp in plan.variables.items()},
+                       schedule=replace(plan.schedule, order=self.order))
+
     def to_dict(self) -> dict:
         out = {"steps": self.steps, "forward_time": self.forward_time,
                "rows": dict(self.rows), "ready": dict(self.ready),

@@ -68,9 +68,11 @@ def needs_every_replica(graph: tf.Graph, fetches: list[Fetch]) -> bool:
     return reaches(graph, [n for f in alone(fetches) for n in f.names], writes=True)
 
 
-def reaches(graph: tf.Graph, names, writes: bool = False) -> bool:
+def reaches(graph: tf.Graph, names, writes: bool = False, step: bool = False) -> bool:
     """Whether the ops and tensors `names` (of the step graph) need an op
-    that meets the other replicas, or (with `writes`) write a variable."""
+    that meets the other replicas, or (with `writes`) write a variable;
+    with `step`, only the servers' exchange of a training step's gradients
+    (its pushes and takes, fusion buffers' sums: one per training run)."""
     todo = [graph.get_operation_by_name(n) if isinstance(n, str) and ":" not in n else
             n if isinstance(n, tf.Operation) else graph.get_tensor_by_name(n).op
             for n in names]
@@ -80,12 +82,19 @@ def reaches(graph: tf.Graph, names, writes: bool = False) -> bool:
         if op.name in seen:
             continue
         seen.add(op.name)
-        if op.type in COLLECTIVE_OPS or op.type.startswith(("Horovod", "Nccl")) or \
-                writes and _writes(op) or op.name.startswith("parallax/") and "Queue" in op.type:
+        if op.name.startswith(STEP_EXCHANGES if step else "parallax/") and \
+                "Queue" in op.type or not step and (
+                    op.type in COLLECTIVE_OPS or op.type.startswith(("Horovod", "Nccl")) or
+                    writes and _writes(op)):
             return True
         todo.extend(t.op for t in op.inputs)
         todo.extend(op.control_inputs)
     return False
+
+
+# the scopes of the servers' exchange of a step's gradients (transforms/step_barrier.py
+# SCOPE, transforms/flat_buffers.py)
+STEP_EXCHANGES = ("parallax/server_sync/", "parallax/bfb/")
 
 
 def _writes(op: tf.Operation) -> bool:

@@ -134,6 +134,7 @@ class Runner:
             feeds, wanted = self.fetches.feeds(feed_dict, True), one_replica.alone(wanted)
         names = [n for f in wanted for n in f.names]
         if not trained:
+            self.executor.check_untrained(names)
             self._apply_pending()
             if reads_parts:
                 self.executor.wait_for_parts(self.session)
@@ -313,7 +314,7 @@ class Runner:
         keeps the decisions the graph was built with (and gets the
         measurements), so it says what runs."""
         if self._replan is None:
-            plan = _measured_plan(self.plan, self.profile, self.ctx.tg)
+            plan = self.profile.measured(self.plan, self.ctx.tg)
         else:
             plan = self._replan(self.profile)
         how = self.config.profile.replan
@@ -324,7 +325,7 @@ class Runner:
                 warnings.warn(f"the measured plan differs but training goes on with the "
                               f"graph it has: {why}", stacklevel=4)
             self.plan = self.ctx.plan = plan if same else \
-                _measured_plan(self.plan, self.profile, self.ctx.tg)
+                self.profile.measured(self.plan, self.ctx.tg)
             return plan
         self._move_to(self._rebuild(plan))
         return plan
@@ -355,8 +356,8 @@ class Runner:
                 self.session.close()
                 self.__dict__.update(before)
                 if what is None:
-                    self.plan = self.ctx.plan = _measured_plan(self.plan, self.profile,
-                                                               self.ctx.tg)
+                    self.plan = self.ctx.plan = self.profile.measured(self.plan,
+                                                                      self.ctx.tg)
                 self._tuner = None
                 warnings.warn(f"{what or 'the measured plan'} differs but training goes on "
                               f"with the graph it has: moving its state failed ({e.message})",
@@ -439,12 +440,4 @@ class Runner:
 
     def _global_step(self) -> int | None:
         return self._checkpoints.global_step(self.session)
-
-
-def _measured_plan(plan, profile: Profile, tg):
-    """`plan` with the profile's measurements (no new decisions)."""
-    info = profile.apply({k: vp.info for k, vp in plan.variables.items()}, tg)
-    return replace(plan, variables={k: replace(vp, info=info[k])
-                                    for k, vp in plan.variables.items()},
-                   schedule=replace(plan.schedule, order=profile.order))
 
