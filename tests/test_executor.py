@@ -175,19 +175,27 @@ def test_a_run_that_times_out_in_an_exchange_says_every_worker_makes_the_same_ru
 
 
 @pytest.mark.parametrize("run_option", ["hybrid", "ps"])
-def test_a_run_that_trains_nothing_but_needs_the_servers_step_exchange_is_refused(run_option):
-    """Worker 0 of a job with a server: the gradients' global norm fetched
-    alone would take a part of a training step's exchange (the job then
-    waited until the timeout; other workers got another's norm), so it is
-    refused naming the run and the two ways that work. The loss alone
-    (an evaluation) and the norm with the train op are runs it allows."""
+def test_a_run_that_trains_nothing_but_reads_gradients_the_servers_apply_is_refused(run_option):
+    """A job with a server: the gradients' global norm fetched alone would
+    take a part of a training step's exchange on worker 0 (the workers got
+    different norms, and the next step waited until the timeout), so every
+    worker refuses it alike, naming the variable and the forms that work.
+    The loss alone (an evaluation) is allowed, and so is a norm of
+    gradients exchanged by fusion buffers, which every worker takes back
+    (hybrid: the embedding's on the server, the dense ones by buffers)."""
     from parallax_ng.errors import FetchError
+    from parallax_ng.runtime.one_replica import refuse_untrained
     g, h = embedding_regression(4, "adam", clip=True)
-    ir, ctx = cluster_transform(g, worker=0, servers=1, run_option=run_option)
-    ex = Executor.of(imported(ir), ctx)
-    norm = "global_norm/global_norm:0"
-    with pytest.raises(FetchError, match=r"worker 0's run of \['global_norm/global_norm:0'\] "
-                       r"trains nothing.*runner.run\(\[train_op, value"):
-        ex.check_untrained([norm])
-    ex.check_untrained(["loss:0"])
-    assert ex._untrained == {(norm,): True, ("loss:0",): False}
+    for worker in (0, 1):
+        ir, ctx = cluster_transform(g, worker=worker, servers=1, run_option=run_option)
+        reached = ctx.tg.ir.ancestors(["global_norm/global_norm"])
+        with pytest.raises(FetchError, match="trains nothing but reads the gradient of "
+                           f"'{'emb' if run_option == 'hybrid' else 'dense/b'}'.*"
+                           r"runner.run\(\[train_op, value\]\)"):
+            refuse_untrained(ctx.tg, ctx.plan, reached)
+        refuse_untrained(ctx.tg, ctx.plan, ctx.tg.ir.ancestors(["loss"]))
+        dense = {v: vp.method for v, vp in ctx.plan.variables.items() if v != "emb"}
+        if run_option == "hybrid":
+            assert set(dense.values()) == {"bfb"}
+            grads = {ctx.tg.gradients[v].values.node for v in dense}
+            refuse_untrained(ctx.tg, ctx.plan, ctx.tg.ir.ancestors(grads))

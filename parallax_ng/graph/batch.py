@@ -15,7 +15,7 @@ joined, taken from an input, or gone), a placeholder is
 - `whole` when it fills an input pipeline (`Dataset.from_tensor_slices` of
   placeholders an initializable iterator is fed with: the pipeline, sharded
   by `pn.shard`, gives each replica its examples), or every use of its
-  first dimension picks entries by
+  first dimension (none summing it away) picks entries by
   constants (`keep[0]`, an unstack) or by other data (a gather from it), or
   broadcasts it along a later axis of a tensor of higher rank (a weight per
   class times the logits), or is only written into variables (fed updates);
@@ -155,7 +155,7 @@ def kinds(tg, fixed: bool = False) -> dict[str, tuple[str, str]]:
         elif facts - {"fixed"} == {"written"}:
             out[name] = (WHOLE, "it is written into a variable (an update the script "
                                 "feeds), which every replica holds whole")
-        elif facts & {"indexed", "broadcast"} and not facts & {"unknown", "kept"}:
+        elif facts & {"indexed", "broadcast"} and not facts & {"unknown", "kept", "reduced"}:
             out[name] = (WHOLE, "its entries are picked by index, or broadcast along a "
                                 "later axis, not lined up with examples")
         else:

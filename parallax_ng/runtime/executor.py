@@ -21,9 +21,7 @@ in a job that reads other workers' parts of tables cut by columns
 (`PartsWritten`), returns once every replica has written its parts as
 often as this worker's (polling their counts; bounded by the run timeout).
 A run that times out says which it was, and, where it meets the other
-replicas in an exchange, that every worker must make the same runs;
-`check_untrained` refuses a run that trains nothing but reaches the
-servers' exchange of a step's gradients.
+replicas in an exchange, that every worker must make the same runs.
 """
 from __future__ import annotations
 
@@ -33,7 +31,6 @@ from dataclasses import dataclass
 
 import tensorflow as tf
 
-from ..errors import FetchError
 from ..pipeline.results import Barrier, PartsWritten
 from ..pipeline.step_parts import StepParts
 from . import one_replica
@@ -55,7 +52,6 @@ class Executor:
         self.parts, self.barrier, self.worker = parts, barrier, worker
         self.written = written
         self.options = options          # every run gives up after the timeout
-        self._untrained: dict = {}      # names -> `check_untrained`'s finding
 
     @classmethod
     def of(cls, graph: tf.Graph, ctx, options=None) -> "Executor":
@@ -96,24 +92,6 @@ class Executor:
         except tf.errors.DeadlineExceededError as e:
             raise type(e)(e.node_def, e.op, e.message + self._timed_out(fetched, options)) \
                 from None
-
-    def check_untrained(self, names: list) -> None:
-        """A run that trains nothing must not reach the servers' exchange of
-        a step's gradients (a norm of them fetched alone, in a job with
-        servers): it would take a part of a training step's exchange, each
-        worker would get another's gradients, and the next step would wait
-        for the part it took."""
-        key = tuple(names)
-        if key not in self._untrained:
-            self._untrained[key] = one_replica.reaches(self.graph, names, step=True)
-        if self._untrained[key]:
-            raise FetchError(
-                f"worker {self.worker}'s run of {list(names)[:4]} trains nothing but needs "
-                "the gradients the job's servers exchange once per training step (a value "
-                "computed from them, as a global norm): fetch it in the training op's run, "
-                "runner.run([train_op, value]); or, to see it apart, with a plan that "
-                "exchanges the dense gradients by collectives (dense_method: allreduce, "
-                "run_option: allreduce)")
 
     def _timed_out(self, fetched: list, options) -> str:
         """What a run that timed out says besides TensorFlow's message."""

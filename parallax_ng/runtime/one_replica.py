@@ -15,7 +15,9 @@ gradient) needs every replica, and its uneven feed stays an error.
 Requires: the step graph the runner runs, and the fetch map's `Fetch`es
 of a run (parallax_ng/runtime/combining.py). Guarantees: `alone` keeps
 each fetch's replica 0 value, as `combine` gives it; `needs_every_replica`
-and `reaches` read the graph only (`Reach`: once per set of fetches).
+and `reaches` read the graph only (`Reach`: once per set of fetches);
+`refuse_untrained` raises for a run that would take a part of a job's
+training step on its servers.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import replace
 
 import tensorflow as tf
 
+from ..errors import FetchError
 from ..graph.rules import COLLECTIVE_OPS, is_writer
 from .combining import Fetch
 
@@ -68,11 +71,9 @@ def needs_every_replica(graph: tf.Graph, fetches: list[Fetch]) -> bool:
     return reaches(graph, [n for f in alone(fetches) for n in f.names], writes=True)
 
 
-def reaches(graph: tf.Graph, names, writes: bool = False, step: bool = False) -> bool:
+def reaches(graph: tf.Graph, names, writes: bool = False) -> bool:
     """Whether the ops and tensors `names` (of the step graph) need an op
-    that meets the other replicas, or (with `writes`) write a variable;
-    with `step`, only the servers' exchange of a training step's gradients
-    (its pushes and takes, fusion buffers' sums: one per training run)."""
+    that meets the other replicas, or (with `writes`) write a variable."""
     todo = [graph.get_operation_by_name(n) if isinstance(n, str) and ":" not in n else
             n if isinstance(n, tf.Operation) else graph.get_tensor_by_name(n).op
             for n in names]
@@ -82,19 +83,32 @@ def reaches(graph: tf.Graph, names, writes: bool = False, step: bool = False) ->
         if op.name in seen:
             continue
         seen.add(op.name)
-        if op.name.startswith(STEP_EXCHANGES if step else "parallax/") and \
-                "Queue" in op.type or not step and (
-                    op.type in COLLECTIVE_OPS or op.type.startswith(("Horovod", "Nccl")) or
-                    writes and _writes(op)):
+        if op.type in COLLECTIVE_OPS or op.type.startswith(("Horovod", "Nccl")) or \
+                writes and _writes(op) or op.name.startswith("parallax/") and "Queue" in op.type:
             return True
         todo.extend(t.op for t in op.inputs)
         todo.extend(op.control_inputs)
     return False
 
 
-# the scopes of the servers' exchange of a step's gradients (transforms/step_barrier.py
-# SCOPE, transforms/flat_buffers.py)
-STEP_EXCHANGES = ("parallax/server_sync/", "parallax/bfb/")
+def refuse_untrained(tg, plan, reached: frozenset) -> None:
+    """A run that trains nothing, in a job whose servers apply some
+    variables, must not read those variables' gradients (user ops
+    `reached`): worker 0's run would take a part of a training step's
+    exchange on the servers, which the others' runs (each reading its own
+    gradients) do not push, and the next step would wait for it. The same
+    answer on every worker (the user's graph and the plan decide)."""
+    if plan.num_workers < 2:
+        return
+    read = sorted(v for v, g in tg.gradients.items() if plan.variables[v].shared and
+                  {g.values.node, g.indices and g.indices.node} & reached)
+    if read:
+        raise FetchError(
+            f"this run trains nothing but reads the gradient of {read[0]!r}, which the job's "
+            "servers apply and exchange once per training step (a value computed from it, "
+            "as a global norm): fetch it in the training op's run, runner.run([train_op, "
+            "value]) (each worker's own replicas' value), or keep the dense variables off "
+            "the servers (dense_method: allreduce or bfb)")
 
 
 def _writes(op: tf.Operation) -> bool:

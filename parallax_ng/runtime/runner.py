@@ -134,7 +134,7 @@ class Runner:
             feeds, wanted = self.fetches.feeds(feed_dict, True), one_replica.alone(wanted)
         names = [n for f in wanted for n in f.names]
         if not trained:
-            self.executor.check_untrained(names)
+            one_replica.refuse_untrained(self.program.tg, self.plan, self._reached[fetched])
             self._apply_pending()
             if reads_parts:
                 self.executor.wait_for_parts(self.session)
