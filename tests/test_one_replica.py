@@ -42,9 +42,11 @@ def build():
                                  initializer=tf1.zeros_initializer())
         with tf.control_dependencies([evals.assign_add(1.0)]):  # a write: every copy's
             counted = tf.identity(accuracy)
+        confusion = tf.math.confusion_matrix(labels, tf.argmax(logits, 1), num_classes=3)
         init = tf1.global_variables_initializer()
     return g, dict(x=x, labels=labels, train=train, loss=loss, accuracy=accuracy,
-                   logits=logits, masked=masked, counted=counted, init=init)
+                   logits=logits, masked=masked, counted=counted, init=init,
+                   confusion=confusion)
 
 
 def _data(rows, seed):
@@ -73,6 +75,11 @@ def test_an_uneven_evaluation_runs_on_replica_0_alone_as_one_device():
             want = single.run([s["accuracy"], s["loss"]], {s["x"]: x, s["labels"]: y})
             got = runner.run([p["accuracy"], p["loss"]], {p["x"]: x, p["labels"]: y})
             np.testing.assert_allclose(got, want, rtol=0, atol=TOL)
+            # a confusion matrix's ScatterNd makes a tensor, no write (it was
+            # taken for one, and the uneven feed refused)
+            np.testing.assert_array_equal(
+                runner.run(p["confusion"], {p["x"]: x, p["labels"]: y}),
+                single.run(s["confusion"], {s["x"]: x, s["labels"]: y}))
         one = single.run(s["logits"], {s["x"]: x[:1]})
         np.testing.assert_allclose(runner.run(p["logits"], {p["x"]: x[:1]}), one, atol=TOL)
         [each] = runner.run([p["logits"]], {p["x"]: x[:1]}, per_replica=True)

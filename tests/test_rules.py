@@ -28,6 +28,14 @@ def test_reference_uses_follow_the_op_definition():
         rules.classify_ref_use("NoSuchRefOp", 0)
 
 
+def test_state_writers_are_variables_writers_not_tf_scatter_nd():
+    assert all(map(rules.writes_state, ["AssignVariableOp", "Assign", "ScatterAdd",
+                                        "ScatterNdUpdate", "ApplyAdam", "SparseApplyFtrl",
+                                        "ResourceScatterAdd", "CountUpTo"]))
+    assert not any(map(rules.writes_state, ["ScatterNd", "ScatterNdNonAliasingAdd",
+                                            "TensorScatterUpdate", "ReadVariableOp"]))
+
+
 def test_tables():
     assert rules.is_autodiff("gradients/MatMul_grad/MatMul")
     assert rules.is_autodiff("Adam/gradients_3/x") and not rules.is_autodiff("my_gradients/x")

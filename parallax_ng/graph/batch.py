@@ -232,7 +232,7 @@ def _rule(tg, name: str, node, first: dict, dims: _Dims) -> None:
             dims.note(d, "dataset")
         return
     kind = node.op
-    if rules.is_writer(kind) or kind.startswith(("Assign", "Apply", "SparseApply", "Scatter")):
+    if rules.writes_state(kind):
         for _, d in carried:        # a value written into a variable (an update fed from
             dims.note(d, "written")     # outside, a gradient summed in Python): whole
         return

@@ -120,6 +120,15 @@ def is_writer(op_type: str) -> bool:
     return bool(_WRITER_PATTERN.match(op_type))
 
 
+def writes_state(op_type: str) -> bool:
+    """A resource variable's writer, or an op that writes through a
+    reference variable (Assign, Scatter*, Apply*); not tf.scatter_nd's
+    ScatterNd, which makes a tensor."""
+    return is_writer(op_type) or op_type in ("Assign", "AssignAdd", "AssignSub", "CountUpTo") \
+        or op_type.startswith(("Scatter", "Apply", "SparseApply")) and \
+        op_type not in ("ScatterNd", "ScatterNdNonAliasingAdd")
+
+
 def inputs_of_output(op_type: str, index: int, num_inputs: int) -> range:
     """Positions of the inputs that output `index` of an op can depend on."""
     if op_type in _ELEMENTWISE_MULTI:

@@ -26,7 +26,7 @@ from dataclasses import replace
 import tensorflow as tf
 
 from ..errors import FetchError
-from ..graph.rules import COLLECTIVE_OPS, is_writer
+from ..graph.rules import COLLECTIVE_OPS, writes_state
 from .combining import Fetch
 
 
@@ -115,7 +115,4 @@ def _writes(op: tf.Operation) -> bool:
     """A resource variable's writer, or a reference variable's; not a
     random op's call counter (transforms/counted_draws.py), which is each
     copy's own: replica 0 alone draws as one device does."""
-    kind = op.type
-    return (is_writer(kind) or kind in ("Assign", "AssignAdd", "AssignSub", "CountUpTo")
-            or kind.startswith(("Scatter", "Apply", "SparseApply"))) and \
-        "/parallax_draws/" not in op.name
+    return writes_state(op.type) and "/parallax_draws/" not in op.name
