@@ -100,8 +100,9 @@ def refuse_untrained(tg, plan, reached: frozenset) -> None:
     answer on every worker (the user's graph and the plan decide)."""
     if plan.num_workers < 2:
         return
-    read = sorted(v for v, g in tg.gradients.items() if plan.variables[v].shared and
-                  {g.values.node, g.indices and g.indices.node} & reached)
+    variables = getattr(plan, "variables", {})      # (layer-to-layer's plan all-reduces)
+    read = sorted(v for v, g in tg.gradients.items() if v in variables and
+                  variables[v].shared and {g.values.node, g.indices and g.indices.node} & reached)
     if read:
         raise FetchError(
             f"this run trains nothing but reads the gradient of {read[0]!r}, which the job's "
