@@ -110,6 +110,14 @@ def is_input_source(tg, node) -> bool:
     return False
 
 
+def feed_kinds(tg) -> dict:
+    """graph/batch.py's `kinds(tg)`, read once per TrainingGraph (the
+    whole feeds here, the runtime's feeds: runtime/fetches.py)."""
+    if "feed_kinds" not in tg.__dict__:
+        tg.__dict__["feed_kinds"] = batch.kinds(tg)
+    return tg.__dict__["feed_kinds"]
+
+
 def whole_feeds(tg) -> frozenset[str]:
     """The placeholders of an unknown first dimension fed whole to every
     replica (config `batch_feeds: {NAME: false}`, tg.batch_feeds, or
@@ -118,7 +126,7 @@ def whole_feeds(tg) -> frozenset[str]:
     if "whole_feeds" not in tg.__dict__:
         said = getattr(tg, "batch_feeds", {})
         tg.__dict__["whole_feeds"] = frozenset(
-            [n for n, (kind, _) in batch.kinds(tg).items()
+            [n for n, (kind, _) in feed_kinds(tg).items()
              if kind == batch.WHOLE and n not in said] +
             [n for n, split in said.items() if split is False])
     return tg.__dict__["whole_feeds"]

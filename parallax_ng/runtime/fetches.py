@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import FetchError, UnevenFeed
-from ..graph import accumulation, batch, forms, rules
+from ..graph import accumulation, batch, forms, rules, variance
 from ..graph.ir import parse_tensor
 from ..graph.time_major import analysed, batch_major, twin
 from ..pipeline.results import PerExampleState, ScaledInputs, WidenedMeans
@@ -145,8 +145,8 @@ class ReplicaFetchMap(FetchMap):
         self._warned: set[str] = set()          # fed tensors already warned about
         self._reductions: dict[str, str] = {}    # fetched tensor -> its default reduction
         self._parts: dict[str, tuple] = {}       # fetched tensor -> its summary's parts
-        self._everywhere: dict = {}    # node -> every replica's copy runs; gradient ->
-        #                                 the copies of its aggregate that run
+        self._everywhere: dict[str, bool] = {}    # node -> every replica's copy runs
+        self._aggregated: dict = {}     # dense gradient -> the copies of its aggregate
 
     # -- fetches --------------------------------------------------------------
     def fetch(self, leaf, per_replica: bool = False) -> Fetch:
@@ -237,12 +237,12 @@ class ReplicaFetchMap(FetchMap):
         """Replica 0's aggregate of dense gradient `ref`, and where it meets
         the other replicas (an all-reduce), theirs too: they run with it
         (replica 0's alone waited for the others' part until the timeout)."""
-        if ref not in self._everywhere:
+        if ref not in self._aggregated:
             first = self._aggregate(ref, 0)
-            self._everywhere[ref] = (first,) if not one_replica.reaches(self.graph, [first]) \
+            self._aggregated[ref] = (first,) if not one_replica.reaches(self.graph, [first]) \
                 else tuple(dict.fromkeys(self._aggregate(ref, k)
                                          for k in range(self.plan.num_replicas)))
-        return self._everywhere[ref]
+        return self._aggregated[ref]
 
     def _aggregate(self, ref, k: int) -> str:
         """The global batch's gradient that dense gradient `ref` becomes, as
@@ -398,7 +398,7 @@ class ReplicaFetchMap(FetchMap):
 
     @cached_property
     def _kinds(self) -> dict:
-        return batch.kinds(self.ctx.tg)
+        return variance.feed_kinds(self.ctx.tg)
 
     def _warn_whole_feed(self, name: str, tensor: tf.Tensor, rows: int) -> None:
         """Once per placeholder: a fixed batch dimension fed whole turns data
