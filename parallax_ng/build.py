@@ -236,20 +236,25 @@ def get_runner(graph, resource_info=None, config=None, sample: Sample | None = N
 
 
 def _fed_alone(tg, job: Job) -> None:
-    """A graph whose updates are all fed (gradients summed in Python,
-    graph/accumulation.py `fed_updates`) trains in one process: in a job
-    each worker's fetch of a gradient is its own replicas' mean, so the
-    workers would feed apart and part; layer-to-layer applies none."""
-    if tg.gradients or not (job.config.l2l.enabled or
-                            job.cluster is not None and len(job.cluster.workers) > 1):
+    """Variables an optimizer updates from fed values (gradients summed in
+    Python, graph/accumulation.py `fed_variables`) train in one process: in
+    a job each worker's fetch of a gradient is its own replicas' mean, so
+    the workers would feed apart and part; layer-to-layer applies none."""
+    if not (job.config.l2l.enabled or job.cluster is not None and len(job.cluster.workers) > 1):
+        return
+    from .graph.accumulation import fed_variables
+    fed = fed_variables(tg)
+    if not fed:
         return
     raise GraphError(
-        "the graph's optimizers apply only fed values (gradients fetched, summed in Python "
-        "and fed back through placeholders), which trains in one process, on its devices, "
-        + ("not under layer-to-layer (l2l: it applies what the graph computes)"
-           if job.config.l2l.enabled else
-           f"not in a job of {len(job.cluster.workers)} workers: each worker's fetched "
-           "gradients are its own replicas' mean, so the workers' sums would differ")
+        f"the graph's optimizers apply fed values to {fed[:5]}"
+        f"{f' and {len(fed) - 5} more' if len(fed) > 5 else ''} (gradients fetched, summed "
+        "in Python and fed back through placeholders), which trains in one process, on its "
+        "devices, " + ("not under layer-to-layer (l2l: it applies what the graph computes)"
+                       if job.config.l2l.enabled else
+                       f"not in a job of {len(job.cluster.workers)} workers: each worker's "
+                       "fetched gradients are its own replicas' mean, so the workers' sums "
+                       "would differ")
         + ". Or apply the gradients in the graph: opt.apply_gradients(zip(grads, tvars)), "
         "summed over runs in variables of the script's own (docs/usage.md, gradient "
         "accumulation)")

@@ -343,7 +343,8 @@ def _summed_in_python(batch, shape, parallel=True):
     embedding's made dense) fetched each run, summed in numpy, and fed to
     `apply_gradients(zip(placeholders, tvars))` every K runs; the
     placeholders of the variables' shapes, of an unknown first dimension,
-    or of no shape."""
+    or of no shape. "mixed": the embedding's sums fed, `w` trained in the
+    graph by its own optimizer in the same run."""
     g = tf.Graph()
     with g.as_default():
         ds = tf.data.Dataset.from_tensor_slices(_arrays())
@@ -357,9 +358,16 @@ def _summed_in_python(batch, shape, parallel=True):
         loss = tf.reduce_mean(tf.square(tf.matmul(h, w) - y))
         grads = [tf.convert_to_tensor(gr) for gr in tf.gradients(loss, [emb, w])]
         fed = [tf1.placeholder(tf.float32, {"static": v.shape, "open": [None, v.shape[1]],
-                                            "none": None}[shape]) for v in (emb, w)]
+                                            "none": None, "mixed": v.shape}[shape])
+               for v in (emb, w)]
         train = tf1.train.AdamOptimizer(0.01).apply_gradients(
             zip(fed, [emb, w]), global_step=tf1.train.get_or_create_global_step())
+        if shape == "mixed":        # the embedding's update after w's reads it
+            fed = fed[:1]
+            with tf.control_dependencies([tf1.train.GradientDescentOptimizer(0.1).minimize(
+                    loss, var_list=[w])]):
+                train = tf1.train.AdamOptimizer(0.01).apply_gradients(
+                    [(fed[0], emb)], global_step=tf1.train.get_or_create_global_step())
         init = tf1.global_variables_initializer()
 
     def run_all(run):
@@ -377,7 +385,7 @@ def _summed_in_python(batch, shape, parallel=True):
 
 
 @pytest.mark.parametrize("shape,run_option", [("static", "allreduce"), ("open", "ps"),
-                                              ("none", "hybrid")])
+                                              ("none", "hybrid"), ("mixed", "hybrid")])
 def test_gradients_summed_in_python_and_fed_back_equal_one_device(shape, run_option):
     """Before, refused ("found no optimizer update"); let in, a placeholder
     of an unknown first dimension was split over the replicas as a batch,
@@ -394,25 +402,31 @@ def test_gradients_summed_in_python_and_fed_back_equal_one_device(shape, run_opt
         losses = run_all(runner.run)
         got = _values(runner.run, g)
     np.testing.assert_allclose(losses, want_losses, rtol=0, atol=TOL)
-    assert len(want) == 9       # 2 weights, 4 Adam slots, Adam's 2 powers, the step
+    # 2 weights, 4 Adam slots, Adam's 2 powers, the step; mixed: the applied Adam's too
+    assert len(want) == (13 if shape == "mixed" else 9)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=TOL, err_msg=name)
 
 
-@pytest.mark.parametrize("where", ["job", "l2l"])
-def test_gradients_summed_in_python_are_refused_in_a_job_and_under_l2l(where, monkeypatch):
+@pytest.mark.parametrize("where,shape", [("job", "static"), ("l2l", "static"),
+                                         ("job", "mixed")])
+def test_gradients_summed_in_python_are_refused_in_a_job_and_under_l2l(where, shape,
+                                                                       monkeypatch):
     """In a job each worker's fetched gradients are its own replicas' mean,
     so the workers' sums, fed back, would differ: refused before any server
-    starts, naming the form that trains in a job; so under layer-to-layer."""
+    starts, naming the variables and the form that trains in a job; so
+    under layer-to-layer. Before, the mixed graph (`w` trained in the graph
+    beside) went in, and its workers applied apart."""
     import json
     from parallax_ng.cluster import ENV
-    g, _ = _summed_in_python(8, "static")
+    g, _ = _summed_in_python(8, shape)
     config = {"l2l": {"layers": r"layer_(\d+)"}} if where == "l2l" else {}
     if where == "job":
         monkeypatch.setenv(ENV, json.dumps({"worker": ["127.0.0.1:1", "127.0.0.1:2"],
                                             "task_type": "worker", "task": 0,
                                             "devices": [["CPU", 0]]}))
-    with pytest.raises(pn.GraphError, match="apply only fed values.*" + (
+    fed = "'emb'" if shape == "mixed" else "'emb', 'w'"
+    with pytest.raises(pn.GraphError, match=rf"apply fed values to \[{fed}\].*" + (
             "not in a job of 2 workers" if where == "job" else "not under layer-to-layer") +
             r".*opt.apply_gradients\(zip\(grads, tvars\)\)"):
         pn.get_runner(g, None if where == "job" else local(2), config)

@@ -207,18 +207,34 @@ def fed_updates(tg, autodiff: frozenset[str]) -> bool:
     hand from the data's placeholders: graph/variance.py's sources)."""
     applied = False
     for var in tg.trainable:
-        for w in tg.writers.get(var, ()):
-            if w == tg.variables[var].initializer:
-                continue
+        for w in _updates(tg, var):
             above = tg.ir.ancestors([w], data_only=True)
             if above & autodiff:
                 return False            # an update from gradients the walk did not take
             nodes = [tg.ir.node(a) for a in above]
             if any(variance.is_input_source(tg, n) for n in nodes):
                 return False    # computed from the batch (a gradient written by hand)
-            applied |= tg.ir.node(w).op.startswith(_APPLIES) and \
-                any(n.op in ("Placeholder", "PlaceholderWithDefault") for n in nodes)
+            applied |= _applies_fed(tg, w, nodes)
     return applied
+
+
+def fed_variables(tg) -> list[str]:
+    """The trained variables an optimizer updates from fed values, not from
+    a gradient of the graph's nor from the batch (`fed_updates`; or beside
+    variables that train from theirs)."""
+    return sorted(var for var in tg.trainable if var not in tg.gradients and any(
+        _applies_fed(tg, w, [tg.ir.node(a) for a in tg.ir.ancestors([w], data_only=True)])
+        for w in _updates(tg, var)))
+
+
+def _updates(tg, var: str) -> list[str]:
+    return [w for w in tg.writers.get(var, ()) if w != tg.variables[var].initializer]
+
+
+def _applies_fed(tg, write: str, above) -> bool:
+    return tg.ir.node(write).op.startswith(_APPLIES) and \
+        any(n.op in ("Placeholder", "PlaceholderWithDefault") for n in above) and \
+        not any(variance.is_input_source(tg, n) for n in above)
 
 
 _APPLIES = ("ResourceApply", "ResourceSparseApply", "Apply", "SparseApply")
