@@ -15,9 +15,10 @@ NodeDef of the graph or of a dataset function's body) to its value for a
 shard; it is how every part of the project that splits inputs (the
 shard_inputs pass, layer-to-layer's workers) recognizes and sets them.
 `rows_apart(graph)` names the dataset ops between a shard and its batch
-that act on each replica's part alone (a filter, a take; a padded_batch to
-each part's longest). `seeded_shuffles(nodes)` gives a dataset shuffle
-without seeds (seed and seed2 both 0: a new order per iterator) seeds of
+that act on each replica's part alone (a filter, a take; an interleave of
+each part's files; a padded_batch to each part's longest).
+`seeded_shuffles(nodes)` gives a dataset shuffle without seeds (seed and
+seed2 both 0: a new order per iterator) seeds of
 its own name, so every replica's copy (and every worker's) shuffles alike
 and the shards stay disjoint; one device's order was random anyway.
 `uneven_ends(graph, N)` names the iterators whose shards end after
@@ -214,6 +215,11 @@ def uneven_ends(graph: tf.Graph, replicas: int) -> list[str]:
 # they see: after a shard, from each replica's part alone
 _ROW_OPS = ("FilterDataset", "TakeDataset", "SkipDataset", "TakeWhileDataset",
             "GroupByWindowDataset", "ScanDataset", "WindowDataset", "UniqueDataset")
+# dataset ops that make rows of each element (a file's records): after a
+# shard, each replica's step takes rows of its own elements alone
+_EXPANDS = ("FlatMapDataset", "InterleaveDataset", "ParallelInterleaveDatasetV2",
+            "ParallelInterleaveDatasetV3", "ParallelInterleaveDatasetV4",
+            "LegacyParallelInterleaveDatasetV2")
 _BATCHES = ("BatchDataset", "BatchDatasetV2", "PaddedBatchDataset", "PaddedBatchDatasetV2",
             "ParallelBatchDataset")
 
@@ -222,8 +228,9 @@ def rows_apart(graph: tf.Graph) -> list[str]:
     """A line for each dataset op between a `pn.shard` and the batch that
     acts on each replica's part alone where one device's acts on all the
     rows: one that keeps, takes or groups rows by what it has seen (a
-    filter, a take), so a step's rows are not one device's global batch;
-    and a padded_batch to each batch's longest row, whose padding (what an
+    filter, a take), or makes rows of each element (an interleave of a
+    file list's files), so a step's rows are not one device's global
+    batch; and a padded_batch to each batch's longest row, whose padding (what an
     unmasked loss or the last position reads) differs from one device's."""
     gd, out = graph.as_graph_def(), []
     for nodes in [list(gd.node)] + [list(f.node_def) for f in gd.library.function]:
@@ -246,6 +253,15 @@ def rows_apart(graph: tf.Graph) -> list[str]:
                     out.append(f"{user.op} {user.name!r} comes after pn.shard() and acts on "
                                "each replica's part alone, so a step's rows are not one "
                                "device's global batch; apply it before pn.shard()")
+                if user.op in _EXPANDS:
+                    out.append(f"{user.op} {user.name!r} comes after pn.shard() and makes "
+                               "rows of each replica's own elements (whole files of a file "
+                               "list), so a step's rows are other rows than one device's "
+                               "global batch (each row is still read once an epoch), unless "
+                               "every element makes the same number of rows and that divides "
+                               "the batch; for one device's steps, shard the rows: "
+                               "pn.shard(files.interleave(...)), every replica then reading "
+                               "every file")
                 if user.op.startswith("PaddedBatch") and _pads_to_longest(user, source):
                     out.append(f"{user.op} {user.name!r} comes after pn.shard(): each replica "
                                "pads its rows to the longest of its own part, where one "
