@@ -2,10 +2,11 @@
 model trained by all-reduce over the job's workers (or hybrid with its
 server), worker 0 printing each step.
 
-    launch_script.py [--steps N] [--config JSON] [--block-at K]
+    launch_script.py [--steps N] [--config JSON] [--block-at K] [--fewer K]
 
 --block-at K: worker 1 blocks outside its runner at step K (a sleep that
-releases the interpreter, as a read that never returns does)."""
+releases the interpreter, as a read that never returns does).
+--fewer K: worker 0 makes K steps fewer than the others and ends."""
 import argparse
 import json
 import time
@@ -19,6 +20,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=100000)
 parser.add_argument("--config", default="{}")
 parser.add_argument("--block-at", type=int, default=-1)
+parser.add_argument("--fewer", type=int, default=0)
 args = parser.parse_args()
 tf1 = tf.compat.v1
 g = tf.Graph()
@@ -31,7 +33,7 @@ with g.as_default():
 runner = pn.get_runner(g, None, json.loads(args.config) or None)
 runner.run(init)
 worker = runner.plan.worker
-for step in range(args.steps):
+for step in range(args.steps - (args.fewer if worker == 0 else 0)):
     if worker == 1 and step == args.block_at:
         time.sleep(3600)
     _, value = runner.run([train, loss], {x: np.ones([4, 2], np.float32)})

@@ -122,6 +122,21 @@ def test_a_stopped_task_is_named_within_the_timeout(tmp_path, victim):
     job.assert_all_gone()
 
 
+def test_a_worker_that_ends_after_fewer_runs_is_named_by_the_one_left_waiting(tmp_path):
+    """Worker 0 ends after 3 steps, worker 1 goes on to a fourth: its
+    all-reduce loses worker 0. Before, the job ended with TensorFlow's
+    "UnavailableError: Graph execution error:"; now the line names the run,
+    the lost worker and that every worker must make the same runs."""
+    done = subprocess.run(command(tmp_path, "--steps", "4", "--fewer", "1"),
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert done.returncode == 1, done.stderr
+    said = [ln for ln in done.stderr.splitlines() if ln.startswith("parallax-ng run: worker 1")]
+    assert len(said) == 1 and re.search(
+        r"exited with code 1: UnavailableError: parallax_ng: worker 1's run of \[.*\] lost "
+        "worker 0, which it meets in an exchange: that task ended or failed.*every worker "
+        "must make the same runs, in the same order; stopping the job", said[0]), done.stderr
+
+
 def test_a_worker_blocked_outside_its_steps_is_named(tmp_path):
     """Worker 1 blocks (its heartbeat goes on); worker 0 times out waiting
     for it in a collective, and the launcher names worker 1."""

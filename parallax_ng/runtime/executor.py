@@ -21,10 +21,12 @@ in a job that reads other workers' parts of tables cut by columns
 (`PartsWritten`), returns once every replica has written its parts as
 often as this worker's (polling their counts; bounded by the run timeout).
 A run that times out says which it was, and, where it meets the other
-replicas in an exchange, that every worker must make the same runs.
+replicas in an exchange, that every worker must make the same runs; so
+does one that lost a task it meets in an exchange (a worker that ended).
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -34,6 +36,9 @@ import tensorflow as tf
 from ..pipeline.results import Barrier, PartsWritten
 from ..pipeline.step_parts import StepParts
 from . import one_replica
+
+
+_TASK = re.compile(r"remote target /job:(\w+)/replica:\d+/task:(\d+)")   # the lost task
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,16 @@ class Executor:
         except tf.errors.DeadlineExceededError as e:
             raise type(e)(e.node_def, e.op, e.message + self._timed_out(fetched, options)) \
                 from None
+        except tf.errors.UnavailableError as e:
+            lost = _TASK.search(e.message or "")
+            if lost is None or not one_replica.reaches(self.graph, fetched):
+                raise
+            raise type(e)(e.node_def, e.op, e.message + (
+                f"\nparallax_ng: worker {self.worker}'s run of "
+                f"{[getattr(f, 'name', f) for f in fetched][:4]} lost {lost[1]} {lost[2]}, "
+                "which it meets in an exchange: that task ended or failed. A worker that ends "
+                "after fewer runs than the others leaves their exchanges without it: every "
+                "worker must make the same runs, in the same order")) from None
 
     def _timed_out(self, fetched: list, options) -> str:
         """What a run that timed out says besides TensorFlow's message."""
