@@ -296,6 +296,7 @@ def runner(tg, job: Job, profile_steps: int = 0, sample: Sample | None = None):
 
 def _runner(build: Build, sessions, server):
     from .graph.data import rows_apart, uneven_ends
+    from .graph.queues import readers_apart
     from .runtime.program import transformed
     from .runtime.runner import Runner
 
@@ -306,7 +307,8 @@ def _runner(build: Build, sessions, server):
     program = rebuild(build.plan())
     if program.worker == 0:       # once per job: what the config asked that is not done
         for line in program.plan.unmet() + uneven_ends(build.tg.graph, program.plan.group_size) + \
-                (rows_apart(build.tg.graph) if program.plan.group_size > 1 else []):
+                (rows_apart(build.tg.graph) + readers_apart(build.tg)
+                 if program.plan.group_size > 1 else []):
             print(f"parallax_ng: {line}", file=sys.stderr, flush=True)
     return Runner(program, build.job.config, sessions, server=server,
                   replan=build.plan, rebuild=rebuild,

@@ -46,7 +46,7 @@ def train_single(graph, steps):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_producer_elements_are_dealt_out_and_training_equals_one_device(n):
+def test_producer_elements_are_dealt_out_and_training_equals_one_device(n, capsys):
     rng = np.random.RandomState(0)
     per_replica = rng.randint(0, 10, size=(STEPS * n, BATCH, T)).astype(np.int32)
     # one device with batch n*BATCH: step s reads what replicas 0..n-1 read at step s
@@ -63,6 +63,7 @@ def test_producer_elements_are_dealt_out_and_training_equals_one_device(n):
     for copies, value in zip(got, want):
         for c in copies:
             assert np.max(np.abs(c - value)) <= 1e-5
+    assert "reads whole files" not in capsys.readouterr().err
 
 
 def test_a_shuffled_producer_is_dealt_out_without_overlap():
@@ -79,7 +80,11 @@ def test_a_shuffled_producer_is_dealt_out_without_overlap():
         assert epoch != [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]   # shuffled
 
 
-def test_files_are_split_over_replicas_and_batched(tmp_path):
+def test_files_are_split_over_replicas_and_batched(tmp_path, capsys):
+    """Each replica reads whole files of its own: every line once an epoch,
+    but a step's rows are not one device's global batch (a regression read
+    so was 0.55 apart after 6 steps), which the runner says in a line,
+    naming the producer, the reader and the form that is exact."""
     files = []
     for f in range(4):
         path = tmp_path / f"part{f}.txt"
@@ -101,6 +106,11 @@ def test_files_are_split_over_replicas_and_batched(tmp_path):
             runner.run("batch:0")
     replica = [sorted(int(v) for step in lines for v in step[r]) for r in range(2)]
     assert replica == [[0, 1, 2, 20, 21, 22], [10, 11, 12, 30, 31, 32]]
+    said = [ln for ln in capsys.readouterr().err.splitlines() if "reads whole files" in ln]
+    assert len(said) == 1 and said[0].startswith(
+        "parallax_ng: queue 'input_producer' deals its names out to the replicas and "
+        "'ReaderReadV2' reads whole files from it") and \
+        "pn.shard(tf.data.TFRecordDataset(files))" in said[0], said
 
 
 def test_a_queue_no_runner_fills_is_an_error_naming_it():

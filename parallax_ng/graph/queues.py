@@ -16,6 +16,8 @@ Guarantees:
   draw the same on every replica, so the replicas' parts are disjoint.
   Queues filled from per-replica data (`tf.train.batch` after a reader)
   need only their runners.
+- `readers_apart(tg)` names the producers a reader reads files from:
+  each replica reads whole files of its own.
 - A queue that a training op reads but no runner fills, and a producer
   filled one element at a time, are errors at get_runner that name the
   queue and what to use instead: nothing waits on a queue nobody fills.
@@ -99,6 +101,24 @@ def find(tg) -> list[QueueInput]:
                     f"add_queue_runner), {ADVICE}")
             continue
         out.append(_classify(tg, node.name, list(qr.enqueues)))
+    return out
+
+
+def readers_apart(tg) -> list[str]:
+    """A line for each producer a reader reads (a file list's names): each
+    replica reads whole files of its own, so a step's rows are not one
+    device's global batch."""
+    out = []
+    for q in find(tg):
+        readers = sorted(c for c in tg.ir.node_consumers.get(q.queue, ())
+                         if tg.ir.node(c).op.startswith("ReaderRead"))
+        if q.producer and readers:
+            out.append(f"queue {q.queue!r} deals its names out to the replicas and "
+                       f"{readers[0]!r} reads whole files from it, so each replica's steps "
+                       "take rows of its own files: a step's rows are other rows than one "
+                       "device's global batch (each row is still read once an epoch); for "
+                       "one device's steps, shard the records: pn.shard(tf.data."
+                       "TFRecordDataset(files)), every replica then reading every file")
     return out
 
 
