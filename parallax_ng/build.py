@@ -274,7 +274,10 @@ def runner(tg, job: Job, profile_steps: int = 0, sample: Sample | None = None):
     _fed_alone(tg, job)
     if job.config.l2l.enabled:
         from .l2l.runner import l2l_runner
-        return l2l_runner(tg, job)
+        made = l2l_runner(tg, job)
+        if job.cluster is not None and job.cluster.task == 0:   # its workers split inputs
+            _say(_inputs_apart(tg, len(job.cluster.workers), queues=False))
+        return made
     info, server = job.cluster, None
     if info is not None:
         if info.task_type == "ps":      # TF_CONFIG convention: a server task only serves
@@ -294,9 +297,23 @@ def runner(tg, job: Job, profile_steps: int = 0, sample: Sample | None = None):
     return _runner(build, sessions, server)
 
 
-def _runner(build: Build, sessions, server):
+def _inputs_apart(tg, replicas: int, queues: bool = True) -> list[str]:
+    """The lines that name inputs `replicas` replicas read otherwise than
+    one device with their global batch (graph/data.py, graph/queues.py)."""
     from .graph.data import rows_apart, uneven_ends
     from .graph.queues import readers_apart
+    if replicas < 2:
+        return []
+    return uneven_ends(tg.graph, replicas) + rows_apart(tg.graph) + (
+        readers_apart(tg) if queues else [])
+
+
+def _say(lines: list[str]) -> None:
+    for line in lines:
+        print(f"parallax_ng: {line}", file=sys.stderr, flush=True)
+
+
+def _runner(build: Build, sessions, server):
     from .runtime.program import transformed
     from .runtime.runner import Runner
 
@@ -306,10 +323,7 @@ def _runner(build: Build, sessions, server):
 
     program = rebuild(build.plan())
     if program.worker == 0:       # once per job: what the config asked that is not done
-        for line in program.plan.unmet() + uneven_ends(build.tg.graph, program.plan.group_size) + \
-                (rows_apart(build.tg.graph) + readers_apart(build.tg)
-                 if program.plan.group_size > 1 else []):
-            print(f"parallax_ng: {line}", file=sys.stderr, flush=True)
+        _say(program.plan.unmet() + _inputs_apart(build.tg, program.plan.group_size))
     return Runner(program, build.job.config, sessions, server=server,
                   replan=build.plan, rebuild=rebuild,
                   tuner=_tuner(build, server, rebuild, program.plan))

@@ -3,7 +3,10 @@ each worker's initial values seeded apart (models.worker_seed);
 saves every variable before and after training to OUT.<worker>.npz.
 
     python l2l_job_script.py OUT STEPS [--micro-batches 2] [--stash host]
-        [--checkpoint DIR]
+        [--checkpoint DIR] [--apart]
+
+--apart: the graph also holds an evaluation pipeline with a filter after
+its pn.shard (never run), which worker 0 names in a line.
 """
 import argparse
 import os
@@ -22,9 +25,15 @@ parser.add_argument("steps", type=int)
 parser.add_argument("--micro-batches", type=int, default=2)
 parser.add_argument("--stash", default="host")
 parser.add_argument("--checkpoint", default=None, help="checkpoint.dir, saved every 2 steps")
+parser.add_argument("--apart", action="store_true")
 args = parser.parse_args()
 
 g, h = stack(4, "adam", seed=worker_seed(7))
+if args.apart:
+    import tensorflow as tf
+    with g.as_default():
+        tf.compat.v1.data.make_one_shot_iterator(pn.shard(tf.data.Dataset.range(8)).filter(
+            lambda v: v > 2).batch(2)).get_next()
 runner = pn.get_runner(g, None, {"l2l": {"layers": LAYERS, "micro_batches": args.micro_batches,
                                          "stash": args.stash},
                                  "communication": {"timeout_seconds": 120},

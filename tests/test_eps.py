@@ -89,16 +89,20 @@ def test_a_two_worker_job_equals_one_device(tmp_path):
     0's initial values are broadcast. Both workers end equal to one device
     with the global batch (16) after 5 steps, at 1e-5. Checkpoints have a
     job's layout: worker 0 writes the variables, each worker its input
-    position; the last one (at close) holds the final values."""
+    position; the last one (at close) holds the final values. Worker 0
+    names an evaluation pipeline's filter after its shard (never run)."""
     path = tmp_path / "resources.yaml"
     path.write_text("hosts:\n" + "  - address: 127.0.0.1\n    devices: [cpu:1, cpu:2]\n" * 2)
     out, ckpt = str(tmp_path / "vars"), str(tmp_path / "ckpt")
     done = subprocess.run(
         [sys.executable, "-m", "parallax_ng", "run", SCRIPT, "-r", str(path), "--", out,
-         "5", "--checkpoint", ckpt], capture_output=True, text=True, timeout=300,
+         "5", "--checkpoint", ckpt, "--apart"], capture_output=True, text=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=TASK_PATH, TF_CPP_MIN_LOG_LEVEL="2"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "worker 1 of 2, 2 replicas" in done.stdout
+    # the workers split inputs as replicas do: a filter after a shard is named, once
+    assert done.stderr.count("FilterDataset 'FilterDataset' comes after pn.shard()") == 1, \
+        done.stderr[-3000:]
     workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
     g, h = stack(16, "adam")
     names = variable_names(g)
