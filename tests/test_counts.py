@@ -76,7 +76,8 @@ def test_the_counts_a_loss_divides_by_and_their_floors():
 def test_the_ratios_a_program_reads_beside_its_loss():
     """`beside`: a masked accuracy (a Sum over the batch over a mask's sum,
     also through divide_no_nan) and an RMSE (a function of a mean) are
-    read; a ratio over the batch's size (a shape, equal on every replica),
+    read, and so is an RMSE per feature (of a vector of means over the
+    batch); a ratio over the batch's size (a shape, equal on every replica),
     one taken into rows again, one inside a cond branch, a tf.compat.v1
     metric's update (a sum kept in a variable) and a function of per-row
     means are not. `shared` then shares the accuracies' counts. `centres`
@@ -96,6 +97,7 @@ def test_the_ratios_a_program_reads_beside_its_loss():
         tf.math.truediv(tf.reduce_sum(hit), tf.cast(tf.size(hit), tf.float32), name="of_size")
         tf.sqrt(tf.reduce_mean(tf.square(pred - y), name="mse"), name="rmse")
         tf.sqrt(tf.reduce_mean(tf.square(pred - y), 1), name="per_row")
+        tf.sqrt(tf.reduce_mean(tf.square(pred - y), 0), name="per_feature")
         centred = tf.reduce_sum(pred * mask) / tf.reduce_sum(mask, name="centring")
         tf.identity(pred - centred, name="rows")
         tf1.cond(tf1.placeholder_with_default(False, []),
@@ -111,8 +113,10 @@ def test_the_ratios_a_program_reads_beside_its_loss():
     read = counts.beside(tg, sources)
     assert counts.centres(tg, sources, read) == ["y_mean:0"]
     read = [t for t in read if t.op.name != "spread"]
-    assert sorted(t.op.name for t in read) == ["acc", "acc_nan", "rmse"]
+    assert sorted(t.op.name for t in read) == ["acc", "acc_nan", "per_feature", "rmse"]
     form = counts.Forms(sources)
-    assert form(read[-1]).exchanged == ["mse:0"]       # the RMSE's mean: the job's
+    by_name = {t.op.name: t for t in read}
+    assert form(by_name["rmse"]).exchanged == ["mse:0"]     # the RMSE's mean: the job's
+    assert form(by_name["per_feature"]).exchanged == ["Mean_1:0"]   # so its vector's
     shared = counts.shared(tg, sources, form, {}, {}, read)
     assert sorted(c.node for c, _ in shared) == ["real", "real_nan"]

@@ -133,15 +133,20 @@ def beside(tg, sources) -> list:
     count the data's values set (a masked accuracy a TF1 script fetches
     and prints) or over other Sums (a Dice coefficient), and scalar functions
     of means (a fetched RMSE's `tf.sqrt(tf.reduce_mean(...))`, or of a sum
-    over its count, maybe scaled or shifted: `+ 1e-6`). Candidates:
+    over its count, maybe scaled or shifted: `+ 1e-6`), or of a vector of
+    means over the batch (a standard deviation per feature). Candidates:
     their forms say which counts `shared` shares and which means and sums
     the replicas exchange."""
     out, above, found = [], {}, set(sources)
+    data = rows.reading(list(sources), tg.graph)
     for op in tg.graph.get_operations():
-        if op.type not in forms.SCALAR_FUNCTIONS or op.outputs[0].shape.rank != 0 or \
-                not op.outputs[0].dtype.is_floating or rules.is_autodiff(op.name):
+        if op.type not in forms.SCALAR_FUNCTIONS or not op.outputs[0].dtype.is_floating or \
+                rules.is_autodiff(op.name):
             continue
-        if op.type in _DIVISIONS and _scaled_sum(op.inputs[0]):
+        if op.outputs[0].shape.rank != 0:   # of a vector of means over the batch (a std
+            if not _of_batch_means(op, data):   # per feature): each mean the job's
+                continue
+        elif op.type in _DIVISIONS and _scaled_sum(op.inputs[0]):
             if not from_values(tg, tg.ir.data_inputs(op.name)[1], found):
                 continue
         elif not any(x.shape.rank == 0 and _a_mean(_past_constants(x.op)) for x in op.inputs):
@@ -163,6 +168,22 @@ def exchanged(tg, sources, form, read, tracked) -> list[tuple[str, bool]]:
     return [(n, True) for loss in losses for n in form(loss).exchanged] + \
         [(n, False) for loss in losses for n in form(loss).summed] + \
         [(n, True) for n in centres(tg, sources, read)]
+
+
+def _of_batch_means(op, data) -> bool:
+    """Whether `op`, of no batch axis, takes a Mean over the batch's axis
+    (a vector: `tf.math.reduce_std(x, 0)`'s root of the variance per
+    feature)."""
+    if op.outputs[0].shape.rank is None or \
+            data.guarded(lambda r: r.axis(op.outputs[0])) is not None:
+        return False
+    return any(_batch_mean(_past_constants(x.op), data) for x in op.inputs)
+
+
+def _batch_mean(op, data) -> bool:
+    """Whether `op` is a Mean over the batch's axis (of a vector too)."""
+    return op.type == "Mean" and data.guarded(lambda r: r.axis(op.outputs[0])) is None and \
+        data.guarded(lambda r: r.axis(op.inputs[0])) is not None
 
 
 def _a_mean(op) -> bool:
@@ -207,9 +228,10 @@ def _past_constants(op):
 
 
 def centres(tg, sources, read) -> list[str]:
-    """The scalar means over the batch that the values `read` beside the
-    loss take back into rows (a per-batch R-squared's or Pearson
-    correlation's `y - mean(y)`): each replica would centre its rows on its
+    """The means over the batch (scalars, or vectors: per feature) that the
+    values `read` beside the loss take back into rows (a per-batch
+    R-squared's or Pearson correlation's `y - mean(y)`, a standard
+    deviation's): each replica would centre its rows on its
     own mean, one device centres the global batch on the global one, so
     the replicas exchange them (tensor names). Means the loss reads too
     are left alone: training stays as it was."""
@@ -217,14 +239,15 @@ def centres(tg, sources, read) -> list[str]:
         return []
     losses = forms.autodiff_losses(tg.graph)
     trained = tg.ir.ancestors({t.op.name for t in losses}, data_only=True) if losses else set()
-    out = []
+    out, data = [], rows.reading(list(sources), tg.graph)
     for name in sorted(tg.ir.ancestors({t.op.name for t in read}, data_only=True) - trained):
         op = tg.graph.get_operation_by_name(name)
-        if op.type == "Mean" and op.outputs[0].shape.num_elements() == 1 and \
-                op.outputs[0].dtype.is_floating and not rules.is_autodiff(name) and \
-                forms.scalar_kind(op.outputs[0], sources) == "mean" and \
-                selections.used_per_row(op, list(sources)):
-            out.append(op.outputs[0].name)
+        if op.type == "Mean" and op.outputs[0].dtype.is_floating and \
+                not rules.is_autodiff(name) and (
+                    op.outputs[0].shape.num_elements() == 1 and
+                    forms.scalar_kind(op.outputs[0], sources) == "mean" or
+                    _batch_mean(op, data)) and selections.used_per_row(op, list(sources)):
+            out.append(op.outputs[0].name)      # (a vector's: a std per feature)
     return out
 
 
@@ -273,6 +296,13 @@ def floored(tg, count, sources: set):
             found, inner = (ref.node, data[0]), ins[data[0]]
         ref = ins[data[0]]
     return found, inner
+
+
+def read_as_job(tg, ref, replaced: set) -> bool:
+    """Whether every use of `ref` reads a job's value already (`replaced`:
+    extremes' exchange of a state write's standard deviation, say)."""
+    used = uses(tg, ref)
+    return bool(used) and all(u in replaced for u in used)
 
 
 def read_everywhere(ctx, ref, outs, rewires: dict, replaced: set, apart_from=None,

@@ -225,7 +225,7 @@ class StateSyncPass:
         points = list(dict.fromkeys(points + list(plan.norm_points)))     # batch norm's too
         branches.warn_in_loops(means=[n for n, _ in points if parse_tensor(n).node in in_loops])
         for ref, mean, wide in counts.job_points(tg, points, form, widened):
-            if ref.node in in_loops:
+            if ref.node in in_loops or counts.read_as_job(tg, ref, replaced):
                 continue
             outs = [ctx.replica_tensor(k, ref) for k in range(plan.num_replicas)]
             nodes, outs = in_branch(ref.node)(ctx, f"parallax/state_sync/{ref.node}/"
