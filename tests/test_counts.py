@@ -76,8 +76,8 @@ def test_the_counts_a_loss_divides_by_and_their_floors():
 def test_the_ratios_a_program_reads_beside_its_loss():
     """`beside`: a masked accuracy (a Sum over the batch over a mask's sum,
     also through divide_no_nan) and an RMSE (a function of a mean) are
-    read, and so is an RMSE per feature (of a vector of means over the
-    batch); a ratio over the batch's size (a shape, equal on every replica),
+    read, and so are an RMSE and a masked accuracy per feature (vectors
+    of means and of sums over the batch); a ratio over the batch's size (a shape, equal on every replica),
     one taken into rows again, one inside a cond branch, a tf.compat.v1
     metric's update (a sum kept in a variable) and a function of per-row
     means are not. `shared` then shares the accuracies' counts. `centres`
@@ -98,6 +98,8 @@ def test_the_ratios_a_program_reads_beside_its_loss():
         tf.sqrt(tf.reduce_mean(tf.square(pred - y), name="mse"), name="rmse")
         tf.sqrt(tf.reduce_mean(tf.square(pred - y), 1), name="per_row")
         tf.sqrt(tf.reduce_mean(tf.square(pred - y), 0), name="per_feature")
+        tf.math.truediv(tf.reduce_sum(hit * mask, 0), tf.reduce_sum(mask, 0, name="real_each"),
+                        name="acc_each")
         centred = tf.reduce_sum(pred * mask) / tf.reduce_sum(mask, name="centring")
         tf.identity(pred - centred, name="rows")
         tf1.cond(tf1.placeholder_with_default(False, []),
@@ -113,10 +115,13 @@ def test_the_ratios_a_program_reads_beside_its_loss():
     read = counts.beside(tg, sources)
     assert counts.centres(tg, sources, read) == ["y_mean:0"]
     read = [t for t in read if t.op.name != "spread"]
-    assert sorted(t.op.name for t in read) == ["acc", "acc_nan", "per_feature", "rmse"]
+    assert sorted(t.op.name for t in read) == ["acc", "acc_each", "acc_nan", "per_feature",
+                                               "rmse"]
     form = counts.Forms(sources)
     by_name = {t.op.name: t for t in read}
     assert form(by_name["rmse"]).exchanged == ["mse:0"]     # the RMSE's mean: the job's
     assert form(by_name["per_feature"]).exchanged == ["Mean_1:0"]   # so its vector's
     shared = counts.shared(tg, sources, form, {}, {}, read)
     assert sorted(c.node for c, _ in shared) == ["real", "real_nan"]
+    # the vector's sums, numerator and count, are the job's (a Dice coefficient's way)
+    assert sorted(form(by_name["acc_each"]).summed) == ["Sum_3:0", "real_each:0"]

@@ -143,8 +143,12 @@ def beside(tg, sources) -> list:
         if op.type not in forms.SCALAR_FUNCTIONS or not op.outputs[0].dtype.is_floating or \
                 rules.is_autodiff(op.name):
             continue
-        if op.outputs[0].shape.rank != 0:   # of a vector of means over the batch (a std
-            if not _of_batch_means(op, data):   # per feature): each mean the job's
+        vector = op.outputs[0].shape.rank != 0
+        if vector and op.type in _DIVISIONS and _batch_sum(op, data):   # a masked mean per
+            if not from_values(tg, tg.ir.data_inputs(op.name)[1], found):   # feature
+                continue
+        elif vector:            # of a vector of means over the batch (a std per feature):
+            if not _of_batch_means(op, data):   # each mean the job's
                 continue
         elif op.type in _DIVISIONS and _scaled_sum(op.inputs[0]):
             if not from_values(tg, tg.ir.data_inputs(op.name)[1], found):
@@ -178,6 +182,15 @@ def _of_batch_means(op, data) -> bool:
             data.guarded(lambda r: r.axis(op.outputs[0])) is not None:
         return False
     return any(_batch_mean(_past_constants(x.op), data) for x in op.inputs)
+
+
+def _batch_sum(op, data) -> bool:
+    """Whether `op` (a division, of no batch axis) divides a Sum over the
+    batch's axis (a vector's: per feature)."""
+    total = _past_constants(op.inputs[0].op)
+    return op.outputs[0].shape.rank is not None and total.type == "Sum" and \
+        data.guarded(lambda r: r.axis(op.outputs[0])) is None and \
+        data.guarded(lambda r: r.axis(total.inputs[0])) is not None
 
 
 def _batch_mean(op, data) -> bool:
