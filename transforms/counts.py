@@ -133,8 +133,9 @@ def beside(tg, sources) -> list:
     count the data's values set (a masked accuracy a TF1 script fetches
     and prints) or over other Sums (a Dice coefficient), and scalar functions
     of means (a fetched RMSE's `tf.sqrt(tf.reduce_mean(...))`, or of a sum
-    over its count, maybe scaled or shifted: `+ 1e-6`), or of a vector of
-    means over the batch (a standard deviation per feature). Candidates:
+    over its count, maybe scaled or shifted: `+ 1e-6`); so per feature,
+    of no batch axis (a masked accuracy's sums over the batch's axis, a
+    standard deviation's means). Candidates:
     their forms say which counts `shared` shares and which means and sums
     the replicas exchange."""
     out, above, found = [], {}, set(sources)
@@ -143,20 +144,19 @@ def beside(tg, sources) -> list:
         if op.type not in forms.SCALAR_FUNCTIONS or not op.outputs[0].dtype.is_floating or \
                 rules.is_autodiff(op.name):
             continue
-        vector = op.outputs[0].shape.rank != 0
-        if vector and op.type in _DIVISIONS and _batch_sum(op, data):   # a masked mean per
-            if not from_values(tg, tg.ir.data_inputs(op.name)[1], found):   # feature
-                continue
-        elif vector:            # of a vector of means over the batch (a std per feature):
-            if not _of_batch_means(op, data):   # each mean the job's
-                continue
-        elif op.type in _DIVISIONS and _scaled_sum(op.inputs[0]):
-            if not from_values(tg, tg.ir.data_inputs(op.name)[1], found):
-                continue
-        elif not any(x.shape.rank == 0 and _a_mean(_past_constants(x.op)) for x in op.inputs):
+        vector = op.outputs[0].shape.rank != 0      # per feature: of no batch axis
+        if vector and (op.outputs[0].shape.rank is None or
+                       data.guarded(lambda r: r.axis(op.outputs[0])) is not None):
             continue
+        if op.type in _DIVISIONS and (_batch_sum(op.inputs[0], data) if vector
+                                      else _scaled_sum(op.inputs[0])):
+            if not from_values(tg, tg.ir.data_inputs(op.name)[1], found):
+                continue        # (a masked accuracy, or one per feature)
+        elif not any(_batch_mean(_past_constants(x.op), data) if vector else
+                     x.shape.rank == 0 and _a_mean(_past_constants(x.op)) for x in op.inputs):
+            continue            # (an RMSE, or a standard deviation per feature)
         if not branches.switches_above(tg.ir, op.name, above) and \
-                not selections.used_per_row(op, list(sources)):
+                not selections.used_per_row(op, data):
             out.append(op.outputs[0])
     return out
 
@@ -174,23 +174,11 @@ def exchanged(tg, sources, form, read, tracked) -> list[tuple[str, bool]]:
         [(n, True) for n in centres(tg, sources, read)]
 
 
-def _of_batch_means(op, data) -> bool:
-    """Whether `op`, of no batch axis, takes a Mean over the batch's axis
-    (a vector: `tf.math.reduce_std(x, 0)`'s root of the variance per
-    feature)."""
-    if op.outputs[0].shape.rank is None or \
-            data.guarded(lambda r: r.axis(op.outputs[0])) is not None:
-        return False
-    return any(_batch_mean(_past_constants(x.op), data) for x in op.inputs)
-
-
-def _batch_sum(op, data) -> bool:
-    """Whether `op` (a division, of no batch axis) divides a Sum over the
-    batch's axis (a vector's: per feature)."""
-    total = _past_constants(op.inputs[0].op)
-    return op.outputs[0].shape.rank is not None and total.type == "Sum" and \
-        data.guarded(lambda r: r.axis(op.outputs[0])) is None and \
-        data.guarded(lambda r: r.axis(total.inputs[0])) is not None
+def _batch_sum(t, data) -> bool:
+    """Whether `t` is a Sum over the batch's axis (of a vector too), maybe
+    scaled or shifted by constants."""
+    total = _past_constants(t.op)
+    return total.type == "Sum" and data.guarded(lambda r: r.axis(total.inputs[0])) is not None
 
 
 def _batch_mean(op, data) -> bool:
@@ -259,7 +247,7 @@ def centres(tg, sources, read) -> list[str]:
                 not rules.is_autodiff(name) and (
                     op.outputs[0].shape.num_elements() == 1 and
                     forms.scalar_kind(op.outputs[0], sources) == "mean" or
-                    _batch_mean(op, data)) and selections.used_per_row(op, list(sources)):
+                    _batch_mean(op, data)) and selections.used_per_row(op, data):
             out.append(op.outputs[0].name)      # (a vector's: a std per feature)
     return out
 

@@ -101,18 +101,21 @@ class Executor:
             lost = _TASK.search(e.message or "")
             if lost is None or not one_replica.reaches(self.graph, fetched):
                 raise
-            raise type(e)(e.node_def, e.op, e.message + (
-                f"\nparallax_ng: worker {self.worker}'s run of "
-                f"{[getattr(f, 'name', f) for f in fetched][:4]} lost {lost[1]} {lost[2]}, "
-                "which it meets in an exchange: that task ended or failed. A worker that ends "
-                "after fewer runs than the others leaves their exchanges without it: every "
-                "worker must make the same runs, in the same order")) from None
+            raise type(e)(e.node_def, e.op, e.message + self._said(fetched) + (
+                f" lost {lost[1]} {lost[2]}, which it meets in an exchange: that task ended or "
+                "failed. A worker that ends after fewer runs than the others leaves their "
+                "exchanges without it: every worker must make the same runs, in the same "
+                "order")) from None
+
+    def _said(self, fetched: list) -> str:
+        """The line a failed run adds to TensorFlow's message, up to what it says."""
+        return f"\nparallax_ng: worker {self.worker}'s run of " \
+            f"{[getattr(f, 'name', f) for f in fetched][:4]}"
 
     def _timed_out(self, fetched: list, options) -> str:
         """What a run that timed out says besides TensorFlow's message."""
         seconds = options.timeout_in_ms / 1000 if options is not None else 0
-        said = f"\nparallax_ng: worker {self.worker}'s run of " \
-            f"{[getattr(f, 'name', f) for f in fetched][:4]} did not end within " \
+        said = self._said(fetched) + " did not end within " \
             f"communication.timeout_seconds ({seconds:g} s)"
         if not one_replica.reaches(self.graph, fetched):
             return said + "; raise it if a step takes that long"
