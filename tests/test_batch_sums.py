@@ -134,6 +134,24 @@ def test_what_a_gradient_flows_through():
         assert not batch_sums.differentiable(tf.stop_gradient(tf.reduce_sum(p)))
 
 
+def test_which_sums_per_class_add_up_over_the_replicas():
+    """The batch's rows summed at the classes its labels name, as many as
+    the graph fixes: a part of one device's on each replica."""
+    from parallax_ng.graph.rows import reading
+    g = tf.Graph()
+    with g.as_default():
+        x, label = tf1.placeholder(tf.float32, [None, 5]), tf1.placeholder(tf.int32, [None])
+        table = tf1.get_variable("t", [4, 5])
+        made = {"per class": tf.math.unsorted_segment_sum(x, label, 3),
+                "as many as the labels": tf.math.unsorted_segment_sum(
+                    x, label, tf.reduce_max(label) + 1),
+                "a table's rows": tf.math.unsorted_segment_sum(table, [0, 1, 1, 2], 3),
+                "largest": tf.math.unsorted_segment_max(x, label, 3)}
+    rows = reading(forms.sources(g), g)
+    assert {k for k, t in made.items() if batch_sums.per_segment(t.op, rows)} == {"per class"}
+    assert batch_sums.per_segment(made["largest"].op, rows, "UnsortedSegmentMax")
+
+
 @pytest.mark.parametrize("name", sorted(LOSSES))
 def test_a_keras3_loop_of_a_dice_loss_equals_one_device(name):
     keras.utils.set_random_seed(0)

@@ -583,13 +583,18 @@ def masked_graph(weighted):
         per_position = tf.sqrt(tf.reduce_mean(tf.square(h - y), 0))
         spread = tf.math.reduce_std(h, 0)
         per_position_acc = tf.reduce_sum(hits[0] * mask, 0) / tf.reduce_sum(mask, 0)
+        per_token = [tf.math.unsorted_segment_sum(hits[0] * mask, ids, 20) / tf.maximum(
+            tf.math.unsorted_segment_sum(mask, ids, 20), 1.0),     # an accuracy per token id
+            tf.math.unsorted_segment_mean(tf.abs(h - y), ids, 20),
+            tf.math.unsorted_segment_max(tf.abs(h - y), ids, 20),
+            tf.math.unsorted_segment_sum(mask, ids, 20)]
         r2 = r_squared(y, h)
         train = tf1.train.AdamOptimizer(0.05).minimize(
             loss, global_step=tf1.train.get_or_create_global_step())
         init = [tf1.global_variables_initializer(), tf1.local_variables_initializer()]
     return g, dict(ids=ids, y=y, loss=loss, train=train, init=init, acc=acc, running=running,
                    rmse=rmse, r2=r2, per_position=per_position, spread=spread,
-                   per_position_acc=per_position_acc)
+                   per_position_acc=per_position_acc, per_token=per_token)
 
 
 @pytest.mark.parametrize("weighted,mode", [(False, "hybrid"), (True, "allreduce"),
@@ -605,16 +610,19 @@ def test_a_masked_mean_divides_by_the_jobs_count(weighted, mode):
     mean, an R-squared centred on the job's mean; so are an RMSE and a
     standard deviation per position, vectors (each the replicas' own roots
     averaged before: 0.14 off), and a masked accuracy per position (before,
-    NaN: replica 0's rows have no real token past the first). 5 steps,
-    every variable, 1e-5."""
+    NaN: replica 0's rows have no real token past the first); so are values
+    per token id by tf.math.unsorted_segment_* (an accuracy, a mean error,
+    the largest error, a count: before, the replicas' joined, twice the
+    ids). 5 steps, every variable, 1e-5."""
     rng = np.random.RandomState(1)
     ids = rng.randint(1, 20, size=(80, 4)).astype(np.int32)
     ids[:, 1:] *= (np.arange(80) % 16 >= 8)[:, None]    # rows 0-7 of 16: one real token
     ys = rng.randn(80, 4).astype(np.float32)
     (want, want_vars), (got, got_vars), _ = one_device_and_two_replicas(
         lambda: masked_graph(weighted), mode, ids, ys,
-        ["loss", "acc", "running", "rmse", "r2", "per_position", "spread", "per_position_acc"])
-    assert np.shape(got[0][-1]) == (4,)
+        ["loss", "acc", "running", "rmse", "r2", "per_position", "spread", "per_position_acc",
+         "per_token"])
+    assert np.shape(got[0][-2]) == (4,) and np.shape(got[0][-1]) == (4, 20)
     np.testing.assert_allclose(*[[np.concatenate([np.ravel(v) for v in step]) for step in run]
                                  for run in (got, want)], atol=1e-5, rtol=0)
     for name, value in want_vars.items():

@@ -16,7 +16,8 @@ names of its data sources. Guarantees: reads the graph only, but
 """
 from __future__ import annotations
 
-from parallax_ng.graph import averaging, branches, forms, mixing, rows, rules, selections
+from parallax_ng.graph import (averaging, batch_sums, branches, forms, mixing, rows, rules,
+                                selections)
 from parallax_ng.graph.ir import parse_tensor
 
 
@@ -175,10 +176,12 @@ def exchanged(tg, sources, form, read, tracked) -> list[tuple[str, bool]]:
 
 
 def _batch_sum(t, data) -> bool:
-    """Whether `t` is a Sum over the batch's axis (of a vector too), maybe
-    scaled or shifted by constants."""
+    """Whether `t` is a Sum over the batch's axis (of a vector too) or its
+    rows summed per class (`batch_sums.per_segment`), maybe scaled or
+    shifted by constants."""
     total = _past_constants(t.op)
-    return total.type == "Sum" and data.guarded(lambda r: r.axis(total.inputs[0])) is not None
+    return total.type == "Sum" and data.guarded(lambda r: r.axis(total.inputs[0])) is not None \
+        or bool(data.guarded(lambda r: batch_sums.per_segment(total, r)))
 
 
 def _batch_mean(op, data) -> bool:

@@ -82,6 +82,16 @@ def no_count(divisor: tf.Tensor, data, rows, most: int = 32) -> bool:
     return False
 
 
+def per_segment(op, rows, kind: str = "UnsortedSegmentSum") -> bool:
+    """Whether `op` sums the batch's rows into segments the data names per
+    row, as many as the graph fixes (tf.math.unsorted_segment_sum of each
+    example's hit at its class: a count or sum per class, of no batch
+    axis): the replicas' values add up to one device's; `kind`
+    UnsortedSegmentMax takes the largest per class instead."""
+    return op.type == kind and rows.axis(op.inputs[0]) == 0 and \
+        rows.axis(op.inputs[1]) == 0 and tf.get_static_value(op.inputs[2]) is not None
+
+
 def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
     """The names of the Sums over the batch's axis (and the batch's row
     counts) that `tensors` (scalars or vectors without the batch's axis,
@@ -113,6 +123,12 @@ def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
             return None
         if rows.counts_rows(op) or selections.counted(op, rows):
             found.append(t.name)        # a count of rows: no gradient
+            continue
+        if per_segment(op, rows):       # (per class: no gradient the exchange knows)
+            targets = targets or {t.op.name for t in losses(op.graph)}
+            if differentiable(op.inputs[0]) and _trained(op, targets):
+                return None
+            found.append(t.name)
             continue
         if op.type in ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "L2Loss") and \
                 rows.axis(op.inputs[0]) is not None:

@@ -237,6 +237,8 @@ def loss_form(loss: tf.Tensor, sources, batch: int | None, constant=None,
                 once.extend((terms.name, i) for i, x in enumerate(terms.inputs) if not data(x))
                 return "sum"
             return forms.pop() if len(forms) == 1 else None
+        if batch_sums.per_segment(op, rows):
+            return "sum"        # the batch's rows summed per class
         if op.type == "L2Loss" and op.inputs[0].shape.rank:    # half a sum of squares
             return reduced(t, op.inputs[0], np.arange(op.inputs[0].shape.rank))
         if op.type in _REDUCTIONS and op.inputs[0].shape.rank == 0:
