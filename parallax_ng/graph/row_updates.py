@@ -26,7 +26,8 @@ are all
   by a scalar, by a tensor of D's shape or by another such tensor, a
   RealDiv of one by a scalar or a tensor of D's shape;
 - ending in AssignAddVariableOp / AssignSubVariableOp of a variable of
-  D's shape, or in a Sum over every axis,
+  D's shape, or in a Sum over every axis (none returned by the step: a
+  count per class it returns keeps its classes),
 is computed at the distinct ids only: D becomes the rows' sums at
 Unique(ids), every op on the way the same op on those rows, a tensor of
 D's shape that one of them takes is read at those rows (a ReadVariableOp
@@ -60,12 +61,13 @@ MOVABLE = frozenset({"AddV2", "Add", "Sub", "Mul", "RealDiv", "Sqrt", "Rsqrt", "
                      "Maximum", "Minimum", "Neg", "Identity", "Cast"})
 
 
-def row_updates(graph_def, variables: dict) -> list[str]:
+def row_updates(graph_def, variables: dict, outputs=()) -> list[str]:
     """Rewrites `graph_def` in place (the module docstring says what);
-    returns the names of the writes that became row updates."""
+    returns the names of the writes that became row updates. `outputs`:
+    the names of the tensors the step returns."""
     if not any(n.op == "UnsortedSegmentSum" for n in graph_def.node):
         return []
-    rewrite = _Sums(graph_def, variables)
+    rewrite = _Sums(graph_def, variables, outputs)
     return [w for node in list(graph_def.node) if node.op == "UnsortedSegmentSum"
             for w in rewrite.try_sum(node.name)]
 
@@ -199,8 +201,9 @@ class GraphDefEdit:
 
 
 class _Sums(GraphDefEdit):
-    def __init__(self, graph_def, variables):
+    def __init__(self, graph_def, variables, outputs):
         super().__init__(graph_def, variables)
+        self.outputs = set(outputs)             # the step's (kept whole)
         self.unique = {}                        # ids tensor -> the Unique node's name
         self.rows = {}                          # (tensor, ids) -> its rows
 
@@ -270,6 +273,8 @@ class _Sums(GraphDefEdit):
         frontier = [name + ":0"]
         while frontier:
             t = frontier.pop()
+            if t in self.outputs:
+                return None     # read outside the step (a count per class it returns)
             for user, pos in self.users[t]:
                 node = self.nodes[user]
                 if node.op in ZERO_KEEPING:

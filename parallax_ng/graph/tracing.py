@@ -223,7 +223,7 @@ def _piece(concrete, targets=()) -> _Piece:
     before = _as_written(graph_def, shapes)
     variables = {internal.op.name: by_handle[id(external)]
                  for external, internal in fg.captures if id(external) in by_handle}
-    row_updates(graph_def, variables)
+    row_updates(graph_def, variables, [t.name for t in concrete.outputs])
     row_divisions(graph_def, variables)
     graph_def, replaced = row_reads(graph_def)
     after = _as_written(graph_def, shapes)  # a body's node the row rewrites changed: not its shape
