@@ -396,3 +396,60 @@ def test_a_file_lists_rows_sharded_train_as_one_device_and_its_files_sharded_are
     assert lines(lambda ds: pn.shard(ds).interleave(rows, num_parallel_calls=2).batch(4)) == \
         ["ParallelInterleaveDatasetV4"]
     assert lines(lambda ds: pn.shard(ds.flat_map(rows)).batch(4)) == []
+
+
+def counted_rows(batch, where):
+    """A regression whose inputs are scaled by each row's position in the
+    data (`enumerate`), before the shard or after it."""
+    rng = np.random.RandomState(6)
+    scaled = lambda ds: ds.enumerate().map(                             # noqa: E731
+        lambda i, r: (r[0] * tf.cast(i % 3, tf.float32), r[1]))
+    g = tf.Graph()
+    with g.as_default():
+        rows = tf.data.Dataset.from_tensor_slices((rng.randn(96, 4).astype(np.float32),
+                                                   rng.randn(96).astype(np.float32)))
+        ds = pn.shard(scaled(rows)) if where == "before" else scaled(pn.shard(rows))
+        x, y = tf1.data.make_one_shot_iterator(ds.batch(batch).repeat()).get_next()
+        w = tf1.get_variable("w", [4], initializer=tf1.zeros_initializer())
+        loss = tf.reduce_mean(tf.square(tf.reduce_sum(x * w, 1) - y))
+        train = tf1.train.AdamOptimizer(0.1).minimize(loss)
+        init = tf1.global_variables_initializer()
+    return g, {"train": train, "init": init}
+
+
+def test_a_shuffle_zip_or_sample_after_the_shard_is_named(capsys):
+    """A shuffle after pn.shard reorders each replica's part alone; a zip
+    with elements not sharded (enumerate's counter) pairs a replica's rows
+    with the first of them; sample_from_datasets of sharded parts draws
+    each replica's own mix: none gives one device's global batch, and each
+    is named (enumerate after the shard trained 0.15 apart after 6 steps,
+    silently). Before the shard, or a zip of sharded parts, trains as one
+    device: every variable and slot within 1e-5, no line."""
+    from models import train_both
+    for where in ("before", "after"):
+        parallel, single, names = train_both(lambda b: counted_rows(b, where), 2, 6)
+        worst = max(float(np.max(np.abs(got - single[n]))) for n in names
+                    for got in parallel[n])
+        said = capsys.readouterr().err
+        if where == "before":
+            assert worst <= 1e-5 and "comes after pn.shard()" not in said
+        else:
+            assert worst > 1e-3 and said.count("ZipDataset 'ZipDataset' comes after pn.shard() "
+                                               "and pairs each replica's part with elements "
+                                               "not sharded") == 1, said
+
+    def lines(make):
+        g = tf.Graph()
+        with g.as_default():
+            ds = make(tf.data.Dataset.range(8), tf.data.Dataset.range(8))
+            tf1.data.make_one_shot_iterator(ds.batch(2)).get_next()
+        return [line.split(" ")[0] for line in data.rows_apart(g)]
+    zip_, sample = tf.data.Dataset.zip, tf.data.Dataset.sample_from_datasets
+    assert lines(lambda ds, other: pn.shard(ds).shuffle(4)) == ["ShuffleDataset"]
+    assert lines(lambda ds, other: zip_((pn.shard(ds), other))) == ["ZipDataset"]
+    assert lines(lambda ds, other: sample([pn.shard(ds), pn.shard(other)], seed=1)) == \
+        ["DirectedInterleaveDataset"]
+    for quiet in (lambda ds, other: pn.shard(ds.shuffle(4, seed=1)),
+                  lambda ds, other: zip_((pn.shard(ds), pn.shard(other))),
+                  lambda ds, other: pn.shard(sample([ds, other], seed=1))):
+        assert lines(quiet) == []

@@ -220,6 +220,12 @@ _ROW_OPS = ("FilterDataset", "TakeDataset", "SkipDataset", "TakeWhileDataset",
 _EXPANDS = ("FlatMapDataset", "InterleaveDataset", "ParallelInterleaveDatasetV2",
             "ParallelInterleaveDatasetV3", "ParallelInterleaveDatasetV4",
             "LegacyParallelInterleaveDatasetV2")
+# after a shard: each replica's part reordered alone (a shuffle), or parts
+# mixed by each replica's own choices (sample_from_datasets, choose_from_datasets)
+_SHUFFLES_ROWS = ("ShuffleDataset", "ShuffleDatasetV2", "ShuffleDatasetV3",
+                  "ShuffleAndRepeatDataset", "ShuffleAndRepeatDatasetV2",
+                  "DirectedInterleaveDataset")
+_ANY_INPUT = ("ZipDataset", "DirectedInterleaveDataset")   # (a shard's part at any input)
 _BATCHES = ("BatchDataset", "BatchDatasetV2", "PaddedBatchDataset", "PaddedBatchDatasetV2",
             "ParallelBatchDataset")
 
@@ -242,17 +248,25 @@ def rows_apart(graph: tf.Graph) -> list[str]:
         source = lambda x: by_name.get(x.lstrip("^").split(":")[0])    # noqa: E731
         todo = [n for n in nodes if n.op == "ShardDataset" and source(n.input[1]) is not None
                 and shard_constant(source(n.input[1]).name)]
-        seen = set()
+        seen, sharded = set(), _sharded(by_name)
         while todo:
             node = todo.pop()
             for user in users.get(node.name, ()):
-                if user.name in seen or user.input[0].lstrip("^").split(":")[0] != node.name:
+                if user.name in seen or user.op not in _ANY_INPUT and \
+                        user.input[0].lstrip("^").split(":")[0] != node.name:
                     continue
                 seen.add(user.name)
-                if user.op in _ROW_OPS:
+                if user.op in _ROW_OPS or user.op in _SHUFFLES_ROWS:
                     out.append(f"{user.op} {user.name!r} comes after pn.shard() and acts on "
                                "each replica's part alone, so a step's rows are not one "
                                "device's global batch; apply it before pn.shard()")
+                if user.op == "ZipDataset" and not all(
+                        sharded(x) for x in user.input if not x.startswith("^")):
+                    out.append(f"{user.op} {user.name!r} comes after pn.shard() and pairs "
+                               "each replica's part with elements not sharded (enumerate's "
+                               "counter, another dataset): a replica's row meets the first "
+                               "of them, where one device's meets those at its position; "
+                               "zip or enumerate before pn.shard(), or shard each part")
                 if user.op in _EXPANDS:
                     out.append(f"{user.op} {user.name!r} comes after pn.shard() and makes "
                                "rows of each replica's own elements (whole files of a file "
@@ -272,6 +286,21 @@ def rows_apart(graph: tf.Graph) -> list[str]:
                 if user.op not in _BATCHES:
                     todo.append(user)
     return list(dict.fromkeys(out))     # (a one-shot iterator's: in the graph and its function)
+
+
+def _sharded(by_name: dict):
+    """Whether a dataset (a node's input name) reads a `pn.shard`, by name."""
+    memo = {}
+
+    def sharded(x: str) -> bool:
+        name = x.lstrip("^").split(":")[0]
+        if name not in memo:
+            memo[name], node = False, by_name.get(name)
+            memo[name] = node is not None and (
+                node.op == "ShardDataset" and shard_constant(node.input[1].split(":")[0]) or
+                any(sharded(i) for i in node.input if not i.startswith("^")))
+        return memo[name]
+    return sharded
 
 
 def _pads_to_longest(node, source) -> bool:
