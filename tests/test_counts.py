@@ -77,12 +77,13 @@ def test_the_ratios_a_program_reads_beside_its_loss():
     """`beside`: a masked accuracy (a Sum over the batch over a mask's sum,
     also through divide_no_nan) and an RMSE (a function of a mean) are
     read, and so are an RMSE and a masked accuracy per feature (vectors
-    of means and of sums over the batch); a ratio over the batch's size (a shape, equal on every replica),
-    one taken into rows again, one inside a cond branch, a tf.compat.v1
-    metric's update (a sum kept in a variable) and a function of per-row
-    means are not. `shared` then shares the accuracies' counts. `centres`
-    names the mean a read spread takes back into rows, not one the loss
-    reads."""
+    of means and of sums over the batch); a ratio over the batch's size (a
+    shape, equal on every replica), one taken into rows again, one inside
+    a cond branch, a tf.compat.v1 metric's update (a sum kept in a
+    variable) and a function of per-row means are not. A mean of rows centred on a mean over the batch (a
+    variance) is read. `shared` then shares the accuracies' counts.
+    `centres` names the mean a read spread takes back into rows, not one
+    the loss reads."""
     from test_branches import lowered_conds
     g = tf.Graph()
     with g.as_default(), lowered_conds():
@@ -106,7 +107,7 @@ def test_the_ratios_a_program_reads_beside_its_loss():
                  lambda: tf.reduce_sum(hit * mask) / tf.reduce_sum(mask), lambda: 0.0)
         tf1.metrics.mean(tf.reduce_sum(hit), weights=None)
         centred = y - tf.reduce_mean(y, name="y_mean")      # a spread read beside the loss
-        tf.sqrt(tf.reduce_mean(tf.square(centred)), name="spread")
+        tf.sqrt(tf.reduce_mean(tf.square(centred), name="variance"), name="spread")
         tf.identity(x - tf.reduce_mean(x, name="x_mean"), name="x_centred")   # the loss's
         loss = tf.reduce_mean(tf.square(pred - y) + g.get_tensor_by_name("x_centred:0"))
         tf1.train.GradientDescentOptimizer(0.1).minimize(loss)
@@ -114,7 +115,8 @@ def test_the_ratios_a_program_reads_beside_its_loss():
     tg, sources = ctx.tg, forms.sources(g)
     read = counts.beside(tg, sources)
     assert counts.centres(tg, sources, read) == ["y_mean:0"]
-    read = [t for t in read if t.op.name != "spread"]
+    assert {"spread", "variance"} <= {t.op.name for t in read}
+    read = [t for t in read if t.op.name not in ("spread", "variance")]     # (its square)
     assert sorted(t.op.name for t in read) == ["acc", "acc_each", "acc_nan", "per_feature",
                                                "rmse"]
     form = counts.Forms(sources)

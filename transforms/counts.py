@@ -136,12 +136,21 @@ def beside(tg, sources) -> list:
     of means (a fetched RMSE's `tf.sqrt(tf.reduce_mean(...))`, or of a sum
     over its count, maybe scaled or shifted: `+ 1e-6`); so per feature,
     of no batch axis (a masked accuracy's sums over the batch's axis, a
-    standard deviation's means). Candidates:
+    standard deviation's means); and means over the batch of rows centred
+    on a mean over it (tf.math.reduce_variance, not trained). Candidates:
     their forms say which counts `shared` shares and which means and sums
     the replicas exchange."""
     out, above, found = [], {}, set(sources)
     data = rows.reading(list(sources), tg.graph)
+    trained = None
     for op in tg.graph.get_operations():
+        if op.type == "Mean" and _batch_mean(op, data) and not rules.is_autodiff(op.name):
+            trained = _trained(tg) if trained is None else trained
+            if op.name not in trained and _centred(tg, op, data) and \
+                    not branches.switches_above(tg.ir, op.name, above) and \
+                    not selections.used_per_row(op, data):
+                out.append(op.outputs[0])       # (a variance: the job's mean of its squares)
+            continue
         if op.type not in forms.SCALAR_FUNCTIONS or not op.outputs[0].dtype.is_floating or \
                 rules.is_autodiff(op.name):
             continue
@@ -160,6 +169,21 @@ def beside(tg, sources) -> list:
                 not selections.used_per_row(op, data):
             out.append(op.outputs[0])
     return out
+
+
+def _trained(tg) -> set[str]:
+    """The ops the losses are computed from."""
+    losses = forms.autodiff_losses(tg.graph)
+    return tg.ir.ancestors({t.op.name for t in losses}, data_only=True) if losses else set()
+
+
+def _centred(tg, op, data) -> bool:
+    """Whether Mean `op` over the batch takes rows centred on a mean over
+    the batch (tf.math.reduce_variance's, a mean absolute deviation's):
+    what `centres` gives the job's."""
+    return any(x != op.name and (m := tg.graph.get_operation_by_name(x)).type == "Mean" and
+               _batch_mean(m, data) and selections.used_per_row(m, data)
+               for x in tg.ir.ancestors({op.name}, data_only=True))
 
 
 def exchanged(tg, sources, form, read, tracked) -> list[tuple[str, bool]]:
@@ -241,9 +265,7 @@ def centres(tg, sources, read) -> list[str]:
     are left alone: training stays as it was."""
     if not read:
         return []
-    losses = forms.autodiff_losses(tg.graph)
-    trained = tg.ir.ancestors({t.op.name for t in losses}, data_only=True) if losses else set()
-    out, data = [], rows.reading(list(sources), tg.graph)
+    trained, out, data = _trained(tg), [], rows.reading(list(sources), tg.graph)
     for name in sorted(tg.ir.ancestors({t.op.name for t in read}, data_only=True) - trained):
         op = tg.graph.get_operation_by_name(name)
         if op.type == "Mean" and op.outputs[0].dtype.is_floating and \

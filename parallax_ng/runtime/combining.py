@@ -197,7 +197,7 @@ def unread(name: str, t: tf.Tensor, how: str) -> str:
 
 # ops that count the batch's values into a tensor per class (tf.math.bincount,
 # tf.math.confusion_matrix's ScatterNd): the replicas' counts add up
-_COUNTS = ("Bincount", "DenseBincount", "ScatterNd")
+_COUNTS = ("Bincount", "DenseBincount", "ScatterNd", "HistogramFixedWidth")
 # the batch's rows summed (or their largest, smallest value taken) per class
 _PER_SEGMENT = {"UnsortedSegmentSum": "sum", "UnsortedSegmentMax": "max",
                 "UnsortedSegmentMin": "min"}
