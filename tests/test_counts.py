@@ -80,8 +80,8 @@ def test_the_ratios_a_program_reads_beside_its_loss():
     of means and of sums over the batch); a ratio over the batch's size (a
     shape, equal on every replica), one taken into rows again, one inside
     a cond branch, a tf.compat.v1 metric's update (a sum kept in a
-    variable) and a function of per-row means are not. A mean of rows centred on a mean over the batch (a
-    variance) is read. `shared` then shares the accuracies' counts.
+    variable) and a function of per-row means are not. A mean of rows
+    centred on a mean over the batch (a variance) is read. `shared` then shares the accuracies' counts.
     `centres` names the mean a read spread takes back into rows, not one
     the loss reads."""
     from test_branches import lowered_conds

@@ -29,8 +29,8 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
     by any or all is the replicas' any or all, a largest or smallest value
     over the batch their max or min, a norm over it the norm of their
     norms, the batch's shape theirs with the rows added, counts per class
-    (bincount, a confusion matrix) their sum (all had been joined or
-    averaged); each equals one device's value."""
+    (bincount, a confusion matrix, a histogram) their sum (all had been
+    joined or averaged); each equals one device's value."""
     g = tf.Graph()
     with g.as_default():
         x = tf.compat.v1.placeholder(tf.float32, (None, 3, 2), name="x")
@@ -50,7 +50,8 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
                                     name="per_class"),
                    tf.math.confusion_matrix(tf.cast(h[:, 0, 0] > 0, tf.int32),
                                             tf.cast(h[:, 1, 1] > 0, tf.int32), 2,
-                                            name="confusion")]
+                                            name="confusion"),
+                   tf.histogram_fixed_width(h[:, 0, 0], [-3.0, 3.0], nbins=4, name="histogram")]
         init = tf.compat.v1.global_variables_initializer()
     batch = np.random.default_rng(0).normal(size=(4, 3, 2)).astype(np.float32)
     with tf.compat.v1.Session(graph=g) as sess:
@@ -64,7 +65,7 @@ def test_fetches_join_along_the_batchs_axis_or_reduce_as_the_graph_shows():
                                                 ("concat", 0), ("concat", 0), ("any", 0),
                                                 ("all", 0), ("max", 0), ("min", 0), ("max", 0),
                                                 ("shape", 0), ("norm", 0), ("sum", 0),
-                                                ("sum", 0)]
+                                                ("sum", 0), ("sum", 0)]
     # replica 0 alone would give the answers opposite to these; the replicas'
     # mean (the rule before max and min) is not the batch's largest value
     assert want[5] and not want[6]
