@@ -14,7 +14,11 @@ over the batch), the loss is read as before: averaged, with the line that
 names it. A soft IoU, whose gradient reaches one Sum through another's,
 was 0.36 apart before each Sum's gradient was exchanged as its own. A
 sum divided by a mean of the batch (a normalized squared error) is such a
-function (before, read as a mean over a count, silently)."""
+function (before, read as a mean over a count, silently). So is a mean
+over classes of each class's mean (tf.math.unsorted_segment_mean: sums
+per class over counts per class), whose gradient tf.math.unsorted_segment_sum
+gathers back to the rows (before, each replica's own classes' means,
+named as mixing the batch)."""
 import json
 
 import keras
@@ -68,7 +72,17 @@ def soft_f1(y, p):
         0.1 * tf.reduce_mean(tf.square(p - y))
 
 
-LOSSES = {"own": lambda: dice, "keras Dice": lambda: keras.losses.Dice(),
+def class_balanced(y, p):
+    """The mean over classes of each class's mean squared error (the class
+    of a row: its two masks' bits; tf.math.unsorted_segment_mean's sums
+    and counts per class)."""
+    classes = tf.cast(y[:, 0], tf.int32) + 2 * tf.cast(y[:, 1], tf.int32)
+    per_class = tf.math.unsorted_segment_mean(tf.reduce_sum(tf.square(p - y), 1), classes, 4)
+    return tf.reduce_mean(per_class)
+
+
+LOSSES = {"own": lambda: dice, "a mean per class": lambda: class_balanced,
+          "keras Dice": lambda: keras.losses.Dice(),
           "keras Tversky": lambda: keras.losses.Tversky(alpha=0.3, beta=0.7),
           "soft IoU": lambda: soft_iou, "soft F1 plus a mean": lambda: soft_f1}
 
@@ -104,6 +118,7 @@ def _read_elsewhere(y, p):
 SHAPES = {      # a loss -> (its form, how many names it exchanges)
     "a Dice loss": (dice, "mean", 5),       # 3 Sums, 2 of the model's with their gradients
     "a root of a sum": (lambda y, p: tf.sqrt(tf.reduce_sum(p)), "mean", 2),
+    "a mean per class": (lambda y, p: class_balanced(y, p), "mean", 3),    # (its count's too)
     "a Sum read elsewhere too": (_read_elsewhere, None, 0),
     "a variable on the way": (lambda y, p: dice(y, p, tf1.get_variable("s", initializer=1.0)),
                               None, 0),
@@ -118,7 +133,7 @@ def test_which_functions_of_sums_are_exchanged(name):
     form, g = _form(build)
     assert form.kind == kind and len(form.summed) == exchanged, form
     gradients = [n for n in form.summed if n.startswith("gradients/")]
-    assert len(gradients) == {5: 2, 2: 1}.get(exchanged, 0)
+    assert len(gradients) == {5: 2, 2: 1, 3: 1}.get(exchanged, 0)
 
 
 def test_what_a_gradient_flows_through():
@@ -228,9 +243,10 @@ def fit_both(parallel, single, x, y, rtol):
     return logs
 
 
-def tf1_model(batch):
+def tf1_model(batch, loss_of=dice):
     """A TF1 graph of two layers on the shard of `arrays()`, trained on
-    the Dice loss by momentum; the Dice coefficient fetched beside it."""
+    the Dice loss (or `loss_of`) by momentum; the Dice coefficient fetched
+    beside it."""
     g = tf.Graph()
     with g.as_default():
         ds = pn.shard(tf.data.Dataset.from_tensor_slices(arrays())).batch(batch)
@@ -240,7 +256,7 @@ def tf1_model(batch):
         w = tf1.get_variable("w", initializer=rng.randn(5, 8).astype(np.float32))
         v = tf1.get_variable("v", initializer=rng.randn(8, 2).astype(np.float32))
         p = tf.sigmoid(tf.matmul(tf.tanh(tf.matmul(x, w)), v))
-        loss = dice(y, p)
+        loss = loss_of(y, p)
         fetched = [loss, 2.0 * tf.reduce_sum(y * p) / (tf.reduce_sum(y + p))]
         train = tf1.train.MomentumOptimizer(0.5, 0.9).minimize(loss)
         init = tf1.global_variables_initializer()
@@ -270,8 +286,14 @@ def tf1_both(model, config=None):
 
 
 @pytest.mark.parametrize("run", ["allreduce", "ps"])
-def test_a_tf1_dice_loss_equals_one_device(run):
-    (got, want), (parallel, single) = tf1_both(tf1_model, {"run_option": run})
+@pytest.mark.parametrize("loss", ["dice", "a mean per class"])
+def test_a_tf1_dice_loss_equals_one_device(run, loss):
+    """A mean per class (its sums and counts by tf.math.unsorted_segment_*)
+    is such a function too: before, each replica took its own classes'
+    means, and the step said the loss mixed the batch's examples."""
+    (got, want), (parallel, single) = tf1_both(
+        lambda b: tf1_model(b, LOSSES["own" if loss == "dice" else loss]()),
+        {"run_option": run})
     np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
     assert len(single) == 4                 # the weights and their momenta
     for name in single:

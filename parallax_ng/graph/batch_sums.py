@@ -1,6 +1,9 @@
 """Sums over the batch that a loss takes through a function not linear in
 them: a Dice or Tversky loss's ratio `1 - 2 sum(y p) / (sum(y) + sum(p))`,
-a sum over a squared count. Each replica computing the function of its own
+a sum over a squared count, a mean over classes of each class's mean
+(sums per class: tf.math.unsorted_segment_sum of the batch's rows at their
+labels, whose gradient is gathered back to the rows at the labels). Each
+replica computing the function of its own
 rows' sums gives no gradient whose mean or sum over the replicas is one
 device's; with every such Sum replaced by the job's (the replicas' sum,
 forward) each replica computes one device's value, and with the Sum's
@@ -27,7 +30,7 @@ import tensorflow as tf
 
 from . import selections
 from .applied import over_the_batch
-from .mean_gradients import Autodiff, incoming_sum
+from .mean_gradients import Autodiff, incoming_segments, incoming_sum
 from .rows import batch_axis, counts_rows
 from .rules import is_autodiff
 
@@ -124,11 +127,16 @@ def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
         if rows.counts_rows(op) or selections.counted(op, rows):
             found.append(t.name)        # a count of rows: no gradient
             continue
-        if per_segment(op, rows):       # (per class: no gradient the exchange knows)
-            targets = targets or {t.op.name for t in losses(op.graph)}
-            if differentiable(op.inputs[0]) and _trained(op, targets):
+        if per_segment(op, rows):       # a sum per class: its gradient gathered at the ids
+            index = index or Autodiff(op.graph)
+            grads = incoming_segments(index, op) or ()
+            if not grads and differentiable(op.inputs[0]):
+                targets = targets or {t.op.name for t in losses(op.graph)}
+                if _trained(op, targets):
+                    return None
+            if any(len(grad.consumers()) > 1 for grad in grads):
                 return None
-            found.append(t.name)
+            found += [t.name] + [grad.name for grad in grads]
             continue
         if op.type in ("Sum", "Mean", "Max", "Min", "Prod", "EuclideanNorm", "L2Loss") and \
                 rows.axis(op.inputs[0]) is not None:

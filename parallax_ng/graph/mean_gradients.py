@@ -177,3 +177,21 @@ def _counts(count: tf.Tensor, x: tf.Tensor, most: int = 8) -> bool:
             seen.add(op.name)
             stack.extend((i.op, depth + 1) for i in op.inputs)
     return False
+
+
+def incoming_segments(index: Autodiff, total: tf.Operation) -> tuple[tf.Tensor, ...] | None:
+    """The gradients the autodiff gives UnsortedSegmentSum `total`'s output
+    (a sum per class), one in each gradient that reaches it: what its
+    gradient gathers back to the rows at the ids (clipped at 0, as
+    tf.math.unsorted_segment_sum's gradient drops negative ids); None
+    where a gradient holds no such gather, or several."""
+    ids, out = past_identities(total.inputs[1]), []
+    for group in index.each(total, ids):
+        found = [op for op in group if op.type == "GatherV2" and
+                 op.inputs[1].op.type == "Maximum" and
+                 past_identities(op.inputs[1].op.inputs[0]) is ids and
+                 op.inputs[0].shape.rank == total.outputs[0].shape.rank]
+        if len(found) != 1:
+            return None
+        out.append(found[0].inputs[0])
+    return tuple(out) or None

@@ -77,7 +77,8 @@ def _mixes(op, rows, exchanged) -> str | None:
     if any(rows.axis(c) is not None for c in counts) or kind in _BINCOUNTS and not per_row \
             and rows.axis(op.inputs[0]) is not None and not rules.row_ids(op.inputs[0], rows.rows):
         return "a count of each value among the batch's examples (unique_with_counts, bincount)"
-    if kind in _SEGMENTS and (what := _grouped(op, rows)):
+    if kind in _SEGMENTS and op.outputs[0].name not in exchanged and \
+            (what := _grouped(op, rows)):       # (a sum per class the replicas add up)
         return what
     if kind in ("Mean", "Sum", "Max", "Min") and _strided(op, rows):
         return ("statistics over groups of the batch's examples whose size is the batch's "
