@@ -301,18 +301,19 @@ def test_a_tf1_dice_loss_equals_one_device(run, loss):
             np.testing.assert_allclose(value, single[name], atol=TOL, rtol=0, err_msg=name)
 
 
-@pytest.mark.parametrize("servers", [0, 1])
-def test_a_job_of_two_workers_equals_one_device(tmp_path, servers):
+@pytest.mark.parametrize("servers, loss", [(0, "dice"), (1, "dice"), (1, "a mean per class")])
+def test_a_job_of_two_workers_equals_one_device(tmp_path, servers, loss):
     """tf2_job_script.py --dice: the Keras 3 loop above as a job of 2
     workers x 1 device on 127.0.0.1, the sums all-reduced between them, or
-    (run option ps) summed on the server."""
+    (run option ps) summed on the server; so the mean per class."""
     from test_tf2 import run_job
-    out, done = run_job(tmp_path, "--dice", *(["--ps"] if servers else []), servers=servers)
+    out, done = run_job(tmp_path, "--dice", *(["--ps"] if servers else []),
+                        *(["--balanced"] if loss != "dice" else []), servers=servers)
     assert "worker 1 of 2: done" in done.stdout
     workers = [dict(np.load(f"{out}.{k}.npz")) for k in range(2)]
     model, optimizer = dice_model(), keras.optimizers.SGD(0.5, momentum=0.9)
     model.set_weights([workers[0][f"start{i}"] for i in range(len(model.weights))])
-    ref = tf.function(step_of(model, optimizer))
+    ref = tf.function(step_of(model, optimizer, LOSSES["own" if loss == "dice" else loss]()))
     x, y = arrays()
     for k in range(5):
         ref(x[k * BATCH:(k + 1) * BATCH], y[k * BATCH:(k + 1) * BATCH])

@@ -29,7 +29,8 @@ ids (a tf.SparseTensor argument; with --ragged too, the same rows as a
 tf.RaggedTensor the step makes sparse) by a custom loop, Keras 3 Adagrad (the
 table saved as `table`); with --selected, test_selected_means's loop (a
 mean over the rows a mask picks, Adam(0.05)); with --dice, test_batch_sums's
-loop (a Dice loss, SGD with momentum; with --ps, run option `ps`).
+loop (a Dice loss, SGD with momentum; with --ps, run option `ps`; with
+--balanced, its mean per class instead).
 """
 import json
 import os
@@ -136,7 +137,8 @@ elif "--fit" in sys.argv:
     except pn.ConfigError as e:
         extra["recompiled"] = np.array(str(e))
 elif "--dice" in sys.argv:
-    step = pn.function(bs.step_of(model, optimizer), resources, config)
+    step = pn.function(bs.step_of(model, optimizer, bs.class_balanced if "--balanced" in
+                                  sys.argv else bs.dice), resources, config)
     for k in range(steps):
         step(x[k * bs.BATCH:(k + 1) * bs.BATCH], y[k * bs.BATCH:(k + 1) * bs.BATCH])
 elif "--selected" in sys.argv:
