@@ -151,13 +151,17 @@ def test_what_a_gradient_flows_through():
 
 def test_which_sums_per_class_add_up_over_the_replicas():
     """The batch's rows summed at the classes its labels name, as many as
-    the graph fixes: a part of one device's on each replica."""
+    the graph fixes: a part of one device's on each replica (not a sparse
+    batch's values summed by their row: a value per row)."""
     from parallax_ng.graph.rows import reading
     g = tf.Graph()
     with g.as_default():
         x, label = tf1.placeholder(tf.float32, [None, 5]), tf1.placeholder(tf.int32, [None])
         table = tf1.get_variable("t", [4, 5])
+        sparse = tf1.sparse_placeholder(tf.float32, [4, 10], name="sparse")
         made = {"per class": tf.math.unsorted_segment_sum(x, label, 3),
+                "a sparse batch's values by their row": tf.math.unsorted_segment_sum(
+                    sparse.values, sparse.indices[:, 0], 4),
                 "as many as the labels": tf.math.unsorted_segment_sum(
                     x, label, tf.reduce_max(label) + 1),
                 "a table's rows": tf.math.unsorted_segment_sum(table, [0, 1, 1, 2], 3),

@@ -32,7 +32,7 @@ from . import selections
 from .applied import over_the_batch
 from .mean_gradients import Autodiff, incoming_segments, incoming_sum
 from .rows import batch_axis, counts_rows
-from .rules import is_autodiff
+from .rules import is_autodiff, row_ids
 
 _SHAPE_ONLY = ("OnesLike", "ZerosLike", "Shape", "ShapeN", "Size", "Rank")
 _VARIABLE_READS = ("ReadVariableOp", "VariableV2", "ResourceGather")
@@ -92,7 +92,8 @@ def per_segment(op, rows, kind: str = "UnsortedSegmentSum") -> bool:
     axis): the replicas' values add up to one device's; `kind`
     UnsortedSegmentMax takes the largest per class instead."""
     return op.type == kind and rows.axis(op.inputs[0]) == 0 and \
-        rows.axis(op.inputs[1]) == 0 and tf.get_static_value(op.inputs[2]) is not None
+        rows.axis(op.inputs[1]) == 0 and tf.get_static_value(op.inputs[2]) is not None and \
+        not row_ids(op.inputs[1], rows.rows)        # (a sparse batch's values by their row)
 
 
 def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:
