@@ -209,20 +209,26 @@ def test_shards_that_end_apart_are_named():
     reads 25 rows in 4 batches, replica 1 24 in 3, so the epoch ends at the
     step where replica 1's iterator ends and the row replica 0 read in it
     goes untrained (one device trains it in a last batch of 1). A line
-    names the iterator (initializable or one-shot); 50 rows, batches that
-    drop their remainder, a repeated dataset or one fed by placeholders
-    get none. In a runner: the line once, before the first step."""
+    names the iterator (initializable or one-shot; a padded_batch given
+    to pn.shard too, whose rows pass an unbatch TensorFlow does not count:
+    before, it said nothing); 50 rows, batches that drop their remainder,
+    a repeated dataset or one fed by placeholders get none. In a runner:
+    the line once, before the first step."""
     from parallax_ng.graph.data import uneven_ends
 
-    def graph(rows, kind="one_shot", drop=False, repeat=False):
+    def graph(rows, kind="one_shot", drop=False, repeat=False, padded=False):
         g = tf.Graph()
         with g.as_default():
             if kind == "fed":
                 values = tf1.placeholder(tf.float32, [None, 3], name="values")
             else:
                 values = np.zeros((rows, 3), np.float32)
-            ds = pn.shard(tf.data.Dataset.from_tensor_slices(values).map(lambda v: v * 2))
-            ds = ds.batch(8, drop_remainder=drop).prefetch(1)
+            ds = tf.data.Dataset.from_tensor_slices(values).map(lambda v: v * 2)
+            if padded:      # batched before the shard: its rows shared out
+                ds = pn.shard(ds.padded_batch(8, drop_remainder=drop))
+            else:
+                ds = pn.shard(ds).batch(8, drop_remainder=drop)
+            ds = ds.prefetch(1)
             ds = ds.repeat() if repeat else ds
             if kind == "one_shot":
                 x = tf1.data.make_one_shot_iterator(ds).get_next()
@@ -237,10 +243,12 @@ def test_shards_that_end_apart_are_named():
         (said,) = uneven_ends(graph(49, kind), 2)
         assert line in said and said.startswith("iterator '"), said
         assert uneven_ends(graph(49, kind), 1) == []
+    (said,) = uneven_ends(graph(49, padded=True), 2)
+    assert line in said
     assert "gives 3 batches an epoch to replica 0 and 2 to replica 2 (of 3)" in \
         uneven_ends(graph(49), 3)[0]
     for quiet in (graph(50), graph(49, drop=True), graph(49, repeat=True),
-                  graph(49, "fed")):
+                  graph(49, "fed"), graph(50, padded=True), graph(49, drop=True, padded=True)):
         assert uneven_ends(quiet, 2) == []
 
 

@@ -185,8 +185,7 @@ def uneven_ends(graph: tf.Graph, replicas: int) -> list[str]:
     them in a smaller last batch. Counts are TensorFlow's own cardinality
     of each replica's part (initializable and one-shot iterators); a
     pipeline fed by placeholders, or of unknown or infinite count (a
-    filter, files, `repeat()`, a padded_batch given to `shard`: its rows
-    pass an unbatch), says nothing."""
+    filter, files, `repeat()`), says nothing."""
     if replicas < 2 or not any(op.type in ("MakeIterator", "OneShotIterator")
                                for op in graph.get_operations()):
         return []
@@ -334,6 +333,8 @@ def _part_counts(gd, replicas: int, dataset: str | None = None, factory: str | N
     if not any(shard_constant(n.name) for n in nodes) or sub.ByteSize() > 1 << 26 or \
             any(n.op.startswith("Placeholder") for n in nodes):
         return None
+    for body in [sub.node] + [f.node_def for f in bodies]:
+        _padded_rows_counted(body)
     counts = []
     for index in (0, replicas - 1):
         part = tf.compat.v1.GraphDef()
@@ -356,3 +357,27 @@ def _part_counts(gd, replicas: int, dataset: str | None = None, factory: str | N
         except (tf.errors.OpError, ValueError, KeyError, TypeError):    # a count it cannot take
             return None
     return counts
+
+
+def _padded_rows_counted(nodes) -> None:
+    """In a copy to count (a GraphDef's nodes, or a function body's): each
+    unbatch of a padded_batch (`_unbatched`'s global batches, padded as
+    one device pads them) reads the padded_batch's rows instead, which
+    TensorFlow counts (an unbatch's count it does not); unless the
+    padded_batch drops a remainder (then every part ends alike)."""
+    by_name = {n.name: n for n in nodes}
+    swap = {}
+    for n in nodes:
+        inner = by_name.get(_source(n.input[0])) if n.op == "UnbatchDataset" else None
+        while inner is not None and inner.op == "MapDataset":       # (its structure's)
+            inner = by_name.get(_source(inner.input[0]))
+        if inner is None or inner.op != "PaddedBatchDatasetV2":
+            continue
+        drop = by_name.get(_source([x for x in inner.input if not x.startswith("^")][-1]))
+        if drop is not None and drop.op == "Const" and \
+                not tf.make_ndarray(drop.attr["value"].tensor):
+            swap[n.name] = inner.input[0]
+    for n in nodes:
+        for i, x in enumerate(n.input):
+            if not x.startswith("^") and _source(x) in swap:
+                n.input[i] = swap[_source(x)]
