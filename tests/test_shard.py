@@ -342,6 +342,16 @@ def test_dataset_ops_after_the_shard_that_act_on_a_part_are_named(capsys):
                                          "after pn.shard()") == 1
 
 
+def trained_apart(build, capsys):
+    """build(b) trained 6 steps on 2 replicas and build(2b) on one device
+    from the same start: the largest difference of a variable or slot, and
+    what the run said."""
+    from models import train_both
+    parallel, single, names = train_both(build, 2, 6)
+    worst = max(float(np.max(np.abs(got - single[n]))) for n in names for got in parallel[n])
+    return worst, capsys.readouterr().err
+
+
 def records(tmp_path, batch, how):
     """A regression read from 4 TFRecord files of tf.train.Examples (parsed
     by tf.io.parse_example per batch, as TensorFlow's input guides do):
@@ -380,12 +390,8 @@ def test_a_file_lists_rows_sharded_train_as_one_device_and_its_files_sharded_are
     within 1e-5 after 6 steps. Its files sharded, each replica's steps read
     its own files' rows (1.08 apart after 6 steps); the runner names the
     interleave, once, and the form above. Before, that said nothing."""
-    from models import train_both
     for how in ("rows", "files"):
-        parallel, single, names = train_both(lambda b: records(tmp_path, b, how), 2, 6)
-        worst = max(float(np.max(np.abs(got - single[n]))) for n in names
-                    for got in parallel[n])
-        said = capsys.readouterr().err
+        worst, said = trained_apart(lambda b: records(tmp_path, b, how), capsys)
         if how == "rows":
             assert worst <= 1e-5 and "comes after pn.shard()" not in said
         else:
@@ -433,12 +439,8 @@ def test_a_shuffle_zip_or_sample_after_the_shard_is_named(capsys):
     is named (enumerate after the shard trained 0.15 apart after 6 steps,
     silently). Before the shard, or a zip of sharded parts, trains as one
     device: every variable and slot within 1e-5, no line."""
-    from models import train_both
     for where in ("before", "after"):
-        parallel, single, names = train_both(lambda b: counted_rows(b, where), 2, 6)
-        worst = max(float(np.max(np.abs(got - single[n]))) for n in names
-                    for got in parallel[n])
-        said = capsys.readouterr().err
+        worst, said = trained_apart(lambda b: counted_rows(b, where), capsys)
         if where == "before":
             assert worst <= 1e-5 and "comes after pn.shard()" not in said
         else:
