@@ -5,7 +5,9 @@ and values assigned from sums (the batch's sum, a decayed total, a moving
 average of the sum of squares, each feature's norm), from a reduction of
 reductions (the batch's standard deviation) or from the batch's row count
 (`tf.shape(x)[0]`, `tf.size(x)`: a replica's is 1/N of one device's, the
-same on every replica, so nothing told them apart before). 2 replicas against one device
+same on every replica, so nothing told them apart before); so per class
+(tf.math.unsorted_segment_max and _min at labels the data sets: before,
+averaged and named). 2 replicas against one device
 with the global batch: every variable equal (float32, 1e-6; the reductions
 are exchanged, extremes exactly, the rest is float32 rounding); before,
 the replicas' values were averaged, silently (a running maximum 0.27 below
@@ -32,7 +34,7 @@ from transforms.state_sync import StateSyncPass
 tf1 = tf.compat.v1
 STATE = ("running_max", "running_min", "min_average", "max_total", "ref_max", "batch_sum",
          "decayed_total", "squares_average", "norm", "deviation", "max_plus_mean", "rows",
-         "rows_average")
+         "rows_average", "class_max", "class_min_average")
 TOL = 1e-6
 
 
@@ -46,7 +48,8 @@ def extremes_graph(mixed=False):
         x = tf1.placeholder(tf.float32, [None, 3], name="x")
         w = tf1.get_variable("w", initializer=np.ones([3], np.float32))
         hi, lo, avg, total, ref_hi, summed, decayed, squares, norm, deviation, both, rows, \
-            rows_avg = (state_variable(n, n != "ref_max") for n in STATE)
+            rows_avg, class_hi, class_lo = (state_variable(n, n != "ref_max") for n in STATE)
+        label = tf.cast(x[:, 0] > 0, tf.int32) + tf.cast(x[:, 1] > 0, tf.int32)   # 3 classes
         updates = [tf1.assign(hi, tf.maximum(hi, tf.reduce_max(tf.abs(x), 0))),
                    tf1.assign(lo, tf.minimum(lo, tf.reduce_min(x, 0))),
                    tf1.assign_sub(avg, (avg - tf.reduce_min(x, 0)) * 0.3),
@@ -59,7 +62,11 @@ def extremes_graph(mixed=False):
                    tf1.assign(deviation, tf.math.reduce_std(x, 0)),
                    tf1.assign(both, tf.reduce_max(x, 0) + tf.reduce_mean(x, 0)),
                    tf1.assign(rows, tf.cast(tf.shape(x)[0], tf.float32) * tf.ones([3])),
-                   tf1.assign(rows_avg, 0.5 * rows_avg + tf.cast(tf.size(x), tf.float32))]
+                   tf1.assign(rows_avg, 0.5 * rows_avg + tf.cast(tf.size(x), tf.float32)),
+                   tf1.assign(class_hi, tf.maximum(class_hi, tf.math.unsorted_segment_max(
+                       tf.abs(x[:, 2]), label, 3))),       # per class (by a label)
+                   tf1.assign_sub(class_lo, (class_lo - tf.math.unsorted_segment_min(
+                       x[:, 2], label, 3)) * 0.3)]
         if mixed:
             second = state_variable("second")
             updates.append(tf1.assign(second, tf.math.top_k(tf.transpose(x), 2).values[:, 1]))
@@ -107,7 +114,7 @@ def test_state_from_the_batchs_extremes_equals_one_device(run_option):
 def test_writes_that_vary_through_reductions_alone_read_the_jobs():
     """Each reduction over the batch that the state reads is exchanged once
     (a standard deviation's two means, the maximum and the mean added), the
-    extremes as a sum of rows of zeros, the batch's row counts (its first
+    extremes (per class too) as a sum of rows of zeros, the batch's row counts (its first
     dimension, its size) as sums; a write from the batch's top k keeps
     its sync (averaged), and a warning names it and why."""
     graph = extremes_graph(mixed=True)
@@ -118,10 +125,10 @@ def test_writes_that_vary_through_reductions_alone_read_the_jobs():
             for n in ir.nodes if n.name.startswith("parallax/extremes/") and
             n.op == "CollectiveReduce" and n.name.endswith("replica_1")]
     assert sorted(made) == [
-        "Cast", "Cast_1", "Max", "Max_1", "Max_2", "Max_3", "Mean", "Min", "Min_1", "Sum", "Sum_1",
-        "Sum_2", "norm_1/Sum", "reduce_std/reduce_variance/Mean",
-        "reduce_std/reduce_variance/Mean_1"]
-    assert op_counts(ir, "parallax/extremes/")["Pad"] == 2 * 6        # Max and Min
+        "Cast_2", "Cast_3", "Max", "Max_1", "Max_2", "Max_3", "Mean", "Min", "Min_1", "Sum",
+        "Sum_1", "Sum_2", "UnsortedSegmentMax", "UnsortedSegmentMin", "norm_1/Sum",
+        "reduce_std/reduce_variance/Mean", "reduce_std/reduce_variance/Mean_1"]
+    assert op_counts(ir, "parallax/extremes/")["Pad"] == 2 * 8        # Max and Min (per class)
     second = [op.name for op in graph.get_operations() if op.type == "AssignVariableOp"
               and op.inputs[0].op.name == "second" and not op.name.startswith("second/")]
     synced = {n.name.split("/")[2] for n in ir.nodes

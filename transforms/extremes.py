@@ -37,7 +37,7 @@ import warnings
 import numpy as np
 import tensorflow as tf
 
-from parallax_ng.graph import applied, branches, emit, mixing, normalization, rules
+from parallax_ng.graph import applied, batch_sums, branches, emit, mixing, normalization, rules
 from parallax_ng.graph.applied import alone, carried
 from parallax_ng.graph.ir import copy_node, parse_tensor
 from parallax_ng.graph.rows import batch_axis, counts_rows, reading
@@ -188,6 +188,9 @@ def _over_the_batch(tg, ref, sources) -> str | None:
     (or a largest of largest values: mixing.extreme), else None."""
     kind = _KINDS.get(tg.ir.node(ref.node).op)
     t = tg.tensor(ref)
+    if t.op.type in batch_sums.PER_SEGMENT and reading(sources, t.graph).guarded(
+            lambda r: batch_sums.per_segment(t.op, r, t.op.type)):
+        return batch_sums.PER_SEGMENT[t.op.type]     # (a running largest value per class)
     if kind is None or t.shape.rank is None:
         return None
     if kind in ("max", "min"):

@@ -85,6 +85,11 @@ def no_count(divisor: tf.Tensor, data, rows, most: int = 32) -> bool:
     return False
 
 
+# reductions of the batch's rows per class and how the replicas' combine
+PER_SEGMENT = {"UnsortedSegmentSum": "sum", "UnsortedSegmentMax": "max",
+               "UnsortedSegmentMin": "min"}
+
+
 def per_segment(op, rows, kind: str = "UnsortedSegmentSum") -> bool:
     """Whether `op` sums the batch's rows into segments the data names per
     row, as many as the graph fixes (tf.math.unsorted_segment_sum of each

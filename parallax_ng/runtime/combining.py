@@ -142,9 +142,9 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
         return "shape", rows, True
     if op.type in _COUNTS and batch_axis(op.inputs[0], sources) is not None:
         return "sum", 0, True
-    if op.type in _PER_SEGMENT and reading(sources, t.graph).guarded(
+    if op.type in batch_sums.PER_SEGMENT and reading(sources, t.graph).guarded(
             lambda r: batch_sums.per_segment(op, r, op.type)):
-        return _PER_SEGMENT[op.type], 0, True
+        return batch_sums.PER_SEGMENT[op.type], 0, True
     if op.type == "Sqrt" and forms.scalar_kind(op.inputs[0], sources) == "sum":
         return "norm", 0, True
     if largest := extreme(t, sources):
@@ -198,6 +198,3 @@ def unread(name: str, t: tf.Tensor, how: str) -> str:
 # ops that count the batch's values into a tensor per class (tf.math.bincount,
 # tf.math.confusion_matrix's ScatterNd): the replicas' counts add up
 _COUNTS = ("Bincount", "DenseBincount", "ScatterNd", "HistogramFixedWidth")
-# the batch's rows summed (or their largest, smallest value taken) per class
-_PER_SEGMENT = {"UnsortedSegmentSum": "sum", "UnsortedSegmentMax": "max",
-                "UnsortedSegmentMin": "min"}
