@@ -188,9 +188,8 @@ def _over_the_batch(tg, ref, sources) -> str | None:
     (or a largest of largest values: mixing.extreme), else None."""
     kind = _KINDS.get(tg.ir.node(ref.node).op)
     t = tg.tensor(ref)
-    if t.op.type in batch_sums.PER_SEGMENT and reading(sources, t.graph).guarded(
-            lambda r: batch_sums.per_segment(t.op, r, t.op.type)):
-        return batch_sums.PER_SEGMENT[t.op.type]     # (a running largest value per class)
+    if per_class := batch_sums.per_class(t.op, sources):
+        return per_class        # (a running largest value per class)
     if kind is None or t.shape.rank is None:
         return None
     if kind in ("max", "min"):

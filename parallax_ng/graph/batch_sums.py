@@ -31,7 +31,7 @@ import tensorflow as tf
 from . import selections
 from .applied import over_the_batch
 from .mean_gradients import Autodiff, incoming_segments, incoming_sum
-from .rows import batch_axis, counts_rows
+from .rows import batch_axis, counts_rows, reading
 from .rules import is_autodiff, row_ids
 
 _SHAPE_ONLY = ("OnesLike", "ZerosLike", "Shape", "ShapeN", "Size", "Rank")
@@ -99,6 +99,15 @@ def per_segment(op, rows, kind: str = "UnsortedSegmentSum") -> bool:
     return op.type == kind and rows.axis(op.inputs[0]) == 0 and \
         rows.axis(op.inputs[1]) == 0 and tf.get_static_value(op.inputs[2]) is not None and \
         not row_ids(op.inputs[1], rows.rows)        # (a sparse batch's values by their row)
+
+
+def per_class(op, sources) -> str | None:
+    """How the replicas' values of `op` combine ("sum", "max", "min") where
+    it reduces the batch's rows per class (`per_segment`), else None.
+    `sources`: the data sources' names, or a graph/rows.py reading."""
+    kind = PER_SEGMENT.get(op.type)
+    return kind if kind and reading(sources, op.graph).guarded(
+        lambda r: per_segment(op, r, op.type)) else None
 
 
 def under(tensors, rows, data, taker: tf.Operation, losses) -> list[str] | None:

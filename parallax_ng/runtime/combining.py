@@ -142,9 +142,8 @@ def default_reduction(t: tf.Tensor, sources: list[str], widened=frozenset(),
         return "shape", rows, True
     if op.type in _COUNTS and batch_axis(op.inputs[0], sources) is not None:
         return "sum", 0, True
-    if op.type in batch_sums.PER_SEGMENT and reading(sources, t.graph).guarded(
-            lambda r: batch_sums.per_segment(op, r, op.type)):
-        return batch_sums.PER_SEGMENT[op.type], 0, True
+    if per_class := batch_sums.per_class(op, sources):
+        return per_class, 0, True
     if op.type == "Sqrt" and forms.scalar_kind(op.inputs[0], sources) == "sum":
         return "norm", 0, True
     if largest := extreme(t, sources):
