@@ -5,7 +5,7 @@ compute, and what scales a Sum on its way to the rows."""
 import numpy as np
 import tensorflow as tf
 
-from parallax_ng.graph.applied import alone, applied, of_data
+from parallax_ng.graph.applied import alone, applied, counts_applied, fixed_bincount, of_data
 from parallax_ng.graph.forms import sources
 from parallax_ng.graph.rows import reading
 
@@ -74,3 +74,39 @@ def test_what_scales_a_sum_on_its_way_to_the_rows():
     assert alone(found["shared"], rows) is None
     assert alone(found["ratio"], rows) is None
     assert alone(found["ratio"], rows, frozenset({"energy"})) == []
+
+
+def test_counts_per_class_taken_back_to_the_rows_and_counts_that_meet_them_alone():
+    """A count per class gathered at each row's label is applied (a one-hot
+    sum, a sum of conditions, a bincount whose length the graph fixes: not
+    one that only a minimum bounds, whose length the labels set); a sum of
+    a mask meets the rows alone (`l * m / sum(m)`), not as a mean's
+    divisor; the rows' count applied to them alone is found (`l / n`,
+    `l * (1 / n)`), not one that divides a Sum or that is read besides."""
+    def make(x, z):
+        label = tf.cast(x[:, 0] > 0, tf.int32)
+        mask = tf.cast(x[:, 1] > 0, tf.float32)
+        l = tf.reduce_sum(z, 1)
+        tf.identity(l / tf.gather(tf.reduce_sum(tf.one_hot(label, 2), 0, name="hot"), label))
+        conditions = tf.cast(tf.equal(label[:, None], tf.range(2)[None]), tf.float32)
+        tf.identity(l / tf.gather(tf.reduce_sum(conditions, 0, name="met"), label))
+        fixed = tf.math.bincount(label, minlength=2, maxlength=2, name="fixed")
+        bounded = tf.math.bincount(label, minlength=2, name="bounded")
+        tf.identity(l / tf.cast(tf.gather(fixed, label) + tf.gather(bounded, label), tf.float32))
+        tf.identity(l * mask / tf.reduce_sum(mask, name="kept"))
+        tf.identity(tf.reduce_sum(l * mask) / tf.reduce_sum(mask, name="divisor"))
+        tf.identity(l / tf.cast(tf.shape(l)[0], tf.float32, name="per_row"))
+        tf.identity(l * (1.0 / tf.cast(tf.shape(l)[0], tf.float32, name="inverse")))
+        tf.identity(tf.reduce_sum(l) / tf.cast(tf.shape(l)[0], tf.float32, name="of_sum"))
+        besides = tf.cast(tf.shape(l)[0], tf.float32, name="besides")
+        tf.identity(l / besides)
+        tf.identity(besides * 2.0, "read")
+    g, rows = graph_of(make)
+    found = sums(g)
+    assert applied(found["hot"], rows) and applied(found["met"], rows)
+    assert applied(found["kept"], rows) and not applied(found["divisor"], rows)
+    bincounts = {op.name.split("/")[0]: op for op in g.get_operations()
+                 if op.type == "DenseBincount"}
+    assert fixed_bincount(bincounts["fixed"], rows) and applied(bincounts["fixed"], rows)
+    assert not fixed_bincount(bincounts["bounded"], rows)
+    assert sorted(op.name for op in counts_applied(g, rows)) == ["inverse", "per_row"]

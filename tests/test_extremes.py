@@ -24,7 +24,7 @@ import pytest
 import tensorflow as tf
 
 import parallax_ng as pn
-from models import local, state_variable
+from models import local, read_name, state_variable
 from passkit import context, op_counts, run_passes
 from task_env import TASK_PATH
 from transforms.aggregate import AggregatePass
@@ -251,6 +251,7 @@ SCALINGS = {
     "min-max": lambda x, w: ((x - tf.reduce_min(x, 0)) /
                              (tf.reduce_max(x, 0) - tf.reduce_min(x, 0)), w),
     "weights over their sum": lambda x, w: (x, w / tf.reduce_sum(w) * 16.0),
+    "weights over the rows' count": lambda x, w: (x, w / tf.cast(tf.shape(w)[0], tf.float32)),
     "weights about their mean": lambda x, w: (x, w - tf.reduce_mean(w)),
     "loss over the largest target": lambda x, w: (x, w),     # (in the step)
     "weights balanced by the other class's fraction": lambda x, w: (x, balanced(w)),
@@ -607,3 +608,108 @@ def test_the_data_scaled_by_its_largest_value_in_a_v1_loops_body_is_named():
     with pytest.warns(UserWarning, match=r"values \['while/top:0'\] that the replicas would "
                       r"exchange .* are computed inside a tf.while_loop's body"):
         pn.get_runner(g, local(2)).close()
+
+
+CLASS_COUNTS = {     # the batch's labels y, per-example losses l: the loss
+    "a weight per class from a one-hot sum":
+        lambda y, m, l: tf.reduce_mean(l / tf.gather(tf.reduce_sum(tf.one_hot(y, 3), 0), y)),
+    "a weight per class from a segment sum": lambda y, m, l: tf.reduce_mean(
+        l / tf.gather(tf.math.unsorted_segment_sum(tf.ones_like(l), y, 3), y)),
+    "a weight per class from a bincount of fixed length": lambda y, m, l: tf.reduce_mean(
+        l / tf.cast(tf.gather(tf.math.bincount(y, minlength=3, maxlength=3), y), tf.float32)),
+    "a weight per class from counted conditions": lambda y, m, l: tf.reduce_mean(
+        l / tf.gather(tf.reduce_sum(tf.cast(tf.equal(y[:, None], tf.range(3)[None]),
+                                            tf.float32), 0), y)),
+    "a log prior per class added to the logits": None,      # (in the graph)
+    "a mean written per row": lambda y, m, l: tf.reduce_sum(
+        l * (1.0 / tf.cast(tf.shape(l)[0], tf.float32))),
+    "a masked mean written per row": lambda y, m, l: tf.reduce_sum(
+        l * tf.cast(m, tf.float32) / tf.reduce_sum(tf.cast(m, tf.float32))),
+}
+
+
+def class_counts_graph(kind, rows):
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(64, 4)).astype(np.float32), rng.integers(0, 3, 64).astype(np.int32)
+    m = rng.uniform(size=64) > 0.3
+    g = tf.Graph()
+    with g.as_default():
+        data = tf.data.Dataset.from_tensor_slices((x, y, m))
+        xs, ys, ms = tf1.data.make_one_shot_iterator(pn.shard(data).batch(rows).repeat()) \
+            .get_next()
+        logits = tf.matmul(xs, tf1.get_variable("w", initializer=np.ones((4, 3), np.float32)
+                                                * np.float32([0.3, -0.2, 0.1])))
+        if CLASS_COUNTS[kind] is None:
+            prior = tf.reduce_sum(tf.one_hot(ys, 3), 0) / tf.cast(tf.shape(ys)[0], tf.float32)
+            logits += tf.math.log(prior + 1e-3)
+        loss = tf.identity((CLASS_COUNTS[kind] or (lambda y, m, l: tf.reduce_mean(l)))(
+            ys, ms, tf.nn.sparse_softmax_cross_entropy_with_logits(labels=ys, logits=logits)),
+            "loss")
+        tf1.train.GradientDescentOptimizer(0.5).minimize(loss, name="train")
+    return g
+
+
+@pytest.mark.parametrize("run_option", ["allreduce", "ps"])
+@pytest.mark.parametrize("kind", sorted(CLASS_COUNTS))
+def test_a_loss_weighted_by_the_batchs_counts_equals_one_device(kind, run_option):
+    """A loss that weighs each example by its class's count in the batch
+    (a one-hot sum, a segment sum, a bincount of fixed length or counted
+    conditions, gathered at the labels), adds a log prior per class from
+    the batch's labels to the logits, or writes a (masked) mean as a sum
+    of each row's loss over the rows' (or the mask's) count: the counts
+    are the job's (graph/applied.py: taken back to the rows, or meeting
+    them alone; transforms/extremes.py exchanges them), so 4 steps of 2
+    replicas (6 rows each) equal one device with 12 rows, 1e-6 in loss and
+    weights, with no warning. Before: the mean written per row twice one
+    device's (summed gradients), the others each replica's counts, up to
+    3.2 apart; silently but for the segment sum and the bincount (named
+    as mixing the batch)."""
+    import warnings
+    g = class_counts_graph(kind, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pn.get_runner(g, local(2), {"run_option": run_option}) as runner:
+            runner.run(g.get_collection("variables")[0].initializer)
+            got = [runner.run(["train", "loss:0"])[1] for _ in range(4)]
+            w = runner.run(read_name("w", g))
+    g1 = class_counts_graph(kind, 12)
+    with tf1.Session(graph=g1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        want = [sess.run(["train", "loss:0"])[1] for _ in range(4)]
+        np.testing.assert_allclose(w, sess.run(read_name("w", g1)), atol=TOL, rtol=0)
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("lib", ["keras", "tf_keras"])
+def test_fit_with_a_loss_weighted_by_the_batchs_class_counts_equals_one_device(lib):
+    """Keras `fit` with a loss function of the program's that weighs each
+    example by the batch's size over its class's count in the batch (a
+    one-hot sum gathered at the labels): the counts are the job's, so 2
+    epochs of 8 batches of 12 on 2 replicas equal one device, every weight
+    and the epochs' losses (1e-5). Before: each replica's counts, the
+    losses 0.086 apart, silently."""
+    import keras
+    keras = __import__("tf_keras") if lib == "tf_keras" else keras
+
+    def balanced(y_true, y_pred):
+        y = tf.cast(tf.reshape(y_true, [-1]), tf.int32)
+        counts = tf.reduce_sum(tf.one_hot(y, 3), 0)
+        return keras.losses.sparse_categorical_crossentropy(y, y_pred) / tf.gather(
+            counts, y) * tf.cast(tf.shape(y)[0], tf.float32) / 3.0
+
+    def make():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(3, activation="softmax")])
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=balanced)
+        return model
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 5)).astype(np.float32), rng.integers(0, 3, 96).astype(np.int32)
+    keras.utils.set_random_seed(1)
+    parallel, single = make(), make()
+    single.set_weights(parallel.get_weights())
+    pn.parallelize(parallel, local(2))
+    got = parallel.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    want = single.fit(x, y, batch_size=12, epochs=2, shuffle=False, verbose=0)
+    np.testing.assert_allclose(got.history["loss"], want.history["loss"], atol=1e-5, rtol=0)
+    for a, b in zip(parallel.get_weights(), single.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

@@ -75,6 +75,11 @@ MIXING = {   # name: (loss of x [batch, time, 4], what the op does)
         tf.math.unsorted_segment_mean(scores(x), labels(x), 2), labels(x)))), "per group"),
     "class centers by hand": (lambda x: tf.reduce_sum(tf.square(scores(x) - tf.gather(
         tf.math.unsorted_segment_sum(scores(x), labels(x), 2), labels(x)))), "per group"),
+    # class centers as a product of the labels' one-hot codes with the rows:
+    # a sum over the batch of what the model computes, gathered at the labels
+    "class centers of a one-hot product": (lambda x: tf.reduce_sum(tf.square(scores(x) - tf.gather(
+        tf.matmul(tf.one_hot(labels(x), 2), scores(x), transpose_a=True), labels(x)))),
+        "taken back to each example"),
     "a largest loss per class": (lambda x: tf.reduce_sum(tf.math.unsorted_segment_max(
         per_example(x), labels(x), 2)), "per group"),
     # ghost batch normalization: virtual batches of rows a stride apart

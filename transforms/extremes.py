@@ -158,10 +158,12 @@ def statistics(tg, sources) -> dict:
                           "with the global batch: divide by tf.cast(tf.size(x), ...) or "
                           "tf.cast(tf.shape(x)[0], ...), or take tf.reduce_mean", stacklevel=2)
             continue
-        found[ref] = kind
+        found[ref] = kind if kind != "sum" or op.outputs[0].dtype.is_floating else "count"
         for s in scales:
             at = parse_tensor(s.outputs[0].name)
             found[at] = _over_the_batch(tg, at, sources) or "count"
+    for op in rows.guarded(lambda r: applied.counts_applied(tg.graph, r)) or ():
+        found[parse_tensor(op.outputs[0].name)] = "count"       # (l / n per row: the job's n)
     return found
 
 
@@ -190,6 +192,8 @@ def _over_the_batch(tg, ref, sources) -> str | None:
     t = tg.tensor(ref)
     if per_class := batch_sums.per_class(t.op, sources):
         return per_class        # (a running largest value per class)
+    if reading(sources, tg.graph).guarded(lambda r: applied.fixed_bincount(t.op, r)):
+        return "sum"
     if kind is None or t.shape.rank is None:
         return None
     if kind in ("max", "min"):

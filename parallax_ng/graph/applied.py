@@ -1,8 +1,13 @@
 """Statistics over the batch that a step applies to its rows: a Mean, Sum,
-Max or Min over the batch's axis whose result meets the batch's rows in an
-element-wise op (`(x - mean) / std`, a masked mean's `sum(x * m) /
-sum(m)`, `x * rsqrt(sum(x * x))`), through ops that keep it a statistic
-(`applied`); whether one reads the data alone (`of_data`); and what
+Max or Min over the batch's axis, or a sum or count per class of the
+batch's rows (`per_segment`, a bincount of a fixed length), whose result
+meets the batch's rows in an element-wise op (`(x - mean) / std`, a
+masked mean's `sum(x * m) / sum(m)`, `x * rsqrt(sum(x * x))`, a log
+prior per class added to the logits) or is taken back to each row at its
+id (`1 / counts[y]`: a weight per class from the batch's counts), through
+ops that keep it a statistic (`applied`); the batch's row counts that
+meet its rows alone (`l / n` summed: a mean written per row,
+`counts_applied`); whether one reads the data alone (`of_data`); and what
 scales a Sum on its way to the rows (`alone`), which decides whether its
 exchange, with those, makes the rows one device's.
 graph/normalization.py names and exchanges them.
@@ -16,36 +21,77 @@ import tensorflow as tf
 
 from .constants import SOURCE_TYPES
 from .recorders import input_gradients
-from .rules import is_autodiff
+from .rules import is_autodiff, row_ids
 
 # ops a batch statistic passes through to where it meets the rows
 _CARRIES = frozenset({"Squeeze", "Reshape", "ExpandDims", "Identity", "StopGradient", "Cast",
                       "Sqrt", "Rsqrt", "AddV2", "Add", "Sub", "Mul", "MulNoNan", "RealDiv",
-                      "Div", "DivNoNan", "Maximum", "Neg", "Square", "Reciprocal"})
+                      "Div", "DivNoNan", "Maximum", "Minimum", "Neg", "Square", "Reciprocal",
+                      "Log", "Log1p", "Exp", "Pow", "Abs"})     # (a log prior per class)
 _MOST_READ = 4096
 _SHAPED = frozenset({"Shape", "ShapeN", "Size", "Rank", "ZerosLike", "OnesLike"})  # values none
 _MEETS = frozenset({"Sub", "AddV2", "Add", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan",
                     "SquaredDifference", "Maximum", "Minimum"})
+_GATHERS = ("GatherV2", "Gather")
+_BINCOUNTS = ("Bincount", "DenseBincount")
+
+
+def per_segment(op, rows, kind: str = "UnsortedSegmentSum") -> bool:
+    """Whether `op` sums the batch's rows into segments the data names per
+    row, as many as the graph fixes (tf.math.unsorted_segment_sum of each
+    example's hit at its class: a count or sum per class, of no batch
+    axis): the replicas' values add up to one device's; `kind`
+    UnsortedSegmentMax takes the largest per class instead."""
+    return op.type == kind and rows.axis(op.inputs[0]) == 0 and \
+        rows.axis(op.inputs[1]) == 0 and tf.get_static_value(op.inputs[2]) is not None and \
+        not row_ids(op.inputs[1], rows.rows)        # (a sparse batch's values by their row)
+
+
+def fixed_bincount(op, rows) -> bool:
+    """Whether `op` counts each value among the batch's examples in a
+    vector whose length the graph fixes (tf.math.bincount with minlength
+    and maxlength alike: the replicas' counts add up to one device's)."""
+    if op.type not in _BINCOUNTS or op.inputs[0].shape.rank != 1 or \
+            rows.axis(op.inputs[0]) is None or row_ids(op.inputs[0], rows.rows):
+        return False
+    size = op.inputs[1].op
+    if size.type != "Minimum":
+        return tf.get_static_value(op.inputs[1]) is not None
+    low = size.inputs[1].op
+    bounds = [tf.get_static_value(size.inputs[0])] + (
+        [tf.get_static_value(low.inputs[0])] if low.type == "Maximum" else [None])
+    return None not in bounds and int(bounds[0]) == int(bounds[1])
+
+
+def _taken_back(c, t, rows) -> bool:
+    """Whether op `c` takes statistic `t`'s entries back to the batch's
+    rows at an id per row (a count per class gathered at each label)."""
+    return c.type in _GATHERS and c.inputs[0] is t and rows.axis(c.inputs[1]) == 0 and \
+        (c.type == "Gather" or tf.get_static_value(c.inputs[2]) in (0, -t.shape.rank)) and \
+        not row_ids(c.inputs[1], rows.rows)
 
 
 def applied(op, rows, anywhere: bool = False) -> bool:
     """Whether `op` is a Mean, a Sum, a Max or a Min (forward, not the
-    autodiff's) over the batch's axis of the batch's rows whose result an
-    element-wise op meets with the rows (through a few ops that keep it a
-    statistic: a sum divided by a count, Keras 3's masked
-    BatchNormalization's). A sum of a mask (a count: tf_keras's
-    `ignore_class` weighs the valid rows by all over it) is not a statistic
-    of the rows' values: where a loss divides by it, graph/forms.py reads
-    it as a count the data sets. `anywhere`: whatever reads the result."""
-    if op.type not in ("Mean", "Sum", "Max", "Min") or is_autodiff(op.name):
+    autodiff's) over the batch's axis of the batch's rows, or a sum or
+    count of them per class (`per_segment`, `fixed_bincount`), whose result
+    an element-wise op meets with the rows, or a gather takes back to them
+    at an id per row (through a few ops that keep it a statistic: a sum
+    divided by a count, a log, Keras 3's masked BatchNormalization's). A
+    sum of a mask (a count: tf_keras's `ignore_class` weighs the valid rows
+    by the rows' count over it) is a statistic only where it meets the rows
+    with constants alone on the way (`l * m / sum(m)` summed): where a loss
+    divides by it, graph/forms.py reads it as a count the data sets.
+    `anywhere`: whatever reads the result."""
+    if is_autodiff(op.name) or not (op.type in ("Mean", "Sum", "Max", "Min") and
+                                    over_the_batch(op, rows) or per_segment(op, rows)
+                                    or fixed_bincount(op, rows)):
         return False
     counted = op.inputs[0]
     while counted.op.type in ("Reshape", "Identity", "ExpandDims", "Squeeze"):
         counted = counted.op.inputs[0]
     if op.type == "Sum" and counted.op.type == "Cast" and counted.op.inputs[0].dtype == tf.bool:
-        return False
-    if not over_the_batch(op, rows):
-        return False
+        return not anywhere and _meets_alone(op, rows)      # (`l * m / sum(m)`, per row)
     if anywhere:
         return True
     seen, stack = set(), [op.outputs[0]]
@@ -55,12 +101,50 @@ def applied(op, rows, anywhere: bool = False) -> bool:
             if c.name in seen or is_autodiff(c.name):
                 continue
             seen.add(c.name)
-            if c.type in _MEETS and any(i is not t and rows.axis(i) is not None
-                                        for i in c.inputs):
+            if _taken_back(c, t, rows) or c.type in _MEETS and any(
+                    i is not t and rows.axis(i) is not None for i in c.inputs):
                 return True
             if c.type in _CARRIES:
                 stack.extend(c.outputs)
     return False
+
+
+def counts_applied(graph, rows) -> list:
+    """The casts of the batch's row count to a float (`_row_count`) whose
+    every use meets the batch's rows (`tf.reduce_sum(l / n)`, `l * (1 /
+    n)`: a mean written per row) through `_CARRIES` with constants alone
+    on the way: one device takes them over the global batch's count."""
+    return [op for op in graph.get_operations()
+            if not is_autodiff(op.name) and _row_count(op, rows) and _meets_alone(op, rows)]
+
+
+def _meets_alone(count, rows, most: int = 16) -> bool:
+    """Whether every use of `count`'s value meets the batch's rows (or is
+    taken back to them at their ids) through `_CARRIES`, with constants
+    alone on the way."""
+    seen, stack, met = set(), [count.outputs[0]], False
+    while stack:
+        t = stack.pop()
+        users = [c for c in t.consumers() if not is_autodiff(c.name)]
+        if not users:
+            return False            # read as it is (a fetch)
+        for c in users:
+            if c.name in seen:
+                continue
+            seen.add(c.name)
+            if _taken_back(c, t, rows):
+                met = True
+                continue
+            if len(seen) > most or c.type not in _CARRIES:
+                return False
+            others = [i for i in c.inputs if i is not t]
+            if c.type in _MEETS and any(rows.axis(i) is not None for i in others):
+                met = True
+                continue
+            if any(tf.get_static_value(i) is None for i in others):
+                return False        # met with another value: a mean's divisor, a scale
+            stack.extend(c.outputs)
+    return met
 
 
 def alone(total, rows, exchanged=frozenset(), path=frozenset()) -> list | None:

@@ -23,6 +23,7 @@ from .constants import static_size
 from .forms import (added_terms, autodiff_losses, constant_value, counts_rows, loss_form,
                     scalar_form, sources)
 from .mixing import bent_gradient, mixing, reaches
+from .normalization import data_statistics
 from .randomness import is_random, seed_input
 from .rows import FED, batch_axis, reading
 from .rules import from_autodiff, is_autodiff
@@ -67,9 +68,10 @@ def averages(config, graph: tf.Graph, sites: list | None = None) -> tuple[bool, 
     sums, unsure, once, mixed, unread = [], [], [], [], []
     read = {loss.name: scalar_form(loss, data) for loss in losses
             if not (loss.shape.rank and batch_axis(loss, data) is not None)}
+    stats = [op.outputs[0].name for op in data_statistics(graph, data)]    # the job's
     pairs = next(((loss.name, *m) for loss in losses for m in [mixing(
-        loss, data, read[loss.name][2].exchanged + read[loss.name][2].summed
-        if loss.name in read else ())] if m), None)
+        loss, data, stats + (read[loss.name][2].exchanged + read[loss.name][2].summed
+                             if loss.name in read else []))] if m), None)
     for loss in losses:
         if loss.name not in read:
             sums.append(loss.name)      # a value per example: the autodiff sums them

@@ -29,10 +29,10 @@ import numpy as np
 import tensorflow as tf
 
 from . import selections
-from .applied import over_the_batch
+from .applied import over_the_batch, per_segment
 from .mean_gradients import Autodiff, incoming_segments, incoming_sum
 from .rows import batch_axis, counts_rows, reading
-from .rules import is_autodiff, row_ids
+from .rules import is_autodiff
 
 _SHAPE_ONLY = ("OnesLike", "ZerosLike", "Shape", "ShapeN", "Size", "Rank")
 _VARIABLE_READS = ("ReadVariableOp", "VariableV2", "ResourceGather")
@@ -88,17 +88,6 @@ def no_count(divisor: tf.Tensor, data, rows, most: int = 32) -> bool:
 # reductions of the batch's rows per class and how the replicas' combine
 PER_SEGMENT = {"UnsortedSegmentSum": "sum", "UnsortedSegmentMax": "max",
                "UnsortedSegmentMin": "min"}
-
-
-def per_segment(op, rows, kind: str = "UnsortedSegmentSum") -> bool:
-    """Whether `op` sums the batch's rows into segments the data names per
-    row, as many as the graph fixes (tf.math.unsorted_segment_sum of each
-    example's hit at its class: a count or sum per class, of no batch
-    axis): the replicas' values add up to one device's; `kind`
-    UnsortedSegmentMax takes the largest per class instead."""
-    return op.type == kind and rows.axis(op.inputs[0]) == 0 and \
-        rows.axis(op.inputs[1]) == 0 and tf.get_static_value(op.inputs[2]) is not None and \
-        not row_ids(op.inputs[1], rows.rows)        # (a sparse batch's values by their row)
 
 
 def per_class(op, sources) -> str | None:

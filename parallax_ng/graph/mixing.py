@@ -49,7 +49,9 @@ def mixing(loss: tf.Tensor, sources, exchanged=()) -> tuple[str, str] | None:
     """(op name, what it does) of the first op, in the graph's order, between
     the data and `loss` that mixes the batch's examples; None if none does.
     `exchanged`: scalar means the replicas exchange (forms.LossForm), by
-    which a division does not mix (each replica divides by the job's)."""
+    which a division does not mix (each replica divides by the job's), and
+    statistics of the data they exchange (counts per class a loss weighs
+    its rows by: graph/normalization.py `data_statistics`)."""
     return reading(sources, loss.graph).guarded(lambda r: _first(loss, r, set(exchanged)))
 
 
@@ -75,7 +77,8 @@ def _mixes(op, rows, exchanged) -> str | None:
               x.value_index == 2]           # each example's value's count, by its index
     per_row = kind == "DenseBincount" and op.inputs[0].shape.rank == 2    # (one-hot codes)
     if any(rows.axis(c) is not None for c in counts) or kind in _BINCOUNTS and not per_row \
-            and rows.axis(op.inputs[0]) is not None and not rules.row_ids(op.inputs[0], rows.rows):
+            and rows.axis(op.inputs[0]) is not None and op.outputs[0].name not in exchanged \
+            and not rules.row_ids(op.inputs[0], rows.rows):
         return "a count of each value among the batch's examples (unique_with_counts, bincount)"
     if kind in _SEGMENTS and op.outputs[0].name not in exchanged and \
             (what := _grouped(op, rows)):       # (a sum per class the replicas add up)
@@ -115,6 +118,11 @@ def _mixes(op, rows, exchanged) -> str | None:
     if kind in ("RealDiv", "Div", "DivNoNan") and len(op.inputs) == 2 and \
             op.inputs[1].name not in exchanged and rows.axis(op.outputs[0]) is None:
         return _ratio(op.inputs[1], rows, exchanged)   # (rows over a statistic: normalization's)
+    if kind in ("GatherV2", "Gather") and rows.axis(op.inputs[1]) == 0 and \
+            rows.axis(x) is None and not rules.row_ids(op.inputs[1], rows.rows) and \
+            _of_the_batch(x, rows, exchanged):
+        return ("a statistic over the batch taken back to each example at its id (class "
+                "centers of a one-hot product gathered at the labels)")
     if kind in ("Log", "Log1p") and _summed(x, rows) and x.name not in exchanged:
         return "a log of a sum over the batch's examples (a log-sum-exp across them)"
     return None
@@ -145,6 +153,24 @@ def _grouped(op, rows) -> str | None:
                 return what
             stack.extend(c.outputs)
     return None
+
+
+def _of_the_batch(t, rows, exchanged) -> bool:
+    """Whether `t` (no batch axis) is computed from the batch's rows by an
+    op that reduces their axis away (a Sum, a product with the rows
+    transposed), past the statistics the replicas exchange (`exchanged`)
+    and shapes, within _MOST_OPS ops."""
+    seen, stack = set(), [t]
+    while stack and len(seen) < _MOST_OPS:
+        x = stack.pop()
+        if x.name in seen or x.name in exchanged or x.op.type in _SHAPE_ONLY or \
+                x.dtype == tf.bool:
+            continue
+        seen.add(x.name)
+        if any(rows.axis(i) is not None for i in x.op.inputs):
+            return True     # (x has no batch axis: `t`'s way holds none)
+        stack.extend(x.op.inputs)
+    return False
 
 
 def _strided(op, rows) -> bool:
