@@ -75,3 +75,59 @@ def test_shared_reference_variable_writer_waits_for_the_ops_that_dereference_it(
     writer = next(w for w in ctx.tg.writers["beta1_power"] if w != "beta1_power/Assign")
     assert "^parallax/replica_1/Adam/update_dense/w/ApplyAdam" in ir.node(writer).input
     ir.verify()
+
+
+def test_a_shared_writer_waits_for_reads_in_a_conds_branches_by_its_merges():
+    """A tf.cond of TF2 behavior whose branches read a variable the
+    parameter servers hold, and whose taken branch writes a counter (so it
+    is lowered to Switch/Merge, as batch normalization's `training` cond
+    is under `batch_norm: synchronized`): the update waits on replica 1's
+    reads through the Merges that end the cond, never on a read inside the
+    branch not taken. Before, it waited on both branches' reads: the one
+    not taken left the update dead, so under ps it never ran, and neither
+    did Adam's step counters, silently (the global step stayed 0); after
+    3 steps of 2 replicas the weight, its slots and the counters equal one
+    device with the global batch (1e-6)."""
+    import numpy as np
+    import tensorflow as tf
+
+    import parallax_ng as pn
+    from models import local, read_name
+    tf1 = tf.compat.v1
+    rng = np.random.default_rng(0)
+    xs, ys = rng.normal(size=(3, 8, 4)).astype(np.float32), rng.normal(size=(3, 8, 1)).astype(
+        np.float32)
+
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            x = tf1.placeholder(tf.float32, [None, 4], "x")
+            y = tf1.placeholder(tf.float32, [None, 1], "y")
+            training = tf1.placeholder_with_default(True, [], "training")
+            w = tf1.get_variable("w", initializer=np.full((4, 1), 0.3, np.float32))
+            seen = tf1.get_variable("seen", initializer=0.0, trainable=False)
+
+            def taken():
+                with tf.control_dependencies([seen.assign_add(1.0)]):
+                    return tf.matmul(x, w)
+            h = tf.cond(training, taken, lambda: tf.matmul(x, w * 0.5))
+            step = tf1.train.get_or_create_global_step()
+            tf1.train.AdamOptimizer(0.1).minimize(tf.reduce_mean(tf.square(h - y)),
+                                                  global_step=step, name="train")
+        names = ["w", "w/Adam", "global_step", "beta1_power"]
+        return g, [read_name(n, g) for n in names]
+    g, reads = build()
+    with pn.get_runner(g, local(2), {"run_option": "ps"}) as runner:
+        runner.run([v.initializer for v in g.get_collection("variables")])
+        for k in range(3):
+            runner.run("train", {"x:0": xs[k], "y:0": ys[k]})
+        got = runner.run(reads)
+    g1, reads1 = build()
+    with tf1.Session(graph=g1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        for k in range(3):
+            sess.run("train", {"x:0": xs[k], "y:0": ys[k]})
+        want = sess.run(reads1)
+    assert want[2] == 3
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from parallax_ng.graph import emit, randomness, rules
+from parallax_ng.graph import branches, emit, randomness, rules
 from parallax_ng.graph.ir import GraphIR, copy_node, format_input
 
 
@@ -235,7 +235,11 @@ def _order_shared_writers(ir: GraphIR, ctx, n: int) -> dict[str, list[str]]:
 
     A read of a shared variable that runs before one of its writers in the
     user's graph (an ancestor of it) must run before that writer in every
-    replica. Ancestry is propagated once, in topological order, as bit sets
+    replica; a read inside a v1 tf.cond's branch (a lowered one's too:
+    batch normalization's gamma read in both branches of its `training`
+    cond) through the Merges that end its conds, since a control edge from
+    the branch not taken would leave the writer dead: it did not run, and
+    nothing said so. Ancestry is propagated once, in topological order, as bit sets
     over the reads concerned.
     """
     if n == 1:
@@ -253,9 +257,12 @@ def _order_shared_writers(ir: GraphIR, ctx, n: int) -> dict[str, list[str]]:
             mask |= before.get(src, 0)
         before[name] = mask
     extra: dict[str, list[str]] = {}
+    memo: dict = {}
     for var in shared:
         for w in ctx.tg.writers.get(var, ()):
             earlier = [r for r in reads[var] if before[w] & bit[r]]
+            if any(branches.switches_above(ir, r, memo) for r in earlier):
+                earlier = sorted(branches.after_branches(ir, earlier, ir.ancestors([w]), memo))
             if earlier:
                 extra.setdefault(w, []).extend(
                     "^" + ctx.replica_name(k, r) for r in earlier for k in range(1, n))
