@@ -20,13 +20,13 @@ outputs wait on every op its taken branch has.
 Requires: a tf.Graph. Guarantees: the graph itself when it has no such If;
 otherwise a new graph (the user's is not modified) imported from the
 user's meta graph (collections, savers, queue runners as
-`import_meta_graph` restores them) with each such If lowered, nested ones
-included.
+`import_meta_graph` restores them, with no Saver of its own added:
+`imported`) with each such If lowered, nested ones included.
 """
 from __future__ import annotations
 
 import tensorflow as tf
-from tensorflow.python.framework import function_def_to_graph
+from tensorflow.python.framework import function_def_to_graph, meta_graph
 
 from . import branches
 
@@ -65,11 +65,21 @@ def copied(graph: tf.Graph, edit=None) -> tf.Graph:
     out = tf.Graph()
     out.seed = graph.seed
     with out.as_default():
-        tf.compat.v1.train.import_meta_graph(meta, clear_devices=False)
+        imported(meta)
     for key in graph.get_all_collection_keys():       # names the export made bytes
         if (names := graph.get_collection(key)) and all(isinstance(n, str) for n in names):
             out.get_collection_ref(key)[:] = names
     return out
+
+
+def imported(meta) -> None:
+    """Import MetaGraphDef `meta` (its ops, collections and queue runners)
+    into the default graph, as `tf.compat.v1.train.import_meta_graph` does,
+    but for the Saver that one builds where `meta` names none: its restore
+    ops would write every variable (a gradient accumulator would have a
+    writer that neither zeroes nor adds to it, and be no accumulator), and
+    the program never made them."""
+    meta_graph.import_scoped_meta_graph(meta, clear_devices=False)
 
 
 def _top_level_collections(meta) -> None:

@@ -206,7 +206,7 @@ def load(source, batch_norm: str = "per_replica", batch_feeds=None) -> TrainingG
     if isinstance(source, tf.compat.v1.MetaGraphDef):
         graph = tf.Graph()
         with graph.as_default():
-            tf.compat.v1.train.import_meta_graph(source, clear_devices=False)
+            cond_lowering.imported(source)
         source = graph
     if not isinstance(source, tf.Graph):
         raise GraphError(f"cannot parallelize a {type(source).__name__}; pass a tf.Graph, a "
