@@ -10,7 +10,9 @@ open (those a tf.function's `input_signature` or a dataset's
 length); `same_constants` and `same_shapes` give a ConfigError naming the
 argument where a call differs from the trace in what a trace fixes;
 `leaf_value` and `fed` make the feeds; `kept_rows` names the variables
-that keep a row per example (checked against a replica's rows).
+that keep a row per example (checked against a replica's rows);
+`global_rows` names, where a run fails on its shapes, what the step made
+with the global batch's rows.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import inspect
 import numpy as np
 import tensorflow as tf
 
-from .errors import ConfigError
+from .errors import ConfigError, GraphError
+from .graph.rules import is_autodiff
 from .graph.step_specs import python_value, tensor_leaves
 from .runtime.batch_parts import sparse_tensors
 
@@ -182,3 +185,39 @@ def kept_rows(runner, args) -> frozenset:
                 f"(keras.Input(batch_shape=({part}, ...))), so that each replica keeps its "
                 "own examples' state, or build the layer with stateful=False")
     return frozenset(var for var, _ in state.axes)
+
+
+def global_rows(graph: tf.Graph, inputs: list, leaves, replicas: int, error) -> Exception:
+    """A GraphError for `error`, a run's InvalidArgumentError, naming the
+    tensors the step makes with the global batch's rows from neither its
+    arguments nor its variables (`tf.zeros((BATCH, units))`, an RNN's first
+    state; `tf.random.normal([BATCH, noise])`, a GAN's noise): each replica
+    gets 1/`replicas` of the arguments' rows, which they do not meet
+    (`inputs`: the arguments' placeholders); `error` itself where there is
+    none."""
+    rows = {int(np.shape(leaf_value(x))[0]) for x in leaves if np.ndim(leaf_value(x))}
+    if replicas < 2 or len(rows) != 1 or (batch := rows.pop()) < 2:
+        return error
+    fed = set(inputs)
+    tied = {op.name for op in graph.get_operations() if op.name in fed or op.type in (
+        "VarHandleOp", "VariableV2", "ReadVariableOp", "Placeholder")}
+    made = []
+    for op in graph.get_operations():       # (in the order the step made them)
+        if op.name in tied or any(x.op.name in tied for x in op.inputs) or \
+                any(c.name in tied for c in op.control_inputs):
+            tied.add(op.name)
+            continue
+        shape = op.outputs[0].shape if op.outputs else tf.TensorShape(None)
+        if shape.rank and shape[0] == batch and op.outputs[0].dtype.is_floating and \
+                not is_autodiff(op.name) and \
+                not any(x.shape.rank and x.shape[0] == batch for x in op.inputs):
+            made.append(f"{op.name!r} {shape.as_list()}")
+    if not made:
+        return error
+    said = [line.strip() for line in (error.message or "").splitlines()
+            if "INVALID_ARGUMENT" in line] or [str(error).splitlines()[0]]
+    return GraphError(
+        f"{said[0].removeprefix('(0) ')}; the step makes "
+        f"{', '.join(made[:3])} with the global batch's {batch} rows, and each of the "
+        f"{replicas} replicas gets {batch // replicas} rows of the arguments; size it by "
+        "the arguments' rows, tf.shape(x)[0] (a constant batch size is the global batch's)")

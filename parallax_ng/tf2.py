@@ -50,9 +50,9 @@ from .graph.frontend import NO_UPDATE
 from .graph.recorders import tf_variable
 from .runtime.batch_parts import sparse_rows
 from .runtime.combining import name_outputs
-from .step_args import (SparseValue, array, constants, fed, fits_shape, kept_rows, leaf_value,
-                        open_shapes, positional, rows_of, same_constants, same_shapes,
-                        sparse_input, tensor_leaves, traced_shapes)
+from .step_args import (SparseValue, array, constants, fed, fits_shape, global_rows, kept_rows,
+                        leaf_value, open_shapes, positional, rows_of, same_constants,
+                        same_shapes, sparse_input, tensor_leaves, traced_shapes)
 
 FOLLOWED = 4 << 20      # bytes of variables batch_sync "auto" writes back after every call
 _STEPS: weakref.WeakSet = weakref.WeakSet()    # the process's built steps (shared weights)
@@ -167,10 +167,13 @@ class StepFunction:
         feeds = {}
         for i, (name, leaf) in enumerate(zip(inputs, leaves)):
             feeds.update(self._feeds(i, name, leaf_value(leaf)))
-        if outputs is None:              # it returns nothing
-            self.runner.run(op, feeds)
-            return None
-        return self.runner.run([op, outputs], feeds, per_replica=per_replica)[1]
+        try:
+            out = self.runner.run(op if outputs is None else [op, outputs], feeds,
+                                  per_replica=per_replica)
+        except tf.errors.InvalidArgumentError as e:     # (a constant global batch size?)
+            raise global_rows(self._captured.graph, inputs, leaves,
+                              self.runner.plan.group_size, e) from e
+        return None if outputs is None else out[1]
 
     def fits(self, name: str, args) -> bool:
         """Whether part `name` (built with the step) takes `args`: the leaves

@@ -569,6 +569,28 @@ def test_per_replica_outputs_and_bad_calls():
     assert quiet(x[2], y[2]) is None
 
 
+def test_a_tensor_of_the_global_batchs_rows_the_step_makes_is_named_where_a_run_fails():
+    """A step that makes a tensor of a constant batch size, the global
+    batch's (`tf.zeros((BATCH, 1))`, as an RNN's first state is made in
+    TensorFlow's seq2seq tutorial): each replica's rows do not meet it,
+    and the run's shape error names it and says what to use. Before:
+    TensorFlow's bare "Incompatible shapes: [4,1] vs. [8,1]"."""
+    model, optimizer = keras3_dense(), keras.optimizers.SGD(0.1)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) + tf.zeros((BATCH, 1), name="start") - y))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                                      model.trainable_variables))
+        return loss
+    x, y = data(4)
+    with pytest.raises(pn.GraphError, match=r"Incompatible shapes.*the step makes 'start' "
+                                            rf"\[{BATCH}, 1\] with the global batch's {BATCH} "
+                                            rf"rows, and each of the 2 replicas gets {BATCH // 2}"
+                                            r" rows .*tf.shape\(x\)\[0\]"):
+        pn.function(step, local(2))(x[0], y[0])
+
+
 def test_outputs_combine_as_one_device_s_and_an_unknown_one_is_named_by_its_key(capsys):
     """A step's outputs over its batch: a sum, a max, a count and a
     standard deviation equal one device's; an index among the rows
