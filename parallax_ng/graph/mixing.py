@@ -122,7 +122,7 @@ def _mixes(op, rows, exchanged) -> str | None:
             rows.axis(x) is None and not rules.row_ids(op.inputs[1], rows.rows) and \
             _of_the_batch(x, rows, exchanged):
         return ("a statistic over the batch taken back to each example at its id (class "
-                "centers of a one-hot product gathered at the labels)")
+                "centers of a one-hot product, or counts, gathered at the labels)")
     if kind in ("Log", "Log1p") and _summed(x, rows) and x.name not in exchanged:
         return "a log of a sum over the batch's examples (a log-sum-exp across them)"
     return None

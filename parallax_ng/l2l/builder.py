@@ -67,7 +67,7 @@ from . import eps
 from .copies import Copies
 from .draws import Seeds
 from .layers import Layering
-from .micro import MicroBatches
+from .micro import MicroBatches, apart
 
 PREFIX = "l2l"
 
@@ -114,14 +114,8 @@ class _Builder:
         self.loss_form = form = loss_form(tg.graph.get_tensor_by_name(layering.loss),
                                           layering.sources, self.micro.batch_size())
         self.weight = 1.0 if form.kind == "sum" else 1.0 / self.u
-        if (form.kind is None or form.exchanged or form.summed or form.selected) and self.u > 1:
-            warnings.warn(f"layer-by-layer execution averages the {self.u} micro-batches' "
-                          f"losses, right for a mean over the batch, but the loss "
-                          f"{layering.loss!r} " + ("is not shown to be a mean or a sum"
-                          if not form.kind else "takes a function of such a mean or of sums "
-                          "(an RMSE, a Dice loss?)" if form.exchanged or form.summed else "is a "
-                          "mean over rows a mask picks, each micro-batch's over its own count")
-                          + ", not one device's step", stacklevel=4)
+        if self.u > 1 and (why := apart(tg, layering, form, self.u)):
+            warnings.warn(why, stacklevel=4)
         whole = [t.name for t in self.micro.whole_feeds()]
         if self.loss_form.kind == "sum" and self.u > 1 and whole:
             raise GraphError(

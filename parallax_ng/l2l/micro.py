@@ -7,7 +7,8 @@ was built (the data iterators' static first dimension, or None); `split` cuts a
 batch into micro-batches (`whole_feeds` are the feeds each gets whole); `constants(seg,
 by_batch)` gives, per op of a layer, the inputs to replace with a
 micro-batch's constant (the patterns are listed there), made once per layer
-on the host.
+on the host; `apart` says why a loss's micro-batches do not make one
+device's step.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import tensorflow as tf
 
 from .. import compat
 from ..errors import GraphError
+from ..graph import mixing, normalization
 from .layers import STATELESS
 
 # ops that broadcast their inputs against each other (element by element)
@@ -153,3 +155,37 @@ def _beside_batch(op) -> bool:
         return False
     axis = op.inputs[-1]
     return axis.op.type == "Const" and int(tf.make_ndarray(axis.op.get_attr("value"))) != 0
+
+
+def apart(tg, layering, form, u: int) -> str | None:
+    """Why the `u` micro-batches of a replica, each computing the loss over
+    its own rows, do not make one device's step, for the warning the build
+    gives; None where they do. The loss's `form` (graph/forms.py) is not a
+    mean or a sum, or is a function of means or sums over the batch, or a
+    mean over rows a mask picks; or the loss mixes the batch's examples
+    (graph/mixing.py), or the step applies statistics over the batch to
+    its rows (a class's count in the batch, inputs standardized:
+    graph/normalization.py): each micro-batch takes its own, where data
+    parallelism exchanges the data's."""
+    loss = tg.graph.get_tensor_by_name(layering.loss)
+    said = f"layer-by-layer execution runs the {u} micro-batches of a replica's batch apart"
+    if form.kind is None or form.exchanged or form.summed or form.selected:
+        return (f"{said} and averages their losses, right for a mean over the batch, but the "
+                f"loss {layering.loss!r} " + (
+                    "is not shown to be a mean or a sum" if not form.kind else
+                    "takes a function of such a mean or of sums (an RMSE, a Dice loss?)"
+                    if form.exchanged or form.summed else
+                    "is a mean over rows a mask picks, each micro-batch's over its own count")
+                + ", not one device's step")
+    if found := mixing.mixing(loss, layering.sources):
+        return (f"{said}, and the loss {layering.loss!r} mixes the batch's examples "
+                f"({found[0]!r}: {found[1]}): each micro-batch's over its own rows, not one "
+                "device's step")
+    stats = [op.name for op in normalization.data_statistics(tg.graph, layering.sources)] + \
+        normalization.found(tg.graph, layering.sources)[2]
+    if stats:
+        return (f"{said}, and the step applies statistics over the batch to its rows "
+                f"({stats[:3]}: a class's count in the batch, a normalization by its mean or "
+                "largest value): each "
+                "micro-batch takes its own rows', not one device's step")
+    return None
