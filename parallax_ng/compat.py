@@ -117,8 +117,10 @@ def function_graph(graph: tf.Graph, name: str):
             fn = g._get_function(name)      # noqa: SLF001 (the library's functions)
             if fn is not None:
                 body = getattr(fn, "graph", None) or getattr(fn, "_cached_graph", None)
-                if body is None:
-                    body = function_def_to_graph.function_def_to_graph(_definition(g, fn, name))
+                if body is None:      # (with the functions it calls by name: a wrapper's)
+                    with g.as_default():
+                        body = function_def_to_graph.function_def_to_graph(
+                            _definition(g, fn, name), include_library_functions=True)
             g = getattr(g, "outer_graph", None)
         bodies[name] = body
     return bodies[name]

@@ -100,3 +100,51 @@ def test_keras3_ctc_loss_is_a_loss_per_sequence():
         assert axis(per) == 0
         assert forms.loss_form(tf.reduce_mean(per), DATA, None).kind == "mean"
         assert forms.loss_form(tf.reduce_sum(per), DATA, None).kind == "sum"
+
+
+def test_tf_nn_ctc_loss_reads_through_a_body_that_calls_a_function_by_name():
+    """tf.nn.ctc_loss with dense labels runs While loops whose bodies are
+    wrappers calling another function of the library by name: the body is
+    read with the library's functions (before: "Op type not registered
+    'body_...'", a RuntimeError out of get_runner), its losses are the
+    batch's rows, and 3 steps of 2 replicas equal one device with the
+    global batch (1e-6)."""
+    import numpy as np
+
+    import parallax_ng as pn
+    from models import local, read_name
+    with tf.Graph().as_default():
+        x, y = inputs()
+        n = tf.shape(x)[0]
+        per = tf.nn.ctc_loss(y[:, :3], x, tf.fill([n], 3), tf.fill([n], 7),
+                             logits_time_major=False, blank_index=0)
+        assert axis(per) == 0
+        assert forms.loss_form(tf.reduce_mean(per), DATA, None).kind == "mean"
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(3, 8, 7, 4)).astype(np.float32)
+    ys = rng.integers(1, 4, size=(3, 8, 7)).astype(np.int32)
+
+    def build():
+        g = tf.Graph()
+        with g.as_default():
+            x, y = inputs()
+            w = tf1.get_variable("w", initializer=np.eye(4, dtype=np.float32))
+            logits = tf.einsum("btf,fc->btc", x, w)
+            n = tf.shape(x)[0]
+            loss = tf.reduce_mean(tf.nn.ctc_loss(y[:, :3], logits, tf.fill([n], 3),
+                                                 tf.fill([n], 7), logits_time_major=False,
+                                                 blank_index=0))
+            tf1.train.AdamOptimizer(0.1).minimize(loss, name="train")
+        return g, read_name("w", g)
+    g, w = build()
+    with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
+        runner.run([v.initializer for v in g.get_collection("variables")])
+        for k in range(3):
+            runner.run("train", {"x:0": xs[k], "y:0": ys[k]})
+        got = runner.run(w)
+    g1, w1 = build()
+    with tf1.Session(graph=g1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        for k in range(3):
+            sess.run("train", {"x:0": xs[k], "y:0": ys[k]})
+        np.testing.assert_allclose(got, sess.run(w1), atol=1e-6, rtol=0)
