@@ -208,8 +208,9 @@ def global_rows(graph: tf.Graph, inputs: list, leaves, replicas: int, error) -> 
             tied.add(op.name)
             continue
         shape = op.outputs[0].shape if op.outputs else tf.TensorShape(None)
+        uses = [c.type for c in op.outputs[0].consumers()] if op.outputs else []
         if shape.rank and shape[0] == batch and op.outputs[0].dtype.is_floating and \
-                not is_autodiff(op.name) and \
+                not is_autodiff(op.name) and set(uses) - {"Assign", "AssignVariableOp"} and \
                 not any(x.shape.rank and x.shape[0] == batch for x in op.inputs):
             made.append(f"{op.name!r} {shape.as_list()}")
     if not made:

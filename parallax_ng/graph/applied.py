@@ -66,8 +66,9 @@ def fixed_bincount(op, rows) -> bool:
 def _taken_back(c, t, rows) -> bool:
     """Whether op `c` takes statistic `t`'s entries back to the batch's
     rows at an id per row (a count per class gathered at each label)."""
+    axis = 0 if c.type == "Gather" or len(c.inputs) < 3 else tf.get_static_value(c.inputs[2])
     return c.type in _GATHERS and c.inputs[0] is t and rows.axis(c.inputs[1]) == 0 and \
-        (c.type == "Gather" or tf.get_static_value(c.inputs[2]) in (0, -t.shape.rank)) and \
+        axis is not None and int(axis) % max(t.shape.rank or 1, 1) == 0 and \
         not row_ids(c.inputs[1], rows.rows)
 
 
