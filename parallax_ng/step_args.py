@@ -188,7 +188,7 @@ def kept_rows(runner, args) -> frozenset:
 
 
 def global_rows(graph: tf.Graph, inputs: list, leaves, replicas: int, error) -> Exception:
-    """A GraphError for `error`, a run's InvalidArgumentError, naming the
+    """A GraphError for `error`, a run's InvalidArgumentError on shapes, naming the
     tensors the step makes with the global batch's rows from neither its
     arguments nor its variables (`tf.zeros((BATCH, units))`, an RNN's first
     state; `tf.random.normal([BATCH, noise])`, a GAN's noise): each replica
@@ -196,7 +196,9 @@ def global_rows(graph: tf.Graph, inputs: list, leaves, replicas: int, error) -> 
     (`inputs`: the arguments' placeholders); `error` itself where there is
     none."""
     rows = {int(np.shape(leaf_value(x))[0]) for x in leaves if np.ndim(leaf_value(x))}
-    if replicas < 2 or len(rows) != 1 or (batch := rows.pop()) < 2:
+    shapes = ("shape", "Incompatible", "Dimension", "assertion failed")   # (not a NaN check's)
+    if replicas < 2 or len(rows) != 1 or (batch := rows.pop()) < 2 or \
+            not any(word in (error.message or "") for word in shapes):
         return error
     fed = set(inputs)
     tied = {op.name for op in graph.get_operations() if op.name in fed or op.type in (

@@ -496,29 +496,33 @@ def _applied_after_adds(batch, resource, parallel=True):
 def test_accumulated_gradients_applied_in_the_run_that_adds_equal_one_device(run_option,
                                                                              resource):
     """An accumulated gradient applied in the run that adds to it, in a
-    tf.cond's branch every second run or after the add every run: 6 runs
-    of 2 replicas (8 rows each) equal one device with 16 (1e-6). Before:
-    the cond's refused, "found no optimizer update", because importing the
-    graph to lower the cond added a Saver whose restore ops wrote the
-    accumulator, so it was no accumulator (it is imported without one);
-    and a reference accumulator's snapshot, its gradient, was aggregated
-    without waiting for the run's add: under disable_v2_behavior with a v1
-    cond (tests/test_v1_behavior.py runs this file so) the weights 0.34
-    apart, silently. It now waits for the add (transforms/replicate.py)."""
+    tf.cond's branch every second run or after the add every run: 7 runs
+    of 2 replicas (8 rows each) equal one device with 16 (1e-6), and the
+    accumulator read alone then (a run that adds nothing: its snapshot too)
+    is one device's. Before: the cond's refused, "found no optimizer
+    update", because importing the graph to lower the cond added a Saver
+    whose restore ops wrote the accumulator, so it was no accumulator (it
+    is imported without one); and a reference accumulator's snapshot, its
+    gradient, was aggregated without waiting for the run's add: under
+    disable_v2_behavior with a v1 cond (tests/test_v1_behavior.py runs
+    this file so) the weights 0.34 apart, silently. Its aggregation now
+    waits for the add (transforms/aggregate.py)."""
     g = _applied_after_adds(8, resource)
     names = ["w", "accum", "w/Momentum", "global_step"]
+    alone = [] if resource else ["accum/read:0"]
     with pn.get_runner(g, local(2), {"run_option": run_option}) as runner:
         runner.run([v.initializer for v in g.get_collection("variables")])
-        for _ in range(6):
+        for _ in range(7):
             runner.run("train")
-        got = runner.run([read_name(n, g) for n in names])
+        got = runner.run([read_name(n, g) for n in names]) + [runner.run(t) for t in alone]
     g1 = _applied_after_adds(16, resource, parallel=False)
     assert not [op.name for op in frontend.load(g1).graph.get_operations()
                 if op.name.startswith("save")]
     with tf1.Session(graph=g1) as sess:
         sess.run(tf1.global_variables_initializer())
-        for _ in range(6):
+        for _ in range(7):
             sess.run("train")
-        want = sess.run([read_name(n, g1) for n in names])
+        want = sess.run([read_name(n, g1) for n in names]) + [sess.run(t) for t in alone]
+    names += alone
     for name, a, b in zip(names, got, want):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=name)

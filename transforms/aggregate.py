@@ -40,7 +40,8 @@ norms, summaries, update ops), by the plan's method:
   workers on their servers (transforms/flat_buffers.py). Every worker
   applies the update to its own copy.
 Gradients a script accumulates in variables of its own are aggregated where
-the update reads them (graph/accumulation.py); the accumulators' other reads
+the update reads them (graph/accumulation.py), after the adds the update
+follows where a run adds and applies (`adds_before`); the accumulators' other reads
 (a global norm of them logged) read the replicas' mean, exchanged as the
 state-sync pass exchanges a mean (on the servers in a job that sums there).
 New nodes live under `parallax/<method>/<variable>/` (bfb: `parallax/bfb/`).
@@ -115,6 +116,11 @@ class AggregatePass:
             ctx.publish(ExchangedLookups(exchanged, gathered, reads))
         if coalesced:
             ctx.publish(CoalescedRows(coalesced))
+        for var, adds in accumulation.adds_before(ctx.tg).items():  # (a reference snapshot's)
+            for k in range(ctx.plan.num_replicas):
+                read = ctx.replica_tensor(k, ctx.tg.gradients[var].values)
+                for nd in (nd for nd in new_nodes if read in nd.input):
+                    nd.input.extend(f"^{ctx.replica_name(k, w)}" for w in adds)
         return ir.rewire(rewires, new_nodes), counts
 
 

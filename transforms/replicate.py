@@ -43,8 +43,6 @@ class ReplicatePass:
                 out.append(_copy(node, k, ctx, parsed, functions))
         out, masked = _mask_stateless_seeds(out, ir, ctx, n)
         extra = _order_shared_writers(ir, ctx, n)
-        for node, controls in _reads_after_adds(ir, ctx, n).items():
-            extra.setdefault(node, []).extend(controls)
         nodes = []
         for node in out:
             if node.name in extra:
@@ -268,33 +266,6 @@ def _order_shared_writers(ir: GraphIR, ctx, n: int) -> dict[str, list[str]]:
             if earlier:
                 extra.setdefault(w, []).extend(
                     "^" + ctx.replica_name(k, r) for r in earlier for k in range(1, n))
-    return extra
-
-
-def _reads_after_adds(ir: GraphIR, ctx, n: int) -> dict[str, list[str]]:
-    """Control inputs that make a reference accumulator's read that is a
-    variable's gradient (its `read` snapshot, made with the variable: no
-    edge orders it) wait, in every replica, for the accumulator's adds its
-    update follows in the user's graph (adds and the apply in one run, the
-    apply under a tf.cond on a step counter): one device's update reads
-    the variable's buffer after the add, and so must the aggregation that
-    reads the snapshot (before, it took the sum before this run's add);
-    not an add computed from the read (no cycle), and an add in a tf.cond's
-    branch through the Merges that end it."""
-    tg, extra, memo = ctx.tg, {}, {}
-    for acc, var in sorted(tg.accumulators.items()):
-        read = tg.gradients[var].values.node
-        if ir.node(read).op != "Identity":      # (a resource variable's: read where it is)
-            continue
-        before = ir.ancestors(tg.writers.get(var, ()))
-        later = ir.descendants([read])
-        adds = [w for w in tg.writers.get(acc, ()) if w in before and w not in later and
-                w != tg.variables[acc].initializer]
-        if any(branches.switches_above(ir, w, memo) for w in adds):
-            adds = sorted(branches.after_branches(ir, adds, before, memo))
-        for k in range(n):
-            extra.setdefault(ctx.replica_name(k, read), []).extend(
-                "^" + ctx.replica_name(k, w) for w in adds)
     return extra
 
 

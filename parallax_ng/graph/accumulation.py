@@ -51,7 +51,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from . import variance
+from . import branches, variance
 from .ir import TensorRef
 from .rules import from_autodiff
 
@@ -159,6 +159,31 @@ def reader(tg, var: str, walk):
         acc = read_variable(tg, ref)
         return acc is not None and accumulates(acc)
     return reads
+
+
+def adds_before(tg) -> dict[str, list[str]]:
+    """{variable: the adds to its accumulator its update follows in the
+    user's graph} for a reference accumulator whose `read` snapshot (made
+    with the variable: no edge orders it) is the gradient, where a run adds
+    and applies (after the add, or in a tf.cond on a step counter): one
+    device's update reads the variable's buffer after the add, and so must
+    the aggregation of the snapshot (transforms/aggregate.py; before, it
+    could take the sum before the run's add). Not an add computed from the
+    snapshot (no cycle); one in a tf.cond's branch by the Merges that end
+    it."""
+    out, memo = {}, {}
+    for acc, var in sorted(tg.accumulators.items()):
+        read = tg.gradients[var].values.node
+        if tg.ir.node(read).op != "Identity":      # (a resource variable's: read where it is)
+            continue
+        before = tg.ir.ancestors(_updates(tg, var))
+        later = tg.ir.descendants([read])
+        adds = [w for w in _updates(tg, acc) if w in before and w not in later]
+        if any(branches.switches_above(tg.ir, w, memo) for w in adds):
+            adds = sorted(branches.after_branches(tg.ir, adds, before, memo))
+        if adds:
+            out[var] = adds
+    return out
 
 
 def _zeroes(tg, writer: str) -> bool:
