@@ -193,6 +193,25 @@ def train_single(graph, handles, steps, feeds=lambda step: None):
         return dict(zip(names, sess.run([read_name(n, graph) for n in names])))
 
 
+def fed_both(build, config, feeds: list) -> tuple[list, list]:
+    """(2 replicas' values, one device's) of the tensors `build()` names
+    (it returns the graph and their names) after a run of op "train" per
+    feed dict of `feeds` (global batches), each from the graph's
+    initializers."""
+    g, reads = build()
+    with pn.get_runner(g, local(2), config) as runner:
+        runner.run([v.initializer for v in g.get_collection("variables")])
+        for feed in feeds:
+            runner.run("train", feed)
+        got = runner.run(reads)
+    g1, reads1 = build()
+    with tf1.Session(graph=g1) as sess:
+        sess.run(tf1.global_variables_initializer())
+        for feed in feeds:
+            sess.run("train", feed)
+        return got, sess.run(reads1)
+
+
 def worker_seed(base: int) -> int:
     """A seed for a job's script: different on each worker (so equal
     starting values prove worker 0's were broadcast), the same in every

@@ -91,8 +91,7 @@ def test_a_shared_writer_waits_for_reads_in_a_conds_branches_by_its_merges():
     import numpy as np
     import tensorflow as tf
 
-    import parallax_ng as pn
-    from models import local, read_name
+    from models import fed_both, read_name
     tf1 = tf.compat.v1
     rng = np.random.default_rng(0)
     xs, ys = rng.normal(size=(3, 8, 4)).astype(np.float32), rng.normal(size=(3, 8, 1)).astype(
@@ -116,18 +115,8 @@ def test_a_shared_writer_waits_for_reads_in_a_conds_branches_by_its_merges():
                                                   global_step=step, name="train")
         names = ["w", "w/Adam", "global_step", "beta1_power"]
         return g, [read_name(n, g) for n in names]
-    g, reads = build()
-    with pn.get_runner(g, local(2), {"run_option": "ps"}) as runner:
-        runner.run([v.initializer for v in g.get_collection("variables")])
-        for k in range(3):
-            runner.run("train", {"x:0": xs[k], "y:0": ys[k]})
-        got = runner.run(reads)
-    g1, reads1 = build()
-    with tf1.Session(graph=g1) as sess:
-        sess.run(tf1.global_variables_initializer())
-        for k in range(3):
-            sess.run("train", {"x:0": xs[k], "y:0": ys[k]})
-        want = sess.run(reads1)
+    got, want = fed_both(build, {"run_option": "ps"},
+                         [{"x:0": xs[k], "y:0": ys[k]} for k in range(3)])
     assert want[2] == 3
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)

@@ -111,8 +111,7 @@ def test_tf_nn_ctc_loss_reads_through_a_body_that_calls_a_function_by_name():
     global batch (1e-6)."""
     import numpy as np
 
-    import parallax_ng as pn
-    from models import local, read_name
+    from models import fed_both, read_name
     with tf.Graph().as_default():
         x, y = inputs()
         n = tf.shape(x)[0]
@@ -136,15 +135,6 @@ def test_tf_nn_ctc_loss_reads_through_a_body_that_calls_a_function_by_name():
                                                  blank_index=0))
             tf1.train.AdamOptimizer(0.1).minimize(loss, name="train")
         return g, read_name("w", g)
-    g, w = build()
-    with pn.get_runner(g, local(2), {"run_option": "allreduce"}) as runner:
-        runner.run([v.initializer for v in g.get_collection("variables")])
-        for k in range(3):
-            runner.run("train", {"x:0": xs[k], "y:0": ys[k]})
-        got = runner.run(w)
-    g1, w1 = build()
-    with tf1.Session(graph=g1) as sess:
-        sess.run(tf1.global_variables_initializer())
-        for k in range(3):
-            sess.run("train", {"x:0": xs[k], "y:0": ys[k]})
-        np.testing.assert_allclose(got, sess.run(w1), atol=1e-6, rtol=0)
+    got, want = fed_both(build, {"run_option": "allreduce"},
+                         [{"x:0": xs[k], "y:0": ys[k]} for k in range(3)])
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
