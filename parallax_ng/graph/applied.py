@@ -63,7 +63,7 @@ def fixed_bincount(op, rows) -> bool:
     return None not in bounds and int(bounds[0]) == int(bounds[1])
 
 
-def _taken_back(c, t, rows) -> bool:
+def taken_back(c, t, rows) -> bool:
     """Whether op `c` takes statistic `t`'s entries back to the batch's
     rows at an id per row (a count per class gathered at each label)."""
     axis = 0 if c.type == "Gather" or len(c.inputs) < 3 else tf.get_static_value(c.inputs[2])
@@ -102,7 +102,7 @@ def applied(op, rows, anywhere: bool = False) -> bool:
             if c.name in seen or is_autodiff(c.name):
                 continue
             seen.add(c.name)
-            if _taken_back(c, t, rows) or c.type in _MEETS and any(
+            if taken_back(c, t, rows) or c.type in _MEETS and any(
                     i is not t and rows.axis(i) is not None for i in c.inputs):
                 return True
             if c.type in _CARRIES:
@@ -133,7 +133,7 @@ def _meets_alone(count, rows, most: int = 16) -> bool:
             if c.name in seen:
                 continue
             seen.add(c.name)
-            if _taken_back(c, t, rows):
+            if taken_back(c, t, rows):
                 met = True
                 continue
             if len(seen) > most or c.type not in _CARRIES:

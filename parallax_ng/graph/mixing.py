@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from .. import compat
 from . import rules
+from .applied import taken_back
 from .forms import autodiff_losses, through
 from .orders import order
 from .rows import batch_axis, reading
@@ -118,9 +119,7 @@ def _mixes(op, rows, exchanged) -> str | None:
     if kind in ("RealDiv", "Div", "DivNoNan") and len(op.inputs) == 2 and \
             op.inputs[1].name not in exchanged and rows.axis(op.outputs[0]) is None:
         return _ratio(op.inputs[1], rows, exchanged)   # (rows over a statistic: normalization's)
-    if kind in ("GatherV2", "Gather") and rows.axis(op.inputs[1]) == 0 and \
-            rows.axis(x) is None and not rules.row_ids(op.inputs[1], rows.rows) and \
-            _of_the_batch(x, rows, exchanged):
+    if taken_back(op, x, rows) and rows.axis(x) is None and _of_the_batch(x, rows, exchanged):
         return ("a statistic over the batch taken back to each example at its id (class "
                 "centers of a one-hot product, or counts, gathered at the labels)")
     if kind in ("Log", "Log1p") and _summed(x, rows) and x.name not in exchanged:
